@@ -1,0 +1,5 @@
+import sys
+
+from adamps.cli import main
+
+sys.exit(main())

@@ -1,0 +1,50 @@
+"""The `adamps` console script: one subcommand per role, each dispatched to its own module.
+
+Every role module exposes ``main(argv: list[str]) -> int`` and owns its flags, so that the same
+code runs in a local process, a container and a Kubernetes pod.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+#: subcommand -> (module with main(argv), one-line description)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("adamps.local", "run the whole cluster as local processes and train adam-mnist"),
+    "ps": ("adamps.server.main", "run a parameter server"),
+    "controller": ("controller.main", "run one controller node (Raft)"),
+    "status": ("controller.status", "print the cluster's servers, buckets, leases and progress"),
+    "dataserver": ("dataserver.main", "run a data server"),
+    "train": ("trainer.main", "run one model replica (trainer)"),
+}
+
+USAGE = (
+    "usage: adamps COMMAND [options]   (adamps COMMAND --help for its options)\n\ncommands:\n"
+    + "\n".join(f"  {name:<11} {desc}" for name, (_mod, desc) in COMMANDS.items())
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from adamps import __version__
+
+        print(f"adamps {__version__}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(
+            f"adamps: unknown command {command!r}; expected one of: {', '.join(COMMANDS)}",
+            file=sys.stderr,
+        )
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Configuration: one dataclass per role, filled from TOML, environment and command line.
+
+Precedence, highest first: command-line flags, environment variables ``ADAMPS_<SECTION>_<FIELD>``
+(and ``ADAMPS_TOKEN`` for every field named ``token``), the ``[section]`` table of a TOML file,
+the dataclass defaults (which run a local cluster on loopback).
+
+Every field carries its help text in its metadata (``field(default, help=...)``): the same text is
+the ``--help`` of the flag and the documentation of the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+DEFAULT_TOKEN = "adamps-dev-token"
+
+
+class ConfigError(ValueError):
+    """A bad configuration value: the message names the value, its source and what is expected."""
+
+
+def field(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors argparse
+    """A dataclass field with its help text. Mutable defaults (lists) are copied per instance."""
+    if isinstance(default, list | dict):
+        return dataclasses.field(
+            default_factory=lambda: type(default)(default), metadata={"help": help}, **kwargs
+        )
+    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+
+
+def default_token() -> str:
+    return os.environ.get("ADAMPS_TOKEN", DEFAULT_TOKEN)
+
+
+def _base_type(tp: Any) -> Any:
+    """The non-None type of `X | None`; the origin of `list[X]` stays a list."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0]) if len(args) == 1 else str
+    return tp
+
+
+def _convert(cls: type, name: str, tp: Any, raw: Any, source: str) -> Any:
+    tp = _base_type(tp)
+    origin = typing.get_origin(tp)
+    try:
+        if origin is list:
+            (item_tp,) = typing.get_args(tp) or (str,)
+            if isinstance(raw, str):
+                raw = [x.strip() for x in raw.split(",") if x.strip()]
+            if not isinstance(raw, list):
+                raise TypeError("a list")
+            return [_convert(cls, name, item_tp, x, source) for x in raw]
+        if tp is bool:
+            if isinstance(raw, bool):
+                return raw
+            s = str(raw).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise TypeError("true or false")
+        if tp is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise TypeError("an integer")
+            return int(raw)
+        if tp is float:
+            if isinstance(raw, bool):
+                raise TypeError("a number")
+            return float(raw)
+        if tp is str:
+            if not isinstance(raw, str | int | float):
+                raise TypeError("a string")
+            return str(raw)
+        return raw
+    except (TypeError, ValueError) as exc:
+        expected = (
+            exc.args[0]
+            if isinstance(exc, TypeError) and exc.args
+            else getattr(tp, "__name__", str(tp))
+        )
+        raise ConfigError(
+            f"{cls.__name__}.{name} from {source}: bad value {raw!r}; expected {expected}"
+        ) from None
+
+
+def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One `--field-name` flag per field of config dataclass `cls` (default None = not given)."""
+    parser.add_argument("--config", metavar="FILE", help="TOML file with a table per role")
+    for name, (f, tp) in _fields(cls).items():
+        flag = "--" + name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if name == "token":
+            help_text += " (default: $ADAMPS_TOKEN, else a development token)"
+        else:
+            help_text += f" (default: {default!r})"
+        if _base_type(tp) is bool:
+            parser.add_argument(
+                flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=help_text
+            )
+        else:
+            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
+
+
+def load(
+    cls: type[T],
+    section: str,
+    args: argparse.Namespace | Mapping[str, Any] | None = None,
+    path: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> T:
+    """An instance of config dataclass `cls` from defaults < TOML [section] < env < flags."""
+    environ = os.environ if environ is None else environ
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    path = path or given.get("config")
+    table: Mapping[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+        table = doc.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"config file {path}: [{section}] must be a table")
+    fields = _fields(cls)
+    unknown = set(table) - set(fields)
+    if unknown:
+        raise ConfigError(
+            f"config file {path}: unknown key(s) {sorted(unknown)} in [{section}]; expected some of {sorted(fields)}"
+        )
+    values: dict[str, Any] = {}
+    for name, (_f, tp) in fields.items():
+        if name in table:
+            values[name] = _convert(cls, name, tp, table[name], f"{path} [{section}]")
+        env_names = [f"ADAMPS_{section.upper()}_{name.upper()}"]
+        if name == "token":
+            env_names.append("ADAMPS_TOKEN")
+        for env_name in env_names:
+            if env_name in environ:
+                values[name] = _convert(cls, name, tp, environ[env_name], f"${env_name}")
+                break
+        if given.get(name) is not None:
+            values[name] = _convert(cls, name, tp, given[name], "--" + name.replace("_", "-"))
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{cls.__name__}: {exc}") from None
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain data (for /status), with the token redacted."""
+    d = dataclasses.asdict(cfg)
+    if "token" in d:
+        d["token"] = "***"
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}

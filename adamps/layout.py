@@ -1,0 +1,245 @@
+"""Tensors -> shards -> buckets: the one mapping every role shares (Project Adam 3.3.1).
+
+A model is an ordered list of named float32 tensors. Each tensor is cut into contiguous shards of at
+most ``max_shard_elems`` elements (1 MB of float32 by default). A tensor of two or more dimensions is
+cut on whole slices of its first axis ("rows"), so that the server holding a shard of a fully
+connected layer's M x N weight holds whole rows and can compute its row block of ``e.T @ a`` from
+activation and error vectors. Only when one row alone exceeds the limit is the flat array cut, and
+such shards are flagged ``rows_aligned = False``.
+
+Shards are hashed with a stable hash (blake2b of the shard id, never Python's salted ``hash``) into
+a fixed number of buckets, so every process derives the same buckets. Pure code: no IO, no clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+MAX_SHARD_ELEMS = 262_144  # 1 MB of float32 (Adam 3.3.1)
+DEFAULT_BUCKETS = 64
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+class LayoutError(ValueError):
+    """An invalid tensor spec or layout argument."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise LayoutError(
+                f"tensor name {self.name!r} must be 1-128 characters of letters, digits, '_', '.', '-'"
+            )
+        shape = tuple(self.shape)
+        if not shape or not all(isinstance(s, int) and s > 0 for s in shape):
+            raise LayoutError(
+                f"tensor {self.name!r}: shape must be positive ints, got {self.shape!r}"
+            )
+        object.__setattr__(self, "shape", shape)
+        if self.dtype != "float32":
+            raise LayoutError(f"tensor {self.name!r}: only float32 tensors are supported")
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def row_size(self) -> int:
+        """Elements per slice of the first axis (1 for a vector)."""
+        return math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TensorSpec:
+        return cls(d["name"], tuple(d["shape"]), d.get("dtype", "float32"))
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A contiguous range [start, stop) of a tensor's flattened (C-order) elements."""
+
+    tensor: str
+    index: int
+    start: int
+    stop: int
+    #: the shard covers whole rows [row_start, row_stop) of the first axis
+    rows_aligned: bool
+    row_start: int
+    row_stop: int
+    #: shape of the shard's values: (rows, *shape[1:]) when rows_aligned, else (size,)
+    shape: tuple[int, ...] = field(compare=False)
+
+    @property
+    def id(self) -> str:
+        return shard_id(self.tensor, self.index)
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def shard_id(tensor: str, index: int) -> str:
+    return f"{tensor}/{index}"
+
+
+def parse_shard_id(sid: str) -> tuple[str, int]:
+    tensor, sep, idx = sid.rpartition("/")
+    if not sep or not idx.isdigit():
+        raise LayoutError(f"shard id {sid!r} must look like '<tensor>/<index>'")
+    return tensor, int(idx)
+
+
+def stable_bucket(key: str, n_buckets: int) -> int:
+    """The bucket of a shard id: the same in every process, Python version and machine."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % n_buckets
+
+
+def split_tensor(spec: TensorSpec, max_elems: int = MAX_SHARD_ELEMS) -> list[Shard]:
+    """The shards of one tensor, in order; together they cover every element exactly once."""
+    if max_elems <= 0:
+        raise LayoutError(f"max_shard_elems must be > 0, got {max_elems}")
+    shards: list[Shard] = []
+    rest = spec.shape[1:]
+    if len(spec.shape) > 1 and spec.row_size <= max_elems:
+        rows_per = max(1, max_elems // spec.row_size)
+        n_rows = spec.shape[0]
+        for i, r0 in enumerate(range(0, n_rows, rows_per)):
+            r1 = min(n_rows, r0 + rows_per)
+            shards.append(
+                Shard(
+                    spec.name,
+                    i,
+                    r0 * spec.row_size,
+                    r1 * spec.row_size,
+                    True,
+                    r0,
+                    r1,
+                    (r1 - r0, *rest),
+                )
+            )
+        return shards
+    # A vector, or rows too long for one shard: cut the flat array.
+    for i, s0 in enumerate(range(0, spec.size, max_elems)):
+        s1 = min(spec.size, s0 + max_elems)
+        if len(spec.shape) == 1:
+            shards.append(Shard(spec.name, i, s0, s1, True, s0, s1, (s1 - s0,)))
+        else:
+            r0, r1 = s0 // spec.row_size, -(-s1 // spec.row_size)
+            shards.append(Shard(spec.name, i, s0, s1, False, r0, r1, (s1 - s0,)))
+    return shards
+
+
+class Layout:
+    """The shards and buckets of a model. Immutable after construction."""
+
+    def __init__(
+        self,
+        tensors: Iterable[TensorSpec],
+        n_buckets: int = DEFAULT_BUCKETS,
+        max_shard_elems: int = MAX_SHARD_ELEMS,
+    ) -> None:
+        if not isinstance(n_buckets, int) or n_buckets <= 0:
+            raise LayoutError(f"n_buckets must be a positive int, got {n_buckets!r}")
+        self.n_buckets = n_buckets
+        self.max_shard_elems = max_shard_elems
+        #: name -> spec, in model order
+        self.tensors: dict[str, TensorSpec] = {}
+        #: name -> its shards in order
+        self.shards_of: dict[str, list[Shard]] = {}
+        #: shard id -> shard
+        self.shards: dict[str, Shard] = {}
+        #: shard id -> bucket
+        self.bucket_of: dict[str, int] = {}
+        for spec in tensors:
+            self._add(spec)
+
+    def _add(self, spec: TensorSpec) -> None:
+        if spec.name in self.tensors:
+            raise LayoutError(f"duplicate tensor name {spec.name!r}")
+        self.tensors[spec.name] = spec
+        shards = split_tensor(spec, self.max_shard_elems)
+        self.shards_of[spec.name] = shards
+        for s in shards:
+            self.shards[s.id] = s
+            self.bucket_of[s.id] = stable_bucket(s.id, self.n_buckets)
+
+    def with_tensor(self, spec: TensorSpec) -> Layout:
+        """A new layout with one more tensor (same bucket count and shard size)."""
+        return Layout([*self.tensors.values(), spec], self.n_buckets, self.max_shard_elems)
+
+    def shards_in_bucket(self, bucket: int) -> list[Shard]:
+        return [self.shards[sid] for sid, b in self.bucket_of.items() if b == bucket]
+
+    def buckets_of_tensor(self, name: str) -> set[int]:
+        return {self.bucket_of[s.id] for s in self.shards_of[name]}
+
+    # -- values ------------------------------------------------------------------------------
+
+    def split(self, name: str, values: np.ndarray) -> list[np.ndarray]:
+        """Views of `values` (the whole tensor) per shard, in shard order. No copy."""
+        spec = self.tensors[name]
+        if values.shape != spec.shape:
+            raise LayoutError(
+                f"tensor {name!r} has shape {list(spec.shape)}, got {list(values.shape)}"
+            )
+        flat = values.reshape(-1)
+        return [flat[s.start : s.stop].reshape(s.shape) for s in self.shards_of[name]]
+
+    def join(
+        self, name: str, parts: Sequence[np.ndarray], out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The whole tensor from its shards' values (in shard order)."""
+        spec = self.tensors[name]
+        shards = self.shards_of[name]
+        if len(parts) != len(shards):
+            raise LayoutError(f"tensor {name!r} has {len(shards)} shards, got {len(parts)} parts")
+        if out is None:
+            out = np.empty(spec.shape, dtype=np.float32)
+        flat = out.reshape(-1)
+        for s, p in zip(shards, parts, strict=True):
+            if p.size != s.size:
+                raise LayoutError(f"shard {s.id} has {s.size} elements, got {p.size}")
+            flat[s.start : s.stop] = p.reshape(-1)
+        return out
+
+    # -- serialisation (the controller replicates this) --------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "n_buckets": self.n_buckets,
+            "max_shard_elems": self.max_shard_elems,
+            "tensors": [t.to_dict() for t in self.tensors.values()],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Layout:
+        try:
+            return cls(
+                [TensorSpec.from_dict(t) for t in d["tensors"]],
+                int(d.get("n_buckets", DEFAULT_BUCKETS)),
+                int(d.get("max_shard_elems", MAX_SHARD_ELEMS)),
+            )
+        except (KeyError, TypeError) as exc:
+            raise LayoutError(f"bad layout description: {exc}") from None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"Layout({len(self.tensors)} tensors, {len(self.shards)} shards, {self.n_buckets} buckets)"

@@ -1,0 +1,128 @@
+"""Starting and stopping real processes: used by the tests and by `adamps up`.
+
+Every child is started in its own session (process group), so that stopping it also stops what it
+started (worker processes), and a parent that dies takes no orphan with it unnoticed:
+``Proc.stop`` sends SIGTERM to the group, waits, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def adamps_argv(*args: str) -> list[str]:
+    """The command line of `adamps ARGS...` with this interpreter (works without the console script)."""
+    return [sys.executable, "-m", "adamps", *args]
+
+
+class Proc:
+    """One child process with its log file."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_path: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.name = name or Path(self.argv[0]).name
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        full_env = dict(os.environ)
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        if env:
+            full_env.update(env)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()/wait()
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def wait_http(self, url: str, timeout: float = 30.0) -> None:
+        """Waits until GET `url` answers 200; raises (with the log's tail) if the process dies first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.returncode} before {url} answered:\n{self.tail()}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name}: {url} did not answer within {timeout}s:\n{self.tail()}")
+
+    def signal(self, sig: int) -> None:
+        """Sends `sig` to the process group (the process and its workers)."""
+        if self.alive:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL, as a machine failure would."""
+        self.signal(signal.SIGKILL)
+        self.popen.wait()
+        self._log.close()
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+        if self.alive:
+            self.signal(signal.SIGCONT)  # a paused process cannot handle SIGTERM
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait()
+        # Workers of a process that exited may still run in its group.
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log.close()
+        return self.popen.returncode
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])

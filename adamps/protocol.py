@@ -1,0 +1,271 @@
+"""The wire protocol: the one module that knows msgpack.
+
+Every request is a msgpack map ``{"op": str, "v": int, "rid": str, ...fields}``; every successful
+reply is a msgpack map ``{"rid": str, ...fields}``; every error reply is JSON (so that curl and a
+human can read it) ``{"error": {"code": str, "message": str, ...}, "rid": str | null}`` with the
+HTTP status of its code.
+
+A numpy array anywhere inside a message travels as the map ``{"dtype": str, "shape": [int],
+"data": bin}`` (C order, little endian). It is decoded with ``np.frombuffer`` on the received bytes:
+no copy, and the result is read-only, so a handler cannot scribble on a request by accident.
+``docs/protocol.md`` is the specification that a client in another language is written from.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import msgpack
+import numpy as np
+
+VERSION = 1
+
+#: dtype name on the wire -> numpy dtype (explicit little endian, whatever the host).
+ALLOWED_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "uint8": np.dtype("u1"),
+    "uint32": np.dtype("<u4"),
+}
+
+#: error code -> (HTTP status, what it means). docs/protocol.md lists the same table.
+ERRORS: dict[str, tuple[int, str]] = {
+    "malformed": (400, "the body is not a msgpack (or JSON) map"),
+    "unsupported_version": (400, "field v is not a protocol version this server speaks"),
+    "unknown_op": (400, "field op names no operation of this endpoint"),
+    "bad_request": (400, "a field is missing, has the wrong type or an invalid value"),
+    "bad_array": (400, "an array map lacks dtype/shape/data or has the wrong types"),
+    "bad_dtype": (
+        400,
+        "an array's dtype is not one of the allowed dtypes, or not the expected one",
+    ),
+    "bad_shape": (400, "an array's shape does not match what the operation expects"),
+    "bad_length": (400, "an array's byte length is not prod(shape) x itemsize"),
+    "non_finite": (400, "an array holds NaN or Inf"),
+    "unauthorized": (401, "the cluster token is missing or wrong"),
+    "unknown_tensor": (404, "no tensor of that name"),
+    "unknown_shard": (404, "no shard of that id on this server"),
+    "unknown_bucket": (404, "no bucket of that id"),
+    "not_found": (404, "no such resource"),
+    "exists": (409, "a resource of that name exists with a different definition"),
+    "not_primary": (
+        409,
+        "this server is not the primary of the bucket (extra: bucket, epoch, primary)",
+    ),
+    "stale_epoch": (409, "the message's lease epoch is older than the current one"),
+    "conflict": (409, "the request conflicts with the current state"),
+    "too_large": (413, "the body exceeds the configured limit"),
+    "internal": (500, "an unexpected error; the server logged it and keeps serving"),
+    "no_quorum": (503, "the controller cluster has no quorum; retry later"),
+    "unavailable": (503, "the server cannot serve this now (starting, catching up, draining)"),
+    "timeout": (504, "the operation did not complete in time; its outcome is unknown"),
+}
+
+
+class ProtocolError(Exception):
+    """An error with a code from ERRORS; becomes a JSON error reply with the code's HTTP status."""
+
+    def __init__(self, code: str, message: str, **extra: Any) -> None:
+        if code not in ERRORS:
+            raise ValueError(f"unknown error code {code!r}")
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.extra = extra
+
+    @property
+    def status(self) -> int:
+        return ERRORS[self.code][0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, **self.extra}
+
+
+# -- request ids ---------------------------------------------------------------------------------
+
+_rid_prefix = os.urandom(4).hex()
+_rid_counter = itertools.count(1)
+
+
+def new_rid() -> str:
+    """A request id unique across processes (random prefix) and within one (counter)."""
+    return f"{_rid_prefix}-{next(_rid_counter)}"
+
+
+def request(op: str, **fields: Any) -> dict[str, Any]:
+    """A request message with a fresh rid."""
+    return {"op": op, "v": VERSION, "rid": new_rid(), **fields}
+
+
+# -- arrays --------------------------------------------------------------------------------------
+
+
+def _pack_default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return array_to_wire(obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def array_to_wire(arr: np.ndarray) -> dict[str, Any]:
+    name = arr.dtype.name
+    if name not in ALLOWED_DTYPES:
+        raise TypeError(f"dtype {name} is not allowed on the wire")
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(ALLOWED_DTYPES[name])
+    # A C-contiguous array is sent from its own memory (msgpack takes the buffer): no copy.
+    data = memoryview(np.ascontiguousarray(arr)).cast("B")
+    return {"dtype": name, "shape": list(arr.shape), "data": data}
+
+
+def _is_array_map(d: Mapping[str, Any]) -> bool:
+    return len(d) == 3 and "dtype" in d and "shape" in d and "data" in d
+
+
+def array_from_wire(d: Mapping[str, Any]) -> np.ndarray:
+    dtype_name, shape, data = d["dtype"], d["shape"], d["data"]
+    if not isinstance(dtype_name, str) or not isinstance(data, bytes | bytearray | memoryview):
+        raise ProtocolError("bad_array", "array map needs dtype (str), shape (list), data (bin)")
+    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise ProtocolError("bad_array", f"array shape must be a list of ints >= 0, got {shape!r}")
+    dtype = ALLOWED_DTYPES.get(dtype_name)
+    if dtype is None:
+        raise ProtocolError(
+            "bad_dtype",
+            f"dtype {dtype_name!r} not allowed; expected one of {sorted(ALLOWED_DTYPES)}",
+        )
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise ProtocolError(
+            "bad_length",
+            f"array of dtype {dtype_name} and shape {shape} needs {expected} bytes, got {len(data)}",
+        )
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def _object_hook(d: dict[str, Any]) -> Any:
+    if _is_array_map(d):
+        return array_from_wire(d)
+    return d
+
+
+# -- messages ------------------------------------------------------------------------------------
+
+
+def encode(msg: Mapping[str, Any]) -> bytes:
+    """A message (numpy arrays anywhere inside) as msgpack bytes."""
+    return msgpack.packb(msg, default=_pack_default, use_bin_type=True)
+
+
+def decode(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """msgpack bytes as a message; arrays come back zero-copy and read-only.
+
+    Raises ProtocolError (malformed, bad_array, bad_dtype, bad_length) on bad input.
+    """
+    try:
+        msg = msgpack.unpackb(body, raw=False, object_hook=_object_hook, strict_map_key=True)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError("malformed", f"body is not valid msgpack: {exc}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("malformed", f"message must be a map, got {type(msg).__name__}")
+    return msg
+
+
+def check_message(msg: Mapping[str, Any], ops: Collection[str]) -> str:
+    """Checks the envelope (v, op); returns op."""
+    v = msg.get("v")
+    if v != VERSION:
+        raise ProtocolError("unsupported_version", f"v must be {VERSION}, got {v!r}")
+    op = msg.get("op")
+    if not isinstance(op, str) or op not in ops:
+        raise ProtocolError("unknown_op", f"unknown op {op!r}; expected one of {sorted(ops)}")
+    return op
+
+
+_MISSING = object()
+
+
+def require(
+    msg: Mapping[str, Any], name: str, type_: type | tuple[type, ...], default: Any = _MISSING
+) -> Any:
+    """Field `name` of `msg`, checked to be of `type_` (bool is not accepted as int)."""
+    value = msg.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        if default is not _MISSING:
+            return default
+        raise ProtocolError("bad_request", f"field {name!r} is required")
+    types = type_ if isinstance(type_, tuple) else (type_,)
+    if isinstance(value, bool) and bool not in types:
+        raise ProtocolError("bad_request", f"field {name!r} must be {_type_names(types)}, got bool")
+    if not isinstance(value, types):
+        if float in types and isinstance(value, int):
+            return float(value)
+        raise ProtocolError(
+            "bad_request",
+            f"field {name!r} must be {_type_names(types)}, got {type(value).__name__}",
+        )
+    return value
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    return " or ".join("array" if t is np.ndarray else t.__name__ for t in types)
+
+
+def require_array(
+    msg: Mapping[str, Any],
+    name: str,
+    *,
+    dtype: str = "float32",
+    shape: tuple[int | None, ...] | None = None,
+    finite: bool = True,
+) -> np.ndarray:
+    """Field `name` as an array of `dtype`; `shape` entries of None match any size."""
+    arr = require(msg, name, np.ndarray)
+    if arr.dtype != ALLOWED_DTYPES[dtype]:
+        raise ProtocolError("bad_dtype", f"field {name!r} must be {dtype}, got {arr.dtype.name}")
+    if shape is not None and (
+        len(shape) != arr.ndim
+        or any(s is not None and s != a for s, a in zip(shape, arr.shape, strict=True))
+    ):
+        want = [("*" if s is None else s) for s in shape]
+        raise ProtocolError(
+            "bad_shape", f"field {name!r} must have shape {want}, got {list(arr.shape)}"
+        )
+    if finite:
+        check_finite(name, arr)
+    return arr
+
+
+def check_finite(name: str, arr: np.ndarray) -> None:
+    if arr.dtype.kind == "f" and arr.size and not np.isfinite(arr).all():
+        bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+        raise ProtocolError("non_finite", f"field {name!r} holds {bad} NaN/Inf values")
+
+
+def error_body(code: str, message: str, rid: str | None = None, **extra: Any) -> bytes:
+    """The JSON body of an error reply."""
+    return json.dumps({"error": {"code": code, "message": message, **extra}, "rid": rid}).encode()
+
+
+def error_from_body(status: int, body: bytes) -> ProtocolError:
+    """Rebuilds the ProtocolError that an error reply describes (client side)."""
+    try:
+        err = json.loads(body)["error"]
+        code, message = err.pop("code"), err.pop("message")
+        if code not in ERRORS:
+            raise ValueError(code)
+        return ProtocolError(code, message, **err)
+    except Exception:
+        text = body[:200].decode("utf-8", "replace")
+        code = "internal" if status >= 500 else "bad_request"
+        return ProtocolError(code, f"HTTP {status}: {text}", http_status=status)

@@ -1,0 +1,63 @@
+"""adamps.config: precedence flags > env > TOML > defaults, and clear errors naming the value."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import pytest
+
+from adamps.config import ConfigError, add_arguments, field, load
+
+
+@dataclass
+class DemoConfig:
+    host: str = field("127.0.0.1", help="address to bind")
+    port: int = field(7000, help="port")
+    lr: float = field(0.1, help="learning rate")
+    sync: bool = field(True, help="fsync")
+    peers: list[str] = field([], help="peer addresses")
+    token: str = field("dev", help="cluster token")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p, DemoConfig)
+    return p.parse_args(argv)
+
+
+def test_precedence(tmp_path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('[demo]\nport = 7100\nlr = 0.5\npeers = ["a:1", "b:2"]\n')
+    env = {"ADAMPS_DEMO_PORT": "7200", "ADAMPS_TOKEN": "secret"}
+    cfg = load(
+        DemoConfig, "demo", parse(["--config", str(toml), "--lr", "0.25", "--no-sync"]), environ=env
+    )
+    assert (cfg.port, cfg.lr, cfg.sync, cfg.peers, cfg.token) == (
+        7200,
+        0.25,
+        False,
+        ["a:1", "b:2"],
+        "secret",
+    )
+    assert load(DemoConfig, "demo", parse([]), environ={}) == DemoConfig()
+    assert load(DemoConfig, "demo", parse(["--peers", "x:1,y:2"]), environ={}).peers == [
+        "x:1",
+        "y:2",
+    ]
+
+
+def test_bad_values_name_the_value_and_the_expectation(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"DemoConfig.port from --port: bad value 'seven'"):
+        load(DemoConfig, "demo", parse(["--port", "seven"]), environ={})
+    with pytest.raises(ConfigError, match=r"ADAMPS_DEMO_SYNC.*true or false"):
+        load(DemoConfig, "demo", parse([]), environ={"ADAMPS_DEMO_SYNC": "maybe"})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[demo]\nprot = 1\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load(DemoConfig, "demo", parse(["--config", str(bad)]), environ={})
+    bad.write_text("[demo\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load(DemoConfig, "demo", parse(["--config", str(bad)]), environ={})
+    with pytest.raises(ConfigError, match="No such file"):
+        load(DemoConfig, "demo", parse(["--config", str(tmp_path / "missing.toml")]), environ={})

@@ -1,0 +1,93 @@
+"""adamps.protocol: envelope, zero-copy arrays, and every kind of bad input named."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import numpy as np
+import pytest
+
+from adamps import protocol
+from adamps.protocol import ProtocolError
+
+
+@pytest.mark.parametrize("dtype", sorted(protocol.ALLOWED_DTYPES))
+def test_array_round_trip_zero_copy(dtype: str) -> None:
+    arr = (np.arange(24) % 7).astype(dtype).reshape(2, 3, 4)
+    body = protocol.encode(protocol.request("push", x=arr, nested={"y": [arr[0]]}))
+    msg = protocol.decode(body)
+    np.testing.assert_array_equal(msg["x"], arr)
+    np.testing.assert_array_equal(msg["nested"]["y"][0], arr[0])
+    assert not msg["x"].flags.writeable  # a view of the received bytes
+    assert msg["op"] == "push" and msg["v"] == protocol.VERSION and isinstance(msg["rid"], str)
+
+
+def test_non_contiguous_and_big_endian_arrays_are_sent_correctly() -> None:
+    a = np.arange(20, dtype=np.float32).reshape(4, 5)[:, ::2]
+    b = np.arange(5, dtype=">f4")
+    msg = protocol.decode(protocol.encode({"a": a, "b": b}))
+    np.testing.assert_array_equal(msg["a"], a)
+    np.testing.assert_array_equal(msg["b"], b)
+
+
+def test_rids_are_unique() -> None:
+    assert len({protocol.new_rid() for _ in range(1000)}) == 1000
+
+
+def _err(fn, code: str) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        fn()
+    assert info.value.code == code, info.value
+    return info.value
+
+
+def test_malformed_bodies() -> None:
+    _err(lambda: protocol.decode(b"\xc1garbage"), "malformed")
+    _err(lambda: protocol.decode(msgpack.packb([1, 2])), "malformed")
+    _err(lambda: protocol.decode(b""), "malformed")
+
+
+def test_bad_arrays_named() -> None:
+    def body(**arr) -> bytes:
+        return msgpack.packb({"op": "push", "v": 1, "x": arr})
+
+    e = _err(
+        lambda: protocol.decode(body(dtype="complex64", shape=[1], data=b"\0" * 8)), "bad_dtype"
+    )
+    assert "complex64" in e.message
+    e = _err(
+        lambda: protocol.decode(body(dtype="float32", shape=[3], data=b"\0" * 8)), "bad_length"
+    )
+    assert "12" in e.message and "8" in e.message
+    _err(lambda: protocol.decode(body(dtype="float32", shape=[-1], data=b"")), "bad_array")
+    _err(lambda: protocol.decode(body(dtype="float32", shape="3", data=b"")), "bad_array")
+
+
+def test_envelope_and_fields() -> None:
+    _err(lambda: protocol.check_message({"op": "pull", "v": 2}, {"pull"}), "unsupported_version")
+    _err(lambda: protocol.check_message({"op": "zap", "v": 1}, {"pull"}), "unknown_op")
+    assert protocol.check_message({"op": "pull", "v": 1}, {"pull"}) == "pull"
+    _err(lambda: protocol.require({}, "name", str), "bad_request")
+    _err(lambda: protocol.require({"n": True}, "n", int), "bad_request")
+    assert protocol.require({"lr": 1}, "lr", float) == 1.0
+    _err(lambda: protocol.require_array({"x": np.zeros(2, np.float64)}, "x"), "bad_dtype")
+    _err(
+        lambda: protocol.require_array({"x": np.zeros((2, 3), np.float32)}, "x", shape=(None, 4)),
+        "bad_shape",
+    )
+    _err(
+        lambda: protocol.require_array({"x": np.array([1.0, np.nan], np.float32)}, "x"),
+        "non_finite",
+    )
+    _err(lambda: protocol.require_array({"x": np.array([np.inf], np.float32)}, "x"), "non_finite")
+
+
+def test_error_body_round_trip() -> None:
+    body = protocol.error_body("not_primary", "bucket 3 moved", "r1", bucket=3, epoch=7)
+    assert json.loads(body)["error"]["code"] == "not_primary"
+    err = protocol.error_from_body(409, body)
+    assert err.code == "not_primary" and err.extra == {"bucket": 3, "epoch": 7}
+    assert protocol.error_from_body(502, b"<html>").code == "internal"
+    with pytest.raises(ValueError):
+        ProtocolError("no_such_code", "x")

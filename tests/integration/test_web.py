@@ -1,0 +1,104 @@
+"""adamps.web on a real loopback socket: errors are JSON naming the problem, the server survives."""
+
+from __future__ import annotations
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+
+from adamps import protocol
+from adamps import web as aweb
+from adamps.metrics import new_registry
+from adamps.procs import free_port
+from adamps.rpc import AsyncRpc, RpcError
+
+TOKEN = "t0ken"
+
+
+@pytest.fixture
+async def server():
+    async def rpc(request: web.Request) -> web.Response:
+        aweb.check_token(request)
+        msg = await aweb.read_message(request, {"echo", "boom"})
+        if msg["op"] == "boom":
+            raise RuntimeError("a bug")
+        x = protocol.require_array(msg, "x")
+        return aweb.message_response({"rid": msg["rid"], "sum": float(x.sum())})
+
+    app = aweb.make_app(
+        registry=new_registry(), token=TOKEN, max_body=1 << 16, status=lambda: {"role": "test"}
+    )
+    app.router.add_post("/rpc", rpc)
+    port = free_port()
+    runner = await aweb.serve(app, "127.0.0.1", port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_rpc_and_open_endpoints(server: str) -> None:
+    client = AsyncRpc(server, TOKEN)
+    try:
+        assert (await client.call("echo", x=np.ones(10, np.float32)))["sum"] == 10.0
+        assert await client.get_json("/healthz") == {"ok": True}
+        assert await client.get_json("/status") == {"role": "test"}
+        async with aiohttp.ClientSession() as s, s.get(server + "/metrics") as r:
+            assert r.status == 200 and "text/plain" in r.headers["Content-Type"]
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    ("token", "kwargs", "code"),
+    [
+        (None, {"x": np.ones(2, np.float32)}, "unauthorized"),
+        ("wrong", {"x": np.ones(2, np.float32)}, "unauthorized"),
+        (TOKEN, {"x": np.array([np.nan], np.float32)}, "non_finite"),
+        (TOKEN, {"x": np.ones(2, np.float64)}, "bad_dtype"),
+        (TOKEN, {}, "bad_request"),
+    ],
+)
+async def test_bad_requests_are_json_4xx(server: str, token, kwargs, code: str) -> None:
+    client = AsyncRpc(server, token)
+    try:
+        with pytest.raises(RpcError) as info:
+            await client.call("echo", **kwargs)
+        assert info.value.code == code and 400 <= info.value.http_status < 500
+        assert (await client.get_json("/healthz"))["ok"]
+    finally:
+        await client.close()
+
+
+async def test_raw_garbage_oversize_chunked_and_bugs(server: str) -> None:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server + "/rpc", data=b"\xc1\xc1", headers=headers) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "malformed"
+        big = protocol.encode(protocol.request("echo", x=np.ones(1 << 15, np.float32)))
+        async with s.post(server + "/rpc", data=big, headers=headers) as r:
+            assert r.status == 413 and (await r.json())["error"]["code"] == "too_large"
+
+        async def chunks():
+            for _ in range(32):
+                yield b"\0" * 4096
+
+        async with s.post(server + "/rpc", data=chunks(), headers=headers) as r:
+            assert r.status == 413 and (await r.json())["error"]["code"] == "too_large"
+        async with s.post(
+            server + "/rpc", data=protocol.encode(protocol.request("boom")), headers=headers
+        ) as r:
+            body = await r.json()
+            assert r.status == 500 and body["error"]["code"] == "internal"
+        async with s.post(
+            server + "/rpc",
+            data=protocol.encode({"op": "zap", "v": 1, "rid": "r9"}),
+            headers=headers,
+        ) as r:
+            body = await r.json()
+            assert r.status == 400 and body["error"]["code"] == "unknown_op" and body["rid"] == "r9"
+        async with s.get(server + "/nope") as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+        async with s.get(server + "/healthz") as r:
+            assert r.status == 200
