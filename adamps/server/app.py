@@ -1,0 +1,469 @@
+"""The parameter server's HTTP shell: ``POST /rpc`` (msgpack), ``POST /flush``, and the shared
+``/healthz``, ``/status``, ``/metrics`` of :func:`adamps.web.make_app`.
+
+Every request is fully validated here, on the event loop, before anything is queued to an owner
+thread: a bad request changes nothing. A push returns when its update has been applied (not when
+it is on disk: that is the flusher's business, Adam 3.3.2), with the shards' new versions.
+docs/protocol-ps.md specifies every op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from adamps import metrics, protocol
+from adamps import web as aweb
+from adamps.config import to_dict
+from adamps.layout import LayoutError, TensorSpec
+from adamps.protocol import ProtocolError, require, require_array
+from adamps.server.config import PsConfig
+from adamps.server.optim import Dense, OptimError, Optimizer
+from adamps.server.persist import Flusher, Persister
+from adamps.server.store import ShardState, Store, StoreError, fc_parts, normalize_init
+
+log = logging.getLogger(__name__)
+
+OPS = ("create", "pull", "push_dense", "push_fc", "flush", "list", "describe")
+DEBUG_OPS = ("debug_fail",)
+#: most elements of one tensor (16 GiB of float32): a guard against absurd shapes
+MAX_TENSOR_ELEMS = 1 << 32
+#: most rows of activation/error vectors in one push_fc
+MAX_FC_K = 65_536
+
+PS_KEY = web.AppKey("ps", object)
+
+
+class PsMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.applied = Counter(
+            "adamps_ps_updates_applied",
+            "updates applied to shards, by kind",
+            ["kind"],
+            registry=registry,
+        )
+        self.requests = Counter(
+            "adamps_ps_requests",
+            "RPC requests by op and outcome",
+            ["op", "outcome"],
+            registry=registry,
+        )
+        self.bytes_in = Counter(
+            "adamps_ps_bytes_in", "request body bytes received on /rpc", registry=registry
+        )
+        self.bytes_out = Counter(
+            "adamps_ps_bytes_out", "reply body bytes sent on /rpc", registry=registry
+        )
+        self.latency = Histogram(
+            "adamps_ps_request_latency_seconds",
+            "time from a complete request body to its reply, by op (pushes: until applied)",
+            ["op"],
+            buckets=metrics.LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.flush_seconds = Histogram(
+            "adamps_ps_flush_seconds", "duration of a flush (snapshot + LMDB commit)",
+            buckets=metrics.LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.flushed_shards = Counter(
+            "adamps_ps_flushed_shards", "shard records written to LMDB", registry=registry
+        )
+        self.flushed_bytes = Counter(
+            "adamps_ps_flushed_bytes", "bytes written to LMDB by flushes", registry=registry
+        )
+        self.dirty = Gauge(
+            "adamps_ps_dirty_shards", "shards with updates not yet flushed", registry=registry
+        )
+        self.loss_window = Gauge(
+            "adamps_ps_loss_window_seconds",
+            "age of the oldest update not yet committed to LMDB (what a crash now would lose)",
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "adamps_ps_queue_depth", "work items queued to owner threads", registry=registry
+        )
+        self.shards = Gauge("adamps_ps_shards", "shards held by this server", registry=registry)
+        self.tensors = Gauge(
+            "adamps_ps_tensors", "tensors defined on this server", registry=registry
+        )
+
+
+class ParameterServer:
+    """Store + persistence + metrics of one PS process; `make_app()` gives its HTTP app."""
+
+    def __init__(self, cfg: PsConfig, registry: CollectorRegistry | None = None) -> None:
+        self.cfg = cfg
+        self.registry = registry if registry is not None else metrics.new_registry()
+        self.m = PsMetrics(self.registry)
+        self.started = time.time()
+        self.store = Store(
+            n_buckets=cfg.n_buckets,
+            buckets=cfg.buckets or None,
+            owner_threads=cfg.owner_threads,
+            max_shard_elems=cfg.max_shard_elems,
+            on_applied=lambda kind, n: self.m.applied.labels(kind).inc(n),
+        )
+        self.persister = Persister(cfg.data_dir, cfg.map_size, cfg.lmdb_sync)
+        self.flusher = Flusher(
+            self.store, self.persister, cfg.flush_interval, on_flush=self._on_flush
+        )
+        #: client id -> last sequence number seen (recorded; exactly-once comes with replication)
+        self.clients: dict[str, int] = {}
+        self._seq = 0
+        self._load()
+        self.m.dirty.set_function(lambda: self.store.dirty_count())
+        self.m.loss_window.set_function(lambda: self.flusher.loss_window())
+        self.m.queue_depth.set_function(lambda: sum(self.store.queue_depths()))
+        self.m.shards.set_function(lambda: len(self.store.shards))
+        self.m.tensors.set_function(lambda: len(self.store.tensors))
+        self.flusher.start()
+        self._closed = False
+
+    def _on_flush(self, shards: int, nbytes: int, seconds: float) -> None:
+        self.m.flushed_shards.inc(shards)
+        self.m.flushed_bytes.inc(nbytes)
+        self.m.flush_seconds.observe(seconds)
+
+    def _load(self) -> None:
+        """Reloads every tensor this server saved: definitions, values, accumulators, versions."""
+        n = 0
+        for saved in self.persister.load():
+            meta = saved.meta
+            spec = TensorSpec.from_dict(meta["spec"])
+            opt = Optimizer.from_dict(meta["optimizer"])
+            values = None
+            missing = [
+                sid
+                for sid in self._shards_of(spec)
+                if self.store.holds_id(sid) and sid not in saved.shards
+            ]
+            if missing and meta["init"]["kind"] == "values":
+                # Given values are kept only as shards; a held shard never saved starts at zero.
+                log.warning(
+                    "tensor %s: no saved state for %d held shards; they start at 0",
+                    spec.name,
+                    len(missing),
+                )
+                values = np.zeros(spec.shape, dtype=np.float32)
+            self.store.define(spec, opt, meta["init"], values, saved.shards)
+            self._seq = max(self._seq, meta["seq"] + 1)
+            n += 1
+        if n:
+            log.info(
+                "reloaded %d tensors, %d held shards from %s",
+                n,
+                len(self.store.shards),
+                self.persister.path,
+            )
+
+    def _shards_of(self, spec: TensorSpec) -> list[str]:
+        from adamps.layout import split_tensor
+
+        return [s.id for s in split_tensor(spec, self.store.layout.max_shard_elems)]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.flusher.stop(final_flush=True)
+        finally:
+            self.store.close()
+            self.persister.close()
+
+    # -- HTTP -------------------------------------------------------------------------------------
+
+    def make_app(self) -> web.Application:
+        app = aweb.make_app(
+            registry=self.registry,
+            token=self.cfg.token,
+            max_body=self.cfg.max_body,
+            status=self.status,
+        )
+        app[PS_KEY] = self
+        app.router.add_post("/rpc", self.handle_rpc)
+        app.router.add_post("/flush", self.handle_flush)
+
+        async def cleanup(_app: web.Application) -> None:
+            await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+        app.on_cleanup.append(cleanup)
+        return app
+
+    async def handle_rpc(self, request: web.Request) -> web.Response:
+        # The token first: an unauthenticated body is never read.
+        aweb.check_token(request)
+        body = await aweb.read_body(request)
+        self.m.bytes_in.inc(len(body))
+        t0 = time.perf_counter()
+        op = "?"
+        try:
+            msg = protocol.decode(body)
+            rid = msg.get("rid")
+            if isinstance(rid, str | int):
+                request[aweb.RID_KEY] = str(rid)
+            ops = OPS + DEBUG_OPS if self.cfg.debug_ops else OPS
+            op = protocol.check_message(msg, ops)
+            handler: Callable[[dict[str, Any]], Any] = getattr(self, f"op_{op}")
+            try:
+                reply = await handler(msg)
+            except StoreError as exc:
+                raise ProtocolError(exc.code, exc.message) from None
+            except (LayoutError, OptimError) as exc:
+                raise ProtocolError("bad_request", str(exc)) from None
+        except ProtocolError as exc:
+            self.m.requests.labels(op, exc.code).inc()
+            raise
+        except Exception:
+            self.m.requests.labels(op, "internal").inc()
+            raise
+        resp = aweb.message_response({"rid": msg.get("rid"), **reply})
+        self.m.bytes_out.inc(len(resp.body))  # type: ignore[arg-type]
+        self.m.requests.labels(op, "ok").inc()
+        self.m.latency.labels(op).observe(time.perf_counter() - t0)
+        return resp
+
+    async def handle_flush(self, request: web.Request) -> web.Response:
+        aweb.check_token(request)
+        return aweb.json_response(await self._flush())
+
+    # -- ops --------------------------------------------------------------------------------------
+
+    async def op_create(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = require(msg, "name", str)
+        shape = require(msg, "shape", list)
+        if not shape or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape
+        ):
+            raise ProtocolError(
+                "bad_shape", f"shape must be a non-empty list of ints > 0, got {shape!r}"
+            )
+        if math.prod(shape) > MAX_TENSOR_ELEMS:
+            raise ProtocolError(
+                "bad_shape", f"tensor of {math.prod(shape)} elements exceeds {MAX_TENSOR_ELEMS}"
+            )
+        spec = TensorSpec(name, tuple(shape))
+        init_in = require(msg, "init", dict, default={"kind": "zeros"})
+        opt = Optimizer.from_dict(require(msg, "optimizer", dict, default={"kind": "sgd"}))
+        init = normalize_init(init_in, spec.shape)
+        existing = self.store.tensors.get(name)
+        wanted = {
+            "name": name,
+            "shape": list(spec.shape),
+            "dtype": spec.dtype,
+            "optimizer": opt.to_dict(),
+            "init": init,
+        }
+        if existing is not None:
+            if existing.describe() == wanted:
+                return {"created": False, "tensor": self._describe(existing)}
+            raise ProtocolError(
+                "exists",
+                f"tensor {name!r} exists with a different definition",
+                existing=existing.describe(),
+            )
+        t = self.store.define(spec, opt, init, init_in.get("values"))
+        meta = {"spec": spec.to_dict(), "optimizer": opt.to_dict(), "init": init, "seq": self._seq}
+        self._seq += 1
+        # Written before this handler yields, so no push to the new shards is queued yet and no
+        # later flush can be overtaken by this version-0 write. Create is rare; the loop blocks briefly.
+        self.persister.write_tensor(
+            meta, [(st.id, st.version, st.value, st.accum) for st in t.shards.values()]
+        )
+        log.info(
+            "created tensor %s %s (%d held shards, %s)",
+            name,
+            list(spec.shape),
+            len(t.shards),
+            opt.kind,
+        )
+        return {"created": True, "tensor": self._describe(t)}
+
+    def _held(self, name: str) -> list[ShardState]:
+        """Every shard of tensor `name`, which must all be held here."""
+        t = self.store.tensor(name)
+        if not t.held_all:
+            missing = [s.id for s in t.layout_shards if s.index not in t.shards]
+            raise ProtocolError(
+                "unknown_shard",
+                f"tensor {name!r}: {len(missing)} of its shards are not on this server; address them by shard id",
+                missing=missing[:20],
+            )
+        return [t.shards[s.index] for s in t.layout_shards]
+
+    def _shard_ids(self, msg: dict[str, Any], field: str) -> list[ShardState]:
+        ids = require(msg, field, list)
+        if not all(isinstance(i, str) for i in ids):
+            raise ProtocolError(
+                "bad_request", f"field {field!r} must be a list of shard ids (strings)"
+            )
+        return [self.store.shard(i) for i in ids]
+
+    async def _wait(
+        self, submit: Callable[[Callable[[Any, BaseException | None], None]], Any]
+    ) -> Any:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def resolve(result: Any, error: BaseException | None) -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        submit(lambda result, error: loop.call_soon_threadsafe(resolve, result, error))
+        return await fut
+
+    async def op_pull(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if "tensors" in msg:
+            names = require(msg, "tensors", list)
+            if not all(isinstance(n, str) for n in names):
+                raise ProtocolError("bad_request", "field 'tensors' must be a list of tensor names")
+            states: list[ShardState] = []
+            outs: list[np.ndarray] = []
+            whole: dict[str, np.ndarray] = {}
+            for name in names:
+                sts = self._held(name)
+                arr = np.empty(self.store.tensors[name].spec.shape, dtype=np.float32)
+                flat = arr.reshape(-1)
+                whole[name] = arr
+                states += sts
+                outs += [flat[st.shard.start : st.shard.stop] for st in sts]
+            versions = await self._wait(lambda cb: self.store.read(states, outs, cb))
+            return {
+                "tensors": whole,
+                "versions": {n: [versions[st.id] for st in self._held(n)] for n in names},
+            }
+        states = self._shard_ids(msg, "shards")
+        outs = [np.empty(st.shard.shape, dtype=np.float32) for st in states]
+        versions = await self._wait(lambda cb: self.store.read(states, outs, cb))
+        return {
+            "shards": {st.id: out for st, out in zip(states, outs, strict=True)},
+            "versions": {st.id: versions[st.id] for st in states},
+        }
+
+    def _record_client(self, msg: dict[str, Any]) -> None:
+        client = msg.get("client")
+        if client is None:
+            return
+        client = require(msg, "client", str)
+        seq = require(msg, "seq", int)
+        self.clients[client] = seq
+
+    async def op_push_dense(self, msg: dict[str, Any]) -> dict[str, Any]:
+        parts: list[tuple[ShardState, Dense]] = []
+        if "tensor" in msg:
+            name = require(msg, "tensor", str)
+            sts = self._held(name)
+            delta = require_array(msg, "delta", shape=self.store.tensors[name].spec.shape)
+            flat = delta.reshape(-1)
+            parts = [(st, Dense(flat[st.shard.start : st.shard.stop])) for st in sts]
+        else:
+            deltas = require(msg, "shards", dict)
+            for sid in deltas:
+                if not isinstance(sid, str):
+                    raise ProtocolError(
+                        "bad_request", "field 'shards' must map shard ids to arrays"
+                    )
+                st = self.store.shard(sid)
+                d = require_array(deltas, sid, shape=st.shard.shape)
+                parts.append((st, Dense(d)))
+            if not parts:
+                raise ProtocolError(
+                    "bad_request", "push_dense needs 'tensor' + 'delta' or a non-empty 'shards'"
+                )
+        self._record_client(msg)
+        versions = await self._wait(lambda cb: self.store.push(parts, cb))
+        return {"versions": versions}
+
+    async def op_push_fc(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = require(msg, "tensor", str)
+        t = self.store.tensor(name)
+        if len(t.spec.shape) != 2 or not all(s.rows_aligned for s in t.layout_shards):
+            raise ProtocolError(
+                "bad_request",
+                f"push_fc needs a 2-D tensor cut on whole rows; {name!r} has shape {list(t.spec.shape)}",
+            )
+        m, n = t.spec.shape
+        a = require_array(msg, "a", shape=(None, n))
+        e = require_array(msg, "e", shape=(None, m))
+        k = a.shape[0]
+        if not 1 <= k <= MAX_FC_K or e.shape[0] != k:
+            raise ProtocolError(
+                "bad_shape",
+                f"a and e need the same number of rows k, 1 <= k <= {MAX_FC_K}; got {a.shape[0]} and {e.shape[0]}",
+            )
+        if "shards" in msg:
+            states = self._shard_ids(msg, "shards")
+            wrong = [st.id for st in states if st.shard.tensor != name]
+            if wrong:
+                raise ProtocolError("bad_request", f"shards {wrong} are not shards of {name!r}")
+        else:
+            states = self._held(name)
+        self._record_client(msg)
+        parts = fc_parts(t, a, e, states)
+        versions = await self._wait(lambda cb: self.store.push(parts, cb))
+        return {"versions": versions}
+
+    async def _flush(self) -> dict[str, Any]:
+        return await asyncio.get_running_loop().run_in_executor(None, self.flusher.flush)
+
+    async def op_flush(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return await self._flush()
+
+    async def op_list(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"tensors": [t.describe() for t in self.store.tensors.values()]}
+
+    async def op_describe(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return self._describe(self.store.tensor(require(msg, "name", str)))
+
+    async def op_debug_fail(self, msg: dict[str, Any]) -> dict[str, Any]:
+        raise RuntimeError("debug_fail: an unexpected error on purpose (debug_ops is on)")
+
+    def _describe(self, t: Any) -> dict[str, Any]:
+        d = t.describe()
+        d["shards"] = [
+            {
+                "id": s.id,
+                "bucket": self.store.layout.bucket_of[s.id],
+                "rows": [s.row_start, s.row_stop],
+                "held": s.index in t.shards,
+                "version": t.shards[s.index].version if s.index in t.shards else None,
+            }
+            for s in t.layout_shards
+        ]
+        return d
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "role": "ps",
+            "config": to_dict(self.cfg),
+            "uptime_seconds": time.time() - self.started,
+            "n_buckets": self.cfg.n_buckets,
+            "buckets": sorted(self.store.buckets) if self.store.buckets is not None else "all",
+            "tensors": {n: list(t.spec.shape) for n, t in self.store.tensors.items()},
+            "shards": {
+                sid: {
+                    "version": st.version,
+                    "bucket": self.store.layout.bucket_of[sid],
+                    "owner": st.owner,
+                }
+                for sid, st in self.store.shards.items()
+            },
+            "queue_depths": self.store.queue_depths(),
+            "dirty_shards": self.store.dirty_count(),
+            "loss_window_seconds": self.flusher.loss_window(),
+            "last_flush": self.flusher.last_flush,
+            "applied": dict(self.store.applied),
+            "clients": len(self.clients),
+        }

@@ -1,0 +1,67 @@
+"""The parameter server's configuration (TOML table ``[ps]``, env ``ADAMPS_PS_<FIELD>``, flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adamps.config import default_token, field
+from adamps.layout import DEFAULT_BUCKETS, MAX_SHARD_ELEMS
+
+
+@dataclass
+class PsConfig:
+    host: str = field("127.0.0.1", help="address to listen on")
+    port: int = field(7100, help="HTTP port (0: let the kernel pick; the chosen port is logged)")
+    token: str = field(
+        "", help="cluster token required on /rpc and /flush (Authorization: Bearer <token>)"
+    )
+    data_dir: str = field("./adamps-data/ps", help="directory of this server's LMDB environment")
+    n_buckets: int = field(
+        DEFAULT_BUCKETS, help="number of buckets of the layout (the same on every role)"
+    )
+    buckets: list[int] = field(
+        [], help="buckets this server holds, comma separated (empty: all); the static bucket map"
+    )
+    max_shard_elems: int = field(
+        MAX_SHARD_ELEMS, help="float32 elements per shard (1 MB by default)"
+    )
+    owner_threads: int = field(
+        2, help="threads that apply updates; each shard belongs to exactly one"
+    )
+    blas_threads: int = field(1, help="BLAS threads per owner thread (threadpoolctl)")
+    flush_interval: float = field(
+        1.0, help="seconds between background flushes of dirty shards to LMDB"
+    )
+    map_size: int = field(
+        1 << 30, help="initial LMDB map size in bytes (grown by doubling when full)"
+    )
+    lmdb_sync: bool = field(
+        True,
+        help="fsync each flush transaction (off: faster, a crash of the machine may lose flushes)",
+    )
+    max_body: int = field(
+        256 << 20, help="largest request body in bytes (413 beyond, also for chunked bodies)"
+    )
+    tune_malloc: bool = field(
+        True,
+        help="raise glibc's mmap and trim thresholds at start so large bodies reuse heap memory",
+    )
+    log_level: str = field("INFO", help="logging level")
+    debug_ops: bool = field(
+        False, help="enable the op debug_fail (raises on purpose; for tests only)"
+    )
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            self.token = default_token()
+        if self.owner_threads < 1:
+            raise ValueError("owner_threads must be >= 1")
+        if self.n_buckets < 1:
+            raise ValueError("n_buckets must be >= 1")
+        bad = [b for b in self.buckets if not 0 <= b < self.n_buckets]
+        if bad:
+            raise ValueError(f"buckets {bad} out of range 0..{self.n_buckets - 1}")
+        if self.flush_interval <= 0:
+            raise ValueError("flush_interval must be > 0")
+        if self.max_body < 1024:
+            raise ValueError("max_body must be >= 1024")

@@ -1,0 +1,91 @@
+"""`adamps ps`: run one parameter server until SIGTERM/SIGINT (a final flush on the way out)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+from adamps import config, web
+from adamps.server.config import PsConfig
+
+log = logging.getLogger("adamps.ps")
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 256 << 20) -> bool:
+    """Keeps multi-MB request bodies on the heap and the heap from shrinking after each one.
+
+    By default glibc serves every allocation above 128 KiB with a fresh mmap and unmaps it on free,
+    so each 4 MB body costs ~1,000 page faults; the reference measured 3-4x on loopback pushes
+    (shared/reference/machine-limits.md section 3: MALLOC_MMAP_THRESHOLD_=64Mi +
+    MALLOC_TRIM_THRESHOLD_=256Mi). Returns False where mallopt is unavailable (not glibc) or
+    refuses a value.
+    """
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok_mmap = mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+    if not ok_mmap:  # older glibc caps the threshold at 32 MiB on 64-bit
+        ok_mmap = mallopt(_M_MMAP_THRESHOLD, min(mmap_threshold, 32 << 20)) == 1
+    ok_trim = mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
+    return ok_mmap and ok_trim
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adamps ps",
+        description="Run a parameter server (Project Adam 3.3) on its static bucket map.",
+    )
+    config.add_arguments(parser, PsConfig)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config.load(PsConfig, "ps", args)
+    except config.ConfigError as exc:
+        print(f"adamps ps: {exc}", file=sys.stderr)
+        return 2
+    web.setup_logging(cfg.log_level, "ps")
+    if cfg.tune_malloc:
+        log.info("glibc malloc thresholds raised: %s", tune_malloc())
+
+    from threadpoolctl import threadpool_limits
+
+    from adamps.server.app import ParameterServer
+
+    # Owner threads are the parallelism; BLAS threads inside each would only oversubscribe the cores.
+    limits = threadpool_limits(limits=cfg.blas_threads)
+    ps = ParameterServer(cfg)
+    try:
+        app = ps.make_app()
+        log.info(
+            "parameter server: %d tensors, %d shards held, buckets %s, data in %s",
+            len(ps.store.tensors),
+            len(ps.store.shards),
+            cfg.buckets or "all",
+            cfg.data_dir,
+        )
+        asyncio.run(web.run_app(app, cfg.host, cfg.port))
+    finally:
+        ps.close()
+        limits.restore_original_limits()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,498 @@
+"""The parameter store: shards in memory, each mutated by exactly one owner thread (Adam 3.3.1).
+
+Who may mutate what:
+
+- ``Store.tensors`` / ``Store.layout`` / ``Store.shards``: the event-loop thread only (create, load);
+  owner threads never look them up, they receive the :class:`ShardState` inside a work item.
+- A :class:`ShardState`'s values, accumulator, version and dirty mark: its owner thread only
+  (shard -> owner by a stable hash). No locks on the update path.
+- Reads (pulls, flush snapshots) are work items on the owner's queue too, so a reader always sees a
+  whole batch applied or not at all, with the matching version, never a torn shard.
+
+An owner thread blocks on its queue, drains everything queued, groups the updates per shard in
+arrival order, and applies each shard's group as one batch (``optim.apply_batch``) before moving to
+the next shard: updates for one 1 MB shard are applied while it is hot in cache. A read or snapshot
+item is a barrier: the updates queued before it are applied first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from adamps.layout import MAX_SHARD_ELEMS, Layout, Shard, TensorSpec, stable_bucket
+from adamps.server import optim
+from adamps.server.optim import Dense, Fc, Optimizer, Scratch
+
+log = logging.getLogger(__name__)
+
+INIT_KINDS = ("zeros", "constant", "uniform", "normal", "xavier", "values")
+
+
+class StoreError(ValueError):
+    """A request the store cannot serve; ``code`` is a protocol error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# -- initial values -----------------------------------------------------------------------------
+
+
+def fans(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(fan_in, fan_out) of a weight of `shape` = (out, in, *receptive field) as in y = W @ x."""
+    if len(shape) == 1:
+        return shape[0], shape[0]
+    receptive = math.prod(shape[2:])
+    return shape[1] * receptive, shape[0] * receptive
+
+
+def normalize_init(init: Mapping[str, Any] | None, shape: tuple[int, ...]) -> dict[str, Any]:
+    """A checked, canonical init description (given values replaced by their digest)."""
+    init = dict(init or {"kind": "zeros"})
+    kind = init.get("kind", "zeros")
+    if kind not in INIT_KINDS:
+        raise StoreError(
+            "bad_request", f"init kind must be one of {list(INIT_KINDS)}, got {kind!r}"
+        )
+    allowed = {
+        "zeros": set(),
+        "constant": {"value"},
+        "uniform": {"low", "high", "seed"},
+        "normal": {"mean", "std", "seed"},
+        "xavier": {"gain", "seed"},
+        "values": {"values"},
+    }[kind]
+    unknown = set(init) - allowed - {"kind"}
+    if unknown:
+        raise StoreError(
+            "bad_request", f"init {kind!r} takes {sorted(allowed)}, got unknown {sorted(unknown)}"
+        )
+    out: dict[str, Any] = {"kind": kind}
+    defaults = {"value": 0.0, "low": -0.05, "high": 0.05, "mean": 0.0, "std": 0.01, "gain": 1.0}
+    for name in sorted(allowed - {"seed", "values"}):
+        v = init.get(name, defaults[name])
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise StoreError("bad_request", f"init {name} must be a finite number, got {v!r}")
+        out[name] = float(v)
+    if "seed" in allowed:
+        seed = init.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise StoreError("bad_request", f"init seed must be an int >= 0, got {seed!r}")
+        out["seed"] = seed
+    if kind == "uniform" and not out["low"] <= out["high"]:
+        raise StoreError("bad_request", "init uniform needs low <= high")
+    if kind == "normal" and out["std"] < 0:
+        raise StoreError("bad_request", "init normal needs std >= 0")
+    if kind == "values":
+        values = init.get("values")
+        if not isinstance(values, np.ndarray):
+            raise StoreError("bad_request", "init values must be an array")
+        if values.dtype != np.float32:
+            raise StoreError("bad_dtype", f"init values must be float32, got {values.dtype.name}")
+        if tuple(values.shape) != shape:
+            raise StoreError(
+                "bad_shape", f"init values must have shape {list(shape)}, got {list(values.shape)}"
+            )
+        if not np.isfinite(values).all():
+            raise StoreError("non_finite", "init values hold NaN or Inf")
+        out["sha256"] = hashlib.sha256(np.ascontiguousarray(values).data).hexdigest()
+    return out
+
+
+def initial_values(
+    shape: tuple[int, ...], init: Mapping[str, Any], values: np.ndarray | None = None
+) -> np.ndarray:
+    """The whole tensor's initial values: the same in every process for the same description."""
+    kind = init["kind"]
+    if kind == "values":
+        assert values is not None
+        return np.array(values, dtype=np.float32, order="C")
+    if kind in ("zeros", "constant"):
+        return np.full(shape, init.get("value", 0.0), dtype=np.float32)
+    rng = np.random.default_rng(init["seed"])
+    if kind == "uniform":
+        return rng.uniform(init["low"], init["high"], size=shape).astype(np.float32)
+    if kind == "normal":
+        return rng.normal(init["mean"], init["std"], size=shape).astype(np.float32)
+    # Glorot & Bengio (2010) uniform: limit = gain * sqrt(6 / (fan_in + fan_out))
+    fan_in, fan_out = fans(shape)
+    limit = init["gain"] * math.sqrt(6.0 / (fan_in + fan_out))
+    return rng.uniform(-limit, limit, size=shape).astype(np.float32)
+
+
+# -- state ----------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class ShardState:
+    """One shard held by this server. Mutated only by its owner thread (after creation)."""
+
+    shard: Shard
+    owner: int
+    value: np.ndarray
+    accum: np.ndarray | None
+    #: number of updates applied since the tensor was created
+    version: int = 0
+    #: monotonic time of the first update not yet taken by a flush snapshot (None: clean)
+    dirty_since: float | None = None
+
+    @property
+    def id(self) -> str:
+        return self.shard.id
+
+
+@dataclass(eq=False)
+class TensorState:
+    spec: TensorSpec
+    optimizer: Optimizer
+    init: dict[str, Any]
+    #: shard index -> state, only for shards in buckets this server holds
+    shards: dict[int, ShardState] = field(default_factory=dict)
+    #: all shards of the tensor, held or not, in order
+    layout_shards: list[Shard] = field(default_factory=list)
+
+    def describe(self) -> dict[str, Any]:
+        """Plain data of the definition (what `create` compares for idempotence)."""
+        return {
+            "name": self.spec.name,
+            "shape": list(self.spec.shape),
+            "dtype": self.spec.dtype,
+            "optimizer": self.optimizer.to_dict(),
+            "init": self.init,
+        }
+
+    @property
+    def held_all(self) -> bool:
+        return len(self.shards) == len(self.layout_shards)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A consistent copy of one shard, taken on its owner thread for a flush."""
+
+    shard_id: str
+    version: int
+    value: bytes
+    accum: bytes | None
+    dirty_since: float
+
+
+class Ticket:
+    """Completion of a request split over several owner threads; `on_done` runs on the last one.
+
+    ``on_done(result, exc)`` is called exactly once, from an owner thread.
+    """
+
+    __slots__ = ("_lock", "_remaining", "result", "error", "_on_done")
+
+    def __init__(self, parts: int, on_done: Callable[[Any, BaseException | None], None]) -> None:
+        self._lock = threading.Lock()
+        self._remaining = parts
+        #: shard id -> version (pushes, pulls) or other per-part results
+        self.result: dict[str, Any] = {}
+        self.error: BaseException | None = None
+        self._on_done = on_done
+        if parts == 0:
+            on_done(self.result, None)
+
+    def part_done(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self._on_done(self.result, self.error)
+
+
+# Work items are tuples (cheap to build, no per-item class instance):
+#   (_UPDATE, shard_state, update, ticket, kind)
+#   (_CALL, fn, ticket)             fn(owner_index) runs on the owner thread
+#   (_STOP,)
+_UPDATE, _CALL, _STOP = 0, 1, 2
+
+
+class Store:
+    """Tensors -> held shards, the owner threads and their queues."""
+
+    def __init__(
+        self,
+        *,
+        n_buckets: int,
+        buckets: Iterable[int] | None = None,
+        owner_threads: int = 2,
+        max_shard_elems: int = MAX_SHARD_ELEMS,
+        clock: Callable[[], float] = time.monotonic,
+        on_applied: Callable[[str, int], None] | None = None,
+    ) -> None:
+        if owner_threads < 1:
+            raise ValueError("owner_threads must be >= 1")
+        self.layout = Layout([], n_buckets, max_shard_elems)
+        #: buckets this server holds (all when None): the static bucket map of this issue
+        self.buckets: frozenset[int] | None = None if buckets is None else frozenset(buckets)
+        self.tensors: dict[str, TensorState] = {}
+        #: shard id -> state (held shards only)
+        self.shards: dict[str, ShardState] = {}
+        self.clock = clock
+        self._on_applied = on_applied
+        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(owner_threads)]
+        #: per owner: shards with updates not yet taken by a snapshot (owner thread only)
+        self._dirty: list[set[ShardState]] = [set() for _ in range(owner_threads)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), name=f"adamps-owner-{i}", daemon=True)
+            for i in range(owner_threads)
+        ]
+        self.applied = {"dense": 0, "fc": 0}  # approximate (owner threads add without a lock)
+        for t in self._threads:
+            t.start()
+
+    # -- definition (event-loop thread) -----------------------------------------------------------
+
+    def holds(self, shard: Shard) -> bool:
+        return self.holds_id(shard.id)
+
+    def holds_id(self, sid: str) -> bool:
+        return self.buckets is None or stable_bucket(sid, self.layout.n_buckets) in self.buckets
+
+    def define(
+        self,
+        spec: TensorSpec,
+        optimizer: Optimizer,
+        init: dict[str, Any],
+        values: np.ndarray | None,
+        saved: Mapping[str, tuple[int, np.ndarray, np.ndarray | None]] | None = None,
+    ) -> TensorState:
+        """Adds a tensor; its held shards get `saved` state (shard id -> (version, value, accum))
+        or else the initial values. The caller checked that the name is new."""
+        self.layout = self.layout.with_tensor(spec)
+        t = TensorState(spec, optimizer, init, layout_shards=self.layout.shards_of[spec.name])
+        saved = saved or {}
+        whole: np.ndarray | None = None
+        for s in t.layout_shards:
+            if not self.holds(s):
+                continue
+            if s.id in saved:
+                version, value, accum = saved[s.id]
+            else:
+                if whole is None:
+                    whole = initial_values(spec.shape, init, values).reshape(-1)
+                version, value, accum = 0, whole[s.start : s.stop], None
+            if accum is None and optimizer.has_accumulator:
+                accum = np.full(s.shape, optimizer.initial_accumulator, dtype=np.float32)
+            st = ShardState(
+                s,
+                owner=stable_bucket(s.id, len(self._queues)),
+                value=np.array(value, dtype=np.float32, order="C").reshape(s.shape),
+                accum=None if accum is None else np.array(accum, dtype=np.float32).reshape(s.shape),
+                version=version,
+            )
+            t.shards[s.index] = st
+            self.shards[s.id] = st
+        self.tensors[spec.name] = t
+        return t
+
+    def tensor(self, name: str) -> TensorState:
+        t = self.tensors.get(name)
+        if t is None:
+            raise StoreError("unknown_tensor", f"no tensor named {name!r}")
+        return t
+
+    def shard(self, sid: str) -> ShardState:
+        st = self.shards.get(sid)
+        if st is None:
+            raise StoreError("unknown_shard", f"no shard {sid!r} on this server")
+        return st
+
+    # -- updates ----------------------------------------------------------------------------------
+
+    def push(
+        self,
+        parts: Sequence[tuple[ShardState, optim.Update]],
+        on_done: Callable[[dict[str, int], BaseException | None], None],
+    ) -> Ticket:
+        """Queues one update per shard; on_done({shard id: new version}, error) when all applied."""
+        ticket = Ticket(len(parts), on_done)
+        for st, upd in parts:
+            self._queues[st.owner].put((_UPDATE, st, upd, ticket))
+        return ticket
+
+    def read(
+        self,
+        states: Sequence[ShardState],
+        outs: Sequence[np.ndarray],
+        on_done: Callable[[dict[str, int], BaseException | None], None],
+    ) -> Ticket:
+        """Copies each shard's values into its `out` (same size) on the owner thread;
+        on_done({shard id: version}, error). Sees every update queued before it."""
+        by_owner: dict[int, list[tuple[ShardState, np.ndarray]]] = {}
+        for st, out in zip(states, outs, strict=True):
+            by_owner.setdefault(st.owner, []).append((st, out))
+        ticket = Ticket(len(by_owner), on_done)
+
+        for owner, items in by_owner.items():
+
+            def copy(_owner: int, items: list[tuple[ShardState, np.ndarray]] = items) -> None:
+                for st, out in items:
+                    np.copyto(out.reshape(st.value.shape), st.value)
+                    ticket.result[st.id] = st.version
+
+            self._queues[owner].put((_CALL, copy, ticket))
+        return ticket
+
+    def snapshot_dirty(self, timeout: float = 60.0) -> list[Snapshot]:
+        """Copies every dirty shard on its owner thread and marks it clean (blocking; not on the loop)."""
+        done = threading.Event()
+        snaps: list[Snapshot] = []
+        lock = threading.Lock()
+
+        def take(owner: int) -> None:
+            mine = []
+            for st in self._dirty[owner]:
+                mine.append(
+                    Snapshot(
+                        st.id,
+                        st.version,
+                        st.value.tobytes(),
+                        None if st.accum is None else st.accum.tobytes(),
+                        st.dirty_since if st.dirty_since is not None else self.clock(),
+                    )
+                )
+                st.dirty_since = None
+            self._dirty[owner].clear()
+            with lock:
+                snaps.extend(mine)
+
+        ticket = Ticket(len(self._queues), lambda _r, _e: done.set())
+        for q in self._queues:
+            q.put((_CALL, take, ticket))
+        if not done.wait(timeout):
+            raise TimeoutError("owner threads did not answer the snapshot in time")
+        if ticket.error is not None:
+            raise ticket.error
+        return snaps
+
+    def oldest_dirty(self) -> float | None:
+        """Monotonic time of the oldest update not yet snapshotted (a racy read; for metrics)."""
+        oldest = None
+        for owner_set in self._dirty:
+            for st in list(owner_set):
+                d = st.dirty_since
+                if d is not None and (oldest is None or d < oldest):
+                    oldest = d
+        return oldest
+
+    def dirty_count(self) -> int:
+        return sum(len(s) for s in self._dirty)
+
+    def queue_depths(self) -> list[int]:
+        return [q.qsize() for q in self._queues]
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put((_STOP,))
+        for t in self._threads:
+            t.join(timeout=10)
+
+    # -- owner threads ----------------------------------------------------------------------------
+
+    def _run(self, owner: int) -> None:
+        q = self._queues[owner]
+        scratch = Scratch(self.layout.max_shard_elems)
+        while True:
+            items = [q.get()]
+            while True:
+                try:
+                    items.append(q.get_nowait())
+                except queue.Empty:
+                    break
+            # Updates per shard in arrival order; a call or stop is a barrier.
+            pending: dict[ShardState, list[tuple[optim.Update, Ticket]]] = {}
+            for item in items:
+                tag = item[0]
+                if tag == _UPDATE:
+                    pending.setdefault(item[1], []).append((item[2], item[3]))
+                    continue
+                if pending:
+                    self._apply(owner, pending, scratch)
+                    pending = {}
+                if tag == _STOP:
+                    return
+                _, fn, ticket = item
+                try:
+                    fn(owner)
+                except BaseException as exc:  # never let a bad item kill the owner thread
+                    log.exception("owner thread %d: call failed", owner)
+                    ticket.part_done(exc)
+                else:
+                    ticket.part_done()
+            if pending:
+                self._apply(owner, pending, scratch)
+
+    def _apply(
+        self,
+        owner: int,
+        pending: dict[ShardState, list[tuple[optim.Update, Ticket]]],
+        scratch: Scratch,
+    ) -> None:
+        now = self.clock()
+        dirty = self._dirty[owner]
+        n_dense = n_fc = 0
+        for st, group in pending.items():
+            t = self.tensors_by_shard(st)
+            error: BaseException | None = None
+            try:
+                optim.apply_batch(t, st.value, st.accum, [u for u, _ in group], scratch)
+            except BaseException as exc:  # a logged failure of this batch, not of the thread
+                log.exception(
+                    "owner thread %d: applying %d updates to %s failed", owner, len(group), st.id
+                )
+                error = exc
+            else:
+                st.version += len(group)
+                if st.dirty_since is None:
+                    st.dirty_since = now
+                dirty.add(st)
+                for u, _ in group:
+                    if isinstance(u, Dense):
+                        n_dense += 1
+                    else:
+                        n_fc += 1
+            for _, ticket in group:
+                if error is None:
+                    ticket.result[st.id] = st.version
+                ticket.part_done(error)
+        self.applied["dense"] += n_dense
+        self.applied["fc"] += n_fc
+        if self._on_applied is not None:
+            if n_dense:
+                self._on_applied("dense", n_dense)
+            if n_fc:
+                self._on_applied("fc", n_fc)
+
+    def tensors_by_shard(self, st: ShardState) -> Optimizer:
+        # A dict lookup of an immutable entry: the tensor is never removed while its shards live.
+        return self.tensors[st.shard.tensor].optimizer
+
+
+def fc_parts(
+    t: TensorState, a: np.ndarray, e: np.ndarray, states: Sequence[ShardState]
+) -> list[tuple[ShardState, Fc]]:
+    """Splits activation/error vectors of a whole M x N layer into per-shard updates (row blocks)."""
+    parts = []
+    for st in states:
+        s = st.shard
+        # e's columns for this row block; a small k x rows copy so BLAS gets contiguous input.
+        parts.append((st, Fc(a, np.ascontiguousarray(e[:, s.row_start : s.row_stop]))))
+    return parts
