@@ -1,0 +1,437 @@
+"""Replication of one bucket over two-phase commit: the pure core (Project Adam 3.3.3).
+
+No sockets, no threads, no clock: the parameter server's shell feeds events in (a client push, a
+prepare or commit from the primary, a reply from a secondary, a new assignment from the controller,
+a timeout it measured) and carries out what the methods return. Batches are opaque to this module:
+it sequences them, decides who must have them, and says when they may be applied and acknowledged.
+
+The protocol, for a bucket whose controller-recorded assignment is (epoch, primary, secondaries):
+
+- The primary (and only while its lease holds: the shell checks it with adamps.core.lease) gathers
+  client pushes into the next batch, numbered ``seq = committed + 1``. One round is in flight per
+  bucket; pushes arriving meanwhile wait for the next round, so a round carries many pushes.
+- PREPARE(epoch, entries) goes to every secondary of the recorded set. ``entries`` are all batches
+  the secondary lacks, from the highest seq it acknowledged: a lagging member catches up through
+  the same message. A secondary accepts only the epoch it learned from the controller (an older
+  one is ``stale``, a newer one makes it ask the controller first), keeps the batches as prepared,
+  and acknowledges the highest seq it now holds.
+- When every member holds the batch, the primary applies it and sends COMMIT(epoch, seq); the
+  secondaries apply their prepared batches up to seq, in order. The pushes of the batch are
+  acknowledged to their clients once every member has committed. A member that does not answer is
+  reported to the controller; only after a committed controller entry removed it (a new assignment
+  with a new epoch) does the round go on without it.
+- In-doubt rounds after a failover: the controller promotes the secondary with the highest
+  (epoch, prepared seq). A batch committed anywhere was prepared on every member, hence on the new
+  primary, which replicates everything it holds prepared, under its new epoch, as its first rounds;
+  it applies a batch only once every member holds it, as for any round (applying earlier would let
+  a failure of the new primary leave it with a batch nobody else has). Batches only some secondary
+  prepared were never committed anywhere (and never acknowledged); they are dropped.
+- Exactly once: every batch lists the (client id, client seq) of its pushes, and every replica
+  records them when it applies the batch. A push seen before is not applied again; if its batch was
+  committed it is acknowledged at once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: committed batches kept per bucket for catching up lagging members (older ones need a snapshot)
+DEFAULT_LOG_LIMIT = 1024
+#: (client id, seq) pairs remembered per bucket for deduplication
+DEFAULT_DEDUP_LIMIT = 65_536
+
+ClientKey = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What the controller's committed record says about one bucket."""
+
+    epoch: int
+    primary: str | None
+    secondaries: tuple[str, ...] = ()
+
+    def members(self) -> tuple[str, ...]:
+        return ((self.primary,) if self.primary else ()) + self.secondaries
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One replication round's worth of updates, as every replica applies it."""
+
+    seq: int
+    epoch: int
+    #: the updates, opaque here (compact form: activation/error vectors, codec messages)
+    updates: tuple[Any, ...]
+    #: (client id, client seq) of the pushes in this batch, parallel to `updates`
+    clients: tuple[ClientKey | None, ...]
+
+
+@dataclass(frozen=True)
+class Reject:
+    """A refusal with a protocol error code (stale_epoch, not_primary, conflict, unavailable)."""
+
+    code: str
+    message: str
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class Apply:
+    """Action: apply these batches to the store, in this order."""
+
+    batches: tuple[Batch, ...]
+
+
+@dataclass
+class _Pending:
+    update: Any
+    client: ClientKey | None
+    #: the shell's handle to answer the client (a future), opaque here
+    waiter: Any
+
+
+class Dedup:
+    """Recently applied (client id, seq) pairs, bounded, in application order."""
+
+    def __init__(self, limit: int = DEFAULT_DEDUP_LIMIT) -> None:
+        self.limit = limit
+        self._seen: OrderedDict[ClientKey, int] = OrderedDict()  # key -> batch seq
+
+    def batch_of(self, key: ClientKey | None) -> int | None:
+        return None if key is None else self._seen.get(key)
+
+    def record(self, batch: Batch) -> None:
+        for key in batch.clients:
+            if key is not None:
+                self._seen[key] = batch.seq
+        while len(self._seen) > self.limit:
+            self._seen.popitem(last=False)
+
+    def to_list(self) -> list[list[Any]]:
+        return [[c, s, b] for (c, s), b in self._seen.items()]
+
+    @classmethod
+    def from_list(cls, items: Iterable[Sequence[Any]], limit: int = DEFAULT_DEDUP_LIMIT) -> Dedup:
+        d = cls(limit)
+        for c, s, b in items:
+            d._seen[(str(c), int(s))] = int(b)
+        return d
+
+
+@dataclass
+class BucketReplica:
+    """Replication state of one bucket on one server. Mutated only through its methods."""
+
+    server: str
+    bucket: int
+    #: the controller's record as this server last learned it
+    assignment: Assignment = field(default_factory=lambda: Assignment(0, None))
+    #: seq of the last batch applied here
+    committed: int = 0
+    #: seq -> batch, prepared here but not yet committed (secondary side, and in-doubt rounds)
+    prepared: dict[int, Batch] = field(default_factory=dict)
+    log_limit: int = DEFAULT_LOG_LIMIT
+    dedup: Dedup = field(default_factory=Dedup)
+    #: committed batches, newest last, for lagging members
+    log: deque[Batch] = field(default_factory=deque)
+    # -- primary side --
+    #: pushes waiting for the next round
+    pending: list[_Pending] = field(default_factory=list)
+    #: the round in flight: its batch and waiters
+    inflight: tuple[Batch, list[_Pending]] | None = None
+    #: member -> highest seq it acknowledged as prepared
+    acked_prepare: dict[str, int] = field(default_factory=dict)
+    #: member -> highest seq it acknowledged as committed
+    acked_commit: dict[str, int] = field(default_factory=dict)
+    #: committed locally, waiting for members' commit acks: seq -> waiters
+    awaiting_commit: dict[int, list[_Pending]] = field(default_factory=dict)
+    #: a promoted primary must first re-replicate the in-doubt batches it holds
+    needs_recovery: bool = False
+    #: in-doubt batch seq -> waiters of clients that retried a push it carries
+    doubt_waiters: dict[int, list[_Pending]] = field(default_factory=dict)
+
+    # -- roles ---------------------------------------------------------------------------------
+
+    @property
+    def is_primary(self) -> bool:
+        return self.assignment.primary == self.server
+
+    @property
+    def is_secondary(self) -> bool:
+        return self.server in self.assignment.secondaries
+
+    @property
+    def prepared_seq(self) -> int:
+        """Highest seq held without a hole (committed, then prepared): what a role-change
+        proposal reports. Prepared batches past a hole are of no use and never counted."""
+        seq = self.committed
+        while seq + 1 in self.prepared:
+            seq += 1
+        return seq
+
+    def on_assignment(self, new: Assignment) -> list[Any]:
+        """The controller's record changed. Returns the waiters of pushes this server can no
+        longer see through, when it stopped being the primary. Their outcome is UNKNOWN (a batch
+        in flight may still be committed by the next primary): the shell answers them with a
+        retryable error (not_primary), and the client's retry with the same (client id, seq) is
+        applied exactly once wherever the batch ended."""
+        if new.epoch < self.assignment.epoch:
+            return []  # an old message arriving late
+        was_primary = self.is_primary
+        old_epoch = self.assignment.epoch
+        self.assignment = new
+        failed: list[Any] = []
+        if was_primary and not self.is_primary:
+            failed = [p.waiter for p in self.pending]
+            if self.inflight is not None:
+                failed += [p.waiter for p in self.inflight[1]]
+            for waiters in self.awaiting_commit.values():
+                failed += [p.waiter for p in waiters]
+            for waiters in self.doubt_waiters.values():
+                failed += [p.waiter for p in waiters]
+            self.pending, self.inflight, self.awaiting_commit, self.doubt_waiters = [], None, {}, {}
+        if self.is_primary:
+            members = set(new.secondaries)
+            self.acked_prepare = {m: v for m, v in self.acked_prepare.items() if m in members}
+            self.acked_commit = {m: v for m, v in self.acked_commit.items() if m in members}
+            if not was_primary or new.epoch != old_epoch:
+                # Promoted (or re-leased under a new epoch): finish in-doubt rounds first, and
+                # learn each member's position afresh (its first reply tells).
+                self.needs_recovery = True
+                self.acked_prepare = dict.fromkeys(members, -1)
+                self.acked_commit = dict.fromkeys(members, -1)
+            if self.inflight is not None and new.epoch != old_epoch:
+                # The round in flight was prepared under the old epoch; resend under the new one.
+                batch, waiters = self.inflight
+                self.inflight = (Batch(batch.seq, new.epoch, batch.updates, batch.clients), waiters)
+        return failed
+
+    def recover(self) -> None:
+        """A newly promoted primary keeps the in-doubt batches it holds without a hole, re-stamped
+        with its epoch: next_round() replicates them before any new batch."""
+        self.needs_recovery = False
+        top = self.prepared_seq
+        epoch = self.assignment.epoch
+        self.prepared = {
+            s: Batch(s, epoch, b.updates, b.clients) for s, b in self.prepared.items() if s <= top
+        }
+
+    # -- primary: client pushes ----------------------------------------------------------------
+
+    def submit(self, update: Any, client: ClientKey | None, waiter: Any) -> Reject | str:
+        """A client push. Returns "queued", "duplicate-committed" (ack at once), "duplicate-
+        inflight" (the shell waits for the earlier copy) or a Reject."""
+        if not self.is_primary:
+            return Reject(
+                "not_primary",
+                f"bucket {self.bucket} has primary {self.assignment.primary!r}",
+                self.assignment.epoch,
+            )
+        seen = self.dedup.batch_of(client)
+        if seen is not None:
+            return "duplicate-committed"
+        if client is not None:
+            # A retry of a push that is in a round not yet committed: wait for that round.
+            if self.inflight is not None and client in self.inflight[0].clients:
+                self.inflight[1].append(_Pending(None, client, waiter))
+                return "duplicate-inflight"
+            for b in self.prepared.values():
+                if client in b.clients:
+                    self.doubt_waiters.setdefault(b.seq, []).append(_Pending(None, client, waiter))
+                    return "duplicate-inflight"
+            if any(p.client == client for p in self.pending):
+                self.pending.append(_Pending(None, client, waiter))
+                return "duplicate-inflight"
+        self.pending.append(_Pending(update, client, waiter))
+        return "queued"
+
+    def next_round(self) -> Batch | None:
+        """Starts the next round if none is in flight and pushes wait. The shell then sends
+        prepare_for(member) to every secondary."""
+        if self.inflight is not None or not self.is_primary or self.needs_recovery:
+            return None
+        seq = self.committed + 1
+        if seq in self.prepared:  # an in-doubt batch of the previous primary goes first
+            batch = self.prepared.pop(seq)
+            self.inflight = (batch, self.doubt_waiters.pop(seq, []))
+            return batch
+        fresh = [p for p in self.pending if p.update is not None]
+        if not fresh:
+            return None
+        batch = Batch(
+            seq,
+            self.assignment.epoch,
+            tuple(p.update for p in fresh),
+            tuple(p.client for p in fresh),
+        )
+        self.inflight = (batch, self.pending)
+        self.pending = []
+        return batch
+
+    def prepare_for(self, member: str) -> list[Batch] | None:
+        """The entries to send `member` in this round: what it lacks up to the round's batch.
+        None when its gap reaches past the log (it needs a snapshot: state transfer)."""
+        if self.inflight is None:
+            return []
+        batch = self.inflight[0]
+        have = self.acked_prepare.get(member, -1)
+        start = (self.committed if have < 0 else min(have, self.committed)) + 1
+        entries = self._log_from(start)
+        if entries is None:
+            return None
+        return [*entries, batch]
+
+    def _log_from(self, start: int) -> list[Batch] | None:
+        if start > self.committed:
+            return []
+        if not self.log or self.log[0].seq > start:
+            return None
+        first = self.log[0].seq
+        return list(self.log)[start - first :]
+
+    def on_prepare_ack(self, member: str, seq: int) -> bool:
+        """A member holds everything up to `seq`. True when every member of the recorded set holds
+        the round's batch: the shell then calls commit_round()."""
+        self.acked_prepare[member] = max(self.acked_prepare.get(member, -1), seq)
+        return self.round_prepared()
+
+    def on_member_position(self, member: str, committed: int) -> None:
+        """A member told its committed seq (reply to a prepare that did not fit): resend from there."""
+        self.acked_prepare[member] = committed
+        self.acked_commit[member] = max(self.acked_commit.get(member, -1), committed)
+
+    def round_prepared(self) -> bool:
+        if self.inflight is None:
+            return False
+        seq = self.inflight[0].seq
+        return all(self.acked_prepare.get(m, -1) >= seq for m in self.assignment.secondaries)
+
+    def commit_round(self) -> Apply:
+        """Every member holds the batch: apply it here. The shell then sends COMMIT(epoch, seq)."""
+        assert self.inflight is not None and self.round_prepared()
+        batch, waiters = self.inflight
+        self.inflight = None
+        self._committed(batch)
+        self.awaiting_commit[batch.seq] = waiters
+        return Apply((batch,))
+
+    def on_commit_ack(self, member: str, seq: int) -> list[Any]:
+        """A member committed up to `seq`. Returns the waiters now acknowledged by every member."""
+        self.acked_commit[member] = max(self.acked_commit.get(member, -1), seq)
+        return self.release_acknowledged()
+
+    def release_acknowledged(self) -> list[Any]:
+        """Waiters of batches every current member has committed (also after a member's removal)."""
+        done: list[Any] = []
+        low = min(
+            (self.acked_commit.get(m, -1) for m in self.assignment.secondaries),
+            default=self.committed,
+        )
+        for seq in sorted(self.awaiting_commit):
+            if seq > low:
+                break
+            done += [p.waiter for p in self.awaiting_commit.pop(seq)]
+        return done
+
+    def lagging(self) -> list[str]:
+        """Members that have not acknowledged what is in flight or committed (to report if silent)."""
+        if self.inflight is not None:
+            seq = self.inflight[0].seq
+            return [m for m in self.assignment.secondaries if self.acked_prepare.get(m, -1) < seq]
+        return [
+            m for m in self.assignment.secondaries if self.acked_commit.get(m, -1) < self.committed
+        ]
+
+    # -- secondary: messages from the primary --------------------------------------------------
+
+    def _check_epoch(self, epoch: int, sender: str) -> Reject | None:
+        known = self.assignment.epoch
+        if epoch < known:
+            return Reject(
+                "stale_epoch", f"bucket {self.bucket}: epoch {epoch} < current {known}", known
+            )
+        if epoch > known:
+            return Reject(
+                "unavailable",
+                f"bucket {self.bucket}: epoch {epoch} not yet known here (have {known})",
+                known,
+            )
+        if sender != self.assignment.primary:
+            return Reject(
+                "stale_epoch",
+                f"bucket {self.bucket}: {sender!r} is not the primary of epoch {epoch}",
+                known,
+            )
+        if not self.is_secondary:
+            return Reject(
+                "conflict", f"bucket {self.bucket}: {self.server} is not a secondary", known
+            )
+        return None
+
+    def on_prepare(
+        self, sender: str, epoch: int, entries: Sequence[Batch]
+    ) -> Reject | tuple[str, int]:
+        """PREPARE from the primary. Returns ("ok", highest seq held) or ("gap", committed seq: resend
+        from there) or a Reject (unavailable: ask the controller for the new epoch, then retry)."""
+        rej = self._check_epoch(epoch, sender)
+        if rej is not None:
+            return rej
+        for b in entries:
+            if b.seq <= self.committed:
+                continue  # already applied (a resend)
+            self.prepared[b.seq] = b  # a resend under a newer epoch replaces the older copy
+        # Drop prepared batches above what the primary sends: a deposed primary's round that was
+        # never committed anywhere (the new primary did not hold it).
+        top = entries[-1].seq if entries else self.committed
+        for s in [s for s in self.prepared if s > top]:
+            del self.prepared[s]
+        expected = self.committed + 1
+        while expected in self.prepared:
+            expected += 1
+        if any(s > expected for s in self.prepared):
+            return ("gap", self.committed)
+        return ("ok", expected - 1)
+
+    def on_commit(self, sender: str, epoch: int, seq: int) -> Reject | Apply | tuple[str, int]:
+        """COMMIT up to `seq`: the batches to apply, in order, or ("gap", committed)."""
+        rej = self._check_epoch(epoch, sender)
+        if rej is not None:
+            return rej
+        if seq <= self.committed:
+            return Apply(())
+        if any(s not in self.prepared for s in range(self.committed + 1, seq + 1)):
+            return ("gap", self.committed)
+        return self._commit_prepared_upto(seq)
+
+    def _commit_prepared_upto(self, seq: int) -> Apply:
+        batches = []
+        for s in range(self.committed + 1, seq + 1):
+            b = self.prepared.pop(s)
+            self._committed(b)
+            batches.append(b)
+        return Apply(tuple(batches))
+
+    def _committed(self, batch: Batch) -> None:
+        assert batch.seq == self.committed + 1, (batch.seq, self.committed)
+        self.committed = batch.seq
+        self.dedup.record(batch)
+        self.log.append(batch)
+        while len(self.log) > self.log_limit:
+            self.log.popleft()
+
+    # -- state transfer --------------------------------------------------------------------------
+
+    def snapshot_meta(self) -> dict[str, Any]:
+        """What a joining member needs besides the shard values: position and dedup table."""
+        return {"committed": self.committed, "dedup": self.dedup.to_list()}
+
+    def install_snapshot(self, committed: int, dedup: Iterable[Sequence[Any]]) -> None:
+        """Adopt a snapshot taken at `committed` (the shell installs the values)."""
+        self.committed = committed
+        self.prepared = {s: b for s, b in self.prepared.items() if s > committed}
+        self.dedup = Dedup.from_list(dedup, self.dedup.limit)
+        self.log.clear()
