@@ -1,0 +1,1 @@
+"""Trainers: the numpy network engine, Hogwild workers and (later) Downpour SGD replicas."""

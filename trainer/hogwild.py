@@ -1,0 +1,281 @@
+"""Hogwild (Project Adam 3.2.1-3.2.2): several workers update one shared copy of the weights
+without locks.
+
+The weights are one flat float32 buffer. In the default "process" mode it lives in
+``multiprocessing.shared_memory`` and each worker is a spawned process with its own interpreter,
+so the workers' numpy glue code runs in parallel; in "thread" mode the workers are threads of
+this process sharing an ordinary array. benchmarks/trainer.py measures both: on 2 cores processes
+scale 1.7-2x from 1 to 2 workers, threads 0.7x (batch 1) to 1.5x (batch >= 32) because the GIL
+serialises the many small numpy calls between the BLAS calls. Hence processes by default.
+
+Usage::
+
+    with Hogwild(factory, n_workers=2, params=initial) as pool:
+        results = pool.run([task_for_worker0, task_for_worker1])
+        pool.params  # the shared weights, live
+
+``factory(worker_id, params)`` runs once inside each worker and returns its step function
+``handle(task) -> result``; ``params`` is the worker's view of the shared buffer. In process
+mode factory, tasks and results are pickled, so the factory must be importable (a module-level
+function or a functools.partial of one). Each worker's BLAS is pinned to ``blas_threads``
+threads: two workers on two cores with two BLAS threads each would oversubscribe the cores.
+
+Workers stop on ``close()``; a process worker also stops by itself within about a second when
+its parent dies, so a SIGKILLed trainer leaves no orphans behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import multiprocessing as mp
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+MODES = ("process", "thread")
+#: chosen by benchmarks/trainer.py (see the module docstring)
+DEFAULT_MODE = "process"
+
+Handle = Callable[[Any], Any]
+WorkerFactory = Callable[[int, np.ndarray], Handle]
+
+_STOP = "__hogwild_stop__"
+_POLL_S = 0.5  # how often an idle worker checks that its parent is still alive
+
+
+def _release(shm: shared_memory.SharedMemory) -> None:
+    """Close a segment's mapping, or, while numpy views of it are alive, hand the mapping
+    over to them (it is unmapped with the last view) instead of raising BufferError now or
+    from SharedMemory.__del__ later."""
+    try:
+        shm.close()
+    except BufferError:
+        shm._buf = None  # type: ignore[attr-defined]
+        shm._mmap = None  # type: ignore[attr-defined]
+
+
+class HogwildError(RuntimeError):
+    """A worker failed (its traceback is in the message) or died."""
+
+
+def _serve(
+    worker_id: int,
+    factory: WorkerFactory,
+    params: np.ndarray,
+    tasks: Any,
+    results: Any,
+    parent_alive: Callable[[], bool],
+) -> None:
+    """A worker's loop: build the step function, then run tasks until told to stop."""
+    try:
+        handle = factory(worker_id, params)
+    except BaseException:
+        results.put((worker_id, "error", traceback.format_exc()))
+        return
+    results.put((worker_id, "ready", None))
+    while True:
+        try:
+            task = tasks.get(timeout=_POLL_S)
+        except queue.Empty:
+            if not parent_alive():
+                return
+            continue
+        if isinstance(task, str) and task == _STOP:
+            return
+        try:
+            results.put((worker_id, "ok", handle(task)))
+        except BaseException:
+            results.put((worker_id, "error", traceback.format_exc()))
+
+
+def _process_main(
+    worker_id: int,
+    shm_name: str,
+    n: int,
+    factory: WorkerFactory,
+    tasks: Any,
+    results: Any,
+    blas_threads: int,
+) -> None:
+    threadpool_limits(blas_threads)
+    # Attaching registers the name with the resource tracker again; a spawned child shares
+    # its parent's tracker, whose registry is a set, so that is a no-op (unregistering here
+    # would make the parent's unlink fail), and the parent's unlink stays the one release.
+    shm = shared_memory.SharedMemory(name=shm_name)
+    params = np.ndarray((n,), dtype=np.float32, buffer=shm.buf)
+    parent = mp.parent_process()
+    try:
+        _serve(
+            worker_id,
+            factory,
+            params,
+            tasks,
+            results,
+            lambda: parent is None or parent.is_alive(),
+        )
+    finally:
+        del params
+        gc.collect()
+        _release(shm)
+
+
+class Hogwild:
+    """N workers sharing one flat float32 parameter buffer, updated without locks.
+
+    The pool object is used from one thread. ``params`` may be read or overwritten by that
+    thread at any time (e.g. with parameters fetched from a parameter server); the workers
+    see the change at once, as they see each other's updates.
+    """
+
+    def __init__(
+        self,
+        factory: WorkerFactory,
+        n_workers: int,
+        params: np.ndarray,
+        mode: str = DEFAULT_MODE,
+        blas_threads: int = 1,
+        start_timeout: float = 60.0,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if n_workers < 1:
+            raise ValueError("n_workers must be >= 1")
+        params = np.asarray(params)
+        if params.ndim != 1 or params.dtype != np.float32:
+            raise ValueError("params must be a flat float32 array")
+        self.mode = mode
+        self.n_workers = n_workers
+        self._shm: shared_memory.SharedMemory | None = None
+        self._limits: Any = None
+        self._workers: list[Any] = []
+        self._closed = False
+        if mode == "process":
+            ctx = mp.get_context("spawn")  # fork is unsafe once the trainer runs threads
+            self._shm = shared_memory.SharedMemory(create=True, size=max(params.nbytes, 1))
+            #: the shared weights
+            self.params: np.ndarray = np.ndarray(params.shape, np.float32, buffer=self._shm.buf)
+            self.params[...] = params
+            self._results: Any = ctx.Queue()
+            self._tasks: list[Any] = [ctx.Queue() for _ in range(n_workers)]
+            for i in range(n_workers):
+                proc = ctx.Process(
+                    target=_process_main,
+                    args=(
+                        i,
+                        self._shm.name,
+                        params.size,
+                        factory,
+                        self._tasks[i],
+                        self._results,
+                        blas_threads,
+                    ),
+                    name=f"hogwild-{i}",
+                    daemon=True,
+                )
+                self._workers.append(proc)
+        else:
+            # threadpoolctl's limit is process wide: it holds for the pool's lifetime
+            self._limits = threadpool_limits(blas_threads)
+            self.params = params.copy()
+            self._results = queue.Queue()
+            self._tasks = [queue.Queue() for _ in range(n_workers)]
+            for i in range(n_workers):
+                thread = threading.Thread(
+                    target=_serve,
+                    args=(i, factory, self.params, self._tasks[i], self._results, lambda: True),
+                    name=f"hogwild-{i}",
+                    daemon=True,
+                )
+                self._workers.append(thread)
+        try:
+            for w in self._workers:
+                w.start()
+            self._collect(["ready"] * n_workers, start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def pids(self) -> list[int]:
+        """Process ids of the workers (empty in thread mode)."""
+        return [w.pid for w in self._workers] if self.mode == "process" else []
+
+    def _collect(self, expected: list[str], timeout: float | None) -> list[Any]:
+        out: list[Any] = [None] * len(expected)
+        pending = set(range(len(expected)))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            try:
+                wid, kind, value = self._results.get(timeout=_POLL_S)
+            except queue.Empty:
+                for i in pending:
+                    if not self._workers[i].is_alive():
+                        code = getattr(self._workers[i], "exitcode", None)
+                        raise HogwildError(f"worker {i} died (exit code {code})") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise HogwildError(f"workers {sorted(pending)} timed out") from None
+                continue
+            if kind == "error":
+                raise HogwildError(f"worker {wid} failed:\n{value}")
+            if kind != expected[wid]:
+                raise HogwildError(f"worker {wid}: expected {expected[wid]}, got {kind}")
+            out[wid] = value
+            pending.discard(wid)
+        return out
+
+    def run(self, tasks: Sequence[Any], timeout: float | None = None) -> list[Any]:
+        """Give task i to worker i (all run concurrently); return their results in order."""
+        if self._closed:
+            raise HogwildError("the pool is closed")
+        if len(tasks) != self.n_workers:
+            raise ValueError(f"need one task per worker ({self.n_workers}), got {len(tasks)}")
+        for q, task in zip(self._tasks, tasks, strict=True):
+            q.put(task)
+        return self._collect(["ok"] * self.n_workers, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the workers (terminating any that do not stop in time) and free the buffer."""
+        if self._closed:
+            return
+        self._closed = True
+        for q, w in zip(self._tasks, self._workers, strict=False):
+            if w.is_alive():
+                q.put(_STOP)
+        deadline = time.monotonic() + timeout
+        for w in self._workers:
+            with contextlib.suppress(AssertionError):  # a worker that never started
+                w.join(max(0.0, deadline - time.monotonic()))
+        if self.mode == "process":
+            for w in self._workers:
+                if w.is_alive():
+                    w.terminate()
+                    w.join(2.0)
+                if w.is_alive():
+                    w.kill()
+                    w.join(2.0)
+            for q in [*self._tasks, self._results]:
+                q.close()
+                q.join_thread()
+            if self._shm is not None:
+                # the final values stay readable after close, out of shared memory
+                self.params = np.array(self.params)
+                gc.collect()
+                _release(self._shm)
+                self._shm.unlink()
+                self._shm = None
+        elif self._limits is not None:
+            self._limits.restore_original_limits()
+            self._limits = None
+
+    def __enter__(self) -> Hogwild:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
