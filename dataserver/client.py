@@ -1,0 +1,376 @@
+"""The trainer's side of the data servers: a prefetching batch iterator with failover.
+
+    client = DataClient(["http://127.0.0.1:7300", "http://127.0.0.1:7301"], token)
+    with client.epoch(replica=0, n_replicas=2, epoch=3, batch_size=128) as batches:
+        for b in batches:          # b.x uint8 [b,28,28], b.y int64 [b], b.index int64 [b]
+            ...
+
+A background thread reads batches ahead into a bounded queue (Project Adam 3.1: trainers request
+images in advance so the training threads never wait). When the dataset is split into slices,
+the thread interleaves the slices' streams batch by batch. When a data server dies (connection
+refused or reset, stream cut before its end frame, read timeout, 5xx), the stream is reopened on
+another server of the same slice at the position the client reached: no image of the epoch is
+repeated or skipped. Not thread-safe: one iterator is consumed by one thread.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import queue
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from adamps import protocol
+from adamps.protocol import ProtocolError
+from dataserver.framing import Batch, read_frame
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Batch", "BatchIterator", "DataClient", "DataServerError"]
+
+_RETRYABLE = (OSError, EOFError, http.client.HTTPException)
+
+
+class DataServerError(Exception):
+    """A stream cannot be served: bad request, inconsistent servers, or no server answered in time."""
+
+
+@dataclass
+class ServerInfo:
+    url: str
+    slice_index: int
+    n_slices: int
+    fingerprint: str
+
+
+@dataclass
+class _Progress:
+    failovers: int = 0
+    servers: list[str] = field(default_factory=list)  #: url of each stream opened, in order
+
+
+class DataClient:
+    """Knows the data servers; opens epoch iterators over them."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        token: str,
+        *,
+        timeout: float = 10.0,
+        failover_timeout: float = 30.0,
+    ) -> None:
+        if not urls:
+            raise ValueError("at least one data server url is needed")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.token = token
+        self.timeout = timeout  #: socket timeout: a server silent this long is treated as dead
+        self.failover_timeout = (
+            failover_timeout  #: give up after this long without any server of a slice
+        )
+
+    def discover(self) -> dict[int, list[ServerInfo]]:
+        """Asks every server for its slice; returns slice index -> servers. Unreachable ones are left out."""
+        groups: dict[int, list[ServerInfo]] = {}
+        n_slices: set[int] = set()
+        errors = []
+        for url in self.urls:
+            try:
+                st = _get_json(url, "/status", self.timeout)
+                info = ServerInfo(
+                    url, int(st["slice"][0]), int(st["slice"][1]), str(st["fingerprint"])
+                )
+            except (*_RETRYABLE, ValueError, KeyError, TypeError) as exc:
+                errors.append(f"{url}: {exc}")
+                continue
+            groups.setdefault(info.slice_index, []).append(info)
+            n_slices.add(info.n_slices)
+        if not groups:
+            raise DataServerError("no data server answered: " + "; ".join(errors))
+        if len(n_slices) > 1:
+            raise DataServerError(f"data servers disagree on n_slices: {sorted(n_slices)}")
+        return groups
+
+    def epoch(
+        self,
+        replica: int,
+        n_replicas: int,
+        epoch: int,
+        *,
+        batch_size: int = 128,
+        split: str = "train",
+        prefetch: int = 8,
+    ) -> BatchIterator:
+        """An iterator over replica `replica`'s batches of `epoch` (all slices), read ahead in a thread."""
+        return BatchIterator(self, replica, n_replicas, epoch, batch_size, split, prefetch)
+
+
+class _SliceStream:
+    """One slice's stream of an epoch; resumes at `position` on another server of the slice."""
+
+    def __init__(
+        self,
+        client: DataClient,
+        slice_index: int,
+        urls: list[str],
+        req: dict[str, Any],
+        progress: _Progress,
+    ):
+        self.client = client
+        self.slice_index = slice_index
+        self.req = req
+        self.progress = progress
+        # Start on a different server for each replica: the servers of a slice share the load.
+        shift = req["replica"] % len(urls)
+        self.urls = urls[shift:] + urls[:shift]
+        self.position = 0
+        self.total: int | None = None
+        self.fingerprint: str | None = None
+        self._conn: http.client.HTTPConnection | None = None
+        self._resp: http.client.HTTPResponse | None = None
+        self._current = 0  #: index in self.urls of the server in use
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = self._resp = None
+
+    def next_batch(self) -> Batch | None:
+        """The next batch, or None at the end of the stream."""
+        while True:
+            if self._resp is None:
+                self._open()
+            assert self._resp is not None
+            try:
+                msg = read_frame(self._resp.read)
+            except (*_RETRYABLE, ProtocolError) as exc:
+                self._lost(exc)
+                continue
+            kind = msg.get("type")
+            if kind == "batch":
+                return self._accept(msg)
+            if kind == "end":
+                if msg.get("position") != self.total or self.position != self.total:
+                    raise DataServerError(
+                        f"stream ended at {msg.get('position')}, client at {self.position} of {self.total}"
+                    )
+                self.close()
+                return None
+            if kind == "error":
+                self._lost(DataServerError(f"server error in stream: {msg.get('message')}"))
+                continue
+            raise DataServerError(f"unexpected frame type {kind!r}")
+
+    def _accept(self, msg: dict[str, Any]) -> Batch:
+        x, y, index, pos = msg.get("x"), msg.get("y"), msg.get("index"), msg.get("position")
+        if pos != self.position:
+            raise DataServerError(
+                f"batch at position {pos}, expected {self.position}: server out of step"
+            )
+        if (
+            not all(hasattr(a, "shape") for a in (x, y, index))
+            or not len(x) == len(y) == len(index) > 0
+        ):
+            raise DataServerError("batch frame lacks x/y/index arrays of one length")
+        self.position += len(y)
+        return Batch(pos, x, y, index)
+
+    def _lost(self, exc: BaseException) -> None:
+        url = self.urls[self._current]
+        log.warning(
+            "data server %s lost at position %d (%s); failing over", url, self.position, exc
+        )
+        self.close()
+        self.progress.failovers += 1
+        self._current = (self._current + 1) % len(self.urls)
+
+    def _open(self) -> None:
+        """Opens the stream at self.position on the first server of the slice that answers."""
+        deadline = time.monotonic() + self.client.failover_timeout
+        delay = 0.05
+        last: BaseException | None = None
+        while True:
+            for _ in range(len(self.urls)):
+                url = self.urls[self._current]
+                try:
+                    self._open_on(url)
+                    self.progress.servers.append(url)
+                    return
+                except _Skip as exc:
+                    last = exc
+                    self.close()
+                    log.info("data server %s unusable: %s", url, exc)
+                    self._current = (self._current + 1) % len(self.urls)
+            if time.monotonic() > deadline:
+                raise DataServerError(
+                    f"no data server of slice {self.slice_index} served the stream for "
+                    f"{self.client.failover_timeout} s; last error: {last}"
+                )
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+
+    def _open_on(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.client.timeout)
+        self._conn = conn
+        fields = dict(self.req, start=self.position)
+        if self.fingerprint is not None:
+            fields["fingerprint"] = self.fingerprint
+        body = protocol.encode(protocol.request("stream", **fields))
+        headers = {
+            "Authorization": f"Bearer {self.client.token}",
+            "Content-Type": "application/msgpack",
+        }
+        try:
+            conn.request("POST", "/stream", body=body, headers=headers)
+            resp = conn.getresponse()
+        except _RETRYABLE as exc:
+            raise _Skip(f"{type(exc).__name__}: {exc}") from exc
+        if resp.status != 200:
+            err = protocol.error_from_body(resp.status, resp.read())
+            if resp.status >= 500 or err.code == "conflict":
+                raise _Skip(f"HTTP {resp.status} {err.code}: {err.message}")
+            raise DataServerError(
+                f"{url} refused the stream: HTTP {resp.status} {err.code}: {err.message}"
+            )
+        try:
+            head = read_frame(resp.read)
+        except (*_RETRYABLE, ProtocolError) as exc:
+            raise _Skip(f"no stream header: {exc}") from exc
+        if head.get("type") != "header":
+            raise _Skip(f"first frame is {head.get('type')!r}, not a header")
+        slice_ = head.get("slice")
+        if slice_ is None or slice_[0] != self.slice_index:
+            raise _Skip(f"server holds slice {slice_}, not {self.slice_index}")
+        if self.fingerprint is None:
+            self.fingerprint, self.total = head["fingerprint"], head["total"]
+        elif head["fingerprint"] != self.fingerprint or head["total"] != self.total:
+            raise _Skip("server holds a different dataset")
+        self._resp = resp
+
+
+class _Skip(Exception):
+    """This server cannot serve the stream now; try the next one."""
+
+
+_END = object()
+
+
+class BatchIterator(Iterator[Batch]):
+    """Batches of one (replica, epoch), read ahead by a background thread into a bounded queue."""
+
+    def __init__(
+        self,
+        client: DataClient,
+        replica: int,
+        n_replicas: int,
+        epoch: int,
+        batch_size: int,
+        split: str,
+        prefetch: int,
+    ) -> None:
+        self.req = {
+            "replica": replica,
+            "n_replicas": n_replicas,
+            "epoch": epoch,
+            "batch_size": batch_size,
+            "split": split,
+        }
+        self.progress = _Progress()
+        self._client = client
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, prefetch))
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"prefetch-e{epoch}-r{replica}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def failovers(self) -> int:
+        """How many times a stream moved to another server."""
+        return self.progress.failovers
+
+    def _run(self) -> None:
+        streams: list[_SliceStream] = []
+        try:
+            groups = self._client.discover()
+            n_slices = next(iter(groups.values()))[0].n_slices
+            missing = sorted(set(range(n_slices)) - set(groups))
+            if missing:
+                raise DataServerError(f"no live data server holds slice(s) {missing}")
+            streams = [
+                _SliceStream(self._client, k, [s.url for s in groups[k]], self.req, self.progress)
+                for k in range(n_slices)
+            ]
+            active = list(streams)
+            while active and not self._stop.is_set():
+                for s in list(active):  # interleave the slices batch by batch
+                    b = s.next_batch()
+                    if b is None:
+                        active.remove(s)
+                    elif not self._put(b):
+                        return
+            self._put(_END)
+        except BaseException as exc:  # handed to the consumer thread
+            self._put(exc)
+        finally:
+            for s in streams:
+                s.close()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._done:
+            raise StopIteration
+        item = self._queue.get()
+        if item is _END:
+            self._done = True
+            self._thread.join()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stops the reader thread (the iterator then ends)."""
+        self._stop.set()
+        self._done = True
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> BatchIterator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _get_json(url: str, path: str, timeout: float) -> dict[str, Any]:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            raise http.client.HTTPException(f"GET {path}: HTTP {resp.status}")
+        return json.loads(body)
+    finally:
+        conn.close()

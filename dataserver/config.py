@@ -1,0 +1,57 @@
+"""The data server's configuration (TOML table ``[dataserver]``, env ``ADAMPS_DATASERVER_<FIELD>``, flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adamps.config import default_token, field
+
+
+@dataclass
+class DataServerConfig:
+    host: str = field("127.0.0.1", help="address to listen on")
+    port: int = field(7300, help="HTTP port (0: let the kernel pick; the chosen port is logged)")
+    token: str = field("", help="cluster token required on /stream (Authorization: Bearer <token>)")
+    source: str = field(
+        "builtin",
+        help="dataset: builtin | mnist:DIR | folder:DIR | npz:FILE | a path (kind guessed)",
+    )
+    holdout: float = field(
+        0.2, help="held-out fraction per class for sources without their own test split"
+    )
+    color: bool = field(False, help="decode image folders as RGB instead of grayscale")
+    slice_index: int = field(
+        0,
+        help="which slice of the dataset this server holds (the images whose index mod n_slices is slice_index)",
+    )
+    n_slices: int = field(1, help="number of slices the data servers split the dataset into")
+    seed: int = field(
+        1234, help="seed of the per-epoch order and augmentation (the same on every data server)"
+    )
+    augment: bool = field(True, help="augment training images (held-out images never are)")
+    max_shift: float = field(2.0, help="largest random translation in pixels, per axis")
+    max_rotation: float = field(15.0, help="largest random rotation in degrees")
+    reflect: bool = field(False, help="random horizontal reflection (off for digits)")
+    workers: int = field(
+        1, help="augmentation worker processes (0: a thread in the server process)"
+    )
+    ahead: int = field(2, help="augmented epochs kept computed ahead of the newest requested one")
+    chunk: int = field(1024, help="images per augmentation job")
+    cache_bytes: int = field(
+        1 << 30, help="memory bound of the image cache (decoded images + augmented epochs), bytes"
+    )
+    max_batch: int = field(4096, help="largest batch_size a stream may ask for")
+    max_body: int = field(1 << 20, help="largest request body in bytes")
+    log_level: str = field("INFO", help="logging level")
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            self.token = default_token()
+        if self.n_slices < 1 or not 0 <= self.slice_index < self.n_slices:
+            raise ValueError(
+                f"slice_index {self.slice_index} must be in [0, n_slices={self.n_slices})"
+            )
+        if self.workers < 0 or self.ahead < 0 or self.chunk < 1 or self.max_batch < 1:
+            raise ValueError("workers and ahead must be >= 0, chunk and max_batch >= 1")
+        if self.max_shift < 0 or self.max_rotation < 0:
+            raise ValueError("max_shift and max_rotation must be >= 0")
