@@ -1,0 +1,329 @@
+"""The client library of the parameter servers: routing, retries, exactly-once pushes.
+
+A ``PSClient`` knows the model's layout (tensors -> shards -> buckets, adamps.layout) and a routing
+table (bucket -> primary server). It splits each pull and push by server, sends the parts, and joins
+the answers. The routing table comes from a ``RoutingSource``: the controllers' table (any
+controller answers it), or a static list of servers each holding its configured buckets.
+
+Every push carries (client id, sequence number). On "not primary", "unavailable" or a connection
+error the client refreshes its routing table and retries the same (client id, seq) until its
+deadline: a server that already applied the push recognises it and does not apply it again, also
+after a failover, so a retried push is applied exactly once.
+
+Thread-safe: each thread gets its own keep-alive connections (trainers pull and push from
+background threads).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from adamps.layout import Layout, Shard, TensorSpec
+from adamps.rpc import RpcError, SyncRpc
+
+log = logging.getLogger(__name__)
+
+#: error codes after which a refreshed routing table may lead to success
+RETRYABLE = frozenset({"not_primary", "stale_epoch", "unavailable", "timeout", "no_quorum"})
+
+
+@dataclass(frozen=True)
+class Route:
+    bucket: int
+    #: base URL of the bucket's primary
+    primary: str
+    epoch: int = 0
+    #: base URLs of the secondaries (creates go to every replica)
+    secondaries: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Routing:
+    version: int
+    routes: Mapping[int, Route]
+
+    def servers(self) -> list[str]:
+        """Every server that holds a replica of some bucket."""
+        seen: dict[str, None] = {}
+        for r in self.routes.values():
+            seen[r.primary] = None
+            for s in r.secondaries:
+                seen[s] = None
+        return list(seen)
+
+
+class RoutingSource(Protocol):
+    def fetch(self, rpc_for: Any) -> Routing: ...
+
+
+class StaticRouting:
+    """Servers that each hold a fixed set of buckets (their `buckets` config): no controller."""
+
+    def __init__(self, servers: Sequence[str], n_buckets: int) -> None:
+        if not servers:
+            raise ValueError("StaticRouting needs at least one server URL")
+        self.servers = [normalize_url(s) for s in servers]
+        self.n_buckets = n_buckets
+
+    def fetch(self, rpc_for: Any) -> Routing:
+        routes: dict[int, Route] = {}
+        for url in self.servers:
+            status = rpc_for(url).get_json("/status")
+            held = status.get("buckets")
+            buckets = range(self.n_buckets) if held in (None, "all") else held
+            for b in buckets:
+                routes.setdefault(int(b), Route(int(b), url))
+        return Routing(0, routes)
+
+
+class ControllerRouting:
+    """The controllers' routing table (GET /routing on any controller; tries each in turn)."""
+
+    def __init__(self, controllers: Sequence[str]) -> None:
+        if not controllers:
+            raise ValueError("ControllerRouting needs at least one controller URL")
+        self.controllers = [normalize_url(c) for c in controllers]
+
+    def fetch(self, rpc_for: Any) -> Routing:
+        errors = []
+        for url in self.controllers:
+            try:
+                table = rpc_for(url).get_json("/routing")
+            except (ConnectionError, TimeoutError, RpcError) as exc:
+                errors.append(f"{url}: {exc}")
+                continue
+            return routing_from_table(table)
+        raise ConnectionError("no controller answered the routing table: " + "; ".join(errors))
+
+
+def routing_from_table(table: Mapping[str, Any]) -> Routing:
+    """A Routing from the controller's JSON table (docs/protocol-controller.md)."""
+    routes = {}
+    for entry in table.get("buckets", []):
+        primary = entry.get("primary_address")
+        if not primary:
+            continue
+        routes[int(entry["bucket"])] = Route(
+            int(entry["bucket"]),
+            normalize_url(primary),
+            int(entry.get("epoch", 0)),
+            tuple(normalize_url(a) for a in entry.get("secondary_addresses", [])),
+        )
+    return Routing(int(table.get("version", 0)), routes)
+
+
+def normalize_url(addr: str) -> str:
+    return (addr if "://" in addr else f"http://{addr}").rstrip("/")
+
+
+class PushOutcomeUnknown(Exception):
+    """A push that could not be confirmed before the deadline: it may or may not be applied."""
+
+
+class PSClient:
+    """Pull and push whole tensors of a model held by the parameter servers."""
+
+    def __init__(
+        self,
+        routing: RoutingSource,
+        layout: Layout,
+        token: str | None = None,
+        *,
+        client_id: str | None = None,
+        timeout: float = 30.0,
+        retry_for: float = 30.0,
+    ) -> None:
+        self.source = routing
+        self.layout = layout
+        self.token = token if token is not None else os.environ.get("ADAMPS_TOKEN")
+        #: identifies this client's pushes for deduplication; unique per PSClient
+        self.client_id = client_id or f"{uuid.uuid4().hex[:12]}-{os.getpid()}"
+        self.timeout = timeout
+        self.retry_for = retry_for
+        self._seq = itertools.count(1)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._routing: Routing | None = None
+        #: every connection of every thread, so that close() can close them all
+        self._all_rpcs: list[SyncRpc] = []
+        self.retries = 0
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _rpc(self, url: str) -> SyncRpc:
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        rpc = conns.get(url)
+        if rpc is None:
+            rpc = conns[url] = SyncRpc(url, self.token, self.timeout)
+            with self._lock:
+                self._all_rpcs.append(rpc)
+        return rpc
+
+    def routing(self, refresh: bool = False) -> Routing:
+        routing = self._routing
+        if routing is None or refresh:
+            routing = self._routing = self.source.fetch(self._rpc)
+        return routing
+
+    def _primary(self, shard: Shard, routing: Routing) -> str:
+        bucket = self.layout.bucket_of[shard.id]
+        route = routing.routes.get(bucket)
+        if route is None:
+            raise RpcError("unavailable", f"bucket {bucket} has no primary in the routing table")
+        return route.primary
+
+    def _by_server(self, shards: Iterable[Shard], routing: Routing) -> dict[str, list[Shard]]:
+        groups: dict[str, list[Shard]] = {}
+        for s in shards:
+            groups.setdefault(self._primary(s, routing), []).append(s)
+        return groups
+
+    def _with_retry(self, fn: Any) -> Any:
+        """Runs fn(routing) until it succeeds, refreshing the routing table after retryable errors."""
+        deadline = time.monotonic() + self.retry_for
+        delay = 0.05
+        refresh = False
+        while True:
+            try:
+                return fn(self.routing(refresh))
+            except (RpcError, ConnectionError, TimeoutError) as exc:
+                retryable = not isinstance(exc, RpcError) or exc.code in RETRYABLE
+                if not retryable or time.monotonic() + delay > deadline:
+                    raise
+                self.retries += 1
+                log.debug("retrying after %s", exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                refresh = True
+
+    # -- model definition ------------------------------------------------------------------------
+
+    def create(
+        self,
+        spec: TensorSpec,
+        init: Mapping[str, Any] | None = None,
+        optimizer: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Creates the tensor on every server holding a replica of one of its shards (idempotent:
+        creating it again with the same definition is fine). Initial values are derived from a
+        seeded description, so every replica starts identical."""
+        if spec.name not in self.layout.tensors:
+            self.layout = self.layout.with_tensor(spec)
+        fields: dict[str, Any] = {"name": spec.name, "shape": list(spec.shape)}
+        if init is not None:
+            fields["init"] = dict(init)
+        if optimizer is not None:
+            fields["optimizer"] = dict(optimizer)
+
+        def go(routing: Routing) -> None:
+            buckets = self.layout.buckets_of_tensor(spec.name)
+            targets: dict[str, None] = {}
+            for b in buckets:
+                r = routing.routes.get(b)
+                if r is None:
+                    raise RpcError("unavailable", f"bucket {b} has no primary in the routing table")
+                targets[r.primary] = None
+                for s in r.secondaries:
+                    targets[s] = None
+            for url in targets:
+                self._rpc(url).call("create", **fields)
+
+        self._with_retry(go)
+
+    # -- pull ------------------------------------------------------------------------------------
+
+    def pull(
+        self, names: Sequence[str], out: Mapping[str, np.ndarray] | None = None
+    ) -> tuple[dict[str, np.ndarray], dict[str, list[int]]]:
+        """The current values of tensors `names` (into `out` arrays when given) and their per-shard
+        version counters."""
+        result = {n: (out[n] if out is not None and n in out else np.empty(self.layout.tensors[n].shape, np.float32))
+                  for n in names}  # fmt: skip
+        versions: dict[str, list[int]] = {n: [0] * len(self.layout.shards_of[n]) for n in names}
+        shards = [s for n in names for s in self.layout.shards_of[n]]
+
+        def go(routing: Routing) -> None:
+            for url, group in self._by_server(shards, routing).items():
+                reply = self._rpc(url).call("pull", shards=[s.id for s in group])
+                for s in group:
+                    result[s.tensor].reshape(-1)[s.start : s.stop] = reply["shards"][s.id].reshape(
+                        -1
+                    )
+                    versions[s.tensor][s.index] = int(reply["versions"][s.id])
+
+        self._with_retry(go)
+        return result, versions
+
+    # -- push ------------------------------------------------------------------------------------
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def push_dense(self, name: str, delta: np.ndarray, seq: int | None = None) -> None:
+        """w -= lr * delta on the servers (lr and optimizer of the tensor). Applied exactly once."""
+        seq = self.next_seq() if seq is None else seq
+        parts = self.layout.split(name, np.ascontiguousarray(delta, dtype=np.float32))
+        by_id = {s.id: p for s, p in zip(self.layout.shards_of[name], parts, strict=True)}
+        done: set[str] = set()
+
+        def go(routing: Routing) -> None:
+            todo = [s for s in self.layout.shards_of[name] if s.id not in done]
+            for url, group in self._by_server(todo, routing).items():
+                self._rpc(url).call(
+                    "push_dense",
+                    shards={s.id: by_id[s.id] for s in group},
+                    client=self.client_id,
+                    seq=seq,
+                )
+                done.update(s.id for s in group)
+
+        self._with_retry(go)
+
+    def push_fc(self, name: str, a: np.ndarray, e: np.ndarray, seq: int | None = None) -> None:
+        """W -= lr * e.T @ a for a fully connected layer's M x N weight, computed by the servers
+        from k activation vectors `a` (k x N) and error vectors `e` (k x M). Applied exactly once."""
+        seq = self.next_seq() if seq is None else seq
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        e = np.ascontiguousarray(e, dtype=np.float32)
+        done: set[str] = set()
+
+        def go(routing: Routing) -> None:
+            todo = [s for s in self.layout.shards_of[name] if s.id not in done]
+            for url, group in self._by_server(todo, routing).items():
+                self._rpc(url).call(
+                    "push_fc",
+                    tensor=name,
+                    a=a,
+                    e=e,
+                    shards=[s.id for s in group],
+                    client=self.client_id,
+                    seq=seq,
+                )
+                done.update(s.id for s in group)
+
+        self._with_retry(go)
+
+    def close(self) -> None:
+        """Closes every thread's connections (call when no thread uses the client any more)."""
+        with self._lock:
+            rpcs, self._all_rpcs = self._all_rpcs, []
+        for rpc in rpcs:
+            rpc.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
