@@ -31,7 +31,7 @@ import numpy as np
 
 from adamps.layout import MAX_SHARD_ELEMS, Layout, Shard, TensorSpec, stable_bucket
 from adamps.server import optim
-from adamps.server.optim import Dense, Fc, Optimizer, Scratch
+from adamps.server.optim import Fc, Optimizer, Scratch
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,8 @@ class Store:
             threading.Thread(target=self._run, args=(i,), name=f"adamps-owner-{i}", daemon=True)
             for i in range(owner_threads)
         ]
-        self.applied = {"dense": 0, "fc": 0}  # approximate (owner threads add without a lock)
+        #: per owner: [dense, fc] updates applied (each list written by its owner thread only)
+        self._applied = [[0, 0] for _ in range(owner_threads)]
         for t in self._threads:
             t.start()
 
@@ -393,6 +394,14 @@ class Store:
                     oldest = d
         return oldest
 
+    @property
+    def applied(self) -> dict[str, int]:
+        """Updates applied so far, by kind."""
+        return {
+            "dense": sum(c[0] for c in self._applied),
+            "fc": sum(c[1] for c in self._applied),
+        }
+
     def dirty_count(self) -> int:
         return sum(len(s) for s in self._dirty)
 
@@ -448,7 +457,6 @@ class Store:
     ) -> None:
         now = self.clock()
         dirty = self._dirty[owner]
-        n_dense = n_fc = 0
         for st, group in pending.items():
             t = self.tensors_by_shard(st)
             error: BaseException | None = None
@@ -464,22 +472,21 @@ class Store:
                 if st.dirty_since is None:
                     st.dirty_since = now
                 dirty.add(st)
-                for u, _ in group:
-                    if isinstance(u, Dense):
-                        n_dense += 1
-                    else:
-                        n_fc += 1
+                n_fc = sum(1 for u, _ in group if isinstance(u, Fc))
+                # Counted before the pushers hear back, so /metrics never lags an acknowledged push.
+                counts = self._applied[owner]
+                counts[0] += len(group) - n_fc
+                counts[1] += n_fc
+                if self._on_applied is not None:
+                    if len(group) > n_fc:
+                        self._on_applied("dense", len(group) - n_fc)
+                    if n_fc:
+                        self._on_applied("fc", n_fc)
+            # Resolved shard by shard: a push to a shard early in the drain does not wait for the rest.
             for _, ticket in group:
                 if error is None:
                     ticket.result[st.id] = st.version
                 ticket.part_done(error)
-        self.applied["dense"] += n_dense
-        self.applied["fc"] += n_fc
-        if self._on_applied is not None:
-            if n_dense:
-                self._on_applied("dense", n_dense)
-            if n_fc:
-                self._on_applied("fc", n_fc)
 
     def tensors_by_shard(self, st: ShardState) -> Optimizer:
         # A dict lookup of an immutable entry: the tensor is never removed while its shards live.
