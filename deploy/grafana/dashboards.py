@@ -1,0 +1,392 @@
+"""Writes the Grafana dashboards in deploy/grafana/dashboards/ from the panel list below.
+
+    python deploy/grafana/dashboards.py          # regenerate the JSON files
+    python deploy/grafana/dashboards.py --check  # list panels whose metrics the code lacks
+
+Why generated: the panels are one readable table (title, unit, PromQL), the JSON boilerplate is
+the same for all of them, and the generator can tell which expected metric names the code does
+not define yet. A panel whose metrics are not all defined by the code is left out of the JSON
+(and printed), so a dashboard never shows a query that can only be empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from metric_names import exposed_metrics  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "dashboards"
+DATASOURCE = {"type": "prometheus", "uid": "adamps-prometheus"}
+METRIC_RE = re.compile(r"\badamps_[A-Za-z0-9_:]+")
+RATE = "1m"  # rate window: >= 4 scrapes at the Compose file's 5 s scrape interval
+
+
+@dataclass
+class Panel:
+    title: str
+    #: (PromQL, legend) pairs
+    queries: list[tuple[str, str]]
+    unit: str = "short"
+    kind: str = "timeseries"
+    description: str = ""
+    width: int = 12
+
+
+@dataclass
+class Dashboard:
+    uid: str
+    title: str
+    description: str
+    #: (row title, panels)
+    rows: list[tuple[str, list[Panel]]] = field(default_factory=list)
+
+
+def rate(metric: str, by: str = "instance") -> str:
+    return f"sum by ({by}) (rate({metric}[{RATE}]))"
+
+
+def quantile(q: float, metric: str, by: str = "instance") -> str:
+    return f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket[{RATE}])))"
+
+
+CLUSTER = Dashboard(
+    uid="adamps-cluster",
+    title="adamps: parameter servers and controllers",
+    description="Update rate and latency per parameter server, traffic, durability (loss window), "
+    "replication and leases (Project Adam 3.3).",
+    rows=[
+        (
+            "Parameter servers: updates",
+            [
+                Panel(
+                    "Updates applied per server (by kind)",
+                    [
+                        (
+                            rate("adamps_ps_updates_applied_total", "instance, kind"),
+                            "{{instance}} {{kind}}",
+                        )
+                    ],
+                    unit="ops",
+                ),
+                Panel(
+                    "RPC requests per server (by op)",
+                    [(rate("adamps_ps_requests_total", "instance, op"), "{{instance}} {{op}}")],
+                    unit="reqps",
+                ),
+                Panel(
+                    "Request latency p50 / p99 per server",
+                    [
+                        (quantile(0.5, "adamps_ps_request_latency_seconds"), "p50 {{instance}}"),
+                        (quantile(0.99, "adamps_ps_request_latency_seconds"), "p99 {{instance}}"),
+                    ],
+                    unit="s",
+                    description="From a complete request body to its reply; pushes until applied.",
+                ),
+                Panel(
+                    "Bytes in / out per server",
+                    [
+                        (rate("adamps_ps_bytes_in_total"), "in {{instance}}"),
+                        (rate("adamps_ps_bytes_out_total"), "out {{instance}}"),
+                    ],
+                    unit="Bps",
+                ),
+                Panel(
+                    "Owner-thread queue depth",
+                    [("sum by (instance) (adamps_ps_queue_depth)", "{{instance}}")],
+                ),
+                Panel(
+                    "Shards held per server",
+                    [("sum by (instance) (adamps_ps_shards)", "{{instance}}")],
+                ),
+            ],
+        ),
+        (
+            "Parameter servers: durability",
+            [
+                Panel(
+                    "Loss window (age of the oldest unflushed update)",
+                    [("max by (instance) (adamps_ps_loss_window_seconds)", "{{instance}}")],
+                    unit="s",
+                    description="What a crash of the server now would lose (Adam 3.3.2).",
+                ),
+                Panel(
+                    "Dirty shards",
+                    [("sum by (instance) (adamps_ps_dirty_shards)", "{{instance}}")],
+                ),
+                Panel(
+                    "Flush duration p99",
+                    [
+                        (quantile(0.99, "adamps_ps_flush_seconds"), "flush p99 {{instance}}"),
+                    ],
+                    unit="s",
+                ),
+                Panel(
+                    "Bytes flushed to LMDB",
+                    [(rate("adamps_ps_flushed_bytes_total"), "{{instance}}")],
+                    unit="Bps",
+                ),
+            ],
+        ),
+        (
+            "Replication",
+            [
+                Panel(
+                    "Replication lag per server (max over its buckets)",
+                    [("max by (instance) (adamps_ps_replication_lag)", "{{instance}}")],
+                    description="Batches a secondary is behind its primary.",
+                ),
+                Panel(
+                    "2PC round latency p99",
+                    [(quantile(0.99, "adamps_ps_2pc_round_seconds"), "{{instance}}")],
+                    unit="s",
+                ),
+                Panel(
+                    "Stale-epoch messages rejected / pushes deduplicated",
+                    [
+                        (rate("adamps_ps_stale_epoch_rejected_total"), "stale {{instance}}"),
+                        (rate("adamps_ps_pushes_deduplicated_total"), "dedup {{instance}}"),
+                    ],
+                    unit="ops",
+                ),
+            ],
+        ),
+        (
+            "Controllers: leases and failovers",
+            [
+                Panel(
+                    "Targets up",
+                    [("sum by (job) (up)", "{{job}}")],
+                    kind="stat",
+                    width=6,
+                ),
+                Panel(
+                    "Raft leader and term",
+                    [
+                        ("max by (instance) (adamps_controller_is_leader)", "leader {{instance}}"),
+                        ("max(adamps_controller_raft_term)", "term"),
+                    ],
+                    width=6,
+                ),
+                Panel(
+                    "Lease epochs (highest, per primary server)",
+                    [("max by (primary) (adamps_controller_lease_epoch)", "{{primary}}")],
+                ),
+                Panel(
+                    "Failovers",
+                    [("sum(increase(adamps_controller_failovers_total[5m]))", "failovers / 5 min")],
+                ),
+                Panel(
+                    "Under-replicated buckets",
+                    [("max(adamps_controller_under_replicated_buckets)", "under-replicated")],
+                ),
+                Panel(
+                    "Live parameter servers",
+                    [("max(adamps_controller_servers_live)", "live")],
+                ),
+            ],
+        ),
+    ],
+)
+
+TRAINING = Dashboard(
+    uid="adamps-training",
+    title="adamps: training and data",
+    description="Trainer replicas (images/s, loss, held-out accuracy, parameter staleness) and "
+    "data-server throughput (Project Adam 3.1-3.2).",
+    rows=[
+        (
+            "Trainers",
+            [
+                Panel(
+                    "Images/s per replica",
+                    [
+                        (rate("adamps_trainer_images_total"), "{{instance}}"),
+                        ("sum(rate(adamps_trainer_images_total[1m]))", "all replicas"),
+                    ],
+                    unit="short",
+                ),
+                Panel(
+                    "Training loss per replica",
+                    [("max by (instance) (adamps_trainer_loss)", "{{instance}}")],
+                ),
+                Panel(
+                    "Held-out accuracy",
+                    [("max by (instance) (adamps_trainer_heldout_accuracy)", "{{instance}}")],
+                    unit="percentunit",
+                ),
+                Panel(
+                    "Staleness of fetched parameters",
+                    [("max by (instance) (adamps_trainer_staleness_seconds)", "{{instance}}")],
+                    unit="s",
+                ),
+                Panel(
+                    "Bytes pushed by kind",
+                    [
+                        (
+                            rate("adamps_trainer_bytes_pushed_total", "instance, kind"),
+                            "{{instance}} {{kind}}",
+                        )
+                    ],
+                    unit="Bps",
+                ),
+            ],
+        ),
+        (
+            "Data servers",
+            [
+                Panel(
+                    "Images served per data server (by split)",
+                    [
+                        (
+                            rate("adamps_dataserver_images_served_total", "instance, split"),
+                            "{{instance}} {{split}}",
+                        )
+                    ],
+                    unit="short",
+                ),
+                Panel(
+                    "Images augmented per second",
+                    [(rate("adamps_dataserver_images_augmented_total"), "{{instance}}")],
+                    unit="short",
+                ),
+                Panel(
+                    "Augmentation backlog",
+                    [
+                        (
+                            "sum by (instance) (adamps_dataserver_augment_backlog_images)",
+                            "{{instance}}",
+                        )
+                    ],
+                ),
+                Panel(
+                    "Cache bytes",
+                    [("sum by (instance) (adamps_dataserver_cache_bytes)", "{{instance}}")],
+                    unit="bytes",
+                ),
+                Panel(
+                    "Open streams",
+                    [("sum by (instance) (adamps_dataserver_streams_open)", "{{instance}}")],
+                ),
+                Panel(
+                    "Streams that waited for augmentation / files skipped",
+                    [
+                        (
+                            "sum by (instance) (adamps_dataserver_stream_waits_total)",
+                            "waits {{instance}}",
+                        ),
+                        (
+                            "sum by (instance) (adamps_dataserver_skipped_files_total)",
+                            "skipped {{instance}}",
+                        ),
+                    ],
+                ),
+            ],
+        ),
+    ],
+)
+
+DASHBOARDS = [CLUSTER, TRAINING]
+
+
+def panel_metrics(panel: Panel) -> set[str]:
+    return {m for expr, _legend in panel.queries for m in METRIC_RE.findall(expr)}
+
+
+def _panel_json(panel: Panel, pid: int, x: int, y: int) -> dict:
+    targets = [
+        {"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr, "legendFormat": legend}
+        for i, (expr, legend) in enumerate(panel.queries)
+    ]
+    out: dict = {
+        "id": pid,
+        "type": panel.kind,
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": 8, "w": panel.width, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
+        "targets": targets,
+    }
+    if panel.kind == "timeseries":
+        out["options"] = {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        }
+    else:
+        out["options"] = {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}
+        }
+    return out
+
+
+def render(dash: Dashboard, defined: set[str]) -> tuple[dict, list[tuple[str, list[str]]]]:
+    """The dashboard's JSON model, and the (panel, missing metrics) left out."""
+    panels: list[dict] = []
+    left_out: list[tuple[str, list[str]]] = []
+    pid, y = 1, 0
+    for row_title, row_panels in dash.rows:
+        kept = []
+        for p in row_panels:
+            missing = sorted(panel_metrics(p) - defined)
+            if missing:
+                left_out.append((p.title, missing))
+            else:
+                kept.append(p)
+        if not kept:
+            continue
+        panels.append(
+            {"id": pid, "type": "row", "title": row_title, "collapsed": False, "panels": [],
+             "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}}
+        )  # fmt: skip
+        pid, y, x = pid + 1, y + 1, 0
+        for p in kept:
+            if x + p.width > 24:
+                x, y = 0, y + 8
+            panels.append(_panel_json(p, pid, x, y))
+            pid, x = pid + 1, x + p.width
+        y += 8
+    model = {
+        "uid": dash.uid,
+        "title": dash.title,
+        "description": dash.description,
+        "tags": ["adamps"],
+        "editable": True,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "5s",
+        "time": {"from": "now-30m", "to": "now"},
+        "timezone": "",
+        "graphTooltip": 1,
+        "annotations": {"list": []},
+        "templating": {"list": []},
+        "links": [],
+        "panels": panels,
+    }
+    return model, left_out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="only report; write nothing")
+    args = ap.parse_args(argv)
+    defined = set(exposed_metrics())
+    for dash in DASHBOARDS:
+        model, left_out = render(dash, defined)
+        path = OUT / f"{dash.uid}.json"
+        if not args.check:
+            path.write_text(json.dumps(model, indent=2) + "\n")
+        n = sum(1 for p in model["panels"] if p["type"] != "row")
+        print(f"{path.relative_to(OUT.parents[2])}: {n} panels")
+        for title, missing in left_out:
+            print(f"  left out {title!r}: the code does not define {', '.join(missing)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
