@@ -135,7 +135,7 @@ def place(
     # The primary that may stay is the bucket's *present* primary only (not a survivor that
     # moved to the front of the list because the primary died).
     present = {b: (current.get(b) or [None])[0] for b in range(n_buckets)}
-    primaries = _assign_primaries(n_buckets, kept, live, present)
+    primaries = _assign_primaries(n_buckets, kept, live, present, cur)
     result: Assignment = {}
     for b in range(n_buckets):
         p = primaries[b]
@@ -180,7 +180,11 @@ def _repair(
 
 
 def _assign_primaries(
-    n_buckets: int, kept: dict[int, list[str]], live: list[str], present: Mapping[int, str | None]
+    n_buckets: int,
+    kept: dict[int, list[str]],
+    live: list[str],
+    present: Mapping[int, str | None],
+    cur: Mapping[int, list[str]],
 ) -> dict[int, str]:
     """One primary per bucket among its replicas, counts per server within [lo, hi], present kept.
 
@@ -203,10 +207,15 @@ def _assign_primaries(
             by_server[p].append(b)  # type: ignore[index]
         else:
             orphans.append(b)
-    # Orphans (primary gone) go to their emptiest replica, the most constrained first.
+    # Orphans (primary gone) go to a replica with room, preferring the one listed first in the
+    # current assignment (callers list caught-up copies before copies still being transferred),
+    # the most constrained buckets first.
     orphans.sort(key=lambda b: (min(count[s] for s in kept[b]) if kept[b] else 0, b))
     for b in orphans:
-        p = min(kept[b], key=lambda s: (count[s], _mix(b, s)))
+        rank = {s: i for i, s in enumerate(cur[b])}
+        p = min(
+            kept[b], key=lambda s: (count[s] >= hi, rank.get(s, len(rank)), count[s], _mix(b, s))
+        )
         owner[b] = p
         count[p] += 1
         by_server[p].append(b)

@@ -1,0 +1,705 @@
+"""The controller's replicated state: servers, buckets and leases, layout, replica progress.
+
+Project Adam 3.3.3: the controllers form a consensus group whose replicated state maps buckets to
+a primary (via a lease) and secondaries, receives heartbeats, and relocates the buckets of failed
+servers evenly. Here the group is Raft (pysyncobj) and the state has two layers:
+
+* `ClusterModel`: plain, deterministic Python. Every mutating method takes `now` (the proposing
+  leader's wall clock) as an argument and never reads a clock, never does IO, never raises on
+  bad input (it returns ``{"ok": False, "error": code, ...}``): a replicated method that raised
+  would stall the Raft apply loop on every replica.
+* `ReplicatedCluster`: a pysyncobj consumer whose ``@replicated`` methods take small plain
+  arguments and call the model under a lock (HTTP threads read while the Raft thread applies).
+
+Only decisions are replicated. Heartbeat arrivals stay soft state on the leader (controller/
+service.py), which turns silence into a committed `declare_dead` and batches lease renewals into
+one entry per server per heartbeat. Every lease grant, renewal, hand-off and relocation is a
+committed entry; a lease moves to another server only once the old one has certainly expired
+(adamps/core/lease.py) or was released by its holder.
+
+Bucket life cycle: `want` is the placement's target ([primary, secondaries...]); `holders` are the
+caught-up copies (the replica set the primary replicates to); `joining` are copies being
+transferred (they enter the replica set by `caught_up`). A primary is granted only to a caught-up
+copy; a member outside `want` leaves once every wanted copy has caught up.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pysyncobj import SyncObj, SyncObjConf, SyncObjConsumer, replicated
+
+from adamps.core import lease as leases
+from adamps.core.lease import Lease, LeaseTerms
+from controller import placement
+
+log = logging.getLogger(__name__)
+
+LIVE, DEAD, DRAINING = "live", "dead", "draining"
+#: Closed leases kept for the safety record (GET /leases); older ones are dropped.
+HISTORY_LIMIT = 20_000
+#: Trainer epochs whose progress is kept.
+PROGRESS_EPOCHS = 32
+
+
+def _err(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"ok": False, "error": code, "message": message, **extra}
+
+
+class ClusterModel:
+    """The cluster configuration. Mutated only by the Raft apply thread, through its methods."""
+
+    def __init__(
+        self, n_buckets: int, terms: LeaseTerms, replication: int = 3, min_servers: int = 1
+    ) -> None:
+        self.n_buckets = n_buckets
+        self.terms = terms
+        self.replication = replication
+        #: Servers needed before buckets are first placed (so a starting cluster spreads evenly).
+        self.min_servers = min_servers
+        #: The replicated clock: the largest `now` applied so far (never goes back).
+        self.clock = 0.0
+        #: Routing table version: grows on every change of servers, roles or leases' holders.
+        self.version = 0
+        #: Count of applied mutating entries (for tests and /status).
+        self.applied = 0
+        #: id -> {"address", "state", "incarnation", "since"}
+        self.servers: dict[str, dict[str, Any]] = {}
+        #: per bucket: {"want", "holders", "joining", "lease", "lost"}; holders excludes the primary
+        self.buckets: list[dict[str, Any]] = [
+            {
+                "want": [],
+                "holders": [],
+                "joining": [],
+                "lease": None,
+                "holder_inc": 0,
+                "lost": False,
+            }
+            for _ in range(n_buckets)
+        ]
+        #: closed leases (dicts with "bucket"), oldest first
+        self.history: list[dict[str, Any]] = []
+        self.layout: dict[str, Any] | None = None
+        self.layout_version = 0
+        #: str(epoch) -> replica id -> {"progress", "done", "at"}
+        self.progress: dict[str, dict[str, dict[str, Any]]] = {}
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _tick(self, now: float) -> float:
+        self.clock = max(self.clock, float(now))
+        self.applied += 1
+        return self.clock
+
+    def _live(self, sid: str | None) -> bool:
+        return sid is not None and self.servers.get(sid, {}).get("state") in (LIVE, DRAINING)
+
+    def primary_of(self, b: int) -> str | None:
+        lease = self.buckets[b]["lease"]
+        return None if lease is None else lease.holder
+
+    def _holder_live(self, b: int) -> bool:
+        """The lease holder is live *in the incarnation the lease was granted to*.
+
+        A server that restarted (registered again) lost its in-memory state: its old leases are
+        neither renewed nor trusted; they run out like those of a dead server.
+        """
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        if lease is None or not self._live(lease.holder):
+            return False
+        return self.servers[lease.holder]["incarnation"] == bk["holder_inc"]
+
+    def eligible(self) -> list[str]:
+        """Servers that may receive buckets: live and not draining."""
+        return sorted(s for s, rec in self.servers.items() if rec["state"] == LIVE)
+
+    def _grant(self, b: int, holder: str, now: float) -> Lease:
+        bucket = self.buckets[b]
+        prev: Lease | None = bucket["lease"]
+        new = leases.grant(prev, holder, now, self.terms)  # raises if prev may be in use
+        if prev is not None:
+            self.history.append({"bucket": b, **prev.to_dict()})
+            if len(self.history) > HISTORY_LIMIT:
+                del self.history[: len(self.history) - HISTORY_LIMIT]
+            if prev.holder != holder and self._holder_live(b) and prev.holder in bucket["want"]:
+                # A hand-off: the old primary stays as a copy, but re-enters the replica set
+                # through a state transfer (it may hold batches that were never acknowledged).
+                bucket["joining"].append(prev.holder)
+        if holder in bucket["holders"]:
+            bucket["holders"].remove(holder)
+        if holder in bucket["joining"]:
+            bucket["joining"].remove(holder)
+        bucket["lease"] = new
+        bucket["holder_inc"] = self.servers[holder]["incarnation"]
+        self.version += 1
+        return new
+
+    def _settle(self, b: int, now: float, reports: dict[str, Any] | None = None) -> None:
+        """Carries bucket `b` as far toward its `want` as the rules allow at `now`."""
+        bucket = self.buckets[b]
+        before = (list(bucket["holders"]), list(bucket["joining"]))
+        bucket["holders"] = [s for s in bucket["holders"] if self._live(s)]
+        bucket["joining"] = [s for s in bucket["joining"] if self._live(s)]
+        want = bucket["want"]
+        primary = self.primary_of(b) if self._holder_live(b) else None
+        for s in want:
+            if (
+                self._live(s)
+                and s != primary
+                and s not in bucket["holders"]
+                and s not in bucket["joining"]
+            ):
+                if bucket["lease"] is None:
+                    if s != want[0]:
+                        bucket["holders"].append(s)  # a fresh bucket: nothing to copy yet
+                else:
+                    bucket["joining"].append(s)
+        target = self._grant_target(b, now, reports)
+        if target is not None:
+            lost = target not in bucket["holders"] and bucket["lease"] is not None
+            self._grant(b, target, now)
+            if lost:
+                bucket["lost"] = True
+                log.warning("bucket %d lost every copy; %s restarts it empty", b, target)
+            if target != want[0] and target in want:
+                want.remove(target)
+                want.insert(0, target)
+        # Members outside `want` leave once every wanted live copy is in the replica set.
+        primary = self.primary_of(b)
+        wanted_live = [s for s in want if self._live(s)]
+        if all(s == primary or s in bucket["holders"] for s in wanted_live):
+            bucket["holders"] = [s for s in bucket["holders"] if s in want]
+            bucket["joining"] = [s for s in bucket["joining"] if s in want]
+        if before != (bucket["holders"], bucket["joining"]):
+            self.version += 1
+
+    def _grant_target(
+        self, b: int, now: float, reports: dict[str, Any] | None = None
+    ) -> str | None:
+        """Who gets the next lease of bucket `b` at `now`, if anyone may (read-only)."""
+        bucket = self.buckets[b]
+        want = bucket["want"]
+        lease: Lease | None = bucket["lease"]
+        if not want or not leases.expired(lease, now, self.terms):
+            return None
+        holder_ok = self._holder_live(b) and lease is not None and lease.released_at is None
+        if holder_ok and lease.holder == want[0]:  # type: ignore[union-attr]
+            return None  # expired but still wanted: it renews on its next heartbeat
+        if lease is None:
+            return want[0]  # a fresh bucket: no copy holds anything yet
+        if want[0] in bucket["holders"] and self._live(want[0]):
+            return want[0]
+        if holder_ok:
+            return None  # a hand-off waits until the target has caught up
+        best = self._best_copy(b, reports)
+        if best is not None:
+            return best
+        if not bucket["joining"] and self._live(want[0]):
+            return want[0]  # every copy is gone: restart the bucket empty (and say so)
+        return None
+
+    def grants_due(self, now: float) -> list[int]:
+        """Buckets whose lease `reconcile(now)` would grant (the leader asks before proposing)."""
+        return [b for b in range(self.n_buckets) if self._grant_target(b, now) is not None]
+
+    def _best_copy(self, b: int, reports: dict[str, Any] | None) -> str | None:
+        """The caught-up copy with the highest reported (epoch, seq); ties by placement, id."""
+        bucket = self.buckets[b]
+        cands = [s for s in bucket["holders"] if self._live(s)]
+        if not cands:
+            return None
+        reports = reports or {}
+        want = bucket["want"]
+
+        def key(s: str) -> tuple:
+            r = reports.get(s) or (0, 0)
+            return (-int(r[0]), -int(r[1]), want.index(s) if s in want else len(want), s)
+
+        return min(cands, key=key)
+
+    def _replan(self, now: float, reports: dict[int, dict[str, Any]] | None = None) -> None:
+        """New placement targets over the eligible servers, then settle every bucket."""
+        eligible = self.eligible()
+        placed = any(bk["want"] or bk["lease"] for bk in self.buckets)
+        if not placed and len(eligible) < self.min_servers:
+            return
+        current = {}
+        for b, bk in enumerate(self.buckets):
+            p = [self.primary_of(b)] if self._holder_live(b) else []
+            current[b] = p + bk["holders"] + bk["joining"]
+        target = placement.place(self.n_buckets, current, eligible, self.replication)
+        for b, bk in enumerate(self.buckets):
+            bk["want"] = list(target[b])
+            self._settle(b, now, (reports or {}).get(b))
+        self.version += 1
+
+    # -- replicated operations (called through ReplicatedCluster) ----------------------------
+
+    def register(self, sid: str, address: str, now: float) -> dict[str, Any]:
+        """A server (re)starts. It holds nothing: a restarted PS must catch up before serving."""
+        now = self._tick(now)
+        rec = self.servers.get(sid)
+        if rec is not None and rec["state"] != DEAD:
+            self._forget(sid)
+        state = DRAINING if rec is not None and rec["state"] == DRAINING else LIVE
+        self.servers[sid] = {
+            "address": address,
+            "state": state,
+            "incarnation": (rec["incarnation"] + 1) if rec else 1,
+            "since": now,
+        }
+        self._replan(now)
+        return {"ok": True, "server": sid, **self.servers[sid]}
+
+    def _forget(self, sid: str) -> None:
+        for bk in self.buckets:
+            if sid in bk["holders"]:
+                bk["holders"].remove(sid)
+            if sid in bk["joining"]:
+                bk["joining"].remove(sid)
+
+    def declare_dead(
+        self, sid: str, now: float, reports: dict[int, dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """A server stayed silent past its timeout: its copies go, its buckets are re-placed.
+
+        Where it was primary the lease stays recorded until it has certainly expired; then the
+        best caught-up secondary is promoted (by this entry if already expired, else by a later
+        `reconcile`).
+        """
+        now = self._tick(now)
+        rec = self.servers.get(sid)
+        if rec is None:
+            return _err("not_found", f"no server {sid!r}")
+        if rec["state"] == DEAD:
+            return {"ok": True, "server": sid, "state": DEAD, "changed": False}
+        rec["state"] = DEAD
+        rec["since"] = now
+        self._forget(sid)
+        self._replan(now, reports)
+        return {"ok": True, "server": sid, "state": DEAD, "changed": True}
+
+    def renew(self, sid: str, now: float) -> dict[str, Any]:
+        """Renews every lease `sid` holds (one entry per server per heartbeat round).
+
+        A lease whose bucket is being handed over (its target primary has caught up) is not
+        renewed: it runs out, then the target gets the next epoch.
+        """
+        now = self._tick(now)
+        rec = self.servers.get(sid)
+        if rec is None:
+            return _err("not_found", f"no server {sid!r}")
+        if rec["state"] == DEAD:
+            return _err("conflict", f"server {sid!r} was declared dead; register again", state=DEAD)
+        renewed = []
+        for b, bk in enumerate(self.buckets):
+            lease: Lease | None = bk["lease"]
+            if lease is None or lease.holder != sid or lease.released_at is not None:
+                continue
+            if bk["holder_inc"] != rec["incarnation"]:
+                continue  # granted to an earlier incarnation: it runs out
+            want = bk["want"]
+            if want and want[0] != sid and want[0] in bk["holders"]:
+                continue  # hand-off pending
+            bk["lease"] = leases.renew(lease, sid, lease.epoch, now)
+            renewed.append([b, lease.epoch])
+        return {"ok": True, "renewed": renewed, "at": now}
+
+    def reconcile(
+        self, now: float, reports: dict[int, dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """Grants every lease that may be granted at `now` (expired hand-offs and failures)."""
+        now = self._tick(now)
+        before = self.version
+        reports = reports or {}
+        for b in range(self.n_buckets):
+            self._settle(b, now, reports.get(b))
+        return {"ok": True, "changed": self.version != before}
+
+    def role_change(
+        self, b: int, sid: str, prev_epoch: int, reports: dict[str, Any], now: float
+    ) -> dict[str, Any]:
+        """A secondary missed the primary's heartbeats and proposes to take over (Adam 3.3.3).
+
+        Accepted only if the proposal names the current lease and that lease has certainly
+        expired; then the caught-up secondary with the highest reported (epoch, seq) wins.
+        """
+        now = self._tick(now)
+        if not 0 <= b < self.n_buckets:
+            return _err("unknown_bucket", f"no bucket {b}")
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        if sid not in bk["holders"]:
+            return _err("conflict", f"{sid!r} is not a caught-up secondary of bucket {b}")
+        epoch = 0 if lease is None else lease.epoch
+        if prev_epoch != epoch:
+            return _err(
+                "stale_epoch", f"bucket {b} is at epoch {epoch}, not {prev_epoch}", epoch=epoch
+            )
+        if not leases.expired(lease, now, self.terms):
+            until = leases.expires_at(lease, self.terms)
+            return _err(
+                "conflict",
+                f"the lease of epoch {epoch} may be in use until {until:.3f}",
+                reason="lease_active",
+                retry_after=round(until - now, 3),
+            )
+        chosen = self._best_copy(b, reports)
+        if chosen is None:
+            return _err("conflict", f"bucket {b} has no live caught-up secondary")
+        new = self._grant(b, chosen, now)
+        want = bk["want"]
+        if chosen in want:
+            want.remove(chosen)
+        want.insert(0, chosen)
+        del want[self.replication :]
+        self._settle(b, now)
+        return {"ok": True, "bucket": b, "primary": chosen, "epoch": new.epoch}
+
+    def caught_up(self, b: int, sid: str, epoch: int, now: float) -> dict[str, Any]:
+        """A joining copy finished its state transfer from the primary of `epoch`."""
+        now = self._tick(now)
+        if not 0 <= b < self.n_buckets:
+            return _err("unknown_bucket", f"no bucket {b}")
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        if lease is None or lease.epoch != epoch:
+            return _err(
+                "stale_epoch", f"bucket {b} is at epoch {0 if lease is None else lease.epoch}"
+            )
+        if sid not in bk["joining"]:
+            return _err("conflict", f"{sid!r} is not joining bucket {b}")
+        bk["joining"].remove(sid)
+        bk["holders"].append(sid)
+        self.version += 1
+        self._settle(b, now)
+        return {"ok": True, "bucket": b, "server": sid}
+
+    def drop_secondary(
+        self, b: int, primary: str, epoch: int, sid: str, now: float
+    ) -> dict[str, Any]:
+        """The primary removes an unresponsive secondary before acknowledging without it."""
+        now = self._tick(now)
+        if not 0 <= b < self.n_buckets:
+            return _err("unknown_bucket", f"no bucket {b}")
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        if lease is None or lease.holder != primary or lease.epoch != epoch:
+            return _err("stale_epoch", f"{primary!r} does not hold epoch {epoch} of bucket {b}")
+        changed = False
+        for key in ("holders", "joining"):
+            if sid in bk[key]:
+                bk[key].remove(sid)
+                changed = True
+        if changed:
+            self.version += 1
+            if self._live(sid) and sid in bk["want"]:
+                bk["joining"].append(sid)  # it may come back, through a state transfer
+        return {"ok": True, "bucket": b, "removed": changed}
+
+    def release(self, b: int, sid: str, epoch: int, now: float) -> dict[str, Any]:
+        """The holder gives its lease back (it has stopped writing): the hand-off need not wait."""
+        now = self._tick(now)
+        if not 0 <= b < self.n_buckets:
+            return _err("unknown_bucket", f"no bucket {b}")
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        if lease is None or lease.holder != sid or lease.epoch != epoch:
+            return _err("stale_epoch", f"{sid!r} does not hold epoch {epoch} of bucket {b}")
+        bk["lease"] = leases.release(lease, sid, epoch, now)
+        self._settle(b, now)
+        return {"ok": True, "bucket": b}
+
+    def drain(self, sid: str, now: float) -> dict[str, Any]:
+        now = self._tick(now)
+        rec = self.servers.get(sid)
+        if rec is None:
+            return _err("not_found", f"no server {sid!r}")
+        if rec["state"] == DEAD:
+            return _err("conflict", f"server {sid!r} is dead")
+        rec["state"] = DRAINING
+        rec["since"] = now
+        self._replan(now)
+        return {"ok": True, "server": sid, "state": DRAINING}
+
+    def rebalance(self, now: float) -> dict[str, Any]:
+        now = self._tick(now)
+        self._replan(now)
+        return {"ok": True, "version": self.version}
+
+    def set_layout(self, layout: dict[str, Any], now: float) -> dict[str, Any]:
+        now = self._tick(now)
+        if layout.get("n_buckets") != self.n_buckets:
+            return _err(
+                "conflict",
+                f"layout has {layout.get('n_buckets')} buckets, the cluster {self.n_buckets}",
+            )
+        if self.layout != layout:
+            self.layout = copy.deepcopy(layout)
+            self.layout_version += 1
+        return {"ok": True, "layout_version": self.layout_version}
+
+    def report_progress(
+        self, epoch: int, replica: str, progress: float, done: bool, now: float
+    ) -> dict[str, Any]:
+        now = self._tick(now)
+        per = self.progress.setdefault(str(epoch), {})
+        per[replica] = {"progress": progress, "done": bool(done), "at": now}
+        if len(self.progress) > PROGRESS_EPOCHS:
+            for key in sorted(self.progress, key=int)[: len(self.progress) - PROGRESS_EPOCHS]:
+                del self.progress[key]
+        return {"ok": True, "epoch": epoch, "replicas": len(per)}
+
+    # -- queries (read-only; callers hold the lock) ---------------------------------------------
+
+    def under_replicated(self) -> int:
+        """Buckets with fewer caught-up live copies than the replication factor."""
+        return sum(1 for b in range(self.n_buckets) if len(self.holders_of(b)) < self.replication)
+
+    def holders_of(self, b: int) -> list[str]:
+        """Caught-up live copies, primary first."""
+        bk = self.buckets[b]
+        out = [self.primary_of(b)] if self._holder_live(b) else []
+        return out + [s for s in bk["holders"] if self._live(s)]
+
+    def bucket_view(self, b: int) -> dict[str, Any]:
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        p = None if lease is None else lease.holder
+        return {
+            "bucket": b,
+            "primary": p,
+            "address": self.servers.get(p, {}).get("address") if p else None,
+            "epoch": 0 if lease is None else lease.epoch,
+            "secondaries": list(bk["holders"]),
+            "joining": list(bk["joining"]),
+            "want": list(bk["want"]),
+            "lease": None
+            if lease is None
+            else {**lease.to_dict(), "expires_at": leases.expires_at(lease, self.terms)},
+            "lost": bk["lost"],
+        }
+
+    def routing(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "n_buckets": self.n_buckets,
+            "buckets": [
+                {
+                    k: v
+                    for k, v in self.bucket_view(b).items()
+                    if k in ("bucket", "primary", "address", "epoch", "secondaries")
+                }
+                for b in range(self.n_buckets)
+            ],
+            "servers": {
+                s: rec["address"] for s, rec in self.servers.items() if rec["state"] != DEAD
+            },
+            "layout_version": self.layout_version,
+        }
+
+    def roles_of(self, sid: str) -> list[dict[str, Any]]:
+        out = []
+        for b, bk in enumerate(self.buckets):
+            if self.primary_of(b) == sid and self._holder_live(b):
+                role = "primary"
+            elif sid in bk["holders"]:
+                role = "secondary"
+            elif sid in bk["joining"]:
+                role = "joining"
+            else:
+                continue
+            view = self.bucket_view(b)
+            view["role"] = role
+            view["secondary_addresses"] = {
+                s: self.servers.get(s, {}).get("address")
+                for s in view["secondaries"] + view["joining"]
+            }
+            out.append(view)
+        return out
+
+    def lease_records(self) -> list[dict[str, Any]]:
+        """Every lease in the record (closed ones, then the current ones)."""
+        current = [
+            {"bucket": b, **bk["lease"].to_dict()}
+            for b, bk in enumerate(self.buckets)
+            if bk["lease"]
+        ]
+        return [*self.history, *current]
+
+    def cluster_view(self) -> dict[str, Any]:
+        per_server: dict[str, dict[str, int]] = {
+            s: {"primary": 0, "secondary": 0, "joining": 0} for s in self.servers
+        }
+        for b in range(self.n_buckets):
+            v = self.bucket_view(b)
+            if v["primary"] in per_server:
+                per_server[v["primary"]]["primary"] += 1
+            for s in v["secondaries"]:
+                per_server.setdefault(s, {"primary": 0, "secondary": 0, "joining": 0})[
+                    "secondary"
+                ] += 1
+            for s in v["joining"]:
+                per_server.setdefault(s, {"primary": 0, "secondary": 0, "joining": 0})[
+                    "joining"
+                ] += 1
+        servers = {}
+        for s, rec in sorted(self.servers.items()):
+            counts = per_server.get(s, {})
+            state = rec["state"]
+            if state == DRAINING and not any(counts.values()):
+                state = "drained"
+            servers[s] = {**rec, "state": state, **counts}
+        return {
+            "version": self.version,
+            "n_buckets": self.n_buckets,
+            "replication": self.replication,
+            "clock": self.clock,
+            "lease_terms": self.terms.to_dict(),
+            "servers": servers,
+            "buckets": [self.bucket_view(b) for b in range(self.n_buckets)],
+            "under_replicated": self.under_replicated(),
+            "unassigned": sum(1 for b in range(self.n_buckets) if not self._holder_live(b)),
+            "layout_version": self.layout_version,
+        }
+
+
+class ReplicatedCluster(SyncObjConsumer):
+    """The Raft-replicated face of `ClusterModel`: one @replicated method per operation.
+
+    Arguments are small plain values; `now` is supplied by the caller (the leader's wall clock).
+    Readers call `read(fn)`, which runs `fn(model)` under the lock the apply thread also takes.
+    """
+
+    def __init__(self, model: ClusterModel) -> None:
+        super().__init__()
+        self._lock = threading.RLock()
+        self._model = model
+
+    # pysyncobj dumps what _serialize returns at log compaction and restores it on restart.
+    def _serialize(self) -> dict[str, Any]:
+        with self._lock:
+            return {"model": copy.deepcopy(self._model)}
+
+    def _deserialize(self, data: dict[str, Any]) -> None:
+        with self._lock:
+            self._model = data["model"]
+
+    def read(self, fn: Callable[[ClusterModel], Any]) -> Any:
+        with self._lock:
+            return fn(self._model)
+
+    def _apply(self, name: str, *args: Any) -> dict[str, Any]:
+        with self._lock:
+            try:
+                return getattr(self._model, name)(*args)
+            except Exception as exc:  # a bug must not wedge the apply loop of every replica
+                log.exception("replicated %s%r failed", name, args)
+                return _err("internal", f"{type(exc).__name__}: {exc}")
+
+    @replicated
+    def register(self, sid: str, address: str, now: float) -> dict[str, Any]:
+        return self._apply("register", sid, address, now)
+
+    @replicated
+    def declare_dead(self, sid: str, now: float, reports: dict | None = None) -> dict[str, Any]:
+        return self._apply("declare_dead", sid, now, reports)
+
+    @replicated
+    def renew(self, sid: str, now: float) -> dict[str, Any]:
+        return self._apply("renew", sid, now)
+
+    @replicated
+    def reconcile(self, now: float, reports: dict | None = None) -> dict[str, Any]:
+        return self._apply("reconcile", now, reports)
+
+    @replicated
+    def role_change(
+        self, b: int, sid: str, prev_epoch: int, reports: dict, now: float
+    ) -> dict[str, Any]:
+        return self._apply("role_change", b, sid, prev_epoch, reports, now)
+
+    @replicated
+    def caught_up(self, b: int, sid: str, epoch: int, now: float) -> dict[str, Any]:
+        return self._apply("caught_up", b, sid, epoch, now)
+
+    @replicated
+    def drop_secondary(
+        self, b: int, primary: str, epoch: int, sid: str, now: float
+    ) -> dict[str, Any]:
+        return self._apply("drop_secondary", b, primary, epoch, sid, now)
+
+    @replicated
+    def release(self, b: int, sid: str, epoch: int, now: float) -> dict[str, Any]:
+        return self._apply("release", b, sid, epoch, now)
+
+    @replicated
+    def drain(self, sid: str, now: float) -> dict[str, Any]:
+        return self._apply("drain", sid, now)
+
+    @replicated
+    def rebalance(self, now: float) -> dict[str, Any]:
+        return self._apply("rebalance", now)
+
+    @replicated
+    def set_layout(self, layout: dict, now: float) -> dict[str, Any]:
+        return self._apply("set_layout", layout, now)
+
+    @replicated
+    def report_progress(
+        self, epoch: int, replica: str, progress: float, done: bool, now: float
+    ) -> dict[str, Any]:
+        return self._apply("report_progress", epoch, replica, progress, done, now)
+
+
+def raft_conf(
+    *,
+    password: str,
+    journal_file: str,
+    dump_file: str,
+    fast: bool = True,
+    **overrides: Any,
+) -> SyncObjConf:
+    """pysyncobj settings: always a password, a journal AND a full dump, fast elections.
+
+    Timings: a follower starts an election 0.3-0.9 s after the last append from the leader, so a
+    new leader is normally in place within ~1-2 s of a crash; a leader that hears from no
+    majority for 1 s steps down (the default 30 s would let a cut-off leader believe it leads).
+    """
+    if not password:
+        raise ValueError("pysyncobj needs a password: its port carries pickled data")
+    if not journal_file or not dump_file:
+        raise ValueError("both a journal file and a full-dump file are required")
+    opts: dict[str, Any] = {
+        "password": password,
+        "journalFile": journal_file,
+        "fullDumpFile": dump_file,
+        # Fork-free dumps: the controller also runs an aiohttp thread, and the state is small.
+        "useFork": False,
+        "commandsWaitLeader": False,
+        "dynamicMembershipChange": False,
+    }
+    if fast:
+        opts.update(
+            raftMinTimeout=0.3,
+            raftMaxTimeout=0.9,
+            appendEntriesPeriod=0.05,
+            connectionTimeout=1.5,
+            connectionRetryTime=0.3,
+            leaderFallbackTimeout=1.0,
+            autoTickPeriod=0.02,
+        )
+    opts.update(overrides)
+    return SyncObjConf(**opts)
+
+
+def make_node(
+    self_addr: str, partners: list[str], cluster: ReplicatedCluster, conf: SyncObjConf
+) -> SyncObj:
+    """A Raft node on `self_addr` (host:port) replicating `cluster` with `partners`."""
+    return SyncObj(self_addr, partners, conf=conf, consumers=[cluster])

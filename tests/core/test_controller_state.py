@@ -1,0 +1,221 @@
+"""The controller's replicated state machine, driven directly (no Raft, no sockets).
+
+Reference: Project Adam 3.3.3 (leases, role changes, relocation of a failed server's buckets).
+Every test ends with `validate`, which checks the structural invariants and lease safety of the
+committed record.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from adamps.core.lease import LeaseTerms, check_history
+from controller.state import DEAD, ClusterModel
+
+TERMS = LeaseTerms(duration=5.0, skew=0.1, margin=0.5)
+WAIT = TERMS.duration * (1 + TERMS.skew) + TERMS.margin  # 6.0 s: a lease certainly over
+
+
+def validate(m: ClusterModel) -> None:
+    for b, bk in enumerate(m.buckets):
+        lease = bk["lease"]
+        # A lease of an earlier incarnation (restarted server) makes no member: it just runs out.
+        members = ([lease.holder] if m._holder_live(b) else []) + bk["holders"] + bk["joining"]
+        assert len(members) == len(set(members)), f"bucket {b}: duplicate member {members}"
+        assert len(bk["want"]) == len(set(bk["want"]))
+        for s in bk["holders"] + bk["joining"]:
+            assert m.servers[s]["state"] != DEAD, f"bucket {b}: dead server {s} still a member"
+    assert check_history(m.lease_records(), m.terms) == []
+
+
+def cluster(n_servers: int = 3, n_buckets: int = 64, min_servers: int = 3) -> ClusterModel:
+    m = ClusterModel(n_buckets, TERMS, min_servers=min_servers)
+    for i in range(n_servers):
+        m.register(f"ps{i}", f"127.0.0.1:{9000 + i}", now=100.0)
+    return m
+
+
+def test_start_places_evenly_once_enough_servers() -> None:
+    m = ClusterModel(64, TERMS, min_servers=3)
+    m.register("ps0", "a:1", 1.0)
+    m.register("ps1", "a:2", 1.0)
+    assert all(bk["lease"] is None for bk in m.buckets), "waits for min_servers"
+    m.register("ps2", "a:3", 2.0)
+    prim = Counter(m.primary_of(b) for b in range(64))
+    assert sorted(prim.values()) == [21, 21, 22]
+    assert all(len(m.holders_of(b)) == 3 for b in range(64))
+    assert m.under_replicated() == 0
+    assert all(bk["lease"].epoch == 1 and bk["lease"].granted_at == 2.0 for bk in m.buckets)
+    validate(m)
+
+
+def test_dead_primary_is_replaced_only_after_its_lease_certainly_expired() -> None:
+    m = cluster(4)
+    m.renew("ps0", 101.0)
+    owned = [b for b in range(64) if m.primary_of(b) == "ps0"]
+    assert owned
+    m.declare_dead("ps0", 102.0)
+    assert [m.primary_of(b) for b in owned] == ["ps0"] * len(owned), "no grant before expiry"
+    assert m.grants_due(101.0 + WAIT - 0.01) == []
+    assert m.grants_due(101.0 + WAIT) == owned
+    m.reconcile(101.0 + WAIT)
+    for b in owned:
+        bk = m.buckets[b]
+        assert bk["lease"].holder != "ps0" and bk["lease"].epoch == 2
+    # The dead server's copies are re-created on the spare (joining until caught up).
+    assert all("ps0" not in m.buckets[b]["holders"] for b in range(64))
+    assert any("ps3" in m.buckets[b]["joining"] for b in range(64))
+    # Renewals from the dead server are refused; it must register again (and then holds nothing).
+    assert m.renew("ps0", 200.0)["error"] == "conflict"
+    validate(m)
+
+
+def test_role_change_rules() -> None:
+    m = cluster(3)
+    b = next(b for b in range(64) if m.primary_of(b) == "ps0")
+    secs = list(m.buckets[b]["holders"])
+    m.renew("ps0", 103.0)
+    r = m.role_change(b, secs[0], 7, {}, 104.0)
+    assert r["error"] == "stale_epoch" and r["epoch"] == 1
+    r = m.role_change(b, secs[0], 1, {}, 104.0)
+    assert r["error"] == "conflict" and r["reason"] == "lease_active" and r["retry_after"] > 0
+    assert m.role_change(b, "ps0", 1, {}, 200.0)["error"] == "conflict", "only a secondary proposes"
+    # After expiry the most up-to-date secondary wins, not necessarily the proposer.
+    reports = {secs[0]: [1, 10], secs[1]: [1, 12]}
+    r = m.role_change(b, secs[0], 1, reports, 103.0 + WAIT)
+    assert r["ok"] and r["primary"] == secs[1] and r["epoch"] == 2
+    assert m.role_change(b, secs[0], 1, {}, 300.0)["error"] == "stale_epoch"
+    validate(m)
+
+
+def test_renewal_is_per_server_and_never_shortens() -> None:
+    m = cluster(3)
+    r = m.renew("ps1", 150.0)
+    owned = {b for b in range(64) if m.primary_of(b) == "ps1"}
+    assert {b for b, _ in r["renewed"]} == owned
+    m.renew("ps1", 120.0)  # a leader with a slower clock: the replicated clock never goes back
+    assert all(m.buckets[b]["lease"].renewed_at == 150.0 for b in owned)
+    assert m.renew("nobody", 1.0)["error"] == "not_found"
+
+
+def test_drain_hands_over_then_server_is_empty() -> None:
+    m = cluster(4)
+    m.drain("ps0", 110.0)
+    owned = [b for b in range(64) if m.primary_of(b) == "ps0"]
+    # Targets that were already secondaries are caught up: ps0 stops renewing those.
+    t = 110.0
+    for _ in range(20):
+        t += 1.0
+        for s in ("ps0", "ps1", "ps2", "ps3"):
+            m.renew(s, t)
+        for b, bk in enumerate(m.buckets):
+            for j in list(bk["joining"]):
+                m.caught_up(b, j, bk["lease"].epoch, t)
+        m.reconcile(t)
+    assert all(m.primary_of(b) != "ps0" for b in owned)
+    view = m.cluster_view()
+    assert view["servers"]["ps0"]["state"] == "drained", view["servers"]["ps0"]
+    assert view["under_replicated"] == 0
+    validate(m)
+
+
+def test_release_hands_over_at_once() -> None:
+    m = cluster(4)
+    m.renew("ps0", 109.0)
+    m.drain("ps0", 110.0)
+    for b, bk in enumerate(m.buckets):
+        for j in list(bk["joining"]):
+            m.caught_up(b, j, bk["lease"].epoch, 110.0)
+    b = next(
+        b
+        for b in range(64)
+        if m.primary_of(b) == "ps0" and m.buckets[b]["want"][0] in m.buckets[b]["holders"]
+    )
+    target = m.buckets[b]["want"][0]
+    assert m.release(b, "ps0", 1, 111.0)["ok"]
+    assert m.primary_of(b) == target and m.buckets[b]["lease"].granted_at == 111.0
+    assert m.release(b, "ps0", 1, 112.0)["error"] == "stale_epoch"
+    validate(m)
+
+
+def test_restarted_server_loses_its_leases() -> None:
+    m = cluster(3)
+    owned = [b for b in range(64) if m.primary_of(b) == "ps2"]
+    m.register("ps2", "127.0.0.1:9999", 101.0)  # a restart: new incarnation, holds nothing
+    assert m.renew("ps2", 102.0)["renewed"] == []
+    m.reconcile(100.0 + WAIT)
+    assert all(m.primary_of(b) != "ps2" for b in owned)
+    assert all(m.buckets[b]["lease"].epoch == 2 for b in owned)
+    assert sum("ps2" in bk["joining"] for bk in m.buckets) > 0, "it comes back as a copy"
+    validate(m)
+
+
+def test_layout_and_progress() -> None:
+    m = cluster(1, min_servers=1)
+    assert m.set_layout({"n_buckets": 32, "tensors": []}, 1.0)["error"] == "conflict"
+    assert m.set_layout({"n_buckets": 64, "tensors": []}, 1.0)["layout_version"] == 1
+    assert m.set_layout({"n_buckets": 64, "tensors": []}, 1.0)["layout_version"] == 1
+    for e in range(40):
+        m.report_progress(e, "r0", 0.5, False, 2.0)
+    assert len(m.progress) == 32 and "39" in m.progress and "0" not in m.progress
+
+
+def test_one_server_then_more_restores_replication() -> None:
+    m = cluster(1, min_servers=1)
+    assert m.under_replicated() == 64
+    m.register("ps1", "b", 101.0)
+    m.register("ps2", "c", 101.0)
+    for b, bk in enumerate(m.buckets):
+        for j in list(bk["joining"]):
+            m.caught_up(b, j, bk["lease"].epoch, 102.0)
+    assert m.under_replicated() == 0
+    validate(m)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_histories_keep_leases_safe(seed: int) -> None:
+    """Random failures, restarts, drains, role changes, caught-up reports and leader clocks
+    that disagree by up to margin/2: the committed record never shows two overlapping leases."""
+    rng = random.Random(seed)
+    m = ClusterModel(32, TERMS, min_servers=1)
+    names = [f"ps{i}" for i in range(6)]
+    real = 0.0
+    for _ in range(400):
+        real += rng.choice([0.1, 0.5, 1.0, 2.0, 4.0])
+        now = real + rng.uniform(-TERMS.margin / 2, TERMS.margin / 2)  # this leader's clock
+        op = rng.random()
+        s = rng.choice(names)
+        if op < 0.15:
+            m.register(s, f"h:{s}", now)
+        elif op < 0.45:
+            m.renew(s, now)
+        elif op < 0.55:
+            m.declare_dead(s, now)
+        elif op < 0.6:
+            m.drain(s, now)
+        elif op < 0.7:
+            b = rng.randrange(32)
+            bk = m.buckets[b]
+            if bk["holders"]:
+                epoch = bk["lease"].epoch if bk["lease"] else 0
+                reports = {h: [epoch, rng.randrange(5)] for h in bk["holders"]}
+                m.role_change(b, rng.choice(bk["holders"]), epoch, reports, now)
+        elif op < 0.8:
+            for b, bk in enumerate(m.buckets):
+                for j in list(bk["joining"]):
+                    if rng.random() < 0.5 and bk["lease"]:
+                        m.caught_up(b, j, bk["lease"].epoch, now)
+        elif op < 0.85:
+            b = rng.randrange(32)
+            lease = m.buckets[b]["lease"]
+            if lease:
+                m.release(b, lease.holder, lease.epoch, now)
+        elif op < 0.9:
+            m.rebalance(now)
+        else:
+            m.reconcile(now)
+        validate(m)
+    assert len(m.lease_records()) > 32, "the history exercised re-grants"
