@@ -10,7 +10,7 @@ from adamps.config import default_token, field
 @dataclass
 class DataServerConfig:
     host: str = field("127.0.0.1", help="address to listen on")
-    port: int = field(7300, help="HTTP port (0: let the kernel pick; the chosen port is logged)")
+    port: int = field(7300, help="HTTP port")
     token: str = field("", help="cluster token required on /stream (Authorization: Bearer <token>)")
     source: str = field(
         "builtin",
