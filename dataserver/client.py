@@ -162,6 +162,8 @@ class _SliceStream:
                     )
                 self.close()
                 return None
+            if kind == "wait":  # the server is still augmenting this epoch: alive
+                continue
             if kind == "error":
                 self._lost(DataServerError(f"server error in stream: {msg.get('message')}"))
                 continue
@@ -300,11 +302,8 @@ class BatchIterator(Iterator[Batch]):
     def _run(self) -> None:
         streams: list[_SliceStream] = []
         try:
-            groups = self._client.discover()
+            groups = self._discover()
             n_slices = next(iter(groups.values()))[0].n_slices
-            missing = sorted(set(range(n_slices)) - set(groups))
-            if missing:
-                raise DataServerError(f"no live data server holds slice(s) {missing}")
             streams = [
                 _SliceStream(self._client, k, [s.url for s in groups[k]], self.req, self.progress)
                 for k in range(n_slices)
@@ -323,6 +322,25 @@ class BatchIterator(Iterator[Batch]):
         finally:
             for s in streams:
                 s.close()
+
+    def _discover(self) -> dict[int, list[ServerInfo]]:
+        """Every slice with at least one live server; retried (servers may be restarting) until failover_timeout."""
+        deadline = time.monotonic() + self._client.failover_timeout
+        delay = 0.05
+        while True:
+            try:
+                groups = self._client.discover()
+                n_slices = next(iter(groups.values()))[0].n_slices
+                missing = sorted(set(range(n_slices)) - set(groups))
+                if not missing:
+                    return groups
+                error = DataServerError(f"no live data server holds slice(s) {missing}")
+            except DataServerError as exc:
+                error = exc
+            if time.monotonic() > deadline or self._stop.is_set():
+                raise error
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():

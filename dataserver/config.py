@@ -40,6 +40,9 @@ class DataServerConfig:
     cache_bytes: int = field(
         1 << 30, help="memory bound of the image cache (decoded images + augmented epochs), bytes"
     )
+    heartbeat: float = field(
+        1.0, help="seconds between 'wait' frames while a stream waits for its epoch's augmentation"
+    )
     max_batch: int = field(4096, help="largest batch_size a stream may ask for")
     max_body: int = field(1 << 20, help="largest request body in bytes")
     log_level: str = field("INFO", help="logging level")
@@ -53,5 +56,7 @@ class DataServerConfig:
             )
         if self.workers < 0 or self.ahead < 0 or self.chunk < 1 or self.max_batch < 1:
             raise ValueError("workers and ahead must be >= 0, chunk and max_batch >= 1")
+        if self.heartbeat <= 0:
+            raise ValueError("heartbeat must be > 0")
         if self.max_shift < 0 or self.max_rotation < 0:
             raise ValueError("max_shift and max_rotation must be >= 0")

@@ -206,7 +206,9 @@ class DataServer:
         n = len(self.train_y) if req.split == "train" else len(self.test_y)
         return len(range(req.replica, n, req.n_replicas))
 
-    async def batches(self, req: StreamRequest) -> AsyncIterator[Batch]:
+    async def batches(
+        self, req: StreamRequest, images: np.ndarray | None = None
+    ) -> AsyncIterator[Batch]:
         """The batches of one stream from position req.start: the shared core of /stream and the benchmark."""
         train = req.split == "train"
         labels, index = (
@@ -215,7 +217,8 @@ class DataServer:
         positions = stream_positions(
             len(labels), req.replica, req.n_replicas, req.epoch, self.cfg.seed, shuffle=train
         )
-        images = await self.epoch_images(req.split, req.epoch)
+        if images is None:
+            images = await self.epoch_images(req.split, req.epoch)
         for pos in range(req.start, len(positions), req.batch_size):
             sel = positions[pos : pos + req.batch_size]
             yield Batch(pos, images[sel], labels[sel], index[sel])
@@ -275,6 +278,22 @@ class DataServer:
             "augmented": bool(self.augmenter is not None and req.split == "train"),
         }
 
+    async def _images_with_heartbeat(
+        self, req: StreamRequest, resp: web.StreamResponse
+    ) -> np.ndarray:
+        """Awaits the epoch's images, sending `wait` frames meanwhile so that the client's read
+        timeout tells a dead server from one still augmenting a large epoch."""
+        fut = asyncio.ensure_future(self.epoch_images(req.split, req.epoch))
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=self.cfg.heartbeat)
+                if done:
+                    return fut.result()
+                backlog = self.augmenter.backlog if self.augmenter else 0
+                await resp.write(frame({"type": "wait", "backlog": backlog}))
+        finally:
+            fut.cancel()  # no-op when done; the shared augmentation itself is shielded
+
     async def handle_stream(self, request: web.Request) -> web.StreamResponse:
         adamps_web.check_token(request)
         msg = await adamps_web.read_message(request, {"stream"})
@@ -286,7 +305,8 @@ class DataServer:
         served = self.metrics.images_served.labels(req.split)
         try:
             await resp.write(frame(self.header(req)))
-            async for b in self.batches(req):
+            images = await self._images_with_heartbeat(req, resp)
+            async for b in self.batches(req, images):
                 await resp.write(
                     frame(
                         {

@@ -161,3 +161,20 @@ async def test_bad_token_garbage_and_unknown_op_get_json_4xx(mnist) -> None:
             await asyncio.to_thread(collect, DataClient([url], TOKEN), 3, 2, 0)
         with pytest.raises(DataServerError, match="unauthorized"):
             await asyncio.to_thread(collect, DataClient([url], "nope"), 0, 2, 0)
+
+
+async def test_wait_frames_keep_a_slow_epoch_from_looking_like_a_dead_server() -> None:
+    """An epoch that takes longer to augment than the client's read timeout is not a failover."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (600, 128, 128), dtype=np.uint8)
+    y = np.arange(600, dtype=np.int64) % 10
+    big = Dataset(x, y, x[:10], y[:10])
+    async with running(big, ahead=0, heartbeat=0.02) as (server, url):
+        client = DataClient([url], TOKEN, timeout=0.1)
+        t0 = asyncio.get_running_loop().time()
+        batches, it = await asyncio.to_thread(collect, client, 0, 1, 5, batch_size=100)
+        assert (
+            asyncio.get_running_loop().time() - t0 > 0.2
+        )  # augmentation really was slower than the timeout
+        assert it.failovers == 0
+        assert sorted(np.concatenate([b.index for b in batches]).tolist()) == list(range(600))
