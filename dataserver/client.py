@@ -167,7 +167,7 @@ class _SliceStream:
             if kind == "error":
                 self._lost(DataServerError(f"server error in stream: {msg.get('message')}"))
                 continue
-            raise DataServerError(f"unexpected frame type {kind!r}")
+            log.debug("ignoring frame of unknown type %r", kind)  # forward compatibility
 
     def _accept(self, msg: dict[str, Any]) -> Batch:
         x, y, index, pos = msg.get("x"), msg.get("y"), msg.get("index"), msg.get("position")
