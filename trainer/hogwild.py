@@ -157,6 +157,7 @@ class Hogwild:
         self._limits: Any = None
         self._workers: list[Any] = []
         self._closed = False
+        self._broken = False  # a worker died or timed out: its round's replies are unknown
         if mode == "process":
             ctx = mp.get_context("spawn")  # fork is unsafe once the trainer runs threads
             self._shm = shared_memory.SharedMemory(create=True, size=max(params.nbytes, 1))
@@ -208,32 +209,40 @@ class Hogwild:
         return [w.pid for w in self._workers] if self.mode == "process" else []
 
     def _collect(self, expected: list[str], timeout: float | None) -> list[Any]:
+        """Wait for every worker's reply to the current round. A failed task is raised only
+        once the other workers have replied, so no stale reply is left for the next round."""
         out: list[Any] = [None] * len(expected)
+        errors: list[str] = []
         pending = set(range(len(expected)))
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
             try:
                 wid, kind, value = self._results.get(timeout=_POLL_S)
             except queue.Empty:
-                for i in pending:
+                for i in sorted(pending):
                     if not self._workers[i].is_alive():
+                        self._broken = True
                         code = getattr(self._workers[i], "exitcode", None)
                         raise HogwildError(f"worker {i} died (exit code {code})") from None
                 if deadline is not None and time.monotonic() > deadline:
+                    self._broken = True
                     raise HogwildError(f"workers {sorted(pending)} timed out") from None
                 continue
-            if kind == "error":
-                raise HogwildError(f"worker {wid} failed:\n{value}")
-            if kind != expected[wid]:
-                raise HogwildError(f"worker {wid}: expected {expected[wid]}, got {kind}")
-            out[wid] = value
             pending.discard(wid)
+            if kind == "error":
+                errors.append(f"worker {wid} failed:\n{value}")
+            elif kind != expected[wid]:
+                errors.append(f"worker {wid}: expected {expected[wid]}, got {kind}")
+            else:
+                out[wid] = value
+        if errors:
+            raise HogwildError("\n".join(errors))
         return out
 
     def run(self, tasks: Sequence[Any], timeout: float | None = None) -> list[Any]:
         """Give task i to worker i (all run concurrently); return their results in order."""
-        if self._closed:
-            raise HogwildError("the pool is closed")
+        if self._closed or self._broken:
+            raise HogwildError("the pool is closed" if self._closed else "a worker died or hung")
         if len(tasks) != self.n_workers:
             raise ValueError(f"need one task per worker ({self.n_workers}), got {len(tasks)}")
         for q, task in zip(self._tasks, tasks, strict=True):

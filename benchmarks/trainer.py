@@ -1,0 +1,231 @@
+"""Trainer throughput: connections trained per second (Project Adam figure 8's metric:
+images/s x forward multiply-accumulates per image) of the numpy engine on adam-mnist, with 1
+and 2 Hogwild workers, beside PyTorch on the CPU at the same batch size and thread count.
+
+    python benchmarks/trainer.py [--batches 1,8,32] [--rounds 5] [--seconds 0.4]
+
+Every configuration runs in its own long-lived worker(s) (numpy: Hogwild processes and, to
+decide the default mechanism, Python threads; PyTorch: one process with 1 or 2 intra-op
+threads). The rounds interleave the configurations so that a noisy neighbour hurts all of them
+alike, and each figure is the best round: on a shared machine a neighbour can only slow a
+round down, so the best round is the least disturbed measurement. Ratios are numpy / PyTorch from the same run.
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.hogwild import DEFAULT_MODE, Hogwild  # noqa: E402
+from trainer.model import Model  # noqa: E402
+
+MODEL = "adam-mnist"
+LR = 1e-3  # small: random labels must not blow the weights up during the timing
+
+
+def _synthetic(batch: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.random((batch, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, batch)
+
+
+def numpy_factory(worker_id: int, params: np.ndarray):
+    """Hogwild step function: SGD steps for a time budget at the batch size asked for."""
+    model = Model(MODEL, params=params)
+    data: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def handle(task: tuple[int, float]) -> tuple[int, float]:
+        batch, seconds = task
+        if batch not in data:
+            data[batch] = _synthetic(batch, worker_id)
+        x, y = data[batch]
+        images = 0
+        start = time.perf_counter()
+        while True:
+            model.sgd_step(x, y, LR)
+            images += batch
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                return images, elapsed
+
+    return handle
+
+
+def torch_factory(threads: int, init: np.ndarray, worker_id: int, params: np.ndarray):
+    """The same model, initial weights and update in PyTorch (default NCHW layout)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    net = torch_model(init)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    data: dict[int, tuple[Any, Any]] = {}
+
+    def handle(task: tuple[int, float]) -> tuple[int, float]:
+        batch, seconds = task
+        if batch not in data:
+            x, y = _synthetic(batch, worker_id)
+            data[batch] = (
+                torch.from_numpy(x).permute(0, 3, 1, 2).contiguous(),
+                torch.from_numpy(y),
+            )
+        x, y = data[batch]
+        images = 0
+        start = time.perf_counter()
+        while True:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+            images += batch
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                return images, elapsed
+
+    return handle
+
+
+def torch_model(flat: np.ndarray):
+    """adam-mnist in PyTorch with the weights of a flat numpy parameter buffer (shared by
+    benchmarks/accuracy.py). Flattening goes through NHWC so fc1's columns line up."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    ref = Model(MODEL, params=np.asarray(flat, np.float32).copy())
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, 10, 5)
+            self.conv2 = nn.Conv2d(10, 20, 5)
+            self.fc1 = nn.Linear(320, 400)
+            self.fc2 = nn.Linear(400, 400)
+            self.out = nn.Linear(400, 10)
+
+        def forward(self, x: Any) -> Any:
+            x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+            x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+            x = x.permute(0, 2, 3, 1).flatten(1)
+            x = F.relu(self.fc1(x))
+            x = F.relu(self.fc2(x))
+            return self.out(x)
+
+    net = Net()
+    with torch.no_grad():
+        for name in ("conv1", "conv2", "fc1", "fc2", "out"):
+            w = ref.param(f"{name}.w")
+            if w.ndim == 4:  # ours (F, kh, kw, C) -> torch (F, C, kh, kw)
+                w = w.transpose(0, 3, 1, 2)
+            getattr(net, name).weight.copy_(torch.from_numpy(np.ascontiguousarray(w)))
+            getattr(net, name).bias.copy_(torch.from_numpy(ref.param(f"{name}.b").copy()))
+    return net
+
+
+def torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,8,32", help="batch sizes, comma separated")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=0.4, help="per measurement")
+    parser.add_argument("--trainer-batch", type=int, default=8, help="batch the goal is about")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+
+    model = Model(MODEL)
+    model.init_params(0)
+    conns = model.connections()
+    has_torch = torch_available()
+    print(f"model {MODEL}: {conns:,} connections per image; default Hogwild mode: {DEFAULT_MODE}")
+    if not has_torch:
+        print("torch not installed: skipping the PyTorch comparison")
+
+    pools: dict[str, Hogwild] = {}
+    try:
+        pools["numpy_process_1w"] = Hogwild(numpy_factory, 1, model.params, mode="process")
+        pools["numpy_process_2w"] = Hogwild(numpy_factory, 2, model.params, mode="process")
+        if has_torch:
+            for t in (1, 2):
+                f = functools.partial(torch_factory, t, model.params.copy())
+                pools[f"torch_{t}t"] = Hogwild(f, 1, np.zeros(1, np.float32), mode="process")
+        # threads last: their pool pins this process's BLAS to one thread while it exists
+        pools["numpy_thread_1w"] = Hogwild(numpy_factory, 1, model.params, mode="thread")
+        pools["numpy_thread_2w"] = Hogwild(numpy_factory, 2, model.params, mode="thread")
+
+        samples: dict[tuple[str, int], list[float]] = {}
+        for b in batches:  # warm up: work buffers, BLAS, torch's allocator
+            for pool in pools.values():
+                pool.run([(b, 0.2)] * pool.n_workers)
+        for _ in range(args.rounds):
+            for b in batches:
+                for name, pool in pools.items():
+                    outs = pool.run([(b, args.seconds)] * pool.n_workers)
+                    rate = sum(o[0] for o in outs) / max(o[1] for o in outs)
+                    samples.setdefault((name, b), []).append(rate)
+    finally:
+        for pool in pools.values():
+            pool.close()
+
+    med = {key: max(v) for key, v in samples.items()}
+    result: dict[str, Any] = {"connections_per_image": conns, "default_mode": DEFAULT_MODE}
+    print(f"\nimages/s and connections/s (best of {args.rounds} interleaved rounds)")
+    print(f"{'config':<18}" + "".join(f"{'B=' + str(b):>22}" for b in batches))
+    for name in pools:
+        cells = []
+        for b in batches:
+            ips = med[(name, b)]
+            cells.append(f"{ips:8.0f} {ips * conns / 1e9:6.2f}G c/s")
+            result[f"b{b}_{name}_images_per_s"] = round(ips, 1)
+            result[f"b{b}_{name}_connections_per_s"] = round(ips * conns)
+        print(f"{name:<18}" + "".join(f"{c:>22}" for c in cells))
+
+    print("\nscaling 1 -> 2 workers:")
+    for b in batches:
+        proc = med[("numpy_process_2w", b)] / med[("numpy_process_1w", b)]
+        thr = med[("numpy_thread_2w", b)] / med[("numpy_thread_1w", b)]
+        result[f"b{b}_scaling_process_x"] = round(proc, 2)
+        result[f"b{b}_scaling_thread_x"] = round(thr, 2)
+        print(f"  B={b:<4} processes {proc:4.2f}x   threads {thr:4.2f}x")
+    tb = args.trainer_batch if args.trainer_batch in batches else batches[-1]
+    winner = (
+        "process" if med[("numpy_process_2w", tb)] >= med[("numpy_thread_2w", tb)] else "thread"
+    )
+    result["faster_mode_at_trainer_batch"] = winner
+    print(f"  faster 2-worker mechanism at B={tb}: {winner} (default: {DEFAULT_MODE})")
+
+    if has_torch:
+        print("\nnumpy / PyTorch (same batch, workers = torch threads):")
+        for b in batches:
+            for w in (1, 2):
+                ratio = med[(f"numpy_{DEFAULT_MODE}_{w}w", b)] / med[(f"torch_{w}t", b)]
+                result[f"b{b}_ratio_numpy_vs_torch_{w}w_x"] = round(ratio, 2)
+                mark = "  <- trainer batch" if b == tb else ""
+                print(
+                    f"  B={b:<4} {w} worker(s): numpy {med[(f'numpy_{DEFAULT_MODE}_{w}w', b)]:7.0f}"
+                    f"  torch {med[(f'torch_{w}t', b)]:7.0f} images/s  ratio {ratio:4.2f}x{mark}"
+                )
+        goal = min(result[f"b{tb}_ratio_numpy_vs_torch_{w}w_x"] for w in (1, 2))
+        print(f"  goal >= 1.0x PyTorch at B={tb}: {'met' if goal >= 1.0 else 'NOT met'}")
+    else:
+        result["torch"] = "not installed"
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
