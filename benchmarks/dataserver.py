@@ -157,7 +157,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--epochs", type=int, default=10, help="epochs per measured run (4,000 images each)"
+        "--epochs", type=int, default=20, help="epochs per measured run (4,000 images each)"
     )
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument(
