@@ -174,20 +174,57 @@ CLUSTER = Dashboard(
                     width=6,
                 ),
                 Panel(
-                    "Lease epochs (highest, per primary server)",
-                    [("max by (primary) (adamps_controller_lease_epoch)", "{{primary}}")],
+                    "Parameter servers by state",
+                    [("max by (state) (adamps_controller_servers)", "{{state}}")],
                 ),
                 Panel(
-                    "Failovers",
-                    [("sum(increase(adamps_controller_failovers_total[5m]))", "failovers / 5 min")],
+                    "Lease epochs (highest / mean over buckets)",
+                    [
+                        ("max(adamps_controller_lease_epoch)", "highest"),
+                        ("avg(adamps_controller_lease_epoch)", "mean"),
+                    ],
+                    description="The fencing token of each bucket's primary lease; it grows at every failover.",
                 ),
                 Panel(
-                    "Under-replicated buckets",
-                    [("max(adamps_controller_under_replicated_buckets)", "under-replicated")],
+                    "Failovers (primaries replaced)",
+                    [("sum(increase(adamps_controller_failovers_total[5m]))", "per 5 min")],
+                    description="Buckets whose primary was replaced under a new lease epoch.",
                 ),
                 Panel(
-                    "Live parameter servers",
-                    [("max(adamps_controller_servers_live)", "live")],
+                    "Servers declared dead",
+                    [
+                        (
+                            "sum(increase(adamps_controller_servers_declared_dead_total[5m]))",
+                            "per 5 min",
+                        )
+                    ],
+                    description="Counted by the leader that declared them; a failover follows each.",
+                ),
+                Panel(
+                    "Under-replicated and unassigned buckets",
+                    [
+                        ("max(adamps_controller_under_replicated_buckets)", "under-replicated"),
+                        ("max(adamps_controller_unassigned_buckets)", "without a lease holder"),
+                    ],
+                ),
+                Panel(
+                    "Routing table version",
+                    [("max(adamps_controller_table_version)", "version")],
+                    description="Grows with every placement change (registrations, failovers, moves).",
+                ),
+                Panel(
+                    "Controller writes by op and result",
+                    [(rate("adamps_controller_writes_total", "op, result"), "{{op}} {{result}}")],
+                    unit="ops",
+                ),
+                Panel(
+                    "Raft commit latency p99",
+                    [(quantile(0.99, "adamps_controller_commit_seconds"), "p99 {{instance}}")],
+                    unit="s",
+                ),
+                Panel(
+                    "Raft commit index",
+                    [("max by (instance) (adamps_controller_commit_index)", "{{instance}}")],
                 ),
             ],
         ),

@@ -117,11 +117,13 @@ def test_compose_file_is_valid_and_has_the_default_topology(resolved: dict[str, 
         assert svc["environment"]["ADAMPS_TOKEN"] == TOKEN, name
     for name in roles["train"]:
         assert flag(services[name], "--model") == "adam-mnist"
-    # Raft peers: each controller names the two others.
-    selves = {flag(services[n], "--raft-self") for n in roles["controller"]}
-    for n in roles["controller"]:
-        peers = set(flag(services[n], "--raft-peers").split(","))
-        assert peers == selves - {flag(services[n], "--raft-self")}
+    # Raft members: the same list on every controller; each node is a distinct member, by its name.
+    members = {flag(services[n], "--members") for n in roles["controller"]}
+    assert len(members) == 1
+    hosts = [m.rsplit(":", 2)[0] for m in members.pop().split(",")]
+    assert sorted(hosts[int(flag(services[n], "--member"))] for n in roles["controller"]) == sorted(
+        roles["controller"]
+    )
     # Raft journals and LMDB directories live in named volumes mounted where the role writes.
     for n in roles["controller"] + roles["ps"]:
         mounts = {v["target"]: v for v in mounts_of(resolved["services"][n])}
@@ -133,6 +135,13 @@ def test_compose_file_is_valid_and_has_the_default_topology(resolved: dict[str, 
         for v in mounts_of(resolved["services"][name]):
             if v["type"] == "bind":
                 assert Path(v["source"]).exists(), v["source"]
+
+
+def http_port(argv: list[str]) -> str:
+    """The HTTP (metrics) port of an adamps command line."""
+    if argv[0] == "controller":  # --members HOST:RAFT_PORT:HTTP_PORT,... and --member INDEX
+        return flag(argv, "--members").split(",")[int(flag(argv, "--member"))].rsplit(":", 1)[1]
+    return flag(argv, "--port")
 
 
 def test_compose_refuses_to_start_without_a_token(tmp_path: Path) -> None:
@@ -161,7 +170,7 @@ def test_every_command_parses_with_its_roles_flags(resolved: dict[str, Any]) -> 
 
 def test_prometheus_scrapes_every_compose_process(resolved: dict[str, Any]) -> None:
     services = adamps_services(resolved)
-    want = {(JOB_OF[argv[0]], f"{name}:{flag(argv, '--port')}") for name, argv in services.items()}
+    want = {(JOB_OF[argv[0]], f"{name}:{http_port(argv)}") for name, argv in services.items()}
     cfg = yaml.safe_load(PROM_CONFIG.read_text())
     have = {
         (job["job_name"], target)

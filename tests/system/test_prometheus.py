@@ -25,7 +25,7 @@ import yaml
 
 from adamps.cli import COMMANDS
 from adamps.procs import Proc, adamps_argv, free_port
-from adamps.rpc import SyncRpc
+from adamps.rpc import RpcError, SyncRpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(170)]
 
@@ -118,8 +118,38 @@ def start_dataserver(c: Cluster) -> None:
     c.traffic.append(traffic)
 
 
+def start_controllers(c: Cluster) -> None:
+    http = [free_port() for _ in range(3)]
+    members = ",".join(f"127.0.0.1:{free_port()}:{h}" for h in http)
+    started = [
+        c.start("controller", f"controller-{i}", "controller", "--members", members, "--member",
+                str(i), "--data-dir", str(c.root / f"controller-{i}"), port=h)
+        for i, h in enumerate(http)
+    ]  # fmt: skip
+    for proc, h in zip(started, http, strict=True):
+        proc.wait_http(f"http://127.0.0.1:{h}/healthz", timeout=30)
+    clients = [SyncRpc(f"http://127.0.0.1:{h}", TOKEN, timeout=10) for h in http]
+    c.closers.extend(cl.close for cl in clients)
+    deadline = time.monotonic() + 30
+    while True:  # the first write commits once a leader is elected
+        try:
+            clients[0].post_json("/rebalance", {})
+            break
+        except RpcError:
+            assert time.monotonic() < deadline, "no controller leader within 30 s"
+            time.sleep(0.2)
+
+    def traffic() -> None:
+        for cl in clients:  # followers forward to the leader
+            cl.post_json("/rebalance", {})
+            cl.get_json("/routing")
+
+    c.traffic.append(traffic)
+
+
 #: job -> (command whose module must exist, starter); extended as the roles land.
 ROLES: dict[str, tuple[str, Callable[[Cluster], None]]] = {
+    "controller": ("controller", start_controllers),
     "ps": ("ps", start_ps),
     "dataserver": ("dataserver", start_dataserver),
 }
@@ -153,7 +183,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, s
                 starter(cluster)
             else:
                 cluster.not_started[job] = f"{COMMANDS[command][0]} is not written yet"
-        for job in ("controller", "trainer"):
+        for job in ("trainer",):
             if job not in ROLES:
                 cluster.not_started.setdefault(job, "the test does not start this role yet")
         prom_port = free_port()
