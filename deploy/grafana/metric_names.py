@@ -51,6 +51,44 @@ def defined_metrics(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> di
     return found
 
 
+def _const(node: ast.expr | None) -> object:
+    return node.value if isinstance(node, ast.Constant) else None
+
+
+def metric_table(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> list[dict[str, str]]:
+    """One row per metric: name (as scraped), kind, labels, help, defining file (for the docs)."""
+    rows = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except SyntaxError:
+                continue
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.Call) and (kind := _kind_of(node.func))):
+                    continue
+                name = _name_arg(node)
+                if not (name and name.startswith("adamps_")):
+                    continue
+                args = {kw.arg: kw.value for kw in node.keywords}
+                doc = args.get("documentation", node.args[1] if len(node.args) > 1 else None)
+                labels = args.get("labelnames", node.args[2] if len(node.args) > 2 else None)
+                label_list = (
+                    [str(_const(e)) for e in labels.elts]
+                    if isinstance(labels, ast.List | ast.Tuple)
+                    else []
+                )
+                scraped = {"Counter": name.removesuffix("_total") + "_total"}.get(kind, name)
+                rows[name] = {
+                    "name": scraped,
+                    "kind": kind.lower(),
+                    "labels": ", ".join(label_list),
+                    "help": str(_const(doc) or ""),
+                    "file": path.relative_to(root).as_posix(),
+                }
+    return sorted(rows.values(), key=lambda r: r["name"])
+
+
 def exposed_names(name: str, kind: str) -> set[str]:
     """The series names prometheus-client exposes for metric `name` of `kind`."""
     if kind == "Counter":
@@ -72,3 +110,11 @@ def exposed_metrics(root: Path = ROOT) -> dict[str, str]:
         for exposed in exposed_names(name, kind):
             out[exposed] = name
     return out
+
+
+if __name__ == "__main__":
+    # A Markdown table of every metric, for docs/operations.md.
+    print("| metric | type | labels | meaning |")
+    print("| --- | --- | --- | --- |")
+    for row in metric_table():
+        print(f"| `{row['name']}` | {row['kind']} | {row['labels']} | {row['help']} |")
