@@ -1,0 +1,102 @@
+"""Configuration of one controller node (`adamps controller`), section [controller]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adamps.config import ConfigError, default_token, field
+
+
+@dataclass
+class ControllerConfig:
+    members: list[str] = field(
+        ["127.0.0.1:7110:7100"],
+        help="every controller of the cluster as HOST:RAFT_PORT:HTTP_PORT, the same list on every node",
+    )
+    member: int = field(0, help="index of this node in --members")
+    bind_host: str = field("", help="interface to bind (HTTP and Raft); empty = the member's host")
+    data_dir: str = field(
+        "run/controller", help="directory of the Raft journal and full dump (one per node)"
+    )
+    token: str = field(default_token(), help="cluster token for mutating calls")
+    raft_password: str = field(
+        "",
+        help="password of the Raft port (pickled traffic!); empty = derived from the cluster token",
+    )
+    n_buckets: int = field(64, help="number of buckets (must equal the model layout's)")
+    replication: int = field(3, help="copies of each bucket: one primary plus secondaries")
+    min_servers: int = field(1, help="parameter servers to wait for before the first placement")
+    lease_duration: float = field(5.0, help="seconds a primary lease grant or renewal lasts")
+    lease_skew: float = field(0.1, help="relative clock-rate error tolerated by the lease rules")
+    lease_margin: float = field(
+        0.5, help="extra seconds before a lease may be re-granted (wall-clock spread)"
+    )
+    heartbeat_interval: float = field(
+        1.0, help="seconds between a parameter server's heartbeats (told at register)"
+    )
+    server_timeout: float = field(3.0, help="silence after which the leader declares a server dead")
+    reconcile_interval: float = field(
+        0.25, help="seconds between the leader's checks for failures and due grants"
+    )
+    commit_timeout: float = field(
+        2.0, help="seconds to wait for a write to commit before answering no_quorum"
+    )
+    election_min: float = field(0.3, help="Raft election timeout, lower bound (seconds)")
+    election_max: float = field(0.9, help="Raft election timeout, upper bound (seconds)")
+    leader_fallback: float = field(
+        1.0, help="a leader hearing from no majority this long steps down"
+    )
+    compaction_entries: int = field(
+        5000, help="compact the Raft log (full dump) after this many entries"
+    )
+    compaction_seconds: float = field(300.0, help="... or after this many seconds")
+    max_body: int = field(16 << 20, help="largest request body accepted (bytes)")
+    log_level: str = field("INFO", help="logging level")
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise ConfigError("controller.members is empty")
+        for m in self.members:
+            parse_member(m)
+        if not 0 <= self.member < len(self.members):
+            raise ConfigError(
+                f"controller.member {self.member} is not an index of members ({len(self.members)})"
+            )
+        if self.n_buckets <= 0 or self.replication <= 0 or self.min_servers < 0:
+            raise ConfigError("controller.n_buckets and replication must be > 0, min_servers >= 0")
+        if not 0 < self.election_min < self.election_max:
+            raise ConfigError("controller: need 0 < election_min < election_max")
+        if self.server_timeout <= self.heartbeat_interval:
+            raise ConfigError("controller.server_timeout must exceed heartbeat_interval")
+
+    @property
+    def password(self) -> str:
+        return self.raft_password or ("adamps-raft:" + self.token)
+
+    @property
+    def raft_addresses(self) -> list[str]:
+        return [f"{h}:{rp}" for h, rp, _ in map(parse_member, self.members)]
+
+    @property
+    def http_addresses(self) -> list[str]:
+        return [f"{h}:{hp}" for h, _, hp in map(parse_member, self.members)]
+
+    @property
+    def self_host(self) -> str:
+        return parse_member(self.members[self.member])[0]
+
+    @property
+    def http_port(self) -> int:
+        return parse_member(self.members[self.member])[2]
+
+
+def parse_member(text: str) -> tuple[str, int, int]:
+    """'host:raft_port:http_port' -> (host, raft_port, http_port)."""
+    parts = text.rsplit(":", 2)
+    if len(parts) != 3:
+        raise ConfigError(f"controller member {text!r}: expected HOST:RAFT_PORT:HTTP_PORT")
+    host, rp, hp = parts
+    try:
+        return host, int(rp), int(hp)
+    except ValueError:
+        raise ConfigError(f"controller member {text!r}: ports must be integers") from None

@@ -1,0 +1,134 @@
+"""`adamps status`: print the cluster (controllers, servers, buckets, progress) as tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adamps status", description="Print the cluster as seen by the controllers."
+    )
+    parser.add_argument(
+        "--controllers",
+        default="127.0.0.1:7100",
+        help="comma-separated HTTP addresses (host:port) of controllers; the first that answers is used",
+    )
+    parser.add_argument("--buckets", action="store_true", help="also list every bucket")
+    parser.add_argument("--json", action="store_true", help="print the raw /cluster JSON instead")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds per request")
+    return parser
+
+
+def _get(addr: str, path: str, timeout: float) -> Any:
+    with urllib.request.urlopen(f"http://{addr}{path}", timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [header, *[[("-" if c is None else str(c)) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render(
+    view: dict[str, Any], controllers: list[dict[str, Any]], progress: dict[str, Any], buckets: bool
+) -> str:
+    out = []
+    out.append(
+        table(
+            [
+                [c["addr"], c.get("role"), c.get("term"), c.get("commit_index"), c.get("leader")]
+                for c in controllers
+            ],
+            ["controller", "role", "term", "commit", "leader"],
+        )
+    )
+    out.append("")
+    out.append(
+        f"table version {view['version']}  buckets {view['n_buckets']}  replication {view['replication']}  "
+        f"under-replicated {view['under_replicated']}  unassigned {view['unassigned']}  "
+        f"layout v{view['layout_version']}"
+    )
+    out.append("")
+    rows = [
+        [
+            s,
+            r["address"],
+            r["state"],
+            r.get("primary", 0),
+            r.get("secondary", 0),
+            r.get("joining", 0),
+            r["incarnation"],
+        ]
+        for s, r in view["servers"].items()
+    ]
+    out.append(
+        table(
+            rows, ["server", "address", "state", "primary", "secondary", "joining", "incarnation"]
+        )
+    )
+    if buckets:
+        out.append("")
+        rows = []
+        for bv in view["buckets"]:
+            lease = bv.get("lease") or {}
+            left = None
+            if lease:
+                left = f"{lease['expires_at'] - view['clock']:.1f}s"
+            rows.append(
+                [
+                    bv["bucket"],
+                    bv["primary"],
+                    bv["epoch"],
+                    ",".join(bv["secondaries"]),
+                    ",".join(bv["joining"]),
+                    left,
+                ]
+            )
+        out.append(
+            table(rows, ["bucket", "primary", "epoch", "secondaries", "joining", "lease left"])
+        )
+    if progress:
+        out.append("")
+        rows = []
+        for epoch, per in sorted(progress.items(), key=lambda kv: int(kv[0])):
+            for replica, p in sorted(per.items()):
+                rows.append([epoch, replica, p["progress"], p["done"]])
+        out.append(table(rows, ["epoch", "replica", "progress", "done"]))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    addrs = [a.strip() for a in args.controllers.split(",") if a.strip()]
+    controllers = []
+    view = progress = None
+    for addr in addrs:
+        try:
+            st = _get(addr, "/status", args.timeout)["raft"]
+            controllers.append({"addr": addr, **st})
+            if view is None:
+                view = _get(addr, "/cluster", args.timeout)
+                progress = _get(addr, "/progress", args.timeout).get("epochs", {})
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+            controllers.append({"addr": addr, "role": f"unreachable ({type(exc).__name__})"})
+    if view is None:
+        print(f"adamps status: no controller answered at {', '.join(addrs)}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(view, indent=2))
+        return 0
+    print(render(view, controllers, progress or {}, args.buckets))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
