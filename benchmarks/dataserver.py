@@ -96,7 +96,7 @@ async def memory_run(
             await drain_local(e)
     else:
         await server.epoch_images("train", first)
-    while server._inflight:
+    while server.status()["epochs_in_flight"]:
         await asyncio.sleep(0.01)
     t0 = time.perf_counter()
     n = 0

@@ -125,6 +125,7 @@ class DataServer:
                 on_progress=self._on_augmented,
             )
         self._inflight: dict[int, asyncio.Task[np.ndarray]] = {}  #: epoch -> its augmentation
+        self._streams_open = 0  #: /stream responses being sent
         self._update_gauges()
 
     # ------------------------------------------------------------------ lifecycle
@@ -302,6 +303,7 @@ class DataServer:
         resp.enable_chunked_encoding()
         await resp.prepare(request)
         self.metrics.streams_open.inc()
+        self._streams_open += 1
         served = self.metrics.images_served.labels(req.split)
         try:
             await resp.write(frame(self.header(req)))
@@ -333,6 +335,7 @@ class DataServer:
                 pass
         finally:
             self.metrics.streams_open.dec()
+            self._streams_open -= 1
         return resp
 
     # ------------------------------------------------------------------ status / app
@@ -355,6 +358,7 @@ class DataServer:
             "cache_bytes": self.cache.nbytes,
             "cache_bound": self.cache.bound,
             "skipped_files": self.dataset.skipped,
+            "streams_open": self._streams_open,
             "config": adamps_config.to_dict(self.cfg),
         }
 

@@ -82,3 +82,35 @@ def test_cache_is_bounded_and_evicts_least_recently_used() -> None:
     assert cache.epochs() == [0, 2, 3] and cache.nbytes <= 350
     with pytest.raises(CacheTooSmall, match="cache_bytes"):
         EpochCache(bound=120, base_bytes=50, epoch_bytes=100)
+
+
+def test_server_computes_ahead_only_what_the_cache_bound_holds() -> None:
+    from dataserver.config import DataServerConfig
+    from dataserver.service import DataServer
+    from dataserver.sources import Dataset
+
+    x = np.random.default_rng(0).integers(0, 256, (100, 8, 8), dtype=np.uint8)
+    y = np.arange(100, dtype=np.int64) % 10
+    ds = Dataset(x, y, x[:10], y[:10])
+    base = x.nbytes + y.nbytes + 10 * 64 + 10 * 8
+    cfg = DataServerConfig(token="t", workers=0, ahead=5, cache_bytes=base + 2 * x.nbytes)
+
+    async def scenario() -> tuple[list[int], list[int], int]:
+        server = DataServer(cfg, ds)
+        await server.start()
+        try:
+            first = server.status()["epochs_in_flight"]  # the epochs scheduled at start
+            for e in range(4):
+                await server.epoch_images("train", e)
+            while server.status()["epochs_in_flight"]:
+                await asyncio.sleep(0.01)
+            st = server.status()
+            return first, st["epochs_cached"], st["cache_bytes"]
+        finally:
+            await server.close()
+
+    first, cached, nbytes = asyncio.run(scenario())
+    assert first == [0, 1]  # ahead=5 asked for, 2 epochs fit
+    assert cached == [3, 4] and nbytes <= cfg.cache_bytes
+    with pytest.raises(CacheTooSmall):
+        DataServer(DataServerConfig(token="t", cache_bytes=base + 10), ds)
