@@ -246,6 +246,39 @@ class RawTcp:
 # -- a real PS process over HTTP ------------------------------------------------------------------
 
 
+def _aiohttp_sink(port: int) -> None:
+    """The HTTP framework's own ceiling: an aiohttp app that reads the body and discards it."""
+    from aiohttp import web
+
+    from adamps import protocol
+
+    tune_malloc()
+
+    async def rpc(request: web.Request) -> web.Response:
+        body = await request.read()
+        reply = protocol.encode({"rid": None, "n": len(body)})
+        return web.Response(body=reply, content_type="application/msgpack")
+
+    app = web.Application(client_max_size=256 * MiB)
+    app.router.add_post("/rpc", rpc)
+    app.router.add_get("/healthz", lambda r: web.json_response({"ok": True}))
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def wait_healthz(base: str, timeout: float = 30.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/healthz", timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class HttpClients:
     """`conns` keep-alive connections (threads), each pushing or pulling 4 MB bodies."""
 
@@ -335,7 +368,10 @@ def main() -> int:
             report(f"fc_k{k}_pipelined", med["pipe"] / 1e9, "G/s", med["lim"] / 1e9)
 
     print("\n[network] limit: raw TCP on loopback, 4 MiB messages, blocking sendall/recv_into;")
-    print("          PS: a real `adamps ps` process, 4 MB msgpack bodies over loopback HTTP")
+    print("          PS: a real `adamps ps` process, 4 MB msgpack bodies over loopback HTTP;")
+    print(
+        "          aiohttp_discard: an aiohttp handler that only reads the body (the framework's ceiling)"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
         proc = Proc(
@@ -345,16 +381,23 @@ def main() -> int:
             name="ps",
         )  # fmt: skip
         tcp = RawTcp()
+        sink_port = free_port()
+        sink = mp.get_context("spawn").Process(target=_aiohttp_sink, args=(sink_port,), daemon=True)
+        sink.start()
         try:
             base = f"http://127.0.0.1:{port}"
             proc.wait_http(base + "/healthz", 30)
             with SyncRpc(base, TOKEN) as c:
                 c.call("create", name="p", shape=[BODY // 4], optimizer={"kind": "sgd", "lr": 0.01})
+            sink_base = f"http://127.0.0.1:{sink_port}"
+            wait_healthz(sink_base)
             one, four = HttpClients(base, 1), HttpClients(base, 4)
+            discard = HttpClients(sink_base, 1)
             med = interleaved(
                 {
                     "tcp_stream": tcp.stream,
                     "tcp_ping_pong": tcp.ping_pong,
+                    "discard1": lambda: discard.rate("push"),
                     "push1": lambda: one.rate("push"),
                     "push4": lambda: four.rate("push"),
                     "pull1": lambda: one.rate("pull"),
@@ -364,12 +407,16 @@ def main() -> int:
             )
             one.close()
             four.close()
+            discard.close()
         finally:
+            sink.terminate()
+            sink.join(5)
             tcp.close()
             proc.stop()
     lim = med["tcp_stream"]
     report("tcp_stream", lim, "GB/s")
     report("tcp_ping_pong", med["tcp_ping_pong"], "GB/s")
+    report("aiohttp_discard_4MB_1_conn", med["discard1"], "GB/s", lim)
     report("push_4MB_1_conn", med["push1"], "GB/s", lim, 0.6)
     report("push_4MB_4_conns", med["push4"], "GB/s", lim, 0.6)
     report("pull_4MB_1_conn", med["pull1"], "GB/s", lim)

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from adamps import metrics, protocol
 from adamps import web as aweb
-from adamps.config import to_dict
+from adamps.config import ConfigError, to_dict
 from adamps.layout import LayoutError, TensorSpec
 from adamps.protocol import ProtocolError, require, require_array
 from adamps.server.config import PsConfig
@@ -118,7 +118,12 @@ class ParameterServer:
         #: client id -> last sequence number seen (recorded; exactly-once comes with replication)
         self.clients: dict[str, int] = {}
         self._seq = 0
-        self._load()
+        try:
+            self._load()
+        except BaseException:
+            self.store.close()
+            self.persister.close()
+            raise
         self.m.dirty.set_function(lambda: self.store.dirty_count())
         self.m.loss_window.set_function(lambda: self.flusher.loss_window())
         self.m.queue_depth.set_function(lambda: sum(self.store.queue_depths()))
@@ -139,20 +144,30 @@ class ParameterServer:
             meta = saved.meta
             spec = TensorSpec.from_dict(meta["spec"])
             opt = Optimizer.from_dict(meta["optimizer"])
+            saved_max = meta.get("max_shard_elems", self.cfg.max_shard_elems)
+            if saved_max != self.cfg.max_shard_elems:
+                raise ConfigError(
+                    f"{self.persister.path} holds tensor {spec.name!r} cut with max_shard_elems="
+                    f"{saved_max}, but this server is configured with {self.cfg.max_shard_elems}; "
+                    "the shard layout must not change under existing data"
+                )
             values = None
             missing = [
                 sid
                 for sid in self._shards_of(spec)
                 if self.store.holds_id(sid) and sid not in saved.shards
             ]
-            if missing and meta["init"]["kind"] == "values":
-                # Given values are kept only as shards; a held shard never saved starts at zero.
+            if missing:
+                # A bucket newly assigned to this server and never flushed here: its shards start
+                # from the tensor's init (given values: zeros) until replication brings state.
                 log.warning(
-                    "tensor %s: no saved state for %d held shards; they start at 0",
+                    "tensor %s: no saved state for %d held shards (%s...); they start from init",
                     spec.name,
                     len(missing),
+                    missing[0],
                 )
-                values = np.zeros(spec.shape, dtype=np.float32)
+                if meta["init"]["kind"] == "values":
+                    values = np.zeros(spec.shape, dtype=np.float32)
             self.store.define(spec, opt, meta["init"], values, saved.shards)
             self._seq = max(self._seq, meta["seq"] + 1)
             n += 1
@@ -301,7 +316,13 @@ class ParameterServer:
                 existing=existing.describe(),
             )
         t = self.store.define(spec, opt, init, init_in.get("values"))
-        meta = {"spec": spec.to_dict(), "optimizer": opt.to_dict(), "init": init, "seq": self._seq}
+        meta = {
+            "spec": spec.to_dict(),
+            "optimizer": opt.to_dict(),
+            "init": init,
+            "seq": self._seq,
+            "max_shard_elems": self.cfg.max_shard_elems,
+        }
         self._seq += 1
         # Written before this handler yields, so no push to the new shards is queued yet and no
         # later flush can be overtaken by this version-0 write. Create is rare; the loop blocks briefly.
@@ -435,6 +456,8 @@ class ParameterServer:
             )
         if "shards" in msg:
             states = self._shard_ids(msg, "shards")
+            if len({st.id for st in states}) != len(states):
+                raise ProtocolError("bad_request", "field 'shards' names a shard twice")
             wrong = [st.id for st in states if st.shard.tensor != name]
             if wrong:
                 raise ProtocolError("bad_request", f"shards {wrong} are not shards of {name!r}")

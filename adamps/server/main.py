@@ -70,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # Owner threads are the parallelism; BLAS threads inside each would only oversubscribe the cores.
     limits = threadpool_limits(limits=cfg.blas_threads)
-    ps = ParameterServer(cfg)
+    try:
+        ps = ParameterServer(cfg)
+    except config.ConfigError as exc:
+        log.error("%s", exc)
+        return 2
     try:
         app = ps.make_app()
         log.info(

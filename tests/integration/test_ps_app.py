@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from adamps import web as aweb
+from adamps.config import ConfigError
 from adamps.procs import free_port
 from adamps.rpc import AsyncRpc, RpcError
 from adamps.server.app import ParameterServer
@@ -191,3 +193,21 @@ async def test_a_server_holding_some_buckets(tmp_path: Path) -> None:
     finally:
         await c.close()
         await runner.cleanup()
+
+
+def test_a_changed_shard_size_under_existing_data_is_refused(tmp_path: Path) -> None:
+    cfg = PsConfig(
+        token=TOKEN, data_dir=str(tmp_path / "ps"), max_shard_elems=1000, flush_interval=3600
+    )
+    ps = ParameterServer(cfg)
+    try:
+        asyncio.run(ps.op_create({"name": "q", "shape": [3000]}))
+    finally:
+        ps.close()
+    with pytest.raises(ConfigError, match="max_shard_elems=1000"):
+        ParameterServer(PsConfig(token=TOKEN, data_dir=str(tmp_path / "ps"), max_shard_elems=2000))
+    again = ParameterServer(cfg)  # the original layout still loads
+    try:
+        assert sorted(again.store.shards) == ["q/0", "q/1", "q/2"]
+    finally:
+        again.close()

@@ -138,6 +138,10 @@ CASES: dict[str, tuple[Callable[[], dict[str, Any]], int, str, str]] = {
         400, "non_finite", "'e'",
     ),
     "fc k mismatch": (lambda: {"body": req("push_fc", tensor="w", a=ones((2, 50)), e=ones((3, 40)))}, 400, "bad_shape", "rows k"),
+    "fc shard twice": (
+        lambda: {"body": req("push_fc", tensor="w", a=ones((2, 50)), e=ones((2, 40)), shards=["w/0", "w/0"])},
+        400, "bad_request", "twice",
+    ),
     "missing field": (lambda: {"body": req("push_fc", tensor="w", a=ones((2, 50)))}, 400, "bad_request", "'e'"),
     "create clash": (lambda: {"body": req("create", name="w", shape=[3])}, 409, "exists", "different definition"),
     "bad init": (lambda: {"body": req("create", name="z", shape=[3], init={"kind": "ones"})}, 400, "bad_request", "init kind"),
