@@ -15,7 +15,10 @@ Usage::
         pool.params  # the shared weights, live
 
 ``factory(worker_id, params)`` runs once inside each worker and returns its step function
-``handle(task) -> result``; ``params`` is the worker's view of the shared buffer. In process
+``handle(task) -> result``; ``params`` is the worker's view of the shared buffer. Extra shared
+float32 buffers (e.g. an accumulator of deltas a Downpour push thread drains) are asked for
+with ``buffers={"name": size}``: the factory is then called as
+``factory(worker_id, params, buffers)`` and the owner sees them as ``pool.buffers``. In process
 mode factory, tasks and results are pickled, so the factory must be importable (a module-level
 function or a functools.partial of one). Each worker's BLAS is pinned to ``blas_threads``
 threads: two workers on two cores with two BLAS threads each would oversubscribe the cores.
@@ -45,7 +48,8 @@ MODES = ("process", "thread")
 DEFAULT_MODE = "process"
 
 Handle = Callable[[Any], Any]
-WorkerFactory = Callable[[int, np.ndarray], Handle]
+#: factory(worker_id, params) or, with extra buffers, factory(worker_id, params, buffers)
+WorkerFactory = Callable[..., Handle]
 
 _STOP = "__hogwild_stop__"
 _POLL_S = 0.5  # how often an idle worker checks that its parent is still alive
@@ -66,17 +70,30 @@ class HogwildError(RuntimeError):
     """A worker failed (its traceback is in the message) or died."""
 
 
+def _views(flat: np.ndarray, sizes: dict[str, int]) -> dict[str, np.ndarray]:
+    """Consecutive named pieces of one flat buffer."""
+    out, offset = {}, 0
+    for name, size in sizes.items():
+        out[name] = flat[offset : offset + size]
+        offset += size
+    return out
+
+
 def _serve(
     worker_id: int,
     factory: WorkerFactory,
-    params: np.ndarray,
+    arrays: dict[str, np.ndarray],
     tasks: Any,
     results: Any,
     parent_alive: Callable[[], bool],
 ) -> None:
     """A worker's loop: build the step function, then run tasks until told to stop."""
     try:
-        handle = factory(worker_id, params)
+        extra = {k: v for k, v in arrays.items() if k != "params"}
+        if extra:
+            handle = factory(worker_id, arrays["params"], extra)
+        else:
+            handle = factory(worker_id, arrays["params"])
     except BaseException:
         results.put((worker_id, "error", traceback.format_exc()))
         return
@@ -99,7 +116,7 @@ def _serve(
 def _process_main(
     worker_id: int,
     shm_name: str,
-    n: int,
+    sizes: dict[str, int],
     factory: WorkerFactory,
     tasks: Any,
     results: Any,
@@ -110,19 +127,20 @@ def _process_main(
     # its parent's tracker, whose registry is a set, so that is a no-op (unregistering here
     # would make the parent's unlink fail), and the parent's unlink stays the one release.
     shm = shared_memory.SharedMemory(name=shm_name)
-    params = np.ndarray((n,), dtype=np.float32, buffer=shm.buf)
+    flat = np.ndarray((sum(sizes.values()),), dtype=np.float32, buffer=shm.buf)
+    arrays = _views(flat, sizes)
     parent = mp.parent_process()
     try:
         _serve(
             worker_id,
             factory,
-            params,
+            arrays,
             tasks,
             results,
             lambda: parent is None or parent.is_alive(),
         )
     finally:
-        del params
+        del flat, arrays
         gc.collect()
         _release(shm)
 
@@ -143,6 +161,7 @@ class Hogwild:
         mode: str = DEFAULT_MODE,
         blas_threads: int = 1,
         start_timeout: float = 60.0,
+        buffers: dict[str, int] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -151,6 +170,11 @@ class Hogwild:
         params = np.asarray(params)
         if params.ndim != 1 or params.dtype != np.float32:
             raise ValueError("params must be a flat float32 array")
+        buffers = dict(buffers or {})
+        if "params" in buffers or any(int(v) < 0 for v in buffers.values()):
+            raise ValueError("extra buffers need sizes >= 0 and a name other than 'params'")
+        sizes = {"params": params.size, **{k: int(v) for k, v in buffers.items()}}
+        total = sum(sizes.values())
         self.mode = mode
         self.n_workers = n_workers
         self._shm: shared_memory.SharedMemory | None = None
@@ -160,10 +184,10 @@ class Hogwild:
         self._broken = False  # a worker died or timed out: its round's replies are unknown
         if mode == "process":
             ctx = mp.get_context("spawn")  # fork is unsafe once the trainer runs threads
-            self._shm = shared_memory.SharedMemory(create=True, size=max(params.nbytes, 1))
-            #: the shared weights
-            self.params: np.ndarray = np.ndarray(params.shape, np.float32, buffer=self._shm.buf)
-            self.params[...] = params
+            self._shm = shared_memory.SharedMemory(create=True, size=max(total * 4, 1))
+            flat = np.ndarray((total,), np.float32, buffer=self._shm.buf)
+            flat[...] = 0.0
+            arrays = _views(flat, sizes)
             self._results: Any = ctx.Queue()
             self._tasks: list[Any] = [ctx.Queue() for _ in range(n_workers)]
             for i in range(n_workers):
@@ -172,7 +196,7 @@ class Hogwild:
                     args=(
                         i,
                         self._shm.name,
-                        params.size,
+                        sizes,
                         factory,
                         self._tasks[i],
                         self._results,
@@ -185,17 +209,22 @@ class Hogwild:
         else:
             # threadpoolctl's limit is process wide: it holds for the pool's lifetime
             self._limits = threadpool_limits(blas_threads)
-            self.params = params.copy()
+            arrays = _views(np.zeros(total, np.float32), sizes)
             self._results = queue.Queue()
             self._tasks = [queue.Queue() for _ in range(n_workers)]
             for i in range(n_workers):
                 thread = threading.Thread(
                     target=_serve,
-                    args=(i, factory, self.params, self._tasks[i], self._results, lambda: True),
+                    args=(i, factory, arrays, self._tasks[i], self._results, lambda: True),
                     name=f"hogwild-{i}",
                     daemon=True,
                 )
                 self._workers.append(thread)
+        #: the shared weights (a copy of the initial values), live while the pool is open
+        self.params: np.ndarray = arrays["params"]
+        self.params[...] = params
+        #: the extra shared buffers, zero-initialised
+        self.buffers: dict[str, np.ndarray] = {k: v for k, v in arrays.items() if k != "params"}
         try:
             for w in self._workers:
                 w.start()
@@ -275,6 +304,7 @@ class Hogwild:
             if self._shm is not None:
                 # the final values stay readable after close, out of shared memory
                 self.params = np.array(self.params)
+                self.buffers = {k: np.array(v) for k, v in self.buffers.items()}
                 gc.collect()
                 _release(self._shm)
                 self._shm.unlink()

@@ -345,8 +345,10 @@ class SoftmaxCrossEntropy(Dense):
         self.spec = spec
         return super().build(in_shape)
 
-    def loss_grad(self, logits: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
-        """Mean cross-entropy and dL/dlogits (written over the logits buffer)."""
+    def loss_grad(
+        self, logits: np.ndarray, labels: np.ndarray, scale: float = 1.0
+    ) -> tuple[float, np.ndarray]:
+        """Mean cross-entropy and scale * dL/dlogits (written over the logits buffer)."""
         b = logits.shape[0]
         z = logits
         z -= z.max(axis=1, keepdims=True)
@@ -356,7 +358,7 @@ class SoftmaxCrossEntropy(Dense):
         picked = z[rows, labels]
         loss = float(-np.log(np.maximum(picked, 1e-30, dtype=np.float64)).mean())
         z[rows, labels] -= 1.0
-        z *= 1.0 / b
+        z *= scale / b
         return loss, z
 
 

@@ -184,13 +184,14 @@ class Model:
             x = layer.forward(x, p)
         return x
 
-    def loss_and_grad(self, x: np.ndarray, labels: np.ndarray) -> float:
+    def loss_and_grad(self, x: np.ndarray, labels: np.ndarray, scale: float = 1.0) -> float:
         """Forward and backward on one batch: returns the mean cross-entropy and fills
-        ``self.grads`` (overwritten, not accumulated) and the fully connected layers' (a, e)."""
+        ``self.grads`` (overwritten, not accumulated) and the fully connected layers' (a, e)
+        with scale * the gradient (every gradient is linear in the output error)."""
         logits = self.forward(x)
         out = self.layers[-1]
         assert isinstance(out, SoftmaxCrossEntropy)
-        loss, dy = out.loss_grad(logits, np.asarray(labels))
+        loss, dy = out.loss_grad(logits, np.asarray(labels), scale)
         last = len(self.layers) - 1
         for i in range(last, -1, -1):
             dy = self.layers[i].backward(dy, self._p[i], self._g[i], need_dx=i > 0)
@@ -198,8 +199,8 @@ class Model:
 
     def sgd_step(self, x: np.ndarray, labels: np.ndarray, lr: float) -> float:
         """One plain SGD step on ``self.params`` (in place, lock-free if the buffer is shared)."""
-        loss = self.loss_and_grad(x, labels)
-        self.grads *= -lr
+        # -lr folded into the output error: one pass over the model instead of two
+        loss = self.loss_and_grad(x, labels, scale=-lr)
         self.params += self.grads
         return loss
 

@@ -43,6 +43,18 @@ def _failing_factory(worker_id: int, params: np.ndarray):
     return handle
 
 
+def _accumulating_factory(worker_id: int, params: np.ndarray, buffers: dict[str, np.ndarray]):
+    """A Downpour-like step: update the weights and add the same delta to an accumulator."""
+
+    def handle(task: int) -> None:
+        for _ in range(task):
+            params[:] += 1.0
+            buffers["delta"][:] += 1.0
+        buffers["steps"][worker_id] += task
+
+    return handle
+
+
 def _broken_factory(worker_id: int, params: np.ndarray):
     raise RuntimeError("cannot build the step function")
 
@@ -76,6 +88,28 @@ def test_workers_share_one_buffer(mode: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_extra_shared_buffers(mode: str) -> None:
+    with Hogwild(
+        _accumulating_factory,
+        2,
+        np.full(3, 10.0, np.float32),
+        mode=mode,
+        buffers={"delta": 3, "steps": 2},
+    ) as pool:
+        assert sorted(pool.buffers) == ["delta", "steps"]
+        np.testing.assert_array_equal(pool.buffers["delta"], 0)
+        pool.run([4, 6])
+        np.testing.assert_array_equal(pool.buffers["steps"], [4, 6])
+        # lock-free: concurrent += may lose an update, never invent one
+        assert 0 < pool.buffers["delta"][0] <= 10 and 10 < pool.params[0] <= 20
+        pool.buffers["delta"][:] = 0.0  # the owner drains the accumulator
+        pool.run([1, 0])
+        np.testing.assert_array_equal(pool.buffers["delta"], 1)
+    np.testing.assert_array_equal(pool.buffers["steps"], [5, 6])
+
+
+@pytest.mark.slow
 def test_worker_errors_are_raised_and_the_pool_still_closes() -> None:
     with Hogwild(_failing_factory, 2, np.zeros(2, np.float32)) as pool:
         with pytest.raises(HogwildError, match="bad task for worker"):
@@ -100,6 +134,8 @@ def test_bad_arguments() -> None:
         Hogwild(_counter_factory, 1, np.zeros(2, np.float32), mode="fiber")
     with pytest.raises(ValueError, match="float32"):
         Hogwild(_counter_factory, 1, np.zeros(2, np.float64), mode="thread")
+    with pytest.raises(ValueError, match="other than 'params'"):
+        Hogwild(_counter_factory, 1, np.zeros(2, np.float32), mode="thread", buffers={"params": 1})
     with Hogwild(_counter_factory, 2, np.zeros(2, np.float32), mode="thread") as pool:
         with pytest.raises(ValueError, match="one task per worker"):
             pool.run([1])
