@@ -83,14 +83,18 @@ def place(
         excess = load[s] - quota[s]
         if excess <= 0:
             continue
-        for _ in range(excess):
-            choices = [b for b in range(n_buckets) if s in kept[b][1:]]
-            if not choices:
-                choices = [b for b in range(n_buckets) if kept[b][:1] == [s]]
-            b = min(
-                choices,
-                key=lambda b: (-len(kept[b]), lost_by_primary.get(kept[b][0], 0), b),
-            )
+        as_secondary = [b for b in range(n_buckets) if s in kept[b][1:]]
+        nth: dict[str, int] = {}
+        ranked = []
+        for b in sorted(as_secondary, key=lambda b: (-len(kept[b]), b)):
+            p = kept[b][0]
+            nth[p] = nth.get(p, 0) + 1
+            ranked.append((-len(kept[b]), nth[p] + lost_by_primary.get(p, 0), b))
+        ranked.sort()
+        drop = [b for _, _, b in ranked[:excess]]
+        if len(drop) < excess:  # only primaries left to give up
+            drop += [b for b in range(n_buckets) if kept[b][:1] == [s]][: excess - len(drop)]
+        for b in drop:
             kept[b].remove(s)
             load[s] -= 1
             if kept[b]:
@@ -237,6 +241,28 @@ def _assign_primaries(
         count[t] -= 1  # t is now the source the chain started from
         return True
 
+    def move(b: int, t: str) -> None:
+        src = owner[b]
+        by_server[src].remove(b)
+        by_server[t].append(b)
+        owner[b] = t
+        count[src] -= 1
+        count[t] += 1
+
+    # Direct moves first (one bucket, one hop), free ones before paid ones: cheap to find, and
+    # what most joins and leaves need; the chains below handle what is left.
+    for paid in (False, True):
+        for src in sorted(live):
+            if paid and any(owner[b] != present[b] for b in by_server[src]):
+                continue  # it owns a free bucket: a chain through it may cost nothing
+            for b in sorted(by_server[src], key=lambda b: (owner[b] == present[b], b)):
+                if count[src] <= hi:
+                    break
+                if (owner[b] == present[b]) != paid:
+                    continue
+                room = [t for t in kept[b] if t != src and count[t] < hi]
+                if room:
+                    move(b, min(room, key=lambda t: (count[t], t)))
     while True:
         over = sorted(s for s in live if count[s] > hi)
         if not over or not step(over, lambda t: count[t] < hi):

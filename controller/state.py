@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 LIVE, DEAD, DRAINING = "live", "dead", "draining"
 #: Closed leases kept for the safety record (GET /leases); older ones are dropped.
-HISTORY_LIMIT = 20_000
+HISTORY_LIMIT = 4096
 #: Trainer epochs whose progress is kept.
 PROGRESS_EPOCHS = 32
 

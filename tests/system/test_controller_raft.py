@@ -374,6 +374,21 @@ def test_two_of_three_killed_writes_refused_then_resume(ctl: Controllers) -> Non
     reply = ctl.write(others[0], "/progress", body, timeout=10)
     assert reply["ok"]
 
+    # Now the survivor is a follower whose leader is gone: it fails fast too, then resumes.
+    leader = ctl.leader([leader, others[0]])
+    survivor = next(i for i in (leader, others[0]) if i != leader)
+    ctl.kill(leader)
+    for _ in range(3):
+        t0 = time.monotonic()
+        code, reply = call(ctl.http[survivor], "POST", "/progress", body, timeout=10)
+        took = time.monotonic() - t0
+        assert code == 503 and reply["error"]["code"] == "no_quorum", (code, reply)
+        assert took < 2.5, f"no_quorum must come fast, took {took:.2f}s"
+        time.sleep(0.3)
+    ctl.start(others[1])
+    reply = ctl.write(survivor, "/progress", {**body, "replica": "r2"}, timeout=15)
+    assert reply["ok"]
+
 
 def test_full_restart_keeps_configuration_also_after_compaction(procs, tmp_path: Path) -> None:
     # A long server timeout: nothing may change while the fake servers are silent.
