@@ -71,9 +71,19 @@ class DataClient:
         self.urls = [u.rstrip("/") for u in urls]
         self.token = token
         self.timeout = timeout  #: socket timeout: a server silent this long is treated as dead
-        self.failover_timeout = (
-            failover_timeout  #: give up after this long without any server of a slice
+        #: give up after this long without any server of a slice
+        self.failover_timeout = failover_timeout
+        self._groups: dict[int, list[ServerInfo]] | None = (
+            None  #: last discovery, reused across epochs
         )
+        self._lock = threading.Lock()
+
+    def groups(self, refresh: bool = False) -> dict[int, list[ServerInfo]]:
+        """The servers of each slice, discovered once and reused (refresh=True asks them again)."""
+        with self._lock:
+            if refresh or self._groups is None:
+                self._groups = self.discover()
+            return self._groups
 
     def discover(self) -> dict[int, list[ServerInfo]]:
         """Asks every server for its slice; returns slice index -> servers. Unreachable ones are left out."""
@@ -209,6 +219,7 @@ class _SliceStream:
                     self.close()
                     log.info("data server %s unusable: %s", url, exc)
                     self._current = (self._current + 1) % len(self.urls)
+            self._refresh_urls()
             if time.monotonic() > deadline:
                 raise DataServerError(
                     f"no data server of slice {self.slice_index} served the stream for "
@@ -216,6 +227,15 @@ class _SliceStream:
                 )
             time.sleep(delay)
             delay = min(1.0, delay * 2)
+
+    def _refresh_urls(self) -> None:
+        """After a round in which no server answered: ask every known server again (some may be back)."""
+        try:
+            urls = [s.url for s in self.client.groups(refresh=True).get(self.slice_index, [])]
+        except DataServerError:
+            return
+        if urls:
+            self.urls, self._current = urls, 0
 
     def _open_on(self, url: str) -> None:
         parts = urllib.parse.urlsplit(url)
@@ -327,9 +347,10 @@ class BatchIterator(Iterator[Batch]):
         """Every slice with at least one live server; retried (servers may be restarting) until failover_timeout."""
         deadline = time.monotonic() + self._client.failover_timeout
         delay = 0.05
+        refresh = False
         while True:
             try:
-                groups = self._client.discover()
+                groups = self._client.groups(refresh)
                 n_slices = next(iter(groups.values()))[0].n_slices
                 missing = sorted(set(range(n_slices)) - set(groups))
                 if not missing:
@@ -339,6 +360,7 @@ class BatchIterator(Iterator[Batch]):
                 error = exc
             if time.monotonic() > deadline or self._stop.is_set():
                 raise error
+            refresh = True
             time.sleep(delay)
             delay = min(1.0, delay * 2)
 

@@ -31,8 +31,8 @@ def mnist() -> Dataset:
 
 @contextlib.asynccontextmanager
 async def running(dataset: Dataset, **cfg_fields):
-    fields = {"workers": 0, "ahead": 1, **cfg_fields}
-    cfg = DataServerConfig(token=TOKEN, port=free_port(), **fields)
+    fields = {"workers": 0, "ahead": 1, "port": free_port(), **cfg_fields}
+    cfg = DataServerConfig(token=TOKEN, **fields)
     server = DataServer(cfg, dataset)
     await server.start()
     runner = await aweb.serve(server.make_app(), "127.0.0.1", cfg.port)
@@ -178,3 +178,14 @@ async def test_wait_frames_keep_a_slow_epoch_from_looking_like_a_dead_server() -
         )  # augmentation really was slower than the timeout
         assert it.failovers == 0
         assert sorted(np.concatenate([b.index for b in batches]).tolist()) == list(range(600))
+
+
+async def test_client_waits_for_a_data_server_that_is_still_starting(mnist) -> None:
+    port = free_port()
+    client = DataClient([f"http://127.0.0.1:{port}"], TOKEN, failover_timeout=20.0)
+    pending = asyncio.ensure_future(asyncio.to_thread(collect, client, 0, 1, 0, batch_size=500))
+    await asyncio.sleep(0.5)  # the client is retrying discovery: nothing listens yet
+    assert not pending.done()
+    async with running(mnist, augment=False, port=port):
+        batches, _ = await pending
+    assert sorted(np.concatenate([b.index for b in batches]).tolist()) == list(range(4000))
