@@ -145,6 +145,7 @@ class _SliceStream:
         self._conn: http.client.HTTPConnection | None = None
         self._resp: http.client.HTTPResponse | None = None
         self._current = 0  #: index in self.urls of the server in use
+        self._stalled = 0  #: streams lost since the last batch arrived
 
     def close(self) -> None:
         if self._conn is not None:
@@ -191,6 +192,7 @@ class _SliceStream:
         ):
             raise DataServerError("batch frame lacks x/y/index arrays of one length")
         self.position += len(y)
+        self._stalled = 0
         return Batch(pos, x, y, index)
 
     def _lost(self, exc: BaseException) -> None:
@@ -200,6 +202,13 @@ class _SliceStream:
         )
         self.close()
         self.progress.failovers += 1
+        self._stalled += 1
+        if self._stalled > max(3, 2 * len(self.urls)):
+            # Servers answer but every stream breaks before a batch: a bug, not a dead server.
+            raise DataServerError(
+                f"stream of slice {self.slice_index} lost {self._stalled} times at position "
+                f"{self.position} without progress; last error: {exc}"
+            )
         self._current = (self._current + 1) % len(self.urls)
 
     def _open(self) -> None:
