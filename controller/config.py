@@ -16,7 +16,8 @@ class ControllerConfig:
     member: int = field(0, help="index of this node in --members")
     bind_host: str = field("", help="interface to bind (HTTP and Raft); empty = the member's host")
     data_dir: str = field(
-        "run/controller", help="directory of the Raft journal and full dump (one per node)"
+        "",
+        help="directory of the Raft journal and full dump (one per node); empty = run/controller-MEMBER",
     )
     token: str = field(default_token(), help="cluster token for mutating calls")
     raft_password: str = field(
@@ -68,6 +69,8 @@ class ControllerConfig:
             raise ConfigError("controller: need 0 < election_min < election_max")
         if self.server_timeout <= self.heartbeat_interval:
             raise ConfigError("controller.server_timeout must exceed heartbeat_interval")
+        if not self.data_dir:
+            self.data_dir = f"run/controller-{self.member}"
 
     @property
     def password(self) -> str:

@@ -342,7 +342,7 @@ class ControllerService:
             "role": "controller",
             "raft": self.raft_status(),
             "table": info,
-            "config": config_to_dict(self.cfg),
+            "config": {**config_to_dict(self.cfg), "raft_password": "***"},
         }
 
     async def h_routing(self, request: web.Request) -> web.Response:

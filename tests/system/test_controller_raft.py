@@ -22,7 +22,9 @@ from typing import Any
 import pytest
 
 from adamps.core.lease import LeaseTerms, check_history
+from adamps.layout import Layout, TensorSpec
 from adamps.procs import adamps_argv, free_port
+from controller.client import ControllerClient
 
 TOKEN = "test-token"
 TERMS = LeaseTerms(duration=1.0, skew=0.1, margin=0.2)
@@ -252,6 +254,11 @@ def test_leader_killed_new_leader_fast_nothing_lost_routing_continues(ctl: Contr
         assert code == 200 and all(b["primary"] for b in routing["buckets"])
         before = routing["version"]
 
+        client = ControllerClient(ctl.http, TOKEN, timeout=2.0, retry_for=10.0)
+        layout = Layout([TensorSpec("w1", (300, 784)), TensorSpec("b1", (300,))], n_buckets=64)
+        assert client.layout() is None
+        assert client.set_layout(layout.to_dict())["layout_version"] == 1
+
         ctl.kill(old)
         t0 = time.monotonic()
         survivors = [i for i in range(3) if i != old]
@@ -287,6 +294,12 @@ def test_leader_killed_new_leader_fast_nothing_lost_routing_continues(ctl: Contr
                 time.sleep(0.05)
             code, routing = call(ctl.http[i], "GET", "/routing")
             assert routing["version"] >= before and len(routing["servers"]) == 3
+        # The client finds a live controller by itself; the layout survived the failover.
+        assert client.report_progress(1, "client", 0.5)["ok"]
+        got = client.layout()
+        assert got["layout_version"] == 1 and Layout.from_dict(got["layout"]) == layout
+        assert len(client.progress(1)["replicas"]) == 7
+        client.close()
         # Heartbeats carried on through the new leader: nobody was declared dead.
         time.sleep(1.5)
         code, view = call(ctl.http[new], "GET", "/cluster")
