@@ -107,18 +107,16 @@ class ControllerRouting:
 
 
 def routing_from_table(table: Mapping[str, Any]) -> Routing:
-    """A Routing from the controller's JSON table (docs/protocol-controller.md)."""
+    """A Routing from the controllers' JSON table (docs/protocol-controller.md, GET /routing)."""
+    addresses = table.get("servers", {})
     routes = {}
     for entry in table.get("buckets", []):
-        primary = entry.get("primary_address")
+        primary = entry.get("address")
         if not primary:
-            continue
-        routes[int(entry["bucket"])] = Route(
-            int(entry["bucket"]),
-            normalize_url(primary),
-            int(entry.get("epoch", 0)),
-            tuple(normalize_url(a) for a in entry.get("secondary_addresses", [])),
-        )
+            continue  # never placed yet
+        b = int(entry["bucket"])
+        secondaries = tuple(normalize_url(addresses[s]) for s in entry.get("secondaries", []) if s in addresses)
+        routes[b] = Route(b, normalize_url(primary), int(entry.get("epoch", 0)), secondaries)
     return Routing(int(table.get("version", 0)), routes)
 
 
