@@ -37,6 +37,7 @@ from threadpoolctl import threadpool_limits
 from adamps.layout import TensorSpec
 from adamps.procs import Proc, adamps_argv, free_port
 from adamps.rpc import SyncRpc
+from adamps.server.dataplane import DataPlaneClient
 from adamps.server.main import tune_malloc
 from adamps.server.optim import Dense, Optimizer
 from adamps.server.store import Store, fc_parts, normalize_init
@@ -279,6 +280,44 @@ def wait_healthz(base: str, timeout: float = 30.0) -> None:
             time.sleep(0.05)
 
 
+class DataPlaneClients:
+    """`conns` data-plane connections (threads), each pushing or pulling 4 MB payloads."""
+
+    def __init__(self, port: int, conns: int) -> None:
+        self.clients = [DataPlaneClient("127.0.0.1", port, TOKEN) for _ in range(conns)]
+        self.delta = np.full(BODY // 4, 1e-6, np.float32)
+        self.outs = [np.empty(BODY // 4, np.float32) for _ in range(conns)]
+
+    def rate(self, op: str, seconds: float = 0.8) -> float:
+        counts = [0] * len(self.clients)
+        stop = time.perf_counter() + seconds
+
+        def call(i: int) -> None:
+            if op == "push":
+                self.clients[i].push_dense("p", self.delta)
+            else:
+                self.clients[i].pull("p", out=self.outs[i])
+
+        def worker(i: int) -> None:
+            while time.perf_counter() < stop:
+                call(i)
+                counts[i] += 1
+
+        for i in range(len(self.clients)):
+            call(i)
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(self.clients))]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(counts) * BODY / (time.perf_counter() - t0) / 1e9
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
 class HttpClients:
     """`conns` keep-alive connections (threads), each pushing or pulling 4 MB bodies."""
 
@@ -373,9 +412,9 @@ def main() -> int:
         "          aiohttp_discard: an aiohttp handler that only reads the body (the framework's ceiling)"
     )
     with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
+        port, data_port = free_port(), free_port()
         proc = Proc(
-            adamps_argv("ps", "--port", str(port), "--data-dir", str(Path(tmp) / "lmdb"), "--flush-interval", "1", "--log-level", "WARNING"),
+            adamps_argv("ps", "--port", str(port), "--data-port", str(data_port), "--data-dir", str(Path(tmp) / "lmdb"), "--flush-interval", "1", "--log-level", "WARNING"),
             Path(tmp) / "ps.log",
             env={"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1"},
             name="ps",
@@ -393,6 +432,7 @@ def main() -> int:
             wait_healthz(sink_base)
             one, four = HttpClients(base, 1), HttpClients(base, 4)
             discard = HttpClients(sink_base, 1)
+            dp1, dp4 = DataPlaneClients(data_port, 1), DataPlaneClients(data_port, 4)
             med = interleaved(
                 {
                     "tcp_stream": tcp.stream,
@@ -402,12 +442,18 @@ def main() -> int:
                     "push4": lambda: four.rate("push"),
                     "pull1": lambda: one.rate("pull"),
                     "pull4": lambda: four.rate("pull"),
+                    "dp_push1": lambda: dp1.rate("push"),
+                    "dp_push4": lambda: dp4.rate("push"),
+                    "dp_pull1": lambda: dp1.rate("pull"),
+                    "dp_pull4": lambda: dp4.rate("pull"),
                 },
                 4,
             )
             one.close()
             four.close()
             discard.close()
+            dp1.close()
+            dp4.close()
         finally:
             sink.terminate()
             sink.join(5)
@@ -421,6 +467,11 @@ def main() -> int:
     report("push_4MB_4_conns", med["push4"], "GB/s", lim, 0.6)
     report("pull_4MB_1_conn", med["pull1"], "GB/s", lim)
     report("pull_4MB_4_conns", med["pull4"], "GB/s", lim)
+    print("  binary data plane (raw float32 frames on the PS's data port, BufferedProtocol):")
+    report("dataplane_push_4MB_1_conn", med["dp_push1"], "GB/s", lim, 0.6)
+    report("dataplane_push_4MB_4_conns", med["dp_push4"], "GB/s", lim, 0.6)
+    report("dataplane_pull_4MB_1_conn", med["dp_pull1"], "GB/s", lim)
+    report("dataplane_pull_4MB_4_conns", med["dp_pull4"], "GB/s", lim)
 
     RESULTS["wall_seconds"] = round(time.perf_counter() - t_start, 1)
     print()

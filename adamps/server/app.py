@@ -25,6 +25,7 @@ from adamps import web as aweb
 from adamps.config import ConfigError, to_dict
 from adamps.layout import LayoutError, TensorSpec
 from adamps.protocol import ProtocolError, require, require_array
+from adamps.server import dataplane
 from adamps.server.config import PsConfig
 from adamps.server.optim import Dense, OptimError, Optimizer
 from adamps.server.persist import Flusher, Persister
@@ -131,6 +132,9 @@ class ParameterServer:
         self.m.tensors.set_function(lambda: len(self.store.tensors))
         self.flusher.start()
         self._closed = False
+        self._data_plane: asyncio.Server | None = None
+        #: open data-plane connections (closed at shutdown)
+        self._dp_conns: set[Any] = set()
 
     def _on_flush(self, shards: int, nbytes: int, seconds: float) -> None:
         self.m.flushed_shards.inc(shards)
@@ -207,9 +211,19 @@ class ParameterServer:
         app.router.add_post("/rpc", self.handle_rpc)
         app.router.add_post("/flush", self.handle_flush)
 
+        async def start_data_plane(_app: web.Application) -> None:
+            if self.cfg.data_port:
+                self._data_plane = await dataplane.start(self, self.cfg.host, self.cfg.data_port)
+
         async def cleanup(_app: web.Application) -> None:
+            if self._data_plane is not None:
+                self._data_plane.close()  # stops accepting; then the open connections
+                for conn in list(self._dp_conns):
+                    if conn.transport is not None:
+                        conn.transport.close()
             await asyncio.get_running_loop().run_in_executor(None, self.close)
 
+        app.on_startup.append(start_data_plane)
         app.on_cleanup.append(cleanup)
         return app
 
@@ -500,6 +514,7 @@ class ParameterServer:
     def status(self) -> dict[str, Any]:
         return {
             "role": "ps",
+            "data_port": self.cfg.data_port or None,
             "config": to_dict(self.cfg),
             "uptime_seconds": time.time() - self.started,
             "n_buckets": self.cfg.n_buckets,

@@ -1,0 +1,335 @@
+"""A binary streaming data plane beside the HTTP control plane: raw float32 push/pull over TCP.
+
+Why: a 4 MB push over aiohttp reaches about a quarter of raw loopback TCP on this machine, and an
+aiohttp handler that only reads and discards the body does hardly better (benchmarks/ps_apply.py):
+the HTTP framework, not the PS, is the ceiling. Here a connection reads each payload with
+``asyncio.BufferedProtocol`` straight into one buffer allocated at its final size (the kernel copies
+into it; no chunk objects, no joins), and the numpy view of that buffer is what the owner threads
+apply. Only the two hot ops are offered: ``push_dense`` and ``pull`` of whole tensors; everything
+else stays on ``POST /rpc``.
+
+Frame (both directions): a 20-byte header ``<4s B B H I Q`` = magic ``b"ADPS"``, version 1,
+kind (1 request, 2 reply, 3 error), 0, meta length, payload length; then the meta (a msgpack map,
+see docs/protocol-ps.md) and the payload (raw little-endian float32, C order).
+
+Security and bad input: the token is in the meta and is checked before any payload byte is
+buffered; meta and payload lengths are bounded (64 KiB, ``max_body``) before anything is
+allocated; tensor, length and finiteness are checked before the update is queued. An error found
+before the payload was read is answered and the connection closed (the stream cannot be resynced);
+an error found after (NaN, Inf) is answered and the connection stays usable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import struct
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from adamps import protocol
+from adamps.protocol import ProtocolError
+from adamps.server.optim import Dense
+from adamps.server.store import StoreError
+
+if TYPE_CHECKING:
+    from adamps.server.app import ParameterServer
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"ADPS"
+VERSION = 1
+REQUEST, REPLY, ERROR = 1, 2, 3
+HEADER = struct.Struct("<4sBBHIQ")
+MAX_META = 64 << 10
+OPS = ("push_dense", "pull")
+
+_HEADER, _META, _PAYLOAD, _BUSY, _CLOSED = range(5)
+
+
+def frame_header(kind: int, meta_len: int, payload_len: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, 0, meta_len, payload_len)
+
+
+class DataPlaneProtocol(asyncio.BufferedProtocol):
+    """One connection: header -> meta -> payload -> handled (reading paused) -> reply -> next."""
+
+    def __init__(self, ps: ParameterServer) -> None:
+        self.ps = ps
+        self.transport: asyncio.Transport | None = None
+        self.state = _HEADER
+        self.buf = bytearray(HEADER.size)
+        self.view = memoryview(self.buf)
+        self.pos = 0
+        self.meta: dict[str, Any] = {}
+        self.payload_len = 0
+
+    # -- asyncio callbacks ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.ps._dp_conns.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.state = _CLOSED
+        self.ps._dp_conns.discard(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.pos :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.pos += nbytes
+        if self.pos < len(self.buf):
+            return
+        try:
+            if self.state == _HEADER:
+                self._on_header()
+            elif self.state == _META:
+                self._on_meta()
+            elif self.state == _PAYLOAD:
+                self._on_payload()
+        except ProtocolError as exc:
+            self._fail(exc, close=True)
+        except StoreError as exc:
+            self._fail(ProtocolError(exc.code, exc.message), close=True)
+        except Exception:  # a bug: logged, answered, this connection closed, the server lives on
+            log.exception("data plane: unexpected error")
+            self._fail(ProtocolError("internal", "unexpected server error (logged)"), close=True)
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too
+
+    # -- states -----------------------------------------------------------------------------------
+
+    def _expect(self, state: int, n: int) -> None:
+        self.state = state
+        self.buf = bytearray(n)
+        self.view = memoryview(self.buf)
+        self.pos = 0
+
+    def _on_header(self) -> None:
+        magic, version, kind, _zero, meta_len, payload_len = HEADER.unpack(self.buf)
+        if magic != MAGIC or kind != REQUEST:
+            raise ProtocolError("malformed", "not a data-plane request frame (magic ADPS, kind 1)")
+        if version != VERSION:
+            raise ProtocolError(
+                "unsupported_version", f"frame version must be {VERSION}, got {version}"
+            )
+        if meta_len == 0 or meta_len > MAX_META:
+            raise ProtocolError(
+                "too_large" if meta_len else "malformed",
+                f"meta length {meta_len} not in 1..{MAX_META}",
+            )
+        if payload_len > self.ps.cfg.max_body:
+            raise ProtocolError(
+                "too_large",
+                f"payload of {payload_len} bytes exceeds the limit of {self.ps.cfg.max_body} bytes",
+            )
+        self.payload_len = payload_len
+        self._expect(_META, meta_len)
+
+    def _on_meta(self) -> None:
+        meta = protocol.decode(self.buf)
+        self.meta = meta
+        # The token before anything else: no payload of an unauthenticated peer is ever buffered.
+        token = meta.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(
+            token.encode(), self.ps.cfg.token.encode()
+        ):
+            raise ProtocolError(
+                "unauthorized", "missing or wrong cluster token in the frame's meta"
+            )
+        op = protocol.check_message(meta, OPS)
+        t = self.ps.store.tensor(protocol.require(meta, "tensor", str))
+        want = t.spec.size * 4 if op == "push_dense" else 0
+        if self.payload_len != want:
+            raise ProtocolError(
+                "bad_length",
+                f"{op} of {t.spec.name!r} needs a payload of {want} bytes, got {self.payload_len}",
+            )
+        self.ps._held(t.spec.name)  # every shard here, or unknown_shard
+        if want:
+            self._expect(_PAYLOAD, want)
+        else:
+            self._dispatch(None)
+
+    def _on_payload(self) -> None:
+        self._dispatch(self.buf)
+
+    def _dispatch(self, payload: bytearray | None) -> None:
+        assert self.transport is not None
+        self.state = _BUSY
+        self.transport.pause_reading()
+        asyncio.get_running_loop().create_task(self._handle(self.meta, payload))
+
+    async def _handle(self, meta: dict[str, Any], payload: bytearray | None) -> None:
+        op = meta["op"]
+        t0 = time.perf_counter()
+        label = f"dp_{op}"
+        try:
+            if op == "push_dense":
+                reply, out = await self._push(meta, payload), None
+            else:
+                reply, out = await self._pull(meta)
+        except (ProtocolError, StoreError) as exc:
+            err = exc if isinstance(exc, ProtocolError) else ProtocolError(exc.code, exc.message)
+            self.ps.m.requests.labels(label, err.code).inc()
+            self._fail(err, close=False)
+        except Exception:
+            log.exception("data plane: unexpected error in %s", op)
+            self.ps.m.requests.labels(label, "internal").inc()
+            self._fail(ProtocolError("internal", "unexpected server error (logged)"), close=False)
+        else:
+            self._send(REPLY, {"rid": meta.get("rid"), **reply}, out)
+            self.ps.m.requests.labels(label, "ok").inc()
+            self.ps.m.latency.labels(label).observe(time.perf_counter() - t0)
+        if self.state == _BUSY and self.transport is not None and not self.transport.is_closing():
+            self._expect(_HEADER, HEADER.size)
+            self.transport.resume_reading()
+
+    async def _push(self, meta: dict[str, Any], payload: bytearray | None) -> dict[str, Any]:
+        assert payload is not None
+        self.ps.m.bytes_in.inc(len(payload))
+        name = meta["tensor"]
+        sts = self.ps._held(name)
+        # Zero copy: the kernel wrote the payload into this buffer; the owner threads read it.
+        delta = np.frombuffer(payload, dtype="<f4")
+        protocol.check_finite("payload", delta)
+        self.ps._record_client(meta)
+        parts = [(st, Dense(delta[st.shard.start : st.shard.stop])) for st in sts]
+        versions = await self.ps._wait(lambda cb: self.ps.store.push(parts, cb))
+        return {"versions": versions}
+
+    async def _pull(self, meta: dict[str, Any]) -> tuple[dict[str, Any], np.ndarray]:
+        name = meta["tensor"]
+        sts = self.ps._held(name)
+        out = np.empty(self.ps.store.tensors[name].spec.size, dtype=np.float32)
+        outs = [out[st.shard.start : st.shard.stop] for st in sts]
+        versions = await self.ps._wait(lambda cb: self.ps.store.read(sts, outs, cb))
+        shape = list(self.ps.store.tensors[name].spec.shape)
+        return {"shape": shape, "versions": [versions[st.id] for st in sts]}, out
+
+    # -- replies ----------------------------------------------------------------------------------
+
+    def _send(self, kind: int, meta: dict[str, Any], payload: np.ndarray | None) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        m = protocol.encode(meta)
+        n = 0 if payload is None else payload.nbytes
+        self.transport.write(frame_header(kind, len(m), n) + m)
+        if payload is not None:
+            self.transport.write(memoryview(payload).cast("B"))
+            self.ps.m.bytes_out.inc(n)
+
+    def _fail(self, exc: ProtocolError, close: bool) -> None:
+        rid = self.meta.get("rid") if isinstance(self.meta, dict) else None
+        self._send(ERROR, {"error": exc.to_dict(), "rid": rid}, None)
+        if close and self.transport is not None:
+            self.state = _CLOSED
+            self.transport.close()
+
+
+async def start(ps: ParameterServer, host: str, port: int) -> asyncio.Server:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: DataPlaneProtocol(ps), host, port, reuse_address=True)
+    log.info("data plane listening on %s:%d", host, port)
+    return server
+
+
+# -- client ---------------------------------------------------------------------------------------
+
+
+class DataPlaneError(ProtocolError):
+    """An error frame from the server."""
+
+
+class DataPlaneClient:
+    """A blocking client of one PS's data plane (one connection; one thread at a time)."""
+
+    def __init__(self, host: str, port: int, token: str, timeout: float = 30.0) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.token = token
+        self._hdr = bytearray(HEADER.size)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> DataPlaneClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _recv_exact(self, buf: memoryview) -> None:
+        got = 0
+        while got < len(buf):
+            n = self.sock.recv_into(buf[got:])
+            if n == 0:
+                raise ConnectionError("data plane: connection closed by the server")
+            got += n
+
+    def _request(
+        self,
+        op: str,
+        tensor: str,
+        payload: np.ndarray | None,
+        out: np.ndarray | None = None,
+        **fields: Any,
+    ) -> tuple[dict[str, Any], bytearray | memoryview | None]:
+        meta = protocol.encode(protocol.request(op, tensor=tensor, token=self.token, **fields))
+        n = 0 if payload is None else payload.nbytes
+        self.sock.sendall(frame_header(REQUEST, len(meta), n) + meta)
+        if payload is not None:
+            try:
+                self.sock.sendall(memoryview(np.ascontiguousarray(payload, dtype="<f4")).cast("B"))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the server refused the request early and closed: read its error frame
+        self._recv_exact(memoryview(self._hdr))
+        magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(self._hdr)
+        if magic != MAGIC:
+            raise ConnectionError("data plane: bad reply frame")
+        mbuf = bytearray(meta_len)
+        self._recv_exact(memoryview(mbuf))
+        reply = protocol.decode(mbuf)
+        body: bytearray | memoryview | None = None
+        if payload_len:
+            if out is not None and kind == REPLY and out.nbytes == payload_len:
+                body = memoryview(out).cast("B")  # straight into the caller's array
+            else:
+                body = bytearray(payload_len)
+            self._recv_exact(memoryview(body))
+        if kind == ERROR:
+            err = reply.get("error", {})
+            code = err.get("code", "internal")
+            raise DataPlaneError(
+                code if code in protocol.ERRORS else "internal",
+                str(err.get("message", "")),
+                **{k: v for k, v in err.items() if k not in ("code", "message")},
+            )
+        return reply, body
+
+    def push_dense(self, tensor: str, delta: np.ndarray, **fields: Any) -> dict[str, int]:
+        """Applies delta (the whole tensor, float32) like push_dense on /rpc; returns the versions."""
+        if delta.dtype != np.float32:
+            raise TypeError("delta must be float32")
+        reply, _ = self._request("push_dense", tensor, delta, **fields)
+        return reply["versions"]
+
+    def pull(self, tensor: str, out: np.ndarray | None = None) -> tuple[np.ndarray, list[int]]:
+        """The whole tensor and its shard versions. With `out` (a C-contiguous float32 array of
+        the tensor's size) the values are received straight into it; else into a new array."""
+        if out is not None and (out.dtype != np.float32 or not out.flags.c_contiguous):
+            raise TypeError("out must be a C-contiguous float32 array")
+        reply, body = self._request("pull", tensor, None, out=out)
+        assert body is not None
+        if out is not None and isinstance(body, memoryview):
+            return out.reshape(reply["shape"]), reply["versions"]
+        return np.frombuffer(body, dtype="<f4").reshape(reply["shape"]), reply["versions"]

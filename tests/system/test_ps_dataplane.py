@@ -1,0 +1,184 @@
+"""The binary data plane of a real PS process: push/pull of raw float32 frames, and bad frames.
+
+Bad input gets an error frame naming the problem, nothing changes (pulled over HTTP and
+compared), and the server keeps serving (a new connection works, healthz answers).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from adamps import protocol
+from adamps.procs import Proc, adamps_argv, free_port
+from adamps.rpc import SyncRpc
+from adamps.server.dataplane import (
+    ERROR,
+    HEADER,
+    MAX_META,
+    REQUEST,
+    DataPlaneClient,
+    DataPlaneError,
+    frame_header,
+)
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "dp-token"
+MAX_BODY = 1 << 20
+N = 30_000  # a 120 KB tensor: one shard
+
+
+class Server:
+    def __init__(self, proc: Proc, port: int, data_port: int) -> None:
+        self.proc, self.port, self.data_port = proc, port, data_port
+        self.http = SyncRpc(f"http://127.0.0.1:{port}", TOKEN)
+
+    def client(self, token: str = TOKEN) -> DataPlaneClient:
+        return DataPlaneClient("127.0.0.1", self.data_port, token, timeout=10)
+
+    def state(self) -> tuple[bytes, Any]:
+        pulled = self.http.call("pull", tensors=["v"])
+        return pulled["tensors"]["v"].tobytes(), pulled["versions"]
+
+    def raw(self, frame: bytes) -> tuple[int, dict[str, Any], bool]:
+        """Sends raw bytes; returns (kind, meta, whether the server closed the connection)."""
+        with socket.create_connection(("127.0.0.1", self.data_port), timeout=10) as s:
+            try:
+                s.sendall(frame)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            hdr = recv_exact(s, HEADER.size)
+            _magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(hdr)
+            meta = protocol.decode(recv_exact(s, meta_len))
+            recv_exact(s, payload_len)
+            s.settimeout(1.0)  # a closing server closes at once; an open one stays silent
+            try:
+                closed = s.recv(1) == b""
+            except ConnectionResetError:
+                closed = True
+            except TimeoutError:
+                closed = False
+        return kind, meta, closed
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return bytes(buf)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root: Path = tmp_path_factory.mktemp("ps-dataplane")
+    port, data_port = free_port(), free_port()
+    argv = adamps_argv(
+        "ps", "--port", str(port), "--data-port", str(data_port), "--data-dir", str(root / "lmdb"),
+        "--max-body", str(MAX_BODY),
+    )  # fmt: skip
+    proc = Proc(
+        argv, root / "ps.log", env={"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1"}, name="ps"
+    )
+    try:
+        proc.wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30)
+        s = Server(proc, port, data_port)
+        s.http.call("create", name="v", shape=[N], optimizer={"kind": "sgd", "lr": -1})
+        s.http.call("create", name="m", shape=[2, 3], optimizer={"kind": "sgd", "lr": -1})
+        yield s
+        s.http.close()
+    finally:
+        proc.stop()
+
+
+def request_frame(
+    meta: dict[str, Any], payload: bytes = b"", payload_len: int | None = None
+) -> bytes:
+    m = protocol.encode(meta)
+    n = len(payload) if payload_len is None else payload_len
+    return frame_header(REQUEST, len(m), n) + m + payload
+
+
+def meta(op: str = "push_dense", token: str = TOKEN, **fields: Any) -> dict[str, Any]:
+    return protocol.request(op, token=token, **{"tensor": "v", **fields})
+
+
+def test_push_and_pull_agree_with_http_and_sum_exactly(server: Server) -> None:
+    before = np.frombuffer(server.state()[0], np.float32)
+    delta = (np.arange(N, dtype=np.float32) % 3) - 1
+    n_threads, n_pushes = 3, 10
+
+    def pusher(i: int) -> None:
+        with server.client() as c:
+            for s in range(n_pushes):
+                c.push_dense("v", delta, client=f"dp{i}", seq=s)
+
+    threads = [threading.Thread(target=pusher, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    with server.client() as c:
+        values, versions = c.pull("v")
+        out = np.empty(N, np.float32)
+        again, _ = c.pull("v", out=out)
+    assert np.array_equal(values, before + delta * n_threads * n_pushes)
+    assert np.shares_memory(again, out) and np.array_equal(again, values)
+    http_values, http_versions = server.state()
+    assert http_values == values.tobytes() and http_versions == {"v": versions}
+    with server.client() as c:
+        m, _ = c.pull("m")
+    assert m.shape == (2, 3)
+
+
+CASES: dict[str, tuple[Any, str, bool]] = {
+    # name: (frame bytes, error code, whether the server closes the connection)
+    "bad magic": (lambda: b"XXXX" + bytes(HEADER.size - 4), "malformed", True),
+    "wrong frame version": (lambda: HEADER.pack(b"ADPS", 9, REQUEST, 0, 10, 0), "unsupported_version", True),
+    "meta too large": (lambda: frame_header(REQUEST, MAX_META + 1, 0), "too_large", True),
+    "payload over the limit": (lambda: frame_header(REQUEST, 10, MAX_BODY + 1), "too_large", True),
+    "meta not msgpack": (lambda: frame_header(REQUEST, 4, 0) + b"\xc1\xc1\xc1\xc1", "malformed", True),
+    "missing token": (lambda: request_frame({k: v for k, v in meta().items() if k != "token"}), "unauthorized", True),
+    "wrong token": (lambda: request_frame(meta(token="guess"), bytes(4 * N)), "unauthorized", True),
+    "unknown op": (lambda: request_frame(meta(op="create")), "unknown_op", True),
+    "unknown tensor": (lambda: request_frame(meta(tensor="nope"), bytes(4 * N)), "unknown_tensor", True),
+    "wrong length": (lambda: request_frame(meta(), bytes(4 * N - 4)), "bad_length", True),
+    "NaN": (lambda: request_frame(meta(), np.full(N, np.nan, np.float32).tobytes()), "non_finite", False),
+    "Inf": (lambda: request_frame(meta(), np.full(N, -np.inf, np.float32).tobytes()), "non_finite", False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_frames_are_refused_and_change_nothing(server: Server, case: str) -> None:
+    make, code, closes = CASES[case]
+    before = server.state()
+    kind, reply, closed = server.raw(make())
+    assert kind == ERROR and reply["error"]["code"] == code, reply
+    assert reply["error"]["message"]
+    assert closed == closes
+    assert server.state() == before
+    assert server.http.get_json("/healthz") == {"ok": True}
+    with server.client() as c:  # the data plane still serves
+        assert c.pull("m")[0].shape == (2, 3)
+
+
+def test_the_client_raises_the_servers_error_and_the_connection_stays_usable(
+    server: Server,
+) -> None:
+    with server.client() as c:
+        with pytest.raises(DataPlaneError) as err:
+            c.push_dense("v", np.full(N, np.nan, np.float32))
+        assert err.value.code == "non_finite"
+        assert c.pull("v")[0].shape == (N,)
+    with server.client(token="guess") as bad, pytest.raises(DataPlaneError) as err:
+        bad.push_dense("v", np.zeros(N, np.float32))
+    assert err.value.code == "unauthorized"
