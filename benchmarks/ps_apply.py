@@ -111,6 +111,24 @@ class DenseBench:
         return 2 * self.n / dt
 
 
+class RawSaxpy:
+    """The kernel alone: saxpy over 64 separate 1 MB shards, no queues, no threads."""
+
+    def __init__(self, n_elems: int) -> None:
+        shard = 262_144
+        self.ws = [np.ones(shard, np.float32) for _ in range(n_elems // shard)]
+        delta = np.random.default_rng(0).standard_normal(n_elems).astype(np.float32) * 1e-3
+        self.ds = [delta[i * shard : (i + 1) * shard] for i in range(len(self.ws))]
+        self.n = n_elems
+
+    def sample(self) -> float:
+        def once() -> None:
+            for w, d in zip(self.ws, self.ds, strict=True):
+                blas.saxpy(d, w, a=-0.01)
+
+        return 2 * self.n / timed(once, 2)
+
+
 class FcBench:
     """push_fc of k activation/error vectors to an M x N tensor; M*N weight updates per push."""
 
@@ -378,15 +396,17 @@ def main() -> int:
             "dense_adagrad_1_owner": DenseBench("adagrad", 1, n_elems),
             "dense_adagrad_2_owners": DenseBench("adagrad", 2, n_elems),
         }
-        fns: dict[str, Callable[[], float]] = {"copyto": cp.sample}
+        raw = RawSaxpy(n_elems)
+        fns: dict[str, Callable[[], float]] = {"copyto": cp.sample, "raw_saxpy": raw.sample}
         fns.update({k: b.sample for k, b in benches.items()})
         med = interleaved(fns, 5)
         for b in benches.values():
             b.store.close()
-        del cp, benches
+        del cp, benches, raw
         report("copyto", med["copyto"], "GB/s")
         eq = med["copyto"] / 4
         report("copyto_equivalent_updates", eq, "G/s")
+        report("kernel_saxpy_no_store", med["raw_saxpy"] / 1e9, "G/s", eq)
         report("dense_sgd_1_owner", med["dense_sgd_1_owner"] / 1e9, "G/s", eq, 0.8)
         report("dense_sgd_2_owners", med["dense_sgd_2_owners"] / 1e9, "G/s", eq)
         report("dense_adagrad_1_owner", med["dense_adagrad_1_owner"] / 1e9, "G/s", eq)

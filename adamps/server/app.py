@@ -260,7 +260,7 @@ class ParameterServer:
         self.m.latency.labels(op).observe(time.perf_counter() - t0)
         return resp
 
-    async def _read_body(self, request: web.Request) -> bytes | bytearray:
+    async def _read_body(self, request: web.Request) -> bytes | memoryview:
         """The body, read into one buffer of Content-Length bytes allocated up front.
 
         aiohttp's request.read() grows a bytearray chunk by chunk and then copies it into bytes:
@@ -272,7 +272,7 @@ class ParameterServer:
             return await aweb.read_body(request)
         if n > self.cfg.max_body:
             raise web.HTTPRequestEntityTooLarge(max_size=self.cfg.max_body, actual_size=n)
-        buf = bytearray(n)
+        buf = np.empty(n, dtype=np.uint8)  # not bytearray(n): no zero-filling pass
         view = memoryview(buf)
         pos = 0
         while pos < n:
@@ -288,7 +288,7 @@ class ParameterServer:
             raise ProtocolError(
                 "bad_request", f"body ended after {pos} of {n} bytes (Content-Length)"
             )
-        return buf
+        return view
 
     async def handle_flush(self, request: web.Request) -> web.Response:
         aweb.check_token(request)

@@ -62,7 +62,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.ps = ps
         self.transport: asyncio.Transport | None = None
         self.state = _HEADER
-        self.buf = bytearray(HEADER.size)
+        self.buf = np.empty(HEADER.size, dtype=np.uint8)
         self.view = memoryview(self.buf)
         self.pos = 0
         self.meta: dict[str, Any] = {}
@@ -86,7 +86,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.pos += nbytes
-        if self.pos < len(self.buf):
+        if self.pos < self.buf.size:
             return
         try:
             if self.state == _HEADER:
@@ -110,12 +110,14 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
     def _expect(self, state: int, n: int) -> None:
         self.state = state
-        self.buf = bytearray(n)
+        # np.empty, not bytearray(n): no zero-filling pass over a multi-MB payload that the
+        # kernel is about to overwrite anyway.
+        self.buf = np.empty(n, dtype=np.uint8)
         self.view = memoryview(self.buf)
         self.pos = 0
 
     def _on_header(self) -> None:
-        magic, version, kind, _zero, meta_len, payload_len = HEADER.unpack(self.buf)
+        magic, version, kind, _zero, meta_len, payload_len = HEADER.unpack(self.view)
         if magic != MAGIC or kind != REQUEST:
             raise ProtocolError("malformed", "not a data-plane request frame (magic ADPS, kind 1)")
         if version != VERSION:
@@ -136,7 +138,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self._expect(_META, meta_len)
 
     def _on_meta(self) -> None:
-        meta = protocol.decode(self.buf)
+        meta = protocol.decode(self.view)
         self.meta = meta
         # The token before anything else: no payload of an unauthenticated peer is ever buffered.
         token = meta.get("token")
@@ -163,13 +165,13 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     def _on_payload(self) -> None:
         self._dispatch(self.buf)
 
-    def _dispatch(self, payload: bytearray | None) -> None:
+    def _dispatch(self, payload: np.ndarray | None) -> None:
         assert self.transport is not None
         self.state = _BUSY
         self.transport.pause_reading()
         asyncio.get_running_loop().create_task(self._handle(self.meta, payload))
 
-    async def _handle(self, meta: dict[str, Any], payload: bytearray | None) -> None:
+    async def _handle(self, meta: dict[str, Any], payload: np.ndarray | None) -> None:
         op = meta["op"]
         t0 = time.perf_counter()
         label = f"dp_{op}"
@@ -194,13 +196,13 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             self._expect(_HEADER, HEADER.size)
             self.transport.resume_reading()
 
-    async def _push(self, meta: dict[str, Any], payload: bytearray | None) -> dict[str, Any]:
+    async def _push(self, meta: dict[str, Any], payload: np.ndarray | None) -> dict[str, Any]:
         assert payload is not None
-        self.ps.m.bytes_in.inc(len(payload))
+        self.ps.m.bytes_in.inc(payload.size)
         name = meta["tensor"]
         sts = self.ps._held(name)
         # Zero copy: the kernel wrote the payload into this buffer; the owner threads read it.
-        delta = np.frombuffer(payload, dtype="<f4")
+        delta = payload.view("<f4")
         protocol.check_finite("payload", delta)
         self.ps._record_client(meta)
         parts = [(st, Dense(delta[st.shard.start : st.shard.stop])) for st in sts]
@@ -304,7 +306,7 @@ class DataPlaneClient:
             if out is not None and kind == REPLY and out.nbytes == payload_len:
                 body = memoryview(out).cast("B")  # straight into the caller's array
             else:
-                body = bytearray(payload_len)
+                body = memoryview(np.empty(payload_len, dtype=np.uint8))  # no zero-filling
             self._recv_exact(memoryview(body))
         if kind == ERROR:
             err = reply.get("error", {})

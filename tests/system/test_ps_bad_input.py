@@ -165,6 +165,8 @@ def test_bad_input_is_refused_and_changes_nothing(server: Server, case: str) -> 
     assert server.state() == before
     assert server.client.get_json("/healthz") == {"ok": True}
     assert server.proc.alive
+    if code == "internal":  # logged with its traceback
+        assert "RuntimeError: debug_fail" in server.proc.tail(200)
 
 
 def test_a_good_push_still_works_after_all_that(server: Server) -> None:
