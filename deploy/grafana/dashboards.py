@@ -134,30 +134,75 @@ CLUSTER = Dashboard(
             ],
         ),
         (
-            "Replication",
+            "Replication and leases",
             [
                 Panel(
                     "Replication lag per server (max over its buckets)",
-                    [("max by (instance) (adamps_ps_replication_lag)", "{{instance}}")],
-                    description="Batches a secondary is behind its primary.",
+                    [("max by (instance) (adamps_ps_replication_lag_batches)", "{{instance}}")],
+                    description="Batches committed on the primary that its slowest secondary has not committed.",
                 ),
                 Panel(
-                    "2PC round latency p99",
-                    [(quantile(0.99, "adamps_ps_2pc_round_seconds"), "{{instance}}")],
+                    "2PC round latency p50 / p99 (as primary)",
+                    [
+                        (quantile(0.5, "adamps_ps_replication_round_seconds"), "p50 {{instance}}"),
+                        (quantile(0.99, "adamps_ps_replication_round_seconds"), "p99 {{instance}}"),
+                    ],
                     unit="s",
+                ),
+                Panel(
+                    "Client pushes per 2PC round (mean)",
+                    [
+                        (
+                            "sum by (instance) (rate(adamps_ps_replication_round_pushes_sum[1m]))"
+                            " / sum by (instance) (rate(adamps_ps_replication_round_pushes_count[1m]))",
+                            "{{instance}}",
+                        )
+                    ],
+                    description="Many client pushes ride one round: the batching that keeps replication cheap.",
+                ),
+                Panel(
+                    "Lease epoch per server (highest of its primary buckets)",
+                    [("max by (instance) (adamps_ps_lease_epoch_max)", "{{instance}}")],
+                    description="The fencing token; it grows at every failover of a bucket.",
+                ),
+                Panel(
+                    "Primary buckets per server",
+                    [("sum by (instance) (adamps_ps_primary_buckets)", "{{instance}}")],
+                ),
+                Panel(
+                    "Failovers (buckets taken over as primary)",
+                    [
+                        (
+                            "sum by (instance) (increase(adamps_ps_failovers_total[5m]))",
+                            "{{instance}} / 5 min",
+                        ),
+                    ],
                 ),
                 Panel(
                     "Stale-epoch messages rejected / pushes deduplicated",
                     [
                         (rate("adamps_ps_stale_epoch_rejected_total"), "stale {{instance}}"),
-                        (rate("adamps_ps_pushes_deduplicated_total"), "dedup {{instance}}"),
+                        (rate("adamps_ps_deduplicated_pushes_total"), "dedup {{instance}}"),
                     ],
                     unit="ops",
+                ),
+                Panel(
+                    "Secondaries dropped and state transfers",
+                    [
+                        (
+                            "sum by (instance) (increase(adamps_ps_secondaries_dropped_total[5m]))",
+                            "dropped {{instance}}",
+                        ),
+                        (
+                            "sum by (instance, direction) (increase(adamps_ps_state_transfers_total[5m]))",
+                            "transfer {{direction}} {{instance}}",
+                        ),
+                    ],
                 ),
             ],
         ),
         (
-            "Controllers: leases and failovers",
+            "Controllers",
             [
                 Panel(
                     "Targets up",
@@ -178,19 +223,6 @@ CLUSTER = Dashboard(
                     [("max by (state) (adamps_controller_servers)", "{{state}}")],
                 ),
                 Panel(
-                    "Lease epochs (highest / mean over buckets)",
-                    [
-                        ("max(adamps_controller_lease_epoch)", "highest"),
-                        ("avg(adamps_controller_lease_epoch)", "mean"),
-                    ],
-                    description="The fencing token of each bucket's primary lease; it grows at every failover.",
-                ),
-                Panel(
-                    "Failovers (primaries replaced)",
-                    [("sum(increase(adamps_controller_failovers_total[5m]))", "per 5 min")],
-                    description="Buckets whose primary was replaced under a new lease epoch.",
-                ),
-                Panel(
                     "Servers declared dead",
                     [
                         (
@@ -204,6 +236,7 @@ CLUSTER = Dashboard(
                     "Under-replicated and unassigned buckets",
                     [
                         ("max(adamps_controller_under_replicated_buckets)", "under-replicated"),
+                        ("sum(adamps_ps_under_replicated_buckets)", "under-replicated (PS view)"),
                         ("max(adamps_controller_unassigned_buckets)", "without a lease holder"),
                     ],
                 ),

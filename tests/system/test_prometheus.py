@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import threading
 import time
@@ -17,6 +18,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PROM_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 TOKEN = "prometheus-test-token"
+METRIC_RE = re.compile(r"\badamps_[A-Za-z0-9_:]+")
+#: file defining a metric -> the feature the cluster must run for it to have data
+FEATURE_OF_FILE = {"adamps/server/replicate.py": "replication"}
 #: metric-name prefix -> the scrape job (role) that exposes it
 PREFIX_JOB = {
     "adamps_ps_": "ps",
@@ -40,6 +45,24 @@ PREFIX_JOB = {
     "adamps_dataserver_": "dataserver",
     "adamps_trainer_": "trainer",
 }
+
+
+def metric_names() -> ModuleType:
+    """deploy/grafana/metric_names.py (where each metric is defined)."""
+    path = ROOT / "deploy" / "grafana" / "metric_names.py"
+    spec = importlib.util.spec_from_file_location("deploy_grafana_metric_names", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def base_name(scraped: str) -> str:
+    """The scraped name of a metric's series -> the name in metric_table (counters keep _total)."""
+    for suffix in ("_bucket", "_sum", "_count", "_created"):
+        if scraped.endswith(suffix):
+            return scraped.removesuffix(suffix)
+    return scraped
 
 
 def role_available(command: str) -> bool:
@@ -63,6 +86,7 @@ class Cluster:
         self.procs: list[Proc] = []
         self.targets: dict[str, list[str]] = {}  #: job -> host:port of each process
         self.not_started: dict[str, str] = {}  #: job -> why it is not running
+        self.features: dict[str, str | None] = {}  #: feature -> None if running, else why not
         self.traffic: list[Callable[[], None]] = []
         self.closers: list[Callable[[], None]] = []  #: clients to close at teardown
 
@@ -81,6 +105,14 @@ class Cluster:
 
 
 def start_ps(c: Cluster) -> None:
+    import dataclasses
+
+    from adamps.server.config import PsConfig
+
+    if "controllers" not in {f.name for f in dataclasses.fields(PsConfig)}:
+        c.features["replication"] = (
+            "the PS has no --controllers yet: it runs on its static bucket map"
+        )
     port = free_port()
     proc = c.start("ps", "ps-1", "ps", "--port", str(port), "--data-dir", str(c.root / "ps-1"),
                    "--flush-interval", "0.5", port=port)  # fmt: skip
@@ -239,12 +271,19 @@ def test_every_dashboard_query_returns_data(stack: tuple[Cluster, str]) -> None:
     cluster, prom = stack
     queries = dashboard_queries()
     assert len(queries) >= 10, "the dashboards have fewer queries than expected"
-    # Which queries can be answered: those whose metrics come from roles that run here.
+    # Which queries can be answered: those whose metrics come from roles and features running here.
+    file_of = {row["name"]: row["file"] for row in metric_names().metric_table()}
     blocked: dict[str, str] = {}
     for _file, _title, expr in queries:
-        for prefix, job in PREFIX_JOB.items():
-            if prefix in expr and job in cluster.not_started:
+        for metric in METRIC_RE.findall(expr):
+            job = next(j for prefix, j in PREFIX_JOB.items() if metric.startswith(prefix))
+            feature = FEATURE_OF_FILE.get(file_of.get(base_name(metric), ""))
+            if job in cluster.not_started:
                 blocked[expr] = f"{job}: {cluster.not_started[job]}"
+            elif feature and cluster.features.get(feature, "not started by this test"):
+                blocked[expr] = (
+                    f"{feature}: {cluster.features.get(feature, 'not started by this test')}"
+                )
     todo = [q for q in queries if q[2] not in blocked]
     assert todo
 
@@ -278,7 +317,10 @@ def test_every_dashboard_query_returns_data(stack: tuple[Cluster, str]) -> None:
         f"  {f} / {t}: {e}" for f, t, e in empty
     )
     if blocked:
+        by_reason: dict[str, set[str]] = {}
+        for expr, why in blocked.items():
+            by_reason.setdefault(why, set()).update(METRIC_RE.findall(expr))
         pytest.skip(
             f"{len(todo)} queries return data; {len(blocked)} could not be checked yet: "
-            + "; ".join(f"{e} ({why})" for e, why in blocked.items())
+            + "; ".join(f"{why} [{', '.join(sorted(m))}]" for why, m in by_reason.items())
         )
