@@ -29,7 +29,15 @@ from adamps.server import dataplane
 from adamps.server.config import PsConfig
 from adamps.server.optim import Dense, OptimError, Optimizer
 from adamps.server.persist import Flusher, Persister
-from adamps.server.store import ShardState, Store, StoreError, fc_parts, normalize_init
+from adamps.server.store import (
+    INIT_KINDS,
+    ShardState,
+    Store,
+    StoreError,
+    TensorState,
+    fc_parts,
+    normalize_init,
+)
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +321,15 @@ class ParameterServer:
         init_in = require(msg, "init", dict, default={"kind": "zeros"})
         opt = Optimizer.from_dict(require(msg, "optimizer", dict, default={"kind": "sgd"}))
         init = normalize_init(init_in, spec.shape)
+        created, t = self._define(spec, opt, init, init_in.get("values"))
+        return {"created": created, "tensor": self._describe(t)}
+
+    def _define(
+        self, spec: TensorSpec, opt: Optimizer, init: dict[str, Any], values: np.ndarray | None
+    ) -> tuple[bool, TensorState]:
+        """Defines a tensor unless an identical one exists (then False); a different one with the
+        same name is `exists`. Persists the definition and initial state before returning."""
+        name = spec.name
         existing = self.store.tensors.get(name)
         wanted = {
             "name": name,
@@ -323,13 +340,13 @@ class ParameterServer:
         }
         if existing is not None:
             if existing.describe() == wanted:
-                return {"created": False, "tensor": self._describe(existing)}
+                return False, existing
             raise ProtocolError(
                 "exists",
                 f"tensor {name!r} exists with a different definition",
                 existing=existing.describe(),
             )
-        t = self.store.define(spec, opt, init, init_in.get("values"))
+        t = self.store.define(spec, opt, init, values)
         meta = {
             "spec": spec.to_dict(),
             "optimizer": opt.to_dict(),
@@ -338,7 +355,7 @@ class ParameterServer:
             "max_shard_elems": self.cfg.max_shard_elems,
         }
         self._seq += 1
-        # Written before this handler yields, so no push to the new shards is queued yet and no
+        # Written before the caller yields, so no push to the new shards is queued yet and no
         # later flush can be overtaken by this version-0 write. Create is rare; the loop blocks briefly.
         self.persister.write_tensor(
             meta, [(st.id, st.version, st.value, st.accum) for st in t.shards.values()]
@@ -350,7 +367,23 @@ class ParameterServer:
             len(t.shards),
             opt.kind,
         )
-        return {"created": True, "tensor": self._describe(t)}
+        return True, t
+
+    def tensor_definition(self, name: str) -> dict[str, Any]:
+        """The definition of a tensor as plain data (what `create` compares; `list` returns)."""
+        return self.store.tensor(name).describe()
+
+    def ensure_tensor(self, d: dict[str, Any]) -> bool:
+        """Defines a tensor from a peer's definition (tensor_definition) unless it exists here;
+        True if it was created. A definition of kind `values` carries only the digest: such a
+        tensor starts at zeros here, for the state transfer that follows to overwrite."""
+        spec = TensorSpec(require(d, "name", str), tuple(require(d, "shape", list)))
+        opt = Optimizer.from_dict(require(d, "optimizer", dict))
+        init = dict(require(d, "init", dict))
+        if init.get("kind") not in INIT_KINDS:
+            raise ProtocolError("bad_request", f"unknown init kind {init.get('kind')!r}")
+        values = np.zeros(spec.shape, np.float32) if init["kind"] == "values" else None
+        return self._define(spec, opt, init, values)[0]
 
     def _held(self, name: str) -> list[ShardState]:
         """Every shard of tensor `name`, which must all be held here."""

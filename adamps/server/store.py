@@ -220,8 +220,9 @@ class Ticket:
 # Work items are tuples (cheap to build, no per-item class instance):
 #   (_UPDATE, shard_state, update, ticket, kind)
 #   (_CALL, fn, ticket)             fn(owner_index) runs on the owner thread
+#   (_GROUP, {shard: [update]}, ticket)  one batch per shard, alone (push_group)
 #   (_STOP,)
-_UPDATE, _CALL, _STOP = 0, 1, 2
+_UPDATE, _CALL, _STOP, _GROUP = 0, 1, 2, 3
 
 
 class Store:
@@ -334,22 +335,80 @@ class Store:
         states: Sequence[ShardState],
         outs: Sequence[np.ndarray],
         on_done: Callable[[dict[str, int], BaseException | None], None],
+        accums: Sequence[np.ndarray | None] | None = None,
     ) -> Ticket:
-        """Copies each shard's values into its `out` (same size) on the owner thread;
+        """Copies each shard's values into its `out` (same size) on the owner thread, and its
+        Adagrad accumulator into `accums[i]` where that is given and the shard has one;
         on_done({shard id: version}, error). Sees every update queued before it."""
-        by_owner: dict[int, list[tuple[ShardState, np.ndarray]]] = {}
-        for st, out in zip(states, outs, strict=True):
-            by_owner.setdefault(st.owner, []).append((st, out))
+        accs = list(accums) if accums is not None else [None] * len(states)
+        by_owner: dict[int, list[tuple[ShardState, np.ndarray, np.ndarray | None]]] = {}
+        for st, out, acc in zip(states, outs, accs, strict=True):
+            by_owner.setdefault(st.owner, []).append((st, out, acc))
         ticket = Ticket(len(by_owner), on_done)
 
         for owner, items in by_owner.items():
 
-            def copy(_owner: int, items: list[tuple[ShardState, np.ndarray]] = items) -> None:
-                for st, out in items:
+            def copy(_owner: int, items: list = items) -> None:
+                for st, out, acc in items:
                     np.copyto(out.reshape(st.value.shape), st.value)
+                    if acc is not None and st.accum is not None:
+                        np.copyto(acc.reshape(st.accum.shape), st.accum)
                     ticket.result[st.id] = st.version
 
             self._queues[owner].put((_CALL, copy, ticket))
+        return ticket
+
+    def push_group(
+        self,
+        parts: Sequence[tuple[ShardState, optim.Update]],
+        on_done: Callable[[dict[str, int], BaseException | None], None],
+    ) -> Ticket:
+        """Like push, but the parts are applied as exactly one batch per shard: never merged with
+        other queued updates, never split (replication: every replica applies the same batches).
+        Updates for one shard keep their order in `parts`."""
+        by_owner: dict[int, dict[ShardState, list[optim.Update]]] = {}
+        for st, upd in parts:
+            by_owner.setdefault(st.owner, {}).setdefault(st, []).append(upd)
+        ticket = Ticket(len(by_owner), on_done)
+        for owner, groups in by_owner.items():
+            self._queues[owner].put((_GROUP, groups, ticket))
+        return ticket
+
+    def overwrite(
+        self,
+        states: Sequence[ShardState],
+        values: Sequence[np.ndarray],
+        accums: Sequence[np.ndarray | None],
+        versions: Sequence[int],
+        on_done: Callable[[dict[str, int], BaseException | None], None],
+    ) -> Ticket:
+        """Replaces shards' values, accumulators (where given) and versions on their owner threads
+        (state transfer); the shards become dirty so the next flush persists them."""
+        for st, v, a in zip(states, values, accums, strict=True):  # checked before anything changes
+            if v.size != st.value.size or (
+                a is not None and st.accum is not None and a.size != st.accum.size
+            ):
+                raise StoreError("bad_shape", f"shard {st.id}: state of the wrong size")
+        by_owner: dict[int, list[tuple[ShardState, np.ndarray, np.ndarray | None, int]]] = {}
+        for st, v, a, ver in zip(states, values, accums, versions, strict=True):
+            by_owner.setdefault(st.owner, []).append((st, v, a, ver))
+        ticket = Ticket(len(by_owner), on_done)
+
+        for owner, items in by_owner.items():
+
+            def put(o: int, items: list = items) -> None:
+                now = self.clock()
+                for st, v, a, ver in items:
+                    np.copyto(st.value, v.reshape(st.value.shape))
+                    if a is not None and st.accum is not None:
+                        np.copyto(st.accum, a.reshape(st.accum.shape))
+                    st.version = int(ver)
+                    if st.dirty_since is None:
+                        st.dirty_since = now
+                    self._dirty[o].add(st)
+                    ticket.result[st.id] = st.version
+
+            self._queues[owner].put((_CALL, put, ticket))
         return ticket
 
     def snapshot_dirty(self, timeout: float = 60.0) -> list[Snapshot]:
@@ -438,6 +497,15 @@ class Store:
                     pending = {}
                 if tag == _STOP:
                     return
+                if tag == _GROUP:
+                    _, groups, ticket = item
+                    self._apply(
+                        owner,
+                        {st: [(u, ticket) for u in ups] for st, ups in groups.items()},
+                        scratch,
+                        once=ticket,
+                    )
+                    continue
                 _, fn, ticket = item
                 try:
                     fn(owner)
@@ -454,7 +522,10 @@ class Store:
         owner: int,
         pending: dict[ShardState, list[tuple[optim.Update, Ticket]]],
         scratch: Scratch,
+        once: Ticket | None = None,
     ) -> None:
+        """Applies each shard's group as one batch. With `once`, every update belongs to that one
+        ticket, which counts one part per owner (push_group), not one per update."""
         now = self.clock()
         dirty = self._dirty[owner]
         for st, group in pending.items():
@@ -482,11 +553,19 @@ class Store:
                         self._on_applied("dense", len(group) - n_fc)
                     if n_fc:
                         self._on_applied("fc", n_fc)
+            if once is not None:
+                if error is None:
+                    once.result[st.id] = st.version
+                elif once.error is None:
+                    once.error = error
+                continue
             # Resolved shard by shard: a push to a shard early in the drain does not wait for the rest.
             for _, ticket in group:
                 if error is None:
                     ticket.result[st.id] = st.version
                 ticket.part_done(error)
+        if once is not None:
+            once.part_done(once.error)
 
     def tensors_by_shard(self, st: ShardState) -> Optimizer:
         # A dict lookup of an immutable entry: the tensor is never removed while its shards live.

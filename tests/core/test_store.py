@@ -295,3 +295,50 @@ def test_background_flusher_writes_without_being_asked(tmp_path: Path, store: St
     finally:
         flusher.stop()
         p.close()
+
+
+def test_push_group_is_one_batch_per_shard_and_replicas_end_identical() -> None:
+    """Replication hook: the same groups on two stores give bit-identical shards."""
+    results = []
+    for _ in range(2):
+        s = Store(n_buckets=16, owner_threads=2, max_shard_elems=1000)
+        try:
+            t = define(s, "g", (40, 60), Optimizer("adagrad", 0.1), {"kind": "uniform", "seed": 4})
+            sts = [t.shards[x.index] for x in t.layout_shards]
+            g = np.random.default_rng(9)
+            for round_ in range(3):
+                parts = fc_parts(
+                    t,
+                    g.standard_normal((4, 60)).astype(np.float32),
+                    g.standard_normal((4, 40)).astype(np.float32),
+                    sts,
+                )
+                parts += [(sts[1], Dense(g.standard_normal((16, 60)).astype(np.float32)))]
+                versions = wait(lambda cb, parts=parts, s=s: s.push_group(parts, cb))
+                # shard 1 got two updates per round (fc + dense) in one batch, the others one
+                assert versions[sts[1].id] == 2 * (round_ + 1)
+                assert versions[sts[0].id] == round_ + 1
+            results.append([(st.value.tobytes(), st.accum.tobytes(), st.version) for st in sts])
+        finally:
+            s.close()
+    assert results[0] == results[1]
+
+
+def test_read_with_accumulators_and_overwrite(store: Store) -> None:
+    t = define(store, "o", (500,), Optimizer("adagrad", 0.1))
+    st = t.shards[0]
+    push_dense(store, "o", np.full(500, 2.0, np.float32))
+    out, acc = np.empty(500, np.float32), np.empty(500, np.float32)
+    versions = wait(lambda cb: store.read([st], [out], cb, accums=[acc]))
+    assert versions == {"o/0": 1} and np.array_equal(acc, np.full(500, 4.0, np.float32))
+    store.snapshot_dirty()
+    versions = wait(
+        lambda cb: store.overwrite(
+            [st], [np.ones(500, np.float32)], [np.zeros(500, np.float32)], [42], cb
+        )
+    )
+    assert versions == {"o/0": 42} and store.dirty_count() == 1
+    wait(lambda cb: store.read([st], [out], cb, accums=[acc]))
+    assert np.array_equal(out, np.ones(500, np.float32)) and not acc.any()
+    with pytest.raises(StoreError):
+        store.overwrite([st], [np.ones(3, np.float32)], [None], [1], lambda r, e: None)

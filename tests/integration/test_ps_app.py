@@ -13,6 +13,7 @@ import pytest
 from adamps import web as aweb
 from adamps.config import ConfigError
 from adamps.procs import free_port
+from adamps.protocol import ProtocolError
 from adamps.rpc import AsyncRpc, RpcError
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
@@ -211,3 +212,24 @@ def test_a_changed_shard_size_under_existing_data_is_refused(tmp_path: Path) -> 
         assert sorted(again.store.shards) == ["q/0", "q/1", "q/2"]
     finally:
         again.close()
+
+
+async def test_tensor_definition_and_ensure_tensor_for_peers(ps) -> None:
+    server, c = ps
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    await c.call(
+        "create",
+        name="d",
+        shape=[3, 4],
+        init={"kind": "values", "values": values},
+        optimizer={"kind": "adagrad", "lr": 0.1},
+    )
+    d = server.tensor_definition("d")
+    assert d["init"]["kind"] == "values" and "sha256" in d["init"]
+    assert server.ensure_tensor(d) is False  # identical: nothing to do
+    with pytest.raises(ProtocolError) as err:
+        server.ensure_tensor({**d, "shape": [4, 3]})
+    assert err.value.code == "exists"
+    assert server.ensure_tensor({**d, "name": "d2"}) is True  # a copy starts at zeros
+    pulled = await c.call("pull", tensors=["d2"])
+    assert not pulled["tensors"]["d2"].any()
