@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -151,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     model.init_params(0)
     conns = model.connections()
     has_torch = torch_available()
+    load_start = os.getloadavg()[0]
     print(f"model {MODEL}: {conns:,} connections per image; default Hogwild mode: {DEFAULT_MODE}")
+    print(f"{os.cpu_count()} CPUs, 1-minute load average before the run: {load_start:.2f}")
     if not has_torch:
         print("torch not installed: skipping the PyTorch comparison")
 
@@ -182,7 +185,14 @@ def main(argv: list[str] | None = None) -> int:
             pool.close()
 
     med = {key: max(v) for key, v in samples.items()}
-    result: dict[str, Any] = {"connections_per_image": conns, "default_mode": DEFAULT_MODE}
+    load_end = os.getloadavg()[0]
+    result: dict[str, Any] = {
+        "connections_per_image": conns,
+        "default_mode": DEFAULT_MODE,
+        "load_avg_1m_start": round(load_start, 2),
+        "load_avg_1m_end": round(load_end, 2),
+    }
+    print(f"1-minute load average after the run: {load_end:.2f} (this benchmark adds about 2)")
     print(f"\nimages/s and connections/s (best of {args.rounds} interleaved rounds)")
     print(f"{'config':<18}" + "".join(f"{'B=' + str(b):>22}" for b in batches))
     for name in pools:
@@ -218,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"  B={b:<4} {w} worker(s): numpy {med[(f'numpy_{DEFAULT_MODE}_{w}w', b)]:7.0f}"
                     f"  torch {med[(f'torch_{w}t', b)]:7.0f} images/s  ratio {ratio:4.2f}x{mark}"
+                )
+        for b in batches:
+            if med[("torch_2t", b)] < 0.8 * med[("torch_1t", b)]:
+                print(
+                    f"  note: at B={b} PyTorch with 2 threads is slower than with 1: its OpenMP "
+                    "threads spin at barriers and collapse when another process holds a core"
                 )
         goal = min(result[f"b{tb}_ratio_numpy_vs_torch_{w}w_x"] for w in (1, 2))
         print(f"  goal >= 1.0x PyTorch at B={tb}: {'met' if goal >= 1.0 else 'NOT met'}")

@@ -298,9 +298,11 @@ class Hogwild:
                 if w.is_alive():
                     w.kill()
                     w.join(2.0)
-            for q in [*self._tasks, self._results]:
+            for q in self._tasks:
+                # the workers are gone: never block on flushing a task nobody will read
+                q.cancel_join_thread()
                 q.close()
-                q.join_thread()
+            self._results.close()
             if self._shm is not None:
                 # the final values stay readable after close, out of shared memory
                 self.params = np.array(self.params)
