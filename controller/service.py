@@ -40,6 +40,7 @@ from controller.state import DEAD, ClusterModel, ReplicatedCluster, make_node, r
 log = logging.getLogger(__name__)
 
 FORWARDED = "X-Adamps-Forwarded"
+APPLIED = "X-Adamps-Applied"
 ERROR_CODES = {"stale_epoch", "conflict", "not_found", "unknown_bucket", "bad_request", "internal"}
 
 
@@ -276,7 +277,11 @@ class ControllerService:
         aweb.check_token(request)
         if self.is_leader():
             try:
-                return aweb.json_response(await run())
+                resp = aweb.json_response(await run())
+                # Lets a forwarding follower wait until it has applied this write itself, so that
+                # a client reading from the controller it wrote through sees its own write.
+                resp.headers[APPLIED] = str(self.node.raftLastApplied)
+                return resp
             except NotLeader:
                 pass
         return await self.forward(request)
@@ -311,15 +316,20 @@ class ControllerService:
                 timeout=aiohttp.ClientTimeout(total=self.cfg.commit_timeout + 1.0),
             ) as resp:
                 payload = await resp.read()
-                return web.Response(
-                    status=resp.status, body=payload, content_type="application/json"
-                )
+                status = resp.status
+                applied = resp.headers.get(APPLIED)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ProtocolError(
                 "no_quorum",
                 f"the leader {target} did not answer ({type(exc).__name__}); retry",
                 leader=target,
             ) from None
+        if applied is not None and applied.isdigit():
+            # Read-your-writes through this controller: wait until it applied the write too.
+            deadline = time.monotonic() + self.cfg.commit_timeout
+            while self.node.raftLastApplied < int(applied) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+        return web.Response(status=status, body=payload, content_type="application/json")
 
     @staticmethod
     def result(res: dict[str, Any]) -> dict[str, Any]:

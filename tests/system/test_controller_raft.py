@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -54,13 +55,28 @@ def call(
         return 0, None
 
 
+def distinct_ports(k: int) -> list[int]:
+    """k free TCP ports, all different (held open together while the kernel picks them)."""
+    socks = []
+    try:
+        for _ in range(k):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 class Controllers:
     """N controller processes sharing one member list; each can be killed and restarted."""
 
     def __init__(self, procs, root: Path, n: int = 3, **opts: Any) -> None:
         self.procs = procs
         self.root = root
-        ports = [(free_port(), free_port()) for _ in range(n)]
+        flat = distinct_ports(2 * n)
+        ports = list(zip(flat[::2], flat[1::2], strict=True))
         self.members = ",".join(f"127.0.0.1:{rp}:{hp}" for rp, hp in ports)
         self.http = [f"127.0.0.1:{hp}" for _, hp in ports]
         self.opts = {
@@ -240,6 +256,7 @@ def test_leader_killed_new_leader_fast_nothing_lost_routing_continues(ctl: Contr
     servers = FakeServers(ctl, ["ps0", "ps1", "ps2"])
     servers.register_all()
     servers.start()
+    client = None
     try:
         old = ctl.leader()
         follower = next(i for i in range(3) if i != old)
@@ -294,12 +311,12 @@ def test_leader_killed_new_leader_fast_nothing_lost_routing_continues(ctl: Contr
                 time.sleep(0.05)
             code, routing = call(ctl.http[i], "GET", "/routing")
             assert routing["version"] >= before and len(routing["servers"]) == 3
-        # The client finds a live controller by itself; the layout survived the failover.
+        # The client finds a live controller by itself; the layout survived the failover; it
+        # reads its own write (through the controller it wrote through).
         assert client.report_progress(1, "client", 0.5)["ok"]
         got = client.layout()
         assert got["layout_version"] == 1 and Layout.from_dict(got["layout"]) == layout
         assert len(client.progress(1)["replicas"]) == 7
-        client.close()
         # Heartbeats carried on through the new leader: nobody was declared dead.
         time.sleep(1.5)
         code, view = call(ctl.http[new], "GET", "/cluster")
@@ -329,6 +346,8 @@ def test_leader_killed_new_leader_fast_nothing_lost_routing_continues(ctl: Contr
         assert call(h, "GET", "/healthz")[0] == 200
     finally:
         servers.stop()
+        if client is not None:
+            client.close()
 
 
 def test_follower_paused_cluster_commits_and_it_catches_up(ctl: Controllers) -> None:
@@ -405,7 +424,7 @@ def test_two_of_three_killed_writes_refused_then_resume(ctl: Controllers) -> Non
 
 def test_full_restart_keeps_configuration_also_after_compaction(procs, tmp_path: Path) -> None:
     # A long server timeout: nothing may change while the fake servers are silent.
-    c = Controllers(procs, tmp_path, **{"server-timeout": 60.0, "compaction-entries": 40})
+    c = Controllers(procs, tmp_path, **{"server-timeout": 60.0, "compaction-entries": 25})
     c.start_all()
     c.leader()
     servers = FakeServers(c, ["ps0", "ps1", "ps2", "ps3"])
