@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--mode", choices=MODES, default=DEFAULT_MODE)
+    parser.add_argument("--save", default="", help="write the final weights to this .npz")
     args = parser.parse_args(argv)
 
     def show(r: EpochResult) -> None:
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    _, results = train_local(
+    params, results = train_local(
         args.model,
         epochs=args.epochs,
         batch=args.batch,
@@ -181,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         mode=args.mode,
         on_epoch=show,
     )
+    if args.save:
+        np.savez(args.save, **Model(args.model, params=params).export())
+        print(f"weights written to {args.save}", flush=True)
     print(json.dumps({"epochs": [asdict(r) for r in results]}))
     return 0
 

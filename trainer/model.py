@@ -142,6 +142,25 @@ class Model:
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self.spec)
 
+    def export(self) -> dict[str, np.ndarray]:
+        """The weights as named arrays plus the description (key "model", JSON text): what
+        ``np.savez(path, **model.export())`` writes and ``Model.from_export`` reads back."""
+        out = {"model": np.array(json.dumps(self.spec))}
+        for name, _ in self.tensors():
+            out[name] = self.param(name).copy()
+        return out
+
+    @classmethod
+    def from_export(cls, arrays: Any) -> Model:
+        """Rebuild a model from ``export()``'s arrays (a dict or an opened .npz file)."""
+        model = cls(json.loads(str(arrays["model"])))
+        for name, shape in model.tensors():
+            value = np.asarray(arrays[name])
+            if value.shape != shape:
+                raise ValueError(f"{name}: shape {value.shape}, expected {shape}")
+            model.param(name)[...] = value
+        return model
+
     def param(self, name: str) -> np.ndarray:
         """A view of one parameter tensor in the flat buffer."""
         layer, _, suffix = name.rpartition(".")

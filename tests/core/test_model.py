@@ -77,6 +77,21 @@ def test_bad_descriptions_are_rejected(spec: dict) -> None:
         Model(spec)
 
 
+def test_export_round_trips_through_npz(tmp_path) -> None:
+    model = Model(SMALL)
+    model.init_params(7)
+    path = tmp_path / "weights.npz"
+    np.savez(path, **model.export())
+    with np.load(path) as arrays:
+        again = Model.from_export(arrays)
+    assert again.to_dict() == model.to_dict()
+    np.testing.assert_array_equal(again.params, model.params)
+    bad = model.export()
+    bad["fc1.w"] = bad["fc1.w"][:2]
+    with pytest.raises(ValueError, match="fc1.w"):
+        Model.from_export(bad)
+
+
 def test_unknown_builtin_and_wrong_buffer_are_rejected() -> None:
     with pytest.raises(ValueError, match="unknown model"):
         resolve_spec("no-such-model")
