@@ -469,9 +469,9 @@ def test_full_restart_keeps_configuration_also_after_compaction(procs, tmp_path:
     restart_all_and_compare(expect)
 
     # 2) enough entries for a log compaction (full dump) on every node, then a few more
-    for k in range(60):
+    for k in range(40):
         c.write(
-            k % 3, "/progress", {"epoch": 5, "replica": f"r{k % 7}", "progress": k, "done": k > 50}
+            k % 3, "/progress", {"epoch": 5, "replica": f"r{k % 7}", "progress": k, "done": k > 30}
         )
     deadline = time.monotonic() + 10
     while not all((tmp_path / f"c{i}" / "raft.dump").exists() for i in range(3)):
