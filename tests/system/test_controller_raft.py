@@ -524,7 +524,29 @@ def test_lease_safety_across_leader_changes_and_server_failures(procs, tmp_path:
             "ps1 declared dead and its buckets re-granted",
         )
         # Another server fails, then one is drained: more grants and hand-offs in the record.
+        # Another primary fails; its secondaries propose role changes (Adam 3.3.3), refused
+        # while its lease may be in use, accepted (or overtaken by the controller) after.
+        code, view = call(ctl.http[leader], "GET", "/cluster")
+        victim = next(
+            b for b in view["buckets"] if b["primary"] == "ps2" == b["want"][0] and b["secondaries"]
+        )
         servers.silent.add("ps2")
+        proposal = {"server": victim["secondaries"][0], "prev_epoch": victim["epoch"]}
+        path = f"/buckets/{victim['bucket']}/role-change"
+        code, reply = call(ctl.http[leader], "POST", path, proposal)
+        assert code == 409 and reply["error"].get("reason") == "lease_active", reply
+        assert reply["error"]["retry_after"] > 0
+        deadline = time.monotonic() + 10
+        while True:
+            code, reply = call(ctl.http[leader], "POST", path, proposal)
+            if code == 200 or (code == 409 and reply["error"]["code"] == "stale_epoch"):
+                break
+            assert time.monotonic() < deadline, reply
+            time.sleep(0.1)
+        if code == 200:
+            assert (
+                reply["epoch"] == victim["epoch"] + 1 and reply["primary"] in victim["secondaries"]
+            )
         wait_cluster(
             lambda v: all(b["primary"] not in (None, "ps1", "ps2") for b in v["buckets"]),
             "ps2's buckets re-granted",
