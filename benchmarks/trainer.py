@@ -2,7 +2,7 @@
 images/s x forward multiply-accumulates per image) of the numpy engine on adam-mnist, with 1
 and 2 Hogwild workers, beside PyTorch on the CPU at the same batch size and thread count.
 
-    python benchmarks/trainer.py [--batches 1,8,32] [--rounds 5] [--seconds 0.4]
+    python benchmarks/trainer.py [--batches 1,8,32] [--rounds 7] [--seconds 0.3]
 
 Every configuration runs in its own long-lived worker(s) (numpy: Hogwild processes and, to
 decide the default mechanism, Python threads; PyTorch: one process with 1 or 2 intra-op
@@ -142,8 +142,8 @@ def torch_available() -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8,32", help="batch sizes, comma separated")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=0.4, help="per measurement")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--seconds", type=float, default=0.3, help="per measurement")
     parser.add_argument("--trainer-batch", type=int, default=8, help="batch the goal is about")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
