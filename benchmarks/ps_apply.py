@@ -310,16 +310,19 @@ class DataPlaneClients:
         counts = [0] * len(self.clients)
         stop = time.perf_counter() + seconds
 
-        def call(i: int) -> None:
+        def call(i: int) -> int:
             if op == "push":
                 self.clients[i].push_dense("p", self.delta)
+            elif op == "push_pipelined":  # 4 in flight on the connection
+                self.clients[i].push_many([("p", self.delta)] * 8, window=4)
+                return 8
             else:
                 self.clients[i].pull("p", out=self.outs[i])
+            return 1
 
         def worker(i: int) -> None:
             while time.perf_counter() < stop:
-                call(i)
-                counts[i] += 1
+                counts[i] += call(i)
 
         for i in range(len(self.clients)):
             call(i)
@@ -463,6 +466,7 @@ def main() -> int:
                     "pull1": lambda: one.rate("pull"),
                     "pull4": lambda: four.rate("pull"),
                     "dp_push1": lambda: dp1.rate("push"),
+                    "dp_push1_pipe": lambda: dp1.rate("push_pipelined"),
                     "dp_push4": lambda: dp4.rate("push"),
                     "dp_pull1": lambda: dp1.rate("pull"),
                     "dp_pull4": lambda: dp4.rate("pull"),
@@ -489,6 +493,7 @@ def main() -> int:
     report("pull_4MB_4_conns", med["pull4"], "GB/s", lim)
     print("  binary data plane (raw float32 frames on the PS's data port, BufferedProtocol):")
     report("dataplane_push_4MB_1_conn", med["dp_push1"], "GB/s", lim, 0.6)
+    report("dataplane_push_4MB_1_conn_pipelined", med["dp_push1_pipe"], "GB/s", lim, 0.6)
     report("dataplane_push_4MB_4_conns", med["dp_push4"], "GB/s", lim, 0.6)
     report("dataplane_pull_4MB_1_conn", med["dp_pull1"], "GB/s", lim)
     report("dataplane_pull_4MB_4_conns", med["dp_pull4"], "GB/s", lim)

@@ -47,8 +47,10 @@ REQUEST, REPLY, ERROR = 1, 2, 3
 HEADER = struct.Struct("<4sBBHIQ")
 MAX_META = 64 << 10
 OPS = ("push_dense", "pull")
+#: requests of one connection queued or applying before reading pauses (pipelining depth)
+MAX_INFLIGHT = 8
 
-_HEADER, _META, _PAYLOAD, _BUSY, _CLOSED = range(5)
+_HEADER, _META, _PAYLOAD, _CLOSED = range(4)
 
 
 def frame_header(kind: int, meta_len: int, payload_len: int) -> bytes:
@@ -56,7 +58,13 @@ def frame_header(kind: int, meta_len: int, payload_len: int) -> bytes:
 
 
 class DataPlaneProtocol(asyncio.BufferedProtocol):
-    """One connection: header -> meta -> payload -> handled (reading paused) -> reply -> next."""
+    """One connection: header -> meta -> payload -> queued -> next header, replies in order.
+
+    Requests may be pipelined: the next frame is read while earlier ones are applied, up to
+    MAX_INFLIGHT per connection (then reading pauses). Each request is validated and queued to
+    the owner threads as soon as it is complete, in arrival order, so pushes on one connection are
+    applied in the order sent and a pull sees the pushes sent before it. Replies go out in order.
+    """
 
     def __init__(self, ps: ParameterServer) -> None:
         self.ps = ps
@@ -67,6 +75,11 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.pos = 0
         self.meta: dict[str, Any] = {}
         self.payload_len = 0
+        #: requests queued whose reply is not written yet
+        self.inflight = 0
+        self.paused = False
+        #: resolved once the reply of the latest request is written: the next one waits for it
+        self.tail: asyncio.Future | None = None
 
     # -- asyncio callbacks ------------------------------------------------------------------------
 
@@ -82,9 +95,13 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.ps._dp_conns.discard(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self.state == _CLOSED:  # draining after a fatal error: discard what still arrives
+            return memoryview(bytearray(65536))
         return self.view[self.pos :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.state == _CLOSED:
+            return
         self.pos += nbytes
         if self.pos < self.buf.size:
             return
@@ -96,12 +113,12 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             elif self.state == _PAYLOAD:
                 self._on_payload()
         except ProtocolError as exc:
-            self._fail(exc, close=True)
+            self._fatal(exc)
         except StoreError as exc:
-            self._fail(ProtocolError(exc.code, exc.message), close=True)
+            self._fatal(ProtocolError(exc.code, exc.message))
         except Exception:  # a bug: logged, answered, this connection closed, the server lives on
             log.exception("data plane: unexpected error")
-            self._fail(ProtocolError("internal", "unexpected server error (logged)"), close=True)
+            self._fatal(ProtocolError("internal", "unexpected server error (logged)"))
 
     def eof_received(self) -> bool | None:
         return None  # close our side too
@@ -135,6 +152,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
                 f"payload of {payload_len} bytes exceeds the limit of {self.ps.cfg.max_body} bytes",
             )
         self.payload_len = payload_len
+        self.meta = {}
         self._expect(_META, meta_len)
 
     def _on_meta(self) -> None:
@@ -166,57 +184,88 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self._dispatch(self.buf)
 
     def _dispatch(self, payload: np.ndarray | None) -> None:
+        """Validates and queues a complete request now (arrival order); replies in order later."""
         assert self.transport is not None
-        self.state = _BUSY
-        self.transport.pause_reading()
-        asyncio.get_running_loop().create_task(self._handle(self.meta, payload))
-
-    async def _handle(self, meta: dict[str, Any], payload: np.ndarray | None) -> None:
-        op = meta["op"]
-        t0 = time.perf_counter()
-        label = f"dp_{op}"
+        meta = self.meta
+        loop = asyncio.get_running_loop()
+        prev, done = self.tail, loop.create_future()
+        self.tail = done
+        self.inflight += 1
         try:
-            if op == "push_dense":
-                reply, out = await self._push(meta, payload), None
-            else:
-                reply, out = await self._pull(meta)
-        except (ProtocolError, StoreError) as exc:
-            err = exc if isinstance(exc, ProtocolError) else ProtocolError(exc.code, exc.message)
-            self.ps.m.requests.labels(label, err.code).inc()
-            self._fail(err, close=False)
-        except Exception:
-            log.exception("data plane: unexpected error in %s", op)
-            self.ps.m.requests.labels(label, "internal").inc()
-            self._fail(ProtocolError("internal", "unexpected server error (logged)"), close=False)
-        else:
-            self._send(REPLY, {"rid": meta.get("rid"), **reply}, out)
-            self.ps.m.requests.labels(label, "ok").inc()
-            self.ps.m.latency.labels(label).observe(time.perf_counter() - t0)
-        if self.state == _BUSY and self.transport is not None and not self.transport.is_closing():
-            self._expect(_HEADER, HEADER.size)
-            self.transport.resume_reading()
+            started: Any = self._start(meta, payload)
+        except (ProtocolError, StoreError) as exc:  # bad payload: answered, connection usable
+            started = (
+                exc if isinstance(exc, ProtocolError) else ProtocolError(exc.code, exc.message)
+            )
+        loop.create_task(self._finish(meta, started, prev, done))
+        self._expect(_HEADER, HEADER.size)
+        if self.inflight >= MAX_INFLIGHT and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
 
-    async def _push(self, meta: dict[str, Any], payload: np.ndarray | None) -> dict[str, Any]:
-        assert payload is not None
-        self.ps.m.bytes_in.inc(payload.size)
+    def _start(self, meta: dict[str, Any], payload: np.ndarray | None) -> Any:
+        """Queues the request to the owner threads; returns (future, reply builder)."""
         name = meta["tensor"]
         sts = self.ps._held(name)
-        # Zero copy: the kernel wrote the payload into this buffer; the owner threads read it.
-        delta = payload.view("<f4")
-        protocol.check_finite("payload", delta)
-        self.ps._record_client(meta)
-        parts = [(st, Dense(delta[st.shard.start : st.shard.stop])) for st in sts]
-        versions = await self.ps._wait(lambda cb: self.ps.store.push(parts, cb))
-        return {"versions": versions}
-
-    async def _pull(self, meta: dict[str, Any]) -> tuple[dict[str, Any], np.ndarray]:
-        name = meta["tensor"]
-        sts = self.ps._held(name)
-        out = np.empty(self.ps.store.tensors[name].spec.size, dtype=np.float32)
+        if meta["op"] == "push_dense":
+            assert payload is not None
+            self.ps.m.bytes_in.inc(payload.size)
+            # Zero copy: the kernel wrote the payload into this buffer; the owner threads read it.
+            delta = payload.view("<f4")
+            protocol.check_finite("payload", delta)
+            self.ps._record_client(meta)
+            parts = [(st, Dense(delta[st.shard.start : st.shard.stop])) for st in sts]
+            fut = _submit(lambda cb: self.ps.store.push(parts, cb))
+            return fut, lambda versions: ({"versions": versions}, None)
+        t = self.ps.store.tensors[name]
+        out = np.empty(t.spec.size, dtype=np.float32)
         outs = [out[st.shard.start : st.shard.stop] for st in sts]
-        versions = await self.ps._wait(lambda cb: self.ps.store.read(sts, outs, cb))
-        shape = list(self.ps.store.tensors[name].spec.shape)
-        return {"shape": shape, "versions": [versions[st.id] for st in sts]}, out
+        fut = _submit(lambda cb: self.ps.store.read(sts, outs, cb))
+        shape = list(t.spec.shape)
+        return fut, lambda versions: (
+            {"shape": shape, "versions": [versions[st.id] for st in sts]},
+            out,
+        )
+
+    async def _finish(
+        self, meta: dict[str, Any], started: Any, prev: asyncio.Future | None, done: asyncio.Future
+    ) -> None:
+        label = f"dp_{meta['op']}"
+        t0 = time.perf_counter()
+        try:
+            if isinstance(started, ProtocolError):
+                err: ProtocolError | None = started
+                reply = out = None
+            else:
+                fut, build = started
+                try:
+                    reply, out = build(await fut)
+                    err = None
+                except (ProtocolError, StoreError) as exc:
+                    err = (
+                        exc
+                        if isinstance(exc, ProtocolError)
+                        else ProtocolError(exc.code, exc.message)
+                    )
+                except Exception:
+                    log.exception("data plane: unexpected error in %s", meta["op"])
+                    err = ProtocolError("internal", "unexpected server error (logged)")
+            if prev is not None:
+                await prev  # replies leave in request order
+            if err is not None:
+                self.ps.m.requests.labels(label, err.code).inc()
+                self._send(ERROR, {"error": err.to_dict(), "rid": meta.get("rid")}, None)
+            else:
+                self._send(REPLY, {"rid": meta.get("rid"), **reply}, out)
+                self.ps.m.requests.labels(label, "ok").inc()
+                self.ps.m.latency.labels(label).observe(time.perf_counter() - t0)
+        finally:
+            done.set_result(None)
+            self.inflight -= 1
+            if self.paused and self.inflight < MAX_INFLIGHT and self.state != _CLOSED:
+                self.paused = False
+                if self.transport is not None and not self.transport.is_closing():
+                    self.transport.resume_reading()
 
     # -- replies ----------------------------------------------------------------------------------
 
@@ -230,12 +279,46 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             self.transport.write(memoryview(payload).cast("B"))
             self.ps.m.bytes_out.inc(n)
 
-    def _fail(self, exc: ProtocolError, close: bool) -> None:
+    def _fatal(self, exc: ProtocolError) -> None:
+        """An error that leaves the stream unusable: answer after the earlier replies, then close."""
         rid = self.meta.get("rid") if isinstance(self.meta, dict) else None
-        self._send(ERROR, {"error": exc.to_dict(), "rid": rid}, None)
-        if close and self.transport is not None:
-            self.state = _CLOSED
-            self.transport.close()
+        self.state = _CLOSED
+        prev = self.tail
+
+        async def answer_and_close() -> None:
+            if prev is not None:
+                await prev
+            self._send(ERROR, {"error": exc.to_dict(), "rid": rid}, None)
+            t = self.transport
+            if t is None or t.is_closing():
+                return
+            # Half-close and keep discarding input until the peer closes: closing with unread
+            # input would send a reset, which can destroy the error frame before the peer reads it.
+            if t.can_write_eof():
+                t.write_eof()
+                asyncio.get_running_loop().call_later(5.0, t.close)
+            else:
+                t.close()
+
+        asyncio.get_running_loop().create_task(answer_and_close())
+
+
+def _submit(submit: Any) -> asyncio.Future:
+    """Calls submit(on_done) now and returns an asyncio future of its result (owner threads
+    resolve it through call_soon_threadsafe)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def resolve(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    submit(lambda result, error: loop.call_soon_threadsafe(resolve, result, error))
+    return fut
 
 
 async def start(ps: ParameterServer, host: str, port: int) -> asyncio.Server:
@@ -278,14 +361,9 @@ class DataPlaneClient:
                 raise ConnectionError("data plane: connection closed by the server")
             got += n
 
-    def _request(
-        self,
-        op: str,
-        tensor: str,
-        payload: np.ndarray | None,
-        out: np.ndarray | None = None,
-        **fields: Any,
-    ) -> tuple[dict[str, Any], bytearray | memoryview | None]:
+    def _send_request(
+        self, op: str, tensor: str, payload: np.ndarray | None, **fields: Any
+    ) -> None:
         meta = protocol.encode(protocol.request(op, tensor=tensor, token=self.token, **fields))
         n = 0 if payload is None else payload.nbytes
         self.sock.sendall(frame_header(REQUEST, len(meta), n) + meta)
@@ -294,6 +372,10 @@ class DataPlaneClient:
                 self.sock.sendall(memoryview(np.ascontiguousarray(payload, dtype="<f4")).cast("B"))
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the server refused the request early and closed: read its error frame
+
+    def _read_reply(
+        self, out: np.ndarray | None = None
+    ) -> tuple[dict[str, Any], memoryview | None, DataPlaneError | None]:
         self._recv_exact(memoryview(self._hdr))
         magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(self._hdr)
         if magic != MAGIC:
@@ -301,22 +383,71 @@ class DataPlaneClient:
         mbuf = bytearray(meta_len)
         self._recv_exact(memoryview(mbuf))
         reply = protocol.decode(mbuf)
-        body: bytearray | memoryview | None = None
+        body: memoryview | None = None
         if payload_len:
             if out is not None and kind == REPLY and out.nbytes == payload_len:
                 body = memoryview(out).cast("B")  # straight into the caller's array
             else:
                 body = memoryview(np.empty(payload_len, dtype=np.uint8))  # no zero-filling
-            self._recv_exact(memoryview(body))
+            self._recv_exact(body)
         if kind == ERROR:
             err = reply.get("error", {})
             code = err.get("code", "internal")
-            raise DataPlaneError(
-                code if code in protocol.ERRORS else "internal",
-                str(err.get("message", "")),
-                **{k: v for k, v in err.items() if k not in ("code", "message")},
+            return (
+                reply,
+                None,
+                DataPlaneError(
+                    code if code in protocol.ERRORS else "internal",
+                    str(err.get("message", "")),
+                    **{k: v for k, v in err.items() if k not in ("code", "message")},
+                ),
             )
+        return reply, body, None
+
+    def _request(
+        self,
+        op: str,
+        tensor: str,
+        payload: np.ndarray | None,
+        out: np.ndarray | None = None,
+        **fields: Any,
+    ) -> tuple[dict[str, Any], memoryview | None]:
+        self._send_request(op, tensor, payload, **fields)
+        reply, body, err = self._read_reply(out)
+        if err is not None:
+            raise err
         return reply, body
+
+    def push_many(
+        self, items: list[tuple[str, np.ndarray]], window: int = 4
+    ) -> list[dict[str, int] | DataPlaneError]:
+        """Pipelined pushes: up to `window` (<= MAX_INFLIGHT) in flight on this connection,
+        applied in order. Returns, per item, its versions or the error the server answered."""
+        if not 1 <= window <= MAX_INFLIGHT:
+            raise ValueError(f"window must be in 1..{MAX_INFLIGHT}")
+        results: list[dict[str, int] | DataPlaneError] = []
+        sent = 0
+        while len(results) < len(items):
+            while sent < len(items) and sent - len(results) < window:
+                tensor, delta = items[sent]
+                if delta.dtype != np.float32:
+                    raise TypeError("delta must be float32")
+                self._send_request("push_dense", tensor, delta)
+                sent += 1
+            try:
+                reply, _, err = self._read_reply()
+            except ConnectionError:
+                # The server closed after a fatal error answered above: the rest was not applied.
+                while len(results) < len(items):
+                    results.append(
+                        DataPlaneError(
+                            "unavailable",
+                            "not applied: the server closed the connection after an earlier error",
+                        )
+                    )
+                break
+            results.append(err if err is not None else reply["versions"])
+        return results
 
     def push_dense(self, tensor: str, delta: np.ndarray, **fields: Any) -> dict[str, int]:
         """Applies delta (the whole tensor, float32) like push_dense on /rpc; returns the versions."""
@@ -332,6 +463,6 @@ class DataPlaneClient:
             raise TypeError("out must be a C-contiguous float32 array")
         reply, body = self._request("pull", tensor, None, out=out)
         assert body is not None
-        if out is not None and isinstance(body, memoryview):
+        if out is not None and out.nbytes == body.nbytes:  # _read_reply received into out
             return out.reshape(reply["shape"]), reply["versions"]
         return np.frombuffer(body, dtype="<f4").reshape(reply["shape"]), reply["versions"]

@@ -182,3 +182,23 @@ def test_the_client_raises_the_servers_error_and_the_connection_stays_usable(
     with server.client(token="guess") as bad, pytest.raises(DataPlaneError) as err:
         bad.push_dense("v", np.zeros(N, np.float32))
     assert err.value.code == "unauthorized"
+
+
+def test_pipelined_pushes_are_applied_in_order_with_errors_in_place(server: Server) -> None:
+    before_values, before_versions = server.state()
+    base = np.frombuffer(before_values, np.float32)
+    one = np.ones(N, np.float32)
+    nan = np.full(N, np.nan, np.float32)
+    with server.client() as c:
+        results = c.push_many(
+            [("v", one), ("v", nan), ("v", 2 * one), ("nope", one), ("v", one)], window=4
+        )
+        assert isinstance(results[1], DataPlaneError) and results[1].code == "non_finite"
+        v0 = before_versions["v"][0]
+        assert [r["v/0"] for r in (results[0], results[2])] == [v0 + 1, v0 + 2]
+        # an unknown tensor breaks the stream: the server answers it, then closes the connection
+        assert isinstance(results[3], DataPlaneError) and results[3].code == "unknown_tensor"
+        assert isinstance(results[4], DataPlaneError) and results[4].code == "unavailable"
+    values, versions = server.state()
+    assert versions["v"][0] == before_versions["v"][0] + 2
+    assert np.array_equal(np.frombuffer(values, np.float32), base + 3)
