@@ -1,0 +1,100 @@
+"""The trainer's configuration (TOML table ``[train]``, env ``ADAMPS_TRAIN_<FIELD>``, flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adamps.config import default_token, field
+
+
+@dataclass
+class TrainConfig:
+    controllers: list[str] = field(
+        [],
+        help="controller HTTP addresses (host:port, comma separated): routing table, layout and "
+        "epoch progress come from them; empty = static mode with --ps",
+    )
+    ps: list[str] = field(
+        [],
+        help="parameter-server URLs of a static bucket map (comma separated); used when no "
+        "controllers are given (progress is then kept in a small board tensor on the servers)",
+    )
+    dataservers: list[str] = field(
+        ["http://127.0.0.1:7300"], help="data-server URLs (comma separated; copies fail over)"
+    )
+    token: str = field("", help="cluster token")
+    replica: int = field(0, help="index of this model replica, 0 .. n_replicas-1")
+    n_replicas: int = field(1, help="number of model replicas training together")
+    model: str = field("adam-mnist", help="built-in model name or a JSON model description")
+    seed: int = field(0, help="seed of the initial weights (replica 0 creates the tensors)")
+    epochs: int = field(5, help="training epochs (1-based epoch numbers 1..epochs)")
+    batch_size: int = field(8, help="images per minibatch (one worker step)")
+    workers: int = field(1, help="Hogwild workers sharing this replica's weights without locks")
+    worker_mode: str = field(
+        "process", help="Hogwild workers: 'process' (shared memory, default) or 'thread'"
+    )
+    n_fetch: int = field(
+        4, help="fetch the parameters from the servers every n_fetch rounds (DistBelief 4.1)"
+    )
+    n_push: int = field(
+        2,
+        help="minibatches each worker trains per round; the round's updates are pushed after it "
+        "(so the replica pushes every n_push * workers steps)",
+    )
+    optimizer: str = field(
+        "adagrad", help="server-side optimizer of every tensor: 'adagrad' (DistBelief) or 'sgd'"
+    )
+    lr: float = field(0.005, help="server-side learning rate (of the optimizer above)")
+    adagrad_initial: float = field(
+        0.1,
+        help="Adagrad's initial accumulator: early steps are then about lr / sqrt(this) * gradient "
+        "instead of lr * sign(gradient)",
+    )
+    local_lr: float = field(
+        0.03, help="learning rate of the plain SGD steps on the replica's local copy"
+    )
+    warm_start: int = field(
+        100,
+        help="warm start (DistBelief 4.1): replica 0 trains this many minibatches alone before "
+        "the other replicas start",
+    )
+    epoch_fraction: float = field(
+        0.75,
+        help="an epoch is complete when this fraction of the replicas finished it (Adam 3.2.5); "
+        "a replica still inside a completed epoch moves on to the next",
+    )
+    push_queue: int = field(
+        4, help="pushes queued for the push thread; beyond, new updates are merged into the last"
+    )
+    out: str = field("", help="replica 0 writes the final weights here (.npz); empty = not saved")
+    history: str = field(
+        "", help="JSON-lines file of per-epoch {time, epoch, loss, accuracy, images_per_s}"
+    )
+    host: str = field("127.0.0.1", help="address of the trainer's /metrics, /status, /healthz")
+    metrics_port: int = field(0, help="port of /metrics, /status, /healthz (0: any free; -1: off)")
+    progress_interval: float = field(
+        0.5, help="seconds between progress reports to (and epoch checks at) the board"
+    )
+    wait_timeout: float = field(
+        600.0, help="seconds to wait for replica 0 (tensors, warm start) before giving up"
+    )
+    log_level: str = field("INFO", help="logging level")
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            self.token = default_token()
+        if not self.controllers and not self.ps:
+            raise ValueError("give --controllers or --ps (parameter-server URLs)")
+        if self.n_replicas < 1 or not 0 <= self.replica < self.n_replicas:
+            raise ValueError(f"replica must be in 0..n_replicas-1, got {self.replica}")
+        for name in ("epochs", "batch_size", "workers", "n_fetch", "n_push", "push_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.optimizer not in ("adagrad", "sgd"):
+            raise ValueError(f"optimizer must be 'adagrad' or 'sgd', got {self.optimizer!r}")
+        if self.worker_mode not in ("process", "thread"):
+            raise ValueError(f"worker_mode must be 'process' or 'thread', got {self.worker_mode!r}")
+        if not 0.0 < self.epoch_fraction <= 1.0:
+            raise ValueError("epoch_fraction must be in (0, 1]")
+        if self.warm_start < 0:
+            raise ValueError("warm_start must be >= 0")

@@ -1,0 +1,152 @@
+"""`adamps train`: run one model replica with Downpour SGD (trainer/downpour.py).
+
+    adamps train --ps http://127.0.0.1:7100 --dataservers http://127.0.0.1:7300 \\
+        --replica 0 --n-replicas 2 --epochs 5 --out model.npz --history history.jsonl
+    adamps train --controllers 127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103 ...
+
+Serves /metrics, /status and /healthz on --metrics-port while it trains. Exit code 0 when the
+training completed, 1 when it failed (the error is logged), 2 for a bad configuration,
+130/143 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from adamps import config as aconfig
+from adamps import metrics as am
+from adamps import web as aweb
+from trainer.config import TrainConfig
+
+log = logging.getLogger("trainer")
+
+
+class MetricsServer:
+    """/metrics, /status and /healthz of the trainer, served by aiohttp in a daemon thread
+    (the training loop itself is synchronous)."""
+
+    def __init__(self, registry: Any, token: str, status: Any, host: str, port: int) -> None:
+        self.port = port
+        self._loop = asyncio.new_event_loop()
+        self._runner: Any = None
+        started = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            try:
+                app = aweb.make_app(registry=registry, token=token, status=status)
+                self._runner = self._loop.run_until_complete(aweb.serve(app, host, port))
+                self.port = self._runner.addresses[0][1]
+            except BaseException as exc:  # noqa: BLE001 - reported to the constructor
+                errors.append(exc)
+                started.set()
+                return
+            started.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="metrics", daemon=True)
+        self._thread.start()
+        started.wait(30)
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        if self._runner is not None:
+            fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+            try:
+                fut.result(5)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adamps train",
+        description="Run one model replica (Downpour SGD with Hogwild workers).",
+    )
+    aconfig.add_arguments(parser, TrainConfig)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = aconfig.load(TrainConfig, "train", args)
+    except aconfig.ConfigError as exc:
+        print(f"adamps train: {exc}", file=sys.stderr)
+        return 2
+    aweb.setup_logging(cfg.log_level, role=f"train[{cfg.replica}]")
+    from trainer.downpour import Replica
+
+    registry = am.new_registry()
+    replica = Replica(cfg, registry)
+    started = time.time()
+
+    def status() -> dict[str, Any]:
+        return {
+            "role": "trainer",
+            "config": aconfig.to_dict(cfg),
+            "uptime_seconds": time.time() - started,
+            "replica": cfg.replica,
+            "epoch": replica.epoch,
+            "completed_epoch": replica.completed,
+            "steps": replica.step,
+            "images": replica.result.images,
+            "fetch_staleness_steps": replica.last_staleness,
+            "push_queue": len(replica.pushq),
+            "heldout_accuracy": {str(k): v for k, v in replica.result.accuracy.items()},
+        }
+
+    server = None
+    if cfg.metrics_port >= 0:
+        server = MetricsServer(registry, cfg.token, status, cfg.host, cfg.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", cfg.host, server.port)
+
+    interrupted: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        interrupted.append(signum)
+        replica.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        result = replica.run()
+    except KeyboardInterrupt:
+        log.info("interrupted")
+        return 128 + (interrupted[0] if interrupted else signal.SIGINT)
+    except Exception:
+        if interrupted:
+            log.info("interrupted")
+            return 128 + interrupted[0]
+        log.exception("training failed")
+        return 1
+    finally:
+        if server is not None:
+            server.close()
+    summary = {
+        "replica": cfg.replica,
+        "images": result.images,
+        "seconds": round(result.seconds, 2),
+        "images_per_s": round(result.images / max(result.seconds, 1e-9), 1),
+        "heldout_accuracy": {str(k): v for k, v in result.accuracy.items()},
+        "out": result.out,
+    }
+    log.info("training complete")
+    print(json.dumps(summary), flush=True)  # the last line of stdout: the run's figures
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
