@@ -61,15 +61,19 @@ class PsMetrics:
         )
         self.requests = Counter(
             "adamps_ps_requests",
-            "RPC requests by op and outcome",
+            "requests by op (data plane: dp_*) and outcome (ok or the error code)",
             ["op", "outcome"],
             registry=registry,
         )
         self.bytes_in = Counter(
-            "adamps_ps_bytes_in", "request body bytes received on /rpc", registry=registry
+            "adamps_ps_bytes_in",
+            "request bytes received (/rpc bodies, data-plane payloads)",
+            registry=registry,
         )
         self.bytes_out = Counter(
-            "adamps_ps_bytes_out", "reply body bytes sent on /rpc", registry=registry
+            "adamps_ps_bytes_out",
+            "reply bytes sent (/rpc bodies, data-plane payloads)",
+            registry=registry,
         )
         self.latency = Histogram(
             "adamps_ps_request_latency_seconds",

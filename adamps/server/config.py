@@ -11,7 +11,7 @@ from adamps.layout import DEFAULT_BUCKETS, MAX_SHARD_ELEMS
 @dataclass
 class PsConfig:
     host: str = field("127.0.0.1", help="address to listen on")
-    port: int = field(7100, help="HTTP port (0: let the kernel pick; the chosen port is logged)")
+    port: int = field(7100, help="HTTP port")
     data_port: int = field(
         0,
         help="TCP port of the binary data plane (raw float32 push_dense/pull beside HTTP); 0 = off",
