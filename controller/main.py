@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         asyncio.run(aweb.run_app(app, host, cfg.http_port))
+    except OSError as exc:
+        log.error("cannot serve HTTP on %s:%d: %s", host, cfg.http_port, exc.strerror or exc)
+        return 1
     finally:
         service.close()
     return 0

@@ -305,7 +305,8 @@ class ControllerService:
             "Content-Type": request.headers.get("Content-Type", "application/json"),
             FORWARDED: self.self_raft,
         }
-        assert self._session is not None
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
         self.m_forwarded.inc()
         try:
             async with self._session.request(
@@ -585,7 +586,6 @@ class ControllerService:
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
-        self._session = aiohttp.ClientSession()
         self._loop_task = asyncio.create_task(self.leader_loop())
 
     async def _on_cleanup(self, app: web.Application) -> None:
