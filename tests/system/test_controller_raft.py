@@ -350,7 +350,11 @@ def test_leader_killed_new_leader_fast_nothing_lost_routing_continues(ctl: Contr
             client.close()
 
 
-def test_follower_paused_cluster_commits_and_it_catches_up(ctl: Controllers) -> None:
+def test_follower_paused_cluster_commits_and_it_catches_up(procs, tmp_path: Path) -> None:
+    # Compaction after 10 entries: while the follower is paused the others compact their logs,
+    # so it catches up from a transferred full dump, not from log entries alone.
+    ctl = Controllers(procs, tmp_path, **{"compaction-entries": 10})
+    ctl.start_all()
     leader = ctl.leader()
     paused = next(i for i in range(3) if i != leader)
     ctl.proc[paused].signal(signal.SIGSTOP)
@@ -366,6 +370,10 @@ def test_follower_paused_cluster_commits_and_it_catches_up(ctl: Controllers) -> 
         assert time.monotonic() - t0 < 5.0, (
             "the majority keeps committing while a follower is paused"
         )
+        deadline = time.monotonic() + 10
+        while not (tmp_path / f"c{leader}" / "raft.dump").exists():
+            assert time.monotonic() < deadline, "the leader did not compact its log"
+            time.sleep(0.1)
     finally:
         ctl.proc[paused].signal(signal.SIGCONT)
     deadline = time.monotonic() + 10
