@@ -144,12 +144,23 @@ class Conv(Layer):
 
     def _allocate(self, batch: int) -> dict[str, np.ndarray | None]:
         rows = batch * self.oh * self.ow
-        return {
-            "cols": np.empty((rows, self.kk), self.dtype),
+        bufs: dict[str, np.ndarray | None] = {
             "y": np.empty((rows, self.f), self.dtype),
             "tmp": _act_tmp(self.act, (rows, self.f), self.dtype),
-            "ones": np.ones(rows, self.dtype),
         }
+        if self.in_shape[2] == 1:
+            # One input channel: patches stored transposed, (k*k + 1, rows), so the im2col
+            # copy runs along output rows (inner loop ow long, not k*c = 5 long: 3x faster);
+            # the extra row of ones folds the bias into the same sgemm, forward and backward.
+            cols_t = np.empty((self.kk + 1, rows), self.dtype)
+            cols_t[self.kk] = 1.0
+            bufs["colsT"] = cols_t
+            bufs["waug"] = np.empty((self.kk + 1, self.f), self.dtype)
+            bufs["gaug"] = np.empty((self.f, self.kk + 1), self.dtype)
+        else:
+            bufs["cols"] = np.empty((rows, self.kk), self.dtype)
+            bufs["ones"] = np.ones(rows, self.dtype)
+        return bufs
 
     def forward(self, x: np.ndarray, p: dict[str, np.ndarray]) -> np.ndarray:
         b = x.shape[0]
@@ -157,14 +168,25 @@ class Conv(Layer):
         x = np.ascontiguousarray(x, dtype=self.dtype)
         sb, sh, sw, sc = x.strides
         k, c = self.k, self.in_shape[2]
-        patches = as_strided(
-            x, (b, self.oh, self.ow, k, k, c), (sb, sh, sw, sh, sw, sc), writeable=False
-        )
-        cols = bufs["cols"]
-        np.copyto(cols.reshape(b, self.oh, self.ow, k, k, c), patches)
         y = bufs["y"]
-        np.matmul(cols, p["w"].reshape(self.f, self.kk).T, out=y)
-        y += p["b"]
+        w = p["w"].reshape(self.f, self.kk)
+        if "colsT" in bufs:
+            cols_t, waug = bufs["colsT"], bufs["waug"]
+            patches = as_strided(
+                x, (k, k, b, self.oh, self.ow), (sh, sw, sb, sh, sw), writeable=False
+            )
+            np.copyto(cols_t[: self.kk].reshape(k, k, b, self.oh, self.ow), patches)
+            np.copyto(waug[: self.kk], w.T)
+            waug[self.kk] = p["b"]
+            np.matmul(cols_t.T, waug, out=y)
+        else:
+            patches = as_strided(
+                x, (b, self.oh, self.ow, k, k, c), (sb, sh, sw, sh, sw, sc), writeable=False
+            )
+            cols = bufs["cols"]
+            np.copyto(cols.reshape(b, self.oh, self.ow, k, k, c), patches)
+            np.matmul(cols, w.T, out=y)
+            y += p["b"]
         _activate(self.act, y)
         self._x = x
         return y.reshape(b, self.oh, self.ow, self.f)
@@ -176,11 +198,23 @@ class Conv(Layer):
         bufs = self._buffers(b)
         e = dy.reshape(-1, self.f)
         _activate_backward(self.act, bufs["y"], e, bufs["tmp"])
-        np.matmul(e.T, bufs["cols"], out=g["w"].reshape(self.f, self.kk))
-        # a bias gradient as ones @ e (gemv) is 7x faster than np.sum(axis=0) here
-        np.matmul(bufs["ones"], e, out=g["b"])
+        if "colsT" in bufs:
+            gaug = bufs["gaug"]
+            np.matmul(e.T, bufs["colsT"].T, out=gaug)
+            np.copyto(g["w"].reshape(self.f, self.kk), gaug[:, : self.kk])
+            np.copyto(g["b"], gaug[:, self.kk])
+        else:
+            np.matmul(e.T, bufs["cols"], out=g["w"].reshape(self.f, self.kk))
+            # a bias gradient as ones @ e (gemv) is 7x faster than np.sum(axis=0) here
+            np.matmul(bufs["ones"], e, out=g["b"])
         if not need_dx:
             return None
+        return self._dx(e, p, bufs, b)
+
+    def _dx(
+        self, e: np.ndarray, p: dict[str, np.ndarray], bufs: dict[str, Any], b: int
+    ) -> np.ndarray:
+        """dL/dx from the errors e (rows, filters): the transposed convolution."""
         k, c = self.k, self.in_shape[2]
         if "dcols" not in bufs:  # backward-only buffers: evaluation batches never need them
             bufs["wt"] = np.empty((k * k, self.f, c), self.dtype)
