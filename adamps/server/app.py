@@ -29,6 +29,7 @@ from adamps.server import dataplane
 from adamps.server.config import PsConfig
 from adamps.server.optim import Dense, OptimError, Optimizer
 from adamps.server.persist import Flusher, Persister
+from adamps.server.replicate import REPL_OPS, Replicator, dense_update, fc_update
 from adamps.server.store import (
     INIT_KINDS,
     ShardState,
@@ -142,6 +143,11 @@ class ParameterServer:
         self.m.queue_depth.set_function(lambda: sum(self.store.queue_depths()))
         self.m.shards.set_function(lambda: len(self.store.shards))
         self.m.tensors.set_function(lambda: len(self.store.tensors))
+        #: replication (Project Adam 3.3.3) when the server runs under controllers, else None: a
+        #: standalone server on its static bucket map
+        self.replicator: Replicator | None = None
+        if cfg.controllers:
+            self.replicator = Replicator(self, self.registry)
         self.flusher.start()
         self._closed = False
         self._data_plane: asyncio.Server | None = None
@@ -226,8 +232,12 @@ class ParameterServer:
         async def start_data_plane(_app: web.Application) -> None:
             if self.cfg.data_port:
                 self._data_plane = await dataplane.start(self, self.cfg.host, self.cfg.data_port)
+            if self.replicator is not None:
+                await self.replicator.start()
 
         async def cleanup(_app: web.Application) -> None:
+            if self.replicator is not None:
+                await self.replicator.stop()
             if self._data_plane is not None:
                 self._data_plane.close()  # stops accepting; then the open connections
                 for conn in list(self._dp_conns):
@@ -252,8 +262,11 @@ class ParameterServer:
             if isinstance(rid, str | int):
                 request[aweb.RID_KEY] = str(rid)
             ops = OPS + DEBUG_OPS if self.cfg.debug_ops else OPS
+            if self.replicator is not None:
+                ops = ops + REPL_OPS
             op = protocol.check_message(msg, ops)
-            handler: Callable[[dict[str, Any]], Any] = getattr(self, f"op_{op}")
+            target = self.replicator if op in REPL_OPS else self
+            handler: Callable[[dict[str, Any]], Any] = getattr(target, f"op_{op}")
             try:
                 reply = await handler(msg)
             except StoreError as exc:
@@ -426,6 +439,12 @@ class ParameterServer:
         submit(lambda result, error: loop.call_soon_threadsafe(resolve, result, error))
         return await fut
 
+    def _check_serving(self, states: list[ShardState]) -> None:
+        """Under replication, only the primary of a bucket with a live lease serves it."""
+        if self.replicator is not None:
+            for b in {self.store.layout.bucket_of[st.id] for st in states}:
+                self.replicator.check_primary(b)
+
     async def op_pull(self, msg: dict[str, Any]) -> dict[str, Any]:
         if "tensors" in msg:
             names = require(msg, "tensors", list)
@@ -441,12 +460,14 @@ class ParameterServer:
                 whole[name] = arr
                 states += sts
                 outs += [flat[st.shard.start : st.shard.stop] for st in sts]
+            self._check_serving(states)
             versions = await self._wait(lambda cb: self.store.read(states, outs, cb))
             return {
                 "tensors": whole,
                 "versions": {n: [versions[st.id] for st in self._held(n)] for n in names},
             }
         states = self._shard_ids(msg, "shards")
+        self._check_serving(states)
         outs = [np.empty(st.shard.shape, dtype=np.float32) for st in states]
         versions = await self._wait(lambda cb: self.store.read(states, outs, cb))
         return {
@@ -454,13 +475,30 @@ class ParameterServer:
             "versions": {st.id: versions[st.id] for st in states},
         }
 
-    def _record_client(self, msg: dict[str, Any]) -> None:
+    def _record_client(self, msg: dict[str, Any]) -> tuple[str, int] | None:
         client = msg.get("client")
         if client is None:
-            return
+            return None
         client = require(msg, "client", str)
         seq = require(msg, "seq", int)
         self.clients[client] = seq
+        return client, seq
+
+    async def _replicate(
+        self, msg: dict[str, Any], updates: list[tuple[list[ShardState], Any]]
+    ) -> dict[str, Any]:
+        """A checked push through the replication rounds of its buckets: (shards, compact
+        update) pairs, grouped by bucket, each bucket's part a single deduplicated entry."""
+        assert self.replicator is not None
+        by_bucket: dict[int, list[Any]] = {}
+        for states, make in updates:
+            per_bucket: dict[int, list[ShardState]] = {}
+            for st in states:
+                per_bucket.setdefault(self.store.layout.bucket_of[st.id], []).append(st)
+            for b, sts in per_bucket.items():
+                by_bucket.setdefault(b, []).append(make(sts))
+        await self.replicator.push(by_bucket, self._record_client(msg))
+        return {"versions": {}}
 
     async def op_push_dense(self, msg: dict[str, Any]) -> dict[str, Any]:
         parts: list[tuple[ShardState, Dense]] = []
@@ -484,6 +522,11 @@ class ParameterServer:
                 raise ProtocolError(
                     "bad_request", "push_dense needs 'tensor' + 'delta' or a non-empty 'shards'"
                 )
+        if self.replicator is not None:
+            return await self._replicate(
+                msg,
+                [([st], lambda sts, d=upd.delta: dense_update(sts[0].id, d)) for st, upd in parts],
+            )
         self._record_client(msg)
         versions = await self._wait(lambda cb: self.store.push(parts, cb))
         return {"versions": versions}
@@ -514,6 +557,10 @@ class ParameterServer:
                 raise ProtocolError("bad_request", f"shards {wrong} are not shards of {name!r}")
         else:
             states = self._held(name)
+        if self.replicator is not None:
+            return await self._replicate(
+                msg, [(states, lambda sts: fc_update(name, [st.id for st in sts], a, e))]
+            )
         self._record_client(msg)
         parts = fc_parts(t, a, e, states)
         versions = await self._wait(lambda cb: self.store.push(parts, cb))
@@ -556,6 +603,7 @@ class ParameterServer:
             "uptime_seconds": time.time() - self.started,
             "n_buckets": self.cfg.n_buckets,
             "buckets": sorted(self.store.buckets) if self.store.buckets is not None else "all",
+            "replication": self.replicator.status() if self.replicator is not None else None,
             "tensors": {n: list(t.spec.shape) for n, t in self.store.tensors.items()},
             "shards": {
                 sid: {

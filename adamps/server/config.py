@@ -50,6 +50,36 @@ class PsConfig:
         True,
         help="raise glibc's mmap and trim thresholds at start so large bodies reuse heap memory",
     )
+    controllers: list[str] = field(
+        [],
+        help="controller HTTP addresses (host:port, comma separated); empty: a standalone server "
+        "on its static bucket map, else buckets, leases and replication come from the controllers",
+    )
+    server_id: str = field("", help="this server's id at the controllers (default: ps-PORT)")
+    advertise: str = field(
+        "", help="host:port the peers and clients reach this server at (default: host:port)"
+    )
+    member_timeout: float = field(
+        1.0,
+        help="seconds a secondary may take to answer a replication message before the primary "
+        "asks the controllers to drop it from the replica set",
+    )
+    ping_interval: float = field(
+        0.3, help="seconds between the primary's heartbeats to the secondaries of its buckets"
+    )
+    failover_after: float = field(
+        3.0,
+        help="seconds without a heartbeat from a bucket's primary after which a secondary "
+        "proposes a role change to the controllers",
+    )
+    push_timeout: float = field(
+        30.0,
+        help="seconds a replicated push may wait for its rounds (then: timeout, outcome unknown)",
+    )
+    replication_log: int = field(
+        64,
+        help="committed batches kept per bucket to catch up a lagging secondary without a snapshot",
+    )
     log_level: str = field("INFO", help="logging level")
     debug_ops: bool = field(
         False, help="enable the op debug_fail (raises on purpose; for tests only)"
@@ -58,6 +88,15 @@ class PsConfig:
     def __post_init__(self) -> None:
         if not self.token:
             self.token = default_token()
+        if not self.server_id:
+            self.server_id = f"ps-{self.port}"
+        if self.controllers and self.buckets:
+            raise ValueError("buckets (a static map) and controllers exclude each other")
+        for name in ("member_timeout", "ping_interval", "failover_after", "push_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.replication_log < 1:
+            raise ValueError("replication_log must be >= 1")
         if self.owner_threads < 1:
             raise ValueError("owner_threads must be >= 1")
         if self.n_buckets < 1:

@@ -61,25 +61,31 @@ class Server:
         return pulled["tensors"]["w"].tobytes(), pulled["versions"]
 
 
+def start_ps(root: Path, *args: str, data_port: bool = False) -> tuple[Proc, int, int]:
+    """A real PS on fresh ports; retried, since a port that was free can be taken by a concurrent
+    process before the PS binds it (the PS then exits at once; its log says so)."""
+    for attempt in range(3):
+        port, dport = free_port(), (free_port() if data_port else 0)
+        argv = adamps_argv("ps", "--port", str(port), "--data-port", str(dport), *args)
+        env = {"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1"}
+        proc = Proc(argv, root / f"ps-{attempt}.log", env=env, name="ps")
+        try:
+            proc.wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30)
+            return proc, port, dport
+        except RuntimeError:
+            proc.stop()
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root: Path = tmp_path_factory.mktemp("ps-bad-input")
-    port = free_port()
-    argv = adamps_argv(
-        "ps",
-        "--port",
-        str(port),
-        "--data-dir",
-        str(root / "lmdb"),
-        "--max-body",
-        str(MAX_BODY),
-        "--debug-ops",
-    )
-    proc = Proc(
-        argv, root / "ps.log", env={"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1"}, name="ps"
+    proc, port, _ = start_ps(
+        root, "--data-dir", str(root / "lmdb"), "--max-body", str(MAX_BODY), "--debug-ops"
     )
     try:
-        proc.wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30)
         s = Server(proc, port)
         s.client.call(
             "create",

@@ -47,8 +47,10 @@ class Server:
         pulled = self.http.call("pull", tensors=["v"])
         return pulled["tensors"]["v"].tobytes(), pulled["versions"]
 
-    def raw(self, frame: bytes) -> tuple[int, dict[str, Any], bool]:
-        """Sends raw bytes; returns (kind, meta, whether the server closed the connection)."""
+    def raw(self, frame: bytes, expect_close: bool) -> tuple[int, dict[str, Any], bool]:
+        """Sends raw bytes; returns (kind, meta, whether the server closed the connection).
+
+        A close is waited for up to 10 s when expected; otherwise 0.5 s of silence counts as open."""
         with socket.create_connection(("127.0.0.1", self.data_port), timeout=10) as s:
             try:
                 s.sendall(frame)
@@ -58,7 +60,7 @@ class Server:
             _magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(hdr)
             meta = protocol.decode(recv_exact(s, meta_len))
             recv_exact(s, payload_len)
-            s.settimeout(1.0)  # a closing server closes at once; an open one stays silent
+            s.settimeout(10.0 if expect_close else 0.5)
             try:
                 closed = s.recv(1) == b""
             except ConnectionResetError:
@@ -78,19 +80,31 @@ def recv_exact(s: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def start_ps(root: Path, *args: str, data_port: bool = False) -> tuple[Proc, int, int]:
+    """A real PS on fresh ports; retried, since a port that was free can be taken by a concurrent
+    process before the PS binds it (the PS then exits at once; its log says so)."""
+    for attempt in range(3):
+        port, dport = free_port(), (free_port() if data_port else 0)
+        argv = adamps_argv("ps", "--port", str(port), "--data-port", str(dport), *args)
+        env = {"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1"}
+        proc = Proc(argv, root / f"ps-{attempt}.log", env=env, name="ps")
+        try:
+            proc.wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30)
+            return proc, port, dport
+        except RuntimeError:
+            proc.stop()
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root: Path = tmp_path_factory.mktemp("ps-dataplane")
-    port, data_port = free_port(), free_port()
-    argv = adamps_argv(
-        "ps", "--port", str(port), "--data-port", str(data_port), "--data-dir", str(root / "lmdb"),
-        "--max-body", str(MAX_BODY),
-    )  # fmt: skip
-    proc = Proc(
-        argv, root / "ps.log", env={"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1"}, name="ps"
+    proc, port, data_port = start_ps(
+        root, "--data-dir", str(root / "lmdb"), "--max-body", str(MAX_BODY), data_port=True
     )
     try:
-        proc.wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30)
         s = Server(proc, port, data_port)
         s.http.call("create", name="v", shape=[N], optimizer={"kind": "sgd", "lr": -1})
         s.http.call("create", name="m", shape=[2, 3], optimizer={"kind": "sgd", "lr": -1})
@@ -161,7 +175,7 @@ CASES: dict[str, tuple[Any, str, bool]] = {
 def test_bad_frames_are_refused_and_change_nothing(server: Server, case: str) -> None:
     make, code, closes = CASES[case]
     before = server.state()
-    kind, reply, closed = server.raw(make())
+    kind, reply, closed = server.raw(make(), expect_close=closes)
     assert kind == ERROR and reply["error"]["code"] == code, reply
     assert reply["error"]["message"]
     assert closed == closes

@@ -12,32 +12,33 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps.procs import free_port
+from adamps.procs import Proc, free_port
 from adamps.rpc import SyncRpc
 
 pytestmark = pytest.mark.slow
 
 
-def start_ps(procs, name: str, data_dir: Path, port: int, *extra: str):
-    proc = procs.start(
-        name,
-        "ps",
-        "--port",
-        str(port),
-        "--data-dir",
-        str(data_dir),
-        "--flush-interval",
-        "3600",
-        *extra,
-    )
-    proc.wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30)
-    return proc
+def start_ps(procs, name: str, data_dir: Path) -> tuple[Proc, int]:
+    """A PS on a fresh port (retried: a free port can be taken by a concurrent process first)."""
+    for attempt in range(3):
+        port = free_port()
+        proc = procs.start(
+            f"{name}-{attempt}", "ps", "--port", str(port), "--data-dir", str(data_dir),
+            "--flush-interval", "3600",
+        )  # fmt: skip
+        try:
+            proc.wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30)
+            return proc, port
+        except RuntimeError:
+            proc.stop()
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def test_flushed_values_survive_sigkill_and_restart(procs, token: str, tmp_path: Path) -> None:
-    port = free_port()
     data = tmp_path / "lmdb"
-    ps = start_ps(procs, "ps-1", data, port)
+    ps, port = start_ps(procs, "ps-1", data)
     c = SyncRpc(f"http://127.0.0.1:{port}", token)
     g = np.random.default_rng(0)
     c.call(
@@ -69,7 +70,7 @@ def test_flushed_values_survive_sigkill_and_restart(procs, token: str, tmp_path:
     ps.kill()  # SIGKILL: no final flush, no cleanup
     c.close()
 
-    start_ps(procs, "ps-2", data, port)
+    _, port = start_ps(procs, "ps-2", data)  # same LMDB directory, any port
     c = SyncRpc(f"http://127.0.0.1:{port}", token)
     after = c.call("pull", tensors=["w", "b"])
     assert np.array_equal(after["tensors"]["w"], before["tensors"]["w"])
@@ -87,8 +88,7 @@ def test_flushed_values_survive_sigkill_and_restart(procs, token: str, tmp_path:
 
 def test_exact_sum_of_concurrent_pushes(procs, token: str, tmp_path: Path) -> None:
     """After ps-lite's test: N known pushes with lr=-1 SGD pull back exactly N times them."""
-    port = free_port()
-    start_ps(procs, "ps", tmp_path / "lmdb", port)
+    _, port = start_ps(procs, "ps", tmp_path / "lmdb")
     base = f"http://127.0.0.1:{port}"
     c = SyncRpc(base, token)
     c.call("create", name="x", shape=[1000, 300], optimizer={"kind": "sgd", "lr": -1})  # 2 shards
@@ -118,9 +118,8 @@ def test_exact_sum_of_concurrent_pushes(procs, token: str, tmp_path: Path) -> No
 
 
 def test_sigterm_flushes_everything_before_exit(procs, token: str, tmp_path: Path) -> None:
-    port = free_port()
     data = tmp_path / "lmdb"
-    ps = start_ps(procs, "ps-1", data, port)
+    ps, port = start_ps(procs, "ps-1", data)
     c = SyncRpc(f"http://127.0.0.1:{port}", token)
     c.call("create", name="v", shape=[5000], optimizer={"kind": "sgd", "lr": -1})
     c.call(
@@ -128,7 +127,7 @@ def test_sigterm_flushes_everything_before_exit(procs, token: str, tmp_path: Pat
     )  # never flushed explicitly
     c.close()
     assert ps.stop(timeout=20) == 0
-    start_ps(procs, "ps-2", data, port)
+    _, port = start_ps(procs, "ps-2", data)  # same LMDB directory, any port
     with SyncRpc(f"http://127.0.0.1:{port}", token) as c2:
         pulled = c2.call("pull", tensors=["v"])
     assert np.array_equal(pulled["tensors"]["v"], np.full(5000, 3.0, np.float32))
