@@ -286,14 +286,21 @@ TRAINING = Dashboard(
                     [("max by (instance) (adamps_trainer_loss)", "{{instance}}")],
                 ),
                 Panel(
-                    "Held-out accuracy",
-                    [("max by (instance) (adamps_trainer_heldout_accuracy)", "{{instance}}")],
+                    "Held-out accuracy (at each epoch end)",
+                    [("max(adamps_trainer_heldout_accuracy)", "held-out accuracy")],
                     unit="percentunit",
                 ),
                 Panel(
+                    "Epochs: trained per replica and complete (epoch-end rule)",
+                    [
+                        ("max by (instance) (adamps_trainer_epoch)", "training {{instance}}"),
+                        ("max(adamps_trainer_completed_epoch)", "complete"),
+                    ],
+                ),
+                Panel(
                     "Staleness of fetched parameters",
-                    [("max by (instance) (adamps_trainer_staleness_seconds)", "{{instance}}")],
-                    unit="s",
+                    [("max by (instance) (adamps_trainer_fetch_staleness_steps)", "{{instance}}")],
+                    description="Replica steps between a fetch's request and its install.",
                 ),
                 Panel(
                     "Bytes pushed by kind",
@@ -304,6 +311,25 @@ TRAINING = Dashboard(
                         )
                     ],
                     unit="Bps",
+                    description="dense: accumulated deltas; fc: activation and error vectors (Adam 3.2.3).",
+                ),
+                Panel(
+                    "Pushes by kind and fetches",
+                    [
+                        (
+                            rate("adamps_trainer_pushes_total", "instance, kind"),
+                            "push {{kind}} {{instance}}",
+                        ),
+                        (rate("adamps_trainer_fetches_total"), "fetch {{instance}}"),
+                    ],
+                    unit="ops",
+                ),
+                Panel(
+                    "Push queue and merged rounds (network behind)",
+                    [
+                        ("max by (instance) (adamps_trainer_push_queue)", "queued {{instance}}"),
+                        (rate("adamps_trainer_pushes_merged_total"), "merged/s {{instance}}"),
+                    ],
                 ),
             ],
         ),

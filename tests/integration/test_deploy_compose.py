@@ -117,6 +117,10 @@ def test_compose_file_is_valid_and_has_the_default_topology(resolved: dict[str, 
         assert svc["environment"]["ADAMPS_TOKEN"] == TOKEN, name
     for name in roles["train"]:
         assert flag(services[name], "--model") == "adam-mnist"
+        assert int(flag(services[name], "--n-replicas")) == len(roles["train"])
+    assert sorted(int(flag(services[n], "--replica")) for n in roles["train"]) == list(
+        range(len(roles["train"]))
+    )
     # Raft members: the same list on every controller; each node is a distinct member, by its name.
     members = {flag(services[n], "--members") for n in roles["controller"]}
     assert len(members) == 1
@@ -124,6 +128,19 @@ def test_compose_file_is_valid_and_has_the_default_topology(resolved: dict[str, 
     assert sorted(hosts[int(flag(services[n], "--member"))] for n in roles["controller"]) == sorted(
         roles["controller"]
     )
+    # Parameter servers: registered at the controllers under their service name and address.
+    http = {
+        f"{h}:{hp}"
+        for h, _rp, hp in (
+            m.rsplit(":", 2) for m in flag(services[roles["controller"][0]], "--members").split(",")
+        )
+    }
+    for n in roles["ps"]:
+        assert set(flag(services[n], "--controllers").split(",")) == http
+        assert flag(services[n], "--server-id") == n
+        assert flag(services[n], "--advertise") == f"{n}:{flag(services[n], '--port')}"
+    for n in roles["train"]:
+        assert set(flag(services[n], "--controllers").split(",")) == http
     # Raft journals and LMDB directories live in named volumes mounted where the role writes.
     for n in roles["controller"] + roles["ps"]:
         mounts = {v["target"]: v for v in mounts_of(resolved["services"][n])}
@@ -141,6 +158,8 @@ def http_port(argv: list[str]) -> str:
     """The HTTP (metrics) port of an adamps command line."""
     if argv[0] == "controller":  # --members HOST:RAFT_PORT:HTTP_PORT,... and --member INDEX
         return flag(argv, "--members").split(",")[int(flag(argv, "--member"))].rsplit(":", 1)[1]
+    if argv[0] == "train":
+        return flag(argv, "--metrics-port")
     return flag(argv, "--port")
 
 

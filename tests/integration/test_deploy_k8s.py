@@ -3,8 +3,8 @@
 kubernetes-validate ships the OpenAPI-derived JSON schemas of each Kubernetes release inside the
 package; the test forbids network connections while it validates. Beyond the schemas: the shape
 the issue asks for (StatefulSets with volumes for controllers and parameter servers, stable Raft
-names, Deployments for data servers and trainers, a Secret for the token) and every container's
-command line parsed by the role's own argument parser.
+names, a Deployment for data servers, an Indexed Job for the trainer replicas, a Secret for the
+token) and every container's command line parsed by the role's own argument parser.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def by_kind(kind: str) -> dict[str, dict[str, Any]]:
 def adamps_containers() -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(workload, container) for every container running the adamps image."""
     out = []
-    for kind in ("StatefulSet", "Deployment"):
+    for kind in ("StatefulSet", "Deployment", "Job"):
         for w in by_kind(kind).values():
             for c in w["spec"]["template"]["spec"]["containers"]:
                 if c["image"].split(":")[0].endswith("adamps"):
@@ -127,17 +127,40 @@ def test_stateful_roles_have_stable_names_and_volumes() -> None:
     assert "apps.kubernetes.io/pod-index" in env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
 
 
-def test_stateless_roles_are_deployments_with_services() -> None:
-    deployments = by_kind("Deployment")
+def test_data_servers_are_a_deployment_and_trainers_an_indexed_job() -> None:
     services = by_kind("Service")
-    for name, role in (("adamps-dataserver", "dataserver"), ("adamps-trainer", "train")):
-        d = deployments[name]
-        (c,) = d["spec"]["template"]["spec"]["containers"]
-        assert c["args"][0] == role
-        assert (
-            services[name]["spec"]["selector"].items()
-            <= d["spec"]["template"]["metadata"]["labels"].items()
-        )
+    d = by_kind("Deployment")["adamps-dataserver"]
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    assert c["args"][0] == "dataserver"
+    labels = d["spec"]["template"]["metadata"]["labels"]
+    assert services["adamps-dataserver"]["spec"]["selector"].items() <= labels.items()
+    # Trainers: a finite run where pod k is replica k of n (an Indexed Job, not a Deployment,
+    # which could not number its pods and would restart a replica that finished).
+    job = by_kind("Job")["adamps-trainer"]["spec"]
+    assert job["completionMode"] == "Indexed"
+    (c,) = job["template"]["spec"]["containers"]
+    assert c["args"][0] == "train"
+    assert int(flag(c["args"], "--n-replicas")) == job["completions"] == job["parallelism"]
+    assert flag(c["args"], "--replica") == "$(REPLICA_INDEX)"
+    env = {e["name"]: e for e in c["env"]}
+    assert "job-completion-index" in env["REPLICA_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert job["template"]["spec"]["restartPolicy"] == "OnFailure"
+    labels = job["template"]["metadata"]["labels"]
+    assert services["adamps-trainer"]["spec"]["selector"].items() <= labels.items()
+    # Every role finds the controllers by their stable names.
+    members = flag(
+        by_kind("StatefulSet")["adamps-controller"]["spec"]["template"]["spec"]["containers"][0][
+            "args"
+        ],
+        "--members",
+    )
+    http = {f"{h}:{hp}" for h, _rp, hp in (m.rsplit(":", 2) for m in members.split(","))}
+    assert set(flag(c["args"], "--controllers").split(",")) == http
+    (ps,) = by_kind("StatefulSet")["adamps-ps"]["spec"]["template"]["spec"]["containers"]
+    assert set(flag(ps["args"], "--controllers").split(",")) == http
+    # A parameter server is known by its pod name and reached at its stable DNS name.
+    assert flag(ps["args"], "--server-id") == "$(POD_NAME)"
+    assert flag(ps["args"], "--advertise") == f"$(POD_NAME).adamps-ps:{flag(ps['args'], '--port')}"
 
 
 def test_the_token_comes_from_the_secret() -> None:
@@ -156,7 +179,7 @@ def test_every_container_command_parses_with_its_roles_flags() -> None:
     parsed, missing = 0, set()
     for w, c in adamps_containers():
         args = [
-            re.sub(r"\$\(POD_INDEX\)", "0", re.sub(r"\$\(POD_NAME\)", "pod-0", a))
+            re.sub(r"\$\((POD_INDEX|REPLICA_INDEX)\)", "0", a).replace("$(POD_NAME)", "pod-0")
             for a in c["args"]
         ]
         module_name = COMMANDS[args[0]][0]
