@@ -161,11 +161,18 @@ class ClusterModel:
                     bucket["joining"].append(s)
         target = self._grant_target(b, now, reports)
         if target is not None:
-            lost = target not in bucket["holders"] and bucket["lease"] is not None
+            prev = bucket["lease"]
+            # Lost updates are possible when the new primary was not a caught-up copy, unless it
+            # is the (same incarnation of the) holder taking back a lease it released.
+            lost = (
+                prev is not None
+                and target not in bucket["holders"]
+                and not (target == prev.holder and self._holder_live(b))
+            )
             self._grant(b, target, now)
             if lost:
                 bucket["lost"] = True
-                log.warning("bucket %d lost every copy; %s restarts it empty", b, target)
+                log.warning("bucket %d: no caught-up copy left; %s serves it as it is", b, target)
             if target != want[0] and target in want:
                 want.remove(target)
                 want.insert(0, target)
@@ -199,9 +206,12 @@ class ClusterModel:
         best = self._best_copy(b, reports)
         if best is not None:
             return best
-        if not bucket["joining"] and self._live(want[0]):
-            return want[0]  # every copy is gone: restart the bucket empty (and say so)
-        return None
+        # No caught-up copy is left. A restarted former primary reloaded its bucket from disk:
+        # the freshest data there is. Otherwise the bucket restarts empty. Either way some
+        # updates may be gone, and the bucket is flagged `lost`.
+        if self._live(lease.holder):
+            return lease.holder
+        return want[0] if self._live(want[0]) else None
 
     def grants_due(self, now: float) -> list[int]:
         """Buckets whose lease `reconcile(now)` would grant (the leader asks before proposing)."""

@@ -153,6 +153,20 @@ def test_restarted_server_loses_its_leases() -> None:
     validate(m)
 
 
+def test_no_copy_left_restarted_primary_serves_what_it_reloaded() -> None:
+    m = cluster(3)
+    b = next(b for b in range(64) if m.primary_of(b) == "ps0")
+    for s in list(m.buckets[b]["holders"]):
+        m.declare_dead(s, 101.0)
+    m.register("ps0", "127.0.0.1:9100", 101.0)  # restarted: its lease is not trusted any more
+    assert m.grants_due(100.0 + WAIT - 0.01) == []
+    m.reconcile(100.0 + WAIT)
+    bk = m.buckets[b]
+    assert bk["lease"].holder == "ps0" and bk["lease"].epoch == 2 and bk["lost"]
+    assert m.cluster_view()["buckets"][b]["lost"] is True
+    validate(m)
+
+
 def test_layout_and_progress() -> None:
     m = cluster(1, min_servers=1)
     assert m.set_layout({"n_buckets": 32, "tensors": []}, 1.0)["error"] == "conflict"
