@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
-import importlib.util
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
+import urllib.request
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,9 @@ from typing import Any
 import pytest
 import yaml
 
+from adamps import config as aconfig
 from adamps.cli import COMMANDS
+from adamps.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -86,17 +90,29 @@ def flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-def parse_role_argv(argv: list[str]) -> bool:
-    """Parses `adamps ARGV` with the role's own parser; False if the role is not written yet."""
-    module_name = COMMANDS[argv[0]][0]
-    if importlib.util.find_spec(module_name) is None:
-        return False
-    parser = importlib.import_module(module_name).build_parser()
+#: adamps subcommand -> (config dataclass "module:Class", TOML section)
+CONFIGS = {
+    "controller": ("controller.config:ControllerConfig", "controller"),
+    "ps": ("adamps.server.config:PsConfig", "ps"),
+    "dataserver": ("dataserver.config:DataServerConfig", "dataserver"),
+    "train": ("trainer.config:TrainConfig", "train"),
+}
+
+
+def load_role_config(argv: list[str]) -> Any:
+    """`adamps ARGV` parsed by the role's own parser and loaded into its config (checks values)."""
+    parser = importlib.import_module(COMMANDS[argv[0]][0]).build_parser()
     try:
-        parser.parse_args(argv[1:])
+        args = parser.parse_args(argv[1:])
     except SystemExit as exc:
         raise AssertionError(f"`adamps {' '.join(argv)}` is rejected by its parser") from exc
-    return True
+    module, cls = CONFIGS[argv[0]][0].split(":")
+    try:
+        return aconfig.load(
+            getattr(importlib.import_module(module), cls), CONFIGS[argv[0]][1], args
+        )
+    except aconfig.ConfigError as exc:
+        raise AssertionError(f"`adamps {' '.join(argv)}`: {exc}") from exc
 
 
 def test_compose_file_is_valid_and_has_the_default_topology(resolved: dict[str, Any]) -> None:
@@ -179,12 +195,13 @@ def test_compose_validation_rejects_a_bad_file(tmp_path: Path) -> None:
     assert out.returncode != 0 and "no_such_key" in out.stderr, out.stderr
 
 
-def test_every_command_parses_with_its_roles_flags(resolved: dict[str, Any]) -> None:
+def test_every_command_parses_with_its_roles_flags_and_config(resolved: dict[str, Any]) -> None:
     services = adamps_services(resolved)
-    parsed = [name for name, argv in services.items() if parse_role_argv(argv)]
-    missing = sorted({argv[0] for name, argv in services.items() if name not in parsed})
-    if missing:
-        pytest.skip(f"parsed {len(parsed)} commands; roles not written yet: {missing}")
+    configs = {name: load_role_config(argv) for name, argv in services.items()}
+    for name, cfg in configs.items():
+        if hasattr(cfg, "host") and services[name][0] != "controller":
+            assert cfg.host == "0.0.0.0", f"{name} must listen beyond the container's loopback"
+    assert {cfg.n_buckets for cfg in configs.values() if hasattr(cfg, "n_buckets")} == {64}
 
 
 def test_prometheus_scrapes_every_compose_process(resolved: dict[str, Any]) -> None:
@@ -269,3 +286,95 @@ def test_dockerfile_installs_every_package_with_the_adamps_entrypoint(tmp_path: 
         assert "adamps = adamps.cli:main" in z.read(entry).decode()
     assert packages <= tops
     assert not any("__pycache__" in n for n in names)
+
+
+# -- the Compose topology, run as local processes ----------------------------------------------
+
+
+def localize(services: dict[str, list[str]], root: Path) -> tuple[dict[str, list[str]], dict]:
+    """The Compose commands rewritten for one machine: each service's hostname becomes 127.0.0.1
+    with ports of its own, listening on loopback only, its volumes directories under `root`.
+    Returns the commands and {(service, container port): local port}."""
+    ports: dict[tuple[str, int], int] = {}
+
+    def local(name: str, port: str) -> int:
+        return ports.setdefault((name, int(port)), free_port())
+
+    names = "|".join(re.escape(n) for n in sorted(services, key=len, reverse=True))
+    member_re = re.compile(rf"\b({names}):(\d+):(\d+)\b")  # controller HOST:RAFT:HTTP
+    addr_re = re.compile(rf"\b({names}):(\d+)\b")
+    out = {}
+    for name, argv in services.items():
+        local_argv = []
+        for i, a in enumerate(argv):
+            prev = argv[i - 1] if i else ""
+            if prev in ("--port", "--metrics-port"):
+                a = str(local(name, a))
+            elif prev in ("--host", "--bind-host"):
+                a = "127.0.0.1"
+            elif a.startswith("/var/lib/adamps/"):
+                a = str(root / name / a.removeprefix("/var/lib/adamps/"))
+            else:
+                a = member_re.sub(lambda m: f"127.0.0.1:{local(m[1], m[2])}:{local(m[1], m[3])}", a)
+                a = addr_re.sub(lambda m: f"127.0.0.1:{local(m[1], m[2])}", a)
+            local_argv.append(a)
+        out[name] = local_argv
+    return out, ports
+
+
+def get_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.read().decode()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_compose_topology_forms_a_cluster_and_trains(
+    resolved: dict[str, Any], procs, tmp_path: Path
+) -> None:
+    """The Compose commands, unchanged but for addresses and paths, start a working cluster:
+    every bucket placed on the 3 servers with 3 copies, and both trainer replicas training."""
+    services, ports = localize(adamps_services(resolved), tmp_path)
+    by_role: dict[str, list[str]] = {}
+    for name, argv in services.items():
+        by_role.setdefault(argv[0], []).append(name)
+    http = {
+        name: ports[(name, int(http_port(argv)))]
+        for name, argv in adamps_services(resolved).items()
+    }
+    started = {}
+    # The order the Compose healthcheck dependencies impose.
+    for role in ("controller", "ps", "dataserver", "train"):
+        for n in by_role[role]:
+            started[n] = procs.start(n, *services[n])
+        for n in by_role[role]:
+            proc = started[n]
+            proc.wait_http(f"http://127.0.0.1:{http[n]}/healthz", timeout=60)
+        if role == "ps":
+            deadline = time.monotonic() + 60
+            while True:
+                view = json.loads(
+                    get_text(f"http://127.0.0.1:{http[by_role['controller'][0]]}/cluster")
+                )
+                live = sorted(s for s, rec in view["servers"].items() if rec["state"] == "live")
+                placed = (
+                    view["unassigned"] == 0
+                    and view["under_replicated"] == 0
+                    and len(view["buckets"]) == 64
+                )
+                if live == sorted(by_role["ps"]) and placed:
+                    break
+                assert time.monotonic() < deadline, f"buckets not placed on 3 servers: {view}"
+                time.sleep(0.3)
+    deadline = time.monotonic() + 90
+    for n in by_role["train"]:  # replica 1 starts after replica 0's warm start
+        while True:
+            text = get_text(f"http://127.0.0.1:{http[n]}/metrics")
+            m = re.search(r"^adamps_trainer_images_total (\S+)$", text, re.M)
+            if m and float(m.group(1)) > 0:
+                break
+            assert started[n].alive, f"{n} exited:\n{started[n].tail()}"
+            assert time.monotonic() < deadline, (
+                f"{n} trained no image within 90 s:\n{started[n].tail()}"
+            )
+            time.sleep(0.5)
