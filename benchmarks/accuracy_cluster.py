@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--optimizer", default="adagrad", choices=("adagrad", "sgd"))
-    parser.add_argument("--lr", type=float, default=0.005)
+    parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--adagrad-initial", type=float, default=0.1)
     parser.add_argument("--local-lr", type=float, default=0.03)
     parser.add_argument("--batch", type=int, default=8)

@@ -44,7 +44,7 @@ class TrainConfig:
     optimizer: str = field(
         "adagrad", help="server-side optimizer of every tensor: 'adagrad' (DistBelief) or 'sgd'"
     )
-    lr: float = field(0.005, help="server-side learning rate (of the optimizer above)")
+    lr: float = field(0.01, help="server-side learning rate (of the optimizer above)")
     adagrad_initial: float = field(
         0.1,
         help="Adagrad's initial accumulator: early steps are then about lr / sqrt(this) * gradient "

@@ -91,18 +91,50 @@ def use_vectors(k: int, m: int, n: int) -> bool:
 class PushItem:
     """Updates of one or more rounds, in the workers' units (scale * gradient)."""
 
-    #: tensor -> summed delta, for conv weights and biases
+    #: tensor -> summed flat delta: conv weights, biases, and fc weights whose vectors were
+    #: folded (too many rows to be worth sending as vectors)
     dense: dict[str, np.ndarray]
     #: fc weight -> list of (a [k,N], e [k,M]) blocks, stacked when sent
     vectors: dict[str, list[tuple[np.ndarray, np.ndarray]]]
     steps: int = 0  #: minibatches it covers
 
     def merge(self, other: PushItem) -> None:
+        """Adds another item's updates (the other item is consumed). Stacks of vectors that
+        would no longer be smaller than the matrix are folded into a dense delta at once, so
+        a long backlog costs bounded memory."""
         for name, d in other.dense.items():
-            self.dense[name] += d
+            if name in self.dense:
+                self.dense[name] += d
+            else:
+                self.dense[name] = d
         for name, blocks in other.vectors.items():
-            self.vectors.setdefault(name, []).extend(blocks)
+            mine = self.vectors.setdefault(name, [])
+            mine.extend(blocks)
+            if mine:
+                k = sum(b[0].shape[0] for b in mine)
+                if not use_vectors(k, mine[0][1].shape[1], mine[0][0].shape[1]):
+                    self.fold(name)
         self.steps += other.steps
+
+    def fold(self, name: str) -> None:
+        """Replaces the vectors of fc weight ``name`` by their dense delta e.T @ a."""
+        a, e = stack(self.vectors.pop(name, []))
+        if a is None:
+            return
+        g = (e.T @ a).reshape(-1)
+        if name in self.dense:
+            self.dense[name] += g
+        else:
+            self.dense[name] = g
+
+
+def stack(blocks: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[Any, Any]:
+    """The blocks' activation and error vectors as two matrices ((None, None) if empty)."""
+    if not blocks:
+        return None, None
+    if len(blocks) == 1:
+        return blocks[0]
+    return np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks])
 
 
 class PushQueue:
@@ -293,23 +325,23 @@ def collect_round(
 def push_parts(
     item: PushItem, inv: float, shapes: Mapping[str, tuple[int, ...]]
 ) -> list[tuple[Any, ...]]:
-    """What the push thread sends for one item: ("dense", tensor, gradient) or ("fc", tensor,
-    a, e), gradients rescaled from the workers' units by ``inv`` (= -1 / local_lr). A fully
+    """What the push thread sends for one item: ("fc", tensor, a, e) or ("dense", tensor,
+    gradient), gradients rescaled from the workers' units by ``inv`` (= -1 / local_lr). A fully
     connected weight goes as vectors while k * (M + N) < M * N, else as e.T @ a."""
     parts: list[tuple[Any, ...]] = []
-    for name, d in item.dense.items():
-        parts.append(("dense", name, (d * inv).reshape(shapes[name])))
+    dense = dict(item.dense)
     for name, blocks in item.vectors.items():
-        if not blocks:
+        a, e = stack(blocks)
+        if a is None:
             continue
-        a = np.concatenate([b[0] for b in blocks]) if len(blocks) > 1 else blocks[0][0]
-        e = np.concatenate([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
-        e = e * inv
         m, n = shapes[name]
-        if use_vectors(a.shape[0], m, n):
-            parts.append(("fc", name, a, e))
+        if name not in dense and use_vectors(a.shape[0], m, n):
+            parts.append(("fc", name, a, e * inv))
         else:
-            parts.append(("dense", name, e.T @ a))
+            g = (e.T @ a).reshape(-1)
+            dense[name] = dense[name] + g if name in dense else g
+    for name, d in dense.items():
+        parts.append(("dense", name, (d * inv).reshape(shapes[name])))
     return parts
 
 
@@ -608,6 +640,8 @@ class Replica:
         self.step = 0  #: replica steps (minibatches of all workers) so far
         self.epoch = 0
         self.completed = 0  #: last complete epoch seen on the board
+        self.finished_epoch = 0  #: last epoch this replica finished, its pushes acknowledged
+        self.reported_epoch = 0  #: last finished epoch reported to the board
         self.warm_marked = cfg.replica != 0
         self.last_staleness: int | None = None
         self._stopping = threading.Event()
@@ -723,20 +757,30 @@ class Replica:
             client.push_dense_many(dense)
             self.m.pushes.labels("dense").inc()
 
+    def _finished(self, epoch: int) -> None:
+        """Push-thread marker: every push of the epoch is acknowledged."""
+        self.finished_epoch = max(self.finished_epoch, epoch)
+
     def _board_loop(self) -> None:
+        """The only writer of this replica's progress (so a progress report can never
+        overwrite a later 'done'), and the reader of everybody's."""
         assert self.board is not None
         while not self._stopping.wait(self.cfg.progress_interval):
-            finished = self.board.finished()
-            self.completed = max(
-                self.completed,
-                completed_epoch(finished, self.cfg.n_replicas, self.cfg.epoch_fraction),
-            )
-            self.m.completed.set(self.completed)
-            if self.cfg.controllers and self.epoch and self._n_train:
+            finished = self.finished_epoch
+            if finished > self.reported_epoch:
+                self.board.report(finished, 1.0, True)
+                self.reported_epoch = finished
+            elif self.cfg.controllers and self.epoch > finished and self._n_train:
                 share = self._n_train / self.cfg.n_replicas
                 done = self.result.epochs.get(self.epoch, EpochStats()).images
-                with contextlib.suppress(Exception):
-                    self.board.report(self.epoch, min(1.0, done / share), False)
+                self.board.report(self.epoch, min(1.0, done / share), False)
+            self.completed = max(
+                self.completed,
+                completed_epoch(
+                    self.board.finished(), self.cfg.n_replicas, self.cfg.epoch_fraction
+                ),
+            )
+            self.m.completed.set(self.completed)
 
     def _check_threads(self, *threads: _Loop) -> None:
         for t in threads:
@@ -789,14 +833,21 @@ class Replica:
                         log.info("epoch %d is already complete: skipped", epoch)
                         continue
                     self._train_epoch(epoch, pool, plan, fetcher, threads, test_x, test_y)
-                    self.pushq.put(functools.partial(self.board.report, epoch, 1.0, True))
+                    if not self.result.epochs[epoch].moved_on:
+                        self.pushq.put(functools.partial(self._finished, epoch))
                 if not self.warm_marked:
                     self._mark_warm()  # fewer minibatches than the warm start: let the others go
                 if not self.pushq.join(cfg.wait_timeout, pusher.is_alive):
                     self._check_threads(pusher)
                     raise TimeoutError("pushes not acknowledged in time")
-                self._check_threads(*threads)
                 self.result.seconds = time.perf_counter() - t_start
+                deadline = time.monotonic() + cfg.wait_timeout
+                while self.reported_epoch < self.finished_epoch:  # the board thread reports it
+                    self._check_threads(*threads)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("could not report the last epoch's end")
+                    time.sleep(0.05)
+                self._check_threads(*threads)
                 if cfg.replica == 0:
                     self._finish(test_x, test_y, threads)
             finally:
@@ -923,11 +974,9 @@ class Replica:
             for name, d in item.dense.items():
                 params[sl[name]] += d
             for name, blocks in item.vectors.items():
-                if not blocks:
-                    continue
-                a = np.concatenate([b[0] for b in blocks]) if len(blocks) > 1 else blocks[0][0]
-                e = np.concatenate([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
-                params[sl[name]].reshape(shapes[name])[...] += e.T @ a
+                a, e = stack(blocks)
+                if a is not None:
+                    params[sl[name]].reshape(shapes[name])[...] += e.T @ a
 
     def _account(self, stats: EpochStats, batches: int, images: int, loss: float) -> None:
         self.step += batches

@@ -52,7 +52,7 @@ def test_vectors_only_when_smaller_than_the_matrix() -> None:
 
 
 def _item(v: float) -> PushItem:
-    a, e = np.full((2, 3), v, np.float32), np.full((2, 4), v, np.float32)
+    a, e = np.full((2, 30), v, np.float32), np.full((2, 40), v, np.float32)
     return PushItem({"c.w": np.full(5, v, np.float32)}, {"f.w": [(a, e)]}, steps=1)
 
 
@@ -74,6 +74,29 @@ def test_push_queue_merges_instead_of_blocking_and_keeps_markers_in_order() -> N
     for _ in range(3):
         q.done()
     assert q.join(0.1)
+
+
+def test_merging_folds_vectors_once_the_matrix_is_smaller() -> None:
+    """A 40 x 30 weight: vectors while k * 70 < 1200, i.e. up to 17 rows; the 18th row folds
+    the stack into the dense delta (bounded memory under a long push backlog)."""
+    rng = np.random.default_rng(1)
+    blocks = [
+        (rng.standard_normal((6, 30)).astype(np.float32), rng.standard_normal((6, 40)).astype(np.float32))
+        for _ in range(4)
+    ]  # fmt: skip
+    item = PushItem({}, {"f.w": [blocks[0]]})
+    item.merge(PushItem({}, {"f.w": [blocks[1]]}))
+    assert len(item.vectors["f.w"]) == 2 and "f.w" not in item.dense  # 12 rows
+    item.merge(PushItem({}, {"f.w": [blocks[2]]}))  # 18 rows: folded
+    assert "f.w" not in item.vectors
+    expected = sum(e.T @ a for a, e in blocks[:3])
+    np.testing.assert_allclose(item.dense["f.w"].reshape(40, 30), expected, rtol=1e-5, atol=1e-5)
+    item.merge(PushItem({}, {"f.w": [blocks[3]]}))  # new vectors beside the folded delta
+    (part,) = push_parts(item, 1.0, {"f.w": (40, 30)})
+    assert part[0] == "dense"  # pushed together with the folded delta
+    np.testing.assert_allclose(
+        part[2], expected + blocks[3][1].T @ blocks[3][0], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_push_queue_join_waits_for_the_consumer() -> None:
