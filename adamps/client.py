@@ -51,10 +51,12 @@ class Route:
 class Routing:
     version: int
     routes: Mapping[int, Route]
+    #: every live server's base URL (a copy may be joining any bucket; creates go to all)
+    all_servers: tuple[str, ...] = ()
 
     def servers(self) -> list[str]:
-        """Every server that holds a replica of some bucket."""
-        seen: dict[str, None] = {}
+        """Every server known: the table's server list, and every replica of every bucket."""
+        seen: dict[str, None] = dict.fromkeys(self.all_servers)
         for r in self.routes.values():
             seen[r.primary] = None
             for s in r.secondaries:
@@ -115,9 +117,15 @@ def routing_from_table(table: Mapping[str, Any]) -> Routing:
         if not primary:
             continue  # never placed yet
         b = int(entry["bucket"])
-        secondaries = tuple(normalize_url(addresses[s]) for s in entry.get("secondaries", []) if s in addresses)
+        secondaries = tuple(
+            normalize_url(addresses[s]) for s in entry.get("secondaries", []) if s in addresses
+        )
         routes[b] = Route(b, normalize_url(primary), int(entry.get("epoch", 0)), secondaries)
-    return Routing(int(table.get("version", 0)), routes)
+    return Routing(
+        int(table.get("version", 0)),
+        routes,
+        tuple(normalize_url(a) for a in addresses.values() if a),
+    )
 
 
 def normalize_url(addr: str) -> str:
@@ -214,9 +222,9 @@ class PSClient:
         init: Mapping[str, Any] | None = None,
         optimizer: Mapping[str, Any] | None = None,
     ) -> None:
-        """Creates the tensor on every server holding a replica of one of its shards (idempotent:
-        creating it again with the same definition is fine). Initial values are derived from a
-        seeded description, so every replica starts identical."""
+        """Creates the tensor on every server (idempotent: creating it again with the same
+        definition is fine). Initial values are derived from a seeded description, so every
+        replica starts identical."""
         if spec.name not in self.layout.tensors:
             self.layout = self.layout.with_tensor(spec)
         fields: dict[str, Any] = {"name": spec.name, "shape": list(spec.shape)}
@@ -226,16 +234,12 @@ class PSClient:
             fields["optimizer"] = dict(optimizer)
 
         def go(routing: Routing) -> None:
-            buckets = self.layout.buckets_of_tensor(spec.name)
-            targets: dict[str, None] = {}
-            for b in buckets:
-                r = routing.routes.get(b)
-                if r is None:
+            for b in self.layout.buckets_of_tensor(spec.name):
+                if b not in routing.routes:
                     raise RpcError("unavailable", f"bucket {b} has no primary in the routing table")
-                targets[r.primary] = None
-                for s in r.secondaries:
-                    targets[s] = None
-            for url in targets:
+            # Every server, not only the current replicas: copies move between servers, and a
+            # server that holds the definition needs only the values from a state transfer.
+            for url in routing.servers():
                 self._rpc(url).call("create", **fields)
 
         self._with_retry(go)
@@ -282,6 +286,24 @@ class PSClient:
                 self._rpc(url).call(
                     "push_dense",
                     shards={s.id: by_id[s.id] for s in group},
+                    client=self.client_id,
+                    seq=seq,
+                )
+                done.update(s.id for s in group)
+
+        self._with_retry(go)
+
+    def push_shards(self, deltas: Mapping[str, np.ndarray], seq: int | None = None) -> None:
+        """Dense deltas of individual shards (shard id -> values of the shard's shape)."""
+        seq = self.next_seq() if seq is None else seq
+        done: set[str] = set()
+
+        def go(routing: Routing) -> None:
+            todo = [self.layout.shards[sid] for sid in deltas if sid not in done]
+            for url, group in self._by_server(todo, routing).items():
+                self._rpc(url).call(
+                    "push_dense",
+                    shards={s.id: deltas[s.id] for s in group},
                     client=self.client_id,
                     seq=seq,
                 )

@@ -293,6 +293,11 @@ class BucketReplica:
         first = self.log[0].seq
         return list(self.log)[start - first :]
 
+    def log_after(self, seq: int) -> list[Batch] | None:
+        """Committed batches after `seq` (to bring a lagging member up to date between rounds);
+        None when they reach past the log (the member needs a state transfer)."""
+        return self._log_from(seq + 1)
+
     def on_prepare_ack(self, member: str, seq: int) -> bool:
         """A member holds everything up to `seq`. True when every member of the recorded set holds
         the round's batch: the shell then calls commit_round()."""

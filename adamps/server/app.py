@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from adamps import metrics, protocol
 from adamps import web as aweb
 from adamps.config import ConfigError, to_dict
-from adamps.layout import LayoutError, TensorSpec
+from adamps.layout import LayoutError, TensorSpec, stable_bucket
 from adamps.protocol import ProtocolError, require, require_array
 from adamps.server import dataplane
 from adamps.server.config import PsConfig
@@ -420,7 +420,15 @@ class ParameterServer:
             raise ProtocolError(
                 "bad_request", f"field {field!r} must be a list of shard ids (strings)"
             )
+        self._check_ids(ids)
         return [self.store.shard(i) for i in ids]
+
+    def _check_ids(self, ids: Any) -> None:
+        """Under replication, a shard this server is not the primary for is not_primary (even if
+        the server does not know its tensor yet): the bucket follows from the id alone."""
+        if self.replicator is not None:
+            for b in {stable_bucket(i, self.cfg.n_buckets) for i in ids if isinstance(i, str)}:
+                self.replicator.check_primary(b)
 
     async def _wait(
         self, submit: Callable[[Callable[[Any, BaseException | None], None]], Any]
@@ -510,6 +518,7 @@ class ParameterServer:
             parts = [(st, Dense(flat[st.shard.start : st.shard.stop])) for st in sts]
         else:
             deltas = require(msg, "shards", dict)
+            self._check_ids(deltas)
             for sid in deltas:
                 if not isinstance(sid, str):
                     raise ProtocolError(

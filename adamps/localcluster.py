@@ -1,0 +1,204 @@
+"""A cluster of real adamps processes on loopback: used by `adamps up` and by the system tests.
+
+Every role is started the way a user starts it (`adamps controller|ps|dataserver|train ...`), each
+process with its log file under the run directory, its data (Raft journal, LMDB) beside it. The
+cluster object knows the addresses and can kill, pause and restart members for fault tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from adamps.procs import Proc, adamps_argv, free_port
+
+
+def http_json(
+    url: str, method: str = "GET", body: Any = None, token: str | None = None, timeout: float = 2.0
+) -> tuple[int, Any]:
+    """(status, JSON body) of one request; (0, None) when nothing answered."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, json.loads(exc.read() or b"null")
+        except ValueError:
+            return exc.code, None
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, None
+
+
+class LocalCluster:
+    """Controllers, parameter servers and data servers as local processes."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        token: str,
+        n_controllers: int = 3,
+        n_servers: int = 3,
+        n_buckets: int = 64,
+        controller_opts: Mapping[str, Any] | None = None,
+        ps_opts: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.token = token
+        self.n_buckets = n_buckets
+        self.env = {"ADAMPS_TOKEN": token, "OPENBLAS_NUM_THREADS": "1", **(env or {})}
+        ports = [(free_port(), free_port()) for _ in range(n_controllers)]
+        self.members = ",".join(f"127.0.0.1:{rp}:{hp}" for rp, hp in ports)
+        #: controller HTTP addresses (host:port)
+        self.controllers = [f"127.0.0.1:{hp}" for _, hp in ports]
+        self.controller_opts = {
+            "min-servers": min(3, n_servers),
+            "n-buckets": n_buckets,
+            **(controller_opts or {}),
+        }
+        self.ps_opts = dict(ps_opts or {})
+        #: parameter server ids and HTTP addresses
+        self.server_ids = [f"ps{i}" for i in range(n_servers)]
+        self.servers = [f"127.0.0.1:{free_port()}" for _ in range(n_servers)]
+        self.dataservers: list[str] = []
+        self.procs: dict[str, Proc] = {}
+        self._starts: dict[str, int] = {}
+
+    # -- processes ---------------------------------------------------------------------------------
+
+    def _start(self, name: str, *args: str) -> Proc:
+        self._starts[name] = self._starts.get(name, 0) + 1
+        log = self.root / "logs" / f"{name}.log"
+        proc = Proc(adamps_argv(*args), log, env=self.env, name=name)
+        self.procs[name] = proc
+        return proc
+
+    @staticmethod
+    def _flags(opts: Mapping[str, Any]) -> list[str]:
+        out: list[str] = []
+        for k, v in opts.items():
+            out += [f"--{k}", ",".join(map(str, v)) if isinstance(v, list | tuple) else str(v)]
+        return out
+
+    def start_controller(self, i: int) -> Proc:
+        return self._start(
+            f"controller{i}",
+            "controller", "--members", self.members, "--member", str(i),
+            "--data-dir", str(self.root / f"controller{i}"), *self._flags(self.controller_opts),
+        )  # fmt: skip
+
+    def start_server(self, i: int, wipe: bool = False) -> Proc:
+        data = self.root / f"{self.server_ids[i]}"
+        if wipe and data.exists():
+            shutil.rmtree(data)
+        port = self.servers[i].rsplit(":", 1)[1]
+        return self._start(
+            self.server_ids[i],
+            "ps", "--port", port, "--server-id", self.server_ids[i], "--controllers", ",".join(self.controllers),
+            "--data-dir", str(data), "--n-buckets", str(self.n_buckets), *self._flags(self.ps_opts),
+        )  # fmt: skip
+
+    def start_dataserver(self, *args: str) -> str:
+        addr = f"127.0.0.1:{free_port()}"
+        i = len(self.dataservers)
+        self.dataservers.append(addr)
+        self._start(f"dataserver{i}", "dataserver", "--port", addr.rsplit(":", 1)[1], *args)
+        return addr
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Starts every controller and server and waits until every bucket is fully placed."""
+        for i in range(len(self.controllers)):
+            self.start_controller(i)
+        for i, addr in enumerate(self.controllers):
+            self.procs[f"controller{i}"].wait_http(f"http://{addr}/healthz", timeout)
+        for i in range(len(self.servers)):
+            self.start_server(i)
+        for i, addr in enumerate(self.servers):
+            self.procs[self.server_ids[i]].wait_http(f"http://{addr}/healthz", timeout)
+        self.wait_placed(timeout)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL, as a machine failure would."""
+        self.procs[name].kill()
+
+    def pause(self, name: str) -> None:
+        self.procs[name].signal(signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        self.procs[name].signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            proc.stop(timeout=5)
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def cluster(self) -> dict[str, Any] | None:
+        """GET /cluster from the first controller that answers."""
+        for addr in self.controllers:
+            code, body = http_json(f"http://{addr}/cluster", timeout=1.0)
+            if code == 200:
+                return body
+        return None
+
+    def wait_for(
+        self, pred: Callable[[dict[str, Any]], bool], what: str, timeout: float = 30.0
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = self.cluster()
+            if last is not None and pred(last):
+                return last
+            time.sleep(0.1)
+        raise TimeoutError(
+            f"cluster did not reach '{what}' within {timeout}s; last /cluster: {json.dumps(last)[:2000]}"
+        )
+
+    def wait_placed(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Until every bucket has a live primary and a full replica set, and the primaries hold
+        renewed leases (their servers report themselves primary)."""
+        want = min(3, len(self.servers))
+
+        def placed(c: dict[str, Any]) -> bool:
+            return (
+                c["unassigned"] == 0
+                and c["under_replicated"] == 0
+                and all(
+                    len(b["secondaries"]) + 1 >= want and not b["joining"] for b in c["buckets"]
+                )
+            )
+
+        c = self.wait_for(placed, "every bucket placed and replicated", timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(self.serves_as_primary(b["bucket"], b["address"]) for b in c["buckets"]):
+                return c
+            time.sleep(0.1)
+            c = self.cluster() or c
+        raise TimeoutError("primaries did not start serving")
+
+    def serves_as_primary(self, bucket: int, address: str) -> bool:
+        code, st = http_json(f"http://{address}/status", timeout=1.0)
+        if code != 200:
+            return False
+        rep = (st.get("replication") or {}).get("buckets", {}).get(str(bucket))
+        return bool(rep and rep["role"] == "primary" and (rep["lease_left"] or 0) > 0)
+
+    def server_of(self, address: str) -> str:
+        return self.server_ids[self.servers.index(address)]

@@ -1,0 +1,228 @@
+"""Replication and failover with real processes: 3 controllers and 4 parameter servers on loopback.
+
+Reference: Project Adam 3.3.3. Every test runs the exactness checker (tests/system/exactness.py)
+under load, injects a fault, and checks at the end: every acknowledged push present exactly once,
+every failed push absent, unknown ones at most once, and the replicas of every bucket identical.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from adamps.client import ControllerRouting, PSClient
+from adamps.exactness import ExactnessLoad
+from adamps.layout import Layout, TensorSpec
+from adamps.localcluster import LocalCluster, http_json
+from adamps.rpc import RpcError, SyncRpc
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "test-token"
+LEASE = 2.0
+N_BUCKETS = 8
+TENSOR = TensorSpec("x", (16_000,))
+SHARD = 1_000  # 16 shards over 8 buckets
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    c = LocalCluster(
+        tmp_path,
+        token=TOKEN,
+        n_servers=4,
+        n_buckets=N_BUCKETS,
+        controller_opts={
+            "lease-duration": LEASE, "lease-skew": 0.1, "lease-margin": 0.2, "heartbeat-interval": 0.2,
+            "server-timeout": 1.0, "reconcile-interval": 0.1, "commit-timeout": 1.5,
+        },
+        ps_opts={"member-timeout": 0.5, "ping-interval": 0.2, "failover-after": 1.5, "flush-interval": 0.5,
+                 "max-shard-elems": SHARD},
+    )  # fmt: skip
+    try:
+        c.start(timeout=60)
+        yield c
+    finally:
+        c.stop()
+
+
+def make_client(c: LocalCluster) -> tuple[PSClient, Layout]:
+    layout = Layout([TENSOR], n_buckets=N_BUCKETS, max_shard_elems=SHARD)
+    client = PSClient(ControllerRouting(c.controllers), layout, TOKEN, retry_for=20.0)
+    client.create(TENSOR, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": -1.0})
+    return client, layout
+
+
+def digests_agree(c: LocalCluster, timeout: float = 20.0) -> None:
+    """Every bucket's replicas report the same position and the same digest of their values."""
+    deadline = time.monotonic() + timeout
+    last: list = []
+    while time.monotonic() < deadline:
+        view = c.cluster()
+        if view is None:
+            time.sleep(0.2)
+            continue
+        servers = view["servers"]
+        last = []
+        ok = True
+        for b in view["buckets"]:
+            members = [b["primary"], *b["secondaries"]]
+            answers = []
+            for sid in members:
+                with SyncRpc(servers[sid]["address"], TOKEN, timeout=2.0) as rpc:
+                    try:
+                        answers.append(rpc.call("digest", bucket=b["bucket"]))
+                    except (RpcError, ConnectionError, TimeoutError) as exc:
+                        answers.append({"error": str(exc)})
+            last.append((b["bucket"], members, answers))
+            if len({(a.get("digest"), a.get("committed")) for a in answers}) != 1:
+                ok = False
+        if ok:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"replica digests differ: {last}")
+
+
+def run_load_with_fault(
+    c: LocalCluster, fault, settle: float = 1.0, after: float = 4.0
+) -> tuple[ExactnessLoad, dict]:
+    client, layout = make_client(c)
+    load = ExactnessLoad(client, layout, "x", threads=4)
+    load.start()
+    time.sleep(settle)
+    info = fault() or {}
+    time.sleep(after)
+    load.stop()
+    values, _ = client.pull(["x"])
+    counts = load.check(values["x"])
+    print(f"outcomes: {counts}; fault: {info}")
+    assert counts["acked"] > 50
+    digests_agree(c)
+    client.close()
+    return load, info
+
+
+def primaries_of(view: dict, sid: str) -> list[int]:
+    return [b["bucket"] for b in view["buckets"] if b["primary"] == sid]
+
+
+def busiest_primary(c: LocalCluster) -> str:
+    view = c.cluster()
+    return max(c.server_ids, key=lambda s: len(primaries_of(view, s)))
+
+
+def test_primary_sigkill_under_load_loses_nothing_acknowledged(cluster: LocalCluster) -> None:
+    victim = busiest_primary(cluster)
+    layout = Layout([TENSOR], n_buckets=N_BUCKETS, max_shard_elems=SHARD)
+    state: dict = {}
+
+    def fault() -> dict:
+        view = cluster.cluster()
+        state["buckets"] = set(primaries_of(view, victim))
+        state["killed_at"] = time.monotonic()
+        cluster.kill(victim)
+        return {"victim": victim, "buckets": sorted(state["buckets"])}
+
+    load, _ = run_load_with_fault(cluster, fault, after=2 * LEASE + 3)
+    # Failover time: from the kill to the first acknowledged push to a bucket the victim led.
+    moved = [
+        t for t, e in load.out.ack_times
+        if t > state["killed_at"] and layout.bucket_of[layout.shards_of["x"][0].id] is not None
+        and layout.bucket_of[next(s.id for s in layout.shards_of["x"] if s.start <= e < s.stop)] in state["buckets"]
+    ]  # fmt: skip
+    assert moved, "no push to the failed primary's buckets succeeded after the kill"
+    failover = min(moved) - state["killed_at"]
+    print(f"measured failover time: {failover:.2f} s (lease {LEASE} s)")
+    assert failover < 2 * LEASE + 1.0
+
+
+def test_primary_paused_beyond_its_lease_is_fenced(cluster: LocalCluster) -> None:
+    victim = busiest_primary(cluster)
+    addr = cluster.servers[cluster.server_ids.index(victim)]
+    state: dict = {}
+
+    def fault() -> dict:
+        view = cluster.cluster()
+        state["bucket"] = primaries_of(view, victim)[0]
+        state["epoch"] = next(b["epoch"] for b in view["buckets"] if b["bucket"] == state["bucket"])
+        cluster.pause(victim)
+        time.sleep(2 * LEASE + 1.5)
+        cluster.resume(victim)
+        return {"victim": victim, "bucket": state["bucket"]}
+
+    run_load_with_fault(cluster, fault, after=2.0)
+    view = cluster.cluster()
+    b = state["bucket"]
+    entry = next(x for x in view["buckets"] if x["bucket"] == b)
+    assert entry["primary"] != victim and entry["epoch"] > state["epoch"]
+    # The old primary refuses writes for the bucket it led...
+    layout = Layout([TENSOR], n_buckets=N_BUCKETS, max_shard_elems=SHARD)
+    sid = next(s.id for s in layout.shards_of["x"] if layout.bucket_of[s.id] == b)
+    with SyncRpc(addr, TOKEN) as rpc, pytest.raises(RpcError) as info:
+        rpc.call("push_dense", shards={sid: np.zeros(layout.shards[sid].shape, np.float32)})
+    assert info.value.code == "not_primary"
+    # ... and a 2PC message under its old epoch is refused by the bucket's members.
+    member = view["servers"][entry["secondaries"][0]]["address"]
+    with SyncRpc(member, TOKEN) as rpc, pytest.raises(RpcError) as info:
+        rpc.call("repl_prepare", bucket=b, epoch=state["epoch"], sender=victim, entries=[])
+    assert info.value.code == "stale_epoch"
+
+
+def test_secondary_sigkill_primary_continues_and_a_replacement_catches_up(
+    cluster: LocalCluster,
+) -> None:
+    view = cluster.cluster()
+    # A server that is a secondary of some bucket (all are, with 4 servers and 3 copies).
+    victim = view["buckets"][0]["secondaries"][0]
+
+    def fault() -> dict:
+        cluster.kill(victim)
+        return {"victim": victim}
+
+    run_load_with_fault(cluster, fault, after=4.0)
+    view = cluster.wait_placed(timeout=30)
+    assert all(victim not in [b["primary"], *b["secondaries"]] for b in view["buckets"])
+
+
+def test_servers_restarted_with_and_without_their_lmdb_rejoin_and_catch_up(
+    cluster: LocalCluster,
+) -> None:
+    a, b = cluster.server_ids[0], cluster.server_ids[1]
+
+    def fault() -> dict:
+        cluster.kill(a)
+        cluster.start_server(0)  # LMDB directory intact
+        time.sleep(1.0)
+        cluster.kill(b)
+        cluster.start_server(1, wipe=True)  # LMDB directory wiped
+        return {"restarted": a, "wiped": b}
+
+    run_load_with_fault(cluster, fault, after=3.0)
+    view = cluster.wait_placed(timeout=40)
+    holders = {s for x in view["buckets"] for s in [x["primary"], *x["secondaries"]]}
+    assert {a, b} <= holders  # both rejoined and hold copies again
+    digests_agree(cluster)
+
+
+def test_controller_leader_killed_during_a_server_failover(cluster: LocalCluster) -> None:
+    victim = busiest_primary(cluster)
+
+    def fault() -> dict:
+        leader = None
+        for i, addr in enumerate(cluster.controllers):
+            code, st = http_json(f"http://{addr}/status")
+            if code == 200 and st["raft"]["role"] == "leader":
+                leader = i
+        assert leader is not None
+        cluster.kill(victim)
+        time.sleep(0.5)
+        cluster.kill(f"controller{leader}")
+        return {"victim": victim, "controller": leader}
+
+    run_load_with_fault(cluster, fault, after=2 * LEASE + 4)
+    view = cluster.wait_placed(timeout=30)
+    assert all(b["primary"] != victim for b in view["buckets"])
