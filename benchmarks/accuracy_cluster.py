@@ -30,6 +30,12 @@ sys.path.insert(0, str(ROOT))
 from adamps.procs import Proc, adamps_argv, free_port  # noqa: E402
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+
+
 def run_cluster(args: argparse.Namespace, root: Path) -> dict:
     env = {"ADAMPS_TOKEN": "bench-token", "OPENBLAS_NUM_THREADS": "1"}
     procs: list[Proc] = []
@@ -74,6 +80,7 @@ def run_cluster(args: argparse.Namespace, root: Path) -> dict:
         for p in trainers:
             p.popen.wait(args.timeout)
         wall = time.monotonic() - t0
+        cpu = {"ps": _cpu_seconds(ps.pid), "dataserver": _cpu_seconds(ds.pid)}
         summaries = []
         for p in trainers:
             if p.returncode != 0:
@@ -89,6 +96,11 @@ def run_cluster(args: argparse.Namespace, root: Path) -> dict:
             "train_s": train_s,
             "wall_s": wall,
             "images_per_s": images / train_s,
+            "cpu_s": {
+                **cpu,
+                "trainer_main": round(sum(s["cpu_main_s"] for s in summaries), 2),
+                "trainer_workers": round(sum(s["cpu_workers_s"] for s in summaries), 2),
+            },
         }
     finally:
         for p in reversed(procs):
@@ -142,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         f"single process trainer.local 1 worker {local['images_per_s']:.0f} | "
         f"ratio {cluster['images_per_s'] / local['images_per_s']:.2f}"
     )
+    print(
+        "CPU seconds (2 cores = 2 CPU s per s of wall time): "
+        + ", ".join(f"{k} {v}" for k, v in cluster["cpu_s"].items())
+        + f"; training wall {cluster['train_s']:.1f} s"
+    )
     print(json.dumps({
         "replicas": args.replicas, "workers": args.workers, "epochs": args.epochs,
         "optimizer": args.optimizer, "lr": args.lr, "batch": args.batch,
@@ -152,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "cluster_train_s": round(cluster["train_s"], 2),
         "local_1worker_images_per_s": round(local["images_per_s"], 1),
         "ratio_cluster_to_local": round(cluster["images_per_s"] / local["images_per_s"], 3),
+        "cpu_s": cluster["cpu_s"],
     }))  # fmt: skip
     return 0
 

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import resource
 import signal
 import sys
 import threading
@@ -135,8 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.close()
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # the Hogwild worker processes
     summary = {
         "replica": cfg.replica,
+        "cpu_main_s": round(own.ru_utime + own.ru_stime, 2),
+        "cpu_workers_s": round(children.ru_utime + children.ru_stime, 2),
         "images": result.images,
         "seconds": round(result.seconds, 2),
         "images_per_s": round(result.images / max(result.seconds, 1e-9), 1),
