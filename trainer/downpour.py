@@ -543,6 +543,7 @@ class _Loop(threading.Thread):
         super().__init__(name=name, daemon=True)
         self._target_fn = target
         self.error: BaseException | None = None
+        self.cpu_seconds = 0.0
 
     def run(self) -> None:
         try:
@@ -550,6 +551,8 @@ class _Loop(threading.Thread):
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread
             log.exception("%s thread failed", self.name)
             self.error = exc
+        finally:
+            self.cpu_seconds = time.thread_time()  #: CPU this thread used (where time goes)
 
 
 class Fetcher:
@@ -617,6 +620,7 @@ class ReplicaResult:
     images: int = 0
     seconds: float = 0.0
     out: str | None = None
+    cpu_threads: dict[str, float] = field(default_factory=dict)
 
 
 class Replica:
@@ -854,7 +858,13 @@ class Replica:
                 self._stopping.set()
                 fetcher.stop()
                 self.pushq.put(None)
-                pusher.join(5)
+                for t in (pusher, boarder, fetcher.thread):
+                    t.join(5)
+                self.result.cpu_threads = {
+                    "main": round(time.thread_time(), 2),
+                    **{t.name: round(t.cpu_seconds, 2) for t in (pusher, boarder, fetcher.thread)},
+                }
+                log.info("CPU seconds by thread of the main process: %s", self.result.cpu_threads)
         self.client.close()
         return self.result
 

@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "replica": cfg.replica,
         "cpu_main_s": round(own.ru_utime + own.ru_stime, 2),
         "cpu_workers_s": round(children.ru_utime + children.ru_stime, 2),
+        "cpu_threads_s": result.cpu_threads,
         "images": result.images,
         "seconds": round(result.seconds, 2),
         "images_per_s": round(result.images / max(result.seconds, 1e-9), 1),

@@ -95,3 +95,32 @@ def test_bad_configuration_exits_2(procs) -> None:
                     "--n-replicas", "2")  # fmt: skip
     assert p.popen.wait(60) == 2
     assert "replica must be in 0..n_replicas-1" in p.tail()
+
+
+@pytest.mark.timeout(150)
+def test_a_slow_replica_moves_on_from_a_complete_epoch(procs, tmp_path) -> None:
+    """Adam 3.2.5 with epoch_fraction 0.5 and 2 replicas: an epoch is complete as soon as one
+    replica finished it. Replica 1 trains at batch size 1 (several times slower per image), so
+    it is still inside each epoch when replica 0 completes it, and moves on; replica 0 evaluates
+    every epoch end without waiting for it."""
+    ps_port, ds_port = free_port(), free_port()
+    ps = procs.start("ps", "ps", "--port", str(ps_port), "--data-dir", str(tmp_path / "ps"),
+                     "--no-lmdb-sync")  # fmt: skip
+    ds = procs.start("ds", "dataserver", "--port", str(ds_port), "--no-augment")
+    ps_url, ds_url = f"http://127.0.0.1:{ps_port}", f"http://127.0.0.1:{ds_port}"
+    ps.wait_http(ps_url + "/healthz", 60)
+    ds.wait_http(ds_url + "/healthz", 60)
+    common = ["train", "--ps", ps_url, "--dataservers", ds_url, "--n-replicas", "2",
+              "--epochs", "2", "--warm-start", "0", "--epoch-fraction", "0.5",
+              "--metrics-port", "-1", "--progress-interval", "0.2"]  # fmt: skip
+    history = tmp_path / "history.jsonl"
+    r1 = procs.start("train1", *common, "--replica", "1", "--batch-size", "1")
+    r0 = procs.start("train0", *common, "--replica", "0", "--batch-size", "32",
+                     "--history", str(history))  # fmt: skip
+    assert r0.popen.wait(120) == 0, r0.tail()
+    assert r1.popen.wait(60) == 0, r1.tail()
+    assert "moving on" in r1.tail(200), r1.tail(200)
+    assert "(moved on)" in r1.tail(200)
+    summary = json.loads(r1.tail(1))
+    assert summary["images"] < 4000  # it did not train all of its 2 x 2000 images
+    assert [json.loads(x)["epoch"] for x in history.read_text().splitlines()] == [1, 2]
