@@ -1,8 +1,8 @@
 """A real Prometheus server scrapes a real local cluster; the Grafana dashboards' queries return data.
 
-The cluster is every role as its own process on loopback: 3 controllers (Raft), 3 parameter
-servers replicating their buckets, a data server and a trainer replica training adam-mnist
-against them. The scrape configuration is deploy/prometheus/prometheus.yml (the Compose one) with
+The cluster is every role as its own process on loopback: 3 controllers (Raft), parameter
+servers replicating their buckets (a 4th joins during the test, so buckets move to it by state
+transfer), a data server and a trainer replica training adam-mnist against them. The scrape configuration is deploy/prometheus/prometheus.yml (the Compose one) with
 its targets pointed at these processes and a 1 s scrape interval, so the test checks the shipped
 job names and paths, not a copy. Traffic (pushes, pulls, batch streams, controller writes) runs
 while Prometheus scrapes, so that labelled counters and histograms exist and rates are non-zero.
@@ -52,7 +52,7 @@ class Stack:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.cluster = LocalCluster(
-            root / "cluster", token=TOKEN, n_servers=3, n_buckets=N_BUCKETS,
+            root / "cluster", token=TOKEN, n_servers=4, n_buckets=N_BUCKETS,
             ps_opts={"flush-interval": 0.5},
         )  # fmt: skip
         self.procs: list[Proc] = []  #: started here (trainer, Prometheus)
@@ -63,7 +63,17 @@ class Stack:
 
     def start(self) -> None:
         c = self.cluster
-        c.start(timeout=60)  # controllers, then servers, until every bucket is placed
+        # 3 controllers and 3 servers until every bucket is placed with 3 copies; the 4th server
+        # joins once the model's tensors exist, so that buckets move to it by state transfer.
+        for i in range(3):
+            c.start_controller(i)
+        for i, addr in enumerate(c.controllers):
+            c.procs[f"controller{i}"].wait_http(f"http://{addr}/healthz", timeout=60)
+        for i in range(3):
+            c.start_server(i)
+        for i in range(3):
+            c.procs[c.server_ids[i]].wait_http(f"http://{c.servers[i]}/healthz", timeout=60)
+        c.wait_placed(timeout=60)
         ds = c.start_dataserver("--workers", "0", "--ahead", "1")
         c.procs["dataserver0"].wait_http(f"http://{ds}/healthz", timeout=60)
         trainer_port = free_port()
@@ -85,6 +95,8 @@ class Stack:
             "trainer": [f"127.0.0.1:{trainer_port}"],
         }
         self._traffic(ds)
+        c.start_server(3)
+        c.procs[c.server_ids[3]].wait_http(f"http://{c.servers[3]}/healthz", timeout=60)
 
     def _traffic(self, ds: str) -> None:
         c = self.cluster
