@@ -182,6 +182,9 @@ class Hogwild:
         self._shm: shared_memory.SharedMemory | None = None
         self._limits: Any = None
         self._workers: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self.buffers: dict[str, np.ndarray] = {}
         self._closed = False
         self._broken = False  # a worker died or timed out: its round's replies are unknown
         if mode == "process":
@@ -190,8 +193,8 @@ class Hogwild:
             flat = np.ndarray((total,), np.float32, buffer=self._shm.buf)
             flat[...] = 0.0
             arrays = _views(flat, sizes)
-            self._results: Any = ctx.Queue()
-            self._tasks: list[Any] = [ctx.Queue() for _ in range(n_workers)]
+            self._results = ctx.Queue()
+            self._tasks = [ctx.Queue() for _ in range(n_workers)]
             for i in range(n_workers):
                 proc = ctx.Process(
                     target=_process_main,
@@ -226,7 +229,7 @@ class Hogwild:
         self.params: np.ndarray = arrays["params"]
         self.params[...] = params
         #: the extra shared buffers, zero-initialised
-        self.buffers: dict[str, np.ndarray] = {k: v for k, v in arrays.items() if k != "params"}
+        self.buffers = {k: v for k, v in arrays.items() if k != "params"}
         try:
             for w in self._workers:
                 w.start()
@@ -304,10 +307,12 @@ class Hogwild:
                 # the workers are gone: never block on flushing a task nobody will read
                 q.cancel_join_thread()
                 q.close()
-            self._results.close()
+            if self._results is not None:
+                self._results.close()
             if self._shm is not None:
                 # the final values stay readable after close, out of shared memory
-                self.params = np.array(self.params)
+                if hasattr(self, "params"):
+                    self.params = np.array(self.params)
                 self.buffers = {k: np.array(v) for k, v in self.buffers.items()}
                 gc.collect()
                 _release(self._shm)
