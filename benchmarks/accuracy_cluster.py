@@ -5,7 +5,7 @@ map), 1 data server (built-in data: 4,000 train / 1,000 held-out real MNIST digi
 table (Project Adam's Table 1 comparison).
 
     python benchmarks/accuracy_cluster.py [--epochs 5] [--replicas 2] [--workers 1]
-        [--optimizer adagrad] [--lr 0.005] [--batch 8] [--n-push 2] [--n-fetch 4] [--augment]
+        [--optimizer adagrad] [--lr 0.01] [--batch 8] [--n-push 4] [--n-fetch 8] [--augment]
 
 In the same run it measures the limit the cluster's images/s is compared against: the same
 model trained in one process by trainer.local (plain SGD, one worker, the same batch size;
@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adagrad-initial", type=float, default=0.1)
     parser.add_argument("--local-lr", type=float, default=0.03)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--n-push", type=int, default=2)
-    parser.add_argument("--n-fetch", type=int, default=4)
+    parser.add_argument("--n-push", type=int, default=4)
+    parser.add_argument("--n-fetch", type=int, default=8)
     parser.add_argument("--warm-start", type=int, default=100)
     parser.add_argument("--augment", action="store_true")
     parser.add_argument("--local-epochs", type=int, default=2, help="epochs of the local baseline")

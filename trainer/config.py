@@ -34,10 +34,12 @@ class TrainConfig:
         "process", help="Hogwild workers: 'process' (shared memory, default) or 'thread'"
     )
     n_fetch: int = field(
-        4, help="fetch the parameters from the servers every n_fetch rounds (DistBelief 4.1)"
+        8,
+        help="fetch the parameters every n_fetch minibatches per worker (rounded up to whole "
+        "rounds; DistBelief 4.1)",
     )
     n_push: int = field(
-        2,
+        4,
         help="minibatches each worker trains per round; the round's updates are pushed after it "
         "(so the replica pushes every n_push * workers steps)",
     )
