@@ -56,13 +56,16 @@ class LocalCluster:
         controller_opts: Mapping[str, Any] | None = None,
         ps_opts: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        port_alloc: Callable[[], int] = free_port,
     ) -> None:
         self.root = Path(root)
+        #: where every port of this cluster comes from (`adamps up --port-base` counts up)
+        self.port_alloc = port_alloc
         self.root.mkdir(parents=True, exist_ok=True)
         self.token = token
         self.n_buckets = n_buckets
         self.env = {"ADAMPS_TOKEN": token, "OPENBLAS_NUM_THREADS": "1", **(env or {})}
-        ports = [(free_port(), free_port()) for _ in range(n_controllers)]
+        ports = [(port_alloc(), port_alloc()) for _ in range(n_controllers)]
         self.members = ",".join(f"127.0.0.1:{rp}:{hp}" for rp, hp in ports)
         #: controller HTTP addresses (host:port)
         self.controllers = [f"127.0.0.1:{hp}" for _, hp in ports]
@@ -74,7 +77,7 @@ class LocalCluster:
         self.ps_opts = dict(ps_opts or {})
         #: parameter server ids and HTTP addresses
         self.server_ids = [f"ps{i}" for i in range(n_servers)]
-        self.servers = [f"127.0.0.1:{free_port()}" for _ in range(n_servers)]
+        self.servers = [f"127.0.0.1:{port_alloc()}" for _ in range(n_servers)]
         self.dataservers: list[str] = []
         self.procs: dict[str, Proc] = {}
         self._starts: dict[str, int] = {}
@@ -87,6 +90,11 @@ class LocalCluster:
         proc = Proc(adamps_argv(*args), log, env=self.env, name=name)
         self.procs[name] = proc
         return proc
+
+    def start_process(self, name: str, *args: str) -> Proc:
+        """Starts `adamps ARGS...` (e.g. a trainer) as a member of this cluster: its log under
+        root/logs, the cluster's environment, stopped by stop()."""
+        return self._start(name, *args)
 
     @staticmethod
     def _flags(opts: Mapping[str, Any]) -> list[str]:
@@ -114,7 +122,7 @@ class LocalCluster:
         )  # fmt: skip
 
     def start_dataserver(self, *args: str) -> str:
-        addr = f"127.0.0.1:{free_port()}"
+        addr = f"127.0.0.1:{self.port_alloc()}"
         i = len(self.dataservers)
         self.dataservers.append(addr)
         self._start(f"dataserver{i}", "dataserver", "--port", addr.rsplit(":", 1)[1], *args)

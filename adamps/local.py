@@ -1,0 +1,605 @@
+"""`adamps up`: the whole cluster as processes on loopback, training adam-mnist to the end.
+
+    adamps up                      # 3 controllers, 3 parameter servers, 1 data server, 2 trainers
+    adamps up --epochs 3 --target-accuracy 0.9 --run-dir /tmp/run --no-progress
+
+Every role is started the way a user starts it (`adamps controller|ps|dataserver|train`, through
+adamps.localcluster), each with its log and data under the run directory. While the trainers
+run, one progress view shows the epoch, the held-out accuracy, images/s, the servers up and the
+under-replicated buckets (read from the controllers' /cluster and the trainers' /metrics). At
+the end it prints the held-out accuracy, the throughput and the path of a PNG plot of loss and
+accuracy over time.
+
+Exit codes: 0 = training completed and reached --target-accuracy; 1 = training failed, timed
+out or missed the target; 2 = bad flags; 128 + signal number when interrupted (Ctrl-C: 130,
+SIGTERM: 143). Every child is stopped on every way out (SIGTERM to its process group, SIGKILL
+after --stop-timeout); their PIDs are in RUN_DIR/pids.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from adamps.localcluster import LocalCluster
+from adamps.procs import Proc
+
+#: what the defaults were chosen to reach (measured: see docs/quickstart in the README)
+DEFAULT_EPOCHS = 8
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM/SIGHUP arrived: unwind to the cleanup (BaseException, so that no
+    `except Exception` on the way swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class SignalGuard:
+    """Turns SIGINT/SIGTERM/SIGHUP into Interrupted in the main thread, except inside
+    deferred() sections (starting a child: its PID must be recorded before we unwind)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._defer = 0
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for s in self.SIGNALS:
+            self._old[s] = signal.signal(s, self._handler)
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def _handler(self, signum: int, _frame: Any) -> None:
+        first = self.signum is None
+        self.signum = self.signum or signum
+        if first and not self._defer:
+            raise Interrupted(signum)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._defer += 1
+        try:
+            yield
+        finally:
+            self._defer -= 1
+        if self.signum is not None and not self._defer:
+            raise Interrupted(self.signum)
+
+    def hold(self) -> None:
+        """From now on signals are only recorded (the cleanup must not be interrupted)."""
+        self._defer += 1
+
+
+# -- flags -----------------------------------------------------------------------------------------
+
+
+class UsageError(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="adamps up",
+        description="Run the whole adamps cluster as local processes and train adam-mnist on the "
+        "built-in data; print the held-out accuracy, the throughput and a plot.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--controllers", type=int, default=3, help="controller nodes (Raft)")
+    p.add_argument("--servers", type=int, default=3, help="parameter servers")
+    p.add_argument("--dataservers", type=int, default=1, help="data servers (trainers fail over)")
+    p.add_argument("--trainers", type=int, default=2, help="trainer processes (model replicas)")
+    p.add_argument("--workers", type=int, default=1, help="Hogwild workers per trainer")
+    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS, help="training epochs")
+    p.add_argument("--buckets", type=int, default=64, help="buckets the shards are hashed into")
+    p.add_argument(
+        "--augment",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let the data server augment the training images (shifts, rotations)",
+    )
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=0.96,
+        help="held-out accuracy the run must reach for exit code 0 (0 disables the check)",
+    )
+    p.add_argument("--run-dir", default="", help="run directory (default: ./runs/<UTC time>)")
+    p.add_argument(
+        "--port-base",
+        type=int,
+        default=0,
+        help="first TCP port; every process takes the next free one (0: ports chosen by the kernel)",
+    )
+    p.add_argument(
+        "--token",
+        default="",
+        help="cluster token (default: $ADAMPS_TOKEN, else a new random one); written to "
+        "RUN_DIR/token (mode 0600), handed to the children in their environment",
+    )
+    p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    p.add_argument(
+        "--stop-timeout", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL"
+    )
+    p.add_argument(
+        "--progress-interval",
+        type=float,
+        default=0.0,
+        help="seconds between progress lines (0: 1 s on a terminal, 5 s otherwise)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no live progress view")
+    return p
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Raises UsageError naming the flag, its value and what is expected."""
+
+    def need(ok: bool, flag: str, value: Any, expected: str) -> None:
+        if not ok:
+            raise UsageError(f"{flag} {value}: expected {expected}")
+
+    for flag, value in (
+        ("--controllers", a.controllers),
+        ("--servers", a.servers),
+        ("--dataservers", a.dataservers),
+        ("--trainers", a.trainers),
+        ("--workers", a.workers),
+        ("--epochs", a.epochs),
+        ("--buckets", a.buckets),
+    ):
+        need(value >= 1, flag, value, "an integer >= 1")
+    need(a.controllers <= 9, "--controllers", a.controllers, "at most 9 (3 or 5 are usual)")
+    need(0.0 <= a.target_accuracy <= 1.0, "--target-accuracy", a.target_accuracy,
+         "a fraction in [0, 1], e.g. 0.96 (0 disables the check)")  # fmt: skip
+    need(a.port_base == 0 or 1024 <= a.port_base <= 65000, "--port-base", a.port_base,
+         "0 (any free ports) or a port in 1024..65000")  # fmt: skip
+    need(a.timeout > 0, "--timeout", a.timeout, "seconds > 0")
+    need(a.stop_timeout > 0, "--stop-timeout", a.stop_timeout, "seconds > 0")
+    need(a.progress_interval >= 0, "--progress-interval", a.progress_interval, "seconds >= 0")
+
+
+def port_counter(base: int) -> Callable[[], int]:
+    """Ports base, base+1, ... skipping those already taken on 127.0.0.1."""
+    nxt = [base]
+
+    def alloc() -> int:
+        while nxt[0] <= 65535:
+            port = nxt[0]
+            nxt[0] += 1
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
+        raise UsageError(f"--port-base {base}: no free ports left above it")
+
+    return alloc
+
+
+def make_run_dir(arg: str) -> Path:
+    if arg:
+        run = Path(arg)
+    else:
+        run = Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        n = 1
+        while run.exists():  # two runs within one second
+            n += 1
+            run = run.with_name(f"{run.name.split('.')[0]}.{n}")
+    if run.exists() and any(run.iterdir()):
+        raise UsageError(f"--run-dir {run}: expected a new or empty directory")
+    run.mkdir(parents=True, exist_ok=True)
+    return run.resolve()
+
+
+def write_token(run: Path, arg: str) -> tuple[str, str]:
+    """(token, where it came from); the token is written to run/token with mode 0600."""
+    if arg:
+        token, origin = arg, "--token"
+    elif os.environ.get("ADAMPS_TOKEN"):
+        token, origin = os.environ["ADAMPS_TOKEN"], "$ADAMPS_TOKEN"
+    else:
+        token, origin = secrets.token_hex(32), "generated"
+    fd = os.open(run / "token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
+    return token, origin
+
+
+# -- reading the cluster ---------------------------------------------------------------------------
+
+
+def scrape(addr: str, timeout: float = 1.0) -> dict[str, float]:
+    """Sample name -> value of a process's /metrics (unlabelled samples only); {} if no answer."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=timeout) as resp:
+            text = resp.read().decode()
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.labels:
+                out[s.name] = s.value
+    return out
+
+
+@dataclass
+class Reading:
+    """One look at the cluster, for the progress view and the plot."""
+
+    time: float
+    epoch: int = 0  #: the epoch replica 0 trains
+    completed: int = 0  #: the last epoch complete (epoch-end rule)
+    accuracy: float | None = None  #: held-out accuracy at the last epoch end
+    images_per_s: float = 0.0  #: sum over the replicas
+    loss: dict[str, float] = field(default_factory=dict)  #: replica -> recent training loss
+    servers_live: int | None = None
+    servers_total: int | None = None
+    under_replicated: int | None = None
+    trainers_running: int = 0
+
+    def line(self, epochs: int, elapsed: float) -> str:
+        acc = "-" if self.accuracy is None else f"{self.accuracy * 100:.1f}%"
+        srv = "?" if self.servers_live is None else f"{self.servers_live}/{self.servers_total}"
+        under = "?" if self.under_replicated is None else str(self.under_replicated)
+        m, s = divmod(int(elapsed), 60)
+        return (
+            f"epoch {max(self.epoch, 1)}/{epochs} (done {self.completed}) | held-out acc {acc} | "
+            f"{self.images_per_s:,.0f} images/s | servers up {srv} | "
+            f"under-replicated buckets {under} | trainers {self.trainers_running} | {m:02d}:{s:02d}"
+        )
+
+
+def read_cluster(cluster: LocalCluster, trainers: list[tuple[str, Proc, str]]) -> Reading:
+    r = Reading(time=time.time())
+    view = cluster.cluster()
+    if view is not None:
+        states = [s.get("state") for s in view.get("servers", {}).values()]
+        r.servers_live = sum(1 for s in states if s == "live")
+        r.servers_total = len(cluster.servers)
+        r.under_replicated = int(view.get("under_replicated", 0)) + int(view.get("unassigned", 0))
+    for i, (_name, proc, addr) in enumerate(trainers):
+        if not proc.alive:
+            continue
+        r.trainers_running += 1
+        m = scrape(addr)
+        if not m:
+            continue
+        r.images_per_s += m.get("adamps_trainer_images_per_second", 0.0)
+        if m.get("adamps_trainer_loss"):
+            r.loss[str(i)] = m["adamps_trainer_loss"]
+        if i == 0:
+            r.epoch = int(m.get("adamps_trainer_epoch", 0))
+            r.completed = int(m.get("adamps_trainer_completed_epoch", 0))
+            acc = m.get("adamps_trainer_heldout_accuracy", 0.0)
+            r.accuracy = acc if acc > 0 else None
+    return r
+
+
+def trainer_summary(proc: Proc) -> dict[str, Any] | None:
+    """The JSON line `adamps train` prints last (its figures), from its log."""
+    try:
+        lines = proc.log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        line = line.strip()
+        if line.startswith("{") and '"replica"' in line:
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    return None
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+# -- the run -----------------------------------------------------------------------------------------
+
+
+class Run:
+    """One `adamps up`: owns every child it starts (cluster.procs) and the run directory."""
+
+    def __init__(self, args: argparse.Namespace, out: TextIO, guard: SignalGuard) -> None:
+        self.a = args
+        self.out = out
+        self.guard = guard
+        self.t_start = time.time()
+        self.run = make_run_dir(args.run_dir)
+        self.token, self.token_origin = write_token(self.run, args.token)
+        alloc = port_counter(args.port_base) if args.port_base else None
+        extra = {"port_alloc": alloc} if alloc else {}
+        self.cluster = LocalCluster(
+            self.run, token=self.token, n_controllers=args.controllers, n_servers=args.servers,
+            n_buckets=args.buckets, **extra,
+            # three copies of every bucket, fewer only when there are fewer servers
+            controller_opts={"replication": min(3, args.servers)},
+        )  # fmt: skip
+        self.trainers: list[tuple[str, Proc, str]] = []  #: (name, process, metrics host:port)
+        self.history_path = self.run / "history.jsonl"
+        self.samples: list[dict[str, Any]] = []
+        self.t_train = 0.0
+
+    def say(self, msg: str = "") -> None:
+        print(msg, file=self.out, flush=True)
+
+    def write_pids(self) -> None:
+        pids = {"up": os.getpid(), **{n: p.pid for n, p in self.cluster.procs.items()}}
+        tmp = self.run / "pids.json.tmp"
+        tmp.write_text(json.dumps(pids, indent=1) + "\n")
+        tmp.replace(self.run / "pids.json")
+
+    def start(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Starts children inside a deferred-signal section and records their PIDs at once."""
+        with self.guard.deferred():
+            try:
+                return fn()
+            finally:
+                self.write_pids()
+
+    # -- phases
+
+    def start_cluster(self) -> None:
+        a, c = self.a, self.cluster
+        self.say(f"adamps up: run directory {self.run}")
+        self.say(f"  token: {self.token_origin}, in {self.run / 'token'} (mode 0600)")
+        t = time.monotonic()
+        for i in range(a.controllers):
+            self.start("controller", lambda i=i: c.start_controller(i))
+        for i, addr in enumerate(c.controllers):
+            c.procs[f"controller{i}"].wait_http(f"http://{addr}/healthz", 60)
+        for i in range(a.servers):
+            self.start("ps", lambda i=i: c.start_server(i))
+        for i, addr in enumerate(c.servers):
+            c.procs[c.server_ids[i]].wait_http(f"http://{addr}/healthz", 60)
+        ds_args = ["--source", "builtin"] + ([] if a.augment else ["--no-augment"])
+        for _ in range(a.dataservers):
+            self.start("dataserver", lambda: c.start_dataserver(*ds_args))
+        self.say(
+            f"  {a.controllers} controllers and {a.servers} parameter servers up; "
+            f"waiting until every one of {a.buckets} buckets is placed and replicated ..."
+        )
+        c.wait_placed(timeout=120)
+        for i, addr in enumerate(c.dataservers):
+            c.procs[f"dataserver{i}"].wait_http(f"http://{addr}/healthz", 120)
+        self.say(f"  cluster ready in {time.monotonic() - t:.1f} s")
+
+    def start_trainers(self) -> None:
+        a, c = self.a, self.cluster
+        alloc = c.port_alloc
+        common = [
+            "train", "--controllers", ",".join(c.controllers),
+            "--dataservers", ",".join(f"http://{d}" for d in c.dataservers),
+            "--n-replicas", str(a.trainers), "--epochs", str(a.epochs),
+            "--workers", str(a.workers),
+        ]  # fmt: skip
+        self.t_train = time.time()
+        for r in range(a.trainers):
+            port = alloc()
+            extra = ["--replica", str(r), "--metrics-port", str(port)]
+            if r == 0:
+                extra += ["--history", str(self.history_path), "--out", str(self.run / "model.npz")]
+            name = f"train{r}"
+            proc = self.start("trainer", lambda e=extra, n=name: c.start_process(n, *common, *e))
+            self.trainers.append((name, proc, f"127.0.0.1:{port}"))
+
+    def print_endpoints(self) -> None:
+        c = self.cluster
+        rows: list[tuple[str, str, str]] = []
+        members = c.members.split(",")
+        for i, addr in enumerate(c.controllers):
+            raft = members[i].rsplit(":", 1)[0]
+            rows.append((f"controller{i}", addr, f"/status /cluster /routing; raft {raft}"))
+        for sid, addr in zip(c.server_ids, c.servers, strict=True):
+            rows.append((sid, addr, "/status"))
+        for i, addr in enumerate(c.dataservers):
+            rows.append((f"dataserver{i}", addr, "/status"))
+        for name, _p, addr in self.trainers:
+            rows.append((name, addr, "/status"))
+        self.say(
+            "  endpoints (every one also serves /healthz and /metrics; logs in logs/NAME.log):"
+        )
+        for name, addr, extra in rows:
+            self.say(f"    {name:<12} http://{addr:<16} {extra}")
+        self.say(f"  cluster view: adamps status --controllers {','.join(c.controllers)}")
+
+    def watch(self) -> bool:
+        """Progress view until every trainer exits; True if all exited 0."""
+        a = self.a
+        tty = self.out.isatty()
+        interval = a.progress_interval or (1.0 if tty else 5.0)
+        deadline = time.monotonic() + a.timeout
+        next_line = 0.0
+        shown = False
+        with open(self.run / "progress.jsonl", "a") as prog:
+            while True:
+                r = read_cluster(self.cluster, self.trainers)
+                sample = {
+                    "time": r.time, "epoch": r.epoch, "completed": r.completed,
+                    "accuracy": r.accuracy, "images_per_s": round(r.images_per_s, 1),
+                    "loss": r.loss, "servers_live": r.servers_live,
+                    "under_replicated": r.under_replicated,
+                }  # fmt: skip
+                self.samples.append(sample)
+                prog.write(json.dumps(sample) + "\n")
+                prog.flush()
+                now = time.monotonic()
+                if not a.no_progress and now >= next_line:
+                    line = r.line(a.epochs, time.time() - self.t_train)
+                    if tty:
+                        self.out.write("\r\x1b[2K" + line)
+                        self.out.flush()
+                        shown = True
+                    else:
+                        self.say("  " + line)
+                    next_line = now + interval
+                failed = [(n, p) for n, p, _ in self.trainers if p.returncode not in (None, 0)]
+                running = [n for n, p, _ in self.trainers if p.alive]
+                if failed or not running or now > deadline:
+                    break
+                time.sleep(0.5 if tty else 1.0)
+        if shown:
+            self.out.write("\n")
+        if failed:
+            for n, p in failed:
+                self.say(f"adamps up: {n} exited with {p.returncode}; last lines of {p.log_path}:")
+                self.say("    " + p.tail(15).replace("\n", "\n    "))
+            return False
+        if running:
+            self.say(f"adamps up: training did not finish within --timeout {a.timeout:g} s")
+            return False
+        return True
+
+    def finish(self) -> tuple[float | None, str]:
+        """Prints the figures and the plot's path; (held-out accuracy, summary line)."""
+        from adamps.plot import plot_run
+
+        a = self.a
+        sums = [trainer_summary(p) for _n, p, _ in self.trainers]
+        history = read_history(self.history_path)
+        acc = None
+        if sums[0] and sums[0].get("heldout_accuracy", {}).get(str(a.epochs)) is not None:
+            acc = float(sums[0]["heldout_accuracy"][str(a.epochs)])
+        elif history:
+            acc = float(history[-1]["accuracy"])
+        good = [s for s in sums if s]
+        images = sum(int(s["images"]) for s in good)
+        secs = max((float(s["seconds"]) for s in good), default=0.0)
+        rate = images / secs if secs > 0 else 0.0
+        title = (
+            f"adamps up: adam-mnist, {a.trainers} replicas x {a.workers} worker(s), "
+            f"{a.servers} PS, {a.epochs} epochs"
+        )
+        plot = plot_run(
+            self.run / "training.png", history, self.samples, t0=self.t_train, title=title,
+            target=a.target_accuracy,
+        )  # fmt: skip
+        wall = time.time() - self.t_start
+        acc_s = "unknown" if acc is None else f"{acc * 100:.2f}%"
+        self.say(f"held-out accuracy: {acc_s} after {a.epochs} epochs (1,000 held-out images)")
+        self.say(
+            f"throughput: {rate:,.0f} images/s ({images:,} training images by {len(good)} "
+            f"replicas in {secs:.1f} s)"
+        )
+        self.say(f"plot: {plot}")
+        self.say(f"wall time: {wall:.1f} s (run directory {self.run})")
+        result = {
+            "heldout_accuracy": acc, "images_per_s": round(rate, 1), "images": images,
+            "train_seconds": secs, "wall_seconds": round(wall, 1), "epochs": a.epochs,
+            "plot": str(plot), "model": str(self.run / "model.npz"),
+        }  # fmt: skip
+        (self.run / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+        return acc, acc_s
+
+    def stop(self) -> None:
+        """Stops every child: trainers first, then data and parameter servers, controllers last
+        (a parameter server's shutdown still talks to the controllers). Each stage gets SIGTERM
+        to every process group at once and SIGKILL after --stop-timeout."""
+        procs = self.cluster.procs
+        stages = [
+            [p for n, p in procs.items() if n.startswith("train")],
+            [p for n, p in procs.items() if not n.startswith(("train", "controller"))],
+            [p for n, p in procs.items() if n.startswith("controller")],
+        ]
+        for stage in stages:
+            for p in stage:
+                p.signal(signal.SIGCONT)  # a paused process cannot handle SIGTERM
+                p.signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.a.stop_timeout
+            for p in stage:
+                while p.alive and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            for p in stage:
+                if p.alive:
+                    print(f"adamps up: {p.name} did not stop within {self.a.stop_timeout:g} s "
+                          "of SIGTERM: SIGKILL", file=sys.stderr, flush=True)  # fmt: skip
+                p.stop(timeout=0.1)  # SIGKILL to what is left (also workers of exited children)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:  # argparse: --help (0) or a malformed flag (2, message printed)
+        return int(exc.code or 0)
+    try:
+        check_args(args)
+    except UsageError as exc:
+        print(f"adamps up: error: {exc}", file=sys.stderr)
+        return 2
+    guard = SignalGuard()
+    guard.install()
+    run: Run | None = None
+    code = 1
+    try:
+        try:
+            run = Run(args, sys.stdout, guard)
+        except UsageError as exc:
+            print(f"adamps up: error: {exc}", file=sys.stderr)
+            return 2
+        run.start_cluster()
+        run.start_trainers()
+        run.print_endpoints()
+        if run.watch():
+            acc, acc_s = run.finish()
+            if args.target_accuracy <= 0:
+                code = 0
+            elif acc is not None and acc >= args.target_accuracy:
+                code = 0
+            else:
+                run.say(
+                    f"adamps up: held-out accuracy {acc_s} is below --target-accuracy "
+                    f"{args.target_accuracy:g}"
+                )
+    except Interrupted as exc:
+        name = signal.Signals(exc.signum).name
+        print(f"\nadamps up: {name}: stopping every process ...", file=sys.stderr, flush=True)
+        code = 128 + exc.signum
+    except (RuntimeError, TimeoutError) as exc:  # a child died or the cluster never got ready
+        print(f"adamps up: failed: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        guard.hold()
+        if run is not None:
+            run.stop()
+            run.write_pids()
+            if code >= 128:
+                print(f"adamps up: stopped (logs in {run.run / 'logs'})", file=sys.stderr)
+        guard.restore()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
