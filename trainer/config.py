@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from adamps.config import default_token, field
@@ -25,6 +26,11 @@ class TrainConfig:
     token: str = field("", help="cluster token")
     replica: int = field(0, help="index of this model replica, 0 .. n_replicas-1")
     n_replicas: int = field(1, help="number of model replicas training together")
+    run: str = field(
+        "",
+        help="name of the training run (letters, digits, '_', '.', '-'): replicas of one run "
+        "share a progress board; a new name starts a new run on servers that keep an old one's",
+    )
     model: str = field("adam-mnist", help="built-in model name or a JSON model description")
     seed: int = field(0, help="seed of the initial weights (replica 0 creates the tensors)")
     epochs: int = field(5, help="training epochs (1-based epoch numbers 1..epochs)")
@@ -98,5 +104,9 @@ class TrainConfig:
             raise ValueError(f"worker_mode must be 'process' or 'thread', got {self.worker_mode!r}")
         if not 0.0 < self.epoch_fraction <= 1.0:
             raise ValueError("epoch_fraction must be in (0, 1]")
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]{0,64}", self.run):
+            raise ValueError(
+                f"run must be up to 64 letters, digits, '_', '.', '-', got {self.run!r}"
+            )
         if self.warm_start < 0:
             raise ValueError("warm_start must be >= 0")

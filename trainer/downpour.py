@@ -63,6 +63,12 @@ log = logging.getLogger(__name__)
 
 BOARD_TENSOR = "adamps.board"
 
+
+def board_tensor(run: str = "") -> str:
+    """The static-mode board tensor of a training run."""
+    return f"{BOARD_TENSOR}.{run}" if run else BOARD_TENSOR
+
+
 # -- pure rules ------------------------------------------------------------------------------
 
 
@@ -401,12 +407,13 @@ class PsBoard(Board):
     finished, element n = 1 once replica 0's warm start is done. Replicas add to it (SGD with
     lr = -1); every push is applied exactly once, so the counts are exact."""
 
-    def __init__(self, client: PSClient, replica: int, n_replicas: int) -> None:
+    def __init__(self, client: PSClient, replica: int, n_replicas: int, run: str = "") -> None:
         self.client = client
         self.replica = replica
         self.n = n_replicas
+        self.tensor = board_tensor(run)
         client.create(
-            TensorSpec(BOARD_TENSOR, (n_replicas + 1,)),
+            TensorSpec(self.tensor, (n_replicas + 1,)),
             init={"kind": "zeros"},
             optimizer={"kind": "sgd", "lr": -1.0},
         )
@@ -414,12 +421,12 @@ class PsBoard(Board):
         self._last = int(self._values[replica])
 
     def _pull(self) -> np.ndarray:
-        return self.client.pull([BOARD_TENSOR])[0][BOARD_TENSOR]
+        return self.client.pull([self.tensor])[0][self.tensor]
 
     def _add(self, index: int, amount: float) -> None:
         delta = np.zeros(self.n + 1, np.float32)
         delta[index] = amount
-        self.client.push_dense(BOARD_TENSOR, delta)
+        self.client.push_dense(self.tensor, delta)
 
     def mark_warm(self) -> None:
         if self._pull()[self.n] < 1:
@@ -440,12 +447,14 @@ class PsBoard(Board):
 
 class ControllerBoard(Board):
     """The controllers' /progress (Adam 3.2.5: progress is recorded at the controller). The
-    warm-start mark is replica 0's report for epoch 0."""
+    warm-start mark is replica 0's report for epoch 0. With a run name, replicas report as
+    "<run>/<replica>" so that runs do not see each other's progress."""
 
-    def __init__(self, controllers: Sequence[str], token: str, replica: int) -> None:
+    def __init__(self, controllers: Sequence[str], token: str, replica: int, run: str = "") -> None:
         self.controllers = list(controllers)
         self.token = token
-        self.replica = str(replica)
+        self.prefix = f"{run}/" if run else ""
+        self.replica = self.prefix + str(replica)
         self._local = threading.local()
 
     def _ctl(self) -> Any:
@@ -457,11 +466,11 @@ class ControllerBoard(Board):
         return ctl
 
     def mark_warm(self) -> None:
-        self._ctl().report_progress(0, "0", 1.0, True)
+        self._ctl().report_progress(0, self.prefix + "0", 1.0, True)
 
     def warm_done(self) -> bool:
         replicas = self._ctl().progress(0).get("replicas", {})
-        return bool(replicas.get("0", {}).get("done"))
+        return bool(replicas.get(self.prefix + "0", {}).get("done"))
 
     def report(self, epoch: int, progress: float, done: bool) -> None:
         self._ctl().report_progress(epoch, self.replica, float(progress), done)
@@ -473,7 +482,7 @@ class ControllerBoard(Board):
             if e < 1:
                 continue
             for r, p in replicas.items():
-                if p.get("done"):
+                if p.get("done") and r.startswith(self.prefix) and "/" not in r[len(self.prefix) :]:
                     out[r] = max(out.get(r, 0), e)
         return out
 
@@ -676,9 +685,16 @@ class Replica:
             routing = StaticRouting(cfg.ps, n_buckets)
         self.client = DownpourClient(routing, self.layout, cfg.token, retry_for=60.0)
         if cfg.controllers:
-            self.board = ControllerBoard(cfg.controllers, cfg.token, cfg.replica)
+            self.board = ControllerBoard(cfg.controllers, cfg.token, cfg.replica, cfg.run)
         else:
-            self.board = PsBoard(self.client, cfg.replica, cfg.n_replicas)
+            self.board = PsBoard(self.client, cfg.replica, cfg.n_replicas, cfg.run)
+        earlier = self.board.finished()
+        if any(earlier.values()):
+            log.warning(
+                "the board already records finished epochs %s (an earlier run%s?): complete "
+                "epochs are skipped; give a new --run name to start a new run on these servers",
+                earlier, f" named {cfg.run!r}" if cfg.run else "",
+            )  # fmt: skip
 
     def _controller_layout(self, ctl: Any) -> Layout:
         """Replica 0 stores the model's layout at the controllers; the others read it there, so

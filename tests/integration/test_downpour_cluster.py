@@ -89,6 +89,15 @@ def test_two_replicas_train_and_export(procs, tmp_path, token) -> None:
     # Each replica trained its half of each epoch.
     assert "epoch 2: 2000 images" in r0.tail(200) and "epoch 2: 2000 images" in r1.tail(200)
 
+    # A new run on the same servers: its own board (the finished epochs above are not its own),
+    # so it trains its whole epoch, continuing from the stored weights.
+    again = procs.start("again", "train", "--ps", ps_url, "--dataservers", ds_url, "--run",
+                        "again", "--epochs", "1", "--metrics-port", "-1")  # fmt: skip
+    assert again.popen.wait(60) == 0, again.tail()
+    summary = json.loads(again.tail(1))
+    assert summary["images"] == 4000 and summary["heldout_accuracy"]["1"] >= 0.90
+    assert "already records finished epochs" not in again.tail(200)
+
 
 def test_bad_configuration_exits_2(procs) -> None:
     p = procs.start("bad", "train", "--ps", "http://127.0.0.1:9", "--replica", "3",
