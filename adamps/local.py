@@ -36,7 +36,7 @@ from adamps.localcluster import LocalCluster
 from adamps.procs import Proc
 
 #: what the defaults were chosen to reach (measured: see docs/quickstart in the README)
-DEFAULT_EPOCHS = 8
+DEFAULT_EPOCHS = 10
 
 
 class Interrupted(BaseException):
@@ -272,8 +272,13 @@ class Reading:
         )
 
 
-def read_cluster(cluster: LocalCluster, trainers: list[tuple[str, Proc, str]]) -> Reading:
+def read_cluster(
+    cluster: LocalCluster, trainers: list[tuple[str, Proc, str]], last: Reading | None = None
+) -> Reading:
+    """A new reading; what cannot be read now (replica 0 finished) is kept from `last`."""
     r = Reading(time=time.time())
+    if last is not None:
+        r.epoch, r.completed, r.accuracy = last.epoch, last.completed, last.accuracy
     view = cluster.cluster()
     if view is not None:
         states = [s.get("state") for s in view.get("servers", {}).values()]
@@ -294,7 +299,8 @@ def read_cluster(cluster: LocalCluster, trainers: list[tuple[str, Proc, str]]) -
             r.epoch = int(m.get("adamps_trainer_epoch", 0))
             r.completed = int(m.get("adamps_trainer_completed_epoch", 0))
             acc = m.get("adamps_trainer_heldout_accuracy", 0.0)
-            r.accuracy = acc if acc > 0 else None
+            if acc > 0:
+                r.accuracy = acc
     return r
 
 
@@ -444,8 +450,9 @@ class Run:
         next_line = 0.0
         shown = False
         with open(self.run / "progress.jsonl", "a") as prog:
+            r: Reading | None = None
             while True:
-                r = read_cluster(self.cluster, self.trainers)
+                r = read_cluster(self.cluster, self.trainers, r)
                 sample = {
                     "time": r.time, "epoch": r.epoch, "completed": r.completed,
                     "accuracy": r.accuracy, "images_per_s": round(r.images_per_s, 1),
@@ -456,7 +463,7 @@ class Run:
                 prog.write(json.dumps(sample) + "\n")
                 prog.flush()
                 now = time.monotonic()
-                if not a.no_progress and now >= next_line:
+                if not a.no_progress and now >= next_line and r.trainers_running:
                     line = r.line(a.epochs, time.time() - self.t_train)
                     if tty:
                         self.out.write("\r\x1b[2K" + line)
