@@ -49,7 +49,55 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: replication ops served on /rpc (peer traffic: cluster token required like every mutating call)
-REPL_OPS = ("repl_prepare", "repl_commit", "repl_ping", "repl_snapshot", "digest")
+REPL_OPS = ("repl_prepare", "repl_commit", "repl_ping", "repl_multi", "repl_snapshot", "digest")
+#: the ops that may travel inside a repl_multi message
+MULTI_OPS = ("repl_prepare", "repl_commit", "repl_ping")
+
+
+class PeerChannel:
+    """Replication messages to one peer, aggregated: while one request is in flight, the next
+    messages queue and travel together in the following request (op repl_multi), in order.
+
+    One HTTP request then carries the PREPAREs and COMMITs of many buckets' rounds: on loopback
+    the cost of replication is the number of requests far more than their bytes."""
+
+    def __init__(self, rpc: AsyncRpc) -> None:
+        self.rpc = rpc
+        self._queue: list[tuple[str, dict[str, Any], asyncio.Future]] = []
+        self._task: asyncio.Task | None = None
+
+    async def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((op, fields, fut))
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="peer-channel")
+        return await fut
+
+    async def _run(self) -> None:
+        while self._queue:
+            items, self._queue = self._queue, []
+            try:
+                reply = await self.rpc.call(
+                    "repl_multi", items=[{"op": op, **f} for op, f, _ in items]
+                )
+                results = reply["results"]
+            except Exception as exc:  # the whole request failed: so did each message
+                for _op, _f, fut in items:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            for (_op, _f, fut), res in zip(items, results, strict=True):
+                if fut.done():
+                    continue
+                if "error" in res:
+                    err = dict(res["error"])
+                    fut.set_exception(RpcError(err.pop("code"), err.pop("message"), **err))
+                else:
+                    fut.set_result(res["ok"])
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
 
 class ReplMetrics:
@@ -186,6 +234,7 @@ class Replicator:
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
         self._peers: dict[str, AsyncRpc] = {}
+        self._channels: dict[str, PeerChannel] = {}
         self._controller: Any = None
         self._heartbeat_now = asyncio.Event()
         self._role_change_after: dict[int, float] = {}
@@ -213,6 +262,8 @@ class Replicator:
         tasks = [*self._tasks, *self._round_tasks.values(), *self._join_tasks.values()]
         for t in tasks:
             t.cancel()
+        for ch in self._channels.values():
+            ch.close()
         await asyncio.gather(*tasks, return_exceptions=True)
         # Give the primary leases back, so the next primaries need not wait for them to expire.
         for b, role in list(self.roles.items()):
@@ -226,6 +277,14 @@ class Replicator:
                     pass
         if self._session is not None:
             await self._session.close()
+
+    def _channel(self, server: str) -> PeerChannel:
+        """The aggregating channel to a peer (prepare, commit and ping messages)."""
+        rpc = self._peer(server)
+        ch = self._channels.get(rpc.base_url)
+        if ch is None:
+            ch = self._channels[rpc.base_url] = PeerChannel(rpc)
+        return ch
 
     def _peer(self, server: str) -> AsyncRpc:
         addr = self.addresses.get(server)
@@ -437,42 +496,54 @@ class Replicator:
             self._round_tasks[b] = asyncio.create_task(self._rounds(b), name=f"rounds-{b}")
 
     async def _rounds(self, b: int) -> None:
-        """Runs rounds of bucket b while this server is its primary and work waits."""
-        while not self._closing:
-            rep = self.buckets.get(b)
-            if rep is None or self.roles.get(b) != "primary":
-                return
-            if rep.needs_recovery:
-                rep.recover()
-            if rep.inflight is None:
-                if not self.leases.can_write(b, rep.assignment.epoch, time.monotonic()):
-                    return  # the next heartbeat's renewal kicks us again
-                if rep.next_round() is None:
-                    # Idle: bring members that joined (or missed a commit) up to date, so that a
-                    # quiet bucket's copies are identical and a failover finds nothing missing.
-                    for m in rep.lagging():
-                        await self._sync_member(b, rep, m)
+        """Runs rounds of bucket b while this server is its primary and work waits.
+
+        Rounds are pipelined two deep: the PREPARE of round k+1 overlaps the COMMIT of round k
+        (pushes of round k are still acknowledged only once every member committed it; members
+        apply batches in seq order whatever order the messages arrive in)."""
+        commit_task: asyncio.Task | None = None
+        try:
+            while not self._closing:
+                rep = self.buckets.get(b)
+                if rep is None or self.roles.get(b) != "primary":
                     return
-            t0 = time.perf_counter()
-            n_pushes = len(rep.inflight[1]) if rep.inflight else 0
-            try:
-                if not await self._prepare_all(b, rep):
-                    continue  # the assignment changed: loop re-reads the role
-                batch = rep.inflight[0]
-                apply = rep.commit_round()
-                applied = self._apply(
-                    apply
-                )  # enqueued before anything else can run: snapshots stay consistent
-                await applied
-                await self._commit_all(b, rep, batch.seq)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("bucket %d: round failed", b)
-                await asyncio.sleep(0.1)
-                continue
-            self.m.round_seconds.observe(time.perf_counter() - t0)
-            self.m.round_pushes.observe(n_pushes)
+                if rep.needs_recovery:
+                    rep.recover()
+                if rep.inflight is None:
+                    if not self.leases.can_write(b, rep.assignment.epoch, time.monotonic()):
+                        return  # the next heartbeat's renewal kicks us again
+                    if rep.next_round() is None:
+                        if commit_task is not None:
+                            await commit_task
+                            commit_task = None
+                            continue  # pushes may have arrived meanwhile
+                        # Idle: bring members that joined (or missed a commit) up to date, so a
+                        # quiet bucket's copies are identical and a failover finds nothing missing.
+                        for m in rep.lagging():
+                            await self._sync_member(b, rep, m)
+                        return
+                t0 = time.perf_counter()
+                n_pushes = len(rep.inflight[1]) if rep.inflight else 0
+                try:
+                    if not await self._prepare_all(b, rep):
+                        continue  # the assignment changed: loop re-reads the role
+                    seq = rep.inflight[0].seq
+                    # Applied here in seq order: enqueued to the owner threads before anything
+                    # else runs on the loop, so reads and snapshots see whole batches.
+                    self._apply(rep.commit_round())
+                    if commit_task is not None:
+                        await commit_task  # at most one commit phase in flight
+                    commit_task = asyncio.create_task(
+                        self._commit_all(b, rep, seq, t0, n_pushes), name=f"commit-{b}-{seq}"
+                    )
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("bucket %d: round failed", b)
+                    await asyncio.sleep(0.1)
+        finally:
+            if commit_task is not None and not commit_task.done():
+                commit_task.cancel()
 
     async def _prepare_all(self, b: int, rep: BucketReplica) -> bool:
         """Until every member holds the round's batch. False when the assignment changed."""
@@ -514,7 +585,7 @@ class Replicator:
                 # it back as joining once we drop it.
                 return False
             try:
-                reply = await self._peer(member).call(
+                reply = await self._channel(member).call(
                     "repl_prepare",
                     bucket=b,
                     epoch=rep.assignment.epoch,
@@ -535,7 +606,9 @@ class Replicator:
             return True
         return False
 
-    async def _commit_all(self, b: int, rep: BucketReplica, seq: int) -> None:
+    async def _commit_all(
+        self, b: int, rep: BucketReplica, seq: int, t0: float, n_pushes: int
+    ) -> None:
         """COMMIT to every member; acknowledges pushes as members confirm. A member that does not
         confirm within member_timeout is dropped (its pushes are released once it is removed)."""
         epoch = rep.assignment.epoch
@@ -555,13 +628,15 @@ class Replicator:
             elif failed:
                 await asyncio.sleep(0.02)
         self._release(rep.release_acknowledged())
+        self.m.round_seconds.observe(time.perf_counter() - t0)
+        self.m.round_pushes.observe(n_pushes)
 
     async def _sync_member(self, b: int, rep: BucketReplica, member: str) -> bool:
         """Between rounds: COMMIT up to our position; a member that lacks batches says where it
         stands and gets them from the log (PREPARE of committed batches), then the COMMIT again."""
         for _ in range(3):
             try:
-                reply = await self._peer(member).call(
+                reply = await self._channel(member).call(
                     "repl_commit",
                     bucket=b,
                     epoch=rep.assignment.epoch,
@@ -576,7 +651,7 @@ class Replicator:
                 entries = rep.log_after(position)
                 if entries is None:
                     return False  # beyond the log: dropping it makes it transfer state again
-                await self._peer(member).call(
+                await self._channel(member).call(
                     "repl_prepare",
                     bucket=b,
                     epoch=rep.assignment.epoch,
@@ -589,7 +664,7 @@ class Replicator:
 
     async def _commit_one(self, b: int, rep: BucketReplica, member: str, seq: int) -> bool:
         try:
-            reply = await self._peer(member).call(
+            reply = await self._channel(member).call(
                 "repl_commit", bucket=b, epoch=rep.assignment.epoch, sender=self.server_id, seq=seq
             )
         except RpcError as exc:
@@ -660,6 +735,7 @@ class Replicator:
                 loop.call_soon_threadsafe(_settle, fut, result, error)
 
             self.store.push_group(self._parts(batch.updates), done)
+            fut.add_done_callback(_log_apply_error)
             futs.append(fut)
         return asyncio.gather(*futs) if futs else _done_future(loop)
 
@@ -702,8 +778,31 @@ class Replicator:
         self.last_heard[b] = time.monotonic()
         if isinstance(res, tuple):
             return {"status": res[0], "seq": res[1]}
-        await self._apply(res)
+        # Decided and queued to the owner threads in seq order: every later read, snapshot or
+        # digest on this server queues behind it, so the ack need not wait for the application.
+        self._apply(res)
         return {"status": "ok", "seq": rep.committed}
+
+    async def op_repl_multi(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Several replication messages from one peer, handled in order; one result each."""
+        results = []
+        for item in require(msg, "items", list):
+            if not isinstance(item, dict) or item.get("op") not in MULTI_OPS:
+                op = item.get("op") if isinstance(item, dict) else None
+                results.append(
+                    {
+                        "error": {
+                            "code": "unknown_op",
+                            "message": f"{op!r} not allowed in repl_multi",
+                        }
+                    }
+                )
+                continue
+            try:
+                results.append({"ok": await getattr(self, f"op_{item['op']}")(item)})
+            except ProtocolError as exc:
+                results.append({"error": exc.to_dict()})
+        return {"results": results}
 
     async def op_repl_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
         sender = require(msg, "sender", str)
@@ -743,7 +842,9 @@ class Replicator:
             self._update_gauges()
 
     async def _ping(self, member: str, buckets: dict[str, int]) -> None:
-        reply = await self._peer(member).call("repl_ping", sender=self.server_id, buckets=buckets)
+        reply = await self._channel(member).call(
+            "repl_ping", sender=self.server_id, buckets=buckets
+        )
         if reply.get("stale"):
             self.m.stale.inc(len(reply["stale"]))
             self.request_heartbeat()
@@ -909,6 +1010,11 @@ def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> No
         fut.set_exception(error)
     else:
         fut.set_result(result)
+
+
+def _log_apply_error(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("applying a committed batch failed: %r", fut.exception())
 
 
 def _done_future(loop: asyncio.AbstractEventLoop) -> asyncio.Future:

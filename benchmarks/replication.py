@@ -1,0 +1,170 @@
+"""Replication cost and failover time, from one run on this machine.
+
+Two real clusters on loopback (3 controllers + 3 parameter servers each), one with replication
+factor 1 and one with replication factor 3. The same client load (threads pushing dense deltas of
+whole shards through adamps.client.PSClient) runs against each; the figure is RF 3 throughput as a
+ratio to RF 1 (goal >= 0.5). Then, on the RF 3 cluster, the primary of the most buckets is killed
+with SIGKILL under load, and the failover time is measured: from the kill to the first
+acknowledged push to a bucket that server led. Every acknowledged push is checked to be present
+exactly once at the end (the exactness checker of the tests).
+
+    python benchmarks/replication.py [--seconds 8] [--threads 4] [--shard-kb 256]
+
+Last line: one JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from adamps.client import ControllerRouting, PSClient
+from adamps.exactness import ExactnessLoad
+from adamps.layout import Layout, TensorSpec
+from adamps.localcluster import LocalCluster
+
+TOKEN = "bench-token"
+N_BUCKETS = 16
+LEASE = 2.0
+FAILOVER_SHARD = 500  # 32 shards of x over the 16 buckets
+
+
+def cluster(root: str, replication: int, shard_elems: int) -> LocalCluster:
+    c = LocalCluster(
+        root,
+        token=TOKEN,
+        n_servers=3,
+        n_buckets=N_BUCKETS,
+        controller_opts={
+            "replication": replication, "lease-duration": LEASE, "lease-skew": 0.1, "lease-margin": 0.2,
+            "heartbeat-interval": 0.2, "server-timeout": 1.0, "reconcile-interval": 0.1,
+        },
+        ps_opts={"member-timeout": 0.5, "ping-interval": 0.2, "failover-after": 1.5, "log-level": "WARNING",
+                 "max-shard-elems": shard_elems},
+    )  # fmt: skip
+    c.start(timeout=60)
+    return c
+
+
+def throughput(c: LocalCluster, threads: int, seconds: float, shard_elems: int) -> dict[str, float]:
+    """Pushes/s and GB/s of `threads` clients each pushing one whole shard per request."""
+    n_shards = 4 * N_BUCKETS
+    spec = TensorSpec("w", (n_shards * shard_elems,))
+    layout = Layout([spec], n_buckets=N_BUCKETS, max_shard_elems=shard_elems)
+    setup = PSClient(ControllerRouting(c.controllers), layout, TOKEN)
+    setup.create(spec, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": -1.0})
+    setup.close()
+    counts = [0] * threads
+    stop = threading.Event()
+
+    def run(i: int) -> None:
+        client = PSClient(ControllerRouting(c.controllers), layout, TOKEN)
+        delta = np.ones(shard_elems, np.float32)
+        shards = layout.shards_of["w"]
+        k = i
+        while not stop.is_set():
+            client.push_shards({shards[k % n_shards].id: delta})
+            counts[i] += 1
+            k += threads
+        client.close()
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    time.sleep(1.0)  # warm-up: connections, routing tables
+    start, before = time.perf_counter(), sum(counts)
+    time.sleep(seconds)
+    done, elapsed = sum(counts) - before, time.perf_counter() - start
+    stop.set()
+    for w in workers:
+        w.join(30)
+    rate = done / elapsed
+    return {"pushes_per_s": rate, "GB_per_s": rate * shard_elems * 4 / 1e9}
+
+
+def failover(c: LocalCluster) -> dict[str, float]:
+    spec = TensorSpec("x", (16_000,))
+    layout = Layout([spec], n_buckets=N_BUCKETS, max_shard_elems=FAILOVER_SHARD)
+    client = PSClient(ControllerRouting(c.controllers), layout, TOKEN, retry_for=20.0)
+    client.create(spec, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": -1.0})
+    load = ExactnessLoad(client, layout, "x", threads=4)
+    load.start()
+    time.sleep(1.5)
+    view = c.cluster()
+    victim = max(c.server_ids, key=lambda s: sum(b["primary"] == s for b in view["buckets"]))
+    led = {b["bucket"] for b in view["buckets"] if b["primary"] == victim}
+    killed = time.monotonic()
+    c.kill(victim)
+    time.sleep(2 * LEASE + 3)
+    load.stop()
+    values, _ = client.pull(["x"])
+    counts = load.check(values["x"])
+    bucket_of_element = {}
+    for s in layout.shards_of["x"]:
+        for e in range(s.start, s.stop):
+            bucket_of_element[e] = layout.bucket_of[s.id]
+    after = [t for t, e in load.out.ack_times if t > killed and bucket_of_element[e] in led]
+    client.close()
+    return {
+        "failover_s": (min(after) - killed) if after else float("nan"),
+        "acked": counts["acked"],
+        "unknown": counts["unknown"],
+        "failed": counts["failed"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per configuration")
+    p.add_argument("--threads", type=int, default=4, help="client threads")
+    p.add_argument("--shard-kb", type=int, default=256, help="size of each pushed shard (KiB)")
+    args = p.parse_args()
+    shard_elems = args.shard_kb * 256
+    print(
+        f"adamps benchmarks/replication.py ({os.cpu_count()} CPUs): 3 controllers + 3 parameter servers per cluster,"
+    )
+    print(
+        f"{args.threads} client threads pushing {args.shard_kb} KiB dense deltas (one shard each), {args.seconds:.0f} s each"
+    )
+    results: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="adamps-bench-") as root:
+        for rf in (1, 3):
+            c = cluster(os.path.join(root, f"rf{rf}"), rf, shard_elems)
+            try:
+                r = throughput(c, args.threads, args.seconds, shard_elems)
+            finally:
+                c.stop()
+            results[f"rf{rf}_pushes_per_s"] = round(r["pushes_per_s"], 1)
+            results[f"rf{rf}_GB_per_s"] = round(r["GB_per_s"], 4)
+            print(
+                f"  replication factor {rf}: {r['pushes_per_s']:8.1f} pushes/s  {r['GB_per_s']:.3f} GB/s"
+            )
+        ratio = results["rf3_pushes_per_s"] / results["rf1_pushes_per_s"]
+        results["rf3_over_rf1"] = round(ratio, 3)
+        verdict = "met" if ratio >= 0.5 else "MISSED"
+        print(f"  RF 3 / RF 1 = {ratio:.2f}  (goal >= 0.5: {verdict})")
+        c = cluster(os.path.join(root, "failover"), 3, FAILOVER_SHARD)
+        try:
+            f = failover(c)
+        finally:
+            c.stop()
+        results["failover_s"] = round(f["failover_s"], 3)
+        results["lease_duration_s"] = LEASE
+        print(
+            f"  failover after SIGKILL of a primary under load: {f['failover_s']:.2f} s "
+            f"(lease {LEASE} s; goal < 2 x lease); pushes acked {f['acked']}, unknown {f['unknown']}, "
+            f"failed {f['failed']}, every acknowledged push present exactly once"
+        )
+    results["shard_KiB"] = args.shard_kb
+    results["client_threads"] = args.threads
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
