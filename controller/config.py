@@ -10,7 +10,7 @@ from adamps.config import ConfigError, default_token, field
 @dataclass
 class ControllerConfig:
     members: list[str] = field(
-        ["127.0.0.1:7110:7100"],
+        ["127.0.0.1:7010:7000"],
         help="every controller of the cluster as HOST:RAFT_PORT:HTTP_PORT, the same list on every node",
     )
     member: int = field(0, help="index of this node in --members")

@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--controllers",
-        default="127.0.0.1:7100",
+        default="127.0.0.1:7000",
         help="comma-separated HTTP addresses (host:port) of controllers; the first that answers is used",
     )
     parser.add_argument("--buckets", action="store_true", help="also list every bucket")

@@ -60,7 +60,7 @@ class PsConfig:
         "", help="host:port the peers and clients reach this server at (default: host:port)"
     )
     member_timeout: float = field(
-        1.0,
+        2.0,
         help="seconds a secondary may take to answer a replication message before the primary "
         "asks the controllers to drop it from the replica set",
     )

@@ -151,6 +151,8 @@ class ReplMetrics:
             ["direction"],
             registry=registry,
         )
+        for direction in ("sent", "received"):
+            self.snapshots.labels(direction)  # both series exist from the start (dashboards)
         self.primary_buckets = Gauge(
             "adamps_ps_primary_buckets", "buckets this server is primary of", registry=registry
         )
