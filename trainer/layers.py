@@ -21,6 +21,8 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "linear")
+#: work buffers are kept for this many batch sizes (training, last partial batch, evaluation)
+_MAX_BATCH_SIZES = 4
 
 
 def _activate(kind: str, y: np.ndarray) -> None:
@@ -92,6 +94,8 @@ class Layer:
     def _buffers(self, batch: int) -> dict[str, np.ndarray | None]:
         bufs = self._bufs.get(batch)
         if bufs is None:
+            if len(self._bufs) >= _MAX_BATCH_SIZES:  # e.g. a caller with ever-changing sizes
+                del self._bufs[next(iter(self._bufs))]
             bufs = self._bufs[batch] = self._allocate(batch)
         return bufs
 
