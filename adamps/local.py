@@ -100,33 +100,57 @@ def build_parser() -> argparse.ArgumentParser:
         prog="adamps up",
         description="Run the whole adamps cluster as local processes and train adam-mnist on the "
         "built-in data; print the held-out accuracy, the throughput and a plot.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--controllers", type=int, default=3, help="controller nodes (Raft)")
-    p.add_argument("--servers", type=int, default=3, help="parameter servers")
-    p.add_argument("--dataservers", type=int, default=1, help="data servers (trainers fail over)")
-    p.add_argument("--trainers", type=int, default=2, help="trainer processes (model replicas)")
-    p.add_argument("--workers", type=int, default=1, help="Hogwild workers per trainer")
-    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS, help="training epochs")
-    p.add_argument("--buckets", type=int, default=64, help="buckets the shards are hashed into")
+    p.add_argument(
+        "--controllers", type=int, default=3, help="controller nodes (Raft) (default: %(default)s)"
+    )
+    p.add_argument(
+        "--servers", type=int, default=3, help="parameter servers (default: %(default)s)"
+    )
+    p.add_argument(
+        "--dataservers",
+        type=int,
+        default=1,
+        help="data servers (trainers fail over) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--trainers",
+        type=int,
+        default=2,
+        help="trainer processes (model replicas) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=1, help="Hogwild workers per trainer (default: %(default)s)"
+    )
+    p.add_argument(
+        "--epochs", type=int, default=DEFAULT_EPOCHS, help="training epochs (default: %(default)s)"
+    )
+    p.add_argument(
+        "--buckets",
+        type=int,
+        default=64,
+        help="buckets the shards are hashed into (default: %(default)s)",
+    )
     p.add_argument(
         "--augment",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="let the data server augment the training images (shifts, rotations)",
+        help="let the data server augment the training images (shifts, rotations; default: off)",
     )
     p.add_argument(
         "--target-accuracy",
         type=float,
         default=0.96,
-        help="held-out accuracy the run must reach for exit code 0 (0 disables the check)",
+        help="held-out accuracy the run must reach for exit code 0 (0 disables the check; "
+        "default: %(default)s)",
     )
     p.add_argument("--run-dir", default="", help="run directory (default: ./runs/<UTC time>)")
     p.add_argument(
         "--port-base",
         type=int,
         default=0,
-        help="first TCP port; every process takes the next free one (0: ports chosen by the kernel)",
+        help="first TCP port; every process takes the next free one (default 0: ports chosen by "
+        "the kernel)",
     )
     p.add_argument(
         "--token",
@@ -134,15 +158,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="cluster token (default: $ADAMPS_TOKEN, else a new random one); written to "
         "RUN_DIR/token (mode 0600), handed to the children in their environment",
     )
-    p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     p.add_argument(
-        "--stop-timeout", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL"
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="give up after this many seconds (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL, per stage (default: %(default)s)",
     )
     p.add_argument(
         "--progress-interval",
         type=float,
         default=0.0,
-        help="seconds between progress lines (0: 1 s on a terminal, 5 s otherwise)",
+        help="seconds between progress lines (default 0: 1 s on a terminal, 5 s otherwise)",
     )
     p.add_argument("--no-progress", action="store_true", help="no live progress view")
     return p

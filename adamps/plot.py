@@ -58,11 +58,10 @@ def plot_run(
         xs = [h["time"] - t0 for h in history]
         ys = [100 * h["accuracy"] for h in history]
         ax_acc.plot(xs, ys, "o-", color="tab:green", label="held-out accuracy (server weights)")
-        # Only the last point is labelled: epoch ends can be a fraction of a second apart.
-        ax_acc.annotate(
-            f"{ys[-1]:.1f}% after epoch {history[-1]['epoch']}", (xs[-1], ys[-1]),
-            textcoords="offset points", xytext=(-6, 10), ha="right", fontsize="small",
-        )  # fmt: skip
+        ax_acc.set_title(
+            f"held-out accuracy {ys[-1]:.1f}% after epoch {history[-1]['epoch']}",
+            fontsize="small",
+        )
         low = min(ys + ([100 * target] if target > 0 else []))
         ax_acc.set_ylim(max(0.0, min(low - 2, 90.0)), 100.5)
     if target > 0:

@@ -126,6 +126,25 @@ def test_signal_stops_every_child(tmp_path: Path, sig: int, when: str) -> None:
 
 
 @pytest.mark.timeout(150)
+def test_a_dead_trainer_fails_the_run_and_everything_stops(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc, out = start_up(run, "--epochs", "200", "--stop-timeout", "5")
+    try:
+        wait_until(lambda: training(run), 120, "training progress", proc, out)
+        os.kill(recorded_pids(run)["train1"], signal.SIGKILL)  # its workers stay behind
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = out.read_text()
+    assert code == 1, text
+    assert "train1 exited with -9" in text, text
+    left = processes_of_run(run, recorded_pids(run))
+    assert not left, f"processes of the run still alive: {left}\n{text}"
+
+
+@pytest.mark.timeout(150)
 def test_short_run_ends_with_accuracy_and_plot(tmp_path: Path) -> None:
     run = tmp_path / "run"
     base = 20000 + os.getpid() % 5000  # below the kernel's ephemeral range
