@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"adamps {__version__}")
         return 0
+    from adamps.procs import die_with_parent
+
+    die_with_parent()
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(

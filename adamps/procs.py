@@ -19,6 +19,28 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
+#: environment variable naming the pid of the process whose death must end the child
+PARENT_ENV = "ADAMPS_DIE_WITH_PARENT"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child started by Proc: SIGTERM when the parent process dies (Linux prctl). If the
+    parent is already gone (it died between fork and here), exit now."""
+    want = os.environ.pop(PARENT_ENV, None)
+    if not want or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(want):
+        os._exit(1)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the kernel's choice)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -47,6 +69,9 @@ class Proc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         full_env = dict(os.environ)
         full_env.setdefault("PYTHONUNBUFFERED", "1")
+        # The child asks the kernel for SIGTERM when this process dies (adamps.cli): a parent killed
+        # with SIGKILL leaves no orphans behind, although each child runs in its own session.
+        full_env[PARENT_ENV] = str(os.getpid())
         if env:
             full_env.update(env)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()/wait()
