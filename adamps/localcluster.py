@@ -181,12 +181,15 @@ class LocalCluster:
     def wait_placed(self, timeout: float = 30.0) -> dict[str, Any]:
         """Until every bucket has a live primary and a full replica set, and the primaries hold
         renewed leases (their servers report themselves primary)."""
+
         def placed(c: dict[str, Any]) -> bool:
             want = min(int(c["replication"]), len(self.servers))
             return (
                 c["unassigned"] == 0
                 and c["under_replicated"] == 0
-                and all(len(b["secondaries"]) + 1 >= want and not b["joining"] for b in c["buckets"])
+                and all(
+                    len(b["secondaries"]) + 1 >= want and not b["joining"] for b in c["buckets"]
+                )
             )
 
         c = self.wait_for(placed, "every bucket placed and replicated", timeout)

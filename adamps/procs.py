@@ -18,7 +18,6 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-
 #: environment variable naming the pid of the process whose death must end the child
 PARENT_ENV = "ADAMPS_DIE_WITH_PARENT"
 _PR_SET_PDEATHSIG = 1
