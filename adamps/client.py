@@ -275,26 +275,22 @@ class PSClient:
 
     def push_dense(self, name: str, delta: np.ndarray, seq: int | None = None) -> None:
         """w -= lr * delta on the servers (lr and optimizer of the tensor). Applied exactly once."""
-        seq = self.next_seq() if seq is None else seq
-        parts = self.layout.split(name, np.ascontiguousarray(delta, dtype=np.float32))
-        by_id = {s.id: p for s, p in zip(self.layout.shards_of[name], parts, strict=True)}
-        done: set[str] = set()
+        self.push_dense_many({name: delta}, seq)
 
-        def go(routing: Routing) -> None:
-            todo = [s for s in self.layout.shards_of[name] if s.id not in done]
-            for url, group in self._by_server(todo, routing).items():
-                self._rpc(url).call(
-                    "push_dense",
-                    shards={s.id: by_id[s.id] for s in group},
-                    client=self.client_id,
-                    seq=seq,
-                )
-                done.update(s.id for s in group)
-
-        self._with_retry(go)
+    def push_dense_many(self, deltas: Mapping[str, np.ndarray], seq: int | None = None) -> None:
+        """Dense deltas of several whole tensors in one request per server (a push of the conv
+        layers and every bias costs one round trip, not one per tensor). Applied exactly once."""
+        by_id: dict[str, np.ndarray] = {}
+        for name, delta in deltas.items():
+            parts = self.layout.split(name, np.ascontiguousarray(delta, dtype=np.float32))
+            for s, part in zip(self.layout.shards_of[name], parts, strict=True):
+                by_id[s.id] = part
+        self.push_shards(by_id, seq)
 
     def push_shards(self, deltas: Mapping[str, np.ndarray], seq: int | None = None) -> None:
-        """Dense deltas of individual shards (shard id -> values of the shard's shape)."""
+        """Dense deltas of individual shards (shard id -> values of the shard's shape), grouped
+        into one push_dense per server; all parts carry the same (client id, seq), so a retry
+        after a partial failure re-sends only what was not acknowledged, exactly once."""
         seq = self.next_seq() if seq is None else seq
         done: set[str] = set()
 

@@ -351,37 +351,6 @@ def push_parts(
     return parts
 
 
-class DownpourClient(PSClient):
-    """PSClient with one more operation: the dense deltas of several tensors in one request per
-    server (push_dense with a ``shards`` map spanning tensors), so a push of the conv layers and
-    all biases costs one round trip instead of one per tensor. Same retries and (client, seq)
-    as PSClient.push_dense. (A candidate for adamps/client.py.)"""
-
-    def push_dense_many(self, deltas: Mapping[str, np.ndarray], seq: int | None = None) -> None:
-        seq = self.next_seq() if seq is None else seq
-        by_id: dict[str, np.ndarray] = {}
-        shards = []
-        for name, delta in deltas.items():
-            parts = self.layout.split(name, np.ascontiguousarray(delta, dtype=np.float32))
-            for s, p in zip(self.layout.shards_of[name], parts, strict=True):
-                by_id[s.id] = p
-                shards.append(s)
-        done: set[str] = set()
-
-        def go(routing: Any) -> None:
-            todo = [s for s in shards if s.id not in done]
-            for url, group in self._by_server(todo, routing).items():
-                self._rpc(url).call(
-                    "push_dense",
-                    shards={s.id: by_id[s.id] for s in group},
-                    client=self.client_id,
-                    seq=seq,
-                )
-                done.update(s.id for s in group)
-
-        self._with_retry(go)
-
-
 # -- boards: where replicas meet (warm start, epochs finished) --------------------------------
 
 
@@ -646,7 +615,7 @@ class Replica:
         self.data = DataClient(cfg.dataservers, cfg.token)
         self.tensors = [TensorSpec(n, tuple(s)) for n, s in self.model.tensors()]
         self.layout: Layout | None = None
-        self.client: DownpourClient | None = None
+        self.client: PSClient | None = None
         self.board: Board | None = None
         self.pushq = PushQueue(cfg.push_queue)
         self.result = ReplicaResult()
@@ -683,7 +652,7 @@ class Replica:
             max_elems = int(status.get("config", {}).get("max_shard_elems", 262_144))
             self.layout = Layout(self.tensors, n_buckets, max_elems)
             routing = StaticRouting(cfg.ps, n_buckets)
-        self.client = DownpourClient(routing, self.layout, cfg.token, retry_for=60.0)
+        self.client = PSClient(routing, self.layout, cfg.token, retry_for=60.0)
         if cfg.controllers:
             self.board = ControllerBoard(cfg.controllers, cfg.token, cfg.replica, cfg.run)
         else:
