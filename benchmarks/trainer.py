@@ -61,6 +61,23 @@ def numpy_factory(worker_id: int, params: np.ndarray):
     return handle
 
 
+def spin_factory(worker_id: int, params: np.ndarray):
+    """A pure-Python busy loop: how much two processes can run in parallel right now."""
+
+    def handle(task: tuple[int, float]) -> tuple[int, float, float]:
+        _, seconds = task
+        count = 0
+        start, cpu = time.perf_counter(), time.thread_time()
+        while True:
+            for _ in range(1000):
+                count += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                return count, elapsed, time.thread_time() - cpu
+
+    return handle
+
+
 def torch_factory(threads: int, init: np.ndarray, worker_id: int, params: np.ndarray):
     """The same model, initial weights and update in PyTorch (default NCHW layout)."""
     import torch
@@ -166,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             for t in (1, 2):
                 f = functools.partial(torch_factory, t, model.params.copy())
                 pools[f"torch_{t}t"] = Hogwild(f, 1, np.zeros(1, np.float32), mode="process")
+        pools["spin_1w"] = Hogwild(spin_factory, 1, np.zeros(1, np.float32))
+        pools["spin_2w"] = Hogwild(spin_factory, 2, np.zeros(1, np.float32))
         # threads last: their pool pins this process's BLAS to one thread while it exists
         pools["numpy_thread_1w"] = Hogwild(numpy_factory, 1, model.params, mode="thread")
         pools["numpy_thread_2w"] = Hogwild(numpy_factory, 2, model.params, mode="thread")
@@ -173,11 +192,14 @@ def main(argv: list[str] | None = None) -> int:
         samples: dict[tuple[str, int], list[float]] = {}
         cpu_samples: dict[tuple[str, int], list[float]] = {}
         for b in batches:  # warm up: work buffers, BLAS, torch's allocator
-            for pool in pools.values():
-                pool.run([(b, 0.2)] * pool.n_workers)
+            for name, pool in pools.items():
+                if not name.startswith("spin") or b == batches[0]:
+                    pool.run([(b, 0.2)] * pool.n_workers)
         for _ in range(args.rounds):
             for b in batches:
                 for name, pool in pools.items():
+                    if name.startswith("spin") and b != batches[0]:
+                        continue  # the calibration runs once per round
                     outs = pool.run([(b, args.seconds)] * pool.n_workers)
                     images = sum(o[0] for o in outs)
                     samples.setdefault((name, b), []).append(images / max(o[1] for o in outs))
@@ -200,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nimages/s and connections/s (best of {args.rounds} interleaved rounds)")
     print(f"{'config':<18}" + "".join(f"{'B=' + str(b):>22}" for b in batches))
     for name in pools:
+        if name.startswith("spin"):
+            continue
         cells = []
         for b in batches:
             ips = med[(name, b)]
@@ -208,7 +232,12 @@ def main(argv: list[str] | None = None) -> int:
             result[f"b{b}_{name}_connections_per_s"] = round(ips * conns)
         print(f"{name:<18}" + "".join(f"{c:>22}" for c in cells))
 
-    print("\nscaling 1 -> 2 workers:")
+    limit = med[("spin_2w", batches[0])] / med[("spin_1w", batches[0])]
+    result["scaling_limit_busy_loop_x"] = round(limit, 2)
+    print(
+        f"\nscaling 1 -> 2 workers (limit: 2 busy-loop processes run {limit:4.2f}x one, "
+        "with whatever else this machine runs now):"
+    )
     for b in batches:
         proc = med[("numpy_process_2w", b)] / med[("numpy_process_1w", b)]
         thr = med[("numpy_thread_2w", b)] / med[("numpy_thread_1w", b)]
