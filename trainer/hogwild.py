@@ -5,10 +5,10 @@ The weights are one flat float32 buffer. In the default "process" mode it lives 
 ``multiprocessing.shared_memory`` and each worker is a spawned process with its own interpreter,
 so the workers' numpy glue code runs in parallel; in "thread" mode the workers are threads of
 this process sharing an ordinary array. benchmarks/trainer.py measures both. From 1 to 2
-workers on 2 vCPUs, processes scaled 1.4x (batch 1), 1.7x (batch 8) and 1.5x (batch 32) in
-our least disturbed run, threads 0.7x, 0.8x and 1.2x (the reference figures for this machine
-kind: processes 1.65-2.0x, threads 0.7-1.6x): the GIL serialises the many small numpy calls
-between the BLAS calls, so threads only gain at large batches. Hence processes by default.
+workers on 2 vCPUs (adam-mnist, quiet machine), processes scaled 1.54x (batch 1), 1.90x
+(batch 8) and 2.01x (batch 32); threads 0.69x, 1.14x and 1.40x: the GIL serialises the many
+small numpy calls between the BLAS calls, so threads only gain at large batches. Hence
+processes by default.
 
 Usage::
 
