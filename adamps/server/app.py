@@ -38,6 +38,7 @@ from adamps.server.store import (
     TensorState,
     fc_parts,
     normalize_init,
+    owner_future,
 )
 
 log = logging.getLogger(__name__)
@@ -433,19 +434,7 @@ class ParameterServer:
     async def _wait(
         self, submit: Callable[[Callable[[Any, BaseException | None], None]], Any]
     ) -> Any:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-
-        def resolve(result: Any, error: BaseException | None) -> None:
-            if fut.done():
-                return
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(result)
-
-        submit(lambda result, error: loop.call_soon_threadsafe(resolve, result, error))
-        return await fut
+        return await owner_future(submit)
 
     def _check_serving(self, states: list[ShardState]) -> None:
         """Under replication, only the primary of a bucket with a live lease serves it."""

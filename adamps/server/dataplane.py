@@ -34,7 +34,7 @@ import numpy as np
 from adamps import protocol
 from adamps.protocol import ProtocolError
 from adamps.server.optim import Dense
-from adamps.server.store import StoreError
+from adamps.server.store import StoreError, owner_future
 
 if TYPE_CHECKING:
     from adamps.server.app import ParameterServer
@@ -303,22 +303,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         asyncio.get_running_loop().create_task(answer_and_close())
 
 
-def _submit(submit: Any) -> asyncio.Future:
-    """Calls submit(on_done) now and returns an asyncio future of its result (owner threads
-    resolve it through call_soon_threadsafe)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
-
-    def resolve(result: Any, error: BaseException | None) -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-
-    submit(lambda result, error: loop.call_soon_threadsafe(resolve, result, error))
-    return fut
+_submit = owner_future
 
 
 async def start(ps: ParameterServer, host: str, port: int) -> asyncio.Server:

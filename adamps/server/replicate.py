@@ -41,7 +41,7 @@ from adamps.layout import TensorSpec
 from adamps.protocol import ProtocolError, require
 from adamps.rpc import AsyncRpc, RpcError
 from adamps.server.optim import Dense, Optimizer
-from adamps.server.store import ShardState, fc_parts
+from adamps.server.store import ShardState, fc_parts, owner_future
 
 if TYPE_CHECKING:
     from adamps.server.app import ParameterServer
@@ -728,18 +728,13 @@ class Replicator:
 
     def _apply(self, action: Apply) -> asyncio.Future:
         """Enqueues the batches, each as one group per shard, in order; a future for completion."""
-        loop = asyncio.get_running_loop()
         futs = []
         for batch in action.batches:
-            fut = loop.create_future()
-
-            def done(result: Any, error: BaseException | None, fut: asyncio.Future = fut) -> None:
-                loop.call_soon_threadsafe(_settle, fut, result, error)
-
-            self.store.push_group(self._parts(batch.updates), done)
+            parts = self._parts(batch.updates)
+            fut = owner_future(lambda cb, parts=parts: self.store.push_group(parts, cb))
             fut.add_done_callback(_log_apply_error)
             futs.append(fut)
-        return asyncio.gather(*futs) if futs else _done_future(loop)
+        return asyncio.gather(*futs)
 
     # -- secondary: messages from the primary ---------------------------------------------------------
 
@@ -1005,24 +1000,9 @@ class Replicator:
         }
 
 
-def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
-
-
 def _log_apply_error(fut: asyncio.Future) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("applying a committed batch failed: %r", fut.exception())
-
-
-def _done_future(loop: asyncio.AbstractEventLoop) -> asyncio.Future:
-    fut = loop.create_future()
-    fut.set_result(None)
-    return fut
 
 
 def tensor_from_definition(d: dict[str, Any]) -> tuple[TensorSpec, Optimizer, dict[str, Any]]:

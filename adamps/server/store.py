@@ -588,6 +588,27 @@ class Store:
         return self.tensors[st.shard.tensor].optimizer
 
 
+def owner_future(submit: Callable[[Callable[[Any, BaseException | None], None]], Any]) -> Any:
+    """Calls ``submit(on_done)`` now (a Store method taking a completion callback) and returns an
+    asyncio future of its result: the owner thread that completes the work resolves it through
+    ``call_soon_threadsafe``. The one bridge from owner threads to the event loop."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def resolve(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    submit(lambda result, error: loop.call_soon_threadsafe(resolve, result, error))
+    return fut
+
+
 def fc_parts(
     t: TensorState, a: np.ndarray, e: np.ndarray, states: Sequence[ShardState]
 ) -> list[tuple[ShardState, Fc]]:
