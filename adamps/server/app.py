@@ -121,7 +121,9 @@ class ParameterServer:
         self.started = time.time()
         self.store = Store(
             n_buckets=cfg.n_buckets,
-            buckets=cfg.buckets or None,
+            # Under controllers a server holds only the buckets it is assigned, from none at the
+            # start (a registration is a fresh incarnation); standalone, its static map or all.
+            buckets=frozenset() if cfg.controllers else (cfg.buckets or None),
             owner_threads=cfg.owner_threads,
             max_shard_elems=cfg.max_shard_elems,
             on_applied=lambda kind, n: self.m.applied.labels(kind).inc(n),

@@ -381,6 +381,7 @@ class Replicator:
                 if self.server_id in assignment.secondaries
                 else "joining"
             )
+            self.store.hold_bucket(b)  # shards exist only for the buckets this server holds
             rep = self.buckets.get(b)
             if rep is None:
                 rep = self.buckets[b] = BucketReplica(
@@ -417,6 +418,7 @@ class Replicator:
     def _forget(self, b: int) -> None:
         rep = self.buckets.pop(b, None)
         self.roles.pop(b, None)
+        self.store.release_bucket(b)
         self.leases.drop(b)
         self.last_heard.pop(b, None)
         task = self._join_tasks.pop(b, None)

@@ -287,24 +287,65 @@ class Store:
             if not self.holds(s):
                 continue
             if s.id in saved:
-                version, value, accum = saved[s.id]
+                self._materialize(t, s, *saved[s.id])
             else:
                 if whole is None:
                     whole = initial_values(spec.shape, init, values).reshape(-1)
-                version, value, accum = 0, whole[s.start : s.stop], None
-            if accum is None and optimizer.has_accumulator:
-                accum = np.full(s.shape, optimizer.initial_accumulator, dtype=np.float32)
-            st = ShardState(
-                s,
-                owner=stable_bucket(s.id, len(self._queues)),
-                value=np.array(value, dtype=np.float32, order="C").reshape(s.shape),
-                accum=None if accum is None else np.array(accum, dtype=np.float32).reshape(s.shape),
-                version=version,
-            )
-            t.shards[s.index] = st
-            self.shards[s.id] = st
+                self._materialize(t, s, 0, whole[s.start : s.stop], None)
         self.tensors[spec.name] = t
         return t
+
+    def _materialize(
+        self, t: TensorState, s: Shard, version: int, value: np.ndarray, accum: np.ndarray | None
+    ) -> ShardState:
+        if accum is None and t.optimizer.has_accumulator:
+            accum = np.full(s.shape, t.optimizer.initial_accumulator, dtype=np.float32)
+        st = ShardState(
+            s,
+            owner=stable_bucket(s.id, len(self._queues)),
+            value=np.array(value, dtype=np.float32, order="C").reshape(s.shape),
+            accum=None if accum is None else np.array(accum, dtype=np.float32).reshape(s.shape),
+            version=version,
+        )
+        t.shards[s.index] = st
+        self.shards[s.id] = st
+        return st
+
+    def hold_bucket(self, bucket: int) -> int:
+        """Starts holding `bucket` (a replicated server's new copy): materialises its shards of
+        every defined tensor from the tensor's initial values, which a state transfer then
+        replaces. Returns the number of shards added. Event-loop thread only."""
+        if self.buckets is None or bucket in self.buckets:
+            return 0
+        self.buckets = self.buckets | {bucket}
+        added = 0
+        for t in self.tensors.values():
+            mine = [s for s in t.layout_shards if self.layout.bucket_of[s.id] == bucket]
+            if not mine:
+                continue
+            # A tensor defined from given values keeps only their digest: zeros until the
+            # transfer (only a bucket placed before any lease, i.e. empty, skips the transfer).
+            given = np.zeros(t.spec.shape, np.float32) if t.init["kind"] == "values" else None
+            whole = initial_values(t.spec.shape, t.init, given).reshape(-1)
+            for s in mine:
+                self._materialize(t, s, 0, whole[s.start : s.stop], None)
+                added += 1
+        return added
+
+    def release_bucket(self, bucket: int) -> int:
+        """Stops holding `bucket`: its shards leave the store (work already queued for them
+        completes on the detached state, harmlessly). Returns the number of shards dropped."""
+        if self.buckets is None or bucket not in self.buckets:
+            return 0
+        self.buckets = self.buckets - {bucket}
+        dropped = 0
+        for t in self.tensors.values():
+            for s in t.layout_shards:
+                if s.index in t.shards and self.layout.bucket_of[s.id] == bucket:
+                    del t.shards[s.index]
+                    del self.shards[s.id]
+                    dropped += 1
+        return dropped
 
     def tensor(self, name: str) -> TensorState:
         t = self.tensors.get(name)

@@ -342,3 +342,31 @@ def test_read_with_accumulators_and_overwrite(store: Store) -> None:
     assert np.array_equal(out, np.ones(500, np.float32)) and not acc.any()
     with pytest.raises(StoreError):
         store.overwrite([st], [np.ones(3, np.float32)], [None], [1], lambda r, e: None)
+
+
+def test_a_replicated_store_holds_only_its_buckets() -> None:
+    """Under controllers a server materialises shards per assigned bucket, from the tensor's
+    initial values (a state transfer then overwrites them), and drops them with the bucket."""
+    s = Store(n_buckets=8, buckets=frozenset(), owner_threads=2, max_shard_elems=100)
+    try:
+        init = {"kind": "uniform", "seed": 3, "low": -1.0, "high": 1.0}
+        t = define(s, "w", (40, 50), init=init)  # 20 shards over 8 buckets
+        assert t.shards == {} and s.shards == {}
+        buckets = sorted({s.layout.bucket_of[x.id] for x in t.layout_shards})
+        b = buckets[0]
+        mine = [x for x in t.layout_shards if s.layout.bucket_of[x.id] == b]
+        assert s.hold_bucket(b) == len(mine) and s.hold_bucket(b) == 0
+        whole = initial_values((40, 50), normalize_init(init, (40, 50))).reshape(-1)
+        for x in mine:
+            np.testing.assert_array_equal(s.shard(x.id).value.reshape(-1), whole[x.start : x.stop])
+        # A tensor defined later gets shards in the held buckets only.
+        t2 = define(s, "v", (1000,))
+        assert {s.layout.bucket_of[s2.shard.id] for s2 in t2.shards.values()} <= {b}
+        held = len(mine) + sum(1 for x in t2.layout_shards if s.layout.bucket_of[x.id] == b)
+        assert s.release_bucket(b) == held
+        assert all(s.layout.bucket_of[sid] != b for sid in s.shards)
+        with pytest.raises(StoreError):
+            s.shard(mine[0].id)
+        assert s.release_bucket(b) == 0
+    finally:
+        s.close()
