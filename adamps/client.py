@@ -34,7 +34,9 @@ from adamps.rpc import RpcError, SyncRpc
 log = logging.getLogger(__name__)
 
 #: error codes after which a refreshed routing table may lead to success
-RETRYABLE = frozenset({"not_primary", "stale_epoch", "unavailable", "timeout", "no_quorum"})
+RETRYABLE = frozenset(
+    {"not_primary", "stale_epoch", "unavailable", "bucket_unavailable", "timeout", "no_quorum"}
+)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class Routing:
     routes: Mapping[int, Route]
     #: every live server's base URL (a copy may be joining any bucket; creates go to all)
     all_servers: tuple[str, ...] = ()
+    #: buckets with no live copy to serve them (the controllers' state "unavailable")
+    unavailable: frozenset[int] = frozenset()
 
     def servers(self) -> list[str]:
         """Every server known: the table's server list, and every replica of every bucket."""
@@ -112,11 +116,15 @@ def routing_from_table(table: Mapping[str, Any]) -> Routing:
     """A Routing from the controllers' JSON table (docs/protocol-controller.md, GET /routing)."""
     addresses = table.get("servers", {})
     routes = {}
+    unavailable = set()
     for entry in table.get("buckets", []):
         primary = entry.get("address")
+        b = int(entry["bucket"])
+        if entry.get("state") == "unavailable":
+            unavailable.add(b)
+            continue
         if not primary:
             continue  # never placed yet
-        b = int(entry["bucket"])
         secondaries = tuple(
             normalize_url(addresses[s]) for s in entry.get("secondaries", []) if s in addresses
         )
@@ -125,6 +133,7 @@ def routing_from_table(table: Mapping[str, Any]) -> Routing:
         int(table.get("version", 0)),
         routes,
         tuple(normalize_url(a) for a in addresses.values() if a),
+        frozenset(unavailable),
     )
 
 
@@ -186,6 +195,8 @@ class PSClient:
     def _primary(self, shard: Shard, routing: Routing) -> str:
         bucket = self.layout.bucket_of[shard.id]
         route = routing.routes.get(bucket)
+        if bucket in routing.unavailable:
+            raise RpcError("bucket_unavailable", f"bucket {bucket} has no live copy to serve it")
         if route is None:
             raise RpcError("unavailable", f"bucket {bucket} has no primary in the routing table")
         return route.primary

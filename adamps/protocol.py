@@ -65,6 +65,10 @@ ERRORS: dict[str, tuple[int, str]] = {
     "internal": (500, "an unexpected error; the server logged it and keeps serving"),
     "no_quorum": (503, "the controller cluster has no quorum; retry later"),
     "unavailable": (503, "the server cannot serve this now (starting, catching up, draining)"),
+    "bucket_unavailable": (
+        503,
+        "no live copy of the bucket can serve it: nothing was applied; retry (extra: bucket)",
+    ),
     "timeout": (504, "the operation did not complete in time; its outcome is unknown"),
 }
 

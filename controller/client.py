@@ -74,8 +74,10 @@ class ControllerClient:
 
     # -- parameter servers ---------------------------------------------------------------------
 
-    def register(self, server: str, address: str) -> dict[str, Any]:
-        return self._do("POST", f"/servers/{server}/register", {"address": address})
+    def register(
+        self, server: str, address: str, copies: dict[int, Sequence[int]] | None = None
+    ) -> dict[str, Any]:
+        return self._do("POST", f"/servers/{server}/register", _register_body(address, copies))
 
     def heartbeat(
         self,
@@ -104,8 +106,12 @@ class ControllerClient:
         }
         return self._do("POST", f"/buckets/{bucket}/role-change", body)
 
-    def caught_up(self, bucket: int, server: str, epoch: int) -> dict[str, Any]:
-        return self._do("POST", f"/buckets/{bucket}/caught-up", {"server": server, "epoch": epoch})
+    def caught_up(self, bucket: int, primary: str, epoch: int, server: str) -> dict[str, Any]:
+        body = {"primary": primary, "epoch": epoch, "server": server}
+        return self._do("POST", f"/buckets/{bucket}/caught-up", body)
+
+    def declare_lost(self, bucket: int) -> dict[str, Any]:
+        return self._do("POST", f"/buckets/{bucket}/declare-lost", {})
 
     def release(self, bucket: int, server: str, epoch: int) -> dict[str, Any]:
         return self._do("POST", f"/buckets/{bucket}/release", {"server": server, "epoch": epoch})
@@ -196,8 +202,11 @@ class AsyncControllerClient:
                 raise last
             await asyncio.sleep(0.1)
 
-    async def register(self, server: str, address: str) -> dict[str, Any]:
-        return await self._do("POST", f"/servers/{server}/register", {"address": address})
+    async def register(
+        self, server: str, address: str, copies: dict[int, Sequence[int]] | None = None
+    ) -> dict[str, Any]:
+        body = _register_body(address, copies)
+        return await self._do("POST", f"/servers/{server}/register", body)
 
     async def heartbeat(
         self,
@@ -225,10 +234,9 @@ class AsyncControllerClient:
         }
         return await self._do("POST", f"/buckets/{bucket}/role-change", body)
 
-    async def caught_up(self, bucket: int, server: str, epoch: int) -> dict[str, Any]:
-        return await self._do(
-            "POST", f"/buckets/{bucket}/caught-up", {"server": server, "epoch": epoch}
-        )
+    async def caught_up(self, bucket: int, primary: str, epoch: int, server: str) -> dict[str, Any]:
+        body = {"primary": primary, "epoch": epoch, "server": server}
+        return await self._do("POST", f"/buckets/{bucket}/caught-up", body)
 
     async def release(self, bucket: int, server: str, epoch: int) -> dict[str, Any]:
         return await self._do(
@@ -265,3 +273,8 @@ class AsyncControllerClient:
         return await self._do(
             "GET", "/progress" if epoch is None else f"/progress?epoch={int(epoch)}"
         )
+
+
+def _register_body(address: str, copies: dict[int, Sequence[int]] | None) -> dict[str, Any]:
+    """A registration: the server's address and the copies it offers (bucket -> [epoch, seq])."""
+    return {"address": address, "copies": {str(b): list(p) for b, p in (copies or {}).items()}}

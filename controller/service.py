@@ -108,6 +108,18 @@ class ControllerService:
             "buckets without a live lease holder",
             registry=r,
         )
+        self.m_unavailable = Gauge(
+            "adamps_controller_unavailable_buckets",
+            "buckets that held data and have no live copy to serve them (pushes and pulls get "
+            "503 bucket_unavailable until a candidate copy is back or an operator declares them "
+            "lost)",
+            registry=r,
+        )
+        self.m_lost = Gauge(
+            "adamps_controller_buckets_declared_lost",
+            "buckets an operator declared lost (POST /buckets/{b}/declare-lost), since the start",
+            registry=r,
+        )
         self.m_version = Gauge(
             "adamps_controller_table_version", "routing table version", registry=r
         )
@@ -140,18 +152,22 @@ class ControllerService:
         self.m_term.set(self.node.raftCurrentTerm)
         self.m_commit.set(self.node.raftCommitIndex)
 
-        def snap(m: ClusterModel) -> tuple[dict[str, int], int, int, int]:
+        def snap(m: ClusterModel) -> tuple[dict[str, int], int, int, int, int, int]:
             states: dict[str, int] = {"live": 0, "dead": 0, "draining": 0}
             for rec in m.servers.values():
                 states[rec["state"]] = states.get(rec["state"], 0) + 1
             unassigned = sum(1 for b in range(m.n_buckets) if not m._holder_live(b))
-            return states, m.under_replicated(), unassigned, m.version
+            unavailable = sum(1 for b in range(m.n_buckets) if m.unavailable(b))
+            lost = getattr(m, "declared_lost", 0)
+            return states, m.under_replicated(), unassigned, unavailable, lost, m.version
 
-        states, under, unassigned, version = self.cluster.read(snap)
+        states, under, unassigned, unavailable, lost, version = self.cluster.read(snap)
         for k, v in states.items():
             self.m_servers.labels(k).set(v)
         self.m_under.set(under)
         self.m_unassigned.set(unassigned)
+        self.m_unavailable.set(unavailable)
+        self.m_lost.set(lost)
         self.m_version.set(version)
 
     # -- raft helpers ----------------------------------------------------------------------
@@ -384,7 +400,8 @@ class ControllerService:
         async def run() -> dict[str, Any]:
             body = await aweb.read_json(request)
             address = _str(body, "address")
-            res = self.result(await self.commit("register", sid, address, time.time()))
+            copies = _positions(body.get("copies") or {}, self.cfg.n_buckets, "copies")
+            res = self.result(await self.commit("register", sid, address, time.time(), copies))
             self.last_seen[sid] = time.monotonic()
             return {
                 **res,
@@ -431,8 +448,13 @@ class ControllerService:
             renewed: dict[str, Any] = {"renewed": [], "at": None}
             if holds:
                 renewed = self.result(await self.commit("renew", sid, time.time()))
-            version, roles, state = self.cluster.read(
-                lambda m: (m.version, m.roles_of(sid), m.servers[sid]["state"])
+            version, roles, state, unavailable = self.cluster.read(
+                lambda m: (
+                    m.version,
+                    m.roles_of(sid),
+                    m.servers[sid]["state"],
+                    [b for b in range(m.n_buckets) if m.unavailable(b)],
+                )
             )
             reply: dict[str, Any] = {
                 "server": sid,
@@ -441,6 +463,7 @@ class ControllerService:
                 "renewed": renewed["renewed"],
                 "renewed_at": renewed["at"],
                 "lease": self.terms.to_dict(),
+                "unavailable": unavailable,
             }
             if known != version:
                 reply["roles"] = roles
@@ -484,11 +507,11 @@ class ControllerService:
                 args = (b, _str(body, "server"), _int(body, "prev_epoch"), clean, now)
                 return self.result(await self.commit("role_change", *args))
             if op == "caught-up":
-                return self.result(
-                    await self.commit(
-                        "caught_up", b, _str(body, "server"), _int(body, "epoch"), now
-                    )
-                )
+                args = (b, _str(body, "primary"), _int(body, "epoch"), _str(body, "server"), now)
+                return self.result(await self.commit("caught_up", *args))
+            if op == "declare-lost":
+                log.warning("operator: declare-lost of bucket %d requested", b)
+                return self.result(await self.commit("declare_lost", b, now))
             if op == "release":
                 return self.result(
                     await self.commit("release", b, _str(body, "server"), _int(body, "epoch"), now)
@@ -498,7 +521,7 @@ class ControllerService:
                 return self.result(await self.commit("drop_secondary", *args))
             raise ProtocolError("not_found", f"no bucket operation {op!r}")
 
-        if op not in ("role-change", "caught-up", "release", "drop-secondary"):
+        if op not in ("role-change", "caught-up", "release", "drop-secondary", "declare-lost"):
             raise ProtocolError("not_found", f"no bucket operation {op!r}")
         return await self.write(request, run)
 
@@ -601,6 +624,24 @@ class ControllerService:
 
     def close(self) -> None:
         self.node.destroy()
+
+
+def _positions(raw: Any, n_buckets: int, name: str) -> dict[int, list[int]]:
+    """A map bucket -> [epoch, seq] from JSON (keys are strings there), checked."""
+    if not isinstance(raw, dict):
+        raise ProtocolError("bad_request", f"{name} must be a map bucket -> [epoch, seq]")
+    out = {}
+    for b, r in raw.items():
+        try:
+            bi, epoch, seq = int(b), int(r[0]), int(r[1])
+        except (TypeError, ValueError, IndexError, KeyError):
+            raise ProtocolError("bad_request", f"{name}[{b!r}] must be [epoch, seq]") from None
+        if not 0 <= bi < n_buckets or epoch < 0 or seq < 0:
+            raise ProtocolError(
+                "bad_request", f"{name}[{b!r}]: bucket in [0, {n_buckets}), epoch and seq >= 0"
+            )
+        out[bi] = [epoch, seq]
+    return out
 
 
 def _server_id(request: web.Request) -> str:

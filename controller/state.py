@@ -19,8 +19,19 @@ committed entry; a lease moves to another server only once the old one has certa
 
 Bucket life cycle: `want` is the placement's target ([primary, secondaries...]); `holders` are the
 caught-up copies (the replica set the primary replicates to); `joining` are copies being
-transferred (they enter the replica set by `caught_up`). A primary is granted only to a caught-up
-copy; a member outside `want` leaves once every wanted copy has caught up.
+transferred (they enter the replica set by `caught_up`, which the primary reports once the copy
+holds every batch it committed and every later round waits for it). A primary is granted only
+to a caught-up copy; a member outside `want` leaves once every wanted copy has caught up.
+
+Copies outlive their server's registration. Every acknowledged batch is on every member of the
+replica set, so when the last live member of a bucket leaves it (declared dead, or registered
+again as a new incarnation after a restart or a pause), its copy is recorded as a `candidate`:
+a copy that may hold every acknowledged batch (in memory after a pause; from LMDB after a crash,
+up to its last flush). The bucket is then *unavailable*: nobody serves it, nothing re-creates it.
+Servers offer their copies with (epoch, seq) when they register; as soon as a candidate is back
+with its copy (and the old lease has certainly expired), the most up-to-date one is granted the
+lease and the others catch up from it. A bucket that ever held data is never re-created empty or
+from an older copy except by an operator's explicit `declare_lost`, which is logged and counted.
 """
 
 from __future__ import annotations
@@ -67,9 +78,12 @@ class ClusterModel:
         self.version = 0
         #: Count of applied mutating entries (for tests and /status).
         self.applied = 0
-        #: id -> {"address", "state", "incarnation", "since"}
+        #: id -> {"address", "state", "incarnation", "since", "copies"}; copies: bucket -> [epoch,
+        #: seq] of the copies the server offered when it registered (this incarnation)
         self.servers: dict[str, dict[str, Any]] = {}
-        #: per bucket: {"want", "holders", "joining", "lease", "lost"}; holders excludes the primary
+        #: per bucket: {"want", "holders", "joining", "lease", "holder_inc", "candidates", "lost"};
+        #: holders excludes the primary; candidates: servers whose copy may hold every
+        #: acknowledged batch while no member is live (see the module docstring)
         self.buckets: list[dict[str, Any]] = [
             {
                 "want": [],
@@ -77,10 +91,13 @@ class ClusterModel:
                 "joining": [],
                 "lease": None,
                 "holder_inc": 0,
+                "candidates": [],
                 "lost": False,
             }
             for _ in range(n_buckets)
         ]
+        #: buckets an operator declared lost (each one logged)
+        self.declared_lost = 0
         #: closed leases (dicts with "bucket"), oldest first
         self.history: list[dict[str, Any]] = []
         self.layout: dict[str, Any] | None = None
@@ -146,6 +163,50 @@ class ClusterModel:
         bucket["holders"] = [s for s in bucket["holders"] if self._live(s)]
         bucket["joining"] = [s for s in bucket["joining"] if self._live(s)]
         want = bucket["want"]
+        self._add_copies(b)
+        target = self._grant_target(b, now, reports)
+        if target is not None:
+            prev = bucket["lease"]
+            # A candidate's copy after every member was gone (logged: from LMDB it may lack the
+            # updates of its last flush_interval).
+            lost = (
+                prev is not None
+                and target not in bucket["holders"]
+                and not (target == prev.holder and self._holder_live(b))
+            )
+            if lost:
+                epoch, seq = self.servers[target].get("copies", {}).get(b, (0, 0))
+                log.warning(
+                    "bucket %d: no live member left; candidate %s serves its copy (epoch %d, "
+                    "seq %d)",
+                    b,
+                    target,
+                    epoch,
+                    seq,
+                )
+            self._grant(b, target, now)
+            bucket["candidates"] = []
+            if target != want[0] and target in want:
+                want.remove(target)
+                want.insert(0, target)
+            self._add_copies(b)  # a bucket served again: the wanted copies join now
+        # Members outside `want` leave once every wanted live copy is in the replica set.
+        primary = self.primary_of(b)
+        wanted_live = [s for s in want if self._live(s)]
+        if all(s == primary or s in bucket["holders"] for s in wanted_live):
+            bucket["holders"] = [s for s in bucket["holders"] if s in want]
+            bucket["joining"] = [s for s in bucket["joining"] if s in want]
+        if before != (bucket["holders"], bucket["joining"]):
+            self.version += 1
+
+    def _add_copies(self, b: int) -> None:
+        """Wanted live servers that hold no copy of `b` yet start one: caught up at once in a
+        fresh bucket (nothing to copy), else joining (state transfer from the primary). An
+        unavailable bucket has nobody to copy from: its copies join once it is served again."""
+        bucket = self.buckets[b]
+        if self.unavailable(b):
+            return
+        want = bucket["want"]
         primary = self.primary_of(b) if self._holder_live(b) else None
         for s in want:
             if (
@@ -156,34 +217,9 @@ class ClusterModel:
             ):
                 if bucket["lease"] is None:
                     if s != want[0]:
-                        bucket["holders"].append(s)  # a fresh bucket: nothing to copy yet
+                        bucket["holders"].append(s)
                 else:
                     bucket["joining"].append(s)
-        target = self._grant_target(b, now, reports)
-        if target is not None:
-            prev = bucket["lease"]
-            # Lost updates are possible when the new primary was not a caught-up copy, unless it
-            # is the (same incarnation of the) holder taking back a lease it released.
-            lost = (
-                prev is not None
-                and target not in bucket["holders"]
-                and not (target == prev.holder and self._holder_live(b))
-            )
-            self._grant(b, target, now)
-            if lost:
-                bucket["lost"] = True
-                log.warning("bucket %d: no caught-up copy left; %s serves it as it is", b, target)
-            if target != want[0] and target in want:
-                want.remove(target)
-                want.insert(0, target)
-        # Members outside `want` leave once every wanted live copy is in the replica set.
-        primary = self.primary_of(b)
-        wanted_live = [s for s in want if self._live(s)]
-        if all(s == primary or s in bucket["holders"] for s in wanted_live):
-            bucket["holders"] = [s for s in bucket["holders"] if s in want]
-            bucket["joining"] = [s for s in bucket["joining"] if s in want]
-        if before != (bucket["holders"], bucket["joining"]):
-            self.version += 1
 
     def _grant_target(
         self, b: int, now: float, reports: dict[str, Any] | None = None
@@ -206,12 +242,39 @@ class ClusterModel:
         best = self._best_copy(b, reports)
         if best is not None:
             return best
-        # No caught-up copy is left. A restarted former primary reloaded its bucket from disk:
-        # the freshest data there is. Otherwise the bucket restarts empty. Either way some
-        # updates may be gone, and the bucket is flagged `lost`.
-        if self._live(lease.holder):
-            return lease.holder
-        return want[0] if self._live(want[0]) else None
+        # No live member is left: the most up-to-date candidate that is back with its copy. None
+        # back: the bucket stays unavailable (never re-created empty, never from an older copy).
+        return self._best_candidate(b)
+
+    def _best_candidate(self, b: int) -> str | None:
+        """The live candidate of bucket `b` that offered the highest (epoch, seq)."""
+        bucket = self.buckets[b]
+        cands = [
+            s
+            for s in bucket.get("candidates", [])
+            if self._live(s) and b in self.servers[s].get("copies", {})
+        ]
+        if not cands:
+            return None
+        want = bucket["want"]
+
+        def key(s: str) -> tuple:
+            epoch, seq = self.servers[s]["copies"][b]
+            return (-epoch, -seq, want.index(s) if s in want else len(want), s)
+
+        return min(cands, key=key)
+
+    def live_members(self, b: int, exclude: str | None = None) -> list[str]:
+        """The live members of bucket `b`'s replica set (primary in its incarnation, holders)."""
+        bk = self.buckets[b]
+        out = [self.primary_of(b)] if self._holder_live(b) else []
+        out += [s for s in bk["holders"] if self._live(s)]
+        return [s for s in out if s != exclude]
+
+    def unavailable(self, b: int) -> bool:
+        """Bucket `b` held data once and no live member of its replica set is left to serve it
+        (until a candidate is back, or an operator declares it lost)."""
+        return self.buckets[b]["lease"] is not None and not self.live_members(b)
 
     def grants_due(self, now: float) -> list[int]:
         """Buckets whose lease `reconcile(now)` would grant (the leader asks before proposing)."""
@@ -250,24 +313,50 @@ class ClusterModel:
 
     # -- replicated operations (called through ReplicatedCluster) ----------------------------
 
-    def register(self, sid: str, address: str, now: float) -> dict[str, Any]:
-        """A server (re)starts. It holds nothing: a restarted PS must catch up before serving."""
+    def register(
+        self,
+        sid: str,
+        address: str,
+        now: float,
+        copies: dict[int, list[int]] | None = None,
+    ) -> dict[str, Any]:
+        """A server (re)starts, or comes back after it was declared dead: a new incarnation,
+        which offers the copies it holds (bucket -> [epoch, seq], from memory or LMDB). Its old
+        incarnation leaves every replica set; where that leaves a bucket without a live member,
+        its copy becomes a candidate (`_leave`). A copy it no longer offers is no candidate."""
         now = self._tick(now)
         rec = self.servers.get(sid)
         if rec is not None and rec["state"] != DEAD:
-            self._forget(sid)
+            self._leave(sid)
         state = DRAINING if rec is not None and rec["state"] == DRAINING else LIVE
+        offered = {
+            int(b): [int(p[0]), int(p[1])]
+            for b, p in (copies or {}).items()
+            if 0 <= int(b) < self.n_buckets
+        }
         self.servers[sid] = {
             "address": address,
             "state": state,
             "incarnation": (rec["incarnation"] + 1) if rec else 1,
             "since": now,
+            "copies": offered,
         }
+        for b, bk in enumerate(self.buckets):
+            if sid in bk.get("candidates", []) and b not in offered:
+                bk["candidates"].remove(sid)
+                log.warning("bucket %d: candidate %s came back without its copy", b, sid)
         self._replan(now)
         return {"ok": True, "server": sid, **self.servers[sid]}
 
-    def _forget(self, sid: str) -> None:
-        for bk in self.buckets:
+    def _leave(self, sid: str) -> None:
+        """The current incarnation of `sid` leaves every replica set (declared dead, or replaced
+        by a new incarnation). Where it was the last live member, its copy is a candidate."""
+        for b, bk in enumerate(self.buckets):
+            member = (self.primary_of(b) == sid and self._holder_live(b)) or sid in bk["holders"]
+            if member and not self.live_members(b, exclude=sid):
+                cands = bk.setdefault("candidates", [])
+                if sid not in cands:
+                    cands.append(sid)
             if sid in bk["holders"]:
                 bk["holders"].remove(sid)
             if sid in bk["joining"]:
@@ -288,9 +377,9 @@ class ClusterModel:
             return _err("not_found", f"no server {sid!r}")
         if rec["state"] == DEAD:
             return {"ok": True, "server": sid, "state": DEAD, "changed": False}
+        self._leave(sid)
         rec["state"] = DEAD
         rec["since"] = now
-        self._forget(sid)
         self._replan(now, reports)
         return {"ok": True, "server": sid, "state": DEAD, "changed": True}
 
@@ -371,16 +460,25 @@ class ClusterModel:
         self._settle(b, now)
         return {"ok": True, "bucket": b, "primary": chosen, "epoch": new.epoch}
 
-    def caught_up(self, b: int, sid: str, epoch: int, now: float) -> dict[str, Any]:
-        """A joining copy finished its state transfer from the primary of `epoch`."""
+    def caught_up(self, b: int, primary: str, epoch: int, sid: str, now: float) -> dict[str, Any]:
+        """The primary of `epoch` reports that joining copy `sid` holds every batch it committed
+        and that its rounds already wait for `sid`: from now on every acknowledged batch is on
+        it, so it may enter the replica set (and be promoted)."""
         now = self._tick(now)
         if not 0 <= b < self.n_buckets:
             return _err("unknown_bucket", f"no bucket {b}")
         bk = self.buckets[b]
         lease: Lease | None = bk["lease"]
-        if lease is None or lease.epoch != epoch:
+        if (
+            lease is None
+            or lease.epoch != epoch
+            or lease.holder != primary
+            or not self._holder_live(b)
+        ):
             return _err(
-                "stale_epoch", f"bucket {b} is at epoch {0 if lease is None else lease.epoch}"
+                "stale_epoch",
+                f"{primary!r} is not the primary of epoch {epoch} of bucket {b}",
+                epoch=0 if lease is None else lease.epoch,
             )
         if sid not in bk["joining"]:
             return _err("conflict", f"{sid!r} is not joining bucket {b}")
@@ -424,6 +522,54 @@ class ClusterModel:
         bk["lease"] = leases.release(lease, sid, epoch, now)
         self._settle(b, now)
         return {"ok": True, "bucket": b}
+
+    def declare_lost(self, b: int, now: float) -> dict[str, Any]:
+        """An operator gives up on the acknowledged updates of unavailable bucket `b`: the most
+        up-to-date copy any live server offered serves it, or else it restarts from the tensors'
+        initial values. Logged and counted; the bucket is flagged `lost` for good."""
+        now = self._tick(now)
+        if not 0 <= b < self.n_buckets:
+            return _err("unknown_bucket", f"no bucket {b}")
+        bk = self.buckets[b]
+        if not self.unavailable(b):
+            return _err("conflict", f"bucket {b} is not unavailable: nothing to declare lost")
+        lease: Lease = bk["lease"]
+        if not leases.expired(lease, now, self.terms):
+            until = leases.expires_at(lease, self.terms)
+            return _err(
+                "conflict",
+                f"the lease of epoch {lease.epoch} may be in use until {until:.3f}",
+                reason="lease_active",
+                retry_after=round(until - now, 3),
+            )
+        offers = [
+            (-p[0], -p[1], s)
+            for s, rec in self.servers.items()
+            if rec["state"] == LIVE and (p := rec.get("copies", {}).get(b)) is not None
+        ]
+        eligible = self.eligible()
+        if offers:
+            target, source = min(offers)[2], "copy"
+        elif eligible:
+            want = bk["want"]
+            target = want[0] if want and want[0] in eligible else eligible[0]
+            source = "initial values"
+        else:
+            return _err("conflict", f"no live server to take bucket {b}")
+        bk["candidates"] = []
+        bk["holders"], bk["joining"] = [], []
+        self._grant(b, target, now)
+        if target in bk["want"]:
+            bk["want"].remove(target)
+        bk["want"].insert(0, target)
+        del bk["want"][self.replication :]
+        bk["lost"] = True
+        self.declared_lost += 1
+        log.warning(
+            "bucket %d declared LOST by an operator: %s serves it from its %s", b, target, source
+        )
+        self._settle(b, now)
+        return {"ok": True, "bucket": b, "primary": target, "from": source}
 
     def drain(self, sid: str, now: float) -> dict[str, Any]:
         now = self._tick(now)
@@ -493,6 +639,8 @@ class ClusterModel:
             if lease is None
             else {**lease.to_dict(), "expires_at": leases.expires_at(lease, self.terms)},
             "lost": bk["lost"],
+            "candidates": list(bk.get("candidates", [])),
+            "state": "unavailable" if self.unavailable(b) else "ok",
         }
 
     def routing(self) -> dict[str, Any]:
@@ -503,7 +651,7 @@ class ClusterModel:
                 {
                     k: v
                     for k, v in self.bucket_view(b).items()
-                    if k in ("bucket", "primary", "address", "epoch", "secondaries")
+                    if k in ("bucket", "primary", "address", "epoch", "secondaries", "state")
                 }
                 for b in range(self.n_buckets)
             ],
@@ -515,11 +663,16 @@ class ClusterModel:
 
     def roles_of(self, sid: str) -> list[dict[str, Any]]:
         out = []
+        offered = self.servers.get(sid, {}).get("copies", {})
         for b, bk in enumerate(self.buckets):
             if self.primary_of(b) == sid and self._holder_live(b):
                 role = "primary"
             elif sid in bk["holders"]:
                 role = "secondary"
+            elif sid in bk.get("candidates", []) or (b in offered and self.unavailable(b)):
+                # Keep the copy, serve nothing: it may be the freshest one there is (a
+                # candidate), or what an operator's declare_lost picks.
+                role = "standby"
             elif sid in bk["joining"]:
                 role = "joining"
             else:
@@ -575,6 +728,9 @@ class ClusterModel:
             "buckets": [self.bucket_view(b) for b in range(self.n_buckets)],
             "under_replicated": self.under_replicated(),
             "unassigned": sum(1 for b in range(self.n_buckets) if not self._holder_live(b)),
+            "unavailable": [b for b in range(self.n_buckets) if self.unavailable(b)],
+            "lost": [b for b in range(self.n_buckets) if self.buckets[b]["lost"]],
+            "declared_lost": self.declared_lost,
             "layout_version": self.layout_version,
         }
 
@@ -613,8 +769,10 @@ class ReplicatedCluster(SyncObjConsumer):
                 return _err("internal", f"{type(exc).__name__}: {exc}")
 
     @replicated
-    def register(self, sid: str, address: str, now: float) -> dict[str, Any]:
-        return self._apply("register", sid, address, now)
+    def register(
+        self, sid: str, address: str, now: float, copies: dict | None = None
+    ) -> dict[str, Any]:
+        return self._apply("register", sid, address, now, copies)
 
     @replicated
     def declare_dead(self, sid: str, now: float, reports: dict | None = None) -> dict[str, Any]:
@@ -635,8 +793,12 @@ class ReplicatedCluster(SyncObjConsumer):
         return self._apply("role_change", b, sid, prev_epoch, reports, now)
 
     @replicated
-    def caught_up(self, b: int, sid: str, epoch: int, now: float) -> dict[str, Any]:
-        return self._apply("caught_up", b, sid, epoch, now)
+    def caught_up(self, b: int, primary: str, epoch: int, sid: str, now: float) -> dict[str, Any]:
+        return self._apply("caught_up", b, primary, epoch, sid, now)
+
+    @replicated
+    def declare_lost(self, b: int, now: float) -> dict[str, Any]:
+        return self._apply("declare_lost", b, now)
 
     @replicated
     def drop_secondary(

@@ -29,6 +29,13 @@ The protocol, for a bucket whose controller-recorded assignment is (epoch, prima
 - Exactly once: every batch lists the (client id, client seq) of its pushes, and every replica
   records them when it applies the batch. A push seen before is not applied again; if its batch was
   committed it is acknowledged at once.
+- Joining copies (learners). A copy that joins takes a snapshot at the primary's committed seq C;
+  in the same step the primary makes it a *learner*: every later round waits for the learner's
+  prepare and commit acks exactly as for a member, so no batch after C is acknowledged without
+  it. Once the learner has committed everything the primary committed, the primary reports it
+  caught up to the controller; the controller's entry then makes it a member. A learner that
+  stops answering before it was reported is simply forgotten (it is no member, nothing waits on
+  the controller); once reported, only a committed controller entry removes it.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ class Assignment:
     epoch: int
     primary: str | None
     secondaries: tuple[str, ...] = ()
+    #: copies the controller has joining the bucket (they become learners of the primary)
+    joining: tuple[str, ...] = ()
 
     def members(self) -> tuple[str, ...]:
         return ((self.primary,) if self.primary else ()) + self.secondaries
@@ -114,11 +123,24 @@ class Dedup:
     def to_list(self) -> list[list[Any]]:
         return [[c, s, b] for (c, s), b in self._seen.items()]
 
+    def entries_after(self, seq: int, limit: int) -> list[list[Any]]:
+        """The pairs recorded by batches after `seq` (at most the newest `limit`), in order: what
+        a flush adds to the persisted table. Cost: the entries returned, not the table."""
+        out = []
+        for (c, s), b in reversed(self._seen.items()):
+            if b <= seq or len(out) >= limit:
+                break
+            out.append([c, s, b])
+        out.reverse()
+        return out
+
     @classmethod
     def from_list(cls, items: Iterable[Sequence[Any]], limit: int = DEFAULT_DEDUP_LIMIT) -> Dedup:
         d = cls(limit)
         for c, s, b in items:
             d._seen[(str(c), int(s))] = int(b)
+        while len(d._seen) > limit:
+            d._seen.popitem(last=False)
         return d
 
 
@@ -132,6 +154,8 @@ class BucketReplica:
     assignment: Assignment = field(default_factory=lambda: Assignment(0, None))
     #: seq of the last batch applied here
     committed: int = 0
+    #: epoch of that batch: (committed_epoch, committed) is the position a copy offers
+    committed_epoch: int = 0
     #: seq -> batch, prepared here but not yet committed (secondary side, and in-doubt rounds)
     prepared: dict[int, Batch] = field(default_factory=dict)
     log_limit: int = DEFAULT_LOG_LIMIT
@@ -153,6 +177,11 @@ class BucketReplica:
     needs_recovery: bool = False
     #: in-doubt batch seq -> waiters of clients that retried a push it carries
     doubt_waiters: dict[int, list[_Pending]] = field(default_factory=dict)
+    #: learner -> "syncing" | "reporting" | "reported" (caught-up report sent / committed)
+    learners: dict[str, str] = field(default_factory=dict)
+    # -- joining side --
+    #: this copy installed a snapshot of the current primary and takes its rounds as a learner
+    learning: bool = False
 
     # -- roles ---------------------------------------------------------------------------------
 
@@ -163,6 +192,13 @@ class BucketReplica:
     @property
     def is_secondary(self) -> bool:
         return self.server in self.assignment.secondaries
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        """Whom the primary's rounds wait for: the recorded secondaries and the learners."""
+        return self.assignment.secondaries + tuple(
+            m for m in self.learners if m not in self.assignment.secondaries
+        )
 
     @property
     def prepared_seq(self) -> int:
@@ -183,7 +219,18 @@ class BucketReplica:
             return []  # an old message arriving late
         was_primary = self.is_primary
         old_epoch = self.assignment.epoch
+        old_primary = self.assignment.primary
         self.assignment = new
+        if new.epoch != old_epoch or new.primary != old_primary:
+            self.learning = False  # a snapshot of another primary's history
+        if not self.is_primary or new.epoch != old_epoch:
+            self.learners = {}
+        else:
+            for m, state in list(self.learners.items()):
+                if m in new.secondaries:
+                    del self.learners[m]  # the controller made it a member
+                elif m not in new.joining and state != "reporting":
+                    del self.learners[m]  # the controller no longer has it joining
         failed: list[Any] = []
         if was_primary and not self.is_primary:
             failed = [p.waiter for p in self.pending]
@@ -195,7 +242,7 @@ class BucketReplica:
                 failed += [p.waiter for p in waiters]
             self.pending, self.inflight, self.awaiting_commit, self.doubt_waiters = [], None, {}, {}
         if self.is_primary:
-            members = set(new.secondaries)
+            members = set(self.replicas)
             self.acked_prepare = {m: v for m, v in self.acked_prepare.items() if m in members}
             self.acked_commit = {m: v for m, v in self.acked_commit.items() if m in members}
             if not was_primary or new.epoch != old_epoch:
@@ -313,7 +360,7 @@ class BucketReplica:
         if self.inflight is None:
             return False
         seq = self.inflight[0].seq
-        return all(self.acked_prepare.get(m, -1) >= seq for m in self.assignment.secondaries)
+        return all(self.acked_prepare.get(m, -1) >= seq for m in self.replicas)
 
     def commit_round(self) -> Apply:
         """Every member holds the batch: apply it here. The shell then sends COMMIT(epoch, seq)."""
@@ -332,10 +379,7 @@ class BucketReplica:
     def release_acknowledged(self) -> list[Any]:
         """Waiters of batches every current member has committed (also after a member's removal)."""
         done: list[Any] = []
-        low = min(
-            (self.acked_commit.get(m, -1) for m in self.assignment.secondaries),
-            default=self.committed,
-        )
+        low = min((self.acked_commit.get(m, -1) for m in self.replicas), default=self.committed)
         for seq in sorted(self.awaiting_commit):
             if seq > low:
                 break
@@ -346,10 +390,57 @@ class BucketReplica:
         """Members that have not acknowledged what is in flight or committed (to report if silent)."""
         if self.inflight is not None:
             seq = self.inflight[0].seq
-            return [m for m in self.assignment.secondaries if self.acked_prepare.get(m, -1) < seq]
+            return [m for m in self.replicas if self.acked_prepare.get(m, -1) < seq]
+        return [m for m in self.replicas if self.acked_commit.get(m, -1) < self.committed]
+
+    # -- primary: learners (joining copies) -----------------------------------------------------
+
+    def add_learner(self, member: str) -> Reject | None:
+        """A joining copy takes a snapshot at `committed` now: from here on every round waits for
+        it. Refused unless the controller has it joining (as this server last learned)."""
+        if not self.is_primary:
+            return Reject(
+                "not_primary", f"bucket {self.bucket}: not its primary", self.assignment.epoch
+            )
+        if member not in self.assignment.joining:
+            return Reject(
+                "unavailable",
+                f"bucket {self.bucket}: {member!r} is not joining (as far as the primary knows)",
+                self.assignment.epoch,
+            )
+        self.learners[member] = "syncing"
+        self.acked_prepare[member] = self.committed
+        self.acked_commit[member] = self.committed
+        return None
+
+    def learners_caught_up(self) -> list[str]:
+        """Learners holding every committed batch and not reported yet: report them now (and
+        mark them with report_sent)."""
         return [
-            m for m in self.assignment.secondaries if self.acked_commit.get(m, -1) < self.committed
+            m
+            for m, state in self.learners.items()
+            if state == "syncing" and self.acked_commit.get(m, -1) >= self.committed
         ]
+
+    def report_sent(self, member: str) -> None:
+        if member in self.learners:
+            self.learners[member] = "reporting"
+
+    def report_done(self, member: str, accepted: bool) -> None:
+        """The controller's answer to the caught-up report: accepted (now a member as soon as
+        the assignment says so) or refused (forget the learner: it transfers again)."""
+        if member not in self.learners:
+            return
+        if accepted:
+            self.learners[member] = "reported"
+        else:
+            self.drop_learner(member)
+
+    def drop_learner(self, member: str) -> None:
+        self.learners.pop(member, None)
+        if member not in self.assignment.secondaries:
+            self.acked_prepare.pop(member, None)
+            self.acked_commit.pop(member, None)
 
     # -- secondary: messages from the primary --------------------------------------------------
 
@@ -371,7 +462,7 @@ class BucketReplica:
                 f"bucket {self.bucket}: {sender!r} is not the primary of epoch {epoch}",
                 known,
             )
-        if not self.is_secondary:
+        if not self.is_secondary and not self.learning:
             return Reject(
                 "conflict", f"bucket {self.bucket}: {self.server} is not a secondary", known
             )
@@ -423,6 +514,7 @@ class BucketReplica:
     def _committed(self, batch: Batch) -> None:
         assert batch.seq == self.committed + 1, (batch.seq, self.committed)
         self.committed = batch.seq
+        self.committed_epoch = batch.epoch
         self.dedup.record(batch)
         self.log.append(batch)
         while len(self.log) > self.log_limit:
@@ -432,11 +524,27 @@ class BucketReplica:
 
     def snapshot_meta(self) -> dict[str, Any]:
         """What a joining member needs besides the shard values: position and dedup table."""
-        return {"committed": self.committed, "dedup": self.dedup.to_list()}
+        return {
+            "committed": self.committed,
+            "committed_epoch": self.committed_epoch,
+            "dedup": self.dedup.to_list(),
+        }
 
-    def install_snapshot(self, committed: int, dedup: Iterable[Sequence[Any]]) -> None:
-        """Adopt a snapshot taken at `committed` (the shell installs the values)."""
+    def install_snapshot(
+        self, committed: int, dedup: Iterable[Sequence[Any]], committed_epoch: int = 0
+    ) -> None:
+        """Adopt a snapshot taken at `committed` (the shell installs the values), from the
+        primary of the current assignment: from now on this copy takes its rounds (learning)."""
         self.committed = committed
-        self.prepared = {s: b for s, b in self.prepared.items() if s > committed}
+        self.committed_epoch = committed_epoch
+        self.prepared = {}
         self.dedup = Dedup.from_list(dedup, self.dedup.limit)
         self.log.clear()
+        self.learning = True
+
+    def restore(self, committed: int, committed_epoch: int, dedup: Iterable[Sequence[Any]]) -> None:
+        """A copy reloaded from disk at (committed_epoch, committed): no role until the
+        controller gives one."""
+        self.committed = committed
+        self.committed_epoch = committed_epoch
+        self.dedup = Dedup.from_list(dedup, self.dedup.limit)

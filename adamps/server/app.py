@@ -10,8 +10,10 @@ docs/protocol-ps.md specifies every op.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,11 +30,12 @@ from adamps.protocol import ProtocolError, require, require_array
 from adamps.server import dataplane
 from adamps.server.config import PsConfig
 from adamps.server.optim import Dense, OptimError, Optimizer
-from adamps.server.persist import Flusher, Persister
+from adamps.server.persist import Flusher, Persister, Position
 from adamps.server.replicate import REPL_OPS, Replicator, dense_update, fc_update
 from adamps.server.store import (
     INIT_KINDS,
     ShardState,
+    Snapshot,
     Store,
     StoreError,
     TensorState,
@@ -119,16 +122,18 @@ class ParameterServer:
         self.registry = registry if registry is not None else metrics.new_registry()
         self.m = PsMetrics(self.registry)
         self.started = time.time()
+        self.persister = Persister(cfg.data_dir, cfg.map_size, cfg.lmdb_sync)
+        #: copies this server had when it stopped (replicated servers): it offers them again
+        positions = self.persister.load_positions() if cfg.controllers else {}
         self.store = Store(
             n_buckets=cfg.n_buckets,
-            # Under controllers a server holds only the buckets it is assigned, from none at the
-            # start (a registration is a fresh incarnation); standalone, its static map or all.
-            buckets=frozenset() if cfg.controllers else (cfg.buckets or None),
+            # Under controllers a server holds only the copies it had (reloaded below) and then
+            # the buckets it is assigned; standalone, its static map or all.
+            buckets=frozenset(positions) if cfg.controllers else (cfg.buckets or None),
             owner_threads=cfg.owner_threads,
             max_shard_elems=cfg.max_shard_elems,
             on_applied=lambda kind, n: self.m.applied.labels(kind).inc(n),
         )
-        self.persister = Persister(cfg.data_dir, cfg.map_size, cfg.lmdb_sync)
         self.flusher = Flusher(
             self.store, self.persister, cfg.flush_interval, on_flush=self._on_flush
         )
@@ -151,11 +156,42 @@ class ParameterServer:
         self.replicator: Replicator | None = None
         if cfg.controllers:
             self.replicator = Replicator(self, self.registry)
+            self.replicator.restore(positions)
+            self.flusher.cut = self._cut
+        #: the event loop serving this server and its thread (set at startup)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
         self.flusher.start()
         self._closed = False
         self._data_plane: asyncio.Server | None = None
         #: open data-plane connections (closed at shutdown)
         self._dp_conns: set[Any] = set()
+
+    def _cut(self) -> tuple[list[Snapshot], dict[int, Position] | None]:
+        """The flush's cut on a replicated server: the copies of the dirty shards are queued on
+        the event loop, in the same step as the positions are read, so the values written are
+        exactly those of the positions (updates are queued from the loop only)."""
+        assert self.replicator is not None
+        rep = self.replicator
+
+        def take() -> tuple[Callable[[float], list[Snapshot]], dict[int, Position]]:
+            return self.store.begin_snapshot(), rep.positions()
+
+        loop = self._loop
+        if loop is None or not loop.is_running() or threading.get_ident() == self._loop_thread:
+            wait, positions = take()  # no loop queues updates concurrently
+        else:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+
+            def run() -> None:
+                try:
+                    done.set_result(take())
+                except BaseException as exc:
+                    done.set_exception(exc)
+
+            loop.call_soon_threadsafe(run)
+            wait, positions = done.result(timeout=60)
+        return wait(60), positions
 
     def _on_flush(self, shards: int, nbytes: int, seconds: float) -> None:
         self.m.flushed_shards.inc(shards)
@@ -233,6 +269,7 @@ class ParameterServer:
         app.router.add_post("/flush", self.handle_flush)
 
         async def start_data_plane(_app: web.Application) -> None:
+            self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
             if self.cfg.data_port:
                 self._data_plane = await dataplane.start(self, self.cfg.host, self.cfg.data_port)
             if self.replicator is not None:

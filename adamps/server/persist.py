@@ -5,11 +5,18 @@ consistent snapshot of every dirty shard (copied on the shard's owner thread, so
 writes them all in one LMDB transaction: the many updates applied to a shard since the last flush
 fold into one write. The age of the oldest update not yet committed is the loss window.
 
-LMDB layout (one Environment per process, two named databases):
+LMDB layout (one Environment per process, four named databases):
 
 - ``tensors``: tensor name -> JSON ``{"spec", "optimizer", "init", "seq"}`` (written at create,
   synchronously, in the same transaction as the initial values of the held shards);
-- ``shards``: shard id -> ``<QQQ`` (version, value bytes, accumulator bytes) + value + accumulator.
+- ``shards``: shard id -> ``<QQQ`` (version, value bytes, accumulator bytes) + value + accumulator;
+- ``positions`` (replicated servers): bucket (``%08d``) -> JSON ``[epoch, seq]``: the
+  replication position of the bucket's copy, written in the same transaction as the values of
+  the same cut (the flush), so a reloaded copy is exactly at (epoch, seq);
+- ``dedup``: ``%08d/%020d`` (bucket, seq) -> JSON ``[[client, client_seq, batch_seq], ...]``: the
+  exactly-once pairs of the batches applied since the previous flush; the newest
+  ``DEDUP_CHUNKS`` chunks of a bucket are kept, so a client's retry of a push is recognized after
+  a restart if it comes within that many flushes.
 
 ``sync`` stays on (no ``writemap``): a committed flush survives a crash of the process or machine.
 MapFullError grows the map (doubling) and retries; ``set_mapsize`` needs no transaction open in this
@@ -36,6 +43,22 @@ from adamps.server.store import Snapshot, Store
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<QQQ")
+#: flushes' worth of exactly-once pairs kept per bucket (see the module docstring)
+DEDUP_CHUNKS = 64
+#: pairs persisted per bucket and flush at most (a flush covers far fewer in practice)
+DEDUP_PER_FLUSH = 65_536
+
+
+@dataclass
+class Position:
+    """Where a bucket's copy stands: the (epoch, seq) of its last applied batch, and exactly-once
+    pairs [client, client_seq, batch_seq] (when writing: those recorded since the last flush)."""
+
+    epoch: int
+    seq: int
+    dedup: list[list[Any]]
+    #: the copy was (re)installed: `dedup` is its whole table and replaces what was persisted
+    fresh: bool = False
 
 
 @dataclass
@@ -55,7 +78,7 @@ class Persister:
         self.env = lmdb.open(
             self.path,
             map_size=map_size,
-            max_dbs=2,
+            max_dbs=4,
             sync=sync,
             metasync=sync,
             writemap=False,
@@ -63,6 +86,10 @@ class Persister:
         )
         self._tensors = self.env.open_db(b"tensors")
         self._shards = self.env.open_db(b"shards")
+        self._positions = self.env.open_db(b"positions")
+        self._dedup = self.env.open_db(b"dedup")
+        #: bucket -> (epoch, seq) last written (positions of buckets not held any more are deleted)
+        self._written: dict[int, tuple[int, int]] | None = None
         self.map_grows = 0
 
     def close(self) -> None:
@@ -102,10 +129,16 @@ class Persister:
 
         self._write(fn)
 
-    def write_snapshots(self, snaps: Iterable[Snapshot]) -> int:
-        """Many shards in one transaction; returns the bytes written."""
+    def write_snapshots(
+        self, snaps: Iterable[Snapshot], positions: dict[int, Position] | None = None
+    ) -> int:
+        """Many shards in one transaction, with the positions of the same cut (every bucket this
+        server holds a copy of; the positions of the others are deleted). Returns the bytes
+        written."""
         snaps = list(snaps)
         nbytes = 0
+        if positions is not None and self._written is None:
+            self._written = {b: (p.epoch, p.seq) for b, p in self.load_positions().items()}
 
         def fn(txn: lmdb.Transaction) -> None:
             nonlocal nbytes
@@ -114,11 +147,54 @@ class Persister:
                 rec = _pack(s.version, s.value, s.accum)
                 nbytes += len(rec)
                 txn.put(s.shard_id.encode(), rec, db=self._shards)
+            if positions is None or self._written is None:
+                return
+            for b in [b for b in self._written if b not in positions]:
+                txn.delete(b"%08d" % b, db=self._positions)
+                self._delete_chunks(txn, b, keep=0)
+            for b, p in positions.items():
+                if self._written.get(b) == (p.epoch, p.seq) and not p.dedup and not p.fresh:
+                    continue
+                txn.put(b"%08d" % b, json.dumps([p.epoch, p.seq]).encode(), db=self._positions)
+                if p.fresh:
+                    self._delete_chunks(txn, b, keep=0)
+                if p.dedup:
+                    key = b"%08d/%020d" % (b, p.seq)
+                    txn.put(key, json.dumps(p.dedup).encode(), db=self._dedup)
+                    self._delete_chunks(txn, b, keep=DEDUP_CHUNKS)
+                nbytes += 64
 
         self._write(fn)
+        if positions is not None:
+            self._written = {b: (p.epoch, p.seq) for b, p in positions.items()}
         return nbytes
 
+    def _delete_chunks(self, txn: lmdb.Transaction, b: int, keep: int) -> None:
+        prefix = b"%08d/" % b
+        cur = txn.cursor(db=self._dedup)
+        keys = []
+        if cur.set_range(prefix):
+            for k in cur.iternext(values=False):
+                if not bytes(k).startswith(prefix):
+                    break
+                keys.append(bytes(k))
+        for k in keys[: max(0, len(keys) - keep)]:
+            txn.delete(k, db=self._dedup)
+
     # -- reading ------------------------------------------------------------------------------
+
+    def load_positions(self) -> dict[int, Position]:
+        """The persisted copies: bucket -> position with its exactly-once pairs, oldest first."""
+        out: dict[int, Position] = {}
+        with self._lock, self.env.begin() as txn:
+            for k, v in txn.cursor(db=self._positions):
+                epoch, seq = json.loads(bytes(v))
+                out[int(bytes(k))] = Position(int(epoch), int(seq), [])
+            for k, v in txn.cursor(db=self._dedup):
+                b = int(bytes(k).split(b"/")[0])
+                if b in out:
+                    out[b].dedup.extend(json.loads(bytes(v)))
+        return out
 
     def load(self) -> list[SavedTensor]:
         """Every saved tensor in creation order, with the shards saved for it."""
@@ -159,6 +235,14 @@ class Flusher:
         clock: Callable[[], float] = time.monotonic,
         on_flush: Callable[[int, int, float], None] | None = None,
     ) -> None:
+        #: takes the flush's cut: (dirty shards, positions of the same instant or None). Default:
+        #: the dirty shards alone; a replicated server sets one that reads its positions too.
+        self.cut: Callable[[], tuple[list[Snapshot], dict[int, Position] | None]] = lambda: (
+            self.store.snapshot_dirty(),
+            None,
+        )
+        #: positions taken but not yet committed (a failed write retries them with the shards)
+        self._pending_positions: dict[int, Position] | None = None
         self.store = store
         self.persister = persister
         self.interval = interval
@@ -195,18 +279,33 @@ class Flusher:
         """Writes every dirty shard now (blocking). Returns {shards, bytes, seconds}."""
         with self._flush_lock:
             t0 = self.clock()
-            for s in self.store.snapshot_dirty():
+            dirty, positions = self.cut()
+            if positions is not None:
+                old = self._pending_positions
+                if old:  # a failed write's pairs are still unwritten: keep them, in order
+                    for b, p in positions.items():
+                        if b in old and not p.fresh:
+                            p.dedup[:0] = old[b].dedup
+                            p.fresh = old[b].fresh
+                self._pending_positions = positions
+            for s in dirty:
                 old = self._pending.get(s.shard_id)
                 # Keep the oldest dirty time: those updates are still not on disk.
                 since = s.dirty_since if old is None else min(old.dirty_since, s.dirty_since)
                 self._pending[s.shard_id] = Snapshot(s.shard_id, s.version, s.value, s.accum, since)
             snaps = list(self._pending.values())
             try:
-                nbytes = self.persister.write_snapshots(snaps) if snaps else 0
+                positions = self._pending_positions
+                nbytes = (
+                    self.persister.write_snapshots(snaps, positions)
+                    if snaps or positions is not None
+                    else 0
+                )
             except Exception:
                 self.failures += 1
                 raise
             self._pending.clear()
+            self._pending_positions = None
             seconds = self.clock() - t0
             self.last_flush = {
                 "time": time.time(),

@@ -13,8 +13,12 @@ Project Adam 3.3.3, end to end. The pure core (``BucketReplica``) decides; this 
 - pings the secondaries of its buckets; as a secondary, proposes a role change to the controller
   when the primary stays silent (``failover_after``);
 - as a joining copy, fetches a snapshot of the bucket from its primary (values, accumulators,
-  versions, position and deduplication table), installs it, and reports ``caught-up``; the batches
-  committed after the snapshot reach it through the ordinary PREPARE of the next round.
+  versions, position and deduplication table) and installs it; taking the snapshot made it a
+  learner of the primary, whose rounds wait for it from then on. The primary reports it
+  ``caught-up`` to the controller once it holds every committed batch;
+- keeps its copies across registrations: a server that registers again (after a pause, a
+  partition, or a restart that reloaded its copies from LMDB) offers them with their (epoch,
+  seq), and keeps them as `standby` until the controller gives them a role or lets them go.
 
 Updates travel in their compact form (dense delta of one shard, or activation and error vectors),
 never as an expanded M x N delta, and every replica applies each batch as one group per shard on
@@ -41,6 +45,7 @@ from adamps.layout import TensorSpec
 from adamps.protocol import ProtocolError, require
 from adamps.rpc import AsyncRpc, RpcError
 from adamps.server.optim import Dense, Optimizer
+from adamps.server.persist import DEDUP_PER_FLUSH, Position
 from adamps.server.store import ShardState, fc_parts, owner_future
 
 if TYPE_CHECKING:
@@ -222,8 +227,12 @@ class Replicator:
         self.failover_after = cfg.failover_after
         #: bucket -> replication state (buckets this server holds a copy of, or is joining)
         self.buckets: dict[int, BucketReplica] = {}
-        #: bucket -> "primary" | "secondary" | "joining"
+        #: bucket -> "primary" | "secondary" | "joining" | "standby"
         self.roles: dict[int, str] = {}
+        #: buckets the controllers report unavailable (no live copy to serve them)
+        self.unavailable: frozenset[int] = frozenset()
+        #: bucket -> seq of the last cut taken for the flush (absent: a new or reinstalled copy)
+        self._persisted: dict[int, int] = {}
         #: server id -> "host:port" (from the controllers' roles)
         self.addresses: dict[str, str] = {}
         self.leases = HolderLeases(LeaseTerms())
@@ -321,8 +330,46 @@ class Replicator:
                 log.warning("controller unreachable: %s; retrying", exc)
                 await asyncio.sleep(0.5)
 
+    def copies(self) -> dict[int, list[int]]:
+        """The copies this server holds whole, with their position [committed epoch, seq]: what
+        it offers the controllers (a joining copy that has no snapshot yet holds nothing)."""
+        return {
+            b: [rep.committed_epoch, rep.committed]
+            for b, rep in self.buckets.items()
+            if self.roles.get(b) != "joining" or rep.learning
+        }
+
+    def restore(self, positions: dict[int, Position]) -> None:
+        """Copies reloaded from LMDB at start: held as standby until the controllers decide."""
+        for b, pos in positions.items():
+            rep = self.buckets[b] = BucketReplica(
+                self.server_id, b, log_limit=self.ps.cfg.replication_log
+            )
+            rep.restore(pos.seq, pos.epoch, pos.dedup)
+            self.roles[b] = "standby"
+            self._persisted[b] = pos.seq
+        log.info("reloaded %d copies: %s", len(positions), self.copies())
+
+    def positions(self) -> dict[int, Position]:
+        """Per held copy, its position and the exactly-once pairs recorded since the last cut.
+        Called on the event loop in the same step as the flush's copies are queued: they
+        describe exactly the values the flush writes."""
+        out = {}
+        for b, rep in self.buckets.items():
+            if self.roles.get(b) == "joining" and not rep.learning:
+                continue
+            last = self._persisted.get(b)
+            if last is None:
+                dedup, fresh = rep.dedup.to_list(), True
+            else:
+                dedup, fresh = rep.dedup.entries_after(last, DEDUP_PER_FLUSH), False
+            out[b] = Position(rep.committed_epoch, rep.committed, dedup, fresh)
+            self._persisted[b] = rep.committed
+        return out
+
     async def _register(self) -> None:
-        reply = await self._controller.register(self.server_id, self.address)
+        copies = self.copies()
+        reply = await self._controller.register(self.server_id, self.address, copies)
         if int(reply.get("n_buckets", self.ps.cfg.n_buckets)) != self.ps.cfg.n_buckets:
             raise RuntimeError(
                 f"the controllers use n_buckets={reply['n_buckets']}, this server {self.ps.cfg.n_buckets}"
@@ -330,12 +377,21 @@ class Replicator:
         terms = reply.get("lease") or {}
         self.leases = HolderLeases(LeaseTerms(**{k: float(v) for k, v in terms.items()}))
         self.heartbeat_interval = float(reply.get("heartbeat_interval", 1.0))
-        # A registration is a fresh incarnation holding nothing: forget every role.
-        for b in list(self.buckets):
-            self._forget(b)
+        # A new incarnation: no role and no lease is trusted any more, but the copies stay (the
+        # controllers may need them: they were offered) until the roles say what to do.
+        for b, rep in self.buckets.items():
+            self._fail_waiters(rep.on_assignment(Assignment(rep.assignment.epoch, None)), b)
+            if self.roles.get(b) != "joining" or rep.learning:
+                self.roles[b] = "standby"
         self.table_version = None
         self.registered.set()
-        log.info("registered as %s at %s (lease %s)", self.server_id, self.address, terms)
+        log.info(
+            "registered as %s at %s, offering %d copies (lease %s)",
+            self.server_id,
+            self.address,
+            len(copies),
+            terms,
+        )
 
     def request_heartbeat(self) -> None:
         self._heartbeat_now.set()
@@ -351,6 +407,7 @@ class Replicator:
                 log.warning("controller says %s: registering again", exc.message)
                 return False
             raise
+        self.unavailable = frozenset(int(b) for b in reply.get("unavailable", []))
         if "roles" in reply:
             self._apply_roles(reply["roles"], int(reply["version"]))
         for b, epoch in reply.get("renewed", []):
@@ -372,7 +429,10 @@ class Replicator:
                     self.addresses[sid] = addr
             # `secondaries` excludes the primary; membership changes keep the lease epoch.
             assignment = Assignment(
-                int(r["epoch"]), r.get("primary"), tuple(r.get("secondaries", []))
+                int(r["epoch"]),
+                r.get("primary"),
+                tuple(r.get("secondaries", [])),
+                tuple(r.get("joining", [])),
             )
             role = r.get("role") or (
                 "primary"
@@ -388,11 +448,20 @@ class Replicator:
                     self.server_id, b, log_limit=self.ps.cfg.replication_log
                 )
             was = self.roles.get(b)
+            if role == "standby":
+                # No member: keep the copy (and its position) untouched, serve nothing.
+                self.roles[b] = "standby"
+                self.leases.drop(b)
+                continue
             if role == "joining":
                 # Not a member yet: keep the assignment to know the primary, start the transfer.
-                rep.assignment = (
-                    assignment if assignment.epoch >= rep.assignment.epoch else rep.assignment
-                )
+                if assignment.epoch >= rep.assignment.epoch:
+                    if (assignment.epoch, assignment.primary) != (
+                        rep.assignment.epoch,
+                        rep.assignment.primary,
+                    ):
+                        rep.learning = False  # another primary: transfer again
+                    rep.assignment = assignment
                 self.roles[b] = "joining"
                 if b not in self._join_tasks or self._join_tasks[b].done():
                     self._join_tasks[b] = asyncio.create_task(self._join(b), name=f"join-{b}")
@@ -417,6 +486,7 @@ class Replicator:
 
     def _forget(self, b: int) -> None:
         rep = self.buckets.pop(b, None)
+        self._persisted.pop(b, None)
         self.roles.pop(b, None)
         self.store.release_bucket(b)
         self.leases.drop(b)
@@ -447,10 +517,7 @@ class Replicator:
         self.m.lease_epoch.set(max((self.buckets[b].assignment.epoch for b in prim), default=0))
         for b in prim:
             rep = self.buckets[b]
-            low = min(
-                (rep.acked_commit.get(m, -1) for m in rep.assignment.secondaries),
-                default=rep.committed,
-            )
+            low = min((rep.acked_commit.get(m, -1) for m in rep.replicas), default=rep.committed)
             self.m.lag.labels(str(b)).set(max(0, rep.committed - max(low, 0)))
             self._lag_buckets.add(b)
 
@@ -459,6 +526,14 @@ class Replicator:
     def check_primary(self, b: int) -> BucketReplica:
         """The bucket's state if this server may serve it as primary now, else not_primary."""
         rep = self.buckets.get(b)
+        if b in self.unavailable:
+            self.request_heartbeat()
+            raise ProtocolError(
+                "bucket_unavailable",
+                f"bucket {b}: no live copy can serve it (waiting for a copy to come back, or "
+                "for an operator to declare it lost)",
+                bucket=b,
+            )
         if rep is None or self.roles.get(b) != "primary":
             raise _not_primary(rep, b, self.addresses, "this server is not its primary")
         if not self.leases.can_write(b, rep.assignment.epoch, time.monotonic()):
@@ -527,6 +602,7 @@ class Replicator:
                         # quiet bucket's copies are identical and a failover finds nothing missing.
                         for m in rep.lagging():
                             await self._sync_member(b, rep, m)
+                        self._report_learners(b, rep)
                         return
                 t0 = time.perf_counter()
                 n_pushes = len(rep.inflight[1]) if rep.inflight else 0
@@ -562,11 +638,7 @@ class Replicator:
                 or rep.inflight is None
             ):
                 return False
-            todo = [
-                m
-                for m in rep.assignment.secondaries
-                if rep.acked_prepare.get(m, -1) < rep.inflight[0].seq
-            ]
+            todo = [m for m in rep.replicas if rep.acked_prepare.get(m, -1) < rep.inflight[0].seq]
             results = await asyncio.gather(
                 *(self._prepare_one(b, rep, m) for m in todo), return_exceptions=True
             )
@@ -575,7 +647,7 @@ class Replicator:
                 continue
             if time.monotonic() - started > self.member_timeout:
                 for m in failed:
-                    await self._drop_secondary(b, rep, m)
+                    await self._unresponsive(b, rep, m)
                 started = time.monotonic()
             else:
                 await asyncio.sleep(0.02)
@@ -620,7 +692,7 @@ class Replicator:
         epoch = rep.assignment.epoch
         started = time.monotonic()
         while True:
-            waiting = [m for m in rep.assignment.secondaries if rep.acked_commit.get(m, -1) < seq]
+            waiting = [m for m in rep.replicas if rep.acked_commit.get(m, -1) < seq]
             if not waiting or rep.assignment.epoch != epoch or self.roles.get(b) != "primary":
                 break
             results = await asyncio.gather(
@@ -629,17 +701,21 @@ class Replicator:
             failed = [m for m, r in zip(waiting, results, strict=True) if r is not True]
             if failed and time.monotonic() - started > self.member_timeout:
                 for m in failed:
-                    await self._drop_secondary(b, rep, m)
+                    await self._unresponsive(b, rep, m)
                 started = time.monotonic()
             elif failed:
                 await asyncio.sleep(0.02)
         self._release(rep.release_acknowledged())
+        self._report_learners(b, rep)
         self.m.round_seconds.observe(time.perf_counter() - t0)
         self.m.round_pushes.observe(n_pushes)
 
-    async def _sync_member(self, b: int, rep: BucketReplica, member: str) -> bool:
-        """Between rounds: COMMIT up to our position; a member that lacks batches says where it
-        stands and gets them from the log (PREPARE of committed batches), then the COMMIT again."""
+    async def _sync_member(
+        self, b: int, rep: BucketReplica, member: str, upto: int | None = None
+    ) -> bool:
+        """COMMIT up to `upto` (default: our position); a member that lacks batches says where
+        it stands and gets them from the log (PREPARE of committed batches), then the COMMIT
+        again."""
         for _ in range(3):
             try:
                 reply = await self._channel(member).call(
@@ -647,7 +723,7 @@ class Replicator:
                     bucket=b,
                     epoch=rep.assignment.epoch,
                     sender=self.server_id,
-                    seq=rep.committed,
+                    seq=rep.committed if upto is None else min(upto, rep.committed),
                 )
                 if reply["status"] == "ok":
                     self._release(rep.on_commit_ack(member, int(reply["seq"])))
@@ -681,9 +757,10 @@ class Replicator:
         except (ConnectionError, TimeoutError, OSError):
             return False
         if reply["status"] == "gap":
-            # It lost prepared batches (restarted?): resend from its position at the next round.
+            # It lacks batches (a learner whose prepare raced its snapshot, or a restart): bring
+            # it up from the log, then commit again.
             rep.on_member_position(member, int(reply["seq"]))
-            return False
+            return await self._sync_member(b, rep, member, seq)
         self._release(rep.on_commit_ack(member, int(reply["seq"])))
         return True
 
@@ -692,8 +769,44 @@ class Replicator:
             if isinstance(fut, asyncio.Future) and not fut.done():
                 fut.set_result(None)
 
-    async def _drop_secondary(self, b: int, rep: BucketReplica, member: str) -> None:
-        """Reports an unresponsive member; waits for the controller's new assignment."""
+    async def _unresponsive(self, b: int, rep: BucketReplica, member: str) -> None:
+        """A replica did not answer within member_timeout. A learner not yet reported caught up
+        is no member: forget it (it transfers again). One whose report awaits the controller's
+        answer is waited for. A member, or a learner the controller accepted, leaves only by a
+        committed controller entry."""
+        state = rep.learners.get(member)
+        if state == "syncing":
+            log.info("bucket %d: learner %s unresponsive; forgotten", b, member)
+            rep.drop_learner(member)
+            return
+        if state == "reporting":
+            return
+        if await self._drop_secondary(b, rep, member) and member in rep.learners:
+            rep.drop_learner(member)
+
+    def _report_learners(self, b: int, rep: BucketReplica) -> None:
+        """Learners that hold every committed batch: report them caught up (once)."""
+        for m in rep.learners_caught_up():
+            rep.report_sent(m)
+            asyncio.create_task(self._report_caught_up(b, rep, m, rep.assignment.epoch))
+
+    async def _report_caught_up(self, b: int, rep: BucketReplica, member: str, epoch: int) -> None:
+        accepted = False
+        try:
+            await self._controller.caught_up(b, self.server_id, epoch, member)
+            accepted = True
+            log.info(
+                "bucket %d: %s caught up at seq %d (epoch %d)", b, member, rep.committed, epoch
+            )
+        except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
+            log.info("bucket %d: caught-up of %s refused or failed: %s", b, member, exc)
+        if rep.assignment.epoch == epoch:
+            rep.report_done(member, accepted)
+        self.request_heartbeat()
+
+    async def _drop_secondary(self, b: int, rep: BucketReplica, member: str) -> bool:
+        """Reports an unresponsive member; waits for the controller's new assignment. True when
+        the controller removed it."""
         log.warning(
             "bucket %d: secondary %s unresponsive; asking the controller to drop it", b, member
         )
@@ -703,6 +816,8 @@ class Replicator:
             await self._controller.drop_secondary(b, self.server_id, epoch, member)
         except (RpcError, ConnectionError, TimeoutError) as exc:
             log.warning("bucket %d: drop-secondary %s refused or failed: %s", b, member, exc)
+            self.request_heartbeat()
+            return False
         # Learn the new replica set (a committed controller entry) before going on without it.
         deadline = time.monotonic() + self.member_timeout
         while (
@@ -713,6 +828,7 @@ class Replicator:
         ):
             self.request_heartbeat()
             await asyncio.sleep(0.05)
+        return True
 
     # -- applying batches -----------------------------------------------------------------------------
 
@@ -830,7 +946,7 @@ class Replicator:
                 if role != "primary":
                     continue
                 rep = self.buckets[b]
-                for m in rep.assignment.secondaries:
+                for m in rep.replicas:
                     by_member.setdefault(m, {})[str(b)] = rep.assignment.epoch
             if by_member:
                 await asyncio.gather(
@@ -890,7 +1006,13 @@ class Replicator:
         """A consistent copy of a bucket for a joining copy: taken between rounds, no await between
         reading the position and queueing the reads, so values match `committed` exactly."""
         b = require(msg, "bucket", int)
+        joiner = require(msg, "joiner", str)
         rep = self.check_primary(b)
+        rej = rep.add_learner(joiner)
+        if rej is not None:
+            raise self._reject(rej, b)
+        # From here (no await since add_learner) every round waits for the joiner: the batches
+        # after `committed` reach it through the rounds, the ones up to it through this copy.
         meta = rep.snapshot_meta()
         states = [
             st for st in self.store.shards.values() if self.store.layout.bucket_of[st.id] == b
@@ -914,34 +1036,41 @@ class Replicator:
         }
 
     async def _join(self, b: int) -> None:
-        """Transfers bucket b from its primary, then reports caught-up (retrying until it is)."""
+        """Transfers bucket b from its primary and takes its rounds as a learner until the
+        controller makes it a member; transfers again if the primary changes or goes silent
+        (it forgot this learner)."""
         while not self._closing and self.roles.get(b) == "joining":
             rep = self.buckets[b]
-            primary = rep.assignment.primary
+            primary, epoch = rep.assignment.primary, rep.assignment.epoch
             try:
                 snap = (
-                    await self._peer(primary).call("repl_snapshot", bucket=b) if primary else None
+                    await self._peer(primary).call("repl_snapshot", bucket=b, joiner=self.server_id)
+                    if primary
+                    else None
                 )
             except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
                 log.info("bucket %d: snapshot from %s failed: %s; retrying", b, primary, exc)
                 snap = None
-            if snap is None:
+            if (
+                snap is None
+                or self.roles.get(b) != "joining"
+                or (rep.assignment.epoch, rep.assignment.primary) != (epoch, primary)
+                or int(snap["epoch"]) != epoch
+            ):
                 await asyncio.sleep(0.3)
                 self.request_heartbeat()
                 continue
             await self._install(b, snap)
-            try:
-                await self._controller.caught_up(b, self.server_id, int(snap["epoch"]))
-                log.info(
-                    "bucket %d: caught up at seq %d (epoch %s)", b, snap["committed"], snap["epoch"]
-                )
-                self.request_heartbeat()
-                return
-            except RpcError as exc:
-                log.info("bucket %d: caught-up refused (%s); transferring again", b, exc.message)
-                await asyncio.sleep(0.2)
-                self.request_heartbeat()
-                await asyncio.sleep(0.3)
+            log.info(
+                "bucket %d: snapshot at seq %d from %s installed", b, snap["committed"], primary
+            )
+            self.last_heard[b] = time.monotonic()
+            while not self._closing and self.roles.get(b) == "joining" and rep.learning:
+                if time.monotonic() - self.last_heard.get(b, 0.0) > self.failover_after:
+                    log.info("bucket %d: primary %s silent while joining; again", b, primary)
+                    rep.learning = False
+                    break
+                await asyncio.sleep(0.1)
 
     async def _install(self, b: int, snap: dict[str, Any]) -> None:
         for d in snap["tensors"]:
@@ -953,9 +1082,14 @@ class Replicator:
             values.append(rec["value"])
             accums.append(rec.get("accum"))
             versions.append(int(rec["version"]))
-        await self.ps._wait(lambda cb: self.store.overwrite(states, values, accums, versions, cb))
-        rep = self.buckets[b]
-        rep.install_snapshot(int(snap["committed"]), snap["dedup"])
+        done = owner_future(lambda cb: self.store.overwrite(states, values, accums, versions, cb))
+        # The position moves in the same loop step as the values are queued: a flush cut sees
+        # both or neither.
+        self.buckets[b].install_snapshot(
+            int(snap["committed"]), snap["dedup"], int(snap.get("committed_epoch", 0))
+        )
+        self._persisted.pop(b, None)
+        await done
         self.m.snapshots.labels("received").inc()
 
     # -- digests ---------------------------------------------------------------------------------------
@@ -992,6 +1126,8 @@ class Replicator:
                 "primary": rep.assignment.primary,
                 "secondaries": list(rep.assignment.secondaries),
                 "committed": rep.committed,
+                "committed_epoch": rep.committed_epoch,
+                "learners": dict(rep.learners),
                 "prepared": sorted(rep.prepared),
                 "pending": len(rep.pending),
                 "lease_left": None if d is None else round(d - now, 3),
@@ -1000,6 +1136,7 @@ class Replicator:
             "server_id": self.server_id,
             "address": self.address,
             "table_version": self.table_version,
+            "unavailable": sorted(self.unavailable),
             "buckets": out,
         }
 

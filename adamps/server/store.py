@@ -465,6 +465,13 @@ class Store:
 
     def snapshot_dirty(self, timeout: float = 60.0) -> list[Snapshot]:
         """Copies every dirty shard on its owner thread and marks it clean (blocking; not on the loop)."""
+        return self.begin_snapshot()(timeout)
+
+    def begin_snapshot(self) -> Callable[[float], list[Snapshot]]:
+        """Queues the copy of every dirty shard on every owner thread now, and returns the wait
+        for the copies (blocking; not on the loop). Queued from the thread that queues updates (the
+        event loop), the copies are one consistent cut: every update queued before is in them,
+        none queued after."""
         done = threading.Event()
         snaps: list[Snapshot] = []
         lock = threading.Lock()
@@ -489,11 +496,15 @@ class Store:
         ticket = Ticket(len(self._queues), lambda _r, _e: done.set())
         for q in self._queues:
             q.put((_CALL, take, ticket))
-        if not done.wait(timeout):
-            raise TimeoutError("owner threads did not answer the snapshot in time")
-        if ticket.error is not None:
-            raise ticket.error
-        return snaps
+
+        def wait(timeout: float) -> list[Snapshot]:
+            if not done.wait(timeout):
+                raise TimeoutError("owner threads did not answer the snapshot in time")
+            if ticket.error is not None:
+                raise ticket.error
+            return snaps
+
+        return wait
 
     def oldest_dirty(self) -> float | None:
         """Monotonic time of the oldest update not yet snapshotted (a racy read; for metrics)."""

@@ -113,7 +113,7 @@ def test_drain_hands_over_then_server_is_empty() -> None:
             m.renew(s, t)
         for b, bk in enumerate(m.buckets):
             for j in list(bk["joining"]):
-                m.caught_up(b, j, bk["lease"].epoch, t)
+                m.caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, t)
         m.reconcile(t)
     assert all(m.primary_of(b) != "ps0" for b in owned)
     view = m.cluster_view()
@@ -128,7 +128,7 @@ def test_release_hands_over_at_once() -> None:
     m.drain("ps0", 110.0)
     for b, bk in enumerate(m.buckets):
         for j in list(bk["joining"]):
-            m.caught_up(b, j, bk["lease"].epoch, 110.0)
+            m.caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, 110.0)
     b = next(
         b
         for b in range(64)
@@ -153,17 +153,108 @@ def test_restarted_server_loses_its_leases() -> None:
     validate(m)
 
 
-def test_no_copy_left_restarted_primary_serves_what_it_reloaded() -> None:
+def members(m: ClusterModel, b: int) -> list[str]:
+    return m.live_members(b)
+
+
+def test_every_server_paused_past_its_timeout_keeps_the_buckets_data() -> None:
+    """Issue 11, failure 1: every server silent (SIGSTOP) long enough to be declared dead. The
+    last live member of each bucket keeps its copy as a candidate; the bucket is unavailable
+    (never served from init) until a candidate is back with it, which then gets the lease."""
+    m = cluster(3)
+    for s in ("ps0", "ps1", "ps2"):
+        m.declare_dead(s, 101.0)
+    view = m.cluster_view()
+    assert view["unavailable"] == list(range(64))
+    assert all(r["state"] == "unavailable" for r in m.routing()["buckets"])
+    assert all(m.buckets[b]["candidates"] == ["ps2"] for b in range(64)), "the last to leave"
+    # They come back (a new incarnation each), offering what they hold in memory.
+    for i, s in enumerate(("ps0", "ps1", "ps2")):
+        m.register(s, f"127.0.0.1:{9000 + i}", 102.0, copies={b: [1, 7] for b in range(64)})
+    assert m.grants_due(100.0 + WAIT - 0.01) == [], "the old leases may still be in use"
+    m.reconcile(100.0 + WAIT)
+    for b in range(64):
+        bk = m.buckets[b]
+        assert bk["lease"].holder == "ps2" and bk["lease"].epoch == 2, b
+        assert not bk["lost"] and bk["candidates"] == []
+        assert sorted(bk["joining"]) == ["ps0", "ps1"], "the others copy from the candidate"
+    assert m.cluster_view()["unavailable"] == []
+    validate(m)
+
+
+def test_a_candidate_back_without_its_copy_is_no_candidate_and_nothing_is_recreated() -> None:
+    m = cluster(3)
+    for s in ("ps0", "ps1", "ps2"):
+        m.declare_dead(s, 101.0)
+    for i, s in enumerate(("ps0", "ps1", "ps2")):
+        m.register(s, f"127.0.0.1:{9000 + i}", 102.0)  # wiped: offers nothing
+    m.reconcile(100.0 + 2 * WAIT)
+    assert all(m.buckets[b]["lease"].epoch == 1 for b in range(64)), "no grant without a copy"
+    assert m.cluster_view()["unavailable"] == list(range(64))
+    assert all(r["role"] != "primary" for s in ("ps0", "ps1") for r in m.roles_of(s))
+    validate(m)
+
+
+def test_restart_of_the_last_member_offers_its_reloaded_copy() -> None:
+    """Issue 11, failure 2: the whole cluster SIGKILLed and restarted before any was declared
+    dead. Each restart is a new incarnation; the copy of the last member to go is the candidate."""
     m = cluster(3)
     b = next(b for b in range(64) if m.primary_of(b) == "ps0")
-    for s in list(m.buckets[b]["holders"]):
-        m.declare_dead(s, 101.0)
-    m.register("ps0", "127.0.0.1:9100", 101.0)  # restarted: its lease is not trusted any more
-    assert m.grants_due(100.0 + WAIT - 0.01) == []
+    m.register("ps1", "127.0.0.1:9001", 101.0, copies={b: [1, 40]})
+    m.register("ps2", "127.0.0.1:9002", 101.0, copies={b: [1, 38]})
+    assert members(m, b) == ["ps0"]
+    m.register("ps0", "127.0.0.1:9000", 101.5, copies={b: [1, 35]})
+    assert m.buckets[b]["candidates"] == ["ps0"]
+    assert m.unavailable(b)
+    assert [r["role"] for r in m.roles_of("ps0") if r["bucket"] == b] == ["standby"]
     m.reconcile(100.0 + WAIT)
+    assert m.primary_of(b) == "ps0" and m.buckets[b]["lease"].epoch == 2
+    validate(m)
+
+
+def test_the_most_up_to_date_candidate_wins() -> None:
+    m = cluster(3)
+    b = 5
+    # The members leave together (one entry): every one of them is the last, all candidates.
     bk = m.buckets[b]
-    assert bk["lease"].holder == "ps0" and bk["lease"].epoch == 2 and bk["lost"]
-    assert m.cluster_view()["buckets"][b]["lost"] is True
+    cands = [m.primary_of(b), *bk["holders"]]
+    m.servers["ps0"]["state"] = m.servers["ps1"]["state"] = DEAD
+    m.declare_dead("ps2", 101.0)
+    m.servers["ps0"]["state"] = m.servers["ps1"]["state"] = "live"
+    bk["candidates"] = list(cands)
+    for s, pos in zip(cands, ([2, 10], [3, 4], [2, 99]), strict=True):
+        m.register(s, "127.0.0.1:1", 102.0, copies={b: pos})
+    m.reconcile(100.0 + WAIT)
+    assert m.primary_of(b) == cands[1], "highest (epoch, seq): epoch first"
+
+
+def test_declare_lost_is_explicit_logged_and_counted() -> None:
+    m = cluster(3)
+    assert m.declare_lost(3, 101.0)["error"] == "conflict", "served buckets are never lost"
+    for s in ("ps0", "ps1", "ps2"):
+        m.declare_dead(s, 101.0)
+    m.register("ps0", "127.0.0.1:9000", 102.0, copies={3: [1, 5]})  # not a candidate
+    m.register("ps1", "127.0.0.1:9001", 102.0)
+    assert m.declare_lost(3, 102.0)["reason"] == "lease_active"
+    res = m.declare_lost(3, 100.0 + WAIT)
+    assert res["ok"] and res["primary"] == "ps0" and res["from"] == "copy"
+    res = m.declare_lost(4, 100.0 + WAIT)
+    assert res["ok"] and res["from"] == "initial values"
+    view = m.cluster_view()
+    assert view["lost"] == [3, 4] and view["declared_lost"] == 2
+    assert 3 not in view["unavailable"] and 4 not in view["unavailable"]
+    validate(m)
+
+
+def test_caught_up_is_reported_by_the_current_primary_only() -> None:
+    m = cluster(4)
+    m.drain("ps0", 101.0)
+    b, bk = next((b, bk) for b, bk in enumerate(m.buckets) if bk["joining"])
+    j, lease = bk["joining"][0], bk["lease"]
+    assert m.caught_up(b, j, lease.epoch, j, 102.0)["error"] == "stale_epoch"
+    assert m.caught_up(b, lease.holder, lease.epoch + 1, j, 102.0)["error"] == "stale_epoch"
+    assert m.caught_up(b, lease.holder, lease.epoch, j, 102.0)["ok"]
+    assert j in bk["holders"]
     validate(m)
 
 
@@ -184,7 +275,7 @@ def test_one_server_then_more_restores_replication() -> None:
     m.register("ps2", "c", 101.0)
     for b, bk in enumerate(m.buckets):
         for j in list(bk["joining"]):
-            m.caught_up(b, j, bk["lease"].epoch, 102.0)
+            m.caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, 102.0)
     assert m.under_replicated() == 0
     validate(m)
 
@@ -203,7 +294,9 @@ def test_random_histories_keep_leases_safe(seed: int) -> None:
         op = rng.random()
         s = rng.choice(names)
         if op < 0.15:
-            m.register(s, f"h:{s}", now)
+            # A restart offers the copies it kept (mostly: sometimes its disk is gone).
+            kept = {} if rng.random() < 0.2 else {b: [1, rng.randrange(5)] for b in range(32)}
+            m.register(s, f"h:{s}", now, copies=kept)
         elif op < 0.45:
             m.renew(s, now)
         elif op < 0.55:
@@ -221,7 +314,7 @@ def test_random_histories_keep_leases_safe(seed: int) -> None:
             for b, bk in enumerate(m.buckets):
                 for j in list(bk["joining"]):
                     if rng.random() < 0.5 and bk["lease"]:
-                        m.caught_up(b, j, bk["lease"].epoch, now)
+                        m.caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, now)
         elif op < 0.85:
             b = rng.randrange(32)
             lease = m.buckets[b]["lease"]
@@ -229,6 +322,8 @@ def test_random_histories_keep_leases_safe(seed: int) -> None:
                 m.release(b, lease.holder, lease.epoch, now)
         elif op < 0.9:
             m.rebalance(now)
+        elif op < 0.93:
+            m.declare_lost(rng.randrange(32), now)
         else:
             m.reconcile(now)
         validate(m)

@@ -218,7 +218,7 @@ class FakeServers(threading.Thread):
     def report_caught_up(self, sid: str, addr: str, joining: list[dict[str, Any]]) -> None:
         try:
             for role in joining:
-                body = {"server": sid, "epoch": role["epoch"]}
+                body = {"server": sid, "primary": role["primary"], "epoch": role["epoch"]}
                 call(addr, "POST", f"/buckets/{role['bucket']}/caught-up", body, timeout=1.0)
         finally:
             self.catching_up.discard(sid)
