@@ -57,6 +57,13 @@ def render(
         f"under-replicated {view['under_replicated']}  unassigned {view['unassigned']}  "
         f"layout v{view['layout_version']}"
     )
+    if view.get("unavailable"):
+        out.append(
+            f"UNAVAILABLE buckets (no live copy; waiting for a copy to come back): "
+            f"{view['unavailable']}"
+        )
+    if view.get("lost"):
+        out.append(f"buckets declared lost by an operator: {view['lost']}")
     out.append("")
     rows = [
         [
@@ -91,11 +98,12 @@ def render(
                     ",".join(bv["secondaries"]),
                     ",".join(bv["joining"]),
                     left,
+                    bv.get("state", "ok") + (" (lost)" if bv.get("lost") else ""),
+                    ",".join(bv.get("candidates", [])),
                 ]
             )
-        out.append(
-            table(rows, ["bucket", "primary", "epoch", "secondaries", "joining", "lease left"])
-        )
+        header = ["bucket", "primary", "epoch", "secondaries", "joining", "lease left", "state"]
+        out.append(table(rows, [*header, "candidates"]))
     if progress:
         out.append("")
         rows = []

@@ -241,6 +241,18 @@ CLUSTER = Dashboard(
                     ],
                 ),
                 Panel(
+                    "Unavailable and lost buckets",
+                    [
+                        ("max(adamps_controller_unavailable_buckets)", "unavailable"),
+                        ("max(adamps_controller_buckets_declared_lost)", "declared lost"),
+                    ],
+                    description=(
+                        "Unavailable: every copy's server is gone; pushes and pulls get 503 "
+                        "bucket_unavailable until one comes back with its copy. Lost: given up "
+                        "by an operator (POST /buckets/{b}/declare-lost)."
+                    ),
+                ),
+                Panel(
                     "Routing table version",
                     [("max(adamps_controller_table_version)", "version")],
                     description="Grows with every placement change (registrations, failovers, moves).",
