@@ -25,7 +25,7 @@ from trainer.local import builtin_data
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = 8
+EPOCHS = 10
 
 
 def ps_has_replication() -> bool:
