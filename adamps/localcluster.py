@@ -57,18 +57,26 @@ class LocalCluster:
         ps_opts: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         port_alloc: Callable[[], int] = free_port,
+        host_of: Callable[[str], str] | None = None,
+        wrap: Callable[[str, list[str]], list[str]] | None = None,
     ) -> None:
         self.root = Path(root)
         #: where every port of this cluster comes from (`adamps up --port-base` counts up)
         self.port_alloc = port_alloc
         self.root.mkdir(parents=True, exist_ok=True)
+        #: process name -> the address it binds and is reached at (tests with one network
+        #: namespace per process); loopback by default
+        self.host_of = host_of or (lambda _name: "127.0.0.1")
+        #: process name, argv -> the argv that starts it (e.g. inside its namespace)
+        self.wrap = wrap or (lambda _name, argv: argv)
         self.token = token
         self.n_buckets = n_buckets
         self.env = {"ADAMPS_TOKEN": token, "OPENBLAS_NUM_THREADS": "1", **(env or {})}
         ports = [(port_alloc(), port_alloc()) for _ in range(n_controllers)]
-        self.members = ",".join(f"127.0.0.1:{rp}:{hp}" for rp, hp in ports)
+        hosts = [self.host_of(f"controller{i}") for i in range(n_controllers)]
+        self.members = ",".join(f"{h}:{rp}:{hp}" for h, (rp, hp) in zip(hosts, ports, strict=True))
         #: controller HTTP addresses (host:port)
-        self.controllers = [f"127.0.0.1:{hp}" for _, hp in ports]
+        self.controllers = [f"{h}:{hp}" for h, (_, hp) in zip(hosts, ports, strict=True)]
         self.controller_opts = {
             "min-servers": min(3, n_servers),
             "n-buckets": n_buckets,
@@ -77,7 +85,7 @@ class LocalCluster:
         self.ps_opts = dict(ps_opts or {})
         #: parameter server ids and HTTP addresses
         self.server_ids = [f"ps{i}" for i in range(n_servers)]
-        self.servers = [f"127.0.0.1:{port_alloc()}" for _ in range(n_servers)]
+        self.servers = [f"{self.host_of(s)}:{port_alloc()}" for s in self.server_ids]
         self.dataservers: list[str] = []
         self.procs: dict[str, Proc] = {}
         self._starts: dict[str, int] = {}
@@ -87,7 +95,7 @@ class LocalCluster:
     def _start(self, name: str, *args: str) -> Proc:
         self._starts[name] = self._starts.get(name, 0) + 1
         log = self.root / "logs" / f"{name}.log"
-        proc = Proc(adamps_argv(*args), log, env=self.env, name=name)
+        proc = Proc(self.wrap(name, adamps_argv(*args)), log, env=self.env, name=name)
         self.procs[name] = proc
         return proc
 
@@ -114,10 +122,11 @@ class LocalCluster:
         data = self.root / f"{self.server_ids[i]}"
         if wipe and data.exists():
             shutil.rmtree(data)
-        port = self.servers[i].rsplit(":", 1)[1]
+        host, port = self.servers[i].rsplit(":", 1)
         return self._start(
             self.server_ids[i],
-            "ps", "--port", port, "--server-id", self.server_ids[i], "--controllers", ",".join(self.controllers),
+            "ps", "--host", host, "--port", port, "--server-id", self.server_ids[i],
+            "--controllers", ",".join(self.controllers),
             "--data-dir", str(data), "--n-buckets", str(self.n_buckets), *self._flags(self.ps_opts),
         )  # fmt: skip
 
