@@ -82,6 +82,8 @@ class ControllerService:
         #: leader soft state: bucket -> server -> [epoch, seq] last reported
         self.reports: dict[int, dict[str, list[int]]] = {}
         self._was_leader = False
+        #: monotonic time the leader loop's last step ended (a long gap: this node was stalled)
+        self._last_step = time.monotonic()
         self._session: aiohttp.ClientSession | None = None
         self._loop_task: asyncio.Task | None = None
         self._init_metrics()
@@ -253,6 +255,8 @@ class ControllerService:
                 pass
             except Exception:
                 log.exception("leader step failed")
+            # Measured from the end of a step: the step's own waits (commits) are no stall.
+            self._last_step = time.monotonic()
             await asyncio.sleep(self.cfg.reconcile_interval)
 
     async def _leader_step(self) -> None:
@@ -261,11 +265,18 @@ class ControllerService:
             self._was_leader = False
             return
         mono = time.monotonic()
+        gap = mono - self._last_step - self.cfg.reconcile_interval
+        stalled = gap > self.cfg.server_timeout / 2
         if not self._was_leader:
             # A new leader knows no heartbeat yet: everybody's silence clock starts now.
             self._was_leader = True
             self.last_seen = {}
             log.info("this node leads (term %d)", self.node.raftCurrentTerm)
+        elif stalled:
+            # This node itself was stopped or starved (a pause, a flooded port): the heartbeats
+            # of that time were never read, so their absence says nothing about the servers.
+            log.warning("leader loop stalled %.1fs: every server's silence clock restarts", gap)
+            self.last_seen = {}
         servers = self.cluster.read(lambda m: {s: r["state"] for s, r in m.servers.items()})
         for sid, state in servers.items():
             if state == DEAD:
