@@ -35,7 +35,15 @@ log = logging.getLogger(__name__)
 
 #: error codes after which a refreshed routing table may lead to success
 RETRYABLE = frozenset(
-    {"not_primary", "stale_epoch", "unavailable", "bucket_unavailable", "timeout", "no_quorum"}
+    {
+        "not_primary",
+        "primary_changed",
+        "stale_epoch",
+        "unavailable",
+        "bucket_unavailable",
+        "timeout",
+        "no_quorum",
+    }
 )
 
 
@@ -155,7 +163,7 @@ class PSClient:
         token: str | None = None,
         *,
         client_id: str | None = None,
-        timeout: float = 30.0,
+        timeout: float = 35.0,  # above the servers' push_timeout (30 s): their 504 comes first
         retry_for: float = 30.0,
     ) -> None:
         self.source = routing

@@ -65,6 +65,11 @@ ERRORS: dict[str, tuple[int, str]] = {
     "internal": (500, "an unexpected error; the server logged it and keeps serving"),
     "no_quorum": (503, "the controller cluster has no quorum; retry later"),
     "unavailable": (503, "the server cannot serve this now (starting, catching up, draining)"),
+    "primary_changed": (
+        503,
+        "the primary lost its role while the push was in a replication round: its outcome is "
+        "unknown; retry it with the same (client, seq) (extra: bucket, epoch, primary)",
+    ),
     "bucket_unavailable": (
         503,
         "no live copy of the bucket can serve it: nothing was applied; retry (extra: bucket)",

@@ -119,7 +119,8 @@ class ControllerService:
         )
         self.m_lost = Gauge(
             "adamps_controller_buckets_declared_lost",
-            "buckets an operator declared lost (POST /buckets/{b}/declare-lost), since the start",
+            "buckets an operator declared lost (POST /buckets/{b}/declare-lost), in the "
+            "replicated record (survives controller restarts)",
             registry=r,
         )
         self.m_version = Gauge(

@@ -164,6 +164,7 @@ class ClusterModel:
         bucket["joining"] = [s for s in bucket["joining"] if self._live(s)]
         want = bucket["want"]
         self._add_copies(b)
+        self._drop_stale_offers(b)
         target = self._grant_target(b, now, reports)
         if target is not None:
             prev = bucket["lease"]
@@ -198,6 +199,17 @@ class ClusterModel:
             bucket["joining"] = [s for s in bucket["joining"] if s in want]
         if before != (bucket["holders"], bucket["joining"]):
             self.version += 1
+
+    def _drop_stale_offers(self, b: int) -> None:
+        """A live server holding no role in a served bucket lets its copy go (roles_of lists it
+        nowhere): its offer is void from then on."""
+        if self.unavailable(b):
+            return
+        bk = self.buckets[b]
+        keep = set(self.live_members(b)) | set(bk["joining"]) | set(bk.get("candidates", []))
+        for s, rec in self.servers.items():
+            if s not in keep and b in rec.get("copies", {}):
+                del rec["copies"][b]
 
     def _add_copies(self, b: int) -> None:
         """Wanted live servers that hold no copy of `b` yet start one: caught up at once in a
@@ -644,17 +656,18 @@ class ClusterModel:
         }
 
     def routing(self) -> dict[str, Any]:
+        buckets = []
+        for b in range(self.n_buckets):
+            v = self.bucket_view(b)
+            entry = {k: v[k] for k in ("bucket", "primary", "address", "epoch", "secondaries")}
+            entry["state"] = v["state"]
+            if v["state"] == "unavailable":  # nobody to send to: no primary to try
+                entry.update(primary=None, address=None, secondaries=[])
+            buckets.append(entry)
         return {
             "version": self.version,
             "n_buckets": self.n_buckets,
-            "buckets": [
-                {
-                    k: v
-                    for k, v in self.bucket_view(b).items()
-                    if k in ("bucket", "primary", "address", "epoch", "secondaries", "state")
-                }
-                for b in range(self.n_buckets)
-            ],
+            "buckets": buckets,
             "servers": {
                 s: rec["address"] for s, rec in self.servers.items() if rec["state"] != DEAD
             },

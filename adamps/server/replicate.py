@@ -46,7 +46,7 @@ from adamps.protocol import ProtocolError, require
 from adamps.rpc import AsyncRpc, RpcError
 from adamps.server.optim import Dense, Optimizer
 from adamps.server.persist import DEDUP_PER_FLUSH, Position
-from adamps.server.store import ShardState, fc_parts, owner_future
+from adamps.server.store import ShardState, StoreError, fc_parts, owner_future
 
 if TYPE_CHECKING:
     from adamps.server.app import ParameterServer
@@ -169,11 +169,15 @@ class ReplMetrics:
 
 
 def _not_primary(
-    rep: BucketReplica | None, bucket: int, addresses: dict[str, str], why: str
+    rep: BucketReplica | None,
+    bucket: int,
+    addresses: dict[str, str],
+    why: str,
+    code: str = "not_primary",
 ) -> ProtocolError:
     a = rep.assignment if rep is not None else Assignment(0, None)
     return ProtocolError(
-        "not_primary",
+        code,
         f"bucket {bucket}: {why}",
         bucket=bucket,
         epoch=a.epoch,
@@ -441,6 +445,8 @@ class Replicator:
                 if self.server_id in assignment.secondaries
                 else "joining"
             )
+            if role == "standby" and b not in self.buckets:
+                continue  # a copy this server no longer has: never an initial-valued stand-in
             self.store.hold_bucket(b)  # shards exist only for the buckets this server holds
             rep = self.buckets.get(b)
             if rep is None:
@@ -504,8 +510,15 @@ class Replicator:
         rep = self.buckets.get(b)
         for fut in waiters:
             if isinstance(fut, asyncio.Future) and not fut.done():
+                # Queued in a round that may still commit elsewhere: unknown, not "not applied".
                 fut.set_exception(
-                    _not_primary(rep, b, self.addresses, "this server is no longer the primary")
+                    _not_primary(
+                        rep,
+                        b,
+                        self.addresses,
+                        "this server is no longer the primary; the push's outcome is unknown",
+                        code="primary_changed",
+                    )
                 )
 
     def _update_gauges(self) -> None:
@@ -919,6 +932,8 @@ class Replicator:
                 results.append({"ok": await getattr(self, f"op_{item['op']}")(item)})
             except ProtocolError as exc:
                 results.append({"error": exc.to_dict()})
+            except StoreError as exc:  # e.g. a tensor not defined here: this message fails only
+                results.append({"error": ProtocolError(exc.code, exc.message).to_dict()})
         return {"results": results}
 
     async def op_repl_ping(self, msg: dict[str, Any]) -> dict[str, Any]:

@@ -328,3 +328,22 @@ def test_random_histories_keep_leases_safe(seed: int) -> None:
             m.reconcile(now)
         validate(m)
     assert len(m.lease_records()) > 32, "the history exercised re-grants"
+
+
+def test_an_offer_of_a_copy_the_server_let_go_is_void() -> None:
+    """A server that came back with copies of buckets others serve gets no role in some of
+    them, so it drops those copies: their offers must not make it a stand-in later
+    (declare_lost, standby)."""
+    m = cluster(4)
+    m.register("ps3", "127.0.0.1:9003", 101.0, copies={b: [9, 99] for b in range(64)})
+    roles = {r["bucket"] for r in m.roles_of("ps3")}
+    assert set(m.servers["ps3"]["copies"]) == roles
+    b = next(b for b in range(64) if b not in roles)
+    for s in m.holders_of(b):
+        m.declare_dead(s, 102.0)
+    assert m.unavailable(b)
+    assert all(
+        r["role"] not in ("standby", "primary") for r in m.roles_of("ps3") if r["bucket"] == b
+    )
+    assert m.declare_lost(b, 100.0 + WAIT)["from"] == "initial values"
+    validate(m)
