@@ -202,9 +202,13 @@ def test_servers_restarted_with_and_without_their_lmdb_rejoin_and_catch_up(
         return {"restarted": a, "wiped": b}
 
     run_load_with_fault(cluster, fault, after=3.0)
-    view = cluster.wait_placed(timeout=40)
-    holders = {s for x in view["buckets"] for s in [x["primary"], *x["secondaries"]]}
-    assert {a, b} <= holders  # both rejoined and hold copies again
+
+    def rejoined(view: dict) -> bool:  # both hold copies again (a slow start may come late)
+        holders = {s for x in view["buckets"] for s in [x["primary"], *x["secondaries"]]}
+        return {a, b} <= holders
+
+    cluster.wait_for(rejoined, "both restarted servers hold copies again", 40)
+    cluster.wait_placed(timeout=40)
     digests_agree(cluster)
 
 
