@@ -211,6 +211,18 @@ class ClusterModel:
             if s not in keep and b in rec.get("copies", {}):
                 del rec["copies"][b]
 
+    def _lease_in_use(self, lease: Lease | None, now: float) -> dict[str, Any] | None:
+        """The refusal of a grant while `lease` may still be in use at `now`, else None."""
+        if leases.expired(lease, now, self.terms):
+            return None
+        until = leases.expires_at(lease, self.terms)
+        return _err(
+            "conflict",
+            f"the lease of epoch {lease.epoch} may be in use until {until:.3f}",  # type: ignore[union-attr]
+            reason="lease_active",
+            retry_after=round(until - now, 3),
+        )
+
     def _add_copies(self, b: int) -> None:
         """Wanted live servers that hold no copy of `b` yet start one: caught up at once in a
         fresh bucket (nothing to copy), else joining (state transfer from the primary). An
@@ -452,14 +464,9 @@ class ClusterModel:
             return _err(
                 "stale_epoch", f"bucket {b} is at epoch {epoch}, not {prev_epoch}", epoch=epoch
             )
-        if not leases.expired(lease, now, self.terms):
-            until = leases.expires_at(lease, self.terms)
-            return _err(
-                "conflict",
-                f"the lease of epoch {epoch} may be in use until {until:.3f}",
-                reason="lease_active",
-                retry_after=round(until - now, 3),
-            )
+        busy = self._lease_in_use(lease, now)
+        if busy is not None:
+            return busy
         chosen = self._best_copy(b, reports)
         if chosen is None:
             return _err("conflict", f"bucket {b} has no live caught-up secondary")
@@ -545,15 +552,9 @@ class ClusterModel:
         bk = self.buckets[b]
         if not self.unavailable(b):
             return _err("conflict", f"bucket {b} is not unavailable: nothing to declare lost")
-        lease: Lease = bk["lease"]
-        if not leases.expired(lease, now, self.terms):
-            until = leases.expires_at(lease, self.terms)
-            return _err(
-                "conflict",
-                f"the lease of epoch {lease.epoch} may be in use until {until:.3f}",
-                reason="lease_active",
-                retry_after=round(until - now, 3),
-            )
+        busy = self._lease_in_use(bk["lease"], now)
+        if busy is not None:
+            return busy
         offers = [
             (-p[0], -p[1], s)
             for s, rec in self.servers.items()
