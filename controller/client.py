@@ -106,8 +106,10 @@ class ControllerClient:
         }
         return self._do("POST", f"/buckets/{bucket}/role-change", body)
 
-    def caught_up(self, bucket: int, primary: str, epoch: int, server: str) -> dict[str, Any]:
-        body = {"primary": primary, "epoch": epoch, "server": server}
+    def caught_up(
+        self, bucket: int, primary: str, epoch: int, server: str, join: int | None = None
+    ) -> dict[str, Any]:
+        body = _caught_up_body(primary, epoch, server, join)
         return self._do("POST", f"/buckets/{bucket}/caught-up", body)
 
     def declare_lost(self, bucket: int) -> dict[str, Any]:
@@ -234,8 +236,10 @@ class AsyncControllerClient:
         }
         return await self._do("POST", f"/buckets/{bucket}/role-change", body)
 
-    async def caught_up(self, bucket: int, primary: str, epoch: int, server: str) -> dict[str, Any]:
-        body = {"primary": primary, "epoch": epoch, "server": server}
+    async def caught_up(
+        self, bucket: int, primary: str, epoch: int, server: str, join: int | None = None
+    ) -> dict[str, Any]:
+        body = _caught_up_body(primary, epoch, server, join)
         return await self._do("POST", f"/buckets/{bucket}/caught-up", body)
 
     async def release(self, bucket: int, server: str, epoch: int) -> dict[str, Any]:
@@ -278,3 +282,11 @@ class AsyncControllerClient:
 def _register_body(address: str, copies: dict[int, Sequence[int]] | None) -> dict[str, Any]:
     """A registration: the server's address and the copies it offers (bucket -> [epoch, seq])."""
     return {"address": address, "copies": {str(b): list(p) for b, p in (copies or {}).items()}}
+
+
+def _caught_up_body(primary: str, epoch: int, server: str, join: int | None) -> dict[str, Any]:
+    """The primary's report that joining copy `server` caught up (in its join number `join`)."""
+    body: dict[str, Any] = {"primary": primary, "epoch": epoch, "server": server}
+    if join is not None:
+        body["join"] = join
+    return body

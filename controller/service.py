@@ -520,7 +520,8 @@ class ControllerService:
                 return self.result(await self.commit("role_change", *args))
             if op == "caught-up":
                 args = (b, _str(body, "primary"), _int(body, "epoch"), _str(body, "server"), now)
-                return self.result(await self.commit("caught_up", *args))
+                join = _int(body, "join") if "join" in body else None
+                return self.result(await self.commit("caught_up", *args, join))
             if op == "declare-lost":
                 log.warning("operator: declare-lost of bucket %d requested", b)
                 return self.result(await self.commit("declare_lost", b, now))

@@ -98,6 +98,9 @@ class ClusterModel:
         ]
         #: buckets an operator declared lost (each one logged)
         self.declared_lost = 0
+        #: ids of joins: each entry into a bucket's `joining` gets the next one, and a caught-up
+        #: report names the join it is about (a report of an earlier join is refused)
+        self.joins = 0
         #: closed leases (dicts with "bucket"), oldest first
         self.history: list[dict[str, Any]] = []
         self.layout: dict[str, Any] | None = None
@@ -146,7 +149,7 @@ class ClusterModel:
             if prev.holder != holder and self._holder_live(b) and prev.holder in bucket["want"]:
                 # A hand-off: the old primary stays as a copy, but re-enters the replica set
                 # through a state transfer (it may hold batches that were never acknowledged).
-                bucket["joining"].append(prev.holder)
+                self._start_join(b, prev.holder)
         if holder in bucket["holders"]:
             bucket["holders"].remove(holder)
         if holder in bucket["joining"]:
@@ -211,6 +214,12 @@ class ClusterModel:
             if s not in keep and b in rec.get("copies", {}):
                 del rec["copies"][b]
 
+    def _start_join(self, b: int, sid: str) -> None:
+        bk = self.buckets[b]
+        self.joins = getattr(self, "joins", 0) + 1
+        bk["joining"].append(sid)
+        bk.setdefault("join_ids", {})[sid] = self.joins
+
     def _lease_in_use(self, lease: Lease | None, now: float) -> dict[str, Any] | None:
         """The refusal of a grant while `lease` may still be in use at `now`, else None."""
         if leases.expired(lease, now, self.terms):
@@ -243,7 +252,7 @@ class ClusterModel:
                     if s != want[0]:
                         bucket["holders"].append(s)
                 else:
-                    bucket["joining"].append(s)
+                    self._start_join(b, s)
 
     def _grant_target(
         self, b: int, now: float, reports: dict[str, Any] | None = None
@@ -479,7 +488,9 @@ class ClusterModel:
         self._settle(b, now)
         return {"ok": True, "bucket": b, "primary": chosen, "epoch": new.epoch}
 
-    def caught_up(self, b: int, primary: str, epoch: int, sid: str, now: float) -> dict[str, Any]:
+    def caught_up(
+        self, b: int, primary: str, epoch: int, sid: str, now: float, join: int | None = None
+    ) -> dict[str, Any]:
         """The primary of `epoch` reports that joining copy `sid` holds every batch it committed
         and that its rounds already wait for `sid`: from now on every acknowledged batch is on
         it, so it may enter the replica set (and be promoted)."""
@@ -499,9 +510,19 @@ class ClusterModel:
                 f"{primary!r} is not the primary of epoch {epoch} of bucket {b}",
                 epoch=0 if lease is None else lease.epoch,
             )
+        ids = bk.setdefault("join_ids", {})
+        if (
+            join is not None
+            and sid in bk["holders"]
+            and bk.setdefault("joined", {}).get(sid) == join
+        ):
+            return {"ok": True, "bucket": b, "server": sid, "repeated": True}  # a retried report
         if sid not in bk["joining"]:
             return _err("conflict", f"{sid!r} is not joining bucket {b}")
+        if join is not None and ids.get(sid) != join:
+            return _err("conflict", f"join {join} of {sid!r} is over (now {ids.get(sid)})")
         bk["joining"].remove(sid)
+        bk.setdefault("joined", {})[sid] = ids.pop(sid, None)
         bk["holders"].append(sid)
         self.version += 1
         self._settle(b, now)
@@ -526,7 +547,7 @@ class ClusterModel:
         if changed:
             self.version += 1
             if self._live(sid) and sid in bk["want"]:
-                bk["joining"].append(sid)  # it may come back, through a state transfer
+                self._start_join(b, sid)  # it may come back, through a state transfer
         return {"ok": True, "bucket": b, "removed": changed}
 
     def release(self, b: int, sid: str, epoch: int, now: float) -> dict[str, Any]:
@@ -697,6 +718,8 @@ class ClusterModel:
                 s: self.servers.get(s, {}).get("address")
                 for s in view["secondaries"] + view["joining"]
             }
+            if role == "joining":
+                view["join"] = bk.get("join_ids", {}).get(sid, 0)
             out.append(view)
         return out
 
@@ -807,8 +830,10 @@ class ReplicatedCluster(SyncObjConsumer):
         return self._apply("role_change", b, sid, prev_epoch, reports, now)
 
     @replicated
-    def caught_up(self, b: int, primary: str, epoch: int, sid: str, now: float) -> dict[str, Any]:
-        return self._apply("caught_up", b, primary, epoch, sid, now)
+    def caught_up(
+        self, b: int, primary: str, epoch: int, sid: str, now: float, join: int | None = None
+    ) -> dict[str, Any]:
+        return self._apply("caught_up", b, primary, epoch, sid, now, join)
 
     @replicated
     def declare_lost(self, b: int, now: float) -> dict[str, Any]:

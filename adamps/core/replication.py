@@ -177,8 +177,11 @@ class BucketReplica:
     needs_recovery: bool = False
     #: in-doubt batch seq -> waiters of clients that retried a push it carries
     doubt_waiters: dict[int, list[_Pending]] = field(default_factory=dict)
-    #: learner -> "syncing" | "reporting" | "reported" (caught-up report sent / committed)
+    #: learner -> "syncing" (forgettable) | "reporting" (a caught-up report in flight or of
+    #: unknown outcome: only the controller's record decides) | "reported" (accepted)
     learners: dict[str, str] = field(default_factory=dict)
+    #: learner -> the controller's id of its join (a report names the join it is about)
+    learner_joins: dict[str, int] = field(default_factory=dict)
     # -- joining side --
     #: this copy installed a snapshot of the current primary and takes its rounds as a learner
     learning: bool = False
@@ -224,15 +227,18 @@ class BucketReplica:
         if new.epoch != old_epoch or new.primary != old_primary:
             self.learning = False  # a snapshot of another primary's history
         if not self.is_primary or new.epoch != old_epoch:
-            self.learners = {}
+            self.learners, self.learner_joins = {}, {}
         else:
-            for m, state in list(self.learners.items()):
+            for m in list(self.learners):
                 if m in new.secondaries:
-                    del self.learners[m]  # the controller made it a member
-                elif m not in new.joining and state != "reporting":
-                    del self.learners[m]  # the controller no longer has it joining
+                    self.drop_learner(m)  # the controller made it a member (positions kept)
+                elif m not in new.joining:
+                    # Neither joining nor a member in a record at least as new as the one it
+                    # was added under: the controller removed it (or never accepted a report).
+                    self.drop_learner(m)
         failed: list[Any] = []
         if was_primary and not self.is_primary:
+            self.needs_recovery = False
             failed = [p.waiter for p in self.pending]
             if self.inflight is not None:
                 failed += [p.waiter for p in self.inflight[1]]
@@ -395,9 +401,12 @@ class BucketReplica:
 
     # -- primary: learners (joining copies) -----------------------------------------------------
 
-    def add_learner(self, member: str) -> Reject | None:
+    def add_learner(self, member: str, join: int = 0) -> Reject | None:
         """A joining copy takes a snapshot at `committed` now: from here on every round waits for
-        it. Refused unless the controller has it joining (as this server last learned)."""
+        it. Refused unless the controller has it joining (as this server last learned). It counts
+        as caught up only once it acknowledged a commit itself (it may never install this
+        snapshot). A new snapshot of the same join keeps a report's state: only the controller's
+        answer may end it."""
         if not self.is_primary:
             return Reject(
                 "not_primary", f"bucket {self.bucket}: not its primary", self.assignment.epoch
@@ -408,9 +417,11 @@ class BucketReplica:
                 f"bucket {self.bucket}: {member!r} is not joining (as far as the primary knows)",
                 self.assignment.epoch,
             )
-        self.learners[member] = "syncing"
+        if self.learner_joins.get(member) != join or member not in self.learners:
+            self.learners[member] = "syncing"
+        self.learner_joins[member] = join
         self.acked_prepare[member] = self.committed
-        self.acked_commit[member] = self.committed
+        self.acked_commit[member] = -1
         return None
 
     def learners_caught_up(self) -> list[str]:
@@ -438,6 +449,7 @@ class BucketReplica:
 
     def drop_learner(self, member: str) -> None:
         self.learners.pop(member, None)
+        self.learner_joins.pop(member, None)
         if member not in self.assignment.secondaries:
             self.acked_prepare.pop(member, None)
             self.acked_commit.pop(member, None)
@@ -540,6 +552,9 @@ class BucketReplica:
         self.prepared = {}
         self.dedup = Dedup.from_list(dedup, self.dedup.limit)
         self.log.clear()
+        # Nothing of a role this copy may have had survives: no round, no waiter, no learner.
+        self.pending, self.inflight, self.awaiting_commit, self.doubt_waiters = [], None, {}, {}
+        self.learners, self.learner_joins, self.needs_recovery = {}, {}, False
         self.learning = True
 
     def restore(self, committed: int, committed_epoch: int, dedup: Iterable[Sequence[Any]]) -> None:

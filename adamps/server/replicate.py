@@ -237,6 +237,8 @@ class Replicator:
         self.unavailable: frozenset[int] = frozenset()
         #: bucket -> seq of the last cut taken for the flush (absent: a new or reinstalled copy)
         self._persisted: dict[int, int] = {}
+        #: bucket -> the controllers' id of this copy's current join (named in the snapshot ask)
+        self._join_ids: dict[int, int] = {}
         #: server id -> "host:port" (from the controllers' roles)
         self.addresses: dict[str, str] = {}
         self.leases = HolderLeases(LeaseTerms())
@@ -461,13 +463,10 @@ class Replicator:
                 continue
             if role == "joining":
                 # Not a member yet: keep the assignment to know the primary, start the transfer.
-                if assignment.epoch >= rep.assignment.epoch:
-                    if (assignment.epoch, assignment.primary) != (
-                        rep.assignment.epoch,
-                        rep.assignment.primary,
-                    ):
-                        rep.learning = False  # another primary: transfer again
-                    rep.assignment = assignment
+                # (A primary handed off ends its rounds and answers its waiters here; another
+                # primary or epoch means another history: transfer again.)
+                self._fail_waiters(rep.on_assignment(assignment), b)
+                self._join_ids[b] = int(r.get("join", 0))
                 self.roles[b] = "joining"
                 if b not in self._join_tasks or self._join_tasks[b].done():
                     self._join_tasks[b] = asyncio.create_task(self._join(b), name=f"join-{b}")
@@ -804,17 +803,36 @@ class Replicator:
             asyncio.create_task(self._report_caught_up(b, rep, m, rep.assignment.epoch))
 
     async def _report_caught_up(self, b: int, rep: BucketReplica, member: str, epoch: int) -> None:
-        accepted = False
-        try:
-            await self._controller.caught_up(b, self.server_id, epoch, member)
-            accepted = True
-            log.info(
-                "bucket %d: %s caught up at seq %d (epoch %d)", b, member, rep.committed, epoch
-            )
-        except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
-            log.info("bucket %d: caught-up of %s refused or failed: %s", b, member, exc)
-        if rep.assignment.epoch == epoch:
-            rep.report_done(member, accepted)
+        """Reports a learner caught up, in its join. An answer of unknown outcome is no refusal
+        (the entry may have committed): ask again (a repeated report of one join is accepted)
+        until the controllers answer, or the record moves on without this primary."""
+        join = rep.learner_joins.get(member, 0)
+        while not self._closing:
+            accepted: bool | None
+            try:
+                await self._controller.caught_up(b, self.server_id, epoch, member, join)
+                log.info(
+                    "bucket %d: %s caught up at seq %d (epoch %d)", b, member, rep.committed, epoch
+                )
+                accepted = True
+            except RpcError as exc:
+                if exc.code in ("no_quorum", "timeout", "unavailable", "internal"):
+                    accepted = None
+                else:
+                    log.info("bucket %d: caught-up of %s refused: %s", b, member, exc)
+                    accepted = False
+            except (ConnectionError, TimeoutError, OSError):
+                accepted = None
+            if (
+                rep.assignment.epoch != epoch
+                or not rep.is_primary
+                or rep.learners.get(member) != "reporting"
+            ):
+                break  # the record moved on (on_assignment settles the learner)
+            if accepted is not None:
+                rep.report_done(member, accepted)
+                break
+            await asyncio.sleep(0.2)
         self.request_heartbeat()
 
     async def _drop_secondary(self, b: int, rep: BucketReplica, member: str) -> bool:
@@ -1022,8 +1040,9 @@ class Replicator:
         reading the position and queueing the reads, so values match `committed` exactly."""
         b = require(msg, "bucket", int)
         joiner = require(msg, "joiner", str)
+        join = require(msg, "join", int, default=0)
         rep = self.check_primary(b)
-        rej = rep.add_learner(joiner)
+        rej = rep.add_learner(joiner, join)
         if rej is not None:
             raise self._reject(rej, b)
         # From here (no await since add_learner) every round waits for the joiner: the batches
@@ -1059,7 +1078,12 @@ class Replicator:
             primary, epoch = rep.assignment.primary, rep.assignment.epoch
             try:
                 snap = (
-                    await self._peer(primary).call("repl_snapshot", bucket=b, joiner=self.server_id)
+                    await self._peer(primary).call(
+                        "repl_snapshot",
+                        bucket=b,
+                        joiner=self.server_id,
+                        join=self._join_ids.get(b, 0),
+                    )
                     if primary
                     else None
                 )
