@@ -1,0 +1,160 @@
+"""The four failures of issue 11, each under exactness load against real processes.
+
+3 controllers and 3 parameter servers on loopback; clients push unique +1.0 deltas (SGD lr -1),
+recording each push as acknowledged (with its time), failed or unknown. After each fault the
+cluster is healed, the tensor is read back from the primaries (buckets that answer 503
+`unavailable` are retried until a deadline; every value served on the way is checked too), and:
+
+- every acknowledged push is present exactly once, except those acknowledged within the loss
+  window (`flush_interval` + margin) before a crash of every copy, which may be missing but never
+  doubled; failed pushes absent, unknown ones 0 or 1 times;
+- every copy of every bucket reports the same digest and committed seq;
+- /cluster marks no bucket `lost` (loss is declared only by an operator's command).
+
+Reference: issue 11 ("The contract", failures 1-4); Project Adam 3.3.2 (durability), 3.3.3.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.nemesis import (
+    FLUSH_INTERVAL,
+    LOSS_MARGIN,
+    loss_window,
+    lost_buckets,
+    probe,
+    read_and_check,
+    running_cluster,
+    settle,
+    start_load,
+    wait_digests_agree,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(170)]
+
+
+def finish(c, client, load, lossy=(), min_acked: int = 100) -> dict:
+    """Heal-time checks shared by every test: settle (not required), read back and check,
+    digests, lost flags."""
+    why = settle(c, 30.0)
+    load.stop()
+    counts = read_and_check(c, client, load, list(lossy), timeout=40.0)
+    print(f"outcomes: {counts}; settled: {why or 'yes'}")
+    assert counts["acked"] >= min_acked, f"too few pushes acknowledged to mean anything: {counts}"
+    wait_digests_agree(c, timeout=20.0)
+    assert not lost_buckets(c), f"/cluster marks buckets lost: {lost_buckets(c)}"
+    client.close()
+    return counts
+
+
+def test_pause_of_every_server_loses_nothing_acknowledged(tmp_path: Path) -> None:
+    """Failure 1: SIGSTOP all three servers for 5 s, then SIGCONT. The copies outlive the
+    servers' registrations: nothing acknowledged is lost, values do not go back to init."""
+    with running_cluster(tmp_path) as c:
+        client, load = start_load(c)
+        try:
+            time.sleep(3.0)
+            before = load.acked_count()
+            for sid in c.server_ids:
+                c.pause(sid)
+            time.sleep(5.0)
+            for sid in c.server_ids:
+                c.resume(sid)
+            bad: list[str] = []
+            seen = probe(client, load, [], 15.0, bad)
+            print(f"after SIGCONT: {seen}")
+            assert not bad, f"after the pause the cluster served values that lost acks: {bad[:3]}"
+            time.sleep(2.0)
+            counts = finish(c, client, load)
+            assert before > 0 and counts["acked"] > before
+        finally:
+            load.stop(timeout=30)
+
+
+def test_whole_cluster_sigkill_loses_at_most_the_flush_window(tmp_path: Path) -> None:
+    """Failure 2: SIGKILL every server under load, restart each on its own LMDB directory (one
+    at a time, probing reads in between). Acknowledged more than flush_interval + margin before
+    the crash: present exactly once. A bucket without a copy answers unavailable, never init."""
+    with running_cluster(tmp_path) as c:
+        client, load = start_load(c)
+        try:
+            time.sleep(4.0)
+            for sid in c.server_ids:
+                c.kill(sid)
+            t_crash = time.monotonic()
+            time.sleep(1.0)
+            lossy = [loss_window(t_crash, time.monotonic())]
+            bad: list[str] = []
+            for i, sid in enumerate(c.server_ids):
+                c.start_server(i)
+                c.procs[sid].wait_http(f"http://{c.servers[i]}/healthz", 30)
+                seen = probe(client, load, lossy, 3.0, bad)
+                print(f"after restarting {sid}: {seen}")
+            assert not bad, (
+                f"served values older than the loss window ({FLUSH_INTERVAL} + {LOSS_MARGIN} s) "
+                f"after the restart: {bad[:3]}"
+            )
+            time.sleep(3.0)
+            counts = finish(c, client, load, lossy)
+            assert counts["acked"] - counts["acked_in_loss_windows"] > 50
+        finally:
+            load.stop(timeout=30)
+
+
+def test_rolling_crash_loses_at_most_the_flush_window(tmp_path: Path) -> None:
+    """Failure 3: kill two servers, the survivor 10 s later (it alone acknowledged meanwhile),
+    restart all three: the survivor's copy wins; only its last flush window may be missing."""
+    with running_cluster(tmp_path) as c:
+        client, load = start_load(c)
+        try:
+            time.sleep(3.0)
+            first, survivor = c.server_ids[:2], c.server_ids[2]
+            for sid in first:
+                c.kill(sid)
+            t_first = time.monotonic()
+            time.sleep(10.0)
+            alone = [e for t, e in load.out.ack_times if t > t_first + 3.0]
+            c.kill(survivor)
+            t_crash = time.monotonic()
+            time.sleep(1.0)
+            lossy = [loss_window(t_crash, time.monotonic())]
+            for i in range(3):
+                c.start_server(i)
+            bad: list[str] = []
+            seen = probe(client, load, lossy, 15.0, bad)
+            print(f"after the restart: {seen}; {len(alone)} acks by the survivor alone")
+            assert not bad, f"served values that lost acknowledged pushes: {bad[:3]}"
+            time.sleep(2.0)
+            finish(c, client, load, lossy)
+        finally:
+            load.stop(timeout=30)
+
+
+def test_drain_then_add_loses_nothing_and_copies_agree(tmp_path: Path) -> None:
+    """Failure 4: drain a server under load, stop it when drained, start one with a new id;
+    three times. Nothing acknowledged lost, every copy's digest equal, nothing lost in /cluster."""
+    with running_cluster(tmp_path) as c:
+        client, load = start_load(c)
+        try:
+            time.sleep(2.0)
+            for round_ in range(3):
+                victim = c.server_ids[-1]
+                code, reply = c.drain(victim)
+                assert code == 200, f"drain {victim}: {code} {reply}"
+                c.wait_drained(victim, timeout=25.0)
+                c.stop_process(victim)
+                new = c.add_server()
+                why = settle(c, 30.0, {c.server_ids[new]: None})
+                print(
+                    f"round {round_}: drained {victim}, added {c.server_ids[new]}: {why or 'settled'}"
+                )
+                time.sleep(1.0)
+            finish(c, client, load)
+            view = c.cluster()
+            assert view is not None and view["under_replicated"] == 0, view
+        finally:
+            load.stop(timeout=30)
