@@ -52,8 +52,8 @@ FLUSH_INTERVAL = 0.5
 #: what a whole-cluster crash may lose beyond flush_interval: a flush in progress, a busy machine
 LOSS_MARGIN = 1.5
 N_BUCKETS = 8
-SHARD = 2_000
-TENSOR = TensorSpec("x", (100_000,))  # 50 shards over 8 buckets; more elements than pushes
+SHARD = 4_000
+TENSOR = TensorSpec("x", (200_000,))  # 50 shards over 8 buckets; more elements than pushes
 
 CONTROLLER_OPTS = {
     "lease-duration": LEASE, "lease-skew": 0.1, "lease-margin": 0.2, "heartbeat-interval": 0.2,
@@ -288,8 +288,8 @@ class Step:
 
 
 def make_schedule(seed: int, duration: float, kinds: tuple[str, ...] | None = None) -> list[Step]:
-    """Steps whose planned time (holds, gaps, and an estimate of each settle) adds up to at
-    least `duration` seconds. `kinds`: a subset of KINDS (plus "kill1", "kill2", "pause1",
+    """Steps whose holds and gaps add up to at least `duration` seconds (the run stops once
+    `duration` has passed, so the settles in between decide how many of them run). `kinds`: a subset of KINDS (plus "kill1", "kill2", "pause1",
     "pause2" for those sizes only), default all."""
     rng = random.Random(seed)
     allowed: dict[str, float] = {}
@@ -326,7 +326,7 @@ def make_schedule(seed: int, duration: float, kinds: tuple[str, ...] | None = No
             s = Step(k)
         s.pick, s.gap = pick, gap
         steps.append(s)
-        planned += s.hold + s.gap + (8.0 if k in ("replace", "remove") else 3.0)
+        planned += s.hold + s.gap
     return steps
 
 
@@ -343,12 +343,18 @@ class Report:
     lossy: list[tuple[float, float]] = field(default_factory=list)
     faults: int = 0
     skipped: int = 0
+    #: steps of the schedule that were run (the rest came after the time ran out)
+    steps_run: int = 0
+    #: seconds from the first fault to the last heal
+    fault_seconds: float = 0.0
     counts: dict[str, Any] = field(default_factory=dict)
 
     def text(self) -> str:
+        run = self.schedule[: self.steps_run]
         lines = [
-            f"nemesis seed {self.seed} (rerun: ADAMPS_NEMESIS_SEED={self.seed})",
-            "schedule: " + ", ".join(s.describe() for s in self.schedule),
+            f"nemesis seed {self.seed} (rerun: ADAMPS_NEMESIS_SEED={self.seed}); "
+            f"{self.faults} faults in {self.fault_seconds:.0f}s, {self.skipped} steps skipped",
+            "schedule run: " + ", ".join(s.describe() for s in run),
             "history:",
         ]
         lines += [f"  {t:7.2f}s {wall} {what}" for t, wall, what in self.history]
@@ -361,6 +367,8 @@ class Report:
             "history": self.history,
             "faults": self.faults,
             "skipped": self.skipped,
+            "steps_run": self.steps_run,
+            "fault_seconds": self.fault_seconds,
             "counts": self.counts,
         }
 
@@ -400,13 +408,15 @@ class Nemesis:
     def names(self, idx: list[int]) -> str:
         return ",".join(self.c.server_ids[i] for i in idx)
 
-    def run(self, budget: float) -> None:
-        """Runs the steps in order until they end or `budget` seconds have passed."""
+    def run(self, duration: float) -> None:
+        """Runs the steps in order until `duration` seconds have passed (the step running then
+        completes, with its heal and settle)."""
         self.t0 = time.monotonic()
         for step in self.report.schedule:
-            if time.monotonic() - self.t0 > budget:
-                self.note(f"budget of {budget:.0f}s spent: the remaining steps are not run")
+            if time.monotonic() - self.t0 >= duration:
+                self.note(f"{duration:.0f}s of faults done: the remaining steps are not run")
                 break
+            self.report.steps_run += 1
             if not self.settled:
                 why = settle(self.c, 5.0)
                 self.settled = why is None
@@ -420,6 +430,7 @@ class Nemesis:
             self.settled = why is None
             self.note("settled" if self.settled else f"NOT settled: {why[:300]}")
             time.sleep(step.gap)
+        self.report.fault_seconds = round(time.monotonic() - self.t0, 1)
 
     @staticmethod
     def destructive(step: Step) -> bool:
@@ -614,16 +625,17 @@ def run_nemesis(
     """One nemesis run on a fresh cluster under `root`: start, load, schedule, heal, check.
     Raises AssertionError (with the seed, schedule and history in its message) on a violation;
     returns the report (history, faults, checked counts) when the contract held."""
-    report = Report(seed, make_schedule(seed, duration, kinds))
+    report = Report(seed, make_schedule(seed, 3 * duration, kinds))
     if echo:
         echo(f"nemesis seed {seed} (ADAMPS_NEMESIS_SEED={seed} reproduces the schedule)")
-        echo("schedule: " + ", ".join(s.describe() for s in report.schedule))
+        echo("schedule (run until the time is up): "
+             + ", ".join(s.describe() for s in report.schedule))  # fmt: skip
     with running_cluster(root) as c:
         nem = Nemesis(c, report, echo=echo)
         client, load = start_load(c)
         try:
             time.sleep(1.0)
-            nem.run(budget=duration + 15.0)
+            nem.run(duration)
             nem.heal()
             why = settle(c, 40.0)
             nem.note("final: settled" if why is None else f"final: NOT settled: {why[:300]}")

@@ -149,6 +149,7 @@ def test_drain_then_add_loses_nothing_and_copies_agree(tmp_path: Path) -> None:
                 c.stop_process(victim)
                 new = c.add_server()
                 why = settle(c, 30.0, {c.server_ids[new]: None})
+                c.rebalance()  # primaries move to the copies that just caught up
                 print(
                     f"round {round_}: drained {victim}, added {c.server_ids[new]}: {why or 'settled'}"
                 )
