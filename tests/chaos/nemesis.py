@@ -149,6 +149,7 @@ def read_and_check(
     load: ExactnessLoad,
     lossy: list[tuple[float, float]] = (),  # type: ignore[assignment]
     timeout: float = 45.0,
+    t0: float | None = None,
 ) -> dict[str, Any]:
     """Reads the tensor back from the primaries, retrying buckets that are unavailable until
     `timeout`; every value served on the way must already satisfy the contract (nothing older
@@ -157,10 +158,37 @@ def read_and_check(
     values, errors = read_shards(
         client, TENSOR.name, timeout, served_validator(load, lossy, served_bad, live=False)
     )
-    counts = load.check(values, lossy)  # raises AssertionError naming what is wrong
+    try:
+        counts = load.check(values, lossy)  # raises AssertionError naming what is wrong
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{missing_by_time(load, values, lossy, t0)}") from None
     assert not served_bad, f"served values that break the contract: {served_bad[:5]}"
     counts["read_errors"] = errors
     return counts
+
+
+def missing_by_time(
+    load: ExactnessLoad, values: np.ndarray, lossy: list[tuple[float, float]], t0: float | None
+) -> str:
+    """Acknowledged pushes missing from `values`, by when they were acknowledged (2 s bins,
+    seconds since `t0`, default the first acknowledgement): which fault lost them."""
+    flat = values.reshape(-1)
+    with load.out.lock:
+        ack_times = list(load.out.ack_times)
+    if not ack_times:
+        return "no acknowledgements"
+    t0 = ack_times[0][0] if t0 is None else t0
+    bins: dict[int, list[int]] = {}
+    for t, e in ack_times:
+        b = bins.setdefault(int((t - t0) // 2) * 2, [0, 0])
+        b[0] += 1
+        b[1] += flat[e] != 1.0
+    rows = [f"{k:+5d}s: {miss}/{n}" for k, (n, miss) in sorted(bins.items()) if miss]
+    windows = [(round(a - t0, 1), round(b - t0, 1)) for a, b in lossy]
+    return (
+        f"acknowledged but not present once, by acknowledgement time (seconds since the nemesis "
+        f"started; loss windows {windows}): " + ", ".join(rows)
+    )
 
 
 def served_validator(
@@ -488,6 +516,7 @@ class Nemesis:
         self._before_kill(idx)
         for i in first:
             self.c.kill(self.c.server_ids[i])
+        t_first = time.monotonic()
         self.report.faults += 1
         self.note(f"SIGKILL {self.names(first)} (survivor {self.c.server_ids[survivor]})")
         time.sleep(step.hold)
@@ -495,7 +524,10 @@ class Nemesis:
         t_crash = time.monotonic()
         self.note(f"SIGKILL the survivor {self.c.server_ids[survivor]}")
         time.sleep(1.0)
-        self.report.lossy.append(loss_window(t_crash, time.monotonic()))
+        # With more than 3 servers some buckets had no copy on the survivor: every copy of
+        # those died in the first kill, so the window opens there.
+        since = t_crash if len(idx) <= 3 else t_first
+        self.report.lossy.append(loss_window(since, time.monotonic()))
         self._restart(idx, False)
 
     def do_pause(self, step: Step) -> None:
@@ -642,7 +674,7 @@ def run_nemesis(
             time.sleep(1.0)
             load.stop()
             nem.note(f"load stopped: {load.acked_count()} acknowledged")
-            report.counts = read_and_check(c, client, load, report.lossy, timeout=45.0)
+            report.counts = read_and_check(c, client, load, report.lossy, 45.0, nem.t0)
             nem.note(f"exactness ok: {report.counts}")
             wait_digests_agree(c, timeout=20.0)
             nem.note("digests agree on every copy")
