@@ -136,8 +136,10 @@ def test_rolling_crash_loses_at_most_the_flush_window(tmp_path: Path) -> None:
 
 def test_drain_then_add_loses_nothing_and_copies_agree(tmp_path: Path) -> None:
     """Failure 4: drain a server under load, stop it when drained, start one with a new id;
-    three times. Nothing acknowledged lost, every copy's digest equal, nothing lost in /cluster."""
-    with running_cluster(tmp_path) as c:
+    three times. Nothing acknowledged lost, every copy's digest equal, nothing lost in /cluster.
+    32 buckets: more primaries move to each new server's freshly caught-up copies (the race of
+    the issue: a copy promoted without the batches committed after its snapshot)."""
+    with running_cluster(tmp_path, n_buckets=32) as c:
         client, load = start_load(c)
         try:
             time.sleep(2.0)
@@ -154,6 +156,25 @@ def test_drain_then_add_loses_nothing_and_copies_agree(tmp_path: Path) -> None:
                     f"round {round_}: drained {victim}, added {c.server_ids[new]}: {why or 'settled'}"
                 )
                 time.sleep(1.0)
+            # Once more, with the issue's log as the script: the new copy reports caught up, then
+            # stops answering its primary for a moment (longer than member_timeout) while the
+            # primaries move to it.
+            victim = c.server_ids[-1]
+            assert c.drain(victim)[0] == 200
+            c.wait_drained(victim, timeout=25.0)
+            c.stop_process(victim)
+            new_id = c.server_ids[c.add_server()]
+            c.wait_for(
+                lambda v: any(new_id in b["secondaries"] for b in v["buckets"]),
+                f"a copy on {new_id} caught up",
+                30.0,
+            )
+            c.rebalance()
+            c.pause(new_id)
+            time.sleep(1.0)
+            c.resume(new_id)
+            why = settle(c, 30.0)
+            print(f"round 3: drained {victim}, added and paused {new_id}: {why or 'settled'}")
             finish(c, client, load)
             view = c.cluster()
             assert view is not None and view["under_replicated"] == 0, view
