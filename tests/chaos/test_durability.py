@@ -17,6 +17,7 @@ Reference: issue 11 ("The contract", failures 1-4); Project Adam 3.3.2 (durabili
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ import pytest
 from tests.chaos.nemesis import (
     FLUSH_INTERVAL,
     LOSS_MARGIN,
+    N_BUCKETS,
     loss_window,
     lost_buckets,
     probe,
@@ -47,91 +49,91 @@ def finish(c, client, load, lossy=(), min_acked: int = 100) -> dict:
     assert counts["acked"] >= min_acked, f"too few pushes acknowledged to mean anything: {counts}"
     wait_digests_agree(c, timeout=20.0)
     assert not lost_buckets(c), f"/cluster marks buckets lost: {lost_buckets(c)}"
-    client.close()
     return counts
+
+
+@contextmanager
+def loaded_cluster(root: Path, n_buckets: int = N_BUCKETS):
+    """A running cluster under exactness load; the load stopped and every connection closed
+    whatever the test's outcome."""
+    with running_cluster(root, n_buckets=n_buckets) as c:
+        client, load = start_load(c)
+        try:
+            yield c, client, load
+        finally:
+            load.stop(timeout=30)
+            client.close()
 
 
 def test_pause_of_every_server_loses_nothing_acknowledged(tmp_path: Path) -> None:
     """Failure 1: SIGSTOP all three servers for 5 s, then SIGCONT. The copies outlive the
     servers' registrations: nothing acknowledged is lost, values do not go back to init."""
-    with running_cluster(tmp_path) as c:
-        client, load = start_load(c)
-        try:
-            time.sleep(3.0)
-            before = load.acked_count()
-            for sid in c.server_ids:
-                c.pause(sid)
-            time.sleep(5.0)
-            for sid in c.server_ids:
-                c.resume(sid)
-            bad: list[str] = []
-            seen = probe(client, load, [], 15.0, bad)
-            print(f"after SIGCONT: {seen}")
-            assert not bad, f"after the pause the cluster served values that lost acks: {bad[:3]}"
-            time.sleep(2.0)
-            counts = finish(c, client, load)
-            assert before > 0 and counts["acked"] > before
-        finally:
-            load.stop(timeout=30)
+    with loaded_cluster(tmp_path) as (c, client, load):
+        time.sleep(3.0)
+        before = load.acked_count()
+        for sid in c.server_ids:
+            c.pause(sid)
+        time.sleep(5.0)
+        for sid in c.server_ids:
+            c.resume(sid)
+        bad: list[str] = []
+        seen = probe(client, load, [], 15.0, bad)
+        print(f"after SIGCONT: {seen}")
+        assert not bad, f"after the pause the cluster served values that lost acks: {bad[:3]}"
+        time.sleep(2.0)
+        counts = finish(c, client, load)
+        assert before > 0 and counts["acked"] > before
 
 
 def test_whole_cluster_sigkill_loses_at_most_the_flush_window(tmp_path: Path) -> None:
     """Failure 2: SIGKILL every server under load, restart each on its own LMDB directory (one
     at a time, probing reads in between). Acknowledged more than flush_interval + margin before
     the crash: present exactly once. A bucket without a copy answers unavailable, never init."""
-    with running_cluster(tmp_path) as c:
-        client, load = start_load(c)
-        try:
-            time.sleep(4.0)
-            for sid in c.server_ids:
-                c.kill(sid)
-            t_crash = time.monotonic()
-            time.sleep(1.0)
-            lossy = [loss_window(t_crash, time.monotonic())]
-            bad: list[str] = []
-            for i, sid in enumerate(c.server_ids):
-                c.start_server(i)
-                c.procs[sid].wait_http(f"http://{c.servers[i]}/healthz", 30)
-                seen = probe(client, load, lossy, 3.0, bad)
-                print(f"after restarting {sid}: {seen}")
-            assert not bad, (
-                f"served values older than the loss window ({FLUSH_INTERVAL} + {LOSS_MARGIN} s) "
-                f"after the restart: {bad[:3]}"
-            )
-            time.sleep(3.0)
-            counts = finish(c, client, load, lossy)
-            assert counts["acked"] - counts["acked_in_loss_windows"] > 50
-        finally:
-            load.stop(timeout=30)
+    with loaded_cluster(tmp_path) as (c, client, load):
+        time.sleep(4.0)
+        for sid in c.server_ids:
+            c.kill(sid)
+        t_crash = time.monotonic()
+        time.sleep(1.0)
+        lossy = [loss_window(t_crash, time.monotonic())]
+        bad: list[str] = []
+        for i, sid in enumerate(c.server_ids):
+            c.start_server(i)
+            c.procs[sid].wait_http(f"http://{c.servers[i]}/healthz", 30)
+            seen = probe(client, load, lossy, 3.0, bad)
+            print(f"after restarting {sid}: {seen}")
+        assert not bad, (
+            f"served values older than the loss window ({FLUSH_INTERVAL} + {LOSS_MARGIN} s) "
+            f"after the restart: {bad[:3]}"
+        )
+        time.sleep(3.0)
+        counts = finish(c, client, load, lossy)
+        assert counts["acked"] - counts["acked_in_loss_windows"] > 50
 
 
 def test_rolling_crash_loses_at_most_the_flush_window(tmp_path: Path) -> None:
     """Failure 3: kill two servers, the survivor 10 s later (it alone acknowledged meanwhile),
     restart all three: the survivor's copy wins; only its last flush window may be missing."""
-    with running_cluster(tmp_path) as c:
-        client, load = start_load(c)
-        try:
-            time.sleep(3.0)
-            first, survivor = c.server_ids[:2], c.server_ids[2]
-            for sid in first:
-                c.kill(sid)
-            t_first = time.monotonic()
-            time.sleep(10.0)
-            alone = [e for t, e in load.out.ack_times if t > t_first + 3.0]
-            c.kill(survivor)
-            t_crash = time.monotonic()
-            time.sleep(1.0)
-            lossy = [loss_window(t_crash, time.monotonic())]
-            for i in range(3):
-                c.start_server(i)
-            bad: list[str] = []
-            seen = probe(client, load, lossy, 15.0, bad)
-            print(f"after the restart: {seen}; {len(alone)} acks by the survivor alone")
-            assert not bad, f"served values that lost acknowledged pushes: {bad[:3]}"
-            time.sleep(2.0)
-            finish(c, client, load, lossy)
-        finally:
-            load.stop(timeout=30)
+    with loaded_cluster(tmp_path) as (c, client, load):
+        time.sleep(3.0)
+        first, survivor = c.server_ids[:2], c.server_ids[2]
+        for sid in first:
+            c.kill(sid)
+        t_first = time.monotonic()
+        time.sleep(10.0)
+        alone = [e for t, e in load.out.ack_times if t > t_first + 3.0]
+        c.kill(survivor)
+        t_crash = time.monotonic()
+        time.sleep(1.0)
+        lossy = [loss_window(t_crash, time.monotonic())]
+        for i in range(3):
+            c.start_server(i)
+        bad: list[str] = []
+        seen = probe(client, load, lossy, 15.0, bad)
+        print(f"after the restart: {seen}; {len(alone)} acks by the survivor alone")
+        assert not bad, f"served values that lost acknowledged pushes: {bad[:3]}"
+        time.sleep(2.0)
+        finish(c, client, load, lossy)
 
 
 def test_drain_then_add_loses_nothing_and_copies_agree(tmp_path: Path) -> None:
@@ -139,44 +141,40 @@ def test_drain_then_add_loses_nothing_and_copies_agree(tmp_path: Path) -> None:
     three times. Nothing acknowledged lost, every copy's digest equal, nothing lost in /cluster.
     32 buckets: more primaries move to each new server's freshly caught-up copies (the race of
     the issue: a copy promoted without the batches committed after its snapshot)."""
-    with running_cluster(tmp_path, n_buckets=32) as c:
-        client, load = start_load(c)
-        try:
-            time.sleep(2.0)
-            for round_ in range(3):
-                victim = c.server_ids[-1]
-                code, reply = c.drain(victim)
-                assert code == 200, f"drain {victim}: {code} {reply}"
-                c.wait_drained(victim, timeout=25.0)
-                c.stop_process(victim)
-                new = c.add_server()
-                why = settle(c, 30.0, {c.server_ids[new]: None})
-                c.rebalance()  # primaries move to the copies that just caught up
-                print(
-                    f"round {round_}: drained {victim}, added {c.server_ids[new]}: {why or 'settled'}"
-                )
-                time.sleep(1.0)
-            # Once more, with the issue's log as the script: the new copy reports caught up, then
-            # stops answering its primary for a moment (longer than member_timeout) while the
-            # primaries move to it.
+    with loaded_cluster(tmp_path, n_buckets=32) as (c, client, load):
+        time.sleep(2.0)
+        for round_ in range(3):
             victim = c.server_ids[-1]
-            assert c.drain(victim)[0] == 200
+            code, reply = c.drain(victim)
+            assert code == 200, f"drain {victim}: {code} {reply}"
             c.wait_drained(victim, timeout=25.0)
             c.stop_process(victim)
-            new_id = c.server_ids[c.add_server()]
-            c.wait_for(
-                lambda v: any(new_id in b["secondaries"] for b in v["buckets"]),
-                f"a copy on {new_id} caught up",
-                30.0,
+            new = c.add_server()
+            why = settle(c, 30.0, {c.server_ids[new]: None})
+            c.rebalance()  # primaries move to the copies that just caught up
+            print(
+                f"round {round_}: drained {victim}, added {c.server_ids[new]}: {why or 'settled'}"
             )
-            c.rebalance()
-            c.pause(new_id)
             time.sleep(1.0)
-            c.resume(new_id)
-            why = settle(c, 30.0)
-            print(f"round 3: drained {victim}, added and paused {new_id}: {why or 'settled'}")
-            finish(c, client, load)
-            view = c.cluster()
-            assert view is not None and view["under_replicated"] == 0, view
-        finally:
-            load.stop(timeout=30)
+        # Once more, with the issue's log as the script: the new copy reports caught up, then
+        # stops answering its primary for a moment (longer than member_timeout) while the
+        # primaries move to it.
+        victim = c.server_ids[-1]
+        assert c.drain(victim)[0] == 200
+        c.wait_drained(victim, timeout=25.0)
+        c.stop_process(victim)
+        new_id = c.server_ids[c.add_server()]
+        c.wait_for(
+            lambda v: any(new_id in b["secondaries"] for b in v["buckets"]),
+            f"a copy on {new_id} caught up",
+            30.0,
+        )
+        c.rebalance()
+        c.pause(new_id)
+        time.sleep(1.0)
+        c.resume(new_id)
+        why = settle(c, 30.0)
+        print(f"round 3: drained {victim}, added and paused {new_id}: {why or 'settled'}")
+        finish(c, client, load)
+        view = c.cluster()
+        assert view is not None and view["under_replicated"] == 0, view
