@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.nemesis import run_nemesis, seed_from_env
-
-pytestmark = pytest.mark.slow
+from tests.chaos.nemesis import SINGLE, make_schedule, run_nemesis, seed_from_env
 
 
 def faults_from_env() -> tuple[str, ...] | None:
@@ -25,6 +23,7 @@ def faults_from_env() -> tuple[str, ...] | None:
     return tuple(k.strip() for k in kinds.split(",") if k.strip()) or None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(330)
 def test_random_schedule_of_faults_keeps_every_acknowledged_push(tmp_path: Path) -> None:
     seed = seed_from_env()
@@ -34,3 +33,14 @@ def test_random_schedule_of_faults_keeps_every_acknowledged_push(tmp_path: Path)
     print(report.text())
     assert report.faults >= 5, f"too few faults injected to mean anything:\n{report.text()}"
     assert report.counts["acked"] >= 500, report.counts
+
+
+def test_schedules_are_reproducible_from_the_seed_and_respect_the_kinds() -> None:
+    a, b = make_schedule(42, 60), make_schedule(42, 60)
+    assert a == b and a != make_schedule(43, 60)
+    assert sum(s.hold + s.gap for s in a) >= 60
+    single = make_schedule(7, 120, SINGLE)
+    assert {s.kind for s in single} <= {"kill", "pause", "leader_kill", "add", "rebalance"}
+    assert all(s.n == 1 for s in single if s.kind in ("kill", "pause"))
+    with pytest.raises(ValueError, match="unknown nemesis step"):
+        make_schedule(1, 10, ("explode",))

@@ -1,4 +1,4 @@
-"""The exactness checker itself (adamps/exactness.py) and the nemesis schedules, without processes.
+"""The exactness checker itself (adamps/exactness.py), without processes.
 
 A checker that cannot fail proves nothing: each rule of issue 11's contract is shown to reject the
 values that break it, and loss windows to excuse only what they cover.
@@ -11,7 +11,6 @@ import pytest
 
 from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
-from tests.chaos.nemesis import SINGLE, make_schedule
 
 
 class _NoClient:
@@ -71,14 +70,3 @@ def test_a_read_during_load_excuses_acks_after_it_was_sent() -> None:
     assert load.problems(values(ones=[1]), read_at=3.0) == []
     assert load.problems(values(ones=[1, 2, 7]), read_at=3.0) == []  # 7 may be in flight
     assert load.problems(values(ones=[2]), read_at=3.0) != []
-
-
-def test_schedules_are_reproducible_from_the_seed_and_respect_the_kinds() -> None:
-    a, b = make_schedule(42, 60), make_schedule(42, 60)
-    assert a == b and a != make_schedule(43, 60)
-    assert sum(s.hold + s.gap for s in a) >= 60
-    single = make_schedule(7, 120, SINGLE)
-    assert {s.kind for s in single} <= {"kill", "pause", "leader_kill", "add", "rebalance"}
-    assert all(s.n == 1 for s in single if s.kind in ("kill", "pause"))
-    with pytest.raises(ValueError, match="unknown nemesis step"):
-        make_schedule(1, 10, ("explode",))
