@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
         else:
+            root.mkdir(parents=True, exist_ok=True)
+            (root / "failure.txt").write_text(detail)
             totals["seeds_failed"] += 1
             totals["failing_seeds"].append(seed)
             print(f"seed {seed}: FAIL  faults {faults:3d}  {time.monotonic() - t0:5.1f}s  "
