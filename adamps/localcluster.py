@@ -163,6 +163,91 @@ class LocalCluster:
         for proc in reversed(list(self.procs.values())):
             proc.stop(timeout=5)
 
+    def alive(self, name: str) -> bool:
+        proc = self.procs.get(name)
+        return proc is not None and proc.alive
+
+    def stop_process(self, name: str, timeout: float = 5.0) -> None:
+        """SIGTERM (SIGKILL after `timeout`): an orderly stop, as an operator does after a drain."""
+        proc = self.procs.get(name)
+        if proc is not None:
+            proc.stop(timeout=timeout)
+
+    def restart_server(self, i: int, wipe: bool = False) -> Proc:
+        """SIGKILL server `i` if it runs, then start it again on its port and its data directory
+        (`wipe`: an empty one, like a new machine with the same identity)."""
+        name = self.server_ids[i]
+        if self.alive(name):
+            self.kill(name)
+        return self.start_server(i, wipe=wipe)
+
+    def add_server(self, server_id: str | None = None) -> int:
+        """Starts a server with a new id (default `ps<N>`) and a new port; returns its index."""
+        i = len(self.server_ids)
+        self.server_ids.append(server_id or f"ps{i}")
+        self.servers.append(f"127.0.0.1:{self.port_alloc()}")
+        self.start_server(i)
+        return i
+
+    def index_of(self, server_id: str) -> int:
+        return self.server_ids.index(server_id)
+
+    def controller_post(self, path: str, body: Any = None, timeout: float = 5.0) -> tuple[int, Any]:
+        """An authenticated write to the controllers: the first one that answers other than 503
+        or not at all (followers forward writes to the leader)."""
+        code, reply = 0, None
+        for addr in self.controllers:
+            code, reply = http_json(
+                f"http://{addr}{path}",
+                "POST",
+                body if body is not None else {},
+                self.token,
+                timeout,
+            )
+            if code not in (0, 503):
+                return code, reply
+        return code, reply
+
+    def drain(self, server_id: str) -> tuple[int, Any]:
+        """POST /servers/{id}/drain: its buckets move away."""
+        return self.controller_post(f"/servers/{server_id}/drain")
+
+    def rebalance(self) -> tuple[int, Any]:
+        """POST /rebalance: placement recomputed over the live servers."""
+        return self.controller_post("/rebalance")
+
+    def wait_drained(self, server_id: str, timeout: float = 30.0) -> dict[str, Any]:
+        return self.wait_for(
+            lambda c: c["servers"].get(server_id, {}).get("state") == "drained",
+            f"{server_id} drained",
+            timeout,
+        )
+
+    def controller_leader(self) -> int | None:
+        """Index of the controller whose /status says it is the Raft leader (None if none does)."""
+        for i, addr in enumerate(self.controllers):
+            if not self.alive(f"controller{i}"):
+                continue
+            code, st = http_json(f"http://{addr}/status", timeout=1.0)
+            if code == 200 and (st.get("raft") or {}).get("role") == "leader":
+                return i
+        return None
+
+    def kill_leader(self, timeout: float = 10.0) -> int | None:
+        """SIGKILL the controller leader (waits up to `timeout` for one); returns its index."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            i = self.controller_leader()
+            if i is not None:
+                self.kill(f"controller{i}")
+                return i
+            time.sleep(0.1)
+        return None
+
+    def flush_server(self, i: int, timeout: float = 5.0) -> tuple[int, Any]:
+        """POST /flush on server `i`: its dirty shards are written to LMDB now."""
+        return http_json(f"http://{self.servers[i]}/flush", "POST", {}, self.token, timeout)
+
     # -- state ---------------------------------------------------------------------------------------
 
     def cluster(self) -> dict[str, Any] | None:
