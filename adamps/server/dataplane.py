@@ -33,6 +33,7 @@ import numpy as np
 
 from adamps import protocol
 from adamps.protocol import ProtocolError
+from adamps.server import bounds
 from adamps.server.optim import Dense
 from adamps.server.store import StoreError, owner_future
 
@@ -167,6 +168,15 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
                 "unauthorized", "missing or wrong cluster token in the frame's meta"
             )
         op = protocol.check_message(meta, OPS)
+        if op == "push_dense" and self.ps.replicator is not None:
+            # One write path (issue 12): a replicated server takes writes only through /rpc,
+            # where they pass the lease check, two-phase commit and deduplication. Applied here
+            # they changed one copy only (a secondary's too) and the copies diverged.
+            raise ProtocolError(
+                "read_only",
+                "this server replicates its buckets: the data plane serves pulls only; "
+                "push through POST /rpc",
+            )
         t = self.ps.store.tensor(protocol.require(meta, "tensor", str))
         want = t.spec.size * 4 if op == "push_dense" else 0
         if self.payload_len != want:
@@ -212,7 +222,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             self.ps.m.bytes_in.inc(payload.size)
             # Zero copy: the kernel wrote the payload into this buffer; the owner threads read it.
             delta = payload.view("<f4")
-            protocol.check_finite("payload", delta)
+            bounds.check_dense("payload", delta)  # finite, and small enough to stay finite
             self.ps._record_client(meta)
             parts = [(st, Dense(delta[st.shard.start : st.shard.stop])) for st in sts]
             fut = _submit(lambda cb: self.ps.store.push(parts, cb))
