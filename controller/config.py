@@ -59,7 +59,7 @@ class ControllerConfig:
     max_body: int = field(16 << 20, help="largest request body accepted (bytes)")
     max_layout_tensors: int = field(4096, help="most tensors in a model layout (PUT /layout)")
     max_tensor_elems: int = field(
-        1 << 28, help="most float32 elements of one tensor of the layout (1 GiB)"
+        1 << 26, help="most float32 elements of one tensor of the layout (256 MiB)"
     )
     max_layout_elems: int = field(
         1 << 32, help="most float32 elements of the whole layout (16 GiB over all servers)"

@@ -49,11 +49,11 @@ class PsConfig:
         256 << 20, help="largest request body in bytes (413 beyond, also for chunked bodies)"
     )
     max_tensor_elems: int = field(
-        1 << 28, help="most float32 elements of one tensor a create may define (1 GiB)"
+        1 << 26, help="most float32 elements of one tensor a create may define (256 MiB)"
     )
     max_server_elems: int = field(
-        1 << 30,
-        help="most float32 elements of all tensors' shards held here, checked at create (4 GiB; "
+        1 << 28,
+        help="most float32 elements of all tensors' shards held here, checked at create (1 GiB; "
         "Adagrad doubles the memory)",
     )
     max_shards_per_request: int = field(
