@@ -17,6 +17,7 @@ silence clock afresh, so a leader change never declares anybody dead by itself.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import time
@@ -44,6 +45,11 @@ APPLIED = "X-Adamps-Applied"
 ERROR_CODES = {"stale_epoch", "conflict", "not_found", "unknown_bucket", "bad_request", "internal"}
 
 
+#: operations asked for by clients: dry-run on a copy of the state before they are proposed
+DRY_RUN_OPS = frozenset(
+    {"register", "drain", "role_change", "caught_up", "release", "drop_secondary", "set_layout",
+     "report_progress", "rebalance"}
+)  # fmt: skip
 #: largest training epoch number accepted by /progress
 MAX_EPOCH = 1_000_000
 
@@ -201,6 +207,14 @@ class ControllerService:
             raise ProtocolError(
                 "no_quorum", "the leader is not connected to a majority of controllers"
             )
+        if op in DRY_RUN_OPS:
+            # A Raft entry whose apply would refuse is not proposed (issue 12): the operation is
+            # first run on a copy of this leader's applied state. Only an entry committed in
+            # between can still make the real apply refuse (then a no-op on every replica).
+            dry = self.cluster.read(lambda m: getattr(copy.deepcopy(m), op)(*copy.deepcopy(args)))
+            if not dry.get("ok"):
+                self.m_writes.labels(op, "refused").inc()
+                return dry
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
 
