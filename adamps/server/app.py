@@ -437,13 +437,18 @@ class ParameterServer:
             )
         return [t.shards[s.index] for s in t.layout_shards]
 
-    def _unique_names(self, msg: dict[str, Any], field: str, what: str) -> list[str]:
+    def _unique_names(
+        self, msg: dict[str, Any], field: str, what: str, twice_ok: bool = True
+    ) -> list[str]:
         """Field `field`: a list of strings, duplicates removed (issue 12: a pull naming one shard
-        N times built N copies), at most max_shards_per_request of them."""
+        N times built N copies) or, unless `twice_ok`, refused; at most max_shards_per_request."""
         names = require(msg, field, list)
         if not all(isinstance(i, str) for i in names):
             raise ProtocolError("bad_request", f"field {field!r} must be a list of {what}")
-        names = list(dict.fromkeys(names))
+        unique = list(dict.fromkeys(names))
+        if not twice_ok and len(unique) != len(names):
+            raise ProtocolError("bad_request", f"field {field!r} names a shard twice")
+        names = unique
         if len(names) > self.cfg.max_shards_per_request:
             raise ProtocolError(
                 "too_large",
@@ -453,8 +458,10 @@ class ParameterServer:
             )
         return names
 
-    def _shard_ids(self, msg: dict[str, Any], field: str) -> list[ShardState]:
-        ids = self._unique_names(msg, field, "shard ids (strings)")
+    def _shard_ids(
+        self, msg: dict[str, Any], field: str, twice_ok: bool = True
+    ) -> list[ShardState]:
+        ids = self._unique_names(msg, field, "shard ids (strings)", twice_ok)
         self._check_ids(ids)
         return [self.store.shard(i) for i in ids]
 
@@ -590,9 +597,7 @@ class ParameterServer:
             )
         bounds.check_fc(a, e)
         if "shards" in msg:
-            states = self._shard_ids(msg, "shards")
-            if len({st.id for st in states}) != len(states):
-                raise ProtocolError("bad_request", "field 'shards' names a shard twice")
+            states = self._shard_ids(msg, "shards", twice_ok=False)
             wrong = [st.id for st in states if st.shard.tensor != name]
             if wrong:
                 raise ProtocolError("bad_request", f"shards {wrong} are not shards of {name!r}")
