@@ -116,6 +116,8 @@ class ControllerConfig:
             [self.bind_host] if self.bind_host else []
         )
         self.token = tokens.resolve(self.token or default_token(), hosts, "controller")
+        if self.raft_password.strip() in tokens.WELL_KNOWN:
+            raise ConfigError("controller.raft_password is a well-known value; make a random one")
 
     @property
     def http_limits(self) -> HttpLimits:

@@ -20,8 +20,9 @@ Here, at the transport, without patching pysyncobj:
   ``auth_timeout`` seconds.
 
 The name-mangled overrides (``_TcpConnection__processRead`` ...) replace pysyncobj's private
-methods of the same name; ``tests/core/test_raft_transport.py`` pins the pysyncobj version range
-they were written against by exercising them.
+methods of the same name: pyproject.toml pins pysyncobj below 0.4, and
+tests/integration/test_controller_hardening.py checks that the methods still exist and that the
+bounds hold against a real node.
 """
 
 from __future__ import annotations

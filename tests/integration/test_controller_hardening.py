@@ -111,6 +111,22 @@ def listening(port: int) -> list[str]:
 # -- 1. the Raft port --------------------------------------------------------------------------
 
 
+def test_the_pysyncobj_methods_the_transport_overrides_still_exist() -> None:
+    from pysyncobj.tcp_connection import TcpConnection
+    from pysyncobj.tcp_server import TcpServer
+    from pysyncobj.transport import TCPTransport
+
+    for cls, name in [
+        (TcpConnection, "_TcpConnection__processRead"),
+        (TcpConnection, "_TcpConnection__processParseMessage"),
+        (TcpServer, "_TcpServer__onNewConnection"),
+        (TCPTransport, "_createServer"),
+        (TCPTransport, "_onTick"),
+        (TCPTransport, "addNode"),
+    ]:
+        assert callable(getattr(cls, name, None)), f"pysyncobj changed: {cls.__name__}.{name}"
+
+
 async def test_raft_port_binds_the_members_own_address_not_the_wildcard(ctl: Ctl) -> None:
     addrs = listening(ctl.raft)
     assert addrs == [f"0100007F:{ctl.raft:04X}"], addrs  # 127.0.0.1, little-endian hex
