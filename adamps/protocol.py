@@ -161,9 +161,9 @@ def array_from_wire(d: Mapping[str, Any]) -> np.ndarray:
 #: checked as containers are built, so decoding stops early. Strings are names and ids, bins the
 #: array payloads (bounded by the body size anyway).
 MAX_STR_LEN = 64 << 10
-MAX_ARRAY_LEN = 1 << 20
-MAX_MAP_LEN = 1 << 20
-MAX_CONTAINERS = 1 << 20
+MAX_ARRAY_LEN = 1 << 18
+MAX_MAP_LEN = 1 << 18
+MAX_CONTAINERS = 1 << 18
 
 
 class _Counter:

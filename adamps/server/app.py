@@ -151,6 +151,8 @@ class ParameterServer:
         self.flusher.start()
         self._closed = False
         self._data_plane: asyncio.Server | None = None
+        #: closes idle and stalled data-plane connections
+        self._dp_sweeper: asyncio.Task | None = None
         #: open data-plane connections (closed at shutdown)
         self._dp_conns: set[Any] = set()
 
@@ -233,12 +235,15 @@ class ParameterServer:
         async def start_data_plane(_app: web.Application) -> None:
             if self.cfg.data_port:
                 self._data_plane = await dataplane.start(self, self.cfg.host, self.cfg.data_port)
+                self._dp_sweeper = asyncio.create_task(dataplane.sweep(self))
             if self.replicator is not None:
                 await self.replicator.start()
 
         async def cleanup(_app: web.Application) -> None:
             if self.replicator is not None:
                 await self.replicator.stop()
+            if self._dp_sweeper is not None:
+                self._dp_sweeper.cancel()
             if self._data_plane is not None:
                 self._data_plane.close()  # stops accepting; then the open connections
                 for conn in list(self._dp_conns):

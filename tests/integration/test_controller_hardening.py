@@ -220,7 +220,7 @@ async def test_layout_beyond_the_limits_is_refused_before_any_proposal(
     applied = ctl.read(lambda m: m.applied)
     t0 = time.monotonic()
     status, body = await ctl.call("PUT", "/layout", layout)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 5.0
     assert 400 <= status < 500 and body["error"]["code"] == code, body
     assert ctl.read(lambda m: (m.applied, m.layout)) == (applied, None)
     await assert_serving(ctl)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import resource
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -126,7 +127,7 @@ async def test_create_beyond_the_tensor_limit_allocates_nothing(srv: Ps, shape, 
         shape=shape,
         optimizer={"kind": optimizer, "lr": 0.1},
     )
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 5.0
     assert "big" not in srv.ps.store.tensors
 
 
@@ -177,9 +178,12 @@ async def test_a_body_of_many_empty_maps_is_refused_fast(srv: Ps) -> None:
         + inner * outer_n
     )
     before = await srv.state()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, high-water mark
     t0 = time.monotonic()
     status, reply = await srv.raw(body)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 5.0  # was 6.4 s of a blocked event loop
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+    assert grown < 300 << 10, f"peak memory grew {grown >> 10} MiB (was 1.27 GiB)"
     assert status in (400, 413) and reply["error"]["code"] in ("too_large", "malformed"), reply
     assert await srv.state() == before
 
