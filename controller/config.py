@@ -56,7 +56,9 @@ class ControllerConfig:
         5000, help="compact the Raft log (full dump) after this many entries"
     )
     compaction_seconds: float = field(300.0, help="... or after this many seconds")
-    max_body: int = field(16 << 20, help="largest request body accepted (bytes)")
+    max_body: int = field(
+        4 << 20, help="largest request body accepted (bytes); a layout of 4096 tensors is < 1 MiB"
+    )
     max_layout_tensors: int = field(4096, help="most tensors in a model layout (PUT /layout)")
     max_tensor_elems: int = field(
         1 << 26, help="most float32 elements of one tensor of the layout (256 MiB)"

@@ -422,7 +422,9 @@ class ParameterServer:
         """Defines a tensor from a peer's definition (tensor_definition) unless it exists here;
         True if it was created. A definition of kind `values` carries only the digest: such a
         tensor starts at zeros here, for the state transfer that follows to overwrite."""
-        spec = TensorSpec(require(d, "name", str), tuple(require(d, "shape", list)))
+        # A peer's definition passed the same limit at its create: a larger one is not ours.
+        shape = limits.check_shape(require(d, "shape", list), self.cfg.max_tensor_elems)
+        spec = TensorSpec(require(d, "name", str), shape)
         opt = Optimizer.from_dict(require(d, "optimizer", dict))
         init = dict(require(d, "init", dict))
         if init.get("kind") not in INIT_KINDS:

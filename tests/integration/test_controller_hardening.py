@@ -7,6 +7,7 @@ refused it with a 4xx naming the problem, changed nothing, and kept serving.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import socket
 import struct
@@ -46,7 +47,7 @@ class Ctl:
     ) -> tuple[int, Any]:
         hdrs = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
         hdrs.update(headers or {})
-        data = raw if raw is not None else (None if body is None else json.dumps(body))
+        data = io.BytesIO(raw) if raw is not None else (None if body is None else json.dumps(body))
         async with self.session.request(
             method, self.url + path, data=data, headers=hdrs, timeout=aiohttp.ClientTimeout(10)
         ) as resp:
@@ -360,10 +361,22 @@ async def test_a_non_ascii_authorization_header_is_401_not_500(ctl: Ctl) -> None
     assert b'"unauthorized"' in reply
 
 
-async def test_deeply_nested_json_is_400_not_500(ctl: Ctl) -> None:
-    raw = b'{"layout": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    status, body = await ctl.call("PUT", "/layout", raw=raw)
-    assert status == 400 and body["error"]["code"] == "malformed"
+@pytest.mark.parametrize(
+    "depth, status, code", [(20_000, 400, "malformed"), (100_000, 413, "too_large")]
+)
+async def test_deeply_nested_json_is_a_4xx_not_500(ctl: Ctl, depth, status, code) -> None:
+    raw = b'{"layout": ' + b"[" * depth + b"]" * depth + b"}"
+    got, body = await ctl.call("PUT", "/layout", raw=raw)
+    assert (got, body["error"]["code"]) == (status, code), body
+
+
+async def test_a_body_of_millions_of_empty_arrays_is_refused_before_parsing(ctl: Ctl) -> None:
+    raw = b'{"layout": [' + b"[]," * (1 << 20) + b"[]]}"
+    t0 = time.monotonic()
+    status, body = await ctl.call("PUT", "/layout", raw=raw[: 2 << 20])  # under max_body
+    assert time.monotonic() - t0 < 5.0
+    assert status == 413 and body["error"]["code"] == "too_large", body
+    assert ctl.read(lambda m: m.layout) is None
 
 
 @pytest.mark.parametrize("number", [b"1e999", b"NaN", b"Infinity", b"-Infinity"])
