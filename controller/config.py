@@ -81,7 +81,8 @@ class ControllerConfig:
         64 << 20, help="largest frame (bytes) of an authenticated Raft peer"
     )
     raft_max_unauthenticated: int = field(
-        16, help="Raft connections allowed to be unauthenticated at once (more are closed)"
+        16,
+        help="Raft connections allowed to be unauthenticated at once (a new one closes the oldest)",
     )
     raft_auth_timeout: float = field(
         5.0, help="seconds a Raft connection may stay unauthenticated before it is closed"

@@ -16,8 +16,8 @@ Here, at the transport, without patching pysyncobj:
   ``max_message``; a larger or negative length drops the connection at once, before buffering;
 - reading stops once a whole frame is buffered (the poller is level-triggered: the rest waits in
   the kernel), so the buffer never holds more than one frame plus one recv;
-- at most ``max_unauthenticated`` connections may be unauthenticated at a time, each for at most
-  ``auth_timeout`` seconds.
+- at most ``max_unauthenticated`` connections may be unauthenticated at a time (a new one closes
+  the oldest), each for at most ``auth_timeout`` seconds.
 
 The name-mangled overrides (``_TcpConnection__processRead`` ...) replace pysyncobj's private
 methods of the same name: pyproject.toml pins pysyncobj below 0.4, and
@@ -54,7 +54,7 @@ class RaftLimits:
     preauth_limit: int = 64 << 10
     #: largest frame of an authenticated peer (a Raft entry is at most a controller's max_body)
     max_message: int = 64 << 20
-    #: connections allowed to be unauthenticated at the same time (more are closed at accept)
+    #: connections allowed to be unauthenticated at the same time (a new one closes the oldest)
     max_unauthenticated: int = 16
     #: seconds a connection may stay unauthenticated
     auth_timeout: float = 5.0
@@ -216,13 +216,21 @@ class BoundedTCPTransport(TCPTransport):
         )
 
     def _may_accept(self) -> bool:
+        """Makes room for one more unauthenticated connection by closing the oldest ones: a
+        real peer authenticates within a round trip, so a flood of connections that never do
+        cannot keep it out for long (refusing the newest would)."""
         self._expire_unauthenticated()
-        if len(self._unknownConnections) >= self.limits.max_unauthenticated:
+        unknown = sorted(self._unknownConnections, key=lambda c: getattr(c, "opened_at", 0.0))
+        excess = len(unknown) - self.limits.max_unauthenticated + 1
+        if excess > 0:
             log.warning(
-                "raft: %d connections not yet authenticated; refusing another",
-                len(self._unknownConnections),
+                "raft: %d connections not yet authenticated (limit %d); closing the oldest",
+                len(unknown),
+                self.limits.max_unauthenticated,
             )
-            return False
+            for conn in unknown[:excess]:
+                conn.disconnect()
+                self._unknownConnections.discard(conn)
         return True
 
     def _expire_unauthenticated(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import select
 import socket
 import struct
 import time
@@ -175,19 +176,34 @@ async def test_raft_port_drops_a_huge_unauthenticated_frame_at_once(ctl: Ctl) ->
 async def test_raft_port_closes_idle_unauthenticated_connections_and_caps_them(
     tmp_path: Path,
 ) -> None:
-    c, runner = await start_controller(tmp_path, raft_auth_timeout=1.0, raft_max_unauthenticated=4)
+    c, runner = await start_controller(tmp_path, raft_auth_timeout=3.0, raft_max_unauthenticated=4)
     try:
 
-        def idle() -> list[float | None]:
+        def idle() -> list[float]:
+            """Opens 8 idle connections; returns when each was closed (seconds from the start)."""
+            t0 = time.monotonic()
             socks = [socket.create_connection(("127.0.0.1", c.raft), timeout=5) for _ in range(8)]
+            closed: dict[socket.socket, float] = {}
             try:
-                return [_recv_until_closed(s, 4.0) for s in socks]
+                while len(closed) < len(socks) and time.monotonic() - t0 < 8.0:
+                    ready, _, _ = select.select([x for x in socks if x not in closed], [], [], 0.1)
+                    for x in ready:
+                        try:
+                            gone = x.recv(4096) == b""
+                        except ConnectionResetError:
+                            gone = True
+                        if gone:
+                            closed[x] = time.monotonic() - t0
+                return [closed.get(x, float("inf")) for x in socks]
             finally:
-                for s in socks:
-                    s.close()
+                for x in socks:
+                    x.close()
 
         closed = await asyncio.to_thread(idle)
-        assert all(t is not None for t in closed), closed  # every idle connection was closed
+        assert max(closed) < 8.0, closed  # every idle connection was closed (auth timeout)
+        # The 4 oldest made room for the 4 newest at once, long before the 3 s timeout (closing
+        # the newest instead would let a flood keep a reconnecting peer out).
+        assert max(closed[:4]) < 2.0 < min(closed[4:]), closed
         await assert_serving(c)
     finally:
         await c.session.close()
