@@ -288,7 +288,7 @@ class ControllerService:
             await self.commit("reconcile", now, self._reports())
         dead_before = now - self.cfg.dead_server_ttl
         for sid in self.cluster.read(lambda m: _expired_dead(m, dead_before)):
-            await self.commit("forget", sid, dead_before, now)
+            await self.commit("sweep_dead", sid, dead_before, now)
 
     def _reports(self) -> dict[int, dict[str, list[int]]]:
         return {b: dict(r) for b, r in self.reports.items()}

@@ -466,8 +466,8 @@ class ClusterModel:
                 del self.progress[key]
         return {"ok": True, "epoch": epoch, "replicas": len(per)}
 
-    def forget(self, sid: str, dead_before: float, now: float) -> dict[str, Any]:
-        """Drops the record of a server dead since before `dead_before` that no bucket refers
+    def sweep_dead(self, sid: str, dead_before: float, now: float) -> dict[str, Any]:
+        """Forgets the record of a server dead since before `dead_before` that no bucket refers
         to (issue 12: records of bogus registrations were kept forever). A no-op otherwise."""
         now = self._tick(now)
         rec = self.servers.get(sid)
@@ -684,9 +684,12 @@ class ReplicatedCluster(SyncObjConsumer):
     def set_layout(self, layout: dict, now: float) -> dict[str, Any]:
         return self._apply("set_layout", layout, now)
 
+    # pysyncobj numbers replicated methods by sorted name (within a `ver`), and the journal
+    # stores the numbers: a new method must sort after every existing one, or a journal written
+    # by the previous version replays as the wrong operations (tests/core/test_raft_method_ids.py).
     @replicated
-    def forget(self, sid: str, dead_before: float, now: float) -> dict[str, Any]:
-        return self._apply("forget", sid, dead_before, now)
+    def sweep_dead(self, sid: str, dead_before: float, now: float) -> dict[str, Any]:
+        return self._apply("sweep_dead", sid, dead_before, now)
 
     @replicated
     def report_progress(
