@@ -47,6 +47,7 @@ FUZZ = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     derandomize=True,  # the same examples in CI every time: a failure reproduces
+    database=None,  # nothing written into the working tree
 )
 
 
