@@ -206,10 +206,28 @@ def message_response(msg: dict[str, Any], status: int = 200) -> web.Response:
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
-    # allow_nan=False: a reply is standard JSON or an error, never NaN/Infinity tokens.
-    return web.json_response(
-        obj, status=status, dumps=lambda o: json.dumps(o, default=_json_default, allow_nan=False)
-    )
+    """A standard-JSON reply: never NaN/Infinity tokens (issue 12). Inputs are validated, so
+    stored state holds none; a non-finite reading in a status (a diverged loss) becomes null."""
+    return web.json_response(obj, status=status, dumps=dumps_finite)
+
+
+def dumps_finite(obj: Any) -> str:
+    try:
+        return json.dumps(obj, default=_json_default, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(obj), default=_json_default, allow_nan=False)
+
+
+def _finite(o: Any) -> Any:
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_finite(v) for v in o]
+    if hasattr(o, "tolist"):
+        return _finite(o.tolist())
+    return o
 
 
 def _json_default(o: Any) -> Any:
