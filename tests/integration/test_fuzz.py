@@ -33,6 +33,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from adamps import protocol
 from adamps import web as aweb
 from adamps.procs import free_port
 from adamps.rpc import SyncRpc
@@ -144,8 +145,50 @@ PS_FIELDS = [
 READ_ONLY_OPS = {"pull", "list", "describe", "flush"}
 
 
+#: inits and optimizers near and beyond the finite bounds (adamps/server/bounds.py)
+EDGY_INITS = [
+    {"kind": "normal", "std": 1e300}, {"kind": "normal", "std": 1e20}, {"kind": "constant", "value": 1e39},
+    {"kind": "constant", "value": 3e38}, {"kind": "uniform", "low": -1e30, "high": 1.0},
+    {"kind": "xavier", "gain": 1e25}, {"kind": "zeros"}, {"kind": "constant", "value": -2.5},
+]  # fmt: skip
+EDGY_OPTIMIZERS = [
+    {"kind": "sgd", "lr": 1e30}, {"kind": "sgd", "lr": -1.0}, {"kind": "sgd", "lr": 1e12},
+    {"kind": "adagrad", "lr": 1e13}, {"kind": "adagrad", "lr": 0.5, "initial_accumulator": 1e30},
+    {"kind": "adagrad", "lr": 0.5},
+]  # fmt: skip
+
+
+@st.composite
+def near_valid_creates(draw: st.DrawFn) -> dict[str, Any]:
+    """Well-formed creates whose numbers may overflow float32 once stored or pushed."""
+    return {
+        "op": "create",
+        "v": 1,
+        "rid": "c",
+        "name": draw(st.sampled_from(["n1", "n2", "n3", "n4"])),
+        "shape": draw(st.sampled_from([[8], [2, 3], [1 << 27], [0], [2**63 - 1]])),
+        "init": draw(st.sampled_from(EDGY_INITS)),
+        "optimizer": draw(st.sampled_from(EDGY_OPTIMIZERS)),
+    }
+
+
+@st.composite
+def near_valid_pushes(draw: st.DrawFn) -> dict[str, Any]:
+    """Well-formed dense pushes to `w` (40 x 50) with edgy values."""
+    fill = draw(st.sampled_from([1e12, 1e13, 3e38, -3e38, 0.5, float("nan"), float("inf")]))
+    delta = np.full((40, 50), fill, np.float32)
+    if draw(st.booleans()):
+        return {"op": "push_dense", "v": 1, "rid": "p", "tensor": "w", "delta": delta}
+    return {"op": "push_dense", "v": 1, "rid": "p", "shards": {"w/0": delta[:25]}}
+
+
 @st.composite
 def rpc_messages(draw: st.DrawFn) -> dict[str, Any]:
+    kind = draw(st.integers(0, 5))
+    if kind == 0:
+        return draw(near_valid_creates())
+    if kind == 1:
+        return draw(near_valid_pushes())
     msg: dict[str, Any] = {
         "op": draw(st.one_of(st.sampled_from(PS_OPS), scalars)),
         "v": draw(st.sampled_from([1, 1, 1, True, 1.0, 2, "1", None])),
@@ -221,11 +264,16 @@ def ps_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PsUnderTest]
 def test_rpc_bad_messages_get_a_4xx_and_change_nothing(ps_server: PsUnderTest, msg) -> None:
     before = ps_server.state()
     t0 = time.monotonic()
-    body = msgpack.packb(msg, use_bin_type=True)
+    body = protocol.encode(msg)  # numpy arrays as array maps
     status, reply, ctype = http_call(
         ps_server.port, "POST", "/rpc", body, {"Content-Type": "application/msgpack"}
     )
     assert time.monotonic() - t0 < REQUEST_TIMEOUT
+    if type(msg.get("v")) is not int or msg.get("v") != 1:  # strict: not True, not 1.0
+        # refused (unsupported_version, or an earlier decoding error such as a bad array)
+        assert_client_error(status, reply, ctype)
+        assert ps_server.state() == before
+        return
     if status == 200 and msg.get("op") in READ_ONLY_OPS:
         assert ps_server.state() == before
         return

@@ -145,7 +145,11 @@ async def test_create_beyond_the_server_limit_is_refused(tmp_path: Path) -> None
 
 
 async def test_pull_of_one_shard_named_many_times_builds_one_copy(srv: Ps) -> None:
-    r = await srv.rpc.call("pull", shards=["w/0"] * 100_000)
+    """Issue 12: a 6 KB pull naming one shard N times took 1.5 GiB (N copies)."""
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r = await srv.rpc.call("pull", shards=["w/0"] * 200_000)  # 200,000 x 4 KB before: 800 MB
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+    assert grown < 200 << 10, f"peak memory grew {grown >> 10} MiB"
     assert list(r["shards"]) == ["w/0"]
     r = await srv.rpc.call("pull", tensors=["w"] * 50_000)
     assert list(r["tensors"]) == ["w"]
