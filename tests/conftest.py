@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,3 +56,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # Child processes and BLAS in the test process: one thread each, so tests behave the same on
     # 2 cores as on 64 and do not oversubscribe the CI machine.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    # A role started without a token on loopback uses this user's local token file: in tests,
+    # one of the test session's own, never the developer's ~/.config/adamps/local-token.
+    os.environ.setdefault(
+        "ADAMPS_LOCAL_TOKEN_FILE",
+        os.path.join(tempfile.mkdtemp(prefix="adamps-tests-"), "local-token"),
+    )
