@@ -22,8 +22,6 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-DEFAULT_TOKEN = "adamps-dev-token"
-
 
 class ConfigError(ValueError):
     """A bad configuration value: the message names the value, its source and what is expected."""
@@ -39,7 +37,8 @@ def field(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirror
 
 
 def default_token() -> str:
-    return os.environ.get("ADAMPS_TOKEN", DEFAULT_TOKEN)
+    """$ADAMPS_TOKEN or empty; an empty token is resolved by :func:`adamps.token.resolve`."""
+    return os.environ.get("ADAMPS_TOKEN", "")
 
 
 def _base_type(tp: Any) -> Any:
@@ -108,7 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         if name == "token":
-            help_text += " (default: $ADAMPS_TOKEN, else a development token)"
+            help_text += (
+                " (default: $ADAMPS_TOKEN; none: refused unless listening on loopback only, then "
+                "this user's local token file)"
+            )
         else:
             help_text += f" (default: {default!r})"
         if _base_type(tp) is bool:

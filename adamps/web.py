@@ -4,6 +4,12 @@ What it gives every process: ``GET /healthz`` and ``GET /metrics`` (open), ``GET
 an error middleware that turns every failure into a JSON body naming the problem (4xx for bad
 input, a logged 500 for a bug; the process keeps serving), a bounded request body (also when sent
 chunked), and the cluster-token check for mutating calls.
+
+Connections are bounded too (`HttpLimits`, issue 12): a connection must deliver a complete request
+head within `header_timeout` of being accepted, an idle keep-alive connection is closed after
+`idle_timeout`, a body must arrive within `body_timeout`, and beyond `max_connections` open
+connections the oldest idle one is closed to make room (a flood of idle connections cannot lock
+out /healthz). JSON is strict both ways: no NaN/Infinity in or out, nesting bounded.
 """
 
 from __future__ import annotations
@@ -12,8 +18,11 @@ import asyncio
 import hmac
 import json
 import logging
+import math
+import resource
 import signal
 from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -30,7 +39,40 @@ STATUS_KEY = web.AppKey("status", object)
 RID_KEY = web.RequestKey("rid", str)
 MAX_BODY_KEY = web.AppKey("max_body", int)
 
+LIMITS_KEY = web.AppKey("http_limits", object)
+
 MSGPACK = "application/msgpack"
+#: most JSON objects + arrays in one body (a 16 MB body of "[]" would otherwise build 8M lists)
+MAX_JSON_CONTAINERS = 1 << 16
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Per-connection bounds of an HTTP server (each role's config sets them)."""
+
+    #: seconds from accept to a complete first request head; else the connection is closed
+    header_timeout: float = 10.0
+    #: seconds a keep-alive connection may wait for its next request
+    idle_timeout: float = 30.0
+    #: seconds a request body may take to arrive once its head is in
+    body_timeout: float = 120.0
+    #: open connections; beyond it the oldest idle one is closed (capped at half the fd limit)
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout", "idle_timeout", "body_timeout"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+
+    def effective_max_connections(self) -> int:
+        """max_connections, but never above half the soft file-descriptor limit."""
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY or soft <= 0:
+            return self.max_connections
+        return max(1, min(self.max_connections, soft // 2))
 
 
 def _rid_of(request: web.Request) -> str | None:
@@ -85,13 +127,26 @@ def check_token(request: web.Request) -> None:
         raise ProtocolError(
             "unauthorized", "missing cluster token: send 'Authorization: Bearer <token>'"
         )
-    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+    try:
+        # aiohttp decodes headers as UTF-8 with surrogateescape: any byte sequence round-trips.
+        given_bytes = given.strip().encode("utf-8", "surrogateescape")
+    except UnicodeError:
+        raise ProtocolError("unauthorized", "wrong cluster token") from None
+    if not hmac.compare_digest(given_bytes, expected.encode()):
         raise ProtocolError("unauthorized", "wrong cluster token")
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The whole body, bounded by the app's client_max_size (enforced also for chunked bodies)."""
-    return await request.read()
+    """The whole body, bounded by the app's client_max_size (enforced also for chunked bodies)
+    and by the body timeout."""
+    limits = request.app.get(LIMITS_KEY) or HttpLimits()
+    try:
+        async with asyncio.timeout(limits.body_timeout):
+            return await request.read()
+    except TimeoutError:
+        raise ProtocolError(
+            "slow_request", f"the body did not arrive within {limits.body_timeout} s"
+        ) from None
 
 
 async def read_message(request: web.Request, ops: Collection[str]) -> dict[str, Any]:
@@ -108,13 +163,42 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     body = await read_body(request)
     if not body:
         return {}
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError("malformed", f"body is not valid JSON: {exc}") from None
+    obj = parse_json(body)
     if not isinstance(obj, dict):
         raise ProtocolError("malformed", "body must be a JSON object")
     return obj
+
+
+def _reject_constant(name: str) -> Any:
+    raise ProtocolError("malformed", f"JSON carries only finite numbers, got {name}")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ProtocolError("malformed", f"JSON number {text[:40]} is out of range")
+    return v
+
+
+def parse_json(body: bytes) -> Any:
+    """Strict JSON: finite numbers only (no NaN, Infinity, 1e999), nesting bounded (the C
+    decoder's recursion guard raises RecursionError, a malformed body, not a 500), and at most
+    MAX_JSON_CONTAINERS objects and arrays, counted at C speed before parsing (brackets inside
+    strings count too: a conservative bound no document of this API comes near)."""
+    if isinstance(body, str):
+        body = body.encode("utf-8", "surrogateescape")
+    containers = body.count(b"{") + body.count(b"[")
+    if containers > MAX_JSON_CONTAINERS:
+        raise ProtocolError(
+            "too_large",
+            f"JSON body holds {containers} objects or arrays; the limit is {MAX_JSON_CONTAINERS}",
+        )
+    try:
+        return json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except ProtocolError:
+        raise
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ProtocolError("malformed", f"body is not valid JSON: {exc}") from None
 
 
 def message_response(msg: dict[str, Any], status: int = 200) -> web.Response:
@@ -122,9 +206,28 @@ def message_response(msg: dict[str, Any], status: int = 200) -> web.Response:
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.json_response(
-        obj, status=status, dumps=lambda o: json.dumps(o, default=_json_default)
-    )
+    """A standard-JSON reply: never NaN/Infinity tokens (issue 12). Inputs are validated, so
+    stored state holds none; a non-finite reading in a status (a diverged loss) becomes null."""
+    return web.json_response(obj, status=status, dumps=dumps_finite)
+
+
+def dumps_finite(obj: Any) -> str:
+    try:
+        return json.dumps(obj, default=_json_default, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(obj), default=_json_default, allow_nan=False)
+
+
+def _finite(o: Any) -> Any:
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_finite(v) for v in o]
+    if hasattr(o, "tolist"):
+        return _finite(o.tolist())
+    return o
 
 
 def _json_default(o: Any) -> Any:
@@ -160,12 +263,14 @@ def make_app(
     token: str,
     max_body: int = 64 << 20,
     status: Callable[[], Any] | None = None,
+    limits: HttpLimits | None = None,
 ) -> web.Application:
     """An aiohttp app with the shared middleware and the open endpoints installed."""
     if not token:
         raise ValueError("a cluster token is required")
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
     app[TOKEN_KEY] = token
+    app[LIMITS_KEY] = limits or HttpLimits()
     app[REGISTRY_KEY] = registry
     app[STATUS_KEY] = status
     app[MAX_BODY_KEY] = max_body
@@ -175,10 +280,69 @@ def make_app(
     return app
 
 
+class _GuardedServer(web.Server):
+    """aiohttp's per-app connection manager, plus the head deadline and the connection cap.
+
+    Installed by `serve` on the runner's server (``__class__`` swap: aiohttp builds the server
+    itself inside AppRunner.setup). It is aiohttp's manager hook: every connection passes here.
+    """
+
+    _limits: HttpLimits
+    _deadlines: dict[Any, asyncio.TimerHandle]
+    _cap: int
+    _warned: float
+
+    def connection_made(self, handler: Any, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        loop = asyncio.get_running_loop()
+        self._deadlines[handler] = loop.call_later(
+            self._limits.header_timeout, self._check_head, handler, transport
+        )
+        open_ = [(h, t) for h, t in self._connections.items() if not t.is_closing()]
+        if len(open_) > self._cap:
+            victim = next(
+                (
+                    (h, t)
+                    for h, t in open_
+                    if h is not handler and not getattr(h, "_request_in_progress", False)
+                ),
+                (handler, transport),
+            )
+            if loop.time() - self._warned > 10.0:  # a flood would otherwise flood the log
+                self._warned = loop.time()
+                log.warning(
+                    "%d connections open (limit %d): closing the oldest idle ones",
+                    len(open_),
+                    self._cap,
+                )
+            victim[1].close()
+
+    def _check_head(self, handler: Any, transport: asyncio.Transport) -> None:
+        self._deadlines.pop(handler, None)
+        if getattr(handler, "_request_count", 1) == 0 and not transport.is_closing():
+            transport.close()  # no complete request head in time (slowloris or idle)
+
+    def connection_lost(self, handler: Any, exc: BaseException | None = None) -> None:
+        timer = self._deadlines.pop(handler, None)
+        if timer is not None:
+            timer.cancel()
+        super().connection_lost(handler, exc)
+
+
 async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
     """Starts `app` on host:port and returns its runner (for in-process tests and run_app)."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    limits = app.get(LIMITS_KEY) or HttpLimits()
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, keepalive_timeout=limits.idle_timeout
+    )
     await runner.setup()
+    server = runner.server
+    assert server is not None
+    server.__class__ = _GuardedServer
+    server._limits = limits  # type: ignore[attr-defined]
+    server._deadlines = {}  # type: ignore[attr-defined]
+    server._cap = limits.effective_max_connections()  # type: ignore[attr-defined]
+    server._warned = -1e9  # type: ignore[attr-defined]
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
     return runner

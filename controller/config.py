@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adamps import token as tokens
 from adamps.config import ConfigError, default_token, field
+from adamps.web import HttpLimits
+from controller.raft_transport import RaftLimits
 
 
 @dataclass
@@ -19,7 +22,9 @@ class ControllerConfig:
         "",
         help="directory of the Raft journal and full dump (one per node); empty = run/controller-MEMBER",
     )
-    token: str = field(default_token(), help="cluster token for mutating calls")
+    token: str = field(
+        "", help="cluster token for mutating calls and (derived) the Raft port's password"
+    )
     raft_password: str = field(
         "",
         help="password of the Raft port (pickled traffic!); empty = derived from the cluster token",
@@ -51,7 +56,45 @@ class ControllerConfig:
         5000, help="compact the Raft log (full dump) after this many entries"
     )
     compaction_seconds: float = field(300.0, help="... or after this many seconds")
-    max_body: int = field(16 << 20, help="largest request body accepted (bytes)")
+    max_body: int = field(
+        4 << 20, help="largest request body accepted (bytes); a layout of 4096 tensors is < 1 MiB"
+    )
+    max_layout_tensors: int = field(4096, help="most tensors in a model layout (PUT /layout)")
+    max_tensor_elems: int = field(
+        1 << 26, help="most float32 elements of one tensor of the layout (256 MiB)"
+    )
+    max_layout_elems: int = field(
+        1 << 32, help="most float32 elements of the whole layout (16 GiB over all servers)"
+    )
+    max_layout_shards: int = field(1 << 20, help="most shards of the whole layout")
+    max_servers: int = field(
+        1024, help="most server records kept (live + dead); more registrations are refused"
+    )
+    dead_server_ttl: float = field(
+        600.0, help="seconds after which a dead server that holds no bucket copy is forgotten"
+    )
+    raft_preauth_limit: int = field(
+        64 << 10,
+        help="largest frame (bytes) a peer may announce on the Raft port before it proved the password",
+    )
+    raft_max_message: int = field(
+        64 << 20, help="largest frame (bytes) of an authenticated Raft peer"
+    )
+    raft_max_unauthenticated: int = field(
+        16,
+        help="Raft connections allowed to be unauthenticated at once (a new one closes the oldest)",
+    )
+    raft_auth_timeout: float = field(
+        5.0, help="seconds a Raft connection may stay unauthenticated before it is closed"
+    )
+    header_timeout: float = field(
+        10.0, help="seconds an HTTP connection has to send a complete request head"
+    )
+    idle_timeout: float = field(30.0, help="seconds an idle keep-alive HTTP connection is kept")
+    body_timeout: float = field(60.0, help="seconds a request body may take to arrive")
+    max_connections: int = field(
+        512, help="open HTTP connections; beyond, the oldest idle one is closed"
+    )
     log_level: str = field("INFO", help="logging level")
 
     def __post_init__(self) -> None:
@@ -71,6 +114,28 @@ class ControllerConfig:
             raise ConfigError("controller.server_timeout must exceed heartbeat_interval")
         if not self.data_dir:
             self.data_dir = f"run/controller-{self.member}"
+        # Loopback-only means every member (their Raft and HTTP ports) and the bind address.
+        hosts = [parse_member(m)[0] for m in self.members] + (
+            [self.bind_host] if self.bind_host else []
+        )
+        self.token = tokens.resolve(self.token or default_token(), hosts, "controller")
+        if self.raft_password.strip() in tokens.WELL_KNOWN:
+            raise ConfigError("controller.raft_password is a well-known value; make a random one")
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            self.header_timeout, self.idle_timeout, self.body_timeout, self.max_connections
+        )
+
+    @property
+    def raft_limits(self) -> RaftLimits:
+        return RaftLimits(
+            self.raft_preauth_limit,
+            max(self.raft_max_message, 2 * self.max_body),
+            self.raft_max_unauthenticated,
+            self.raft_auth_timeout,
+        )
 
     @property
     def password(self) -> str:

@@ -17,6 +17,7 @@ silence clock afresh, so a leader change never declares anybody dead by itself.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import time
@@ -28,7 +29,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pysyncobj import FAIL_REASON
 
-from adamps import metrics
+from adamps import limits, metrics
 from adamps import web as aweb
 from adamps.config import to_dict as config_to_dict
 from adamps.core.lease import LeaseTerms
@@ -42,6 +43,16 @@ log = logging.getLogger(__name__)
 FORWARDED = "X-Adamps-Forwarded"
 APPLIED = "X-Adamps-Applied"
 ERROR_CODES = {"stale_epoch", "conflict", "not_found", "unknown_bucket", "bad_request", "internal"}
+
+
+#: operations asked for by clients: dry-run on a copy of the state before they are proposed
+#: (those whose apply can refuse; register, rebalance and report_progress always succeed once
+#: their arguments passed the handlers' checks, so they skip the copy)
+DRY_RUN_OPS = frozenset(
+    {"drain", "role_change", "caught_up", "release", "drop_secondary", "set_layout"}
+)
+#: largest training epoch number accepted by /progress
+MAX_EPOCH = 1_000_000
 
 
 class NotLeader(Exception):
@@ -75,7 +86,11 @@ class ControllerService:
         self.self_raft = raft[cfg.member]
         self.http_of = dict(zip(raft, cfg.http_addresses, strict=True))
         self.node = make_node(
-            self.self_raft, [a for a in raft if a != self.self_raft], self.cluster, conf
+            self.self_raft,
+            [a for a in raft if a != self.self_raft],
+            self.cluster,
+            conf,
+            cfg.raft_limits,
         )
         #: leader soft state: server id -> monotonic time of its last heartbeat
         self.last_seen: dict[str, float] = {}
@@ -212,6 +227,14 @@ class ControllerService:
             raise ProtocolError(
                 "no_quorum", "the leader is not connected to a majority of controllers"
             )
+        if op in DRY_RUN_OPS:
+            # A Raft entry whose apply would refuse is not proposed (issue 12): the operation is
+            # first run on a copy of this leader's applied state. Only an entry committed in
+            # between can still make the real apply refuse (then a no-op on every replica).
+            dry = self.cluster.read(lambda m: getattr(copy.deepcopy(m), op)(*copy.deepcopy(args)))
+            if not dry.get("ok"):
+                self.m_writes.labels(op, "refused").inc()
+                return dry
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
 
@@ -292,6 +315,9 @@ class ControllerService:
         now = time.time()
         if self.cluster.read(lambda m: m.grants_due(now)):
             await self.commit("reconcile", now, self._reports())
+        dead_before = now - self.cfg.dead_server_ttl
+        for sid in self.cluster.read(lambda m: _expired_dead(m, dead_before)):
+            await self.commit("sweep_dead", sid, dead_before, now)
 
     def _reports(self) -> dict[int, dict[str, list[int]]]:
         return {b: dict(r) for b, r in self.reports.items()}
@@ -411,7 +437,8 @@ class ControllerService:
 
         async def run() -> dict[str, Any]:
             body = await aweb.read_json(request)
-            address = _str(body, "address")
+            address = _address(body)
+            self._check_register(sid, address)
             copies = _positions(body.get("copies") or {}, self.cfg.n_buckets, "copies")
             res = self.result(await self.commit("register", sid, address, time.time(), copies))
             self.last_seen[sid] = time.monotonic()
@@ -424,6 +451,27 @@ class ControllerService:
             }
 
         return await self.write(request, run)
+
+    def _check_register(self, sid: str, address: str) -> None:
+        """Refuses, before proposing, a registration that would hijack a live server's routes
+        (issue 12: re-registering a live id from another address moved its buckets there) or
+        that would grow the server table past its bound."""
+        rec, n = self.cluster.read(lambda m: (m.servers.get(sid), len(m.servers)))
+        if rec is not None and rec["state"] != DEAD and rec["address"] != address:
+            raise ProtocolError(
+                "conflict",
+                f"server {sid!r} is live at {rec['address']}; it may register again from there, "
+                f"or from {address} once it has been declared dead "
+                f"(after {self.cfg.server_timeout} s of silence)",
+                state=rec["state"],
+                address=rec["address"],
+            )
+        if rec is None and n >= self.cfg.max_servers:
+            raise ProtocolError(
+                "too_large",
+                f"the cluster keeps at most {self.cfg.max_servers} server records",
+                limit=self.cfg.max_servers,
+            )
 
     async def h_heartbeat(self, request: web.Request) -> web.Response:
         sid = _server_id(request)
@@ -516,6 +564,9 @@ class ControllerService:
                         ) from None
                 for s, r in self.reports.get(b, {}).items():
                     clean.setdefault(s, r)
+                # Only servers the cluster knows go into the Raft entry (bounded, meaningful).
+                known = self.cluster.read(lambda m: set(m.servers))
+                clean = {s: r for s, r in clean.items() if s in known}
                 args = (b, _str(body, "server"), _int(body, "prev_epoch"), clean, now)
                 return self.result(await self.commit("role_change", *args))
             if op == "caught-up":
@@ -548,15 +599,19 @@ class ControllerService:
         async def run() -> dict[str, Any]:
             body = await aweb.read_json(request)
             raw = body.get("layout", body)
+            # Sizes first, by arithmetic: nothing is cut into shards before it is known to fit.
+            checked = limits.check_layout(
+                raw,
+                n_buckets=self.cfg.n_buckets,
+                max_tensors=self.cfg.max_layout_tensors,
+                max_tensor_elems=self.cfg.max_tensor_elems,
+                max_total_elems=self.cfg.max_layout_elems,
+                max_shards=self.cfg.max_layout_shards,
+            )
             try:
-                layout = Layout.from_dict(raw).to_dict()
+                layout = Layout.from_dict(checked).to_dict()
             except (LayoutError, KeyError, TypeError, ValueError) as exc:
                 raise ProtocolError("bad_request", f"invalid layout: {exc}") from None
-            if layout["n_buckets"] != self.cfg.n_buckets:
-                raise ProtocolError(
-                    "conflict",
-                    f"layout has {layout['n_buckets']} buckets, the cluster {self.cfg.n_buckets}",
-                )
             return self.result(await self.commit("set_layout", layout, time.time()))
 
         return await self.write(request, run)
@@ -565,10 +620,8 @@ class ControllerService:
         epoch = request.query.get("epoch")
         progress = self.cluster.read(lambda m: {k: dict(v) for k, v in m.progress.items()})
         if epoch is not None:
-            try:
-                int(epoch)
-            except ValueError:
-                raise ProtocolError("bad_request", "epoch must be an integer") from None
+            if not (epoch.isdigit() and len(epoch) <= 10 and int(epoch) <= MAX_EPOCH):
+                raise ProtocolError("bad_request", f"epoch must be an integer in 0..{MAX_EPOCH}")
             return aweb.json_response(
                 {"epoch": int(epoch), "replicas": progress.get(str(int(epoch)), {})}
             )
@@ -578,10 +631,16 @@ class ControllerService:
         async def run() -> dict[str, Any]:
             body = await aweb.read_json(request)
             epoch = _int(body, "epoch")
+            if not 0 <= epoch <= MAX_EPOCH:
+                raise ProtocolError("bad_request", f"epoch must be in 0..{MAX_EPOCH}")
             replica = _str(body, "replica")
             progress = body.get("progress", 0.0)
-            if isinstance(progress, bool) or not isinstance(progress, int | float):
-                raise ProtocolError("bad_request", "progress must be a number")
+            if (
+                isinstance(progress, bool)
+                or not isinstance(progress, int | float)
+                or not 0.0 <= progress <= 1.0
+            ):
+                raise ProtocolError("bad_request", "progress must be a number in [0, 1]")
             done = body.get("done", False)
             if not isinstance(done, bool):
                 raise ProtocolError("bad_request", "done must be true or false")
@@ -601,6 +660,7 @@ class ControllerService:
             token=self.cfg.token,
             max_body=self.cfg.max_body,
             status=self.status,
+            limits=self.cfg.http_limits,
         )
         r = app.router
         r.add_get("/routing", self.h_routing)
@@ -681,8 +741,27 @@ def _str(body: dict[str, Any], name: str) -> str:
     return v
 
 
+def _expired_dead(m: ClusterModel, dead_before: float) -> list[str]:
+    return [
+        s
+        for s, r in m.servers.items()
+        if r["state"] == DEAD and r["since"] <= dead_before and not m.refers_to(s)
+    ]
+
+
+def _address(body: dict[str, Any]) -> str:
+    """Field address as host:port (a name or an IP literal, a port 1..65535)."""
+    v = _str(body, "address")
+    host, sep, port = v.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    ok_host = bool(host) and len(host) <= 253 and all(c.isalnum() or c in "-._:" for c in host)
+    if not sep or not ok_host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ProtocolError("bad_request", f"field 'address' must be host:port, got {v[:100]!r}")
+    return v
+
+
 def _int(body: dict[str, Any], name: str) -> int:
     v = body.get(name)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ProtocolError("bad_request", f"field {name!r} must be an integer")
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 63:
+        raise ProtocolError("bad_request", f"field {name!r} must be an integer in 0..2^63-1")
     return v

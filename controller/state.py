@@ -47,6 +47,7 @@ from pysyncobj import SyncObj, SyncObjConf, SyncObjConsumer, replicated
 from adamps.core import lease as leases
 from adamps.core.lease import Lease, LeaseTerms
 from controller import placement
+from controller.raft_transport import RaftLimits, transport_class
 
 log = logging.getLogger(__name__)
 
@@ -645,6 +646,29 @@ class ClusterModel:
                 del self.progress[key]
         return {"ok": True, "epoch": epoch, "replicas": len(per)}
 
+    def sweep_dead(self, sid: str, dead_before: float, now: float) -> dict[str, Any]:
+        """Forgets the record of a server dead since before `dead_before` that no bucket refers
+        to (issue 12: records of bogus registrations were kept forever). A no-op otherwise."""
+        now = self._tick(now)
+        rec = self.servers.get(sid)
+        if rec is None or rec["state"] != DEAD or rec["since"] > dead_before:
+            return {"ok": True, "server": sid, "forgotten": False}
+        if self.refers_to(sid):
+            return {"ok": True, "server": sid, "forgotten": False}
+        del self.servers[sid]
+        self.version += 1
+        return {"ok": True, "server": sid, "forgotten": True}
+
+    def refers_to(self, sid: str) -> bool:
+        """Some bucket names `sid` in any field (placement, copies, lease)."""
+        for bk in self.buckets:
+            for v in bk.values():
+                if v == sid or (isinstance(v, list | tuple | set) and sid in v):
+                    return True
+                if getattr(v, "holder", None) == sid:
+                    return True
+        return False
+
     # -- queries (read-only; callers hold the lock) ---------------------------------------------
 
     def under_replicated(self) -> int:
@@ -861,6 +885,13 @@ class ReplicatedCluster(SyncObjConsumer):
     def set_layout(self, layout: dict, now: float) -> dict[str, Any]:
         return self._apply("set_layout", layout, now)
 
+    # pysyncobj numbers replicated methods by sorted name (within a `ver`), and the journal
+    # stores the numbers: a new method must sort after every existing one, or a journal written
+    # by the previous version replays as the wrong operations (tests/core/test_raft_method_ids.py).
+    @replicated
+    def sweep_dead(self, sid: str, dead_before: float, now: float) -> dict[str, Any]:
+        return self._apply("sweep_dead", sid, dead_before, now)
+
     @replicated
     def report_progress(
         self, epoch: int, replica: str, progress: float, done: bool, now: float
@@ -910,7 +941,18 @@ def raft_conf(
 
 
 def make_node(
-    self_addr: str, partners: list[str], cluster: ReplicatedCluster, conf: SyncObjConf
+    self_addr: str,
+    partners: list[str],
+    cluster: ReplicatedCluster,
+    conf: SyncObjConf,
+    limits: RaftLimits | None = None,
 ) -> SyncObj:
-    """A Raft node on `self_addr` (host:port) replicating `cluster` with `partners`."""
-    return SyncObj(self_addr, partners, conf=conf, consumers=[cluster])
+    """A Raft node on `self_addr` (host:port) replicating `cluster` with `partners`, on the
+    bounded transport (bound to its own address; controller/raft_transport.py)."""
+    return SyncObj(
+        self_addr,
+        partners,
+        conf=conf,
+        consumers=[cluster],
+        transportClass=transport_class(limits or RaftLimits()),
+    )

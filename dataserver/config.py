@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adamps import token as tokens
 from adamps.config import default_token, field
+from adamps.web import HttpLimits
 
 
 @dataclass
@@ -45,11 +47,24 @@ class DataServerConfig:
     )
     max_batch: int = field(4096, help="largest batch_size a stream may ask for")
     max_body: int = field(1 << 20, help="largest request body in bytes")
+    header_timeout: float = field(
+        10.0, help="seconds an HTTP connection has to send a complete request head"
+    )
+    idle_timeout: float = field(30.0, help="seconds an idle keep-alive HTTP connection is kept")
+    body_timeout: float = field(120.0, help="seconds a request body may take to arrive")
+    max_connections: int = field(
+        1024, help="open HTTP connections; beyond, the oldest idle one is closed"
+    )
     log_level: str = field("INFO", help="logging level")
 
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            self.header_timeout, self.idle_timeout, self.body_timeout, self.max_connections
+        )
+
     def __post_init__(self) -> None:
-        if not self.token:
-            self.token = default_token()
+        self.token = tokens.resolve(self.token or default_token(), [self.host], "dataserver")
         if self.n_slices < 1 or not 0 <= self.slice_index < self.n_slices:
             raise ValueError(
                 f"slice_index {self.slice_index} must be in [0, n_slices={self.n_slices})"

@@ -368,6 +368,7 @@ class DataServer:
             token=self.cfg.token,
             max_body=self.cfg.max_body,
             status=self.status,
+            limits=self.cfg.http_limits,
         )
         app.router.add_post("/stream", self.handle_stream)
         return app

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,3 +58,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # Child processes and BLAS in the test process: one thread each, so tests behave the same on
     # 2 cores as on 64 and do not oversubscribe the CI machine.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    # A role started without a token on loopback uses this user's local token file: in tests,
+    # one of the test session's own, never the developer's ~/.config/adamps/local-token.
+    if "ADAMPS_LOCAL_TOKEN_FILE" not in os.environ:
+        tmp = tempfile.mkdtemp(prefix="adamps-tests-")
+        atexit.register(shutil.rmtree, tmp, True)
+        os.environ["ADAMPS_LOCAL_TOKEN_FILE"] = os.path.join(tmp, "local-token")

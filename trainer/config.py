@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from adamps import token as tokens
 from adamps.config import default_token, field
 
 
@@ -89,8 +90,9 @@ class TrainConfig:
     log_level: str = field("INFO", help="logging level")
 
     def __post_init__(self) -> None:
-        if not self.token:
-            self.token = default_token()
+        # A trainer only calls the others: loopback-only when everything it reaches is local.
+        reached = [tokens.host_of(a) for a in (*self.controllers, *self.ps, *self.dataservers)]
+        self.token = tokens.resolve(self.token or default_token(), [self.host, *reached], "train")
         if not self.controllers and not self.ps:
             raise ValueError("give --controllers or --ps (parameter-server URLs)")
         if self.n_replicas < 1 or not 0 <= self.replica < self.n_replicas:

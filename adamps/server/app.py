@@ -22,12 +22,12 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from adamps import metrics, protocol
+from adamps import limits, metrics, protocol
 from adamps import web as aweb
 from adamps.config import ConfigError, to_dict
 from adamps.layout import LayoutError, TensorSpec, stable_bucket
 from adamps.protocol import ProtocolError, require, require_array
-from adamps.server import dataplane
+from adamps.server import bounds, dataplane
 from adamps.server.config import PsConfig
 from adamps.server.optim import Dense, OptimError, Optimizer
 from adamps.server.persist import Flusher, Persister, Position
@@ -48,8 +48,6 @@ log = logging.getLogger(__name__)
 
 OPS = ("create", "pull", "push_dense", "push_fc", "flush", "list", "describe")
 DEBUG_OPS = ("debug_fail",)
-#: most elements of one tensor (16 GiB of float32): a guard against absurd shapes
-MAX_TENSOR_ELEMS = 1 << 32
 #: most rows of activation/error vectors in one push_fc
 MAX_FC_K = 65_536
 
@@ -164,6 +162,8 @@ class ParameterServer:
         self.flusher.start()
         self._closed = False
         self._data_plane: asyncio.Server | None = None
+        #: closes idle and stalled data-plane connections
+        self._dp_sweeper: asyncio.Task | None = None
         #: open data-plane connections (closed at shutdown)
         self._dp_conns: set[Any] = set()
 
@@ -263,6 +263,7 @@ class ParameterServer:
             token=self.cfg.token,
             max_body=self.cfg.max_body,
             status=self.status,
+            limits=self.cfg.http_limits,
         )
         app[PS_KEY] = self
         app.router.add_post("/rpc", self.handle_rpc)
@@ -272,12 +273,15 @@ class ParameterServer:
             self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
             if self.cfg.data_port:
                 self._data_plane = await dataplane.start(self, self.cfg.host, self.cfg.data_port)
+                self._dp_sweeper = asyncio.create_task(dataplane.sweep(self))
             if self.replicator is not None:
                 await self.replicator.start()
 
         async def cleanup(_app: web.Application) -> None:
             if self.replicator is not None:
                 await self.replicator.stop()
+            if self._dp_sweeper is not None:
+                self._dp_sweeper.cancel()
             if self._data_plane is not None:
                 self._data_plane.close()  # stops accepting; then the open connections
                 for conn in list(self._dp_conns):
@@ -292,7 +296,13 @@ class ParameterServer:
     async def handle_rpc(self, request: web.Request) -> web.Response:
         # The token first: an unauthenticated body is never read.
         aweb.check_token(request)
-        body = await self._read_body(request)
+        try:
+            async with asyncio.timeout(self.cfg.body_timeout):
+                body = await self._read_body(request)
+        except TimeoutError:
+            raise ProtocolError(
+                "slow_request", f"the body did not arrive within {self.cfg.body_timeout} s"
+            ) from None
         self.m.bytes_in.inc(len(body))
         t0 = time.perf_counter()
         op = "?"
@@ -363,23 +373,39 @@ class ParameterServer:
 
     async def op_create(self, msg: dict[str, Any]) -> dict[str, Any]:
         name = require(msg, "name", str)
-        shape = require(msg, "shape", list)
-        if not shape or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape
-        ):
-            raise ProtocolError(
-                "bad_shape", f"shape must be a non-empty list of ints > 0, got {shape!r}"
-            )
-        if math.prod(shape) > MAX_TENSOR_ELEMS:
-            raise ProtocolError(
-                "bad_shape", f"tensor of {math.prod(shape)} elements exceeds {MAX_TENSOR_ELEMS}"
-            )
-        spec = TensorSpec(name, tuple(shape))
+        # Sizes by arithmetic before anything is allocated (issue 12: [2^32] with Adagrad asked
+        # for 32 GiB); a create that only repeats an existing definition allocates nothing.
+        shape = limits.check_shape(require(msg, "shape", list), self.cfg.max_tensor_elems)
+        spec = TensorSpec(name, shape)
         init_in = require(msg, "init", dict, default={"kind": "zeros"})
         opt = Optimizer.from_dict(require(msg, "optimizer", dict, default={"kind": "sgd"}))
+        bounds.check_optimizer(opt)
         init = normalize_init(init_in, spec.shape)
+        bounds.check_init(init, init_in.get("values"))
+        if name not in self.store.tensors:
+            self._check_server_room(spec)
         created, t = self._define(spec, opt, init, init_in.get("values"))
         return {"created": created, "tensor": self._describe(t)}
+
+    def _check_server_room(self, spec: TensorSpec) -> None:
+        """The shards of `spec` this server would hold fit in max_server_elems."""
+        from adamps.layout import split_tensor
+
+        held = sum(st.shard.size for st in self.store.shards.values())
+        if limits.shard_count(spec.shape, self.store.layout.max_shard_elems) > (1 << 20):
+            raise ProtocolError("too_large", f"tensor {spec.name!r} would have too many shards")
+        new = sum(
+            s.size
+            for s in split_tensor(spec, self.store.layout.max_shard_elems)
+            if self.store.holds(s)
+        )
+        if held + new > self.cfg.max_server_elems:
+            raise ProtocolError(
+                "too_large",
+                f"tensor {spec.name!r} would put {held + new} elements on this server; "
+                f"the limit is {self.cfg.max_server_elems}",
+                limit=self.cfg.max_server_elems,
+            )
 
     def _define(
         self, spec: TensorSpec, opt: Optimizer, init: dict[str, Any], values: np.ndarray | None
@@ -434,7 +460,9 @@ class ParameterServer:
         """Defines a tensor from a peer's definition (tensor_definition) unless it exists here;
         True if it was created. A definition of kind `values` carries only the digest: such a
         tensor starts at zeros here, for the state transfer that follows to overwrite."""
-        spec = TensorSpec(require(d, "name", str), tuple(require(d, "shape", list)))
+        # A peer's definition passed the same limit at its create: a larger one is not ours.
+        shape = limits.check_shape(require(d, "shape", list), self.cfg.max_tensor_elems)
+        spec = TensorSpec(require(d, "name", str), shape)
         opt = Optimizer.from_dict(require(d, "optimizer", dict))
         init = dict(require(d, "init", dict))
         if init.get("kind") not in INIT_KINDS:
@@ -454,12 +482,31 @@ class ParameterServer:
             )
         return [t.shards[s.index] for s in t.layout_shards]
 
-    def _shard_ids(self, msg: dict[str, Any], field: str) -> list[ShardState]:
-        ids = require(msg, field, list)
-        if not all(isinstance(i, str) for i in ids):
+    def _unique_names(
+        self, msg: dict[str, Any], field: str, what: str, twice_ok: bool = True
+    ) -> list[str]:
+        """Field `field`: a list of strings, duplicates removed (issue 12: a pull naming one shard
+        N times built N copies) or, unless `twice_ok`, refused; at most max_shards_per_request."""
+        names = require(msg, field, list)
+        if not all(isinstance(i, str) for i in names):
+            raise ProtocolError("bad_request", f"field {field!r} must be a list of {what}")
+        unique = list(dict.fromkeys(names))
+        if not twice_ok and len(unique) != len(names):
+            raise ProtocolError("bad_request", f"field {field!r} names a shard twice")
+        names = unique
+        if len(names) > self.cfg.max_shards_per_request:
             raise ProtocolError(
-                "bad_request", f"field {field!r} must be a list of shard ids (strings)"
+                "too_large",
+                f"field {field!r} names {len(names)} {what}; the limit is "
+                f"{self.cfg.max_shards_per_request}",
+                limit=self.cfg.max_shards_per_request,
             )
+        return names
+
+    def _shard_ids(
+        self, msg: dict[str, Any], field: str, twice_ok: bool = True
+    ) -> list[ShardState]:
+        ids = self._unique_names(msg, field, "shard ids (strings)", twice_ok)
         self._check_ids(ids)
         return [self.store.shard(i) for i in ids]
 
@@ -483,9 +530,7 @@ class ParameterServer:
 
     async def op_pull(self, msg: dict[str, Any]) -> dict[str, Any]:
         if "tensors" in msg:
-            names = require(msg, "tensors", list)
-            if not all(isinstance(n, str) for n in names):
-                raise ProtocolError("bad_request", "field 'tensors' must be a list of tensor names")
+            names = self._unique_names(msg, "tensors", "tensor names")
             states: list[ShardState] = []
             outs: list[np.ndarray] = []
             whole: dict[str, np.ndarray] = {}
@@ -541,11 +586,20 @@ class ParameterServer:
         if "tensor" in msg:
             name = require(msg, "tensor", str)
             sts = self._held(name)
-            delta = require_array(msg, "delta", shape=self.store.tensors[name].spec.shape)
+            delta = require_array(
+                msg, "delta", shape=self.store.tensors[name].spec.shape, finite=False
+            )
+            bounds.check_dense("delta", delta)  # finite, and small enough to stay finite
             flat = delta.reshape(-1)
             parts = [(st, Dense(flat[st.shard.start : st.shard.stop])) for st in sts]
         else:
             deltas = require(msg, "shards", dict)
+            if len(deltas) > self.cfg.max_shards_per_request:
+                raise ProtocolError(
+                    "too_large",
+                    f"push_dense names {len(deltas)} shards; the limit is "
+                    f"{self.cfg.max_shards_per_request}",
+                )
             self._check_ids(deltas)
             for sid in deltas:
                 if not isinstance(sid, str):
@@ -553,7 +607,8 @@ class ParameterServer:
                         "bad_request", "field 'shards' must map shard ids to arrays"
                     )
                 st = self.store.shard(sid)
-                d = require_array(deltas, sid, shape=st.shard.shape)
+                d = require_array(deltas, sid, shape=st.shard.shape, finite=False)
+                bounds.check_dense(sid, d)
                 parts.append((st, Dense(d)))
             if not parts:
                 raise ProtocolError(
@@ -577,18 +632,17 @@ class ParameterServer:
                 f"push_fc needs a 2-D tensor cut on whole rows; {name!r} has shape {list(t.spec.shape)}",
             )
         m, n = t.spec.shape
-        a = require_array(msg, "a", shape=(None, n))
-        e = require_array(msg, "e", shape=(None, m))
+        a = require_array(msg, "a", shape=(None, n), finite=False)
+        e = require_array(msg, "e", shape=(None, m), finite=False)
         k = a.shape[0]
         if not 1 <= k <= MAX_FC_K or e.shape[0] != k:
             raise ProtocolError(
                 "bad_shape",
                 f"a and e need the same number of rows k, 1 <= k <= {MAX_FC_K}; got {a.shape[0]} and {e.shape[0]}",
             )
+        bounds.check_fc(a, e)
         if "shards" in msg:
-            states = self._shard_ids(msg, "shards")
-            if len({st.id for st in states}) != len(states):
-                raise ProtocolError("bad_request", "field 'shards' names a shard twice")
+            states = self._shard_ids(msg, "shards", twice_ok=False)
             wrong = [st.id for st in states if st.shard.tensor != name]
             if wrong:
                 raise ProtocolError("bad_request", f"shards {wrong} are not shards of {name!r}")

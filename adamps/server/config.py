@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adamps import token as tokens
 from adamps.config import default_token, field
 from adamps.layout import DEFAULT_BUCKETS, MAX_SHARD_ELEMS
+from adamps.web import HttpLimits
 
 
 @dataclass
@@ -46,6 +48,25 @@ class PsConfig:
     max_body: int = field(
         256 << 20, help="largest request body in bytes (413 beyond, also for chunked bodies)"
     )
+    max_tensor_elems: int = field(
+        1 << 26, help="most float32 elements of one tensor a create may define (256 MiB)"
+    )
+    max_server_elems: int = field(
+        1 << 28,
+        help="most float32 elements of all tensors' shards held here, checked at create (1 GiB; "
+        "Adagrad doubles the memory)",
+    )
+    max_shards_per_request: int = field(
+        4096, help="most shard ids (after removing duplicates) or tensors in one pull or push"
+    )
+    header_timeout: float = field(
+        10.0, help="seconds an HTTP connection has to send a complete request head"
+    )
+    idle_timeout: float = field(30.0, help="seconds an idle keep-alive HTTP connection is kept")
+    body_timeout: float = field(120.0, help="seconds a request body may take to arrive")
+    max_connections: int = field(
+        1024, help="open HTTP connections; beyond, the oldest idle one is closed"
+    )
     tune_malloc: bool = field(
         True,
         help="raise glibc's mmap and trim thresholds at start so large bodies reuse heap memory",
@@ -85,9 +106,14 @@ class PsConfig:
         False, help="enable the op debug_fail (raises on purpose; for tests only)"
     )
 
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            self.header_timeout, self.idle_timeout, self.body_timeout, self.max_connections
+        )
+
     def __post_init__(self) -> None:
-        if not self.token:
-            self.token = default_token()
+        self.token = tokens.resolve(self.token or default_token(), [self.host], "ps")
         if not self.server_id:
             self.server_id = f"ps-{self.port}"
         if self.controllers and self.buckets:
@@ -106,5 +132,9 @@ class PsConfig:
             raise ValueError(f"buckets {bad} out of range 0..{self.n_buckets - 1}")
         if self.flush_interval <= 0:
             raise ValueError("flush_interval must be > 0")
+        for name in ("max_tensor_elems", "max_server_elems", "max_shards_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        HttpLimits(self.header_timeout, self.idle_timeout, self.body_timeout, self.max_connections)
         if self.max_body < 1024:
             raise ValueError("max_body must be >= 1024")

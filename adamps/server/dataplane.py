@@ -12,8 +12,9 @@ Frame (both directions): a 20-byte header ``<4s B B H I Q`` = magic ``b"ADPS"``,
 kind (1 request, 2 reply, 3 error), 0, meta length, payload length; then the meta (a msgpack map,
 see docs/protocol-ps.md) and the payload (raw little-endian float32, C order).
 
-Security and bad input: the token is in the meta and is checked before any payload byte is
-buffered; meta and payload lengths are bounded (64 KiB, ``max_body``) before anything is
+Security and bad input: a replicated server refuses writes here (one write path: /rpc); the
+token is in the meta and is checked before any payload byte is buffered; idle and stalled
+connections are closed and their number is capped (the HTTP limits of the PS config); meta and payload lengths are bounded (64 KiB, ``max_body``) before anything is
 allocated; tensor, length and finiteness are checked before the update is queued. An error found
 before the payload was read is answered and the connection closed (the stream cannot be resynced);
 an error found after (NaN, Inf) is answered and the connection stays usable.
@@ -33,6 +34,7 @@ import numpy as np
 
 from adamps import protocol
 from adamps.protocol import ProtocolError
+from adamps.server import bounds
 from adamps.server.optim import Dense
 from adamps.server.store import StoreError, owner_future
 
@@ -51,6 +53,8 @@ OPS = ("push_dense", "pull")
 MAX_INFLIGHT = 8
 
 _HEADER, _META, _PAYLOAD, _CLOSED = range(4)
+#: loop time of the last "too many connections" warning (one per 10 s)
+_warned = [-1e9]
 
 
 def frame_header(kind: int, meta_len: int, payload_len: int) -> bytes:
@@ -80,12 +84,29 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.paused = False
         #: resolved once the reply of the latest request is written: the next one waits for it
         self.tail: asyncio.Future | None = None
+        #: loop time of the last bytes received (or of the accept)
+        self.last_activity = 0.0
 
     # -- asyncio callbacks ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.last_activity = asyncio.get_running_loop().time()
         self.ps._dp_conns.add(self)
+        open_ = [c for c in self.ps._dp_conns if c.open()]
+        cap = self.ps.cfg.http_limits.effective_max_connections()
+        if len(open_) > cap:
+            # Make room by closing the longest-idle connection (this one if none is idle), so a
+            # flood of idle connections cannot lock out the trainers.
+            idle = [c for c in open_ if c is not self and c.idle()]
+            victim = min(idle, key=lambda c: c.last_activity) if idle else self
+            now = self.last_activity
+            if now - _warned[0] > 10.0:  # a flood would otherwise flood the log
+                _warned[0] = now
+                log.warning("data plane: %d connections (limit %d): closing the oldest idle ones",
+                            len(open_), cap)  # fmt: skip
+            assert victim.transport is not None
+            victim.transport.close()
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -102,6 +123,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.state == _CLOSED:
             return
+        self.last_activity = asyncio.get_running_loop().time()
         self.pos += nbytes
         if self.pos < self.buf.size:
             return
@@ -122,6 +144,27 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
     def eof_received(self) -> bool | None:
         return None  # close our side too
+
+    # -- timeouts ---------------------------------------------------------------------------------
+
+    def open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def idle(self) -> bool:
+        """Between frames with nothing queued: waiting for the client's next request."""
+        return self.state == _HEADER and self.pos == 0 and self.inflight == 0
+
+    def expired(self, now: float) -> bool:
+        """Idle past idle_timeout, or stuck in a frame's header or meta past header_timeout or
+        in its payload past body_timeout (issue 12: connections were kept forever)."""
+        if self.state == _CLOSED or self.inflight:
+            return False
+        lim = self.ps.cfg.http_limits
+        if self.idle():
+            limit = lim.idle_timeout
+        else:
+            limit = lim.body_timeout if self.state == _PAYLOAD else lim.header_timeout
+        return now - self.last_activity > limit
 
     # -- states -----------------------------------------------------------------------------------
 
@@ -167,6 +210,15 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
                 "unauthorized", "missing or wrong cluster token in the frame's meta"
             )
         op = protocol.check_message(meta, OPS)
+        if op == "push_dense" and self.ps.replicator is not None:
+            # One write path (issue 12): a replicated server takes writes only through /rpc,
+            # where they pass the lease check, two-phase commit and deduplication. Applied here
+            # they changed one copy only (a secondary's too) and the copies diverged.
+            raise ProtocolError(
+                "read_only",
+                "this server replicates its buckets: the data plane serves pulls only; "
+                "push through POST /rpc",
+            )
         t = self.ps.store.tensor(protocol.require(meta, "tensor", str))
         want = t.spec.size * 4 if op == "push_dense" else 0
         if self.payload_len != want:
@@ -212,7 +264,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             self.ps.m.bytes_in.inc(payload.size)
             # Zero copy: the kernel wrote the payload into this buffer; the owner threads read it.
             delta = payload.view("<f4")
-            protocol.check_finite("payload", delta)
+            bounds.check_dense("payload", delta)  # finite, and small enough to stay finite
             self.ps._record_client(meta)
             parts = [(st, Dense(delta[st.shard.start : st.shard.stop])) for st in sts]
             fut = _submit(lambda cb: self.ps.store.push(parts, cb))
@@ -311,6 +363,17 @@ async def start(ps: ParameterServer, host: str, port: int) -> asyncio.Server:
     server = await loop.create_server(lambda: DataPlaneProtocol(ps), host, port, reuse_address=True)
     log.info("data plane listening on %s:%d", host, port)
     return server
+
+
+async def sweep(ps: ParameterServer, every: float = 0.5) -> None:
+    """Closes expired data-plane connections (DataPlaneProtocol.expired) until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(every)
+        now = loop.time()
+        for conn in list(ps._dp_conns):
+            if conn.expired(now) and conn.transport is not None:
+                conn.transport.close()
 
 
 # -- client ---------------------------------------------------------------------------------------

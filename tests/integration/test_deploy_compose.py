@@ -121,8 +121,13 @@ def load_role_config(argv: list[str]) -> Any:
         raise AssertionError(f"`adamps {' '.join(argv)}` is rejected by its parser") from exc
     module, cls = CONFIGS[argv[0]][0].split(":")
     try:
+        # The token reaches the process from its environment (.env); without one a role
+        # listening beyond loopback refuses to start.
         return aconfig.load(
-            getattr(importlib.import_module(module), cls), CONFIGS[argv[0]][1], args
+            getattr(importlib.import_module(module), cls),
+            CONFIGS[argv[0]][1],
+            args,
+            environ={"ADAMPS_TOKEN": "token-from-the-environment"},
         )
     except aconfig.ConfigError as exc:
         raise AssertionError(f"`adamps {' '.join(argv)}`: {exc}") from exc

@@ -469,7 +469,9 @@ def test_full_restart_keeps_configuration_also_after_compaction(procs, tmp_path:
 
     # 1) journal only (no compaction yet)
     for k in range(3):
-        c.write(k % 3, "/progress", {"epoch": 4, "replica": f"r{k}", "progress": k, "done": False})
+        c.write(
+            k % 3, "/progress", {"epoch": 4, "replica": f"r{k}", "progress": k / 10, "done": False}
+        )
     leader = c.leader()
     time.sleep(1.2)  # the commit index reaches the journal's meta file once per second
     expect = snapshot(leader)
@@ -479,7 +481,10 @@ def test_full_restart_keeps_configuration_also_after_compaction(procs, tmp_path:
     # 2) enough entries for a log compaction (full dump) on every node, then a few more
     for k in range(40):
         c.write(
-            k % 3, "/progress", {"epoch": 5, "replica": f"r{k % 7}", "progress": k, "done": k > 30}
+            k % 3,
+            "/progress",
+            # progress is the fraction of the epoch done: in [0, 1]
+            {"epoch": 5, "replica": f"r{k % 7}", "progress": k / 40, "done": k > 30},
         )
     deadline = time.monotonic() + 10
     while not all((tmp_path / f"c{i}" / "raft.dump").exists() for i in range(3)):

@@ -1,0 +1,428 @@
+"""Issue 12 against one in-process controller on loopback: its Raft port and its HTTP API.
+
+Each test replays one of the attacks of the issue (they name its item) and checks the process
+refused it with a 4xx naming the problem, changed nothing, and kept serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import select
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from adamps import web as aweb
+from adamps.procs import free_port
+from controller.config import ControllerConfig
+from controller.service import ControllerService
+from controller.state import DEAD
+
+TOKEN = "controller-hardening-token"
+
+
+class Ctl:
+    def __init__(self, service: ControllerService, http: int, raft: int) -> None:
+        self.service = service
+        self.http = http
+        self.raft = raft
+        self.url = f"http://127.0.0.1:{http}"
+        self.session = aiohttp.ClientSession()
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, Any]:
+        hdrs = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+        hdrs.update(headers or {})
+        data = io.BytesIO(raw) if raw is not None else (None if body is None else json.dumps(body))
+        async with self.session.request(
+            method, self.url + path, data=data, headers=hdrs, timeout=aiohttp.ClientTimeout(10)
+        ) as resp:
+            text = await resp.read()
+            return resp.status, json.loads(text)
+
+    def read(self, fn: Any) -> Any:
+        return self.service.cluster.read(fn)
+
+
+async def start_controller(tmp_path: Path, **overrides: Any) -> tuple[Ctl, aweb.web.AppRunner]:
+    http, raft = free_port(), free_port()
+    cfg = ControllerConfig(
+        members=[f"127.0.0.1:{raft}:{http}"],
+        member=0,
+        data_dir=str(tmp_path / "c0"),
+        token=TOKEN,
+        server_timeout=60.0,
+        **overrides,
+    )
+    service = ControllerService(cfg)
+    runner = await aweb.serve(service.make_app(), "127.0.0.1", http)
+    deadline = time.monotonic() + 10
+    while not (service.is_leader() and service.node.isReady()):
+        assert time.monotonic() < deadline, "the single controller did not become leader"
+        await asyncio.sleep(0.05)
+    return Ctl(service, http, raft), runner
+
+
+@pytest.fixture
+async def ctl(tmp_path: Path) -> AsyncIterator[Ctl]:
+    c, runner = await start_controller(tmp_path)
+    try:
+        yield c
+    finally:
+        await c.session.close()
+        await runner.cleanup()
+
+
+async def assert_serving(c: Ctl) -> None:
+    """HTTP answers and a Raft write commits (the node is neither stalled nor wedged)."""
+    status, body = await c.call("POST", "/rebalance", {})
+    assert status == 200 and body["ok"] is True, body
+
+
+def listening(port: int) -> list[str]:
+    """Local addresses (hex ip:port as in /proc/net/tcp{,6}) listening on `port`."""
+    out = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state = fields[1], fields[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                out.append(local)
+    return out
+
+
+# -- 1. the Raft port --------------------------------------------------------------------------
+
+
+def test_the_pysyncobj_methods_the_transport_overrides_still_exist() -> None:
+    from pysyncobj.tcp_connection import TcpConnection
+    from pysyncobj.tcp_server import TcpServer
+    from pysyncobj.transport import TCPTransport
+
+    for cls, name in [
+        (TcpConnection, "_TcpConnection__processRead"),
+        (TcpConnection, "_TcpConnection__processParseMessage"),
+        (TcpServer, "_TcpServer__onNewConnection"),
+        (TCPTransport, "_createServer"),
+        (TCPTransport, "_onTick"),
+        (TCPTransport, "addNode"),
+    ]:
+        assert callable(getattr(cls, name, None)), f"pysyncobj changed: {cls.__name__}.{name}"
+
+
+async def test_raft_port_binds_the_members_own_address_not_the_wildcard(ctl: Ctl) -> None:
+    addrs = listening(ctl.raft)
+    assert addrs == [f"0100007F:{ctl.raft:04X}"], addrs  # 127.0.0.1, little-endian hex
+
+
+def _recv_until_closed(sock: socket.socket, timeout: float) -> float | None:
+    """Seconds until the peer closed the connection, or None if it stayed open."""
+    t0 = time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - t0 < timeout:
+        try:
+            if sock.recv(65536) == b"":
+                return time.monotonic() - t0
+        except TimeoutError:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            return time.monotonic() - t0
+    return None
+
+
+async def test_raft_port_drops_a_huge_unauthenticated_frame_at_once(ctl: Ctl) -> None:
+    """Issue 12 item 1: a 2 GiB length prefix plus junk was buffered (quadratically)."""
+
+    def attack() -> tuple[float | None, int]:
+        with socket.create_connection(("127.0.0.1", ctl.raft), timeout=5) as s:
+            sent = 0
+            try:
+                s.sendall(struct.pack("i", (2 << 30) - 1))
+                junk = b"\x00" * (1 << 20)
+                for _ in range(64):  # up to 64 MiB, as in the issue
+                    s.sendall(junk)
+                    sent += len(junk)
+            except (ConnectionResetError, BrokenPipeError):
+                pass
+            return _recv_until_closed(s, 3.0), sent
+
+    t0 = time.monotonic()
+    closed_after, sent = await asyncio.to_thread(attack)
+    assert closed_after is not None, "the controller kept the connection open"
+    assert sent < 16 << 20, f"the controller read {sent} bytes before dropping the connection"
+    assert time.monotonic() - t0 < 5
+    await assert_serving(ctl)
+
+
+async def test_raft_port_closes_idle_unauthenticated_connections_and_caps_them(
+    tmp_path: Path,
+) -> None:
+    c, runner = await start_controller(tmp_path, raft_auth_timeout=3.0, raft_max_unauthenticated=4)
+    try:
+
+        def idle() -> list[float]:
+            """Opens 8 idle connections; returns when each was closed (seconds from the start)."""
+            t0 = time.monotonic()
+            socks = [socket.create_connection(("127.0.0.1", c.raft), timeout=5) for _ in range(8)]
+            closed: dict[socket.socket, float] = {}
+            try:
+                while len(closed) < len(socks) and time.monotonic() - t0 < 8.0:
+                    ready, _, _ = select.select([x for x in socks if x not in closed], [], [], 0.1)
+                    for x in ready:
+                        try:
+                            gone = x.recv(4096) == b""
+                        except ConnectionResetError:
+                            gone = True
+                        if gone:
+                            closed[x] = time.monotonic() - t0
+                return [closed.get(x, float("inf")) for x in socks]
+            finally:
+                for x in socks:
+                    x.close()
+
+        closed = await asyncio.to_thread(idle)
+        assert max(closed) < 8.0, closed  # every idle connection was closed (auth timeout)
+        # The 4 oldest made room for the 4 newest at once, long before the 3 s timeout (closing
+        # the newest instead would let a flood keep a reconnecting peer out).
+        assert max(closed[:4]) < 2.0 < min(closed[4:]), closed
+        await assert_serving(c)
+    finally:
+        await c.session.close()
+        await runner.cleanup()
+
+
+# -- 3. allocation bounds on the layout --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layout, code",
+    [
+        ({"n_buckets": 64, "tensors": [{"name": "w", "shape": [1 << 60]}]}, "too_large"),
+        ({"n_buckets": 64, "tensors": [{"name": "w", "shape": [1 << 20, 1 << 20]}]}, "too_large"),
+        (
+            {"n_buckets": 64, "tensors": [{"name": f"t{i}", "shape": [1]} for i in range(5000)]},
+            "too_large",
+        ),
+        (
+            {"n_buckets": 64, "max_shard_elems": 1, "tensors": [{"name": "w", "shape": [1 << 22]}]},
+            "too_large",
+        ),
+        ({"n_buckets": 64, "tensors": [{"name": "w", "shape": [True, 2]}]}, "bad_shape"),
+        ({"n_buckets": 64.0, "tensors": []}, "bad_request"),
+        ({"n_buckets": 64, "tensors": [{"name": "w", "shape": [2], "x": 1}]}, "bad_request"),
+    ],
+)
+async def test_layout_beyond_the_limits_is_refused_before_any_proposal(
+    ctl: Ctl, layout: dict, code: str
+) -> None:
+    applied = ctl.read(lambda m: m.applied)
+    t0 = time.monotonic()
+    status, body = await ctl.call("PUT", "/layout", layout)
+    assert time.monotonic() - t0 < 5.0
+    assert 400 <= status < 500 and body["error"]["code"] == code, body
+    assert ctl.read(lambda m: (m.applied, m.layout)) == (applied, None)
+    await assert_serving(ctl)
+
+
+async def test_a_layout_within_the_limits_is_accepted(ctl: Ctl) -> None:
+    layout = {"n_buckets": 64, "tensors": [{"name": "w", "shape": [30, 40]}]}
+    status, body = await ctl.call("PUT", "/layout", layout)
+    assert status == 200 and body["layout_version"] == 1, body
+
+
+# -- 5. registration ---------------------------------------------------------------------------
+
+
+async def test_a_live_server_id_cannot_be_registered_from_another_address(ctl: Ctl) -> None:
+    status, _ = await ctl.call("POST", "/servers/ps-1/register", {"address": "127.0.0.1:7101"})
+    assert status == 200
+    status, body = await ctl.call("POST", "/servers/ps-1/register", {"address": "127.0.0.1:1"})
+    assert status == 409 and body["error"]["code"] == "conflict", body
+    assert body["error"]["address"] == "127.0.0.1:7101"
+    assert ctl.read(lambda m: m.servers["ps-1"]["address"]) == "127.0.0.1:7101"
+    # The same address may register again (a restart): a new incarnation.
+    status, body = await ctl.call("POST", "/servers/ps-1/register", {"address": "127.0.0.1:7101"})
+    assert status == 200 and body["incarnation"] == 2
+    # Once declared dead, the id may come back from elsewhere.
+    await ctl.service.commit("declare_dead", "ps-1", time.time(), {})
+    status, body = await ctl.call("POST", "/servers/ps-1/register", {"address": "127.0.0.1:7201"})
+    assert status == 200 and body["address"] == "127.0.0.1:7201"
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "x:99999", "a b:1", ":80", "h:-1"])
+async def test_register_needs_host_and_port(ctl: Ctl, address: str) -> None:
+    status, body = await ctl.call("POST", "/servers/ps-9/register", {"address": address})
+    assert status == 400 and body["error"]["code"] == "bad_request"
+    assert ctl.read(lambda m: "ps-9" not in m.servers)
+
+
+async def test_dead_servers_that_hold_nothing_are_forgotten(tmp_path: Path) -> None:
+    c, runner = await start_controller(tmp_path, dead_server_ttl=0.5, min_servers=5)
+    try:
+        status, _ = await c.call("POST", "/servers/bogus/register", {"address": "127.0.0.1:9"})
+        assert status == 200
+        await c.service.commit("declare_dead", "bogus", time.time(), {})
+        assert c.read(lambda m: m.servers["bogus"]["state"]) == DEAD
+        deadline = time.monotonic() + 5
+        while c.read(lambda m: "bogus" in m.servers):
+            assert time.monotonic() < deadline, "the dead record was never purged"
+            await asyncio.sleep(0.1)
+    finally:
+        await c.session.close()
+        await runner.cleanup()
+
+
+async def test_server_records_are_bounded(tmp_path: Path) -> None:
+    c, runner = await start_controller(tmp_path, max_servers=3, min_servers=10)
+    try:
+        for i in range(3):
+            status, _ = await c.call(
+                "POST", f"/servers/s{i}/register", {"address": f"127.0.0.1:{9000 + i}"}
+            )
+            assert status == 200
+        status, body = await c.call("POST", "/servers/s9/register", {"address": "127.0.0.1:1"})
+        assert status == 413 and body["error"]["code"] == "too_large"
+    finally:
+        await c.session.close()
+        await runner.cleanup()
+
+
+# -- 6. connections ----------------------------------------------------------------------------
+
+
+async def test_partial_head_and_idle_connections_are_closed(tmp_path: Path) -> None:
+    c, runner = await start_controller(tmp_path, header_timeout=0.5, idle_timeout=0.5)
+    try:
+
+        def probe() -> tuple[float | None, float | None]:
+            with (
+                socket.create_connection(("127.0.0.1", c.http)) as partial,
+                socket.create_connection(("127.0.0.1", c.http)) as idle,
+            ):
+                partial.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                return _recv_until_closed(partial, 4.0), _recv_until_closed(idle, 4.0)
+
+        closed_partial, closed_idle = await asyncio.to_thread(probe)
+        assert closed_partial is not None and closed_partial < 3.0
+        assert closed_idle is not None and closed_idle < 3.0
+    finally:
+        await c.session.close()
+        await runner.cleanup()
+
+
+async def test_a_flood_of_idle_connections_does_not_lock_out_healthz(tmp_path: Path) -> None:
+    c, runner = await start_controller(tmp_path, max_connections=50)
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(120):
+            socks.append(socket.create_connection(("127.0.0.1", c.http)))
+        await asyncio.sleep(0.2)
+
+        def healthz() -> bytes:
+            with socket.create_connection(("127.0.0.1", c.http), timeout=3) as s:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                data = b""
+                while chunk := s.recv(4096):
+                    data += chunk
+                return data
+
+        reply = await asyncio.to_thread(healthz)
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:100]
+        server = runner.server
+        assert server is not None
+        assert sum(1 for t in server._connections.values() if not t.is_closing()) <= 50
+    finally:
+        for s in socks:
+            s.close()
+        await c.session.close()
+        await runner.cleanup()
+
+
+# -- 8. strict input, 4xx never 500 ------------------------------------------------------------
+
+
+async def test_a_non_ascii_authorization_header_is_401_not_500(ctl: Ctl) -> None:
+    def send() -> bytes:
+        with socket.create_connection(("127.0.0.1", ctl.http), timeout=5) as s:
+            s.sendall(
+                b"POST /rebalance HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+                b"Authorization: Bearer \xc3\xa9\xff\xfe\r\nConnection: close\r\n\r\n"
+            )
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+            return data
+
+    reply = await asyncio.to_thread(send)
+    assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
+    assert b'"unauthorized"' in reply
+
+
+@pytest.mark.parametrize(
+    "depth, status, code", [(20_000, 400, "malformed"), (100_000, 413, "too_large")]
+)
+async def test_deeply_nested_json_is_a_4xx_not_500(ctl: Ctl, depth, status, code) -> None:
+    raw = b'{"layout": ' + b"[" * depth + b"]" * depth + b"}"
+    got, body = await ctl.call("PUT", "/layout", raw=raw)
+    assert (got, body["error"]["code"]) == (status, code), body
+
+
+async def test_a_body_of_millions_of_empty_arrays_is_refused_before_parsing(ctl: Ctl) -> None:
+    raw = b'{"layout": [' + b"[]," * (1 << 20) + b"[]]}"
+    t0 = time.monotonic()
+    status, body = await ctl.call("PUT", "/layout", raw=raw[: 2 << 20])  # under max_body
+    assert time.monotonic() - t0 < 5.0
+    assert status == 413 and body["error"]["code"] == "too_large", body
+    assert ctl.read(lambda m: m.layout) is None
+
+
+@pytest.mark.parametrize("number", [b"1e999", b"NaN", b"Infinity", b"-Infinity"])
+async def test_non_finite_json_numbers_are_refused(ctl: Ctl, number: bytes) -> None:
+    raw = b'{"n_buckets": ' + number + b', "tensors": []}'
+    status, body = await ctl.call("PUT", "/layout", raw=raw)
+    assert status == 400 and body["error"]["code"] == "malformed", body
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        {"epoch": 1, "replica": "r0", "progress": float("nan")},
+        {"epoch": 1, "replica": "r0", "progress": float("inf")},
+        {"epoch": -5, "replica": "r0", "progress": 0.5},
+        {"epoch": 10**300, "replica": "r0", "progress": 0.5},
+        {"epoch": 1, "replica": "r0", "progress": 1e300},
+        {"epoch": 1, "replica": "r0", "progress": -0.1},
+        {"epoch": True, "replica": "r0", "progress": 0.5},
+    ],
+)
+async def test_progress_takes_only_finite_in_range_values(ctl: Ctl, report: dict) -> None:
+    raw = json.dumps(report).encode()  # Python writes NaN/Infinity tokens: what an attacker sends
+    status, body = await ctl.call("POST", "/progress", raw=raw)
+    assert status == 400, body
+    assert ctl.read(lambda m: m.progress) == {}
+    status, body = await ctl.call("GET", "/progress")
+    assert status == 200 and body == {"epochs": {}}
+
+
+async def test_progress_query_epoch_is_bounded(ctl: Ctl) -> None:
+    status, body = await ctl.call("GET", "/progress?epoch=" + "9" * 5000)
+    assert status == 400 and body["error"]["code"] == "bad_request"
