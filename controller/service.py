@@ -49,7 +49,15 @@ ERROR_CODES = {"stale_epoch", "conflict", "not_found", "unknown_bucket", "bad_re
 #: (those whose apply can refuse; register, rebalance and report_progress always succeed once
 #: their arguments passed the handlers' checks, so they skip the copy)
 DRY_RUN_OPS = frozenset(
-    {"drain", "role_change", "caught_up", "release", "drop_secondary", "set_layout"}
+    {
+        "drain",
+        "role_change",
+        "learner_caught_up",
+        "declare_lost",
+        "release",
+        "drop_secondary",
+        "set_layout",
+    }
 )
 #: largest training epoch number accepted by /progress
 MAX_EPOCH = 1_000_000
@@ -572,7 +580,7 @@ class ControllerService:
             if op == "caught-up":
                 args = (b, _str(body, "primary"), _int(body, "epoch"), _str(body, "server"), now)
                 join = _int(body, "join") if "join" in body else None
-                return self.result(await self.commit("caught_up", *args, join))
+                return self.result(await self.commit("learner_caught_up", *args, join))
             if op == "declare-lost":
                 log.warning("operator: declare-lost of bucket %d requested", b)
                 return self.result(await self.commit("declare_lost", b, now))

@@ -489,7 +489,28 @@ class ClusterModel:
         self._settle(b, now)
         return {"ok": True, "bucket": b, "primary": chosen, "epoch": new.epoch}
 
-    def caught_up(
+    def caught_up(self, b: int, sid: str, epoch: int, now: float) -> dict[str, Any]:
+        """The previous release's report, sent by the joining copy itself. Kept only so that a
+        journal written by that release replays as it was applied; new reports are
+        `learner_caught_up`."""
+        now = self._tick(now)
+        if not 0 <= b < self.n_buckets:
+            return _err("unknown_bucket", f"no bucket {b}")
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        if lease is None or lease.epoch != epoch:
+            return _err(
+                "stale_epoch", f"bucket {b} is at epoch {0 if lease is None else lease.epoch}"
+            )
+        if sid not in bk["joining"]:
+            return _err("conflict", f"{sid!r} is not joining bucket {b}")
+        bk["joining"].remove(sid)
+        bk["holders"].append(sid)
+        self.version += 1
+        self._settle(b, now)
+        return {"ok": True, "bucket": b, "server": sid}
+
+    def learner_caught_up(
         self, b: int, primary: str, epoch: int, sid: str, now: float, join: int | None = None
     ) -> dict[str, Any]:
         """The primary of `epoch` reports that joining copy `sid` holds every batch it committed
@@ -599,7 +620,7 @@ class ClusterModel:
         bk["want"].insert(0, target)
         del bk["want"][self.replication :]
         bk["lost"] = True
-        self.declared_lost += 1
+        self.declared_lost = getattr(self, "declared_lost", 0) + 1
         log.warning(
             "bucket %d declared LOST by an operator: %s serves it from its %s", b, target, source
         )
@@ -791,7 +812,7 @@ class ClusterModel:
             "unassigned": sum(1 for b in range(self.n_buckets) if not self._holder_live(b)),
             "unavailable": [b for b in range(self.n_buckets) if self.unavailable(b)],
             "lost": [b for b in range(self.n_buckets) if self.buckets[b]["lost"]],
-            "declared_lost": self.declared_lost,
+            "declared_lost": getattr(self, "declared_lost", 0),
             "layout_version": self.layout_version,
         }
 
@@ -854,14 +875,9 @@ class ReplicatedCluster(SyncObjConsumer):
         return self._apply("role_change", b, sid, prev_epoch, reports, now)
 
     @replicated
-    def caught_up(
-        self, b: int, primary: str, epoch: int, sid: str, now: float, join: int | None = None
-    ) -> dict[str, Any]:
-        return self._apply("caught_up", b, primary, epoch, sid, now, join)
-
-    @replicated
-    def declare_lost(self, b: int, now: float) -> dict[str, Any]:
-        return self._apply("declare_lost", b, now)
+    def caught_up(self, b: int, sid: str, epoch: int, now: float) -> dict[str, Any]:
+        # The previous release's entry (the journal replays it); new reports: learner_caught_up.
+        return self._apply("caught_up", b, sid, epoch, now)
 
     @replicated
     def drop_secondary(
@@ -891,6 +907,17 @@ class ReplicatedCluster(SyncObjConsumer):
     @replicated
     def sweep_dead(self, sid: str, dead_before: float, now: float) -> dict[str, Any]:
         return self._apply("sweep_dead", sid, dead_before, now)
+
+    # Issue 11's operations, at ver 1: after every ver-0 method whatever their names.
+    @replicated(ver=1)
+    def declare_lost(self, b: int, now: float) -> dict[str, Any]:
+        return self._apply("declare_lost", b, now)
+
+    @replicated(ver=1)
+    def learner_caught_up(
+        self, b: int, primary: str, epoch: int, sid: str, now: float, join: int | None = None
+    ) -> dict[str, Any]:
+        return self._apply("learner_caught_up", b, primary, epoch, sid, now, join)
 
     @replicated
     def report_progress(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable

@@ -113,7 +113,7 @@ def test_drain_hands_over_then_server_is_empty() -> None:
             m.renew(s, t)
         for b, bk in enumerate(m.buckets):
             for j in list(bk["joining"]):
-                m.caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, t)
+                m.learner_caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, t)
         m.reconcile(t)
     assert all(m.primary_of(b) != "ps0" for b in owned)
     view = m.cluster_view()
@@ -128,7 +128,7 @@ def test_release_hands_over_at_once() -> None:
     m.drain("ps0", 110.0)
     for b, bk in enumerate(m.buckets):
         for j in list(bk["joining"]):
-            m.caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, 110.0)
+            m.learner_caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, 110.0)
     b = next(
         b
         for b in range(64)
@@ -251,9 +251,9 @@ def test_caught_up_is_reported_by_the_current_primary_only() -> None:
     m.drain("ps0", 101.0)
     b, bk = next((b, bk) for b, bk in enumerate(m.buckets) if bk["joining"])
     j, lease = bk["joining"][0], bk["lease"]
-    assert m.caught_up(b, j, lease.epoch, j, 102.0)["error"] == "stale_epoch"
-    assert m.caught_up(b, lease.holder, lease.epoch + 1, j, 102.0)["error"] == "stale_epoch"
-    assert m.caught_up(b, lease.holder, lease.epoch, j, 102.0)["ok"]
+    assert m.learner_caught_up(b, j, lease.epoch, j, 102.0)["error"] == "stale_epoch"
+    assert m.learner_caught_up(b, lease.holder, lease.epoch + 1, j, 102.0)["error"] == "stale_epoch"
+    assert m.learner_caught_up(b, lease.holder, lease.epoch, j, 102.0)["ok"]
     assert j in bk["holders"]
     validate(m)
 
@@ -275,7 +275,7 @@ def test_one_server_then_more_restores_replication() -> None:
     m.register("ps2", "c", 101.0)
     for b, bk in enumerate(m.buckets):
         for j in list(bk["joining"]):
-            m.caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, 102.0)
+            m.learner_caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, 102.0)
     assert m.under_replicated() == 0
     validate(m)
 
@@ -314,7 +314,7 @@ def test_random_histories_keep_leases_safe(seed: int) -> None:
             for b, bk in enumerate(m.buckets):
                 for j in list(bk["joining"]):
                     if rng.random() < 0.5 and bk["lease"]:
-                        m.caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, now)
+                        m.learner_caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, now)
         elif op < 0.85:
             b = rng.randrange(32)
             lease = m.buckets[b]["lease"]
