@@ -52,8 +52,8 @@ DRY_RUN_OPS = frozenset(
     {
         "drain",
         "role_change",
-        "learner_caught_up",
-        "declare_lost",
+        "verified_caught_up",
+        "write_off",
         "release",
         "drop_secondary",
         "set_layout",
@@ -580,10 +580,10 @@ class ControllerService:
             if op == "caught-up":
                 args = (b, _str(body, "primary"), _int(body, "epoch"), _str(body, "server"), now)
                 join = _int(body, "join") if "join" in body else None
-                return self.result(await self.commit("learner_caught_up", *args, join))
+                return self.result(await self.commit("verified_caught_up", *args, join))
             if op == "declare-lost":
                 log.warning("operator: declare-lost of bucket %d requested", b)
-                return self.result(await self.commit("declare_lost", b, now))
+                return self.result(await self.commit("write_off", b, now))
             if op == "release":
                 return self.result(
                     await self.commit("release", b, _str(body, "server"), _int(body, "epoch"), now)

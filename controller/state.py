@@ -31,7 +31,7 @@ up to its last flush). The bucket is then *unavailable*: nobody serves it, nothi
 Servers offer their copies with (epoch, seq) when they register; as soon as a candidate is back
 with its copy (and the old lease has certainly expired), the most up-to-date one is granted the
 lease and the others catch up from it. A bucket that ever held data is never re-created empty or
-from an older copy except by an operator's explicit `declare_lost`, which is logged and counted.
+from an older copy except by an operator's explicit `write_off` (`POST /buckets/{b}/declare-lost`), which is logged and counted.
 """
 
 from __future__ import annotations
@@ -492,7 +492,7 @@ class ClusterModel:
     def caught_up(self, b: int, sid: str, epoch: int, now: float) -> dict[str, Any]:
         """The previous release's report, sent by the joining copy itself. Kept only so that a
         journal written by that release replays as it was applied; new reports are
-        `learner_caught_up`."""
+        `verified_caught_up`."""
         now = self._tick(now)
         if not 0 <= b < self.n_buckets:
             return _err("unknown_bucket", f"no bucket {b}")
@@ -510,7 +510,7 @@ class ClusterModel:
         self._settle(b, now)
         return {"ok": True, "bucket": b, "server": sid}
 
-    def learner_caught_up(
+    def verified_caught_up(
         self, b: int, primary: str, epoch: int, sid: str, now: float, join: int | None = None
     ) -> dict[str, Any]:
         """The primary of `epoch` reports that joining copy `sid` holds every batch it committed
@@ -585,7 +585,7 @@ class ClusterModel:
         self._settle(b, now)
         return {"ok": True, "bucket": b}
 
-    def declare_lost(self, b: int, now: float) -> dict[str, Any]:
+    def write_off(self, b: int, now: float) -> dict[str, Any]:
         """An operator gives up on the acknowledged updates of unavailable bucket `b`: the most
         up-to-date copy any live server offered serves it, or else it restarts from the tensors'
         initial values. Logged and counted; the bucket is flagged `lost` for good."""
@@ -751,7 +751,7 @@ class ClusterModel:
                 role = "secondary"
             elif sid in bk.get("candidates", []) or (b in offered and self.unavailable(b)):
                 # Keep the copy, serve nothing: it may be the freshest one there is (a
-                # candidate), or what an operator's declare_lost picks.
+                # candidate), or what an operator's declare-lost (write_off) picks.
                 role = "standby"
             elif sid in bk["joining"]:
                 role = "joining"
@@ -876,7 +876,7 @@ class ReplicatedCluster(SyncObjConsumer):
 
     @replicated
     def caught_up(self, b: int, sid: str, epoch: int, now: float) -> dict[str, Any]:
-        # The previous release's entry (the journal replays it); new reports: learner_caught_up.
+        # The previous release's entry (the journal replays it); new reports: verified_caught_up.
         return self._apply("caught_up", b, sid, epoch, now)
 
     @replicated
@@ -908,16 +908,17 @@ class ReplicatedCluster(SyncObjConsumer):
     def sweep_dead(self, sid: str, dead_before: float, now: float) -> dict[str, Any]:
         return self._apply("sweep_dead", sid, dead_before, now)
 
-    # Issue 11's operations, at ver 1: after every ver-0 method whatever their names.
-    @replicated(ver=1)
-    def declare_lost(self, b: int, now: float) -> dict[str, Any]:
-        return self._apply("declare_lost", b, now)
-
-    @replicated(ver=1)
-    def learner_caught_up(
+    # Issue 11's operations. Their names sort after every earlier one (see above); `ver` is no
+    # way out: pysyncobj enables a higher `ver` only after an explicit setCodeVersion.
+    @replicated
+    def verified_caught_up(
         self, b: int, primary: str, epoch: int, sid: str, now: float, join: int | None = None
     ) -> dict[str, Any]:
-        return self._apply("learner_caught_up", b, primary, epoch, sid, now, join)
+        return self._apply("verified_caught_up", b, primary, epoch, sid, now, join)
+
+    @replicated
+    def write_off(self, b: int, now: float) -> dict[str, Any]:
+        return self._apply("write_off", b, now)
 
     @replicated
     def report_progress(

@@ -113,7 +113,7 @@ def test_drain_hands_over_then_server_is_empty() -> None:
             m.renew(s, t)
         for b, bk in enumerate(m.buckets):
             for j in list(bk["joining"]):
-                m.learner_caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, t)
+                m.verified_caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, t)
         m.reconcile(t)
     assert all(m.primary_of(b) != "ps0" for b in owned)
     view = m.cluster_view()
@@ -128,7 +128,7 @@ def test_release_hands_over_at_once() -> None:
     m.drain("ps0", 110.0)
     for b, bk in enumerate(m.buckets):
         for j in list(bk["joining"]):
-            m.learner_caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, 110.0)
+            m.verified_caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, 110.0)
     b = next(
         b
         for b in range(64)
@@ -230,15 +230,15 @@ def test_the_most_up_to_date_candidate_wins() -> None:
 
 def test_declare_lost_is_explicit_logged_and_counted() -> None:
     m = cluster(3)
-    assert m.declare_lost(3, 101.0)["error"] == "conflict", "served buckets are never lost"
+    assert m.write_off(3, 101.0)["error"] == "conflict", "served buckets are never lost"
     for s in ("ps0", "ps1", "ps2"):
         m.declare_dead(s, 101.0)
     m.register("ps0", "127.0.0.1:9000", 102.0, copies={3: [1, 5]})  # not a candidate
     m.register("ps1", "127.0.0.1:9001", 102.0)
-    assert m.declare_lost(3, 102.0)["reason"] == "lease_active"
-    res = m.declare_lost(3, 100.0 + WAIT)
+    assert m.write_off(3, 102.0)["reason"] == "lease_active"
+    res = m.write_off(3, 100.0 + WAIT)
     assert res["ok"] and res["primary"] == "ps0" and res["from"] == "copy"
-    res = m.declare_lost(4, 100.0 + WAIT)
+    res = m.write_off(4, 100.0 + WAIT)
     assert res["ok"] and res["from"] == "initial values"
     view = m.cluster_view()
     assert view["lost"] == [3, 4] and view["declared_lost"] == 2
@@ -251,9 +251,11 @@ def test_caught_up_is_reported_by_the_current_primary_only() -> None:
     m.drain("ps0", 101.0)
     b, bk = next((b, bk) for b, bk in enumerate(m.buckets) if bk["joining"])
     j, lease = bk["joining"][0], bk["lease"]
-    assert m.learner_caught_up(b, j, lease.epoch, j, 102.0)["error"] == "stale_epoch"
-    assert m.learner_caught_up(b, lease.holder, lease.epoch + 1, j, 102.0)["error"] == "stale_epoch"
-    assert m.learner_caught_up(b, lease.holder, lease.epoch, j, 102.0)["ok"]
+    assert m.verified_caught_up(b, j, lease.epoch, j, 102.0)["error"] == "stale_epoch"
+    assert (
+        m.verified_caught_up(b, lease.holder, lease.epoch + 1, j, 102.0)["error"] == "stale_epoch"
+    )
+    assert m.verified_caught_up(b, lease.holder, lease.epoch, j, 102.0)["ok"]
     assert j in bk["holders"]
     validate(m)
 
@@ -275,7 +277,7 @@ def test_one_server_then_more_restores_replication() -> None:
     m.register("ps2", "c", 101.0)
     for b, bk in enumerate(m.buckets):
         for j in list(bk["joining"]):
-            m.learner_caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, 102.0)
+            m.verified_caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, 102.0)
     assert m.under_replicated() == 0
     validate(m)
 
@@ -314,7 +316,7 @@ def test_random_histories_keep_leases_safe(seed: int) -> None:
             for b, bk in enumerate(m.buckets):
                 for j in list(bk["joining"]):
                     if rng.random() < 0.5 and bk["lease"]:
-                        m.learner_caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, now)
+                        m.verified_caught_up(b, bk["lease"].holder, bk["lease"].epoch, j, now)
         elif op < 0.85:
             b = rng.randrange(32)
             lease = m.buckets[b]["lease"]
@@ -323,7 +325,7 @@ def test_random_histories_keep_leases_safe(seed: int) -> None:
         elif op < 0.9:
             m.rebalance(now)
         elif op < 0.93:
-            m.declare_lost(rng.randrange(32), now)
+            m.write_off(rng.randrange(32), now)
         else:
             m.reconcile(now)
         validate(m)
@@ -333,7 +335,7 @@ def test_random_histories_keep_leases_safe(seed: int) -> None:
 def test_an_offer_of_a_copy_the_server_let_go_is_void() -> None:
     """A server that came back with copies of buckets others serve gets no role in some of
     them, so it drops those copies: their offers must not make it a stand-in later
-    (declare_lost, standby)."""
+    (write_off, standby)."""
     m = cluster(4)
     m.register("ps3", "127.0.0.1:9003", 101.0, copies={b: [9, 99] for b in range(64)})
     roles = {r["bucket"] for r in m.roles_of("ps3")}
@@ -345,5 +347,5 @@ def test_an_offer_of_a_copy_the_server_let_go_is_void() -> None:
     assert all(
         r["role"] not in ("standby", "primary") for r in m.roles_of("ps3") if r["bucket"] == b
     )
-    assert m.declare_lost(b, 100.0 + WAIT)["from"] == "initial values"
+    assert m.write_off(b, 100.0 + WAIT)["from"] == "initial values"
     validate(m)
