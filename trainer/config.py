@@ -74,6 +74,26 @@ class TrainConfig:
     push_queue: int = field(
         4, help="pushes queued for the push thread; beyond, new updates are merged into the last"
     )
+    compress: bool = field(
+        False,
+        help="push Strom's threshold-quantized updates with error feedback (a residual per "
+        "tensor; +-tau per sent element) instead of dense deltas where that is smaller",
+    )
+    compress_fraction: float = field(
+        0.01,
+        help="compression: adaptive tau, the fraction of a tensor's elements sent per push "
+        "(tensors without a fixed --compress-tau)",
+    )
+    compress_tau: list[str] = field(
+        [],
+        help="compression: fixed thresholds, TAU for every tensor or TENSOR=TAU (comma "
+        "separated; gradient units); tensors not named use --compress-fraction",
+    )
+    compress_coding: str = field(
+        "rice",
+        help="compression: 'words' (32-bit word per sent element: 31-bit index, sign) or "
+        "'rice' (Golomb-Rice coded index gaps, about 10 bits per element)",
+    )
     out: str = field("", help="replica 0 writes the final weights here (.npz); empty = not saved")
     history: str = field(
         "", help="JSON-lines file of per-epoch {time, epoch, loss, accuracy, images_per_s}"
@@ -108,5 +128,14 @@ class TrainConfig:
             raise ValueError(
                 f"run must be up to 64 letters, digits, '_', '.', '-', got {self.run!r}"
             )
+        if not 0.0 < self.compress_fraction <= 1.0:
+            raise ValueError(f"compress_fraction must be in (0, 1], got {self.compress_fraction}")
+        if self.compress_coding not in ("words", "rice"):
+            raise ValueError(
+                f"compress_coding must be 'words' or 'rice', got {self.compress_coding!r}"
+            )
+        from trainer.compress import parse_taus
+
+        parse_taus(self.compress_tau)
         if self.warm_start < 0:
             raise ValueError("warm_start must be >= 0")

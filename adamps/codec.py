@@ -1,0 +1,214 @@
+"""Strom's compressed updates (Interspeech 2015, 2.4-2.5): pure numpy, no IO, no state.
+
+A compressed update of one shard is a threshold ``tau > 0`` and a set of elements each moved by
+``+tau`` or ``-tau``. It travels in one of two encodings (docs/protocol-ps.md, ``push_compressed``):
+
+- **words**: one uint32 per sent element, ``word = index << 1 | negative`` (a 31-bit index and the
+  sign in the low bit), sorted by index. Sorted words are strictly increasing exactly when the
+  indices are unique, which the server checks and relies on (a scatter-add by fancy indexing).
+- **rice**: Golomb-Rice coding of the gaps between sorted indices (Strom 2.5: "10-11 bits per
+  update"). With ``gap_i = index_i - index_(i-1) - 1`` (``index_(-1) = -1``) and parameter ``k``,
+  each gap is a quotient ``gap >> k`` in unary (that many 1 bits, then a 0) and a remainder of
+  ``k`` bits. The streams are laid out one after another instead of interleaved (the same bits,
+  but every stream decodes with whole-array numpy operations): all n unary codes, then the n
+  k-bit remainders (most significant bit first), then n sign bits (1 = negative), packed into
+  bytes most significant bit first (``np.packbits``), zero-padded to a whole byte.
+
+Nothing here loops over elements in Python.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+#: largest index a word can carry (31 bits)
+MAX_INDEX = (1 << 31) - 1
+#: largest Rice parameter (remainders of up to 31 bits)
+MAX_RICE_K = 31
+
+
+class CodecError(ValueError):
+    """A compressed update that does not decode to unique indices below the shard's size."""
+
+
+# -- threshold and quantize (the trainer side) ----------------------------------------------------
+
+
+def quantize(
+    residual: np.ndarray, tau: float, scratch: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Strom 2.6 steps 6-7, vectorized: every element with ``|r| >= tau`` is sent as ``sign(r) *
+    tau`` and ``tau`` is taken out of it *in place* (error feedback: the rest stays).
+
+    ``residual`` is a flat float32 array; ``scratch`` an optional float32 buffer of its size.
+    Returns (sorted int64 indices, bool array: negative)."""
+    r = residual.reshape(-1)
+    t = np.float32(tau)
+    mag = np.abs(r, out=scratch) if scratch is not None else np.abs(r)
+    idx = np.flatnonzero(mag >= t)
+    vals = r[idx]
+    neg = vals < 0
+    # r[idx] -= sign * tau, as one gather and one scatter of the sent elements only
+    np.subtract(vals, np.where(neg, -t, t), out=vals)
+    r[idx] = vals
+    return idx, neg
+
+
+def adaptive_tau(residual: np.ndarray, fraction: float, scratch: np.ndarray | None = None) -> float:
+    """The threshold that sends ``ceil(fraction * size)`` elements of the residual: the magnitude
+    of its k-th largest element (``np.partition``, linear time). 0.0 for an all-zero residual
+    (then nothing is sent: ``tau`` must be > 0)."""
+    r = residual.reshape(-1)
+    n = r.size
+    if n == 0:
+        return 0.0
+    k = min(n, max(1, math.ceil(fraction * n)))
+    mag = np.abs(r, out=scratch) if scratch is not None else np.abs(r)
+    return float(np.partition(mag, n - k)[n - k])
+
+
+# -- words ------------------------------------------------------------------------------------------
+
+
+def pack_words(idx: np.ndarray, neg: np.ndarray) -> np.ndarray:
+    """Sorted unique indices and signs as uint32 words ``index << 1 | negative``."""
+    if idx.size and int(idx[-1]) > MAX_INDEX:
+        raise CodecError(f"index {int(idx[-1])} does not fit in 31 bits")
+    words = idx.astype(np.uint32)
+    words <<= np.uint32(1)
+    words |= neg.astype(np.uint32)
+    return words
+
+
+def unpack_words(words: np.ndarray, size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 indices, bool negative) of words; with ``size``, checks that the indices are
+    strictly increasing (unique) and below ``size`` (CodecError otherwise)."""
+    w = np.asarray(words, dtype=np.uint32).reshape(-1)
+    idx = (w >> np.uint32(1)).astype(np.int64)
+    neg = (w & np.uint32(1)).astype(bool)
+    if size is not None:
+        check_indices(idx, size)
+    return idx, neg
+
+
+def check_indices(idx: np.ndarray, size: int) -> None:
+    if idx.size == 0:
+        return
+    if idx.size > size:
+        raise CodecError(f"{idx.size} elements for a shard of {size}")
+    if int(idx[0]) < 0 or int(idx[-1]) >= size:
+        raise CodecError(f"index out of range for a shard of {size} elements")
+    if idx.size > 1 and not bool(np.all(idx[1:] > idx[:-1])):
+        raise CodecError("indices are not strictly increasing (sorted and unique)")
+
+
+def decode_dense(words: np.ndarray, tau: float, size: int) -> np.ndarray:
+    """The dense float32 delta a compressed update stands for (zeros where nothing was sent)."""
+    idx, neg = unpack_words(words, size)
+    out = np.zeros(size, np.float32)
+    t = np.float32(tau)
+    out[idx] = np.where(neg, -t, t)
+    return out
+
+
+# -- Golomb-Rice ------------------------------------------------------------------------------------
+
+
+def rice_parameter(n: int, size: int) -> int:
+    """A near-optimal Rice parameter for n indices spread over ``size`` positions: the gaps are
+    roughly geometric with mean m = size / n - 1, for which k = max(0, ceil(log2(m * ln 2)))
+    (Gallager and van Voorhis) is optimal."""
+    if n == 0:
+        return 0
+    mean_gap = max(size / n - 1.0, 0.0)
+    if mean_gap * math.log(2) <= 1.0:
+        return 0
+    return min(MAX_RICE_K, math.ceil(math.log2(mean_gap * math.log(2))))
+
+
+def rice_bits(idx: np.ndarray, k: int) -> int:
+    """Bits of the Rice coding of these sorted indices with parameter k (signs included)."""
+    if idx.size == 0:
+        return 0
+    gaps = np.diff(idx, prepend=-1) - 1
+    return int((gaps >> k).sum()) + idx.size * (k + 2)
+
+
+def rice_encode(
+    idx: np.ndarray, neg: np.ndarray, k: int | None = None, size: int = 0
+) -> tuple[bytes, int]:
+    """(packed bytes, k) of sorted unique indices and their signs. Without ``k``, the parameter
+    comes from :func:`rice_parameter` (``size``: the shard's element count; default: the last
+    index + 1)."""
+    n = idx.size
+    if k is None:
+        k = rice_parameter(n, size or (int(idx[-1]) + 1 if n else 0))
+    if not 0 <= k <= MAX_RICE_K:
+        raise CodecError(f"Rice parameter must be in 0..{MAX_RICE_K}, got {k}")
+    if n == 0:
+        return b"", k
+    gaps = np.diff(idx.astype(np.int64), prepend=-1) - 1
+    if int(gaps.min()) < 0:
+        raise CodecError("indices are not strictly increasing (sorted and unique)")
+    q = gaps >> k
+    n_unary = int(q.sum()) + n
+    total = n_unary + n * k + n
+    bits = np.zeros(total, np.uint8)
+    # unary: q ones then a zero; the ones of code i start at end of code i-1
+    if n_unary > n:
+        starts = np.cumsum(q + 1) - (q + 1)  # first bit of each code
+        ones = np.repeat(starts - (np.cumsum(q) - q), q) + np.arange(int(q.sum()))
+        bits[ones] = 1
+    if k:
+        rem = (gaps & ((1 << k) - 1)).astype(np.uint32)
+        shifts = np.arange(k - 1, -1, -1, dtype=np.uint32)
+        bits[n_unary : n_unary + n * k] = ((rem[:, None] >> shifts) & 1).reshape(-1)
+    bits[n_unary + n * k :] = neg
+    return np.packbits(bits).tobytes(), k
+
+
+def rice_decode(
+    data: bytes | np.ndarray, n: int, k: int, size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 indices, bool negative) of n Rice-coded updates with parameter k; CodecError if the
+    bytes do not hold n codes or an index falls outside a shard of ``size`` elements."""
+    if n < 0 or n > size:
+        raise CodecError(f"{n} elements for a shard of {size}")
+    if not 0 <= k <= MAX_RICE_K:
+        raise CodecError(f"Rice parameter must be in 0..{MAX_RICE_K}, got {k}")
+    buf = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
+    if n == 0:
+        if buf.size:
+            raise CodecError("bytes given for 0 elements")
+        return np.zeros(0, np.int64), np.zeros(0, bool)
+    bits = np.unpackbits(buf)
+    # The first n zero bits end the n unary codes (the unary stream comes first).
+    zeros = np.flatnonzero(bits == 0)[:n]
+    if zeros.size < n:
+        raise CodecError("truncated Rice stream (fewer unary codes than elements)")
+    n_unary = int(zeros[-1]) + 1
+    end = n_unary + n * k + n
+    if end > bits.size or (bits.size - end) >= 8:
+        raise CodecError(f"Rice stream of {buf.size} bytes does not hold {n} codes with k={k}")
+    q = np.diff(zeros, prepend=-1) - 1
+    gaps = q.astype(np.int64) << k
+    if k:
+        rem_bits = bits[n_unary : n_unary + n * k].reshape(n, k).astype(np.int64)
+        gaps |= rem_bits @ (np.int64(1) << np.arange(k - 1, -1, -1, dtype=np.int64))
+    idx = np.cumsum(gaps + 1) - 1
+    neg = bits[n_unary + n * k : end].astype(bool)
+    if int(idx[-1]) >= size:
+        raise CodecError(f"index out of range for a shard of {size} elements")
+    return idx, neg
+
+
+def words_size(n: int) -> int:
+    """Bytes of n updates as words, plus the shard's tau as a float32."""
+    return 4 * n + 4
+
+
+def rice_size(idx: np.ndarray, k: int) -> int:
+    """Bytes of the Rice coding, plus tau (float32) and the count and k (a uint32 and a byte)."""
+    return (rice_bits(idx, k) + 7) // 8 + 4 + 4 + 1
