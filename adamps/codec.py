@@ -36,31 +36,72 @@ class CodecError(ValueError):
 # -- threshold and quantize (the trainer side) ----------------------------------------------------
 
 
+#: quantize() works through larger residuals in pieces of this many elements (kept in cache)
+CHUNK = 1 << 16
+
+
+def true_indices(mask: np.ndarray) -> np.ndarray:
+    """``np.flatnonzero`` of a 1-D bool array, faster when few are set: the mask is scanned as
+    uint64 words (8 flags each), and only the words with a flag set are expanded."""
+    n8 = mask.size - mask.size % 8
+    if n8 == 0:
+        return np.flatnonzero(mask)
+    words = mask[:n8].view(np.uint64)
+    hit = np.flatnonzero(words != 0)
+    flags = np.flatnonzero(words[hit].view(np.bool_))
+    idx = hit[flags >> 3] * 8 + (flags & 7)
+    if n8 < mask.size:
+        idx = np.concatenate([idx, np.flatnonzero(mask[n8:]) + n8])
+    return idx
+
+
 def quantize(
     residual: np.ndarray, tau: float, scratch: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Strom 2.6 steps 6-7, vectorized: every element with ``|r| >= tau`` is sent as ``sign(r) *
     tau`` and ``tau`` is taken out of it *in place* (error feedback: the rest stays).
 
-    ``residual`` is a flat float32 array; ``scratch`` an optional float32 buffer of its size.
-    Returns (sorted int64 indices, bool array: negative)."""
+    ``residual`` is a flat float32 array; ``scratch`` an optional float32 buffer of at least
+    ``min(size, CHUNK)`` elements. Returns (sorted int64 indices, bool array: negative)."""
     r = residual.reshape(-1)
+    n = r.size
     t = np.float32(tau)
-    mag = np.abs(r, out=scratch) if scratch is not None else np.abs(r)
-    idx = np.flatnonzero(mag >= t)
+    m = min(n, CHUNK)
+    mag = scratch[:m] if scratch is not None and scratch.size >= m else np.empty(m, np.float32)
+    mask = np.empty(m, bool)
+    found = []
+    # Piece by piece, so |r| and the mask stay in cache: one pass over the residual in memory.
+    for lo in range(0, n, CHUNK):
+        piece = r[lo : lo + CHUNK]
+        k = piece.size
+        np.abs(piece, out=mag[:k])
+        np.greater_equal(mag[:k], t, out=mask[:k])
+        i = true_indices(mask[:k])
+        if i.size:
+            found.append(i + lo if lo else i)
+    idx = np.concatenate(found) if len(found) > 1 else found[0] if found else np.zeros(0, np.intp)
     vals = r[idx]
     neg = vals < 0
     # r[idx] -= sign * tau, as one gather and one scatter of the sent elements only
     np.subtract(vals, np.where(neg, -t, t), out=vals)
     r[idx] = vals
-    return idx, neg
+    return idx.astype(np.int64, copy=False), neg
+
+
+#: above this many elements, adaptive_tau estimates the quantile on a strided sample
+EXACT_QUANTILE_MAX = 1 << 18
 
 
 def adaptive_tau(residual: np.ndarray, fraction: float, scratch: np.ndarray | None = None) -> float:
     """The threshold that sends ``ceil(fraction * size)`` elements of the residual: the magnitude
-    of its k-th largest element (``np.partition``, linear time). 0.0 for an all-zero residual
+    of its k-th largest element (``np.partition``, linear time). A residual of more than
+    ``EXACT_QUANTILE_MAX`` elements is sampled (every step-th element, at least 65,536 of them),
+    so the fraction sent is then close to, not exactly, the target. 0.0 for an all-zero residual
     (then nothing is sent: ``tau`` must be > 0)."""
     r = residual.reshape(-1)
+    if r.size > EXACT_QUANTILE_MAX:
+        r = r[:: r.size // 65_536]
+        scratch = None
     n = r.size
     if n == 0:
         return 0.0

@@ -201,6 +201,19 @@ class Compressor:
             )
         return tc
 
+    def add_residuals(self, params: np.ndarray, slices: Mapping[str, slice], scale: float) -> None:
+        """``params[tensor] += scale * residual`` for every tensor: the replica's local copy keeps
+        the gradient it has not sent yet (like the pushes still queued), so installing fetched
+        weights does not make it forget, and compute again, its own unsent updates.
+
+        Called from the main thread while the push thread may be compressing: a residual is
+        never changed in place by a compressed push (the new one replaces it), so this reads
+        the residual before or after a push, at worst a racing dense fallback's zeroing (the
+        benign races of Hogwild)."""
+        s = np.float32(scale)
+        for name, tc in list(self.tensors.items()):
+            params[slices[name]] += s * tc.residual
+
     def compress(self, parts: Sequence[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], PushStats]:
         """Rewrites a push's parts (``("fc", name, a, e)`` / ``("dense", name, gradient)``, in
         gradient units, see trainer.downpour.push_parts) into the smallest form per tensor:

@@ -643,6 +643,8 @@ class ReplicaResult:
     cpu_threads: dict[str, float] = field(default_factory=dict)
     #: array payload bytes pushed (dense deltas, vectors, compressed updates)
     bytes_pushed: int = 0
+    #: pushes (queue items sent, each one or more rounds of the workers)
+    pushes: int = 0
     #: elements sent / elements offered by the compressor (None without --compress)
     sent_fraction: float | None = None
 
@@ -796,6 +798,7 @@ class Replica:
         dense: dict[str, np.ndarray] = {}
         compressed: dict[str, dict[str, Any]] = {}
         parts = push_parts(item, inv, shapes)
+        self.result.pushes += 1
         if self.compressor is not None:
             parts, st = self.compressor.compress(parts)
             self._count_compression(st)
@@ -1056,6 +1059,10 @@ class Replica:
         params[...] = fetched
         sl = self.model.slices()
         shapes = dict(self.model.tensors())
+        if self.compressor is not None:
+            # Compressed pushes: the residuals are local updates not on the servers either
+            # (gradient units; the workers' units are -local_lr * gradient).
+            self.compressor.add_residuals(params, sl, -self.cfg.local_lr)
         for item in self.pushq.pending():
             for name, d in item.dense.items():
                 params[sl[name]] += d
