@@ -89,7 +89,7 @@ def quantize(
 
 
 #: above this many elements, adaptive_tau estimates the quantile on a strided sample
-EXACT_QUANTILE_MAX = 1 << 18
+EXACT_QUANTILE_MAX = 1 << 17
 
 
 def adaptive_tau(residual: np.ndarray, fraction: float, scratch: np.ndarray | None = None) -> float:

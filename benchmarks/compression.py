@@ -394,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--taus", default="0.25,0.5,1,2", help="fixed thresholds of part 2")
     p.add_argument("--fractions", default="0.01,0.003,0.001", help="adaptive fractions of part 2")
     p.add_argument("--cluster-fractions", default="0.01,0.003", help="fractions of part 3")
+    p.add_argument("--cluster-taus", default="0.25", help="fixed thresholds of part 3")
     p.add_argument("--coding", default="rice", choices=("words", "rice"), help="part 3 coding")
     p.add_argument("--powersgd-ranks", default="1,4")
     p.add_argument("--replicas", type=int, default=2)
@@ -455,14 +456,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {torch_note}")
     rows = []
     print(f"  {'method':30s} {'accuracy':>8s} {'sent':>8s} {'ratio':>8s} {'ratio':>8s} "
-          f"{'bits/upd':>8s} {'bits/upd':>8s} {'median':>7s}")  # fmt: skip
+          f"{'bits/el':>8s} {'bits/el':>8s} {'median':>7s}")  # fmt: skip
     print(f"  {'':30s} {'held-out':>8s} {'elems':>8s} {'words':>8s} {'rice':>8s} "
           f"{'words':>8s} {'rice':>8s} {'tau':>7s}")  # fmt: skip
     for make in methods:
         res = simulate(make(), data, args)
         rows.append(res)
         tau = f"{res['median_tau']:.3g}" if "median_tau" in res else "-"
-        print(f"  {res['method']:30s} {res['accuracy']:8.2%} {res['sent_fraction']:8.2%} "
+        print(f"  {res['method']:30s} {res['accuracy']:8.2%} {res['sent_fraction']:8.3%} "
               f"{res['ratio_words']:8.1f} {res['ratio_rice']:8.1f} "
               f"{res['bits_per_update_words']:8.1f} {res['bits_per_update_rice']:8.1f} {tau:>7s}",
               flush=True)  # fmt: skip
@@ -472,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     if torch_note:
         figures["torch"] = torch_note
     print("  ratio = dense gradient bytes / bytes sent per push (Strom's compression ratio);")
-    print("  torch hooks: bytes they would all-reduce; accuracy after the same epochs and seed")
+    print("  bits/el: bits per element sent (Strom: per +-tau update); torch hooks send every")
+    print("  element: bytes they would all-reduce; accuracy after the same epochs and seed")
 
     if not args.skip_cluster:
         print(f"\n== 3. Table 3 on the real system: 1 PS, 1 data server, {args.replicas} replicas, "
@@ -482,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
             if f:
                 settings.append((f"fraction {f}", ["--compress", "--compress-fraction", f,
                                                    "--compress-coding", args.coding]))  # fmt: skip
+        for t in args.cluster_taus.split(","):
+            if t:
+                settings.append((f"tau {t}", ["--compress", "--compress-tau", t,
+                                              "--compress-coding", args.coding]))  # fmt: skip
         table = []
         with tempfile.TemporaryDirectory(prefix="adamps-compression-") as tmp:
             for label, extra in settings:

@@ -179,3 +179,10 @@ def test_quantize_keeps_the_sum_and_leaves_small_residuals(vals: list[float], ta
     np.testing.assert_allclose(sent.astype(np.float64) + r, before, rtol=0, atol=1e-4)
     untouched = sent == 0
     np.testing.assert_array_equal(r[untouched], before[untouched])
+
+
+def test_adaptive_tau_on_a_large_residual_samples_close_to_the_target() -> None:
+    r = np.random.default_rng(3).standard_normal(1 << 20).astype(np.float32)
+    tau = codec.adaptive_tau(r, 0.01)
+    sent = np.count_nonzero(np.abs(r) >= tau) / r.size
+    assert 0.008 < sent < 0.012

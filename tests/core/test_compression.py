@@ -201,3 +201,12 @@ def test_parse_taus() -> None:
     for bad in (["x=abc"], ["0"], ["w=-1"], ["inf"]):
         with pytest.raises(ValueError):
             parse_taus(bad)
+
+
+def test_a_fetch_installs_the_unsent_residual_in_the_workers_units() -> None:
+    lay = Layout([TensorSpec("w", (10,)), TensorSpec("b", (4,))], n_buckets=4)
+    comp = Compressor(lay.shards_of, taus=["1.0"], coding="words")
+    comp.compress([("dense", "w", np.full(10, 0.25, np.float32))])  # nothing reaches tau
+    params = np.ones(14, np.float32)
+    comp.add_residuals(params, {"w": slice(0, 10), "b": slice(10, 14)}, -0.5)
+    np.testing.assert_array_equal(params, [0.875] * 10 + [1.0] * 4)
