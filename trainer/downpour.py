@@ -751,7 +751,7 @@ class Replica:
         assert self.client is not None
         init = Model(self.spec)
         init.init_params(self.cfg.seed)
-        optimizer: dict[str, Any] = {"kind": self.cfg.optimizer, "lr": self.cfg.lr}
+        optimizer: dict[str, Any] = {"kind": self.cfg.optimizer, "lr": self.cfg.server_lr}
         if self.cfg.optimizer == "adagrad":
             optimizer["initial_accumulator"] = self.cfg.adagrad_initial
         for t in self.tensors:
@@ -1147,7 +1147,7 @@ class Replica:
             meta = {
                 "epochs": cfg.epochs,
                 "replicas": cfg.n_replicas,
-                "optimizer": {"kind": cfg.optimizer, "lr": cfg.lr},
+                "optimizer": {"kind": cfg.optimizer, "lr": cfg.server_lr},
                 "heldout_accuracy": self.result.accuracy.get(cfg.epochs),
             }
             self.result.out = str(export.save(cfg.out, self.spec, views, meta))
