@@ -267,7 +267,8 @@ def simulate(method: Method, data: tuple, args: argparse.Namespace) -> dict[str,
     local.init_params(args.seed)
     server = local.params.copy()
     acc = np.full_like(server, args.adagrad_initial)
-    opt = Optimizer("adagrad", args.lr, initial_accumulator=args.adagrad_initial)
+    lr = args.lr * (args.compress_lr_scale if isinstance(method, Strom) else 1.0)
+    opt = Optimizer("adagrad", lr, initial_accumulator=args.adagrad_initial)
     sl = local.slices()
     shapes = dict(local.tensors())
     scratch = Scratch(262_144)
@@ -346,7 +347,8 @@ def run_cluster(args: argparse.Namespace, root: Path, extra: list[str]) -> dict[
         common = [
             "train", "--ps", f"http://127.0.0.1:{ps_port}",
             "--dataservers", f"http://127.0.0.1:{ds_port}", "--n-replicas", str(args.replicas),
-            "--epochs", str(args.epochs), "--seed", str(args.seed), "--metrics-port", "-1", *extra,
+            "--epochs", str(args.epochs), "--seed", str(args.seed), "--metrics-port", "-1",
+            "--lr", str(args.lr), "--adagrad-initial", str(args.adagrad_initial), *extra,
         ]  # fmt: skip
         trainers = [
             Proc(adamps_argv(*common, "--replica", str(r)), root / f"train{r}.log", env=env,
@@ -390,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-fetch", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.01, help="server-side Adagrad lr")
     p.add_argument("--adagrad-initial", type=float, default=0.1)
+    p.add_argument(
+        "--compress-lr-scale",
+        type=float,
+        default=2.0,
+        help="server lr multiplier of compressed training (adamps train --compress-lr-scale)",
+    )
     p.add_argument("--local-lr", type=float, default=0.03)
     p.add_argument("--taus", default="0.25,0.5,1,2", help="fixed thresholds of part 2")
     p.add_argument("--fractions", default="0.01,0.003,0.001", help="adaptive fractions of part 2")
@@ -432,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     print("  (goal: encode >= 0.25 x np.copyto; decode+apply: elements of the shard covered)")
 
     print(f"\n== 2. adam-mnist, one replica's loop in one process, {args.epochs} epochs, seed "
-          f"{args.seed}, server-side Adagrad lr {args.lr} ==")  # fmt: skip
+          f"{args.seed}, server-side Adagrad lr {args.lr} (Strom: x {args.compress_lr_scale}) ==")  # fmt: skip
     data = builtin_data()
     spec = resolve_spec("adam-mnist")
     shapes = Model(spec).tensors()
@@ -478,16 +486,26 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.skip_cluster:
         print(f"\n== 3. Table 3 on the real system: 1 PS, 1 data server, {args.replicas} replicas, "
-              f"{args.epochs} epochs, seed {args.seed}, coding {args.coding} ==")  # fmt: skip
+              f"{args.epochs} epochs, seed {args.seed}, coding {args.coding}, server Adagrad lr "
+              f"{args.lr} (compressed: x {args.compress_lr_scale}) ==")  # fmt: skip
         settings: list[tuple[str, list[str]]] = [("uncompressed", [])]
         for f in args.cluster_fractions.split(","):
             if f:
                 settings.append((f"fraction {f}", ["--compress", "--compress-fraction", f,
-                                                   "--compress-coding", args.coding]))  # fmt: skip
+                                                   "--compress-coding", args.coding,
+                                                   "--compress-lr-scale",
+                                                   str(args.compress_lr_scale)]))  # fmt: skip
         for t in args.cluster_taus.split(","):
             if t:
                 settings.append((f"tau {t}", ["--compress", "--compress-tau", t,
-                                              "--compress-coding", args.coding]))  # fmt: skip
+                                              "--compress-coding", args.coding,
+                                              "--compress-lr-scale",
+                                              str(args.compress_lr_scale)]))  # fmt: skip
+        if args.compress_lr_scale != 1.0 and args.cluster_fractions:
+            f = args.cluster_fractions.split(",")[-1]  # the unscaled lr, for comparison
+            settings.append((f"fraction {f} lr x1", ["--compress", "--compress-fraction", f,
+                                                      "--compress-coding", args.coding,
+                                                      "--compress-lr-scale", "1"]))  # fmt: skip
         table = []
         with tempfile.TemporaryDirectory(prefix="adamps-compression-") as tmp:
             for label, extra in settings:
@@ -502,9 +520,9 @@ def main(argv: list[str] | None = None) -> int:
         base = [r for r in table if r["setting"] == "uncompressed"]
         base_bpi = statistics.mean(r["bytes_per_image"] for r in base)
         base_acc = statistics.mean(r["accuracy"] for r in base)
-        print(f"\n  {'tau':16s} {'bytes/image':>12s} {'compression':>12s} {'fewer bytes':>12s} "
+        print(f"\n  {'tau':20s} {'bytes/image':>12s} {'compression':>12s} {'fewer bytes':>12s} "
               f"{'images/s':>9s} {'held-out':>9s} {'delta':>7s}")  # fmt: skip
-        print(f"  {'':16s} {'':>12s} {'ratio':>12s} {'/image':>12s} {'':>9s} {'accuracy':>9s} "
+        print(f"  {'':20s} {'':>12s} {'ratio':>12s} {'/image':>12s} {'':>9s} {'accuracy':>9s} "
               f"{'pp':>7s}")  # fmt: skip
         summary = []
         for label, _ in settings:
@@ -524,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                 "runs": len(rs),
             }
             summary.append(row)
-            print(f"  {label:16s} {bpi:12,.0f} {ratio:12.1f} {base_bpi / bpi:11.1f}x {ips:9.0f} "
+            print(f"  {label:20s} {bpi:12,.0f} {ratio:12.1f} {base_bpi / bpi:11.1f}x {ips:9.0f} "
                   f"{acc:9.2%} {100 * (acc - base_acc):+7.2f}")  # fmt: skip
         print(
             "  compression ratio: dense gradient bytes per push / bytes per push (Strom Table 3);"
