@@ -12,9 +12,13 @@ background threads, so compute never waits on the network:
   server computes ``e.T @ a``) whenever ``k * (M + N) < M * N``, else the dense delta. The
   queue is bounded: when the network falls behind, a new round is merged into the last queued
   push (deltas added, vectors stacked) instead of blocking the workers;
+- with ``--compress`` the push thread sends Strom's threshold-quantized updates instead
+  (trainer/compress.py: a residual per tensor with error feedback, +-tau per sent element),
+  whichever of vectors, compressed and dense is smallest per tensor;
 - the **fetch thread** pulls the current parameters every ``n_fetch`` minibatches per worker;
-  the main thread installs them between two rounds and measures their staleness (replica steps
-  taken between the request and the install);
+  the main thread installs them between two rounds, plus the pushes still queued and the
+  compression residuals (local updates the servers do not have yet), and measures their
+  staleness (replica steps taken between the request and the install);
 - the **board thread** reports progress and reads the other replicas' (Adam 3.2.5): an epoch is
   complete once ``epoch_fraction`` of the replicas finished it; a replica still inside a
   complete epoch moves on to the next. With controllers the board is their ``/progress``;
