@@ -234,10 +234,14 @@ def rice_decode(
     if end > bits.size or (bits.size - end) >= 8:
         raise CodecError(f"Rice stream of {buf.size} bytes does not hold {n} codes with k={k}")
     q = np.diff(zeros, prepend=-1) - 1
+    if int(q.max()) >= size:  # a gap of at least size: out of range (and no int64 overflow below)
+        raise CodecError(f"index out of range for a shard of {size} elements")
     gaps = q.astype(np.int64) << k
     if k:
         rem_bits = bits[n_unary : n_unary + n * k].reshape(n, k).astype(np.int64)
         gaps |= rem_bits @ (np.int64(1) << np.arange(k - 1, -1, -1, dtype=np.int64))
+    if int(gaps.max()) >= size:
+        raise CodecError(f"index out of range for a shard of {size} elements")
     idx = np.cumsum(gaps + 1) - 1
     neg = bits[n_unary + n * k : end].astype(bool)
     if int(idx[-1]) >= size:

@@ -135,6 +135,10 @@ def test_bad_rice_streams_are_refused() -> None:
         codec.rice_decode(data, 3, 32, 100)
     with pytest.raises(codec.CodecError):
         codec.rice_decode(b"", 11, 0, 10)
+    # a huge remainder in one code and small later ones: caught per gap, before any overflow
+    huge, k = codec.rice_encode(np.array([(1 << 31) - 2, (1 << 31) - 1]), np.zeros(2, bool), 31)
+    with pytest.raises(codec.CodecError):
+        codec.rice_decode(huge, 2, k, 1000)
 
 
 def test_rice_at_one_percent_is_about_ten_bits_per_update() -> None:
