@@ -196,18 +196,30 @@ def rice_encode(
     q = gaps >> k
     n_unary = int(q.sum()) + n
     total = n_unary + n * k + n
-    bits = np.zeros(total, np.uint8)
-    # unary: q ones then a zero; the ones of code i start at end of code i-1
-    if n_unary > n:
-        starts = np.cumsum(q + 1) - (q + 1)  # first bit of each code
-        ones = np.repeat(starts - (np.cumsum(q) - q), q) + np.arange(int(q.sum()))
-        bits[ones] = 1
+    bits = np.empty(total, np.uint8)
+    # unary: every bit 1 except the zero ending each code (code i ends at sum(q[:i+1] + 1) - 1)
+    bits[:n_unary] = 1
+    bits[np.cumsum(q + 1) - 1] = 0
     if k:
-        rem = (gaps & ((1 << k) - 1)).astype(np.uint32)
-        shifts = np.arange(k - 1, -1, -1, dtype=np.uint32)
-        bits[n_unary : n_unary + n * k] = ((rem[:, None] >> shifts) & 1).reshape(-1)
+        bits[n_unary : n_unary + n * k] = _low_bits(gaps & ((1 << k) - 1), k).reshape(-1)
     bits[n_unary + n * k :] = neg
     return np.packbits(bits).tobytes(), k
+
+
+def _low_bits(values: np.ndarray, k: int) -> np.ndarray:
+    """The k low bits of each value (0 <= value < 2^k, k <= 31) as an (n, k) uint8 matrix, most
+    significant first: big-endian bytes unpacked (np.unpackbits), not shifts per bit."""
+    width = 8 if k <= 8 else 16 if k <= 16 else 32
+    be = values.astype(f">u{width // 8}")
+    return np.unpackbits(be.view(np.uint8).reshape(-1, width // 8), axis=1)[:, width - k :]
+
+
+def _from_bits(bits: np.ndarray, k: int) -> np.ndarray:
+    """Inverse of _low_bits: an (n, k) 0/1 uint8 matrix as int64 values."""
+    width = 8 if k <= 8 else 16 if k <= 16 else 32
+    padded = np.zeros((bits.shape[0], width), np.uint8)
+    padded[:, width - k :] = bits
+    return np.packbits(padded, axis=1).view(f">u{width // 8}").reshape(-1).astype(np.int64)
 
 
 def rice_decode(
@@ -238,8 +250,7 @@ def rice_decode(
         raise CodecError(f"index out of range for a shard of {size} elements")
     gaps = q.astype(np.int64) << k
     if k:
-        rem_bits = bits[n_unary : n_unary + n * k].reshape(n, k).astype(np.int64)
-        gaps |= rem_bits @ (np.int64(1) << np.arange(k - 1, -1, -1, dtype=np.int64))
+        gaps |= _from_bits(bits[n_unary : n_unary + n * k].reshape(n, k), k)
     if int(gaps.max()) >= size:
         raise CodecError(f"index out of range for a shard of {size} elements")
     idx = np.cumsum(gaps + 1) - 1
