@@ -326,6 +326,28 @@ class PSClient:
 
         self._with_retry(go)
 
+    def push_compressed(
+        self, updates: Mapping[str, Mapping[str, Any]], seq: int | None = None
+    ) -> None:
+        """Compressed updates of individual shards (Strom; shard id -> ``{"tau", "words"}`` or
+        ``{"tau", "n", "k", "rice"}``, see docs/protocol-ps.md ``push_compressed``), grouped
+        into one request per server under one (client id, seq): applied exactly once."""
+        seq = self.next_seq() if seq is None else seq
+        done: set[str] = set()
+
+        def go(routing: Routing) -> None:
+            todo = [self.layout.shards[sid] for sid in updates if sid not in done]
+            for url, group in self._by_server(todo, routing).items():
+                self._rpc(url).call(
+                    "push_compressed",
+                    shards={s.id: dict(updates[s.id]) for s in group},
+                    client=self.client_id,
+                    seq=seq,
+                )
+                done.update(s.id for s in group)
+
+        self._with_retry(go)
+
     def push_fc(self, name: str, a: np.ndarray, e: np.ndarray, seq: int | None = None) -> None:
         """W -= lr * e.T @ a for a fully connected layer's M x N weight, computed by the servers
         from k activation vectors `a` (k x N) and error vectors `e` (k x M). Applied exactly once."""

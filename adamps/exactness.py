@@ -1,6 +1,7 @@
 """The exactness checker of the replication tests and benchmark (after ps-lite's end-to-end test).
 
-Clients push +1.0 to distinct elements of one tensor (plain SGD, lr = -1, so a push adds exactly),
+Clients push +1.0 to distinct elements of one tensor (plain SGD, lr = -1, so a push adds exactly;
+dense deltas, or compressed updates with tau = 1),
 recording for each push whether it was acknowledged, failed (a definite refusal), or of unknown
 outcome (the client gave up while the push may have been applied). At the end: every acknowledged
 push present exactly once, every failed push absent, unknown ones 0 or 1 times.
@@ -65,6 +66,7 @@ class ExactnessLoad:
         threads: int = 4,
         retry_for: float = 20.0,
         pause: float = 0.0,
+        compressed: bool = False,
     ) -> None:
         self.client = client
         self.layout = layout
@@ -74,6 +76,8 @@ class ExactnessLoad:
         self.threads = threads
         #: seconds each thread sleeps between pushes (0: as fast as the cluster acknowledges)
         self.pause = pause
+        #: push each +1 as a compressed update (push_compressed, tau = 1) instead of a dense one
+        self.compressed = compressed
         self.out = Outcomes()
         self._stop = threading.Event()
         self._next = iter(range(self.size))
@@ -97,11 +101,15 @@ class ExactnessLoad:
             if i is None:
                 return
             shard, offset = self.element_of(i)
-            delta = np.zeros(shard.shape, np.float32)
-            delta.reshape(-1)[offset] = 1.0
             element = shard.start + offset
             try:
-                self.client.push_shards({shard.id: delta})
+                if self.compressed:
+                    word = np.array([offset << 1], np.uint32)  # index offset, sign +
+                    self.client.push_compressed({shard.id: {"tau": 1.0, "words": word}})
+                else:
+                    delta = np.zeros(shard.shape, np.float32)
+                    delta.reshape(-1)[offset] = 1.0
+                    self.client.push_shards({shard.id: delta})
             except RpcError as exc:
                 with self.out.lock:
                     (self.out.failed if definitely_not_applied(exc) else self.out.unknown).append(

@@ -138,6 +138,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="let the data server augment the training images (shifts, rotations; default: off)",
     )
     p.add_argument(
+        "--compress",
+        action="store_true",
+        help="trainers push Strom's threshold-quantized updates with error feedback "
+        "(adamps train --compress; docs/training.md)",
+    )
+    p.add_argument(
+        "--compress-fraction",
+        type=float,
+        default=0.01,
+        help="with --compress: fraction of each tensor's elements sent per push (adaptive "
+        "tau; default: %(default)s)",
+    )
+    p.add_argument(
+        "--compress-tau",
+        default="",
+        help="with --compress: fixed thresholds, TAU or TENSOR=TAU, comma separated "
+        "(default: adaptive)",
+    )
+    p.add_argument(
+        "--compress-coding",
+        choices=("words", "rice"),
+        default="rice",
+        help="with --compress: 32-bit words or Golomb-Rice coded index gaps (default: %(default)s)",
+    )
+    p.add_argument(
         "--target-accuracy",
         type=float,
         default=0.96,
@@ -197,6 +222,15 @@ def check_args(a: argparse.Namespace) -> None:
         ("--buckets", a.buckets),
     ):
         need(value >= 1, flag, value, "an integer >= 1")
+    need(0.0 < a.compress_fraction <= 1.0, "--compress-fraction", a.compress_fraction,
+         "a fraction in (0, 1]")  # fmt: skip
+    if a.compress_tau:
+        from trainer.compress import parse_taus
+
+        try:
+            parse_taus(a.compress_tau.split(","))
+        except ValueError as exc:
+            raise UsageError(f"--compress-tau {a.compress_tau}: {exc}") from None
     need(a.controllers <= 9, "--controllers", a.controllers, "at most 9 (3 or 5 are usual)")
     need(0.0 <= a.target_accuracy <= 1.0, "--target-accuracy", a.target_accuracy,
          "a fraction in [0, 1], e.g. 0.96 (0 disables the check)")  # fmt: skip
@@ -443,6 +477,11 @@ class Run:
             "--n-replicas", str(a.trainers), "--epochs", str(a.epochs),
             "--workers", str(a.workers),
         ]  # fmt: skip
+        if a.compress:
+            common += ["--compress", "--compress-fraction", str(a.compress_fraction),
+                       "--compress-coding", a.compress_coding]  # fmt: skip
+            if a.compress_tau:
+                common += ["--compress-tau", a.compress_tau]
         self.t_train = time.time()
         for r in range(a.trainers):
             port = alloc()
@@ -552,12 +591,21 @@ class Run:
             f"throughput: {rate:,.0f} images/s ({images:,} training images by {len(good)} "
             f"replicas in {secs:.1f} s)"
         )
+        pushed = sum(int(s.get("bytes_pushed") or 0) for s in good)
+        if images and pushed:
+            how = "uncompressed"
+            if a.compress:
+                fr = [float(s["sent_fraction"]) for s in good if s.get("sent_fraction") is not None]
+                sent = f", {100 * sum(fr) / len(fr):.2f}% of the elements sent" if fr else ""
+                how = f"compressed, {a.compress_coding}{sent}"
+            self.say(f"pushed: {pushed / images:,.0f} bytes per image ({how})")
         self.say(f"plot: {plot}")
         self.say(f"wall time: {wall:.1f} s (run directory {self.run})")
         result = {
             "heldout_accuracy": acc, "images_per_s": round(rate, 1), "images": images,
             "train_seconds": secs, "wall_seconds": round(wall, 1), "epochs": a.epochs,
             "plot": str(plot), "model": str(self.run / "model.npz"),
+            "bytes_pushed_per_image": round(pushed / images, 1) if images else None,
         }  # fmt: skip
         (self.run / "result.json").write_text(json.dumps(result, indent=1) + "\n")
         return acc, acc_s

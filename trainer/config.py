@@ -75,6 +75,32 @@ class TrainConfig:
     push_queue: int = field(
         4, help="pushes queued for the push thread; beyond, new updates are merged into the last"
     )
+    compress: bool = field(
+        False,
+        help="push Strom's threshold-quantized updates with error feedback (a residual per "
+        "tensor; +-tau per sent element) instead of dense deltas where that is smaller",
+    )
+    compress_fraction: float = field(
+        0.01,
+        help="compression: adaptive tau, the fraction of a tensor's elements sent per push "
+        "(tensors without a fixed --compress-tau)",
+    )
+    compress_tau: list[str] = field(
+        [],
+        help="compression: fixed thresholds, TAU for every tensor or TENSOR=TAU (comma "
+        "separated; gradient units); tensors not named use --compress-fraction",
+    )
+    compress_coding: str = field(
+        "rice",
+        help="compression: 'words' (32-bit word per sent element: 31-bit index, sign) or "
+        "'rice' (Golomb-Rice coded index gaps, about 10 bits per element)",
+    )
+    compress_lr_scale: float = field(
+        2.0,
+        help="compression with server-side Adagrad: the tensors' lr is lr x this (Adagrad takes "
+        "one normalized step per +-tau update, which stands for the gradient of several pushes; "
+        "2 matched the uncompressed accuracy of adam-mnist, docs/benchmarks.md); SGD: unused",
+    )
     out: str = field("", help="replica 0 writes the final weights here (.npz); empty = not saved")
     history: str = field(
         "", help="JSON-lines file of per-epoch {time, epoch, loss, accuracy, images_per_s}"
@@ -88,6 +114,14 @@ class TrainConfig:
         600.0, help="seconds to wait for replica 0 (tensors, warm start) before giving up"
     )
     log_level: str = field("INFO", help="logging level")
+
+    @property
+    def server_lr(self) -> float:
+        """The learning rate the tensors are created with (``lr``, scaled for compressed
+        training with Adagrad)."""
+        if self.compress and self.optimizer == "adagrad":
+            return self.lr * self.compress_lr_scale
+        return self.lr
 
     def __post_init__(self) -> None:
         # A trainer only calls the others: loopback-only when everything it reaches is local.
@@ -110,5 +144,16 @@ class TrainConfig:
             raise ValueError(
                 f"run must be up to 64 letters, digits, '_', '.', '-', got {self.run!r}"
             )
+        if not self.compress_lr_scale > 0:
+            raise ValueError(f"compress_lr_scale must be > 0, got {self.compress_lr_scale}")
+        if not 0.0 < self.compress_fraction <= 1.0:
+            raise ValueError(f"compress_fraction must be in (0, 1], got {self.compress_fraction}")
+        if self.compress_coding not in ("words", "rice"):
+            raise ValueError(
+                f"compress_coding must be 'words' or 'rice', got {self.compress_coding!r}"
+            )
+        from trainer.compress import parse_taus
+
+        parse_taus(self.compress_tau)
         if self.warm_start < 0:
             raise ValueError("warm_start must be >= 0")

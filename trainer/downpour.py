@@ -12,9 +12,13 @@ background threads, so compute never waits on the network:
   server computes ``e.T @ a``) whenever ``k * (M + N) < M * N``, else the dense delta. The
   queue is bounded: when the network falls behind, a new round is merged into the last queued
   push (deltas added, vectors stacked) instead of blocking the workers;
+- with ``--compress`` the push thread sends Strom's threshold-quantized updates instead
+  (trainer/compress.py: a residual per tensor with error feedback, +-tau per sent element),
+  whichever of vectors, compressed and dense is smallest per tensor;
 - the **fetch thread** pulls the current parameters every ``n_fetch`` minibatches per worker;
-  the main thread installs them between two rounds and measures their staleness (replica steps
-  taken between the request and the install);
+  the main thread installs them between two rounds, plus the pushes still queued and the
+  compression residuals (local updates the servers do not have yet), and measures their
+  staleness (replica steps taken between the request and the install);
 - the **board thread** reports progress and reads the other replicas' (Adam 3.2.5): an epoch is
   complete once ``epoch_fraction`` of the replicas finished it; a replica still inside a
   complete epoch moves on to the next. With controllers the board is their ``/progress``;
@@ -506,9 +510,51 @@ class TrainerMetrics:
         self.completed = Gauge(
             "adamps_trainer_completed_epoch", "last epoch complete by the epoch-end rule", registry=registry
         )  # fmt: skip
-        for kind in ("dense", "fc"):
+        self.comp_choices = Counter(
+            "adamps_trainer_compression_choices",
+            "compression: per pushed tensor, the form sent (the smallest of vectors, "
+            "compressed, dense)",
+            ["form"],
+            registry=registry,
+        )
+        self.comp_saved = Counter(
+            "adamps_trainer_compression_bytes_saved",
+            "compression: bytes the same pushes would have taken uncompressed (dense deltas, fc "
+            "vectors) minus the bytes sent",
+            registry=registry,
+        )
+        self.comp_sent = Counter(
+            "adamps_trainer_compression_elements_sent",
+            "compression: tensor elements sent (a vectors or dense push sends all of its tensor)",
+            registry=registry,
+        )
+        self.comp_elements = Counter(
+            "adamps_trainer_compression_elements",
+            "compression: tensor elements offered to the compressor (sent or kept in the residual)",
+            registry=registry,
+        )
+        self.comp_fraction = Gauge(
+            "adamps_trainer_compression_sent_fraction",
+            "compression: fraction of the elements sent by the last push",
+            registry=registry,
+        )
+        self.comp_residual = Gauge(
+            "adamps_trainer_compression_residual_norm",
+            "compression: L2 norm of a tensor's residual (gradient not sent yet)",
+            ["tensor"],
+            registry=registry,
+        )
+        self.comp_tau = Gauge(
+            "adamps_trainer_compression_tau",
+            "compression: the threshold of a tensor's last compressed push",
+            ["tensor"],
+            registry=registry,
+        )
+        for kind in ("dense", "fc", "compressed"):
             self.bytes_pushed.labels(kind)
             self.pushes.labels(kind)
+        for form in ("vectors", "compressed", "dense"):
+            self.comp_choices.labels(form)
 
 
 # -- the background threads --------------------------------------------------------------------
@@ -599,6 +645,12 @@ class ReplicaResult:
     seconds: float = 0.0
     out: str | None = None
     cpu_threads: dict[str, float] = field(default_factory=dict)
+    #: array payload bytes pushed (dense deltas, vectors, compressed updates)
+    bytes_pushed: int = 0
+    #: pushes (queue items sent, each one or more rounds of the workers)
+    pushes: int = 0
+    #: elements sent / elements offered by the compressor (None without --compress)
+    sent_fraction: float | None = None
 
 
 class Replica:
@@ -618,6 +670,10 @@ class Replica:
         self.client: PSClient | None = None
         self.board: Board | None = None
         self.pushq = PushQueue(cfg.push_queue)
+        #: Strom's compression with a residual per tensor (push thread only), with --compress
+        self.compressor: Any = None
+        #: elements sent, elements offered to the compressor (push thread only)
+        self._comp_totals = [0, 0]
         self.result = ReplicaResult()
         self.step = 0  #: replica steps (minibatches of all workers) so far
         self.epoch = 0
@@ -653,6 +709,15 @@ class Replica:
             self.layout = Layout(self.tensors, n_buckets, max_elems)
             routing = StaticRouting(cfg.ps, n_buckets)
         self.client = PSClient(routing, self.layout, cfg.token, retry_for=60.0)
+        if cfg.compress:
+            from trainer.compress import Compressor
+
+            self.compressor = Compressor(
+                self.layout.shards_of,
+                fraction=cfg.compress_fraction,
+                taus=cfg.compress_tau,
+                coding=cfg.compress_coding,
+            )
         if cfg.controllers:
             self.board = ControllerBoard(cfg.controllers, cfg.token, cfg.replica, cfg.run)
         else:
@@ -690,7 +755,7 @@ class Replica:
         assert self.client is not None
         init = Model(self.spec)
         init.init_params(self.cfg.seed)
-        optimizer: dict[str, Any] = {"kind": self.cfg.optimizer, "lr": self.cfg.lr}
+        optimizer: dict[str, Any] = {"kind": self.cfg.optimizer, "lr": self.cfg.server_lr}
         if self.cfg.optimizer == "adagrad":
             optimizer["initial_accumulator"] = self.cfg.adagrad_initial
         for t in self.tensors:
@@ -735,16 +800,49 @@ class Replica:
         client = self.client
         assert client is not None
         dense: dict[str, np.ndarray] = {}
-        for kind, name, *arrays in push_parts(item, inv, shapes):
+        compressed: dict[str, dict[str, Any]] = {}
+        parts = push_parts(item, inv, shapes)
+        self.result.pushes += 1
+        if self.compressor is not None:
+            parts, st = self.compressor.compress(parts)
+            self._count_compression(st)
+        for kind, name, *arrays in parts:
             if kind == "fc":
                 client.push_fc(name, *arrays)
                 self.m.pushes.labels("fc").inc()
+            elif kind == "compressed":
+                compressed.update(arrays[0].shards)
+                self.m.bytes_pushed.labels(kind).inc(arrays[0].nbytes)
+                self.result.bytes_pushed += arrays[0].nbytes
+                continue
             else:
                 dense[name] = arrays[0]
-            self.m.bytes_pushed.labels(kind).inc(sum(x.nbytes for x in arrays))
+            nbytes = sum(x.nbytes for x in arrays)
+            self.m.bytes_pushed.labels(kind).inc(nbytes)
+            self.result.bytes_pushed += nbytes
+        if compressed:
+            client.push_compressed(compressed)
+            self.m.pushes.labels("compressed").inc()
         if dense:
             client.push_dense_many(dense)
             self.m.pushes.labels("dense").inc()
+
+    def _count_compression(self, st: Any) -> None:
+        assert self.compressor is not None
+        m = self.m
+        for form, n in st.choices.items():
+            m.comp_choices.labels(form).inc(n)
+        m.comp_saved.inc(max(0, st.bytes_uncompressed - st.bytes_sent))
+        m.comp_sent.inc(st.sent_elements)
+        m.comp_elements.inc(st.elements)
+        if st.elements:
+            m.comp_fraction.set(st.sent_elements / st.elements)
+        self._comp_totals[0] += st.sent_elements
+        self._comp_totals[1] += st.elements
+        self.result.sent_fraction = self._comp_totals[0] / max(1, self._comp_totals[1])
+        for name, tc in self.compressor.tensors.items():
+            m.comp_residual.labels(name).set(tc.residual_norm())
+            m.comp_tau.labels(name).set(tc.last_tau)
 
     def _finished(self, epoch: int) -> None:
         """Push-thread marker: every push of the epoch is acknowledged."""
@@ -965,6 +1063,10 @@ class Replica:
         params[...] = fetched
         sl = self.model.slices()
         shapes = dict(self.model.tensors())
+        if self.compressor is not None:
+            # Compressed pushes: the residuals are local updates not on the servers either
+            # (gradient units; the workers' units are -local_lr * gradient).
+            self.compressor.add_residuals(params, sl, -self.cfg.local_lr)
         for item in self.pushq.pending():
             for name, d in item.dense.items():
                 params[sl[name]] += d
@@ -1049,7 +1151,7 @@ class Replica:
             meta = {
                 "epochs": cfg.epochs,
                 "replicas": cfg.n_replicas,
-                "optimizer": {"kind": cfg.optimizer, "lr": cfg.lr},
+                "optimizer": {"kind": cfg.optimizer, "lr": cfg.server_lr},
                 "heldout_accuracy": self.result.accuracy.get(cfg.epochs),
             }
             self.result.out = str(export.save(cfg.out, self.spec, views, meta))

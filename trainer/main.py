@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(result.seconds, 2),
         "images_per_s": round(result.images / max(result.seconds, 1e-9), 1),
         "heldout_accuracy": {str(k): v for k, v in result.accuracy.items()},
+        "bytes_pushed": result.bytes_pushed,
+        "pushes": result.pushes,
+        "sent_fraction": result.sent_fraction,
         "out": result.out,
     }
     log.info("training complete")

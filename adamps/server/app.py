@@ -27,10 +27,11 @@ from adamps.config import ConfigError, to_dict
 from adamps.layout import LayoutError, TensorSpec, stable_bucket
 from adamps.protocol import ProtocolError, require, require_array
 from adamps.server import bounds, dataplane
+from adamps.server.compressed import wire_form, words_of
 from adamps.server.config import PsConfig
-from adamps.server.optim import Dense, OptimError, Optimizer
+from adamps.server.optim import Dense, OptimError, Optimizer, Signs
 from adamps.server.persist import Flusher, Persister, Position
-from adamps.server.replicate import REPL_OPS, Replicator, dense_update, fc_update
+from adamps.server.replicate import REPL_OPS, Replicator, dense_update, fc_update, sign_update
 from adamps.server.store import (
     INIT_KINDS,
     ShardState,
@@ -45,7 +46,7 @@ from adamps.server.store import (
 
 log = logging.getLogger(__name__)
 
-OPS = ("create", "pull", "push_dense", "push_fc", "flush", "list", "describe")
+OPS = ("create", "pull", "push_dense", "push_fc", "push_compressed", "flush", "list", "describe")
 DEBUG_OPS = ("debug_fail",)
 #: most rows of activation/error vectors in one push_fc
 MAX_FC_K = 65_536
@@ -654,6 +655,31 @@ class ParameterServer:
         self._record_client(msg)
         parts = fc_parts(t, a, e, states)
         versions = await self._wait(lambda cb: self.store.push(parts, cb))
+        return {"versions": versions}
+
+    async def op_push_compressed(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Strom's threshold-quantized update: per shard a tau and the elements moved by +-tau
+        (uint32 words, or Golomb-Rice coded index gaps). Validated whole before anything is
+        queued; under replication it travels in the same compressed form."""
+        updates = require(msg, "shards", dict)
+        if not updates:
+            raise ProtocolError("bad_request", "push_compressed needs a non-empty 'shards' map")
+        self._check_ids(updates)
+        parts: list[tuple[ShardState, Signs, dict[str, Any]]] = []
+        for sid, d in updates.items():
+            if not isinstance(sid, str):
+                raise ProtocolError("bad_request", "field 'shards' must map shard ids to updates")
+            st = self.store.shard(sid)
+            words, tau = words_of(d, st.shard.size, f"shard {sid!r}")
+            parts.append((st, Signs(words, tau), d))
+        if self.replicator is not None:
+            return await self._replicate(
+                msg,
+                [([st], lambda sts, u=u, d=d: sign_update(sts[0].id, u.tau, wire_form(d)))
+                 for st, u, d in parts],
+            )  # fmt: skip
+        self._record_client(msg)
+        versions = await self._wait(lambda cb: self.store.push([(st, u) for st, u, _ in parts], cb))
         return {"versions": versions}
 
     async def _flush(self) -> dict[str, Any]:

@@ -12,6 +12,13 @@ Conventions (docs/protocol-ps.md repeats them):
   ``y = W @ x`` with W of M x N; the gradient is ``e.T @ a`` and the update ``W -= lr * e.T @ a``;
 - Adagrad: ``acc += g * g; w -= lr * g / sqrt(acc + eps)`` per element, one step per push (a batch
   only amortises the queueing and keeps the shard hot in cache; it does not change the result).
+- a compressed push (Strom 2.5, :class:`Signs`) is the sparse gradient ``g`` that is ``+tau`` or
+  ``-tau`` on the sent elements and 0 elsewhere. Both optimizers apply exactly what they would
+  apply to that dense ``g``, touching only the sent elements (unique indices: a gather, the
+  arithmetic, a scatter; no ``np.add.at``): SGD ``w[i] -= lr * (+-tau)``; Adagrad accumulates
+  ``tau**2`` on the sent elements only (``acc[i] += tau**2; w[i] -= lr * (+-tau) / sqrt(acc[i] +
+  eps)``), so the elements not sent keep their accumulator and value, as a dense step with a
+  zero gradient there would leave them. One Adagrad step per compressed push, like any push.
 
 SGD updates are linear, so a batch of activation/error pushes is stacked into one in-place sgemm
 with k1 + k2 + ... rows. Dense SGD uses BLAS saxpy (``y = a*x + y`` in one pass, in place).
@@ -97,7 +104,17 @@ class Fc:
     e: np.ndarray
 
 
-Update = Dense | Fc
+@dataclass(frozen=True, slots=True)
+class Signs:
+    """A compressed update of a whole shard (Strom 2.5): uint32 words ``index << 1 | negative``,
+    strictly increasing (unique indices, checked when the push was validated), each element
+    moved by ``+tau`` or ``-tau`` (as a gradient: SGD subtracts ``lr * (+-tau)``)."""
+
+    words: np.ndarray
+    tau: float
+
+
+Update = Dense | Fc | Signs
 
 
 class Scratch:
@@ -164,6 +181,28 @@ def adagrad(
     sgd_dense(w, tmp, lr)
 
 
+def sparse_step(opt: Optimizer, w: np.ndarray, acc: np.ndarray | None, u: Signs) -> None:
+    """One optimizer step with the sparse gradient of a compressed update, on the sent elements
+    only (the indices are unique: gather, compute, scatter; the same result as the dense step
+    with zeros elsewhere, up to float rounding of the fused multiply-add in BLAS)."""
+    words = u.words
+    if words.size == 0:
+        return
+    idx = (words >> np.uint32(1)).astype(np.intp)
+    t = np.float32(u.tau)
+    g = np.where((words & np.uint32(1)).astype(bool), -t, t)
+    flat = w.reshape(-1)
+    lr = np.float32(opt.lr)
+    if opt.kind == "sgd":
+        flat[idx] = flat[idx] - lr * g
+        return
+    assert acc is not None
+    a = acc.reshape(-1)
+    touched = a[idx] + g * g
+    a[idx] = touched
+    flat[idx] = flat[idx] - lr * (g / np.sqrt(touched + np.float32(opt.eps)))
+
+
 # -- batches ----------------------------------------------------------------------------------
 
 
@@ -184,6 +223,10 @@ def apply_batch(
                 sgd_dense(w, u.delta, opt.lr)
                 i += 1
                 continue
+            if isinstance(u, Signs):
+                sparse_step(opt, w, acc, u)
+                i += 1
+                continue
             # A run of consecutive Fc pushes: stack them into one rank-(k1+k2+...) update.
             j = i + 1
             while j < n and isinstance(updates[j], Fc):
@@ -200,6 +243,9 @@ def apply_batch(
     assert acc is not None
     g_buf, tmp = scratch.views(w.shape)
     for u in updates:
+        if isinstance(u, Signs):
+            sparse_step(opt, w, acc, u)
+            continue
         if isinstance(u, Dense):
             g = u.delta
         else:

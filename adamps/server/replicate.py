@@ -44,6 +44,7 @@ from adamps.core.replication import Apply, Assignment, Batch, BucketReplica, Rej
 from adamps.layout import TensorSpec
 from adamps.protocol import ProtocolError, require
 from adamps.rpc import AsyncRpc, RpcError
+from adamps.server.compressed import signs_of_wire
 from adamps.server.optim import Dense, Optimizer
 from adamps.server.persist import DEDUP_PER_FLUSH, Position
 from adamps.server.store import ShardState, StoreError, fc_parts, owner_future
@@ -194,6 +195,12 @@ def dense_update(sid: str, delta: np.ndarray) -> dict[str, Any]:
 
 def fc_update(tensor: str, sids: Sequence[str], a: np.ndarray, e: np.ndarray) -> dict[str, Any]:
     return {"k": "f", "t": tensor, "s": list(sids), "a": a, "e": e}
+
+
+def sign_update(sid: str, tau: float, encoded: dict[str, Any]) -> dict[str, Any]:
+    """A compressed update of one shard (Strom), replicated in its compressed form: ``encoded``
+    is ``{"w": uint32 words}`` or ``{"r": Golomb-Rice bytes, "n": count, "b": Rice k}``."""
+    return {"k": "c", "s": sid, "t": tau, **encoded}
 
 
 def _batch_to_wire(b: Batch) -> dict[str, Any]:
@@ -873,6 +880,9 @@ class Replicator:
                 elif kind == "f":
                     t = self.store.tensor(u["t"])
                     parts += fc_parts(t, u["a"], u["e"], [self.store.shard(s) for s in u["s"]])
+                elif kind == "c":
+                    st = self.store.shard(u["s"])
+                    parts.append((st, signs_of_wire(u, st.shard.size)))
                 else:
                     raise ProtocolError("bad_request", f"unknown update kind {kind!r}")
         return parts

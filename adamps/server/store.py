@@ -31,7 +31,7 @@ import numpy as np
 
 from adamps.layout import MAX_SHARD_ELEMS, Layout, Shard, TensorSpec, stable_bucket
 from adamps.server import optim
-from adamps.server.optim import Fc, Optimizer, Scratch
+from adamps.server.optim import Fc, Optimizer, Scratch, Signs
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +256,9 @@ class Store:
             threading.Thread(target=self._run, args=(i,), name=f"adamps-owner-{i}", daemon=True)
             for i in range(owner_threads)
         ]
-        #: per owner: [dense, fc] updates applied (each list written by its owner thread only)
-        self._applied = [[0, 0] for _ in range(owner_threads)]
+        #: per owner: [dense, fc, compressed] updates applied (each list written by its owner
+        #: thread only)
+        self._applied = [[0, 0, 0] for _ in range(owner_threads)]
         for t in self._threads:
             t.start()
 
@@ -522,6 +523,7 @@ class Store:
         return {
             "dense": sum(c[0] for c in self._applied),
             "fc": sum(c[1] for c in self._applied),
+            "compressed": sum(c[2] for c in self._applied),
         }
 
     def dirty_count(self) -> int:
@@ -612,15 +614,20 @@ class Store:
                     st.dirty_since = now
                 dirty.add(st)
                 n_fc = sum(1 for u, _ in group if isinstance(u, Fc))
+                n_sig = sum(1 for u, _ in group if isinstance(u, Signs))
+                n_dense = len(group) - n_fc - n_sig
                 # Counted before the pushers hear back, so /metrics never lags an acknowledged push.
                 counts = self._applied[owner]
-                counts[0] += len(group) - n_fc
+                counts[0] += n_dense
                 counts[1] += n_fc
+                counts[2] += n_sig
                 if self._on_applied is not None:
-                    if len(group) > n_fc:
-                        self._on_applied("dense", len(group) - n_fc)
+                    if n_dense:
+                        self._on_applied("dense", n_dense)
                     if n_fc:
                         self._on_applied("fc", n_fc)
+                    if n_sig:
+                        self._on_applied("compressed", n_sig)
             if once is not None:
                 if error is None:
                     once.result[st.id] = st.version

@@ -337,6 +337,37 @@ TRAINING = Dashboard(
                     unit="ops",
                 ),
                 Panel(
+                    "Compression (Strom): bytes sent and saved, elements sent",
+                    [
+                        (rate("adamps_trainer_bytes_pushed_total"), "sent {{instance}}"),
+                        (
+                            rate("adamps_trainer_compression_bytes_saved_total"),
+                            "saved {{instance}}",
+                        ),
+                    ],
+                    unit="Bps",
+                    description="With --compress: payload bytes pushed, and the bytes the same "
+                    "pushes would have taken uncompressed minus those (Strom 2.5).",
+                ),
+                Panel(
+                    "Compression: fraction of elements sent, residual norm",
+                    [
+                        (
+                            "sum by (instance) (rate(adamps_trainer_compression_elements_sent_total[1m]))"
+                            " / sum by (instance) (rate(adamps_trainer_compression_elements_total[1m]))",
+                            "sent fraction {{instance}}",
+                        ),
+                        (
+                            "max by (instance, tensor) (adamps_trainer_compression_residual_norm)",
+                            "residual {{instance}} {{tensor}}",
+                        ),
+                    ],
+                    description="Elements sent / elements offered per push (the target of the "
+                    "adaptive tau); the L2 norm of each tensor's residual (gradient not yet "
+                    "sent: error feedback, Strom 2.4). A residual that keeps growing means tau is "
+                    "too high for that tensor.",
+                ),
+                Panel(
                     "Push queue and merged rounds (network behind)",
                     [
                         ("max by (instance) (adamps_trainer_push_queue)", "queued {{instance}}"),

@@ -214,6 +214,8 @@ def test_missed_target_exits_1(tmp_path: Path) -> None:
             "--port-base 80: expected 0 (any free ports) or a port in 1024..65000",
         ),
         (["--epochs", "many"], "argument --epochs: invalid int value: 'many'"),
+        (["--compress-fraction", "2"], "--compress-fraction 2.0: expected a fraction in (0, 1]"),
+        (["--compress-tau", "fc1.w=abc"], "--compress-tau fc1.w=abc: compress_tau entry"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
