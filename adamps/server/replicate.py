@@ -724,7 +724,7 @@ class Replicator:
                 started = time.monotonic()
             elif failed:
                 await asyncio.sleep(0.02)
-        self._release(rep.release_acknowledged())
+        self._release(b, rep, rep.release_acknowledged())
         self._report_learners(b, rep)
         self.m.round_seconds.observe(time.perf_counter() - t0)
         self.m.round_pushes.observe(n_pushes)
@@ -745,7 +745,7 @@ class Replicator:
                     seq=rep.committed if upto is None else min(upto, rep.committed),
                 )
                 if reply["status"] == "ok":
-                    self._release(rep.on_commit_ack(member, int(reply["seq"])))
+                    self._release(b, rep, rep.on_commit_ack(member, int(reply["seq"])))
                     return True
                 position = int(reply["seq"])
                 rep.on_member_position(member, position)
@@ -780,13 +780,24 @@ class Replicator:
             # it up from the log, then commit again.
             rep.on_member_position(member, int(reply["seq"]))
             return await self._sync_member(b, rep, member, seq)
-        self._release(rep.on_commit_ack(member, int(reply["seq"])))
+        self._release(b, rep, rep.on_commit_ack(member, int(reply["seq"])))
         return True
 
-    def _release(self, waiters: Iterable[Any]) -> None:
-        for fut in waiters:
-            if isinstance(fut, asyncio.Future) and not fut.done():
+    def _release(self, b: int, rep: BucketReplica, waiters: Iterable[Any]) -> None:
+        """Acknowledges the pushes of batches every replica committed, but only while this
+        server's lease of the bucket holds: past it another copy may already be acknowledging
+        under the next epoch. Then their outcome is unknown to the client (`primary_changed`);
+        its retry is answered by the next primary, which has the batch (exactly once)."""
+        waiters = [f for f in waiters if isinstance(f, asyncio.Future) and not f.done()]
+        if not waiters:
+            return
+        if self.leases.can_write(b, rep.assignment.epoch, time.monotonic()):
+            for fut in waiters:
                 fut.set_result(None)
+            return
+        why = "the lease ended before the acknowledgement; the push's outcome is unknown"
+        for fut in waiters:
+            fut.set_exception(_not_primary(rep, b, self.addresses, why, code="primary_changed"))
 
     async def _unresponsive(self, b: int, rep: BucketReplica, member: str) -> None:
         """A replica did not answer within member_timeout. A learner not yet reported caught up
