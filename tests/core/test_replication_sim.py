@@ -37,7 +37,7 @@ import itertools
 import logging
 import os
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -877,6 +877,7 @@ class Server:
             self.restored.pop(b, None)
             self.last_heard[b] = self.local()
             self.log(f"b{b}: snapshot at {snap['committed']} from {primary} installed")
+            self.sim.stats["snapshots"] += 1
 
         def fail(_e: Any) -> None:
             js[1] = None
@@ -1243,6 +1244,7 @@ class Sim:
         #: scheduled nemesis events: (true time, n, fn)
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self.faults = 0
+        self.stats: Counter[str] = Counter()
         self._lease_key: tuple[Any, ...] = ()
         self.n_servers = 0
         inten = self.rng.random()
@@ -1323,11 +1325,25 @@ class Sim:
                 "add",
                 "rebalance",
                 "leader",
+                "crash_all",
+                "pause_all",
             ]
         )
+        self.stats[kind] += 1
         if kind in ("crash", "pause", "isolate", "cut_ctl", "cut_peers") and not up:
             return
-        if kind == "crash":
+        if kind == "crash_all":
+            # a whole-cluster crash: what was acknowledged after a copy's last flush may be lost
+            self.log("nemesis: crash every server")
+            for s in up:
+                s.crashed = True
+                self.at(rng.uniform(0.2, 2.0), lambda s=s: self.restart(s.sid, False))
+        elif kind == "pause_all":
+            d = rng.uniform(0.5, 3.0)
+            self.log(f"nemesis: pause every server for about {d:.2f}s")
+            for s in up:
+                s.paused_until = self.now + d * rng.uniform(0.8, 1.2)
+        elif kind == "crash":
             s = rng.choice(up)
             s.crashed = True
             wipe = rng.random() < 0.1
@@ -1486,6 +1502,7 @@ class Sim:
                         f"pushes {worst} (acked at events {[acks[u] for u in worst]}, cut at {cut_at})"
                     )
                 if m.primary_of(b) == sid and m._holder_live(b):
+                    self.stats["loss_window_pushes"] += len(excused - self.allowed_loss[b])
                     self.allowed_loss[b] |= excused
                     self.log(f"b{b}: loss window: {sorted(excused)} lost with {sid}'s cut")
             # 3. equal positions hold equal values; nothing applied twice
@@ -1522,6 +1539,12 @@ class Sim:
 
     def final_check(self) -> None:
         m = self.ctl.model
+        st = self.stats
+        st["acked"] = sum(len(a) for a in self.acks.values())
+        st["unknown"] = sum(1 for p in self.pushes.values() if p.status == "unknown")
+        st["failed"] = sum(1 for p in self.pushes.values() if p.status == "failed")
+        st["lease_grants"] = len(m.lease_records())
+        st["candidate_grants"] = sum(1 for b in range(N_BUCKETS) if self.allowed_loss[b])
         applied_anywhere: dict[int, set[int]] = {b: set() for b in range(N_BUCKETS)}
         for s in self.servers.values():
             for b, st in s.store.items():
@@ -1577,6 +1600,18 @@ def run(seed: int, steps: int = STEPS) -> Sim:
 
 
 SEED_LIST = [int(ONE_SEED)] if ONE_SEED else list(range(SEEDS))
+
+
+def test_the_simulation_exercises_the_faults() -> None:
+    """A guard against a simulation that checks nothing: over a few seeds, every fault happens,
+    leases move, copies transfer state, pushes are acknowledged and some outcomes are unknown."""
+    total: Counter[str] = Counter()
+    for seed in range(12):
+        total += run(seed).stats
+    for kind in ("crash", "pause", "isolate", "cut_ctl", "cut_peers", "drain", "add", "rebalance"):
+        assert total[kind] > 0, (kind, total)
+    assert total["lease_grants"] > 12 * N_BUCKETS * 2, total
+    assert total["snapshots"] > 20 and total["acked"] > 500 and total["unknown"] > 0, total
 
 
 @pytest.mark.parametrize("seed", SEED_LIST)
