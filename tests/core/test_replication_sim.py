@@ -90,9 +90,16 @@ class PatchedReplica(BucketReplica):
         # counts as having committed `committed` from the moment the snapshot is taken, so it is
         # reported caught up (and becomes a promotable member) before it installed anything.
         # Fix: wait for the learner's own commit ack.
+        prev = self.learners.get(member)
         rej = super().add_learner(member)
         if rej is None:
             self.acked_commit[member] = -1
+            if prev in ("reporting", "reported"):
+                # Bug 4, the primary's side: a new snapshot for a learner whose report is in
+                # flight (it went silent and transfers again) resets it to "syncing", and
+                # Replicator._unresponsive then forgets it while the controller may still accept
+                # the report. Fix: keep the state (the rounds wait for it until the answer).
+                self.learners[member] = prev
         return rej
 
 
