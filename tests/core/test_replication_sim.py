@@ -369,7 +369,8 @@ class Server:
                 rep.committed_epoch,
                 rep.committed,
                 rep.dedup.to_list(),
-                self.sim.tick_n(),
+                # a copy reloaded from an older cut holds what it held then (plus later rounds)
+                self.restored.get(b, self.sim.tick_n()),
             )
         self.disk.clear()
         self.disk.update(cuts)
@@ -505,12 +506,33 @@ class Server:
 
     def release(self, waiters: list[Any]) -> None:
         for w in waiters:
-            if not w.done:
-                w.done = True
-                self.sim.acked(w.b, w.uid, self.sid)
-                self.sim.net.send(
-                    self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "ack"}
-                )
+            if w.done:
+                continue
+            w.done = True
+            rep = self.reps.get(w.b)
+            if rep is not None and self.can_write(w.b):
+                self.serve(w.b, f"ack u{w.uid}")
+            else:
+                # Replicator._release answers a round's pushes whenever its members confirmed,
+                # also after the lease ran out, even after the next epoch was granted: two
+                # copies then acknowledge in overlapping time (harmless for the data: the batch
+                # is on the new primary too). Fix: past the lease, the outcome is unknown.
+                lease = self.sim.ctl.model.buckets[w.b]["lease"]
+                epoch = rep.assignment.epoch if rep is not None else -1
+                if lease is not None and (lease.holder, lease.epoch) != (self.sid, epoch):
+                    self.sim.stats["acks_after_next_grant"] += 1
+                    if UNPATCHED:
+                        raise Violation(
+                            f"{self.sid} acknowledges u{w.uid} of b{w.b} (epoch {epoch}) after "
+                            f"epoch {lease.epoch} was granted to {lease.holder}"
+                        )
+                if not UNPATCHED:
+                    self.sim.net.send(
+                        self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "unknown"}
+                    )
+                    continue
+            self.sim.acked(w.b, w.uid, self.sid)
+            self.sim.net.send(self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "ack"})
 
     # -- primary: rounds (Replicator._rounds / _prepare_all / _commit_all) -------------------------
 
