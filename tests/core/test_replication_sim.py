@@ -28,6 +28,21 @@ and no push that failed with a definite error is applied anywhere.
 
 On failure the seed and the last events are printed. ``ADAMPS_SIM_SEEDS=N`` runs N seeds (default
 200); ``ADAMPS_SIM_STEPS`` sets the steps per seed (default 300); ``ADAMPS_SIM_SEED=S`` runs one.
+
+Bugs found (each one a strict xfail test at the end of this file; the simulation runs with the
+suggested fix emulated, ``ADAMPS_SIM_UNPATCHED=1,2,...|all`` leaves them as the code has them):
+
+1. `add_learner` counts the learner as committed at the snapshot's seq before it installed it: it
+   is reported caught up, and becomes a promotable member, holding nothing.
+2. A primary handed off becomes `joining` without `on_assignment` (the shell sets the
+   assignment): it keeps its round in flight, and replays it if promoted later (wedged bucket, or
+   a push applied twice).
+3. A caught-up report whose outcome is unknown (reply lost, or the client's retry refused as a
+   duplicate) makes the primary forget a learner the controller made a member.
+4. A caught-up report is not tied to the join it reports on: one sent before the copy restarted
+   or transferred again is accepted for the new, empty copy.
+5. (The shell, not the core.) A round's pushes are acknowledged after the lease ended, even
+   after the next epoch was granted: two copies acknowledge in overlapping lease time.
 """
 
 from __future__ import annotations
@@ -79,9 +94,10 @@ class Violation(AssertionError):
 
 #: The simulation found bugs (each reproduced by its own strict xfail test at the end of this
 #: file). To explore past them it runs with the fix each test suggests, emulated here in the
-#: core's subclass, the shell model and the controller's handler; ADAMPS_SIM_UNPATCHED=1 runs
-#: everything as the code is (and fails within a few seeds).
-UNPATCHED = os.environ.get("ADAMPS_SIM_UNPATCHED") == "1"
+#: core's subclass, the shell model and the controller's handler. ADAMPS_SIM_UNPATCHED lists the
+#: bugs to leave as the code has them ("1,4"), or "all" (then seeds fail within a few runs).
+_UNFIXED = os.environ.get("ADAMPS_SIM_UNPATCHED", "")
+UNFIXED = {1, 2, 3, 4, 5} if _UNFIXED == "all" else {int(x) for x in _UNFIXED.split(",") if x}
 
 
 class PatchedReplica(BucketReplica):
@@ -93,8 +109,9 @@ class PatchedReplica(BucketReplica):
         prev = self.learners.get(member)
         rej = super().add_learner(member)
         if rej is None:
-            self.acked_commit[member] = -1
-            if prev in ("reporting", "reported"):
+            if 1 not in UNFIXED:
+                self.acked_commit[member] = -1
+            if prev in ("reporting", "reported") and 4 not in UNFIXED:
                 # Bug 4, the primary's side: a new snapshot for a learner whose report is in
                 # flight (it went silent and transfers again) resets it to "syncing", and
                 # Replicator._unresponsive then forgets it while the controller may still accept
@@ -103,7 +120,7 @@ class PatchedReplica(BucketReplica):
         return rej
 
 
-Replica = BucketReplica if UNPATCHED else PatchedReplica
+Replica = BucketReplica if UNFIXED >= {1, 4} else PatchedReplica
 
 
 # -- network ---------------------------------------------------------------------------------------
@@ -456,7 +473,7 @@ class Server:
                 self.leases.drop(b)
                 continue
             if role == "joining":
-                if rep.is_primary and not UNPATCHED:
+                if rep.is_primary and 2 not in UNFIXED:
                     # Bug 2 (test_deposed_primary_that_rejoins_keeps_its_round_in_flight): the
                     # shell sets the assignment of a copy that becomes `joining` directly, so a
                     # primary handed off keeps its round in flight and its waiters; promoted
@@ -521,12 +538,12 @@ class Server:
                 epoch = rep.assignment.epoch if rep is not None else -1
                 if lease is not None and (lease.holder, lease.epoch) != (self.sid, epoch):
                     self.sim.stats["acks_after_next_grant"] += 1
-                    if UNPATCHED:
+                    if 5 in UNFIXED:
                         raise Violation(
                             f"{self.sid} acknowledges u{w.uid} of b{w.b} (epoch {epoch}) after "
                             f"epoch {lease.epoch} was granted to {lease.holder}"
                         )
-                if not UNPATCHED:
+                if 5 not in UNFIXED:
                     self.sim.net.send(
                         self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "unknown"}
                     )
@@ -803,7 +820,7 @@ class Server:
             self.request_heartbeat()
 
         def fail(err: Any) -> None:
-            if err == "timeout" and not UNPATCHED and self.up and self.reps.get(b) is rep:
+            if err == "timeout" and 3 not in UNFIXED and self.up and self.reps.get(b) is rep:
                 # Bug 3 (test_caught_up_report_with_unknown_outcome_forgets_a_member): an
                 # unknown outcome is no refusal. Fix: ask again until the controller answers
                 # (caught_up is idempotent, see Controller.handle).
@@ -814,7 +831,7 @@ class Server:
             self.request_heartbeat()
 
         body = {"bucket": b, "primary": self.sid, "epoch": epoch, "server": m}
-        if not UNPATCHED:
+        if 4 not in UNFIXED:
             body["joined_at"] = joined_at
         self.call(CTL, "caught_up", body, ok, fail)
 
@@ -1043,13 +1060,18 @@ class Controller:
         self.last_seen: dict[str, float] = {}
         self.reports: dict[int, dict[str, list[int]]] = {}
         self.next_step = 0.0
-        #: (bucket, server) -> event count when it last entered `joining` (bug 4's fix)
-        self.join_since: dict[tuple[int, str], int] = {}
-        self._joining: set[tuple[int, str]] = set()
+        #: (bucket, server, incarnation) -> event count when it entered `joining` (bug 4's fix)
+        self.join_since: dict[tuple[int, str, int], int] = {}
+        self._joining: set[tuple[int, str, int]] = set()
 
     def track(self) -> None:
         """Notes when copies enter `joining` (call after every change of the model)."""
-        now = {(b, s) for b, bk in enumerate(self.model.buckets) for s in bk["joining"]}
+        servers = self.model.servers
+        now = {
+            (b, s, servers[s]["incarnation"])
+            for b, bk in enumerate(self.model.buckets)
+            for s in bk["joining"]
+        }
         for key in now - self._joining:
             self.join_since[key] = self.sim.tick_n()
         self._joining = now
@@ -1123,13 +1145,14 @@ class Controller:
             b, sid_j = body["bucket"], body["server"]
             bk = m.buckets[b]
             lease = bk["lease"]
-            if "joined_at" in body and body["joined_at"] < self.join_since.get((b, sid_j), 0):
+            inc = m.servers.get(sid_j, {}).get("incarnation", 0)
+            if "joined_at" in body and body["joined_at"] < self.join_since.get((b, sid_j, inc), 0):
                 # Bug 4 (test_stale_caught_up_report_makes_a_fresh_copy_a_member). Fix: the report
                 # names the join it is about (here: when the snapshot was taken); a report of an
                 # earlier join of the same copy is refused.
                 res = {"ok": False, "error": "conflict"}
             elif (
-                "joined_at" in body
+                3 not in UNFIXED
                 and sid_j in bk["holders"]
                 and lease is not None
                 and (lease.holder, lease.epoch) == (body["primary"], body["epoch"])
@@ -1266,6 +1289,8 @@ class Sim:
         #: bucket -> uid -> event count when a server first acknowledged it
         self.acks: dict[int, dict[int, int]] = {b: {} for b in range(N_BUCKETS)}
         self._events = itertools.count(1)
+        #: (bucket, server, incarnation): reloaded copies seen as secondaries (no loss window)
+        self.restored_holder: set[tuple[int, str, int]] = set()
         #: bucket -> uids lost in the allowed window (a copy reloaded from its cut was promoted)
         self.allowed_loss: dict[int, set[int]] = {b: set() for b in range(N_BUCKETS)}
         #: (bucket, epoch) -> (holder, latest true deadline it acted under)
@@ -1513,16 +1538,27 @@ class Sim:
             ]
             for sid, why in promotable:
                 s = self.servers[sid]
-                if s.crashed or b not in s.reps:
-                    continue  # memory gone: its next registration makes it leave
+                if s.crashed or b not in s.reps or not s.registered:
+                    # memory gone (its next registration makes it leave), or a restarted
+                    # process the controller does not know yet: not the copy it counts on
+                    continue
                 if why == "member" and s.roles.get(b) in (None, "joining"):
                     # the controller counts it a member but this incarnation did not learn it yet
                     pass
+                # The loss window: a copy reloaded from its disk after a crash may lack what was
+                # acknowledged after its cut while it is a candidate (every member gone), and as
+                # the primary it then became; never if it entered the replica set another way.
+                cut_at = s.restored.get(b)
+                inc = m.servers[sid]["incarnation"]
+                if cut_at is not None and why == "member" and m.primary_of(b) != sid:
+                    self.restored_holder.add((b, sid, inc))
                 missing = set(acks) - self.holds(s, b) - self.allowed_loss[b]
                 if not missing:
                     continue
-                cut_at = s.restored.get(b)
-                excused = {u for u in missing if cut_at is not None and acks[u] > cut_at}
+                if cut_at is None or (b, sid, inc) in self.restored_holder:
+                    excused = set()
+                else:
+                    excused = {u for u in missing if acks[u] > cut_at}
                 if missing - excused:
                     worst = sorted(missing - excused)[:10]
                     raise Violation(
@@ -1746,8 +1782,10 @@ def test_deposed_primary_that_rejoins_keeps_its_round_in_flight() -> None:
     flight and the waiters of its pushes. install_snapshot does not clear them either. Promoted
     later, the core replays that stale round: next_round() never starts a new one, and when the
     stale batch is prepared commit_round() fails its `seq == committed + 1` assertion (the shell
-    logs "round failed" and retries forever: the bucket is wedged). Its clients are never
-    answered (they time out instead of getting not_primary)."""
+    logs "round failed" and retries forever: the bucket is wedged); when the stale batch's seq
+    happens to be committed + 1 it is applied again: a push applied twice (the simulation,
+    ADAMPS_SIM_UNPATCHED=2, seed 267). Its clients are never answered (they time out instead of
+    getting not_primary)."""
     reps = {s: BucketReplica(s, 0) for s in "abc"}
     a1 = Assignment(1, "a", ("b", "c"))
     for r in reps.values():
