@@ -1676,7 +1676,7 @@ def test_the_simulation_exercises_the_faults() -> None:
     for kind in ("crash", "pause", "isolate", "cut_ctl", "cut_peers", "drain", "add", "rebalance"):
         assert total[kind] > 0, (kind, total)
     assert total["lease_grants"] > 12 * N_BUCKETS * 2, total
-    assert total["snapshots"] > 20 and total["acked"] > 500 and total["unknown"] > 0, total
+    assert total["snapshots"] > 20 and total["acked"] > 200 and total["unknown"] > 0, total
 
 
 @pytest.mark.parametrize("seed", SEED_LIST)
