@@ -7,9 +7,10 @@ hundred steps of 50 ms. Within a step, the due messages, the servers' timers, th
 leader's loop and the clients run in a random order. The network drops, delays (hence reorders),
 duplicates and partitions messages; the nemesis crashes servers (memory lost, restart from the last
 flushed cut of store + position + dedup table, sometimes without it), pauses them (memory kept,
-timers frozen, messages queued), partitions them, drains, adds servers, rebalances and changes the
-controller leader (its soft state is lost). Clients push unique update ids under (client, seq) and
-retry an unknown outcome with the same key.
+timers frozen, messages queued), crashes or pauses all of them at once, partitions them, drains,
+adds servers, rebalances and changes the controller leader (its soft state is lost). Clients push
+unique update ids under (client, seq) and retry an unknown outcome with the same key; a push counts
+as acknowledged when a server answers it so (whether or not the answer reaches the client).
 
 After every step the invariants of issue 11 are checked:
 
