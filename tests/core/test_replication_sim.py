@@ -102,13 +102,13 @@ UNFIXED = {1, 2, 3, 4, 5} if _UNFIXED == "all" else {int(x) for x in _UNFIXED.sp
 
 
 class PatchedReplica(BucketReplica):
-    def add_learner(self, member: str) -> Reject | None:
+    def add_learner(self, member: str, join: int = 0) -> Reject | None:
         # Bug 1 (test_learner_is_not_caught_up_before_it_installed_the_snapshot): the learner
         # counts as having committed `committed` from the moment the snapshot is taken, so it is
         # reported caught up (and becomes a promotable member) before it installed anything.
         # Fix: wait for the learner's own commit ack.
         prev = self.learners.get(member)
-        rej = super().add_learner(member)
+        rej = super().add_learner(member, join)
         if rej is None:
             if 1 not in UNFIXED:
                 self.acked_commit[member] = -1
@@ -1160,7 +1160,7 @@ class Controller:
             ):
                 res = {"ok": True}  # bug 3's fix: a repeated report of this join is accepted
             else:
-                res = m.caught_up(b, body["primary"], body["epoch"], sid_j, now)
+                res = m.verified_caught_up(b, body["primary"], body["epoch"], sid_j, now)
         elif kind == "drop_secondary":
             res = m.drop_secondary(
                 body["bucket"], body["primary"], body["epoch"], body["server"], now
@@ -1734,7 +1734,6 @@ def _joining_cluster() -> tuple[ClusterModel, dict[str, BucketReplica]]:
     return m, reps
 
 
-@pytest.mark.xfail(strict=True, reason="bug 1: add_learner counts the snapshot as committed")
 def test_learner_is_not_caught_up_before_it_installed_the_snapshot() -> None:
     """The primary reports a learner caught up as soon as it *took* the snapshot for it (add_learner
     sets acked_commit[learner] = committed): the controller then makes a copy a promotable member
@@ -1745,7 +1744,7 @@ def test_learner_is_not_caught_up_before_it_installed_the_snapshot() -> None:
     assert b.add_learner("c") is None  # op_repl_snapshot; its reply never reaches c
     for learner in b.learners_caught_up():  # Replicator._report_learners
         b.report_sent(learner)
-        assert m.caught_up(0, "b", 1, learner, 0.6)["ok"]
+        assert m.verified_caught_up(0, "b", 1, learner, 0.6)["ok"]
         b.report_done(learner, True)
     # The contract: every live member of the recorded replica set holds every acknowledged push.
     assert "c" not in m.bucket_view(0)["secondaries"], "c is a member but holds nothing"
@@ -1754,29 +1753,27 @@ def test_learner_is_not_caught_up_before_it_installed_the_snapshot() -> None:
     assert m.primary_of(0) != "c" or c.committed == 1, "the empty copy was promoted"
 
 
-@pytest.mark.xfail(strict=True, reason="bug 3: an unanswered caught-up report drops a member")
-def test_caught_up_report_with_unknown_outcome_forgets_a_member() -> None:
-    """The controller commits `caught_up` but its answer is lost (or the controller client's retry
-    is refused `conflict`: c is no longer joining). Replicator._report_caught_up then calls
-    report_done(c, False), which drops the learner: the primary's next rounds are acknowledged
-    without c, although the controller's replica set has c as a member (promotable)."""
+def test_caught_up_report_with_unknown_outcome_forgets_no_member() -> None:
+    """Bug 3, fixed: the controller commits the report but its answer is lost. The shell asks
+    again (Replicator._report_caught_up) and a repeated report of the same join is accepted, so
+    the learner stays required until the answer; it is never dropped while it may be a member."""
     m, reps = _joining_cluster()
     b, c = reps["b"], reps["c"]
-    assert b.add_learner("c") is None
+    join = m.buckets[0]["join_ids"]["c"]
+    assert b.add_learner("c", join) is None
     meta = b.snapshot_meta()
     c.install_snapshot(meta["committed"], meta["dedup"], meta["committed_epoch"])
-    b.acked_commit["c"] = c.committed  # (as if c acknowledged: independent of bug 1)
+    b.acked_commit["c"] = c.committed  # (as if c acknowledged)
     assert b.learners_caught_up() == ["c"]
     b.report_sent("c")
-    assert m.caught_up(0, "b", 1, "c", 0.6)["ok"]  # committed ...
-    retry = m.caught_up(0, "b", 1, "c", 0.6)  # ... the client's retry is refused
-    assert not retry["ok"]
-    b.report_done("c", False)  # what the shell does with a failed or refused report
+    assert m.verified_caught_up(0, "b", 1, "c", 0.6, join)["ok"]  # committed, answer lost ...
+    retry = m.verified_caught_up(0, "b", 1, "c", 0.6, join)  # ... asked again
+    assert retry["ok"] and retry.get("repeated")
+    b.report_done("c", True)
     b.submit("u2", ("cl", 2), "w2")
-    assert "c" in b.replicas, "the next round is acknowledged without member c"
+    assert "c" in b.replicas, "the next round waits for member c"
 
 
-@pytest.mark.xfail(strict=True, reason="bug 2: a primary that becomes joining keeps its round")
 def test_deposed_primary_that_rejoins_keeps_its_round_in_flight() -> None:
     """Replicator._apply_roles sets a `joining` copy's assignment directly (no on_assignment), so a
     primary handed off (lease hand-off: the old primary re-enters as joining) keeps its round in
@@ -1799,7 +1796,7 @@ def test_deposed_primary_that_rejoins_keeps_its_round_in_flight() -> None:
     assert a.next_round() is not None  # in flight; nobody prepared it yet
     # hand-off to b: a is joining under epoch 2 (the shell's joining branch)
     a2 = Assignment(2, "b", ("c",), ("a",))
-    a.assignment = a2
+    a.on_assignment(a2)  # the shell's joining branch (Replicator._apply_roles)
     for s in "bc":
         reps[s].on_assignment(a2)
     b = reps["b"]
@@ -1825,10 +1822,7 @@ def test_deposed_primary_that_rejoins_keeps_its_round_in_flight() -> None:
     assert batch is not None and batch.seq == 4, f"stale round in flight: {a.inflight}"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="bug 4: a caught-up report is not tied to the copy it is about"
-)
-def test_stale_caught_up_report_makes_a_fresh_copy_a_member() -> None:
+def test_stale_caught_up_report_makes_no_fresh_copy_a_member() -> None:
     """c caught up and the primary sent its report; before the controller applies it, c restarts
     empty (or its copy is dropped and re-created: no role for a while, then joining again) and asks
     for a new snapshot. add_learner resets c's learner state from "reporting" to "syncing", so the
@@ -1837,7 +1831,8 @@ def test_stale_caught_up_report_makes_a_fresh_copy_a_member() -> None:
     the same primary and epoch. c becomes a promotable member holding nothing."""
     m, reps = _joining_cluster()
     b = reps["b"]
-    assert b.add_learner("c") is None
+    old_join = m.buckets[0]["join_ids"]["c"]
+    assert b.add_learner("c", old_join) is None
     meta = b.snapshot_meta()
     reps["c"].install_snapshot(meta["committed"], meta["dedup"], meta["committed_epoch"])
     b.acked_commit["c"] = reps["c"].committed  # (c acknowledged: independent of bug 1)
@@ -1848,10 +1843,12 @@ def test_stale_caught_up_report_makes_a_fresh_copy_a_member() -> None:
     new_c = reps["c"] = BucketReplica("c", 0)
     new_c.assignment = _assignment(m)
     assert new_c.assignment.joining == ("c",)
-    assert b.add_learner("c") is None  # its new snapshot request; the reply is slow
+    new_join = m.buckets[0]["join_ids"]["c"]
+    assert new_join != old_join
+    assert b.add_learner("c", new_join) is None  # its new snapshot request; the reply is slow
     if b.learners.get("c") == "syncing":
         b.drop_learner("c")  # Replicator._unresponsive: a syncing learner is forgotten
-    res = m.caught_up(0, "b", 1, "c", 0.7)  # the old report arrives
+    res = m.verified_caught_up(0, "b", 1, "c", 0.7, old_join)  # the old report arrives
     members = m.bucket_view(0)["secondaries"]
     assert not (res["ok"] and "c" in members and new_c.committed == 0 and "c" not in b.replicas), (
         "c is a member holding nothing, and the primary's rounds do not wait for it"
