@@ -8,6 +8,7 @@ started (worker processes), and a parent that dies takes no orphan with it unnot
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -40,9 +41,30 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that was free a moment ago, chosen below the kernel's ephemeral range: a port
+    the kernel hands out (bind to 0) is also what it picks as the source port of outgoing
+    connections, so a server started on it a moment later can find it taken."""
+    lo, _hi = _ephemeral_range()
+    low, high = (10_000, lo) if lo > 11_000 else (lo, 65_000)
+    for _ in range(200):
+        port = random.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # crowded: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
 
