@@ -20,6 +20,17 @@ from typing import Any
 
 from adamps.procs import Proc, adamps_argv, free_port
 
+#: Timings of the fault tests and benchmarks: 2 s leases, a silent server declared dead after
+#: 1 s, a silent primary replaced after 1.5 s, so a failover completes in about 2.5 s.
+FAST_LEASE = 2.0
+FAST_CONTROLLER_OPTS: dict[str, Any] = {
+    "lease-duration": FAST_LEASE, "lease-skew": 0.1, "lease-margin": 0.2, "heartbeat-interval": 0.2,
+    "server-timeout": 1.0, "reconcile-interval": 0.1, "commit-timeout": 1.5,
+}  # fmt: skip
+FAST_PS_OPTS: dict[str, Any] = {
+    "member-timeout": 0.5, "ping-interval": 0.2, "failover-after": 1.5, "flush-interval": 0.5,
+}  # fmt: skip
+
 
 def http_json(
     url: str, method: str = "GET", body: Any = None, token: str | None = None, timeout: float = 2.0

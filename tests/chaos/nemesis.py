@@ -43,11 +43,11 @@ import numpy as np
 from adamps.client import ControllerRouting, PSClient
 from adamps.exactness import ExactnessLoad, read_shards
 from adamps.layout import Layout, Shard, TensorSpec
-from adamps.localcluster import LocalCluster
+from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_LEASE, FAST_PS_OPTS, LocalCluster
 from adamps.rpc import RpcError, SyncRpc
 
 TOKEN = "chaos-token"
-LEASE = 2.0
+LEASE = FAST_LEASE
 FLUSH_INTERVAL = 0.5
 #: what a whole-cluster crash may lose beyond flush_interval: a flush in progress, a busy machine
 LOSS_MARGIN = 1.5
@@ -55,14 +55,8 @@ N_BUCKETS = 8
 SHARD = 2_000
 TENSOR = TensorSpec("x", (200_000,))  # 100 shards; more elements than pushes
 
-CONTROLLER_OPTS = {
-    "lease-duration": LEASE, "lease-skew": 0.1, "lease-margin": 0.2, "heartbeat-interval": 0.2,
-    "server-timeout": 1.0, "reconcile-interval": 0.1, "commit-timeout": 1.5,
-}  # fmt: skip
-PS_OPTS = {
-    "member-timeout": 0.5, "ping-interval": 0.2, "failover-after": 1.5,
-    "flush-interval": FLUSH_INTERVAL, "max-shard-elems": SHARD,
-}  # fmt: skip
+CONTROLLER_OPTS = FAST_CONTROLLER_OPTS
+PS_OPTS = {**FAST_PS_OPTS, "flush-interval": FLUSH_INTERVAL, "max-shard-elems": SHARD}
 
 MAX_SERVERS = 5
 MIN_SERVERS = 3

@@ -21,7 +21,13 @@ from adamps.client import ControllerRouting, PSClient
 from adamps.core.lease import LeaseTerms, check_history
 from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import LocalCluster, http_json
+from adamps.localcluster import (
+    FAST_CONTROLLER_OPTS,
+    FAST_LEASE,
+    FAST_PS_OPTS,
+    LocalCluster,
+    http_json,
+)
 from adamps.rpc import RpcError, SyncRpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,7 +39,7 @@ pytestmark = [
 ]
 
 TOKEN = "test-token"
-LEASE = 2.0
+LEASE = FAST_LEASE
 N_BUCKETS = 8
 TENSOR = TensorSpec("x", (16_000,))
 PROBE = TensorSpec("y", (8_000,))  # pushed directly to one primary by the first test
@@ -63,12 +69,8 @@ def net() -> Iterator[netns.Net]:
 def cluster(tmp_path: Path, net: netns.Net) -> Iterator[LocalCluster]:
     c = LocalCluster(
         tmp_path, token=TOKEN, n_servers=3, n_buckets=N_BUCKETS,
-        controller_opts={
-            "lease-duration": LEASE, "lease-skew": 0.1, "lease-margin": 0.2, "heartbeat-interval": 0.2,
-            "server-timeout": 1.0, "reconcile-interval": 0.1, "commit-timeout": 1.5,
-        },
-        ps_opts={"member-timeout": 0.5, "ping-interval": 0.2, "failover-after": 1.5, "flush-interval": 0.5,
-                 "max-shard-elems": SHARD},
+        controller_opts=FAST_CONTROLLER_OPTS,
+        ps_opts={**FAST_PS_OPTS, "max-shard-elems": SHARD},
         host_of=lambda name: net.hosts[short(name)],
         wrap=lambda name, argv: net.argv(short(name), argv),
     )  # fmt: skip

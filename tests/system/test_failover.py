@@ -17,13 +17,19 @@ import pytest
 from adamps.client import ControllerRouting, PSClient
 from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import LocalCluster, http_json
+from adamps.localcluster import (
+    FAST_CONTROLLER_OPTS,
+    FAST_LEASE,
+    FAST_PS_OPTS,
+    LocalCluster,
+    http_json,
+)
 from adamps.rpc import RpcError, SyncRpc
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "test-token"
-LEASE = 2.0
+LEASE = FAST_LEASE
 N_BUCKETS = 8
 TENSOR = TensorSpec("x", (16_000,))
 SHARD = 1_000  # 16 shards over 8 buckets
@@ -36,12 +42,8 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
         token=TOKEN,
         n_servers=4,
         n_buckets=N_BUCKETS,
-        controller_opts={
-            "lease-duration": LEASE, "lease-skew": 0.1, "lease-margin": 0.2, "heartbeat-interval": 0.2,
-            "server-timeout": 1.0, "reconcile-interval": 0.1, "commit-timeout": 1.5,
-        },
-        ps_opts={"member-timeout": 0.5, "ping-interval": 0.2, "failover-after": 1.5, "flush-interval": 0.5,
-                 "max-shard-elems": SHARD},
+        controller_opts=FAST_CONTROLLER_OPTS,
+        ps_opts={**FAST_PS_OPTS, "max-shard-elems": SHARD},
     )  # fmt: skip
     try:
         c.start(timeout=60)
