@@ -329,11 +329,22 @@ class _GuardedServer(web.Server):
         super().connection_lost(handler, exc)
 
 
+#: seconds a stopping process lets requests in flight finish
+SHUTDOWN_GRACE = 3.0
+
+
 async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
     """Starts `app` on host:port and returns its runner (for in-process tests and run_app)."""
     limits = app.get(LIMITS_KEY) or HttpLimits()
+    # A stopping process waits this long for requests in flight (aiohttp's default is 60 s): a
+    # push still waiting for its replication round then ends without an answer, which a client
+    # treats as an unknown outcome and retries with the same (client, seq).
     runner = web.AppRunner(
-        app, access_log=None, handle_signals=False, keepalive_timeout=limits.idle_timeout
+        app,
+        access_log=None,
+        handle_signals=False,
+        keepalive_timeout=limits.idle_timeout,
+        shutdown_timeout=SHUTDOWN_GRACE,
     )
     await runner.setup()
     server = runner.server
