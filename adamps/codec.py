@@ -20,6 +20,7 @@ Nothing here loops over elements in Python.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -268,3 +269,23 @@ def words_size(n: int) -> int:
 def rice_size(idx: np.ndarray, k: int) -> int:
     """Bytes of the Rice coding, plus tau (float32) and the count and k (a uint32 and a byte)."""
     return (rice_bits(idx, k) + 7) // 8 + 4 + 4 + 1
+
+
+def parse_taus(entries: Sequence[str]) -> tuple[float | None, dict[str, float]]:
+    """``--compress-tau`` entries: ``TAU`` (every tensor) or ``TENSOR=TAU``; (default, per tensor).
+    ValueError on a malformed entry or a tau that is not a finite number > 0."""
+    default: float | None = None
+    per: dict[str, float] = {}
+    for entry in entries:
+        name, sep, value = entry.rpartition("=")
+        try:
+            tau = float(value)
+        except ValueError:
+            raise ValueError(f"compress_tau entry {entry!r}: {value!r} is not a number") from None
+        if not np.isfinite(tau) or tau <= 0:
+            raise ValueError(f"compress_tau entry {entry!r}: tau must be a finite number > 0")
+        if sep:
+            per[name] = tau
+        else:
+            default = tau
+    return default, per

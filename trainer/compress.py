@@ -33,26 +33,6 @@ from adamps.layout import Shard
 CODINGS = ("words", "rice")
 
 
-def parse_taus(entries: Sequence[str]) -> tuple[float | None, dict[str, float]]:
-    """``--compress-tau`` entries: ``TAU`` (every tensor) or ``TENSOR=TAU``; (default, per tensor).
-    ValueError on a malformed entry or a tau that is not a finite number > 0."""
-    default: float | None = None
-    per: dict[str, float] = {}
-    for entry in entries:
-        name, sep, value = entry.rpartition("=")
-        try:
-            tau = float(value)
-        except ValueError:
-            raise ValueError(f"compress_tau entry {entry!r}: {value!r} is not a number") from None
-        if not np.isfinite(tau) or tau <= 0:
-            raise ValueError(f"compress_tau entry {entry!r}: tau must be a finite number > 0")
-        if sep:
-            per[name] = tau
-        else:
-            default = tau
-    return default, per
-
-
 @dataclass
 class Encoded:
     """One tensor's compressed update: per shard id, the wire map of push_compressed."""
@@ -185,7 +165,7 @@ class Compressor:
     ) -> None:
         self.shards_of = shards_of
         self.fraction = fraction
-        self.default_tau, self.taus = parse_taus(taus)
+        self.default_tau, self.taus = codec.parse_taus(taus)
         self.coding = coding
         self.tensors: dict[str, TensorCompressor] = {}
 

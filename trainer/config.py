@@ -152,7 +152,7 @@ class TrainConfig:
             raise ValueError(
                 f"compress_coding must be 'words' or 'rice', got {self.compress_coding!r}"
             )
-        from trainer.compress import parse_taus
+        from adamps.codec import parse_taus
 
         parse_taus(self.compress_tau)
         if self.warm_start < 0:

@@ -431,7 +431,7 @@ class ControllerBoard(Board):
         self._local = threading.local()
 
     def _ctl(self) -> Any:
-        from controller.client import ControllerClient
+        from adamps.controller_client import ControllerClient
 
         ctl = getattr(self._local, "ctl", None)
         if ctl is None:
@@ -694,7 +694,7 @@ class Replica:
     def _setup_cluster(self) -> None:
         cfg = self.cfg
         if cfg.controllers:
-            from controller.client import ControllerClient
+            from adamps.controller_client import ControllerClient
 
             ctl = ControllerClient(cfg.controllers, cfg.token, retry_for=cfg.wait_timeout)
             try:

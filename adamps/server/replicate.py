@@ -39,6 +39,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from adamps import metrics
+from adamps.controller_client import AsyncControllerClient
 from adamps.core.lease import HolderLeases, LeaseTerms
 from adamps.core.replication import Apply, Assignment, Batch, BucketReplica, Reject
 from adamps.layout import TensorSpec
@@ -270,8 +271,6 @@ class Replicator:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        from controller.client import AsyncControllerClient
-
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self._controller = AsyncControllerClient(
             self.ps.cfg.controllers, self.ps.cfg.token, self._session, timeout=5.0, retry_for=5.0

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from adamps import codec
+from adamps.codec import parse_taus
 from adamps.layout import Layout, TensorSpec
 from adamps.server import optim
 from adamps.server.compressed import signs_of_wire, words_of
 from adamps.server.optim import Dense, Fc, Optimizer, Scratch, Signs
 from adamps.server.replicate import sign_update
-from trainer.compress import Compressor, Encoded, TensorCompressor, parse_taus
+from trainer.compress import Compressor, Encoded, TensorCompressor
 
 # -- server: sparse apply == dense apply of the decoded delta ----------------------------------
 
