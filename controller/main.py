@@ -7,8 +7,8 @@ import asyncio
 import logging
 import sys
 
-from adamps import config as aconfig
 from adamps import web as aweb
+from adamps.role import role_parser, run_role
 from controller.config import ControllerConfig
 from controller.service import ControllerService
 
@@ -16,23 +16,26 @@ log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="adamps controller",
-        description="Run one controller node: a Raft member holding the cluster configuration "
+    return role_parser(
+        "adamps controller",
+        "Run one controller node: a Raft member holding the cluster configuration "
         "(servers, buckets, leases, layout) and serving its admin HTTP API.",
+        ControllerConfig,
     )
-    aconfig.add_arguments(parser, ControllerConfig)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = aconfig.load(ControllerConfig, "controller", args)
-    except aconfig.ConfigError as exc:
-        print(f"adamps controller: {exc}", file=sys.stderr)
-        return 2
-    aweb.setup_logging(cfg.log_level, f"controller[{cfg.member}]")
+    return run_role(
+        build_parser(),
+        ControllerConfig,
+        "controller",
+        argv,
+        serve,
+        lambda c: f"controller[{c.member}]",
+    )
+
+
+def serve(cfg: ControllerConfig) -> int:
     service = ControllerService(cfg)
     app = service.make_app()
     host = cfg.bind_host or cfg.self_host

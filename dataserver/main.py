@@ -7,8 +7,8 @@ import asyncio
 import logging
 import sys
 
-from adamps import config as adamps_config
 from adamps import web as adamps_web
+from adamps.role import role_parser, run_role
 from dataserver.cache import CacheTooSmall
 from dataserver.config import DataServerConfig
 from dataserver.service import DataServer
@@ -18,22 +18,18 @@ log = logging.getLogger("dataserver")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="adamps dataserver",
-        description="Serve a dataset's training images, augmented ahead of time, as batch streams to trainers.",
+    return role_parser(
+        "adamps dataserver",
+        "Serve a dataset's training images, augmented ahead of time, as batch streams to trainers.",
+        DataServerConfig,
     )
-    adamps_config.add_arguments(p, DataServerConfig)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = adamps_config.load(DataServerConfig, "dataserver", args)
-    except adamps_config.ConfigError as exc:
-        print(f"adamps dataserver: {exc}", file=sys.stderr)
-        return 2
-    adamps_web.setup_logging(cfg.log_level, "dataserver")
+    return run_role(build_parser(), DataServerConfig, "dataserver", argv, serve)
+
+
+def serve(cfg: DataServerConfig) -> int:
     try:
         dataset = load_source(cfg.source, holdout=cfg.holdout, seed=cfg.seed, color=cfg.color)
     except SourceError as exc:

@@ -25,6 +25,7 @@ from typing import Any
 from adamps import config as aconfig
 from adamps import metrics as am
 from adamps import web as aweb
+from adamps.role import role_parser, run_role
 from trainer.config import TrainConfig
 
 log = logging.getLogger("trainer")
@@ -72,22 +73,18 @@ class MetricsServer:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="adamps train",
-        description="Run one model replica (Downpour SGD with Hogwild workers).",
+    return role_parser(
+        "adamps train", "Run one model replica (Downpour SGD with Hogwild workers).", TrainConfig
     )
-    aconfig.add_arguments(parser, TrainConfig)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = aconfig.load(TrainConfig, "train", args)
-    except aconfig.ConfigError as exc:
-        print(f"adamps train: {exc}", file=sys.stderr)
-        return 2
-    aweb.setup_logging(cfg.log_level, role=f"train[{cfg.replica}]")
+    return run_role(
+        build_parser(), TrainConfig, "train", argv, serve, lambda c: f"train[{c.replica}]"
+    )
+
+
+def serve(cfg: TrainConfig) -> int:
     from trainer.downpour import Replica
 
     registry = am.new_registry()

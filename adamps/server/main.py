@@ -10,6 +10,7 @@ import logging
 import sys
 
 from adamps import config, web
+from adamps.role import role_parser, run_role
 from adamps.server.config import PsConfig
 
 log = logging.getLogger("adamps.ps")
@@ -45,22 +46,19 @@ def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 256 << 20)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="adamps ps",
-        description="Run a parameter server (Project Adam 3.3) on its static bucket map.",
+    return role_parser(
+        "adamps ps",
+        "Run a parameter server (Project Adam 3.3): under controllers, or alone on a static "
+        "bucket map.",
+        PsConfig,
     )
-    config.add_arguments(parser, PsConfig)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = config.load(PsConfig, "ps", args)
-    except config.ConfigError as exc:
-        print(f"adamps ps: {exc}", file=sys.stderr)
-        return 2
-    web.setup_logging(cfg.log_level, "ps")
+    return run_role(build_parser(), PsConfig, "ps", argv, serve)
+
+
+def serve(cfg: PsConfig) -> int:
     if cfg.tune_malloc:
         log.info("glibc malloc thresholds raised: %s", tune_malloc())
 
