@@ -48,6 +48,8 @@ ERROR_CODES = {"stale_epoch", "conflict", "not_found", "unknown_bucket", "bad_re
 #: operations asked for by clients: dry-run on a copy of the state before they are proposed
 #: (those whose apply can refuse; register, rebalance and report_progress always succeed once
 #: their arguments passed the handlers' checks, so they skip the copy)
+#: pysyncobj's getStatus()["state"] of a leader (0 follower, 1 candidate, 2 leader): its public API
+RAFT_LEADER = 2
 DRY_RUN_OPS = frozenset(
     {
         "drain",
@@ -199,10 +201,10 @@ class ControllerService:
     # -- raft helpers ----------------------------------------------------------------------
 
     def is_leader(self) -> bool:
-        return bool(self.node._isLeader())
+        return self.node.getStatus()["state"] == RAFT_LEADER
 
     def leader_raft(self) -> str | None:
-        leader = self.node._getLeader()
+        leader = self.node.getStatus()["leader"]
         return None if leader is None else leader.address
 
     def has_quorum(self) -> bool:

@@ -682,6 +682,8 @@ class Replica:
         self.reported_epoch = 0  #: last finished epoch reported to the board
         self.warm_marked = cfg.replica != 0
         self.last_staleness: int | None = None
+        #: fetches installed so far (also the adamps_trainer fetch counter; read here, not there)
+        self.fetches = 0
         self._stopping = threading.Event()
         self._n_train: int | None = None
         self._rate_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
@@ -1029,6 +1031,7 @@ class Replica:
                     self.last_staleness = self.step - fetcher.requested_at
                     self.m.staleness.set(self.last_staleness)
                     self.m.fetches.inc()
+                    self.fetches += 1
                 if not fetcher.pending and steps_since_fetch >= cfg.n_fetch and self.warm_marked:
                     fetcher.request(self.step)
                     steps_since_fetch = 0
@@ -1051,7 +1054,7 @@ class Replica:
             "installing fetches %.2f",
             epoch, stats.images, stats.loss_sum / max(stats.batches, 1),
             stats.images / max(stats.seconds, 1e-9), " (moved on)" if stats.moved_on else "",
-            self.m.fetches._value.get(), self.last_staleness, self.pushq.merged,
+            self.fetches, self.last_staleness, self.pushq.merged,
             stats.t_data, stats.t_compute, stats.t_install,
         )  # fmt: skip
 
