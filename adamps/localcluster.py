@@ -12,13 +12,12 @@ import os
 import shutil
 import signal
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from adamps.procs import Proc, adamps_argv, free_port
+from adamps.rpc import http_json  # noqa: F401  (re-exported: the tests use it from here)
 
 #: Timings of the fault tests and benchmarks: 2 s leases, a silent server declared dead after
 #: 1 s, a silent primary replaced after 1.5 s, so a failover completes in about 2.5 s.
@@ -30,27 +29,6 @@ FAST_CONTROLLER_OPTS: dict[str, Any] = {
 FAST_PS_OPTS: dict[str, Any] = {
     "member-timeout": 0.5, "ping-interval": 0.2, "failover-after": 1.5, "flush-interval": 0.5,
 }  # fmt: skip
-
-
-def http_json(
-    url: str, method: str = "GET", body: Any = None, token: str | None = None, timeout: float = 2.0
-) -> tuple[int, Any]:
-    """(status, JSON body) of one request; (0, None) when nothing answered."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        try:
-            return exc.code, json.loads(exc.read() or b"null")
-        except ValueError:
-            return exc.code, None
-    except (urllib.error.URLError, OSError, ValueError):
-        return 0, None
 
 
 class LocalCluster:

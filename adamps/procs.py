@@ -14,10 +14,10 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from adamps.rpc import http_json
 
 #: environment variable naming the pid of the process whose death must end the child
 PARENT_ENV = "ADAMPS_DIE_WITH_PARENT"
@@ -125,12 +125,8 @@ class Proc:
                 raise RuntimeError(
                     f"{self.name} exited with {self.returncode} before {url} answered:\n{self.tail()}"
                 )
-            try:
-                with urllib.request.urlopen(url, timeout=1.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if http_json(url, timeout=1.0)[0] == 200:
+                return
             time.sleep(0.05)
         raise TimeoutError(f"{self.name}: {url} did not answer within {timeout}s:\n{self.tail()}")
 

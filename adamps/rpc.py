@@ -11,6 +11,8 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import urllib.error
+import urllib.request
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -183,3 +185,42 @@ class AsyncRpc:
         if self._own_session and self._session is not None:
             await self._session.close()
             self._session = None
+
+
+# -- one-off JSON requests (admin endpoints, health probes, tools) --------------------------------
+
+
+def base_url(addr: str) -> str:
+    """'host:port' or a URL -> a URL without a trailing slash."""
+    return (addr if "://" in addr else f"http://{addr}").rstrip("/")
+
+
+def http_json(
+    url: str, method: str = "GET", body: Any = None, token: str | None = None, timeout: float = 2.0
+) -> tuple[int, Any]:
+    """(status, JSON body) of one request; (0, None) when nothing answered. The one helper for a
+    single JSON request; repeated calls to one server use SyncRpc/AsyncRpc instead."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, json.loads(exc.read() or b"null")
+        except ValueError:
+            return exc.code, None
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, None
+
+
+def get_json(addr: str, path: str, timeout: float = 10.0) -> Any:
+    """GET `path` of `addr` ('host:port' or URL): its JSON body; ConnectionError if it did not
+    answer 200."""
+    status, body = http_json(base_url(addr) + path, timeout=timeout)
+    if status != 200:
+        raise ConnectionError(f"GET {base_url(addr)}{path}: {status or 'no answer'}")
+    return body

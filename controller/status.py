@@ -9,6 +9,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from adamps.rpc import get_json
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -23,11 +25,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the raw /cluster JSON instead")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds per request")
     return parser
-
-
-def _get(addr: str, path: str, timeout: float) -> Any:
-    with urllib.request.urlopen(f"http://{addr}{path}", timeout=timeout) as resp:
-        return json.loads(resp.read())
 
 
 def table(rows: list[list[Any]], header: list[str]) -> str:
@@ -121,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     view = progress = None
     for addr in addrs:
         try:
-            st = _get(addr, "/status", args.timeout)["raft"]
+            st = get_json(addr, "/status", args.timeout)["raft"]
             controllers.append({"addr": addr, **st})
             if view is None:
-                view = _get(addr, "/cluster", args.timeout)
-                progress = _get(addr, "/progress", args.timeout).get("epochs", {})
+                view = get_json(addr, "/cluster", args.timeout)
+                progress = get_json(addr, "/progress", args.timeout).get("epochs", {})
         except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
             controllers.append({"addr": addr, "role": f"unreachable ({type(exc).__name__})"})
     if view is None:

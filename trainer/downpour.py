@@ -46,7 +46,6 @@ import math
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +56,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from adamps import metrics as am
 from adamps.client import ControllerRouting, PSClient, StaticRouting
 from adamps.layout import Layout, TensorSpec
+from adamps.rpc import get_json
 from trainer import export
 from trainer.config import TrainConfig
 from trainer.hogwild import Hogwild
@@ -705,7 +705,7 @@ class Replica:
                 ctl.close()
             routing: Any = ControllerRouting(cfg.controllers)
         else:
-            status = _get_json(cfg.ps[0], "/status")
+            status = get_json(cfg.ps[0], "/status")
             n_buckets = int(status["n_buckets"])
             max_elems = int(status.get("config", {}).get("max_shard_elems", 262_144))
             self.layout = Layout(self.tensors, n_buckets, max_elems)
@@ -889,7 +889,7 @@ class Replica:
         self._setup_cluster()
         assert self.client is not None and self.board is not None
         with contextlib.suppress(Exception):
-            self._n_train = int(_get_json(cfg.dataservers[0], "/status")["n_train_total"])
+            self._n_train = int(get_json(cfg.dataservers[0], "/status")["n_train_total"])
         test_x, test_y = self._heldout() if cfg.replica == 0 else (None, None)
         if cfg.replica == 0:
             self._create_tensors()
@@ -1169,9 +1169,3 @@ def _progress_bar(epoch: int, n_train: int | None, cfg: TrainConfig) -> Any:
 
     total = None if n_train is None else math.ceil(n_train / cfg.n_replicas)
     return tqdm(total=total, desc=f"epoch {epoch}/{cfg.epochs}", unit="img", leave=True)
-
-
-def _get_json(url: str, path: str, timeout: float = 10.0) -> dict[str, Any]:
-    base = url if "://" in url else f"http://{url}"
-    with urllib.request.urlopen(base.rstrip("/") + path, timeout=timeout) as resp:
-        return json.loads(resp.read())
