@@ -553,13 +553,21 @@ class ClusterModel:
     def drop_secondary(
         self, b: int, primary: str, epoch: int, sid: str, now: float
     ) -> dict[str, Any]:
-        """The primary removes an unresponsive secondary before acknowledging without it."""
+        """The primary removes an unresponsive secondary before acknowledging without it. Only a
+        primary live in the incarnation its lease was granted to: one declared dead (or
+        restarted) may be a paused process waking up, whose drop would take the last live copy
+        out of the replica set."""
         now = self._tick(now)
         if not 0 <= b < self.n_buckets:
             return _err("unknown_bucket", f"no bucket {b}")
         bk = self.buckets[b]
         lease: Lease | None = bk["lease"]
-        if lease is None or lease.holder != primary or lease.epoch != epoch:
+        if (
+            lease is None
+            or lease.holder != primary
+            or lease.epoch != epoch
+            or not self._holder_live(b)
+        ):
             return _err("stale_epoch", f"{primary!r} does not hold epoch {epoch} of bucket {b}")
         changed = False
         for key in ("holders", "joining"):

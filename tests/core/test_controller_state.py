@@ -349,3 +349,22 @@ def test_an_offer_of_a_copy_the_server_let_go_is_void() -> None:
     )
     assert m.write_off(b, 100.0 + WAIT)["from"] == "initial values"
     validate(m)
+
+
+def test_a_primary_declared_dead_drops_nobody() -> None:
+    """Found by the nemesis (seed 406): the primary and one secondary paused past their timeout,
+    both declared dead; the third copy, live, is then the bucket's only member. The primary
+    wakes up, finds that copy slow and asks to drop it: accepted, the bucket would have no live
+    member and no candidate (every copy's server left while another member was live)."""
+    m = cluster(3)
+    b = next(b for b in range(64) if m.primary_of(b) == "ps1")
+    epoch = m.buckets[b]["lease"].epoch
+    survivor = next(s for s in m.holders_of(b) if s != "ps1")
+    m.declare_dead("ps1", 101.0)
+    for s in m.holders_of(b):
+        if s != survivor:
+            m.declare_dead(s, 101.0)
+    assert m.live_members(b) == [survivor]
+    assert m.drop_secondary(b, "ps1", epoch, survivor, 101.5)["error"] == "stale_epoch"
+    assert m.live_members(b) == [survivor] and not m.unavailable(b)
+    validate(m)
