@@ -1,7 +1,8 @@
 """The nemesis in CI: one seeded random schedule of about 60 s of faults against real processes.
 
 Reference: issue 11 ("A nemesis in the project's own suite"), Jepsen's shape. The seed comes from
-`ADAMPS_NEMESIS_SEED` (else random) and is printed first; `ADAMPS_NEMESIS_SECONDS` sets the
+`ADAMPS_NEMESIS_SEED`, else, under CI (`CI` set), from seeds the soak passed (one per day,
+`nemesis.CI_SEEDS`: a landing must not depend on a lottery), else random; it is printed first; `ADAMPS_NEMESIS_SECONDS` sets the
 planned length of the schedule (default 60) and `ADAMPS_NEMESIS_FAULTS` restricts the step kinds
 (comma separated, e.g. `kill1,pause1,leader_kill,add,rebalance`; default every kind). On failure
 the assertion message holds the seed, the schedule and the timestamped history; the run directory
