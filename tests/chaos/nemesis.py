@@ -643,7 +643,7 @@ class Nemesis:
 
 #: seeds the soak passed: CI draws from these (by the day), so a landing never hangs on a lottery
 #: while every day still exercises another schedule; developers and the soak draw new seeds
-CI_SEEDS = (401, 403, 404, 407, 408, 409)
+CI_SEEDS = (407, 409, 410, 411, 412, 413)
 
 
 def seed_from_env() -> int:
