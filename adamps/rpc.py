@@ -198,8 +198,9 @@ def base_url(addr: str) -> str:
 def http_json(
     url: str, method: str = "GET", body: Any = None, token: str | None = None, timeout: float = 2.0
 ) -> tuple[int, Any]:
-    """(status, JSON body) of one request; (0, None) when nothing answered. The one helper for a
-    single JSON request; repeated calls to one server use SyncRpc/AsyncRpc instead."""
+    """(status, JSON body) of one request; (0, None) when nothing answered, (status, None) when
+    the body is not JSON (a health probe's text). The one helper for a single request; repeated
+    calls to one server use SyncRpc/AsyncRpc instead."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Content-Type", "application/json")
@@ -207,14 +208,15 @@ def http_json(
         req.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
+            status, raw = resp.status, resp.read()
     except urllib.error.HTTPError as exc:
-        try:
-            return exc.code, json.loads(exc.read() or b"null")
-        except ValueError:
-            return exc.code, None
+        status, raw = exc.code, exc.read()
     except (urllib.error.URLError, OSError, ValueError):
         return 0, None
+    try:
+        return status, json.loads(raw or b"null")
+    except ValueError:
+        return status, None
 
 
 def get_json(addr: str, path: str, timeout: float = 10.0) -> Any:

@@ -102,3 +102,29 @@ async def test_raw_garbage_oversize_chunked_and_bugs(server: str) -> None:
             assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
         async with s.get(server + "/healthz") as r:
             assert r.status == 200
+
+
+def test_one_off_requests_report_the_status_of_a_text_body(tmp_path) -> None:
+    """A health probe's body need not be JSON (Prometheus' /-/ready is text): the status counts."""
+    import http.server
+    import threading
+
+    from adamps.rpc import http_json
+
+    class Text(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"Server is Ready.")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Text)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert http_json(f"http://127.0.0.1:{server.server_port}/-/ready") == (200, None)
+    finally:
+        server.shutdown()
+        server.server_close()
