@@ -48,7 +48,7 @@ class Progress:
         self.interval = interval or (0.1 if self.tty else LOG_INTERVAL)
         options: dict[str, Any] = {"file": out, "dynamic_ncols": True}
         if not self.tty:
-            options = {"file": _Lines(out), "ncols": 100, "ascii": True}
+            options = {"file": _Lines(out), "ascii": True}
         self.bar = tqdm(
             total=total, desc=desc, unit=unit, leave=True,
             # miniters=0: redraws are paced by time only (also on update(0), for a new status)
