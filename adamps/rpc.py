@@ -15,6 +15,7 @@ not done here: it is the callers' (``adamps.retry``), who know what is safe to r
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -147,7 +148,7 @@ class Stream:
             raise _transport_error(exc, self._where, self._rpc.timeout) from exc
 
 
-class SyncRpc(_Verbs):
+class SyncRpc(_Verbs, contextlib.AbstractContextManager["SyncRpc"]):
     """A blocking client of one server over one keep-alive connection."""
 
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0) -> None:
@@ -211,9 +212,6 @@ class SyncRpc(_Verbs):
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-
-    def __enter__(self) -> SyncRpc:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -18,7 +18,7 @@ import pytest
 from adamps.exactness import ExactnessLoad
 from adamps.localcluster import LocalCluster
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replicated_cluster import LEASE, digests_agree, make_client, running_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]

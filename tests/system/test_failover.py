@@ -17,11 +17,11 @@ import pytest
 
 from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout
-from adamps.localcluster import LocalCluster, http_json
+from adamps.localcluster import LocalCluster
 from adamps.rpc import RpcError, SyncRpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replicated_cluster import (  # noqa: E402  (beside this file; the tests import in importlib mode)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from replicated_cluster import (  # noqa: E402  (in tests/; the tests import in importlib mode)
     LEASE,
     N_BUCKETS,
     SHARD,
@@ -170,11 +170,7 @@ def test_controller_leader_killed_during_a_server_failover(cluster: LocalCluster
     victim = busiest_primary(cluster)
 
     def fault() -> dict:
-        leader = None
-        for i, addr in enumerate(cluster.controllers):
-            code, st = http_json(f"http://{addr}/status")
-            if code == 200 and st["raft"]["role"] == "leader":
-                leader = i
+        leader = cluster.controller_leader()
         assert leader is not None
         cluster.kill(victim)
         time.sleep(0.5)

@@ -1,7 +1,8 @@
-"""What the replicated-cluster fault tests share (test_failover.py, test_compressed_failover.py):
-one tensor of 16 shards over 8 buckets, a cluster of 3 controllers and N parameter servers with
-the fast timings, a client that creates the tensor, and the check that every bucket's replicas
-agree. Imported from beside the tests (they run in importlib mode)."""
+"""What the replicated-cluster fault tests share (system/test_failover.py,
+system/test_compressed_failover.py, chaos/test_partitions.py): one tensor of 16 shards over 8
+buckets, a cluster of 3 controllers and N parameter servers with the fast timings, a client that
+creates the tensor, and the check that every bucket's replicas agree. The tests import it by
+putting tests/ on sys.path (they run in importlib mode)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from adamps.client import ControllerRouting, PSClient
 from adamps.layout import Layout, TensorSpec
@@ -23,8 +25,9 @@ SHARD = 1_000  # 16 shards over 8 buckets
 
 
 @contextmanager
-def running_cluster(root: Path, n_servers: int) -> Iterator[LocalCluster]:
-    """A started cluster, every bucket placed; stopped on exit."""
+def running_cluster(root: Path, n_servers: int, **more: Any) -> Iterator[LocalCluster]:
+    """A started cluster, every bucket placed; stopped on exit. `more`: further LocalCluster
+    arguments (where the processes run)."""
     c = LocalCluster(
         root,
         token=TOKEN,
@@ -32,6 +35,7 @@ def running_cluster(root: Path, n_servers: int) -> Iterator[LocalCluster]:
         n_buckets=N_BUCKETS,
         controller_opts=FAST_CONTROLLER_OPTS,
         ps_opts={**FAST_PS_OPTS, "max-shard-elems": SHARD},
+        **more,
     )  # fmt: skip
     try:
         c.start(timeout=60)
