@@ -278,7 +278,8 @@ def http_json(
     calls to one server use SyncRpc/AsyncRpc instead."""
     parts = urlsplit(url)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    req = Request(method, path) if body is None else json_request(method, path, body)
+    data = None if body is None else json.dumps(body).encode()
+    req = Request(method, path, data)
     try:
         with SyncRpc(f"{parts.scheme}://{parts.netloc}", token, timeout) as rpc:
             status, raw = rpc.exchange(req)
