@@ -270,25 +270,39 @@ class AsyncRpc(_Verbs):
 # -- one-off JSON requests (admin endpoints, health probes, tools) --------------------------------
 
 
+def http_exchange(
+    url: str, method: str = "GET", body: Any = None, token: str | None = None, timeout: float = 2.0
+) -> tuple[int, bytes]:
+    """(status, raw body) of one request with JSON `body`; (0, b"") when nothing answered."""
+    parts = urlsplit(url)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        with SyncRpc(f"{parts.scheme}://{parts.netloc}", token, timeout) as rpc:
+            return rpc.exchange(Request(method, path, data))
+    except (OSError, ValueError):
+        return 0, b""
+
+
 def http_json(
     url: str, method: str = "GET", body: Any = None, token: str | None = None, timeout: float = 2.0
 ) -> tuple[int, Any]:
     """(status, JSON body) of one request; (0, None) when nothing answered, (status, None) when
     the body is not JSON (a health probe's text). The one helper for a single request; repeated
     calls to one server use SyncRpc/AsyncRpc instead."""
-    parts = urlsplit(url)
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    data = None if body is None else json.dumps(body).encode()
-    req = Request(method, path, data)
+    status, raw = http_exchange(url, method, body, token, timeout)
     try:
-        with SyncRpc(f"{parts.scheme}://{parts.netloc}", token, timeout) as rpc:
-            status, raw = rpc.exchange(req)
-    except (OSError, ValueError):
-        return 0, None
-    try:
-        return status, json.loads(raw or b"null")
+        return status, (json.loads(raw or b"null") if status else None)
     except ValueError:
         return status, None
+
+
+def get_text(addr: str, path: str, timeout: float = 10.0) -> str:
+    """GET `path` of `addr` as text (a /metrics page); ConnectionError if it did not answer 200."""
+    status, raw = http_exchange(base_url(addr) + path, timeout=timeout)
+    if status != 200:
+        raise ConnectionError(f"GET {base_url(addr)}{path}: {status or 'no answer'}")
+    return raw.decode()
 
 
 def get_json(addr: str, path: str, timeout: float = 10.0) -> Any:
