@@ -185,12 +185,20 @@ class SyncRpc(_Verbs, contextlib.AbstractContextManager["SyncRpc"]):
 
     def exchange(self, req: Request) -> tuple[int, bytes]:
         """(status, body) of `req`, whatever the status."""
+        return self._request(req.method, req.path, req.body, req.content_type)
+
+    def _request(
+        self, method: str, path: str, body: bytes | None, content_type: str
+    ) -> tuple[int, bytes]:
+        # Every whole exchange passes here: a subclass may count or record them (a metered
+        # client counts the bytes of each body).
+        req = Request(method, path, body, content_type)
         resp = self._response(req)
         try:
             data = resp.read()
         except (OSError, http.client.HTTPException) as exc:
             self.close()
-            raise _transport_error(exc, f"{self.base_url}{req.path}", self.timeout) from exc
+            raise _transport_error(exc, f"{self.base_url}{path}", self.timeout) from exc
         if resp.getheader("Connection", "").lower() == "close":
             self.close()
         return resp.status, data
