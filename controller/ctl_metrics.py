@@ -3,15 +3,10 @@ buckets, and the writes it proposed."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from adamps import metrics
 from controller.state import ClusterModel, ReplicatedCluster
-
-if TYPE_CHECKING:
-    from controller.raft_node import RaftNode
 
 
 class ControllerMetrics:
@@ -75,17 +70,19 @@ class ControllerMetrics:
             registry=r,
         )
 
-    def update(self, raft: RaftNode, cluster: ReplicatedCluster) -> None:
+    def update(
+        self, leader: bool, term: int, commit_index: int, cluster: ReplicatedCluster
+    ) -> None:
         """The gauges from the node's Raft view and its applied state."""
-        self.leader.set(1 if raft.is_leader() else 0)
-        self.term.set(raft.node.raftCurrentTerm)
-        self.commit.set(raft.node.raftCommitIndex)
+        self.leader.set(1 if leader else 0)
+        self.term.set(term)
+        self.commit.set(commit_index)
 
         def snap(m: ClusterModel) -> tuple[dict[str, int], int, int, int, int, int]:
             states: dict[str, int] = {"live": 0, "dead": 0, "draining": 0}
             for rec in m.servers.values():
                 states[rec["state"]] = states.get(rec["state"], 0) + 1
-            unassigned = sum(1 for b in range(m.n_buckets) if not m._holder_live(b))
+            unassigned = sum(1 for b in range(m.n_buckets) if not m.holder_live(b))
             unavailable = sum(1 for b in range(m.n_buckets) if m.unavailable(b))
             lost = getattr(m, "declared_lost", 0)
             return states, m.under_replicated(), unassigned, unavailable, lost, m.version

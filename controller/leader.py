@@ -57,7 +57,9 @@ class LeaderDuties:
         while True:
             try:
                 await self._leader_step()
-                self.m.update(self.raft, self.cluster)
+                self.m.update(
+                    self.raft.is_leader(), self.raft.term, self.raft.commit_index, self.cluster
+                )
             except asyncio.CancelledError:
                 raise
             except ProtocolError as exc:
@@ -82,7 +84,7 @@ class LeaderDuties:
             # A new leader knows no heartbeat yet: everybody's silence clock starts now.
             self._was_leader = True
             self.last_seen = {}
-            log.info("this node leads (term %d)", self.raft.node.raftCurrentTerm)
+            log.info("this node leads (term %d)", self.raft.term)
         elif stalled:
             # This node itself was stopped or starved (a pause, a flooded port): the heartbeats
             # of that time were never read, so their absence says nothing about the servers.

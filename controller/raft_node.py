@@ -15,12 +15,13 @@ import os
 import time
 from typing import Any
 
-from pysyncobj import FAIL_REASON
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
 
 from adamps.protocol import ProtocolError
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
-from controller.state import ReplicatedCluster, make_node, raft_conf
+from controller.raft_transport import RaftLimits, transport_class
+from controller.state import ReplicatedCluster
 
 #: pysyncobj's getStatus()["state"] of a leader (0 follower, 1 candidate, 2 leader): its public API
 RAFT_LEADER = 2
@@ -94,6 +95,14 @@ class RaftNode:
     def last_applied(self) -> int:
         """The index of the last entry applied on this node."""
         return self.node.raftLastApplied
+
+    @property
+    def term(self) -> int:
+        return self.node.raftCurrentTerm
+
+    @property
+    def commit_index(self) -> int:
+        return self.node.raftCommitIndex
 
     def is_ready(self) -> bool:
         """This node has applied the log it found at start (a new leader has caught up)."""
@@ -175,3 +184,62 @@ class RaftNode:
 
     def close(self) -> None:
         self.node.destroy()
+
+
+def raft_conf(
+    *,
+    password: str,
+    journal_file: str,
+    dump_file: str,
+    fast: bool = True,
+    **overrides: Any,
+) -> SyncObjConf:
+    """pysyncobj settings: always a password, a journal AND a full dump, fast elections.
+
+    Timings: a follower starts an election 0.3-0.9 s after the last append from the leader, so a
+    new leader is normally in place within ~1-2 s of a crash; a leader that hears from no
+    majority for 1 s steps down (the default 30 s would let a cut-off leader believe it leads).
+    """
+    if not password:
+        raise ValueError("pysyncobj needs a password: its port carries pickled data")
+    if not journal_file or not dump_file:
+        raise ValueError("both a journal file and a full-dump file are required")
+    opts: dict[str, Any] = {
+        "password": password,
+        "journalFile": journal_file,
+        "fullDumpFile": dump_file,
+        # Fork-free dumps: the controller also runs an aiohttp thread, and the state is small.
+        "useFork": False,
+        "commandsWaitLeader": False,
+        "dynamicMembershipChange": False,
+    }
+    if fast:
+        opts.update(
+            raftMinTimeout=0.3,
+            raftMaxTimeout=0.9,
+            appendEntriesPeriod=0.05,
+            connectionTimeout=1.5,
+            connectionRetryTime=0.3,
+            leaderFallbackTimeout=1.0,
+            autoTickPeriod=0.02,
+        )
+    opts.update(overrides)
+    return SyncObjConf(**opts)
+
+
+def make_node(
+    self_addr: str,
+    partners: list[str],
+    cluster: ReplicatedCluster,
+    conf: SyncObjConf,
+    limits: RaftLimits | None = None,
+) -> SyncObj:
+    """A Raft node on `self_addr` (host:port) replicating `cluster` with `partners`, on the
+    bounded transport (bound to its own address; controller/raft_transport.py)."""
+    return SyncObj(
+        self_addr,
+        partners,
+        conf=conf,
+        consumers=[cluster],
+        transportClass=transport_class(limits or RaftLimits()),
+    )

@@ -167,7 +167,7 @@ class ControllerService:
                     self.leader.record_report(bi, sid, [epoch, seq])
             holds = self.cluster.read(
                 lambda m: any(
-                    m.primary_of(b) == sid and m._holder_live(b) for b in range(m.n_buckets)
+                    m.primary_of(b) == sid and m.holder_live(b) for b in range(m.n_buckets)
                 )
             )
             renewed: dict[str, Any] = {"renewed": [], "at": None}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: packages whose modules talk to each other only through public names
-PUBLIC_ONLY = ("adamps/server",)
+PUBLIC_ONLY = ("adamps/server", "controller")
 
 
 def test_the_import_contracts_hold() -> None:
@@ -50,8 +50,20 @@ def private_reads(path: Path) -> list[str]:
     return bad
 
 
+#: modules exempt, and why
+EXEMPT = {
+    # pysyncobj's TCP transport, subclassed: its private members are the interface it overrides
+    # (pysyncobj's version is pinned in pyproject.toml for this reason)
+    "controller/raft_transport.py",
+}
+
+
 def test_no_module_reads_another_objects_private_members() -> None:
     bad = [
-        b for d in PUBLIC_ONLY for p in sorted((ROOT / d).glob("*.py")) for b in private_reads(p)
+        b
+        for d in PUBLIC_ONLY
+        for p in sorted((ROOT / d).glob("*.py"))
+        if str(p.relative_to(ROOT)) not in EXEMPT
+        for b in private_reads(p)
     ]
     assert not bad, "private members read from outside their object:\n" + "\n".join(bad)
