@@ -12,18 +12,16 @@ from typing import Any
 
 from adamps.localcluster import LocalCluster
 from adamps.procs import Proc
+from adamps.rpc import get_text
 
 
 def scrape(addr: str, timeout: float = 1.0) -> dict[str, float]:
     """Sample name -> value of a process's /metrics (unlabelled samples only); {} if no answer."""
-    import urllib.request
-
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=timeout) as resp:
-            text = resp.read().decode()
-    except (OSError, ValueError):
+        text = get_text(addr, "/metrics", timeout)
+    except (OSError, ValueError):  # no answer, not 200, not text
         return {}
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
