@@ -36,7 +36,6 @@ from adamps.server.optim import OptimError
 from adamps.server.persist import Flusher, Persister, Position
 from adamps.server.psmetrics import PsMetrics
 from adamps.server.reads import Reads
-from adamps.server.repl_wire import REPL_OPS
 from adamps.server.replicate import Replicator
 from adamps.server.shards import Snapshot, StoreError
 from adamps.server.store import Store
@@ -115,8 +114,7 @@ class ParameterServer:
         if cfg.debug_ops:
             self._ops["debug_fail"] = self.op_debug_fail
         if self.replicator is not None:
-            for op in REPL_OPS:
-                self._ops[op] = getattr(self.replicator, f"op_{op}")
+            self._ops.update(self.replicator.handlers())
 
     def _cut(self) -> tuple[list[Snapshot], dict[int, Position] | None]:
         """The flush's cut on a replicated server: the copies of the dirty shards are queued on

@@ -29,9 +29,8 @@ class Follower:
         rep = self.known(b)
         entries = [batch_from_wire(e) for e in require(msg, "entries", list)]
         for e in entries:
-            store_parts(
-                self.store, e.updates
-            )  # validates shard ids and kinds before anything is kept
+            # Validates shard ids and kinds before anything is kept.
+            store_parts(self.store, e.updates)
         res = rep.on_prepare(require(msg, "sender", str), require(msg, "epoch", int), entries)
         if isinstance(res, Reject):
             raise self.reject(res, b)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -44,7 +44,7 @@ from adamps.server.repl_metrics import ReplMetrics
 from adamps.server.repl_peers import Peers
 from adamps.server.repl_rounds import PrimaryRounds
 from adamps.server.repl_transfer import StateTransfer
-from adamps.server.repl_wire import not_primary, store_parts
+from adamps.server.repl_wire import REPL_OPS, not_primary, store_parts
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
 
@@ -389,6 +389,10 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         return asyncio.gather(*futs)
 
     # -- secondary: messages from the primary ---------------------------------------------------------
+
+    def handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]:
+        """The replication ops this server serves on POST /rpc (peer traffic), by name."""
+        return {op: getattr(self, f"op_{op}") for op in REPL_OPS}
 
     def known(self, b: int) -> BucketReplica:
         rep = self.buckets.get(b)

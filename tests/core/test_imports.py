@@ -4,7 +4,10 @@
   (`controller`, `dataserver`, `trainer`) build on it, never the other way round; only the console
   script (`adamps.cli`), which dispatches to every role, may import them;
 - the parameter server in layers: HTTP and the data plane -> the write and read paths ->
-  replication -> the tensor catalog -> LMDB -> the store.
+  replication -> the tensor catalog -> LMDB -> the store; HTTP and the data plane reach the
+  owner threads and the replication rounds only through the write and read paths;
+- the controller in layers: HTTP service -> leader duties and forwarding -> Raft node ->
+  replicated state -> its pure model -> placement.
 
 Every import counts, lazy ones inside functions included. And no module of the parameter server
 or of the controller reads another object's private members (`ps._wait`, `m._holder_live`):
