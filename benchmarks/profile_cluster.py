@@ -3,7 +3,7 @@
 Runs benchmarks/accuracy_cluster.py (1 parameter server, 1 data server, `--replicas` trainers as
 real processes) and, once the trainers train, records each of the parameter server, the data server
 and trainer 0 (with its worker processes: --subprocesses) for `--duration` seconds with
-`py-spy record --format speedscope --function --nonblocking` (all three at once), while reading each
+`py-spy record --format speedscope --function` (all three at once), while reading each
 process's CPU seconds from /proc over the same window. Then it prints, per process, the CPU it used
 in the window and its top functions by own time ("self", the leaf of each sample) and by time
 inside them ("total"), as shares of that process's samples: the tables `py-spy top` shows
@@ -33,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 #: CPU seconds of all threads of a process, from /proc/<pid>/stat (utime + stime)
 TICK = os.sysconf("SC_CLK_TCK")
+#: the processes recorded (the other trainers do the same work as trainer 0)
+PROFILED = ("ps", "dataserver", "train0")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -68,7 +70,8 @@ def descendants(pid: int) -> dict[int, list[str]]:
 
 
 def find_roles(pid: int, timeout: float) -> dict[str, int]:
-    """The pids of `adamps ps`, `adamps dataserver` and trainer 0 below `pid`, once all run."""
+    """The pids of `adamps ps`, `adamps dataserver` and every trainer below `pid`, once the
+    server, the data server and trainer 0 run."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         roles = {}
@@ -79,7 +82,7 @@ def find_roles(pid: int, timeout: float) -> dict[str, int]:
                     role = f"train{args[args.index('--replica') + 1]}"
                 roles[role] = p
         if {"ps", "dataserver", "train0"} <= roles.keys():
-            return {k: roles[k] for k in ("ps", "dataserver", "train0")}
+            return dict(sorted(roles.items()))
         time.sleep(0.2)
     raise TimeoutError("the cluster's processes did not all start")
 
@@ -109,7 +112,7 @@ def summarize(path: Path, top: int) -> list[str]:
                 total_c[fn] += w
     if not n:
         return ["    no samples (the process was idle or exited)"]
-    lines = [f"    {n} samples; by thread: "
+    lines = [f"    {n:.1f} s of active samples (py-spy leaves out idle threads); by thread: "
              + ", ".join(f"{t} {c / n:.0%}" for t, c in threads.most_common(6))]  # fmt: skip
     lines.append(f"    top {top} by self time:")
     lines += [f"      {c / n:6.1%}  {f}" for f, c in self_c.most_common(top)]
@@ -144,12 +147,15 @@ def main() -> int:
         pids = find_roles(bench.pid, 300)
         time.sleep(args.warmup)
         cpu0 = {r: cpu_seconds(pid) for r, pid in pids.items()}
-        workers0 = {p: cpu_seconds(p) for p in descendants(pids["train0"])}
+        workers0 = {p: cpu_seconds(p) for t in pids if t.startswith("train")
+                    for p in descendants(pids[t])}  # fmt: skip
         t0 = time.monotonic()
         spies = {}
         for role, pid in pids.items():
+            if role not in PROFILED:
+                continue
             cmd = [spy, "record", "--pid", str(pid), "--duration", str(args.duration),
-                   "--format", "speedscope", "--function", "--nonblocking",
+                   "--format", "speedscope", "--function",
                    "--output", str(out / f"{role}.speedscope.json")]  # fmt: skip
             if role.startswith("train"):
                 cmd.append("--subprocesses")
@@ -157,9 +163,10 @@ def main() -> int:
         time.sleep(args.duration)
         window = time.monotonic() - t0
         cpu = {r: cpu_seconds(pid) - cpu0[r] for r, pid in pids.items()}
-        cpu["train0_workers"] = sum(
-            cpu_seconds(p) - workers0.get(p, 0.0) for p in descendants(pids["train0"])
-        )
+        for t in [t for t in pids if t.startswith("train")]:
+            cpu[f"{t}_workers"] = sum(
+                cpu_seconds(p) - workers0.get(p, 0.0) for p in descendants(pids[t])
+            )
         for role, sp in spies.items():
             _, err = sp.communicate(timeout=120)
             if sp.returncode != 0:
@@ -167,7 +174,7 @@ def main() -> int:
         print(f"py-spy record, {args.duration} s, while benchmarks/accuracy_cluster.py "
               f"{' '.join(args.cluster_args)} trains; CPU seconds in the {window:.1f} s window: "
               + ", ".join(f"{r} {c:.1f}" for r, c in cpu.items()), flush=True)  # fmt: skip
-        for role in pids:
+        for role in PROFILED:
             f = out / f"{role}.speedscope.json"
             print(f"  {role} (pid {pids[role]}; {f}):")
             if f.exists():
