@@ -3,13 +3,14 @@
 Runs benchmarks/accuracy_cluster.py (1 parameter server, 1 data server, `--replicas` trainers as
 real processes) and, once the trainers train, records each of the parameter server, the data server
 and trainer 0 (with its worker processes: --subprocesses) for `--duration` seconds with
-`py-spy record --format speedscope --function` (all three at once), while reading each
-process's CPU seconds from /proc over the same window. Then it prints, per process, the CPU it used
-in the window and its top functions by own time ("self", the leaf of each sample) and by time
-inside them ("total"), as shares of that process's samples: the tables `py-spy top` shows
-interactively, computed from the recorded samples. The speedscope files stay in `--out` (open them
-at speedscope's web app). Last: accuracy_cluster.py's own output (images per CPU second of the
-cluster against one process).
+`py-spy record --format speedscope` (all three at once), while reading each
+process's CPU seconds from /proc over the same window. py-spy's idle detection does not work in
+this container (waiting threads are sampled as active), so each sample is classified by the source
+line it stands on: waiting (a queue get, a condition wait, select, sleep), socket I/O, or working.
+Per process it prints the CPU used in the window, those shares, and the top working functions (own
+time), lines and callers (total time): the tables `py-spy top` shows interactively, computed from
+the recorded samples. The speedscope files stay in `--out` (open them at speedscope's web app).
+Last: accuracy_cluster.py's own output (images per CPU second of the cluster against one process).
 
     python benchmarks/profile_cluster.py [--duration 20] [--out runs/profile] [--top 12]
         [-- accuracy_cluster.py options, e.g. --epochs 8]
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import linecache
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,38 +90,80 @@ def find_roles(pid: int, timeout: float) -> dict[str, int]:
     raise TimeoutError("the cluster's processes did not all start")
 
 
-def summarize(path: Path, top: int) -> list[str]:
-    """Self and total shares of the functions in one speedscope file (all its threads)."""
+#: a leaf line that blocks: py-spy here counts waiting threads as active (its idle detection
+#: does not work in this container: 45 s of samples in 20 s from a server that used 2 CPU s),
+#: so samples are classified by the source line they stand on
+WAITING = re.compile(r"\.get\(|\.wait\(|select\(|sleep\(|\.acquire\(|\.join\(|\.poll\(|accept\(")
+SOCKET = re.compile(r"recv|readinto|sendall|\.send\(|_recv_bytes")
+
+
+def summarize(path: Path, top: int, cpu_s: float) -> list[str]:
+    """Where one process's samples stand (waiting / socket I/O / working) and the top working
+    functions and lines, from one speedscope file (all its threads and subprocesses)."""
     doc = json.loads(path.read_text())
     frames = doc["shared"]["frames"]
 
-    def name(i: int) -> str:
+    def func(i: int) -> str:
         f = frames[i]
-        file = f.get("file", "")
-        return f"{f['name']} ({file.split('site-packages/')[-1]})" if file else f["name"]
+        file = f.get("file") or ""
+        short = file.split("site-packages/")[-1].replace(str(ROOT) + "/", "")
+        return f"{f['name']} ({short})" if file else f["name"]
 
+    def where(i: int) -> tuple[str, str]:
+        f = frames[i]
+        text = linecache.getline(f.get("file") or "", f.get("line") or 0).strip()
+        return f"{func(i)}:{f.get('line')}", text
+
+    kinds: Counter[str] = Counter()
     self_c: Counter[str] = Counter()
+    lines_c: Counter[tuple[str, str]] = Counter()
     total_c: Counter[str] = Counter()
     threads: Counter[str] = Counter()
-    n = 0
+    n = 0.0
     for prof in doc["profiles"]:
         for stack, w in zip(prof["samples"], prof["weights"], strict=True):
             if not stack:
                 continue
             n += w
+            loc, text = where(stack[-1])
+            kind = (
+                "waiting"
+                if WAITING.search(text)
+                else "socket"
+                if SOCKET.search(text)
+                else "working"
+            )
+            kinds[kind] += w
+            if kind != "working":
+                continue
+            self_c[func(stack[-1])] += w
             threads[prof["name"]] += w
-            self_c[name(stack[-1])] += w
-            for fn in {name(i) for i in stack}:
+            lines_c[(loc, text)] += w
+            for fn in {func(i) for i in stack}:
                 total_c[fn] += w
-    if not n:
-        return ["    no samples (the process was idle or exited)"]
-    lines = [f"    {n:.1f} s of active samples (py-spy leaves out idle threads); by thread: "
-             + ", ".join(f"{t} {c / n:.0%}" for t, c in threads.most_common(6))]  # fmt: skip
-    lines.append(f"    top {top} by self time:")
-    lines += [f"      {c / n:6.1%}  {f}" for f, c in self_c.most_common(top)]
-    lines.append(f"    top {top} by total time (the function and what it calls):")
-    lines += [f"      {c / n:6.1%}  {f}" for f, c in total_c.most_common(top)]
-    return lines
+    work = kinds["working"]
+    if not work:
+        return ["    no working samples"]
+    out = [
+        f"    {n:.1f} s of samples: waiting {kinds['waiting'] / n:.0%} (queue get, condition wait, "
+        f"select, sleep), socket reads/writes {kinds['socket'] / n:.0%}, working "
+        f"{work / n:.0%} = {work:.1f} s (the process used {cpu_s:.1f} CPU s)",
+        "    working samples by thread: "
+        + ", ".join(f"{t} {c / work:.0%}" for t, c in threads.most_common(8)),
+        f"    top {top} functions by own time, share of working samples:",
+    ]
+    out += [f"      {c / work:6.1%}  {f}" for f, c in self_c.most_common(top)]
+    out.append(f"    top {top} lines, share of working samples:")
+    out += [
+        f"      {c / work:6.1%}  {loc}  {text[:70]}" for (loc, text), c in lines_c.most_common(top)
+    ]
+    out.append(
+        f"    top {top} by total time (the function and what it calls), share of working samples:"
+    )
+    skip = ("_bootstrap", "<module>", "run_role", "_run_code", "spawn_main", "_main (", "process ")
+    tot = [(f, c) for f, c in total_c.most_common() if not any(k in f for k in skip)]
+    out += [f"      {c / work:6.1%}  {f}" for f, c in tot[:top]]
+    return out
 
 
 def main() -> int:
@@ -155,7 +200,7 @@ def main() -> int:
             if role not in PROFILED:
                 continue
             cmd = [spy, "record", "--pid", str(pid), "--duration", str(args.duration),
-                   "--format", "speedscope", "--function",
+                   "--format", "speedscope",
                    "--output", str(out / f"{role}.speedscope.json")]  # fmt: skip
             if role.startswith("train"):
                 cmd.append("--subprocesses")
@@ -178,7 +223,8 @@ def main() -> int:
             f = out / f"{role}.speedscope.json"
             print(f"  {role} (pid {pids[role]}; {f}):")
             if f.exists():
-                print("\n".join(summarize(f, args.top)), flush=True)
+                cpu_role = cpu[role] + cpu.get(f"{role}_workers", 0.0)
+                print("\n".join(summarize(f, args.top, cpu_role)), flush=True)
         bench.wait(1800)
         reader.join(10)
     finally:
