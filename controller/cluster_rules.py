@@ -72,9 +72,14 @@ class BucketRules:
             if len(self.history) > HISTORY_LIMIT:
                 del self.history[: len(self.history) - HISTORY_LIMIT]
             if prev.holder != holder and self.holder_live(b) and prev.holder in bucket["want"]:
-                # A hand-off: the old primary stays as a copy, but re-enters the replica set
-                # through a state transfer (it may hold batches that were never acknowledged).
-                self._start_join(b, prev.holder)
+                # A hand-off: the old primary stays in the replica set, as a secondary. It holds
+                # every acknowledged batch, and applied only batches every member had prepared
+                # (the new primary commits those first), so nothing needs transferring. Making
+                # it re-join instead left the bucket a copy short: a crash of the new primary
+                # and the other secondary (nemesis seed 451: the new primary died before it even
+                # learned its grant) then lost acknowledged pushes while the old primary lived.
+                if prev.holder not in bucket["holders"]:
+                    bucket["holders"].append(prev.holder)
         if holder in bucket["holders"]:
             bucket["holders"].remove(holder)
         if holder in bucket["joining"]:

@@ -407,3 +407,22 @@ def test_a_primary_declared_dead_drops_nobody() -> None:
     assert m.drop_secondary(b, "ps1", epoch, survivor, 101.5)["error"] == "stale_epoch"
     assert m.live_members(b) == [survivor] and not m.unavailable(b)
     validate(m)
+
+
+def test_a_primary_handed_off_stays_in_the_replica_set() -> None:
+    """Nemesis seed 451: a rebalance hands bucket b from its primary to a caught-up secondary.
+    The old primary holds every acknowledged batch, so it stays a member (a secondary); had it
+    to re-join by state transfer, a crash of the new primary and the other secondary would leave
+    no member, and the controllers would serve an older copy from disk over its full one."""
+    m = cluster(4)
+    b = next(b for b in range(64) if m.primary_of(b) == "ps0")
+    old = m.buckets[b]["holders"][0]
+    m.buckets[b]["want"] = [old, "ps0", *[s for s in m.buckets[b]["holders"] if s != old]]
+    assert m.release(b, "ps0", 1, 101.0)["ok"]
+    assert m.primary_of(b) == old
+    assert "ps0" in m.buckets[b]["holders"] and "ps0" not in m.buckets[b]["joining"]
+    others = [s for s in m.live_members(b) if s != "ps0"]
+    for s in others:
+        m.declare_dead(s, 102.0)
+    assert not m.unavailable(b), "the old primary is still a live member"
+    validate(m)
