@@ -114,6 +114,28 @@ class TrainConfig:
         600.0, help="seconds to wait for replica 0 (tensors, warm start) before giving up"
     )
     log_level: str = field("INFO", help="logging level")
+    # Model parallelism (issue 15, trainer/partitioned.py): one replica as K processes.
+    partitions: int = field(
+        1, help="processes (maybe machines) one replica is cut into, each a vertical slice"
+    )
+    partition: int = field(
+        -1,
+        help="this process's partition 0..partitions-1; -1 = start all of them here as child "
+        "processes and restart the replica when one dies",
+    )
+    partition_addrs: list[str] = field(
+        [],
+        help="host:port of every partition (comma separated, in order): port = partition 0's "
+        "control link, port+1+w = worker w's exchange; empty = free loopback ports",
+    )
+    partition_transport: str = field(
+        "auto",
+        help="exchange between partitions: 'shm' (shared memory, one machine), 'tcp', or 'auto' "
+        "(shm when every partition address is the same host)",
+    )
+    partition_restarts: int = field(
+        3, help="times the launcher (--partition -1) restarts a replica whose partition died"
+    )
 
     @property
     def server_lr(self) -> float:
@@ -157,3 +179,18 @@ class TrainConfig:
         parse_taus(self.compress_tau)
         if self.warm_start < 0:
             raise ValueError("warm_start must be >= 0")
+        if self.partitions < 1 or not -1 <= self.partition < self.partitions:
+            raise ValueError(
+                f"partition must be -1 or in 0..partitions-1 ({self.partitions}), "
+                f"got {self.partition}"
+            )
+        if self.partition_transport not in ("auto", "shm", "tcp"):
+            raise ValueError(
+                f"partition_transport must be 'auto', 'shm' or 'tcp', got {self.partition_transport!r}"
+            )
+        if self.partition_addrs and len(self.partition_addrs) != self.partitions:
+            raise ValueError(
+                f"partition_addrs must name {self.partitions} host:port, got {self.partition_addrs}"
+            )
+        if self.partition >= 0 and self.partitions > 1 and not self.partition_addrs:
+            raise ValueError("a single partition (--partition K) needs --partition-addrs")

@@ -98,6 +98,18 @@ def assemble(spec: str | dict[str, Any], parts: int, tensors: dict[str, np.ndarr
     return full
 
 
+def max_message_bytes(spec: str | dict[str, Any], parts: int, batch: int) -> int:
+    """The largest message one partition sends in one exchange at this batch size: what a
+    shared-memory segment must hold."""
+    full = Model(resolve_spec(spec), params=np.empty(0, np.float32), _layout_only=True)
+    most = full.layers[-1].out_shape[0]  # the logits' all-gather
+    for i, layer in enumerate(full.layers):
+        if layer.kind in PARAM_KINDS and i > 0:  # a slice of its input, either way
+            *rest, channels = layer.in_shape
+            most = max(most, int(np.prod(rest)) * -(-channels // parts))
+    return max(most, 1) * batch * 4
+
+
 class _Step:
     """One layer of a partition and what crosses the boundary before it."""
 

@@ -1,0 +1,132 @@
+"""A follower partition (k > 0) of a partitioned replica (trainer/partitioned.py).
+
+It connects to the leader's control link, creates its own tensors (replica 0) when the leader
+says start, pulls them, then runs the rounds the leader sends with its own Hogwild pool: its
+workers exchange the boundary activations and errors with the other partitions' workers, its
+push thread pushes its own slices' updates, its fetch thread pulls its own slices every
+``n_fetch`` minibatches per worker (Downpour, as in an unpartitioned replica). On "end" it
+waits until its pushes are acknowledged. When the leader's link closes without an "end" (the
+leader or another partition died), it stops with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+from prometheus_client import CollectorRegistry
+
+from trainer.config import TrainConfig
+from trainer.downpour import Fetcher, PackPlan, Replica, ReplicaResult, _Loop, collect_round
+from trainer.exchange import parse_addr, token_digest
+from trainer.partitioned import Control, _PartitionMixin
+
+log = logging.getLogger(__name__)
+
+
+class PartitionFollower(_PartitionMixin, Replica):
+    def __init__(self, cfg: TrainConfig, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(cfg, registry)
+        self._partition_init()
+        self.ctl: Control | None = None
+
+    def _connect(self) -> Control:
+        cfg = self.cfg
+        host, port = parse_addr(cfg.partition_addrs[0])
+        deadline = time.monotonic() + cfg.wait_timeout
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline or self._stopping.is_set():
+                    raise TimeoutError(f"partition 0 ({host}:{port}) did not answer") from None
+                time.sleep(0.2)
+        sock.settimeout(None)
+        ctl = Control(sock)
+        ctl.send(
+            {
+                "op": "hello",
+                "partition": cfg.partition,
+                "replica": cfg.replica,
+                "model": self.spec,
+                "digest": token_digest(cfg.token),
+            }
+        )
+        return ctl
+
+    def run(self) -> ReplicaResult:
+        cfg = self.cfg
+        self._setup_cluster()
+        assert self.client is not None
+        self.ctl = ctl = self._connect()
+        try:
+            msg = ctl.recv()
+            if msg.get("op") != "start":
+                raise RuntimeError(f"control link: expected 'start', got {msg.get('op')!r}")
+            if cfg.replica == 0:
+                self._create_tensors()
+            self.client.pull([t.name for t in self.tensors], out=self._views(self.model.params))
+            ctl.send({"op": "ready"})
+            self._follow(ctl)
+        finally:
+            ctl.close()
+            self.client.close()
+        return self.result
+
+    def _follow(self, ctl: Control) -> None:
+        cfg = self.cfg
+        plan = PackPlan.of(self.model, cfg.n_push * cfg.batch_size)
+        factory = self._worker_factory(plan)
+        pusher = _Loop("push", self._push_loop)
+        fetcher = Fetcher(self.client, self.model)
+        t_start = time.perf_counter()
+        steps_since_fetch = 0
+        with self._pool(factory, plan) as pool:
+            pusher.start()
+            fetcher.thread.start()
+            try:
+                while True:
+                    if self._stopping.is_set():
+                        raise KeyboardInterrupt
+                    msg = ctl.recv()
+                    op = msg.get("op")
+                    if op == "end":
+                        if not self.pushq.join(cfg.wait_timeout, pusher.is_alive):
+                            self._check_threads(pusher)
+                            raise TimeoutError("pushes not acknowledged in time")
+                        ctl.send({"op": "ended"})
+                        break
+                    if op != "round":
+                        raise RuntimeError(f"control link: unexpected {op!r}")
+                    self._check_threads(pusher, fetcher.thread)
+                    tasks = [[(b["x"], b["y"]) for b in t] for t in msg["tasks"]]
+                    outs = pool.run(tasks)
+                    self.pushq.put(collect_round(pool.buffers, plan, outs))
+                    n_batches = sum(len(t) for t in tasks)
+                    self.step += n_batches
+                    self.result.images += sum(len(b[1]) for t in tasks for b in t)
+                    self.m.images.inc(sum(len(b[1]) for t in tasks for b in t))
+                    ctl.send({"op": "done"})
+                    steps_since_fetch += cfg.n_push
+                    if fetcher.ready():
+                        self._install(pool.params, fetcher.take())
+                        self.last_staleness = self.step - fetcher.requested_at
+                        self.fetches += 1
+                        self.m.fetches.inc()
+                    if not fetcher.pending and steps_since_fetch >= cfg.n_fetch and msg.get("warm"):
+                        fetcher.request(self.step)
+                        steps_since_fetch = 0
+            finally:
+                self.result.seconds = time.perf_counter() - t_start
+                self._stopping.set()
+                fetcher.stop()
+                self.pushq.put(None)
+                for t in (pusher, fetcher.thread):
+                    t.join(5)
+
+    def stop(self) -> None:
+        super().stop()
+        if self.ctl is not None:
+            self.ctl.close()  # unblocks the wait for the next round
