@@ -178,7 +178,12 @@ def launch(cfg: TrainConfig) -> int:
                 except ValueError:
                     summaries[str(c.k)] = None
             lead = dict(summaries.get("0") or {})
-            lead["partitions"] = summaries
+            lead["partitions"] = {
+                k: {
+                    key: (v or {}).get(key) for key in ("images_per_s", "bytes_pushed", "partition")
+                }
+                for k, v in summaries.items()
+            }
             lead["restarts"] = attempt
             print(json.dumps(lead), flush=True)
             return 0
