@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=1, help="Hogwild workers per trainer (default: %(default)s)"
     )
     p.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="processes each replica is cut into (adamps train --partitions; model "
+        "parallelism, docs/training.md) (default: %(default)s)",
+    )
+    p.add_argument(
         "--epochs", type=int, default=DEFAULT_EPOCHS, help="training epochs (default: %(default)s)"
     )
     p.add_argument(
@@ -218,6 +225,7 @@ def check_args(a: argparse.Namespace) -> None:
         ("--dataservers", a.dataservers),
         ("--trainers", a.trainers),
         ("--workers", a.workers),
+        ("--partitions", a.partitions),
         ("--epochs", a.epochs),
         ("--buckets", a.buckets),
     ):
@@ -475,7 +483,7 @@ class Run:
             "train", "--controllers", ",".join(c.controllers),
             "--dataservers", ",".join(f"http://{d}" for d in c.dataservers),
             "--n-replicas", str(a.trainers), "--epochs", str(a.epochs),
-            "--workers", str(a.workers),
+            "--workers", str(a.workers), "--partitions", str(a.partitions),
         ]  # fmt: skip
         if a.compress:
             common += ["--compress", "--compress-fraction", str(a.compress_fraction),

@@ -128,6 +128,12 @@ class TrainConfig:
         help="host:port of every partition (comma separated, in order): port = partition 0's "
         "control link, port+1+w = worker w's exchange; empty = free loopback ports",
     )
+    job_index: int = field(
+        -1,
+        help="this pod's index in a Kubernetes Indexed Job of n_replicas x partitions pods: "
+        "sets replica = index // partitions and partition = index % partitions; a single "
+        "--partition-addrs entry with '{index}' then names every partition of the replica",
+    )
     partition_transport: str = field(
         "auto",
         help="exchange between partitions: 'shm' (shared memory, one machine), 'tcp', or 'auto' "
@@ -146,8 +152,19 @@ class TrainConfig:
         return self.lr
 
     def __post_init__(self) -> None:
+        if self.job_index >= 0 and self.partitions >= 1:
+            self.replica, self.partition = divmod(self.job_index, self.partitions)
+        if len(self.partition_addrs) == 1 and "{index}" in self.partition_addrs[0]:
+            first = self.replica * self.partitions
+            self.partition_addrs = [
+                self.partition_addrs[0].replace("{index}", str(first + k))
+                for k in range(self.partitions)
+            ]
         # A trainer only calls the others: loopback-only when everything it reaches is local.
-        reached = [tokens.host_of(a) for a in (*self.controllers, *self.ps, *self.dataservers)]
+        reached = [
+            tokens.host_of(a)
+            for a in (*self.controllers, *self.ps, *self.dataservers, *self.partition_addrs)
+        ]
         self.token = tokens.resolve(self.token or default_token(), [self.host, *reached], "train")
         if not self.controllers and not self.ps:
             raise ValueError("give --controllers or --ps (parameter-server URLs)")

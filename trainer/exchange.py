@@ -256,9 +256,11 @@ def connect_mesh(
     capacity: int,
     timeout: float = 60.0,
     listener: socket.socket | None = None,
+    bind: str | None = None,
 ) -> dict[int, Link]:
     """The links of worker ``worker`` of partition ``k`` to the same worker of every other
-    partition. ``addrs[j]`` is partition j's host:port; worker w listens on port + w."""
+    partition. ``addrs[j]`` is partition j's host:port; worker w listens on port + w (on
+    ``bind`` if given, e.g. 0.0.0.0 in a container, else on its own address's host)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport!r}: expected one of {TRANSPORTS}")
     n = len(addrs)
@@ -268,7 +270,7 @@ def connect_mesh(
     own = listener
     if own is None and k < n - 1:
         host, port = parse_addr(addrs[k])
-        own = socket.create_server((host, port + worker), reuse_port=False)
+        own = socket.create_server((bind or host, port + worker))
     try:
         for j in range(k):  # connect to the lower partitions
             host, port = parse_addr(addrs[j])

@@ -118,6 +118,8 @@ def serve(cfg: TrainConfig) -> int:
     if cfg.metrics_port >= 0:
         server = MetricsServer(registry, cfg.token, status, cfg.host, cfg.metrics_port)
         log.info("metrics on http://%s:%d/metrics", cfg.host, server.port)
+        if cfg.partitions > 1:
+            replica.metrics_port = server.port  # type: ignore[attr-defined] # told to the leader
 
     interrupted: list[int] = []
 

@@ -30,6 +30,7 @@ class PartitionFollower(_PartitionMixin, Replica):
         super().__init__(cfg, registry)
         self._partition_init()
         self.ctl: Control | None = None
+        self.metrics_port: int | None = None  #: set by trainer/main.py once it serves
 
     def _connect(self) -> Control:
         cfg = self.cfg
@@ -52,6 +53,7 @@ class PartitionFollower(_PartitionMixin, Replica):
                 "replica": cfg.replica,
                 "model": self.spec,
                 "digest": token_digest(cfg.token),
+                "metrics": f"{cfg.host}:{self.metrics_port}" if self.metrics_port else None,
             }
         )
         return ctl

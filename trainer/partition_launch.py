@@ -119,7 +119,9 @@ def _start(cfg: TrainConfig) -> list[_Child]:
     flags = child_flags(cfg)
     children = []
     for k in range(cfg.partitions):
-        port = cfg.metrics_port if cfg.metrics_port <= 0 else cfg.metrics_port + k
+        # the leader serves on the port asked for (the replica's figures); the followers on
+        # any free port, which they tell the leader (its /status lists them)
+        port = cfg.metrics_port if k == 0 or cfg.metrics_port < 0 else 0
         argv = adamps_argv(
             "train",
             *flags,

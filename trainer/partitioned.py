@@ -90,6 +90,7 @@ class PartitionWorker(DownpourWorker):
             setup["token"],
             setup["capacity"],
             timeout=setup["timeout"],
+            bind=setup["bind"],
         )
         self.exchange = Exchange(setup["k"], setup["parts"], links)
         self.model: Any = PartitionModel(
@@ -236,7 +237,16 @@ def _setup(cfg: TrainConfig, spec: dict[str, Any]) -> dict[str, Any]:
         "token": cfg.token,
         "capacity": max_message_bytes(spec, cfg.partitions, cfg.batch_size),
         "timeout": cfg.wait_timeout,
+        "bind": bind_host(cfg),
     }
+
+
+def bind_host(cfg: TrainConfig) -> str:
+    """Where this partition listens: everywhere when its HTTP host is (a container), else on
+    its own partition address's host."""
+    if cfg.host in ("0.0.0.0", "::"):
+        return cfg.host
+    return parse_addr(cfg.partition_addrs[cfg.partition])[0]
 
 
 class _PartitionMixin:
@@ -336,16 +346,21 @@ class PartitionLeader(_PartitionMixin, Replica):
         self._partition_init()
         self.full = Model(self.spec)  # evaluation: every partition's tensors assembled
         self.followers: dict[int, Control] = {}
+        #: partition -> host:port of its /metrics and /status (as it told us)
+        self.follower_metrics: dict[str, str | None] = {}
         self._ended = False
 
     # -- the followers -----------------------------------------------------------------------
 
+    def partition_status(self) -> dict[str, Any]:
+        return {**super().partition_status(), "followers": dict(self.follower_metrics)}
+
     def _accept_followers(self) -> None:
         cfg = self.cfg
-        host, port = parse_addr(cfg.partition_addrs[0])
+        _host, port = parse_addr(cfg.partition_addrs[0])
         digest = token_digest(cfg.token)
         deadline = time.monotonic() + cfg.wait_timeout
-        with socket.create_server((host, port)) as srv:
+        with socket.create_server((bind_host(cfg), port)) as srv:
             while len(self.followers) < cfg.partitions - 1:
                 srv.settimeout(max(0.1, deadline - time.monotonic()))
                 try:
@@ -368,6 +383,7 @@ class PartitionLeader(_PartitionMixin, Replica):
                     continue
                 sock.settimeout(None)
                 self.followers[k] = ctl
+                self.follower_metrics[str(k)] = hello.get("metrics")
                 log.info("partition %d connected", k)
 
     def _start_followers(self) -> None:
