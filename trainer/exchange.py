@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Sequence
 from multiprocessing import resource_tracker, shared_memory
+from typing import Any
 
 import numpy as np
 
@@ -150,9 +151,20 @@ class TcpLink(Link):
 
 
 class ShmLink(Link):
-    """Payload through shared memory, signals through the socket."""
+    """Payload through shared memory; the counters that order it live there too.
 
-    _HEAD = 8  # bytes at the start of a segment: the length of the message in it
+    Each side writes only its own segment: the message (length, bytes), ``seq`` (messages it
+    wrote) and ``ack`` (the peer's messages it consumed). A waiting side first spins on the
+    peer's counters for up to ``SPIN_S`` (yielding the core between looks: partitions reach an
+    exchange at about the same time, and a wake-up through the kernel costs more than the
+    copy), then sleeps on the socket, where every write and every consumption also sends one
+    signal byte. The counters are the truth; the bytes only wake a sleeper, and are drained
+    whenever a side sleeps (and every ``_DRAIN`` messages, so they never fill the socket).
+    """
+
+    _HEAD = 64  # one cache line: [0] length, [1] seq, [2] ack (uint64 each), then the bytes
+    SPIN_S = 0.0005
+    _DRAIN = 128
 
     def __init__(
         self,
@@ -165,48 +177,70 @@ class ShmLink(Link):
         self.capacity = mine.size - self._HEAD
         self._out = np.ndarray((mine.size,), np.uint8, buffer=mine.buf)
         self._in = np.ndarray((theirs.size,), np.uint8, buffer=theirs.buf)
-        self._sent = self._acked = self._ready = 0
+        self._my = self._out[: self._HEAD].view(np.uint64)  # written here only
+        self._peer = self._in[: self._HEAD].view(np.uint64)  # written by the peer only
+        self._sent = 0  #: messages written (my seq)
+        self._taken = 0  #: the peer's messages consumed (my ack)
+        self._ops = 0
 
-    def _read_signals(self) -> None:
+    def _sleep_until(self, ready: Any) -> None:
         t0 = time.perf_counter()
-        got = self.sock.recv(64)
+        deadline = t0 + self.SPIN_S
+        while not ready():
+            if time.perf_counter() < deadline:
+                time.sleep(0)  # sched_yield: a neighbour on this core may run
+                continue
+            got = self.sock.recv(4096)
+            if not got:
+                raise PeerLost("peer partition closed the connection")
         self.wait_seconds += time.perf_counter() - t0
-        if not got:
-            raise PeerLost("peer partition closed the connection")
-        self._acked += got.count(_SIGNAL_ACK)
-        self._ready += got.count(_SIGNAL_DATA)
+
+    def _signal(self, byte: bytes) -> None:
+        self._ops += 1
+        if self._ops % self._DRAIN == 0:
+            self.sock.setblocking(False)
+            try:
+                while self.sock.recv(65536):
+                    pass
+            except BlockingIOError:
+                pass
+            finally:
+                self.sock.setblocking(True)
+        self.sock.sendall(byte)
 
     def send(self, arr: np.ndarray) -> None:
         n = arr.nbytes
         if n > self.capacity:
             raise ValueError(f"message of {n} bytes exceeds the shared segment ({self.capacity})")
-        while self._acked < self._sent:  # the peer still reads the previous message
-            self._read_signals()
-        self._out[: self._HEAD].view(np.uint64)[0] = n
+        peer = self._peer
+        self._sleep_until(lambda: int(peer[2]) >= self._sent)  # the previous one was read
+        self._my[0] = n
         np.copyto(self._out[self._HEAD : self._HEAD + n].view(arr.dtype).reshape(arr.shape), arr)
         self._sent += 1
+        self._my[1] = self._sent  # after the bytes: the peer reads them once it sees this
         self.bytes_sent += n
-        self.sock.sendall(_SIGNAL_DATA)
+        self._signal(_SIGNAL_DATA)
 
     def recv_into(self, out: np.ndarray) -> None:
-        while self._ready == 0:
-            self._read_signals()
-        self._ready -= 1
-        n = int(self._in[: self._HEAD].view(np.uint64)[0])
+        peer = self._peer
+        self._sleep_until(lambda: int(peer[1]) > self._taken)
+        n = int(peer[0])
         if n != out.nbytes:
             raise ValueError(f"message of {n} bytes from the peer partition, expected {out.nbytes}")
         np.copyto(out, self._in[self._HEAD : self._HEAD + n].view(out.dtype).reshape(out.shape))
-        self.sock.sendall(_SIGNAL_ACK)
+        self._taken += 1
+        self._my[2] = self._taken
+        self._signal(_SIGNAL_ACK)
 
     def flush(self) -> None:
-        # the sender's segment is free again once the peer acked: wait so that a later
-        # collective never finds it busy while the peer waits for us (and to count the wait)
-        while self._acked < self._sent:
-            self._read_signals()
+        # the segment is free again once the peer consumed the last message: wait here so
+        # that the wait is counted where it happens
+        peer = self._peer
+        self._sleep_until(lambda: int(peer[2]) >= self._sent)
 
     def close(self) -> None:
         super().close()
-        del self._out, self._in
+        del self._out, self._in, self._my, self._peer
         for shm in (self._mine, self._theirs):
             try:
                 shm.close()
@@ -214,29 +248,50 @@ class ShmLink(Link):
                 pass
 
 
-def _attach(name: str) -> shared_memory.SharedMemory:
-    shm = shared_memory.SharedMemory(name=name)
-    # Python 3.11 registers an attached segment with this process's resource tracker, which
-    # would unlink it (again) at exit and warn: the creator owns it
+# Python 3.11 registers every segment, created or attached, with the resource tracker, which
+# unlinks what is still registered when its process exits. The exchange unlinks both segments
+# itself as soon as both sides mapped them, so neither side leaves them registered: the creator
+# unregisters before it tells the peer the name (processes spawned by one parent share one
+# tracker, and that order keeps its register/unregister pairs from interleaving), the peer
+# right after attaching, and the unlink goes around the tracker.
+
+
+def _create(size: int) -> shared_memory.SharedMemory:
+    shm = shared_memory.SharedMemory(create=True, size=size)
     resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     return shm
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    shm = shared_memory.SharedMemory(name=name)
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm
+
+
+def _unlink(shm: shared_memory.SharedMemory) -> None:
+    shared_memory._posixshmem.shm_unlink(shm._name)  # type: ignore[attr-defined]
 
 
 def _handshake(sock: socket.socket, transport: str, capacity: int, connecting: bool) -> Link:
     if transport == "tcp":
         return TcpLink(sock)
-    mine = shared_memory.SharedMemory(create=True, size=capacity + ShmLink._HEAD)
-    name = mine.name.encode()
-    sock.sendall(struct.pack("!H", len(name)) + name)
-    head = bytearray(2)
-    _recv_exact(sock, memoryview(head))
-    (n,) = struct.unpack("!H", head)
-    raw = bytearray(n)
-    _recv_exact(sock, memoryview(raw))
-    theirs = _attach(raw.decode())
-    sock.sendall(b"M")  # mapped: the peer may unlink its segment
-    _recv_exact(sock, memoryview(bytearray(1)))
-    mine.unlink()  # both sides mapped both segments: nothing left to leak after a SIGKILL
+    mine = _create(capacity + ShmLink._HEAD)
+    try:
+        name = mine.name.encode()
+        sock.sendall(struct.pack("!H", len(name)) + name)
+        head = bytearray(2)
+        _recv_exact(sock, memoryview(head))
+        (n,) = struct.unpack("!H", head)
+        raw = bytearray(n)
+        _recv_exact(sock, memoryview(raw))
+        theirs = _attach(raw.decode())
+        sock.sendall(b"M")  # mapped: the peer may unlink its segment
+        _recv_exact(sock, memoryview(bytearray(1)))
+        _unlink(mine)  # both sides mapped both segments: nothing left to leak after a SIGKILL
+    except BaseException:
+        _unlink(mine)  # the handshake failed: the segment must not outlive us
+        mine.close()
+        raise
     return ShmLink(sock, mine, theirs)
 
 
