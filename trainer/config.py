@@ -196,7 +196,13 @@ class TrainConfig:
         parse_taus(self.compress_tau)
         if self.warm_start < 0:
             raise ValueError("warm_start must be >= 0")
-        if self.partitions < 1 or not -1 <= self.partition < self.partitions:
+        if self.partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {self.partitions}")
+        if self.partitions > 1:
+            from trainer.partition import check_partitions
+
+            check_partitions(self.model, self.partitions)  # every layer gives each a unit
+        if not -1 <= self.partition < self.partitions:
             raise ValueError(
                 f"partition must be -1 or in 0..partitions-1 ({self.partitions}), "
                 f"got {self.partition}"

@@ -206,7 +206,10 @@ class ShmLink(Link):
                 pass
             finally:
                 self.sock.setblocking(True)
-        self.sock.sendall(byte)
+        try:
+            self.sock.sendall(byte)
+        except OSError as exc:
+            raise PeerLost(f"peer partition gone: {exc!r}") from exc
 
     def send(self, arr: np.ndarray) -> None:
         n = arr.nbytes

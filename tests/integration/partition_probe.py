@@ -5,6 +5,8 @@ seeded batch, exchanging through the given transport, and saves what it computed
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 
 import numpy as np
@@ -20,12 +22,21 @@ def main() -> None:
     full = Model(args["model"])
     full.init_params(args["seed"])
     links = connect_mesh(k, args["addrs"], 0, args["transport"], "t", capacity=args["capacity"])
+    if args.get("die") == k:
+        os.kill(os.getpid(), signal.SIGKILL)  # as a machine failure would
     ex = Exchange(k, parts, links)
     model = PartitionModel(args["model"], k, parts, ex)
     for name, value in slice_params(full, k, parts).items():
         model.param(name)[...] = value
     out: dict[str, np.ndarray] = {}
     rng = np.random.default_rng(args["seed"])
+    if args.get("die") is not None:
+        x = model.prepare(np.zeros((8, *model.input_shape), np.uint8))
+        try:
+            model.loss_and_grad(x, np.zeros(8, np.int64))
+        except ConnectionError:
+            sys.exit(3)  # the peer's death was noticed
+        sys.exit(0)
     for step, batch in enumerate(args["batches"]):
         x = model.prepare(rng.integers(0, 256, (batch, *model.input_shape), dtype=np.uint8))
         y = rng.integers(0, model.classes, batch)

@@ -150,3 +150,32 @@ def test_one_partition_is_the_model():
     y = rng.integers(0, 10, 5)
     assert full.loss_and_grad(x, y) == one.loss_and_grad(x, y)
     np.testing.assert_array_equal(full.grads, one.grads)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_dead_peer_fails_the_exchange_at_once(transport):
+    """A partition SIGKILLed after connecting: the other's next exchange raises (EOF) instead of
+    waiting for it forever (what lets a replica fail cleanly, trainer/partitioned.py)."""
+    addrs = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+    procs = []
+    for k in range(2):
+        args = {"k": k, "parts": 2, "addrs": addrs, "transport": transport,
+                "model": "adam-mnist", "seed": 0, "batches": [], "scale": 1.0, "out": "",
+                "capacity": 1 << 20, "die": 1}  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(PROBE), json.dumps(args)],
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"},
+            )
+        )
+    try:
+        assert procs[1].wait(30) == -9
+        assert procs[0].wait(30) == 3
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
