@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import queue
 import socket
 import struct
@@ -163,7 +164,9 @@ class ShmLink(Link):
     """
 
     _HEAD = 64  # one cache line: [0] length, [1] seq, [2] ack (uint64 each), then the bytes
-    SPIN_S = 0.0005
+    #: ADAMPS_EXCHANGE_SPIN_US: how long to spin before sleeping (0: sleep at once, for
+    #: machines with fewer cores than partitions)
+    SPIN_S = float(os.environ.get("ADAMPS_EXCHANGE_SPIN_US", "500")) / 1e6
     _DRAIN = 128
 
     def __init__(
