@@ -187,6 +187,9 @@ def launch(cfg: TrainConfig) -> int:
                 for k, v in summaries.items()
             }
             lead["restarts"] = attempt
+            # the replica pushed what all its partitions pushed (each its own slices)
+            for key in ("bytes_pushed", "pushes"):
+                lead[key] = sum(int((v or {}).get(key) or 0) for v in summaries.values())
             print(json.dumps(lead), flush=True)
             return 0
         attempt += 1

@@ -456,6 +456,7 @@ class PartitionLeader(_PartitionMixin, Replica):
             rec = {
                 "time": time.time(),
                 "epoch": epoch,
+                "loss": round(st.loss_sum / max(st.batches, 1), 6) if st else None,
                 "accuracy": acc,
                 "images_per_s": round(st.images / max(st.seconds, 1e-9), 1) if st else None,
                 "replicas": self.cfg.n_replicas,
