@@ -94,11 +94,27 @@ def test_two_partitions_reach_the_accuracy_of_one(procs, tmp_path: Path) -> None
     ps.wait_http(f"http://127.0.0.1:{ps_port}/healthz", 60)
     ds.wait_http(f"http://127.0.0.1:{ds_port}/healthz", 60)
     common = ["train", "--ps", f"http://127.0.0.1:{ps_port}",
-              "--dataservers", f"http://127.0.0.1:{ds_port}", "--epochs", "3",
-              "--metrics-port", "-1"]  # fmt: skip
+              "--dataservers", f"http://127.0.0.1:{ds_port}", "--epochs", "3"]  # fmt: skip
     acc = {}
     for k in (1, 2):
-        p = procs.start(f"train-k{k}", *common, "--partitions", str(k), "--run", f"k{k}")
+        mport = free_port()
+        p = procs.start(f"train-k{k}", *common, "--partitions", str(k), "--run", f"k{k}",
+                        "--metrics-port", str(mport))  # fmt: skip
+        if k == 2:  # /status and /metrics per partition while it trains
+            lead = f"127.0.0.1:{mport}"
+
+            def exchanging() -> Any:
+                st = get_json(lead, "/status")["partition"]
+                return st if st["rounds"] > 0 and st["followers"].get("1") else None
+
+            st = wait_for(exchanging, 120, "the partitions exchanging")
+            assert st["partition"] == 0 and st["partitions"] == 2 and st["transport"] == "shm"
+            follower = get_json(st["followers"]["1"], "/status")["partition"]
+            assert follower["partition"] == 1 and follower["tensors"][0] == "conv1-p1of2.w"
+            with urllib.request.urlopen(f"http://{st['followers']['1']}/metrics") as resp:
+                metrics = resp.read().decode()
+            assert 'adamps_trainer_partition_bytes_exchanged_total{partition="1"}' in metrics
+            assert 'adamps_trainer_partition_wait_seconds_total{partition="1"}' in metrics
         assert p.popen.wait(300) == 0, p.tail(60)
         summary = last_json(p.log_path.read_text())
         acc[k] = summary["heldout_accuracy"]["3"]
