@@ -195,3 +195,32 @@ def test_partitioned_replicas_survive_a_partition_kill(procs, tmp_path: Path) ->
     assert model.accuracy(model.prepare(test_x), test_y) >= 0.96
     # no orphans: every partition and Hogwild worker seen is gone with its launcher
     wait_for(lambda: not any(alive(p) for p in seen), 10, "no process left behind")
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_leader_restarts_its_replica(procs, tmp_path: Path) -> None:
+    """SIGKILL of partition 0 (the leader: data, board, evaluation): its follower notices the
+    closed control link and exchanges, exits, and the launcher restarts both; the run ends."""
+    ps_port, ds_port = free_port(), free_port()
+    ps = procs.start("ps", "ps", "--port", str(ps_port), "--data-dir", str(tmp_path / "ps"))
+    ds = procs.start("ds", "dataserver", "--port", str(ds_port), "--no-augment")
+    ps.wait_http(f"http://127.0.0.1:{ps_port}/healthz", 60)
+    ds.wait_http(f"http://127.0.0.1:{ds_port}/healthz", 60)
+    mport = free_port()
+    r = procs.start("train", "train", "--ps", f"http://127.0.0.1:{ps_port}",
+                    "--dataservers", f"http://127.0.0.1:{ds_port}", "--epochs", "3",
+                    "--partitions", "2", "--workers", "2",
+                    "--metrics-port", str(mport))  # fmt: skip
+    wait_for(lambda: get_json(f"127.0.0.1:{mport}", "/status")["steps"] > 200, 180, "training")
+    (leader, _follower), *_ = re.findall(r"2 partitions at \S+ \(pids \[(\d+), (\d+)\]\)",
+                                         r.tail(400))  # fmt: skip
+    before = descendants(r.pid)
+    assert len(before) >= 2 + 2 * 2  # 2 partitions, 2 Hogwild workers each
+    os.kill(int(leader), 9)
+    wait_for(lambda: not any(alive(p) for p in before), 60, "the first attempt's processes gone")
+    seen = descendants(r.pid)
+    assert r.popen.wait(300) == 0, r.tail(80)
+    summary = last_json(r.log_path.read_text())
+    assert summary["restarts"] == 1
+    assert summary["heldout_accuracy"]["3"] >= 0.93, summary
+    wait_for(lambda: not any(alive(p) for p in seen), 10, "no process left behind")
