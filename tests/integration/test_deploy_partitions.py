@@ -70,6 +70,24 @@ def test_compose_override_cuts_each_replica_into_two_partitions(tmp_path: Path) 
         assert svc["restart"] == "on-failure"
         assert svc["environment"]["ADAMPS_TOKEN"] == env["ADAMPS_TOKEN"]
     assert sorted(seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # Prometheus scrapes every partition: the partitions' config, mounted over the default one
+    mounts = services["prometheus"]["volumes"]
+    (cfg_mount,) = [m for m in mounts if m["target"] == "/etc/prometheus/prometheus.yml"]
+    assert cfg_mount["source"].endswith("prometheus.partitions.yml")
+    prom = yaml.safe_load(Path(cfg_mount["source"]).read_text())
+    base = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    targets = {
+        t
+        for job in prom["scrape_configs"]
+        if job["job_name"] == "trainer"
+        for sc in job["static_configs"]
+        for t in sc["targets"]
+    }
+    assert targets == {f"{n}:7400" for n in trainers}
+    for job in (*prom["scrape_configs"], *base["scrape_configs"]):
+        if job["job_name"] == "trainer":
+            job["static_configs"] = []
+    assert prom == base
     for r in (0, 1):
         a = load_train([str(x) for x in trainers[seen[(r, 0)]]["command"]]).partition_addrs
         b = load_train([str(x) for x in trainers[seen[(r, 1)]]["command"]]).partition_addrs
@@ -102,6 +120,10 @@ def test_k8s_pods_of_a_replica_find_each_other() -> None:
     pod = spec["template"]["spec"]
     assert spec["completionMode"] == "Indexed" and pod["restartPolicy"] == "OnFailure"
     assert pod["subdomain"] == svc["metadata"]["name"] and svc["spec"]["clusterIP"] == "None"
+    # the trainers' Service of deploy/k8s/: Prometheus's DNS discovery finds every partition
+    assert svc["metadata"]["name"] == "adamps-trainer"
+    assert "_http._tcp.adamps-trainer." in (K8S.parents[1] / "monitoring.yaml").read_text()
+    assert {p["name"] for p in svc["spec"]["ports"]} >= {"http", "control", "exchange"}
     assert svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
     (c,) = pod["containers"]
