@@ -103,7 +103,7 @@ def test_two_partitions_reach_the_accuracy_of_one(procs, tmp_path: Path) -> None
         if k == 2:  # /status and /metrics per partition while it trains
             lead = f"127.0.0.1:{mport}"
 
-            def exchanging() -> Any:
+            def exchanging(lead: str = lead) -> Any:
                 st = get_json(lead, "/status")["partition"]
                 return st if st["rounds"] > 0 and st["followers"].get("1") else None
 
