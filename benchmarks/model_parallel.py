@@ -240,8 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     # first grows with the model; the sweep goes on until it falls (two sizes below 0.8)
     scales = [1, 2, 4] if a.quick else [1, 2, 4, 8, 16, 24, 32, 48]
     cores = len(os.sched_getaffinity(0))
+    load_before = os.getloadavg()[0]
     print(f"model parallelism on {cores} cores, batch {a.batch}, best of {a.rounds} rounds of "
-          f"{a.seconds:g} s", flush=True)  # fmt: skip
+          f"{a.seconds:g} s; 1-minute load average before the run: {load_before:.2f}",
+          flush=True)  # fmt: skip
 
     limit = busy_limit(a.seconds, a.rounds)
     print(
@@ -268,9 +270,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"K={parts}: largest model at >= 0.8 of the smallest's connections/s: "
               f"{fig10[str(parts)]['largest_connections']} connections", flush=True)  # fmt: skip
 
+    load_after = os.getloadavg()[0]
+    print(f"1-minute load average after the run: {load_after:.2f} (this benchmark adds about 2)")
     result = {
         "benchmark": "model_parallel",
         "cores": cores,
+        "load_before": round(load_before, 2),
+        "load_after": round(load_after, 2),
         "batch": a.batch,
         "busy_loop_limit": round(limit["limit"], 3),
         "wide_model": WIDE["name"],
