@@ -472,10 +472,14 @@ class PartitionLeader(_PartitionMixin, Replica):
         deadline = time.monotonic() + cfg.wait_timeout
         while self.completed < cfg.epochs:
             self._check_threads(*threads)
+            self._evaluate_completed(test_x, test_y)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"epoch {cfg.epochs} did not complete in time")
             time.sleep(0.1)
-        self._evaluate(cfg.epochs, test_x, test_y)  # after every partition's last push
+        if cfg.epochs in self.result.accuracy:  # evaluated early: export what is there now
+            self._pull_full()
+        else:
+            self._evaluate(cfg.epochs, test_x, test_y)
         if cfg.out:
             from trainer import export
 

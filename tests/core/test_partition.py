@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
+from adamps.layout import Layout, TensorSpec, stable_bucket
 from trainer.model import Model
 from trainer.partition import (
     assemble,
@@ -61,3 +64,29 @@ def test_the_segment_holds_the_largest_message():
     assert max_message_bytes("adam-mnist", 2, 8) == 8 * 12 * 12 * 5 * 4
     # K=3 cuts 10 channels 4/3/3: the widest slice counts
     assert max_message_bytes("adam-mnist", 3, 1) == 12 * 12 * 4 * 4
+
+
+def test_each_partition_has_buckets_of_its_own():
+    """Adam 4.4.2: a partition talks only to the parameter-server shards of its partition."""
+    for parts in (2, 3):
+        specs = [
+            TensorSpec(n, s)
+            for k in range(parts)
+            for n, s in partition_tensors("adam-mnist", k, parts)
+        ]
+        layout = Layout(specs, 64, max_shard_elems=1000)  # many shards per tensor
+        for sid, bucket in layout.bucket_of.items():
+            k = int(sid.split("-p")[1].split("of")[0])
+            assert bucket % parts == k and 0 <= bucket < parts * (64 // parts)
+        for k in range(parts):  # and they spread over its buckets
+            own = {b for sid, b in layout.bucket_of.items() if f"-p{k}of" in sid}
+            assert len(own) > 10
+
+
+def test_other_shards_hash_as_before():
+    for sid in ("fc1.w/3", "conv1.b/0", "adamps.board/0", "x-p1of2/0", "fc1-p5of2.w/1"):
+        h = int.from_bytes(hashlib.blake2b(sid.encode(), digest_size=8).digest(), "little")
+        assert stable_bucket(sid, 64) == h % 64
+    # fewer buckets (or owner threads) than partitions: the plain hash, always in range
+    assert stable_bucket("fc1-p2of3.w/0", 2) in (0, 1)
+    assert all(0 <= stable_bucket(f"fc1-p{k}of3.w/{i}", 4) < 4 for k in range(3) for i in range(20))
