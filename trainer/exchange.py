@@ -193,26 +193,31 @@ class ShmLink(Link):
             if time.perf_counter() < deadline:
                 time.sleep(0)  # sched_yield: a neighbour on this core may run
                 continue
-            got = self.sock.recv(4096)
+            try:
+                got = self.sock.recv(4096)
+            except OSError as exc:
+                raise PeerLost(f"peer partition gone: {exc!r}") from exc
             if not got:
                 raise PeerLost("peer partition closed the connection")
         self.wait_seconds += time.perf_counter() - t0
 
     def _signal(self, byte: bytes) -> None:
+        """Wakes the peer if it sleeps. Best effort: the counters already say everything, and
+        a peer that finished may have closed its end; a dead peer is noticed where we wait."""
         self._ops += 1
-        if self._ops % self._DRAIN == 0:
-            self.sock.setblocking(False)
-            try:
-                while self.sock.recv(65536):
-                    pass
-            except BlockingIOError:
-                pass
-            finally:
-                self.sock.setblocking(True)
         try:
+            if self._ops % self._DRAIN == 0:
+                self.sock.setblocking(False)
+                try:
+                    while self.sock.recv(65536):
+                        pass
+                except BlockingIOError:
+                    pass
+                finally:
+                    self.sock.setblocking(True)
             self.sock.sendall(byte)
-        except OSError as exc:
-            raise PeerLost(f"peer partition gone: {exc!r}") from exc
+        except OSError:
+            pass
 
     def send(self, arr: np.ndarray) -> None:
         n = arr.nbytes
@@ -345,13 +350,17 @@ def connect_mesh(
                             f"partition {j} ({host}:{port + worker}) did not answer"
                         ) from None
                     time.sleep(0.1)
-            sock.settimeout(max(1.0, deadline - time.monotonic()))
-            sock.sendall(_HELLO.pack(_MAGIC, k, worker, digest, TRANSPORTS.index(transport)))
-            ok = bytearray(1)
-            _recv_exact(sock, memoryview(ok))
-            if ok != b"Y":
-                raise PermissionError(f"partition {j} refused the connection")
-            links[j] = _handshake(sock, transport, capacity, connecting=True)
+            try:
+                sock.settimeout(max(1.0, deadline - time.monotonic()))
+                sock.sendall(_HELLO.pack(_MAGIC, k, worker, digest, TRANSPORTS.index(transport)))
+                ok = bytearray(1)
+                _recv_exact(sock, memoryview(ok))
+                if ok != b"Y":
+                    raise PermissionError(f"partition {j} refused the connection (token?)")
+                links[j] = _handshake(sock, transport, capacity, connecting=True)
+            except BaseException:
+                sock.close()
+                raise
         while len(links) < n - 1:  # accept the higher ones
             assert own is not None
             own.settimeout(max(0.1, deadline - time.monotonic()))
@@ -359,7 +368,7 @@ def connect_mesh(
                 sock, _ = own.accept()
             except TimeoutError:
                 raise TimeoutError(f"partition {k}: peers did not connect in time") from None
-            sock.settimeout(max(1.0, deadline - time.monotonic()))
+            sock.settimeout(5.0)  # a silent stranger must not hold up the real peers
             raw = bytearray(_HELLO.size)
             try:
                 _recv_exact(sock, memoryview(raw))
@@ -376,11 +385,17 @@ def connect_mesh(
                 and tr == TRANSPORTS.index(transport)
             )
             if not good:
-                sock.sendall(b"N")
-                sock.close()
+                try:
+                    sock.sendall(b"N")
+                finally:
+                    sock.close()
                 continue
-            sock.sendall(b"Y")
-            links[j] = _handshake(sock, transport, capacity, connecting=False)
+            try:
+                sock.sendall(b"Y")
+                links[j] = _handshake(sock, transport, capacity, connecting=False)
+            except BaseException:
+                sock.close()
+                raise
     except BaseException:
         for link in links.values():
             link.close()

@@ -206,10 +206,10 @@ class Control:
             got += r
         return buf
 
-    def recv(self) -> dict[str, Any]:
+    def recv(self, limit: int = MAX_CONTROL_BYTES) -> dict[str, Any]:
         (n,) = _LEN.unpack(self._exact(_LEN.size))
-        if n > MAX_CONTROL_BYTES:
-            raise ValueError(f"control message of {n} bytes (at most {MAX_CONTROL_BYTES})")
+        if n > limit:
+            raise ValueError(f"control message of {n} bytes (at most {limit})")
         return protocol.decode(self._exact(n))
 
     def close(self) -> None:
@@ -369,8 +369,8 @@ class PartitionLeader(_PartitionMixin, Replica):
                     raise TimeoutError("the other partitions did not connect in time") from None
                 ctl = Control(sock)
                 try:
-                    sock.settimeout(30)
-                    hello = ctl.recv()
+                    sock.settimeout(10)
+                    hello = ctl.recv(limit=1 << 16)  # before the token is checked: small
                     k = int(hello.get("partition", -1))
                     good = hmac.compare_digest(bytes(hello.get("digest", b"")), digest)
                     if not good or not 0 < k < cfg.partitions or k in self.followers:
