@@ -27,10 +27,14 @@ Copies outlive their server's registration. Every acknowledged batch is on every
 replica set, so when the last live member of a bucket leaves it (declared dead, or registered
 again as a new incarnation after a restart or a pause), its copy is recorded as a `candidate`:
 a copy that may hold every acknowledged batch (in memory after a pause; from LMDB after a crash,
-up to its last flush). The bucket is then *unavailable*: nobody serves it, nothing re-creates it.
-Servers offer their copies with (epoch, seq) when they register; as soon as a candidate is back
-with its copy (and the old lease has certainly expired), the most up-to-date one is granted the
-lease and the others catch up from it. A bucket that ever held data is never re-created empty or
+up to its last flush). So is the copy of every member that left within one lease duration
+before it (`WAVE`): the members of a crash of every copy leave one by one (each declared dead or
+registered again on its own), and any of them may have flushed more than the last one. The
+bucket is then *unavailable*: nobody serves it, nothing re-creates it. Servers offer their
+copies with (epoch, seq) when they register; once every candidate is back (with its copy, or
+without it: then it is no candidate) and the old lease has certainly expired, the most
+up-to-date one is granted the lease and the others catch up from it. A candidate that never
+comes back keeps the bucket unavailable: only an operator may give up on its copy. A bucket that ever held data is never re-created empty or
 from an older copy except by an operator's explicit `write_off` (`POST /buckets/{b}/declare-lost`), which is logged and counted.
 """
 
@@ -52,6 +56,9 @@ from controller.raft_transport import RaftLimits, transport_class
 log = logging.getLogger(__name__)
 
 LIVE, DEAD, DRAINING = "live", "dead", "draining"
+#: Members that left a bucket at most this many lease durations before its last live member are
+#: candidates with it (one crash of every copy is seen as one leave per server, seconds apart).
+WAVE = 1.0
 #: Closed leases kept for the safety record (GET /leases); older ones are dropped.
 HISTORY_LIMIT = 4096
 #: Trainer epochs whose progress is kept.
@@ -82,9 +89,10 @@ class ClusterModel:
         #: id -> {"address", "state", "incarnation", "since", "copies"}; copies: bucket -> [epoch,
         #: seq] of the copies the server offered when it registered (this incarnation)
         self.servers: dict[str, dict[str, Any]] = {}
-        #: per bucket: {"want", "holders", "joining", "lease", "holder_inc", "candidates", "lost"};
-        #: holders excludes the primary; candidates: servers whose copy may hold every
-        #: acknowledged batch while no member is live (see the module docstring)
+        #: per bucket: {"want", "holders", "joining", "lease", "holder_inc", "candidates", "lost",
+        #: "left"}; holders excludes the primary; candidates: servers whose copy may hold every
+        #: acknowledged batch while no member is live (see the module docstring); left: member
+        #: -> when it left, for the members that left while others stayed (pruned after a WAVE)
         self.buckets: list[dict[str, Any]] = [
             {
                 "want": [],
@@ -94,6 +102,7 @@ class ClusterModel:
                 "holder_inc": 0,
                 "candidates": [],
                 "lost": False,
+                "left": {},
             }
             for _ in range(n_buckets)
         ]
@@ -166,6 +175,11 @@ class ClusterModel:
         before = (list(bucket["holders"]), list(bucket["joining"]))
         bucket["holders"] = [s for s in bucket["holders"] if self._live(s)]
         bucket["joining"] = [s for s in bucket["joining"] if self._live(s)]
+        left = bucket.get("left")
+        if left:  # who left longer ago than a wave is never a candidate: forget it
+            bucket["left"] = {
+                s: at for s, at in left.items() if now - at <= WAVE * self.terms.duration
+            }
         want = bucket["want"]
         self._add_copies(b)
         self._drop_stale_offers(b)
@@ -191,6 +205,7 @@ class ClusterModel:
                 )
             self._grant(b, target, now)
             bucket["candidates"] = []
+            bucket["left"] = {}
             if target != want[0] and target in want:
                 want.remove(target)
                 want.insert(0, target)
@@ -211,6 +226,7 @@ class ClusterModel:
             return
         bk = self.buckets[b]
         keep = set(self.live_members(b)) | set(bk["joining"]) | set(bk.get("candidates", []))
+        keep |= set(bk.get("left", {}))  # it may become a candidate with the last member
         for s, rec in self.servers.items():
             if s not in keep and b in rec.get("copies", {}):
                 del rec["copies"][b]
@@ -280,14 +296,26 @@ class ClusterModel:
         # back: the bucket stays unavailable (never re-created empty, never from an older copy).
         return self._best_candidate(b)
 
+    def _wave(self, b: int, now: float) -> list[str]:
+        """Members that left bucket `b` within WAVE lease durations before `now`, and whose copy
+        may still exist: not yet back, or back offering it."""
+        out = []
+        for s, at in self.buckets[b].get("left", {}).items():
+            rec = self.servers.get(s)
+            if rec is None or now - at > WAVE * self.terms.duration:
+                continue
+            if rec["state"] == DEAD or b in rec.get("copies", {}):
+                out.append(s)
+        return out
+
     def _best_candidate(self, b: int) -> str | None:
-        """The live candidate of bucket `b` that offered the highest (epoch, seq)."""
+        """The candidate of bucket `b` that offered the highest (epoch, seq), once every
+        candidate is back: until then any of the missing ones may hold the newest copy."""
         bucket = self.buckets[b]
-        cands = [
-            s
-            for s in bucket.get("candidates", [])
-            if self._live(s) and b in self.servers[s].get("copies", {})
-        ]
+        cands = bucket.get("candidates", [])
+        if not cands or not all(self._live(s) for s in cands):
+            return None
+        cands = [s for s in cands if b in self.servers[s].get("copies", {})]
         if not cands:
             return None
         want = bucket["want"]
@@ -361,7 +389,7 @@ class ClusterModel:
         now = self._tick(now)
         rec = self.servers.get(sid)
         if rec is not None and rec["state"] != DEAD:
-            self._leave(sid)
+            self._leave(sid, now)
         state = DRAINING if rec is not None and rec["state"] == DRAINING else LIVE
         offered = {
             int(b): [int(p[0]), int(p[1])]
@@ -382,15 +410,20 @@ class ClusterModel:
         self._replan(now)
         return {"ok": True, "server": sid, **self.servers[sid]}
 
-    def _leave(self, sid: str) -> None:
+    def _leave(self, sid: str, now: float) -> None:
         """The current incarnation of `sid` leaves every replica set (declared dead, or replaced
-        by a new incarnation). Where it was the last live member, its copy is a candidate."""
+        by a new incarnation). Where it was the last live member, its copy is a candidate, and
+        so are the copies of the members that left shortly before it (`_wave`)."""
         for b, bk in enumerate(self.buckets):
             member = (self.primary_of(b) == sid and self._holder_live(b)) or sid in bk["holders"]
             if member and not self.live_members(b, exclude=sid):
                 cands = bk.setdefault("candidates", [])
-                if sid not in cands:
-                    cands.append(sid)
+                for s in [*self._wave(b, now), sid]:
+                    if s not in cands:
+                        cands.append(s)
+                bk["left"] = {}
+            elif member:
+                bk.setdefault("left", {})[sid] = now
             if sid in bk["holders"]:
                 bk["holders"].remove(sid)
             if sid in bk["joining"]:
@@ -411,7 +444,7 @@ class ClusterModel:
             return _err("not_found", f"no server {sid!r}")
         if rec["state"] == DEAD:
             return {"ok": True, "server": sid, "state": DEAD, "changed": False}
-        self._leave(sid)
+        self._leave(sid, now)
         rec["state"] = DEAD
         rec["since"] = now
         self._replan(now, reports)
@@ -621,6 +654,7 @@ class ClusterModel:
         else:
             return _err("conflict", f"no live server to take bucket {b}")
         bk["candidates"] = []
+        bk["left"] = {}
         bk["holders"], bk["joining"] = [], []
         self._grant(b, target, now)
         if target in bk["want"]:
@@ -763,6 +797,8 @@ class ClusterModel:
                 role = "standby"
             elif sid in bk["joining"]:
                 role = "joining"
+            elif b in offered and sid in bk.get("left", {}):
+                role = "standby"  # left shortly before: a candidate if the last member leaves
             else:
                 continue
             view = self.bucket_view(b)

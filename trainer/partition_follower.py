@@ -18,8 +18,11 @@ import time
 from prometheus_client import CollectorRegistry
 
 from trainer.config import TrainConfig
-from trainer.downpour import Fetcher, PackPlan, Replica, ReplicaResult, _Loop, collect_round
+from trainer.downpour import Replica, ReplicaResult
 from trainer.exchange import parse_addr, token_digest
+from trainer.fetcher import Fetcher
+from trainer.loop import Loop
+from trainer.packing import PackPlan, collect_round
 from trainer.partitioned import Control, _PartitionMixin
 
 log = logging.getLogger(__name__)
@@ -81,10 +84,12 @@ class PartitionFollower(_PartitionMixin, Replica):
         cfg = self.cfg
         plan = PackPlan.of(self.model, cfg.n_push * cfg.batch_size)
         factory = self._worker_factory(plan)
-        pusher = _Loop("push", self._push_loop)
+        assert self.pusher is not None
+        pusher = Loop("push", self.pusher.loop)
         fetcher = Fetcher(self.client, self.model)
+        sched = self.schedule
+        sched.mark_warm()  # the leader says when to fetch: each round carries its warm mark
         t_start = time.perf_counter()
-        steps_since_fetch = 0
         with self._pool(factory, plan) as pool:
             pusher.start()
             fetcher.thread.start()
@@ -106,20 +111,18 @@ class PartitionFollower(_PartitionMixin, Replica):
                     tasks = [[(b["x"], b["y"]) for b in t] for t in msg["tasks"]]
                     outs = pool.run(tasks)
                     self.pushq.put(collect_round(pool.buffers, plan, outs))
-                    n_batches = sum(len(t) for t in tasks)
-                    self.step += n_batches
-                    self.result.images += sum(len(b[1]) for t in tasks for b in t)
-                    self.m.images.inc(sum(len(b[1]) for t in tasks for b in t))
+                    sched.after_round(sum(len(t) for t in tasks))
+                    images = sum(len(b[1]) for t in tasks for b in t)
+                    self.result.images += images
+                    self.m.images.inc(images)
                     ctl.send({"op": "done"})
-                    steps_since_fetch += cfg.n_push
                     if fetcher.ready():
                         self._install(pool.params, fetcher.take())
-                        self.last_staleness = self.step - fetcher.requested_at
+                        self.last_staleness = sched.staleness(fetcher.requested_at)
                         self.fetches += 1
                         self.m.fetches.inc()
-                    if not fetcher.pending and steps_since_fetch >= cfg.n_fetch and msg.get("warm"):
-                        fetcher.request(self.step)
-                        steps_since_fetch = 0
+                    if msg.get("warm") and sched.want_fetch(fetcher.pending):
+                        fetcher.request(sched.step)
             finally:
                 self.result.seconds = time.perf_counter() - t_start
                 self._stopping.set()
@@ -127,6 +130,9 @@ class PartitionFollower(_PartitionMixin, Replica):
                 self.pushq.put(None)
                 for t in (pusher, fetcher.thread):
                     t.join(5)
+                self.result.bytes_pushed = self.pusher.bytes_pushed
+                self.result.pushes = self.pusher.pushes
+                self.result.sent_fraction = self.pusher.sent_fraction
 
     def stop(self) -> None:
         super().stop()

@@ -34,10 +34,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from adamps import protocol
 from trainer.config import TrainConfig
-from trainer.downpour import DownpourWorker, PackPlan, Replica
+from trainer.downpour import Replica
 from trainer.exchange import Exchange, PeerLost, connect_mesh, parse_addr, token_digest
 from trainer.hogwild import Hogwild
 from trainer.model import Model
+from trainer.packing import DownpourWorker, PackPlan
 from trainer.partition import PartitionModel, assemble, max_message_bytes, slice_params
 
 log = logging.getLogger(__name__)
@@ -394,7 +395,7 @@ class PartitionLeader(_PartitionMixin, Replica):
 
     def send_round(self, tasks: list[Any]) -> None:
         wire = [[{"x": np.asarray(x), "y": np.asarray(y)} for x, y in t] for t in tasks]
-        msg = {"op": "round", "tasks": wire, "warm": self.warm_marked}
+        msg = {"op": "round", "tasks": wire, "warm": self.schedule.warm_marked}
         for ctl in self.followers.values():
             ctl.send(msg)
 

@@ -1280,7 +1280,7 @@ class Sim:
         self.now = 0.0
         self._rid = itertools.count(1)
         self._uid = itertools.count(1)
-        self.trace: deque[str] = deque(maxlen=60)
+        self.trace: deque[str] = deque(maxlen=int(os.environ.get("ADAMPS_SIM_TRACE", "60")))
         self.net = Network(self)
         self.ctl = Controller(self)
         self.servers: dict[str, Server] = {}
@@ -1529,14 +1529,12 @@ class Sim:
                         )
         for b in range(N_BUCKETS):
             acks = self.acks[b]
-            bk = m.buckets[b]
             # 2. every acknowledged push on every promotable copy
             promotable = [(s, "member") for s in m.live_members(b)]
-            promotable += [
-                (s, "candidate")
-                for s in bk.get("candidates", [])
-                if m._live(s) and b in m.servers[s].get("copies", {})
-            ]
+            # Of the candidates (every member of the last wave), the one the controllers would
+            # promote: older copies of the wave may lack what was acknowledged after they left.
+            best = m._best_candidate(b)
+            promotable += [(best, "candidate")] if best is not None else []
             for sid, why in promotable:
                 s = self.servers[sid]
                 if s.crashed or b not in s.reps or not s.registered:
