@@ -23,7 +23,7 @@ def validate(m: ClusterModel) -> None:
     for b, bk in enumerate(m.buckets):
         lease = bk["lease"]
         # A lease of an earlier incarnation (restarted server) makes no member: it just runs out.
-        members = ([lease.holder] if m._holder_live(b) else []) + bk["holders"] + bk["joining"]
+        members = ([lease.holder] if m.holder_live(b) else []) + bk["holders"] + bk["joining"]
         assert len(members) == len(set(members)), f"bucket {b}: duplicate member {members}"
         assert len(bk["want"]) == len(set(bk["want"]))
         for s in bk["holders"] + bk["joining"]:

@@ -1124,9 +1124,7 @@ class Controller:
                 self.last_seen[sid] = now
                 for b, r in body["reports"].items():
                     self.reports.setdefault(b, {})[sid] = list(r)
-                holds = any(
-                    m.primary_of(b) == sid and m._holder_live(b) for b in range(m.n_buckets)
-                )
+                holds = any(m.primary_of(b) == sid and m.holder_live(b) for b in range(m.n_buckets))
                 renewed = m.renew(sid, now)["renewed"] if holds else []
                 res = {
                     "ok": True,
@@ -1565,7 +1563,7 @@ class Sim:
                         f"{s.reps[b].committed_epoch}/{s.reps[b].committed}) lacks acknowledged "
                         f"pushes {worst} (acked at events {[acks[u] for u in worst]}, cut at {cut_at})"
                     )
-                if m.primary_of(b) == sid and m._holder_live(b):
+                if m.primary_of(b) == sid and m.holder_live(b):
                     self.stats["loss_window_pushes"] += len(excused - self.allowed_loss[b])
                     self.allowed_loss[b] |= excused
                     self.log(f"b{b}: loss window: {sorted(excused)} lost with {sid}'s cut")
