@@ -33,7 +33,6 @@ import copy
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from adamps.procs import free_port  # noqa: E402
 from trainer.model import ADAM_MNIST, Model  # noqa: E402
 from trainer.partition import PARAM_KINDS, max_message_bytes  # noqa: E402
 
@@ -74,13 +74,14 @@ def activation_bytes(spec: dict[str, Any]) -> int:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """n distinct ports, free a moment ago, below the ephemeral range (adamps.procs.free_port:
+    an outgoing connection cannot take one before a partition listens on it)."""
+    out: list[int] = []
+    while len(out) < n:
+        port = free_port()
+        if port not in out:
+            out.append(port)
+    return out
 
 
 def _partition_main(args: dict[str, Any], out: Any) -> None:

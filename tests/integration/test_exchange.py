@@ -10,16 +10,18 @@ import time
 import numpy as np
 import pytest
 
+from adamps.procs import free_port
 from trainer.exchange import Exchange, connect_mesh
 
 
 def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    out = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """n distinct ports, free a moment ago, below the ephemeral range (adamps.procs.free_port:
+    an outgoing connection cannot take one before a partition listens on it)."""
+    out: list[int] = []
+    while len(out) < n:
+        port = free_port()
+        if port not in out:
+            out.append(port)
     return out
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from adamps.procs import free_port
 from trainer.model import Model
 from trainer.partition import PARAM_KINDS, PartitionModel, part_name, split, units_of
 
@@ -37,13 +37,14 @@ ODD: dict = {
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """n distinct ports, free a moment ago, below the ephemeral range (adamps.procs.free_port:
+    an outgoing connection cannot take one before a partition listens on it)."""
+    out: list[int] = []
+    while len(out) < n:
+        port = free_port()
+        if port not in out:
+            out.append(port)
+    return out
 
 
 def _reference(spec, seed, batches, scale):

@@ -212,8 +212,8 @@ def test_a_killed_leader_restarts_its_replica(procs, tmp_path: Path) -> None:
                     "--partitions", "2", "--workers", "2",
                     "--metrics-port", str(mport))  # fmt: skip
     wait_for(lambda: get_json(f"127.0.0.1:{mport}", "/status")["steps"] > 200, 180, "training")
-    (leader, _follower), *_ = re.findall(r"2 partitions at \S+ \(pids \[(\d+), (\d+)\]\)",
-                                         r.tail(400))  # fmt: skip
+    started = re.findall(r"2 partitions at \S+ \(pids \[(\d+), (\d+)\]\)", r.tail(400))
+    leader, _follower = started[-1]  # the attempt running now
     before = descendants(r.pid)
     assert len(before) >= 2 + 2 * 2  # 2 partitions, 2 Hogwild workers each
     os.kill(int(leader), 9)
