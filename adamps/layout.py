@@ -104,10 +104,24 @@ def parse_shard_id(sid: str) -> tuple[str, int]:
     return tensor, int(idx)
 
 
+#: a shard of partition k of K of a model (trainer/partition.py names its tensors so)
+_PARTITION_RE = re.compile(r"-p(\d+)of(\d+)\.[^/]*/\d+$")
+
+
 def stable_bucket(key: str, n_buckets: int) -> int:
-    """The bucket of a shard id: the same in every process, Python version and machine."""
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % n_buckets
+    """The bucket of a shard id: the same in every process, Python version and machine.
+
+    The shards of a model partition's tensors (``<layer>-p<k>of<K>.<w|b>``) go to buckets
+    congruent to k modulo K, so each partition of a replica has buckets of its own (Adam 4.4.2:
+    a machine talks only to its partition's parameter-server shards); with fewer buckets than
+    partitions they hash like any other shard."""
+    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    m = _PARTITION_RE.search(key)
+    if m is not None:
+        k, parts = int(m[1]), int(m[2])
+        if 0 <= k < parts <= n_buckets:
+            return k + parts * (h % (n_buckets // parts))
+    return h % n_buckets
 
 
 def split_tensor(spec: TensorSpec, max_elems: int = MAX_SHARD_ELEMS) -> list[Shard]:

@@ -212,7 +212,7 @@ class Run:
             "train", "--controllers", ",".join(c.controllers),
             "--dataservers", ",".join(f"http://{d}" for d in c.dataservers),
             "--n-replicas", str(a.trainers), "--epochs", str(a.epochs),
-            "--workers", str(a.workers),
+            "--workers", str(a.workers), "--partitions", str(a.partitions),
         ]  # fmt: skip
         if a.compress:
             common += ["--compress", "--compress-fraction", str(a.compress_fraction),

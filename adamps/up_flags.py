@@ -42,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=1, help="Hogwild workers per trainer (default: %(default)s)"
     )
     p.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="processes each replica is cut into (adamps train --partitions; model "
+        "parallelism, docs/training.md) (default: %(default)s)",
+    )
+    p.add_argument(
         "--epochs", type=int, default=DEFAULT_EPOCHS, help="training epochs (default: %(default)s)"
     )
     p.add_argument(
@@ -137,6 +144,7 @@ def check_args(a: argparse.Namespace) -> None:
         ("--dataservers", a.dataservers),
         ("--trainers", a.trainers),
         ("--workers", a.workers),
+        ("--partitions", a.partitions),
         ("--epochs", a.epochs),
         ("--buckets", a.buckets),
     ):

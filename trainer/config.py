@@ -114,6 +114,34 @@ class TrainConfig:
         600.0, help="seconds to wait for replica 0 (tensors, warm start) before giving up"
     )
     log_level: str = field("INFO", help="logging level")
+    # Model parallelism (issue 15, trainer/partitioned.py): one replica as K processes.
+    partitions: int = field(
+        1, help="processes (maybe machines) one replica is cut into, each a vertical slice"
+    )
+    partition: int = field(
+        -1,
+        help="this process's partition 0..partitions-1; -1 = start all of them here as child "
+        "processes and restart the replica when one dies",
+    )
+    partition_addrs: list[str] = field(
+        [],
+        help="host:port of every partition (comma separated, in order): port = partition 0's "
+        "control link, port+1+w = worker w's exchange; empty = free loopback ports",
+    )
+    job_index: int = field(
+        -1,
+        help="this pod's index in a Kubernetes Indexed Job of n_replicas x partitions pods: "
+        "sets replica = index // partitions and partition = index % partitions; a single "
+        "--partition-addrs entry with '{index}' then names every partition of the replica",
+    )
+    partition_transport: str = field(
+        "auto",
+        help="exchange between partitions: 'shm' (shared memory, one machine), 'tcp', or 'auto' "
+        "(shm when every partition address is the same host)",
+    )
+    partition_restarts: int = field(
+        3, help="times the launcher (--partition -1) restarts a replica whose partition died"
+    )
 
     @property
     def server_lr(self) -> float:
@@ -124,8 +152,19 @@ class TrainConfig:
         return self.lr
 
     def __post_init__(self) -> None:
+        if self.job_index >= 0 and self.partitions >= 1:
+            self.replica, self.partition = divmod(self.job_index, self.partitions)
+        if len(self.partition_addrs) == 1 and "{index}" in self.partition_addrs[0]:
+            first = self.replica * self.partitions
+            self.partition_addrs = [
+                self.partition_addrs[0].replace("{index}", str(first + k))
+                for k in range(self.partitions)
+            ]
         # A trainer only calls the others: loopback-only when everything it reaches is local.
-        reached = [tokens.host_of(a) for a in (*self.controllers, *self.ps, *self.dataservers)]
+        reached = [
+            tokens.host_of(a)
+            for a in (*self.controllers, *self.ps, *self.dataservers, *self.partition_addrs)
+        ]
         self.token = tokens.resolve(self.token or default_token(), [self.host, *reached], "train")
         if not self.controllers and not self.ps:
             raise ValueError("give --controllers or --ps (parameter-server URLs)")
@@ -157,3 +196,24 @@ class TrainConfig:
         parse_taus(self.compress_tau)
         if self.warm_start < 0:
             raise ValueError("warm_start must be >= 0")
+        if self.partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {self.partitions}")
+        if self.partitions > 1:
+            from trainer.partition import check_partitions
+
+            check_partitions(self.model, self.partitions)  # every layer gives each a unit
+        if not -1 <= self.partition < self.partitions:
+            raise ValueError(
+                f"partition must be -1 or in 0..partitions-1 ({self.partitions}), "
+                f"got {self.partition}"
+            )
+        if self.partition_transport not in ("auto", "shm", "tcp"):
+            raise ValueError(
+                f"partition_transport must be 'auto', 'shm' or 'tcp', got {self.partition_transport!r}"
+            )
+        if self.partition_addrs and len(self.partition_addrs) != self.partitions:
+            raise ValueError(
+                f"partition_addrs must name {self.partitions} host:port, got {self.partition_addrs}"
+            )
+        if self.partition >= 0 and self.partitions > 1 and not self.partition_addrs:
+            raise ValueError("a single partition (--partition K) needs --partition-addrs")

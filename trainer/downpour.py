@@ -51,7 +51,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -290,20 +290,14 @@ class Replica:
             [t.name for t in self.tensors], out=self._views(self.model.params)
         )
         plan = PackPlan.of(self.model, cfg.n_push * cfg.batch_size)
-        factory = functools.partial(downpour_worker_factory, self.spec, cfg.local_lr, plan)
+        factory = self._worker_factory(plan)
         assert self.pusher is not None
         sched = self.schedule
         pusher = Loop("push", self.pusher.loop)
         boarder = Loop("board", self._board_loop)
         fetcher = Fetcher(self.client, self.model)
         t_start = time.perf_counter()
-        with Hogwild(
-            factory,
-            cfg.workers,
-            self.model.params,
-            mode=cfg.worker_mode,
-            buffers=plan.buffers(cfg.workers),
-        ) as pool:
+        with self._pool(factory, plan) as pool:
             for t in (pusher, boarder, fetcher.thread):
                 t.start()
             threads = (pusher, boarder, fetcher.thread)
@@ -348,6 +342,17 @@ class Replica:
                 log.info("CPU seconds by thread of the main process: %s", self.result.cpu_threads)
         self.client.close()
         return self.result
+
+    # Hooks of a partitioned replica (trainer/partitioned.py): its workers and its pool.
+    def _worker_factory(self, plan: PackPlan) -> Callable[..., Any]:
+        return functools.partial(downpour_worker_factory, self.spec, self.cfg.local_lr, plan)
+
+    def _pool(self, factory: Callable[..., Any], plan: PackPlan) -> Any:
+        cfg = self.cfg
+        buffers = plan.buffers(cfg.workers)
+        return Hogwild(
+            factory, cfg.workers, self.model.params, mode=cfg.worker_mode, buffers=buffers
+        )
 
     def _mark_warm(self) -> None:
         assert self.board is not None

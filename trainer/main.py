@@ -79,16 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_role(
-        build_parser(), TrainConfig, "train", argv, serve, lambda c: f"train[{c.replica}]"
-    )
+    return run_role(build_parser(), TrainConfig, "train", argv, serve, _log_name)
+
+
+def _log_name(c: TrainConfig) -> str:
+    part = f"/p{c.partition}" if c.partitions > 1 and c.partition >= 0 else ""
+    return f"train[{c.replica}{part}]"
 
 
 def serve(cfg: TrainConfig) -> int:
-    from trainer.downpour import Replica
+    if cfg.partitions > 1 and cfg.partition < 0:  # one replica as K child processes
+        from trainer.partition_launch import launch
+
+        return launch(cfg)
+    from trainer.partitioned import make_replica
 
     registry = am.new_registry()
-    replica = Replica(cfg, registry)
+    replica = make_replica(cfg, registry)
     started = time.time()
 
     def status() -> dict[str, Any]:
@@ -104,12 +111,15 @@ def serve(cfg: TrainConfig) -> int:
             "fetch_staleness_steps": replica.last_staleness,
             "push_queue": len(replica.pushq),
             "heldout_accuracy": {str(k): v for k, v in replica.result.accuracy.items()},
+            **({"partition": replica.partition_status()} if cfg.partitions > 1 else {}),
         }
 
     server = None
     if cfg.metrics_port >= 0:
         server = MetricsServer(registry, cfg.token, status, cfg.host, cfg.metrics_port)
         log.info("metrics on http://%s:%d/metrics", cfg.host, server.port)
+        if cfg.partitions > 1:
+            replica.metrics_port = server.port  # type: ignore[attr-defined] # told to the leader
 
     interrupted: list[int] = []
 
@@ -147,6 +157,7 @@ def serve(cfg: TrainConfig) -> int:
         "bytes_pushed": result.bytes_pushed,
         "pushes": result.pushes,
         "sent_fraction": result.sent_fraction,
+        **({"partition": replica.partition_status()} if cfg.partitions > 1 else {}),
         "out": result.out,
     }
     log.info("training complete")

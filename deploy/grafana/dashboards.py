@@ -368,6 +368,36 @@ TRAINING = Dashboard(
                     "too high for that tensor.",
                 ),
                 Panel(
+                    "Model parallelism: bytes sent to the other partitions",
+                    [
+                        (
+                            rate(
+                                "adamps_trainer_partition_bytes_exchanged_total",
+                                "instance, partition",
+                            ),
+                            "{{instance}} partition {{partition}}",
+                        ),
+                    ],
+                    unit="Bps",
+                    description="With --partitions K: activations and errors crossing the "
+                    "vertical cut, sent by each partition (DistBelief 3: each once per "
+                    "partition that needs it).",
+                ),
+                Panel(
+                    "Model parallelism: time waiting for the other partitions",
+                    [
+                        (
+                            rate(
+                                "adamps_trainer_partition_wait_seconds_total", "instance, partition"
+                            ),
+                            "{{instance}} partition {{partition}}",
+                        ),
+                    ],
+                    unit="percentunit",
+                    description="Seconds per second a partition's workers waited for their "
+                    "peers (summed over its workers): the imbalance and latency of the cut.",
+                ),
+                Panel(
                     "Push queue and merged rounds (network behind)",
                     [
                         ("max by (instance) (adamps_trainer_push_queue)", "queued {{instance}}"),

@@ -78,13 +78,14 @@ class Stack:
         c.procs["dataserver0"].wait_http(f"http://{ds}/healthz", timeout=60)
         trainer_port = free_port()
         # One replica that keeps training (many epochs) while Prometheus scrapes; compressed
-        # (Strom), so that the compression panels have series too.
+        # (Strom), so that the compression panels have series too, and cut into 2 partitions
+        # (the model-parallelism panels; Prometheus scrapes the leader).
         trainer = Proc(
             adamps_argv(
                 "train", "--controllers", ",".join(c.controllers), "--dataservers", f"http://{ds}",
                 "--replica", "0", "--n-replicas", "1", "--epochs", "100", "--warm-start", "0",
                 "--workers", "1", "--worker-mode", "thread", "--metrics-port", str(trainer_port),
-                "--compress",
+                "--compress", "--partitions", "2",
             ),
             self.root / "logs" / "trainer.log", env=c.env, name="trainer",
         )  # fmt: skip
