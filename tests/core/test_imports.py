@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("adamps", "controller", "dataserver", "trainer")
+PACKAGES = ("adamps", "controller", "coordinator", "dataserver", "trainer")
 #: modules allowed to import any role: they exist to start them
 ENTRY_POINTS = {"adamps.cli"}
 
