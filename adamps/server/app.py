@@ -26,7 +26,7 @@ from adamps import web as aweb
 from adamps.config import ConfigError, to_dict
 from adamps.layout import LayoutError, TensorSpec, stable_bucket
 from adamps.protocol import ProtocolError, require, require_array
-from adamps.server import bounds, dataplane
+from adamps.server import bounds, dataplane, vecops
 from adamps.server.compressed import wire_form, words_of
 from adamps.server.config import PsConfig
 from adamps.server.optim import Dense, OptimError, Optimizer, Signs
@@ -47,6 +47,7 @@ from adamps.server.store import (
 log = logging.getLogger(__name__)
 
 OPS = ("create", "pull", "push_dense", "push_fc", "push_compressed", "flush", "list", "describe")
+OPS += vecops.OPS  # Sandblaster's vector operations (adamps/server/vecops.py)
 DEBUG_OPS = ("debug_fail",)
 #: most rows of activation/error vectors in one push_fc
 MAX_FC_K = 65_536
@@ -693,6 +694,12 @@ class ParameterServer:
 
     async def op_describe(self, msg: dict[str, Any]) -> dict[str, Any]:
         return self._describe(self.store.tensor(require(msg, "name", str)))
+
+    async def op_vec(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return await vecops.op_vec(self, msg)
+
+    async def op_vec_dot(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return await vecops.op_vec_dot(self, msg)
 
     async def op_debug_fail(self, msg: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("debug_fail: an unexpected error on purpose (debug_ops is on)")

@@ -45,6 +45,7 @@ from adamps.core.replication import Apply, Assignment, Batch, BucketReplica, Rej
 from adamps.layout import TensorSpec
 from adamps.protocol import ProtocolError, require
 from adamps.rpc import AsyncRpc, RpcError
+from adamps.server import vecops
 from adamps.server.compressed import signs_of_wire
 from adamps.server.optim import Dense, Optimizer
 from adamps.server.persist import DEDUP_PER_FLUSH, Position
@@ -893,6 +894,8 @@ class Replicator:
                 elif kind == "c":
                     st = self.store.shard(u["s"])
                     parts.append((st, signs_of_wire(u, st.shard.size)))
+                elif kind == "v":  # a vector operation (Sandblaster, vecops.py)
+                    parts += vecops.parts_of(self.store, u)
                 else:
                     raise ProtocolError("bad_request", f"unknown update kind {kind!r}")
         return parts
