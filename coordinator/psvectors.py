@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from adamps.client import PSClient
-from adamps.layout import VECTOR_SEP, TensorSpec
+from adamps.layout import VECTOR_SEP, Shard, TensorSpec
 from adamps.rpc import SyncRpc
 
 PARAM = "param"
@@ -114,12 +114,16 @@ class PsVectors:
             fields["x"] = self._name(x)
         if alpha is not None:
             fields["alpha"] = float(alpha)
+        self.write(self.shards, fields)
+
+    def write(self, shards: Sequence[Shard], fields: dict[str, Any]) -> None:
+        """One ``vec`` write on `shards`, split by primary, retried with one (client, seq)."""
         seq = next(self._seq)
         done: set[str] = set()
         self.ops += 1
 
         def go(routing: Any) -> None:
-            todo = [s for s in self.shards if s.id not in done]
+            todo = [s for s in shards if s.id not in done]
             for url, group in self.client._by_server(todo, routing).items():
                 self.client._rpc(url).call(
                     "vec", shards=[s.id for s in group], client=self.client_id, seq=seq, **fields

@@ -21,6 +21,7 @@ KINDS: dict[str, tuple[bool, bool]] = {
     "scale": (False, True),  # y = alpha * y
     "axpy": (True, True),  # y = y + alpha * x
     "mul": (True, False),  # y = y * x, elementwise
+    "set": (False, False),  # y[offset : offset + len(values)] = values (small state records)
 }
 
 
@@ -32,6 +33,9 @@ class VecOp:
     kind: str
     alpha: float
     src: ShardState | None
+    #: set: the values and where they go in the shard (flat index)
+    values: np.ndarray | None = None
+    offset: int = 0
 
     def apply(self, w: np.ndarray) -> None:
         x = None if self.src is None else self.src.value
@@ -43,6 +47,9 @@ class VecOp:
             w += np.float32(self.alpha) * x
         elif self.kind == "mul":
             w *= x
+        elif self.kind == "set":
+            assert self.values is not None
+            w.reshape(-1)[self.offset : self.offset + self.values.size] = self.values
         else:  # checked when the request was validated
             raise ValueError(f"unknown vector op {self.kind!r}")
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from adamps.layout import VECTOR_SEP, parse_shard_id, shard_id
-from adamps.protocol import ProtocolError, require
-from adamps.server.bounds import MAX_LR
+from adamps.protocol import ProtocolError, require, require_array
+from adamps.server.bounds import MAX_LR, MAX_VALUE
 from adamps.server.store import ShardState, Store, owner_future
 from adamps.server.vecapply import KINDS, VecOp
 
@@ -111,7 +111,18 @@ def parts_of(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, VecOp]]:
             raise ProtocolError(
                 "bad_shape", f"vectors {u['x']!r} and {u['y']!r} of {base!r} differ"
             )
-        parts.append((dst, VecOp(kind, float(u.get("a", 0.0)), src)))
+        values, offset = None, 0
+        if kind == "set":
+            values, offset = u["v"], u["f"]
+            if not isinstance(values, np.ndarray) or values.dtype != np.float32 or values.ndim != 1:
+                raise ProtocolError("bad_request", "vector op set: values must be 1-D float32")
+            if not isinstance(offset, int) or not 0 <= offset <= dst.shard.size - values.size:
+                raise ProtocolError(
+                    "bad_shape",
+                    f"vector op set: offset {offset!r} + {values.size} values do not fit "
+                    f"shard {dst.id} of {dst.shard.size} elements",
+                )
+        parts.append((dst, VecOp(kind, float(u.get("a", 0.0)), src, values, offset)))
     return parts
 
 
@@ -130,7 +141,14 @@ async def op_vec(ps: ParameterServer, msg: dict[str, Any]) -> dict[str, Any]:
     x = _vector_name(msg, "x") if takes_x else ""
     alpha = _alpha(msg) if takes_alpha else 0.0
     bases = _base_ids(ps, msg)
-    wire = {"k": "v", "o": kind, "y": y, "x": x, "a": alpha}
+    wire: dict[str, Any] = {"k": "v", "o": kind, "y": y, "x": x, "a": alpha}
+    if kind == "set":
+        values = require_array(msg, "values", shape=(None,))
+        if values.size and float(np.abs(values).max()) > MAX_VALUE:
+            raise ProtocolError(
+                "bad_request", f"set: values must be at most {MAX_VALUE:g} in magnitude"
+            )
+        wire["v"], wire["f"] = values, require(msg, "offset", int, default=0)
     for base in bases:  # everything resolved before anything is queued
         ps.store.shard(base)
     parts = parts_of(ps.store, {**wire, "s": bases})

@@ -83,6 +83,9 @@ async def test_ops_match_numpy(ps) -> None:
         ({"kind": "copy", "y": "y", "x": "x", "shards": ["w@x/0"]}, "bad_request"),
         ({"kind": "copy", "y": "y", "x": "x", "shards": ["w/9"]}, "unknown_shard"),
         ({"kind": "copy", "y": "y", "x": "x", "shards": []}, "bad_request"),
+        ({"kind": "set", "y": "y", "values": np.ones(10, np.float32), "offset": 995}, "bad_shape"),
+        ({"kind": "set", "y": "y", "values": np.ones(3, np.float64)}, "bad_dtype"),
+        ({"kind": "set", "y": "y", "values": np.full(3, np.inf, np.float32)}, "non_finite"),
     ],
 )
 async def test_bad_requests_change_nothing(ps, fields, code) -> None:
@@ -105,3 +108,13 @@ async def test_a_vector_of_another_shape_is_refused(ps) -> None:
     with pytest.raises(RpcError) as err:
         await c.call("vec", kind="copy", shards=["w/0"], y="odd", x="")
     assert err.value.code in ("bad_shape", "unknown_shard")
+
+
+async def test_set_writes_a_slice(ps) -> None:
+    _, c = ps
+    await make(c, "w", 1)
+    y = await make(c, "w@y", 3)
+    v = np.arange(7, dtype=np.float32)
+    await c.call("vec", kind="set", shards=["w/0"], y="y", values=v, offset=10)
+    y.reshape(-1)[10:17] = v
+    np.testing.assert_array_equal((await c.call("pull", tensors=["w@y"]))["tensors"]["w@y"], y)
