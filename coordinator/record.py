@@ -17,7 +17,7 @@ import numpy as np
 from adamps.layout import TensorSpec
 from coordinator.psvectors import PsVectors
 
-#: elements of the record tensor: up to 2 * (CAPACITY - 2) bytes of JSON
+#: elements of the record tensor at most (at most one shard): 2 * (CAPACITY - 2) bytes of JSON
 CAPACITY = 32_768
 
 
@@ -25,10 +25,10 @@ class RecordError(ValueError):
     pass
 
 
-def encode(obj: Any) -> np.ndarray:
+def encode(obj: Any, capacity: int = CAPACITY) -> np.ndarray:
     data = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-    if len(data) > 2 * (CAPACITY - 2):
-        raise RecordError(f"coordinator record of {len(data)} bytes exceeds {2 * (CAPACITY - 2)}")
+    if len(data) > 2 * (capacity - 2):
+        raise RecordError(f"coordinator record of {len(data)} bytes exceeds {2 * (capacity - 2)}")
     padded = data + b"\0" * (len(data) % 2)
     words = np.frombuffer(padded, dtype="<u2")
     head = np.array([len(data) & 0xFFFF, len(data) >> 16], np.uint32)
@@ -49,11 +49,11 @@ class ServerRecord:
 
     def __init__(self, vectors: PsVectors, run: str) -> None:
         self.vectors = vectors
-        self.spec = TensorSpec(f"sandblaster.{run}.state", (CAPACITY,))
+        # One shard, so that a record is written whole by one operation or not at all.
+        self.capacity = min(CAPACITY, vectors.client.layout.max_shard_elems)
+        self.spec = TensorSpec(f"sandblaster.{run}.state", (self.capacity,))
         vectors.client.create(self.spec, init={"kind": "zeros"}, optimizer={"kind": "sgd"})
         self.shards = vectors.client.layout.shards_of[self.spec.name]
-        if len(self.shards) != 1:
-            raise RecordError("the record tensor must be one shard (max_shard_elems too small)")
 
     def load(self) -> Any:
         values, _ = self.vectors.client.pull([self.spec.name])
@@ -61,5 +61,5 @@ class ServerRecord:
 
     def save(self, obj: Any) -> None:
         self.vectors.write(
-            self.shards, {"kind": "set", "y": "", "values": encode(obj), "offset": 0}
+            self.shards, {"kind": "set", "y": "", "values": encode(obj, self.capacity), "offset": 0}
         )

@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(cfg: TrainConfig) -> int:
+    if cfg.coordinator:  # Sandblaster L-BFGS (DistBelief 4.2)
+        from trainer.sandblaster import serve_sandblaster
+
+        return serve_sandblaster(cfg)
     from trainer.downpour import Replica
 
     registry = am.new_registry()

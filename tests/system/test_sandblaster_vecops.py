@@ -17,7 +17,8 @@ import pytest
 from adamps.client import ControllerRouting
 from adamps.layout import Layout, TensorSpec
 from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
-from coordinator.psvectors import MeteredClient, PsVectors
+from adamps.metered import MeteredClient
+from coordinator.psvectors import PsVectors
 from coordinator.record import ServerRecord
 from tests.system.test_failover import busiest_primary, digests_agree
 
