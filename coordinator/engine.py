@@ -116,6 +116,8 @@ class Engine:
         self._mark = self._mark_iter = (0, 0)
         self._api_mark = 0
         self.resumed = False
+        #: portion events over this process's evaluations
+        self.totals = {"portions": 0, "backups": 0, "duplicates": 0, "reassigned": 0}
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -209,6 +211,13 @@ class Engine:
                 self.cond.wait(0.5)
                 self._expire()
             s = self.schedule
+            for key, n in (
+                ("duplicates", s.duplicates),
+                ("backups", s.backups),
+                ("reassigned", s.reassigned),
+                ("portions", len(s.portions)),
+            ):
+                self.totals[key] += n  # fmt: skip
             self.m.portions.labels("duplicate").inc(s.duplicates)
             self.m.portions.labels("backup").inc(s.backups)
             self.m.portions.labels("reassigned").inc(s.reassigned)
@@ -295,6 +304,7 @@ class Engine:
             "stopped": None if st is None else st.stopped,
             "error": self.error,
             "schedule": sched,
+            "totals": dict(self.totals),
             "ps_bytes": {"sent": self.client.meter.sent, "received": self.client.meter.received},
             "api_bytes": self.api_bytes,
             "per_iteration": self.per_iteration,

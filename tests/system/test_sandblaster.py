@@ -128,3 +128,32 @@ def test_distributed_iterates_match_the_local_reference(cluster: LocalCluster) -
     per_request = st["ps_bytes"]["sent"] / max(1, 1)
     assert per_request > 0
     assert max(ps_bytes) < 400 * st["shards"] * 60, ps_bytes  # ~60 ops per iteration at most
+
+
+def test_a_trainer_and_the_coordinator_killed_mid_run_same_trajectory(
+    cluster: LocalCluster,
+) -> None:
+    """SIGKILL a (slow, so surely mid-portion) trainer during iteration 2 and the coordinator
+    during iteration 4; a new coordinator of the same run resumes the iteration, and the
+    losses are those of the run without faults."""
+    port = free_port()
+    coord = start_coordinator(cluster, port)
+    start_trainer(cluster, coord, 0, "--slowdown", "20")
+    for i in (1, 2):
+        start_trainer(cluster, coord, i)
+    wait_stopped(coord, until=lambda st: (st["iteration"] or 0) >= 2)
+    assert status(coord)["schedule"] is not None
+    cluster.kill("trainer0")
+    wait_stopped(coord, until=lambda st: (st["iteration"] or 0) >= 4)
+    before = status(coord)
+    assert before["totals"]["reassigned"] >= 1 or before["totals"]["backups"] >= 1, before
+    cluster.kill("coordinator")
+    time.sleep(1.0)
+    coord = start_coordinator(cluster, port, name="coordinator-2")
+    st = wait_stopped(coord)
+    assert st["resumed"] is True
+    assert st["stopped"] in ("max_iter", "ftol"), st
+    ref = local_reference()
+    n = min(len(st["losses"]), len(ref))
+    np.testing.assert_allclose(st["losses"][:n], ref[:n], rtol=2e-4)
+    assert n >= ITERS + 1 or st["stopped"] == "ftol"
