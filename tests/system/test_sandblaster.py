@@ -157,3 +157,39 @@ def test_a_trainer_and_the_coordinator_killed_mid_run_same_trajectory(
     n = min(len(st["losses"]), len(ref))
     np.testing.assert_allclose(st["losses"][:n], ref[:n], rtol=2e-4)
     assert n >= ITERS + 1 or st["stopped"] == "ftol"
+
+
+MLP = (
+    '{"name": "mlp", "input": [28, 28, 1], "classes": 10, "layers": ['
+    '{"type": "fc", "name": "fc1", "units": 256, "activation": "relu"},'
+    '{"type": "softmax", "name": "out", "units": 10}]}'
+)
+
+
+def test_coordinator_bytes_per_iteration_do_not_grow_with_the_model(tmp_path: Path) -> None:
+    """A 203,530-parameter model (814 KB a vector) in 7 shards: the coordinator's traffic per
+    iteration stays a few tens of KB, bounded by shards x operations, not parameters."""
+    c = LocalCluster(
+        tmp_path, token=TOKEN, n_servers=3, n_buckets=N_BUCKETS,
+        controller_opts=FAST_CONTROLLER_OPTS,
+        ps_opts={**FAST_PS_OPTS, "max-shard-elems": 65_536},
+    )  # fmt: skip
+    try:
+        c.start(timeout=60)
+        coord = start_coordinator(
+            c,
+            free_port(),
+            **{"model": MLP, "max-shard-elems": 65_536, "max-iter": 4, "run": "bytes"},
+        )
+        for i in range(2):
+            start_trainer(c, coord, i)
+        st = wait_stopped(coord)
+    finally:
+        c.stop()
+    assert st["params"] == 203_530 and st["shards"] == 7
+    vector_bytes = 4 * st["params"]
+    per_iter = [p["ps_bytes_sent"] + p["ps_bytes_received"] for p in st["per_iteration"]]
+    print("coordinator bytes per iteration:", per_iter, "vector:", vector_bytes)
+    assert len(per_iter) >= 3
+    assert max(per_iter) < 0.1 * vector_bytes, per_iter
+    assert max(p["api_bytes"] for p in st["per_iteration"]) < 0.05 * vector_bytes
