@@ -202,6 +202,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between progress lines (default 0: 1 s on a terminal, 5 s otherwise)",
     )
     p.add_argument("--no-progress", action="store_true", help="no live progress view")
+    p.add_argument(
+        "--algorithm",
+        choices=("downpour", "sandblaster"),
+        default="downpour",
+        help="downpour: asynchronous SGD replicas; sandblaster: L-BFGS by a coordinator over "
+        "the whole training set (DistBelief 4.2; docs/training.md) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=60,
+        help="with --algorithm sandblaster: L-BFGS iterations (default: %(default)s)",
+    )
     return p
 
 
@@ -477,6 +490,14 @@ class Run:
             "--n-replicas", str(a.trainers), "--epochs", str(a.epochs),
             "--workers", str(a.workers),
         ]  # fmt: skip
+        if a.algorithm == "sandblaster":  # a coordinator hands the trainers portions
+            port = alloc()
+            self.start("coordinator", lambda: c.start_process(
+                "coordinator", "coordinator", "--controllers", ",".join(c.controllers),
+                "--port", str(port), "--n-buckets", str(a.buckets), "--model", "adam-mnist",
+                "--max-iter", str(a.iterations), "--exit-when-done", "--run", f"up{os.getpid()}",
+            )).wait_http(f"http://127.0.0.1:{port}/healthz", 120)  # fmt: skip
+            common += ["--coordinator", f"http://127.0.0.1:{port}"]
         if a.compress:
             common += ["--compress", "--compress-fraction", str(a.compress_fraction),
                        "--compress-coding", a.compress_coding]  # fmt: skip
@@ -586,7 +607,12 @@ class Run:
         )  # fmt: skip
         wall = time.time() - self.t_start
         acc_s = "unknown" if acc is None else f"{acc * 100:.2f}%"
-        self.say(f"held-out accuracy: {acc_s} after {a.epochs} epochs (1,000 held-out images)")
+        after = (
+            f"{a.iterations} L-BFGS iterations"
+            if a.algorithm == "sandblaster"
+            else f"{a.epochs} epochs"
+        )
+        self.say(f"held-out accuracy: {acc_s} after {after} (1,000 held-out images)")
         self.say(
             f"throughput: {rate:,.0f} images/s ({images:,} training images by {len(good)} "
             f"replicas in {secs:.1f} s)"

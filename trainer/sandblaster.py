@@ -66,6 +66,7 @@ class SandblasterTrainer:
         from dataserver.sources import load_source
 
         data = load_source(cfg["source"], holdout=0.2, seed=0)
+        self.data = data
         self.model = Model(cfg["model"])
         self.x = self.model.prepare(data.train_x)
         self.y = np.asarray(data.train_y)
@@ -186,29 +187,55 @@ class SandblasterTrainer:
         self.result.bytes_received = self.client.meter.received
         return self.result
 
+    def heldout_accuracy(self) -> float:
+        """Accuracy on the held-out images with the servers' current parameters."""
+        self._fetch((-1, -1))
+        return self.model.accuracy(self.model.prepare(self.data.test_x), self.data.test_y)
+
     def close(self) -> None:
         self.client.close()
         self.coord.close()
 
 
 def serve_sandblaster(cfg: Any) -> int:
-    """`adamps train --coordinator URL`: one Sandblaster trainer until the coordinator stops."""
+    """`adamps train --coordinator URL`: one Sandblaster trainer until the coordinator stops.
+    Replica 0 then measures the held-out accuracy of the servers' parameters."""
     import json
     import signal
+
+    from adamps import config as aconfig
+    from adamps import metrics as am
+    from trainer.main import MetricsServer
 
     trainer = SandblasterTrainer(
         cfg.coordinator, cfg.controllers, cfg.token, name=f"train-{cfg.replica}-{uuid.uuid4().hex[:6]}",
         slowdown=cfg.slowdown,
     )  # fmt: skip
+    started = time.time()
+
+    def status() -> dict[str, Any]:
+        r = trainer.result
+        return {
+            "role": "trainer", "algorithm": "sandblaster", "config": aconfig.to_dict(cfg),
+            "uptime_seconds": time.time() - started, "replica": cfg.replica, "name": trainer.name,
+            "portions": r.portions, "images": r.images, "fetches": r.fetches,
+        }  # fmt: skip
+
+    server = None
+    if cfg.metrics_port >= 0:
+        server = MetricsServer(am.new_registry(), cfg.token, status, cfg.host, cfg.metrics_port)
     signal.signal(signal.SIGTERM, lambda *_: trainer.stop())
     try:
         r = trainer.run()
+        acc = {str(cfg.epochs): trainer.heldout_accuracy()} if cfg.replica == 0 else {}
     finally:
         trainer.close()
+        if server is not None:
+            server.close()
     print(json.dumps({
         "replica": cfg.replica, "algorithm": "sandblaster", "portions": r.portions,
         "images": r.images, "seconds": round(r.seconds, 2), "fetches": r.fetches,
         "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
-        "compute_seconds": round(r.compute_seconds, 2),
+        "compute_seconds": round(r.compute_seconds, 2), "heldout_accuracy": acc,
     }), flush=True)  # fmt: skip
     return 0
