@@ -116,6 +116,8 @@ class Engine:
         self._mark = self._mark_iter = (0, 0)
         self._api_mark = 0
         self.resumed = False
+        #: the last evaluations (batches): duration, images, backups, portions per trainer
+        self.evals: list[dict[str, Any]] = []
         #: portion events over this process's evaluations
         self.totals = {"portions": 0, "backups": 0, "duplicates": 0, "reassigned": 0}
 
@@ -203,6 +205,7 @@ class Engine:
             )
             self.record["eval"] = marker
             self._save()
+        t0 = time.monotonic()
         with self.cond:
             self.schedule = Schedule(self.cfg.portions, self.cfg.backup)
             self.eval = (k, j, grad)
@@ -222,6 +225,13 @@ class Engine:
             self.m.portions.labels("backup").inc(s.backups)
             self.m.portions.labels("reassigned").inc(s.reassigned)
             self.eval = None
+            self.evals.append({
+                "iteration": k, "trial": j, "seconds": round(time.monotonic() - t0, 4),
+                "images": self.n_examples, "backups": s.backups, "duplicates": s.duplicates,
+                "by_trainer": {t: sum(1 for p in s.portions if p.done_by == t)
+                               for t in {p.done_by for p in s.portions}},
+            })  # fmt: skip
+            del self.evals[:-1000]
         self.m.evaluations.inc()
         values, _ = self.client.pull([self.loss_spec.name])
         return float(values[self.loss_spec.name][0])
@@ -308,6 +318,7 @@ class Engine:
             "ps_bytes": {"sent": self.client.meter.sent, "received": self.client.meter.received},
             "api_bytes": self.api_bytes,
             "per_iteration": self.per_iteration,
+            "evals": self.evals,
             "params": sum(t.size for t in self.tensors),
             "shards": len(self.vectors.shards),
         }
