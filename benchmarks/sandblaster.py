@@ -142,13 +142,14 @@ def backup_tasks(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 class Sampler:
     """Held-out accuracy of the servers' parameters, wall and CPU seconds of the cluster."""
 
-    def __init__(self, c: LocalCluster) -> None:
+    def __init__(self, c: LocalCluster, prefix: str = "") -> None:
         self.c = c
         self.model = Model(builtin("adam-mnist"))
         _, _, vx, vy = builtin_mnist()
         self.x, self.y = self.model.prepare(vx), vy
-        specs = [TensorSpec(n, s) for n, s in self.model.tensors()]
+        specs = [TensorSpec(prefix + n, s) for n, s in self.model.tensors()]
         self.names = [s.name for s in specs]
+        self.prefix = prefix
         self.client = PSClient(ControllerRouting(c.controllers), Layout(specs, N_BUCKETS),
                                TOKEN, retry_for=5.0)  # fmt: skip
         self.t0 = time.monotonic()
@@ -160,7 +161,7 @@ class Sampler:
         except Exception:  # noqa: BLE001 - not created yet
             return
         for n in self.names:
-            self.model.param(n)[...] = values[n]
+            self.model.param(n[len(self.prefix) :])[...] = values[n]
         pids = [p.pid for p in self.c.procs.values() if p.alive]
         self.points.append({
             "wall_s": round(time.monotonic() - self.t0, 2),
@@ -175,7 +176,7 @@ def figure4(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         c = new_cluster(root / algo)
         extra: dict[str, Any] = {}
         try:
-            sampler = Sampler(c)
+            sampler = Sampler(c, "sb.bench." if algo == "sandblaster_lbfgs" else "")
             if algo == "sandblaster_lbfgs":
                 url = coordinator(c, **{"max-iter": 1000, "portions": args.portions})
                 for i in range(2):

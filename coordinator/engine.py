@@ -88,7 +88,10 @@ class Engine:
         self.m = CoordinatorMetrics(registry)
         self.spec = resolve_spec(cfg.model)
         self.model = Model(self.spec, _layout_only=True)
-        self.tensors = [TensorSpec(n, s) for n, s in self.model.tensors()]
+        #: the run's parameter tensors on the servers: the model's names behind a prefix, so
+        #: that a Sandblaster run shares servers with Downpour runs of the same model
+        self.prefix = f"sb.{cfg.run}."
+        self.tensors = [TensorSpec(self.prefix + n, s) for n, s in self.model.tensors()]
         from dataserver.sources import load_source
 
         self.n_examples = len(load_source(cfg.source, holdout=0.2, seed=0).train_y)
@@ -131,7 +134,10 @@ class Engine:
         for t in self.tensors:
             self.client.create(
                 t,
-                init={"kind": "values", "values": np.ascontiguousarray(params.param(t.name))},
+                init={
+                    "kind": "values",
+                    "values": np.ascontiguousarray(params.param(t.name[len(self.prefix) :])),
+                },
                 optimizer={"kind": "sgd", "lr": -1.0},
             )
         self.client.create(
@@ -252,6 +258,7 @@ class Engine:
             "model": self.spec,
             "source": self.cfg.source,
             "tensors": [[t.name, list(t.shape)] for t in self.tensors],
+            "prefix": self.prefix,
             "n_buckets": self.cfg.n_buckets,
             "max_shard_elems": self.cfg.max_shard_elems,
             "loss_tensor": self.loss_spec.name,

@@ -76,6 +76,8 @@ class SandblasterTrainer:
                 f"this trainer loaded {len(self.y)}"
             )
         self.tensors = [TensorSpec(n, tuple(s)) for n, s in cfg["tensors"]]
+        #: server tensor name -> the model's name (the run's prefix removed)
+        self.model_name = {t.name: t.name[len(cfg.get("prefix", "")) :] for t in self.tensors}
         specs = [*self.tensors, TensorSpec(cfg["loss_tensor"], (1,))]
         layout = Layout(specs, cfg["n_buckets"], cfg["max_shard_elems"])
         self.client = MeteredClient(ControllerRouting(controllers), layout, token, retry_for=60.0)
@@ -100,7 +102,7 @@ class SandblasterTrainer:
     def _fetch(self, ev: tuple[int, int]) -> None:
         values, _ = self.client.pull([t.name for t in self.tensors])
         for t in self.tensors:
-            self.model.param(t.name)[...] = values[t.name]
+            self.model.param(self.model_name[t.name])[...] = values[t.name]
         self._params_of = ev
         self.result.fetches += 1
 
@@ -116,7 +118,7 @@ class SandblasterTrainer:
             vname = f"{t.name}{VECTOR_SEP}{grad}"
             if vname not in layout.tensors:
                 layout = self.client.layout = layout.with_tensor(TensorSpec(vname, t.shape))
-            g = np.ascontiguousarray(self.model.grad(t.name), dtype=np.float32)
+            g = np.ascontiguousarray(self.model.grad(self.model_name[t.name]), dtype=np.float32)
             for s, part in zip(layout.shards_of[vname], layout.split(vname, g), strict=True):
                 deltas[s.id] = part
         loss_shard = layout.shards_of[self.cfg["loss_tensor"]][0].id
