@@ -193,3 +193,24 @@ def test_coordinator_bytes_per_iteration_do_not_grow_with_the_model(tmp_path: Pa
     assert len(per_iter) >= 3
     assert max(per_iter) < 0.1 * vector_bytes, per_iter
     assert max(p["api_bytes"] for p in st["per_iteration"]) < 0.05 * vector_bytes
+
+
+def test_bad_requests_to_the_coordinator_get_4xx_naming_the_field(cluster: LocalCluster) -> None:
+    coord = start_coordinator(cluster, free_port(), **{"max-iter": 1})
+    url = f"{coord}/sandblaster/work"
+    code, body = http_json(url, "POST", {"trainer": "t", "done": []})
+    assert code == 401, body  # no token
+    for bad, field in (
+        ({"trainer": "no spaces"}, "trainer"),
+        ({"trainer": 7}, "trainer"),
+        ({"trainer": "t", "done": "x"}, "done"),
+        ({"trainer": "t", "done": [[1, 2]]}, "done"),
+        ({"trainer": "t", "done": [[1, 2, True]]}, "done"),
+    ):
+        code, body = http_json(url, "POST", bad, token=TOKEN)
+        assert code == 400 and field in body["error"]["message"], (bad, code, body)
+    code, body = http_json(f"{coord}/sandblaster/config", token=TOKEN)
+    assert (
+        code == 200 and body["model"]["name"] == "softmax-mnist" and body["prefix"] == "sb.anchor."
+    )
+    assert http_json(f"{coord}/healthz")[0] == 200
