@@ -46,7 +46,10 @@ SOFTMAX_MNIST: dict[str, Any] = {
     "layers": [{"type": "softmax", "name": "out", "units": 10}],
 }
 
-BUILTIN_MODELS: dict[str, dict[str, Any]] = {"adam-mnist": ADAM_MNIST, "softmax-mnist": SOFTMAX_MNIST}
+BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    "adam-mnist": ADAM_MNIST,
+    "softmax-mnist": SOFTMAX_MNIST,
+}
 
 
 def builtin(name: str) -> dict[str, Any]:
