@@ -197,6 +197,7 @@ class Engine:
             })  # fmt: skip
             self._mark_iter = (sent, received)
             self._api_mark = self.api_bytes
+            del self.per_iteration[:-1000]
         self._mark = (sent, received)
 
     def evaluate(self, grad: str, key: tuple[int, int]) -> float:

@@ -27,6 +27,8 @@ from typing import Any, Protocol
 import numpy as np
 
 PARAM = "param"
+#: f of the newest iterations kept in the state (it is written to the servers after each step)
+MAX_LOSSES = 1000
 
 
 class VectorOps(Protocol):
@@ -75,7 +77,7 @@ class LbfgsState:
     hist: list[dict[str, Any]] = field(default_factory=list)
     #: evaluations of the current iteration's line search: [alpha, f, g.d]
     evals: list[list[float]] = field(default_factory=list)
-    #: f of each finished iteration (f_0 first)
+    #: f of each finished iteration (f_0 first; the newest MAX_LOSSES)
     losses: list[float] = field(default_factory=list)
     #: why the run stopped, or None while it runs
     stopped: str | None = None
@@ -289,6 +291,7 @@ class Lbfgs:
         st.k += 1
         st.evals = []
         st.losses.append(st.f)
+        del st.losses[: -MAX_LOSSES]  # the record on the servers stays small
         if abs(f_prev - st.f) <= cfg.ftol * max(abs(f_prev), abs(st.f), 1.0):
             st.stopped = "ftol"
         self._save()
