@@ -291,7 +291,7 @@ class Lbfgs:
         st.k += 1
         st.evals = []
         st.losses.append(st.f)
-        del st.losses[: -MAX_LOSSES]  # the record on the servers stays small
+        del st.losses[:-MAX_LOSSES]  # the record on the servers stays small
         if abs(f_prev - st.f) <= cfg.ftol * max(abs(f_prev), abs(st.f), 1.0):
             st.stopped = "ftol"
         self._save()
