@@ -20,7 +20,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,8 +27,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from adamps import retry
 from adamps.layout import Layout, Shard, TensorSpec
-from adamps.rpc import RpcError, SyncRpc
+from adamps.retry import RetryPolicy
+from adamps.rpc import RpcError, SyncRpc, base_url
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +146,20 @@ def routing_from_table(table: Mapping[str, Any]) -> Routing:
     )
 
 
-def normalize_url(addr: str) -> str:
-    return (addr if "://" in addr else f"http://{addr}").rstrip("/")
+#: 'host:port' or a URL -> a URL without a trailing slash
+normalize_url = base_url
 
 
 class PushOutcomeUnknown(Exception):
     """A push that could not be confirmed before the deadline: it may or may not be applied."""
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether a refreshed routing table may lead to success after `exc`: every failure to get
+    an answer (the outcome is unknown: the same (client, seq) settles it), and the codes above."""
+    if isinstance(exc, RpcError):
+        return exc.code in RETRYABLE
+    return isinstance(exc, ConnectionError | TimeoutError)
 
 
 class PSClient:
@@ -216,22 +225,18 @@ class PSClient:
         return groups
 
     def _with_retry(self, fn: Any) -> Any:
-        """Runs fn(routing) until it succeeds, refreshing the routing table after retryable errors."""
-        deadline = time.monotonic() + self.retry_for
-        delay = 0.05
-        refresh = False
-        while True:
-            try:
-                return fn(self.routing(refresh))
-            except (RpcError, ConnectionError, TimeoutError) as exc:
-                retryable = not isinstance(exc, RpcError) or exc.code in RETRYABLE
-                if not retryable or time.monotonic() + delay > deadline:
-                    raise
-                self.retries += 1
-                log.debug("retrying after %s", exc)
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                refresh = True
+        """Runs fn(routing) until it succeeds (adamps.retry's policy within `retry_for`),
+        re-reading the routing table before every attempt after a retryable error."""
+        return retry.call(
+            RetryPolicy(self.retry_for),
+            lambda n: fn(self.routing(refresh=n > 1)),
+            retryable,
+            on_retry=self._on_retry,
+        )
+
+    def _on_retry(self, exc: BaseException, _attempt: int) -> None:
+        self.retries += 1
+        log.debug("retrying after %s", exc)
 
     # -- model definition ------------------------------------------------------------------------
 
@@ -310,21 +315,12 @@ class PSClient:
         """Dense deltas of individual shards (shard id -> values of the shard's shape), grouped
         into one push_dense per server; all parts carry the same (client id, seq), so a retry
         after a partial failure re-sends only what was not acknowledged, exactly once."""
-        seq = self.next_seq() if seq is None else seq
-        done: set[str] = set()
-
-        def go(routing: Routing) -> None:
-            todo = [self.layout.shards[sid] for sid in deltas if sid not in done]
-            for url, group in self._by_server(todo, routing).items():
-                self._rpc(url).call(
-                    "push_dense",
-                    shards={s.id: deltas[s.id] for s in group},
-                    client=self.client_id,
-                    seq=seq,
-                )
-                done.update(s.id for s in group)
-
-        self._with_retry(go)
+        self._push(
+            "push_dense",
+            [self.layout.shards[sid] for sid in deltas],
+            lambda group: {"shards": {s.id: deltas[s.id] for s in group}},
+            seq,
+        )
 
     def push_compressed(
         self, updates: Mapping[str, Mapping[str, Any]], seq: int | None = None
@@ -332,42 +328,42 @@ class PSClient:
         """Compressed updates of individual shards (Strom; shard id -> ``{"tau", "words"}`` or
         ``{"tau", "n", "k", "rice"}``, see docs/protocol-ps.md ``push_compressed``), grouped
         into one request per server under one (client id, seq): applied exactly once."""
-        seq = self.next_seq() if seq is None else seq
-        done: set[str] = set()
-
-        def go(routing: Routing) -> None:
-            todo = [self.layout.shards[sid] for sid in updates if sid not in done]
-            for url, group in self._by_server(todo, routing).items():
-                self._rpc(url).call(
-                    "push_compressed",
-                    shards={s.id: dict(updates[s.id]) for s in group},
-                    client=self.client_id,
-                    seq=seq,
-                )
-                done.update(s.id for s in group)
-
-        self._with_retry(go)
+        self._push(
+            "push_compressed",
+            [self.layout.shards[sid] for sid in updates],
+            lambda group: {"shards": {s.id: dict(updates[s.id]) for s in group}},
+            seq,
+        )
 
     def push_fc(self, name: str, a: np.ndarray, e: np.ndarray, seq: int | None = None) -> None:
         """W -= lr * e.T @ a for a fully connected layer's M x N weight, computed by the servers
         from k activation vectors `a` (k x N) and error vectors `e` (k x M). Applied exactly once."""
-        seq = self.next_seq() if seq is None else seq
         a = np.ascontiguousarray(a, dtype=np.float32)
         e = np.ascontiguousarray(e, dtype=np.float32)
+        self._push(
+            "push_fc",
+            self.layout.shards_of[name],
+            lambda group: {"tensor": name, "a": a, "e": e, "shards": [s.id for s in group]},
+            seq,
+        )
+
+    def _push(
+        self,
+        op: str,
+        shards: Sequence[Shard],
+        fields: Any,
+        seq: int | None,
+    ) -> None:
+        """Push `op` of `shards`, one request per primary with `fields(group)` and one
+        (client id, seq) for all; after a partial failure only the unacknowledged groups are
+        sent again."""
+        seq = self.next_seq() if seq is None else seq
         done: set[str] = set()
 
         def go(routing: Routing) -> None:
-            todo = [s for s in self.layout.shards_of[name] if s.id not in done]
+            todo = [s for s in shards if s.id not in done]
             for url, group in self._by_server(todo, routing).items():
-                self._rpc(url).call(
-                    "push_fc",
-                    tensor=name,
-                    a=a,
-                    e=e,
-                    shards=[s.id for s in group],
-                    client=self.client_id,
-                    seq=seq,
-                )
+                self._rpc(url).call(op, **fields(group), client=self.client_id, seq=seq)
                 done.update(s.id for s in group)
 
         self._with_retry(go)

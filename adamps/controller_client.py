@@ -5,6 +5,11 @@ one that answers: it tries the controller that answered last, then the others, a
 the cluster answers ``no_quorum`` (an election, a lost majority) until its deadline. Errors that
 are answers (4xx: bad input, stale epoch, conflict) are raised at once as `RpcError`.
 
+Written once for both styles: `ControllerOps` turns every operation into a `Call` (the request
+and how to read its answer) and `ControllerRing` decides which controller to ask and which
+failures to retry; `ControllerClient` (blocking) and `AsyncControllerClient` (asyncio) only send
+the requests, through `adamps.rpc`, with `adamps.retry`'s policy between rounds.
+
 Lease timing for a parameter server (see adamps/core/lease.py): `heartbeat` returns the reply
 together with `asked_at`, the caller's monotonic clock taken *before* the request was sent; pass
 it to `HolderLeases.on_granted` for every ``[bucket, epoch]`` in the reply's ``renewed``.
@@ -12,17 +17,24 @@ it to `HolderLeases.on_granted` for every ``[bucket, epoch]`` in the reply's ``r
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from adamps.rpc import AsyncRpc, RpcError, SyncRpc
+from adamps import retry
+from adamps.retry import RetryPolicy
+from adamps.rpc import AsyncRpc, Request, RpcError, SyncRpc, json_request
 
 #: error codes worth retrying on another controller / a bit later
 RETRY_CODES = {"no_quorum", "unavailable", "timeout"}
+
+#: The waits between rounds stay short: a heartbeat's lease counts from before its first try,
+#: so a server must reach a newly elected leader within a small part of a lease.
+BACKOFF_CAP = 0.2
 
 
 def _addresses(controllers: str | Sequence[str]) -> list[str]:
@@ -34,7 +46,188 @@ def _addresses(controllers: str | Sequence[str]) -> list[str]:
     return out
 
 
-class ControllerClient:
+def retryable(exc: BaseException) -> bool:
+    """A failure another controller, or the same one a bit later, may not have."""
+    if isinstance(exc, RpcError):
+        return exc.code in RETRY_CODES
+    return isinstance(exc, ConnectionError | TimeoutError)
+
+
+# -- the core: requests, answers, which controller (no IO) -----------------------------------------
+
+
+def _same(reply: Any) -> Any:
+    return reply
+
+
+@dataclass(frozen=True)
+class Call:
+    """One operation: the request to send, and what the caller gets from the answer."""
+
+    request: Request
+    #: the caller's result from the decoded answer
+    then: Callable[[Any], Any] = _same
+    #: the result when the controllers answer `not_found` (None: raise it)
+    if_not_found: Callable[[], Any] | None = None
+
+    def settle(self, exc: RpcError) -> Any:
+        """The result of a call whose retries ended in `exc`, or `exc` raised again."""
+        if self.if_not_found is not None and exc.code == "not_found":
+            return self.if_not_found()
+        raise exc
+
+
+class ControllerRing:
+    """Which controller to ask first: the one that answered last. Shared by the calls of one
+    client (one thread, or the coroutines of one event loop)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        #: the controller that answered last: asked first
+        self.first = 0
+
+    def round(self) -> Round:
+        return Round(self)
+
+
+class Round:
+    """One round of a call over every controller; it ends at the first answer."""
+
+    def __init__(self, ring: ControllerRing) -> None:
+        self.ring = ring
+        #: the last retryable failure of this round
+        self.last: BaseException | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        """The controller that answered last, then the others."""
+        first, n = self.ring.first, self.ring.n
+        return iter([(first + k) % n for k in range(n)])
+
+    @contextlib.contextmanager
+    def asking(self, i: int) -> Iterator[None]:
+        """Around a request to controller `i`: a retryable failure is kept and the round goes
+        on; an answer (also an error answer) makes `i` the first to ask next time."""
+        try:
+            yield
+        except Exception as exc:
+            if not retryable(exc):
+                self.ring.first = i
+                raise
+            self.last = exc
+        else:
+            self.ring.first = i
+
+    def failed(self) -> BaseException:
+        """The error of a round in which no controller answered: the last one."""
+        assert self.last is not None
+        return self.last
+
+
+def _reports(reports: dict[int, Sequence[int]] | None) -> dict[str, list[int]]:
+    return {str(b): list(r) for b, r in (reports or {}).items()}
+
+
+class ControllerOps:
+    """Every operation of the controllers' API, built once over `_run` (a value in the blocking
+    client, an awaitable in the asyncio one). See docs/protocol-controller.md."""
+
+    def _run(self, call: Call) -> Any:
+        raise NotImplementedError
+
+    def _post(self, path: str, body: Any, then: Callable[[Any], Any] = _same) -> Any:
+        return self._run(Call(json_request("POST", path, body), then))
+
+    def _get(self, path: str, if_not_found: Callable[[], Any] | None = None) -> Any:
+        return self._run(Call(json_request("GET", path), if_not_found=if_not_found))
+
+    # -- parameter servers ---------------------------------------------------------------------
+
+    def register(
+        self, server: str, address: str, copies: dict[int, Sequence[int]] | None = None
+    ) -> Any:
+        """A registration: the server's address and the copies it offers (bucket -> [epoch, seq])."""
+        body = {"address": address, "copies": _reports(copies)}
+        return self._post(f"/servers/{server}/register", body)
+
+    def heartbeat(
+        self,
+        server: str,
+        known_version: int | None = None,
+        reports: dict[int, Sequence[int]] | None = None,
+    ) -> Any:
+        """(reply, asked_at): asked_at is time.monotonic() before the request was sent."""
+        asked_at = time.monotonic()
+        body: dict[str, Any] = {"known_version": known_version}
+        if reports:
+            body["reports"] = _reports(reports)
+        return self._post(f"/servers/{server}/heartbeat", body, lambda reply: (reply, asked_at))
+
+    def role_change(
+        self,
+        bucket: int,
+        server: str,
+        prev_epoch: int,
+        reports: dict[str, Sequence[int]] | None = None,
+    ) -> Any:
+        body = {
+            "server": server,
+            "prev_epoch": prev_epoch,
+            "reports": {s: list(r) for s, r in (reports or {}).items()},
+        }
+        return self._post(f"/buckets/{bucket}/role-change", body)
+
+    def caught_up(
+        self, bucket: int, primary: str, epoch: int, server: str, join: int | None = None
+    ) -> Any:
+        """The primary's report that joining copy `server` caught up (in its join number `join`)."""
+        body: dict[str, Any] = {"primary": primary, "epoch": epoch, "server": server}
+        if join is not None:
+            body["join"] = join
+        return self._post(f"/buckets/{bucket}/caught-up", body)
+
+    def declare_lost(self, bucket: int) -> Any:
+        return self._post(f"/buckets/{bucket}/declare-lost", {})
+
+    def release(self, bucket: int, server: str, epoch: int) -> Any:
+        return self._post(f"/buckets/{bucket}/release", {"server": server, "epoch": epoch})
+
+    def drop_secondary(self, bucket: int, primary: str, epoch: int, server: str) -> Any:
+        body = {"primary": primary, "epoch": epoch, "server": server}
+        return self._post(f"/buckets/{bucket}/drop-secondary", body)
+
+    # -- everybody -------------------------------------------------------------------------------
+
+    def routing(self) -> Any:
+        return self._get("/routing")
+
+    def cluster(self) -> Any:
+        return self._get("/cluster")
+
+    def layout(self) -> Any:
+        """{"layout_version", "layout"}, or None when no layout was set yet."""
+        return self._get("/layout", if_not_found=lambda: None)
+
+    def set_layout(self, layout: dict[str, Any]) -> Any:
+        return self._post("/layout", {"layout": layout})
+
+    def progress(self, epoch: int | None = None) -> Any:
+        return self._get("/progress" if epoch is None else f"/progress?epoch={int(epoch)}")
+
+    def report_progress(self, epoch: int, replica: str, progress: float, done: bool = False) -> Any:
+        body = {"epoch": epoch, "replica": replica, "progress": progress, "done": done}
+        return self._post("/progress", body)
+
+    def drain(self, server: str) -> Any:
+        return self._post(f"/servers/{server}/drain", {})
+
+    def rebalance(self) -> Any:
+        return self._post("/rebalance", {})
+
+
+# -- the drivers -----------------------------------------------------------------------------------
+
+
+class ControllerClient(ControllerOps):
     """Blocking client; one per thread (it keeps one keep-alive connection per controller)."""
 
     def __init__(
@@ -47,122 +240,28 @@ class ControllerClient:
         self.addresses = _addresses(controllers)
         self.rpcs = [SyncRpc(a, token, timeout) for a in self.addresses]
         self.retry_for = retry_for
-        self._first = 0
+        self.ring = ControllerRing(len(self.rpcs))
 
-    def _do(self, method: str, path: str, body: Any = None) -> Any:
-        deadline = time.monotonic() + self.retry_for
-        last: Exception | None = None
-        while True:
-            for k in range(len(self.rpcs)):
-                i = (self._first + k) % len(self.rpcs)
-                rpc = self.rpcs[i]
-                try:
-                    reply = rpc.get_json(path) if method == "GET" else rpc.post_json(path, body)
-                    self._first = i
-                    return reply
-                except RpcError as exc:
-                    if exc.code not in RETRY_CODES:
-                        self._first = i
-                        raise
-                    last = exc
-                except (ConnectionError, TimeoutError) as exc:
-                    last = exc
-            if time.monotonic() > deadline:
-                assert last is not None
-                raise last
-            time.sleep(0.1)
+    def _round(self, call: Call) -> Any:
+        r = self.ring.round()
+        for i in r:
+            with r.asking(i):
+                return call.then(self.rpcs[i].send(call.request))
+        raise r.failed()
 
-    # -- parameter servers ---------------------------------------------------------------------
-
-    def register(
-        self, server: str, address: str, copies: dict[int, Sequence[int]] | None = None
-    ) -> dict[str, Any]:
-        return self._do("POST", f"/servers/{server}/register", _register_body(address, copies))
-
-    def heartbeat(
-        self,
-        server: str,
-        known_version: int | None = None,
-        reports: dict[int, Sequence[int]] | None = None,
-    ) -> tuple[dict[str, Any], float]:
-        """(reply, asked_at): asked_at is time.monotonic() before the request was sent."""
-        asked_at = time.monotonic()
-        body: dict[str, Any] = {"known_version": known_version}
-        if reports:
-            body["reports"] = {str(b): list(r) for b, r in reports.items()}
-        return self._do("POST", f"/servers/{server}/heartbeat", body), asked_at
-
-    def role_change(
-        self,
-        bucket: int,
-        server: str,
-        prev_epoch: int,
-        reports: dict[str, Sequence[int]] | None = None,
-    ) -> dict[str, Any]:
-        body = {
-            "server": server,
-            "prev_epoch": prev_epoch,
-            "reports": {s: list(r) for s, r in (reports or {}).items()},
-        }
-        return self._do("POST", f"/buckets/{bucket}/role-change", body)
-
-    def caught_up(
-        self, bucket: int, primary: str, epoch: int, server: str, join: int | None = None
-    ) -> dict[str, Any]:
-        body = _caught_up_body(primary, epoch, server, join)
-        return self._do("POST", f"/buckets/{bucket}/caught-up", body)
-
-    def declare_lost(self, bucket: int) -> dict[str, Any]:
-        return self._do("POST", f"/buckets/{bucket}/declare-lost", {})
-
-    def release(self, bucket: int, server: str, epoch: int) -> dict[str, Any]:
-        return self._do("POST", f"/buckets/{bucket}/release", {"server": server, "epoch": epoch})
-
-    def drop_secondary(self, bucket: int, primary: str, epoch: int, server: str) -> dict[str, Any]:
-        body = {"primary": primary, "epoch": epoch, "server": server}
-        return self._do("POST", f"/buckets/{bucket}/drop-secondary", body)
-
-    # -- everybody -------------------------------------------------------------------------------
-
-    def routing(self) -> dict[str, Any]:
-        return self._do("GET", "/routing")
-
-    def cluster(self) -> dict[str, Any]:
-        return self._do("GET", "/cluster")
-
-    def layout(self) -> dict[str, Any] | None:
-        """{"layout_version", "layout"}, or None when no layout was set yet."""
+    def _run(self, call: Call) -> Any:
+        policy = RetryPolicy(self.retry_for, cap=BACKOFF_CAP)
         try:
-            return self._do("GET", "/layout")
+            return retry.call(policy, lambda _n: self._round(call), retryable)
         except RpcError as exc:
-            if exc.code == "not_found":
-                return None
-            raise
-
-    def set_layout(self, layout: dict[str, Any]) -> dict[str, Any]:
-        return self._do("POST", "/layout", {"layout": layout})
-
-    def progress(self, epoch: int | None = None) -> dict[str, Any]:
-        return self._do("GET", "/progress" if epoch is None else f"/progress?epoch={int(epoch)}")
-
-    def report_progress(
-        self, epoch: int, replica: str, progress: float, done: bool = False
-    ) -> dict[str, Any]:
-        body = {"epoch": epoch, "replica": replica, "progress": progress, "done": done}
-        return self._do("POST", "/progress", body)
-
-    def drain(self, server: str) -> dict[str, Any]:
-        return self._do("POST", f"/servers/{server}/drain", {})
-
-    def rebalance(self) -> dict[str, Any]:
-        return self._do("POST", "/rebalance", {})
+            return call.settle(exc)
 
     def close(self) -> None:
         for rpc in self.rpcs:
             rpc.close()
 
 
-class AsyncControllerClient:
+class AsyncControllerClient(ControllerOps):
     """The aiohttp version (for the parameter server's event loop). Same methods, awaitable."""
 
     def __init__(
@@ -176,117 +275,25 @@ class AsyncControllerClient:
         self.addresses = _addresses(controllers)
         self.rpcs = [AsyncRpc(a, token, session, timeout) for a in self.addresses]
         self.retry_for = retry_for
-        self._first = 0
+        self.ring = ControllerRing(len(self.rpcs))
 
-    async def _do(self, method: str, path: str, body: Any = None) -> Any:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.retry_for
-        last: Exception | None = None
-        while True:
-            for k in range(len(self.rpcs)):
-                i = (self._first + k) % len(self.rpcs)
-                rpc = self.rpcs[i]
-                try:
-                    reply = await (
-                        rpc.get_json(path) if method == "GET" else rpc.post_json(path, body)
-                    )
-                    self._first = i
-                    return reply
-                except RpcError as exc:
-                    if exc.code not in RETRY_CODES:
-                        self._first = i
-                        raise
-                    last = exc
-                except (ConnectionError, TimeoutError) as exc:
-                    last = exc
-            if loop.time() > deadline:
-                assert last is not None
-                raise last
-            await asyncio.sleep(0.1)
+    async def _round(self, call: Call) -> Any:
+        r = self.ring.round()
+        for i in r:
+            with r.asking(i):
+                return call.then(await self.rpcs[i].send(call.request))
+        raise r.failed()
 
-    async def register(
-        self, server: str, address: str, copies: dict[int, Sequence[int]] | None = None
-    ) -> dict[str, Any]:
-        body = _register_body(address, copies)
-        return await self._do("POST", f"/servers/{server}/register", body)
+    def _run(self, call: Call) -> Awaitable[Any]:
+        return self._arun(call)
 
-    async def heartbeat(
-        self,
-        server: str,
-        known_version: int | None = None,
-        reports: dict[int, Sequence[int]] | None = None,
-    ) -> tuple[dict[str, Any], float]:
-        asked_at = time.monotonic()
-        body: dict[str, Any] = {"known_version": known_version}
-        if reports:
-            body["reports"] = {str(b): list(r) for b, r in reports.items()}
-        return await self._do("POST", f"/servers/{server}/heartbeat", body), asked_at
-
-    async def role_change(
-        self,
-        bucket: int,
-        server: str,
-        prev_epoch: int,
-        reports: dict[str, Sequence[int]] | None = None,
-    ) -> dict[str, Any]:
-        body = {
-            "server": server,
-            "prev_epoch": prev_epoch,
-            "reports": {s: list(r) for s, r in (reports or {}).items()},
-        }
-        return await self._do("POST", f"/buckets/{bucket}/role-change", body)
-
-    async def caught_up(
-        self, bucket: int, primary: str, epoch: int, server: str, join: int | None = None
-    ) -> dict[str, Any]:
-        body = _caught_up_body(primary, epoch, server, join)
-        return await self._do("POST", f"/buckets/{bucket}/caught-up", body)
-
-    async def release(self, bucket: int, server: str, epoch: int) -> dict[str, Any]:
-        return await self._do(
-            "POST", f"/buckets/{bucket}/release", {"server": server, "epoch": epoch}
-        )
-
-    async def drop_secondary(
-        self, bucket: int, primary: str, epoch: int, server: str
-    ) -> dict[str, Any]:
-        body = {"primary": primary, "epoch": epoch, "server": server}
-        return await self._do("POST", f"/buckets/{bucket}/drop-secondary", body)
-
-    async def routing(self) -> dict[str, Any]:
-        return await self._do("GET", "/routing")
-
-    async def layout(self) -> dict[str, Any] | None:
+    async def _arun(self, call: Call) -> Any:
+        policy = RetryPolicy(self.retry_for, cap=BACKOFF_CAP)
         try:
-            return await self._do("GET", "/layout")
+            return await retry.acall(policy, lambda _n: self._round(call), retryable)
         except RpcError as exc:
-            if exc.code == "not_found":
-                return None
-            raise
+            return call.settle(exc)
 
-    async def set_layout(self, layout: dict[str, Any]) -> dict[str, Any]:
-        return await self._do("POST", "/layout", {"layout": layout})
-
-    async def report_progress(
-        self, epoch: int, replica: str, progress: float, done: bool = False
-    ) -> dict[str, Any]:
-        body = {"epoch": epoch, "replica": replica, "progress": progress, "done": done}
-        return await self._do("POST", "/progress", body)
-
-    async def progress(self, epoch: int | None = None) -> dict[str, Any]:
-        return await self._do(
-            "GET", "/progress" if epoch is None else f"/progress?epoch={int(epoch)}"
-        )
-
-
-def _register_body(address: str, copies: dict[int, Sequence[int]] | None) -> dict[str, Any]:
-    """A registration: the server's address and the copies it offers (bucket -> [epoch, seq])."""
-    return {"address": address, "copies": {str(b): list(p) for b, p in (copies or {}).items()}}
-
-
-def _caught_up_body(primary: str, epoch: int, server: str, join: int | None) -> dict[str, Any]:
-    """The primary's report that joining copy `server` caught up (in its join number `join`)."""
-    body: dict[str, Any] = {"primary": primary, "epoch": epoch, "server": server}
-    if join is not None:
-        body["join"] = join
-    return body
+    async def close(self) -> None:
+        for rpc in self.rpcs:
+            await rpc.close()

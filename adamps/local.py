@@ -19,6 +19,7 @@ after --stop-timeout); their PIDs are in RUN_DIR/pids.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -27,16 +28,14 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from adamps.localcluster import LocalCluster
 from adamps.procs import Proc
-
-#: what the defaults were chosen to reach (measured: see docs/quickstart in the README)
-DEFAULT_EPOCHS = 10
+from adamps.progress import LOG_INTERVAL, Progress
+from adamps.up_flags import UsageError, build_parser, check_args
+from adamps.up_view import Reading, read_cluster, read_history, trainer_summary
 
 
 class Interrupted(BaseException):
@@ -73,7 +72,7 @@ class SignalGuard:
         if first and not self._defer:
             raise Interrupted(signum)
 
-    @contextmanager
+    @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
         self._defer += 1
         try:
@@ -86,175 +85,6 @@ class SignalGuard:
     def hold(self) -> None:
         """From now on signals are only recorded (the cleanup must not be interrupted)."""
         self._defer += 1
-
-
-# -- flags -----------------------------------------------------------------------------------------
-
-
-class UsageError(Exception):
-    pass
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="adamps up",
-        description="Run the whole adamps cluster as local processes and train adam-mnist on the "
-        "built-in data; print the held-out accuracy, the throughput and a plot.",
-    )
-    p.add_argument(
-        "--controllers", type=int, default=3, help="controller nodes (Raft) (default: %(default)s)"
-    )
-    p.add_argument(
-        "--servers", type=int, default=3, help="parameter servers (default: %(default)s)"
-    )
-    p.add_argument(
-        "--dataservers",
-        type=int,
-        default=1,
-        help="data servers (trainers fail over) (default: %(default)s)",
-    )
-    p.add_argument(
-        "--trainers",
-        type=int,
-        default=2,
-        help="trainer processes (model replicas) (default: %(default)s)",
-    )
-    p.add_argument(
-        "--workers", type=int, default=1, help="Hogwild workers per trainer (default: %(default)s)"
-    )
-    p.add_argument(
-        "--epochs", type=int, default=DEFAULT_EPOCHS, help="training epochs (default: %(default)s)"
-    )
-    p.add_argument(
-        "--buckets",
-        type=int,
-        default=64,
-        help="buckets the shards are hashed into (default: %(default)s)",
-    )
-    p.add_argument(
-        "--augment",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="let the data server augment the training images (shifts, rotations; default: off)",
-    )
-    p.add_argument(
-        "--compress",
-        action="store_true",
-        help="trainers push Strom's threshold-quantized updates with error feedback "
-        "(adamps train --compress; docs/training.md)",
-    )
-    p.add_argument(
-        "--compress-fraction",
-        type=float,
-        default=0.01,
-        help="with --compress: fraction of each tensor's elements sent per push (adaptive "
-        "tau; default: %(default)s)",
-    )
-    p.add_argument(
-        "--compress-tau",
-        default="",
-        help="with --compress: fixed thresholds, TAU or TENSOR=TAU, comma separated "
-        "(default: adaptive)",
-    )
-    p.add_argument(
-        "--compress-coding",
-        choices=("words", "rice"),
-        default="rice",
-        help="with --compress: 32-bit words or Golomb-Rice coded index gaps (default: %(default)s)",
-    )
-    p.add_argument(
-        "--target-accuracy",
-        type=float,
-        default=None,
-        help="held-out accuracy the run must reach for exit code 0 (0 disables the check; "
-        "default: 0.96, with --algorithm sandblaster 0.95)",
-    )
-    p.add_argument("--run-dir", default="", help="run directory (default: ./runs/<UTC time>)")
-    p.add_argument(
-        "--port-base",
-        type=int,
-        default=0,
-        help="first TCP port; every process takes the next free one (default 0: ports chosen by "
-        "the kernel)",
-    )
-    p.add_argument(
-        "--token",
-        default="",
-        help="cluster token (default: $ADAMPS_TOKEN, else a new random one); written to "
-        "RUN_DIR/token (mode 0600), handed to the children in their environment",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=1800.0,
-        help="give up after this many seconds (default: %(default)s)",
-    )
-    p.add_argument(
-        "--stop-timeout",
-        type=float,
-        default=10.0,
-        help="seconds between SIGTERM and SIGKILL, per stage (default: %(default)s)",
-    )
-    p.add_argument(
-        "--progress-interval",
-        type=float,
-        default=0.0,
-        help="seconds between progress lines (default 0: 1 s on a terminal, 5 s otherwise)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no live progress view")
-    p.add_argument(
-        "--algorithm",
-        choices=("downpour", "sandblaster"),
-        default="downpour",
-        help="downpour: asynchronous SGD replicas; sandblaster: L-BFGS by a coordinator over "
-        "the whole training set (DistBelief 4.2; docs/training.md) (default: %(default)s)",
-    )
-    p.add_argument(
-        "--iterations",
-        type=int,
-        default=60,
-        help="with --algorithm sandblaster: L-BFGS iterations (default: %(default)s)",
-    )
-    return p
-
-
-def check_args(a: argparse.Namespace) -> None:
-    """Raises UsageError naming the flag, its value and what is expected."""
-
-    def need(ok: bool, flag: str, value: Any, expected: str) -> None:
-        if not ok:
-            raise UsageError(f"{flag} {value}: expected {expected}")
-
-    for flag, value in (
-        ("--controllers", a.controllers),
-        ("--servers", a.servers),
-        ("--dataservers", a.dataservers),
-        ("--trainers", a.trainers),
-        ("--workers", a.workers),
-        ("--epochs", a.epochs),
-        ("--buckets", a.buckets),
-    ):
-        need(value >= 1, flag, value, "an integer >= 1")
-    need(0.0 < a.compress_fraction <= 1.0, "--compress-fraction", a.compress_fraction,
-         "a fraction in (0, 1]")  # fmt: skip
-    if a.compress_tau:
-        from adamps.codec import parse_taus
-
-        try:
-            parse_taus(a.compress_tau.split(","))
-        except ValueError as exc:
-            raise UsageError(f"--compress-tau {a.compress_tau}: {exc}") from None
-    need(a.controllers <= 9, "--controllers", a.controllers, "at most 9 (3 or 5 are usual)")
-    need(a.iterations >= 1, "--iterations", a.iterations, "an integer >= 1")
-    if a.target_accuracy is None:  # Sandblaster's 60 full-batch iterations reach less
-        a.target_accuracy = 0.95 if a.algorithm == "sandblaster" else 0.96
-    need(0.0 <= a.target_accuracy <= 1.0, "--target-accuracy", a.target_accuracy,
-         "a fraction in [0, 1], e.g. 0.96 (0 disables the check)")  # fmt: skip
-    need(a.port_base == 0 or 1024 <= a.port_base <= 65000, "--port-base", a.port_base,
-         "0 (any free ports) or a port in 1024..65000")  # fmt: skip
-    need(a.timeout > 0, "--timeout", a.timeout, "seconds > 0")
-    need(a.stop_timeout > 0, "--stop-timeout", a.stop_timeout, "seconds > 0")
-    need(a.progress_interval >= 0, "--progress-interval", a.progress_interval, "seconds >= 0")
 
 
 def port_counter(base: int) -> Callable[[], int]:
@@ -303,115 +133,6 @@ def write_token(run: Path, arg: str) -> tuple[str, str]:
     with os.fdopen(fd, "w") as fh:
         fh.write(token + "\n")
     return token, origin
-
-
-# -- reading the cluster ---------------------------------------------------------------------------
-
-
-def scrape(addr: str, timeout: float = 1.0) -> dict[str, float]:
-    """Sample name -> value of a process's /metrics (unlabelled samples only); {} if no answer."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=timeout) as resp:
-            text = resp.read().decode()
-    except (OSError, ValueError):
-        return {}
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if not s.labels:
-                out[s.name] = s.value
-    return out
-
-
-@dataclass
-class Reading:
-    """One look at the cluster, for the progress view and the plot."""
-
-    time: float
-    epoch: int = 0  #: the epoch replica 0 trains
-    completed: int = 0  #: the last epoch complete (epoch-end rule)
-    accuracy: float | None = None  #: held-out accuracy at the last epoch end
-    images_per_s: float = 0.0  #: sum over the replicas
-    loss: dict[str, float] = field(default_factory=dict)  #: replica -> recent training loss
-    servers_live: int | None = None
-    servers_total: int | None = None
-    under_replicated: int | None = None
-    trainers_running: int = 0
-
-    def line(self, epochs: int, elapsed: float) -> str:
-        acc = "-" if self.accuracy is None else f"{self.accuracy * 100:.1f}%"
-        srv = "?" if self.servers_live is None else f"{self.servers_live}/{self.servers_total}"
-        under = "?" if self.under_replicated is None else str(self.under_replicated)
-        m, s = divmod(int(elapsed), 60)
-        return (
-            f"epoch {max(self.epoch, 1)}/{epochs} (done {self.completed}) | held-out acc {acc} | "
-            f"{self.images_per_s:,.0f} images/s | servers up {srv} | "
-            f"under-replicated buckets {under} | trainers {self.trainers_running} | {m:02d}:{s:02d}"
-        )
-
-
-def read_cluster(
-    cluster: LocalCluster, trainers: list[tuple[str, Proc, str]], last: Reading | None = None
-) -> Reading:
-    """A new reading; what cannot be read now (replica 0 finished) is kept from `last`."""
-    r = Reading(time=time.time())
-    if last is not None:
-        r.epoch, r.completed, r.accuracy = last.epoch, last.completed, last.accuracy
-    view = cluster.cluster()
-    if view is not None:
-        states = [s.get("state") for s in view.get("servers", {}).values()]
-        r.servers_live = sum(1 for s in states if s == "live")
-        r.servers_total = len(cluster.servers)
-        r.under_replicated = int(view.get("under_replicated", 0)) + int(view.get("unassigned", 0))
-    for i, (_name, proc, addr) in enumerate(trainers):
-        if not proc.alive:
-            continue
-        r.trainers_running += 1
-        m = scrape(addr)
-        if not m:
-            continue
-        r.images_per_s += m.get("adamps_trainer_images_per_second", 0.0)
-        if m.get("adamps_trainer_loss"):
-            r.loss[str(i)] = m["adamps_trainer_loss"]
-        if i == 0:
-            r.epoch = int(m.get("adamps_trainer_epoch", 0))
-            r.completed = int(m.get("adamps_trainer_completed_epoch", 0))
-            acc = m.get("adamps_trainer_heldout_accuracy", 0.0)
-            if acc > 0:
-                r.accuracy = acc
-    return r
-
-
-def trainer_summary(proc: Proc) -> dict[str, Any] | None:
-    """The JSON line `adamps train` prints last (its figures), from its log."""
-    try:
-        lines = proc.log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        line = line.strip()
-        if line.startswith("{") and '"replica"' in line:
-            try:
-                return json.loads(line)
-            except ValueError:
-                continue
-    return None
-
-
-def read_history(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
 
 
 # -- the run -----------------------------------------------------------------------------------------
@@ -544,11 +265,14 @@ class Run:
         """Progress view until every trainer exits; True if all exited 0."""
         a = self.a
         tty = self.out.isatty()
-        interval = a.progress_interval or (1.0 if tty else 5.0)
         deadline = time.monotonic() + a.timeout
-        next_line = 0.0
-        shown = False
-        with open(self.run / "progress.jsonl", "a") as prog:
+        bar = None
+        if not a.no_progress:
+            interval = a.progress_interval or (1.0 if tty else LOG_INTERVAL)
+            bar = Progress("epochs complete", a.epochs, "epoch", self.out, interval)
+        with open(self.run / "progress.jsonl", "a") as prog, contextlib.ExitStack() as stack:
+            if bar is not None:
+                stack.callback(bar.close)
             r: Reading | None = None
             while True:
                 r = read_cluster(self.cluster, self.trainers, r)
@@ -562,22 +286,13 @@ class Run:
                 prog.write(json.dumps(sample) + "\n")
                 prog.flush()
                 now = time.monotonic()
-                if not a.no_progress and now >= next_line and r.trainers_running:
-                    line = r.line(a.epochs, time.time() - self.t_train)
-                    if tty:
-                        self.out.write("\r\x1b[2K" + line)
-                        self.out.flush()
-                        shown = True
-                    else:
-                        self.say("  " + line)
-                    next_line = now + interval
+                if bar is not None and r.trainers_running:
+                    bar.set(r.completed, r.status(a.epochs))
                 failed = [(n, p) for n, p, _ in self.trainers if p.returncode not in (None, 0)]
                 running = [n for n, p, _ in self.trainers if p.alive]
                 if failed or not running or now > deadline:
                     break
                 time.sleep(0.5 if tty else 1.0)
-        if shown:
-            self.out.write("\n")
         if failed:
             for n, p in failed:
                 self.say(f"adamps up: {n} exited with {p.returncode}; last lines of {p.log_path}:")

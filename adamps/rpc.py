@@ -1,18 +1,26 @@
-"""Clients of the ``POST /rpc`` endpoints (msgpack) and the admin endpoints (JSON).
+"""The transports of every client: ``POST /rpc`` (msgpack), the JSON endpoints, streams.
 
-``SyncRpc`` is a keep-alive ``http.client`` connection, for trainer threads and tools (one per
-thread: it is not thread-safe). ``AsyncRpc`` is the aiohttp version, for servers calling peers.
-Error replies are raised as ``RpcError`` carrying the server's code, message and extra fields;
-a failure to reach the server at all is ``ConnectionError`` (its outcome is unknown to the caller).
+One request builder and one reply reader serve two transports:
+
+* ``SyncRpc``: a keep-alive ``http.client`` connection, for trainer threads and tools (one per
+  thread: it is not thread-safe); it also opens the data servers' frame streams.
+* ``AsyncRpc``: aiohttp, for servers calling peers and controllers.
+
+A request is built once as a ``Request`` (method, path, encoded body, how to read the answer);
+a transport only moves bytes. Error replies are raised as ``RpcError`` carrying the server's
+code, message and extra fields; a failure to reach the server at all is ``ConnectionError``, a
+silent server ``TimeoutError`` (in both cases the outcome is unknown to the caller). Retrying is
+not done here: it is the callers' (``adamps.retry``), who know what is safe to repeat.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
-import urllib.error
-import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -22,6 +30,7 @@ from adamps import protocol
 from adamps.protocol import ProtocolError
 
 MSGPACK = "application/msgpack"
+JSON = "application/json"
 
 
 class RpcError(ProtocolError):
@@ -34,13 +43,112 @@ class RpcError(ProtocolError):
         self.http_status = http_status
 
 
-def _raise_for(status: int, body: bytes) -> None:
+# -- the request builder and the reply reader (no IO) ---------------------------------------------
+
+
+def _json_or_none(data: bytes) -> Any:
+    return json.loads(data) if data else None
+
+
+@dataclass(frozen=True)
+class Request:
+    """One HTTP request, ready to send on either transport."""
+
+    method: str
+    #: path and query string
+    path: str
+    body: bytes | None = None
+    content_type: str = JSON
+    #: reads a 200 answer's body
+    decode: Callable[[bytes], Any] = json.loads
+
+
+def rpc_request(op: str, path: str = "/rpc", **fields: Any) -> Request:
+    """Request `op` with `fields` as msgpack (the servers' ``POST /rpc``, the data servers'
+    ``POST /stream``)."""
+    return Request("POST", path, protocol.encode(protocol.request(op, **fields)), MSGPACK,
+                   protocol.decode)  # fmt: skip
+
+
+def json_request(method: str, path: str, obj: Any = None) -> Request:
+    """A JSON request: a GET, or a POST of `obj` (``{}`` when None)."""
+    if method == "GET":
+        return Request("GET", path)
+    return Request(method, path, json.dumps(obj or {}).encode(), JSON, _json_or_none)
+
+
+def headers(token: str | None, content_type: str) -> dict[str, str]:
+    h = {"Content-Type": content_type}
+    if token:
+        h["Authorization"] = f"Bearer {token}"
+    return h
+
+
+def raise_for(status: int, body: bytes) -> None:
+    """Raises the RpcError that an error reply (`status` other than 200) describes."""
     err = protocol.error_from_body(status, body)
     extra = {k: v for k, v in err.extra.items() if k != "http_status"}
     raise RpcError(err.code, err.message, http_status=status, **extra)
 
 
-class SyncRpc:
+def read_reply(req: Request, status: int, data: bytes) -> Any:
+    """The answer to `req`: its decoded body, or the RpcError of an error reply."""
+    if status != 200:
+        raise_for(status, data)
+    return req.decode(data)
+
+
+def base_url(addr: str) -> str:
+    """'host:port' or a URL -> a URL without a trailing slash."""
+    return (addr if "://" in addr else f"http://{addr}").rstrip("/")
+
+
+class _Verbs:
+    """The request kinds every transport offers, built once over its `send` (a value for the
+    blocking transport, an awaitable for the asyncio one)."""
+
+    def send(self, req: Request) -> Any:
+        raise NotImplementedError
+
+    def call(self, op: str, path: str = "/rpc", **fields: Any) -> Any:
+        """Sends request `op` with `fields`; returns the reply message or raises RpcError."""
+        return self.send(rpc_request(op, path, **fields))
+
+    def get_json(self, path: str) -> Any:
+        return self.send(json_request("GET", path))
+
+    def post_json(self, path: str, obj: Any = None) -> Any:
+        return self.send(json_request("POST", path, obj))
+
+
+# -- the blocking transport ------------------------------------------------------------------------
+
+#: what a dropped keep-alive connection raises on its next request (sent again once if a GET)
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+
+
+def _transport_error(exc: BaseException, where: str, timeout: float) -> OSError:
+    if isinstance(exc, socket.timeout | TimeoutError):
+        return TimeoutError(f"{where}: timed out after {timeout}s")
+    return ConnectionError(f"{where}: {exc}")
+
+
+class Stream:
+    """The body of a 200 answer, read as it arrives (a data server's frames). `read(n)` returns
+    fewer bytes only at the end; a cut or silent connection raises ConnectionError/TimeoutError."""
+
+    def __init__(self, rpc: SyncRpc, resp: http.client.HTTPResponse, where: str) -> None:
+        self._rpc, self._resp, self._where = rpc, resp, where
+
+    def read(self, n: int) -> bytes:
+        try:
+            return self._resp.read(n)
+        except (OSError, http.client.HTTPException) as exc:
+            self._rpc.close()
+            raise _transport_error(exc, self._where, self._rpc.timeout) from exc
+
+
+class SyncRpc(_Verbs, contextlib.AbstractContextManager["SyncRpc"]):
     """A blocking client of one server over one keep-alive connection."""
 
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0) -> None:
@@ -52,75 +160,75 @@ class SyncRpc:
         self.timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
 
-    def _headers(self, content_type: str) -> dict[str, str]:
-        h = {"Content-Type": content_type}
-        if self.token:
-            h["Authorization"] = f"Bearer {self.token}"
-        return h
-
-    def _request(
-        self, method: str, path: str, body: bytes | None, content_type: str
-    ) -> tuple[int, bytes]:
+    def _response(self, req: Request) -> http.client.HTTPResponse:
         # One retry on a stale keep-alive connection; a request that fails twice is the caller's.
+        where = f"{self.base_url}{req.path}"
         for attempt in (0, 1):
             if self._conn is None:
                 self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
             try:
-                self._conn.request(method, path, body=body, headers=self._headers(content_type))
-                resp = self._conn.getresponse()
-                data = resp.read()
-                if resp.getheader("Connection", "").lower() == "close":
-                    self.close()
-                return resp.status, data
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+                self._conn.request(
+                    req.method,
+                    req.path,
+                    body=req.body,
+                    headers=headers(self.token, req.content_type),
+                )
+                return self._conn.getresponse()
+            except _STALE as exc:
                 self.close()
-                if attempt == 1 or method != "GET":
-                    raise ConnectionError(f"{self.base_url}{path}: {exc}") from exc
+                if attempt == 1 or req.method != "GET":
+                    raise ConnectionError(f"{where}: {exc}") from exc
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
-                if isinstance(exc, socket.timeout | TimeoutError):
-                    raise TimeoutError(
-                        f"{self.base_url}{path}: timed out after {self.timeout}s"
-                    ) from exc
-                raise ConnectionError(f"{self.base_url}{path}: {exc}") from exc
+                raise _transport_error(exc, where, self.timeout) from exc
         raise AssertionError("unreachable")
 
-    def call(self, op: str, path: str = "/rpc", **fields: Any) -> dict[str, Any]:
-        """Sends request `op` with `fields`; returns the reply message or raises RpcError."""
-        status, data = self._request(
-            "POST", path, protocol.encode(protocol.request(op, **fields)), MSGPACK
-        )
-        if status != 200:
-            _raise_for(status, data)
-        return protocol.decode(data)
+    def exchange(self, req: Request) -> tuple[int, bytes]:
+        """(status, body) of `req`, whatever the status."""
+        return self._request(req.method, req.path, req.body, req.content_type)
 
-    def get_json(self, path: str) -> Any:
-        status, data = self._request("GET", path, None, "application/json")
-        if status != 200:
-            _raise_for(status, data)
-        return json.loads(data)
+    def _request(
+        self, method: str, path: str, body: bytes | None, content_type: str
+    ) -> tuple[int, bytes]:
+        # Every whole exchange passes here: a subclass may count or record them (a metered
+        # client counts the bytes of each body).
+        req = Request(method, path, body, content_type)
+        resp = self._response(req)
+        try:
+            data = resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            self.close()
+            raise _transport_error(exc, f"{self.base_url}{path}", self.timeout) from exc
+        if resp.getheader("Connection", "").lower() == "close":
+            self.close()
+        return resp.status, data
 
-    def post_json(self, path: str, obj: Any = None) -> Any:
-        status, data = self._request(
-            "POST", path, json.dumps(obj or {}).encode(), "application/json"
-        )
-        if status != 200:
-            _raise_for(status, data)
-        return json.loads(data) if data else None
+    def send(self, req: Request) -> Any:
+        return read_reply(req, *self.exchange(req))
+
+    def open_stream(self, req: Request) -> Stream:
+        """Sends `req` and returns its 200 answer's body to read as it comes (an error reply is
+        raised as RpcError). The connection serves nothing else until the stream is closed."""
+        resp = self._response(req)
+        if resp.status != 200:
+            status, data = resp.status, resp.read()
+            self.close()
+            raise_for(status, data)
+        return Stream(self, resp, f"{self.base_url}{req.path}")
 
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
 
-    def __enter__(self) -> SyncRpc:
-        return self
-
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-class AsyncRpc:
+# -- the asyncio transport -------------------------------------------------------------------------
+
+
+class AsyncRpc(_Verbs):
     """An aiohttp client of one server. Pass a shared session to pool connections."""
 
     def __init__(
@@ -138,48 +246,28 @@ class AsyncRpc:
         self._own_session = session is None
         self.timeout = aiohttp.ClientTimeout(total=timeout)
 
-    def _headers(self, content_type: str) -> dict[str, str]:
-        h = {"Content-Type": content_type}
-        if self.token:
-            h["Authorization"] = f"Bearer {self.token}"
-        return h
-
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         return self._session
 
-    async def _request(
-        self, method: str, path: str, body: bytes | None, content_type: str
-    ) -> bytes:
+    async def exchange(self, req: Request) -> tuple[int, bytes]:
+        """(status, body) of `req`, whatever the status."""
         try:
             async with self.session.request(
-                method,
-                self.base_url + path,
-                data=body,
-                headers=self._headers(content_type),
+                req.method,
+                self.base_url + req.path,
+                data=req.body,
+                headers=headers(self.token, req.content_type),
                 timeout=self.timeout,
             ) as resp:
-                data = await resp.read()
-                if resp.status != 200:
-                    _raise_for(resp.status, data)
-                return data
+                return resp.status, await resp.read()
         except aiohttp.ClientError as exc:
-            raise ConnectionError(f"{self.base_url}{path}: {exc}") from exc
+            raise ConnectionError(f"{self.base_url}{req.path}: {exc}") from exc
 
-    async def call(self, op: str, path: str = "/rpc", **fields: Any) -> dict[str, Any]:
-        data = await self._request(
-            "POST", path, protocol.encode(protocol.request(op, **fields)), MSGPACK
-        )
-        return protocol.decode(data)
-
-    async def get_json(self, path: str) -> Any:
-        return json.loads(await self._request("GET", path, None, "application/json"))
-
-    async def post_json(self, path: str, obj: Any = None) -> Any:
-        data = await self._request("POST", path, json.dumps(obj or {}).encode(), "application/json")
-        return json.loads(data) if data else None
+    async def send(self, req: Request) -> Any:
+        return read_reply(req, *await self.exchange(req))
 
     async def close(self) -> None:
         if self._own_session and self._session is not None:
@@ -190,9 +278,18 @@ class AsyncRpc:
 # -- one-off JSON requests (admin endpoints, health probes, tools) --------------------------------
 
 
-def base_url(addr: str) -> str:
-    """'host:port' or a URL -> a URL without a trailing slash."""
-    return (addr if "://" in addr else f"http://{addr}").rstrip("/")
+def http_exchange(
+    url: str, method: str = "GET", body: Any = None, token: str | None = None, timeout: float = 2.0
+) -> tuple[int, bytes]:
+    """(status, raw body) of one request with JSON `body`; (0, b"") when nothing answered."""
+    parts = urlsplit(url)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        with SyncRpc(f"{parts.scheme}://{parts.netloc}", token, timeout) as rpc:
+            return rpc.exchange(Request(method, path, data))
+    except (OSError, ValueError):
+        return 0, b""
 
 
 def http_json(
@@ -201,22 +298,19 @@ def http_json(
     """(status, JSON body) of one request; (0, None) when nothing answered, (status, None) when
     the body is not JSON (a health probe's text). The one helper for a single request; repeated
     calls to one server use SyncRpc/AsyncRpc instead."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
+    status, raw = http_exchange(url, method, body, token, timeout)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    except (urllib.error.URLError, OSError, ValueError):
-        return 0, None
-    try:
-        return status, json.loads(raw or b"null")
+        return status, (json.loads(raw or b"null") if status else None)
     except ValueError:
         return status, None
+
+
+def get_text(addr: str, path: str, timeout: float = 10.0) -> str:
+    """GET `path` of `addr` as text (a /metrics page); ConnectionError if it did not answer 200."""
+    status, raw = http_exchange(base_url(addr) + path, timeout=timeout)
+    if status != 200:
+        raise ConnectionError(f"GET {base_url(addr)}{path}: {status or 'no answer'}")
+    return raw.decode()
 
 
 def get_json(addr: str, path: str, timeout: float = 10.0) -> Any:

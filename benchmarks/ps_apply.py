@@ -38,9 +38,11 @@ from adamps.layout import TensorSpec
 from adamps.procs import Proc, adamps_argv, free_port
 from adamps.rpc import SyncRpc
 from adamps.server.dataplane import DataPlaneClient
+from adamps.server.initial import normalize_init
 from adamps.server.main import tune_malloc
 from adamps.server.optim import Dense, Optimizer
-from adamps.server.store import Store, fc_parts, normalize_init
+from adamps.server.shards import fc_parts
+from adamps.server.store import Store
 
 MiB = 1 << 20
 BODY = 4 * MiB

@@ -43,7 +43,7 @@ def serve(cfg: ControllerConfig) -> int:
         "controller %d of %d: raft %s, http %s:%d",
         cfg.member,
         len(cfg.members),
-        service.self_raft,
+        service.raft.self_raft,
         host,
         cfg.http_port,
     )

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import urllib.error
-import urllib.request
 from typing import Any
 
 from adamps.rpc import get_json
@@ -123,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             if view is None:
                 view = get_json(addr, "/cluster", args.timeout)
                 progress = get_json(addr, "/progress", args.timeout).get("epochs", {})
-        except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError) as exc:  # get_json: ConnectionError
             controllers.append({"addr": addr, "role": f"unreachable ({type(exc).__name__})"})
     if view is None:
         print(f"adamps status: no controller answered at {', '.join(addrs)}", file=sys.stderr)

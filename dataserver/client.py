@@ -15,26 +15,26 @@ repeated or skipped. Not thread-safe: one iterator is consumed by one thread.
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import queue
 import threading
-import time
-import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from adamps import protocol
+from adamps import retry
 from adamps.protocol import ProtocolError
+from adamps.retry import RetryPolicy
+from adamps.rpc import RpcError, Stream, SyncRpc, get_json, rpc_request
 from dataserver.framing import Batch, read_frame
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Batch", "BatchIterator", "DataClient", "DataServerError"]
 
-_RETRYABLE = (OSError, EOFError, http.client.HTTPException)
+#: a server lost: refused, reset, silent (adamps.rpc raises ConnectionError, TimeoutError), a
+#: stream cut before its end (EOFError)
+_RETRYABLE = (OSError, EOFError)
 
 
 class DataServerError(Exception):
@@ -92,7 +92,7 @@ class DataClient:
         errors = []
         for url in self.urls:
             try:
-                st = _get_json(url, "/status", self.timeout)
+                st = get_json(url, "/status", self.timeout)
                 info = ServerInfo(
                     url, int(st["slice"][0]), int(st["slice"][1]), str(st["fingerprint"])
                 )
@@ -142,15 +142,15 @@ class _SliceStream:
         self.position = 0
         self.total: int | None = None
         self.fingerprint: str | None = None
-        self._conn: http.client.HTTPConnection | None = None
-        self._resp: http.client.HTTPResponse | None = None
+        self._rpc: SyncRpc | None = None
+        self._resp: Stream | None = None
         self._current = 0  #: index in self.urls of the server in use
         self._stalled = 0  #: streams lost since the last batch arrived
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        self._conn = self._resp = None
+        if self._rpc is not None:
+            self._rpc.close()
+        self._rpc = self._resp = None
 
     def next_batch(self) -> Batch | None:
         """The next batch, or None at the end of the stream."""
@@ -212,30 +212,35 @@ class _SliceStream:
         self._current = (self._current + 1) % len(self.urls)
 
     def _open(self) -> None:
-        """Opens the stream at self.position on the first server of the slice that answers."""
-        deadline = time.monotonic() + self.client.failover_timeout
-        delay = 0.05
+        """Opens the stream at self.position on the first server of the slice that answers,
+        in rounds over the slice's servers (adamps.retry's policy within failover_timeout)."""
+        try:
+            retry.call(
+                RetryPolicy(self.client.failover_timeout),
+                lambda _n: self._open_round(),
+                lambda exc: isinstance(exc, _NoServer),
+                on_retry=lambda _exc, _n: self._refresh_urls(),
+            )
+        except _NoServer as exc:
+            raise DataServerError(
+                f"no data server of slice {self.slice_index} served the stream for "
+                f"{self.client.failover_timeout} s; last error: {exc}"
+            ) from None
+
+    def _open_round(self) -> None:
         last: BaseException | None = None
-        while True:
-            for _ in range(len(self.urls)):
-                url = self.urls[self._current]
-                try:
-                    self._open_on(url)
-                    self.progress.servers.append(url)
-                    return
-                except _Skip as exc:
-                    last = exc
-                    self.close()
-                    log.info("data server %s unusable: %s", url, exc)
-                    self._current = (self._current + 1) % len(self.urls)
-            self._refresh_urls()
-            if time.monotonic() > deadline:
-                raise DataServerError(
-                    f"no data server of slice {self.slice_index} served the stream for "
-                    f"{self.client.failover_timeout} s; last error: {last}"
-                )
-            time.sleep(delay)
-            delay = min(1.0, delay * 2)
+        for _ in range(len(self.urls)):
+            url = self.urls[self._current]
+            try:
+                self._open_on(url)
+                self.progress.servers.append(url)
+                return
+            except _Skip as exc:
+                last = exc
+                self.close()
+                log.info("data server %s unusable: %s", url, exc)
+                self._current = (self._current + 1) % len(self.urls)
+        raise _NoServer(str(last))
 
     def _refresh_urls(self) -> None:
         """After a round in which no server answered: ask every known server again (some may be back)."""
@@ -247,29 +252,21 @@ class _SliceStream:
             self.urls, self._current = urls, 0
 
     def _open_on(self, url: str) -> None:
-        parts = urllib.parse.urlsplit(url)
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.client.timeout)
-        self._conn = conn
+        self._rpc = SyncRpc(url, self.client.token, self.client.timeout)
         fields = dict(self.req, start=self.position)
         if self.fingerprint is not None:
             fields["fingerprint"] = self.fingerprint
-        body = protocol.encode(protocol.request("stream", **fields))
-        headers = {
-            "Authorization": f"Bearer {self.client.token}",
-            "Content-Type": "application/msgpack",
-        }
         try:
-            conn.request("POST", "/stream", body=body, headers=headers)
-            resp = conn.getresponse()
+            resp = self._rpc.open_stream(rpc_request("stream", "/stream", **fields))
         except _RETRYABLE as exc:
             raise _Skip(f"{type(exc).__name__}: {exc}") from exc
-        if resp.status != 200:
-            err = protocol.error_from_body(resp.status, resp.read())
-            if resp.status >= 500 or err.code == "conflict":
-                raise _Skip(f"HTTP {resp.status} {err.code}: {err.message}")
+        except RpcError as err:
+            status = err.http_status or 500
+            if status >= 500 or err.code == "conflict":
+                raise _Skip(f"HTTP {status} {err.code}: {err.message}") from err
             raise DataServerError(
-                f"{url} refused the stream: HTTP {resp.status} {err.code}: {err.message}"
-            )
+                f"{url} refused the stream: HTTP {status} {err.code}: {err.message}"
+            ) from err
         try:
             head = read_frame(resp.read)
         except (*_RETRYABLE, ProtocolError) as exc:
@@ -288,6 +285,10 @@ class _SliceStream:
 
 class _Skip(Exception):
     """This server cannot serve the stream now; try the next one."""
+
+
+class _NoServer(Exception):
+    """No server of the slice served the stream in this round (the message: the last error)."""
 
 
 _END = object()
@@ -353,25 +354,22 @@ class BatchIterator(Iterator[Batch]):
                 s.close()
 
     def _discover(self) -> dict[int, list[ServerInfo]]:
-        """Every slice with at least one live server; retried (servers may be restarting) until failover_timeout."""
-        deadline = time.monotonic() + self._client.failover_timeout
-        delay = 0.05
-        refresh = False
-        while True:
-            try:
-                groups = self._client.groups(refresh)
-                n_slices = next(iter(groups.values()))[0].n_slices
-                missing = sorted(set(range(n_slices)) - set(groups))
-                if not missing:
-                    return groups
-                error = DataServerError(f"no live data server holds slice(s) {missing}")
-            except DataServerError as exc:
-                error = exc
-            if time.monotonic() > deadline or self._stop.is_set():
-                raise error
-            refresh = True
-            time.sleep(delay)
-            delay = min(1.0, delay * 2)
+        """Every slice with at least one live server; retried (servers may be restarting) until
+        failover_timeout, asking every server again each time."""
+        return retry.call(
+            RetryPolicy(self._client.failover_timeout),
+            lambda n: self._every_slice(refresh=n > 1),
+            lambda exc: isinstance(exc, DataServerError),
+            give_up=self._stop.is_set,
+        )
+
+    def _every_slice(self, refresh: bool) -> dict[int, list[ServerInfo]]:
+        groups = self._client.groups(refresh)
+        n_slices = next(iter(groups.values()))[0].n_slices
+        missing = sorted(set(range(n_slices)) - set(groups))
+        if missing:
+            raise DataServerError(f"no live data server holds slice(s) {missing}")
+        return groups
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():
@@ -409,17 +407,3 @@ class BatchIterator(Iterator[Batch]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _get_json(url: str, path: str, timeout: float) -> dict[str, Any]:
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        body = resp.read()
-        if resp.status != 200:
-            raise http.client.HTTPException(f"GET {path}: HTTP {resp.status}")
-        return json.loads(body)
-    finally:
-        conn.close()

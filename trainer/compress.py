@@ -196,7 +196,7 @@ class Compressor:
 
     def compress(self, parts: Sequence[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], PushStats]:
         """Rewrites a push's parts (``("fc", name, a, e)`` / ``("dense", name, gradient)``, in
-        gradient units, see trainer.downpour.push_parts) into the smallest form per tensor:
+        gradient units, see trainer.packing.push_parts) into the smallest form per tensor:
         ``("fc", ...)``, ``("compressed", name, Encoded)`` or ``("dense", name, values)``."""
         out: list[tuple[Any, ...]] = []
         st = PushStats()

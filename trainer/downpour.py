@@ -33,6 +33,12 @@ final weights (trainer/export.py).
 
 The workers compute ``scale * gradient`` with ``scale = -local_lr`` (one pass per SGD step, see
 Model.sgd_step); the push thread rescales by ``-1 / local_lr`` so the servers get gradients.
+
+The parts live in modules of their own: trainer/schedule.py (the rules: rounds, fetches, the
+epoch-end rule; pure), trainer/packing.py (what a round produces and a push sends),
+trainer/push_queue.py, trainer/pusher.py (the push thread), trainer/fetcher.py,
+trainer/board.py, trainer/metrics.py. This module is the replica: its main loop and the board
+thread.
 """
 
 from __future__ import annotations
@@ -43,583 +49,34 @@ import functools
 import json
 import logging
 import math
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from adamps import metrics as am
 from adamps.client import ControllerRouting, PSClient, StaticRouting
 from adamps.layout import Layout, TensorSpec
+from adamps.progress import Progress
 from adamps.rpc import get_json
 from trainer import export
+from trainer.board import Board, ControllerBoard, PsBoard
 from trainer.config import TrainConfig
+from trainer.fetcher import Fetcher
 from trainer.hogwild import Hogwild
-from trainer.layers import Dense
+from trainer.loop import Loop
+from trainer.metrics import TrainerMetrics
 from trainer.model import Model, resolve_spec
+from trainer.packing import PackPlan, collect_round, downpour_worker_factory, stack
+from trainer.push_queue import PushQueue
+from trainer.pusher import Pusher
+from trainer.schedule import Schedule
 
 log = logging.getLogger(__name__)
-
-BOARD_TENSOR = "adamps.board"
-
-
-def board_tensor(run: str = "") -> str:
-    """The static-mode board tensor of a training run."""
-    return f"{BOARD_TENSOR}.{run}" if run else BOARD_TENSOR
-
-
-# -- pure rules ------------------------------------------------------------------------------
-
-
-def required_replicas(n_replicas: int, fraction: float) -> int:
-    """How many replicas must finish an epoch for it to be complete (at least one)."""
-    return max(1, min(n_replicas, math.ceil(fraction * n_replicas - 1e-9)))
-
-
-def completed_epoch(finished: Mapping[Any, int], n_replicas: int, fraction: float) -> int:
-    """The last complete epoch (0 = none): the largest e such that enough replicas have
-    finished e or a later epoch. ``finished`` maps replica -> its last finished epoch."""
-    last = sorted((int(v) for v in finished.values()), reverse=True)
-    last += [0] * (n_replicas - len(last))
-    return last[required_replicas(n_replicas, fraction) - 1]
-
-
-def use_vectors(k: int, m: int, n: int) -> bool:
-    """Send k activation/error vector pairs instead of the M x N delta (Adam 3.2.6)?"""
-    return k * (m + n) < m * n
-
-
-# -- what a round produces, and the coalescing push queue -------------------------------------
-
-
-@dataclass
-class PushItem:
-    """Updates of one or more rounds, in the workers' units (scale * gradient)."""
-
-    #: tensor -> summed flat delta: conv weights, biases, and fc weights whose vectors were
-    #: folded (too many rows to be worth sending as vectors)
-    dense: dict[str, np.ndarray]
-    #: fc weight -> list of (a [k,N], e [k,M]) blocks, stacked when sent
-    vectors: dict[str, list[tuple[np.ndarray, np.ndarray]]]
-    steps: int = 0  #: minibatches it covers
-
-    def merge(self, other: PushItem) -> None:
-        """Adds another item's updates (the other item is consumed). Stacks of vectors that
-        would no longer be smaller than the matrix are folded into a dense delta at once, so
-        a long backlog costs bounded memory."""
-        for name, d in other.dense.items():
-            if name in self.dense:
-                self.dense[name] += d
-            else:
-                self.dense[name] = d
-        for name, blocks in other.vectors.items():
-            mine = self.vectors.setdefault(name, [])
-            mine.extend(blocks)
-            if mine:
-                k = sum(b[0].shape[0] for b in mine)
-                if not use_vectors(k, mine[0][1].shape[1], mine[0][0].shape[1]):
-                    self.fold(name)
-        self.steps += other.steps
-
-    def fold(self, name: str) -> None:
-        """Replaces the vectors of fc weight ``name`` by their dense delta e.T @ a."""
-        a, e = stack(self.vectors.pop(name, []))
-        if a is None:
-            return
-        g = (e.T @ a).reshape(-1)
-        if name in self.dense:
-            self.dense[name] += g
-        else:
-            self.dense[name] = g
-
-
-def stack(blocks: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[Any, Any]:
-    """The blocks' activation and error vectors as two matrices ((None, None) if empty)."""
-    if not blocks:
-        return None, None
-    if len(blocks) == 1:
-        return blocks[0]
-    return np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks])
-
-
-class PushQueue:
-    """A FIFO of PushItems and markers (callables run by the push thread in order) that never
-    blocks the producer: beyond ``limit`` items a new PushItem is merged into the last one."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._items: collections.deque[Any] = collections.deque()
-        self._cond = threading.Condition()
-        self._busy = 0  #: items taken by the consumer and not yet done
-        self.merged = 0  #: items merged because the queue was full
-
-    def put(self, item: PushItem | Callable[[], None] | None) -> None:
-        with self._cond:
-            last = self._items[-1] if self._items else None
-            if (
-                isinstance(item, PushItem)
-                and isinstance(last, PushItem)
-                and len(self._items) >= self.limit
-            ):
-                last.merge(item)
-                self.merged += 1
-            else:
-                self._items.append(item)
-            self._cond.notify_all()
-
-    def get(self) -> Any:
-        with self._cond:
-            while not self._items:
-                self._cond.wait()
-            self._busy += 1
-            return self._items.popleft()
-
-    def done(self) -> None:
-        with self._cond:
-            self._busy -= 1
-            self._cond.notify_all()
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._items)
-
-    def pending(self) -> list[PushItem]:
-        """The PushItems not yet taken by the consumer (only the producer may merge into them,
-        so the caller, being the producer, can read them without the lock)."""
-        with self._cond:
-            return [x for x in self._items if isinstance(x, PushItem)]
-
-    def join(self, timeout: float, alive: Callable[[], bool] = lambda: True) -> bool:
-        """Waits until everything queued was processed; False on timeout or a dead consumer."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._items or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0 or not alive():
-                    return False
-                self._cond.wait(min(left, 0.2))
-        return True
-
-
-# -- the workers (run inside Hogwild worker processes or threads) ----------------------------
-
-
-@dataclass(frozen=True)
-class PackPlan:
-    """Where each worker leaves its updates in the shared buffers."""
-
-    #: (tensor, slice of the flat parameters, offset in the accumulator)
-    dense: tuple[tuple[str, slice, int], ...]
-    n_dense: int
-    #: (fc weight, M, N, offset of its a block, offset of its e block) in the vector buffer
-    fc: tuple[tuple[str, int, int, int, int], ...]
-    max_rows: int
-    n_vec: int
-
-    @classmethod
-    def of(cls, model: Model, max_rows: int) -> PackPlan:
-        fc_names = {f"{layer.name}.w" for layer in model.layers if isinstance(layer, Dense)}
-        slices = model.slices()
-        dense, off = [], 0
-        fc, voff = [], 0
-        for name, shape in model.tensors():
-            if name in fc_names:
-                m, n = shape
-                fc.append((name, m, n, voff, voff + max_rows * n))
-                voff += max_rows * (m + n)
-            else:
-                dense.append((name, slices[name], off))
-                off += int(np.prod(shape))
-        return cls(tuple(dense), off, tuple(fc), max_rows, voff)
-
-    def buffers(self, n_workers: int) -> dict[str, int]:
-        out = {}
-        for w in range(n_workers):
-            out[f"acc{w}"] = self.n_dense
-            out[f"vec{w}"] = self.n_vec
-        return out
-
-
-class DownpourWorker:
-    """A worker's step function: SGD on the shared local weights (no locks) for the minibatches
-    of one round, leaving the accumulated conv/bias deltas and the fc vectors in its buffers."""
-
-    def __init__(
-        self,
-        spec: dict[str, Any],
-        local_lr: float,
-        plan: PackPlan,
-        worker_id: int,
-        params: np.ndarray,
-        buffers: dict[str, np.ndarray],
-    ) -> None:
-        self.model = Model(spec, params=params)
-        self.scale = -local_lr
-        self.plan = plan
-        self.acc = buffers[f"acc{worker_id}"]
-        vec = buffers[f"vec{worker_id}"]
-        self.vec = {
-            name: (
-                vec[ao : ao + plan.max_rows * n].reshape(plan.max_rows, n),
-                vec[eo : eo + plan.max_rows * m].reshape(plan.max_rows, m),
-            )
-            for name, m, n, ao, eo in plan.fc
-        }
-        self.dense = [
-            (self.model.grads[sl], self.acc[off : off + (sl.stop - sl.start)])
-            for _name, sl, off in plan.dense
-        ]
-
-    def __call__(self, batches: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, int, int]:
-        """Train on the batches; return (sum of batch losses, batches, rows of vectors)."""
-        model = self.model
-        total = 0.0
-        rows = 0
-        for x, y in batches:
-            total += model.loss_and_grad(model.prepare(x), y, scale=self.scale)
-            model.params += model.grads  # the local step (scale already holds -lr)
-            for g, acc in self.dense:
-                acc += g
-            k = len(y)
-            for name, (a, e) in model.fc_vectors().items():
-                abuf, ebuf = self.vec[name]
-                abuf[rows : rows + k] = a
-                ebuf[rows : rows + k] = e
-            rows += k
-        return total, len(batches), rows
-
-
-def downpour_worker_factory(
-    spec: dict[str, Any],
-    local_lr: float,
-    plan: PackPlan,
-    worker_id: int,
-    params: np.ndarray,
-    buffers: dict[str, np.ndarray],
-) -> DownpourWorker:
-    """Hogwild factory (module level, so picklable through functools.partial)."""
-    return DownpourWorker(spec, local_lr, plan, worker_id, params, buffers)
-
-
-def collect_round(
-    buffers: Mapping[str, np.ndarray], plan: PackPlan, outs: Sequence[tuple[float, int, int]]
-) -> PushItem:
-    """Takes a round's updates out of the workers' buffers (while the workers are idle) and
-    clears the accumulators. ``outs`` are the workers' (loss, batches, rows) replies."""
-    dense: dict[str, np.ndarray] = {}
-    vectors: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-    for w, (_loss, n_batches, rows) in enumerate(outs):
-        if n_batches == 0:
-            continue
-        acc = buffers[f"acc{w}"]
-        for name, sl, off in plan.dense:
-            part = acc[off : off + (sl.stop - sl.start)]
-            if name in dense:
-                dense[name] += part
-            else:
-                dense[name] = part.copy()
-        acc[...] = 0.0
-        vec = buffers[f"vec{w}"]
-        for name, m, n, ao, eo in plan.fc:
-            a = vec[ao : ao + rows * n].reshape(rows, n).copy()
-            e = vec[eo : eo + rows * m].reshape(rows, m).copy()
-            vectors.setdefault(name, []).append((a, e))
-    return PushItem(dense, vectors, sum(o[1] for o in outs))
-
-
-def push_parts(
-    item: PushItem, inv: float, shapes: Mapping[str, tuple[int, ...]]
-) -> list[tuple[Any, ...]]:
-    """What the push thread sends for one item: ("fc", tensor, a, e) or ("dense", tensor,
-    gradient), gradients rescaled from the workers' units by ``inv`` (= -1 / local_lr). A fully
-    connected weight goes as vectors while k * (M + N) < M * N, else as e.T @ a."""
-    parts: list[tuple[Any, ...]] = []
-    dense = dict(item.dense)
-    for name, blocks in item.vectors.items():
-        a, e = stack(blocks)
-        if a is None:
-            continue
-        m, n = shapes[name]
-        if name not in dense and use_vectors(a.shape[0], m, n):
-            parts.append(("fc", name, a, e * inv))
-        else:
-            g = (e.T @ a).reshape(-1)
-            dense[name] = dense[name] + g if name in dense else g
-    for name, d in dense.items():
-        parts.append(("dense", name, (d * inv).reshape(shapes[name])))
-    return parts
-
-
-# -- boards: where replicas meet (warm start, epochs finished) --------------------------------
-
-
-class Board:
-    """Warm-start mark and per-replica finished epochs, shared by the replicas."""
-
-    def mark_warm(self) -> None:
-        raise NotImplementedError
-
-    def warm_done(self) -> bool:
-        raise NotImplementedError
-
-    def report(self, epoch: int, progress: float, done: bool) -> None:
-        raise NotImplementedError
-
-    def finished(self) -> dict[str, int]:
-        """replica -> the last epoch it finished (0: none)."""
-        raise NotImplementedError
-
-
-class PsBoard(Board):
-    """A float32 vector on the parameter servers: element r = the last epoch replica r
-    finished, element n = 1 once replica 0's warm start is done. Replicas add to it (SGD with
-    lr = -1); every push is applied exactly once, so the counts are exact."""
-
-    def __init__(self, client: PSClient, replica: int, n_replicas: int, run: str = "") -> None:
-        self.client = client
-        self.replica = replica
-        self.n = n_replicas
-        self.tensor = board_tensor(run)
-        client.create(
-            TensorSpec(self.tensor, (n_replicas + 1,)),
-            init={"kind": "zeros"},
-            optimizer={"kind": "sgd", "lr": -1.0},
-        )
-        self._values = self._pull()
-        self._last = int(self._values[replica])
-
-    def _pull(self) -> np.ndarray:
-        return self.client.pull([self.tensor])[0][self.tensor]
-
-    def _add(self, index: int, amount: float) -> None:
-        delta = np.zeros(self.n + 1, np.float32)
-        delta[index] = amount
-        self.client.push_dense(self.tensor, delta)
-
-    def mark_warm(self) -> None:
-        if self._pull()[self.n] < 1:
-            self._add(self.n, 1.0)
-
-    def warm_done(self) -> bool:
-        return bool(self._pull()[self.n] >= 1)
-
-    def report(self, epoch: int, progress: float, done: bool) -> None:
-        if done and epoch > self._last:
-            self._add(self.replica, float(epoch - self._last))
-            self._last = epoch
-
-    def finished(self) -> dict[str, int]:
-        values = self._pull()
-        return {str(r): int(values[r]) for r in range(self.n)}
-
-
-class ControllerBoard(Board):
-    """The controllers' /progress (Adam 3.2.5: progress is recorded at the controller). The
-    warm-start mark is replica 0's report for epoch 0. With a run name, replicas report as
-    "<run>/<replica>" so that runs do not see each other's progress."""
-
-    def __init__(self, controllers: Sequence[str], token: str, replica: int, run: str = "") -> None:
-        self.controllers = list(controllers)
-        self.token = token
-        self.prefix = f"{run}/" if run else ""
-        self.replica = self.prefix + str(replica)
-        self._local = threading.local()
-
-    def _ctl(self) -> Any:
-        from adamps.controller_client import ControllerClient
-
-        ctl = getattr(self._local, "ctl", None)
-        if ctl is None:
-            ctl = self._local.ctl = ControllerClient(self.controllers, self.token, retry_for=30.0)
-        return ctl
-
-    def mark_warm(self) -> None:
-        self._ctl().report_progress(0, self.prefix + "0", 1.0, True)
-
-    def warm_done(self) -> bool:
-        replicas = self._ctl().progress(0).get("replicas", {})
-        return bool(replicas.get(self.prefix + "0", {}).get("done"))
-
-    def report(self, epoch: int, progress: float, done: bool) -> None:
-        self._ctl().report_progress(epoch, self.replica, float(progress), done)
-
-    def finished(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for epoch, replicas in self._ctl().progress().get("epochs", {}).items():
-            e = int(epoch)
-            if e < 1:
-                continue
-            for r, p in replicas.items():
-                if p.get("done") and r.startswith(self.prefix) and "/" not in r[len(self.prefix) :]:
-                    out[r] = max(out.get(r, 0), e)
-        return out
-
-
-# -- metrics -----------------------------------------------------------------------------------
-
-
-class TrainerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.images = Counter(
-            "adamps_trainer_images", "training images processed", registry=registry
-        )
-        self.loss = Gauge(
-            "adamps_trainer_loss", "mean training loss of the last rounds", registry=registry
-        )
-        self.rate = Gauge(
-            "adamps_trainer_images_per_second",
-            "training images per second (last seconds)",
-            registry=registry,
-        )
-        self.staleness = Gauge(
-            "adamps_trainer_fetch_staleness_steps",
-            "replica steps taken between the request and the install of the last fetched parameters",
-            registry=registry,
-        )
-        self.bytes_pushed = Counter(
-            "adamps_trainer_bytes_pushed",
-            "array bytes pushed, by kind",
-            ["kind"],
-            registry=registry,
-        )
-        self.pushes = Counter(
-            "adamps_trainer_pushes", "tensor pushes, by kind", ["kind"], registry=registry
-        )
-        self.fetches = Counter(
-            "adamps_trainer_fetches", "parameter fetches installed", registry=registry
-        )
-        self.merged = Counter(
-            "adamps_trainer_pushes_merged",
-            "rounds merged into a queued push (network behind)",
-            registry=registry,
-        )
-        self.queue = Gauge(
-            "adamps_trainer_push_queue", "pushes waiting for the push thread", registry=registry
-        )
-        self.accuracy = Gauge(
-            "adamps_trainer_heldout_accuracy",
-            "held-out accuracy at the last epoch end (replica 0)",
-            registry=registry,
-        )
-        self.epoch = Gauge("adamps_trainer_epoch", "epoch this replica trains", registry=registry)
-        self.completed = Gauge(
-            "adamps_trainer_completed_epoch", "last epoch complete by the epoch-end rule", registry=registry
-        )  # fmt: skip
-        self.comp_choices = Counter(
-            "adamps_trainer_compression_choices",
-            "compression: per pushed tensor, the form sent (the smallest of vectors, "
-            "compressed, dense)",
-            ["form"],
-            registry=registry,
-        )
-        self.comp_saved = Counter(
-            "adamps_trainer_compression_bytes_saved",
-            "compression: bytes the same pushes would have taken uncompressed (dense deltas, fc "
-            "vectors) minus the bytes sent",
-            registry=registry,
-        )
-        self.comp_sent = Counter(
-            "adamps_trainer_compression_elements_sent",
-            "compression: tensor elements sent (a vectors or dense push sends all of its tensor)",
-            registry=registry,
-        )
-        self.comp_elements = Counter(
-            "adamps_trainer_compression_elements",
-            "compression: tensor elements offered to the compressor (sent or kept in the residual)",
-            registry=registry,
-        )
-        self.comp_fraction = Gauge(
-            "adamps_trainer_compression_sent_fraction",
-            "compression: fraction of the elements sent by the last push",
-            registry=registry,
-        )
-        self.comp_residual = Gauge(
-            "adamps_trainer_compression_residual_norm",
-            "compression: L2 norm of a tensor's residual (gradient not sent yet)",
-            ["tensor"],
-            registry=registry,
-        )
-        self.comp_tau = Gauge(
-            "adamps_trainer_compression_tau",
-            "compression: the threshold of a tensor's last compressed push",
-            ["tensor"],
-            registry=registry,
-        )
-        for kind in ("dense", "fc", "compressed"):
-            self.bytes_pushed.labels(kind)
-            self.pushes.labels(kind)
-        for form in ("vectors", "compressed", "dense"):
-            self.comp_choices.labels(form)
-
-
-# -- the background threads --------------------------------------------------------------------
-
-
-class _Loop(threading.Thread):
-    """A daemon thread whose exception is kept for the main thread to raise."""
-
-    def __init__(self, name: str, target: Callable[[], None]) -> None:
-        super().__init__(name=name, daemon=True)
-        self._target_fn = target
-        self.error: BaseException | None = None
-        self.cpu_seconds = 0.0
-
-    def run(self) -> None:
-        try:
-            self._target_fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-            log.exception("%s thread failed", self.name)
-            self.error = exc
-        finally:
-            self.cpu_seconds = time.thread_time()  #: CPU this thread used (where time goes)
-
-
-class Fetcher:
-    """Pulls every tensor into a staging buffer when asked; the main thread installs it."""
-
-    def __init__(self, client: PSClient, model: Model) -> None:
-        self.client = client
-        self.names = [n for n, _ in model.tensors()]
-        self.staging = np.zeros(model.n_params, np.float32)
-        sl = model.slices()
-        self.out = {n: self.staging[sl[n]].reshape(s) for n, s in model.tensors()}
-        self._want = threading.Event()
-        self._ready = threading.Event()
-        self._stop = False
-        self.requested_at = 0  #: replica step of the pending request
-        self.pending = False
-        self.thread = _Loop("fetch", self._run)
-
-    def request(self, step: int) -> None:
-        self.requested_at = step
-        self.pending = True
-        self._ready.clear()
-        self._want.set()
-
-    def ready(self) -> bool:
-        return self.pending and self._ready.is_set()
-
-    def take(self) -> np.ndarray:
-        self.pending = False
-        return self.staging
-
-    def _run(self) -> None:
-        while True:
-            self._want.wait()
-            self._want.clear()
-            if self._stop:
-                return
-            self.client.pull(self.names, out=self.out)
-            self._ready.set()
-
-    def stop(self) -> None:
-        self._stop = True
-        self._want.set()
 
 
 # -- the replica -----------------------------------------------------------------------------
@@ -670,17 +127,13 @@ class Replica:
         self.client: PSClient | None = None
         self.board: Board | None = None
         self.pushq = PushQueue(cfg.push_queue)
-        #: Strom's compression with a residual per tensor (push thread only), with --compress
+        #: Strom's compression with a residual per tensor, with --compress: the push thread
+        #: compresses; the main thread adds the residuals to installed fetches
         self.compressor: Any = None
-        #: elements sent, elements offered to the compressor (push thread only)
-        self._comp_totals = [0, 0]
+        self.pusher: Pusher | None = None
         self.result = ReplicaResult()
-        self.step = 0  #: replica steps (minibatches of all workers) so far
-        self.epoch = 0
-        self.completed = 0  #: last complete epoch seen on the board
-        self.finished_epoch = 0  #: last epoch this replica finished, its pushes acknowledged
-        self.reported_epoch = 0  #: last finished epoch reported to the board
-        self.warm_marked = cfg.replica != 0
+        #: the Downpour rules and their counts (steps, epochs complete, finished, reported)
+        self.schedule = Schedule.of(cfg)
         self.last_staleness: int | None = None
         #: fetches installed so far (also the adamps_trainer fetch counter; read here, not there)
         self.fetches = 0
@@ -690,6 +143,20 @@ class Replica:
         self._loss_window: collections.deque[float] = collections.deque(maxlen=32)
         self.recent_loss = float("nan")
         self._merged_seen_before = 0
+
+    @property
+    def step(self) -> int:
+        """Replica steps (minibatches of all workers) so far."""
+        return self.schedule.step
+
+    @property
+    def epoch(self) -> int:
+        return self.schedule.epoch
+
+    @property
+    def completed(self) -> int:
+        """The last complete epoch seen on the board."""
+        return self.schedule.completed
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -720,6 +187,10 @@ class Replica:
                 taus=cfg.compress_tau,
                 coding=cfg.compress_coding,
             )
+        self.pusher = Pusher(
+            self.client, self.pushq, self.m, cfg.local_lr,
+            {t.name: t.shape for t in self.tensors}, self.compressor,
+        )  # fmt: skip
         if cfg.controllers:
             self.board = ControllerBoard(cfg.controllers, cfg.token, cfg.replica, cfg.run)
         else:
@@ -779,104 +250,24 @@ class Replica:
                 raise KeyboardInterrupt
         log.info("replica 0's warm start is done: joining")
 
-    # -- threads ---------------------------------------------------------------------------------
-
-    def _push_loop(self) -> None:
-        assert self.client is not None
-        inv = -1.0 / self.cfg.local_lr
-        shapes = {t.name: t.shape for t in self.tensors}
-        while True:
-            item = self.pushq.get()
-            try:
-                if item is None:
-                    return
-                if callable(item):
-                    item()
-                    continue
-                self._push(item, inv, shapes)
-            finally:
-                self.pushq.done()
-                self.m.queue.set(len(self.pushq))
-
-    def _push(self, item: PushItem, inv: float, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        client = self.client
-        assert client is not None
-        dense: dict[str, np.ndarray] = {}
-        compressed: dict[str, dict[str, Any]] = {}
-        parts = push_parts(item, inv, shapes)
-        self.result.pushes += 1
-        if self.compressor is not None:
-            parts, st = self.compressor.compress(parts)
-            self._count_compression(st)
-        for kind, name, *arrays in parts:
-            if kind == "fc":
-                client.push_fc(name, *arrays)
-                self.m.pushes.labels("fc").inc()
-            elif kind == "compressed":
-                compressed.update(arrays[0].shards)
-                self.m.bytes_pushed.labels(kind).inc(arrays[0].nbytes)
-                self.result.bytes_pushed += arrays[0].nbytes
-                continue
-            else:
-                dense[name] = arrays[0]
-            nbytes = sum(x.nbytes for x in arrays)
-            self.m.bytes_pushed.labels(kind).inc(nbytes)
-            self.result.bytes_pushed += nbytes
-        if compressed:
-            client.push_compressed(compressed)
-            self.m.pushes.labels("compressed").inc()
-        if dense:
-            client.push_dense_many(dense)
-            self.m.pushes.labels("dense").inc()
-
-    def _count_compression(self, st: Any) -> None:
-        assert self.compressor is not None
-        m = self.m
-        for form, n in st.choices.items():
-            m.comp_choices.labels(form).inc(n)
-        m.comp_saved.inc(max(0, st.bytes_uncompressed - st.bytes_sent))
-        m.comp_sent.inc(st.sent_elements)
-        m.comp_elements.inc(st.elements)
-        if st.elements:
-            m.comp_fraction.set(st.sent_elements / st.elements)
-        self._comp_totals[0] += st.sent_elements
-        self._comp_totals[1] += st.elements
-        self.result.sent_fraction = self._comp_totals[0] / max(1, self._comp_totals[1])
-        for name, tc in self.compressor.tensors.items():
-            m.comp_residual.labels(name).set(tc.residual_norm())
-            m.comp_tau.labels(name).set(tc.last_tau)
-
-    def _finished(self, epoch: int) -> None:
-        """Push-thread marker: every push of the epoch is acknowledged."""
-        self.finished_epoch = max(self.finished_epoch, epoch)
+    # -- the board thread ------------------------------------------------------------------------
 
     def _board_loop(self) -> None:
         """The only writer of this replica's progress (so a progress report can never
         overwrite a later 'done'), and the reader of everybody's."""
         assert self.board is not None
+        sched = self.schedule
         while not self._stopping.wait(self.cfg.progress_interval):
-            finished = self.finished_epoch
-            if finished > self.reported_epoch:
-                self.board.report(finished, 1.0, True)
-                self.reported_epoch = finished
-            elif self.cfg.controllers and self.epoch > finished and self._n_train:
-                share = self._n_train / self.cfg.n_replicas
-                done = self.result.epochs.get(self.epoch, EpochStats()).images
-                self.board.report(self.epoch, min(1.0, done / share), False)
-            self.completed = max(
-                self.completed,
-                completed_epoch(
-                    self.board.finished(), self.cfg.n_replicas, self.cfg.epoch_fraction
-                ),
-            )
-            self.m.completed.set(self.completed)
+            done = self.result.epochs.get(sched.epoch, EpochStats()).images
+            report = sched.next_report(done, self._n_train)
+            if report is not None:
+                self.board.report(report.epoch, report.progress, report.done)
+                sched.reported(report)
+            self.m.completed.set(sched.observe(self.board.finished()))
 
-    def _check_threads(self, *threads: _Loop) -> None:
+    def _check_threads(self, *threads: Loop) -> None:
         for t in threads:
-            if t.error is not None:
-                raise RuntimeError(f"the {t.name} thread failed: {t.error!r}") from t.error
-            if not t.is_alive():
-                raise RuntimeError(f"the {t.name} thread stopped")
+            t.check()
 
     # -- the training loop ---------------------------------------------------------------------
 
@@ -900,8 +291,10 @@ class Replica:
         )
         plan = PackPlan.of(self.model, cfg.n_push * cfg.batch_size)
         factory = functools.partial(downpour_worker_factory, self.spec, cfg.local_lr, plan)
-        pusher = _Loop("push", self._push_loop)
-        boarder = _Loop("board", self._board_loop)
+        assert self.pusher is not None
+        sched = self.schedule
+        pusher = Loop("push", self.pusher.loop)
+        boarder = Loop("board", self._board_loop)
         fetcher = Fetcher(self.client, self.model)
         t_start = time.perf_counter()
         with Hogwild(
@@ -915,23 +308,23 @@ class Replica:
                 t.start()
             threads = (pusher, boarder, fetcher.thread)
             try:
-                if cfg.replica == 0 and cfg.warm_start == 0:
+                if sched.warm_due():
                     self._mark_warm()
                 for epoch in range(1, cfg.epochs + 1):
-                    if epoch <= self.completed:
+                    if sched.skip(epoch):
                         log.info("epoch %d is already complete: skipped", epoch)
                         continue
                     self._train_epoch(epoch, pool, plan, fetcher, threads, test_x, test_y)
                     if not self.result.epochs[epoch].moved_on:
-                        self.pushq.put(functools.partial(self._finished, epoch))
-                if not self.warm_marked:
+                        self.pushq.put(functools.partial(sched.epoch_finished, epoch))
+                if not sched.warm_marked:
                     self._mark_warm()  # fewer minibatches than the warm start: let the others go
                 if not self.pushq.join(cfg.wait_timeout, pusher.is_alive):
                     self._check_threads(pusher)
                     raise TimeoutError("pushes not acknowledged in time")
                 self.result.seconds = time.perf_counter() - t_start
                 deadline = time.monotonic() + cfg.wait_timeout
-                while self.reported_epoch < self.finished_epoch:  # the board thread reports it
+                while not sched.all_reported:  # the board thread reports the last epoch
                     self._check_threads(*threads)
                     if time.monotonic() > deadline:
                         raise TimeoutError("could not report the last epoch's end")
@@ -945,6 +338,9 @@ class Replica:
                 self.pushq.put(None)
                 for t in (pusher, boarder, fetcher.thread):
                     t.join(5)
+                self.result.bytes_pushed = self.pusher.bytes_pushed
+                self.result.pushes = self.pusher.pushes
+                self.result.sent_fraction = self.pusher.sent_fraction
                 self.result.cpu_threads = {
                     "main": round(time.thread_time(), 2),
                     **{t.name: round(t.cpu_seconds, 2) for t in (pusher, boarder, fetcher.thread)},
@@ -955,7 +351,7 @@ class Replica:
 
     def _mark_warm(self) -> None:
         assert self.board is not None
-        self.warm_marked = True
+        self.schedule.mark_warm()
         board = self.board
 
         def mark() -> None:
@@ -987,24 +383,24 @@ class Replica:
         pool: Hogwild,
         plan: PackPlan,
         fetcher: Fetcher,
-        threads: tuple[_Loop, ...],
+        threads: tuple[Loop, ...],
         test_x: np.ndarray | None,
         test_y: np.ndarray | None,
     ) -> None:
         cfg = self.cfg
+        sched = self.schedule
         W = cfg.workers
-        self.epoch = epoch
+        sched.start_epoch(epoch)
         self.m.epoch.set(epoch)
         stats = self.result.epochs.setdefault(epoch, EpochStats())
-        steps_since_fetch = 0
-        bar = _progress_bar(epoch, self._n_train, cfg)
+        bar = self._progress_bar(epoch)
         it = self.data.epoch(
             cfg.replica, cfg.n_replicas, epoch, batch_size=cfg.batch_size, prefetch=16
         )
         t_epoch = time.perf_counter()
         try:
             t_mark = time.perf_counter()
-            for batches in self._rounds(it, W * cfg.n_push):
+            for batches in self._rounds(it, sched.round_size):
                 if self._stopping.is_set():
                     raise KeyboardInterrupt
                 self._check_threads(*threads)
@@ -1016,29 +412,26 @@ class Replica:
                 stats.t_compute += t2 - t1
                 n_img = sum(len(b[1]) for b in batches)
                 loss = sum(o[0] for o in outs)
+                sched.after_round(len(batches))
                 self._account(stats, len(batches), n_img, loss)
-                if bar is not None:
-                    bar.update(n_img)
-                    bar.set_postfix(loss=f"{self.recent_loss:.3f}", refresh=False)
-                if not self.warm_marked and self.step >= cfg.warm_start:
+                bar.update(n_img, f"loss={self.recent_loss:.3f}")
+                if sched.warm_due():
                     self._mark_warm()
                 # Downpour fetch: ask every n_fetch minibatches per worker, install when there
-                steps_since_fetch += cfg.n_push
                 if fetcher.ready():
                     t3 = time.perf_counter()
                     self._install(pool.params, fetcher.take())
                     stats.t_install += time.perf_counter() - t3
-                    self.last_staleness = self.step - fetcher.requested_at
+                    self.last_staleness = sched.staleness(fetcher.requested_at)
                     self.m.staleness.set(self.last_staleness)
                     self.m.fetches.inc()
                     self.fetches += 1
-                if not fetcher.pending and steps_since_fetch >= cfg.n_fetch and self.warm_marked:
-                    fetcher.request(self.step)
-                    steps_since_fetch = 0
+                if sched.want_fetch(fetcher.pending):
+                    fetcher.request(sched.step)
                 if cfg.replica == 0:
                     self._evaluate_completed(test_x, test_y)
                 t_mark = time.perf_counter()
-                if self.completed >= epoch:
+                if sched.move_on(epoch):
                     stats.moved_on = True
                     log.info("epoch %d is complete (%.0f%% of the replicas finished it): moving on",
                              epoch, 100 * cfg.epoch_fraction)  # fmt: skip
@@ -1046,8 +439,7 @@ class Replica:
         finally:
             stats.seconds += time.perf_counter() - t_epoch
             it.close()
-            if bar is not None:
-                bar.close()
+            bar.close()
         log.info(
             "epoch %d: %d images, loss %.4f, %.0f images/s%s; fetches %d, staleness %s steps, "
             "rounds merged into queued pushes %d; seconds waiting for data %.2f, in rounds %.2f, "
@@ -1057,6 +449,13 @@ class Replica:
             self.fetches, self.last_staleness, self.pushq.merged,
             stats.t_data, stats.t_compute, stats.t_install,
         )  # fmt: skip
+
+    def _progress_bar(self, epoch: int) -> Progress:
+        """The epoch's bar of images (this replica's share of the training set) on stderr: live
+        on a terminal, a plain line every few seconds in a log."""
+        n = self._n_train
+        total = None if n is None else math.ceil(n / self.cfg.n_replicas)
+        return Progress(f"epoch {epoch}/{self.cfg.epochs}", total, "img")
 
     def _install(self, params: np.ndarray, fetched: np.ndarray) -> None:
         """Fetched parameters become the local copy, plus the local updates still waiting in
@@ -1079,7 +478,6 @@ class Replica:
                     params[sl[name]].reshape(shapes[name])[...] += e.T @ a
 
     def _account(self, stats: EpochStats, batches: int, images: int, loss: float) -> None:
-        self.step += batches
         stats.batches += batches
         stats.images += images
         stats.loss_sum += loss
@@ -1134,7 +532,7 @@ class Replica:
                 fh.write(json.dumps(rec) + "\n")
         return acc
 
-    def _finish(self, test_x: Any, test_y: Any, threads: tuple[_Loop, ...]) -> None:
+    def _finish(self, test_x: Any, test_y: Any, threads: tuple[Loop, ...]) -> None:
         """Replica 0: wait for the last epoch to complete, evaluate the epochs not yet
         evaluated, export the final weights."""
         cfg = self.cfg
@@ -1159,13 +557,3 @@ class Replica:
             }
             self.result.out = str(export.save(cfg.out, self.spec, views, meta))
             log.info("final weights written to %s", self.result.out)
-
-
-def _progress_bar(epoch: int, n_train: int | None, cfg: TrainConfig) -> Any:
-    """A tqdm bar on a terminal; None otherwise (plain log lines then)."""
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    total = None if n_train is None else math.ceil(n_train / cfg.n_replicas)
-    return tqdm(total=total, desc=f"epoch {epoch}/{cfg.epochs}", unit="img", leave=True)

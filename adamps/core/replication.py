@@ -492,10 +492,13 @@ class BucketReplica:
             if b.seq <= self.committed:
                 continue  # already applied (a resend)
             self.prepared[b.seq] = b  # a resend under a newer epoch replaces the older copy
-        # Drop prepared batches above what the primary sends: a deposed primary's round that was
-        # never committed anywhere (the new primary did not hold it).
+        # Drop prepared batches above what the primary sends that an earlier epoch's primary
+        # prepared: a deposed primary's round that was never committed anywhere (the new primary
+        # did not hold it). Never one of this epoch: its primary only appends, and an older
+        # PREPARE of it arriving late (delayed or duplicated) must not take back a batch this
+        # copy already acknowledged as prepared (the primary may have committed it since).
         top = entries[-1].seq if entries else self.committed
-        for s in [s for s in self.prepared if s > top]:
+        for s in [s for s, b in self.prepared.items() if s > top and b.epoch < epoch]:
             del self.prepared[s]
         expected = self.committed + 1
         while expected in self.prepared:

@@ -28,18 +28,17 @@ import logging
 import socket
 import struct
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from adamps import protocol
 from adamps.protocol import ProtocolError
-from adamps.server import bounds
-from adamps.server.optim import Dense
-from adamps.server.store import StoreError, owner_future
-
-if TYPE_CHECKING:
-    from adamps.server.app import ParameterServer
+from adamps.server.config import PsConfig
+from adamps.server.psmetrics import PsMetrics
+from adamps.server.reads import Reads
+from adamps.server.shards import StoreError
+from adamps.server.writepath import WritePath
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +69,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     applied in the order sent and a pull sees the pushes sent before it. Replies go out in order.
     """
 
-    def __init__(self, ps: ParameterServer) -> None:
-        self.ps = ps
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+        self.cfg = plane.cfg
         self.transport: asyncio.Transport | None = None
         self.state = _HEADER
         self.buf = np.empty(HEADER.size, dtype=np.uint8)
@@ -92,9 +92,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.last_activity = asyncio.get_running_loop().time()
-        self.ps._dp_conns.add(self)
-        open_ = [c for c in self.ps._dp_conns if c.open()]
-        cap = self.ps.cfg.http_limits.effective_max_connections()
+        self.plane.conns.add(self)
+        open_ = [c for c in self.plane.conns if c.open()]
+        cap = self.cfg.http_limits.effective_max_connections()
         if len(open_) > cap:
             # Make room by closing the longest-idle connection (this one if none is idle), so a
             # flood of idle connections cannot lock out the trainers.
@@ -113,7 +113,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state = _CLOSED
-        self.ps._dp_conns.discard(self)
+        self.plane.conns.discard(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.state == _CLOSED:  # draining after a fatal error: discard what still arrives
@@ -159,7 +159,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         in its payload past body_timeout (issue 12: connections were kept forever)."""
         if self.state == _CLOSED or self.inflight:
             return False
-        lim = self.ps.cfg.http_limits
+        lim = self.cfg.http_limits
         if self.idle():
             limit = lim.idle_timeout
         else:
@@ -189,10 +189,10 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
                 "too_large" if meta_len else "malformed",
                 f"meta length {meta_len} not in 1..{MAX_META}",
             )
-        if payload_len > self.ps.cfg.max_body:
+        if payload_len > self.cfg.max_body:
             raise ProtocolError(
                 "too_large",
-                f"payload of {payload_len} bytes exceeds the limit of {self.ps.cfg.max_body} bytes",
+                f"payload of {payload_len} bytes exceeds the limit of {self.cfg.max_body} bytes",
             )
         self.payload_len = payload_len
         self.meta = {}
@@ -204,29 +204,18 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         # The token before anything else: no payload of an unauthenticated peer is ever buffered.
         token = meta.get("token")
         if not isinstance(token, str) or not hmac.compare_digest(
-            token.encode(), self.ps.cfg.token.encode()
+            token.encode(), self.cfg.token.encode()
         ):
             raise ProtocolError(
                 "unauthorized", "missing or wrong cluster token in the frame's meta"
             )
         op = protocol.check_message(meta, OPS)
-        if op == "push_dense" and self.ps.replicator is not None:
-            # One write path (issue 12): a replicated server takes writes only through /rpc,
-            # where they pass the lease check, two-phase commit and deduplication. Applied here
-            # they changed one copy only (a secondary's too) and the copies diverged.
-            raise ProtocolError(
-                "read_only",
-                "this server replicates its buckets: the data plane serves pulls only; "
-                "push through POST /rpc",
-            )
-        t = self.ps.store.tensor(protocol.require(meta, "tensor", str))
-        want = t.spec.size * 4 if op == "push_dense" else 0
-        if self.payload_len != want:
-            raise ProtocolError(
-                "bad_length",
-                f"{op} of {t.spec.name!r} needs a payload of {want} bytes, got {self.payload_len}",
-            )
-        self.ps._held(t.spec.name)  # every shard here, or unknown_shard
+        # Tensor, length and shards are checked before any payload byte is buffered.
+        if op == "push_dense":
+            want = self.plane.writes.accept_stream_push(meta, self.payload_len)
+        else:
+            self.plane.reads.accept_stream_pull(meta, self.payload_len)
+            want = 0
         if want:
             self._expect(_PAYLOAD, want)
         else:
@@ -256,28 +245,13 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             self.transport.pause_reading()
 
     def _start(self, meta: dict[str, Any], payload: np.ndarray | None) -> Any:
-        """Queues the request to the owner threads; returns (future, reply builder)."""
+        """Queues the request (the write path or the read path); returns (future, reply builder)."""
         name = meta["tensor"]
-        sts = self.ps._held(name)
         if meta["op"] == "push_dense":
             assert payload is not None
-            self.ps.m.bytes_in.inc(payload.size)
-            # Zero copy: the kernel wrote the payload into this buffer; the owner threads read it.
-            delta = payload.view("<f4")
-            bounds.check_dense("payload", delta)  # finite, and small enough to stay finite
-            self.ps._record_client(meta)
-            parts = [(st, Dense(delta[st.shard.start : st.shard.stop])) for st in sts]
-            fut = _submit(lambda cb: self.ps.store.push(parts, cb))
-            return fut, lambda versions: ({"versions": versions}, None)
-        t = self.ps.store.tensors[name]
-        out = np.empty(t.spec.size, dtype=np.float32)
-        outs = [out[st.shard.start : st.shard.stop] for st in sts]
-        fut = _submit(lambda cb: self.ps.store.read(sts, outs, cb))
-        shape = list(t.spec.shape)
-        return fut, lambda versions: (
-            {"shape": shape, "versions": [versions[st.id] for st in sts]},
-            out,
-        )
+            self.plane.m.bytes_in.inc(payload.size)
+            return self.plane.writes.start_stream_push(name, payload, meta)
+        return self.plane.reads.start_stream_pull(name)
 
     async def _finish(
         self, meta: dict[str, Any], started: Any, prev: asyncio.Future | None, done: asyncio.Future
@@ -305,12 +279,12 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             if prev is not None:
                 await prev  # replies leave in request order
             if err is not None:
-                self.ps.m.requests.labels(label, err.code).inc()
+                self.plane.m.requests.labels(label, err.code).inc()
                 self._send(ERROR, {"error": err.to_dict(), "rid": meta.get("rid")}, None)
             else:
                 self._send(REPLY, {"rid": meta.get("rid"), **reply}, out)
-                self.ps.m.requests.labels(label, "ok").inc()
-                self.ps.m.latency.labels(label).observe(time.perf_counter() - t0)
+                self.plane.m.requests.labels(label, "ok").inc()
+                self.plane.m.latency.labels(label).observe(time.perf_counter() - t0)
         finally:
             done.set_result(None)
             self.inflight -= 1
@@ -329,7 +303,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.transport.write(frame_header(kind, len(m), n) + m)
         if payload is not None:
             self.transport.write(memoryview(payload).cast("B"))
-            self.ps.m.bytes_out.inc(n)
+            self.plane.m.bytes_out.inc(n)
 
     def _fatal(self, exc: ProtocolError) -> None:
         """An error that leaves the stream unusable: answer after the earlier replies, then close."""
@@ -355,25 +329,51 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         asyncio.get_running_loop().create_task(answer_and_close())
 
 
-_submit = owner_future
+class DataPlane:
+    """The data port of one server: its listener, its open connections and their sweeper. Pushes
+    go to the write path, pulls to the read path, and nowhere else."""
 
+    def __init__(self, cfg: PsConfig, writes: WritePath, reads: Reads, m: PsMetrics) -> None:
+        self.cfg = cfg
+        self.writes = writes
+        self.reads = reads
+        self.m = m
+        #: open connections (closed at shutdown)
+        self.conns: set[DataPlaneProtocol] = set()
+        self._server: asyncio.Server | None = None
+        #: closes idle and stalled connections
+        self._sweeper: asyncio.Task | None = None
 
-async def start(ps: ParameterServer, host: str, port: int) -> asyncio.Server:
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: DataPlaneProtocol(ps), host, port, reuse_address=True)
-    log.info("data plane listening on %s:%d", host, port)
-    return server
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: DataPlaneProtocol(self), host, port, reuse_address=True
+        )
+        log.info("data plane listening on %s:%d", host, port)
+        self._sweeper = asyncio.create_task(self.sweep())
 
+    async def sweep(self, every: float = 0.5) -> None:
+        """Closes expired connections (DataPlaneProtocol.expired) until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(every)
+            now = loop.time()
+            for conn in list(self.conns):
+                if conn.expired(now) and conn.transport is not None:
+                    conn.transport.close()
 
-async def sweep(ps: ParameterServer, every: float = 0.5) -> None:
-    """Closes expired data-plane connections (DataPlaneProtocol.expired) until cancelled."""
-    loop = asyncio.get_running_loop()
-    while True:
-        await asyncio.sleep(every)
-        now = loop.time()
-        for conn in list(ps._dp_conns):
-            if conn.expired(now) and conn.transport is not None:
-                conn.transport.close()
+    def open_connections(self) -> int:
+        return sum(1 for c in self.conns if c.open())
+
+    def close(self) -> None:
+        """Stops the sweeper and the listener, then closes the open connections."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._server is not None:
+            self._server.close()  # stops accepting; then the open connections
+            for conn in list(self.conns):
+                if conn.transport is not None:
+                    conn.transport.close()
 
 
 # -- client ---------------------------------------------------------------------------------------

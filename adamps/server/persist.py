@@ -38,7 +38,8 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from adamps.server.store import Snapshot, Store
+from adamps.server.shards import Snapshot
+from adamps.server.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -17,204 +17,23 @@ item is a barrier: the updates queued before it are applied first.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import math
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from adamps.layout import MAX_SHARD_ELEMS, Layout, Shard, TensorSpec, stable_bucket
 from adamps.server import optim, vecapply
+from adamps.server.initial import initial_values
 from adamps.server.optim import Fc, Optimizer, Scratch, Signs
+from adamps.server.shards import ShardState, Snapshot, StoreError, TensorState
+from adamps.server.tickets import Ticket
 
 log = logging.getLogger(__name__)
-
-INIT_KINDS = ("zeros", "constant", "uniform", "normal", "xavier", "values")
-
-
-class StoreError(ValueError):
-    """A request the store cannot serve; ``code`` is a protocol error code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-# -- initial values -----------------------------------------------------------------------------
-
-
-def fans(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(fan_in, fan_out) of a weight of `shape` = (out, in, *receptive field) as in y = W @ x."""
-    if len(shape) == 1:
-        return shape[0], shape[0]
-    receptive = math.prod(shape[2:])
-    return shape[1] * receptive, shape[0] * receptive
-
-
-def normalize_init(init: Mapping[str, Any] | None, shape: tuple[int, ...]) -> dict[str, Any]:
-    """A checked, canonical init description (given values replaced by their digest)."""
-    init = dict(init or {"kind": "zeros"})
-    kind = init.get("kind", "zeros")
-    if kind not in INIT_KINDS:
-        raise StoreError(
-            "bad_request", f"init kind must be one of {list(INIT_KINDS)}, got {kind!r}"
-        )
-    allowed = {
-        "zeros": set(),
-        "constant": {"value"},
-        "uniform": {"low", "high", "seed"},
-        "normal": {"mean", "std", "seed"},
-        "xavier": {"gain", "seed"},
-        "values": {"values"},
-    }[kind]
-    unknown = set(init) - allowed - {"kind"}
-    if unknown:
-        raise StoreError(
-            "bad_request", f"init {kind!r} takes {sorted(allowed)}, got unknown {sorted(unknown)}"
-        )
-    out: dict[str, Any] = {"kind": kind}
-    defaults = {"value": 0.0, "low": -0.05, "high": 0.05, "mean": 0.0, "std": 0.01, "gain": 1.0}
-    for name in sorted(allowed - {"seed", "values"}):
-        v = init.get(name, defaults[name])
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise StoreError("bad_request", f"init {name} must be a finite number, got {v!r}")
-        out[name] = float(v)
-    if "seed" in allowed:
-        seed = init.get("seed", 0)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise StoreError("bad_request", f"init seed must be an int >= 0, got {seed!r}")
-        out["seed"] = seed
-    if kind == "uniform" and not out["low"] <= out["high"]:
-        raise StoreError("bad_request", "init uniform needs low <= high")
-    if kind == "normal" and out["std"] < 0:
-        raise StoreError("bad_request", "init normal needs std >= 0")
-    if kind == "values":
-        values = init.get("values")
-        if not isinstance(values, np.ndarray):
-            raise StoreError("bad_request", "init values must be an array")
-        if values.dtype != np.float32:
-            raise StoreError("bad_dtype", f"init values must be float32, got {values.dtype.name}")
-        if tuple(values.shape) != shape:
-            raise StoreError(
-                "bad_shape", f"init values must have shape {list(shape)}, got {list(values.shape)}"
-            )
-        if not np.isfinite(values).all():
-            raise StoreError("non_finite", "init values hold NaN or Inf")
-        out["sha256"] = hashlib.sha256(np.ascontiguousarray(values).data).hexdigest()
-    return out
-
-
-def initial_values(
-    shape: tuple[int, ...], init: Mapping[str, Any], values: np.ndarray | None = None
-) -> np.ndarray:
-    """The whole tensor's initial values: the same in every process for the same description."""
-    kind = init["kind"]
-    if kind == "values":
-        assert values is not None
-        return np.array(values, dtype=np.float32, order="C")
-    if kind in ("zeros", "constant"):
-        return np.full(shape, init.get("value", 0.0), dtype=np.float32)
-    rng = np.random.default_rng(init["seed"])
-    if kind == "uniform":
-        return rng.uniform(init["low"], init["high"], size=shape).astype(np.float32)
-    if kind == "normal":
-        return rng.normal(init["mean"], init["std"], size=shape).astype(np.float32)
-    # Glorot & Bengio (2010) uniform: limit = gain * sqrt(6 / (fan_in + fan_out))
-    fan_in, fan_out = fans(shape)
-    limit = init["gain"] * math.sqrt(6.0 / (fan_in + fan_out))
-    return rng.uniform(-limit, limit, size=shape).astype(np.float32)
-
-
-# -- state ----------------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class ShardState:
-    """One shard held by this server. Mutated only by its owner thread (after creation)."""
-
-    shard: Shard
-    owner: int
-    value: np.ndarray
-    accum: np.ndarray | None
-    #: number of updates applied since the tensor was created
-    version: int = 0
-    #: monotonic time of the first update not yet taken by a flush snapshot (None: clean)
-    dirty_since: float | None = None
-
-    @property
-    def id(self) -> str:
-        return self.shard.id
-
-
-@dataclass(eq=False)
-class TensorState:
-    spec: TensorSpec
-    optimizer: Optimizer
-    init: dict[str, Any]
-    #: shard index -> state, only for shards in buckets this server holds
-    shards: dict[int, ShardState] = field(default_factory=dict)
-    #: all shards of the tensor, held or not, in order
-    layout_shards: list[Shard] = field(default_factory=list)
-
-    def describe(self) -> dict[str, Any]:
-        """Plain data of the definition (what `create` compares for idempotence)."""
-        return {
-            "name": self.spec.name,
-            "shape": list(self.spec.shape),
-            "dtype": self.spec.dtype,
-            "optimizer": self.optimizer.to_dict(),
-            "init": self.init,
-        }
-
-    @property
-    def held_all(self) -> bool:
-        return len(self.shards) == len(self.layout_shards)
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """A consistent copy of one shard, taken on its owner thread for a flush."""
-
-    shard_id: str
-    version: int
-    value: bytes
-    accum: bytes | None
-    dirty_since: float
-
-
-class Ticket:
-    """Completion of a request split over several owner threads; `on_done` runs on the last one.
-
-    ``on_done(result, exc)`` is called exactly once, from an owner thread.
-    """
-
-    __slots__ = ("_lock", "_remaining", "result", "error", "_on_done")
-
-    def __init__(self, parts: int, on_done: Callable[[Any, BaseException | None], None]) -> None:
-        self._lock = threading.Lock()
-        self._remaining = parts
-        #: shard id -> version (pushes, pulls) or other per-part results
-        self.result: dict[str, Any] = {}
-        self.error: BaseException | None = None
-        self._on_done = on_done
-        if parts == 0:
-            on_done(self.result, None)
-
-    def part_done(self, error: BaseException | None = None) -> None:
-        with self._lock:
-            if error is not None and self.error is None:
-                self.error = error
-            self._remaining -= 1
-            last = self._remaining == 0
-        if last:
-            self._on_done(self.result, self.error)
 
 
 # Work items are tuples (cheap to build, no per-item class instance):
@@ -666,36 +485,3 @@ class Store:
     def tensors_by_shard(self, st: ShardState) -> Optimizer:
         # A dict lookup of an immutable entry: the tensor is never removed while its shards live.
         return self.tensors[st.shard.tensor].optimizer
-
-
-def owner_future(submit: Callable[[Callable[[Any, BaseException | None], None]], Any]) -> Any:
-    """Calls ``submit(on_done)`` now (a Store method taking a completion callback) and returns an
-    asyncio future of its result: the owner thread that completes the work resolves it through
-    ``call_soon_threadsafe``. The one bridge from owner threads to the event loop."""
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def resolve(result: Any, error: BaseException | None) -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-
-    submit(lambda result, error: loop.call_soon_threadsafe(resolve, result, error))
-    return fut
-
-
-def fc_parts(
-    t: TensorState, a: np.ndarray, e: np.ndarray, states: Sequence[ShardState]
-) -> list[tuple[ShardState, Fc]]:
-    """Splits activation/error vectors of a whole M x N layer into per-shard updates (row blocks)."""
-    parts = []
-    for st in states:
-        s = st.shard
-        # e's columns for this row block; a small k x rows copy so BLAS gets contiguous input.
-        parts.append((st, Fc(a, np.ascontiguousarray(e[:, s.row_start : s.row_stop]))))
-    return parts

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from adamps.server import optim
-
-if TYPE_CHECKING:
-    from adamps.server.store import ShardState
 
 #: write kinds -> (takes a source vector x, takes a scalar alpha)
 KINDS: dict[str, tuple[bool, bool]] = {
@@ -32,7 +29,7 @@ class VecOp:
 
     kind: str
     alpha: float
-    src: ShardState | None
+    src: Any  # a ShardState (below the store in the layers: not imported here)
     #: set: the values and where they go in the shard (flat index)
     values: np.ndarray | None = None
     offset: int = 0

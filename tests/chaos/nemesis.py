@@ -19,7 +19,9 @@ What the schedule may do, so that no loss is legitimate:
   bucket keeps at least one copy in memory or on disk;
 - a crash of every server (at once, or the survivor of a rolling crash) opens a loss window of
   `flush_interval` + margin before the last kill: pushes acknowledged in it may be missing (never
-  doubled); all others must be present;
+  doubled); all others must be present. So does a kill of fewer servers that, as /cluster showed
+  just before it, took every member of some bucket (a hand-off or a join had begun since the
+  cluster settled);
 - at least 3 servers stay members, at most 5; one controller down at a time (a majority stays).
 
 Seed: `ADAMPS_NEMESIS_SEED` (else random), always printed; on failure the seed, the planned schedule
@@ -482,16 +484,33 @@ class Nemesis:
             self.c.start_server(i, wipe=wipe)
             self.note(f"start {self.c.server_ids[i]} ({'wiped' if wipe else 'own LMDB'})")
 
+    def whole_sets(self, killed: set[str]) -> list[int]:
+        """Buckets whose whole replica set (primary and caught-up secondaries, as /cluster shows
+        it now) is in `killed`: killing those servers is a crash of every copy of the bucket."""
+        view = self.c.cluster() or {"buckets": []}
+        return [
+            v["bucket"]
+            for v in view["buckets"]
+            if v.get("primary") and {v["primary"], *v.get("secondaries", [])} <= killed
+        ]
+
     def do_kill(self, step: Step) -> None:
         idx = self._targets(step, step.n)
         if len(idx) >= len(self.members):
             return self.do_kill_all(step)
         self._before_kill(idx)
+        whole = self.whole_sets({self.c.server_ids[i] for i in idx})
         for i in idx:
             self.c.kill(self.c.server_ids[i])
+        t_crash = time.monotonic()
         self.report.faults += 1
         self.note(f"SIGKILL {self.names(idx)}")
         time.sleep(step.hold)
+        if whole:
+            # Settled means every bucket has a full replica set, but a hand-off or a join may
+            # have begun since: then this kill took every copy of those buckets (loss window).
+            self.note(f"that was every copy of buckets {whole}: loss window")
+            self.report.lossy.append(loss_window(t_crash, time.monotonic()))
         self._restart(idx, step.wipe)
 
     def do_kill_all(self, step: Step) -> None:

@@ -22,28 +22,24 @@ from adamps.core.lease import LeaseTerms, check_history
 from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
 from adamps.localcluster import (
-    FAST_CONTROLLER_OPTS,
     FAST_LEASE,
-    FAST_PS_OPTS,
     LocalCluster,
     http_json,
 )
 from adamps.rpc import RpcError, SyncRpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import netns  # noqa: E402  (a helper beside this file; the tests import in importlib mode)
+from replicated_cluster import N_BUCKETS, SHARD, TENSOR, TOKEN, running_cluster  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(netns.available() is not None, reason=str(netns.available())),
 ]
 
-TOKEN = "test-token"
 LEASE = FAST_LEASE
-N_BUCKETS = 8
-TENSOR = TensorSpec("x", (16_000,))
 PROBE = TensorSpec("y", (8_000,))  # pushed directly to one primary by the first test
-SHARD = 1_000
 
 
 def short(name: str) -> str:
@@ -67,18 +63,13 @@ def net() -> Iterator[netns.Net]:
 
 @pytest.fixture
 def cluster(tmp_path: Path, net: netns.Net) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        tmp_path, token=TOKEN, n_servers=3, n_buckets=N_BUCKETS,
-        controller_opts=FAST_CONTROLLER_OPTS,
-        ps_opts={**FAST_PS_OPTS, "max-shard-elems": SHARD},
+    with running_cluster(
+        tmp_path,
+        n_servers=3,
         host_of=lambda name: net.hosts[short(name)],
         wrap=lambda name, argv: net.argv(short(name), argv),
-    )  # fmt: skip
-    try:
-        c.start(timeout=60)
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def load_on(c: LocalCluster) -> tuple[PSClient, ExactnessLoad]:
@@ -200,11 +191,7 @@ def test_controller_leader_in_a_minority(cluster: LocalCluster, net: netns.Net) 
     c = cluster
     client, load = load_on(c)
     time.sleep(1.0)
-    leader = None
-    for i, addr in enumerate(c.controllers):
-        code, st = http_json(f"http://{addr}/status")
-        if code == 200 and st["raft"]["role"] == "leader":
-            leader = i
+    leader = c.controller_leader()
     assert leader is not None
     for i in range(3):
         if i != leader:

@@ -13,7 +13,7 @@ from adamps.layout import Layout, TensorSpec
 from adamps.server import optim
 from adamps.server.compressed import signs_of_wire, words_of
 from adamps.server.optim import Dense, Fc, Optimizer, Scratch, Signs
-from adamps.server.replicate import sign_update
+from adamps.server.repl_wire import sign_update
 from trainer.compress import Compressor, Encoded, TensorCompressor
 
 # -- server: sparse apply == dense apply of the decoded delta ----------------------------------

@@ -23,7 +23,7 @@ def validate(m: ClusterModel) -> None:
     for b, bk in enumerate(m.buckets):
         lease = bk["lease"]
         # A lease of an earlier incarnation (restarted server) makes no member: it just runs out.
-        members = ([lease.holder] if m._holder_live(b) else []) + bk["holders"] + bk["joining"]
+        members = ([lease.holder] if m.holder_live(b) else []) + bk["holders"] + bk["joining"]
         assert len(members) == len(set(members)), f"bucket {b}: duplicate member {members}"
         assert len(bk["want"]) == len(set(bk["want"]))
         for s in bk["holders"] + bk["joining"]:
@@ -158,27 +158,65 @@ def members(m: ClusterModel, b: int) -> list[str]:
 
 
 def test_every_server_paused_past_its_timeout_keeps_the_buckets_data() -> None:
-    """Issue 11, failure 1: every server silent (SIGSTOP) long enough to be declared dead. The
-    last live member of each bucket keeps its copy as a candidate; the bucket is unavailable
-    (never served from init) until a candidate is back with it, which then gets the lease."""
+    """Issue 11, failure 1: every server silent (SIGSTOP) long enough to be declared dead. Every
+    member that left in that wave keeps its copy as a candidate; the bucket is unavailable (never
+    served from init) until the candidates are back, and the most up-to-date one gets the lease."""
     m = cluster(3)
     for s in ("ps0", "ps1", "ps2"):
         m.declare_dead(s, 101.0)
     view = m.cluster_view()
     assert view["unavailable"] == list(range(64))
     assert all(r["state"] == "unavailable" for r in m.routing()["buckets"])
-    assert all(m.buckets[b]["candidates"] == ["ps2"] for b in range(64)), "the last to leave"
-    # They come back (a new incarnation each), offering what they hold in memory.
-    for i, s in enumerate(("ps0", "ps1", "ps2")):
-        m.register(s, f"127.0.0.1:{9000 + i}", 102.0, copies={b: [1, 7] for b in range(64)})
+    assert all(sorted(m.buckets[b]["candidates"]) == ["ps0", "ps1", "ps2"] for b in range(64))
+    # They come back (a new incarnation each), offering what they hold in memory: the first to
+    # be declared dead holds the most (its flush ran last).
+    for i, (s, seq) in enumerate((("ps0", 9), ("ps1", 7), ("ps2", 8))):
+        m.register(s, f"127.0.0.1:{9000 + i}", 102.0, copies={b: [1, seq] for b in range(64)})
     assert m.grants_due(100.0 + WAIT - 0.01) == [], "the old leases may still be in use"
     m.reconcile(100.0 + WAIT)
     for b in range(64):
         bk = m.buckets[b]
-        assert bk["lease"].holder == "ps2" and bk["lease"].epoch == 2, b
+        assert bk["lease"].holder == "ps0" and bk["lease"].epoch == 2, b
         assert not bk["lost"] and bk["candidates"] == []
-        assert sorted(bk["joining"]) == ["ps0", "ps1"], "the others copy from the candidate"
+        assert sorted(bk["joining"]) == ["ps1", "ps2"], "the others copy from the candidate"
     assert m.cluster_view()["unavailable"] == []
+    validate(m)
+
+
+def test_a_bucket_waits_for_every_candidate_of_the_wave() -> None:
+    """Seed 408 of the nemesis: both members of a bucket SIGKILLed at once. The one that comes
+    back first left first (a new incarnation), while the other still counted as live; the copy
+    it offers is the newest. Nothing is granted until the other is back too, and then the
+    newest copy wins, although it was not the last to leave."""
+    m = cluster(3)
+    b = next(b for b in range(64) if m.primary_of(b) == "ps0")
+    m.declare_dead("ps2", 100.5)  # gone earlier: re-replication had not finished
+    other = m.buckets[b]["holders"][0]
+    m.register("ps0", "127.0.0.1:9000", 101.0, copies={b: [1, 752]})
+    assert not m.unavailable(b), f"{other} still counts as live"
+    assert [r["role"] for r in m.roles_of("ps0") if r["bucket"] == b] in (["standby"], ["joining"])
+    m.declare_dead(other, 103.0)
+    assert m.unavailable(b)
+    assert sorted(m.buckets[b]["candidates"]) == sorted({"ps0", other, "ps2"})
+    assert [r["role"] for r in m.roles_of("ps0") if r["bucket"] == b] == ["standby"]
+    m.reconcile(100.0 + 2 * WAIT)
+    assert m.primary_of(b) == "ps0" and m.buckets[b]["lease"].epoch == 1, "waits for the others"
+    m.register(other, "127.0.0.1:9009", 113.0, copies={b: [1, 748]})
+    m.register("ps2", "127.0.0.1:9002", 113.0)  # wiped: no candidate any more
+    m.reconcile(114.0)
+    assert m.primary_of(b) == "ps0" and m.buckets[b]["lease"].epoch == 2
+    assert m.buckets[b]["candidates"] == []
+    validate(m)
+
+
+def test_a_member_that_left_long_before_the_last_is_no_candidate() -> None:
+    m = cluster(3)
+    b = next(b for b in range(64) if m.primary_of(b) == "ps0")
+    m.declare_dead("ps1", 101.0)
+    m.declare_dead("ps2", 101.0 + TERMS.duration + 1.0)
+    m.declare_dead("ps0", 101.0 + TERMS.duration + 1.5)
+    cands = sorted(m.buckets[b]["candidates"])
+    assert "ps1" not in cands and "ps0" in cands, cands
     validate(m)
 
 
@@ -197,18 +235,19 @@ def test_a_candidate_back_without_its_copy_is_no_candidate_and_nothing_is_recrea
 
 def test_restart_of_the_last_member_offers_its_reloaded_copy() -> None:
     """Issue 11, failure 2: the whole cluster SIGKILLed and restarted before any was declared
-    dead. Each restart is a new incarnation; the copy of the last member to go is the candidate."""
+    dead. Each restart is a new incarnation; every copy of the wave is a candidate, and the most
+    up-to-date one (not the last to leave) gets the lease."""
     m = cluster(3)
     b = next(b for b in range(64) if m.primary_of(b) == "ps0")
     m.register("ps1", "127.0.0.1:9001", 101.0, copies={b: [1, 40]})
     m.register("ps2", "127.0.0.1:9002", 101.0, copies={b: [1, 38]})
     assert members(m, b) == ["ps0"]
     m.register("ps0", "127.0.0.1:9000", 101.5, copies={b: [1, 35]})
-    assert m.buckets[b]["candidates"] == ["ps0"]
+    assert sorted(m.buckets[b]["candidates"]) == ["ps0", "ps1", "ps2"], "one wave"
     assert m.unavailable(b)
     assert [r["role"] for r in m.roles_of("ps0") if r["bucket"] == b] == ["standby"]
     m.reconcile(100.0 + WAIT)
-    assert m.primary_of(b) == "ps0" and m.buckets[b]["lease"].epoch == 2
+    assert m.primary_of(b) == "ps1" and m.buckets[b]["lease"].epoch == 2, "the newest copy"
     validate(m)
 
 

@@ -200,6 +200,28 @@ def test_deposed_primary_round_is_dropped_when_the_new_primary_never_had_it() ->
     assert c.applied["b"] == c.applied["c"] == [1, 2]
 
 
+def test_a_late_prepare_of_the_same_epoch_takes_back_nothing() -> None:
+    """Found by tests/core/test_replication_sim.py (seed 390 of 1000): the PREPARE of seq 1,
+    delayed or duplicated by the network, reaches a secondary after that of seq 2, which it had
+    acknowledged. Dropping seq 2 there as "a deposed primary's round" let the primary commit and
+    acknowledge a batch that a member (later the primary, after a hand-off) did not hold."""
+    c = Cluster()
+    p, b = c.replicas["a"], c.replicas["b"]
+    p.submit(1, ("k", 1), "w1")
+    p.next_round()
+    late = p.prepare_for("b")  # the first PREPARE, [seq 1], held up in the network
+    for m in ("b", "c"):
+        p.on_prepare_ack(m, c.replicas[m].on_prepare("a", 1, p.prepare_for(m))[1])
+    c.apply("a", p.commit_round())
+    p.submit(2, ("k", 2), "w2")
+    p.next_round()
+    for m in ("b", "c"):
+        p.on_prepare_ack(m, c.replicas[m].on_prepare("a", 1, p.prepare_for(m))[1])
+    assert b.prepared_seq == 2
+    assert b.on_prepare("a", 1, late) == ("ok", 2), "still holds seq 2, as it acknowledged"
+    assert b.prepared_seq == 2
+
+
 def test_snapshot_install() -> None:
     c = Cluster()
     p = c.replicas["a"]

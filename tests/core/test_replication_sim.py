@@ -1124,9 +1124,7 @@ class Controller:
                 self.last_seen[sid] = now
                 for b, r in body["reports"].items():
                     self.reports.setdefault(b, {})[sid] = list(r)
-                holds = any(
-                    m.primary_of(b) == sid and m._holder_live(b) for b in range(m.n_buckets)
-                )
+                holds = any(m.primary_of(b) == sid and m.holder_live(b) for b in range(m.n_buckets))
                 renewed = m.renew(sid, now)["renewed"] if holds else []
                 res = {
                     "ok": True,
@@ -1280,7 +1278,7 @@ class Sim:
         self.now = 0.0
         self._rid = itertools.count(1)
         self._uid = itertools.count(1)
-        self.trace: deque[str] = deque(maxlen=60)
+        self.trace: deque[str] = deque(maxlen=int(os.environ.get("ADAMPS_SIM_TRACE", "60")))
         self.net = Network(self)
         self.ctl = Controller(self)
         self.servers: dict[str, Server] = {}
@@ -1529,14 +1527,12 @@ class Sim:
                         )
         for b in range(N_BUCKETS):
             acks = self.acks[b]
-            bk = m.buckets[b]
             # 2. every acknowledged push on every promotable copy
             promotable = [(s, "member") for s in m.live_members(b)]
-            promotable += [
-                (s, "candidate")
-                for s in bk.get("candidates", [])
-                if m._live(s) and b in m.servers[s].get("copies", {})
-            ]
+            # Of the candidates (every member of the last wave), the one the controllers would
+            # promote: older copies of the wave may lack what was acknowledged after they left.
+            best = m._best_candidate(b)
+            promotable += [(best, "candidate")] if best is not None else []
             for sid, why in promotable:
                 s = self.servers[sid]
                 if s.crashed or b not in s.reps or not s.registered:
@@ -1567,7 +1563,7 @@ class Sim:
                         f"{s.reps[b].committed_epoch}/{s.reps[b].committed}) lacks acknowledged "
                         f"pushes {worst} (acked at events {[acks[u] for u in worst]}, cut at {cut_at})"
                     )
-                if m.primary_of(b) == sid and m._holder_live(b):
+                if m.primary_of(b) == sid and m.holder_live(b):
                     self.stats["loss_window_pushes"] += len(excused - self.allowed_loss[b])
                     self.allowed_loss[b] |= excused
                     self.log(f"b{b}: loss window: {sorted(excused)} lost with {sid}'s cut")

@@ -16,16 +16,11 @@ import numpy as np
 import pytest
 
 from adamps.layout import TensorSpec, stable_bucket
+from adamps.server.initial import fans, initial_values, normalize_init
 from adamps.server.optim import Dense, Optimizer
 from adamps.server.persist import Flusher, Persister
-from adamps.server.store import (
-    Store,
-    StoreError,
-    fans,
-    fc_parts,
-    initial_values,
-    normalize_init,
-)
+from adamps.server.shards import StoreError, fc_parts
+from adamps.server.store import Store
 
 
 @pytest.fixture

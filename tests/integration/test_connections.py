@@ -145,6 +145,6 @@ async def test_data_port_caps_connections_and_keeps_serving(tmp_path: Path) -> N
 
         values = await asyncio.to_thread(flood_then_pull)
         assert values.shape == (16,)
-        assert sum(1 for c in ps._dp_conns if c.open()) <= 20
+        assert ps.data_plane.open_connections() <= 20
     finally:
         await runner.cleanup()

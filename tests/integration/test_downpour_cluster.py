@@ -15,7 +15,7 @@ import pytest
 from adamps.procs import free_port
 from adamps.rpc import SyncRpc
 from trainer import export
-from trainer.downpour import BOARD_TENSOR
+from trainer.board import BOARD_TENSOR
 from trainer.local import builtin_data
 
 pytestmark = pytest.mark.slow

@@ -11,18 +11,17 @@ import pytest
 
 from adamps.server.optim import Dense, Fc, Optimizer, Scratch, apply_batch
 from trainer import export
-from trainer.downpour import (
+from trainer.model import Model
+from trainer.packing import (
     DownpourWorker,
     PackPlan,
     PushItem,
-    PushQueue,
     collect_round,
-    completed_epoch,
     push_parts,
-    required_replicas,
     use_vectors,
 )
-from trainer.model import Model
+from trainer.push_queue import PushQueue
+from trainer.schedule import completed_epoch, required_replicas
 
 
 def test_required_replicas_default_fraction() -> None:

@@ -202,7 +202,7 @@ def test_a_changed_shard_size_under_existing_data_is_refused(tmp_path: Path) -> 
     )
     ps = ParameterServer(cfg)
     try:
-        asyncio.run(ps.op_create({"name": "q", "shape": [3000]}))
+        asyncio.run(ps.catalog.op_create({"name": "q", "shape": [3000]}))
     finally:
         ps.close()
     with pytest.raises(ConfigError, match="max_shard_elems=1000"):
@@ -224,12 +224,12 @@ async def test_tensor_definition_and_ensure_tensor_for_peers(ps) -> None:
         init={"kind": "values", "values": values},
         optimizer={"kind": "adagrad", "lr": 0.1},
     )
-    d = server.tensor_definition("d")
+    d = server.catalog.definition("d")
     assert d["init"]["kind"] == "values" and "sha256" in d["init"]
-    assert server.ensure_tensor(d) is False  # identical: nothing to do
+    assert server.catalog.ensure(d) is False  # identical: nothing to do
     with pytest.raises(ProtocolError) as err:
-        server.ensure_tensor({**d, "shape": [4, 3]})
+        server.catalog.ensure({**d, "shape": [4, 3]})
     assert err.value.code == "exists"
-    assert server.ensure_tensor({**d, "name": "d2"}) is True  # a copy starts at zeros
+    assert server.catalog.ensure({**d, "name": "d2"}) is True  # a copy starts at zeros
     pulled = await c.call("pull", tensors=["d2"])
     assert not pulled["tensors"]["d2"].any()

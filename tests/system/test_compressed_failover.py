@@ -8,78 +8,32 @@ once, and every bucket's replicas agree (they applied the same batches, carried 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from adamps.client import ControllerRouting, PSClient
 from adamps.exactness import ExactnessLoad
-from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_LEASE, FAST_PS_OPTS, LocalCluster
-from adamps.rpc import RpcError, SyncRpc
+from adamps.localcluster import LocalCluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from replicated_cluster import LEASE, digests_agree, make_client, running_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
-
-TOKEN = "test-token"
-LEASE = FAST_LEASE
-N_BUCKETS = 8
-TENSOR = TensorSpec("x", (16_000,))
-SHARD = 1_000
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        tmp_path,
-        token=TOKEN,
-        n_servers=3,
-        n_buckets=N_BUCKETS,
-        controller_opts=FAST_CONTROLLER_OPTS,
-        ps_opts={**FAST_PS_OPTS, "max-shard-elems": SHARD},
-    )  # fmt: skip
-    try:
-        c.start(timeout=60)
+    with running_cluster(tmp_path, n_servers=3) as c:
         yield c
-    finally:
-        c.stop()
-
-
-def digests_agree(c: LocalCluster, timeout: float = 20.0) -> None:
-    """Every bucket's live replicas report the same position and digest of their values."""
-    deadline = time.monotonic() + timeout
-    last: list = []
-    while time.monotonic() < deadline:
-        view = c.cluster()
-        if view is None:
-            time.sleep(0.2)
-            continue
-        servers = view["servers"]
-        last, ok = [], True
-        for b in view["buckets"]:
-            answers = []
-            for sid in [b["primary"], *b["secondaries"]]:
-                with SyncRpc(servers[sid]["address"], TOKEN, timeout=2.0) as rpc:
-                    try:
-                        answers.append(rpc.call("digest", bucket=b["bucket"]))
-                    except (RpcError, ConnectionError, TimeoutError) as exc:
-                        answers.append({"error": str(exc)})
-            last.append((b["bucket"], answers))
-            if len({(a.get("digest"), a.get("committed")) for a in answers}) != 1:
-                ok = False
-        if ok:
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"replica digests differ: {last}")
 
 
 def test_compressed_push_under_primary_sigkill_is_applied_exactly_once(
     cluster: LocalCluster,
 ) -> None:
-    layout = Layout([TENSOR], n_buckets=N_BUCKETS, max_shard_elems=SHARD)
-    client = PSClient(ControllerRouting(cluster.controllers), layout, TOKEN, retry_for=20.0)
-    client.create(TENSOR, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": -1.0})
+    client, layout = make_client(cluster)
     view = cluster.cluster()
     victim = max(
         cluster.server_ids,

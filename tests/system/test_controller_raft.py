@@ -539,10 +539,25 @@ def test_lease_safety_across_leader_changes_and_server_failures(procs, tmp_path:
         # Another server fails, then one is drained: more grants and hand-offs in the record.
         # Another primary fails; its secondaries propose role changes (Adam 3.3.3), refused
         # while its lease may be in use, accepted (or overtaken by the controller) after.
-        code, view = call(ctl.http[leader], "GET", "/cluster")
-        victim = next(
-            b for b in view["buckets"] if b["primary"] == "ps2" == b["want"][0] and b["secondaries"]
-        )
+        # A victim whose lease was just renewed, so the refusal below does not depend on how
+        # late the heartbeats run on a loaded machine (the lease lasts only 1 s here).
+        deadline = time.monotonic() + 10
+        while True:
+            code, view = call(ctl.http[leader], "GET", "/cluster")
+            victim = next(
+                (
+                    b
+                    for b in view["buckets"]
+                    if b["primary"] == "ps2" == b["want"][0]
+                    and b["secondaries"]
+                    and b["lease"]["expires_at"] - view["clock"] > 0.9
+                ),
+                None,
+            )
+            if victim is not None:
+                break
+            assert time.monotonic() < deadline, "no freshly renewed lease of ps2"
+            time.sleep(0.02)
         servers.silent.add("ps2")
         proposal = {"server": victim["secondaries"][0], "prev_epoch": victim["epoch"]}
         path = f"/buckets/{victim['bucket']}/role-change"

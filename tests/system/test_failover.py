@@ -7,6 +7,7 @@ every failed push absent, unknown ones at most once, and the replicas of every b
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,79 +15,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps.client import ControllerRouting, PSClient
 from adamps.exactness import ExactnessLoad
-from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import (
-    FAST_CONTROLLER_OPTS,
-    FAST_LEASE,
-    FAST_PS_OPTS,
-    LocalCluster,
-    http_json,
-)
+from adamps.layout import Layout
+from adamps.localcluster import LocalCluster
 from adamps.rpc import RpcError, SyncRpc
 
-pytestmark = pytest.mark.slow
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from replicated_cluster import (  # noqa: E402  (in tests/; the tests import in importlib mode)
+    LEASE,
+    N_BUCKETS,
+    SHARD,
+    TENSOR,
+    TOKEN,
+    digests_agree,
+    make_client,
+    running_cluster,
+)
 
-TOKEN = "test-token"
-LEASE = FAST_LEASE
-N_BUCKETS = 8
-TENSOR = TensorSpec("x", (16_000,))
-SHARD = 1_000  # 16 shards over 8 buckets
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        tmp_path,
-        token=TOKEN,
-        n_servers=4,
-        n_buckets=N_BUCKETS,
-        controller_opts=FAST_CONTROLLER_OPTS,
-        ps_opts={**FAST_PS_OPTS, "max-shard-elems": SHARD},
-    )  # fmt: skip
-    try:
-        c.start(timeout=60)
+    with running_cluster(tmp_path, n_servers=4) as c:
         yield c
-    finally:
-        c.stop()
-
-
-def make_client(c: LocalCluster) -> tuple[PSClient, Layout]:
-    layout = Layout([TENSOR], n_buckets=N_BUCKETS, max_shard_elems=SHARD)
-    client = PSClient(ControllerRouting(c.controllers), layout, TOKEN, retry_for=20.0)
-    client.create(TENSOR, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": -1.0})
-    return client, layout
-
-
-def digests_agree(c: LocalCluster, timeout: float = 20.0) -> None:
-    """Every bucket's replicas report the same position and the same digest of their values."""
-    deadline = time.monotonic() + timeout
-    last: list = []
-    while time.monotonic() < deadline:
-        view = c.cluster()
-        if view is None:
-            time.sleep(0.2)
-            continue
-        servers = view["servers"]
-        last = []
-        ok = True
-        for b in view["buckets"]:
-            members = [b["primary"], *b["secondaries"]]
-            answers = []
-            for sid in members:
-                with SyncRpc(servers[sid]["address"], TOKEN, timeout=2.0) as rpc:
-                    try:
-                        answers.append(rpc.call("digest", bucket=b["bucket"]))
-                    except (RpcError, ConnectionError, TimeoutError) as exc:
-                        answers.append({"error": str(exc)})
-            last.append((b["bucket"], members, answers))
-            if len({(a.get("digest"), a.get("committed")) for a in answers}) != 1:
-                ok = False
-        if ok:
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"replica digests differ: {last}")
 
 
 def run_load_with_fault(
@@ -218,11 +170,7 @@ def test_controller_leader_killed_during_a_server_failover(cluster: LocalCluster
     victim = busiest_primary(cluster)
 
     def fault() -> dict:
-        leader = None
-        for i, addr in enumerate(cluster.controllers):
-            code, st = http_json(f"http://{addr}/status")
-            if code == 200 and st["raft"]["role"] == "leader":
-                leader = i
+        leader = cluster.controller_leader()
         assert leader is not None
         cluster.kill(victim)
         time.sleep(0.5)

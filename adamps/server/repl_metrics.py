@@ -1,0 +1,70 @@
+"""The replication metrics of a parameter server (``adamps_ps_replication_*`` and friends)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from adamps import metrics
+
+
+class ReplMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.round_seconds = Histogram(
+            "adamps_ps_replication_round_seconds",
+            "two-phase-commit round as primary: first prepare to the last commit ack",
+            buckets=metrics.LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.round_pushes = Histogram(
+            "adamps_ps_replication_round_pushes",
+            "client pushes carried by one round",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
+            registry=registry,
+        )
+        self.lag = Gauge(
+            "adamps_ps_replication_lag_batches",
+            "batches committed here that the slowest secondary has not committed, per bucket",
+            ["bucket"],
+            registry=registry,
+        )
+        self.failovers = Counter(
+            "adamps_ps_failovers",
+            "buckets this server became primary of after another server held them",
+            registry=registry,
+        )
+        self.under_replicated = Gauge(
+            "adamps_ps_under_replicated_buckets",
+            "buckets this server is primary of with fewer than 2 secondaries",
+            registry=registry,
+        )
+        self.stale = Counter(
+            "adamps_ps_stale_epoch_rejected",
+            "replication messages refused for an old lease epoch",
+            registry=registry,
+        )
+        self.dedup = Counter(
+            "adamps_ps_deduplicated_pushes",
+            "pushes recognised as retries and not applied again",
+            registry=registry,
+        )
+        self.dropped = Counter(
+            "adamps_ps_secondaries_dropped",
+            "secondaries reported to the controller as unresponsive",
+            registry=registry,
+        )
+        self.snapshots = Counter(
+            "adamps_ps_state_transfers",
+            "state transfers by direction (sent, received)",
+            ["direction"],
+            registry=registry,
+        )
+        for direction in ("sent", "received"):
+            self.snapshots.labels(direction)  # both series exist from the start (dashboards)
+        self.primary_buckets = Gauge(
+            "adamps_ps_primary_buckets", "buckets this server is primary of", registry=registry
+        )
+        self.lease_epoch = Gauge(
+            "adamps_ps_lease_epoch_max",
+            "highest lease epoch among the buckets this server is primary of",
+            registry=registry,
+        )

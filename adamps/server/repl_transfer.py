@@ -1,0 +1,145 @@
+"""State transfer between copies of a bucket: the primary's consistent snapshot for a joining
+copy (values, accumulators, versions, position and deduplication table), the joining copy's
+fetch and install, and the digests that show replicas bit-identical."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from adamps.protocol import require
+from adamps.rpc import RpcError
+from adamps.server.tickets import owner_future
+
+log = logging.getLogger("adamps.server.replicate")
+
+
+class StateTransfer:
+    """Snapshots of a bucket (sent and installed) and digests.
+
+    A part of :class:`adamps.server.replicate.Replicator`, which holds the state its methods
+    use (``buckets``, ``roles``, ``leases``, ``peers``, ``controller``, ``store``, ``m``)."""
+
+    async def op_repl_snapshot(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """A consistent copy of a bucket for a joining copy: taken between rounds, no await between
+        reading the position and queueing the reads, so values match `committed` exactly."""
+        b = require(msg, "bucket", int)
+        joiner = require(msg, "joiner", str)
+        join = require(msg, "join", int, default=0)
+        rep = self.check_primary(b)
+        rej = rep.add_learner(joiner, join)
+        if rej is not None:
+            raise self.reject(rej, b)
+        # From here (no await since add_learner) every round waits for the joiner: the batches
+        # after `committed` reach it through the rounds, the ones up to it through this copy.
+        meta = rep.snapshot_meta()
+        states = [
+            st for st in self.store.shards.values() if self.store.layout.bucket_of[st.id] == b
+        ]
+        outs = [np.empty(st.shard.shape, np.float32) for st in states]
+        accs = [
+            np.empty(st.shard.shape, np.float32) if st.accum is not None else None for st in states
+        ]
+        versions = await owner_future(lambda cb: self.store.read(states, outs, cb, accums=accs))
+        tensors = {st.shard.tensor for st in states}
+        self.m.snapshots.labels("sent").inc()
+        return {
+            "bucket": b,
+            "epoch": rep.assignment.epoch,
+            **meta,
+            "tensors": [self.catalog.definition(name) for name in sorted(tensors)],
+            "shards": {
+                st.id: {"value": out, "accum": acc, "version": versions[st.id]}
+                for st, out, acc in zip(states, outs, accs, strict=True)
+            },
+        }
+
+    async def join(self, b: int) -> None:
+        """Transfers bucket b from its primary and takes its rounds as a learner until the
+        controller makes it a member; transfers again if the primary changes or goes silent
+        (it forgot this learner)."""
+        while not self.closing and self.roles.get(b) == "joining":
+            rep = self.buckets[b]
+            primary, epoch = rep.assignment.primary, rep.assignment.epoch
+            try:
+                snap = (
+                    await self.peers.rpc(primary).call(
+                        "repl_snapshot",
+                        bucket=b,
+                        joiner=self.server_id,
+                        join=self.join_ids.get(b, 0),
+                    )
+                    if primary
+                    else None
+                )
+            except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
+                log.info("bucket %d: snapshot from %s failed: %s; retrying", b, primary, exc)
+                snap = None
+            if (
+                snap is None
+                or self.roles.get(b) != "joining"
+                or (rep.assignment.epoch, rep.assignment.primary) != (epoch, primary)
+                or int(snap["epoch"]) != epoch
+            ):
+                await asyncio.sleep(0.3)
+                self.request_heartbeat()
+                continue
+            await self._install(b, snap)
+            log.info(
+                "bucket %d: snapshot at seq %d from %s installed", b, snap["committed"], primary
+            )
+            self.last_heard[b] = time.monotonic()
+            while not self.closing and self.roles.get(b) == "joining" and rep.learning:
+                if time.monotonic() - self.last_heard.get(b, 0.0) > self.failover_after:
+                    log.info("bucket %d: primary %s silent while joining; again", b, primary)
+                    rep.learning = False
+                    break
+                await asyncio.sleep(0.1)
+
+    async def _install(self, b: int, snap: dict[str, Any]) -> None:
+        for d in snap["tensors"]:
+            self.catalog.ensure(d)
+        states, values, accums, versions = [], [], [], []
+        for sid, rec in snap["shards"].items():
+            st = self.store.shard(sid)
+            states.append(st)
+            values.append(rec["value"])
+            accums.append(rec.get("accum"))
+            versions.append(int(rec["version"]))
+        done = owner_future(lambda cb: self.store.overwrite(states, values, accums, versions, cb))
+        # The position moves in the same loop step as the values are queued: a flush cut sees
+        # both or neither.
+        self.buckets[b].install_snapshot(
+            int(snap["committed"]), snap["dedup"], int(snap.get("committed_epoch", 0))
+        )
+        self.persisted.pop(b, None)
+        await done
+        self.m.snapshots.labels("received").inc()
+
+    # -- digests ---------------------------------------------------------------------------------------
+
+    async def op_digest(self, msg: dict[str, Any]) -> dict[str, Any]:
+        b = require(msg, "bucket", int)
+        rep = self.buckets.get(b)
+        states = sorted(
+            (st for st in self.store.shards.values() if self.store.layout.bucket_of[st.id] == b),
+            key=lambda s: s.id,
+        )
+        outs = [np.empty(st.shard.shape, np.float32) for st in states]
+        await owner_future(lambda cb: self.store.read(states, outs, cb))
+        h = hashlib.sha256()
+        for st, out in zip(states, outs, strict=True):
+            h.update(st.id.encode())
+            h.update(out.tobytes())
+        return {
+            "bucket": b,
+            "digest": h.hexdigest(),
+            "committed": rep.committed if rep else None,
+            "role": self.roles.get(b),
+            "epoch": rep.assignment.epoch if rep else None,
+        }

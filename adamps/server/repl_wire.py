@@ -1,0 +1,99 @@
+"""What replication sends between servers: the ops peers use on ``/rpc``, updates in their
+compact form (a dense delta of one shard, activation and error vectors, a compressed update),
+batches of a round, and the ``not_primary`` answer. Also the store form of a batch's updates:
+every replica turns them into the same per-shard parts, so replicas end bit-identical."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from adamps.core.replication import Assignment, Batch, BucketReplica
+from adamps.protocol import ProtocolError, require
+from adamps.server import vecwire
+from adamps.server.compressed import signs_of_wire
+from adamps.server.optim import Dense
+from adamps.server.shards import ShardState, fc_parts
+from adamps.server.store import Store
+
+#: replication ops served on /rpc (peer traffic: cluster token required like every mutating call)
+REPL_OPS = ("repl_prepare", "repl_commit", "repl_ping", "repl_multi", "repl_snapshot", "digest")
+#: the ops that may travel inside a repl_multi message
+MULTI_OPS = ("repl_prepare", "repl_commit", "repl_ping")
+
+
+def not_primary(
+    rep: BucketReplica | None,
+    bucket: int,
+    addresses: dict[str, str],
+    why: str,
+    code: str = "not_primary",
+) -> ProtocolError:
+    a = rep.assignment if rep is not None else Assignment(0, None)
+    return ProtocolError(
+        code,
+        f"bucket {bucket}: {why}",
+        bucket=bucket,
+        epoch=a.epoch,
+        primary=addresses.get(a.primary or "", None),
+    )
+
+
+# -- updates on the wire ---------------------------------------------------------------------------
+
+
+def dense_update(sid: str, delta: np.ndarray) -> dict[str, Any]:
+    return {"k": "d", "s": sid, "d": delta}
+
+
+def fc_update(tensor: str, sids: Sequence[str], a: np.ndarray, e: np.ndarray) -> dict[str, Any]:
+    return {"k": "f", "t": tensor, "s": list(sids), "a": a, "e": e}
+
+
+def sign_update(sid: str, tau: float, encoded: dict[str, Any]) -> dict[str, Any]:
+    """A compressed update of one shard (Strom), replicated in its compressed form: ``encoded``
+    is ``{"w": uint32 words}`` or ``{"r": Golomb-Rice bytes, "n": count, "b": Rice k}``."""
+    return {"k": "c", "s": sid, "t": tau, **encoded}
+
+
+def batch_to_wire(b: Batch) -> dict[str, Any]:
+    return {
+        "seq": b.seq,
+        "epoch": b.epoch,
+        "updates": list(b.updates),
+        "clients": [None if c is None else [c[0], c[1]] for c in b.clients],
+    }
+
+
+def batch_from_wire(d: dict[str, Any]) -> Batch:
+    seq = require(d, "seq", int)
+    epoch = require(d, "epoch", int)
+    updates = require(d, "updates", list)
+    clients = require(d, "clients", list)
+    if len(clients) != len(updates):
+        raise ProtocolError("bad_request", "batch clients and updates differ in length")
+    keys = tuple(None if c is None else (str(c[0]), int(c[1])) for c in clients)
+    return Batch(seq, epoch, tuple(tuple(u) if isinstance(u, list) else u for u in updates), keys)
+
+
+def store_parts(store: Store, updates: Iterable[Any]) -> list[tuple[ShardState, Any]]:
+    """The (shard, update) parts of a batch's pushes, in order; unknown shards and kinds raise."""
+    parts: list[tuple[ShardState, Any]] = []
+    for push in updates:
+        for u in push:
+            kind = u["k"]
+            if kind == "d":
+                parts.append((store.shard(u["s"]), Dense(u["d"])))
+            elif kind == "f":
+                t = store.tensor(u["t"])
+                parts += fc_parts(t, u["a"], u["e"], [store.shard(s) for s in u["s"]])
+            elif kind == "c":
+                st = store.shard(u["s"])
+                parts.append((st, signs_of_wire(u, st.shard.size)))
+            elif kind == "v":  # a vector operation (Sandblaster, vecwire.py)
+                parts += vecwire.parts_of(store, u)
+            else:
+                raise ProtocolError("bad_request", f"unknown update kind {kind!r}")
+    return parts

@@ -1,0 +1,251 @@
+"""The write path of a parameter server: the one way a push changes its shards.
+
+validate -> lease check -> replicate or apply. Every push, from ``POST /rpc`` (``app.py``) or the
+binary data plane (``dataplane.py``), comes here and nowhere else:
+
+1. validate: every field (shard ids, dtypes, shapes, finite bounds) before anything is queued, so a
+   bad request changes nothing;
+2. on a replicated server, ``Replicator.push`` checks that this server is the primary of every
+   bucket named, with a lease it still holds (``not_primary``, ``bucket_unavailable``), recognizes
+   a retried ``(client, seq)`` (exactly once), and returns once every member committed it;
+3. on a standalone server, the update is queued to the shards' owner threads and the push returns
+   when it is applied, with the shards' new versions.
+
+The data plane writes only on a standalone server: a replicated server refuses its pushes
+(``read_only``), so that every write to a copy passes the lease check, the two-phase commit and
+the deduplication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from adamps.protocol import ProtocolError, require, require_array
+from adamps.server import bounds
+from adamps.server.addressing import Addressing
+from adamps.server.compressed import wire_form, words_of
+from adamps.server.config import PsConfig
+from adamps.server.optim import Dense, Signs
+from adamps.server.repl_wire import dense_update, fc_update, sign_update
+from adamps.server.replicate import Replicator
+from adamps.server.shards import ShardState, fc_parts
+from adamps.server.store import Store
+from adamps.server.tickets import owner_future
+
+#: most rows of activation/error vectors in one push_fc
+MAX_FC_K = 65_536
+
+
+class WritePath:
+    """Pushes (event-loop thread)."""
+
+    def __init__(
+        self,
+        cfg: PsConfig,
+        store: Store,
+        addressing: Addressing,
+        replicator: Replicator | None,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.addressing = addressing
+        #: None on a standalone server: updates are applied here alone
+        self.replicator = replicator
+        #: client id -> last sequence number seen (recorded; exactly-once comes with replication)
+        self.clients: dict[str, int] = {}
+
+    # -- POST /rpc ----------------------------------------------------------------------------------
+
+    async def op_push_dense(self, msg: dict[str, Any]) -> dict[str, Any]:
+        parts: list[tuple[ShardState, Dense]] = []
+        if "tensor" in msg:
+            name = require(msg, "tensor", str)
+            sts = self.addressing.held(name)
+            delta = require_array(
+                msg, "delta", shape=self.store.tensors[name].spec.shape, finite=False
+            )
+            bounds.check_dense("delta", delta)  # finite, and small enough to stay finite
+            flat = delta.reshape(-1)
+            parts = [(st, Dense(flat[st.shard.start : st.shard.stop])) for st in sts]
+        else:
+            deltas = require(msg, "shards", dict)
+            if len(deltas) > self.cfg.max_shards_per_request:
+                raise ProtocolError(
+                    "too_large",
+                    f"push_dense names {len(deltas)} shards; the limit is "
+                    f"{self.cfg.max_shards_per_request}",
+                )
+            self.addressing.check_ids(deltas)
+            for sid in deltas:
+                if not isinstance(sid, str):
+                    raise ProtocolError(
+                        "bad_request", "field 'shards' must map shard ids to arrays"
+                    )
+                st = self.store.shard(sid)
+                d = require_array(deltas, sid, shape=st.shard.shape, finite=False)
+                bounds.check_dense(sid, d)
+                parts.append((st, Dense(d)))
+            if not parts:
+                raise ProtocolError(
+                    "bad_request", "push_dense needs 'tensor' + 'delta' or a non-empty 'shards'"
+                )
+        return await self._replicate_or_apply(
+            msg,
+            [([st], lambda sts, d=upd.delta: dense_update(sts[0].id, d)) for st, upd in parts],
+            lambda: parts,
+        )
+
+    async def op_push_fc(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = require(msg, "tensor", str)
+        t = self.store.tensor(name)
+        if len(t.spec.shape) != 2 or not all(s.rows_aligned for s in t.layout_shards):
+            raise ProtocolError(
+                "bad_request",
+                f"push_fc needs a 2-D tensor cut on whole rows; {name!r} has shape {list(t.spec.shape)}",
+            )
+        m, n = t.spec.shape
+        a = require_array(msg, "a", shape=(None, n), finite=False)
+        e = require_array(msg, "e", shape=(None, m), finite=False)
+        k = a.shape[0]
+        if not 1 <= k <= MAX_FC_K or e.shape[0] != k:
+            raise ProtocolError(
+                "bad_shape",
+                f"a and e need the same number of rows k, 1 <= k <= {MAX_FC_K}; got {a.shape[0]} and {e.shape[0]}",
+            )
+        bounds.check_fc(a, e)
+        if "shards" in msg:
+            states = self.addressing.shard_ids(msg, "shards", twice_ok=False)
+            wrong = [st.id for st in states if st.shard.tensor != name]
+            if wrong:
+                raise ProtocolError("bad_request", f"shards {wrong} are not shards of {name!r}")
+        else:
+            states = self.addressing.held(name)
+        return await self._replicate_or_apply(
+            msg,
+            [(states, lambda sts: fc_update(name, [st.id for st in sts], a, e))],
+            lambda: fc_parts(t, a, e, states),
+        )
+
+    async def op_push_compressed(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Strom's threshold-quantized update: per shard a tau and the elements moved by +-tau
+        (uint32 words, or Golomb-Rice coded index gaps). Validated whole before anything is
+        queued; under replication it travels in the same compressed form."""
+        updates = require(msg, "shards", dict)
+        if not updates:
+            raise ProtocolError("bad_request", "push_compressed needs a non-empty 'shards' map")
+        self.addressing.check_ids(updates)
+        parts: list[tuple[ShardState, Signs, dict[str, Any]]] = []
+        for sid, d in updates.items():
+            if not isinstance(sid, str):
+                raise ProtocolError("bad_request", "field 'shards' must map shard ids to updates")
+            st = self.store.shard(sid)
+            words, tau = words_of(d, st.shard.size, f"shard {sid!r}")
+            parts.append((st, Signs(words, tau), d))
+        return await self._replicate_or_apply(
+            msg,
+            [([st], lambda sts, u=u, d=d: sign_update(sts[0].id, u.tau, wire_form(d)))
+             for st, u, d in parts],
+            lambda: [(st, u) for st, u, _ in parts],
+        )  # fmt: skip
+
+    # -- the data plane ---------------------------------------------------------------------------
+
+    def accept_stream_push(self, meta: dict[str, Any], payload_len: int) -> int:
+        """The checks of a data-plane push's header, before any payload byte is buffered; returns
+        the payload's size in bytes (the whole tensor, float32)."""
+        if self.replicator is not None:
+            # One write path (issue 12): a replicated server takes writes only through /rpc,
+            # where they pass the lease check, two-phase commit and deduplication. Applied here
+            # they changed one copy only (a secondary's too) and the copies diverged.
+            raise ProtocolError(
+                "read_only",
+                "this server replicates its buckets: the data plane serves pulls only; "
+                "push through POST /rpc",
+            )
+        t = self.store.tensor(require(meta, "tensor", str))
+        want = t.spec.size * 4
+        if payload_len != want:
+            raise ProtocolError(
+                "bad_length",
+                f"push_dense of {t.spec.name!r} needs a payload of {want} bytes, got {payload_len}",
+            )
+        self.addressing.held(t.spec.name)  # every shard here, or unknown_shard
+        return want
+
+    def start_stream_push(
+        self, name: str, payload: np.ndarray, meta: dict[str, Any]
+    ) -> tuple[Any, Callable[[dict[str, int]], tuple[dict[str, Any], None]]]:
+        """Validates a data-plane push of a whole tensor and queues it now (arrival order: the
+        pushes of one connection are applied in the order sent); returns (future of the
+        versions, reply builder)."""
+        sts = self.addressing.held(name)
+        # Zero copy: the kernel wrote the payload into this buffer; the owner threads read it.
+        delta = payload.view("<f4")
+        bounds.check_dense("payload", delta)  # finite, and small enough to stay finite
+        self._record_client(meta)
+        parts = [(st, Dense(delta[st.shard.start : st.shard.stop])) for st in sts]
+        fut = owner_future(lambda cb: self.store.push(parts, cb))
+        return fut, lambda versions: ({"versions": versions}, None)
+
+    # -- replicate or apply -------------------------------------------------------------------------
+
+    def _record_client(self, msg: dict[str, Any]) -> tuple[str, int] | None:
+        client = msg.get("client")
+        if client is None:
+            return None
+        client = require(msg, "client", str)
+        seq = require(msg, "seq", int)
+        self.clients[client] = seq
+        return client, seq
+
+    async def _replicate_or_apply(
+        self,
+        msg: dict[str, Any],
+        wire: list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]],
+        parts: Callable[[], list[tuple[ShardState, Any]]],
+    ) -> dict[str, Any]:
+        """A validated push: through the replication rounds of its buckets on a replicated
+        server (`wire`: shards and the builder of their compact update), else applied here
+        (`parts`: the store's form, built only then)."""
+        if self.replicator is not None:
+            return await self._replicate(msg, wire)
+        self._record_client(msg)
+        versions = await owner_future(lambda cb: self.store.push(parts(), cb))
+        return {"versions": versions}
+
+    async def replicate_or_apply(
+        self,
+        msg: dict[str, Any],
+        wire: list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]],
+        parts: Callable[[], list[tuple[ShardState, Any]]],
+        group: bool = False,
+    ) -> dict[str, Any]:
+        """`_replicate_or_apply` for other writers (Sandblaster's vector ops, vecops.py); with
+        `group` a standalone server applies the parts as one group per shard, alone (a barrier:
+        no update queued later is applied before it)."""
+        if not group or self.replicator is not None:
+            return await self._replicate_or_apply(msg, wire, parts)
+        self._record_client(msg)
+        versions = await owner_future(lambda cb: self.store.push_group(parts(), cb))
+        return {"versions": versions}
+
+    async def _replicate(
+        self,
+        msg: dict[str, Any],
+        updates: list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]],
+    ) -> dict[str, Any]:
+        """A checked push through the replication rounds of its buckets: (shards, compact
+        update) pairs, grouped by bucket, each bucket's part a single deduplicated entry."""
+        assert self.replicator is not None
+        by_bucket: dict[int, list[Any]] = {}
+        for states, make in updates:
+            per_bucket: dict[int, list[ShardState]] = {}
+            for st in states:
+                per_bucket.setdefault(self.store.layout.bucket_of[st.id], []).append(st)
+            for b, sts in per_bucket.items():
+                by_bucket.setdefault(b, []).append(make(sts))
+        await self.replicator.push(by_bucket, self._record_client(msg))
+        return {"versions": {}}

@@ -1,0 +1,176 @@
+"""`adamps up`'s flags: the parser, and the checks that name a bad value and what is expected
+(exit code 2)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+#: what the defaults were chosen to reach (measured: see docs/quickstart in the README)
+DEFAULT_EPOCHS = 10
+
+
+class UsageError(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="adamps up",
+        description="Run the whole adamps cluster as local processes and train adam-mnist on the "
+        "built-in data; print the held-out accuracy, the throughput and a plot.",
+    )
+    p.add_argument(
+        "--controllers", type=int, default=3, help="controller nodes (Raft) (default: %(default)s)"
+    )
+    p.add_argument(
+        "--servers", type=int, default=3, help="parameter servers (default: %(default)s)"
+    )
+    p.add_argument(
+        "--dataservers",
+        type=int,
+        default=1,
+        help="data servers (trainers fail over) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--trainers",
+        type=int,
+        default=2,
+        help="trainer processes (model replicas) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=1, help="Hogwild workers per trainer (default: %(default)s)"
+    )
+    p.add_argument(
+        "--epochs", type=int, default=DEFAULT_EPOCHS, help="training epochs (default: %(default)s)"
+    )
+    p.add_argument(
+        "--buckets",
+        type=int,
+        default=64,
+        help="buckets the shards are hashed into (default: %(default)s)",
+    )
+    p.add_argument(
+        "--augment",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let the data server augment the training images (shifts, rotations; default: off)",
+    )
+    p.add_argument(
+        "--compress",
+        action="store_true",
+        help="trainers push Strom's threshold-quantized updates with error feedback "
+        "(adamps train --compress; docs/training.md)",
+    )
+    p.add_argument(
+        "--compress-fraction",
+        type=float,
+        default=0.01,
+        help="with --compress: fraction of each tensor's elements sent per push (adaptive "
+        "tau; default: %(default)s)",
+    )
+    p.add_argument(
+        "--compress-tau",
+        default="",
+        help="with --compress: fixed thresholds, TAU or TENSOR=TAU, comma separated "
+        "(default: adaptive)",
+    )
+    p.add_argument(
+        "--compress-coding",
+        choices=("words", "rice"),
+        default="rice",
+        help="with --compress: 32-bit words or Golomb-Rice coded index gaps (default: %(default)s)",
+    )
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=None,
+        help="held-out accuracy the run must reach for exit code 0 (0 disables the check; "
+        "default: 0.96, with --algorithm sandblaster 0.95)",
+    )
+    p.add_argument("--run-dir", default="", help="run directory (default: ./runs/<UTC time>)")
+    p.add_argument(
+        "--port-base",
+        type=int,
+        default=0,
+        help="first TCP port; every process takes the next free one (default 0: ports chosen by "
+        "the kernel)",
+    )
+    p.add_argument(
+        "--token",
+        default="",
+        help="cluster token (default: $ADAMPS_TOKEN, else a new random one); written to "
+        "RUN_DIR/token (mode 0600), handed to the children in their environment",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="give up after this many seconds (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL, per stage (default: %(default)s)",
+    )
+    p.add_argument(
+        "--progress-interval",
+        type=float,
+        default=0.0,
+        help="seconds between progress lines (default 0: 1 s on a terminal, 5 s otherwise)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no live progress view")
+    p.add_argument(
+        "--algorithm",
+        choices=("downpour", "sandblaster"),
+        default="downpour",
+        help="downpour: asynchronous SGD replicas; sandblaster: L-BFGS by a coordinator over "
+        "the whole training set (DistBelief 4.2; docs/training.md) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=60,
+        help="with --algorithm sandblaster: L-BFGS iterations (default: %(default)s)",
+    )
+    return p
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Raises UsageError naming the flag, its value and what is expected."""
+
+    def need(ok: bool, flag: str, value: Any, expected: str) -> None:
+        if not ok:
+            raise UsageError(f"{flag} {value}: expected {expected}")
+
+    for flag, value in (
+        ("--controllers", a.controllers),
+        ("--servers", a.servers),
+        ("--dataservers", a.dataservers),
+        ("--trainers", a.trainers),
+        ("--workers", a.workers),
+        ("--epochs", a.epochs),
+        ("--buckets", a.buckets),
+    ):
+        need(value >= 1, flag, value, "an integer >= 1")
+    need(0.0 < a.compress_fraction <= 1.0, "--compress-fraction", a.compress_fraction,
+         "a fraction in (0, 1]")  # fmt: skip
+    if a.compress_tau:
+        from adamps.codec import parse_taus
+
+        try:
+            parse_taus(a.compress_tau.split(","))
+        except ValueError as exc:
+            raise UsageError(f"--compress-tau {a.compress_tau}: {exc}") from None
+    need(a.controllers <= 9, "--controllers", a.controllers, "at most 9 (3 or 5 are usual)")
+    need(a.iterations >= 1, "--iterations", a.iterations, "an integer >= 1")
+    if a.target_accuracy is None:  # Sandblaster's 60 full-batch iterations reach less
+        a.target_accuracy = 0.95 if a.algorithm == "sandblaster" else 0.96
+    need(0.0 <= a.target_accuracy <= 1.0, "--target-accuracy", a.target_accuracy,
+         "a fraction in [0, 1], e.g. 0.96 (0 disables the check)")  # fmt: skip
+    need(a.port_base == 0 or 1024 <= a.port_base <= 65000, "--port-base", a.port_base,
+         "0 (any free ports) or a port in 1024..65000")  # fmt: skip
+    need(a.timeout > 0, "--timeout", a.timeout, "seconds > 0")
+    need(a.stop_timeout > 0, "--stop-timeout", a.stop_timeout, "seconds > 0")
+    need(a.progress_interval >= 0, "--progress-interval", a.progress_interval, "seconds >= 0")

@@ -1,0 +1,383 @@
+"""The operations of the controllers' model, one per replicated entry (called through
+``controller.state.ReplicatedCluster``): registrations, deaths, renewals, role changes, joins,
+drains, layout and progress. Each takes `now` from the proposing leader and answers a refusal
+(``{"ok": False, ...}``) instead of raising."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+from adamps.core import lease as leases
+from adamps.core.lease import Lease
+from controller.cluster_rules import DEAD, DRAINING, LIVE, PROGRESS_EPOCHS, refusal
+
+log = logging.getLogger("controller.state")
+
+
+class Operations:
+    """The mutating operations of the model.
+
+    A part of :class:`controller.state.ClusterModel`, which holds the records its methods read
+    and change (``servers``, ``buckets``, ``history``, ...): plain, deterministic, no clock, no
+    IO, never raises on bad input."""
+
+    def register(
+        self,
+        sid: str,
+        address: str,
+        now: float,
+        copies: dict[int, list[int]] | None = None,
+    ) -> dict[str, Any]:
+        """A server (re)starts, or comes back after it was declared dead: a new incarnation,
+        which offers the copies it holds (bucket -> [epoch, seq], from memory or LMDB). Its old
+        incarnation leaves every replica set; where that leaves a bucket without a live member,
+        its copy becomes a candidate (`_leave`). A copy it no longer offers is no candidate."""
+        now = self._tick(now)
+        rec = self.servers.get(sid)
+        if rec is not None and rec["state"] != DEAD:
+            self._leave(sid, now)
+        state = DRAINING if rec is not None and rec["state"] == DRAINING else LIVE
+        offered = {
+            int(b): [int(p[0]), int(p[1])]
+            for b, p in (copies or {}).items()
+            if 0 <= int(b) < self.n_buckets
+        }
+        self.servers[sid] = {
+            "address": address,
+            "state": state,
+            "incarnation": (rec["incarnation"] + 1) if rec else 1,
+            "since": now,
+            "copies": offered,
+        }
+        for b, bk in enumerate(self.buckets):
+            if sid in bk.get("candidates", []) and b not in offered:
+                bk["candidates"].remove(sid)
+                log.warning("bucket %d: candidate %s came back without its copy", b, sid)
+        self._replan(now)
+        return {"ok": True, "server": sid, **self.servers[sid]}
+
+    def _leave(self, sid: str, now: float) -> None:
+        """The current incarnation of `sid` leaves every replica set (declared dead, or replaced
+        by a new incarnation). Where it was the last live member, its copy is a candidate, and
+        so are the copies of the members that left shortly before it (`_wave`)."""
+        for b, bk in enumerate(self.buckets):
+            member = (self.primary_of(b) == sid and self.holder_live(b)) or sid in bk["holders"]
+            if member and not self.live_members(b, exclude=sid):
+                cands = bk.setdefault("candidates", [])
+                for s in [*self._wave(b, now), sid]:
+                    if s not in cands:
+                        cands.append(s)
+                bk["left"] = {}
+            elif member:
+                bk.setdefault("left", {})[sid] = now
+            if sid in bk["holders"]:
+                bk["holders"].remove(sid)
+            if sid in bk["joining"]:
+                bk["joining"].remove(sid)
+
+    def declare_dead(
+        self, sid: str, now: float, reports: dict[int, dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """A server stayed silent past its timeout: its copies go, its buckets are re-placed.
+
+        Where it was primary the lease stays recorded until it has certainly expired; then the
+        best caught-up secondary is promoted (by this entry if already expired, else by a later
+        `reconcile`).
+        """
+        now = self._tick(now)
+        rec = self.servers.get(sid)
+        if rec is None:
+            return refusal("not_found", f"no server {sid!r}")
+        if rec["state"] == DEAD:
+            return {"ok": True, "server": sid, "state": DEAD, "changed": False}
+        self._leave(sid, now)
+        rec["state"] = DEAD
+        rec["since"] = now
+        self._replan(now, reports)
+        return {"ok": True, "server": sid, "state": DEAD, "changed": True}
+
+    def renew(self, sid: str, now: float) -> dict[str, Any]:
+        """Renews every lease `sid` holds (one entry per server per heartbeat round).
+
+        A lease whose bucket is being handed over (its target primary has caught up) is not
+        renewed: it runs out, then the target gets the next epoch.
+        """
+        now = self._tick(now)
+        rec = self.servers.get(sid)
+        if rec is None:
+            return refusal("not_found", f"no server {sid!r}")
+        if rec["state"] == DEAD:
+            return refusal(
+                "conflict", f"server {sid!r} was declared dead; register again", state=DEAD
+            )
+        renewed = []
+        for b, bk in enumerate(self.buckets):
+            lease: Lease | None = bk["lease"]
+            if lease is None or lease.holder != sid or lease.released_at is not None:
+                continue
+            if bk["holder_inc"] != rec["incarnation"]:
+                continue  # granted to an earlier incarnation: it runs out
+            want = bk["want"]
+            if want and want[0] != sid and want[0] in bk["holders"]:
+                continue  # hand-off pending
+            bk["lease"] = leases.renew(lease, sid, lease.epoch, now)
+            renewed.append([b, lease.epoch])
+        return {"ok": True, "renewed": renewed, "at": now}
+
+    def reconcile(
+        self, now: float, reports: dict[int, dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """Grants every lease that may be granted at `now` (expired hand-offs and failures)."""
+        now = self._tick(now)
+        before = self.version
+        reports = reports or {}
+        for b in range(self.n_buckets):
+            self._settle(b, now, reports.get(b))
+        return {"ok": True, "changed": self.version != before}
+
+    def role_change(
+        self, b: int, sid: str, prev_epoch: int, reports: dict[str, Any], now: float
+    ) -> dict[str, Any]:
+        """A secondary missed the primary's heartbeats and proposes to take over (Adam 3.3.3).
+
+        Accepted only if the proposal names the current lease and that lease has certainly
+        expired; then the caught-up secondary with the highest reported (epoch, seq) wins.
+        """
+        now = self._tick(now)
+        if not 0 <= b < self.n_buckets:
+            return refusal("unknown_bucket", f"no bucket {b}")
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        if sid not in bk["holders"]:
+            return refusal("conflict", f"{sid!r} is not a caught-up secondary of bucket {b}")
+        epoch = 0 if lease is None else lease.epoch
+        if prev_epoch != epoch:
+            return refusal(
+                "stale_epoch", f"bucket {b} is at epoch {epoch}, not {prev_epoch}", epoch=epoch
+            )
+        busy = self._lease_in_use(lease, now)
+        if busy is not None:
+            return busy
+        chosen = self._best_copy(b, reports)
+        if chosen is None:
+            return refusal("conflict", f"bucket {b} has no live caught-up secondary")
+        new = self._grant(b, chosen, now)
+        want = bk["want"]
+        if chosen in want:
+            want.remove(chosen)
+        want.insert(0, chosen)
+        del want[self.replication :]
+        self._settle(b, now)
+        return {"ok": True, "bucket": b, "primary": chosen, "epoch": new.epoch}
+
+    def caught_up(self, b: int, sid: str, epoch: int, now: float) -> dict[str, Any]:
+        """The previous release's report, sent by the joining copy itself. Kept only so that a
+        journal written by that release replays as it was applied; new reports are
+        `verified_caught_up`."""
+        now = self._tick(now)
+        if not 0 <= b < self.n_buckets:
+            return refusal("unknown_bucket", f"no bucket {b}")
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        if lease is None or lease.epoch != epoch:
+            return refusal(
+                "stale_epoch", f"bucket {b} is at epoch {0 if lease is None else lease.epoch}"
+            )
+        if sid not in bk["joining"]:
+            return refusal("conflict", f"{sid!r} is not joining bucket {b}")
+        bk["joining"].remove(sid)
+        bk["holders"].append(sid)
+        self.version += 1
+        self._settle(b, now)
+        return {"ok": True, "bucket": b, "server": sid}
+
+    def verified_caught_up(
+        self, b: int, primary: str, epoch: int, sid: str, now: float, join: int | None = None
+    ) -> dict[str, Any]:
+        """The primary of `epoch` reports that joining copy `sid` holds every batch it committed
+        and that its rounds already wait for `sid`: from now on every acknowledged batch is on
+        it, so it may enter the replica set (and be promoted)."""
+        now = self._tick(now)
+        if not 0 <= b < self.n_buckets:
+            return refusal("unknown_bucket", f"no bucket {b}")
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        if (
+            lease is None
+            or lease.epoch != epoch
+            or lease.holder != primary
+            or not self.holder_live(b)
+        ):
+            return refusal(
+                "stale_epoch",
+                f"{primary!r} is not the primary of epoch {epoch} of bucket {b}",
+                epoch=0 if lease is None else lease.epoch,
+            )
+        ids = bk.setdefault("join_ids", {})
+        if (
+            join is not None
+            and sid in bk["holders"]
+            and bk.setdefault("joined", {}).get(sid) == join
+        ):
+            return {"ok": True, "bucket": b, "server": sid, "repeated": True}  # a retried report
+        if sid not in bk["joining"]:
+            return refusal("conflict", f"{sid!r} is not joining bucket {b}")
+        if join is not None and ids.get(sid) != join:
+            return refusal("conflict", f"join {join} of {sid!r} is over (now {ids.get(sid)})")
+        bk["joining"].remove(sid)
+        bk.setdefault("joined", {})[sid] = ids.pop(sid, None)
+        bk["holders"].append(sid)
+        self.version += 1
+        self._settle(b, now)
+        return {"ok": True, "bucket": b, "server": sid}
+
+    def drop_secondary(
+        self, b: int, primary: str, epoch: int, sid: str, now: float
+    ) -> dict[str, Any]:
+        """The primary removes an unresponsive secondary before acknowledging without it. Only a
+        primary live in the incarnation its lease was granted to: one declared dead (or
+        restarted) may be a paused process waking up, whose drop would take the last live copy
+        out of the replica set."""
+        now = self._tick(now)
+        if not 0 <= b < self.n_buckets:
+            return refusal("unknown_bucket", f"no bucket {b}")
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        if (
+            lease is None
+            or lease.holder != primary
+            or lease.epoch != epoch
+            or not self.holder_live(b)
+        ):
+            return refusal("stale_epoch", f"{primary!r} does not hold epoch {epoch} of bucket {b}")
+        changed = False
+        for key in ("holders", "joining"):
+            if sid in bk[key]:
+                bk[key].remove(sid)
+                changed = True
+        if changed:
+            self.version += 1
+            if self._live(sid) and sid in bk["want"]:
+                self._start_join(b, sid)  # it may come back, through a state transfer
+        return {"ok": True, "bucket": b, "removed": changed}
+
+    def release(self, b: int, sid: str, epoch: int, now: float) -> dict[str, Any]:
+        """The holder gives its lease back (it has stopped writing): the hand-off need not wait."""
+        now = self._tick(now)
+        if not 0 <= b < self.n_buckets:
+            return refusal("unknown_bucket", f"no bucket {b}")
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        if lease is None or lease.holder != sid or lease.epoch != epoch:
+            return refusal("stale_epoch", f"{sid!r} does not hold epoch {epoch} of bucket {b}")
+        bk["lease"] = leases.release(lease, sid, epoch, now)
+        self._settle(b, now)
+        return {"ok": True, "bucket": b}
+
+    def write_off(self, b: int, now: float) -> dict[str, Any]:
+        """An operator gives up on the acknowledged updates of unavailable bucket `b`: the most
+        up-to-date copy any live server offered serves it, or else it restarts from the tensors'
+        initial values. Logged and counted; the bucket is flagged `lost` for good."""
+        now = self._tick(now)
+        if not 0 <= b < self.n_buckets:
+            return refusal("unknown_bucket", f"no bucket {b}")
+        bk = self.buckets[b]
+        if not self.unavailable(b):
+            return refusal("conflict", f"bucket {b} is not unavailable: nothing to declare lost")
+        busy = self._lease_in_use(bk["lease"], now)
+        if busy is not None:
+            return busy
+        offers = [
+            (-p[0], -p[1], s)
+            for s, rec in self.servers.items()
+            if rec["state"] == LIVE and (p := rec.get("copies", {}).get(b)) is not None
+        ]
+        eligible = self.eligible()
+        if offers:
+            target, source = min(offers)[2], "copy"
+        elif eligible:
+            want = bk["want"]
+            target = want[0] if want and want[0] in eligible else eligible[0]
+            source = "initial values"
+        else:
+            return refusal("conflict", f"no live server to take bucket {b}")
+        bk["candidates"] = []
+        bk["left"] = {}
+        bk["holders"], bk["joining"] = [], []
+        self._grant(b, target, now)
+        if target in bk["want"]:
+            bk["want"].remove(target)
+        bk["want"].insert(0, target)
+        del bk["want"][self.replication :]
+        bk["lost"] = True
+        self.declared_lost = getattr(self, "declared_lost", 0) + 1
+        log.warning(
+            "bucket %d declared LOST by an operator: %s serves it from its %s", b, target, source
+        )
+        self._settle(b, now)
+        return {"ok": True, "bucket": b, "primary": target, "from": source}
+
+    def drain(self, sid: str, now: float) -> dict[str, Any]:
+        now = self._tick(now)
+        rec = self.servers.get(sid)
+        if rec is None:
+            return refusal("not_found", f"no server {sid!r}")
+        if rec["state"] == DEAD:
+            return refusal("conflict", f"server {sid!r} is dead")
+        rec["state"] = DRAINING
+        rec["since"] = now
+        self._replan(now)
+        return {"ok": True, "server": sid, "state": DRAINING}
+
+    def rebalance(self, now: float) -> dict[str, Any]:
+        now = self._tick(now)
+        self._replan(now)
+        return {"ok": True, "version": self.version}
+
+    def set_layout(self, layout: dict[str, Any], now: float) -> dict[str, Any]:
+        now = self._tick(now)
+        if layout.get("n_buckets") != self.n_buckets:
+            return refusal(
+                "conflict",
+                f"layout has {layout.get('n_buckets')} buckets, the cluster {self.n_buckets}",
+            )
+        if self.layout != layout:
+            self.layout = copy.deepcopy(layout)
+            self.layout_version += 1
+        return {"ok": True, "layout_version": self.layout_version}
+
+    def report_progress(
+        self, epoch: int, replica: str, progress: float, done: bool, now: float
+    ) -> dict[str, Any]:
+        now = self._tick(now)
+        per = self.progress.setdefault(str(epoch), {})
+        per[replica] = {"progress": progress, "done": bool(done), "at": now}
+        if len(self.progress) > PROGRESS_EPOCHS:
+            for key in sorted(self.progress, key=int)[: len(self.progress) - PROGRESS_EPOCHS]:
+                del self.progress[key]
+        return {"ok": True, "epoch": epoch, "replicas": len(per)}
+
+    def sweep_dead(self, sid: str, dead_before: float, now: float) -> dict[str, Any]:
+        """Forgets the record of a server dead since before `dead_before` that no bucket refers
+        to (issue 12: records of bogus registrations were kept forever). A no-op otherwise."""
+        now = self._tick(now)
+        rec = self.servers.get(sid)
+        if rec is None or rec["state"] != DEAD or rec["since"] > dead_before:
+            return {"ok": True, "server": sid, "forgotten": False}
+        if self.refers_to(sid):
+            return {"ok": True, "server": sid, "forgotten": False}
+        del self.servers[sid]
+        self.version += 1
+        return {"ok": True, "server": sid, "forgotten": True}
+
+    def refers_to(self, sid: str) -> bool:
+        """Some bucket names `sid` in any field (placement, copies, lease)."""
+        for bk in self.buckets:
+            for v in bk.values():
+                if v == sid or (isinstance(v, list | tuple | set) and sid in v):
+                    return True
+                if getattr(v, "holder", None) == sid:
+                    return True
+        return False

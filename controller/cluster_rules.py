@@ -1,0 +1,289 @@
+"""The rules of the controllers' model: who may hold a bucket's lease and when, which copies
+join, which members leave, and which copies are candidates when no member is left. Pure: every
+rule takes `now` from the caller (see controller/state.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from adamps.core import lease as leases
+from adamps.core.lease import Lease
+from controller import placement
+
+log = logging.getLogger("controller.state")
+
+LIVE, DEAD, DRAINING = "live", "dead", "draining"
+#: Members that left a bucket at most this many lease durations before its last live member are
+#: candidates with it (one crash of every copy is seen as one leave per server, seconds apart).
+WAVE = 1.0
+#: Closed leases kept for the safety record (GET /leases); older ones are dropped.
+HISTORY_LIMIT = 4096
+#: Trainer epochs whose progress is kept.
+PROGRESS_EPOCHS = 32
+
+
+def refusal(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    """A replicated method's answer when it refuses (it never raises: see controller/state.py)."""
+    return {"ok": False, "error": code, "message": message, **extra}
+
+
+class BucketRules:
+    """Leases, replica sets and candidates of the buckets.
+
+    A part of :class:`controller.state.ClusterModel`, which holds the records its methods read
+    and change (``servers``, ``buckets``, ``history``, ...): plain, deterministic, no clock, no
+    IO, never raises on bad input."""
+
+    def _tick(self, now: float) -> float:
+        self.clock = max(self.clock, float(now))
+        self.applied += 1
+        return self.clock
+
+    def _live(self, sid: str | None) -> bool:
+        return sid is not None and self.servers.get(sid, {}).get("state") in (LIVE, DRAINING)
+
+    def primary_of(self, b: int) -> str | None:
+        lease = self.buckets[b]["lease"]
+        return None if lease is None else lease.holder
+
+    def holder_live(self, b: int) -> bool:
+        """The lease holder is live *in the incarnation the lease was granted to*.
+
+        A server that restarted (registered again) lost its in-memory state: its old leases are
+        neither renewed nor trusted; they run out like those of a dead server.
+        """
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        if lease is None or not self._live(lease.holder):
+            return False
+        return self.servers[lease.holder]["incarnation"] == bk["holder_inc"]
+
+    def eligible(self) -> list[str]:
+        """Servers that may receive buckets: live and not draining."""
+        return sorted(s for s, rec in self.servers.items() if rec["state"] == LIVE)
+
+    def _grant(self, b: int, holder: str, now: float) -> Lease:
+        bucket = self.buckets[b]
+        prev: Lease | None = bucket["lease"]
+        new = leases.grant(prev, holder, now, self.terms)  # raises if prev may be in use
+        if prev is not None:
+            self.history.append({"bucket": b, **prev.to_dict()})
+            if len(self.history) > HISTORY_LIMIT:
+                del self.history[: len(self.history) - HISTORY_LIMIT]
+            if prev.holder != holder and self.holder_live(b) and prev.holder in bucket["want"]:
+                # A hand-off: the old primary stays as a copy, but re-enters the replica set
+                # through a state transfer (it may hold batches that were never acknowledged).
+                self._start_join(b, prev.holder)
+        if holder in bucket["holders"]:
+            bucket["holders"].remove(holder)
+        if holder in bucket["joining"]:
+            bucket["joining"].remove(holder)
+        bucket["lease"] = new
+        bucket["holder_inc"] = self.servers[holder]["incarnation"]
+        self.version += 1
+        return new
+
+    def _settle(self, b: int, now: float, reports: dict[str, Any] | None = None) -> None:
+        """Carries bucket `b` as far toward its `want` as the rules allow at `now`."""
+        bucket = self.buckets[b]
+        before = (list(bucket["holders"]), list(bucket["joining"]))
+        bucket["holders"] = [s for s in bucket["holders"] if self._live(s)]
+        bucket["joining"] = [s for s in bucket["joining"] if self._live(s)]
+        left = bucket.get("left")
+        if left:  # who left longer ago than a wave is never a candidate: forget it
+            bucket["left"] = {
+                s: at for s, at in left.items() if now - at <= WAVE * self.terms.duration
+            }
+        want = bucket["want"]
+        self._add_copies(b)
+        self._drop_stale_offers(b)
+        target = self._grant_target(b, now, reports)
+        if target is not None:
+            prev = bucket["lease"]
+            # A candidate's copy after every member was gone (logged: from LMDB it may lack the
+            # updates of its last flush_interval).
+            lost = (
+                prev is not None
+                and target not in bucket["holders"]
+                and not (target == prev.holder and self.holder_live(b))
+            )
+            if lost:
+                epoch, seq = self.servers[target].get("copies", {}).get(b, (0, 0))
+                log.warning(
+                    "bucket %d: no live member left; candidate %s serves its copy (epoch %d, "
+                    "seq %d)",
+                    b,
+                    target,
+                    epoch,
+                    seq,
+                )
+            self._grant(b, target, now)
+            bucket["candidates"] = []
+            bucket["left"] = {}
+            if target != want[0] and target in want:
+                want.remove(target)
+                want.insert(0, target)
+            self._add_copies(b)  # a bucket served again: the wanted copies join now
+        # Members outside `want` leave once every wanted live copy is in the replica set.
+        primary = self.primary_of(b)
+        wanted_live = [s for s in want if self._live(s)]
+        if all(s == primary or s in bucket["holders"] for s in wanted_live):
+            bucket["holders"] = [s for s in bucket["holders"] if s in want]
+            bucket["joining"] = [s for s in bucket["joining"] if s in want]
+        if before != (bucket["holders"], bucket["joining"]):
+            self.version += 1
+
+    def _drop_stale_offers(self, b: int) -> None:
+        """A live server holding no role in a served bucket lets its copy go (roles_of lists it
+        nowhere): its offer is void from then on."""
+        if self.unavailable(b):
+            return
+        bk = self.buckets[b]
+        keep = set(self.live_members(b)) | set(bk["joining"]) | set(bk.get("candidates", []))
+        keep |= set(bk.get("left", {}))  # it may become a candidate with the last member
+        for s, rec in self.servers.items():
+            if s not in keep and b in rec.get("copies", {}):
+                del rec["copies"][b]
+
+    def _start_join(self, b: int, sid: str) -> None:
+        bk = self.buckets[b]
+        self.joins = getattr(self, "joins", 0) + 1
+        bk["joining"].append(sid)
+        bk.setdefault("join_ids", {})[sid] = self.joins
+
+    def _lease_in_use(self, lease: Lease | None, now: float) -> dict[str, Any] | None:
+        """The refusal of a grant while `lease` may still be in use at `now`, else None."""
+        if leases.expired(lease, now, self.terms):
+            return None
+        until = leases.expires_at(lease, self.terms)
+        return refusal(
+            "conflict",
+            f"the lease of epoch {lease.epoch} may be in use until {until:.3f}",  # type: ignore[union-attr]
+            reason="lease_active",
+            retry_after=round(until - now, 3),
+        )
+
+    def _add_copies(self, b: int) -> None:
+        """Wanted live servers that hold no copy of `b` yet start one: caught up at once in a
+        fresh bucket (nothing to copy), else joining (state transfer from the primary). An
+        unavailable bucket has nobody to copy from: its copies join once it is served again."""
+        bucket = self.buckets[b]
+        if self.unavailable(b):
+            return
+        want = bucket["want"]
+        primary = self.primary_of(b) if self.holder_live(b) else None
+        for s in want:
+            if (
+                self._live(s)
+                and s != primary
+                and s not in bucket["holders"]
+                and s not in bucket["joining"]
+            ):
+                if bucket["lease"] is None:
+                    if s != want[0]:
+                        bucket["holders"].append(s)
+                else:
+                    self._start_join(b, s)
+
+    def _grant_target(
+        self, b: int, now: float, reports: dict[str, Any] | None = None
+    ) -> str | None:
+        """Who gets the next lease of bucket `b` at `now`, if anyone may (read-only)."""
+        bucket = self.buckets[b]
+        want = bucket["want"]
+        lease: Lease | None = bucket["lease"]
+        if not want or not leases.expired(lease, now, self.terms):
+            return None
+        holder_ok = self.holder_live(b) and lease is not None and lease.released_at is None
+        if holder_ok and lease.holder == want[0]:  # type: ignore[union-attr]
+            return None  # expired but still wanted: it renews on its next heartbeat
+        if lease is None:
+            return want[0]  # a fresh bucket: no copy holds anything yet
+        if want[0] in bucket["holders"] and self._live(want[0]):
+            return want[0]
+        if holder_ok:
+            return None  # a hand-off waits until the target has caught up
+        best = self._best_copy(b, reports)
+        if best is not None:
+            return best
+        # No live member is left: the most up-to-date candidate that is back with its copy. None
+        # back: the bucket stays unavailable (never re-created empty, never from an older copy).
+        return self._best_candidate(b)
+
+    def _wave(self, b: int, now: float) -> list[str]:
+        """Members that left bucket `b` within WAVE lease durations before `now`, and whose copy
+        may still exist: not yet back, or back offering it."""
+        out = []
+        for s, at in self.buckets[b].get("left", {}).items():
+            rec = self.servers.get(s)
+            if rec is None or now - at > WAVE * self.terms.duration:
+                continue
+            if rec["state"] == DEAD or b in rec.get("copies", {}):
+                out.append(s)
+        return out
+
+    def _best_candidate(self, b: int) -> str | None:
+        """The candidate of bucket `b` that offered the highest (epoch, seq), once every
+        candidate is back: until then any of the missing ones may hold the newest copy."""
+        bucket = self.buckets[b]
+        cands = bucket.get("candidates", [])
+        if not cands or not all(self._live(s) for s in cands):
+            return None
+        cands = [s for s in cands if b in self.servers[s].get("copies", {})]
+        if not cands:
+            return None
+        want = bucket["want"]
+
+        def key(s: str) -> tuple:
+            epoch, seq = self.servers[s]["copies"][b]
+            return (-epoch, -seq, want.index(s) if s in want else len(want), s)
+
+        return min(cands, key=key)
+
+    def live_members(self, b: int, exclude: str | None = None) -> list[str]:
+        """The live members of bucket `b`'s replica set (primary in its incarnation, holders)."""
+        bk = self.buckets[b]
+        out = [self.primary_of(b)] if self.holder_live(b) else []
+        out += [s for s in bk["holders"] if self._live(s)]
+        return [s for s in out if s != exclude]
+
+    def unavailable(self, b: int) -> bool:
+        """Bucket `b` held data once and no live member of its replica set is left to serve it
+        (until a candidate is back, or an operator declares it lost)."""
+        return self.buckets[b]["lease"] is not None and not self.live_members(b)
+
+    def grants_due(self, now: float) -> list[int]:
+        """Buckets whose lease `reconcile(now)` would grant (the leader asks before proposing)."""
+        return [b for b in range(self.n_buckets) if self._grant_target(b, now) is not None]
+
+    def _best_copy(self, b: int, reports: dict[str, Any] | None) -> str | None:
+        """The caught-up copy with the highest reported (epoch, seq); ties by placement, id."""
+        bucket = self.buckets[b]
+        cands = [s for s in bucket["holders"] if self._live(s)]
+        if not cands:
+            return None
+        reports = reports or {}
+        want = bucket["want"]
+
+        def key(s: str) -> tuple:
+            r = reports.get(s) or (0, 0)
+            return (-int(r[0]), -int(r[1]), want.index(s) if s in want else len(want), s)
+
+        return min(cands, key=key)
+
+    def _replan(self, now: float, reports: dict[int, dict[str, Any]] | None = None) -> None:
+        """New placement targets over the eligible servers, then settle every bucket."""
+        eligible = self.eligible()
+        placed = any(bk["want"] or bk["lease"] for bk in self.buckets)
+        if not placed and len(eligible) < self.min_servers:
+            return
+        current = {}
+        for b, bk in enumerate(self.buckets):
+            p = [self.primary_of(b)] if self.holder_live(b) else []
+            current[b] = p + bk["holders"] + bk["joining"]
+        target = placement.place(self.n_buckets, current, eligible, self.replication)
+        for b, bk in enumerate(self.buckets):
+            bk["want"] = list(target[b])
+            self._settle(b, now, (reports or {}).get(b))
+        self.version += 1

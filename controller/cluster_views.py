@@ -1,0 +1,144 @@
+"""What the controllers' model answers: the routing table, a server's roles, the cluster view,
+the lease record. Read-only (callers hold the replicated state's lock)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adamps.core import lease as leases
+from adamps.core.lease import Lease
+from controller.cluster_rules import DEAD, DRAINING
+
+
+class Views:
+    """The read-only queries of the model.
+
+    A part of :class:`controller.state.ClusterModel`, which holds the records its methods read
+    and change (``servers``, ``buckets``, ``history``, ...): plain, deterministic, no clock, no
+    IO, never raises on bad input."""
+
+    def under_replicated(self) -> int:
+        """Buckets with fewer caught-up live copies than the replication factor."""
+        return sum(1 for b in range(self.n_buckets) if len(self.holders_of(b)) < self.replication)
+
+    def holders_of(self, b: int) -> list[str]:
+        """Caught-up live copies, primary first."""
+        bk = self.buckets[b]
+        out = [self.primary_of(b)] if self.holder_live(b) else []
+        return out + [s for s in bk["holders"] if self._live(s)]
+
+    def bucket_view(self, b: int) -> dict[str, Any]:
+        bk = self.buckets[b]
+        lease: Lease | None = bk["lease"]
+        p = None if lease is None else lease.holder
+        return {
+            "bucket": b,
+            "primary": p,
+            "address": self.servers.get(p, {}).get("address") if p else None,
+            "epoch": 0 if lease is None else lease.epoch,
+            "secondaries": list(bk["holders"]),
+            "joining": list(bk["joining"]),
+            "want": list(bk["want"]),
+            "lease": None
+            if lease is None
+            else {**lease.to_dict(), "expires_at": leases.expires_at(lease, self.terms)},
+            "lost": bk["lost"],
+            "candidates": list(bk.get("candidates", [])),
+            "state": "unavailable" if self.unavailable(b) else "ok",
+        }
+
+    def routing(self) -> dict[str, Any]:
+        buckets = []
+        for b in range(self.n_buckets):
+            v = self.bucket_view(b)
+            entry = {k: v[k] for k in ("bucket", "primary", "address", "epoch", "secondaries")}
+            entry["state"] = v["state"]
+            if v["state"] == "unavailable":  # nobody to send to: no primary to try
+                entry.update(primary=None, address=None, secondaries=[])
+            buckets.append(entry)
+        return {
+            "version": self.version,
+            "n_buckets": self.n_buckets,
+            "buckets": buckets,
+            "servers": {
+                s: rec["address"] for s, rec in self.servers.items() if rec["state"] != DEAD
+            },
+            "layout_version": self.layout_version,
+        }
+
+    def roles_of(self, sid: str) -> list[dict[str, Any]]:
+        out = []
+        offered = self.servers.get(sid, {}).get("copies", {})
+        for b, bk in enumerate(self.buckets):
+            if self.primary_of(b) == sid and self.holder_live(b):
+                role = "primary"
+            elif sid in bk["holders"]:
+                role = "secondary"
+            elif sid in bk.get("candidates", []) or (b in offered and self.unavailable(b)):
+                # Keep the copy, serve nothing: it may be the freshest one there is (a
+                # candidate), or what an operator's declare-lost (write_off) picks.
+                role = "standby"
+            elif sid in bk["joining"]:
+                role = "joining"
+            elif b in offered and sid in bk.get("left", {}):
+                role = "standby"  # left shortly before: a candidate if the last member leaves
+            else:
+                continue
+            view = self.bucket_view(b)
+            view["role"] = role
+            view["secondary_addresses"] = {
+                s: self.servers.get(s, {}).get("address")
+                for s in view["secondaries"] + view["joining"]
+            }
+            if role == "joining":
+                view["join"] = bk.get("join_ids", {}).get(sid, 0)
+            out.append(view)
+        return out
+
+    def lease_records(self) -> list[dict[str, Any]]:
+        """Every lease in the record (closed ones, then the current ones)."""
+        current = [
+            {"bucket": b, **bk["lease"].to_dict()}
+            for b, bk in enumerate(self.buckets)
+            if bk["lease"]
+        ]
+        return [*self.history, *current]
+
+    def cluster_view(self) -> dict[str, Any]:
+        per_server: dict[str, dict[str, int]] = {
+            s: {"primary": 0, "secondary": 0, "joining": 0} for s in self.servers
+        }
+        for b in range(self.n_buckets):
+            v = self.bucket_view(b)
+            if v["primary"] in per_server:
+                per_server[v["primary"]]["primary"] += 1
+            for s in v["secondaries"]:
+                per_server.setdefault(s, {"primary": 0, "secondary": 0, "joining": 0})[
+                    "secondary"
+                ] += 1
+            for s in v["joining"]:
+                per_server.setdefault(s, {"primary": 0, "secondary": 0, "joining": 0})[
+                    "joining"
+                ] += 1
+        servers = {}
+        for s, rec in sorted(self.servers.items()):
+            counts = per_server.get(s, {})
+            state = rec["state"]
+            if state == DRAINING and not any(counts.values()):
+                state = "drained"
+            servers[s] = {**rec, "state": state, **counts}
+        return {
+            "version": self.version,
+            "n_buckets": self.n_buckets,
+            "replication": self.replication,
+            "clock": self.clock,
+            "lease_terms": self.terms.to_dict(),
+            "servers": servers,
+            "buckets": [self.bucket_view(b) for b in range(self.n_buckets)],
+            "under_replicated": self.under_replicated(),
+            "unassigned": sum(1 for b in range(self.n_buckets) if not self.holder_live(b)),
+            "unavailable": [b for b in range(self.n_buckets) if self.unavailable(b)],
+            "lost": [b for b in range(self.n_buckets) if self.buckets[b]["lost"]],
+            "declared_lost": getattr(self, "declared_lost", 0),
+            "layout_version": self.layout_version,
+        }

@@ -1,0 +1,97 @@
+"""The controller's metrics (``adamps_controller_*``): its Raft node, the cluster's servers and
+buckets, and the writes it proposed."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from adamps import metrics
+from controller.state import ClusterModel, ReplicatedCluster
+
+
+class ControllerMetrics:
+    """Counters and gauges of one controller node."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.leader = Gauge(
+            "adamps_controller_is_leader", "1 if this node is the Raft leader", registry=r
+        )
+        self.term = Gauge("adamps_controller_raft_term", "current Raft term", registry=r)
+        self.commit = Gauge("adamps_controller_commit_index", "Raft commit index", registry=r)
+        self.servers = Gauge(
+            "adamps_controller_servers", "parameter servers by state", ["state"], registry=r
+        )
+        self.under = Gauge(
+            "adamps_controller_under_replicated_buckets",
+            "buckets with fewer copies than the replication",
+            registry=r,
+        )
+        self.unassigned = Gauge(
+            "adamps_controller_unassigned_buckets",
+            "buckets without a live lease holder",
+            registry=r,
+        )
+        self.unavailable = Gauge(
+            "adamps_controller_unavailable_buckets",
+            "buckets that held data and have no live copy to serve them (pushes and pulls get "
+            "503 bucket_unavailable until a candidate copy is back or an operator declares them "
+            "lost)",
+            registry=r,
+        )
+        self.lost = Gauge(
+            "adamps_controller_buckets_declared_lost",
+            "buckets an operator declared lost (POST /buckets/{b}/declare-lost), in the "
+            "replicated record (survives controller restarts)",
+            registry=r,
+        )
+        self.version = Gauge("adamps_controller_table_version", "routing table version", registry=r)
+        self.writes = Counter(
+            "adamps_controller_writes_total",
+            "writes proposed by this node, by operation and result",
+            ["op", "result"],
+            registry=r,
+        )
+        self.write_s = Histogram(
+            "adamps_controller_commit_seconds",
+            "time from proposal to commit",
+            buckets=metrics.LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.forwarded = Counter(
+            "adamps_controller_forwarded_total", "writes forwarded to the leader", registry=r
+        )
+        self.heartbeats = Counter(
+            "adamps_controller_heartbeats_total", "server heartbeats handled as leader", registry=r
+        )
+        self.dead = Counter(
+            "adamps_controller_servers_declared_dead_total",
+            "servers declared dead by this leader",
+            registry=r,
+        )
+
+    def update(
+        self, leader: bool, term: int, commit_index: int, cluster: ReplicatedCluster
+    ) -> None:
+        """The gauges from the node's Raft view and its applied state."""
+        self.leader.set(1 if leader else 0)
+        self.term.set(term)
+        self.commit.set(commit_index)
+
+        def snap(m: ClusterModel) -> tuple[dict[str, int], int, int, int, int, int]:
+            states: dict[str, int] = {"live": 0, "dead": 0, "draining": 0}
+            for rec in m.servers.values():
+                states[rec["state"]] = states.get(rec["state"], 0) + 1
+            unassigned = sum(1 for b in range(m.n_buckets) if not m.holder_live(b))
+            unavailable = sum(1 for b in range(m.n_buckets) if m.unavailable(b))
+            lost = getattr(m, "declared_lost", 0)
+            return states, m.under_replicated(), unassigned, unavailable, lost, m.version
+
+        states, under, unassigned, unavailable, lost, version = cluster.read(snap)
+        for k, v in states.items():
+            self.servers.labels(k).set(v)
+        self.under.set(under)
+        self.unassigned.set(unassigned)
+        self.unavailable.set(unavailable)
+        self.lost.set(lost)
+        self.version.set(version)

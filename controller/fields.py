@@ -1,0 +1,70 @@
+"""The checked fields of the controller's HTTP API: path parameters and JSON body fields, each
+refused with a 400 naming the bad value and what is expected."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from adamps.protocol import ProtocolError
+
+
+def positions(raw: Any, n_buckets: int, name: str) -> dict[int, list[int]]:
+    """A map bucket -> [epoch, seq] from JSON (keys are strings there), checked."""
+    if not isinstance(raw, dict):
+        raise ProtocolError("bad_request", f"{name} must be a map bucket -> [epoch, seq]")
+    out = {}
+    for b, r in raw.items():
+        try:
+            bi, epoch, seq = int(b), int(r[0]), int(r[1])
+        except (TypeError, ValueError, IndexError, KeyError):
+            raise ProtocolError("bad_request", f"{name}[{b!r}] must be [epoch, seq]") from None
+        if not 0 <= bi < n_buckets or epoch < 0 or seq < 0:
+            raise ProtocolError(
+                "bad_request", f"{name}[{b!r}]: bucket in [0, {n_buckets}), epoch and seq >= 0"
+            )
+        out[bi] = [epoch, seq]
+    return out
+
+
+def server_id(request: web.Request) -> str:
+    sid = request.match_info["id"]
+    if not sid or len(sid) > 128 or not all(c.isalnum() or c in "-_." for c in sid):
+        raise ProtocolError("bad_request", "server id must be 1-128 characters of [A-Za-z0-9._-]")
+    return sid
+
+
+def bucket(request: web.Request, n: int) -> int:
+    try:
+        b = int(request.match_info["bucket"])
+    except ValueError:
+        raise ProtocolError("bad_request", "bucket must be an integer") from None
+    if not 0 <= b < n:
+        raise ProtocolError("unknown_bucket", f"no bucket {b} (the cluster has {n})")
+    return b
+
+
+def str_field(body: dict[str, Any], name: str) -> str:
+    v = body.get(name)
+    if not isinstance(v, str) or not v or len(v) > 256:
+        raise ProtocolError("bad_request", f"field {name!r} must be a non-empty string")
+    return v
+
+
+def address(body: dict[str, Any]) -> str:
+    """Field address as host:port (a name or an IP literal, a port 1..65535)."""
+    v = str_field(body, "address")
+    host, sep, port = v.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    ok_host = bool(host) and len(host) <= 253 and all(c.isalnum() or c in "-._:" for c in host)
+    if not sep or not ok_host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ProtocolError("bad_request", f"field 'address' must be host:port, got {v[:100]!r}")
+    return v
+
+
+def int_field(body: dict[str, Any], name: str) -> int:
+    v = body.get(name)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 63:
+        raise ProtocolError("bad_request", f"field {name!r} must be an integer in 0..2^63-1")
+    return v

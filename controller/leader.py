@@ -1,0 +1,120 @@
+"""The leader's duties (soft state, never replicated): it remembers when each parameter server
+last sent a heartbeat, turns a silence longer than `server_timeout` into a committed
+`declare_dead`, proposes a `reconcile` whenever some lease may be granted (a dead primary's lease
+has certainly expired, or a hand-off target has caught up), and sweeps dead servers nothing
+refers to any more. A new leader starts every server's silence clock afresh, so a leader change
+never declares anybody dead by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from adamps.protocol import ProtocolError
+from controller.config import ControllerConfig
+from controller.ctl_metrics import ControllerMetrics
+from controller.raft_node import NotLeader, RaftNode
+from controller.state import DEAD, ClusterModel, ReplicatedCluster
+
+log = logging.getLogger("controller.service")
+
+
+class LeaderDuties:
+    """The leader loop and its soft state. Event-loop thread only."""
+
+    def __init__(
+        self,
+        cfg: ControllerConfig,
+        cluster: ReplicatedCluster,
+        raft: RaftNode,
+        m: ControllerMetrics,
+    ) -> None:
+        self.cfg = cfg
+        self.cluster = cluster
+        self.raft = raft
+        self.m = m
+        #: leader soft state: server id -> monotonic time of its last heartbeat
+        self.last_seen: dict[str, float] = {}
+        #: leader soft state: bucket -> server -> [epoch, seq] last reported
+        self.reports: dict[int, dict[str, list[int]]] = {}
+        self._was_leader = False
+        #: monotonic time the leader loop's last step ended (a long gap: this node was stalled)
+        self._last_step = time.monotonic()
+
+    def heard_from(self, sid: str) -> None:
+        """A heartbeat or registration of server `sid` arrived now."""
+        self.last_seen[sid] = time.monotonic()
+
+    def record_report(self, b: int, sid: str, position: list[int]) -> None:
+        """Server `sid` reported its copy of bucket `b` at [epoch, seq]."""
+        self.reports.setdefault(b, {})[sid] = position
+
+    def reports_of(self, b: int) -> dict[str, list[int]]:
+        return self.reports.get(b, {})
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self._leader_step()
+                self.m.update(
+                    self.raft.is_leader(), self.raft.term, self.raft.commit_index, self.cluster
+                )
+            except asyncio.CancelledError:
+                raise
+            except ProtocolError as exc:
+                log.info("leader step: %s", exc)
+            except NotLeader:
+                pass
+            except Exception:
+                log.exception("leader step failed")
+            # Measured from the end of a step: the step's own waits (commits) are no stall.
+            self._last_step = time.monotonic()
+            await asyncio.sleep(self.cfg.reconcile_interval)
+
+    async def _leader_step(self) -> None:
+        leader = self.raft.is_leader() and self.raft.is_ready()
+        if not leader:
+            self._was_leader = False
+            return
+        mono = time.monotonic()
+        gap = mono - self._last_step - self.cfg.reconcile_interval
+        stalled = gap > self.cfg.server_timeout / 2
+        if not self._was_leader:
+            # A new leader knows no heartbeat yet: everybody's silence clock starts now.
+            self._was_leader = True
+            self.last_seen = {}
+            log.info("this node leads (term %d)", self.raft.term)
+        elif stalled:
+            # This node itself was stopped or starved (a pause, a flooded port): the heartbeats
+            # of that time were never read, so their absence says nothing about the servers.
+            log.warning("leader loop stalled %.1fs: every server's silence clock restarts", gap)
+            self.last_seen = {}
+        servers = self.cluster.read(lambda m: {s: r["state"] for s, r in m.servers.items()})
+        for sid, state in servers.items():
+            if state == DEAD:
+                self.last_seen.pop(sid, None)
+                continue
+            seen = self.last_seen.setdefault(sid, mono)
+            if mono - seen > self.cfg.server_timeout:
+                log.warning("server %s silent for %.1fs: declaring it dead", sid, mono - seen)
+                await self.raft.commit("declare_dead", sid, time.time(), self.reports_copy())
+                self.m.dead.inc()
+                self.last_seen.pop(sid, None)
+        now = time.time()
+        if self.cluster.read(lambda m: m.grants_due(now)):
+            await self.raft.commit("reconcile", now, self.reports_copy())
+        dead_before = now - self.cfg.dead_server_ttl
+        for sid in self.cluster.read(lambda m: expired_dead(m, dead_before)):
+            await self.raft.commit("sweep_dead", sid, dead_before, now)
+
+    def reports_copy(self) -> dict[int, dict[str, list[int]]]:
+        return {b: dict(r) for b, r in self.reports.items()}
+
+
+def expired_dead(m: ClusterModel, dead_before: float) -> list[str]:
+    return [
+        s
+        for s, r in m.servers.items()
+        if r["state"] == DEAD and r["since"] <= dead_before and not m.refers_to(s)
+    ]

@@ -1,0 +1,245 @@
+"""One controller's Raft node (pysyncobj): who leads, whether it has a quorum, and the proposal
+of a write, which waits for the entry to commit and apply here.
+
+A write that cannot commit within `commit_timeout`, or that is asked while this node has no
+majority, fails fast with ``no_quorum``; the caller may retry (every operation is safe to retry:
+the replicated methods check epochs and states). A write whose apply would refuse is not
+proposed: it is first run on a copy of the applied state (``DRY_RUN_OPS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import time
+from typing import Any
+
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
+
+from adamps.protocol import ProtocolError
+from controller.config import ControllerConfig
+from controller.ctl_metrics import ControllerMetrics
+from controller.raft_transport import RaftLimits, transport_class
+from controller.state import ReplicatedCluster
+
+#: pysyncobj's getStatus()["state"] of a leader (0 follower, 1 candidate, 2 leader): its public API
+RAFT_LEADER = 2
+#: operations asked for by clients: dry-run on a copy of the state before they are proposed
+#: (those whose apply can refuse; register, rebalance and report_progress always succeed once
+#: their arguments passed the handlers' checks, so they skip the copy)
+DRY_RUN_OPS = frozenset(
+    {
+        "drain",
+        "role_change",
+        "verified_caught_up",
+        "write_off",
+        "release",
+        "drop_secondary",
+        "set_layout",
+    }
+)
+#: the refusals of replicated methods that keep their code on the wire (others: conflict)
+ERROR_CODES = {"stale_epoch", "conflict", "not_found", "unknown_bucket", "bad_request", "internal"}
+
+
+def ok_or_raise(res: dict[str, Any]) -> dict[str, Any]:
+    """A replicated method's refusal becomes the matching 4xx error."""
+    if res.get("ok"):
+        return res
+    code = res.get("error", "conflict")
+    extra = {k: v for k, v in res.items() if k not in ("ok", "error", "message")}
+    raise ProtocolError(
+        code if code in ERROR_CODES else "conflict", res.get("message", code), **extra
+    )
+
+
+class NotLeader(Exception):
+    pass
+
+
+class RaftNode:
+    """This controller's member of the Raft group, replicating `cluster`."""
+
+    def __init__(
+        self, cfg: ControllerConfig, cluster: ReplicatedCluster, m: ControllerMetrics
+    ) -> None:
+        self.cfg = cfg
+        self.cluster = cluster
+        self.m = m
+        conf = raft_conf(
+            password=cfg.password,
+            journal_file=os.path.join(cfg.data_dir, "raft.journal"),
+            dump_file=os.path.join(cfg.data_dir, "raft.dump"),
+            raftMinTimeout=cfg.election_min,
+            raftMaxTimeout=cfg.election_max,
+            leaderFallbackTimeout=cfg.leader_fallback,
+            logCompactionMinEntries=cfg.compaction_entries,
+            logCompactionMinTime=cfg.compaction_seconds,
+            bindAddress=f"{cfg.bind_host}:{cfg.raft_addresses[cfg.member].rsplit(':', 1)[1]}"
+            if cfg.bind_host
+            else None,
+        )
+        raft = cfg.raft_addresses
+        self.self_raft = raft[cfg.member]
+        self.http_of = dict(zip(raft, cfg.http_addresses, strict=True))
+        self.node = make_node(
+            self.self_raft,
+            [a for a in raft if a != self.self_raft],
+            self.cluster,
+            conf,
+            cfg.raft_limits,
+        )
+
+    @property
+    def last_applied(self) -> int:
+        """The index of the last entry applied on this node."""
+        return self.node.raftLastApplied
+
+    @property
+    def term(self) -> int:
+        return self.node.raftCurrentTerm
+
+    @property
+    def commit_index(self) -> int:
+        return self.node.raftCommitIndex
+
+    def is_ready(self) -> bool:
+        """This node has applied the log it found at start (a new leader has caught up)."""
+        return self.node.isReady()
+
+    def is_leader(self) -> bool:
+        return self.node.getStatus()["state"] == RAFT_LEADER
+
+    def leader_raft(self) -> str | None:
+        leader = self.node.getStatus()["leader"]
+        return None if leader is None else leader.address
+
+    def has_quorum(self) -> bool:
+        try:
+            return bool(self.node.hasQuorum)
+        except RuntimeError:  # a set changed size under us (the Raft thread): ask again
+            return bool(self.node.hasQuorum)
+
+    def raft_status(self) -> dict[str, Any]:
+        leader = self.leader_raft()
+        return {
+            "self": self.self_raft,
+            "role": "leader" if self.is_leader() else ("follower" if leader else "candidate"),
+            "leader": leader,
+            "leader_http": self.http_of.get(leader) if leader else None,
+            "term": self.node.raftCurrentTerm,
+            "commit_index": self.node.raftCommitIndex,
+            "last_applied": self.node.raftLastApplied,
+            "has_quorum": self.has_quorum(),
+            "ready": self.node.isReady(),
+            "members": self.cfg.members,
+        }
+
+    async def commit(self, op: str, *args: Any) -> dict[str, Any]:
+        """Proposes `op(*args)` on this node (the leader) and waits for it to commit and apply."""
+        if not self.is_leader():
+            raise NotLeader()
+        if not self.has_quorum():
+            self.m.writes.labels(op, "no_quorum").inc()
+            raise ProtocolError(
+                "no_quorum", "the leader is not connected to a majority of controllers"
+            )
+        if op in DRY_RUN_OPS:
+            # A Raft entry whose apply would refuse is not proposed (issue 12): the operation is
+            # first run on a copy of this leader's applied state. Only an entry committed in
+            # between can still make the real apply refuse (then a no-op on every replica).
+            dry = self.cluster.read(lambda m: getattr(copy.deepcopy(m), op)(*copy.deepcopy(args)))
+            if not dry.get("ok"):
+                self.m.writes.labels(op, "refused").inc()
+                return dry
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def done(result: Any, err: int) -> None:
+            def settle() -> None:
+                if not fut.done():
+                    fut.set_result((result, err))
+
+            loop.call_soon_threadsafe(settle)
+
+        t0 = time.perf_counter()
+        getattr(self.cluster, op)(*args, callback=done)
+        try:
+            result, err = await asyncio.wait_for(fut, self.cfg.commit_timeout)
+        except TimeoutError:
+            self.m.writes.labels(op, "no_quorum").inc()
+            raise ProtocolError(
+                "no_quorum",
+                f"{op} did not commit within {self.cfg.commit_timeout}s (no majority?); outcome unknown",
+            ) from None
+        if err != FAIL_REASON.SUCCESS:
+            self.m.writes.labels(op, "failed").inc()
+            raise ProtocolError(
+                "no_quorum", f"{op} was not committed (raft reason {err}); retry", raft_error=err
+            )
+        self.m.write_s.observe(time.perf_counter() - t0)
+        self.m.writes.labels(op, "ok" if result.get("ok") else "refused").inc()
+        return result
+
+    def close(self) -> None:
+        self.node.destroy()
+
+
+def raft_conf(
+    *,
+    password: str,
+    journal_file: str,
+    dump_file: str,
+    fast: bool = True,
+    **overrides: Any,
+) -> SyncObjConf:
+    """pysyncobj settings: always a password, a journal AND a full dump, fast elections.
+
+    Timings: a follower starts an election 0.3-0.9 s after the last append from the leader, so a
+    new leader is normally in place within ~1-2 s of a crash; a leader that hears from no
+    majority for 1 s steps down (the default 30 s would let a cut-off leader believe it leads).
+    """
+    if not password:
+        raise ValueError("pysyncobj needs a password: its port carries pickled data")
+    if not journal_file or not dump_file:
+        raise ValueError("both a journal file and a full-dump file are required")
+    opts: dict[str, Any] = {
+        "password": password,
+        "journalFile": journal_file,
+        "fullDumpFile": dump_file,
+        # Fork-free dumps: the controller also runs an aiohttp thread, and the state is small.
+        "useFork": False,
+        "commandsWaitLeader": False,
+        "dynamicMembershipChange": False,
+    }
+    if fast:
+        opts.update(
+            raftMinTimeout=0.3,
+            raftMaxTimeout=0.9,
+            appendEntriesPeriod=0.05,
+            connectionTimeout=1.5,
+            connectionRetryTime=0.3,
+            leaderFallbackTimeout=1.0,
+            autoTickPeriod=0.02,
+        )
+    opts.update(overrides)
+    return SyncObjConf(**opts)
+
+
+def make_node(
+    self_addr: str,
+    partners: list[str],
+    cluster: ReplicatedCluster,
+    conf: SyncObjConf,
+    limits: RaftLimits | None = None,
+) -> SyncObj:
+    """A Raft node on `self_addr` (host:port) replicating `cluster` with `partners`, on the
+    bounded transport (bound to its own address; controller/raft_transport.py)."""
+    return SyncObj(
+        self_addr,
+        partners,
+        conf=conf,
+        consumers=[cluster],
+        transportClass=transport_class(limits or RaftLimits()),
+    )

@@ -1,0 +1,134 @@
+"""The client layer's pure parts: the one retry policy (adamps/retry.py), the request builder
+(adamps/rpc.py) and the controller client's core (which controller to ask, what ends a round)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from adamps import protocol, retry
+from adamps.controller_client import Call, ControllerOps, ControllerRing, retryable
+from adamps.retry import RetryPolicy
+from adamps.rpc import RpcError, json_request, read_reply, rpc_request
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def flaky(fail: int, exc: type[BaseException] = ConnectionError):
+    """attempt(n) failing with `exc` for the first `fail` attempts; records the attempt numbers."""
+    seen: list[int] = []
+
+    def attempt(n: int) -> int:
+        seen.append(n)
+        if n <= fail:
+            raise exc(f"attempt {n}")
+        return n
+
+    return attempt, seen
+
+
+def test_retries_until_success_and_counts_attempts() -> None:
+    attempt, seen = flaky(3)
+    retried: list[int] = []
+    result = retry.call(
+        RetryPolicy(5.0), attempt, retryable, on_retry=lambda _e, n: retried.append(n)
+    )
+    assert result == 4 and seen == [1, 2, 3, 4] and retried == [1, 2, 3]
+
+
+def test_an_error_that_is_an_answer_is_raised_at_once() -> None:
+    attempt, seen = flaky(3, exc=ValueError)
+    with pytest.raises(ValueError, match="attempt 1"):
+        retry.call(RetryPolicy(5.0), attempt, retryable)
+    assert seen == [1]
+
+
+def test_the_last_error_is_raised_at_the_deadline_and_waits_stay_within_the_cap() -> None:
+    attempt, seen = flaky(10_000)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError):
+        retry.call(RetryPolicy(0.6, first=0.05, cap=0.1), attempt, retryable)
+    took = time.monotonic() - t0
+    # No attempt starts after the deadline; with waits of at most 0.1 s, many attempts fit.
+    assert took < 0.6 + 0.2 and len(seen) >= 6
+
+
+def test_give_up_ends_the_retries() -> None:
+    attempt, seen = flaky(10_000)
+    with pytest.raises(ConnectionError):
+        retry.call(RetryPolicy(30.0), attempt, retryable, give_up=lambda: len(seen) >= 2)
+    assert seen == [1, 2]
+
+
+def test_async_retries_share_the_policy() -> None:
+    attempt, seen = flaky(2, exc=TimeoutError)
+
+    async def aattempt(n: int) -> int:
+        return attempt(n)
+
+    assert asyncio.run(retry.acall(RetryPolicy(5.0), aattempt, retryable)) == 3
+    assert seen == [1, 2, 3]
+
+
+def test_requests_are_built_once_for_both_transports() -> None:
+    req = rpc_request("pull", shards=["a/0"])
+    assert req.method == "POST" and req.path == "/rpc"
+    assert protocol.decode(req.body)["shards"] == ["a/0"]
+    post = json_request("POST", "/layout", {"layout": 1})
+    assert json.loads(post.body) == {"layout": 1} and read_reply(post, 200, b"") is None
+    assert json_request("GET", "/routing").body is None
+    error = b'{"error": {"code": "no_quorum", "message": "election"}}'
+    with pytest.raises(RpcError) as info:
+        read_reply(post, 503, error)
+    assert info.value.code == "no_quorum" and info.value.http_status == 503
+
+
+class Recorder(ControllerOps):
+    """Runs nothing: shows the call each operation makes."""
+
+    def _run(self, call: Call) -> Call:
+        return call
+
+
+def test_operations_build_the_documented_requests() -> None:
+    ops = Recorder()
+    hb = ops.heartbeat("ps0", 7, {3: [2, 10]})
+    assert (hb.request.method, hb.request.path) == ("POST", "/servers/ps0/heartbeat")
+    assert json.loads(hb.request.body) == {"known_version": 7, "reports": {"3": [2, 10]}}
+    reply, asked_at = hb.then({"ok": True})
+    assert reply == {"ok": True} and asked_at <= time.monotonic()
+    assert ops.progress(2).request.path == "/progress?epoch=2"
+    layout = ops.layout()
+    assert layout.settle(RpcError("not_found", "no layout")) is None
+    with pytest.raises(RpcError):
+        ops.routing().settle(RpcError("not_found", "x"))
+
+
+def test_a_round_asks_the_last_controller_that_answered_first() -> None:
+    ring = ControllerRing(3)
+    r = ring.round()
+    asked = []
+    for i in r:
+        asked.append(i)
+        with r.asking(i):
+            if i < 2:
+                raise RpcError("no_quorum", "election")
+            break
+    assert asked == [0, 1, 2] and ring.first == 2
+    assert list(ring.round()) == [2, 0, 1]
+
+
+def test_a_round_without_an_answer_raises_the_last_failure_and_an_answer_is_not_retried() -> None:
+    ring = ControllerRing(2)
+    r = ring.round()
+    for i in r:
+        with r.asking(i):
+            raise ConnectionError(f"controller {i} down")
+    assert str(r.failed()) == "controller 1 down" and ring.first == 0
+    r = ring.round()
+    with pytest.raises(RpcError), r.asking(1):
+        raise RpcError("stale_epoch", "old")
+    assert ring.first == 1  # it answered: ask it first next time

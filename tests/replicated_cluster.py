@@ -1,0 +1,82 @@
+"""What the replicated-cluster fault tests share (system/test_failover.py,
+system/test_compressed_failover.py, chaos/test_partitions.py): one tensor of 16 shards over 8
+buckets, a cluster of 3 controllers and N parameter servers with the fast timings, a client that
+creates the tensor, and the check that every bucket's replicas agree. The tests import it by
+putting tests/ on sys.path (they run in importlib mode)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from adamps.client import ControllerRouting, PSClient
+from adamps.layout import Layout, TensorSpec
+from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_LEASE, FAST_PS_OPTS, LocalCluster
+from adamps.rpc import RpcError, SyncRpc
+
+TOKEN = "test-token"
+LEASE = FAST_LEASE
+N_BUCKETS = 8
+TENSOR = TensorSpec("x", (16_000,))
+SHARD = 1_000  # 16 shards over 8 buckets
+
+
+@contextmanager
+def running_cluster(root: Path, n_servers: int, **more: Any) -> Iterator[LocalCluster]:
+    """A started cluster, every bucket placed; stopped on exit. `more`: further LocalCluster
+    arguments (where the processes run)."""
+    c = LocalCluster(
+        root,
+        token=TOKEN,
+        n_servers=n_servers,
+        n_buckets=N_BUCKETS,
+        controller_opts=FAST_CONTROLLER_OPTS,
+        ps_opts={**FAST_PS_OPTS, "max-shard-elems": SHARD},
+        **more,
+    )  # fmt: skip
+    try:
+        c.start(timeout=60)
+        yield c
+    finally:
+        c.stop()
+
+
+def make_client(c: LocalCluster) -> tuple[PSClient, Layout]:
+    """A client of `c` that created TENSOR (zeros; SGD with lr -1, so a push of d adds d)."""
+    layout = Layout([TENSOR], n_buckets=N_BUCKETS, max_shard_elems=SHARD)
+    client = PSClient(ControllerRouting(c.controllers), layout, TOKEN, retry_for=20.0)
+    client.create(TENSOR, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": -1.0})
+    return client, layout
+
+
+def digests_agree(c: LocalCluster, timeout: float = 20.0) -> None:
+    """Every bucket's replicas report the same position and the same digest of their values."""
+    deadline = time.monotonic() + timeout
+    last: list = []
+    while time.monotonic() < deadline:
+        view = c.cluster()
+        if view is None:
+            time.sleep(0.2)
+            continue
+        servers = view["servers"]
+        last = []
+        ok = True
+        for b in view["buckets"]:
+            members = [b["primary"], *b["secondaries"]]
+            answers = []
+            for sid in members:
+                with SyncRpc(servers[sid]["address"], TOKEN, timeout=2.0) as rpc:
+                    try:
+                        answers.append(rpc.call("digest", bucket=b["bucket"]))
+                    except (RpcError, ConnectionError, TimeoutError) as exc:
+                        answers.append({"error": str(exc)})
+            last.append((b["bucket"], members, answers))
+            if len({(a.get("digest"), a.get("committed")) for a in answers}) != 1:
+                ok = False
+        if ok:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"replica digests differ: {last}")
