@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("controller.status", "print the cluster's servers, buckets, leases and progress"),
     "dataserver": ("dataserver.main", "run a data server"),
     "train": ("trainer.main", "run one model replica (trainer)"),
+    "coordinator": ("coordinator.main", "run the Sandblaster L-BFGS coordinator"),
 }
 
 USAGE = (

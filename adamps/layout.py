@@ -25,7 +25,10 @@ import numpy as np
 MAX_SHARD_ELEMS = 262_144  # 1 MB of float32 (Adam 3.3.1)
 DEFAULT_BUCKETS = 64
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}(@[A-Za-z0-9_.\-]{1,64})?$")
+#: separates a tensor's name from the name of a vector stored beside it: tensor "w@g" is vector
+#: "g" of tensor "w" (Sandblaster, adamps/server/vecops.py), placed shard by shard with "w"
+VECTOR_SEP = "@"
 
 
 class LayoutError(ValueError):
@@ -108,13 +111,25 @@ def parse_shard_id(sid: str) -> tuple[str, int]:
 _PARTITION_RE = re.compile(r"-p(\d+)of(\d+)\.[^/]*/\d+$")
 
 
+def placement_key(sid: str) -> str:
+    """What a shard id is hashed by: itself, except that a vector's shard "w@v/i" goes with the
+    base tensor's shard "w/i" (same bucket, same owner thread), so that vector operations are
+    local to one thread of one server."""
+    tensor, sep, rest = sid.partition(VECTOR_SEP)
+    if not sep:
+        return sid
+    return tensor + rest[rest.rfind("/") :] if "/" in rest else tensor
+
+
 def stable_bucket(key: str, n_buckets: int) -> int:
     """The bucket of a shard id: the same in every process, Python version and machine.
 
-    The shards of a model partition's tensors (``<layer>-p<k>of<K>.<w|b>``) go to buckets
-    congruent to k modulo K, so each partition of a replica has buckets of its own (Adam 4.4.2:
-    a machine talks only to its partition's parameter-server shards); with fewer buckets than
-    partitions they hash like any other shard."""
+    A vector's shard goes with its base tensor's shard (`placement_key`). The shards of a model
+    partition's tensors (``<layer>-p<k>of<K>.<w|b>``) go to buckets congruent to k modulo K, so
+    each partition of a replica has buckets of its own (Adam 4.4.2: a machine talks only to its
+    partition's parameter-server shards); with fewer buckets than partitions they hash like any
+    other shard."""
+    key = placement_key(key)
     h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
     m = _PARTITION_RE.search(key)
     if m is not None:

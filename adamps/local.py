@@ -157,6 +157,7 @@ class Run:
             controller_opts={"replication": min(3, args.servers)},
         )  # fmt: skip
         self.trainers: list[tuple[str, Proc, str]] = []  #: (name, process, metrics host:port)
+        self.coordinator = ""  #: Sandblaster's coordinator (host:port), if any
         self.history_path = self.run / "history.jsonl"
         self.samples: list[dict[str, Any]] = []
         self.t_train = 0.0
@@ -214,6 +215,15 @@ class Run:
             "--n-replicas", str(a.trainers), "--epochs", str(a.epochs),
             "--workers", str(a.workers), "--partitions", str(a.partitions),
         ]  # fmt: skip
+        if a.algorithm == "sandblaster":  # a coordinator hands the trainers portions
+            port = alloc()
+            self.start("coordinator", lambda: c.start_process(
+                "coordinator", "coordinator", "--controllers", ",".join(c.controllers),
+                "--port", str(port), "--n-buckets", str(a.buckets), "--model", "adam-mnist",
+                "--max-iter", str(a.iterations), "--exit-when-done", "--run", f"up{os.getpid()}",
+            )).wait_http(f"http://127.0.0.1:{port}/healthz", 120)  # fmt: skip
+            common += ["--coordinator", f"http://127.0.0.1:{port}"]
+            self.coordinator = f"127.0.0.1:{port}"
         if a.compress:
             common += ["--compress", "--compress-fraction", str(a.compress_fraction),
                        "--compress-coding", a.compress_coding]  # fmt: skip
@@ -240,6 +250,8 @@ class Run:
             rows.append((sid, addr, "/status"))
         for i, addr in enumerate(c.dataservers):
             rows.append((f"dataserver{i}", addr, "/status"))
+        if self.coordinator:
+            rows.append(("coordinator", self.coordinator, "/status (L-BFGS iterations)"))
         for name, _p, addr in self.trainers:
             rows.append((name, addr, "/status"))
         self.say(
@@ -317,7 +329,12 @@ class Run:
         )  # fmt: skip
         wall = time.time() - self.t_start
         acc_s = "unknown" if acc is None else f"{acc * 100:.2f}%"
-        self.say(f"held-out accuracy: {acc_s} after {a.epochs} epochs (1,000 held-out images)")
+        after = (
+            f"{a.iterations} L-BFGS iterations"
+            if a.algorithm == "sandblaster"
+            else f"{a.epochs} epochs"
+        )
+        self.say(f"held-out accuracy: {acc_s} after {after} (1,000 held-out images)")
         self.say(
             f"throughput: {rate:,.0f} images/s ({images:,} training images by {len(good)} "
             f"replicas in {secs:.1f} s)"

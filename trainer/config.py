@@ -113,6 +113,14 @@ class TrainConfig:
     wait_timeout: float = field(
         600.0, help="seconds to wait for replica 0 (tensors, warm start) before giving up"
     )
+    coordinator: str = field(
+        "",
+        help="Sandblaster L-BFGS: the coordinator's URL; this trainer then computes the portions "
+        "it hands out (trainer/sandblaster.py) instead of running Downpour",
+    )
+    slowdown: float = field(
+        1.0, help="test flag: make a Sandblaster trainer this many times slower"
+    )
     log_level: str = field("INFO", help="logging level")
     # Model parallelism (issue 15, trainer/partitioned.py): one replica as K processes.
     partitions: int = field(
@@ -194,6 +202,8 @@ class TrainConfig:
         from adamps.codec import parse_taus
 
         parse_taus(self.compress_tau)
+        if not self.slowdown >= 1.0:
+            raise ValueError(f"slowdown must be >= 1, got {self.slowdown}")
         if self.warm_start < 0:
             raise ValueError("warm_start must be >= 0")
         if self.partitions < 1:

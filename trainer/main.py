@@ -88,6 +88,10 @@ def _log_name(c: TrainConfig) -> str:
 
 
 def serve(cfg: TrainConfig) -> int:
+    if cfg.coordinator:  # Sandblaster L-BFGS (DistBelief 4.2)
+        from trainer.sandblaster import serve_sandblaster
+
+        return serve_sandblaster(cfg)
     if cfg.partitions > 1 and cfg.partition < 0:  # one replica as K child processes
         from trainer.partition_launch import launch
 

@@ -38,7 +38,18 @@ ADAM_MNIST: dict[str, Any] = {
     ],
 }
 
-BUILTIN_MODELS: dict[str, dict[str, Any]] = {"adam-mnist": ADAM_MNIST}
+#: softmax regression: a convex problem, Sandblaster's correctness anchor (issue 14)
+SOFTMAX_MNIST: dict[str, Any] = {
+    "name": "softmax-mnist",
+    "input": [28, 28, 1],
+    "classes": 10,
+    "layers": [{"type": "softmax", "name": "out", "units": 10}],
+}
+
+BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    "adam-mnist": ADAM_MNIST,
+    "softmax-mnist": SOFTMAX_MNIST,
+}
 
 
 def builtin(name: str) -> dict[str, Any]:

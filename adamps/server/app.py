@@ -39,6 +39,7 @@ from adamps.server.reads import Reads
 from adamps.server.replicate import Replicator
 from adamps.server.shards import Snapshot, StoreError
 from adamps.server.store import Store
+from adamps.server.vecops import VectorOps
 from adamps.server.writepath import WritePath
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class ParameterServer:
         #: the one way pushes change shards (HTTP and the data plane both use it)
         self.writes = WritePath(cfg, self.store, self.addressing, self.replicator)
         self.data_plane = DataPlane(cfg, self.writes, self.reads, self.m)
+        self.vectors = VectorOps(self.store, self.addressing, self.writes)
         self._closed = False
         #: op -> handler of POST /rpc
         self._ops: dict[str, Handler] = {
@@ -110,6 +112,9 @@ class ParameterServer:
             "flush": self.op_flush,
             "list": self.catalog.op_list,
             "describe": self.catalog.op_describe,
+            # Sandblaster's vector operations (vecops.py)
+            "vec": self.vectors.op_vec,
+            "vec_dot": self.vectors.op_vec_dot,
         }
         if cfg.debug_ops:
             self._ops["debug_fail"] = self.op_debug_fail

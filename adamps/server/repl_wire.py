@@ -12,6 +12,7 @@ import numpy as np
 
 from adamps.core.replication import Assignment, Batch, BucketReplica
 from adamps.protocol import ProtocolError, require
+from adamps.server import vecwire
 from adamps.server.compressed import signs_of_wire
 from adamps.server.optim import Dense
 from adamps.server.shards import ShardState, fc_parts
@@ -91,6 +92,8 @@ def store_parts(store: Store, updates: Iterable[Any]) -> list[tuple[ShardState, 
             elif kind == "c":
                 st = store.shard(u["s"])
                 parts.append((st, signs_of_wire(u, st.shard.size)))
+            elif kind == "v":  # a vector operation (Sandblaster, vecwire.py)
+                parts += vecwire.parts_of(store, u)
             else:
                 raise ProtocolError("bad_request", f"unknown update kind {kind!r}")
     return parts

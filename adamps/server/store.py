@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from adamps.layout import MAX_SHARD_ELEMS, Layout, Shard, TensorSpec, stable_bucket
-from adamps.server import optim
+from adamps.server import optim, vecapply
 from adamps.server.initial import initial_values
 from adamps.server.optim import Fc, Optimizer, Scratch, Signs
 from adamps.server.shards import ShardState, Snapshot, StoreError, TensorState
@@ -230,6 +230,27 @@ class Store:
             self._queues[owner].put((_CALL, copy, ticket))
         return ticket
 
+    def call(
+        self,
+        states: Sequence[ShardState],
+        fn: Callable[[ShardState], Any],
+        on_done: Callable[[dict[str, Any], BaseException | None], None],
+    ) -> Ticket:
+        """Runs ``fn(state)`` for each shard on its owner thread (a read: sees every update
+        queued before it); on_done({shard id: result}, error). Vector dot products use it."""
+        by_owner: dict[int, list[ShardState]] = {}
+        for st in states:
+            by_owner.setdefault(st.owner, []).append(st)
+        ticket = Ticket(len(by_owner), on_done)
+        for owner, items in by_owner.items():
+
+            def run(_owner: int, items: list = items) -> None:
+                for st in items:
+                    ticket.result[st.id] = fn(st)
+
+            self._queues[owner].put((_CALL, run, ticket))
+        return ticket
+
     def push_group(
         self,
         parts: Sequence[tuple[ShardState, optim.Update]],
@@ -421,7 +442,7 @@ class Store:
             t = self.tensors_by_shard(st)
             error: BaseException | None = None
             try:
-                optim.apply_batch(t, st.value, st.accum, [u for u, _ in group], scratch)
+                vecapply.apply_batch(t, st.value, st.accum, [u for u, _ in group], scratch)
             except BaseException as exc:  # a logged failure of this batch, not of the thread
                 log.exception(
                     "owner thread %d: applying %d updates to %s failed", owner, len(group), st.id

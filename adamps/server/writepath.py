@@ -216,6 +216,22 @@ class WritePath:
         versions = await owner_future(lambda cb: self.store.push(parts(), cb))
         return {"versions": versions}
 
+    async def replicate_or_apply(
+        self,
+        msg: dict[str, Any],
+        wire: list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]],
+        parts: Callable[[], list[tuple[ShardState, Any]]],
+        group: bool = False,
+    ) -> dict[str, Any]:
+        """`_replicate_or_apply` for other writers (Sandblaster's vector ops, vecops.py); with
+        `group` a standalone server applies the parts as one group per shard, alone (a barrier:
+        no update queued later is applied before it)."""
+        if not group or self.replicator is not None:
+            return await self._replicate_or_apply(msg, wire, parts)
+        self._record_client(msg)
+        versions = await owner_future(lambda cb: self.store.push_group(parts(), cb))
+        return {"versions": versions}
+
     async def _replicate(
         self,
         msg: dict[str, Any],

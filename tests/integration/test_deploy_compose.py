@@ -109,6 +109,7 @@ CONFIGS = {
     "ps": ("adamps.server.config:PsConfig", "ps"),
     "dataserver": ("dataserver.config:DataServerConfig", "dataserver"),
     "train": ("trainer.config:TrainConfig", "train"),
+    "coordinator": ("coordinator.config:CoordinatorConfig", "coordinator"),
 }
 
 
@@ -396,3 +397,21 @@ def test_the_compose_topology_forms_a_cluster_and_trains(
                 f"{n} trained no image within 90 s:\n{started[n].tail()}"
             )
             time.sleep(0.5)
+
+
+def test_the_sandblaster_profile_adds_a_coordinator_and_its_trainers(tmp_path: Path) -> None:
+    """`--profile sandblaster`: a coordinator and two trainers pointed at it (DistBelief 4.2);
+    every command parses with its role's flags, and the default topology is unchanged without it."""
+    out = compose(tmp_path, "--profile", "sandblaster", "config")
+    assert out.returncode == 0, out.stderr
+    services = adamps_services(yaml.safe_load(out.stdout))
+    coord = [n for n, argv in services.items() if argv[0] == "coordinator"]
+    assert coord == ["coordinator"]
+    cfg = load_role_config(services["coordinator"])
+    assert cfg.host == "0.0.0.0" and cfg.model == "adam-mnist"
+    url = f"http://coordinator:{cfg.port}"
+    trainers = [n for n, argv in services.items() if "--coordinator" in argv]
+    assert len(trainers) == 2
+    for n in trainers:
+        assert flag(services[n], "--coordinator") == url
+        assert load_role_config(services[n]).coordinator == url

@@ -66,6 +66,7 @@ CONFIGS = {
     "ps": ("adamps.server.config:PsConfig", "ps"),
     "dataserver": ("dataserver.config:DataServerConfig", "dataserver"),
     "train": ("trainer.config:TrainConfig", "train"),
+    "coordinator": ("coordinator.config:CoordinatorConfig", "coordinator"),
 }
 
 
@@ -218,7 +219,7 @@ def test_every_container_command_parses_with_its_roles_flags_and_config() -> Non
                 f"{w['metadata']['name']} must listen on the pod's address"
             )
         loaded += 1
-    assert loaded == 4
+    assert loaded == 6  # 4 roles, and Sandblaster's coordinator and trainers
 
 
 def test_in_cluster_prometheus_config_matches_the_compose_one(tmp_path: Path) -> None:
@@ -245,3 +246,19 @@ def test_in_cluster_prometheus_config_matches_the_compose_one(tmp_path: Path) ->
         [promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=30
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_sandblaster_trainers_reach_the_coordinator_service() -> None:
+    services = by_kind("Service")
+    deploy = by_kind("Deployment")["adamps-coordinator"]
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    (coord,) = deploy["spec"]["template"]["spec"]["containers"]
+    port = flag(coord["args"], "--port")
+    svc = services["adamps-coordinator"]
+    assert (
+        svc["spec"]["selector"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert str(svc["spec"]["ports"][0]["port"]) == port
+    job = by_kind("Job")["adamps-sandblaster-trainer"]
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert flag(c["args"], "--coordinator") == f"http://adamps-coordinator:{port}"

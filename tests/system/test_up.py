@@ -186,6 +186,28 @@ def test_short_run_ends_with_accuracy_and_plot(tmp_path: Path) -> None:
     assert not processes_of_run(run, recorded_pids(run))
 
 
+@pytest.mark.timeout(240)
+def test_sandblaster_run_trains_through_a_coordinator(tmp_path: Path) -> None:
+    """`adamps up --algorithm sandblaster`: a coordinator drives L-BFGS, the trainers compute
+    portions, trainer 0 measures the held-out accuracy (docs/training.md states what 60
+    iterations reach; 4 here only have to learn something)."""
+    run = tmp_path / "run"
+    proc, out = start_up(run, "--algorithm", "sandblaster", "--iterations", "4",
+                         "--target-accuracy", "0.3")  # fmt: skip
+    try:
+        code = proc.wait(220)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+    text = out.read_text()
+    assert code == 0, text
+    assert re.search(r"^held-out accuracy: [0-9.]+% after 4 L-BFGS iterations", text, re.M), text
+    assert re.search(r"^\s+coordinator\s+http://127\.0\.0\.1:\d+", text, re.M), text
+    assert "coordinator" in {p.stem for p in (run / "logs").glob("*.log")}
+    assert not processes_of_run(run, recorded_pids(run))
+
+
 @pytest.mark.timeout(120)
 def test_missed_target_exits_1(tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -217,6 +239,8 @@ def test_missed_target_exits_1(tmp_path: Path) -> None:
         (["--compress-fraction", "2"], "--compress-fraction 2.0: expected a fraction in (0, 1]"),
         (["--compress-tau", "fc1.w=abc"], "--compress-tau fc1.w=abc: compress_tau entry"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--iterations", "0"], "--iterations 0: expected an integer >= 1"),
+        (["--algorithm", "lbfgs"], "argument --algorithm: invalid choice: 'lbfgs'"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_value(tmp_path: Path, flags: list[str], message: str) -> None:

@@ -1,0 +1,75 @@
+"""How a vector operation changes one shard (pure numpy, run on the shard's owner thread):
+the update kind of adamps/server/vecops.py, kept apart so that the store can apply it without
+importing the ops' request handling."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from adamps.server import optim
+
+#: write kinds -> (takes a source vector x, takes a scalar alpha)
+KINDS: dict[str, tuple[bool, bool]] = {
+    "copy": (True, False),  # y = x
+    "scale": (False, True),  # y = alpha * y
+    "axpy": (True, True),  # y = y + alpha * x
+    "mul": (True, False),  # y = y * x, elementwise
+    "set": (False, False),  # y[offset : offset + len(values)] = values (small state records)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class VecOp:
+    """One vector operation on one destination shard; ``src`` is the source vector's shard on
+    the same owner thread (None for scale)."""
+
+    kind: str
+    alpha: float
+    src: Any  # a ShardState (below the store in the layers: not imported here)
+    #: set: the values and where they go in the shard (flat index)
+    values: np.ndarray | None = None
+    offset: int = 0
+
+    def apply(self, w: np.ndarray) -> None:
+        x = None if self.src is None else self.src.value
+        if self.kind == "copy":
+            np.copyto(w, x)
+        elif self.kind == "scale":
+            w *= np.float32(self.alpha)
+        elif self.kind == "axpy":
+            w += np.float32(self.alpha) * x
+        elif self.kind == "mul":
+            w *= x
+        elif self.kind == "set":
+            assert self.values is not None
+            w.reshape(-1)[self.offset : self.offset + self.values.size] = self.values
+        else:  # checked when the request was validated
+            raise ValueError(f"unknown vector op {self.kind!r}")
+
+
+def apply_batch(
+    opt: optim.Optimizer,
+    w: np.ndarray,
+    acc: np.ndarray | None,
+    updates: Sequence[Any],
+    scratch: optim.Scratch,
+) -> None:
+    """``optim.apply_batch`` that also takes VecOps, applied in their place in the order."""
+    if not any(isinstance(u, VecOp) for u in updates):
+        optim.apply_batch(opt, w, acc, updates, scratch)
+        return
+    run: list[Any] = []
+    for u in updates:
+        if isinstance(u, VecOp):
+            if run:
+                optim.apply_batch(opt, w, acc, run, scratch)
+                run = []
+            u.apply(w)
+        else:
+            run.append(u)
+    if run:
+        optim.apply_batch(opt, w, acc, run, scratch)

@@ -1,0 +1,1 @@
+"""The Sandblaster coordinator (DistBelief 4.2): batch optimization through vector operations on the parameter servers."""

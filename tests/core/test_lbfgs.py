@@ -1,0 +1,224 @@
+"""The L-BFGS core against references (issue 14's correctness anchor, DistBelief 4.2): softmax
+regression on the built-in MNIST, a convex problem, through the trainer's own model engine."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import scipy.optimize
+
+from coordinator.lbfgs import (
+    PARAM,
+    Lbfgs,
+    LbfgsConfig,
+    LbfgsState,
+    NumpyVectors,
+    Regularized,
+    wolfe_search,
+)
+from dataserver.sources import builtin_mnist
+from trainer.model import Model
+
+SOFTMAX = {
+    "name": "softmax-mnist",
+    "input": [28, 28, 1],
+    "classes": 10,
+    "layers": [{"type": "softmax", "name": "out", "units": 10}],
+}
+LAM = 1e-3
+
+
+def make_problem(n: int | None = None):
+    tx, ty, _, _ = builtin_mnist()
+    tx, ty = tx[:n], ty[:n]
+    model = Model(SOFTMAX, dtype=np.float64)
+    x = model.prepare(tx)
+    model.init_params(seed=3)
+    x0 = model.params.copy()
+
+    def fun(w: np.ndarray) -> tuple[float, np.ndarray]:
+        model.params[...] = w
+        f = model.loss_and_grad(x, ty)
+        return f + 0.5 * LAM * float(w @ w), model.grads + LAM * w
+
+    def fun_unreg(w: np.ndarray) -> tuple[float, np.ndarray]:
+        model.params[...] = w
+        f = model.loss_and_grad(x, ty)
+        return f, model.grads.copy()
+
+    return x0, fun, fun_unreg
+
+
+@pytest.fixture(scope="module")
+def problem():
+    """All 4,000 training images."""
+    return make_problem()
+
+
+@pytest.fixture(scope="module")
+def small():
+    """The first 500 training images (the slower tests run many iterations)."""
+    return make_problem(500)
+
+
+def reference_lbfgs(fun, x0, m: int, iters: int, c1=1e-4, c2=0.9) -> list[float]:
+    """A plain numpy L-BFGS: the textbook two-loop recursion with the same line search."""
+    x = x0.copy()
+    f, g = fun(x)
+    losses = [f]
+    S: list[np.ndarray] = []
+    Y: list[np.ndarray] = []
+    for _ in range(iters):
+        q = g.copy()
+        al = []
+        for s, y in zip(reversed(S), reversed(Y), strict=True):
+            a = (s @ q) / (s @ y)
+            q -= a * y
+            al.append(a)
+        if S:
+            q *= (S[-1] @ Y[-1]) / (Y[-1] @ Y[-1])
+        for s, y, a in zip(S, Y, reversed(al), strict=True):
+            b = (y @ q) / (s @ y)
+            q += (a - b) * s
+        d = -q
+        alpha1 = 1.0 if S else min(1.0, 1.0 / math.sqrt(g @ g))
+        search = wolfe_search(f, g @ d, alpha1, c1, c2, 20)
+        a = next(search)
+        try:
+            while True:
+                fa, ga = fun(x + a * d)
+                a = search.send((fa, ga @ d))
+        except StopIteration as stop:
+            assert stop.value is not None
+            a = stop.value
+        xn = x + a * d
+        fn, gn = fun(xn)
+        S.append(xn - x)
+        Y.append(gn - g)
+        S, Y = S[-m:], Y[-m:]
+        x, f, g = xn, fn, gn
+        losses.append(f)
+    return losses
+
+
+def test_line_search_satisfies_strong_wolfe():
+    # phi(a) = (a - 3)^2 from a = 0.1: the accepted step meets both conditions.
+    phi = lambda a: ((a - 3.0) ** 2, 2 * (a - 3.0))  # noqa: E731
+    f0, d0 = phi(0.0)
+    s = wolfe_search(f0, d0, 0.1, 1e-4, 0.1, 30)
+    a = next(s)
+    try:
+        while True:
+            a = s.send(phi(a))
+    except StopIteration as stop:
+        a = stop.value
+    fa, da = phi(a)
+    assert fa <= f0 + 1e-4 * a * d0
+    assert abs(da) <= 0.1 * abs(d0)
+
+
+def test_anchor_matches_numpy_reference(problem):
+    """The first 10 iterations' losses and the 30th's agree with the plain numpy two-loop."""
+    x0, fun, _ = problem
+    ref = reference_lbfgs(fun, x0, m=10, iters=30)
+    opt = Lbfgs(NumpyVectors(x0, fun), LbfgsConfig(m=10, max_iter=30, gtol=0, ftol=0))
+    st = opt.run()
+    assert st.stopped == "max_iter"
+    np.testing.assert_allclose(st.losses[:11], ref[:11], rtol=1e-10)
+    np.testing.assert_allclose(st.losses[-1], ref[30], rtol=1e-7)
+    assert st.losses[10] < 0.5 * st.losses[0]
+
+
+def test_regularized_wrapper_is_the_same_objective(problem):
+    """L2 through vector ops (as on the servers) = L2 inside the objective."""
+    x0, fun, fun_unreg = problem
+    cfg = LbfgsConfig(m=5, max_iter=8, gtol=0, ftol=0)
+    a = Lbfgs(NumpyVectors(x0, fun), cfg).run()
+    b = Lbfgs(Regularized(NumpyVectors(x0, fun_unreg), LAM), cfg).run()
+    np.testing.assert_allclose(a.losses, b.losses, rtol=1e-9)
+
+
+def test_final_loss_matches_scipy(small):
+    """Run to convergence, the minimum matches scipy's L-BFGS-B (strictly convex problem)."""
+    x0, fun, _ = small
+    res = scipy.optimize.minimize(
+        fun, x0, jac=True, method="L-BFGS-B",
+        options={"maxcor": 10, "maxiter": 2000, "gtol": 1e-7, "ftol": 1e-15},
+    )  # fmt: skip
+    st = Lbfgs(NumpyVectors(x0, fun), LbfgsConfig(m=10, max_iter=2000, gtol=1e-7, ftol=1e-15)).run()
+    assert st.stopped in ("gtol", "ftol")
+    assert abs(st.f - res.fun) <= 1e-7 * abs(res.fun)
+
+
+def test_float32_vectors_track_float64(problem):
+    """The servers hold float32: the first 10 losses stay within float tolerance of float64."""
+    x0, fun, _ = problem
+    cfg = LbfgsConfig(m=10, max_iter=10, gtol=0, ftol=0)
+    a = Lbfgs(NumpyVectors(x0, fun), cfg).run()
+    b = Lbfgs(NumpyVectors(x0, fun, dtype=np.float32), cfg).run()
+    np.testing.assert_allclose(a.losses, b.losses, rtol=1e-4)
+
+
+class Crash(Exception):
+    pass
+
+
+class Crashing(NumpyVectors):
+    """Raises after `budget` operations: a coordinator dying at an arbitrary point."""
+
+    budget = 10**9
+
+    def _tick(self) -> None:
+        self.budget -= 1
+        if self.budget < 0:
+            raise Crash
+
+    def dot(self, a, b):
+        self._tick()
+        return super().dot(a, b)
+
+    def axpy(self, y, alpha, x):
+        self._tick()
+        super().axpy(y, alpha, x)
+
+    def scale(self, y, alpha):
+        self._tick()
+        super().scale(y, alpha)
+
+    def copy(self, dst, src):
+        self._tick()
+        super().copy(dst, src)
+
+    def evaluate(self, grad, key):
+        self._tick()
+        return super().evaluate(grad, key)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_restart_from_saved_state_gives_the_same_trajectory(small, seed):
+    """A coordinator killed at random points and restarted from its last saved state (the
+    vectors survive: they live on the servers) follows the uninterrupted trajectory exactly."""
+    x0, fun, _ = small
+    cfg = LbfgsConfig(m=4, max_iter=12, gtol=0, ftol=0)
+    want = Lbfgs(NumpyVectors(x0, fun), cfg).run().losses
+    rng = np.random.default_rng(seed)
+    ops = Crashing(x0, fun)
+    saved: list[str] = []
+    state = None
+    restarts = 0
+    while True:
+        ops.budget = int(rng.integers(5, 120))
+        opt = Lbfgs(ops, cfg, state, on_state=lambda s: saved.append(json.dumps(s.to_dict())))
+        try:
+            st = opt.run()
+            break
+        except Crash:
+            restarts += 1
+            state = LbfgsState.from_dict(json.loads(saved[-1])) if saved else None
+            if state is None:
+                ops.v = {PARAM: np.array(x0)}  # died before x_0 was evaluated: start over
+    assert restarts >= 3
+    assert st.losses == want
