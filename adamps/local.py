@@ -152,7 +152,7 @@ class Run:
         extra = {"port_alloc": alloc} if alloc else {}
         self.cluster = LocalCluster(
             self.run, token=self.token, n_controllers=args.controllers, n_servers=args.servers,
-            n_buckets=args.buckets, **extra,
+            n_buckets=args.buckets, data_plane=not args.http_only, **extra,
             # three copies of every bucket, fewer only when there are fewer servers
             controller_opts={"replication": min(3, args.servers)},
         )  # fmt: skip
@@ -214,6 +214,8 @@ class Run:
             "--n-replicas", str(a.trainers), "--epochs", str(a.epochs),
             "--workers", str(a.workers),
         ]  # fmt: skip
+        if a.http_only:
+            common += ["--http-only"]
         if a.compress:
             common += ["--compress", "--compress-fraction", str(a.compress_fraction),
                        "--compress-coding", a.compress_coding]  # fmt: skip
