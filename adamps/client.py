@@ -441,8 +441,9 @@ class PSClient:
                 self._dp.drop(url)
                 error = error or _connection_error(url, exc)
             except Exception as exc:  # an HTTP reply: the other servers' replies are still read
+                self._dp.drop(url)  # (a frame half sent would leave its stream unusable)
                 error = error or exc
-        for url, dp, group in sent:
+        for i, (url, dp, group) in enumerate(sent):
             try:
                 read(dp, group)
             except DataPlaneError as exc:
@@ -452,6 +453,12 @@ class PSClient:
                 self._dp.drop(url)
                 self._dp.forget_port(url)
                 error = error or _connection_error(url, exc)
+            except BaseException:
+                # Replies left unread on a connection would be taken for the next request's:
+                # close every connection whose reply was not read.
+                for u, _, _ in sent[i:]:
+                    self._dp.drop(u)
+                raise
         if error is not None:
             raise error
 

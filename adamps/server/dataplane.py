@@ -24,6 +24,7 @@ an error found after (NaN, Inf) is answered and the connection stays usable.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import logging
 import socket
@@ -391,6 +392,8 @@ class DataPlaneClient:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.token = token
         self._hdr = bytearray(HEADER.size)
+        #: rids of the shard requests sent whose reply is not read yet, oldest first
+        self._rids: collections.deque[str] = collections.deque()
 
     def close(self) -> None:
         self.sock.close()
@@ -521,9 +524,9 @@ class DataPlaneClient:
         """Sends a push_dense of the shards `ids` (their deltas `parts`, float32, in that order;
         `fields`: `client`, `seq`) without waiting for the reply (read_push_reply): a client
         sends to every primary first, then reads, so the servers work side by side."""
-        meta = protocol.encode(
-            protocol.request("push_dense", shards=ids, token=self.token, **fields)
-        )
+        req = protocol.request("push_dense", shards=ids, token=self.token, **fields)
+        meta = protocol.encode(req)
+        self._rids.append(req["rid"])
         n = sum(p.nbytes for p in parts)
         self.sock.sendall(frame_header(REQUEST, len(meta), n) + meta)
         try:
@@ -534,13 +537,24 @@ class DataPlaneClient:
 
     def read_push_reply(self) -> dict[str, int]:
         reply, _, err = self._read_reply()
+        self._check_rid(reply)
         if err is not None:
             raise err
         return reply["versions"]
 
+    def _check_rid(self, reply: dict[str, Any]) -> None:
+        """The reply answers the oldest request sent (a fatal error's reply may carry no rid);
+        anything else means the stream is out of step: never take it as an acknowledgement."""
+        want = self._rids.popleft() if self._rids else None
+        rid = reply.get("rid")
+        if rid is not None and rid != want:
+            raise ConnectionError(f"data plane: reply {rid!r} to request {want!r} out of step")
+
     def send_pull_shards(self, ids: list[str]) -> None:
         """Asks for the values of shards `ids` (read them with read_pull_reply)."""
-        meta = protocol.encode(protocol.request("pull", shards=ids, token=self.token))
+        req = protocol.request("pull", shards=ids, token=self.token)
+        meta = protocol.encode(req)
+        self._rids.append(req["rid"])
         self.sock.sendall(frame_header(REQUEST, len(meta), 0) + meta)
 
     def read_pull_reply(self, outs: list[np.ndarray]) -> list[int]:
@@ -556,6 +570,7 @@ class DataPlaneClient:
             # An error (or a reply that does not fit): read whatever follows, then report it.
             self._recv_exact(memoryview(np.empty(payload_len, dtype=np.uint8)))
             reply = protocol.decode(mbuf)
+            self._check_rid(reply)
             if kind != ERROR:
                 raise ConnectionError("data plane: pull reply of an unexpected length")
             err = reply.get("error", {})
@@ -565,6 +580,8 @@ class DataPlaneClient:
                 str(err.get("message", "")),
                 **{k: v for k, v in err.items() if k not in ("code", "message")},
             )
+        reply = protocol.decode(mbuf)
+        self._check_rid(reply)
         for o in outs:  # scattered straight into the caller's arrays: no staging copy
             self._recv_exact(memoryview(o).cast("B"))
-        return list(protocol.decode(mbuf)["versions"])
+        return list(reply["versions"])
