@@ -10,6 +10,11 @@ error the client refreshes its routing table and retries the same (client id, se
 deadline: a server that already applied the push recognises it and does not apply it again, also
 after a failover, so a retried push is applied exactly once.
 
+Pulls and dense pushes go over a server's binary data plane when it offers one (``data_port`` in
+its ``GET /status``; ``adamps.server.dataplane``), else over HTTP: the same operations, checks,
+error codes and exactly-once (client id, seq) whichever transport (docs/protocol-ps.md, "Binary
+data plane"). ``data_plane=False`` forces HTTP. ``push_fc`` and ``push_compressed`` use HTTP.
+
 Thread-safe: each thread gets its own keep-alive connections (trainers pull and push from
 background threads).
 """
@@ -28,9 +33,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from adamps import retry
+from adamps.dataplane_pool import DataPlanePool, as_rpc_error
 from adamps.layout import Layout, Shard, TensorSpec
 from adamps.retry import RetryPolicy
 from adamps.rpc import RpcError, SyncRpc, base_url
+from adamps.server.dataplane import DataPlaneClient, DataPlaneError
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +169,13 @@ def retryable(exc: BaseException) -> bool:
     return isinstance(exc, ConnectionError | TimeoutError)
 
 
+def _connection_error(url: str, exc: OSError) -> ConnectionError | TimeoutError:
+    """A failed data-plane exchange, as the retry policy knows it (outcome unknown)."""
+    if isinstance(exc, ConnectionError | TimeoutError):
+        return exc
+    return ConnectionError(f"data plane of {url}: {exc}")
+
+
 class PSClient:
     """Pull and push whole tensors of a model held by the parameter servers."""
 
@@ -174,6 +188,7 @@ class PSClient:
         client_id: str | None = None,
         timeout: float = 35.0,  # above the servers' push_timeout (30 s): their 504 comes first
         retry_for: float = 30.0,
+        data_plane: bool = True,
     ) -> None:
         self.source = routing
         self.layout = layout
@@ -189,6 +204,14 @@ class PSClient:
         #: every connection of every thread, so that close() can close them all
         self._all_rpcs: list[SyncRpc] = []
         self.retries = 0
+        #: pulls and dense pushes over the servers' data ports where offered (else HTTP)
+        self.data_plane = data_plane
+        self._dp = DataPlanePool(
+            self.token, timeout, lambda url: self._rpc(url).get_json("/status")
+        )
+        #: requests sent over the data plane and over HTTP (pulls and pushes, one per server)
+        self.dp_requests = 0
+        self.http_requests = 0
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -280,14 +303,27 @@ class PSClient:
         versions: dict[str, list[int]] = {n: [0] * len(self.layout.shards_of[n]) for n in names}
         shards = [s for n in names for s in self.layout.shards_of[n]]
 
+        def flat(s: Shard) -> np.ndarray:
+            return result[s.tensor].reshape(-1)[s.start : s.stop]
+
+        def by_http(url: str, group: list[Shard]) -> None:
+            reply = self._rpc(url).call("pull", shards=[s.id for s in group])
+            for s in group:
+                flat(s)[:] = reply["shards"][s.id].reshape(-1)
+                versions[s.tensor][s.index] = int(reply["versions"][s.id])
+
+        def read(dp: DataPlaneClient, group: list[Shard]) -> None:
+            got = dp.read_pull_reply([flat(s) for s in group])  # straight into the results
+            for s, v in zip(group, got, strict=True):
+                versions[s.tensor][s.index] = int(v)
+
         def go(routing: Routing) -> None:
-            for url, group in self._by_server(shards, routing).items():
-                reply = self._rpc(url).call("pull", shards=[s.id for s in group])
-                for s in group:
-                    result[s.tensor].reshape(-1)[s.start : s.stop] = reply["shards"][s.id].reshape(
-                        -1
-                    )
-                    versions[s.tensor][s.index] = int(reply["versions"][s.id])
+            self._exchange(
+                self._by_server(shards, routing),
+                lambda dp, group: dp.send_pull_shards([s.id for s in group]),
+                read,
+                by_http,
+            )
 
         self._with_retry(go)
         return result, versions
@@ -320,6 +356,9 @@ class PSClient:
             [self.layout.shards[sid] for sid in deltas],
             lambda group: {"shards": {s.id: deltas[s.id] for s in group}},
             seq,
+            stream=lambda dp, group, **f: dp.send_push_shards(
+                [s.id for s in group], [deltas[s.id] for s in group], **f
+            ),
         )
 
     def push_compressed(
@@ -353,20 +392,75 @@ class PSClient:
         shards: Sequence[Shard],
         fields: Any,
         seq: int | None,
+        stream: Any = None,
     ) -> None:
-        """Push `op` of `shards`, one request per primary with `fields(group)` and one
-        (client id, seq) for all; after a partial failure only the unacknowledged groups are
-        sent again."""
+        """Push `op` of `shards`, one request per primary with `fields(group)` (over HTTP) or
+        `stream(conn, group, client=, seq=)` (over the data plane, when given and offered) and
+        one (client id, seq) for all; after a partial failure only the unacknowledged groups
+        are sent again."""
         seq = self.next_seq() if seq is None else seq
         done: set[str] = set()
+        pair = {"client": self.client_id, "seq": seq}
+
+        def by_http(url: str, group: list[Shard]) -> None:
+            self._rpc(url).call(op, **fields(group), **pair)
+            done.update(s.id for s in group)
+
+        def read(dp: DataPlaneClient, group: list[Shard]) -> None:
+            dp.read_push_reply()
+            done.update(s.id for s in group)
 
         def go(routing: Routing) -> None:
             todo = [s for s in shards if s.id not in done]
-            for url, group in self._by_server(todo, routing).items():
-                self._rpc(url).call(op, **fields(group), client=self.client_id, seq=seq)
-                done.update(s.id for s in group)
+            groups = self._by_server(todo, routing)
+            if stream is None:
+                for url, group in groups.items():
+                    by_http(url, group)
+                return
+            self._exchange(groups, lambda dp, group: stream(dp, group, **pair), read, by_http)
 
         self._with_retry(go)
+
+    def _exchange(self, groups: dict[str, list[Shard]], send: Any, read: Any, by_http: Any) -> None:
+        """One request per server: over the data plane to every server that offers one, all
+        sent before any reply is read (the servers work side by side), else over HTTP. Every
+        reply sent for is read (or its connection dropped) before the first error is raised."""
+        sent: list[tuple[str, DataPlaneClient, list[Shard]]] = []
+        error: BaseException | None = None
+        for url, group in groups.items():
+            try:
+                dp = self._dp.get(url) if self.data_plane else None
+                if dp is None:
+                    self.http_requests += 1
+                    by_http(url, group)
+                    continue
+                self.dp_requests += 1
+                send(dp, group)
+                sent.append((url, dp, group))
+            except OSError as exc:  # the data connection failed: its outcome is unknown
+                self._dp.drop(url)
+                error = error or _connection_error(url, exc)
+            except Exception as exc:  # an HTTP reply: the other servers' replies are still read
+                self._dp.drop(url)  # (a frame half sent would leave its stream unusable)
+                error = error or exc
+        for i, (url, dp, group) in enumerate(sent):
+            try:
+                read(dp, group)
+            except DataPlaneError as exc:
+                self._dp.drop(url)  # a fatal error closes the stream: start a fresh one
+                error = error or as_rpc_error(exc)
+            except OSError as exc:
+                self._dp.drop(url)
+                self._dp.forget_port(url)
+                error = error or _connection_error(url, exc)
+            except BaseException:
+                # Replies left unread on a connection would be taken for the next request's:
+                # close every connection whose reply was not read.
+                for u, _, _ in sent[i:]:
+                    self._dp.drop(u)
+                raise
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         """Closes every thread's connections (call when no thread uses the client any more)."""
@@ -374,6 +468,7 @@ class PSClient:
             rpcs, self._all_rpcs = self._all_rpcs, []
         for rpc in rpcs:
             rpc.close()
+        self._dp.close()
 
     def __enter__(self) -> PSClient:
         return self

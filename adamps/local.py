@@ -152,7 +152,7 @@ class Run:
         extra = {"port_alloc": alloc} if alloc else {}
         self.cluster = LocalCluster(
             self.run, token=self.token, n_controllers=args.controllers, n_servers=args.servers,
-            n_buckets=args.buckets, **extra,
+            n_buckets=args.buckets, data_plane=not args.http_only, **extra,
             # three copies of every bucket, fewer only when there are fewer servers
             controller_opts={"replication": min(3, args.servers)},
         )  # fmt: skip
@@ -224,6 +224,8 @@ class Run:
             )).wait_http(f"http://127.0.0.1:{port}/healthz", 120)  # fmt: skip
             common += ["--coordinator", f"http://127.0.0.1:{port}"]
             self.coordinator = f"127.0.0.1:{port}"
+        if a.http_only:
+            common += ["--http-only"]
         if a.compress:
             common += ["--compress", "--compress-fraction", str(a.compress_fraction),
                        "--compress-coding", a.compress_coding]  # fmt: skip

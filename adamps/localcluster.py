@@ -48,6 +48,7 @@ class LocalCluster:
         port_alloc: Callable[[], int] = free_port,
         host_of: Callable[[str], str] | None = None,
         wrap: Callable[[str, list[str]], list[str]] | None = None,
+        data_plane: bool = True,
     ) -> None:
         self.root = Path(root)
         #: where every port of this cluster comes from (`adamps up --port-base` counts up)
@@ -75,6 +76,10 @@ class LocalCluster:
         #: parameter server ids and HTTP addresses
         self.server_ids = [f"ps{i}" for i in range(n_servers)]
         self.servers = [f"{self.host_of(s)}:{port_alloc()}" for s in self.server_ids]
+        #: whether servers get a data port (clients pull and push over it; else HTTP only)
+        self.data_plane = data_plane
+        #: each server's data port (0: none), kept across restarts like its HTTP port
+        self.data_ports = [port_alloc() if data_plane else 0 for _ in self.server_ids]
         self.dataservers: list[str] = []
         self.procs: dict[str, Proc] = {}
         self._starts: dict[str, int] = {}
@@ -117,6 +122,7 @@ class LocalCluster:
             "ps", "--host", host, "--port", port, "--server-id", self.server_ids[i],
             "--controllers", ",".join(self.controllers),
             "--data-dir", str(data), "--n-buckets", str(self.n_buckets), *self._flags(self.ps_opts),
+            *(["--data-port", str(self.data_ports[i])] if self.data_ports[i] else []),
         )  # fmt: skip
 
     def start_dataserver(self, *args: str) -> str:
@@ -175,6 +181,7 @@ class LocalCluster:
         i = len(self.server_ids)
         self.server_ids.append(server_id or f"ps{i}")
         self.servers.append(f"127.0.0.1:{self.port_alloc()}")
+        self.data_ports.append(self.port_alloc() if self.data_plane else 0)
         self.start_server(i)
         return i
 

@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="let the data server augment the training images (shifts, rotations; default: off)",
     )
     p.add_argument(
+        "--http-only",
+        action="store_true",
+        help="servers get no data port; trainers pull and push over HTTP only (default: over "
+        "the servers' binary data ports)",
+    )
+    p.add_argument(
         "--compress",
         action="store_true",
         help="trainers push Strom's threshold-quantized updates with error feedback "

@@ -6,6 +6,7 @@ table (Project Adam's Table 1 comparison).
 
     python benchmarks/accuracy_cluster.py [--epochs 5] [--replicas 2] [--workers 1]
         [--optimizer adagrad] [--lr 0.01] [--batch 8] [--n-push 4] [--n-fetch 8] [--augment]
+        [--http-only]
 
 In the same run it measures the limit the cluster's images/s is compared against: the same
 model trained in one process by trainer.local (plain SGD, one worker, the same batch size;
@@ -41,8 +42,11 @@ def run_cluster(args: argparse.Namespace, root: Path) -> dict:
     procs: list[Proc] = []
     try:
         ps_port, ds_port = free_port(), free_port()
+        # With a data port, as `adamps up` starts servers: the trainers pull and push dense
+        # deltas over it (--http-only: no data port, the trainers use HTTP).
+        dp = [] if args.http_only else ["--data-port", str(free_port())]
         ps = Proc(adamps_argv("ps", "--port", str(ps_port), "--data-dir", str(root / "ps"),
-                              "--no-lmdb-sync"), root / "ps.log", env=env, name="ps")  # fmt: skip
+                              "--no-lmdb-sync", *dp), root / "ps.log", env=env, name="ps")  # fmt: skip
         procs.append(ps)
         ds_args = ["dataserver", "--port", str(ds_port), "--source", "builtin"]
         if not args.augment:
@@ -136,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-fetch", type=int, default=8)
     parser.add_argument("--warm-start", type=int, default=100)
     parser.add_argument("--augment", action="store_true")
+    parser.add_argument("--http-only", action="store_true",
+                        help="the PS gets no data port: trainers pull and push over HTTP")  # fmt: skip
     parser.add_argument("--local-epochs", type=int, default=2, help="epochs of the local baseline")
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         f"adam-mnist, built-in data, {args.replicas} replicas x {args.workers} worker(s), "
         f"Downpour + server {args.optimizer} lr {args.lr}, batch {args.batch}, "
         f"n_push {args.n_push}, n_fetch {args.n_fetch}, warm start {args.warm_start}, "
-        f"augment {args.augment}"
+        f"augment {args.augment}, trainers over {'HTTP' if args.http_only else 'the data plane'}"
     )
     print(
         "held-out accuracy per epoch: "
@@ -176,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "replicas": args.replicas, "workers": args.workers, "epochs": args.epochs,
         "optimizer": args.optimizer, "lr": args.lr, "batch": args.batch,
         "n_push": args.n_push, "n_fetch": args.n_fetch, "augment": args.augment,
+        "transport": "http" if args.http_only else "dataplane",
         "heldout_acc_pct": round(cluster["acc"] * 100, 2),
         "per_epoch_acc_pct": [round(a * 100, 2) for a in cluster["per_epoch_acc"]],
         "cluster_images_per_s": round(cluster["images_per_s"], 1),

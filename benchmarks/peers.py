@@ -78,14 +78,14 @@ def _ops(kind: str, cfg: dict[str, Any], i: int) -> tuple[Callable[[], None], Ca
     """(push, pull) of client `i` of system `kind`; each moves NBYTES."""
     delta = np.full(N_ELEMS, DELTA, np.float32)
     out = np.empty(N_ELEMS, np.float32)
-    if kind == "http":
+    if kind in ("http", "cluster_dp"):
         routing = (
             ControllerRouting(cfg["controllers"])
             if "controllers" in cfg
             else StaticRouting(cfg["servers"], N_BUCKETS)
         )
         layout = Layout([TensorSpec("w", (N_ELEMS,))], n_buckets=N_BUCKETS)
-        client = PSClient(routing, layout, TOKEN)
+        client = PSClient(routing, layout, TOKEN, data_plane=kind == "cluster_dp")
         return (
             lambda: client.push_dense("w", delta),
             lambda: client.pull(["w"], out={"w": out}) and None,
@@ -182,15 +182,19 @@ def adamps_standalone(root: Path, seconds: float) -> dict[str, float]:
         proc.stop()
 
 
-def adamps_cluster(root: Path, rf: int, seconds: float) -> float:
-    """3 controllers + 3 parameter servers with replication factor `rf`, clients over HTTP."""
+def adamps_cluster(root: Path, rf: int, seconds: float) -> dict[str, float]:
+    """3 controllers + 3 parameter servers with replication factor `rf`: clients over HTTP,
+    then over the servers' data planes (PSClient's default)."""
     c = start_cluster(str(root / f"rf{rf}"), rf, 262_144)  # 1 MB shards, the default
     try:
         layout = Layout([TensorSpec("w", (N_ELEMS,))], n_buckets=N_BUCKETS)
         with PSClient(ControllerRouting(c.controllers), layout, TOKEN) as setup:
             setup.create(layout.tensors["w"], init={"kind": "zeros"},
                          optimizer={"kind": "sgd", "lr": -1.0})  # fmt: skip
-        return run_clients("http", {"controllers": c.controllers}, seconds)
+        return {
+            "http": run_clients("http", {"controllers": c.controllers}, seconds),
+            "dataplane": run_clients("cluster_dp", {"controllers": c.controllers}, seconds),
+        }
     finally:
         c.stop()
 
@@ -377,10 +381,10 @@ def main() -> int:
             record("adamps_standalone_rf1", "adamps standalone RF 1",
                    lambda: adamps_standalone(root / "standalone", args.seconds))  # fmt: skip
         if "rf1" not in skip:
-            record("adamps_cluster_rf1_http", "adamps cluster RF 1",
+            record("adamps_cluster_rf1", "adamps cluster RF 1",
                    lambda: adamps_cluster(root, 1, args.seconds))  # fmt: skip
         if "rf3" not in skip:
-            record("adamps_cluster_rf3_http", "adamps cluster RF 3",
+            record("adamps_cluster_rf3", "adamps cluster RF 3",
                    lambda: adamps_cluster(root, 3, args.seconds))  # fmt: skip
     torch_v, ray_v = optional("torch"), optional("ray")
     RESULTS["torch_version"], RESULTS["ray_version"] = torch_v, ray_v
@@ -418,13 +422,21 @@ def main() -> int:
         print(f"  {name:<44} {r:6.2f}{verdict}")
 
     measured = [k for k in ("adamps_standalone_rf1_dataplane", "adamps_standalone_rf1_http",
-                            "adamps_cluster_rf1_http") if k in figures]  # fmt: skip
+                            "adamps_cluster_rf1_http", "adamps_cluster_rf1_dataplane")
+                if k in figures]  # fmt: skip
     best = max(measured, key=lambda k: figures[k]) if measured else "adamps_rf1_best"
     RESULTS["adamps_rf1_best_path"] = best if measured else None
     ratio("adamps_rf1_best_over_torch_rpc", best, "torch_rpc", 1.5)
     ratio("adamps_rf1_dataplane_over_torch_rpc", "adamps_standalone_rf1_dataplane", "torch_rpc")
     ratio("adamps_cluster_rf1_http_over_torch_rpc", "adamps_cluster_rf1_http", "torch_rpc")
+    ratio(
+        "adamps_cluster_rf1_dataplane_over_torch_rpc", "adamps_cluster_rf1_dataplane", "torch_rpc"
+    )
     ratio("adamps_rf3_over_rf1", "adamps_cluster_rf3_http", "adamps_cluster_rf1_http", 0.5)
+    ratio("adamps_rf3_over_rf1_dataplane", "adamps_cluster_rf3_dataplane",
+          "adamps_cluster_rf1_dataplane", 0.5)  # fmt: skip
+    ratio("adamps_cluster_rf3_dataplane_over_http", "adamps_cluster_rf3_dataplane",
+          "adamps_cluster_rf3_http")  # fmt: skip
     ratio("adamps_rf1_best_over_ray_1_node", best, "ray_1_node_shm")
     ratio("adamps_rf1_best_over_ray_2_nodes", best, "ray_2_nodes_tcp")
     ratio("ray_2_nodes_over_ray_1_node", "ray_2_nodes_tcp", "ray_1_node_shm")

@@ -34,7 +34,8 @@ import numpy as np
 from scipy.linalg import blas
 from threadpoolctl import threadpool_limits
 
-from adamps.layout import TensorSpec
+from adamps.client import PSClient, StaticRouting
+from adamps.layout import Layout, TensorSpec
 from adamps.procs import Proc, adamps_argv, free_port
 from adamps.rpc import SyncRpc
 from adamps.server.dataplane import DataPlaneClient
@@ -341,6 +342,34 @@ class DataPlaneClients:
             c.close()
 
 
+class PSClients:
+    """One adamps.client.PSClient (the trainers' client: shards split by server, (client, seq)
+    per push) over the data plane (shard frames) or HTTP, pushing or pulling tensor p (4 MB)."""
+
+    def __init__(self, base: str, data_plane: bool) -> None:
+        layout = Layout([TensorSpec("p", (BODY // 4,))], n_buckets=64)
+        self.client = PSClient(StaticRouting([base], 64), layout, TOKEN, data_plane=data_plane)
+        self.delta = np.full(BODY // 4, 1e-6, np.float32)
+        self.out = {"p": np.empty(BODY // 4, np.float32)}
+
+    def rate(self, op: str, seconds: float = 0.8) -> float:
+        def call() -> None:
+            if op == "push":
+                self.client.push_dense("p", self.delta)
+            else:
+                self.client.pull(["p"], out=self.out)
+
+        call()
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            call()
+            n += 1
+        return n * BODY / (time.perf_counter() - t0) / 1e9
+
+    def close(self) -> None:
+        self.client.close()
+
+
 class HttpClients:
     """`conns` keep-alive connections (threads), each pushing or pulling 4 MB bodies."""
 
@@ -458,6 +487,7 @@ def main() -> int:
             one, four = HttpClients(base, 1), HttpClients(base, 4)
             discard = HttpClients(sink_base, 1)
             dp1, dp4 = DataPlaneClients(data_port, 1), DataPlaneClients(data_port, 4)
+            psc_dp, psc_http = PSClients(base, True), PSClients(base, False)
             med = interleaved(
                 {
                     "tcp_stream": tcp.stream,
@@ -472,6 +502,10 @@ def main() -> int:
                     "dp_push4": lambda: dp4.rate("push"),
                     "dp_pull1": lambda: dp1.rate("pull"),
                     "dp_pull4": lambda: dp4.rate("pull"),
+                    "psc_dp_push": lambda: psc_dp.rate("push"),
+                    "psc_dp_pull": lambda: psc_dp.rate("pull"),
+                    "psc_http_push": lambda: psc_http.rate("push"),
+                    "psc_http_pull": lambda: psc_http.rate("pull"),
                 },
                 4,
             )
@@ -480,6 +514,8 @@ def main() -> int:
             discard.close()
             dp1.close()
             dp4.close()
+            psc_dp.close()
+            psc_http.close()
         finally:
             sink.terminate()
             sink.join(5)
@@ -499,6 +535,11 @@ def main() -> int:
     report("dataplane_push_4MB_4_conns", med["dp_push4"], "GB/s", lim, 0.6)
     report("dataplane_pull_4MB_1_conn", med["dp_pull1"], "GB/s", lim)
     report("dataplane_pull_4MB_4_conns", med["dp_pull4"], "GB/s", lim)
+    print("  PSClient, the trainers' client (4 shards of 1 MB, one request per op, (client, seq)):")
+    report("psclient_dataplane_push_4MB", med["psc_dp_push"], "GB/s", lim, 0.6)
+    report("psclient_dataplane_pull_4MB", med["psc_dp_pull"], "GB/s", lim)
+    report("psclient_http_push_4MB", med["psc_http_push"], "GB/s", lim)
+    report("psclient_http_pull_4MB", med["psc_http_pull"], "GB/s", lim)
 
     RESULTS["wall_seconds"] = round(time.perf_counter() - t_start, 1)
     print()

@@ -75,6 +75,11 @@ class TrainConfig:
     push_queue: int = field(
         4, help="pushes queued for the push thread; beyond, new updates are merged into the last"
     )
+    http_only: bool = field(
+        False,
+        help="pull and push over HTTP only, even where a parameter server offers its binary "
+        "data port (default: the data port where offered, HTTP elsewhere)",
+    )
     compress: bool = field(
         False,
         help="push Strom's threshold-quantized updates with error feedback (a residual per "

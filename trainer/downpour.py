@@ -71,7 +71,7 @@ from trainer.hogwild import Hogwild
 from trainer.loop import Loop
 from trainer.metrics import TrainerMetrics
 from trainer.model import Model, resolve_spec
-from trainer.packing import PackPlan, collect_round, downpour_worker_factory, stack
+from trainer.packing import PackPlan, add_pending, collect_round, downpour_worker_factory
 from trainer.push_queue import PushQueue
 from trainer.pusher import Pusher
 from trainer.schedule import Schedule
@@ -177,7 +177,9 @@ class Replica:
             max_elems = int(status.get("config", {}).get("max_shard_elems", 262_144))
             self.layout = Layout(self.tensors, n_buckets, max_elems)
             routing = StaticRouting(cfg.ps, n_buckets)
-        self.client = PSClient(routing, self.layout, cfg.token, retry_for=60.0)
+        self.client = PSClient(
+            routing, self.layout, cfg.token, retry_for=60.0, data_plane=not cfg.http_only
+        )
         if cfg.compress:
             from trainer.compress import Compressor
 
@@ -474,13 +476,7 @@ class Replica:
             # Compressed pushes: the residuals are local updates not on the servers either
             # (gradient units; the workers' units are -local_lr * gradient).
             self.compressor.add_residuals(params, sl, -self.cfg.local_lr)
-        for item in self.pushq.pending():
-            for name, d in item.dense.items():
-                params[sl[name]] += d
-            for name, blocks in item.vectors.items():
-                a, e = stack(blocks)
-                if a is not None:
-                    params[sl[name]].reshape(shapes[name])[...] += e.T @ a
+        add_pending(params, self.pushq.pending(), sl, shapes)
 
     def _account(self, stats: EpochStats, batches: int, images: int, loss: float) -> None:
         stats.batches += batches

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adamps.layout import stable_bucket
+from adamps.layout import Shard, stable_bucket
 from adamps.protocol import ProtocolError, require
 from adamps.server.config import PsConfig
 from adamps.server.replicate import Replicator
@@ -67,6 +67,26 @@ class Addressing:
         if self.replicator is not None:
             for b in {stable_bucket(i, self.cfg.n_buckets) for i in ids if isinstance(i, str)}:
                 self.replicator.check_primary(b)
+
+    def stream_shards(self, meta: dict[str, Any]) -> list[Shard]:
+        """The shards a data-plane frame names, in payload order: every shard of `tensor` (which
+        must all be held here), or the `shards` list (unique ids of defined tensors; under
+        replication an id of a bucket this server does not lead is not_primary). Their sizes fix
+        the payload's length, so this runs on the header, before any payload byte is buffered."""
+        if "shards" not in meta:
+            name = require(meta, "tensor", str)
+            return [st.shard for st in self.held(name)]
+        ids = self.unique_names(meta, "shards", "shard ids (strings)", twice_ok=False)
+        if not ids:
+            raise ProtocolError("bad_request", "field 'shards' must name at least one shard")
+        out = []
+        for sid in ids:
+            s = self.store.layout.shards.get(sid)
+            if s is None:
+                self.check_ids([sid])  # a bucket led elsewhere: not_primary, even if unknown here
+                raise ProtocolError("unknown_shard", f"no shard {sid!r} on this server")
+            out.append(s)
+        return out
 
     def check_serving(self, states: list[ShardState]) -> None:
         """Under replication, only the primary of a bucket with a live lease serves it."""

@@ -5,14 +5,15 @@ aiohttp handler that only reads and discards the body does hardly better (benchm
 the HTTP framework, not the PS, is the ceiling. Here a connection reads each payload with
 ``asyncio.BufferedProtocol`` straight into one buffer allocated at its final size (the kernel copies
 into it; no chunk objects, no joins), and the numpy view of that buffer is what the owner threads
-apply. Only the two hot ops are offered: ``push_dense`` and ``pull`` of whole tensors; everything
-else stays on ``POST /rpc``.
+apply. Only the two hot ops are offered: ``push_dense`` and ``pull``, of a whole tensor or of named
+shards; everything else stays on ``POST /rpc``.
 
 Frame (both directions): a 20-byte header ``<4s B B H I Q`` = magic ``b"ADPS"``, version 1,
 kind (1 request, 2 reply, 3 error), 0, meta length, payload length; then the meta (a msgpack map,
 see docs/protocol-ps.md) and the payload (raw little-endian float32, C order).
 
-Security and bad input: a replicated server refuses writes here (one write path: /rpc); the
+One write path: a push here goes through ``WritePath`` like a push on /rpc (the same checks, and on
+a replicated server the lease check, two-phase commit and exactly-once by (client, seq)). The
 token is in the meta and is checked before any payload byte is buffered; idle and stalled
 connections are closed and their number is capped (the HTTP limits of the PS config); meta and payload lengths are bounded (64 KiB, ``max_body``) before anything is
 allocated; tensor, length and finiteness are checked before the update is queued. An error found
@@ -23,6 +24,7 @@ an error found after (NaN, Inf) is answered and the connection stays usable.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import logging
 import socket
@@ -246,12 +248,11 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
     def _start(self, meta: dict[str, Any], payload: np.ndarray | None) -> Any:
         """Queues the request (the write path or the read path); returns (future, reply builder)."""
-        name = meta["tensor"]
         if meta["op"] == "push_dense":
             assert payload is not None
             self.plane.m.bytes_in.inc(payload.size)
-            return self.plane.writes.start_stream_push(name, payload, meta)
-        return self.plane.reads.start_stream_pull(name)
+            return self.plane.writes.start_stream_push(payload, meta)
+        return self.plane.reads.start_stream_pull(meta)
 
     async def _finish(
         self, meta: dict[str, Any], started: Any, prev: asyncio.Future | None, done: asyncio.Future
@@ -391,6 +392,8 @@ class DataPlaneClient:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.token = token
         self._hdr = bytearray(HEADER.size)
+        #: rids of the shard requests sent whose reply is not read yet, oldest first
+        self._rids: collections.deque[str] = collections.deque()
 
     def close(self) -> None:
         self.sock.close()
@@ -514,3 +517,71 @@ class DataPlaneClient:
         if out is not None and out.nbytes == body.nbytes:  # _read_reply received into out
             return out.reshape(reply["shape"]), reply["versions"]
         return np.frombuffer(body, dtype="<f4").reshape(reply["shape"]), reply["versions"]
+
+    # -- shards (a replicated cluster: one request per primary) -----------------------------------
+
+    def send_push_shards(self, ids: list[str], parts: list[np.ndarray], **fields: Any) -> None:
+        """Sends a push_dense of the shards `ids` (their deltas `parts`, float32, in that order;
+        `fields`: `client`, `seq`) without waiting for the reply (read_push_reply): a client
+        sends to every primary first, then reads, so the servers work side by side."""
+        req = protocol.request("push_dense", shards=ids, token=self.token, **fields)
+        meta = protocol.encode(req)
+        self._rids.append(req["rid"])
+        n = sum(p.nbytes for p in parts)
+        self.sock.sendall(frame_header(REQUEST, len(meta), n) + meta)
+        try:
+            for p in parts:
+                self.sock.sendall(memoryview(np.ascontiguousarray(p, dtype="<f4")).cast("B"))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server refused the request early and closed: read its error frame
+
+    def read_push_reply(self) -> dict[str, int]:
+        reply, _, err = self._read_reply()
+        self._check_rid(reply)
+        if err is not None:
+            raise err
+        return reply["versions"]
+
+    def _check_rid(self, reply: dict[str, Any]) -> None:
+        """The reply answers the oldest request sent (a fatal error's reply may carry no rid);
+        anything else means the stream is out of step: never take it as an acknowledgement."""
+        want = self._rids.popleft() if self._rids else None
+        rid = reply.get("rid")
+        if rid is not None and rid != want:
+            raise ConnectionError(f"data plane: reply {rid!r} to request {want!r} out of step")
+
+    def send_pull_shards(self, ids: list[str]) -> None:
+        """Asks for the values of shards `ids` (read them with read_pull_reply)."""
+        req = protocol.request("pull", shards=ids, token=self.token)
+        meta = protocol.encode(req)
+        self._rids.append(req["rid"])
+        self.sock.sendall(frame_header(REQUEST, len(meta), 0) + meta)
+
+    def read_pull_reply(self, outs: list[np.ndarray]) -> list[int]:
+        """Receives a pull of shards straight into `outs` (C-contiguous float32 arrays of the
+        shards' sizes, in request order); returns their versions."""
+        self._recv_exact(memoryview(self._hdr))
+        magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(self._hdr)
+        if magic != MAGIC:
+            raise ConnectionError("data plane: bad reply frame")
+        mbuf = bytearray(meta_len)
+        self._recv_exact(memoryview(mbuf))
+        if kind == ERROR or payload_len != sum(o.nbytes for o in outs):
+            # An error (or a reply that does not fit): read whatever follows, then report it.
+            self._recv_exact(memoryview(np.empty(payload_len, dtype=np.uint8)))
+            reply = protocol.decode(mbuf)
+            self._check_rid(reply)
+            if kind != ERROR:
+                raise ConnectionError("data plane: pull reply of an unexpected length")
+            err = reply.get("error", {})
+            code = err.get("code", "internal")
+            raise DataPlaneError(
+                code if code in protocol.ERRORS else "internal",
+                str(err.get("message", "")),
+                **{k: v for k, v in err.items() if k not in ("code", "message")},
+            )
+        reply = protocol.decode(mbuf)
+        self._check_rid(reply)
+        for o in outs:  # scattered straight into the caller's arrays: no staging copy
+            self._recv_exact(memoryview(o).cast("B"))
+        return list(reply["versions"])

@@ -1,5 +1,5 @@
 """The read path of a parameter server: pulls of whole tensors or of shards (``POST /rpc``),
-and the data plane's pull of a whole tensor. A read is a work item on the shards' owner threads,
+and the data plane's pulls (a whole tensor, or shards). A read is a work item on the shards' owner threads,
 so it sees every update queued before it, whole."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps.protocol import ProtocolError, require
+from adamps.protocol import ProtocolError
 from adamps.server.addressing import Addressing
 from adamps.server.shards import ShardState
 from adamps.server.store import Store
@@ -55,25 +55,32 @@ class Reads:
 
     def accept_stream_pull(self, meta: dict[str, Any], payload_len: int) -> None:
         """The checks of a data-plane pull's header, before its (empty) payload."""
-        t = self.store.tensor(require(meta, "tensor", str))
+        self.addressing.stream_shards(meta)
         if payload_len != 0:
             raise ProtocolError(
-                "bad_length",
-                f"pull of {t.spec.name!r} needs a payload of 0 bytes, got {payload_len}",
+                "bad_length", f"a pull needs a payload of 0 bytes, got {payload_len}"
             )
-        self.addressing.held(t.spec.name)  # every shard here, or unknown_shard
 
     def start_stream_pull(
-        self, name: str
+        self, meta: dict[str, Any]
     ) -> tuple[Any, Callable[[dict[str, int]], tuple[dict[str, Any], np.ndarray]]]:
-        """Queues the read of a whole tensor now; returns (future of the versions, reply builder)."""
-        sts = self.addressing.held(name)
-        t = self.store.tensors[name]
-        out = np.empty(t.spec.size, dtype=np.float32)
-        outs = [out[st.shard.start : st.shard.stop] for st in sts]
-        fut = owner_future(lambda cb: self.store.read(sts, outs, cb))
-        shape = list(t.spec.shape)
+        """Queues the read of a whole tensor or of the named shards (one after the other in the
+        payload) now; under replication only from a primary with a live lease, as on /rpc.
+        Returns (future of the versions, reply builder)."""
+        shards = self.addressing.stream_shards(meta)
+        states = [self.store.shard(s.id) for s in shards]
+        self.addressing.check_serving(states)
+        out = np.empty(sum(s.size for s in shards), dtype=np.float32)
+        outs, pos = [], 0
+        for s in shards:
+            outs.append(out[pos : pos + s.size])
+            pos += s.size
+        fut = owner_future(lambda cb: self.store.read(states, outs, cb))
+        if "shards" in meta:
+            ids = [s.id for s in shards]
+            return fut, lambda versions: ({"versions": [versions[i] for i in ids]}, out)
+        shape = list(self.store.tensors[shards[0].tensor].spec.shape)
         return fut, lambda versions: (
-            {"shape": shape, "versions": [versions[st.id] for st in sts]},
+            {"shape": shape, "versions": [versions[s.id] for s in shards]},
             out,
         )

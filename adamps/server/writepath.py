@@ -11,13 +11,14 @@ binary data plane (``dataplane.py``), comes here and nowhere else:
 3. on a standalone server, the update is queued to the shards' owner threads and the push returns
    when it is applied, with the shards' new versions.
 
-The data plane writes only on a standalone server: a replicated server refuses its pushes
-(``read_only``), so that every write to a copy passes the lease check, the two-phase commit and
-the deduplication.
+The data plane's push_dense (whole tensor or named shards, raw float32) passes the same checks
+as push_dense by shard on ``/rpc`` and, on a replicated server, the same lease check, two-phase
+commit and deduplication: the same meaning whichever transport.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -71,32 +72,46 @@ class WritePath:
             flat = delta.reshape(-1)
             parts = [(st, Dense(flat[st.shard.start : st.shard.stop])) for st in sts]
         else:
-            deltas = require(msg, "shards", dict)
-            if len(deltas) > self.cfg.max_shards_per_request:
-                raise ProtocolError(
-                    "too_large",
-                    f"push_dense names {len(deltas)} shards; the limit is "
-                    f"{self.cfg.max_shards_per_request}",
-                )
-            self.addressing.check_ids(deltas)
-            for sid in deltas:
-                if not isinstance(sid, str):
-                    raise ProtocolError(
-                        "bad_request", "field 'shards' must map shard ids to arrays"
-                    )
-                st = self.store.shard(sid)
-                d = require_array(deltas, sid, shape=st.shard.shape, finite=False)
-                bounds.check_dense(sid, d)
-                parts.append((st, Dense(d)))
-            if not parts:
-                raise ProtocolError(
-                    "bad_request", "push_dense needs 'tensor' + 'delta' or a non-empty 'shards'"
-                )
-        return await self._replicate_or_apply(
-            msg,
-            [([st], lambda sts, d=upd.delta: dense_update(sts[0].id, d)) for st, upd in parts],
-            lambda: parts,
-        )
+            parts = self._dense_shard_parts(require(msg, "shards", dict), arrays=True)
+        return await self._replicate_or_apply(msg, self._dense_wire(parts), lambda: parts)
+
+    def _dense_shard_parts(
+        self, deltas: dict[str, Any], arrays: bool
+    ) -> list[tuple[ShardState, Dense]]:
+        """The checks of a push_dense by shard, from /rpc (`arrays`: wire arrays, checked for
+        dtype and shape) or the data plane (float32 views cut to each shard's shape already):
+        the shard count, the primary role of every bucket named, every shard held here, the
+        finite bounds. Raises before anything is queued."""
+        if len(deltas) > self.cfg.max_shards_per_request:
+            raise ProtocolError(
+                "too_large",
+                f"push_dense names {len(deltas)} shards; the limit is "
+                f"{self.cfg.max_shards_per_request}",
+            )
+        self.addressing.check_ids(deltas)
+        parts: list[tuple[ShardState, Dense]] = []
+        for sid in deltas:
+            if not isinstance(sid, str):
+                raise ProtocolError("bad_request", "field 'shards' must map shard ids to arrays")
+            st = self.store.shard(sid)
+            d = (
+                require_array(deltas, sid, shape=st.shard.shape, finite=False)
+                if arrays
+                else deltas[sid]
+            )
+            bounds.check_dense(sid, d)
+            parts.append((st, Dense(d)))
+        if not parts:
+            raise ProtocolError(
+                "bad_request", "push_dense needs 'tensor' + 'delta' or a non-empty 'shards'"
+            )
+        return parts
+
+    def _dense_wire(
+        self, parts: list[tuple[ShardState, Dense]]
+    ) -> list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]]:
+        """The compact (replication) form of a checked push_dense."""
+        return [([st], lambda sts, d=upd.delta: dense_update(sts[0].id, d)) for st, upd in parts]
 
     async def op_push_fc(self, msg: dict[str, Any]) -> dict[str, Any]:
         name = require(msg, "tensor", str)
@@ -155,40 +170,46 @@ class WritePath:
 
     def accept_stream_push(self, meta: dict[str, Any], payload_len: int) -> int:
         """The checks of a data-plane push's header, before any payload byte is buffered; returns
-        the payload's size in bytes (the whole tensor, float32)."""
-        if self.replicator is not None:
-            # One write path (issue 12): a replicated server takes writes only through /rpc,
-            # where they pass the lease check, two-phase commit and deduplication. Applied here
-            # they changed one copy only (a secondary's too) and the copies diverged.
-            raise ProtocolError(
-                "read_only",
-                "this server replicates its buckets: the data plane serves pulls only; "
-                "push through POST /rpc",
-            )
-        t = self.store.tensor(require(meta, "tensor", str))
-        want = t.spec.size * 4
+        the payload's size in bytes: the whole tensor (`tensor`) or the named shards one after
+        the other (`shards`), float32. The role checks come with the payload (start_stream_push),
+        so that a not_primary leaves the connection usable."""
+        want = 4 * sum(s.size for s in self.addressing.stream_shards(meta))
         if payload_len != want:
             raise ProtocolError(
-                "bad_length",
-                f"push_dense of {t.spec.name!r} needs a payload of {want} bytes, got {payload_len}",
+                "bad_length", f"this push_dense needs a payload of {want} bytes, got {payload_len}"
             )
-        self.addressing.held(t.spec.name)  # every shard here, or unknown_shard
         return want
 
     def start_stream_push(
-        self, name: str, payload: np.ndarray, meta: dict[str, Any]
+        self, payload: np.ndarray, meta: dict[str, Any]
     ) -> tuple[Any, Callable[[dict[str, int]], tuple[dict[str, Any], None]]]:
-        """Validates a data-plane push of a whole tensor and queues it now (arrival order: the
-        pushes of one connection are applied in the order sent); returns (future of the
-        versions, reply builder)."""
-        sts = self.addressing.held(name)
-        # Zero copy: the kernel wrote the payload into this buffer; the owner threads read it.
+        """Validates a data-plane push exactly as push_dense by shard on /rpc (role, held shards,
+        finite bounds; raises before anything is queued), then queues it now: applied at once on
+        a standalone server, into its buckets' replication rounds on a replicated one (lease,
+        two-phase commit, exactly once by (client, seq)). Pushes of one connection are queued
+        in the order sent. Returns (future of the versions, reply builder)."""
+        # Zero copy: the kernel wrote the payload into this buffer; the owner threads (or the
+        # replication round) read these views of it.
         delta = payload.view("<f4")
-        bounds.check_dense("payload", delta)  # finite, and small enough to stay finite
-        self._record_client(meta)
-        parts = [(st, Dense(delta[st.shard.start : st.shard.stop])) for st in sts]
-        fut = owner_future(lambda cb: self.store.push(parts, cb))
-        return fut, lambda versions: ({"versions": versions}, None)
+        deltas: dict[str, np.ndarray] = {}
+        pos = 0
+        for s in self.addressing.stream_shards(meta):
+            deltas[s.id] = delta[pos : pos + s.size].reshape(s.shape)
+            pos += s.size
+        parts = self._dense_shard_parts(deltas, arrays=False)
+
+        def reply(versions: dict[str, int]) -> tuple[dict[str, Any], None]:
+            return {"versions": versions}, None
+
+        if self.replicator is None:
+            # Queued to the owner threads before the next request of the connection is read
+            # (a pull pipelined behind it sees it).
+            self._record_client(meta)
+            return owner_future(lambda cb: self.store.push(parts, cb)), reply
+        # Replicator.push submits to every bucket before its first await, and tasks start in
+        # the order created: the pushes of one connection enter their rounds in the order sent.
+        task = asyncio.ensure_future(self._replicate(meta, self._dense_wire(parts)))
+        return task, lambda _r: reply({})
 
     # -- replicate or apply -------------------------------------------------------------------------
 

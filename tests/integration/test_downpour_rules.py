@@ -16,6 +16,7 @@ from trainer.packing import (
     DownpourWorker,
     PackPlan,
     PushItem,
+    add_pending,
     collect_round,
     push_parts,
     use_vectors,
@@ -196,3 +197,36 @@ def test_export_round_trip(tmp_path) -> None:
     np.testing.assert_array_equal(back.params, m.params)
     with pytest.raises(ValueError, match="do not match"):
         export.save(tmp_path / "bad.npz", m.spec, {"conv1.w": m.param("conv1.w")})
+
+
+def test_installing_queued_items_at_once_equals_one_by_one() -> None:
+    """add_pending (one stacked in-place sgemm per fc weight over every queued item) equals the
+    item-by-item expansion params += e.T @ a, up to float rounding (issue 16, trainer CPU)."""
+    rng = np.random.default_rng(3)
+    shapes = {"c.w": (4, 5), "f.w": (30, 20), "g.w": (7, 3)}
+    slices, pos = {}, 0
+    for n, s in shapes.items():
+        slices[n] = slice(pos, pos + int(np.prod(s)))
+        pos += int(np.prod(s))
+
+    def vec(m: int, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return rng.standard_normal((k, n), np.float32), rng.standard_normal((k, m), np.float32)
+
+    items = [
+        PushItem({"c.w": rng.standard_normal(20, np.float32)},
+                 {"f.w": [vec(30, 20, 3), vec(30, 20, 2)], "g.w": [vec(7, 3, 1)]}),
+        PushItem({"c.w": rng.standard_normal(20, np.float32)}, {"f.w": [vec(30, 20, 4)]}),
+        PushItem({"g.w": rng.standard_normal(21, np.float32)}, {}),
+    ]  # fmt: skip
+    base = rng.standard_normal(pos).astype(np.float32)
+    want = base.astype(np.float64)
+    for item in items:
+        for n, d in item.dense.items():
+            want[slices[n]] += d
+        for n, blocks in item.vectors.items():
+            for a, e in blocks:
+                want[slices[n]] += (e.T.astype(np.float64) @ a).reshape(-1)
+    got = base.copy()
+    add_pending(got, items, slices, shapes)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not np.array_equal(got, base)

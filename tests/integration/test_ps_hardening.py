@@ -304,24 +304,34 @@ async def test_the_old_public_token_is_not_accepted(srv: Ps) -> None:
     assert status == 401
 
 
-# -- 4. the data port of a replicated server refuses writes --------------------------------------
+# -- 4. the data port of a replicated server writes only through the write path ------------------
 
 
-async def test_data_port_of_a_replicated_server_refuses_pushes(tmp_path: Path) -> None:
+async def test_data_port_of_a_replicated_server_checks_the_primary_role(tmp_path: Path) -> None:
     dp = free_port()
-    # Controllers that do not answer: the server is replicated (it has a replicator) but holds
-    # nothing yet; the refusal must come before any tensor lookup, for primaries and secondaries.
+    # Controllers that do not answer: the server is replicated (it has a replicator) but leads
+    # nothing; a data-plane push or pull of a shard is refused as on /rpc (not_primary), before
+    # any tensor lookup: the update never reaches a copy outside the two-phase commit.
     s = await start_ps(tmp_path, controllers=["127.0.0.1:1"], data_port=dp, server_id="ps-x")
     try:
 
-        def push() -> DataPlaneError:
-            with DataPlaneClient("127.0.0.1", dp, TOKEN, timeout=5) as c:
-                with pytest.raises(DataPlaneError) as err:
-                    c.push_dense("w", np.zeros(10, np.float32))
-                return err.value
+        def attempts() -> list[str]:
+            codes = []
+            for op in ("push", "pull"):
+                with DataPlaneClient("127.0.0.1", dp, TOKEN, timeout=5) as c:
+                    with pytest.raises(DataPlaneError) as err:
+                        if op == "push":
+                            c.send_push_shards(
+                                ["w/0"], [np.zeros(10, np.float32)], client="c", seq=1
+                            )
+                            c.read_push_reply()
+                        else:
+                            c.send_pull_shards(["w/0"])
+                            c.read_pull_reply([np.zeros(10, np.float32)])
+                    codes.append(err.value.code)
+            return codes
 
-        err = await asyncio.to_thread(push)
-        assert err.code == "read_only", err
+        assert await asyncio.to_thread(attempts) == ["not_primary", "not_primary"]
     finally:
         await s.close()
 
@@ -341,5 +351,52 @@ async def test_data_port_of_a_standalone_server_bounds_pushes(tmp_path: Path) ->
 
         code, versions = await asyncio.to_thread(pushes)
         assert code == "bad_request" and versions
+    finally:
+        await s.close()
+
+
+async def test_data_port_pushes_and_pulls_shards_like_rpc(tmp_path: Path) -> None:
+    """The shard form of the data plane: the same update and the same checks as push_dense by
+    shard on /rpc; an error after the payload leaves the connection usable; pushes and pulls of
+    one connection in the order sent (a pipelined pull sees the push before it)."""
+    dp = free_port()
+    s = await start_ps(tmp_path, data_port=dp)
+    try:
+        await s.rpc.call("create", name="v", shape=[3000], optimizer={"kind": "sgd", "lr": -1})
+
+        def exchange() -> tuple[list[str], list[int], np.ndarray, np.ndarray]:
+            codes = []
+            ones = [np.ones(1000, np.float32), np.full(1000, 2.0, np.float32)]
+            with DataPlaneClient("127.0.0.1", dp, TOKEN, timeout=5) as c:
+                c.send_push_shards(["v/2", "v/0"], ones, client="c1", seq=1)
+                c.send_pull_shards(["v/0", "v/1", "v/2"])  # pipelined behind the push
+                assert c.read_push_reply()
+                outs = [np.empty(1000, np.float32) for _ in range(3)]
+                versions = c.read_pull_reply(outs)
+                bad = [np.full(1000, np.nan, np.float32), np.ones(1000, np.float32)]
+                with pytest.raises(DataPlaneError) as err:  # after the payload: not fatal
+                    c.send_push_shards(["v/0", "v/1"], bad)
+                    c.read_push_reply()
+                codes.append(err.value.code)
+                c.send_pull_shards(["v/1"])
+                after = [np.empty(1000, np.float32)]
+                c.read_pull_reply(after)  # nothing of the refused push was applied
+            for ids, n in ((["v/0", "v/0"], 2000), (["v/0"], 400), (["nope/0"], 0)):
+                with DataPlaneClient("127.0.0.1", dp, TOKEN, timeout=5) as c:
+                    with pytest.raises(DataPlaneError) as err:  # header errors: fatal
+                        c.send_push_shards(ids, [np.zeros(n, np.float32)])
+                        c.read_push_reply()
+                    codes.append(err.value.code)
+            return codes, versions, np.concatenate(outs), after[0]
+
+        codes, versions, got, after = await asyncio.to_thread(exchange)
+        assert codes == ["non_finite", "bad_request", "bad_length", "unknown_shard"]
+        assert versions == [1, 0, 1]
+        assert np.array_equal(
+            got, np.concatenate([np.full(1000, 2.0), np.zeros(1000), np.ones(1000)])
+        )
+        assert not after.any()
+        http = await s.rpc.call("pull", tensors=["v"])
+        assert np.array_equal(http["tensors"]["v"], got) and s.ps.writes.clients == {"c1": 1}
     finally:
         await s.close()

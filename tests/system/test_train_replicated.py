@@ -69,13 +69,16 @@ def test_replicated_cluster_trains_through_a_primary_kill(procs, tmp_path: Path)
         wait_for(lambda c=c: get_json(c, "/status")["raft"]["has_quorum"], 30, f"{c} quorum")
 
     # 3 parameter servers registered with the controllers
+    # each with a data port: the trainers pull and push dense deltas over it (issue 16)
     ps: dict[str, Any] = {}
+    ps_addr: dict[str, str] = {}
     for i in range(3):
         port = free_port()
         sid = f"ps{i}"
+        ps_addr[sid] = f"127.0.0.1:{port}"
         ps[sid] = procs.start(sid, "ps", "--port", str(port), "--data-dir", str(tmp_path / sid),
                               "--controllers", ",".join(controllers), "--server-id", sid,
-                              "--no-lmdb-sync")  # fmt: skip
+                              "--data-port", str(free_port()), "--no-lmdb-sync")  # fmt: skip
         ps[sid].wait_http(f"http://127.0.0.1:{port}/healthz", 60)
 
     def placed() -> bool:
@@ -124,3 +127,15 @@ def test_replicated_cluster_trains_through_a_primary_kill(procs, tmp_path: Path)
     # progress was recorded at the controllers: both replicas finished the last epoch
     progress = get_json(controllers[1], f"/progress?epoch={EPOCHS}")["replicas"]
     assert progress["0"]["done"] and progress["1"]["done"]
+    # the trainers used the data plane: the surviving servers served pulls and pushes there
+    served = {"dp_pull": 0.0, "dp_push_dense": 0.0}
+    for sid, addr in ps_addr.items():
+        if sid == victim:
+            continue
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                for op in served:
+                    if line.startswith("adamps_ps_requests_total{") and f'op="{op}"' in line \
+                            and 'outcome="ok"' in line:  # fmt: skip
+                        served[op] += float(line.rsplit(" ", 1)[1])
+    assert served["dp_pull"] > 0 and served["dp_push_dense"] > 0, served
