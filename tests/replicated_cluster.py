@@ -25,16 +25,23 @@ SHARD = 1_000  # 16 shards over 8 buckets
 
 
 @contextmanager
-def running_cluster(root: Path, n_servers: int, **more: Any) -> Iterator[LocalCluster]:
+def running_cluster(
+    root: Path,
+    n_servers: int,
+    n_buckets: int = N_BUCKETS,
+    shard: int = SHARD,
+    token: str = TOKEN,
+    **more: Any,
+) -> Iterator[LocalCluster]:
     """A started cluster, every bucket placed; stopped on exit. `more`: further LocalCluster
     arguments (where the processes run)."""
     c = LocalCluster(
         root,
-        token=TOKEN,
+        token=token,
         n_servers=n_servers,
-        n_buckets=N_BUCKETS,
+        n_buckets=n_buckets,
         controller_opts=FAST_CONTROLLER_OPTS,
-        ps_opts={**FAST_PS_OPTS, "max-shard-elems": SHARD},
+        ps_opts={**FAST_PS_OPTS, "max-shard-elems": shard},
         **more,
     )  # fmt: skip
     try:

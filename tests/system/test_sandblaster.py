@@ -22,6 +22,7 @@ from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
 from adamps.procs import free_port
 from coordinator.lbfgs import Lbfgs, LbfgsConfig, NumpyVectors, Regularized
 from dataserver.sources import builtin_mnist
+from tests.replicated_cluster import running_cluster
 from trainer.model import Model, builtin
 
 pytestmark = pytest.mark.slow
@@ -35,19 +36,8 @@ L2 = 1e-3
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        tmp_path,
-        token=TOKEN,
-        n_servers=3,
-        n_buckets=N_BUCKETS,
-        controller_opts=FAST_CONTROLLER_OPTS,
-        ps_opts={**FAST_PS_OPTS, "max-shard-elems": SHARD},
-    )  # fmt: skip
-    try:
-        c.start(timeout=60)
+    with running_cluster(tmp_path, 3, n_buckets=N_BUCKETS, shard=SHARD, token=TOKEN) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def start_coordinator(c: LocalCluster, port: int, name: str = "coordinator", **opts) -> str:

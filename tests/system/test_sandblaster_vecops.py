@@ -16,10 +16,11 @@ import pytest
 
 from adamps.client import ControllerRouting
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
+from adamps.localcluster import LocalCluster
 from adamps.metered import MeteredClient
 from coordinator.psvectors import PsVectors
 from coordinator.record import ServerRecord
+from tests.replicated_cluster import running_cluster
 from tests.system.test_failover import busiest_primary, digests_agree
 
 pytestmark = pytest.mark.slow
@@ -33,19 +34,8 @@ B = TensorSpec("b", (16, 4_000))  # 2 shards (whole rows)
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        tmp_path,
-        token=TOKEN,
-        n_servers=4,
-        n_buckets=N_BUCKETS,
-        controller_opts=FAST_CONTROLLER_OPTS,
-        ps_opts={**FAST_PS_OPTS, "max-shard-elems": SHARD},
-    )  # fmt: skip
-    try:
-        c.start(timeout=60)
+    with running_cluster(tmp_path, 4, n_buckets=N_BUCKETS, shard=SHARD, token=TOKEN) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_vector_ops_survive_a_primary_kill_exactly_once(cluster: LocalCluster) -> None:

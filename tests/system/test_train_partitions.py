@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -22,30 +21,12 @@ from typing import Any
 import pytest
 
 from adamps.procs import free_port
+from adamps.rpc import get_json
+from tests.polling import wait_for
 from trainer import export
 from trainer.local import builtin_data
 
 pytestmark = pytest.mark.slow
-
-
-def get_json(addr: str, path: str) -> Any:
-    url = addr if "://" in addr else f"http://{addr}"
-    with urllib.request.urlopen(url + path, timeout=5) as resp:
-        return json.loads(resp.read())
-
-
-def wait_for(pred, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-            if last:
-                return last
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
 
 
 def descendants(pid: int) -> set[int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,8 @@ import pytest
 
 from adamps.layout import Layout
 from adamps.procs import adamps_argv, free_port
+from adamps.rpc import get_json
+from tests.polling import wait_for
 from trainer import export
 from trainer.local import builtin_data
 
@@ -31,26 +32,6 @@ EPOCHS = 10
 def ps_has_replication() -> bool:
     out = subprocess.run(adamps_argv("ps", "--help"), capture_output=True, text=True, timeout=60)
     return "--controllers" in out.stdout and "--server-id" in out.stdout
-
-
-def get_json(addr: str, path: str) -> Any:
-    url = addr if "://" in addr else f"http://{addr}"
-    with urllib.request.urlopen(url + path, timeout=5) as resp:
-        return json.loads(resp.read())
-
-
-def wait_for(pred, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-            if last:
-                return last
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
 
 
 @pytest.mark.timeout(420)
