@@ -50,19 +50,29 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+#: ports free_port handed out in this process: a cluster takes all its ports before it starts
+#: a process on any, so "free a moment ago" alone gave one port twice (a controller's Raft port
+#: and a server's HTTP port: the server could not bind)
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago, chosen below the kernel's ephemeral range: a port
-    the kernel hands out (bind to 0) is also what it picks as the source port of outgoing
-    connections, so a server started on it a moment later can find it taken."""
+    """A TCP port that was free a moment ago and that this process has not handed out before,
+    chosen below the kernel's ephemeral range: a port the kernel hands out (bind to 0) is also
+    what it picks as the source port of outgoing connections, so a server started on it a
+    moment later can find it taken."""
     lo, _hi = _ephemeral_range()
     low, high = (10_000, lo) if lo > 11_000 else (lo, 65_000)
     for _ in range(200):
         port = random.randrange(low, high)
+        if port in _handed_out:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # crowded: the kernel's choice
         s.bind((host, 0))

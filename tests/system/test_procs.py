@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from adamps.procs import free_port
+
 pytestmark = pytest.mark.slow
 
 PARENT = """
@@ -51,3 +53,10 @@ def test_children_die_with_a_sigkilled_parent(tmp_path) -> None:
     finally:
         parent.kill()
         parent.stdout.close()
+
+
+def test_free_port_never_hands_out_a_port_twice() -> None:
+    """A cluster takes all its ports before it starts any process: each must be distinct (CI
+    once gave a controller's Raft port to a parameter server's HTTP port)."""
+    ports = [free_port() for _ in range(2000)]
+    assert len(set(ports)) == len(ports)
