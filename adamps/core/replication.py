@@ -17,7 +17,8 @@ The protocol, for a bucket whose controller-recorded assignment is (epoch, prima
   and acknowledges the highest seq it now holds.
 - When every member holds the batch, the primary applies it and sends COMMIT(epoch, seq); the
   secondaries apply their prepared batches up to seq, in order. The pushes of the batch are
-  acknowledged to their clients once every member has committed. A member that does not answer is
+  acknowledged to their clients at that decision point (``release_decided``), or, in the strict
+  mode, once every member has committed (``release_acknowledged``). A member that does not answer is
   reported to the controller; only after a committed controller entry removed it (a new assignment
   with a new epoch) does the round go on without it.
 - In-doubt rounds after a failover: the controller promotes the secondary with the highest
@@ -212,6 +213,23 @@ class BucketReplica:
             seq += 1
         return seq
 
+    @property
+    def held_position(self) -> tuple[int, int]:
+        """(epoch, seq) of the newest batch this copy holds without a hole, applied or prepared:
+        what it offers the controllers, which promote the highest (as Raft compares the last
+        entry's term and index). A prepared batch counts: with ``ack = "prepared"`` a batch is
+        acknowledged once every member holds it prepared, so a copy that has it must win over
+        one that does not."""
+        top = self.prepared_seq
+        if top == self.committed:
+            return self.committed_epoch, top
+        return self.prepared[top].epoch, top
+
+    def held_prepared(self) -> list[Batch]:
+        """The prepared batches counted in ``held_position``, in seq order: a flush writes them
+        with the cut, so a copy reloaded from disk still holds what it acknowledged as prepared."""
+        return [self.prepared[s] for s in range(self.committed + 1, self.prepared_seq + 1)]
+
     def on_assignment(self, new: Assignment) -> list[Any]:
         """The controller's record changed. Returns the waiters of pushes this server can no
         longer see through, when it stopped being the primary. Their outcome is UNKNOWN (a batch
@@ -309,7 +327,10 @@ class BucketReplica:
             return None
         seq = self.committed + 1
         if seq in self.prepared:  # an in-doubt batch of the previous primary goes first
-            batch = self.prepared.pop(seq)
+            # It stays in `prepared` until it is applied: it may be acknowledged already (ack =
+            # "prepared"), so this copy must go on holding it if it is deposed meanwhile, and
+            # a flush must write it.
+            batch = self.prepared[seq]
             self.inflight = (batch, self.doubt_waiters.pop(seq, []))
             return batch
         fresh = [p for p in self.pending if p.update is not None]
@@ -336,7 +357,11 @@ class BucketReplica:
         entries = self._log_from(start)
         if entries is None:
             return None
-        return [*entries, batch]
+        # A promoted primary's first rounds re-replicate the in-doubt batches it holds, one per
+        # round; send the later ones along. A member drops what an earlier epoch prepared above
+        # the entries it gets, and with ack = "prepared" such a batch may be acknowledged.
+        later = [self.prepared[s] for s in range(batch.seq + 1, self.prepared_seq + 1)]
+        return [*entries, batch, *later]
 
     def _log_from(self, start: int) -> list[Batch] | None:
         if start > self.committed:
@@ -376,6 +401,17 @@ class BucketReplica:
         self._committed(batch)
         self.awaiting_commit[batch.seq] = waiters
         return Apply((batch,))
+
+    def release_decided(self) -> list[Any]:
+        """Waiters of every batch applied here, whether or not the members confirmed the commit:
+        the acknowledgement at the decision point (``ack = "prepared"``). Safe because a batch is
+        applied only once every member and learner holds it prepared, and the promotable copy
+        with the highest (epoch, prepared seq) commits what it holds prepared as its first
+        rounds: every copy the controller may promote next has the batch."""
+        done: list[Any] = []
+        for seq in sorted(self.awaiting_commit):
+            done += [p.waiter for p in self.awaiting_commit.pop(seq)]
+        return done
 
     def on_commit_ack(self, member: str, seq: int) -> list[Any]:
         """A member committed up to `seq`. Returns the waiters now acknowledged by every member."""
@@ -530,6 +566,7 @@ class BucketReplica:
         assert batch.seq == self.committed + 1, (batch.seq, self.committed)
         self.committed = batch.seq
         self.committed_epoch = batch.epoch
+        self.prepared.pop(batch.seq, None)
         self.dedup.record(batch)
         self.log.append(batch)
         while len(self.log) > self.log_limit:
@@ -560,9 +597,16 @@ class BucketReplica:
         self.learners, self.learner_joins, self.needs_recovery = {}, {}, False
         self.learning = True
 
-    def restore(self, committed: int, committed_epoch: int, dedup: Iterable[Sequence[Any]]) -> None:
-        """A copy reloaded from disk at (committed_epoch, committed): no role until the
-        controller gives one."""
+    def restore(
+        self,
+        committed: int,
+        committed_epoch: int,
+        dedup: Iterable[Sequence[Any]],
+        prepared: Iterable[Batch] = (),
+    ) -> None:
+        """A copy reloaded from disk at (committed_epoch, committed), with the batches it held
+        prepared at that cut (``held_prepared``): no role until the controller gives one."""
         self.committed = committed
         self.committed_epoch = committed_epoch
         self.dedup = Dedup.from_list(dedup, self.dedup.limit)
+        self.prepared = {b.seq: b for b in prepared if b.seq > committed}

@@ -97,6 +97,12 @@ class PsConfig:
         30.0,
         help="seconds a replicated push may wait for its rounds (then: timeout, outcome unknown)",
     )
+    ack: str = field(
+        "prepared",
+        help="when a replicated push is acknowledged: 'prepared' (every member holds its batch "
+        "and the primary applied it: the decision point of two-phase commit) or 'committed' "
+        "(every member applied it too; one more round trip)",
+    )
     replication_log: int = field(
         64,
         help="committed batches kept per bucket to catch up a lagging secondary without a snapshot",
@@ -121,6 +127,8 @@ class PsConfig:
         for name in ("member_timeout", "ping_interval", "failover_after", "push_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.ack not in ("prepared", "committed"):
+            raise ValueError(f"ack must be 'prepared' or 'committed', not {self.ack!r}")
         if self.replication_log < 1:
             raise ValueError("replication_log must be >= 1")
         if self.owner_threads < 1:

@@ -5,7 +5,7 @@ consistent snapshot of every dirty shard (copied on the shard's owner thread, so
 writes them all in one LMDB transaction: the many updates applied to a shard since the last flush
 fold into one write. The age of the oldest update not yet committed is the loss window.
 
-LMDB layout (one Environment per process, four named databases):
+LMDB layout (one Environment per process, five named databases):
 
 - ``tensors``: tensor name -> JSON ``{"spec", "optimizer", "init", "seq"}`` (written at create,
   synchronously, in the same transaction as the initial values of the held shards);
@@ -13,6 +13,10 @@ LMDB layout (one Environment per process, four named databases):
 - ``positions`` (replicated servers): bucket (``%08d``) -> JSON ``[epoch, seq]``: the
   replication position of the bucket's copy, written in the same transaction as the values of
   the same cut (the flush), so a reloaded copy is exactly at (epoch, seq);
+- ``prepared``: ``%08d/%020d`` (bucket, seq) -> the protocol's msgpack encoding of a batch the
+  copy held prepared (not yet applied) at the cut, written in the same transaction: with
+  ``ack = "prepared"`` a push is acknowledged once every member holds its batch prepared, so a
+  copy reloaded from disk must still hold what it had prepared when its cut was taken;
 - ``dedup``: ``%08d/%020d`` (bucket, seq) -> JSON ``[[client, client_seq, batch_seq], ...]``: the
   exactly-once pairs of the batches applied since the previous flush; the newest
   ``DEDUP_CHUNKS`` chunks of a bucket are kept, so a client's retry of a push is recognized after
@@ -31,13 +35,14 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lmdb
 import numpy as np
 
+from adamps import protocol
 from adamps.server.shards import Snapshot
 from adamps.server.store import Store
 
@@ -60,6 +65,8 @@ class Position:
     dedup: list[list[Any]]
     #: the copy was (re)installed: `dedup` is its whole table and replaces what was persisted
     fresh: bool = False
+    #: batches held prepared past `seq` at the cut, in seq order (wire form: batch_to_wire)
+    prepared: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -79,7 +86,7 @@ class Persister:
         self.env = lmdb.open(
             self.path,
             map_size=map_size,
-            max_dbs=4,
+            max_dbs=5,
             sync=sync,
             metasync=sync,
             writemap=False,
@@ -89,6 +96,9 @@ class Persister:
         self._shards = self.env.open_db(b"shards")
         self._positions = self.env.open_db(b"positions")
         self._dedup = self.env.open_db(b"dedup")
+        self._prepared = self.env.open_db(b"prepared")
+        #: buckets with prepared batches on disk (None: not read yet)
+        self._prepared_on_disk: set[int] | None = None
         #: bucket -> (epoch, seq) last written (positions of buckets not held any more are deleted)
         self._written: dict[int, tuple[int, int]] | None = None
         self.map_grows = 0
@@ -139,7 +149,9 @@ class Persister:
         snaps = list(snaps)
         nbytes = 0
         if positions is not None and self._written is None:
-            self._written = {b: (p.epoch, p.seq) for b, p in self.load_positions().items()}
+            loaded = self.load_positions()
+            self._written = {b: (p.epoch, p.seq) for b, p in loaded.items()}
+            self._prepared_on_disk = {b for b, p in loaded.items() if p.prepared}
 
         def fn(txn: lmdb.Transaction) -> None:
             nonlocal nbytes
@@ -153,7 +165,18 @@ class Persister:
             for b in [b for b in self._written if b not in positions]:
                 txn.delete(b"%08d" % b, db=self._positions)
                 self._delete_chunks(txn, b, keep=0)
+            on_disk = self._prepared_on_disk or set()
+            for b in on_disk - {b for b, p in positions.items() if p.prepared}:
+                self._delete_prefix(txn, self._prepared, b)
             for b, p in positions.items():
+                if p.prepared:
+                    # Rewritten whole each cut: few batches (the rounds in flight), and a cut
+                    # must hold exactly what the copy held prepared at that instant.
+                    self._delete_prefix(txn, self._prepared, b)
+                    for batch in p.prepared:
+                        rec = protocol.encode(batch)
+                        txn.put(b"%08d/%020d" % (b, batch["seq"]), rec, db=self._prepared)
+                        nbytes += len(rec)
                 if self._written.get(b) == (p.epoch, p.seq) and not p.dedup and not p.fresh:
                     continue
                 txn.put(b"%08d" % b, json.dumps([p.epoch, p.seq]).encode(), db=self._positions)
@@ -168,11 +191,17 @@ class Persister:
         self._write(fn)
         if positions is not None:
             self._written = {b: (p.epoch, p.seq) for b, p in positions.items()}
+            self._prepared_on_disk = {b for b, p in positions.items() if p.prepared}
         return nbytes
 
     def _delete_chunks(self, txn: lmdb.Transaction, b: int, keep: int) -> None:
+        self._delete_prefix(txn, self._dedup, b, keep)
+
+    @staticmethod
+    def _delete_prefix(txn: lmdb.Transaction, db: Any, b: int, keep: int = 0) -> None:
+        """Deletes bucket b's ``%08d/...`` records of `db` but the newest `keep`."""
         prefix = b"%08d/" % b
-        cur = txn.cursor(db=self._dedup)
+        cur = txn.cursor(db=db)
         keys = []
         if cur.set_range(prefix):
             for k in cur.iternext(values=False):
@@ -180,7 +209,7 @@ class Persister:
                     break
                 keys.append(bytes(k))
         for k in keys[: max(0, len(keys) - keep)]:
-            txn.delete(k, db=self._dedup)
+            txn.delete(k, db=db)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -195,6 +224,10 @@ class Persister:
                 b = int(bytes(k).split(b"/")[0])
                 if b in out:
                     out[b].dedup.extend(json.loads(bytes(v)))
+            for k, v in txn.cursor(db=self._prepared):
+                b = int(bytes(k).split(b"/")[0])
+                if b in out:
+                    out[b].prepared.append(protocol.decode(bytes(v)))
         return out
 
     def load(self) -> list[SavedTensor]:

@@ -2,8 +2,9 @@
 commit to the bucket's members (Project Adam 3.3.3).
 
 One round in flight per bucket, many pushes per round: PREPARE to every member of the recorded
-replica set, apply once all hold the batch, COMMIT, acknowledge the pushes once all committed (and
-only while the lease holds). A member that does not answer within ``member_timeout`` is reported
+replica set, apply once all hold the batch and acknowledge the pushes (``ack = "prepared"``, the
+decision point), COMMIT; with ``ack = "committed"`` the pushes are acknowledged once all committed.
+Either way only while the lease holds. A member that does not answer within ``member_timeout`` is reported
 to the controller (``drop-secondary``); the round goes on without it only under the new
 assignment the controller committed. Learners that caught up are reported ``caught-up``.
 """
@@ -33,8 +34,8 @@ class PrimaryRounds:
     async def push(
         self, by_bucket: dict[int, list[dict[str, Any]]], client: tuple[str, int] | None
     ) -> None:
-        """Replicates one client push (its updates grouped by bucket); returns once every member
-        of every bucket's replica set committed it."""
+        """Replicates one client push (its updates grouped by bucket); returns once every
+        bucket's round is decided (``ack = "prepared"``) or committed by every member."""
         loop = asyncio.get_running_loop()
         reps = {b: self.check_primary(b) for b in by_bucket}  # all or nothing: check first
         futs = []
@@ -67,8 +68,8 @@ class PrimaryRounds:
         """Runs rounds of bucket b while this server is its primary and work waits.
 
         Rounds are pipelined two deep: the PREPARE of round k+1 overlaps the COMMIT of round k
-        (pushes of round k are still acknowledged only once every member committed it; members
-        apply batches in seq order whatever order the messages arrive in)."""
+        (with ack = "committed", pushes of round k are acknowledged only once every member
+        committed it; members apply batches in seq order whatever order the messages arrive in)."""
         commit_task: asyncio.Task | None = None
         try:
             while not self.closing:
@@ -100,6 +101,10 @@ class PrimaryRounds:
                     # Applied here in seq order: enqueued to the owner threads before anything
                     # else runs on the loop, so reads and snapshots see whole batches.
                     self.apply_batches(rep.commit_round())
+                    if self.cfg.ack == "prepared":
+                        # The decision point: every member holds the batch prepared, so every
+                        # copy the controller may promote next commits it (docs/protocol-ps.md).
+                        self._release(b, rep, rep.release_decided())
                     if commit_task is not None:
                         await commit_task  # at most one commit phase in flight
                     commit_task = asyncio.create_task(
@@ -313,8 +318,11 @@ class PrimaryRounds:
                 rep.assignment.epoch != epoch
                 or not rep.is_primary
                 or rep.learners.get(member) != "reporting"
+                or rep.learner_joins.get(member, 0) != join
             ):
-                break  # the record moved on (on_assignment settles the learner)
+                # The record moved on (on_assignment settles the learner), or the copy joined
+                # again meanwhile: that join's own report decides, not this older one's answer.
+                break
             if accepted is not None:
                 rep.report_done(member, accepted)
                 break

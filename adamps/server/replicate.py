@@ -44,7 +44,13 @@ from adamps.server.repl_metrics import ReplMetrics
 from adamps.server.repl_peers import Peers
 from adamps.server.repl_rounds import PrimaryRounds
 from adamps.server.repl_transfer import StateTransfer
-from adamps.server.repl_wire import REPL_OPS, not_primary, store_parts
+from adamps.server.repl_wire import (
+    REPL_OPS,
+    batch_from_wire,
+    batch_to_wire,
+    not_primary,
+    store_parts,
+)
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
 
@@ -160,10 +166,11 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
                 await asyncio.sleep(0.5)
 
     def copies(self) -> dict[int, list[int]]:
-        """The copies this server holds whole, with their position [committed epoch, seq]: what
-        it offers the controllers (a joining copy that has no snapshot yet holds nothing)."""
+        """The copies this server holds whole, with their position [epoch, seq] of the newest
+        batch held applied or prepared: what it offers the controllers (a joining copy that has
+        no snapshot yet holds nothing)."""
         return {
-            b: [rep.committed_epoch, rep.committed]
+            b: list(rep.held_position)
             for b, rep in self.buckets.items()
             if self.roles.get(b) != "joining" or rep.learning
         }
@@ -174,7 +181,7 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
             rep = self.buckets[b] = BucketReplica(
                 self.server_id, b, log_limit=self.cfg.replication_log
             )
-            rep.restore(pos.seq, pos.epoch, pos.dedup)
+            rep.restore(pos.seq, pos.epoch, pos.dedup, map(batch_from_wire, pos.prepared))
             self.roles[b] = "standby"
             self.persisted[b] = pos.seq
         log.info("reloaded %d copies: %s", len(positions), self.copies())
@@ -192,7 +199,8 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
                 dedup, fresh = rep.dedup.to_list(), True
             else:
                 dedup, fresh = rep.dedup.entries_after(last, DEDUP_PER_FLUSH), False
-            out[b] = Position(rep.committed_epoch, rep.committed, dedup, fresh)
+            prepared = [batch_to_wire(x) for x in rep.held_prepared()]
+            out[b] = Position(rep.committed_epoch, rep.committed, dedup, fresh, prepared)
             self.persisted[b] = rep.committed
         return out
 

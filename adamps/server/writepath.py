@@ -7,7 +7,7 @@ binary data plane (``dataplane.py``), comes here and nowhere else:
    bad request changes nothing;
 2. on a replicated server, ``Replicator.push`` checks that this server is the primary of every
    bucket named, with a lease it still holds (``not_primary``, ``bucket_unavailable``), recognizes
-   a retried ``(client, seq)`` (exactly once), and returns once every member committed it;
+   a retried ``(client, seq)`` (exactly once), and returns once its rounds are decided;
 3. on a standalone server, the update is queued to the shards' owner threads and the push returns
    when it is applied, with the shards' new versions.
 

@@ -222,6 +222,67 @@ def test_a_late_prepare_of_the_same_epoch_takes_back_nothing() -> None:
     assert b.prepared_seq == 2
 
 
+def test_acknowledged_at_the_decision_point() -> None:
+    """ack = "prepared": the pushes of a round are released once every member prepared it and the
+    primary applied it, before any COMMIT reached a member."""
+    c = Cluster()
+    p = c.replicas["a"]
+    p.submit(1, ("k", 1), "w1")
+    p.next_round()
+    p.on_prepare_ack("b", c.replicas["b"].on_prepare("a", 1, p.prepare_for("b"))[1])
+    assert p.release_decided() == []  # c has not prepared: nothing decided
+    p.on_prepare_ack("c", c.replicas["c"].on_prepare("a", 1, p.prepare_for("c"))[1])
+    c.apply("a", p.commit_round())
+    assert p.release_decided() == ["w1"]
+    assert p.release_acknowledged() == []  # released once only
+    # A member holding it prepared offers it: (epoch of the newest batch held, its seq).
+    assert c.replicas["b"].held_position == (1, 1) and c.replicas["b"].committed == 0
+
+
+def test_promoted_primary_sends_every_in_doubt_batch_it_holds() -> None:
+    """Found by tests/core/test_replication_sim.py (seed 630, ack = "prepared"): a hand-off's new
+    primary held seq 16 and 17 prepared and re-replicated them one round at a time. Its first
+    PREPARE carried only 16, and a member dropped its copy of 17 as an earlier epoch's batch
+    above the entries, though 17 had been acknowledged at the decision point."""
+    c = Cluster()
+    p = c.replicas["a"]
+    for i in (1, 2):
+        p.submit(i, ("k", i), f"w{i}")
+        p.next_round()
+        for m in ("b", "c"):
+            p.on_prepare_ack(m, c.replicas[m].on_prepare("a", 1, p.prepare_for(m))[1])
+        c.apply("a", p.commit_round())
+    assert p.release_decided() == ["w1", "w2"]  # no COMMIT reached b or c
+    c.down.add("a")
+    c.reassign("b", ("c",))
+    nb = c.replicas["b"]
+    assert nb.next_round() is not None and nb.inflight[0].seq == 1
+    entries = nb.prepare_for("c")
+    assert [e.seq for e in entries] == [1, 2] and {e.epoch for e in entries} == {2}
+    assert c.replicas["c"].on_prepare("b", 2, entries) == ("ok", 2)
+    assert c.replicas["c"].held_position == (2, 2)
+    c.round()
+    c.round()
+    assert c.applied["b"] == c.applied["c"] == [1, 2]
+
+
+def test_a_reloaded_copy_holds_its_prepared_batches() -> None:
+    """A flush writes held_prepared() with the cut; restore() gives them back, so the position
+    the copy offers after a restart still counts what it had prepared."""
+    c = Cluster()
+    p = c.replicas["a"]
+    p.submit(1, ("k", 1), "w1")
+    p.next_round()
+    for m in ("b", "c"):
+        p.on_prepare_ack(m, c.replicas[m].on_prepare("a", 1, p.prepare_for(m))[1])
+    b = c.replicas["b"]
+    cut = (b.committed, b.committed_epoch, b.dedup.to_list(), b.held_prepared())
+    assert [x.seq for x in cut[3]] == [1]
+    again = BucketReplica("b", 0)
+    again.restore(*cut)
+    assert again.held_position == (1, 1) and again.prepared_seq == 1 and again.committed == 0
+
+
 def test_snapshot_install() -> None:
     c = Cluster()
     p = c.replicas["a"]

@@ -18,7 +18,7 @@ import pytest
 from adamps.layout import TensorSpec, stable_bucket
 from adamps.server.initial import fans, initial_values, normalize_init
 from adamps.server.optim import Dense, Optimizer
-from adamps.server.persist import Flusher, Persister
+from adamps.server.persist import Flusher, Persister, Position
 from adamps.server.shards import StoreError, fc_parts
 from adamps.server.store import Store
 
@@ -251,6 +251,33 @@ def test_flush_and_reload_round_trip(tmp_path: Path, store: Store) -> None:
     finally:
         other.close()
         p2.close()
+
+
+def test_prepared_batches_are_written_with_the_cut_and_replaced_by_the_next(
+    tmp_path: Path,
+) -> None:
+    """The ``prepared`` database holds exactly what the last cut held prepared, per bucket."""
+    batch = {
+        "seq": 8,
+        "epoch": 3,
+        "updates": [[{"k": "d", "s": "w/0", "d": np.arange(4, dtype=np.float32)}]],
+        "clients": [["c", 1]],
+    }
+    p = Persister(tmp_path / "db", map_size=1 << 20)
+    p.write_snapshots([], {0: Position(3, 7, [], prepared=[batch]), 1: Position(2, 5, [])})
+    p.close()
+    p = Persister(tmp_path / "db", map_size=1 << 20)
+    got = p.load_positions()
+    assert (got[0].epoch, got[0].seq, got[1].prepared) == (3, 7, [])
+    [b] = got[0].prepared
+    assert (b["seq"], b["epoch"], b["clients"]) == (8, 3, [["c", 1]])
+    np.testing.assert_array_equal(b["updates"][0][0]["d"], np.arange(4, dtype=np.float32))
+    p.write_snapshots([], {0: Position(3, 8, []), 1: Position(2, 5, [])})  # 8 applied since
+    assert p.load_positions()[0].prepared == []
+    p.write_snapshots([], {1: Position(2, 5, [], prepared=[{**batch, "seq": 6}])})
+    got = p.load_positions()
+    assert 0 not in got and [x["seq"] for x in got[1].prepared] == [6]
+    p.close()
 
 
 def test_map_full_grows_the_map(tmp_path: Path) -> None:
