@@ -13,7 +13,8 @@ after a failover, so a retried push is applied exactly once.
 Pulls and dense pushes go over a server's binary data plane when it offers one (``data_port`` in
 its ``GET /status``; ``adamps.server.dataplane``), else over HTTP: the same operations, checks,
 error codes and exactly-once (client id, seq) whichever transport (docs/protocol-ps.md, "Binary
-data plane"). ``data_plane=False`` forces HTTP. ``push_fc`` and ``push_compressed`` use HTTP.
+data plane"). ``push_fc`` and ``push_compressed`` travel there as message frames (their arrays out
+of band). ``data_plane=False`` forces HTTP.
 
 Thread-safe: each thread gets its own keep-alive connections (trainers pull and push from
 background threads).
@@ -33,11 +34,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from adamps import retry
+from adamps.dataplane_client import DataPlaneClient, DataPlaneError
 from adamps.dataplane_pool import DataPlanePool, as_rpc_error
 from adamps.layout import Layout, Shard, TensorSpec
 from adamps.retry import RetryPolicy
 from adamps.rpc import RpcError, SyncRpc, base_url
-from adamps.server.dataplane import DataPlaneClient, DataPlaneError
 
 log = logging.getLogger(__name__)
 
@@ -395,12 +396,16 @@ class PSClient:
         stream: Any = None,
     ) -> None:
         """Push `op` of `shards`, one request per primary with `fields(group)` (over HTTP) or
-        `stream(conn, group, client=, seq=)` (over the data plane, when given and offered) and
-        one (client id, seq) for all; after a partial failure only the unacknowledged groups
-        are sent again."""
+        `stream(conn, group, client=, seq=)` (over the data plane where offered; by default the
+        same message as a message frame) and one (client id, seq) for all; after a partial
+        failure only the unacknowledged groups are sent again."""
         seq = self.next_seq() if seq is None else seq
         done: set[str] = set()
         pair = {"client": self.client_id, "seq": seq}
+        if stream is None:  # a message frame: the /rpc message, its arrays out of band
+
+            def stream(dp: DataPlaneClient, group: list[Shard], **f: Any) -> bool:
+                return dp.send_message(op, **fields(group), **f)
 
         def by_http(url: str, group: list[Shard]) -> None:
             self._rpc(url).call(op, **fields(group), **pair)
@@ -413,10 +418,6 @@ class PSClient:
         def go(routing: Routing) -> None:
             todo = [s for s in shards if s.id not in done]
             groups = self._by_server(todo, routing)
-            if stream is None:
-                for url, group in groups.items():
-                    by_http(url, group)
-                return
             self._exchange(groups, lambda dp, group: stream(dp, group, **pair), read, by_http)
 
         self._with_retry(go)
@@ -430,12 +431,11 @@ class PSClient:
         for url, group in groups.items():
             try:
                 dp = self._dp.get(url) if self.data_plane else None
-                if dp is None:
+                if dp is None or send(dp, group) is False:  # False: too big for a frame
                     self.http_requests += 1
                     by_http(url, group)
                     continue
                 self.dp_requests += 1
-                send(dp, group)
                 sent.append((url, dp, group))
             except OSError as exc:  # the data connection failed: its outcome is unknown
                 self._dp.drop(url)

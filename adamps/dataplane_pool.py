@@ -16,8 +16,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from adamps import protocol
+from adamps.dataplane_client import DataPlaneClient, DataPlaneError
 from adamps.rpc import RpcError
-from adamps.server.dataplane import DataPlaneClient, DataPlaneError
 
 
 def as_rpc_error(exc: DataPlaneError) -> RpcError:

@@ -144,6 +144,58 @@ def _is_array_map(d: Mapping[str, Any]) -> bool:
     return len(d) == 3 and "dtype" in d and "shape" in d and "data" in d
 
 
+def _is_oob_map(d: Mapping[str, Any]) -> bool:
+    return len(d) == 3 and "dtype" in d and "shape" in d and "at" in d
+
+
+#: out-of-band arrays start at multiples of this in the payload (aligned views for every dtype)
+OOB_ALIGN = 8
+
+
+def encode_oob(msg: Mapping[str, Any]) -> tuple[bytes, list[memoryview], int]:
+    """A message whose arrays travel out of band, after it (the data plane's ``repl_multi``):
+    returns the msgpack meta, in which each array is ``{"dtype", "shape", "at": offset}``, the
+    buffers to send after it in order (the arrays' own memory, and padding), and their length.
+    No array byte is copied here."""
+    parts: list[memoryview] = []
+    size = 0
+
+    def default(obj: Any) -> Any:
+        nonlocal size
+        if isinstance(obj, np.ndarray):
+            d = array_to_wire(obj)
+            data = d.pop("data")
+            d["at"] = size
+            parts.append(data)
+            size += len(data)
+            pad = -size % OOB_ALIGN
+            if pad:
+                parts.append(memoryview(bytes(pad)))
+                size += pad
+            return d
+        return _pack_default(obj)
+
+    meta = msgpack.packb(msg, default=default, use_bin_type=True)
+    return meta, parts, size
+
+
+def _array_at(d: Mapping[str, Any], payload: memoryview) -> np.ndarray:
+    """The view of ``payload`` an out-of-band array map names (checked like an inline array)."""
+    at = d["at"]
+    if not isinstance(at, int) or isinstance(at, bool) or not 0 <= at <= len(payload):
+        raise ProtocolError("bad_array", f"array offset {at!r} outside the payload")
+    dtype = ALLOWED_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
+    shape = d["shape"]
+    if dtype is None or not isinstance(shape, list):
+        return array_from_wire({"dtype": d["dtype"], "shape": shape, "data": b""})  # raises
+    if not all(isinstance(x, int) and x >= 0 for x in shape):
+        raise ProtocolError("bad_array", f"array shape must be a list of ints >= 0, got {shape!r}")
+    n = math.prod(shape) * dtype.itemsize
+    if at + n > len(payload):
+        raise ProtocolError("bad_length", f"array of {n} bytes at {at} overruns the payload")
+    return array_from_wire({"dtype": d["dtype"], "shape": shape, "data": payload[at : at + n]})
+
+
 def array_from_wire(d: Mapping[str, Any]) -> np.ndarray:
     dtype_name, shape, data = d["dtype"], d["shape"], d["data"]
     if not isinstance(dtype_name, str) or not isinstance(data, bytes | bytearray | memoryview):
@@ -178,11 +230,13 @@ MAX_CONTAINERS = 1 << 18
 class _Counter:
     """Counts the maps and lists one decode builds; past MAX_CONTAINERS the decode fails."""
 
-    __slots__ = ("n", "limit")
+    __slots__ = ("n", "limit", "payload")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, payload: memoryview | None = None) -> None:
         self.n = 0
         self.limit = limit
+        #: the frame's payload: out-of-band arrays are views of it
+        self.payload = payload
 
     def tick(self) -> None:
         self.n += 1
@@ -193,6 +247,8 @@ class _Counter:
         self.tick()
         if _is_array_map(d):
             return array_from_wire(d)
+        if self.payload is not None and _is_oob_map(d):
+            return _array_at(d, self.payload)
         return d
 
     def list_hook(self, x: list[Any]) -> list[Any]:
@@ -208,12 +264,17 @@ def encode(msg: Mapping[str, Any]) -> bytes:
     return msgpack.packb(msg, default=_pack_default, use_bin_type=True)
 
 
-def decode(body: bytes | bytearray | memoryview) -> dict[str, Any]:
-    """msgpack bytes as a message; arrays come back zero-copy and read-only.
+def decode(
+    body: bytes | bytearray | memoryview, payload: bytes | bytearray | memoryview | None = None
+) -> dict[str, Any]:
+    """msgpack bytes as a message; arrays come back zero-copy and read-only. With `payload`
+    (``encode_oob``'s buffers as received) its out-of-band arrays are views of the payload.
 
     Raises ProtocolError (malformed, bad_array, bad_dtype, bad_length) on bad input.
     """
-    counter = _Counter(MAX_CONTAINERS)
+    counter = _Counter(
+        MAX_CONTAINERS, None if payload is None else memoryview(payload).cast("B").toreadonly()
+    )
     try:
         msg = msgpack.unpackb(
             body,

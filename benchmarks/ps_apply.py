@@ -35,10 +35,10 @@ from scipy.linalg import blas
 from threadpoolctl import threadpool_limits
 
 from adamps.client import PSClient, StaticRouting
+from adamps.dataplane_client import DataPlaneClient
 from adamps.layout import Layout, TensorSpec
 from adamps.procs import Proc, adamps_argv, free_port
 from adamps.rpc import SyncRpc
-from adamps.server.dataplane import DataPlaneClient
 from adamps.server.initial import normalize_init
 from adamps.server.main import tune_malloc
 from adamps.server.optim import Dense, Optimizer

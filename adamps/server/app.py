@@ -99,7 +99,13 @@ class ParameterServer:
         self.reads = Reads(self.store, self.addressing)
         #: the one way pushes change shards (HTTP and the data plane both use it)
         self.writes = WritePath(cfg, self.store, self.addressing, self.replicator)
-        self.data_plane = DataPlane(cfg, self.writes, self.reads, self.m)
+        self.data_plane = DataPlane(
+            cfg,
+            self.writes,
+            self.reads,
+            self.m,
+            peer=None if self.replicator is None else self.replicator.op_repl_multi,
+        )
         self.vectors = VectorOps(self.store, self.addressing, self.writes)
         self._closed = False
         #: op -> handler of POST /rpc

@@ -5,12 +5,12 @@ aiohttp handler that only reads and discards the body does hardly better (benchm
 the HTTP framework, not the PS, is the ceiling. Here a connection reads each payload with
 ``asyncio.BufferedProtocol`` straight into one buffer allocated at its final size (the kernel copies
 into it; no chunk objects, no joins), and the numpy view of that buffer is what the owner threads
-apply. Only the two hot ops are offered: ``push_dense`` and ``pull``, of a whole tensor or of named
-shards; everything else stays on ``POST /rpc``.
-
-Frame (both directions): a 20-byte header ``<4s B B H I Q`` = magic ``b"ADPS"``, version 1,
-kind (1 request, 2 reply, 3 error), 0, meta length, payload length; then the meta (a msgpack map,
-see docs/protocol-ps.md) and the payload (raw little-endian float32, C order).
+apply. Only the hot ops are offered: ``push_dense`` and ``pull`` (raw float32 payloads), of a
+whole tensor or of named shards, and the message ops ``push_fc``, ``push_compressed`` and, between
+replicated servers, ``repl_multi`` (the message of ``/rpc`` with its arrays out of band in the
+payload, handled by the op's ``/rpc`` handler); everything else stays on ``POST /rpc``. The frame
+format and the clients are in ``adamps.dataplane_client`` (servers reach their peers with
+``adamps.server.repl_peers``).
 
 One write path: a push here goes through ``WritePath`` like a push on /rpc (the same checks, and on
 a replicated server the lease check, two-phase commit and exactly-once by (client, seq)). The
@@ -24,17 +24,27 @@ an error found after (NaN, Inf) is answered and the connection stays usable.
 from __future__ import annotations
 
 import asyncio
-import collections
 import hmac
 import logging
 import socket
-import struct
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
 from adamps import protocol
+from adamps.dataplane_client import (
+    ERROR,
+    HEADER,
+    MAGIC,
+    MAX_INFLIGHT,
+    MAX_META,
+    REPLY,
+    REQUEST,
+    VERSION,
+    frame_header,
+)
 from adamps.protocol import ProtocolError
 from adamps.server.config import PsConfig
 from adamps.server.psmetrics import PsMetrics
@@ -44,22 +54,14 @@ from adamps.server.writepath import WritePath
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"ADPS"
-VERSION = 1
-REQUEST, REPLY, ERROR = 1, 2, 3
-HEADER = struct.Struct("<4sBBHIQ")
-MAX_META = 64 << 10
-OPS = ("push_dense", "pull")
-#: requests of one connection queued or applying before reading pauses (pipelining depth)
-MAX_INFLIGHT = 8
+#: ops whose frame carries a whole /rpc message, its arrays out of band in the payload
+#: (protocol.encode_oob), handled by the op's /rpc handler
+MESSAGE_OPS = ("push_fc", "push_compressed", "repl_multi")
+OPS = ("push_dense", "pull", *MESSAGE_OPS)
 
 _HEADER, _META, _PAYLOAD, _CLOSED = range(4)
 #: loop time of the last "too many connections" warning (one per 10 s)
 _warned = [-1e9]
-
-
-def frame_header(kind: int, meta_len: int, payload_len: int) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, kind, 0, meta_len, payload_len)
 
 
 class DataPlaneProtocol(asyncio.BufferedProtocol):
@@ -80,6 +82,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.view = memoryview(self.buf)
         self.pos = 0
         self.meta: dict[str, Any] = {}
+        #: a repl_multi request's meta as received (decoded again with its payload)
+        self.meta_raw = b""
         self.payload_len = 0
         #: requests queued whose reply is not written yet
         self.inflight = 0
@@ -215,6 +219,12 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         # Tensor, length and shards are checked before any payload byte is buffered.
         if op == "push_dense":
             want = self.plane.writes.accept_stream_push(meta, self.payload_len)
+        elif op in MESSAGE_OPS:
+            if op not in self.plane.messages:
+                raise ProtocolError("unknown_op", f"{op} is served by a replicated server only")
+            # Decoded again once its payload (the arrays, out of band) is here.
+            self.meta_raw = bytes(self.view)
+            want = self.payload_len
         else:
             self.plane.reads.accept_stream_pull(meta, self.payload_len)
             want = 0
@@ -252,6 +262,11 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             assert payload is not None
             self.plane.m.bytes_in.inc(payload.size)
             return self.plane.writes.start_stream_push(payload, meta)
+        handler = self.plane.messages.get(meta["op"])
+        if handler is not None:  # the /rpc handler of the op, on the message with its arrays
+            msg = protocol.decode(self.meta_raw, b"" if payload is None else payload)
+            self.plane.m.bytes_in.inc(0 if payload is None else payload.size)
+            return asyncio.ensure_future(handler(msg)), lambda r: (r, None)
         return self.plane.reads.start_stream_pull(meta)
 
     async def _finish(
@@ -332,13 +347,30 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
 class DataPlane:
     """The data port of one server: its listener, its open connections and their sweeper. Pushes
-    go to the write path, pulls to the read path, and nowhere else."""
+    go to the write path, pulls to the read path, a peer's replication messages to the
+    replicator's ``op_repl_multi``, each message op to the handler it has on /rpc, and nowhere
+    else."""
 
-    def __init__(self, cfg: PsConfig, writes: WritePath, reads: Reads, m: PsMetrics) -> None:
+    def __init__(
+        self,
+        cfg: PsConfig,
+        writes: WritePath,
+        reads: Reads,
+        m: PsMetrics,
+        peer: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.writes = writes
         self.reads = reads
         self.m = m
+        #: the message ops served here: op -> its /rpc handler (repl_multi: the replicator's,
+        #: on a replicated server only)
+        self.messages: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+            "push_fc": writes.op_push_fc,
+            "push_compressed": writes.op_push_compressed,
+        }
+        if peer is not None:
+            self.messages["repl_multi"] = peer
         #: open connections (closed at shutdown)
         self.conns: set[DataPlaneProtocol] = set()
         self._server: asyncio.Server | None = None
@@ -375,213 +407,3 @@ class DataPlane:
             for conn in list(self.conns):
                 if conn.transport is not None:
                     conn.transport.close()
-
-
-# -- client ---------------------------------------------------------------------------------------
-
-
-class DataPlaneError(ProtocolError):
-    """An error frame from the server."""
-
-
-class DataPlaneClient:
-    """A blocking client of one PS's data plane (one connection; one thread at a time)."""
-
-    def __init__(self, host: str, port: int, token: str, timeout: float = 30.0) -> None:
-        self.sock = socket.create_connection((host, port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.token = token
-        self._hdr = bytearray(HEADER.size)
-        #: rids of the shard requests sent whose reply is not read yet, oldest first
-        self._rids: collections.deque[str] = collections.deque()
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def __enter__(self) -> DataPlaneClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _recv_exact(self, buf: memoryview) -> None:
-        got = 0
-        while got < len(buf):
-            n = self.sock.recv_into(buf[got:])
-            if n == 0:
-                raise ConnectionError("data plane: connection closed by the server")
-            got += n
-
-    def _send_request(
-        self, op: str, tensor: str, payload: np.ndarray | None, **fields: Any
-    ) -> None:
-        meta = protocol.encode(protocol.request(op, tensor=tensor, token=self.token, **fields))
-        n = 0 if payload is None else payload.nbytes
-        self.sock.sendall(frame_header(REQUEST, len(meta), n) + meta)
-        if payload is not None:
-            try:
-                self.sock.sendall(memoryview(np.ascontiguousarray(payload, dtype="<f4")).cast("B"))
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the server refused the request early and closed: read its error frame
-
-    def _read_reply(
-        self, out: np.ndarray | None = None
-    ) -> tuple[dict[str, Any], memoryview | None, DataPlaneError | None]:
-        self._recv_exact(memoryview(self._hdr))
-        magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(self._hdr)
-        if magic != MAGIC:
-            raise ConnectionError("data plane: bad reply frame")
-        mbuf = bytearray(meta_len)
-        self._recv_exact(memoryview(mbuf))
-        reply = protocol.decode(mbuf)
-        body: memoryview | None = None
-        if payload_len:
-            if out is not None and kind == REPLY and out.nbytes == payload_len:
-                body = memoryview(out).cast("B")  # straight into the caller's array
-            else:
-                body = memoryview(np.empty(payload_len, dtype=np.uint8))  # no zero-filling
-            self._recv_exact(body)
-        if kind == ERROR:
-            err = reply.get("error", {})
-            code = err.get("code", "internal")
-            return (
-                reply,
-                None,
-                DataPlaneError(
-                    code if code in protocol.ERRORS else "internal",
-                    str(err.get("message", "")),
-                    **{k: v for k, v in err.items() if k not in ("code", "message")},
-                ),
-            )
-        return reply, body, None
-
-    def _request(
-        self,
-        op: str,
-        tensor: str,
-        payload: np.ndarray | None,
-        out: np.ndarray | None = None,
-        **fields: Any,
-    ) -> tuple[dict[str, Any], memoryview | None]:
-        self._send_request(op, tensor, payload, **fields)
-        reply, body, err = self._read_reply(out)
-        if err is not None:
-            raise err
-        return reply, body
-
-    def push_many(
-        self, items: list[tuple[str, np.ndarray]], window: int = 4
-    ) -> list[dict[str, int] | DataPlaneError]:
-        """Pipelined pushes: up to `window` (<= MAX_INFLIGHT) in flight on this connection,
-        applied in order. Returns, per item, its versions or the error the server answered."""
-        if not 1 <= window <= MAX_INFLIGHT:
-            raise ValueError(f"window must be in 1..{MAX_INFLIGHT}")
-        results: list[dict[str, int] | DataPlaneError] = []
-        sent = 0
-        while len(results) < len(items):
-            while sent < len(items) and sent - len(results) < window:
-                tensor, delta = items[sent]
-                if delta.dtype != np.float32:
-                    raise TypeError("delta must be float32")
-                self._send_request("push_dense", tensor, delta)
-                sent += 1
-            try:
-                reply, _, err = self._read_reply()
-            except ConnectionError:
-                # The server closed after a fatal error answered above: the rest was not applied.
-                while len(results) < len(items):
-                    results.append(
-                        DataPlaneError(
-                            "unavailable",
-                            "not applied: the server closed the connection after an earlier error",
-                        )
-                    )
-                break
-            results.append(err if err is not None else reply["versions"])
-        return results
-
-    def push_dense(self, tensor: str, delta: np.ndarray, **fields: Any) -> dict[str, int]:
-        """Applies delta (the whole tensor, float32) like push_dense on /rpc; returns the versions."""
-        if delta.dtype != np.float32:
-            raise TypeError("delta must be float32")
-        reply, _ = self._request("push_dense", tensor, delta, **fields)
-        return reply["versions"]
-
-    def pull(self, tensor: str, out: np.ndarray | None = None) -> tuple[np.ndarray, list[int]]:
-        """The whole tensor and its shard versions. With `out` (a C-contiguous float32 array of
-        the tensor's size) the values are received straight into it; else into a new array."""
-        if out is not None and (out.dtype != np.float32 or not out.flags.c_contiguous):
-            raise TypeError("out must be a C-contiguous float32 array")
-        reply, body = self._request("pull", tensor, None, out=out)
-        assert body is not None
-        if out is not None and out.nbytes == body.nbytes:  # _read_reply received into out
-            return out.reshape(reply["shape"]), reply["versions"]
-        return np.frombuffer(body, dtype="<f4").reshape(reply["shape"]), reply["versions"]
-
-    # -- shards (a replicated cluster: one request per primary) -----------------------------------
-
-    def send_push_shards(self, ids: list[str], parts: list[np.ndarray], **fields: Any) -> None:
-        """Sends a push_dense of the shards `ids` (their deltas `parts`, float32, in that order;
-        `fields`: `client`, `seq`) without waiting for the reply (read_push_reply): a client
-        sends to every primary first, then reads, so the servers work side by side."""
-        req = protocol.request("push_dense", shards=ids, token=self.token, **fields)
-        meta = protocol.encode(req)
-        self._rids.append(req["rid"])
-        n = sum(p.nbytes for p in parts)
-        self.sock.sendall(frame_header(REQUEST, len(meta), n) + meta)
-        try:
-            for p in parts:
-                self.sock.sendall(memoryview(np.ascontiguousarray(p, dtype="<f4")).cast("B"))
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the server refused the request early and closed: read its error frame
-
-    def read_push_reply(self) -> dict[str, int]:
-        reply, _, err = self._read_reply()
-        self._check_rid(reply)
-        if err is not None:
-            raise err
-        return reply["versions"]
-
-    def _check_rid(self, reply: dict[str, Any]) -> None:
-        """The reply answers the oldest request sent (a fatal error's reply may carry no rid);
-        anything else means the stream is out of step: never take it as an acknowledgement."""
-        want = self._rids.popleft() if self._rids else None
-        rid = reply.get("rid")
-        if rid is not None and rid != want:
-            raise ConnectionError(f"data plane: reply {rid!r} to request {want!r} out of step")
-
-    def send_pull_shards(self, ids: list[str]) -> None:
-        """Asks for the values of shards `ids` (read them with read_pull_reply)."""
-        req = protocol.request("pull", shards=ids, token=self.token)
-        meta = protocol.encode(req)
-        self._rids.append(req["rid"])
-        self.sock.sendall(frame_header(REQUEST, len(meta), 0) + meta)
-
-    def read_pull_reply(self, outs: list[np.ndarray]) -> list[int]:
-        """Receives a pull of shards straight into `outs` (C-contiguous float32 arrays of the
-        shards' sizes, in request order); returns their versions."""
-        self._recv_exact(memoryview(self._hdr))
-        magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(self._hdr)
-        if magic != MAGIC:
-            raise ConnectionError("data plane: bad reply frame")
-        mbuf = bytearray(meta_len)
-        self._recv_exact(memoryview(mbuf))
-        if kind == ERROR or payload_len != sum(o.nbytes for o in outs):
-            # An error (or a reply that does not fit): read whatever follows, then report it.
-            self._recv_exact(memoryview(np.empty(payload_len, dtype=np.uint8)))
-            reply = protocol.decode(mbuf)
-            self._check_rid(reply)
-            if kind != ERROR:
-                raise ConnectionError("data plane: pull reply of an unexpected length")
-            err = reply.get("error", {})
-            code = err.get("code", "internal")
-            raise DataPlaneError(
-                code if code in protocol.ERRORS else "internal",
-                str(err.get("message", "")),
-                **{k: v for k, v in err.items() if k not in ("code", "message")},
-            )
-        reply = protocol.decode(mbuf)
-        self._check_rid(reply)
-        for o in outs:  # scattered straight into the caller's arrays: no staging copy
-            self._recv_exact(memoryview(o).cast("B"))
-        return list(reply["versions"])

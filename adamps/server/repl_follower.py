@@ -31,11 +31,22 @@ class Follower:
         for e in entries:
             # Validates shard ids and kinds before anything is kept.
             store_parts(self.store, e.updates)
-        res = rep.on_prepare(require(msg, "sender", str), require(msg, "epoch", int), entries)
+        sender, epoch = require(msg, "sender", str), require(msg, "epoch", int)
+        commit = require(msg, "commit", int, default=0)
+        res = rep.on_prepare(sender, epoch, entries)
         if isinstance(res, Reject):
             raise self.reject(res, b)
         self.last_heard[b] = time.monotonic()
-        return {"status": res[0], "seq": res[1]}
+        reply: dict[str, Any] = {"status": res[0], "seq": res[1]}
+        # The primary's committed seq rides along (Raft's leaderCommit): what it says was decided
+        # is applied now, as an explicit COMMIT would be, and the reply tells the primary so.
+        upto = min(commit, rep.prepared_seq)
+        if res[0] == "ok" and upto > rep.committed:
+            done = rep.on_commit(sender, epoch, upto)
+            if not isinstance(done, Reject | tuple):
+                self.apply_batches(done)
+                reply["committed"] = rep.committed
+        return reply
 
     async def op_repl_commit(self, msg: dict[str, Any]) -> dict[str, Any]:
         b = require(msg, "bucket", int)

@@ -1,14 +1,96 @@
 """The peers of a replicated server: their addresses (learnt from the controllers' roles), one
-RPC client per address, and one aggregating channel per peer for the replication messages."""
+RPC client per address, and one aggregating channel per peer for the replication messages, sent
+over the peer's data port when it has one (``PeerStream``), else over HTTP."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
+from adamps import protocol
+from adamps.dataplane_client import (
+    ERROR,
+    HEADER,
+    MAGIC,
+    MAX_META,
+    REPLY,
+    REQUEST,
+    frame_header,
+)
 from adamps.rpc import AsyncRpc, RpcError
+
+#: seconds between two lookups of a peer's data port (GET /status) when it has none or is down
+LOOKUP_EVERY = 2.0
+
+
+class PeerStream:
+    """``repl_multi`` over one TCP connection to a peer's data port (``adamps.server.dataplane``).
+
+    The batches' arrays travel out of band (``protocol.encode_oob``): written from their own
+    memory after the meta, received into one buffer and applied as views of it, and no HTTP is
+    parsed on either side. One request at a time: ``PeerChannel`` sends the next one once this
+    one is answered. Any failure closes the connection (a half-done exchange leaves the stream out
+    of step); the next call opens a new one."""
+
+    def __init__(self, host: str, port: int, token: str, timeout: float) -> None:
+        self.host, self.port = host, port
+        self.token = token
+        self.timeout = timeout
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    def fits(self, msg: dict[str, Any]) -> tuple[bytes, list[memoryview], int, str] | None:
+        """The encoded request, or None when its meta exceeds a frame's (send it over HTTP)."""
+        req = protocol.request("repl_multi", token=self.token, **msg)
+        meta, parts, n = protocol.encode_oob(req)
+        return None if len(meta) > MAX_META else (meta, parts, n, req["rid"])
+
+    async def call(self, encoded: tuple[bytes, list[memoryview], int, str]) -> dict[str, Any]:
+        try:
+            return await asyncio.wait_for(self._exchange(*encoded), self.timeout)
+        except asyncio.IncompleteReadError as exc:
+            self.close()
+            raise ConnectionError(f"peer {self.host}:{self.port} closed the data plane") from exc
+        except BaseException:
+            self.close()
+            raise
+
+    async def _exchange(
+        self, meta: bytes, parts: list[memoryview], n: int, rid: str
+    ) -> dict[str, Any]:
+        if self._conn is None:
+            r, w = await asyncio.open_connection(self.host, self.port)
+            sock = w.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conn = (r, w)
+        r, w = self._conn
+        w.write(frame_header(REQUEST, len(meta), n) + meta)
+        for part in parts:  # straight from the arrays' memory (the kernel copies)
+            w.write(part)
+        await w.drain()
+        magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(await r.readexactly(HEADER.size))
+        if magic != MAGIC or kind not in (REPLY, ERROR) or meta_len > MAX_META or payload_len:
+            raise ConnectionError(f"peer {self.host}:{self.port}: not a data-plane reply")
+        reply = protocol.decode(await r.readexactly(meta_len))
+        if kind == ERROR:
+            self.close()  # the server may close after a fatal error: start afresh
+            err = dict(reply.get("error") or {})
+            code = err.pop("code", "internal")
+            raise RpcError(code if code in protocol.ERRORS else "internal",
+                           str(err.pop("message", "")), **err)  # fmt: skip
+        if reply.get("rid") != rid:
+            raise ConnectionError(f"peer {self.host}:{self.port}: reply out of step")
+        return reply
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn[1].close()
+            self._conn = None
 
 
 class PeerChannel:
@@ -18,10 +100,41 @@ class PeerChannel:
     One HTTP request then carries the PREPAREs and COMMITs of many buckets' rounds: on loopback
     the cost of replication is the number of requests far more than their bytes."""
 
-    def __init__(self, rpc: AsyncRpc) -> None:
+    def __init__(self, rpc: AsyncRpc, token: str, timeout: float) -> None:
         self.rpc = rpc
+        self.token = token
+        self.timeout = timeout
         self._queue: list[tuple[str, dict[str, Any], asyncio.Future]] = []
         self._task: asyncio.Task | None = None
+        #: the peer's data plane (None: HTTP), and when it was last looked up
+        self.stream: PeerStream | None = None
+        self._looked_up = -1e9
+
+    async def _stream(self) -> PeerStream | None:
+        """The peer's data plane, as its GET /status advertises it (looked up again now and then
+        while it has none, or after a failure: a restarted peer may have another port)."""
+        if self.stream is not None or time.monotonic() - self._looked_up < LOOKUP_EVERY:
+            return self.stream
+        self._looked_up = time.monotonic()
+        try:
+            port = int((await self.rpc.get_json("/status")).get("data_port") or 0)
+        except (RpcError, ConnectionError, TimeoutError, OSError, ValueError, AttributeError):
+            return None
+        if port:
+            host = urlsplit(self.rpc.base_url).hostname or "127.0.0.1"
+            self.stream = PeerStream(host, port, self.token, self.timeout)
+        return self.stream
+
+    async def _send(self, msg: dict[str, Any]) -> dict[str, Any]:
+        stream = await self._stream()
+        encoded = None if stream is None else stream.fits(msg)
+        if stream is None or encoded is None:
+            return await self.rpc.call("repl_multi", **msg)
+        try:
+            return await stream.call(encoded)
+        except (ConnectionError, OSError):
+            self.stream = None  # look the port up again before the next message
+            raise
 
     async def call(self, op: str, **fields: Any) -> dict[str, Any]:
         fut = asyncio.get_running_loop().create_future()
@@ -34,9 +147,7 @@ class PeerChannel:
         while self._queue:
             items, self._queue = self._queue, []
             try:
-                reply = await self.rpc.call(
-                    "repl_multi", items=[{"op": op, **f} for op, f, _ in items]
-                )
+                reply = await self._send({"items": [{"op": op, **f} for op, f, _ in items]})
                 results = reply["results"]
             except Exception as exc:  # the whole request failed: so did each message
                 for _op, _f, fut in items:
@@ -55,6 +166,8 @@ class PeerChannel:
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self.stream is not None:
+            self.stream.close()
 
 
 class Peers:
@@ -76,7 +189,7 @@ class Peers:
         rpc = self.rpc(server)
         ch = self._channels.get(rpc.base_url)
         if ch is None:
-            ch = self._channels[rpc.base_url] = PeerChannel(rpc)
+            ch = self._channels[rpc.base_url] = PeerChannel(rpc, self.token, self.timeout)
         return ch
 
     def rpc(self, server: str) -> AsyncRpc:

@@ -24,6 +24,9 @@ from adamps.server.repl_wire import batch_to_wire, not_primary
 
 log = logging.getLogger("adamps.server.replicate")
 
+#: seconds a decided round's COMMIT waits (ack = "prepared") for the next PREPARE to carry it
+COMMIT_DELAY = 0.002
+
 
 class PrimaryRounds:
     """Pushes and rounds of the buckets this server is primary of.
@@ -161,6 +164,8 @@ class PrimaryRounds:
                     epoch=rep.assignment.epoch,
                     sender=self.server_id,
                     entries=[batch_to_wire(e) for e in entries],
+                    # What is decided rides along: the member applies it, no COMMIT needed.
+                    commit=rep.committed,
                 )
             except RpcError as exc:
                 if exc.code == "stale_epoch":
@@ -173,6 +178,8 @@ class PrimaryRounds:
                 rep.on_member_position(member, int(reply["seq"]))
                 continue
             rep.on_prepare_ack(member, int(reply["seq"]))
+            if "committed" in reply:
+                self._release(b, rep, rep.on_commit_ack(member, int(reply["committed"])))
             return True
         return False
 
@@ -182,6 +189,10 @@ class PrimaryRounds:
         """COMMIT to every member; acknowledges pushes as members confirm. A member that does not
         confirm within member_timeout is dropped (its pushes are released once it is removed)."""
         epoch = rep.assignment.epoch
+        if self.cfg.ack == "prepared":
+            # Nothing waits for the COMMIT: give the next round's PREPARE, which carries it, a
+            # moment to go first (one message per member per round instead of two).
+            await asyncio.sleep(COMMIT_DELAY)
         started = time.monotonic()
         while True:
             waiting = [m for m in rep.replicas if rep.acked_commit.get(m, -1) < seq]

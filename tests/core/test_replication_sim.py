@@ -557,7 +557,9 @@ class Server:
                         self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "unknown"}
                     )
                     continue
-            self.sim.acked(w.b, w.uid, self.sid)
+            # the promotable holders: primary and members (a learner's copy is no member's)
+            holders = (self.sid, *rep.assignment.secondaries) if rep is not None else (self.sid,)
+            self.sim.acked(w.b, w.uid, self.sid, holders)
             self.sim.net.send(self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "ack"})
 
     # -- primary: rounds (Replicator._rounds / _prepare_all / _commit_all) -------------------------
@@ -652,6 +654,8 @@ class Server:
                 self.prepare_one(b, rs, m, tries - 1)
                 return
             rep.on_prepare_ack(m, r["seq"])
+            if "committed" in r:  # it applied what this PREPARE said was decided
+                self.release(rep.on_commit_ack(m, r["committed"]))
             done(True)
 
         def fail(err: Any) -> None:
@@ -664,7 +668,13 @@ class Server:
         self.call(
             m,
             "prepare",
-            {"bucket": b, "epoch": rep.assignment.epoch, "entries": entries},
+            # `commit`: the primary's committed seq rides along (Replicator._prepare_one)
+            {
+                "bucket": b,
+                "epoch": rep.assignment.epoch,
+                "entries": entries,
+                "commit": rep.committed,
+            },
             reply,
             fail,
         )
@@ -675,6 +685,10 @@ class Server:
             ph = rs.commits[0]
             if ph.started < 0:
                 ph.started = self.local()
+                if self.sim.ack == "prepared" and self.sim.rng.random() < 0.5:
+                    # Replicator._commit_all waits COMMIT_DELAY first: the next PREPARE may
+                    # carry the commit (here: a step, in half of the rounds)
+                    return
             waiting = [m for m in rep.replicas if rep.acked_commit.get(m, -1) < ph.seq]
             if not waiting or rep.assignment.epoch != ph.epoch or self.roles.get(b) != "primary":
                 rs.commits.popleft()
@@ -985,7 +999,14 @@ class Server:
         if isinstance(res, Reject):
             raise self._reject(res)
         self.last_heard[b] = self.local()
-        return {"status": res[0], "seq": res[1]}
+        reply = {"status": res[0], "seq": res[1]}
+        upto = min(body.get("commit", 0), rep.prepared_seq)
+        if res[0] == "ok" and upto > rep.committed:  # Follower.op_repl_prepare
+            done = rep.on_commit(sender, body["epoch"], upto)
+            assert not isinstance(done, (Reject, tuple)), done
+            self.apply(b, done.batches)
+            reply["committed"] = rep.committed
+        return reply
 
     def op_commit(self, sender: str, body: dict[str, Any]) -> dict[str, Any]:
         b = body["bucket"]
@@ -1305,6 +1326,8 @@ class Sim:
         self.pushes: dict[tuple[str, int], Push] = {}
         #: bucket -> uid -> event count when a server first acknowledged it
         self.acks: dict[int, dict[int, int]] = {b: {} for b in range(N_BUCKETS)}
+        #: bucket -> uid -> the servers (process objects) that held it when it was acknowledged
+        self.ack_holders: dict[int, dict[int, list[Server]]] = {b: {} for b in range(N_BUCKETS)}
         self._events = itertools.count(1)
         #: (bucket, server, incarnation): reloaded copies seen as secondaries (no loss window)
         self.restored_holder: set[tuple[int, str, int]] = set()
@@ -1351,9 +1374,10 @@ class Sim:
         self.servers[sid] = Server(self, sid, self.disks[sid])
         self.log(f"nemesis: add {sid}")
 
-    def acked(self, b: int, uid: int, sid: str) -> None:
+    def acked(self, b: int, uid: int, sid: str, holders: tuple[str, ...]) -> None:
         if uid not in self.acks[b]:
             self.acks[b][uid] = self.tick_n()
+            self.ack_holders[b][uid] = [self.servers[h] for h in holders if h in self.servers]
             self.log(f"{sid}: ack b{b} u{uid}")
 
     def served(self, sid: str, b: int, epoch: int, deadline: float, what: str) -> None:
@@ -1525,16 +1549,24 @@ class Sim:
         return held
 
     def lost_with_a_crash(self, b: int, missing: set[int]) -> set[int]:
-        """Of the pushes a copy kept in memory lacks, those the loss window allows: held by no
-        live copy of the bucket at all (so no copy the controllers passed over had them), and
-        acknowledged after the cut of a copy of the bucket reloaded from its disk (the copies that
-        had them crashed; what was acknowledged since their last flush went with them)."""
-        live = [s for s in self.servers.values() if not s.crashed and b in s.reps]
+        """Of the pushes a promotable copy lacks, those the loss window allows: held by no live
+        copy of the bucket at all (so no copy the controllers passed over had them), and every
+        process that held one as a member when it was acknowledged (its primary and secondaries)
+        crashed since, its memory lost: a holder reloaded from a later cut would hold it, so
+        what is lost was acknowledged after the last flush of every member that had it, or
+        only a member whose data directory was lost had it (docs/operations.md, "Durability")."""
+        m = self.ctl.model
+        pickable = set(m.live_members(b)) | set(m.buckets[b].get("candidates", []))
+        live = [
+            s for s in self.servers.values() if not s.crashed and b in s.reps and s.sid in pickable
+        ]  # the copies the controllers may pick: members and candidates (no learner's)
         held = set().union(*(self.holds(s, b) for s in live)) if live else set()
-        cuts = [s.restored[b] for s in live if b in s.restored]
-        if not cuts:
-            return set()
-        return {u for u in missing - held if self.acks[b][u] > min(cuts)}
+        current = {id(s) for s in self.servers.values() if not s.crashed}
+        return {
+            u
+            for u in missing - held
+            if not any(id(h) in current for h in self.ack_holders[b].get(u, []))
+        }
 
     def check(self) -> None:
         m = self.ctl.model
@@ -1584,10 +1616,10 @@ class Sim:
                     continue
                 if (b, sid, inc) in self.restored_holder:
                     excused = set()
-                elif cut_at is None:
-                    excused = self.lost_with_a_crash(b, missing)
                 else:
-                    excused = {u for u in missing if acks[u] > cut_at}
+                    excused = self.lost_with_a_crash(b, missing)
+                    if cut_at is not None:
+                        excused |= {u for u in missing if acks[u] > cut_at}
                 if missing - excused:
                     worst = sorted(missing - excused)[:10]
                     raise Violation(

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from adamps import web as aweb
+from adamps.dataplane_client import HEADER, MAGIC, REQUEST, DataPlaneClient
 from adamps.procs import free_port
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
-from adamps.server.dataplane import HEADER, MAGIC, REQUEST, DataPlaneClient
 from dataserver.config import DataServerConfig
 from dataserver.service import DataServer
 from dataserver.sources import Dataset

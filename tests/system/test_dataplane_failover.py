@@ -10,25 +10,37 @@ and pulls.
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
+from adamps import protocol
+from adamps.dataplane_client import ERROR, HEADER, REPLY, REQUEST, frame_header
 from adamps.exactness import ExactnessLoad
-from adamps.rpc import get_text
+from adamps.rpc import get_json, get_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from replicated_cluster import LEASE, digests_agree, make_client, running_cluster  # noqa: E402
+from replicated_cluster import (  # noqa: E402
+    LEASE,
+    TENSOR,
+    TOKEN,
+    digests_agree,
+    make_client,
+    running_cluster,
+)
 
 pytestmark = pytest.mark.slow
 
 
-def dp_pushes_ok(address: str) -> float:
-    """adamps_ps_requests_total{op="dp_push_dense",outcome="ok"} of one server."""
+def dp_ok(address: str, op: str = "dp_push_dense") -> float:
+    """adamps_ps_requests_total{op=<op>,outcome="ok"} of one server."""
     for line in get_text(address, "/metrics").splitlines():
-        if line.startswith("adamps_ps_requests_total{") and 'op="dp_push_dense"' in line:
+        if line.startswith("adamps_ps_requests_total{") and f'op="{op}"' in line:
             if 'outcome="ok"' in line:
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
@@ -58,6 +70,60 @@ def test_dataplane_pushes_survive_a_primary_sigkill_exactly_once(tmp_path: Path)
         assert counts["acked"] > 50
         assert client.http_requests == 0 and client.dp_requests >= counts["acked"]
         survivors = [a for s, a in zip(c.server_ids, c.servers, strict=True) if s != victim]
-        assert sum(dp_pushes_ok(a) for a in survivors) > 0
+        assert sum(dp_ok(a) for a in survivors) > 0
+        # The rounds' messages between servers went over the data plane too (repl_multi).
+        assert sum(dp_ok(a, "dp_repl_multi") for a in survivors) > 0
+        digests_agree(c)
+        client.close()
+
+
+def _exchange(s: socket.socket, frame: bytes) -> tuple[int, dict[str, Any]]:
+    s.sendall(frame)
+    _magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(_recv(s, HEADER.size))
+    reply = protocol.decode(_recv(s, meta_len))
+    _recv(s, payload_len)
+    return kind, reply
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def _repl_frame(items: list[Any], token: str = TOKEN, payload: bytes = b"") -> bytes:
+    meta = protocol.encode(protocol.request("repl_multi", token=token, items=items))
+    return frame_header(REQUEST, len(meta), len(payload)) + meta + payload
+
+
+@pytest.mark.timeout(120)
+def test_hostile_replication_frames_on_the_data_port_change_nothing(tmp_path: Path) -> None:
+    """A server's data port takes its peers' repl_multi: a frame without the cluster token, one
+    whose out-of-band array overruns its payload, and a message of an epoch the server never
+    learned are refused; the copies stay identical and pushes go on."""
+    with running_cluster(tmp_path, n_servers=3) as c:
+        client, _layout = make_client(c)
+        n = TENSOR.size
+        client.push_dense("x", np.ones(n, np.float32))
+        address = c.servers[0]
+        port = get_json(address, "/status")["data_port"]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            kind, reply = _exchange(s, _repl_frame([], token="guess"))
+            assert kind == ERROR and reply["error"]["code"] == "unauthorized"
+        overrun = [{"op": "repl_ping", "sender": "x", "buckets": {},
+                    "a": {"dtype": "float32", "shape": [16], "at": 0}}]  # fmt: skip
+        stale = [{"op": "repl_commit", "bucket": 0, "epoch": 10**6, "sender": "x", "seq": 1}]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            kind, reply = _exchange(s, _repl_frame(overrun, payload=bytes(8)))
+            assert kind == ERROR and reply["error"]["code"] == "bad_length", reply
+            kind, reply = _exchange(s, _repl_frame(stale))  # the connection is still usable
+            assert kind == REPLY and reply["results"][0]["error"]["code"] == "unavailable", reply
+        client.push_dense("x", np.ones(n, np.float32))
+        values, _ = client.pull(["x"])
+        assert np.array_equal(values["x"], np.full(n, 2, np.float32))
         digests_agree(c)
         client.close()

@@ -16,9 +16,7 @@ import numpy as np
 import pytest
 
 from adamps import protocol
-from adamps.procs import Proc, adamps_argv, free_port
-from adamps.rpc import SyncRpc
-from adamps.server.dataplane import (
+from adamps.dataplane_client import (
     ERROR,
     HEADER,
     MAX_META,
@@ -27,6 +25,8 @@ from adamps.server.dataplane import (
     DataPlaneError,
     frame_header,
 )
+from adamps.procs import Proc, adamps_argv, free_port
+from adamps.rpc import SyncRpc
 
 pytestmark = pytest.mark.slow
 
@@ -164,6 +164,7 @@ CASES: dict[str, tuple[Any, str, bool]] = {
     "missing token": (lambda: request_frame({k: v for k, v in meta().items() if k != "token"}), "unauthorized", True),
     "wrong token": (lambda: request_frame(meta(token="guess"), bytes(4 * N)), "unauthorized", True),
     "unknown op": (lambda: request_frame(meta(op="create")), "unknown_op", True),
+    "repl_multi on a standalone server": (lambda: request_frame(meta(op="repl_multi", items=[])), "unknown_op", True),
     "unknown tensor": (lambda: request_frame(meta(tensor="nope"), bytes(4 * N)), "unknown_tensor", True),
     "wrong length": (lambda: request_frame(meta(), bytes(4 * N - 4)), "bad_length", True),
     "NaN": (lambda: request_frame(meta(), np.full(N, np.nan, np.float32).tobytes()), "non_finite", False),
@@ -216,3 +217,38 @@ def test_pipelined_pushes_are_applied_in_order_with_errors_in_place(server: Serv
     values, versions = server.state()
     assert versions["v"][0] == before_versions["v"][0] + 2
     assert np.array_equal(np.frombuffer(values, np.float32), base + 3)
+
+
+def test_message_ops_carry_the_rpc_message_with_its_arrays_out_of_band(server: Server) -> None:
+    """push_fc as a message frame: the same handler, checks and result as on /rpc; a bad
+    message is answered after its payload and the connection stays usable. (Exactly once by
+    (client, seq) on a replicated cluster: tests/integration/test_downpour_cluster.py trains
+    through PSClient, whose push_fc and push_compressed go over the data plane.)"""
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    e = np.array([[1, -1], [2, 0.5]], np.float32)
+    with server.client() as c:
+        before, _ = c.pull("m")
+        assert c.send_message("push_fc", tensor="m", a=a, e=e, client="fc", seq=1)
+        c.read_push_reply()
+        after, _ = c.pull("m")
+        np.testing.assert_allclose(after, before + e.T @ a, rtol=1e-6)  # lr -1: W += e.T a
+        state = server.state()
+        for fields, code in (
+            ({"tensor": "nope", "a": a, "e": e}, "unknown_tensor"),
+            ({"tensor": "m", "a": a, "e": e[:1]}, "bad_shape"),
+            ({"tensor": "m", "a": np.full_like(a, np.nan), "e": e}, "non_finite"),
+        ):
+            assert c.send_message("push_fc", **fields)
+            with pytest.raises(DataPlaneError) as err:
+                c.read_push_reply()
+            assert err.value.code == code, (fields, err.value)
+        assert server.state() == state
+        assert c.pull("m")[0].shape == (2, 3)  # the connection still serves
+    overrun = protocol.request("push_fc", token=TOKEN, tensor="m", e=e,
+                               a={"dtype": "float32", "shape": [2, 3], "at": 0})  # fmt: skip
+    m = protocol.encode(overrun)
+    kind, reply, closed = server.raw(
+        frame_header(REQUEST, len(m), 8) + m + bytes(8), expect_close=False
+    )
+    assert kind == ERROR and reply["error"]["code"] == "bad_length" and not closed, reply
+    assert server.state() == state
