@@ -44,10 +44,7 @@ class PeerStream:
         self.host, self.port = host, port
         self.token = token
         self.timeout = timeout
-        #: a non-blocking socket driven by the loop's sock_* calls: a multi-MB payload is sent
-        #: from the arrays' own memory as the peer reads it (a transport would copy what the
-        #: socket does not take at once into its buffer)
-        self._sock: socket.socket | None = None
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     def fits(self, msg: dict[str, Any]) -> tuple[bytes, list[memoryview], int, str] | None:
         """The encoded request, or None when its meta exceeds a frame's (send it over HTTP)."""
@@ -59,50 +56,31 @@ class PeerStream:
         try:
             async with asyncio.timeout(self.timeout + encoded[2] / RATE_FLOOR):
                 return await self._exchange(*encoded)
+        except asyncio.IncompleteReadError as exc:
+            self.close()
+            raise ConnectionError(f"peer {self.host}:{self.port} closed the data plane") from exc
         except BaseException:
             self.close()
             raise
 
-    async def _connect(self) -> socket.socket:
-        loop = asyncio.get_running_loop()
-        family, type_, proto, _, addr = (
-            await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
-        )[0]
-        sock = socket.socket(family, type_, proto)
-        try:
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await loop.sock_connect(sock, addr)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-    async def _recv(self, n: int) -> bytes:
-        assert self._sock is not None
-        loop = asyncio.get_running_loop()
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            k = await loop.sock_recv_into(self._sock, view[got:])
-            if k == 0:
-                raise ConnectionError(f"peer {self.host}:{self.port} closed the data plane")
-            got += k
-        return bytes(buf)
-
     async def _exchange(
         self, meta: bytes, parts: list[memoryview], n: int, rid: str
     ) -> dict[str, Any]:
-        if self._sock is None:
-            self._sock = await self._connect()
-        loop = asyncio.get_running_loop()
-        await loop.sock_sendall(self._sock, frame_header(REQUEST, len(meta), n) + meta)
-        for part in parts:
-            await loop.sock_sendall(self._sock, part)
-        magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(await self._recv(HEADER.size))
+        if self._conn is None:
+            r, w = await asyncio.open_connection(self.host, self.port)
+            sock = w.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conn = (r, w)
+        r, w = self._conn
+        w.write(frame_header(REQUEST, len(meta), n) + meta)
+        for part in parts:  # straight from the arrays' memory (the kernel copies)
+            w.write(part)
+        await w.drain()
+        magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(await r.readexactly(HEADER.size))
         if magic != MAGIC or kind not in (REPLY, ERROR) or meta_len > MAX_META or payload_len:
             raise ConnectionError(f"peer {self.host}:{self.port}: not a data-plane reply")
-        reply = protocol.decode(await self._recv(meta_len))
+        reply = protocol.decode(await r.readexactly(meta_len))
         if kind == ERROR:
             self.close()  # the server may close after a fatal error: start afresh
             err = dict(reply.get("error") or {})
@@ -114,9 +92,9 @@ class PeerStream:
         return reply
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if self._conn is not None:
+            self._conn[1].close()
+            self._conn = None
 
 
 class PeerChannel:
