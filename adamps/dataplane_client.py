@@ -36,6 +36,17 @@ class DataPlaneError(ProtocolError):
     """An error frame from the server."""
 
 
+def error_of(reply: dict[str, Any]) -> DataPlaneError:
+    """The error an error frame's meta carries (an unknown code reads as ``internal``)."""
+    err = reply.get("error") or {}
+    code = err.get("code", "internal")
+    return DataPlaneError(
+        code if code in protocol.ERRORS else "internal",
+        str(err.get("message", "")),
+        **{k: v for k, v in err.items() if k not in ("code", "message")},
+    )
+
+
 class DataPlaneClient:
     """A blocking client of one PS's data plane (one connection; one thread at a time)."""
 
@@ -76,15 +87,20 @@ class DataPlaneClient:
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the server refused the request early and closed: read its error frame
 
-    def _read_reply(
-        self, out: np.ndarray | None = None
-    ) -> tuple[dict[str, Any], memoryview | None, DataPlaneError | None]:
+    def _read_head(self) -> tuple[int, int, bytearray]:
+        """The next reply frame's kind, payload length and meta bytes (the payload is next)."""
         self._recv_exact(memoryview(self._hdr))
         magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(self._hdr)
         if magic != MAGIC:
             raise ConnectionError("data plane: bad reply frame")
         mbuf = bytearray(meta_len)
         self._recv_exact(memoryview(mbuf))
+        return kind, payload_len, mbuf
+
+    def _read_reply(
+        self, out: np.ndarray | None = None
+    ) -> tuple[dict[str, Any], memoryview | None, DataPlaneError | None]:
+        kind, payload_len, mbuf = self._read_head()
         reply = protocol.decode(mbuf)
         body: memoryview | None = None
         if payload_len:
@@ -94,17 +110,7 @@ class DataPlaneClient:
                 body = memoryview(np.empty(payload_len, dtype=np.uint8))  # no zero-filling
             self._recv_exact(body)
         if kind == ERROR:
-            err = reply.get("error", {})
-            code = err.get("code", "internal")
-            return (
-                reply,
-                None,
-                DataPlaneError(
-                    code if code in protocol.ERRORS else "internal",
-                    str(err.get("message", "")),
-                    **{k: v for k, v in err.items() if k not in ("code", "message")},
-                ),
-            )
+            return reply, None, error_of(reply)
         return reply, body, None
 
     def _request(
@@ -230,12 +236,7 @@ class DataPlaneClient:
     def read_pull_reply(self, outs: list[np.ndarray]) -> list[int]:
         """Receives a pull of shards straight into `outs` (C-contiguous float32 arrays of the
         shards' sizes, in request order); returns their versions."""
-        self._recv_exact(memoryview(self._hdr))
-        magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(self._hdr)
-        if magic != MAGIC:
-            raise ConnectionError("data plane: bad reply frame")
-        mbuf = bytearray(meta_len)
-        self._recv_exact(memoryview(mbuf))
+        kind, payload_len, mbuf = self._read_head()
         if kind == ERROR or payload_len != sum(o.nbytes for o in outs):
             # An error (or a reply that does not fit): read whatever follows, then report it.
             self._recv_exact(memoryview(np.empty(payload_len, dtype=np.uint8)))
@@ -243,13 +244,7 @@ class DataPlaneClient:
             self._check_rid(reply)
             if kind != ERROR:
                 raise ConnectionError("data plane: pull reply of an unexpected length")
-            err = reply.get("error", {})
-            code = err.get("code", "internal")
-            raise DataPlaneError(
-                code if code in protocol.ERRORS else "internal",
-                str(err.get("message", "")),
-                **{k: v for k, v in err.items() if k not in ("code", "message")},
-            )
+            raise error_of(reply)
         reply = protocol.decode(mbuf)
         self._check_rid(reply)
         for o in outs:  # scattered straight into the caller's arrays: no staging copy
