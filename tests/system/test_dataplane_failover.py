@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 
 from adamps import protocol
-from adamps.dataplane_client import ERROR, HEADER, REPLY, REQUEST, frame_header
+from adamps.dataplane_client import ERROR, REPLY, REQUEST, frame_header
 from adamps.exactness import ExactnessLoad
 from adamps.rpc import get_json, get_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from frames import read_frame  # noqa: E402
 from replicated_cluster import (  # noqa: E402
     LEASE,
     TENSOR,
@@ -79,20 +80,7 @@ def test_dataplane_pushes_survive_a_primary_sigkill_exactly_once(tmp_path: Path)
 
 def _exchange(s: socket.socket, frame: bytes) -> tuple[int, dict[str, Any]]:
     s.sendall(frame)
-    _magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(_recv(s, HEADER.size))
-    reply = protocol.decode(_recv(s, meta_len))
-    _recv(s, payload_len)
-    return kind, reply
-
-
-def _recv(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return bytes(buf)
+    return read_frame(s)
 
 
 def _repl_frame(items: list[Any], token: str = TOKEN, payload: bytes = b"") -> bytes:

@@ -7,6 +7,7 @@ compared), and the server keeps serving (a new connection works, healthz answers
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,9 @@ from adamps.dataplane_client import (
 )
 from adamps.procs import Proc, adamps_argv, free_port
 from adamps.rpc import SyncRpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from frames import read_frame  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +60,7 @@ class Server:
                 s.sendall(frame)
             except (BrokenPipeError, ConnectionResetError):
                 pass
-            hdr = recv_exact(s, HEADER.size)
-            _magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(hdr)
-            meta = protocol.decode(recv_exact(s, meta_len))
-            recv_exact(s, payload_len)
+            kind, meta = read_frame(s)
             s.settimeout(10.0 if expect_close else 0.5)
             try:
                 closed = s.recv(1) == b""
@@ -68,16 +69,6 @@ class Server:
             except TimeoutError:
                 closed = False
         return kind, meta, closed
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return bytes(buf)
 
 
 def start_ps(root: Path, *args: str, data_port: bool = False) -> tuple[Proc, int, int]:
