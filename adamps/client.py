@@ -448,6 +448,15 @@ class PSClient:
                 read(dp, group)
             except DataPlaneError as exc:
                 self._dp.drop(url)  # a fatal error closes the stream: start a fresh one
+                if exc.code == "unknown_op":
+                    # A server of an older version that takes no message ops there: refused
+                    # before anything was applied, so the same request goes over HTTP.
+                    try:
+                        self.http_requests += 1
+                        by_http(url, group)
+                    except Exception as again:
+                        error = error or again
+                    continue
                 error = error or as_rpc_error(exc)
             except OSError as exc:
                 self._dp.drop(url)

@@ -113,6 +113,8 @@ class PeerChannel:
         #: the peer's data plane (None: HTTP), and when it was last looked up
         self.stream: PeerStream | None = None
         self._looked_up = -1e9
+        #: messages the peer's data port refused as unknown (an older version): sent over HTTP
+        self.http_fallbacks = 0
 
     async def _stream(self) -> PeerStream | None:
         """The peer's data plane, as its GET /status advertises it (looked up again now and then
@@ -136,6 +138,16 @@ class PeerChannel:
             return await self.rpc.call("repl_multi", **msg)
         try:
             return await stream.call(encoded)
+        except RpcError as exc:
+            if exc.code != "unknown_op":
+                raise
+            # A peer of an older version, whose data plane takes no repl_multi (refused before
+            # anything was handled): HTTP for this message, and for the next ones until the
+            # port is looked up again.
+            self.stream = None
+            self._looked_up = time.monotonic() + 60.0  # not again within a minute
+            self.http_fallbacks += 1
+            return await self.rpc.call("repl_multi", **msg)
         except (ConnectionError, OSError):
             self.stream = None  # look the port up again before the next message
             raise

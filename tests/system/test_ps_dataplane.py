@@ -6,6 +6,7 @@ compared), and the server keeps serving (a new connection works, healthz answers
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 import threading
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 
@@ -27,7 +29,8 @@ from adamps.dataplane_client import (
     frame_header,
 )
 from adamps.procs import Proc, adamps_argv, free_port
-from adamps.rpc import SyncRpc
+from adamps.rpc import RpcError, SyncRpc
+from adamps.server.repl_peers import PeerChannel, Peers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from frames import read_frame  # noqa: E402
@@ -243,3 +246,25 @@ def test_message_ops_carry_the_rpc_message_with_its_arrays_out_of_band(server: S
     )
     assert kind == ERROR and reply["error"]["code"] == "bad_length" and not closed, reply
     assert server.state() == state
+
+
+def test_a_peer_whose_data_plane_takes_no_repl_multi_gets_it_over_http(server: Server) -> None:
+    """A replicated server's rounds go to a peer's data port; a peer that refuses the op there
+    (an older version: `unknown_op`, nothing handled) gets the same message over HTTP. This
+    standalone server refuses it on both transports: the answer must come from /rpc."""
+
+    async def call() -> tuple[RpcError, PeerChannel]:
+        async with aiohttp.ClientSession() as session:
+            peers = Peers(TOKEN, 5.0)
+            peers.session = session
+            peers.addresses["old"] = f"127.0.0.1:{server.port}"
+            channel = peers.channel("old")
+            with pytest.raises(RpcError) as err:
+                await channel.call("repl_ping", sender="new", buckets={})
+            peers.close()
+            return err.value, channel
+
+    err, channel = asyncio.run(call())
+    assert err.code == "unknown_op" and "expected one of" in err.message, err  # /rpc's answer
+    assert channel.http_fallbacks == 1  # the data port was tried first, and refused it
+    assert channel.stream is None  # HTTP for the next messages too
