@@ -113,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             )
         else:
             help_text += f" (default: {default!r})"
+        # argparse treats help as a %-template: a literal '%' in a field's text (or a default
+        # such as "75%") would crash `--help`, so every help string is escaped here, once.
+        help_text = help_text.replace("%", "%%")
         if _base_type(tp) is bool:
             parser.add_argument(
                 flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=help_text
