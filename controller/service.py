@@ -198,8 +198,18 @@ class ControllerService:
 
     async def h_drain(self, request: web.Request) -> web.Response:
         sid = fields.server_id(request)
+        # Copies stay until a server that failed with the drain is surely declared dead.
+        cfg = self.cfg
+        hold = cfg.server_timeout + cfg.heartbeat_interval + cfg.reconcile_interval
         return await self.forwarder.write(
-            request, lambda: self._commit_ok("drain", sid, time.time())
+            request, lambda: self._commit_ok("drain", sid, time.time(), hold)
+        )
+
+    async def h_undrain(self, request: web.Request) -> web.Response:
+        sid = fields.server_id(request)
+        # One replicated method for both directions (a new name would renumber the journal's).
+        return await self.forwarder.write(
+            request, lambda: self._commit_ok("drain", sid, time.time(), 0.0, True)
         )
 
     async def h_rebalance(self, request: web.Request) -> web.Response:
@@ -368,6 +378,7 @@ class ControllerService:
         r.add_post("/servers/{id}/register", self.h_register)
         r.add_post("/servers/{id}/heartbeat", self.h_heartbeat)
         r.add_post("/servers/{id}/drain", self.h_drain)
+        r.add_post("/servers/{id}/undrain", self.h_undrain)
         r.add_post("/rebalance", self.h_rebalance)
         r.add_post("/buckets/{bucket}/{op}", self.h_bucket_op)
         app.on_startup.append(self._on_startup)

@@ -188,8 +188,9 @@ class ReplicatedCluster(SyncObjConsumer):
         return self._apply("release", b, sid, epoch, now)
 
     @replicated
-    def drain(self, sid: str, now: float) -> dict[str, Any]:
-        return self._apply("drain", sid, now)
+    def drain(self, sid: str, now: float, hold: float = 0.0, back: bool = False) -> dict[str, Any]:
+        # `back`: undrain (one entry for both: a new method would renumber the journal's).
+        return self._apply("drain", sid, now, hold, back)
 
     @replicated
     def rebalance(self, now: float) -> dict[str, Any]:
