@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +37,7 @@ from adamps import retry
 from adamps.dataplane_client import DataPlaneClient, DataPlaneError
 from adamps.dataplane_pool import DataPlanePool, as_rpc_error
 from adamps.layout import Layout, Shard, TensorSpec
+from adamps.request_parts import Limits, Unit, chunk, pack, plan_push
 from adamps.retry import RetryPolicy
 from adamps.rpc import RpcError, SyncRpc, base_url
 
@@ -158,6 +159,10 @@ def routing_from_table(table: Mapping[str, Any]) -> Routing:
 normalize_url = base_url
 
 
+def _dense_bytes(s: Shard) -> int:
+    return 4 * s.size
+
+
 class PushOutcomeUnknown(Exception):
     """A push that could not be confirmed before the deadline: it may or may not be applied."""
 
@@ -213,6 +218,8 @@ class PSClient:
         #: requests sent over the data plane and over HTTP (pulls and pushes, one per server)
         self.dp_requests = 0
         self.http_requests = 0
+        #: server base URL -> its request limits (max_body, max_shards_per_request)
+        self._server_limits: dict[str, Limits] = {}
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -319,15 +326,31 @@ class PSClient:
                 versions[s.tensor][s.index] = int(v)
 
         def go(routing: Routing) -> None:
-            self._exchange(
-                self._by_server(shards, routing),
-                lambda dp, group: dp.send_pull_shards([s.id for s in group]),
-                read,
-                by_http,
-            )
+            # Each server's shards in requests under its limits (issue 30), one round at a time.
+            parts = {}
+            for url, group in self._by_server(shards, routing).items():
+                lim = self._limits(url)
+                parts[url] = chunk(group, _dense_bytes, lim.budget(), lim.max_shards)
+            for i in range(max((len(p) for p in parts.values()), default=0)):
+                self._exchange(
+                    {url: p[i] for url, p in parts.items() if i < len(p)},
+                    lambda dp, group: dp.send_pull_shards([s.id for s in group]),
+                    read,
+                    by_http,
+                )
 
         self._with_retry(go)
         return result, versions
+
+    def _limits(self, url: str) -> Limits:
+        """`url`'s request limits, from its `GET /status` (asked once per server)."""
+        with self._lock:
+            got = self._server_limits.get(url)
+        if got is None:
+            got = Limits.of_status(self._rpc(url).get_json("/status"))
+            with self._lock:
+                self._server_limits[url] = got
+        return got
 
     # -- push ------------------------------------------------------------------------------------
 
@@ -360,6 +383,7 @@ class PSClient:
             stream=lambda dp, group, **f: dp.send_push_shards(
                 [s.id for s in group], [deltas[s.id] for s in group], **f
             ),
+            size_of=lambda s: int(np.asarray(deltas[s.id]).nbytes),
         )
 
     def push_compressed(
@@ -373,6 +397,10 @@ class PSClient:
             [self.layout.shards[sid] for sid in updates],
             lambda group: {"shards": {s.id: dict(updates[s.id]) for s in group}},
             seq,
+            size_of=lambda s: sum(
+                len(v) if isinstance(v, bytes | bytearray) else int(getattr(v, "nbytes", 8))
+                for v in updates[s.id].values()
+            ),
         )
 
     def push_fc(self, name: str, a: np.ndarray, e: np.ndarray, seq: int | None = None) -> None:
@@ -385,6 +413,7 @@ class PSClient:
             self.layout.shards_of[name],
             lambda group: {"tensor": name, "a": a, "e": e, "shards": [s.id for s in group]},
             seq,
+            fixed=a.nbytes + e.nbytes,  # every part carries a and e
         )
 
     def _push(
@@ -394,21 +423,29 @@ class PSClient:
         fields: Any,
         seq: int | None,
         stream: Any = None,
+        size_of: Callable[[Shard], int] = lambda _s: 0,
+        fixed: int = 0,
     ) -> None:
-        """Push `op` of `shards`, one request per primary with `fields(group)` (over HTTP) or
-        `stream(conn, group, client=, seq=)` (over the data plane where offered; by default the
-        same message as a message frame) and one (client id, seq) for all; after a partial
-        failure only the unacknowledged groups are sent again."""
+        """Push `op` of `shards` with `fields(group)` (over HTTP) or `stream(conn, group,
+        client=, seq=)` (over the data plane where offered; by default the same message as a
+        message frame). One request per primary under one (client id, seq) when it fits the
+        server's limits, else parts (adamps/request_parts.py: `size_of` a shard's payload
+        bytes, `fixed` the bytes every part repeats); after a partial failure only the
+        unacknowledged parts are sent again, each with its own pair."""
         seq = self.next_seq() if seq is None else seq
         done: set[str] = set()
-        pair = {"client": self.client_id, "seq": seq}
         if stream is None:  # a message frame: the /rpc message, its arrays out of band
 
             def stream(dp: DataPlaneClient, group: list[Shard], **f: Any) -> bool:
                 return dp.send_message(op, **fields(group), **f)
 
+        #: the push's units, planned once (a retry sends the same parts under the same pairs)
+        units: list[Unit] = []
+        #: first shard id of a request sent in this round -> its pair
+        pairs: dict[str, dict[str, Any]] = {}
+
         def by_http(url: str, group: list[Shard]) -> None:
-            self._rpc(url).call(op, **fields(group), **pair)
+            self._rpc(url).call(op, **fields(group), **pairs[group[0].id])
             done.update(s.id for s in group)
 
         def read(dp: DataPlaneClient, group: list[Shard]) -> None:
@@ -416,9 +453,28 @@ class PSClient:
             done.update(s.id for s in group)
 
         def go(routing: Routing) -> None:
-            todo = [s for s in shards if s.id not in done]
-            groups = self._by_server(todo, routing)
-            self._exchange(groups, lambda dp, group: stream(dp, group, **pair), read, by_http)
+            if not units:
+                urls = {self._primary(s, routing) for s in shards}
+                limits = Limits.tightest(self._limits(u) for u in urls)
+                units.extend(plan_push(shards, self.layout.bucket_of, size_of, limits, fixed))
+            per_server: dict[str, list[Unit]] = {}
+            for u in units:
+                if u.shards[0].id not in done:
+                    per_server.setdefault(self._primary(u.shards[0], routing), []).append(u)
+            rounds = {
+                url: pack(us, size_of, self._limits(url), fixed) for url, us in per_server.items()
+            }
+            for i in range(max((len(r) for r in rounds.values()), default=0)):
+                groups = {}
+                for url, reqs in rounds.items():
+                    if i < len(reqs):
+                        group = [s for u in reqs[i] for s in u.shards]
+                        pair = {"client": self.client_id + reqs[i][0].client_suffix, "seq": seq}
+                        pairs[group[0].id] = pair
+                        groups[url] = group
+                self._exchange(
+                    groups, lambda dp, group: stream(dp, group, **pairs[group[0].id]), read, by_http
+                )
 
         self._with_retry(go)
 
