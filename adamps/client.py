@@ -27,14 +27,14 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from adamps import retry
-from adamps.dataplane_client import DataPlaneClient, DataPlaneError
+from adamps.dataplane_client import MAX_INFLIGHT, DataPlaneClient, DataPlaneError
 from adamps.dataplane_pool import DataPlanePool, as_rpc_error
 from adamps.layout import Layout, Shard, TensorSpec
 from adamps.request_parts import Limits, Unit, chunk, pack, plan_push
@@ -159,8 +159,24 @@ def routing_from_table(table: Mapping[str, Any]) -> Routing:
 normalize_url = base_url
 
 
+T = TypeVar("T")
+
+
 def _dense_bytes(s: Shard) -> int:
     return 4 * s.size
+
+
+def _windows(rounds: Mapping[str, Sequence[T]]) -> Iterator[list[tuple[str, T]]]:
+    """Each server's requests (in order), MAX_INFLIGHT of them per server at a time: what one
+    data-plane connection may have in flight (docs/protocol-ps.md: pipelining)."""
+    depth = max((len(r) for r in rounds.values()), default=0)
+    for w in range(0, depth, MAX_INFLIGHT):
+        yield [
+            (url, reqs[i])
+            for i in range(w, min(w + MAX_INFLIGHT, depth))
+            for url, reqs in rounds.items()
+            if i < len(reqs)
+        ]
 
 
 class PushOutcomeUnknown(Exception):
@@ -326,14 +342,14 @@ class PSClient:
                 versions[s.tensor][s.index] = int(v)
 
         def go(routing: Routing) -> None:
-            # Each server's shards in requests under its limits (issue 30), one round at a time.
+            # Each server's shards in requests under its limits (issue 30), pipelined.
             parts = {}
             for url, group in self._by_server(shards, routing).items():
                 lim = self._limits(url)
                 parts[url] = chunk(group, _dense_bytes, lim.budget(), lim.max_shards)
-            for i in range(max((len(p) for p in parts.values()), default=0)):
+            for window in _windows(parts):
                 self._exchange(
-                    {url: p[i] for url, p in parts.items() if i < len(p)},
+                    window,
                     lambda dp, group: dp.send_pull_shards([s.id for s in group]),
                     read,
                     by_http,
@@ -464,27 +480,32 @@ class PSClient:
             rounds = {
                 url: pack(us, size_of, self._limits(url), fixed) for url, us in per_server.items()
             }
-            for i in range(max((len(r) for r in rounds.values()), default=0)):
-                groups = {}
-                for url, reqs in rounds.items():
-                    if i < len(reqs):
-                        group = [s for u in reqs[i] for s in u.shards]
-                        pair = {"client": self.client_id + reqs[i][0].client_suffix, "seq": seq}
-                        pairs[group[0].id] = pair
-                        groups[url] = group
+            for window in _windows(rounds):
+                groups = []
+                for url, req in window:
+                    group = [s for u in req for s in u.shards]
+                    pairs[group[0].id] = {
+                        "client": self.client_id + req[0].client_suffix,
+                        "seq": seq,
+                    }
+                    groups.append((url, group))
                 self._exchange(
                     groups, lambda dp, group: stream(dp, group, **pairs[group[0].id]), read, by_http
                 )
 
         self._with_retry(go)
 
-    def _exchange(self, groups: dict[str, list[Shard]], send: Any, read: Any, by_http: Any) -> None:
-        """One request per server: over the data plane to every server that offers one, all
-        sent before any reply is read (the servers work side by side), else over HTTP. Every
-        reply sent for is read (or its connection dropped) before the first error is raised."""
+    def _exchange(
+        self, groups: Sequence[tuple[str, list[Shard]]], send: Any, read: Any, by_http: Any
+    ) -> None:
+        """Requests (server URL, shards; at most MAX_INFLIGHT per server, see `_windows`): over
+        the data plane to every server that offers one, all sent before any reply is read (the
+        servers work side by side; a connection's replies come in request order), else over
+        HTTP. Every reply sent for is read (or its connection dropped) before the first error
+        is raised."""
         sent: list[tuple[str, DataPlaneClient, list[Shard]]] = []
         error: BaseException | None = None
-        for url, group in groups.items():
+        for url, group in groups:
             try:
                 dp = self._dp.get(url) if self.data_plane else None
                 if dp is None or send(dp, group) is False:  # False: too big for a frame
