@@ -62,6 +62,8 @@ def test_a_restarted_controller_answers_503_until_it_applied_the_state(tmp_path:
                     for path in ("/cluster", "/servers/ps0", "/leases", "/progress"):
                         code2, body2 = http_json(url + path, timeout=1.0)
                         assert code2 in (200, 503), (path, code2, body2)
+                    for path in ("/healthz", "/status"):  # always answer
+                        assert http_json(url + path, timeout=1.0)[0] == 200, path
             assert good == 20, answers[-3:]
             print(f"restart {_round}: {sum(a[0] == 503 for a in answers)} answers 503 first")
         # Clients that know only a just-restarted controller retry through its 503s.
