@@ -9,12 +9,17 @@ from __future__ import annotations
 import importlib
 import sys
 
-#: subcommand -> (module with main(argv), one-line description)
+#: subcommand -> (module with main(argv), or "module:function", one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("adamps.local", "run the whole cluster as local processes and train adam-mnist"),
     "ps": ("adamps.server.main", "run a parameter server"),
     "controller": ("controller.main", "run one controller node (Raft)"),
     "status": ("controller.status", "print the cluster's servers, buckets, leases and progress"),
+    "drain": ("controller.drain_cmd", "take a parameter server out of service (its copies move)"),
+    "undrain": (
+        "controller.drain_cmd:undrain_main",
+        "return a drained parameter server to service",
+    ),
     "dataserver": ("dataserver.main", "run a data server"),
     "train": ("trainer.main", "run one model replica (trainer)"),
     "coordinator": ("coordinator.main", "run the Sandblaster L-BFGS coordinator"),
@@ -46,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    module = importlib.import_module(COMMANDS[command][0])
-    return int(module.main(rest) or 0)
+    module_name, _, func = COMMANDS[command][0].partition(":")
+    module = importlib.import_module(module_name)
+    return int(getattr(module, func or "main")(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -27,16 +27,17 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from adamps import retry
-from adamps.dataplane_client import DataPlaneClient, DataPlaneError
+from adamps.dataplane_client import MAX_INFLIGHT, DataPlaneClient, DataPlaneError
 from adamps.dataplane_pool import DataPlanePool, as_rpc_error
 from adamps.layout import Layout, Shard, TensorSpec
+from adamps.request_parts import Limits, Unit, chunk, pack, plan_push
 from adamps.retry import RetryPolicy
 from adamps.rpc import RpcError, SyncRpc, base_url
 
@@ -158,6 +159,26 @@ def routing_from_table(table: Mapping[str, Any]) -> Routing:
 normalize_url = base_url
 
 
+T = TypeVar("T")
+
+
+def _dense_bytes(s: Shard) -> int:
+    return 4 * s.size
+
+
+def _windows(rounds: Mapping[str, Sequence[T]]) -> Iterator[list[tuple[str, T]]]:
+    """Each server's requests (in order), MAX_INFLIGHT of them per server at a time: what one
+    data-plane connection may have in flight (docs/protocol-ps.md: pipelining)."""
+    depth = max((len(r) for r in rounds.values()), default=0)
+    for w in range(0, depth, MAX_INFLIGHT):
+        yield [
+            (url, reqs[i])
+            for i in range(w, min(w + MAX_INFLIGHT, depth))
+            for url, reqs in rounds.items()
+            if i < len(reqs)
+        ]
+
+
 class PushOutcomeUnknown(Exception):
     """A push that could not be confirmed before the deadline: it may or may not be applied."""
 
@@ -213,6 +234,8 @@ class PSClient:
         #: requests sent over the data plane and over HTTP (pulls and pushes, one per server)
         self.dp_requests = 0
         self.http_requests = 0
+        #: server base URL -> its request limits (max_body, max_shards_per_request)
+        self._server_limits: dict[str, Limits] = {}
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -319,15 +342,31 @@ class PSClient:
                 versions[s.tensor][s.index] = int(v)
 
         def go(routing: Routing) -> None:
-            self._exchange(
-                self._by_server(shards, routing),
-                lambda dp, group: dp.send_pull_shards([s.id for s in group]),
-                read,
-                by_http,
-            )
+            # Each server's shards in requests under its limits (issue 30), pipelined.
+            parts = {}
+            for url, group in self._by_server(shards, routing).items():
+                lim = self._limits(url)
+                parts[url] = chunk(group, _dense_bytes, lim.budget(), lim.max_shards)
+            for window in _windows(parts):
+                self._exchange(
+                    window,
+                    lambda dp, group: dp.send_pull_shards([s.id for s in group]),
+                    read,
+                    by_http,
+                )
 
         self._with_retry(go)
         return result, versions
+
+    def _limits(self, url: str) -> Limits:
+        """`url`'s request limits, from its `GET /status` (asked once per server)."""
+        with self._lock:
+            got = self._server_limits.get(url)
+        if got is None:
+            got = Limits.of_status(self._rpc(url).get_json("/status"))
+            with self._lock:
+                self._server_limits[url] = got
+        return got
 
     # -- push ------------------------------------------------------------------------------------
 
@@ -360,6 +399,7 @@ class PSClient:
             stream=lambda dp, group, **f: dp.send_push_shards(
                 [s.id for s in group], [deltas[s.id] for s in group], **f
             ),
+            size_of=lambda s: int(np.asarray(deltas[s.id]).nbytes),
         )
 
     def push_compressed(
@@ -373,6 +413,10 @@ class PSClient:
             [self.layout.shards[sid] for sid in updates],
             lambda group: {"shards": {s.id: dict(updates[s.id]) for s in group}},
             seq,
+            size_of=lambda s: sum(
+                len(v) if isinstance(v, bytes | bytearray) else int(getattr(v, "nbytes", 8))
+                for v in updates[s.id].values()
+            ),
         )
 
     def push_fc(self, name: str, a: np.ndarray, e: np.ndarray, seq: int | None = None) -> None:
@@ -385,6 +429,7 @@ class PSClient:
             self.layout.shards_of[name],
             lambda group: {"tensor": name, "a": a, "e": e, "shards": [s.id for s in group]},
             seq,
+            fixed=a.nbytes + e.nbytes,  # every part carries a and e
         )
 
     def _push(
@@ -394,21 +439,29 @@ class PSClient:
         fields: Any,
         seq: int | None,
         stream: Any = None,
+        size_of: Callable[[Shard], int] = lambda _s: 0,
+        fixed: int = 0,
     ) -> None:
-        """Push `op` of `shards`, one request per primary with `fields(group)` (over HTTP) or
-        `stream(conn, group, client=, seq=)` (over the data plane where offered; by default the
-        same message as a message frame) and one (client id, seq) for all; after a partial
-        failure only the unacknowledged groups are sent again."""
+        """Push `op` of `shards` with `fields(group)` (over HTTP) or `stream(conn, group,
+        client=, seq=)` (over the data plane where offered; by default the same message as a
+        message frame). One request per primary under one (client id, seq) when it fits the
+        server's limits, else parts (adamps/request_parts.py: `size_of` a shard's payload
+        bytes, `fixed` the bytes every part repeats); after a partial failure only the
+        unacknowledged parts are sent again, each with its own pair."""
         seq = self.next_seq() if seq is None else seq
         done: set[str] = set()
-        pair = {"client": self.client_id, "seq": seq}
         if stream is None:  # a message frame: the /rpc message, its arrays out of band
 
             def stream(dp: DataPlaneClient, group: list[Shard], **f: Any) -> bool:
                 return dp.send_message(op, **fields(group), **f)
 
+        #: the push's units, planned once (a retry sends the same parts under the same pairs)
+        units: list[Unit] = []
+        #: first shard id of a request sent in this round -> its pair
+        pairs: dict[str, dict[str, Any]] = {}
+
         def by_http(url: str, group: list[Shard]) -> None:
-            self._rpc(url).call(op, **fields(group), **pair)
+            self._rpc(url).call(op, **fields(group), **pairs[group[0].id])
             done.update(s.id for s in group)
 
         def read(dp: DataPlaneClient, group: list[Shard]) -> None:
@@ -416,19 +469,43 @@ class PSClient:
             done.update(s.id for s in group)
 
         def go(routing: Routing) -> None:
-            todo = [s for s in shards if s.id not in done]
-            groups = self._by_server(todo, routing)
-            self._exchange(groups, lambda dp, group: stream(dp, group, **pair), read, by_http)
+            if not units:
+                urls = {self._primary(s, routing) for s in shards}
+                limits = Limits.tightest(self._limits(u) for u in urls)
+                units.extend(plan_push(shards, self.layout.bucket_of, size_of, limits, fixed))
+            per_server: dict[str, list[Unit]] = {}
+            for u in units:
+                if u.shards[0].id not in done:
+                    per_server.setdefault(self._primary(u.shards[0], routing), []).append(u)
+            rounds = {
+                url: pack(us, size_of, self._limits(url), fixed) for url, us in per_server.items()
+            }
+            for window in _windows(rounds):
+                groups = []
+                for url, req in window:
+                    group = [s for u in req for s in u.shards]
+                    pairs[group[0].id] = {
+                        "client": self.client_id + req[0].client_suffix,
+                        "seq": seq,
+                    }
+                    groups.append((url, group))
+                self._exchange(
+                    groups, lambda dp, group: stream(dp, group, **pairs[group[0].id]), read, by_http
+                )
 
         self._with_retry(go)
 
-    def _exchange(self, groups: dict[str, list[Shard]], send: Any, read: Any, by_http: Any) -> None:
-        """One request per server: over the data plane to every server that offers one, all
-        sent before any reply is read (the servers work side by side), else over HTTP. Every
-        reply sent for is read (or its connection dropped) before the first error is raised."""
+    def _exchange(
+        self, groups: Sequence[tuple[str, list[Shard]]], send: Any, read: Any, by_http: Any
+    ) -> None:
+        """Requests (server URL, shards; at most MAX_INFLIGHT per server, see `_windows`): over
+        the data plane to every server that offers one, all sent before any reply is read (the
+        servers work side by side; a connection's replies come in request order), else over
+        HTTP. Every reply sent for is read (or its connection dropped) before the first error
+        is raised."""
         sent: list[tuple[str, DataPlaneClient, list[Shard]]] = []
         error: BaseException | None = None
-        for url, group in groups.items():
+        for url, group in groups:
             try:
                 dp = self._dp.get(url) if self.data_plane else None
                 if dp is None or send(dp, group) is False:  # False: too big for a frame

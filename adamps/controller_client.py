@@ -220,6 +220,9 @@ class ControllerOps:
     def drain(self, server: str) -> Any:
         return self._post(f"/servers/{server}/drain", {})
 
+    def undrain(self, server: str) -> Any:
+        return self._post(f"/servers/{server}/undrain", {})
+
     def rebalance(self) -> Any:
         return self._post("/rebalance", {})
 

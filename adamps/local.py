@@ -159,6 +159,8 @@ class Run:
         self.trainers: list[tuple[str, Proc, str]] = []  #: (name, process, metrics host:port)
         self.coordinator = ""  #: Sandblaster's coordinator (host:port), if any
         self.history_path = self.run / "history.jsonl"
+        #: Sandblaster: the coordinator's line per L-BFGS iteration (loss, held-out accuracy)
+        self.iterations_path = self.run / "iterations.jsonl"
         self.samples: list[dict[str, Any]] = []
         self.t_train = 0.0
 
@@ -221,6 +223,7 @@ class Run:
                 "coordinator", "coordinator", "--controllers", ",".join(c.controllers),
                 "--port", str(port), "--n-buckets", str(a.buckets), "--model", "adam-mnist",
                 "--max-iter", str(a.iterations), "--exit-when-done", "--run", f"up{os.getpid()}",
+                "--history", str(self.iterations_path),
             )).wait_http(f"http://127.0.0.1:{port}/healthz", 120)  # fmt: skip
             common += ["--coordinator", f"http://127.0.0.1:{port}"]
             self.coordinator = f"127.0.0.1:{port}"
@@ -307,7 +310,7 @@ class Run:
 
     def finish(self) -> tuple[float | None, str]:
         """Prints the figures and the plot's path; (held-out accuracy, summary line)."""
-        from adamps.plot import plot_run
+        from adamps.plot import plot_iterations, plot_run
 
         a = self.a
         sums = [trainer_summary(p) for _n, p, _ in self.trainers]
@@ -321,21 +324,24 @@ class Run:
         images = sum(int(s["images"]) for s in good)
         secs = max((float(s["seconds"]) for s in good), default=0.0)
         rate = images / secs if secs > 0 else 0.0
+        sandblaster = a.algorithm == "sandblaster"
+        after = f"{a.iterations} L-BFGS iterations" if sandblaster else f"{a.epochs} epochs"
         title = (
             f"adamps up: adam-mnist, {a.trainers} replicas x {a.workers} worker(s), "
-            f"{a.servers} PS, {a.epochs} epochs"
+            f"{a.servers} PS, {after}"
         )
-        plot = plot_run(
-            self.run / "training.png", history, self.samples, t0=self.t_train, title=title,
-            target=a.target_accuracy,
-        )  # fmt: skip
+        if sandblaster:
+            plot = plot_iterations(
+                self.run / "training.png", read_history(self.iterations_path), title=title,
+                target=a.target_accuracy,
+            )  # fmt: skip
+        else:
+            plot = plot_run(
+                self.run / "training.png", history, self.samples, t0=self.t_train, title=title,
+                target=a.target_accuracy,
+            )  # fmt: skip
         wall = time.time() - self.t_start
         acc_s = "unknown" if acc is None else f"{acc * 100:.2f}%"
-        after = (
-            f"{a.iterations} L-BFGS iterations"
-            if a.algorithm == "sandblaster"
-            else f"{a.epochs} epochs"
-        )
         self.say(f"held-out accuracy: {acc_s} after {after} (1,000 held-out images)")
         self.say(
             f"throughput: {rate:,.0f} images/s ({images:,} training images by {len(good)} "

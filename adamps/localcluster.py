@@ -208,6 +208,10 @@ class LocalCluster:
         """POST /servers/{id}/drain: its buckets move away."""
         return self.controller_post(f"/servers/{server_id}/drain")
 
+    def undrain(self, server_id: str) -> tuple[int, Any]:
+        """POST /servers/{id}/undrain: it returns to service."""
+        return self.controller_post(f"/servers/{server_id}/undrain")
+
     def rebalance(self) -> tuple[int, Any]:
         """POST /rebalance: placement recomputed over the live servers."""
         return self.controller_post("/rebalance")

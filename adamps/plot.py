@@ -1,4 +1,5 @@
-"""The picture of a training run: training loss and held-out accuracy over time (PNG).
+"""The picture of a training run: training loss and held-out accuracy over time (PNG), or per
+L-BFGS iteration for a Sandblaster run.
 
 Used by `adamps up` at the end of a run. Uses matplotlib's object API with the Agg canvas (no
 pyplot, no display, no global state), so it works on a headless machine and inside tests.
@@ -52,7 +53,7 @@ def plot_run(
     ax_loss.set_ylabel("training loss")
     ax_loss.set_yscale("log")
     ax_loss.grid(True, which="both", alpha=0.3)
-    ax_loss.legend(loc="upper right", fontsize="small")
+    _legend(ax_loss, "upper right")
 
     if history:
         xs = [h["time"] - t0 for h in history]
@@ -69,10 +70,76 @@ def plot_run(
     ax_acc.set_ylabel("held-out accuracy (%)")
     ax_acc.set_xlabel("seconds since the trainers started")
     ax_acc.grid(True, alpha=0.3)
-    ax_acc.legend(loc="lower right", fontsize="small")
+    _legend(ax_acc, "lower right")
     if title:
         fig.suptitle(title, fontsize="medium")
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out)
+    return out
+
+
+def _legend(ax: Any, loc: str) -> None:
+    """A legend only over labelled lines: an empty one makes matplotlib warn ("No artists with
+    labels found"), which `adamps up` printed to the terminal."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc=loc, fontsize="small")
+
+
+def iteration_figure(
+    records: Sequence[dict[str, Any]], *, title: str = "", target: float = 0.0
+) -> Any:
+    """The figure of a Sandblaster run: training loss f and held-out accuracy per L-BFGS
+    iteration (records: the coordinator's history lines {iteration, loss, heldout_accuracy};
+    see coordinator/heldout.py). Returned unsaved, so that tests read the plotted data."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 6.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax_loss, ax_acc = fig.subplots(2, 1, sharex=True)
+    losses = [(r["iteration"], r["loss"]) for r in records if r.get("loss") is not None]
+    if losses:
+        xs, ys = zip(*losses, strict=True)
+        ax_loss.plot(xs, ys, "o-", color="black", lw=1.5, ms=3, label="training loss f (all training images)")
+        if min(ys) > 0:
+            ax_loss.set_yscale("log")
+    ax_loss.set_ylabel("training loss")
+    ax_loss.grid(True, which="both", alpha=0.3)
+    _legend(ax_loss, "upper right")
+    accs = [
+        (r["iteration"], 100 * r["heldout_accuracy"])
+        for r in records
+        if r.get("heldout_accuracy") is not None
+    ]
+    if accs:
+        xs, ys = zip(*accs, strict=True)
+        ax_acc.plot(xs, ys, "o-", color="tab:green", ms=3, label="held-out accuracy (iterate)")
+        ax_acc.set_title(
+            f"held-out accuracy {ys[-1]:.1f}% after iteration {xs[-1]}", fontsize="small"
+        )
+        low = min(list(ys) + ([100 * target] if target > 0 else []))
+        ax_acc.set_ylim(max(0.0, min(low - 2, 90.0)), 100.5)
+    if target > 0:
+        ax_acc.axhline(100 * target, ls="--", color="gray", lw=1, label=f"target {100 * target:g}%")
+    ax_acc.set_ylabel("held-out accuracy (%)")
+    ax_acc.set_xlabel("L-BFGS iteration")
+    ax_acc.grid(True, alpha=0.3)
+    _legend(ax_acc, "lower right")
+    if title:
+        fig.suptitle(title, fontsize="medium")
+    fig.tight_layout()
+    return fig
+
+
+def plot_iterations(
+    path: str | Path,
+    records: Sequence[dict[str, Any]],
+    *,
+    title: str = "",
+    target: float = 0.0,
+) -> Path:
+    """Writes `iteration_figure` to `path` and returns it."""
+    out = Path(path)
+    iteration_figure(records, title=title, target=target).savefig(out)
     return out

@@ -51,6 +51,8 @@ class Operations:
             "since": now,
             "copies": offered,
         }
+        if rec is not None and state == DRAINING and "drain_floor" in rec:
+            self.servers[sid]["drain_floor"] = rec["drain_floor"]
         for b, bk in enumerate(self.buckets):
             if sid in bk.get("candidates", []) and b not in offered:
                 bk["candidates"].remove(sid)
@@ -129,12 +131,16 @@ class Operations:
     def reconcile(
         self, now: float, reports: dict[int, dict[str, Any]] | None = None
     ) -> dict[str, Any]:
-        """Grants every lease that may be granted at `now` (expired hand-offs and failures)."""
+        """Grants every lease that may be granted at `now` (expired hand-offs and failures), and
+        lets draining servers whose hold passed leave the buckets that no longer need them."""
         now = self._tick(now)
         before = self.version
         reports = reports or {}
         for b in range(self.n_buckets):
             self._settle(b, now, reports.get(b))
+        for rec in self.servers.values():  # a passed drain hold needs no more reconciles
+            if rec.get("hold_until", now + 1) <= now:
+                del rec["hold_until"]
         return {"ok": True, "changed": self.version != before}
 
     def role_change(
@@ -319,7 +325,26 @@ class Operations:
         self._settle(b, now)
         return {"ok": True, "bucket": b, "primary": target, "from": source}
 
-    def drain(self, sid: str, now: float) -> dict[str, Any]:
+    def drain(self, sid: str, now: float, hold: float = 0.0, back: bool = False) -> dict[str, Any]:
+        """An operator takes `sid` out of service (`back`: returns it, see `undrain`).
+
+        Its buckets move away: new copies join first, primaries move once their targets caught
+        up. It stays a member of each bucket (a secondary, still caught up) until two things
+        hold, so that `drained` is never shown while a bucket it left has a copy fewer than the
+        drain planned (issue 26: a primary killed 0.1 s before a drain was still `live` when
+        the drain let go of the copies, and its death then left one copy):
+
+        * `hold` seconds have passed since the drain (the leader passes the time a silent
+          server needs to be declared dead: a server that failed with the drain is known dead
+          first);
+        * the bucket has, among its wanted live members, the `drain_floor` copies the drain
+          planned: min(replication, servers left to place on). A death does not lower it (the
+          drain then waits for a server to come back or be added); another drain does.
+
+        The entry of both directions is one replicated method (`drain`): a new method name
+        would renumber the journal's methods (tests/core/test_raft_method_ids.py)."""
+        if back:
+            return self.undrain(sid, now)
         now = self._tick(now)
         rec = self.servers.get(sid)
         if rec is None:
@@ -328,8 +353,31 @@ class Operations:
             return refusal("conflict", f"server {sid!r} is dead")
         rec["state"] = DRAINING
         rec["since"] = now
+        rec["hold_until"] = now + max(0.0, float(hold))
+        floor = min(self.replication, len(self.eligible()))
+        for other in self.servers.values():
+            if other["state"] == DRAINING:  # this drain lowers what earlier drains wait for
+                other["drain_floor"] = min(other.get("drain_floor", floor), floor)
         self._replan(now)
         return {"ok": True, "server": sid, "state": DRAINING}
+
+    def undrain(self, sid: str, now: float) -> dict[str, Any]:
+        """A draining (or drained) server returns to service: it may receive buckets again
+        (placement recomputed, few moves). A live server is left as it is."""
+        now = self._tick(now)
+        rec = self.servers.get(sid)
+        if rec is None:
+            return refusal("not_found", f"no server {sid!r}")
+        if rec["state"] == DEAD:
+            return refusal("conflict", f"server {sid!r} is dead; it registers as live when back")
+        changed = rec["state"] == DRAINING
+        rec["state"] = LIVE
+        rec.pop("hold_until", None)
+        rec.pop("drain_floor", None)
+        if changed:
+            rec["since"] = now
+            self._replan(now)
+        return {"ok": True, "server": sid, "state": LIVE, "changed": changed}
 
     def rebalance(self, now: float) -> dict[str, Any]:
         now = self._tick(now)

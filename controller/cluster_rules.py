@@ -71,7 +71,8 @@ class BucketRules:
             self.history.append({"bucket": b, **prev.to_dict()})
             if len(self.history) > HISTORY_LIMIT:
                 del self.history[: len(self.history) - HISTORY_LIMIT]
-            if prev.holder != holder and self.holder_live(b) and prev.holder in bucket["want"]:
+            stays = prev.holder in bucket["want"] or self._drain_keeps(b, prev.holder, now)
+            if prev.holder != holder and self.holder_live(b) and stays:
                 # A hand-off: the old primary stays in the replica set, as a secondary. It holds
                 # every acknowledged batch, and applied only batches every member had prepared
                 # (the new primary commits those first), so nothing needs transferring. Making
@@ -130,14 +131,30 @@ class BucketRules:
                 want.remove(target)
                 want.insert(0, target)
             self._add_copies(b)  # a bucket served again: the wanted copies join now
-        # Members outside `want` leave once every wanted live copy is in the replica set.
+        # Members outside `want` leave once every wanted live copy is in the replica set; a
+        # draining member only once the drain no longer needs its copy (`_drain_keeps`).
         primary = self.primary_of(b)
         wanted_live = [s for s in want if self._live(s)]
         if all(s == primary or s in bucket["holders"] for s in wanted_live):
-            bucket["holders"] = [s for s in bucket["holders"] if s in want]
+            bucket["holders"] = [
+                s for s in bucket["holders"] if s in want or self._drain_keeps(b, s, now)
+            ]
             bucket["joining"] = [s for s in bucket["joining"] if s in want]
         if before != (bucket["holders"], bucket["joining"]):
             self.version += 1
+
+    def _drain_keeps(self, b: int, sid: str, now: float) -> bool:
+        """Draining server `sid` stays a member of bucket `b` (a caught-up secondary): its hold
+        has not passed (a server that failed with the drain may not be known dead yet), or `b`
+        has fewer wanted live members than the drain's floor (see `Operations.drain`)."""
+        rec = self.servers.get(sid)
+        if rec is None or rec["state"] != DRAINING:
+            return False
+        if now < rec.get("hold_until", now):
+            return True
+        want = self.buckets[b]["want"]
+        kept = [s for s in self.live_members(b, exclude=sid) if s in want]
+        return len(kept) < rec.get("drain_floor", 0)
 
     def _drop_stale_offers(self, b: int) -> None:
         """A live server holding no role in a served bucket lets its copy go (roles_of lists it
@@ -261,6 +278,15 @@ class BucketRules:
     def grants_due(self, now: float) -> list[int]:
         """Buckets whose lease `reconcile(now)` would grant (the leader asks before proposing)."""
         return [b for b in range(self.n_buckets) if self._grant_target(b, now) is not None]
+
+    def holds_due(self, now: float) -> list[str]:
+        """Draining servers whose hold passed by `now` and that no reconcile has seen since:
+        `reconcile(now)` lets them leave the buckets that no longer need them."""
+        return sorted(
+            s
+            for s, rec in self.servers.items()
+            if rec["state"] == DRAINING and rec.get("hold_until", now + 1) <= now
+        )
 
     def _best_copy(self, b: int, reports: dict[str, Any] | None) -> str | None:
         """The caught-up copy with the highest reported (epoch, seq); ties by placement, id."""

@@ -102,7 +102,7 @@ class LeaderDuties:
                 self.m.dead.inc()
                 self.last_seen.pop(sid, None)
         now = time.time()
-        if self.cluster.read(lambda m: m.grants_due(now)):
+        if self.cluster.read(lambda m: m.grants_due(now) or m.holds_due(now)):
             await self.raft.commit("reconcile", now, self.reports_copy())
         dead_before = now - self.cfg.dead_server_ttl
         for sid in self.cluster.read(lambda m: expired_dead(m, dead_before)):

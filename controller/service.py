@@ -75,22 +75,38 @@ class ControllerService:
             "config": {**config_to_dict(self.cfg), "raft_password": "***"},
         }
 
+    def _applied(self) -> None:
+        """Reads of the replicated state wait until this node applied the log up to the commit
+        index the leader told it: a restarted controller otherwise answered `/routing` with
+        version 0 and no primaries (which means "never placed") for ~0.6 s (issue 26)."""
+        if not self.raft.is_ready():
+            raise ProtocolError(
+                "unavailable",
+                "this controller has not yet applied the cluster state (starting, or no leader "
+                "known yet); ask another controller or retry",
+                retry_after=0.2,
+            )
+
     async def h_routing(self, request: web.Request) -> web.Response:
+        self._applied()
         table = self.cluster.read(lambda m: m.routing())
         table["answered_by"] = self.raft.self_raft
         table["leader"] = self.raft.leader_raft()
         return aweb.json_response(table)
 
     async def h_cluster(self, request: web.Request) -> web.Response:
+        self._applied()
         view = self.cluster.read(lambda m: m.cluster_view())
         view["raft"] = self.raft.raft_status()
         return aweb.json_response(view)
 
     async def h_leases(self, request: web.Request) -> web.Response:
+        self._applied()
         records = self.cluster.read(lambda m: m.lease_records())
         return aweb.json_response({"terms": self.terms.to_dict(), "records": records})
 
     async def h_server(self, request: web.Request) -> web.Response:
+        self._applied()
         sid = fields.server_id(request)
         rec = self.cluster.read(lambda m: (m.servers.get(sid), m.roles_of(sid), m.version))
         if rec[0] is None:
@@ -198,8 +214,18 @@ class ControllerService:
 
     async def h_drain(self, request: web.Request) -> web.Response:
         sid = fields.server_id(request)
+        # Copies stay until a server that failed with the drain is surely declared dead.
+        cfg = self.cfg
+        hold = cfg.server_timeout + cfg.heartbeat_interval + cfg.reconcile_interval
         return await self.forwarder.write(
-            request, lambda: self._commit_ok("drain", sid, time.time())
+            request, lambda: self._commit_ok("drain", sid, time.time(), hold)
+        )
+
+    async def h_undrain(self, request: web.Request) -> web.Response:
+        sid = fields.server_id(request)
+        # One replicated method for both directions (a new name would renumber the journal's).
+        return await self.forwarder.write(
+            request, lambda: self._commit_ok("drain", sid, time.time(), 0.0, True)
         )
 
     async def h_rebalance(self, request: web.Request) -> web.Response:
@@ -283,6 +309,7 @@ class ControllerService:
         return await self.forwarder.write(request, run)
 
     async def h_get_layout(self, request: web.Request) -> web.Response:
+        self._applied()
         version, layout = self.cluster.read(lambda m: (m.layout_version, m.layout))
         if layout is None:
             raise ProtocolError("not_found", "no layout has been set")
@@ -310,6 +337,7 @@ class ControllerService:
         return await self.forwarder.write(request, run)
 
     async def h_get_progress(self, request: web.Request) -> web.Response:
+        self._applied()
         epoch = request.query.get("epoch")
         progress = self.cluster.read(lambda m: {k: dict(v) for k, v in m.progress.items()})
         if epoch is not None:
@@ -368,6 +396,7 @@ class ControllerService:
         r.add_post("/servers/{id}/register", self.h_register)
         r.add_post("/servers/{id}/heartbeat", self.h_heartbeat)
         r.add_post("/servers/{id}/drain", self.h_drain)
+        r.add_post("/servers/{id}/undrain", self.h_undrain)
         r.add_post("/rebalance", self.h_rebalance)
         r.add_post("/buckets/{bucket}/{op}", self.h_bucket_op)
         app.on_startup.append(self._on_startup)

@@ -22,7 +22,9 @@ Bucket life cycle: `want` is the placement's target ([primary, secondaries...]);
 caught-up copies (the replica set the primary replicates to); `joining` are copies being
 transferred (they enter the replica set by `caught_up`, which the primary reports once the copy
 holds every batch it committed and every later round waits for it). A primary is granted only
-to a caught-up copy; a member outside `want` leaves once every wanted copy has caught up.
+to a caught-up copy; a member outside `want` leaves once every wanted copy has caught up (a
+draining server's copy, in addition, only after its drain's hold and once the bucket has the
+copies the drain planned: `Operations.drain`).
 
 Copies outlive their server's registration. Every acknowledged batch is on every member of the
 replica set, so when the last live member of a bucket leaves it (declared dead, or registered
@@ -188,8 +190,9 @@ class ReplicatedCluster(SyncObjConsumer):
         return self._apply("release", b, sid, epoch, now)
 
     @replicated
-    def drain(self, sid: str, now: float) -> dict[str, Any]:
-        return self._apply("drain", sid, now)
+    def drain(self, sid: str, now: float, hold: float = 0.0, back: bool = False) -> dict[str, Any]:
+        # `back`: undrain (one entry for both: a new method would renumber the journal's).
+        return self._apply("drain", sid, now, hold, back)
 
     @replicated
     def rebalance(self, now: float) -> dict[str, Any]:

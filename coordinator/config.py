@@ -46,6 +46,16 @@ class CoordinatorConfig:
     trainer_timeout: float = field(
         10.0, help="seconds of silence after which a trainer's portions go to others"
     )
+    heldout: bool = field(
+        False,
+        help="measure each iterate's held-out accuracy (one pull of the model per iteration); "
+        "in /status per_iteration and the history file",
+    )
+    history: str = field(
+        "",
+        help="append one JSON line per iteration (time, iteration, loss, heldout_accuracy) to "
+        "this file (implies heldout); adamps up plots it",
+    )
     exit_when_done: bool = field(
         False, help="exit once the run stopped (else keep serving /status until SIGTERM)"
     )

@@ -23,10 +23,12 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from adamps.client import ControllerRouting
+from adamps.client import ControllerRouting, PSClient
 from adamps.layout import Layout, TensorSpec
 from adamps.metered import MeteredClient
+from adamps.rpc import RpcError
 from coordinator.config import CoordinatorConfig
+from coordinator.heldout import HeldoutMeter
 from coordinator.lbfgs import Lbfgs, LbfgsConfig, LbfgsState, Regularized
 from coordinator.portions import Schedule, portion_bounds
 from coordinator.psvectors import PsVectors
@@ -94,11 +96,22 @@ class Engine:
         self.tensors = [TensorSpec(self.prefix + n, s) for n, s in self.model.tensors()]
         from dataserver.sources import load_source
 
-        self.n_examples = len(load_source(cfg.source, holdout=0.2, seed=0).train_y)
+        source = load_source(cfg.source, holdout=0.2, seed=0)
+        self.n_examples = len(source.train_y)
         layout = Layout(self.tensors, cfg.n_buckets, cfg.max_shard_elems)
         self.client = MeteredClient(
             ControllerRouting(cfg.controllers), layout, cfg.token, retry_for=120.0
         )
+        #: held-out accuracy of each iterate (its own client: its vectors stay out of the
+        #: optimizer's layout and byte counts)
+        self.heldout: HeldoutMeter | None = None
+        if cfg.heldout or cfg.history:
+            meter_client = PSClient(
+                ControllerRouting(cfg.controllers), layout, cfg.token, retry_for=120.0
+            )
+            self.heldout = HeldoutMeter(
+                self.spec, source, meter_client, self.tensors, self.prefix, cfg.history
+            )
         # A fresh client id per process: a restarted coordinator's writes are new operations
         # (the iteration replays from its start), never mistaken for the dead one's.
         self.vectors = PsVectors(
@@ -189,8 +202,15 @@ class Engine:
         self.m.ps_bytes.labels("sent").inc(sent - self._mark[0])
         self.m.ps_bytes.labels("received").inc(received - self._mark[1])
         if st.k != prev_k:  # an iteration ended (the first one includes x_0's evaluation)
+            measured = {}
+            if self.heldout is not None:
+                try:
+                    rec = self.heldout.record(st.k, st.f)
+                    measured = {"heldout_accuracy": rec["heldout_accuracy"]}
+                except (ConnectionError, TimeoutError, RpcError) as exc:  # a figure, not a step
+                    log.warning("held-out accuracy of iterate %d not measured: %s", st.k, exc)
             self.per_iteration.append({
-                "iteration": st.k, "f": st.f,
+                "iteration": st.k, "f": st.f, **measured,
                 "ps_bytes_sent": sent - self._mark_iter[0],
                 "ps_bytes_received": received - self._mark_iter[1],
                 "api_bytes": self.api_bytes - self._api_mark,

@@ -1,4 +1,5 @@
-"""A follower partition (k > 0) of a partitioned replica (trainer/partitioned.py).
+"""A follower partition (k > 0) of a partitioned replica (trainer/partitioned.py;
+what it shares with the leader: trainer/partition_member.py).
 
 It connects to the leader's control link, creates its own tensors (replica 0) when the leader
 says start, pulls them, then runs the rounds the leader sends with its own Hogwild pool: its
@@ -23,12 +24,12 @@ from trainer.exchange import parse_addr, token_digest
 from trainer.fetcher import Fetcher
 from trainer.loop import Loop
 from trainer.packing import PackPlan, collect_round
-from trainer.partitioned import Control, _PartitionMixin
+from trainer.partition_member import Control, PartitionMember
 
 log = logging.getLogger(__name__)
 
 
-class PartitionFollower(_PartitionMixin, Replica):
+class PartitionFollower(PartitionMember, Replica):
     def __init__(self, cfg: TrainConfig, registry: CollectorRegistry | None = None) -> None:
         super().__init__(cfg, registry)
         self._partition_init()

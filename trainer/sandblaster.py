@@ -207,7 +207,7 @@ def serve_sandblaster(cfg: Any) -> int:
 
     from adamps import config as aconfig
     from adamps import metrics as am
-    from trainer.main import MetricsServer
+    from trainer.metrics_server import MetricsServer
 
     trainer = SandblasterTrainer(
         cfg.coordinator, cfg.controllers, cfg.token, name=f"train-{cfg.replica}-{uuid.uuid4().hex[:6]}",

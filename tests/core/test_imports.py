@@ -7,7 +7,9 @@
   replication -> the tensor catalog -> LMDB -> the store; HTTP and the data plane reach the
   owner threads and the replication rounds only through the write and read paths;
 - the controller in layers: HTTP service -> leader duties and forwarding -> Raft node ->
-  replicated state -> its pure model -> placement.
+  replicated state -> its pure model -> placement;
+- no import cycle among the modules of any package (`acyclic_siblings`, issue 26), and no
+  module imports another module's private name.
 
 Every import counts, lazy ones inside functions included. And no module of the parameter server
 or of the controller reads another object's private members (`ps._wait`, `m._holder_live`):
@@ -70,3 +72,26 @@ def test_no_module_reads_another_objects_private_members() -> None:
         for b in private_reads(p)
     ]
     assert not bad, "private members read from outside their object:\n" + "\n".join(bad)
+
+
+def private_imports(path: Path) -> list[str]:
+    """`from module import _name`: a private name taken from another module."""
+    return [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{alias.name}"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    """Issue 26: trainer/partition_follower.py imported a private mixin of trainer/partitioned.py
+    (and the two imported each other: the contract `no-cycles` in pyproject.toml)."""
+    bad = [
+        b
+        for pkg in ("adamps", "controller", "coordinator", "dataserver", "trainer")
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+        for b in private_imports(p)
+    ]
+    assert not bad, "private names imported from other modules:\n" + "\n".join(bad)

@@ -459,6 +459,7 @@ CONTROLLER_ROUTES = [
     ("PUT", "/layout"), ("POST", "/layout"), ("POST", "/progress"),
     ("POST", "/servers/ps-1/register"), ("POST", "/servers/%00/register"),
     ("POST", "/servers/ps-1/heartbeat"), ("POST", "/servers/ps-1/drain"),
+    ("POST", "/servers/ps-1/undrain"),
     ("POST", "/buckets/0/role-change"), ("POST", "/buckets/1/caught-up"),
     ("POST", "/buckets/2/release"), ("POST", "/buckets/3/drop-secondary"),
     ("POST", "/buckets/999/release"), ("POST", "/buckets/x/release"), ("POST", "/buckets/0/x"),

@@ -580,7 +580,13 @@ def test_lease_safety_across_leader_changes_and_server_failures(procs, tmp_path:
             "ps2's buckets re-granted",
         )
         ctl.write(leader, "/servers/ps3/drain", {})
-        wait_cluster(lambda v: all(b["primary"] == "ps0" for b in v["buckets"]), "ps3 drained")
+        wait_cluster(
+            lambda v: (
+                all(b["primary"] == "ps0" for b in v["buckets"])
+                and v["servers"]["ps3"]["state"] == "drained"
+            ),  # also after the drain's hold
+            "ps3 drained",
+        )
         code, record = call(ctl.http[leader], "GET", "/leases")
         assert code == 200
         assert check_history(record["records"], TERMS) == []

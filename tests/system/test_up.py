@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from adamps.plot import iteration_figure
 from adamps.procs import adamps_argv
 
 pytestmark = pytest.mark.slow
@@ -203,6 +204,19 @@ def test_sandblaster_run_trains_through_a_coordinator(tmp_path: Path) -> None:
     text = out.read_text()
     assert code == 0, text
     assert re.search(r"^held-out accuracy: [0-9.]+% after 4 L-BFGS iterations", text, re.M), text
+    # The plot is per L-BFGS iteration (issue 26: it was empty and titled in epochs), from the
+    # coordinator's line per iteration; matplotlib printed a legend warning.
+    assert "No artists with labels" not in text, text
+    recs = [json.loads(line) for line in (run / "iterations.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in recs] == [1, 2, 3, 4], recs
+    assert all(r["loss"] > 0 and 0.0 < r["heldout_accuracy"] <= 1.0 for r in recs), recs
+    assert recs[-1]["heldout_accuracy"] > 0.3, recs  # learnt something, as the run's target
+    fig = iteration_figure(recs, title="t")
+    assert list(fig.axes[0].get_lines()[0].get_xdata()) == [1, 2, 3, 4]
+    assert list(fig.axes[1].get_lines()[0].get_ydata()) == [
+        100 * r["heldout_accuracy"] for r in recs
+    ]
+    assert (run / "training.png").stat().st_size > 0
     assert re.search(r"^\s+coordinator\s+http://127\.0\.0\.1:\d+", text, re.M), text
     assert "coordinator" in {p.stem for p in (run / "logs").glob("*.log")}
     assert not processes_of_run(run, recorded_pids(run))

@@ -1,0 +1,67 @@
+"""`adamps drain SERVER` and `adamps undrain SERVER`: an operator takes a parameter server out of
+service, or returns it (POST /servers/{id}/drain, /undrain on any controller, which forwards to
+the Raft leader)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from adamps import token as tokens
+from adamps.config import default_token
+from adamps.controller_client import ControllerClient
+from adamps.rpc import RpcError
+from adamps.token import host_of
+
+WHAT = {
+    "drain": "move every bucket copy off SERVER; stop it once `adamps status` shows it drained",
+    "undrain": "return a draining or drained SERVER to service (it may receive buckets again)",
+}
+
+
+def build_parser(op: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"adamps {op}", description=WHAT[op])
+    parser.add_argument("server", help="the parameter server's id (as `adamps status` lists it)")
+    parser.add_argument(
+        "--controllers",
+        default="127.0.0.1:7000",
+        help="comma-separated HTTP addresses (host:port) of controllers; any of them answers",
+    )
+    parser.add_argument(
+        "--token", default="", help="cluster token (default: $ADAMPS_TOKEN, or the local token)"
+    )
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
+    return parser
+
+
+def run(op: str, argv: list[str]) -> int:
+    args = build_parser(op).parse_args(argv)
+    try:
+        addrs = [a.strip() for a in args.controllers.split(",") if a.strip()]
+        if not addrs:
+            raise ValueError("--controllers names no address (expected host:port,...)")
+        token = tokens.resolve(args.token or default_token(), map(host_of, addrs), f"adamps {op}")
+    except (ValueError, tokens.TokenError) as exc:
+        print(f"adamps {op}: {exc}", file=sys.stderr)
+        return 2
+    client = ControllerClient(addrs, token, timeout=args.timeout, retry_for=args.timeout * 2)
+    try:
+        reply = client.drain(args.server) if op == "drain" else client.undrain(args.server)
+    except RpcError as exc:
+        print(f"adamps {op}: {args.server}: {exc.code}: {exc}", file=sys.stderr)
+        return 1
+    except (ConnectionError, TimeoutError, OSError) as exc:
+        print(f"adamps {op}: no controller answered at {args.controllers}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(f"{reply['server']}: {reply['state']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run("drain", sys.argv[1:] if argv is None else argv)
+
+
+def undrain_main(argv: list[str] | None = None) -> int:
+    return run("undrain", sys.argv[1:] if argv is None else argv)
