@@ -26,7 +26,7 @@ from adamps.protocol import ProtocolError
 from controller import fields
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
-from controller.forwarding import Forwarder
+from controller.forwarding import BUCKET_OPS, Forwarder
 from controller.leader import LeaderDuties
 from controller.raft_node import RaftNode, ok_or_raise
 from controller.state import DEAD, ClusterModel, ReplicatedCluster
@@ -211,8 +211,14 @@ class ControllerService:
         return ok_or_raise(await self.commit(op, *args))
 
     async def h_bucket_op(self, request: web.Request) -> web.Response:
-        b = fields.bucket(request, self.cfg.n_buckets)
-        op = request.match_info["op"]
+        try:
+            b = fields.bucket(request, self.cfg.n_buckets)
+            op = request.match_info["op"]
+            if op not in BUCKET_OPS:
+                raise ProtocolError("not_found", f"no bucket operation {op!r}")
+        except ProtocolError as exc:
+            self.forwarder.refused(request, exc)  # audited like every refused write
+            raise
 
         async def run() -> dict[str, Any]:
             body = await aweb.read_json(request)
@@ -278,8 +284,6 @@ class ControllerService:
                 return ok_or_raise(await self.commit("drop_secondary", *args))
             raise ProtocolError("not_found", f"no bucket operation {op!r}")
 
-        if op not in ("role-change", "caught-up", "release", "drop-secondary", "declare-lost"):
-            raise ProtocolError("not_found", f"no bucket operation {op!r}")
         return await self.forwarder.write(request, run)
 
     async def h_get_layout(self, request: web.Request) -> web.Response:
