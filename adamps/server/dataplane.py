@@ -248,7 +248,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if op == "push_dense":
             want = self.plane.writes.accept_stream_push(meta, self.payload_len)
         elif op in MESSAGE_OPS:
-            if op not in self.plane.messages:
+            if op not in self.plane.messages and not (
+                op == "repl_multi" and self.plane.peer_frame is not None
+            ):
                 raise ProtocolError("unknown_op", f"{op} is served by a replicated server only")
             # Decoded again once its payload (the arrays, out of band) is here.
             self.meta_raw = bytes(self.view)
@@ -290,6 +292,10 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             assert payload is not None
             self.plane.m.bytes_in.inc(payload.size)
             return self.plane.writes.start_stream_push(payload, meta)
+        if meta["op"] == "repl_multi" and self.plane.peer_frame is not None:
+            self.plane.m.bytes_in.inc(0 if payload is None else payload.size)
+            fut = asyncio.ensure_future(self.plane.peer_frame(meta, self.meta_raw, payload))
+            return fut, lambda r: (r, None)
         handler = self.plane.messages.get(meta["op"])
         if handler is not None:  # the /rpc handler of the op, on the message with its arrays
             msg = protocol.decode(self.meta_raw, b"" if payload is None else payload)
@@ -385,7 +391,8 @@ class DataPlane:
         writes: WritePath,
         reads: Reads,
         m: PsMetrics,
-        peer: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None,
+        peer: Callable[[dict[str, Any], bytes, np.ndarray | None], Awaitable[dict[str, Any]]]
+        | None = None,
     ) -> None:
         self.cfg = cfg
         self.writes = writes
@@ -397,8 +404,9 @@ class DataPlane:
             "push_fc": writes.op_push_fc,
             "push_compressed": writes.op_push_compressed,
         }
-        if peer is not None:
-            self.messages["repl_multi"] = peer
+        #: a peer's repl_multi frame (meta, meta bytes, payload): the replicator's, which checks
+        #: the frame's MAC before it decodes it (on a replicated server only)
+        self.peer_frame = peer
         #: open connections (closed at shutdown)
         self.conns: set[DataPlaneProtocol] = set()
         self._server: asyncio.Server | None = None
