@@ -39,6 +39,7 @@ from replicated_cluster import (  # noqa: E402  (in tests/; the tests import in 
     digests_agree,
     make_client,
     running_cluster,
+    signed,
 )
 
 pytestmark = pytest.mark.slow
@@ -91,15 +92,6 @@ def _forged_prepare(t: dict[str, Any], delta: np.ndarray) -> dict[str, Any]:
         "clients": [None],
     }
     return {"bucket": 0, "sender": t["primary"], "epoch": t["epoch"], "entries": [batch]}
-
-
-def signed(rpc: SyncRpc, c: LocalCluster, sender: str, receiver: str, op: str, /, **fields: Any):
-    """`op` sent to `receiver` with the MAC of server `sender` (the test holds the peer token)."""
-    req = rpc_request(op, **fields)
-    assert req.body is not None
-    key = peer_auth.pair_key(c.peer_token, sender, receiver)
-    hdr = ((peer_auth.PEER_HEADER, peer_auth.header(sender, key, req.body)),)
-    return rpc.send(dataclasses.replace(req, extra_headers=hdr))
 
 
 def _digest(t: dict[str, Any]) -> tuple[int, str]:
