@@ -174,6 +174,32 @@ async def test_raft_port_drops_a_huge_unauthenticated_frame_at_once(ctl: Ctl) ->
     await assert_serving(ctl)
 
 
+@pytest.mark.parametrize(
+    "junk",
+    [
+        struct.pack("i", 200) + bytes(range(200)),  # a frame that does not decrypt
+        struct.pack("i", -5) + b"garbage",  # a negative length
+        struct.pack("i", 12) + b"\x80\x04garbage!!",  # what looks like a pickle, unauthenticated
+        b"GET / HTTP/1.1\r\n\r\n",  # somebody else's protocol
+    ],
+)
+async def test_raft_port_survives_garbage(ctl: Ctl, junk: bytes) -> None:
+    """Issue 28 item 5: every accept loop survives any input; the Raft port closes the
+    connection and its node keeps committing."""
+
+    def attack() -> float | None:
+        with socket.create_connection(("127.0.0.1", ctl.raft), timeout=5) as s:
+            try:
+                s.sendall(junk)
+            except (ConnectionResetError, BrokenPipeError):
+                return 0.0
+            return _recv_until_closed(s, 8.0)
+
+    closed_after = await asyncio.to_thread(attack)
+    assert closed_after is not None, "the controller kept a garbage connection open"
+    await assert_serving(ctl)
+
+
 async def test_raft_port_closes_idle_unauthenticated_connections_and_caps_them(
     tmp_path: Path,
 ) -> None:

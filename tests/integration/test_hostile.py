@@ -33,6 +33,7 @@ from adamps.server.config import PsConfig
 
 TOKEN = "hostile-token"
 HEADER_TIMEOUT = 1.0
+IDLE_TIMEOUT = 2.0
 MAX_CONNECTIONS = 32
 
 
@@ -68,6 +69,7 @@ class Ps:
                 max_shard_elems=1000,
                 lmdb_sync=False,
                 header_timeout=HEADER_TIMEOUT,
+                idle_timeout=IDLE_TIMEOUT,
                 max_connections=MAX_CONNECTIONS,
             )
         )
@@ -76,13 +78,16 @@ class Ps:
             return await aweb.serve(self.ps.make_app(), "127.0.0.1", self.port)
 
         self.runner = self.lt.run(up())
-        self.rpc = SyncRpc(f"http://127.0.0.1:{self.port}", TOKEN)
+
+    def call(self, op: str, **fields: Any) -> Any:
+        """One request on a new connection (the tests' floods close idle keep-alive ones)."""
+        with SyncRpc(f"http://127.0.0.1:{self.port}", TOKEN) as rpc:
+            return rpc.call(op, **fields)
 
     def pull(self, name: str) -> np.ndarray:
-        return self.rpc.call("pull", tensors=[name])["tensors"][name]
+        return self.call("pull", tensors=[name])["tensors"][name]
 
     def close(self) -> None:
-        self.rpc.close()
         self.lt.run(self.runner.cleanup())
         self.lt.stop()
 
@@ -90,8 +95,8 @@ class Ps:
 @pytest.fixture(scope="module")
 def ps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ps]:
     s = Ps(tmp_path_factory.mktemp("hostile-ps"))
-    s.rpc.call("create", name="c", shape=[1000], optimizer={"kind": "sgd", "lr": -1.0})
-    s.rpc.call("create", name="d", shape=[20, 50], optimizer={"kind": "sgd", "lr": -1.0})
+    s.call("create", name="c", shape=[1000], optimizer={"kind": "sgd", "lr": -1.0})
+    s.call("create", name="d", shape=[20, 50], optimizer={"kind": "sgd", "lr": -1.0})
     try:
         yield s
     finally:
@@ -111,7 +116,7 @@ def test_compressed_tau_beyond_the_gradient_bound_is_refused(ps: Ps, tau: float,
     else:
         upd.update(n=1, k=0, rice=np.array([0b00100000], np.uint8))  # index 1, positive
     with pytest.raises(RpcError) as err:
-        ps.rpc.call("push_compressed", shards={"c/0": upd})
+        ps.call("push_compressed", shards={"c/0": upd})
     assert err.value.status == 400 and err.value.code == "bad_request", err.value
     assert "tau" in err.value.message and "1e+12" in err.value.message
     after = ps.pull("c")
@@ -121,10 +126,10 @@ def test_compressed_tau_beyond_the_gradient_bound_is_refused(ps: Ps, tau: float,
 
 def test_compressed_tau_at_the_bound_is_accepted(ps: Ps) -> None:
     before = ps.pull("c")
-    ps.rpc.call("push_compressed", shards={"c/0": {"tau": 1e12, "words": np.array([6], np.uint32)}})
+    ps.call("push_compressed", shards={"c/0": {"tau": 1e12, "words": np.array([6], np.uint32)}})
     after = ps.pull("c")
     assert after[3] == np.float32(before[3] + np.float32(1e12))
-    ps.rpc.call("push_compressed", shards={"c/0": {"tau": 1e12, "words": np.array([7], np.uint32)}})
+    ps.call("push_compressed", shards={"c/0": {"tau": 1e12, "words": np.array([7], np.uint32)}})
     np.testing.assert_array_equal(ps.pull("c"), before)
 
 
@@ -258,14 +263,95 @@ def test_slowloris_on_the_data_port_is_closed_at_its_deadline(ps: Ps) -> None:
     assert max(closed_after.values()) < HEADER_TIMEOUT + 1.5, sorted(closed_after.values())[-3:]
 
 
+def _trickle_flood(
+    connect: Any, client: Any, n_slow: int, seconds: float
+) -> tuple[dict[int, float], int, list[str]]:
+    """`n_slow` connections from `connect()` each sending one byte every 0.2 s, opened 8 at a
+    time, while `client()` runs again and again; (seconds each slow one lived, client calls
+    served, client errors)."""
+    slow: list[socket.socket] = []
+    opened: list[float] = []
+    closed_after: dict[int, float] = {}
+    served, errors = 0, []
+    t_end = time.monotonic() + seconds
+    next_byte = 0.0
+    while time.monotonic() < t_end:
+        now = time.monotonic()
+        if len(slow) < n_slow:
+            for _ in range(8):
+                slow.append(connect())
+                opened.append(time.monotonic())
+        if now >= next_byte:
+            next_byte = now + 0.2
+            for i, s in enumerate(slow):
+                if i in closed_after:
+                    continue
+                if _closed(s):
+                    closed_after[i] = time.monotonic() - opened[i]
+                    continue
+                try:
+                    s.send(b"a")
+                except OSError:
+                    closed_after[i] = time.monotonic() - opened[i]
+        try:
+            client()
+            served += 1
+        except (OSError, protocol.ProtocolError) as exc:
+            errors.append(repr(exc))
+        time.sleep(0.05)
+    for s in slow:
+        s.close()
+    return closed_after, served, errors
+
+
+def test_slowloris_on_the_http_port_is_closed_and_clients_are_served(ps: Ps) -> None:
+    def connect() -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", ps.port), timeout=5)
+        s.sendall(b"POST /rpc HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # a head that never ends
+        s.setblocking(False)
+        return s
+
+    def client() -> None:
+        with SyncRpc(f"http://127.0.0.1:{ps.port}", TOKEN, timeout=5) as rpc:
+            rpc.call("pull", tensors=["c"])
+
+    n_slow = MAX_CONNECTIONS + 16
+    closed_after, served, errors = _trickle_flood(connect, client, n_slow, 4 * HEADER_TIMEOUT)
+    assert not errors and served > 10, (served, errors[:3])
+    assert len(closed_after) == n_slow, f"{n_slow - len(closed_after)} still open"
+    assert max(closed_after.values()) < HEADER_TIMEOUT + 1.5, sorted(closed_after.values())[-3:]
+
+
+def test_a_head_trickled_after_a_request_is_closed_at_the_idle_deadline(ps: Ps) -> None:
+    """On a keep-alive connection, the next request's head is bounded too: a byte every 0.2 s
+    after the first request does not keep the connection open past idle_timeout."""
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=5) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        s.setblocking(False)
+        t0 = time.monotonic()
+        closed = None
+        for ch in b"GET /healthz HTTP/1.1\r\nX-Slow: " + b"a" * 100:
+            if _closed(s):
+                closed = time.monotonic() - t0
+                break
+            try:
+                s.send(bytes([ch]))
+            except OSError:
+                closed = time.monotonic() - t0
+                break
+            time.sleep(0.2)
+    assert closed is not None and closed < IDLE_TIMEOUT + 1.0, closed
+
+
 # -- item 6: vec_dot of vectors of different lengths -----------------------------------------------
 
 
 def test_vec_dot_of_vectors_of_different_lengths_is_a_4xx(ps: Ps) -> None:
-    ps.rpc.call("create", name="v", shape=[100], optimizer={"kind": "sgd", "lr": 1.0})
-    ps.rpc.call("create", name="v@y", shape=[60], optimizer={"kind": "sgd", "lr": 1.0})
+    ps.call("create", name="v", shape=[100], optimizer={"kind": "sgd", "lr": 1.0})
+    ps.call("create", name="v@y", shape=[60], optimizer={"kind": "sgd", "lr": 1.0})
     with pytest.raises(RpcError) as err:
-        ps.rpc.call("vec_dot", shards=["v/0"], x="", y="y")
+        ps.call("vec_dot", shards=["v/0"], x="", y="y")
     assert err.value.status == 400 and err.value.code == "bad_shape", err.value
     assert "'y'" in err.value.message
-    assert ps.rpc.call("vec_dot", shards=["v/0"], x="", y="")["dots"] == {"v/0": 0.0}
+    assert ps.call("vec_dot", shards=["v/0"], x="", y="")["dots"] == {"v/0": 0.0}
