@@ -113,8 +113,15 @@ class PeerKeys:
             raise forbidden(op, f"{claimed!r} is not a server of this cluster")
         try:
             key = await self.key(claimed)
-        except (KeyError, ValueError) as exc:
-            raise forbidden(op, f"no pair key for {claimed!r}: {exc}") from None
+        except (KeyError, ValueError, TypeError) as exc:  # a controller's odd answer
+            raise forbidden(op, f"no pair key for {claimed!r}: {exc!r}") from None
+        except (ConnectionError, TimeoutError, OSError, ProtocolError) as exc:
+            # The controllers cannot say now (down, no quorum, or they refused this server's
+            # own proof): not the sender's fault; it retries like any failed round.
+            raise ProtocolError(
+                "unavailable",
+                f"cannot get the pair key of {claimed!r} from the controllers now: {exc}",
+            ) from None
         if not peer_auth.mac_ok(key, parts, got):
             raise forbidden(op, f"the MAC does not prove server {claimed!r}")
         return claimed
