@@ -147,6 +147,12 @@ class PsConfig:
             self.server_id = f"ps-{self.port}"
         if self.controllers and self.buckets:
             raise ValueError("buckets (a static map) and controllers exclude each other")
+        if self.peer_token and (
+            self.peer_token.strip() in tokens.WELL_KNOWN or self.peer_token == self.token
+        ):
+            raise ValueError(
+                "peer_token is a well-known value or the cluster token; make a random one"
+            )
         if self.server_key:
             try:
                 if len(bytes.fromhex(self.server_key)) != 32:
