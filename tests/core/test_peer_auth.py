@@ -100,3 +100,16 @@ def test_without_a_key_nothing_is_signed() -> None:
     keys = PeerKeys("ps0", None, lambda: None, lambda s: True)
     assert not keys.enabled
     assert asyncio.run(keys.sign("ps1", b"x")) == ()
+
+
+def test_a_local_cluster_makes_a_peer_token_and_gives_trainers_none(tmp_path) -> None:
+    from adamps.localcluster import LocalCluster
+
+    a = LocalCluster(tmp_path / "a", token="t" * 64, n_servers=2)
+    b = LocalCluster(tmp_path / "b", token="t" * 64, n_servers=2)
+    assert len(a.peer_token) == 64 and a.peer_token != b.peer_token
+    assert a.server_key(1) == peer_auth.server_key(a.peer_token, "ps1").hex()
+    # what every process of the cluster gets (trainers started with start_process included)
+    assert not any("PEER" in k or "SERVER_KEY" in k for k in a.env)
+    off = LocalCluster(tmp_path / "c", token="t" * 64, n_servers=1, peer_token="")
+    assert off.server_key(0) == ""
