@@ -8,7 +8,8 @@ into it; no chunk objects, no joins), and the numpy view of that buffer is what 
 apply. Only the hot ops are offered: ``push_dense`` and ``pull`` (raw float32 payloads), of a
 whole tensor or of named shards, and the message ops ``push_fc``, ``push_compressed`` and, between
 replicated servers, ``repl_multi`` (the message of ``/rpc`` with its arrays out of band in the
-payload, handled by the op's ``/rpc`` handler); everything else stays on ``POST /rpc``. The frame
+payload, handled by the op's ``/rpc`` handler; ``repl_multi`` by the replicator, which first
+checks the sending server's MAC at the payload's end, adamps.peer_auth); everything else stays on ``POST /rpc``. The frame
 format and the clients are in ``adamps.dataplane_client`` (servers reach their peers with
 ``adamps.server.repl_peers``).
 
@@ -19,8 +20,9 @@ meta must arrive within ``header_timeout`` of its first byte and its payload wit
 ``body_timeout`` (deadlines: a byte now and then does not extend them), idle connections are
 closed after ``idle_timeout``, and their number is capped (the HTTP limits of the PS config; when
 full, the connection longest part-way through a header is closed first, then the longest idle);
-meta and payload lengths are bounded (64 KiB, ``max_body``) before anything is allocated; tensor, length and finiteness are checked before the update is queued. An error found
-before the payload was read is answered and the connection closed (the stream cannot be resynced);
+meta and payload lengths are bounded (64 KiB, ``max_body``) before anything is allocated; tensor,
+length and finiteness are checked before the update is queued. An error found before the payload
+was read is answered and the connection closed (the stream cannot be resynced);
 an error found after (NaN, Inf) is answered and the connection stays usable.
 """
 
