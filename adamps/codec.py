@@ -128,6 +128,8 @@ def unpack_words(words: np.ndarray, size: int | None = None) -> tuple[np.ndarray
     """(int64 indices, bool negative) of words; with ``size``, checks that the indices are
     strictly increasing (unique) and below ``size`` (CodecError otherwise)."""
     w = np.asarray(words, dtype=np.uint32).reshape(-1)
+    if size is not None and w.size > size:  # before expanding the words to int64 indices
+        raise CodecError(f"{w.size} elements for a shard of {size}")
     idx = (w >> np.uint32(1)).astype(np.int64)
     neg = (w & np.uint32(1)).astype(bool)
     if size is not None:
@@ -237,9 +239,23 @@ def rice_decode(
         if buf.size:
             raise CodecError("bytes given for 0 elements")
         return np.zeros(0, np.int64), np.zeros(0, bool)
+    # Bounded before anything expands (issue 28: a 16 MiB body of zero bytes with n = 1 was
+    # unpacked to 128 M bits and their zero positions, 1.3 GB, on the event loop). n codes whose
+    # indices stay below `size` have gaps summing to at most size - n, so their unary quotients
+    # sum to at most (size - n) >> k: a longer stream cannot be valid, and is refused unread.
+    max_unary = ((size - n) >> k) + n
+    max_bytes = (max_unary + n * k + n + 7) // 8
+    if buf.size > max_bytes:
+        raise CodecError(
+            f"Rice stream of {buf.size} bytes is longer than {n} codes with k={k} in a shard "
+            f"of {size} elements can be ({max_bytes} bytes at most)"
+        )
+    if buf.size * 8 < n * (k + 2):
+        raise CodecError(f"Rice stream of {buf.size} bytes does not hold {n} codes with k={k}")
     bits = np.unpackbits(buf)
-    # The first n zero bits end the n unary codes (the unary stream comes first).
-    zeros = np.flatnonzero(bits == 0)[:n]
+    # The first n zero bits end the n unary codes (the unary stream comes first, and is at
+    # most max_unary bits long).
+    zeros = np.flatnonzero(bits[:max_unary] == 0)[:n]
     if zeros.size < n:
         raise CodecError("truncated Rice stream (fewer unary codes than elements)")
     n_unary = int(zeros[-1]) + 1

@@ -158,8 +158,8 @@ def load(
         if name in table:
             values[name] = _convert(cls, name, tp, table[name], f"{path} [{section}]")
         env_names = [f"ADAMPS_{section.upper()}_{name.upper()}"]
-        if name == "token":
-            env_names.append("ADAMPS_TOKEN")
+        if name in ("token", "peer_token"):
+            env_names.append(f"ADAMPS_{name.upper()}")
         for env_name in env_names:
             if env_name in environ:
                 values[name] = _convert(cls, name, tp, environ[env_name], f"${env_name}")
@@ -175,8 +175,9 @@ def load(
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as plain data (for /status), with the token redacted."""
+    """The config as plain data (for /status), with the secrets redacted."""
     d = dataclasses.asdict(cfg)
-    if "token" in d:
-        d["token"] = "***"
+    for secret in ("token", "peer_token", "server_key", "raft_password"):  # /status is open
+        if d.get(secret):
+            d[secret] = "***"
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}

@@ -162,6 +162,12 @@ class ControllerOps:
             body["reports"] = _reports(reports)
         return self._post(f"/servers/{server}/heartbeat", body, lambda reply: (reply, asked_at))
 
+    def peer_keys(self, server: str, peers: Sequence[str], when: int, proof: str) -> Any:
+        """{"keys": {peer: hex K_server,peer}}: the pairwise keys of `server`, which proves its
+        own key with `proof` (adamps.peer_auth.proof at unix time `when`)."""
+        body = {"peers": list(peers), "time": when, "proof": proof}
+        return self._post(f"/servers/{server}/peer-keys", body)
+
     def role_change(
         self,
         bucket: int,

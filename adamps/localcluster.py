@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import time
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from adamps import peer_auth
 from adamps.procs import Proc, adamps_argv, free_port
 from adamps.rpc import http_json  # noqa: F401  (re-exported: the tests use it from here)
 
@@ -49,6 +51,7 @@ class LocalCluster:
         host_of: Callable[[str], str] | None = None,
         wrap: Callable[[str, list[str]], list[str]] | None = None,
         data_plane: bool = True,
+        peer_token: str | None = None,
     ) -> None:
         self.root = Path(root)
         #: where every port of this cluster comes from (`adamps up --port-base` counts up)
@@ -60,6 +63,10 @@ class LocalCluster:
         #: process name, argv -> the argv that starts it (e.g. inside its namespace)
         self.wrap = wrap or (lambda _name, argv: argv)
         self.token = token
+        #: the controllers' peer secret (adamps.peer_auth): generated per cluster unless given;
+        #: "" = peer identity off. Only controllers get it; each server gets its own key;
+        #: trainers (start_process) get neither.
+        self.peer_token = secrets.token_hex(32) if peer_token is None else peer_token
         self.n_buckets = n_buckets
         self.env = {"ADAMPS_TOKEN": token, "OPENBLAS_NUM_THREADS": "1", **(env or {})}
         ports = [(port_alloc(), port_alloc()) for _ in range(n_controllers)]
@@ -86,10 +93,11 @@ class LocalCluster:
 
     # -- processes ---------------------------------------------------------------------------------
 
-    def _start(self, name: str, *args: str) -> Proc:
+    def _start(self, name: str, *args: str, secret: Mapping[str, str] | None = None) -> Proc:
         self._starts[name] = self._starts.get(name, 0) + 1
         log = self.root / "logs" / f"{name}.log"
-        proc = Proc(self.wrap(name, adamps_argv(*args)), log, env=self.env, name=name)
+        env = {**self.env, **(secret or {})}
+        proc = Proc(self.wrap(name, adamps_argv(*args)), log, env=env, name=name)
         self.procs[name] = proc
         return proc
 
@@ -110,7 +118,14 @@ class LocalCluster:
             f"controller{i}",
             "controller", "--members", self.members, "--member", str(i),
             "--data-dir", str(self.root / f"controller{i}"), *self._flags(self.controller_opts),
+            secret={"ADAMPS_PEER_TOKEN": self.peer_token} if self.peer_token else None,
         )  # fmt: skip
+
+    def server_key(self, i: int) -> str:
+        """Server i's own peer key (hex; "" when peer identity is off)."""
+        if not self.peer_token:
+            return ""
+        return peer_auth.server_key(self.peer_token, self.server_ids[i]).hex()
 
     def start_server(self, i: int, wipe: bool = False) -> Proc:
         data = self.root / f"{self.server_ids[i]}"
@@ -123,6 +138,7 @@ class LocalCluster:
             "--controllers", ",".join(self.controllers),
             "--data-dir", str(data), "--n-buckets", str(self.n_buckets), *self._flags(self.ps_opts),
             *(["--data-port", str(self.data_ports[i])] if self.data_ports[i] else []),
+            secret={"ADAMPS_PS_SERVER_KEY": self.server_key(i)} if self.peer_token else None,
         )  # fmt: skip
 
     def start_dataserver(self, *args: str) -> str:

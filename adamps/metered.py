@@ -18,9 +18,14 @@ class MeteredRpc(SyncRpc):
         self.meter = meter
 
     def _request(
-        self, method: str, path: str, body: bytes | None, content_type: str
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        content_type: str,
+        extra_headers: tuple[tuple[str, str], ...] = (),
     ) -> tuple[int, bytes]:
-        status, data = super()._request(method, path, body, content_type)
+        status, data = super()._request(method, path, body, content_type, extra_headers)
         self.meter.add(len(body or b""), len(data))
         return status, data
 

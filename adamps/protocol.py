@@ -50,6 +50,11 @@ ERRORS: dict[str, tuple[int, str]] = {
     "bad_length": (400, "an array's byte length is not prod(shape) x itemsize"),
     "non_finite": (400, "an array holds NaN or Inf"),
     "unauthorized": (401, "the cluster token is missing or wrong"),
+    "forbidden": (
+        403,
+        "the credential is valid but may not do this (a replication op without a server's peer "
+        "credential, or one sent as another server)",
+    ),
     "unknown_tensor": (404, "no tensor of that name"),
     "unknown_shard": (404, "no shard of that id on this server"),
     "unknown_bucket": (404, "no bucket of that id"),

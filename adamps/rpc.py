@@ -61,6 +61,8 @@ class Request:
     content_type: str = JSON
     #: reads a 200 answer's body
     decode: Callable[[bytes], Any] = json.loads
+    #: further headers (a peer's MAC of the body, adamps.peer_auth)
+    extra_headers: tuple[tuple[str, str], ...] = ()
 
 
 def rpc_request(op: str, path: str = "/rpc", **fields: Any) -> Request:
@@ -77,10 +79,13 @@ def json_request(method: str, path: str, obj: Any = None) -> Request:
     return Request(method, path, json.dumps(obj or {}).encode(), JSON, _json_or_none)
 
 
-def headers(token: str | None, content_type: str) -> dict[str, str]:
+def headers(
+    token: str | None, content_type: str, extra: tuple[tuple[str, str], ...] = ()
+) -> dict[str, str]:
     h = {"Content-Type": content_type}
     if token:
         h["Authorization"] = f"Bearer {token}"
+    h.update(extra)
     return h
 
 
@@ -171,7 +176,7 @@ class SyncRpc(_Verbs, contextlib.AbstractContextManager["SyncRpc"]):
                     req.method,
                     req.path,
                     body=req.body,
-                    headers=headers(self.token, req.content_type),
+                    headers=headers(self.token, req.content_type, req.extra_headers),
                 )
                 return self._conn.getresponse()
             except _STALE as exc:
@@ -185,14 +190,19 @@ class SyncRpc(_Verbs, contextlib.AbstractContextManager["SyncRpc"]):
 
     def exchange(self, req: Request) -> tuple[int, bytes]:
         """(status, body) of `req`, whatever the status."""
-        return self._request(req.method, req.path, req.body, req.content_type)
+        return self._request(req.method, req.path, req.body, req.content_type, req.extra_headers)
 
     def _request(
-        self, method: str, path: str, body: bytes | None, content_type: str
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        content_type: str,
+        extra_headers: tuple[tuple[str, str], ...] = (),
     ) -> tuple[int, bytes]:
         # Every whole exchange passes here: a subclass may count or record them (a metered
         # client counts the bytes of each body).
-        req = Request(method, path, body, content_type)
+        req = Request(method, path, body, content_type, extra_headers=extra_headers)
         resp = self._response(req)
         try:
             data = resp.read()
@@ -259,7 +269,7 @@ class AsyncRpc(_Verbs):
                 req.method,
                 self.base_url + req.path,
                 data=req.body,
-                headers=headers(self.token, req.content_type),
+                headers=headers(self.token, req.content_type, req.extra_headers),
                 timeout=self.timeout,
             ) as resp:
                 return resp.status, await resp.read()

@@ -30,7 +30,13 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 #: tokens that appeared in adamps' docs, defaults or manifests: never accepted
-WELL_KNOWN = frozenset({"adamps-dev-token", "REPLACE-WITH-A-LONG-RANDOM-TOKEN"})
+WELL_KNOWN = frozenset(
+    {
+        "adamps-dev-token",
+        "REPLACE-WITH-A-LONG-RANDOM-TOKEN",
+        "REPLACE-WITH-ANOTHER-LONG-RANDOM-TOKEN",  # the peer token's placeholder (deploy/k8s)
+    }
+)
 
 
 class TokenError(ValueError):

@@ -300,13 +300,16 @@ class _GuardedServer(web.Server):
         )
         open_ = [(h, t) for h, t in self._connections.items() if not t.is_closing()]
         if len(open_) > self._cap:
+            # Oldest first among those without a complete request head yet (a slowloris holds
+            # its slot that way, issue 28), then among the idle keep-alive ones, else this one.
+            others = [
+                (h, t)
+                for h, t in open_
+                if h is not handler and not getattr(h, "_request_in_progress", False)
+            ]
             victim = next(
-                (
-                    (h, t)
-                    for h, t in open_
-                    if h is not handler and not getattr(h, "_request_in_progress", False)
-                ),
-                (handler, transport),
+                (ht for ht in others if getattr(ht[0], "_request_count", 1) == 0),
+                others[0] if others else (handler, transport),
             )
             if loop.time() - self._warned > 10.0:  # a flood would otherwise flood the log
                 self._warned = loop.time()

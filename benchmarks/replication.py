@@ -7,7 +7,9 @@ ratio to RF 1 (goal >= 0.5), with pushes acknowledged at the decision point of t
 (the default), and beside it the stricter ``ack = "committed"``. Then, on the RF 3 cluster, the primary of the most buckets is killed
 with SIGKILL under load, and the failover time is measured: from the kill to the first
 acknowledged push to a bucket that server led. Every acknowledged push is checked to be present
-exactly once at the end (the exactness checker of the tests).
+exactly once at the end (the exactness checker of the tests). RF 3 also runs with peer
+identity off (issue 28: no MAC of replication messages), which prices the peer authentication,
+beside this machine's HMAC-SHA256 throughput.
 
     python benchmarks/replication.py [--seconds 8] [--threads 4] [--shard-kb 256]
 
@@ -36,10 +38,13 @@ LEASE = 2.0
 FAILOVER_SHARD = 500  # 32 shards of x over the 16 buckets
 
 
-def cluster(root: str, replication: int, shard_elems: int, ack: str = "prepared") -> LocalCluster:
+def cluster(
+    root: str, replication: int, shard_elems: int, ack: str = "prepared", peer_auth: bool = True
+) -> LocalCluster:
     c = LocalCluster(
         root,
         token=TOKEN,
+        peer_token=None if peer_auth else "",  # None: a generated one (adamps up's default)
         n_servers=3,
         n_buckets=N_BUCKETS,
         controller_opts={
@@ -142,6 +147,21 @@ def failover(c: LocalCluster) -> dict[str, float]:
     }
 
 
+def hmac_gb_per_s(nbytes: int, seconds: float = 0.5) -> float:
+    """HMAC-SHA256 throughput of this machine over buffers of `nbytes` (the limit of a peer's
+    MAC of a replicated batch)."""
+    import hashlib
+    import hmac
+
+    buf = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8)
+    key = b"k" * 32
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        hmac.new(key, buf, hashlib.sha256).digest()
+        n += 1
+    return n * nbytes / (time.perf_counter() - t0) / 1e9
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per configuration")
@@ -159,12 +179,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="adamps-bench-") as root:
         # rf3 acknowledges at the decision point (the default); rf3_committed once every member
         # committed too (ack = "committed"): what the stricter mode costs.
-        for name, rf, ack in (
-            ("rf1", 1, "prepared"),
-            ("rf3", 3, "prepared"),
-            ("rf3_committed", 3, "committed"),
+        # rf3_no_peer_auth: the same as rf3 with peer identity off (no MAC of replication
+        # messages, issue 28): what authenticating the peers costs.
+        for name, rf, ack, auth in (
+            ("rf1", 1, "prepared", True),
+            ("rf3", 3, "prepared", True),
+            ("rf3_committed", 3, "committed", True),
+            ("rf3_no_peer_auth", 3, "prepared", False),
         ):
-            c = cluster(os.path.join(root, name), rf, shard_elems, ack)
+            c = cluster(os.path.join(root, name), rf, shard_elems, ack, auth)
             try:
                 r = throughput(c, args.threads, args.seconds, shard_elems)
             finally:
@@ -174,7 +197,8 @@ def main() -> None:
             for k in ("cpu_ms_servers", "cpu_ms_clients", "cpu_ms_controllers"):
                 results[f"{name}_{k}_per_push"] = round(r[k], 3)
             print(
-                f"  replication factor {rf}, ack = {ack:9s}: {r['pushes_per_s']:8.1f} pushes/s  {r['GB_per_s']:.3f} GB/s"
+                f"  replication factor {rf}, ack = {ack:9s}{'' if auth else ', peer auth off'}:"
+                f" {r['pushes_per_s']:8.1f} pushes/s  {r['GB_per_s']:.3f} GB/s"
             )
             print(
                 f"  {'':38s}CPU ms per push: servers {r['cpu_ms_servers']:.2f}, clients"
@@ -187,6 +211,19 @@ def main() -> None:
         verdict = "met" if ratio >= 0.5 else "MISSED"
         print(
             f"  RF 3 / RF 1 = {ratio:.2f}  (goal >= 0.5: {verdict}); with ack = committed {strict:.2f}"
+        )
+        auth_ratio = results["rf3_pushes_per_s"] / results["rf3_no_peer_auth_pushes_per_s"]
+        results["rf3_peer_auth_over_off"] = round(auth_ratio, 3)
+        mac_gbs = hmac_gb_per_s(shard_elems * 4)
+        results["hmac_sha256_GB_per_s"] = round(mac_gbs, 3)
+        # each push's shard is MACed once by the primary and checked once by each secondary
+        mac_ms = 2 * 2 * shard_elems * 4 / (mac_gbs * 1e9) * 1e3
+        results["hmac_ms_per_push_rf3"] = round(mac_ms, 3)
+        print(
+            f"  peer authentication: RF 3 with / without = {auth_ratio:.2f}; HMAC-SHA256 on this"
+            f" machine {mac_gbs:.2f} GB/s, so {mac_ms:.2f} ms of CPU per push at RF 3 (2"
+            f" secondaries, signed and checked), against {results['rf3_cpu_ms_servers_per_push']:.2f}"
+            " ms of server CPU per push"
         )
         # On one machine whose cores every process shares, throughput follows CPU per push. RF 3
         # receives and applies each push on three servers: even if a secondary's copy cost no

@@ -27,7 +27,15 @@ class ControllerConfig:
     )
     raft_password: str = field(
         "",
-        help="password of the Raft port (pickled traffic!); empty = derived from the cluster token",
+        help="password of the Raft port (pickled traffic!); empty = derived from the peer token "
+        "if set, else from the cluster token (which every trainer holds)",
+    )
+    peer_token: str = field(
+        "",
+        help="secret of the controllers alone (also $ADAMPS_PEER_TOKEN): from it each server's "
+        "own key (its server_key) and the pairwise keys that authenticate replication messages "
+        "(docs/operations.md, Security); empty = replication ops are authenticated by the "
+        "cluster token only",
     )
     n_buckets: int = field(64, help="number of buckets (must equal the model layout's)")
     replication: int = field(3, help="copies of each bucket: one primary plus secondaries")
@@ -119,6 +127,13 @@ class ControllerConfig:
             [self.bind_host] if self.bind_host else []
         )
         self.token = tokens.resolve(self.token or default_token(), hosts, "controller")
+        if self.peer_token and (
+            self.peer_token.strip() in tokens.WELL_KNOWN or self.peer_token == self.token
+        ):
+            raise ConfigError(
+                "controller.peer_token is a well-known value or the cluster token; make a "
+                "random one"
+            )
         if self.raft_password.strip() in tokens.WELL_KNOWN:
             raise ConfigError("controller.raft_password is a well-known value; make a random one")
 
@@ -139,7 +154,11 @@ class ControllerConfig:
 
     @property
     def password(self) -> str:
-        return self.raft_password or ("adamps-raft:" + self.token)
+        if self.raft_password:
+            return self.raft_password
+        if self.peer_token:  # not derivable by a trainer, who holds the cluster token only
+            return "adamps-raft-peer:" + self.peer_token
+        return "adamps-raft:" + self.token
 
     @property
     def raft_addresses(self) -> list[str]:

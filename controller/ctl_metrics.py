@@ -58,6 +58,14 @@ class ControllerMetrics:
             buckets=metrics.LATENCY_BUCKETS,
             registry=r,
         )
+        self.refused = Counter(
+            "adamps_controller_refused_total",
+            "mutating calls this node refused (4xx), by endpoint (the bucket operation or the "
+            "route's last segment: declare-lost, drain, rebalance, layout, register, "
+            "heartbeat, ...) and reason (the error code); each is also logged",
+            ["endpoint", "reason"],
+            registry=r,
+        )
         self.forwarded = Counter(
             "adamps_controller_forwarded_total", "writes forwarded to the leader", registry=r
         )

@@ -5,6 +5,7 @@ so that a client reading from the controller it wrote through sees its own write
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,8 +19,27 @@ from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
 from controller.raft_node import NotLeader, RaftNode
 
+log = logging.getLogger(__name__)
+
 FORWARDED = "X-Adamps-Forwarded"
 APPLIED = "X-Adamps-Applied"
+
+
+#: the endpoints operators (not servers) call: every refusal is logged
+OPERATOR_ENDPOINTS = frozenset({"declare-lost", "drain", "rebalance", "layout"})
+#: the bucket operations of POST /buckets/{bucket}/{op}
+BUCKET_OPS = ("role-change", "caught-up", "release", "drop-secondary", "declare-lost")
+
+
+def endpoint_of(request: web.Request) -> str:
+    """A bounded label for a mutating endpoint: the bucket operation, or the route's last
+    fixed segment ("/servers/{id}/heartbeat" -> "heartbeat")."""
+    op = request.match_info.get("op")
+    if op is not None:
+        return op if op in BUCKET_OPS else "unknown"
+    route = request.match_info.route.resource
+    canonical = route.canonical if route is not None else request.path
+    return canonical.rstrip("/").rsplit("/", 1)[-1] or "/"
 
 
 class Forwarder:
@@ -30,22 +50,52 @@ class Forwarder:
         self.raft = raft
         self.m = m
         self._session: aiohttp.ClientSession | None = None
+        #: (endpoint, reason) -> monotonic time of its last log line (servers' calls only)
+        self._logged: dict[tuple[str, str], float] = {}
 
     async def write(
         self, request: web.Request, run: Callable[[], Awaitable[dict[str, Any]]]
     ) -> web.Response:
-        """Token check, then run on the leader or forward to it."""
-        aweb.check_token(request)
-        if self.raft.is_leader():
-            try:
-                resp = aweb.json_response(await run())
-                # Lets a forwarding follower wait until it has applied this write itself, so that
-                # a client reading from the controller it wrote through sees its own write.
-                resp.headers[APPLIED] = str(self.raft.last_applied)
-                return resp
-            except NotLeader:
-                pass
-        return await self.forward(request)
+        """Token check, then run on the leader or forward to it. A refusal (any 4xx this node
+        decides) is logged and counted by endpoint and reason (the audit of issue 28)."""
+        try:
+            aweb.check_token(request)
+            if self.raft.is_leader():
+                try:
+                    resp = aweb.json_response(await run())
+                    # Lets a forwarding follower wait until it has applied this write itself, so
+                    # that a client reading from the controller it wrote through sees its own write.
+                    resp.headers[APPLIED] = str(self.raft.last_applied)
+                    return resp
+                except NotLeader:
+                    pass
+            return await self.forward(request)
+        except ProtocolError as exc:
+            if exc.status < 500:
+                self.refused(request, exc)
+            raise
+
+    def refused(self, request: web.Request, exc: ProtocolError) -> None:
+        """Logs and counts a refused mutating call: every operator command (declare-lost,
+        drain, rebalance, layout) has its log line; the servers' own calls (a dead server's
+        heartbeats keep coming) one line per endpoint and reason every 10 s, counted all the
+        same."""
+        endpoint = endpoint_of(request)
+        self.m.refused.labels(endpoint, exc.code).inc()
+        now = time.monotonic()
+        key = (endpoint, exc.code)
+        if endpoint not in OPERATOR_ENDPOINTS:
+            if now - self._logged.get(key, -1e9) < 10.0:
+                return
+            self._logged[key] = now
+        log.warning(
+            "refused %s %s from %s: %s (%s)",
+            request.method,
+            request.path,
+            request.remote,
+            exc.code,
+            exc.message,
+        )
 
     async def forward(self, request: web.Request) -> web.Response:
         if request.headers.get(FORWARDED):

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from adamps import limits, metrics
+from adamps import limits, metrics, peer_auth
 from adamps import web as aweb
 from adamps.config import to_dict as config_to_dict
 from adamps.core.lease import LeaseTerms
@@ -26,13 +26,15 @@ from adamps.protocol import ProtocolError
 from controller import fields
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
-from controller.forwarding import Forwarder
+from controller.forwarding import BUCKET_OPS, Forwarder
 from controller.leader import LeaderDuties
 from controller.raft_node import RaftNode, ok_or_raise
 from controller.state import DEAD, ClusterModel, ReplicatedCluster
 
 log = logging.getLogger(__name__)
 
+#: most pairwise keys one /servers/{id}/peer-keys request may ask for
+MAX_PEER_KEYS = 4096
 #: largest training epoch number accepted by /progress
 MAX_EPOCH = 1_000_000
 
@@ -72,7 +74,11 @@ class ControllerService:
             "role": "controller",
             "raft": self.raft.raft_status(),
             "table": info,
-            "config": {**config_to_dict(self.cfg), "raft_password": "***"},
+            "config": {
+                **config_to_dict(self.cfg),
+                "raft_password": "***",
+                "peer_token": "***" if self.cfg.peer_token else "",
+            },
         }
 
     def _applied(self) -> None:
@@ -212,6 +218,39 @@ class ControllerService:
 
         return await self.forwarder.write(request, run)
 
+    async def h_peer_keys(self, request: web.Request) -> web.Response:
+        """A server's pairwise keys (adamps.peer_auth), for the servers it names, once it proved
+        it holds its own key. Any controller answers (a derivation from the peer token: no Raft
+        entry); nobody else can, and a trainer (the cluster token only) gets 403."""
+        try:
+            aweb.check_token(request)
+            sid = fields.server_id(request)
+            if not self.cfg.peer_token:
+                raise ProtocolError("not_found", "peer identity is off (no peer_token set)")
+            body = await aweb.read_json(request)
+            when = fields.int_field(body, "time")
+            got = fields.str_field(body, "proof")
+            if not peer_auth.proof_ok(self.cfg.peer_token, sid, when, got, time.time()):
+                raise ProtocolError(
+                    "forbidden",
+                    f"no proof of server {sid!r}'s own key (server_key) within "
+                    f"{peer_auth.PROOF_WINDOW:.0f} s: the cluster token is a client credential",
+                )
+            peers = body.get("peers")
+            if (
+                not isinstance(peers, list)
+                or len(peers) > MAX_PEER_KEYS
+                or not all(isinstance(p, str) and 0 < len(p) <= 128 for p in peers)
+            ):
+                raise ProtocolError(
+                    "bad_request", f"field 'peers' must list at most {MAX_PEER_KEYS} server ids"
+                )
+        except ProtocolError as exc:
+            self.forwarder.refused(request, exc)
+            raise
+        keys = {p: peer_auth.pair_key(self.cfg.peer_token, sid, p).hex() for p in peers}
+        return aweb.json_response({"keys": keys})
+
     async def h_drain(self, request: web.Request) -> web.Response:
         sid = fields.server_id(request)
         # Copies stay until a server that failed with the drain is surely declared dead.
@@ -237,8 +276,14 @@ class ControllerService:
         return ok_or_raise(await self.commit(op, *args))
 
     async def h_bucket_op(self, request: web.Request) -> web.Response:
-        b = fields.bucket(request, self.cfg.n_buckets)
-        op = request.match_info["op"]
+        try:
+            b = fields.bucket(request, self.cfg.n_buckets)
+            op = request.match_info["op"]
+            if op not in BUCKET_OPS:
+                raise ProtocolError("not_found", f"no bucket operation {op!r}")
+        except ProtocolError as exc:
+            self.forwarder.refused(request, exc)  # audited like every refused write
+            raise
 
         async def run() -> dict[str, Any]:
             body = await aweb.read_json(request)
@@ -304,8 +349,6 @@ class ControllerService:
                 return ok_or_raise(await self.commit("drop_secondary", *args))
             raise ProtocolError("not_found", f"no bucket operation {op!r}")
 
-        if op not in ("role-change", "caught-up", "release", "drop-secondary", "declare-lost"):
-            raise ProtocolError("not_found", f"no bucket operation {op!r}")
         return await self.forwarder.write(request, run)
 
     async def h_get_layout(self, request: web.Request) -> web.Response:
@@ -397,6 +440,7 @@ class ControllerService:
         r.add_post("/servers/{id}/heartbeat", self.h_heartbeat)
         r.add_post("/servers/{id}/drain", self.h_drain)
         r.add_post("/servers/{id}/undrain", self.h_undrain)
+        r.add_post("/servers/{id}/peer-keys", self.h_peer_keys)
         r.add_post("/rebalance", self.h_rebalance)
         r.add_post("/buckets/{bucket}/{op}", self.h_bucket_op)
         app.on_startup.append(self._on_startup)

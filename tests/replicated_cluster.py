@@ -6,16 +6,19 @@ putting tests/ on sys.path (they run in importlib mode)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from adamps import peer_auth, protocol
 from adamps.client import ControllerRouting, PSClient
+from adamps.dataplane_client import REQUEST, frame_header
 from adamps.layout import Layout, TensorSpec
 from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_LEASE, FAST_PS_OPTS, LocalCluster
-from adamps.rpc import RpcError, SyncRpc
+from adamps.rpc import RpcError, SyncRpc, rpc_request
 
 TOKEN = "test-token"
 LEASE = FAST_LEASE
@@ -87,3 +90,24 @@ def digests_agree(c: LocalCluster, timeout: float = 20.0) -> None:
             return
         time.sleep(0.3)
     raise AssertionError(f"replica digests differ: {last}")
+
+
+def signed(rpc: SyncRpc, c: LocalCluster, sender: str, receiver: str, op: str, /, **fields: Any):
+    """`op` on `receiver`'s /rpc as server `sender` sends it: with the MAC of the body under
+    their pair key (adamps.peer_auth; the test holds the cluster's peer token)."""
+    req = rpc_request(op, **fields)
+    assert req.body is not None
+    key = peer_auth.pair_key(c.peer_token, sender, receiver)
+    hdr = ((peer_auth.PEER_HEADER, peer_auth.header(sender, key, req.body)),)
+    return rpc.send(dataclasses.replace(req, extra_headers=hdr))
+
+
+def signed_frame(
+    c: LocalCluster, sender: str, receiver: str, items: list[Any], payload: bytes = b""
+) -> bytes:
+    """A repl_multi frame for `receiver`'s data port as server `sender` sends it: its id in the
+    meta, the MAC of the meta and payload appended to the payload."""
+    meta = protocol.encode(protocol.request("repl_multi", token=TOKEN, peer=sender, items=items))
+    key = peer_auth.pair_key(c.peer_token, sender, receiver)
+    mac = peer_auth.mac(key, [meta, payload])
+    return frame_header(REQUEST, len(meta), len(payload) + len(mac)) + meta + payload + mac

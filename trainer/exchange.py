@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import queue
 import socket
@@ -42,6 +43,8 @@ from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 TRANSPORTS = ("shm", "tcp")
 _MAGIC = b"APX1"
@@ -387,12 +390,21 @@ def connect_mesh(
             if not good:
                 try:
                     sock.sendall(b"N")
+                except OSError:
+                    pass  # a stranger that left already: refused all the same
                 finally:
                     sock.close()
                 continue
             try:
                 sock.sendall(b"Y")
                 links[j] = _handshake(sock, transport, capacity, connecting=False)
+            except (OSError, PeerLost, ValueError, struct.error) as exc:
+                # A token holder's garbage after a good hello (or a peer that died mid-way):
+                # refuse this connection and keep accepting (issue 28); the real peer retries
+                # or the mesh times out as before.
+                log.warning("partition %d: peer %d's handshake failed: %s", k, j, exc)
+                sock.close()
+                continue
             except BaseException:
                 sock.close()
                 raise

@@ -25,6 +25,7 @@ import hmac
 import logging
 import socket
 import time
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,24 @@ from trainer.partition_follower import PartitionFollower
 from trainer.partition_member import Control, PartitionMember, bind_host, expect_op
 
 log = logging.getLogger(__name__)
+
+
+def hello_partition(hello: Any, digest: bytes, partitions: int, taken: Collection[int]) -> int:
+    """The partition a follower's hello names, once its token digest is right; ValueError for
+    anything else. Every field is type-checked before use: a digest of 2^40 passed to bytes()
+    allocated a terabyte, a list as partition raised TypeError, and either stopped the leader's
+    accept loop (issue 28)."""
+    if not isinstance(hello, dict):
+        raise ValueError("a hello must be a map")
+    got = hello.get("digest")
+    if not isinstance(got, bytes) or not hmac.compare_digest(got, digest):
+        raise ValueError("hello without the cluster token's digest")
+    k = hello.get("partition")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 < k < partitions:
+        raise ValueError(f"hello names partition {k!r}, not one of 1..{partitions - 1}")
+    if k in taken:
+        raise ValueError(f"partition {k} is connected already")
+    return k
 
 
 class PartitionLeader(PartitionMember, Replica):
@@ -75,10 +94,7 @@ class PartitionLeader(PartitionMember, Replica):
                 try:
                     sock.settimeout(10)
                     hello = ctl.recv(limit=1 << 16)  # before the token is checked: small
-                    k = int(hello.get("partition", -1))
-                    good = hmac.compare_digest(bytes(hello.get("digest", b"")), digest)
-                    if not good or not 0 < k < cfg.partitions or k in self.followers:
-                        raise ValueError(f"bad hello from partition {k}")
+                    k = hello_partition(hello, digest, cfg.partitions, self.followers)
                     if hello.get("replica") != cfg.replica or hello.get("model") != self.spec:
                         raise ValueError(f"partition {k} trains another replica or model")
                 except (OSError, ValueError, PeerLost, protocol.ProtocolError) as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -23,7 +24,7 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from adamps import metrics, protocol
+from adamps import metrics, peer_auth, protocol
 from adamps import web as aweb
 from adamps.config import to_dict
 from adamps.layout import LayoutError
@@ -33,6 +34,7 @@ from adamps.server.catalog import TensorCatalog
 from adamps.server.config import PsConfig
 from adamps.server.dataplane import DataPlane
 from adamps.server.optim import OptimError
+from adamps.server.peer_keys import PEER_OPS
 from adamps.server.persist import Flusher, Persister, Position
 from adamps.server.psmetrics import PsMetrics
 from adamps.server.reads import Reads
@@ -104,7 +106,7 @@ class ParameterServer:
             self.writes,
             self.reads,
             self.m,
-            peer=None if self.replicator is None else self.replicator.op_repl_multi,
+            peer=None if self.replicator is None else self.replicator.op_repl_frame,
         )
         self.vectors = VectorOps(self.store, self.addressing, self.writes)
         self._closed = False
@@ -219,6 +221,13 @@ class ParameterServer:
                 request[aweb.RID_KEY] = str(rid)
             op = protocol.check_message(msg, self._ops)
             handler = self._ops[op]
+            if self.replicator is not None and op in PEER_OPS:
+                # Who sent it: the MAC of the body under the pair key (adamps.peer_auth); a
+                # replication op is not served on the cluster token alone (issue 28).
+                peer = await self.replicator.peer_of_request(
+                    op, request.headers.get(peer_auth.PEER_HEADER), body
+                )
+                handler = functools.partial(self.replicator.op_from_peer, op, peer=peer)
             try:
                 reply = await handler(msg)
             except StoreError as exc:

@@ -12,6 +12,7 @@ import numpy as np
 
 from adamps import codec
 from adamps.protocol import ALLOWED_DTYPES, ProtocolError
+from adamps.server.bounds import MAX_GRAD
 from adamps.server.optim import Signs
 
 
@@ -23,6 +24,15 @@ def _tau(value: Any, where: str) -> float:
         raise ProtocolError("non_finite", f"{where}: tau is {tau}")
     if tau <= 0:
         raise ProtocolError("bad_request", f"{where}: tau must be > 0, got {tau}")
+    # Every sent element is +-tau: the gradient bound of a dense push applies to tau itself
+    # (issue 28: tau = 1e39 is finite as a double but inf as float32; 1e30 overflowed later).
+    if tau > MAX_GRAD:
+        raise ProtocolError(
+            "bad_request",
+            f"{where}: tau {tau:.3g} exceeds {MAX_GRAD:.0e}: values this large could overflow "
+            "float32 (docs/protocol-ps.md, 'Finite values')",
+            limit=MAX_GRAD,
+        )
     return tau
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adamps import peer_auth
 from adamps import token as tokens
 from adamps.config import default_token, field
 from adamps.layout import DEFAULT_BUCKETS, MAX_SHARD_ELEMS
@@ -20,6 +21,19 @@ class PsConfig:
     )
     token: str = field(
         "", help="cluster token required on /rpc and /flush (Authorization: Bearer <token>)"
+    )
+    server_key: str = field(
+        "",
+        help="this server's own peer key, hex (also $ADAMPS_PS_SERVER_KEY; `adamps up` makes "
+        "one per server): HMAC-SHA256(peer token, 'server' NUL server_id); with it the server "
+        "gets its pairwise keys from the controllers and signs and checks every replication "
+        "message (docs/operations.md, Security); empty = from peer_token, or peer identity off",
+    )
+    peer_token: str = field(
+        "",
+        help="the controllers' peer token (also $ADAMPS_PEER_TOKEN), when servers may hold it "
+        "(one secret for a StatefulSet): the server derives its server_key from it; a server "
+        "holding it could derive any server's key, so prefer server_key",
     )
     data_dir: str = field("./adamps-data/ps", help="directory of this server's LMDB environment")
     n_buckets: int = field(
@@ -112,6 +126,15 @@ class PsConfig:
         False, help="enable the op debug_fail (raises on purpose; for tests only)"
     )
 
+    def own_key(self) -> bytes | None:
+        """S_X (adamps.peer_auth.server_key): from server_key, else derived from peer_token;
+        None = peer identity off."""
+        if self.server_key:
+            return bytes.fromhex(self.server_key)
+        if self.peer_token:
+            return peer_auth.server_key(self.peer_token, self.server_id)
+        return None
+
     @property
     def http_limits(self) -> HttpLimits:
         return HttpLimits(
@@ -124,6 +147,21 @@ class PsConfig:
             self.server_id = f"ps-{self.port}"
         if self.controllers and self.buckets:
             raise ValueError("buckets (a static map) and controllers exclude each other")
+        if self.peer_token and (
+            self.peer_token.strip() in tokens.WELL_KNOWN or self.peer_token == self.token
+        ):
+            raise ValueError(
+                "peer_token is a well-known value or the cluster token; make a random one"
+            )
+        if self.server_key:
+            try:
+                if len(bytes.fromhex(self.server_key)) != 32:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(
+                    "server_key must be 64 hex digits (HMAC-SHA256 of the peer token and the "
+                    "server id), got something else"
+                ) from None
         for name in ("member_timeout", "ping_interval", "failover_after", "push_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

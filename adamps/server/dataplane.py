@@ -8,16 +8,21 @@ into it; no chunk objects, no joins), and the numpy view of that buffer is what 
 apply. Only the hot ops are offered: ``push_dense`` and ``pull`` (raw float32 payloads), of a
 whole tensor or of named shards, and the message ops ``push_fc``, ``push_compressed`` and, between
 replicated servers, ``repl_multi`` (the message of ``/rpc`` with its arrays out of band in the
-payload, handled by the op's ``/rpc`` handler); everything else stays on ``POST /rpc``. The frame
+payload, handled by the op's ``/rpc`` handler; ``repl_multi`` by the replicator, which first
+checks the sending server's MAC at the payload's end, adamps.peer_auth); everything else stays on ``POST /rpc``. The frame
 format and the clients are in ``adamps.dataplane_client`` (servers reach their peers with
 ``adamps.server.repl_peers``).
 
 One write path: a push here goes through ``WritePath`` like a push on /rpc (the same checks, and on
 a replicated server the lease check, two-phase commit and exactly-once by (client, seq)). The
-token is in the meta and is checked before any payload byte is buffered; idle and stalled
-connections are closed and their number is capped (the HTTP limits of the PS config); meta and payload lengths are bounded (64 KiB, ``max_body``) before anything is
-allocated; tensor, length and finiteness are checked before the update is queued. An error found
-before the payload was read is answered and the connection closed (the stream cannot be resynced);
+token is in the meta and is checked before any payload byte is buffered; a frame's header and
+meta must arrive within ``header_timeout`` of its first byte and its payload within
+``body_timeout`` (deadlines: a byte now and then does not extend them), idle connections are
+closed after ``idle_timeout``, and their number is capped (the HTTP limits of the PS config; when
+full, the connection longest part-way through a header is closed first, then the longest idle);
+meta and payload lengths are bounded (64 KiB, ``max_body``) before anything is allocated; tensor,
+length and finiteness are checked before the update is queued. An error found before the payload
+was read is answered and the connection closed (the stream cannot be resynced);
 an error found after (NaN, Inf) is answered and the connection stays usable.
 """
 
@@ -90,8 +95,12 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.paused = False
         #: resolved once the reply of the latest request is written: the next one waits for it
         self.tail: asyncio.Future | None = None
-        #: loop time of the last bytes received (or of the accept)
+        #: loop time of the last bytes received (or of the accept): the idle timer
         self.last_activity = 0.0
+        #: loop time the current frame's first byte arrived, or its payload began: the deadlines
+        #: (header_timeout, body_timeout) run from here, not from the last byte (issue 28: one
+        #: header byte every 4 s kept a connection open forever)
+        self.frame_started = 0.0
 
     # -- asyncio callbacks ------------------------------------------------------------------------
 
@@ -102,10 +111,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         open_ = [c for c in self.plane.conns if c.open()]
         cap = self.cfg.http_limits.effective_max_connections()
         if len(open_) > cap:
-            # Make room by closing the longest-idle connection (this one if none is idle), so a
-            # flood of idle connections cannot lock out the trainers.
-            idle = [c for c in open_ if c is not self and c.idle()]
-            victim = min(idle, key=lambda c: c.last_activity) if idle else self
+            victim = self._victim(open_)
             now = self.last_activity
             if now - _warned[0] > 10.0:  # a flood would otherwise flood the log
                 _warned[0] = now
@@ -116,6 +122,18 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _victim(self, open_: list[DataPlaneProtocol]) -> DataPlaneProtocol:
+        """The connection to close when the server is full: the one that has been part-way
+        through a frame's header or meta the longest (a slowloris holds its slot that way), else
+        the longest-idle one, else this new one. A trainer between requests is idle for
+        milliseconds; a flood of slow or idle connections is what gets closed."""
+        others = [c for c in open_ if c is not self]
+        partial = [c for c in others if c.in_header()]
+        if partial:
+            return min(partial, key=lambda c: c.frame_started)
+        idle = [c for c in others if c.idle()]
+        return min(idle, key=lambda c: c.last_activity) if idle else self
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state = _CLOSED
@@ -129,7 +147,10 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.state == _CLOSED:
             return
-        self.last_activity = asyncio.get_running_loop().time()
+        now = asyncio.get_running_loop().time()
+        self.last_activity = now
+        if self.state == _HEADER and self.pos == 0:
+            self.frame_started = now  # a new frame: its header deadline starts
         self.pos += nbytes
         if self.pos < self.buf.size:
             return
@@ -160,17 +181,25 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         """Between frames with nothing queued: waiting for the client's next request."""
         return self.state == _HEADER and self.pos == 0 and self.inflight == 0
 
+    def in_header(self) -> bool:
+        """Part-way through a frame's header or meta (some bytes in, not all)."""
+        return (self.state == _HEADER and self.pos > 0) or self.state == _META
+
     def expired(self, now: float) -> bool:
-        """Idle past idle_timeout, or stuck in a frame's header or meta past header_timeout or
-        in its payload past body_timeout (issue 12: connections were kept forever)."""
-        if self.state == _CLOSED or self.inflight:
+        """Idle past idle_timeout (since the last byte), or past a deadline: a frame's header
+        and meta complete within header_timeout of its first byte, its payload within
+        body_timeout of the meta (issues 12 and 28: deadlines, not timers that each byte
+        restarts)."""
+        if self.state == _CLOSED:
             return False
         lim = self.cfg.http_limits
         if self.idle():
-            limit = lim.idle_timeout
-        else:
-            limit = lim.body_timeout if self.state == _PAYLOAD else lim.header_timeout
-        return now - self.last_activity > limit
+            return now - self.last_activity > lim.idle_timeout
+        if self.state == _PAYLOAD:
+            return now - self.frame_started > lim.body_timeout
+        if self.in_header():
+            return now - self.frame_started > lim.header_timeout
+        return False  # between frames with requests in flight: the server is answering
 
     # -- states -----------------------------------------------------------------------------------
 
@@ -205,6 +234,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self._expect(_META, meta_len)
 
     def _on_meta(self) -> None:
+        self.frame_started = asyncio.get_running_loop().time()  # the payload's deadline
         meta = protocol.decode(self.view)
         self.meta = meta
         # The token before anything else: no payload of an unauthenticated peer is ever buffered.
@@ -220,7 +250,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if op == "push_dense":
             want = self.plane.writes.accept_stream_push(meta, self.payload_len)
         elif op in MESSAGE_OPS:
-            if op not in self.plane.messages:
+            if op not in self.plane.messages and not (
+                op == "repl_multi" and self.plane.peer_frame is not None
+            ):
                 raise ProtocolError("unknown_op", f"{op} is served by a replicated server only")
             # Decoded again once its payload (the arrays, out of band) is here.
             self.meta_raw = bytes(self.view)
@@ -262,6 +294,10 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             assert payload is not None
             self.plane.m.bytes_in.inc(payload.size)
             return self.plane.writes.start_stream_push(payload, meta)
+        if meta["op"] == "repl_multi" and self.plane.peer_frame is not None:
+            self.plane.m.bytes_in.inc(0 if payload is None else payload.size)
+            fut = asyncio.ensure_future(self.plane.peer_frame(meta, self.meta_raw, payload))
+            return fut, lambda r: (r, None)
         handler = self.plane.messages.get(meta["op"])
         if handler is not None:  # the /rpc handler of the op, on the message with its arrays
             msg = protocol.decode(self.meta_raw, b"" if payload is None else payload)
@@ -357,7 +393,8 @@ class DataPlane:
         writes: WritePath,
         reads: Reads,
         m: PsMetrics,
-        peer: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None,
+        peer: Callable[[dict[str, Any], bytes, np.ndarray | None], Awaitable[dict[str, Any]]]
+        | None = None,
     ) -> None:
         self.cfg = cfg
         self.writes = writes
@@ -369,8 +406,9 @@ class DataPlane:
             "push_fc": writes.op_push_fc,
             "push_compressed": writes.op_push_compressed,
         }
-        if peer is not None:
-            self.messages["repl_multi"] = peer
+        #: a peer's repl_multi frame (meta, meta bytes, payload): the replicator's, which checks
+        #: the frame's MAC before it decodes it (on a replicated server only)
+        self.peer_frame = peer
         #: open connections (closed at shutdown)
         self.conns: set[DataPlaneProtocol] = set()
         self._server: asyncio.Server | None = None

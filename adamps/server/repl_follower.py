@@ -12,6 +12,7 @@ from typing import Any
 from adamps.core.replication import Reject
 from adamps.protocol import ProtocolError, require
 from adamps.rpc import RpcError
+from adamps.server.repl_check import check_batches
 from adamps.server.repl_wire import MULTI_OPS, batch_from_wire, store_parts
 from adamps.server.shards import StoreError
 
@@ -27,9 +28,14 @@ class Follower:
     async def op_repl_prepare(self, msg: dict[str, Any]) -> dict[str, Any]:
         b = require(msg, "bucket", int)
         rep = self.known(b)
-        entries = [batch_from_wire(e) for e in require(msg, "entries", list)]
+        raw = require(msg, "entries", list)
+        if not all(isinstance(e, dict) for e in raw):
+            raise ProtocolError("bad_request", "field 'entries' must be a list of batches")
+        entries = [batch_from_wire(e) for e in raw]
+        # Every copy re-checks what it will apply (shapes, finiteness, bounds), whoever sent it:
+        # nothing is kept of a batch the primary itself would have refused as a push.
+        check_batches(self.store, entries)
         for e in entries:
-            # Validates shard ids and kinds before anything is kept.
             store_parts(self.store, e.updates)
         sender, epoch = require(msg, "sender", str), require(msg, "epoch", int)
         commit = require(msg, "commit", int, default=0)
@@ -91,7 +97,15 @@ class Follower:
         sender = require(msg, "sender", str)
         now = time.monotonic()
         stale = []
-        for key, epoch in require(msg, "buckets", dict).items():
+        pinged = require(msg, "buckets", dict)
+        for key, epoch in pinged.items():
+            if (
+                not isinstance(key, str)
+                or not (key.isascii() and key.isdigit())
+                or type(epoch) is not int
+            ):
+                raise ProtocolError("bad_request", "field 'buckets' must map bucket ids to epochs")
+        for key, epoch in pinged.items():
             rep = self.buckets.get(int(key))
             if rep is None:
                 continue

@@ -5,6 +5,7 @@ over the peer's data port when it has one (``PeerStream``), else over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import time
 from typing import Any
@@ -12,7 +13,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from adamps import protocol
+from adamps import peer_auth, protocol
 from adamps.dataplane_client import (
     ERROR,
     HEADER,
@@ -22,7 +23,8 @@ from adamps.dataplane_client import (
     REQUEST,
     frame_header,
 )
-from adamps.rpc import AsyncRpc, RpcError
+from adamps.rpc import AsyncRpc, RpcError, rpc_request
+from adamps.server.peer_keys import PeerKeys
 
 #: seconds between two lookups of a peer's data port (GET /status) when it has none or is down
 LOOKUP_EVERY = 2.0
@@ -46,11 +48,21 @@ class PeerStream:
         self.timeout = timeout
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
-    def fits(self, msg: dict[str, Any]) -> tuple[bytes, list[memoryview], int, str] | None:
-        """The encoded request, or None when its meta exceeds a frame's (send it over HTTP)."""
-        req = protocol.request("repl_multi", token=self.token, **msg)
+    def fits(
+        self, msg: dict[str, Any], sender: str, key: bytes | None
+    ) -> tuple[bytes, list[memoryview], int, str] | None:
+        """The encoded request, or None when its meta exceeds a frame's (send it over HTTP).
+        With a pair key, the meta names the sender and the payload ends with the MAC of the
+        meta and the arrays (adamps.peer_auth): what the peer checks before it reads a field."""
+        extra = {} if key is None else {"peer": sender}
+        req = protocol.request("repl_multi", token=self.token, **extra, **msg)
         meta, parts, n = protocol.encode_oob(req)
-        return None if len(meta) > MAX_META else (meta, parts, n, req["rid"])
+        if len(meta) > MAX_META:
+            return None
+        if key is not None:
+            parts = [*parts, memoryview(peer_auth.mac(key, [meta, *parts]))]
+            n += peer_auth.MAC_SIZE
+        return meta, parts, n, req["rid"]
 
     async def call(self, encoded: tuple[bytes, list[memoryview], int, str]) -> dict[str, Any]:
         try:
@@ -104,10 +116,16 @@ class PeerChannel:
     One HTTP request then carries the PREPAREs and COMMITs of many buckets' rounds: on loopback
     the cost of replication is the number of requests far more than their bytes."""
 
-    def __init__(self, rpc: AsyncRpc, token: str, timeout: float) -> None:
+    def __init__(
+        self, rpc: AsyncRpc, token: str, timeout: float, keys: PeerKeys, member: str
+    ) -> None:
         self.rpc = rpc
         self.token = token
         self.timeout = timeout
+        #: this server's peer identity (signs every message when enabled)
+        self.keys = keys
+        #: the peer's server id (whose pair key signs)
+        self.member = member
         self._queue: list[tuple[str, dict[str, Any], asyncio.Future]] = []
         self._task: asyncio.Task | None = None
         #: the peer's data plane (None: HTTP), and when it was last looked up
@@ -131,11 +149,15 @@ class PeerChannel:
             self.stream = PeerStream(host, port, self.token, self.timeout)
         return self.stream
 
+    async def _http(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return await signed_call(self.rpc, self.keys, self.member, "repl_multi", msg)
+
     async def _send(self, msg: dict[str, Any]) -> dict[str, Any]:
         stream = await self._stream()
-        encoded = None if stream is None else stream.fits(msg)
+        key = await self.keys.key(self.member) if self.keys.enabled else None
+        encoded = None if stream is None else stream.fits(msg, self.keys.server_id, key)
         if stream is None or encoded is None:
-            return await self.rpc.call("repl_multi", **msg)
+            return await self._http(msg)
         try:
             return await stream.call(encoded)
         except RpcError as exc:
@@ -147,7 +169,7 @@ class PeerChannel:
             self.stream = None
             self._looked_up = time.monotonic() + 60.0  # not again within a minute
             self.http_fallbacks += 1
-            return await self.rpc.call("repl_multi", **msg)
+            return await self._http(msg)
         except (ConnectionError, OSError):
             self.stream = None  # look the port up again before the next message
             raise
@@ -186,11 +208,23 @@ class PeerChannel:
             self.stream.close()
 
 
+async def signed_call(
+    rpc: AsyncRpc, keys: PeerKeys, member: str, op: str, fields: dict[str, Any]
+) -> dict[str, Any]:
+    """`op` on the peer's /rpc, with the MAC of its body when peer identity is on."""
+    req = rpc_request(op, **fields)
+    assert req.body is not None
+    hdrs = await keys.sign(member, req.body)
+    return await rpc.send(dataclasses.replace(req, extra_headers=hdrs) if hdrs else req)
+
+
 class Peers:
     """Server id -> address, and the clients to reach them. Lives on the PS's event loop."""
 
-    def __init__(self, token: str, timeout: float) -> None:
+    def __init__(self, token: str, timeout: float, keys: PeerKeys) -> None:
         self.token = token
+        #: this server's peer identity
+        self.keys = keys
         #: seconds a peer has to answer one request (the member timeout)
         self.timeout = timeout
         #: server id -> "host:port" (from the controllers' roles)
@@ -205,8 +239,15 @@ class Peers:
         rpc = self.rpc(server)
         ch = self._channels.get(rpc.base_url)
         if ch is None:
-            ch = self._channels[rpc.base_url] = PeerChannel(rpc, self.token, self.timeout)
+            ch = self._channels[rpc.base_url] = PeerChannel(
+                rpc, self.token, self.timeout, self.keys, server
+            )
+        ch.member = server
         return ch
+
+    async def call(self, server: str, op: str, **fields: Any) -> dict[str, Any]:
+        """One replication request to a peer over HTTP, signed (repl_snapshot)."""
+        return await signed_call(self.rpc(server), self.keys, server, op, fields)
 
     def rpc(self, server: str) -> AsyncRpc:
         addr = self.addresses.get(server)

@@ -68,7 +68,8 @@ class StateTransfer:
             primary, epoch = rep.assignment.primary, rep.assignment.epoch
             try:
                 snap = (
-                    await self.peers.rpc(primary).call(
+                    await self.peers.call(
+                        primary,
                         "repl_snapshot",
                         bucket=b,
                         joiner=self.server_id,

@@ -74,8 +74,27 @@ def batch_from_wire(d: dict[str, Any]) -> Batch:
     clients = require(d, "clients", list)
     if len(clients) != len(updates):
         raise ProtocolError("bad_request", "batch clients and updates differ in length")
-    keys = tuple(None if c is None else (str(c[0]), int(c[1])) for c in clients)
-    return Batch(seq, epoch, tuple(tuple(u) if isinstance(u, list) else u for u in updates), keys)
+    keys = tuple(_client_key(c) for c in clients)
+    for u in updates:
+        if not isinstance(u, list | tuple):
+            raise ProtocolError("bad_request", "a batch's updates must be lists of updates")
+    return Batch(seq, epoch, tuple(tuple(u) for u in updates), keys)
+
+
+def _client_key(c: Any) -> tuple[str, int] | None:
+    """A batch's (client id, seq) of one push, or None; ProtocolError if malformed (a peer's
+    message is checked like a client's: issue 28 answered a malformed one with a 500)."""
+    if c is None:
+        return None
+    if (
+        not isinstance(c, list | tuple)
+        or len(c) != 2
+        or not isinstance(c[0], str)
+        or isinstance(c[1], bool)
+        or not isinstance(c[1], int)
+    ):
+        raise ProtocolError("bad_request", "a batch's clients must be null or [client id, seq]")
+    return (c[0], c[1])
 
 
 def store_parts(store: Store, updates: Iterable[Any]) -> list[tuple[ShardState, Any]]:

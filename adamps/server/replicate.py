@@ -30,14 +30,17 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import numpy as np
 from prometheus_client import CollectorRegistry
 
+from adamps import peer_auth, protocol
 from adamps.controller_client import AsyncControllerClient
 from adamps.core.lease import HolderLeases, LeaseTerms
 from adamps.core.replication import Apply, Assignment, BucketReplica, Reject
 from adamps.protocol import ProtocolError
 from adamps.rpc import RpcError
 from adamps.server.config import PsConfig
+from adamps.server.peer_keys import PeerKeys, forbidden
 from adamps.server.persist import DEDUP_PER_FLUSH, Position
 from adamps.server.repl_follower import Follower
 from adamps.server.repl_metrics import ReplMetrics
@@ -86,7 +89,11 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         self.persisted: dict[int, int] = {}
         #: bucket -> the controllers' id of this copy's current join (named in the snapshot ask)
         self.join_ids: dict[int, int] = {}
-        self.peers = Peers(cfg.token, cfg.member_timeout)
+        #: who this server is to its peers, and who sent what it is asked to replicate
+        self.peer_keys = PeerKeys(
+            cfg.server_id, cfg.own_key(), lambda: self.controller, lambda s: s in self.addresses
+        )
+        self.peers = Peers(cfg.token, cfg.member_timeout, self.peer_keys)
         #: server id -> "host:port" (from the controllers' roles; the peers' address book)
         self.addresses = self.peers.addresses
         self.leases = HolderLeases(LeaseTerms())
@@ -118,6 +125,11 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         self.controller = AsyncControllerClient(
             self.cfg.controllers, self.cfg.token, self._session, timeout=5.0, retry_for=5.0
         )
+        if not self.peer_keys.enabled:
+            log.warning(
+                "peer identity is off (no server_key or peer_token): any holder of the cluster "
+                "token, every trainer, can send this server replication messages"
+            )
         self._tasks = [
             asyncio.create_task(self._control_loop(), name="ps-control"),
             asyncio.create_task(self.ping_loop(), name="ps-ping"),
@@ -397,6 +409,47 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         return asyncio.gather(*futs)
 
     # -- secondary: messages from the primary ---------------------------------------------------------
+
+    async def op_from_peer(self, op: str, msg: dict[str, Any], peer: str | None) -> dict[str, Any]:
+        """A replication op whose request `peer` proved it sent (None: no proof); with peer
+        identity on, refused unless every sender the message names is that server."""
+        if self.peer_keys.enabled:
+            if peer is None:
+                raise forbidden(op, "no peer credential in the request")
+            self.peer_keys.check_senders(op, msg, peer)
+        return await getattr(self, f"op_{op}")(msg)
+
+    async def peer_of_request(self, op: str, header: str | None, body: Any) -> str | None:
+        """The server whose MAC of `body` the PEER_HEADER value `header` carries, or None when
+        there is none or identity is off; ProtocolError forbidden for a wrong one."""
+        if header is None or not self.peer_keys.enabled:
+            return None
+        parsed = peer_auth.parse_header(header)
+        if parsed is None:
+            raise forbidden(op, f"malformed {peer_auth.PEER_HEADER} header")
+        return await self.peer_keys.prover(op, [body], *parsed)
+
+    async def op_repl_frame(
+        self, meta: dict[str, Any], meta_raw: bytes, payload: np.ndarray | None
+    ) -> dict[str, Any]:
+        """A repl_multi frame of the data plane: its MAC (the payload's last MAC_SIZE bytes,
+        over the meta and the rest of the payload) checked before the message is decoded."""
+        peer = None
+        claimed = meta.get("peer")
+        if claimed is not None:
+            if payload is None or payload.size < peer_auth.MAC_SIZE:
+                raise forbidden("repl_multi", "the frame's MAC is missing")
+            got = payload[-peer_auth.MAC_SIZE :].tobytes()
+            payload = payload[: -peer_auth.MAC_SIZE]
+            if self.peer_keys.enabled:
+                peer = await self.peer_keys.prover(
+                    "repl_multi",
+                    [meta_raw, payload],
+                    claimed if isinstance(claimed, str) else None,
+                    got,
+                )
+        msg = protocol.decode(meta_raw, b"" if payload is None else payload)
+        return await self.op_from_peer("repl_multi", msg, peer)
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]:
         """The replication ops this server serves on POST /rpc (peer traffic), by name."""

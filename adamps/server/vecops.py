@@ -117,6 +117,14 @@ class VectorOps:
         x, y = _vector_name(msg, "x"), _vector_name(msg, "y")
         bases = self._base_ids(msg)
         pairs = [(resolve(self.store, b, x), resolve(self.store, b, y)) for b in bases]
+        for b, (xs, ys) in zip(bases, pairs, strict=True):
+            # A vector created with another shape than its base (issue 28: np.dot raised, a 500)
+            if xs.value.shape != ys.value.shape:
+                raise ProtocolError(
+                    "bad_shape",
+                    f"vectors {x!r} and {y!r} of {b!r} differ in shape: "
+                    f"{list(xs.value.shape)} and {list(ys.value.shape)}",
+                )
         self.addressing.check_serving([self.store.shard(b) for b in bases])
         by_id = {xs.id: ys for xs, ys in pairs}
 

@@ -61,3 +61,30 @@ def test_bad_values_name_the_value_and_the_expectation(tmp_path) -> None:
         load(DemoConfig, "demo", parse(["--config", str(bad)]), environ={})
     with pytest.raises(ConfigError, match="No such file"):
         load(DemoConfig, "demo", parse(["--config", str(tmp_path / "missing.toml")]), environ={})
+
+
+def test_the_peer_secrets_come_from_their_env_names_and_never_show_in_status() -> None:
+    """Issue 28: $ADAMPS_PEER_TOKEN (controllers, servers), $ADAMPS_PS_SERVER_KEY; the Raft
+    password comes from the peer token when one is set (a trainer holds the cluster token);
+    /status shows none of them."""
+    from adamps.config import to_dict
+    from adamps.server.config import PsConfig
+    from controller.config import ControllerConfig
+
+    members = ["127.0.0.1:7010:7000"]
+    env = {"ADAMPS_TOKEN": "t" * 32, "ADAMPS_PEER_TOKEN": "p" * 32}
+    ctl = load(ControllerConfig, "controller", environ=env, args={"members": members})
+    assert ctl.peer_token == "p" * 32
+    assert "p" * 32 in ctl.password and "t" * 32 not in ctl.password
+    plain = load(ControllerConfig, "controller", environ={"ADAMPS_TOKEN": "t" * 32},
+                 args={"members": members})  # fmt: skip
+    assert plain.password != ctl.password
+    key = "ab" * 32
+    ps = load(PsConfig, "ps", environ={**env, "ADAMPS_PS_SERVER_KEY": key})
+    assert ps.own_key() == bytes.fromhex(key)
+    for cfg in (ctl, ps):
+        shown = to_dict(cfg)
+        assert all(shown[k] == "***" for k in ("token", "peer_token") if k in shown)
+        assert "p" * 32 not in repr(shown) and key not in repr(shown)
+    with pytest.raises(ValueError, match="server_key must be 64 hex digits"):
+        PsConfig(token="t" * 32, server_key="nothex")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import select
 import socket
 import struct
@@ -170,6 +171,32 @@ async def test_raft_port_drops_a_huge_unauthenticated_frame_at_once(ctl: Ctl) ->
     assert closed_after is not None, "the controller kept the connection open"
     assert sent < 16 << 20, f"the controller read {sent} bytes before dropping the connection"
     assert time.monotonic() - t0 < 5
+    await assert_serving(ctl)
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        struct.pack("i", 200) + bytes(range(200)),  # a frame that does not decrypt
+        struct.pack("i", -5) + b"garbage",  # a negative length
+        struct.pack("i", 12) + b"\x80\x04garbage!!",  # what looks like a pickle, unauthenticated
+        b"GET / HTTP/1.1\r\n\r\n",  # somebody else's protocol
+    ],
+)
+async def test_raft_port_survives_garbage(ctl: Ctl, junk: bytes) -> None:
+    """Issue 28 item 5: every accept loop survives any input; the Raft port closes the
+    connection and its node keeps committing."""
+
+    def attack() -> float | None:
+        with socket.create_connection(("127.0.0.1", ctl.raft), timeout=5) as s:
+            try:
+                s.sendall(junk)
+            except (ConnectionResetError, BrokenPipeError):
+                return 0.0
+            return _recv_until_closed(s, 8.0)
+
+    closed_after = await asyncio.to_thread(attack)
+    assert closed_after is not None, "the controller kept a garbage connection open"
     await assert_serving(ctl)
 
 
@@ -426,3 +453,67 @@ async def test_progress_takes_only_finite_in_range_values(ctl: Ctl, report: dict
 async def test_progress_query_epoch_is_bounded(ctl: Ctl) -> None:
     status, body = await ctl.call("GET", "/progress?epoch=" + "9" * 5000)
     assert status == 400 and body["error"]["code"] == "bad_request"
+
+
+# -- issue 28, item 7: refused admin operations are logged and counted -------------------------
+
+
+def refused(c: Ctl, endpoint: str, reason: str) -> float:
+    v = c.service.registry.get_sample_value(
+        "adamps_controller_refused_total", {"endpoint": endpoint, "reason": reason}
+    )
+    return v or 0.0
+
+
+@pytest.mark.parametrize(
+    "path, headers, endpoint, status, reason",
+    [
+        ("/buckets/0/declare-lost", {"Authorization": ""}, "declare-lost", 401, "unauthorized"),
+        ("/buckets/0/declare-lost", {"Authorization": "Bearer guess"}, "declare-lost", 401,
+         "unauthorized"),
+        ("/buckets/0/declare-lost", {}, "declare-lost", 409, None),  # nothing to declare lost
+        ("/buckets/99999/declare-lost", {}, "declare-lost", 404, "unknown_bucket"),
+        ("/buckets/0/nope", {}, "unknown", 404, "not_found"),
+        ("/servers/s1/drain", {"Authorization": "Bearer guess"}, "drain", 401, "unauthorized"),
+        ("/rebalance", {"Authorization": ""}, "rebalance", 401, "unauthorized"),
+    ],
+)  # fmt: skip
+async def test_refused_admin_operations_are_logged_and_counted(
+    ctl: Ctl, caplog: pytest.LogCaptureFixture, path, headers, endpoint, status, reason
+) -> None:
+    caplog.set_level(logging.WARNING, logger="controller.forwarding")
+    got, body = await ctl.call("POST", path, {}, headers=headers)
+    assert 400 <= got < 500, body
+    if status != 409:
+        assert got == status, body
+    code = body["error"]["code"]
+    assert reason is None or code == reason
+    assert refused(ctl, endpoint, code) == 1.0
+    lines = [r.getMessage() for r in caplog.records if r.name == "controller.forwarding"]
+    assert any("refused POST " + path in m and code in m for m in lines), lines
+
+
+async def test_a_granted_operation_is_not_counted_as_refused(ctl: Ctl) -> None:
+    status, body = await ctl.call("POST", "/rebalance", {})
+    assert status == 200, body
+    samples = [
+        s
+        for metric in ctl.service.registry.collect()
+        if metric.name == "adamps_controller_refused"
+        for s in metric.samples
+        if s.name.endswith("_total")
+    ]
+    assert samples == []
+
+
+async def test_refused_server_calls_are_all_counted_and_logged_once_per_10_s(
+    ctl: Ctl, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="controller.forwarding")
+    for _ in range(3):  # a server nobody registered keeps heartbeating
+        status, body = await ctl.call("POST", "/servers/ghost/heartbeat", {"epochs": {}})
+        assert 400 <= status < 500, body
+    code = body["error"]["code"]
+    assert refused(ctl, "heartbeat", code) == 3.0
+    lines = [r.getMessage() for r in caplog.records if "heartbeat" in r.getMessage()]
+    assert len(lines) == 1, lines

@@ -150,6 +150,9 @@ def test_compose_file_is_valid_and_has_the_default_topology(resolved: dict[str, 
         svc = resolved["services"][name]
         # The token reaches every process from the environment, interpolated by Compose.
         assert svc["environment"]["ADAMPS_TOKEN"] == TOKEN, name
+        # The peer token (issue 28) reaches the controllers and servers only, never a trainer.
+        has_peer = "ADAMPS_PEER_TOKEN" in svc["environment"]
+        assert has_peer == (services[name][0] in ("controller", "ps")), name
     for name in roles["train"]:
         assert flag(services[name], "--model") == "adam-mnist"
         assert int(flag(services[name], "--n-replicas")) == len(roles["train"])

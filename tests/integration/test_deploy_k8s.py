@@ -23,6 +23,7 @@ import yaml
 
 from adamps import config as aconfig
 from adamps.cli import COMMANDS
+from adamps.token import WELL_KNOWN
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -204,6 +205,22 @@ def test_the_token_comes_from_the_secret() -> None:
         ref = env["ADAMPS_TOKEN"]["valueFrom"]["secretKeyRef"]
         assert (ref["name"], ref["key"]) == (SECRET, "token"), w["metadata"]["name"]
         assert not any("token" in a.lower() for a in c["args"])
+
+
+def test_the_peer_token_reaches_controllers_and_servers_only() -> None:
+    """Issue 28: the peer token (replication between servers, the Raft password) is not given
+    to trainers or data servers, and its placeholder is refused."""
+    (secret,) = [d for _f, d in documents() if d["kind"] == "Secret"]
+    assert "peer-token" in secret["stringData"]
+    assert secret["stringData"]["peer-token"] in WELL_KNOWN
+    given = set()
+    for _w, c in adamps_containers():
+        env = {e["name"]: e for e in c["env"]}
+        if "ADAMPS_PEER_TOKEN" in env:
+            ref = env["ADAMPS_PEER_TOKEN"]["valueFrom"]["secretKeyRef"]
+            assert (ref["name"], ref["key"]) == (SECRET, "peer-token")
+            given.add(c["args"][0])
+    assert given == {"controller", "ps"}
 
 
 def test_every_container_command_parses_with_its_roles_flags_and_config() -> None:

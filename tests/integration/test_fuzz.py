@@ -330,6 +330,30 @@ def test_any_authorization_header_without_the_token_is_401(
     assert reply.startswith((b"HTTP/1.1 401", b"HTTP/1.1 400", b"HTTP/1.0 400")), reply[:200]
 
 
+@settings(FUZZ, max_examples=60)
+@given(
+    x=st.sampled_from(["", "short", "long", "nope", "w", "a@b", 3, None]),
+    y=st.sampled_from(["", "short", "long", "nope"]),
+    shards=st.one_of(
+        st.sampled_from([["w/0"], ["w/0", "w/1"], ["w/9"], [], ["w@short/0"], "w/0"]),
+        st.lists(st.text(max_size=6), max_size=3),
+    ),
+)
+def test_vec_dot_of_any_vectors_is_a_4xx_or_a_dot(ps_server: PsUnderTest, x, y, shards) -> None:
+    """Issue 28 item 6: vec_dot with y of the wrong length was a 500 (np.dot raised)."""
+    if "w@short" not in ps_server.ps.store.tensors:  # vectors beside w of other lengths
+        ps_server.rpc.call("create", name="w@short", shape=[40, 10])
+        ps_server.rpc.call("create", name="w@long", shape=[2000])
+    before = ps_server.state()
+    body = protocol.encode(protocol.request("vec_dot", x=x, y=y, shards=shards))
+    status, reply, ctype = http_call(
+        ps_server.port, "POST", "/rpc", body, {"Content-Type": "application/msgpack"}
+    )
+    if status != 200:
+        assert_client_error(status, reply, ctype)
+    assert ps_server.state() == before
+
+
 # -- the PS data port ---------------------------------------------------------------------------
 
 

@@ -33,6 +33,7 @@ from replicated_cluster import (  # noqa: E402
     digests_agree,
     make_client,
     running_cluster,
+    signed_frame,
 )
 
 pytestmark = pytest.mark.slow
@@ -102,14 +103,18 @@ def test_hostile_replication_frames_on_the_data_port_change_nothing(tmp_path: Pa
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             kind, reply = _exchange(s, _repl_frame([], token="guess"))
             assert kind == ERROR and reply["error"]["code"] == "unauthorized"
-        overrun = [{"op": "repl_ping", "sender": "x", "buckets": {},
+        me, peer = c.server_ids[0], c.server_ids[1]
+        overrun = [{"op": "repl_ping", "sender": peer, "buckets": {},
                     "a": {"dtype": "float32", "shape": [16], "at": 0}}]  # fmt: skip
-        stale = [{"op": "repl_commit", "bucket": 0, "epoch": 10**6, "sender": "x", "seq": 1}]
+        stale = [{"op": "repl_commit", "bucket": 0, "epoch": 10**6, "sender": peer, "seq": 1}]
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            kind, reply = _exchange(s, _repl_frame(overrun, payload=bytes(8)))
+            kind, reply = _exchange(s, signed_frame(c, peer, me, overrun, payload=bytes(8)))
             assert kind == ERROR and reply["error"]["code"] == "bad_length", reply
-            kind, reply = _exchange(s, _repl_frame(stale))  # the connection is still usable
+            kind, reply = _exchange(s, signed_frame(c, peer, me, stale))  # still usable
             assert kind == REPLY and reply["results"][0]["error"]["code"] == "unavailable", reply
+            # the same frame with the cluster token only (no peer's MAC): refused
+            kind, reply = _exchange(s, _repl_frame(stale))
+            assert kind == ERROR and reply["error"]["code"] == "forbidden", reply
         client.push_dense("x", np.ones(n, np.float32))
         values, _ = client.pull(["x"])
         assert np.array_equal(values["x"], np.full(n, 2, np.float32))

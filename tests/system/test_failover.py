@@ -30,6 +30,7 @@ from replicated_cluster import (  # noqa: E402  (in tests/; the tests import in 
     digests_agree,
     make_client,
     running_cluster,
+    signed,
 )
 
 pytestmark = pytest.mark.slow
@@ -120,9 +121,11 @@ def test_primary_paused_beyond_its_lease_is_fenced(cluster: LocalCluster) -> Non
         rpc.call("push_dense", shards={sid: np.zeros(layout.shards[sid].shape, np.float32)})
     assert info.value.code == "not_primary"
     # ... and a 2PC message under its old epoch is refused by the bucket's members.
-    member = view["servers"][entry["secondaries"][0]]["address"]
+    sec = entry["secondaries"][0]
+    member = view["servers"][sec]["address"]
     with SyncRpc(member, TOKEN) as rpc, pytest.raises(RpcError) as info:
-        rpc.call("repl_prepare", bucket=b, epoch=state["epoch"], sender=victim, entries=[])
+        signed(rpc, cluster, victim, sec, "repl_prepare", bucket=b, epoch=state["epoch"],
+               sender=victim, entries=[])  # fmt: skip
     assert info.value.code == "stale_epoch"
 
 

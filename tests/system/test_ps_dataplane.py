@@ -30,6 +30,7 @@ from adamps.dataplane_client import (
 )
 from adamps.procs import Proc, adamps_argv, free_port
 from adamps.rpc import RpcError, SyncRpc
+from adamps.server.peer_keys import PeerKeys
 from adamps.server.repl_peers import PeerChannel, Peers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -255,7 +256,7 @@ def test_a_peer_whose_data_plane_takes_no_repl_multi_gets_it_over_http(server: S
 
     async def call() -> tuple[RpcError, PeerChannel]:
         async with aiohttp.ClientSession() as session:
-            peers = Peers(TOKEN, 5.0)
+            peers = Peers(TOKEN, 5.0, PeerKeys("new", None, lambda: None, lambda _s: True))
             peers.session = session
             peers.addresses["old"] = f"127.0.0.1:{server.port}"
             channel = peers.channel("old")

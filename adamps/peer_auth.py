@@ -1,0 +1,86 @@
+"""Peer identity: which server sent a replication message (issue 28). Pure functions, no IO.
+
+The cluster token authenticates clients, and every trainer holds it; it cannot tell one server
+from another or from a trainer. A second secret, the **peer token**, is known to the controllers
+only. From it:
+
+- each server's own key ``S_X = HMAC(peer_token, "server" | X)``, given to server X alone (its
+  ``server_key``; ``adamps up`` hands each server its own). With S_X a server proves to any
+  controller that it is X (``proof``), and gets from the controllers
+- the pairwise keys ``K_XY = HMAC(peer_token, "pair" | min(X, Y) | max(X, Y))`` of the peers it
+  talks to. Every replication message from X to Y carries X's id and an HMAC-SHA256 under
+  ``K_XY`` of its exact bytes (``mac``); Y checks it with the same key, and then that the
+  message's ``sender`` is X.
+
+A server knows only its own S_X and the K_XY with itself in them: it cannot derive another
+server's key or the key of a pair it is not in, so it can speak only as itself, and a trainer
+(no key at all) cannot speak to a server as a peer. The controllers hold the peer token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+
+#: the HTTP header of a peer's request on /rpc: "<sender id> <hex HMAC of the body>"
+PEER_HEADER = "X-Adamps-Peer"
+#: bytes of a MAC (appended to a data-plane frame's payload)
+MAC_SIZE = 32
+#: seconds a server's proof of its key stays valid (clocks of servers and controllers may differ)
+PROOF_WINDOW = 300.0
+
+
+def _h(key: bytes, *parts: str) -> bytes:
+    return hmac.new(key, "\0".join(parts).encode(), hashlib.sha256).digest()
+
+
+def server_key(peer_token: str, server: str) -> bytes:
+    """S_X: server X's own key."""
+    return _h(peer_token.encode(), "server", server)
+
+
+def pair_key(peer_token: str, a: str, b: str) -> bytes:
+    """K_XY: the key of the pair of servers a and b (the same both ways)."""
+    lo, hi = sorted((a, b))
+    return _h(peer_token.encode(), "pair", lo, hi)
+
+
+def proof(key: bytes, server: str, when: int) -> str:
+    """What server X sends the controllers to show it holds S_X (at unix time `when`)."""
+    return _h(key, "peer-keys", server, str(when)).hex()
+
+
+def proof_ok(peer_token: str, server: str, when: int, got: str, now: float) -> bool:
+    """Whether `got` is server's proof at `when`, and `when` is within PROOF_WINDOW of now."""
+    if abs(now - when) > PROOF_WINDOW:
+        return False
+    want = proof(server_key(peer_token, server), server, when)
+    return hmac.compare_digest(want.encode(), got.encode("ascii", "replace"))
+
+
+def mac(key: bytes, parts: Iterable[bytes | bytearray | memoryview]) -> bytes:
+    """HMAC-SHA256 of the concatenated parts (the message's bytes as sent)."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def mac_ok(key: bytes, parts: Iterable[bytes | bytearray | memoryview], got: bytes) -> bool:
+    return hmac.compare_digest(mac(key, parts), bytes(got))
+
+
+def header(sender: str, key: bytes, body: bytes) -> str:
+    return f"{sender} {mac(key, [body]).hex()}"
+
+
+def parse_header(value: str) -> tuple[str, bytes] | None:
+    """(sender, MAC) of a PEER_HEADER value, or None if malformed."""
+    sender, _, hexmac = value.strip().partition(" ")
+    if not sender or len(hexmac) != 2 * MAC_SIZE:
+        return None
+    try:
+        return sender, bytes.fromhex(hexmac)
+    except ValueError:
+        return None

@@ -1,0 +1,134 @@
+"""This server's peer identity (adamps.peer_auth): its own key, the pairwise keys it got from the
+controllers, and the checks of a replication message's sender. Event-loop thread only.
+
+A replication op (``PEER_OPS``) is served only when its request proved who sent it: the MAC of
+the request's bytes under the pair key of (sender, this server), and the message's own sender
+fields naming that same server. So a secondary accepts PREPARE and COMMIT only from the server
+the MAC proves, and the replica state machine then checks that this server is the bucket's
+current primary at that epoch (adamps.core.replication). Without a key (``own`` is None: no
+server_key and no peer_token configured) peer identity is off and the cluster token is enough,
+as before issue 28; the server says so in its log at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from adamps import peer_auth
+from adamps.protocol import ProtocolError
+
+#: the replication ops that need a peer's proof (``digest`` is a read: the cluster token will do)
+PEER_OPS = ("repl_prepare", "repl_commit", "repl_ping", "repl_multi", "repl_snapshot")
+
+
+def forbidden(op: str, why: str) -> ProtocolError:
+    return ProtocolError(
+        "forbidden",
+        f"{op} is a replication op between servers and needs a server's peer credential "
+        f"({peer_auth.PEER_HEADER} on /rpc, a MAC on the data port): {why}. The cluster token "
+        "is a client credential and cannot send it",
+    )
+
+
+def senders(op: str, msg: dict[str, Any]) -> Iterable[Any]:
+    """The server ids a replication message claims to come from (all must be the prover)."""
+    if op == "repl_snapshot":
+        yield msg.get("joiner")
+    elif op == "repl_multi":
+        items = msg.get("items")
+        for item in items if isinstance(items, list) else ():
+            if isinstance(item, dict):
+                yield item.get("sender")
+    else:
+        yield msg.get("sender")
+
+
+class PeerKeys:
+    """This server's own key and its pairwise keys (fetched from the controllers once each)."""
+
+    def __init__(
+        self,
+        server_id: str,
+        own: bytes | None,
+        controller: Callable[[], Any],
+        known: Callable[[str], bool],
+    ) -> None:
+        self.server_id = server_id
+        #: S_X; None = peer identity off
+        self.own = own
+        #: the controllers' client (opened later, at the replicator's start)
+        self._controller = controller
+        #: whether a server id is one of the cluster's servers (keys are fetched for those only:
+        #: a forged sender id costs the controllers nothing)
+        self._known = known
+        #: peer id -> K_(this server, peer)
+        self.keys: dict[str, bytes] = {}
+        self._fetching: dict[str, asyncio.Future] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.own is not None
+
+    async def key(self, peer: str) -> bytes:
+        """K_(this server, peer), from the controllers the first time (one request at a time
+        per peer)."""
+        k = self.keys.get(peer)
+        if k is not None:
+            return k
+        fut = self._fetching.get(peer)
+        if fut is None:
+            fut = self._fetching[peer] = asyncio.ensure_future(self._fetch(peer))
+            fut.add_done_callback(lambda _f: self._fetching.pop(peer, None))
+        return await asyncio.shield(fut)
+
+    async def _fetch(self, peer: str) -> bytes:
+        assert self.own is not None
+        when = int(time.time())
+        reply = await self._controller().peer_keys(
+            self.server_id, [peer], when, peer_auth.proof(self.own, self.server_id, when)
+        )
+        k = bytes.fromhex(reply["keys"][peer])
+        self.keys[peer] = k
+        return k
+
+    async def sign(self, peer: str, body: bytes) -> tuple[tuple[str, str], ...]:
+        """The header that proves `body` comes from this server (none when identity is off)."""
+        if not self.enabled:
+            return ()
+        return (
+            (peer_auth.PEER_HEADER, peer_auth.header(self.server_id, await self.key(peer), body)),
+        )
+
+    async def prover(
+        self, op: str, parts: list[Any], claimed: str | None, got: bytes | None
+    ) -> str:
+        """The peer whose MAC `got` of `parts` is (it claims to be `claimed`); ProtocolError
+        forbidden otherwise."""
+        if claimed is None or got is None:
+            raise forbidden(op, "no peer credential in the request")
+        if not self._known(claimed):
+            raise forbidden(op, f"{claimed!r} is not a server of this cluster")
+        try:
+            key = await self.key(claimed)
+        except (KeyError, ValueError, TypeError) as exc:  # a controller's odd answer
+            raise forbidden(op, f"no pair key for {claimed!r}: {exc!r}") from None
+        except (ConnectionError, TimeoutError, OSError, ProtocolError) as exc:
+            # The controllers cannot say now (down, no quorum, or they refused this server's
+            # own proof): not the sender's fault; it retries like any failed round.
+            raise ProtocolError(
+                "unavailable",
+                f"cannot get the pair key of {claimed!r} from the controllers now: {exc}",
+            ) from None
+        if not peer_auth.mac_ok(key, parts, got):
+            raise forbidden(op, f"the MAC does not prove server {claimed!r}")
+        return claimed
+
+    def check_senders(self, op: str, msg: dict[str, Any], peer: str) -> None:
+        """Every sender the message names is the server that proved it sent it."""
+        for s in senders(op, msg):
+            if not isinstance(s, str) or s != peer:
+                shown = repr(s) if isinstance(s, str | int | None) else type(s).__name__
+                raise forbidden(op, f"server {peer!r} may not send as {shown}")

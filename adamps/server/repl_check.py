@@ -1,0 +1,128 @@
+"""What a copy re-checks in every replicated batch before it keeps it (issue 28, item 1).
+
+A secondary used to trust its primary's batches: shard ids and update kinds were looked up, but a
+NaN delta, a delta of the wrong length or a tau of 1e39 was applied as sent, so a copy that may
+later be promoted could hold NaN, and a malformed batch raised TypeError (a 500). Each copy now
+runs the same checks on a batch as the primary ran on the push it came from (shapes, dtypes,
+finiteness, the bounds of adamps/server/bounds.py), whoever sent it. A batch that fails is
+refused as a whole (ProtocolError, a 4xx) before the replica state machine sees it.
+
+The cost is one min/max pass over each array a secondary receives (what the primary paid on the
+push); the batch is then turned into store parts as before (repl_wire.store_parts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from adamps.core.replication import Batch
+from adamps.protocol import ProtocolError
+from adamps.server import bounds
+from adamps.server.compressed import signs_of_wire
+from adamps.server.store import Store
+from adamps.server.vecapply import KINDS
+
+#: most rows k of the activation/error vectors of one push_fc (writepath.MAX_FC_K)
+MAX_FC_K = 65_536
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError("bad_request", f"replicated batch: {message}")
+
+
+def _str(u: dict[str, Any], name: str) -> str:
+    v = u.get(name)
+    if not isinstance(v, str):
+        raise _bad(f"field {name!r} of a {u.get('k')!r} update must be a string")
+    return v
+
+
+def _f32(u: dict[str, Any], name: str, ndim: int) -> np.ndarray:
+    v = u.get(name)
+    if not isinstance(v, np.ndarray) or v.dtype != np.float32 or v.ndim != ndim:
+        raise ProtocolError(
+            "bad_shape", f"replicated batch: field {name!r} must be a {ndim}-D float32 array"
+        )
+    return v
+
+
+def check_update(store: Store, u: Any) -> None:
+    """Raises ProtocolError (or StoreError for an unknown shard) unless `u` is an update the
+    primary could have accepted: a copy applies nothing it would have refused as a push."""
+    if not isinstance(u, dict):
+        raise _bad("an update must be a map")
+    kind = u.get("k")
+    if kind == "d":
+        st = store.shard(_str(u, "s"))
+        d = u.get("d")
+        if not isinstance(d, np.ndarray) or d.dtype != np.float32 or d.size != st.shard.size:
+            raise ProtocolError(
+                "bad_shape",
+                f"replicated batch: delta of shard {st.id} must be float32 with "
+                f"{st.shard.size} elements",
+            )
+        bounds.check_dense(st.id, d)
+    elif kind == "f":
+        t = store.tensor(_str(u, "t"))
+        sids = u.get("s")
+        if not isinstance(sids, list) or not all(isinstance(s, str) for s in sids):
+            raise _bad("field 's' of an fc update must be a list of shard ids")
+        if len(t.spec.shape) != 2:
+            raise _bad(f"fc update of tensor {t.spec.name!r}, which is not 2-D")
+        m, n = t.spec.shape
+        a, e = _f32(u, "a", 2), _f32(u, "e", 2)
+        k = a.shape[0]
+        if a.shape[1] != n or e.shape != (k, m) or not 1 <= k <= MAX_FC_K:
+            raise ProtocolError(
+                "bad_shape",
+                f"replicated batch: fc update needs a (k, {n}) and e (k, {m}), "
+                f"1 <= k <= {MAX_FC_K}; got {list(a.shape)} and {list(e.shape)}",
+            )
+        for sid in sids:
+            if store.shard(sid).shard.tensor != t.spec.name:
+                raise _bad(f"shard {sid!r} is not a shard of {t.spec.name!r}")
+        bounds.check_fc(a, e)
+    elif kind == "c":
+        st = store.shard(_str(u, "s"))
+        signs_of_wire(u, st.shard.size)  # tau (finite, > 0, bounded), words or Rice stream
+    elif kind == "v":
+        _check_vec(u)
+    else:
+        raise _bad(f"unknown update kind {kind!r}")
+
+
+def _check_vec(u: dict[str, Any]) -> None:
+    op = u.get("o")
+    if op not in KINDS:
+        raise _bad(f"unknown vector op {op!r}")
+    sids = u.get("s")
+    if not isinstance(sids, list) or not all(isinstance(s, str) for s in sids):
+        raise _bad("field 's' of a vector update must be a list of shard ids")
+    _str(u, "y")
+    if KINDS[op][0]:
+        _str(u, "x")
+    a = u.get("a", 0.0)
+    if isinstance(a, bool) or not isinstance(a, int | float) or not math.isfinite(a):
+        raise _bad(f"vector op alpha must be a finite number, got {a!r}")
+    if abs(a) > bounds.MAX_LR:
+        raise _bad(f"|alpha| must be <= {bounds.MAX_LR:g}, got {a!r}")
+    if op == "set":
+        v = _f32(u, "v", 1)
+        if v.size and bounds.max_abs("v", v) > bounds.MAX_VALUE:
+            raise _bad(f"set: values must be at most {bounds.MAX_VALUE:g} in magnitude")
+        if isinstance(u.get("f"), bool) or not isinstance(u.get("f"), int):
+            raise _bad("set: offset 'f' must be an int")
+
+
+def check_batches(store: Store, batches: Sequence[Batch]) -> None:
+    """Every update of every push of every batch (see check_update)."""
+    for b in batches:
+        for push in b.updates:
+            if not isinstance(push, tuple | list):
+                raise _bad("a push must be a list of updates")
+            for u in push:
+                check_update(store, u)

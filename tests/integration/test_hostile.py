@@ -1,0 +1,357 @@
+"""Issue 28, the probes that need no replication: a parameter server in-process on loopback (HTTP
+and data port), attacked the way the issue's report did.
+
+- a compressed push whose tau is beyond the gradient bound (1e39: inf as float32; 1e30);
+- a Rice bomb (a 16 MiB body of zero bytes that claims one element): refused before it expands,
+  without blocking the event loop or growing the process's memory;
+- a slowloris flood of the data port: connections that send a byte now and then are closed at
+  their header deadline, and a real client keeps being served while they hold the slots;
+- vec_dot of vectors of different lengths: a 4xx, not a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import socket
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from adamps import protocol
+from adamps import web as aweb
+from adamps.dataplane_client import REQUEST, DataPlaneClient, frame_header
+from adamps.procs import free_port
+from adamps.rpc import RpcError, SyncRpc
+from adamps.server.app import ParameterServer
+from adamps.server.config import PsConfig
+
+TOKEN = "hostile-token"
+HEADER_TIMEOUT = 1.0
+IDLE_TIMEOUT = 2.0
+MAX_CONNECTIONS = 32
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread (the server's), so that the test body may block."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+class Ps:
+    def __init__(self, root: Path) -> None:
+        self.lt = LoopThread()
+        self.port, self.data_port = free_port(), free_port()
+        self.ps = ParameterServer(
+            PsConfig(
+                port=self.port,
+                data_port=self.data_port,
+                token=TOKEN,
+                data_dir=str(root / "ps"),
+                owner_threads=1,
+                flush_interval=3600,
+                max_shard_elems=1000,
+                lmdb_sync=False,
+                header_timeout=HEADER_TIMEOUT,
+                idle_timeout=IDLE_TIMEOUT,
+                max_connections=MAX_CONNECTIONS,
+            )
+        )
+
+        async def up() -> Any:
+            return await aweb.serve(self.ps.make_app(), "127.0.0.1", self.port)
+
+        self.runner = self.lt.run(up())
+
+    def call(self, op: str, **fields: Any) -> Any:
+        """One request on a new connection (the tests' floods close idle keep-alive ones)."""
+        with SyncRpc(f"http://127.0.0.1:{self.port}", TOKEN) as rpc:
+            return rpc.call(op, **fields)
+
+    def pull(self, name: str) -> np.ndarray:
+        return self.call("pull", tensors=[name])["tensors"][name]
+
+    def close(self) -> None:
+        self.lt.run(self.runner.cleanup())
+        self.lt.stop()
+
+
+@pytest.fixture(scope="module")
+def ps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ps]:
+    s = Ps(tmp_path_factory.mktemp("hostile-ps"))
+    s.call("create", name="c", shape=[1000], optimizer={"kind": "sgd", "lr": -1.0})
+    s.call("create", name="d", shape=[20, 50], optimizer={"kind": "sgd", "lr": -1.0})
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+# -- item 2: tau beyond the gradient bound ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("tau", [1e39, 1e30, 2e12])
+@pytest.mark.parametrize("form", ["words", "rice"])
+def test_compressed_tau_beyond_the_gradient_bound_is_refused(ps: Ps, tau: float, form: str) -> None:
+    before = ps.pull("c")
+    upd: dict[str, Any] = {"tau": tau}
+    if form == "words":
+        upd["words"] = np.array([2, 7], np.uint32)
+    else:
+        upd.update(n=1, k=0, rice=np.array([0b00100000], np.uint8))  # index 1, positive
+    with pytest.raises(RpcError) as err:
+        ps.call("push_compressed", shards={"c/0": upd})
+    assert err.value.status == 400 and err.value.code == "bad_request", err.value
+    assert "tau" in err.value.message and "1e+12" in err.value.message
+    after = ps.pull("c")
+    np.testing.assert_array_equal(after, before)
+    assert np.isfinite(after).all()
+
+
+def test_compressed_tau_at_the_bound_is_accepted(ps: Ps) -> None:
+    before = ps.pull("c")
+    ps.call("push_compressed", shards={"c/0": {"tau": 1e12, "words": np.array([6], np.uint32)}})
+    after = ps.pull("c")
+    assert after[3] == np.float32(before[3] + np.float32(1e12))
+    ps.call("push_compressed", shards={"c/0": {"tau": 1e12, "words": np.array([7], np.uint32)}})
+    np.testing.assert_array_equal(ps.pull("c"), before)
+
+
+# -- item 4: a Rice bomb ---------------------------------------------------------------------------
+
+
+def _peak_rss_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # 5: reset the peak RSS (VmHWM) to the current
+        f.write("5")
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(field)
+
+
+def test_rice_bomb_is_refused_before_it_expands(ps: Ps) -> None:
+    before = ps.pull("c")
+    body = protocol.encode(
+        protocol.request(
+            "push_compressed",
+            shards={"c/0": {"tau": 1.0, "n": 1, "k": 0, "rice": np.zeros(16 << 20, np.uint8)}},
+        )
+    )
+    _peak_rss_reset()
+    base = _rss_kib("VmRSS")
+    result: dict[str, Any] = {}
+
+    def bomb() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", ps.port, timeout=30)
+        t0 = time.monotonic()
+        conn.request(
+            "POST",
+            "/rpc",
+            body,
+            {"Content-Type": "application/msgpack", "Authorization": f"Bearer {TOKEN}"},
+        )
+        resp = conn.getresponse()
+        result.update(status=resp.status, body=resp.read(), took=time.monotonic() - t0)
+        conn.close()
+
+    t = threading.Thread(target=bomb)
+    t.start()
+    worst = 0.0
+    while t.is_alive():  # the event loop keeps answering while the bomb is read and refused
+        t0 = time.monotonic()
+        conn = http.client.HTTPConnection("127.0.0.1", ps.port, timeout=10)
+        conn.request("GET", "/healthz")
+        assert conn.getresponse().status == 200
+        conn.close()
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.02)
+    t.join()
+    grown_mib = (_rss_kib("VmHWM") - base) / 1024
+    assert result["status"] == 400, result
+    assert worst < 0.5, f"/healthz waited {worst:.2f} s"
+    # the body itself is 16 MiB, read once by the server and held once by the client here;
+    # expanding it to bits and their positions (issue 28) took 1.3 GB
+    assert grown_mib < 160, f"peak RSS grew by {grown_mib:.0f} MiB"
+    assert result["took"] < 5.0, result["took"]
+    text = result["body"].decode("utf-8", "replace")
+    assert "Rice stream" in text and "longer than" in text, text
+    np.testing.assert_array_equal(ps.pull("c"), before)
+
+
+# -- item 3: slowloris on the data port ------------------------------------------------------------
+
+
+def _slow_connection(port: int) -> socket.socket:
+    """A connection that sends a frame header announcing a 60,000-byte meta, then trickles it."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(frame_header(REQUEST, 60_000, 0))
+    s.setblocking(False)
+    return s
+
+
+def _closed(s: socket.socket) -> bool:
+    try:
+        return s.recv(65536) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_slowloris_on_the_data_port_is_closed_at_its_deadline(ps: Ps) -> None:
+    n_slow = MAX_CONNECTIONS + 16  # more than the server holds
+    slow: list[socket.socket] = []
+    opened: list[float] = []
+    closed_after: dict[int, float] = {}
+    served = failed = 0
+    errors: list[str] = []
+    t_end = time.monotonic() + 4 * HEADER_TIMEOUT
+    next_byte = 0.0
+    delta = np.ones((20, 50), np.float32)
+    while time.monotonic() < t_end:
+        now = time.monotonic()
+        if len(slow) < n_slow:  # open the flood gradually, interleaved with the real client
+            for _ in range(8):
+                slow.append(_slow_connection(ps.data_port))
+                opened.append(time.monotonic())
+        if now >= next_byte:  # one byte per slow connection every 0.2 s: never idle
+            next_byte = now + 0.2
+            for i, s in enumerate(slow):
+                if i in closed_after:
+                    continue
+                if _closed(s):
+                    closed_after[i] = time.monotonic() - opened[i]
+                    continue
+                try:
+                    s.send(b"\x81")
+                except OSError:
+                    closed_after[i] = time.monotonic() - opened[i]
+        try:  # a real client, a new connection every time (as after a restart)
+            with DataPlaneClient("127.0.0.1", ps.data_port, TOKEN, timeout=5) as c:
+                c.push_dense("d", delta)
+            served += 1
+        except (OSError, protocol.ProtocolError) as exc:
+            failed += 1
+            errors.append(repr(exc))
+        time.sleep(0.05)
+    for s in slow:
+        s.close()
+    assert failed == 0 and served > 10, (served, failed, errors[:3])
+    # every slow connection was closed, none later than its deadline (+ the sweep's period and
+    # this loop's), although each sent a byte every 0.2 s
+    assert len(closed_after) == n_slow, f"{n_slow - len(closed_after)} still open"
+    assert max(closed_after.values()) < HEADER_TIMEOUT + 1.5, sorted(closed_after.values())[-3:]
+
+
+def _trickle_flood(
+    connect: Any, client: Any, n_slow: int, seconds: float
+) -> tuple[dict[int, float], int, list[str]]:
+    """`n_slow` connections from `connect()` each sending one byte every 0.2 s, opened 8 at a
+    time, while `client()` runs again and again; (seconds each slow one lived, client calls
+    served, client errors)."""
+    slow: list[socket.socket] = []
+    opened: list[float] = []
+    closed_after: dict[int, float] = {}
+    served, errors = 0, []
+    t_end = time.monotonic() + seconds
+    next_byte = 0.0
+    while time.monotonic() < t_end:
+        now = time.monotonic()
+        if len(slow) < n_slow:
+            for _ in range(8):
+                slow.append(connect())
+                opened.append(time.monotonic())
+        if now >= next_byte:
+            next_byte = now + 0.2
+            for i, s in enumerate(slow):
+                if i in closed_after:
+                    continue
+                if _closed(s):
+                    closed_after[i] = time.monotonic() - opened[i]
+                    continue
+                try:
+                    s.send(b"a")
+                except OSError:
+                    closed_after[i] = time.monotonic() - opened[i]
+        try:
+            client()
+            served += 1
+        except (OSError, protocol.ProtocolError) as exc:
+            errors.append(repr(exc))
+        time.sleep(0.05)
+    for s in slow:
+        s.close()
+    return closed_after, served, errors
+
+
+def test_slowloris_on_the_http_port_is_closed_and_clients_are_served(ps: Ps) -> None:
+    def connect() -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", ps.port), timeout=5)
+        s.sendall(b"POST /rpc HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # a head that never ends
+        s.setblocking(False)
+        return s
+
+    def client() -> None:
+        with SyncRpc(f"http://127.0.0.1:{ps.port}", TOKEN, timeout=5) as rpc:
+            rpc.call("pull", tensors=["c"])
+
+    n_slow = MAX_CONNECTIONS + 16
+    closed_after, served, errors = _trickle_flood(connect, client, n_slow, 4 * HEADER_TIMEOUT)
+    assert not errors and served > 10, (served, errors[:3])
+    assert len(closed_after) == n_slow, f"{n_slow - len(closed_after)} still open"
+    assert max(closed_after.values()) < HEADER_TIMEOUT + 1.5, sorted(closed_after.values())[-3:]
+
+
+def test_a_head_trickled_after_a_request_is_closed_at_the_idle_deadline(ps: Ps) -> None:
+    """On a keep-alive connection, the next request's head is bounded too: a byte every 0.2 s
+    after the first request does not keep the connection open past idle_timeout."""
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=5) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        s.setblocking(False)
+        t0 = time.monotonic()
+        closed = None
+        for ch in b"GET /healthz HTTP/1.1\r\nX-Slow: " + b"a" * 100:
+            if _closed(s):
+                closed = time.monotonic() - t0
+                break
+            try:
+                s.send(bytes([ch]))
+            except OSError:
+                closed = time.monotonic() - t0
+                break
+            time.sleep(0.2)
+    assert closed is not None and closed < IDLE_TIMEOUT + 1.0, closed
+
+
+# -- item 6: vec_dot of vectors of different lengths -----------------------------------------------
+
+
+def test_vec_dot_of_vectors_of_different_lengths_is_a_4xx(ps: Ps) -> None:
+    ps.call("create", name="v", shape=[100], optimizer={"kind": "sgd", "lr": 1.0})
+    ps.call("create", name="v@y", shape=[60], optimizer={"kind": "sgd", "lr": 1.0})
+    with pytest.raises(RpcError) as err:
+        ps.call("vec_dot", shards=["v/0"], x="", y="y")
+    assert err.value.status == 400 and err.value.code == "bad_shape", err.value
+    assert "'y'" in err.value.message
+    assert ps.call("vec_dot", shards=["v/0"], x="", y="")["dots"] == {"v/0": 0.0}

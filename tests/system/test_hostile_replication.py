@@ -1,0 +1,267 @@
+"""Issue 28 against a real replicated cluster (1 controller, 3 parameter servers, processes on
+loopback, peer identity on as `adamps up` sets it): what a holder of the cluster token, or a
+server, could do to the replicas, and malformed replication messages.
+
+- the issue's attack: a PREPARE + COMMIT of a +1000 batch to a secondary, claiming to be the
+  bucket's primary (its id, the current epoch, seq = committed + 1), with the cluster token only:
+  403 naming the credential, on /rpc and on the data port; nothing applied;
+- a server cannot impersonate another: its own pair key with the secondary does not make a
+  message from the primary;
+- a NaN batch signed as the primary itself (the test holds the peer token) is refused by the
+  secondary's own checks, not applied, and the replicas agree afterwards;
+- malformed repl_* messages on /rpc, signed as the primary: a 4xx with a JSON error, never a 500.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adamps import peer_auth, protocol
+from adamps.dataplane_client import ERROR, REQUEST, frame_header
+from adamps.localcluster import LocalCluster
+from adamps.rpc import RpcError, SyncRpc, rpc_request
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from frames import read_frame  # noqa: E402
+from replicated_cluster import (  # noqa: E402  (in tests/; the tests import in importlib mode)
+    SHARD,
+    TOKEN,
+    digests_agree,
+    make_client,
+    running_cluster,
+    signed,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Any, Any]]:
+    root = tmp_path_factory.mktemp("hostile-repl")
+    with running_cluster(root, n_servers=3, n_controllers=1) as c:
+        client, layout = make_client(c)
+        client.push_dense("x", np.ones(16_000, np.float32))
+        try:
+            yield c, client, layout
+        finally:
+            client.close()
+
+
+def _target(c: LocalCluster, layout: Any) -> dict[str, Any]:
+    """Bucket 0's members, addresses, one of its shards and the secondary's position (once
+    every copy has every batch)."""
+    digests_agree(c)
+    view = c.cluster()
+    assert view is not None
+    b = next(x for x in view["buckets"] if x["bucket"] == 0 and x["secondaries"])
+    servers = view["servers"]
+    sid = next(s for s, bucket in layout.bucket_of.items() if bucket == 0)
+    sec = b["secondaries"][0]
+    with SyncRpc(servers[sec]["address"], TOKEN) as rpc:
+        pos = rpc.call("digest", bucket=0)
+        status = rpc.get_json("/status")
+    return {
+        "primary": b["primary"],
+        "secondary_id": sec,
+        "other": next(s for s in servers if s not in (b["primary"], sec)),
+        "secondary": servers[sec]["address"],
+        "data_port": int(status["data_port"]),
+        "sid": sid,
+        "epoch": pos["epoch"],
+        "committed": pos["committed"],
+        "digest": pos["digest"],
+    }
+
+
+def _forged_prepare(t: dict[str, Any], delta: np.ndarray) -> dict[str, Any]:
+    seq = t["committed"] + 1
+    batch = {
+        "seq": seq,
+        "epoch": t["epoch"],
+        "updates": [[{"k": "d", "s": t["sid"], "d": delta}]],
+        "clients": [None],
+    }
+    return {"bucket": 0, "sender": t["primary"], "epoch": t["epoch"], "entries": [batch]}
+
+
+def _digest(t: dict[str, Any]) -> tuple[int, str]:
+    with SyncRpc(t["secondary"], TOKEN) as rpc:
+        after = rpc.call("digest", bucket=0)
+    return after["committed"], after["digest"]
+
+
+def test_a_cluster_token_holder_cannot_send_replication_ops(cluster) -> None:
+    c, client, layout = cluster
+    t = _target(c, layout)
+    plus = np.full(SHARD, 1000.0, np.float32)
+    seq = t["committed"] + 1
+    with SyncRpc(t["secondary"], TOKEN) as rpc:
+        for op, fields in [
+            ("repl_prepare", {**_forged_prepare(t, plus), "commit": seq}),
+            ("repl_commit", {"bucket": 0, "sender": t["primary"], "epoch": t["epoch"], "seq": seq}),
+            ("repl_ping", {"sender": t["primary"], "buckets": {"0": t["epoch"]}}),
+            ("repl_multi", {"items": [{"op": "repl_prepare", **_forged_prepare(t, plus)}]}),
+            ("repl_snapshot", {"bucket": 0, "joiner": t["secondary_id"]}),
+        ]:
+            with pytest.raises(RpcError) as err:
+                rpc.call(op, **fields)
+            assert err.value.http_status == 403 and err.value.code == "forbidden", (op, err.value)
+            assert "cluster token is a client credential" in err.value.message
+    # the data port: the same message as a repl_multi frame, with the cluster token
+    req = protocol.request("repl_multi", token=TOKEN,
+                           items=[{"op": "repl_prepare", **_forged_prepare(t, plus)}])  # fmt: skip
+    meta, parts, n = protocol.encode_oob(req)
+    with socket.create_connection(("127.0.0.1", t["data_port"]), timeout=10) as s:
+        s.sendall(frame_header(REQUEST, len(meta), n) + meta + b"".join(bytes(p) for p in parts))
+        kind, reply = read_frame(s)
+    assert kind == ERROR and reply["error"]["code"] == "forbidden", reply
+    assert _digest(t) == (t["committed"], t["digest"])
+
+
+def test_a_server_cannot_impersonate_another(cluster) -> None:
+    c, client, layout = cluster
+    t = _target(c, layout)
+    plus = np.full(SHARD, 1000.0, np.float32)
+    other, sec, primary = t["other"], t["secondary_id"], t["primary"]
+    forged = _forged_prepare(t, plus)  # sender: the primary
+    with SyncRpc(t["secondary"], TOKEN) as rpc:
+        # the other server signs with its own pair key, as itself, a message naming the primary
+        with pytest.raises(RpcError) as err:
+            signed(rpc, c, other, sec, "repl_prepare", **forged)
+        assert err.value.http_status == 403 and "may not send as" in err.value.message
+        # ... or claims the primary's id in the header, with its own key: the MAC fails
+        req = rpc_request("repl_prepare", **forged)
+        assert req.body is not None
+        own = peer_auth.pair_key(c.peer_token, other, sec)
+        bad = ((peer_auth.PEER_HEADER, f"{primary} {peer_auth.mac(own, [req.body]).hex()}"),)
+        with pytest.raises(RpcError) as err:
+            rpc.send(dataclasses.replace(req, extra_headers=bad))
+        assert err.value.http_status == 403 and "does not prove" in err.value.message
+    # and the controllers give a server's pair keys only to that server
+    with SyncRpc(c.controllers[0], TOKEN) as ctl:
+        with pytest.raises(RpcError) as err:
+            ctl.post_json(
+                f"/servers/{primary}/peer-keys", {"peers": [sec], "time": 0, "proof": "0"}
+            )
+        assert err.value.http_status == 403
+    assert _digest(t) == (t["committed"], t["digest"])
+
+
+def test_a_nan_batch_from_the_primary_itself_is_refused_by_the_secondary(cluster) -> None:
+    c, client, layout = cluster
+    t = _target(c, layout)
+    nan = np.full(SHARD, np.nan, np.float32)
+    with SyncRpc(t["secondary"], TOKEN) as rpc:
+        with pytest.raises(RpcError) as err:
+            signed(rpc, c, t["primary"], t["secondary_id"], "repl_prepare",
+                   **_forged_prepare(t, nan), commit=t["committed"] + 1)  # fmt: skip
+        assert err.value.code == "non_finite", err.value
+        try:  # a commit of that seq finds nothing prepared to apply
+            signed(
+                rpc, c, t["primary"], t["secondary_id"], "repl_commit", bucket=0,
+                sender=t["primary"], epoch=t["epoch"], seq=t["committed"] + 1,
+            )  # fmt: skip
+        except RpcError as exc:
+            assert 400 <= exc.status < 500, exc
+        after = rpc.call("digest", bucket=0)
+    assert (after["committed"], after["digest"]) == (t["committed"], t["digest"])
+    client.push_dense("x", np.ones(16_000, np.float32))  # the real next batch still replicates
+    values, _ = client.pull(["x"])
+    assert np.isfinite(values["x"]).all()
+    digests_agree(c)
+
+
+def _malformed() -> st.SearchStrategy[tuple[str, dict[str, Any]]]:
+    junk = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.text(max_size=8),
+        st.lists(st.integers(0, 3), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(-5, 5), max_size=2),
+        st.just(np.full(3, np.nan, np.float32)), st.just(np.zeros((2, 2), np.float64)),
+    )  # fmt: skip
+    update = st.one_of(
+        junk,
+        st.fixed_dictionaries(
+            {"k": st.sampled_from(["d", "f", "c", "v", "z"])},
+            optional={
+                "s": junk,
+                "d": junk,
+                "t": junk,
+                "a": junk,
+                "e": junk,
+                "w": junk,
+                "r": junk,
+                "n": junk,
+                "b": junk,
+                "o": junk,
+                "y": junk,
+                "x": junk,
+            },
+        ),  # fmt: skip
+    )
+    batch = st.one_of(
+        junk,
+        st.fixed_dictionaries(
+            {
+                "seq": st.one_of(st.integers(1, 5), junk),
+                "epoch": st.one_of(st.integers(1, 5), junk),
+            },
+            optional={
+                "updates": st.one_of(
+                    junk, st.lists(st.one_of(junk, st.lists(update, max_size=2)), max_size=2)
+                ),
+                "clients": st.one_of(junk, st.lists(junk, max_size=2)),
+            },
+        ),  # fmt: skip
+    )
+    prepare = st.fixed_dictionaries(
+        {"bucket": st.just(0), "sender": st.one_of(st.text(max_size=4), junk),
+         "epoch": st.one_of(st.integers(1, 5), junk)},
+        optional={"entries": st.one_of(junk, st.lists(batch, max_size=2)), "commit": junk},
+    ).map(lambda m: ("repl_prepare", m))  # fmt: skip
+    ping = st.fixed_dictionaries(
+        {"sender": st.text(max_size=4), "buckets": st.dictionaries(st.text(max_size=4), junk, max_size=3)}
+    ).map(lambda m: ("repl_ping", m))  # fmt: skip
+    multi = st.lists(st.one_of(prepare, ping), max_size=2).map(
+        lambda items: ("repl_multi", {"items": [{"op": op, **m} for op, m in items]})
+    )
+    return st.one_of(prepare, ping, multi)
+
+
+@settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(case=_malformed())
+def test_malformed_replication_messages_get_a_4xx_never_a_500(cluster, case) -> None:
+    c, _client, layout = cluster
+    op, fields = case
+    view = c.cluster()
+    assert view is not None
+    b0 = next(x for x in view["buckets"] if x["bucket"] == 0)
+    primary, sec = b0["primary"], b0["secondaries"][0]
+    # sent as the primary (past the peer check, into the secondary's own checks)
+    items = fields.get("items") if op == "repl_multi" else [fields]
+    for item in items:
+        if isinstance(item.get("sender"), str):
+            item["sender"] = primary
+    with SyncRpc(view["servers"][sec]["address"], TOKEN) as rpc:
+        try:
+            reply = signed(rpc, c, primary, sec, op, **fields)
+        except RpcError as exc:
+            assert 400 <= exc.status < 500, (op, fields, exc)
+            return
+    if op == "repl_multi":  # each item answered on its own, none an internal error
+        for r in reply["results"]:
+            assert r.get("error", {}).get("code") != "internal", (fields, r)
