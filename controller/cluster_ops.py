@@ -44,12 +44,20 @@ class Operations:
             for b, p in (copies or {}).items()
             if 0 <= int(b) < self.n_buckets
         }
+        # The digests of the offered copies' values at their committed seq, where the server
+        # sent them: compared between candidates that tie on (epoch, seq) (issue 29).
+        digests = {
+            int(b): [int(p[2]), str(p[3])]
+            for b, p in (copies or {}).items()
+            if 0 <= int(b) < self.n_buckets and len(p) >= 4
+        }
         self.servers[sid] = {
             "address": address,
             "state": state,
             "incarnation": (rec["incarnation"] + 1) if rec else 1,
             "since": now,
             "copies": offered,
+            "digests": digests,
         }
         for b, bk in enumerate(self.buckets):
             if sid in bk.get("candidates", []) and b not in offered:

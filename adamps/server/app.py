@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from adamps import metrics, protocol
 from adamps import web as aweb
-from adamps.config import to_dict
+from adamps.config import ConfigError, to_dict
 from adamps.layout import LayoutError
 from adamps.protocol import ProtocolError
 from adamps.server.addressing import Addressing
@@ -57,9 +57,19 @@ class ParameterServer:
         self.registry = registry if registry is not None else metrics.new_registry()
         self.m = PsMetrics(self.registry)
         self.started = time.time()
-        self.persister = Persister(cfg.data_dir, cfg.map_size, cfg.lmdb_sync)
-        #: copies this server had when it stopped (replicated servers): it offers them again
-        positions = self.persister.load_positions() if cfg.controllers else {}
+        self.persister = Persister(
+            cfg.data_dir,
+            cfg.map_size,
+            cfg.lmdb_sync,
+            on_corrupt=lambda where: self.m.corrupt.labels(where).inc(),
+        )
+        #: what failed its checksum at start: those copies are not offered (issue 29)
+        self.corruption = self.persister.verify(cfg.n_buckets)
+        if self.corruption.everything or self.corruption.buckets:
+            self._refuse_or_drop_corrupt()
+        #: copies this server had when it stopped (replicated servers): it offers them again,
+        #: except those that failed verification (they rejoin by state transfer)
+        positions = self.persister.load_positions(skip=self.corruption) if cfg.controllers else {}
         self.store = Store(
             n_buckets=cfg.n_buckets,
             # Under controllers a server holds only the copies it had (reloaded below) and then
@@ -126,6 +136,30 @@ class ParameterServer:
             self._ops["debug_fail"] = self.op_debug_fail
         if self.replicator is not None:
             self._ops.update(self.replicator.handlers())
+
+    def _refuse_or_drop_corrupt(self) -> None:
+        """A standalone server has no other copy to recover from: it refuses to start. A
+        replicated one starts without the corrupted copies (not offered, rejoined by state
+        transfer from a good copy; the next flush deletes their records)."""
+        c = self.corruption
+        what = c.everything or "; ".join(f"bucket {b}: {w}" for b, w in sorted(c.buckets.items()))
+        if not self.cfg.controllers:
+            self.persister.close()
+            raise ConfigError(
+                f"{self.cfg.data_dir} holds records that fail their checksum ({what}); a "
+                "standalone server has no other copy to recover them from: restore the data "
+                "directory from a checkpoint or move it aside"
+            )
+        dropped = "every copy" if c.everything else f"buckets {sorted(c.buckets)}"
+        n = self.persister.discard(c, self.cfg.n_buckets)
+        log.error(
+            "storage corruption in %s: %s; %s not offered (they rejoin by state transfer); "
+            "%d records deleted",
+            self.cfg.data_dir,
+            what,
+            dropped,
+            n,
+        )
 
     def _cut(self) -> tuple[list[Snapshot], dict[int, Position] | None]:
         """The flush's cut on a replicated server: the copies of the dirty shards are queued on

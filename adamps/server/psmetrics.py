@@ -49,6 +49,17 @@ class PsMetrics:
         self.flushed_bytes = Counter(
             "adamps_ps_flushed_bytes", "bytes written to LMDB by flushes", registry=registry
         )
+        self.corrupt = Counter(
+            "adamps_ps_corrupt_records",
+            "persisted or transferred records that failed their checksum, by where they were "
+            "found (load, scrub, transfer): never served, the copy rejoins by state transfer",
+            ["where"],
+            registry=registry,
+        )
+        self.scrubbed_bytes = Counter(
+            "adamps_ps_scrubbed_bytes", "bytes of LMDB records verified by the scrub",
+            registry=registry,
+        )  # fmt: skip
         self.dirty = Gauge(
             "adamps_ps_dirty_shards", "shards with updates not yet flushed", registry=registry
         )

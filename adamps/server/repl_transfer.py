@@ -14,6 +14,7 @@ import numpy as np
 
 from adamps.protocol import require
 from adamps.rpc import RpcError
+from adamps.server import checksum
 from adamps.server.tickets import owner_future
 
 log = logging.getLogger("adamps.server.replicate")
@@ -120,6 +121,45 @@ class StateTransfer:
         self.persisted.pop(b, None)
         await done
         self.m.snapshots.labels("received").inc()
+
+    async def offers(self) -> dict[int, list[Any]]:
+        """The copies this server offers the controllers, each [epoch, seq, committed, digest]:
+        the digest (xxh3 of every shard's values and accumulator, in shard order) of the copy
+        at its committed seq, which the controllers compare between candidates that tie on
+        (epoch, seq) (issue 29). Positions are read and the reads queued in one loop step, so
+        each digest is of exactly the committed values."""
+        copies = self.copies()
+        plan: list[tuple[int, int, list[Any], list[np.ndarray], list[Any]]] = []
+        states_all, outs_all, accs_all = [], [], []
+        for b in copies:
+            states = sorted(
+                (
+                    st
+                    for st in self.store.shards.values()
+                    if self.store.layout.bucket_of[st.id] == b
+                ),
+                key=lambda s: s.id,
+            )
+            outs = [np.empty(st.shard.shape, np.float32) for st in states]
+            accs = [np.empty(st.shard.shape, np.float32) if st.accum is not None else None
+                    for st in states]  # fmt: skip
+            plan.append((b, self.buckets[b].committed, states, outs, accs))
+            states_all += states
+            outs_all += outs
+            accs_all += accs
+        if states_all:
+            await owner_future(
+                lambda cb: self.store.read(states_all, outs_all, cb, accums=accs_all)
+            )
+        out: dict[int, list[Any]] = {}
+        for b, committed, states, outs, accs in plan:
+            parts: list[bytes | memoryview] = []
+            for st, value, acc in zip(states, outs, accs, strict=True):
+                parts += [st.id.encode(), memoryview(value).cast("B")]
+                if acc is not None:
+                    parts.append(memoryview(acc).cast("B"))
+            out[b] = [*copies[b], committed, f"{checksum.digest(*parts):016x}"]
+        return out
 
     # -- digests ---------------------------------------------------------------------------------------
 

@@ -205,7 +205,7 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         return out
 
     async def _register(self) -> None:
-        copies = self.copies()
+        copies = await self.offers()
         reply = await self.controller.register(self.server_id, self.address, copies)
         if int(reply.get("n_buckets", self.cfg.n_buckets)) != self.cfg.n_buckets:
             raise RuntimeError(
