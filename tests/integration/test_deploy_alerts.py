@@ -79,7 +79,7 @@ def test_every_alert_fires_on_its_fault(tmp_path: Path) -> None:
                                 "exp_annotations": {
                                     k: re.sub(
                                         r"\{\{ \$labels\.(\w+) \}\}",
-                                        lambda m: labels[m[1]],
+                                        lambda m, labels=labels: labels[m[1]],
                                         v,
                                     )
                                     for k, v in rule.get("annotations", {}).items()
