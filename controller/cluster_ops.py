@@ -339,6 +339,26 @@ class Operations:
         self._replan(now)
         return {"ok": True, "server": sid, "state": DRAINING}
 
+    def write_storage(self, sid: str, not_durable: str | None, now: float) -> dict[str, Any]:
+        """A server reports whether it can persist (issue 29): while its flushes fail or stall
+        past max_unflushed (`not_durable` says why) it takes no bucket and its primaries and
+        copies move to servers that can, as from a draining server; once it flushes again it
+        is eligible again."""
+        now = self._tick(now)
+        rec = self.servers.get(sid)
+        if rec is None:
+            return refusal("not_found", f"no server {sid!r}")
+        reason = None if not_durable is None else str(not_durable)[:300]
+        if rec.get("not_durable") != reason:
+            if reason is None:
+                rec.pop("not_durable", None)
+                log.warning("server %s can persist again", sid)
+            else:
+                rec["not_durable"] = reason
+                log.error("server %s cannot persist (%s): its buckets move", sid, reason)
+            self._replan(now)
+        return {"ok": True, "server": sid, "not_durable": reason}
+
     def rebalance(self, now: float) -> dict[str, Any]:
         now = self._tick(now)
         self._replan(now)

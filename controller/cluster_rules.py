@@ -60,8 +60,11 @@ class BucketRules:
         return self.servers[lease.holder]["incarnation"] == bk["holder_inc"]
 
     def eligible(self) -> list[str]:
-        """Servers that may receive buckets: live and not draining."""
-        return sorted(s for s, rec in self.servers.items() if rec["state"] == LIVE)
+        """Servers that may receive buckets: live and not draining, and, unless none is left
+        then, able to persist (issue 29: a server whose flushes fail or stall is drained)."""
+        live = sorted(s for s, rec in self.servers.items() if rec["state"] == LIVE)
+        durable = [s for s in live if not self.servers[s].get("not_durable")]
+        return durable or live
 
     def _grant(self, b: int, holder: str, now: float) -> Lease:
         bucket = self.buckets[b]

@@ -173,6 +173,11 @@ class ControllerService:
             renewed: dict[str, Any] = {"renewed": [], "at": None}
             if holds:
                 renewed = ok_or_raise(await self.commit("renew", sid, time.time()))
+            not_durable = body.get("not_durable")
+            if not_durable is not None and not isinstance(not_durable, str):
+                raise ProtocolError("bad_request", "not_durable must be a string or null")
+            if rec.get("not_durable") != (None if not_durable is None else not_durable[:300]):
+                await self.commit("write_storage", sid, not_durable, time.time())
             version, roles, state, unavailable = self.cluster.read(
                 lambda m: (
                     m.version,

@@ -40,7 +40,6 @@ import json
 import logging
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +52,6 @@ from adamps import protocol
 from adamps.layout import stable_bucket
 from adamps.server.checksum import CorruptRecord, seal, unseal
 from adamps.server.shards import Snapshot
-from adamps.server.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -288,12 +286,28 @@ class Persister:
 
         self._write(reseal)
 
-    def _corrupt(self, where: str, db: str, key: bytes, exc: Exception) -> str:
+    def report_corrupt(self, where: str, db: str, key: bytes, exc: Exception) -> str:
+        """Counts, reports and logs a record that failed its checksum; returns why."""
         self.corrupt_records[where] = self.corrupt_records.get(where, 0) + 1
         self.on_corrupt(where)
         why = f"{db} record {key.decode(errors='replace')!r}: {exc}"
         log.error("CORRUPT record in %s (%s): %s", self.path, where, why)
         return why
+
+    def delete(self, db: str, key: bytes) -> None:
+        """Deletes one record if it is still damaged (a flush may have rewritten it since the
+        scrub read it): the next flush rewrites it."""
+        assert db in _SEALED_DBS
+        handle = getattr(self, "_" + db)
+
+        def fn(txn: lmdb.Transaction) -> None:
+            v = txn.get(key, db=handle)
+            if v is not None and self.check_record(db, key, v) is not None:
+                txn.delete(key, db=handle)
+
+        self._write(fn)
+        if db in ("positions", "prepared"):
+            self._written = None  # read again at the next flush
 
     def bucket_of_record(self, db: str, key: bytes, n_buckets: int) -> int | None:
         """The bucket a record belongs to (None: a tensor definition, which is every bucket's)."""
@@ -327,7 +341,7 @@ class Persister:
                     exc = self.check_record(name, bytes(k), v)
                     if exc is None:
                         continue
-                    why = self._corrupt(where, name, bytes(k), exc)
+                    why = self.report_corrupt(where, name, bytes(k), exc)
                     b = self.bucket_of_record(name, bytes(k), n_buckets)
                     if b is None:
                         out.everything = out.everything or why
@@ -404,7 +418,7 @@ class Persister:
                 try:
                     epoch, seq = json.loads(bytes(unseal(v)))
                 except (CorruptRecord, ValueError) as exc:
-                    self._corrupt("load", "positions", bytes(k), exc)
+                    self.report_corrupt("load", "positions", bytes(k), exc)
                     continue
                 b = int(bytes(k))
                 if skip is None or not skip.bad(b):
@@ -457,105 +471,3 @@ def _unpack(rec: bytes | memoryview) -> tuple[int, np.ndarray, np.ndarray | None
     value = np.frombuffer(rec, dtype="<f4", count=nv // 4, offset=off).copy()
     accum = np.frombuffer(rec, dtype="<f4", count=na // 4, offset=off + nv).copy() if na else None
     return version, value, accum
-
-
-class Flusher:
-    """The background flush thread, the forced flush, and the loss-window bookkeeping."""
-
-    def __init__(
-        self,
-        store: Store,
-        persister: Persister,
-        interval: float,
-        clock: Callable[[], float] = time.monotonic,
-        on_flush: Callable[[int, int, float], None] | None = None,
-    ) -> None:
-        #: takes the flush's cut: (dirty shards, positions of the same instant or None). Default:
-        #: the dirty shards alone; a replicated server sets one that reads its positions too.
-        self.cut: Callable[[], tuple[list[Snapshot], dict[int, Position] | None]] = lambda: (
-            self.store.snapshot_dirty(),
-            None,
-        )
-        #: positions taken but not yet committed (a failed write retries them with the shards)
-        self._pending_positions: dict[int, Position] | None = None
-        self.store = store
-        self.persister = persister
-        self.interval = interval
-        self.clock = clock
-        self._on_flush = on_flush
-        self._flush_lock = threading.Lock()
-        #: snapshots taken but not yet committed (a failed write keeps them for the next round)
-        self._pending: dict[str, Snapshot] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        #: wall-clock time and stats of the last successful flush
-        self.last_flush: dict[str, Any] = {"time": None, "shards": 0, "bytes": 0, "seconds": 0.0}
-        self.failures = 0
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="adamps-flusher", daemon=True)
-        self._thread.start()
-
-    def stop(self, final_flush: bool = True) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        if final_flush:
-            self.flush()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.flush()
-            except Exception:  # logged; the snapshots stay pending and are retried next round
-                log.exception("background flush failed")
-
-    def flush(self) -> dict[str, Any]:
-        """Writes every dirty shard now (blocking). Returns {shards, bytes, seconds}."""
-        with self._flush_lock:
-            t0 = self.clock()
-            dirty, positions = self.cut()
-            if positions is not None:
-                old = self._pending_positions
-                if old:  # a failed write's pairs are still unwritten: keep them, in order
-                    for b, p in positions.items():
-                        if b in old and not p.fresh:
-                            p.dedup[:0] = old[b].dedup
-                            p.fresh = old[b].fresh
-                self._pending_positions = positions
-            for s in dirty:
-                old = self._pending.get(s.shard_id)
-                # Keep the oldest dirty time: those updates are still not on disk.
-                since = s.dirty_since if old is None else min(old.dirty_since, s.dirty_since)
-                self._pending[s.shard_id] = Snapshot(s.shard_id, s.version, s.value, s.accum, since)
-            snaps = list(self._pending.values())
-            try:
-                positions = self._pending_positions
-                nbytes = (
-                    self.persister.write_snapshots(snaps, positions)
-                    if snaps or positions is not None
-                    else 0
-                )
-            except Exception:
-                self.failures += 1
-                raise
-            self._pending.clear()
-            self._pending_positions = None
-            seconds = self.clock() - t0
-            self.last_flush = {
-                "time": time.time(),
-                "shards": len(snaps),
-                "bytes": nbytes,
-                "seconds": seconds,
-            }
-            if self._on_flush is not None:
-                self._on_flush(len(snaps), nbytes, seconds)
-            return dict(self.last_flush)
-
-    def loss_window(self) -> float:
-        """Seconds since the oldest update that is not yet committed to LMDB (0 when clean)."""
-        oldest = self.store.oldest_dirty()
-        for s in list(self._pending.values()):
-            if oldest is None or s.dirty_since < oldest:
-                oldest = s.dirty_since
-        return 0.0 if oldest is None else max(0.0, self.clock() - oldest)

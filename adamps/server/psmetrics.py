@@ -68,6 +68,22 @@ class PsMetrics:
             "age of the oldest update not yet committed to LMDB (what a crash now would lose)",
             registry=registry,
         )
+        self.durable = Gauge(
+            "adamps_ps_durable",
+            "1 while this server may acknowledge pushes; 0 while updates stayed unflushed past "
+            "max_unflushed (flushes failing or stalled): pushes get 503 not_durable",
+            registry=registry,
+        )
+        self.flush_age = Gauge(
+            "adamps_ps_last_flush_age_seconds",
+            "seconds since the last successful flush ended (0 before the first)",
+            registry=registry,
+        )
+        self.flush_failures = Gauge(
+            "adamps_ps_flush_failures",
+            "flushes that failed since the process started",
+            registry=registry,
+        )
         self.queue_depth = Gauge(
             "adamps_ps_queue_depth", "work items queued to owner threads", registry=registry
         )

@@ -20,6 +20,14 @@ from adamps.server.tickets import owner_future
 log = logging.getLogger("adamps.server.replicate")
 
 
+def shard_digest(value: np.ndarray, accum: np.ndarray | None) -> int:
+    """xxh3 of a shard's values and accumulator as a snapshot carries them."""
+    parts = [memoryview(np.ascontiguousarray(value)).cast("B")]
+    if accum is not None:
+        parts.append(memoryview(np.ascontiguousarray(accum)).cast("B"))
+    return checksum.digest(*parts)
+
+
 class StateTransfer:
     """Snapshots of a bucket (sent and installed) and digests.
 
@@ -55,7 +63,12 @@ class StateTransfer:
             **meta,
             "tensors": [self.catalog.definition(name) for name in sorted(tensors)],
             "shards": {
-                st.id: {"value": out, "accum": acc, "version": versions[st.id]}
+                st.id: {
+                    "value": out,
+                    "accum": acc,
+                    "version": versions[st.id],
+                    "x": shard_digest(out, acc),
+                }
                 for st, out, acc in zip(states, outs, accs, strict=True)
             },
         }
@@ -90,7 +103,12 @@ class StateTransfer:
                 await asyncio.sleep(0.3)
                 self.request_heartbeat()
                 continue
-            await self._install(b, snap)
+            try:
+                await self._install(b, snap)
+            except ValueError as exc:  # damaged on the way: nothing installed; fetch it again
+                log.error("bucket %d: CORRUPT snapshot from %s: %s; again", b, primary, exc)
+                await asyncio.sleep(0.3)
+                continue
             log.info(
                 "bucket %d: snapshot at seq %d from %s installed", b, snap["committed"], primary
             )
@@ -103,6 +121,11 @@ class StateTransfer:
                 await asyncio.sleep(0.1)
 
     async def _install(self, b: int, snap: dict[str, Any]) -> None:
+        for sid, rec in snap["shards"].items():  # before anything changes here
+            want = rec.get("x")  # absent from a primary of the previous version
+            if want is not None and shard_digest(rec["value"], rec.get("accum")) != want:
+                self.on_corrupt("transfer")
+                raise ValueError(f"shard {sid} of the snapshot of bucket {b} fails its checksum")
         for d in snap["tensors"]:
             self.catalog.ensure(d)
         states, values, accums, versions = [], [], [], []

@@ -2,6 +2,9 @@
 parameter servers on loopback, clients pushing unique +1.0 deltas (SGD lr -1, so every value is
 0 or 1), faults injected into the real LMDB files and file systems.
 
+- a full disk (a tmpfs the test mounts, filled while pushes run): the server stops
+  acknowledging within max_unflushed, names the full disk, its buckets move; a whole-cluster
+  SIGKILL loses nothing acknowledged outside the documented window;
 - corruption: every server SIGKILLed, the lowest mantissa bit of every stored 1.0 flipped in ONE
   server's ``data.mdb`` (1.0 -> 1.0000001), all restarted: no value other than 0 or 1 is ever
   served, the corrupted copy is not offered (its records fail their checksum: logged and
@@ -13,15 +16,29 @@ Reference: issue 29 ("A corrupted copy is served, and then overwrites the good o
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import re
+import subprocess
+import tempfile
 import time
+import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from adamps.localcluster import LocalCluster
 from tests.chaos.nemesis import (
+    CONTROLLER_OPTS,
+    FLUSH_INTERVAL,
+    LOSS_MARGIN,
+    N_BUCKETS,
+    PS_OPTS,
+    TOKEN,
     loss_window,
     lost_buckets,
     probe,
@@ -89,6 +106,160 @@ def test_a_corrupted_copy_is_never_served_and_is_replaced_by_state_transfer(
             assert metric(addr, 'adamps_ps_state_transfers_total{direction="received"}') > 0
             log = c.procs[victim].log_path.read_text(errors="replace")
             assert "CORRUPT record" in log and "not offered" in log, log[-2000:]
+        finally:
+            load.stop()
+            client.close()
+
+
+# -- a full disk ---------------------------------------------------------------------------------
+
+MAX_UNFLUSHED = 2.0
+
+
+def can_mount() -> str | None:
+    """Why the disk-fault tests cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root to mount a tmpfs / loop device"
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d], capture_output=True
+        )
+        if r.returncode != 0:
+            return f"cannot mount a tmpfs: {r.stderr.decode(errors='replace').strip()}"
+        subprocess.run(["umount", d], check=True)
+    return None
+
+
+def fill(mount: Path) -> int:
+    """Fills the file system at `mount` (a filler file, written until ENOSPC); returns bytes."""
+    n = 0
+    chunk = b"\0" * (1 << 16)
+    with open(mount / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                n += f.write(chunk)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    return n
+
+
+def healthz(address: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://{address}/healthz", timeout=3) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def wait_until(what: str, timeout: float, fn) -> float:
+    """Polls fn() until true; returns the seconds it took. Every wait is bounded."""
+    t0 = time.monotonic()
+    while not fn():
+        assert time.monotonic() - t0 < timeout, f"not within {timeout} s: {what}"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+@contextmanager
+def tmpfs_cluster(root: Path, size: str = "32m"):
+    """A running cluster whose servers' data directories are each a tmpfs of `size`."""
+    why = can_mount()
+    if why:
+        pytest.skip(why)
+    c = LocalCluster(
+        root, token=TOKEN, n_controllers=3, n_servers=3, n_buckets=N_BUCKETS,
+        controller_opts=CONTROLLER_OPTS, ps_opts={**PS_OPTS, "max-unflushed": MAX_UNFLUSHED},
+    )  # fmt: skip
+    mounts = [root / sid for sid in c.server_ids]
+    try:
+        for m in mounts:
+            m.mkdir(parents=True)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(m)], check=True
+            )
+        c.start(timeout=60)
+        yield c, mounts
+    finally:
+        c.stop()
+        for m in mounts:
+            subprocess.run(["umount", "-l", str(m)], capture_output=True)
+
+
+def test_a_full_disk_stops_acknowledgements_and_a_whole_cluster_crash_loses_only_the_window(
+    tmp_path: Path,
+) -> None:
+    """Issue 29, failure 2. One server's disk fills: within max_unflushed it answers 503
+    not_durable and /healthz 503 naming the full disk, the controllers move its primaries
+    away while the others keep acknowledging, and it recovers by itself once space is freed.
+    Then every server's disk fills: each stops acknowledging (max_unflushed after its oldest
+    update it could not flush), and nothing is acknowledged once all have; a SIGKILL of every
+    server 5 s later, disks freed, a restart: every push acknowledged outside the fill window
+    (from the last flush before the fill until every server had stopped) and the usual crash
+    window is present exactly once."""
+    with tmpfs_cluster(tmp_path) as (c, mounts):
+        client, load = start_load(c)
+        try:
+            time.sleep(3.0)
+            # -- one server's disk fills ---------------------------------------------------------
+            victim, addr = c.server_ids[0], c.servers[0]
+            fill(mounts[0])
+            took = wait_until(
+                f"{victim} reports its full disk",
+                MAX_UNFLUSHED + 3.0,
+                lambda: healthz(addr)[0] == 503,
+            )
+            code, body = healthz(addr)
+            print(f"{victim} unhealthy after {took:.1f} s: {body}")
+            assert (
+                code == 503 and "disk full" in body["reason"] and str(mounts[0]) in body["reason"]
+            )
+            assert metric(addr, "adamps_ps_durable") == 0
+            c.wait_for(
+                lambda v: (
+                    all(b["primary"] != victim for b in v["buckets"])
+                    and v["servers"][victim].get("not_durable")
+                ),
+                f"primaries moved off {victim}",
+                20.0,
+            )
+            acked = len(load.out.ack_times)
+            time.sleep(2.0)
+            assert len(load.out.ack_times) > acked + 20, "the others keep acknowledging"
+            (mounts[0] / "filler").unlink()
+            wait_until(f"{victim} healthy again", 10.0, lambda: healthz(addr)[0] == 200)
+            assert metric(addr, "adamps_ps_durable") == 1
+            # -- every server's disk fills -------------------------------------------------------
+            for m in mounts:
+                fill(m)
+            t_fill = time.monotonic()
+            # Each stops once its oldest unflushed update is max_unflushed old; one that had
+            # nothing to flush may take pushes (its buckets moved to it) until that holds too.
+            took = wait_until(
+                "every server not durable",
+                20.0,
+                lambda: all(healthz(a)[0] == 503 for a in c.servers),
+            )
+            t_all = time.monotonic()
+            print(f"every server not durable {took:.1f} s after the disks filled")
+            time.sleep(5.0)  # the issue's crash came ~10 s after the disks filled
+            late = [t for t, _ in load.out.ack_times if t > t_all + 0.5]
+            assert not late, f"{len(late)} pushes acknowledged while no server could persist"
+            for sid in c.server_ids:
+                c.kill(sid)
+            t_crash = time.monotonic()
+            for m in mounts:
+                (m / "filler").unlink()
+            for i, sid in enumerate(c.server_ids):
+                c.start_server(i)
+                c.procs[sid].wait_http(f"http://{c.servers[i]}/healthz", 30)
+            fill_window = (t_fill - FLUSH_INTERVAL - LOSS_MARGIN, t_all + 0.5)
+            lossy = [fill_window, loss_window(t_crash, time.monotonic())]
+            why = settle(c, 30.0)
+            load.stop()
+            counts = read_and_check(c, client, load, lossy, timeout=40.0)
+            print(f"outcomes: {counts}; settled: {why or 'yes'}")
+            assert counts["acked"] - counts["acked_in_loss_windows"] > 50, counts
+            wait_digests_agree(c, timeout=30.0)
         finally:
             load.stop()
             client.close()

@@ -116,3 +116,25 @@ def test_an_environment_of_the_previous_version_is_resealed_once(tmp_path: Path)
     p = Persister(tmp_path / "db", map_size=1 << 22)
     assert stable_bucket("w/0", N_BUCKETS) in p.verify(N_BUCKETS).buckets, "verified from now on"
     p.close()
+
+
+def test_the_scrub_finds_a_damaged_record_at_a_bounded_rate(tmp_path: Path) -> None:
+    from adamps.server.scrub import Scrubber
+
+    fill(tmp_path / "db").close()
+    flip_in_record(tmp_path / "db", b"shards", b"w/1")
+    p = Persister(tmp_path / "db", map_size=1 << 22)
+    found: list[tuple[str, bytes]] = []
+    read: list[int] = []
+    s = Scrubber(
+        p, rate=8192, on_failure=lambda db, k, e: found.append((db, k)), on_bytes=read.append
+    )
+    while s.passes == 0:
+        n = s.step()
+        assert n <= max(4096, 8192 * s.step_seconds) + 4100, "its budget and one record more"
+    assert found == [("shards", b"w/1")]
+    assert len(read) > 2, "a pass takes several steps at this rate"
+    p.delete("shards", b"w/1")
+    s.step()
+    assert p.scan(None, 1 << 30)[0] == []
+    p.close()

@@ -54,6 +54,11 @@ FIRES = {
         "0 0 1 1 1",
         {"instance": "c-1"},
     ),
+    "AdampsPsNotDurable": (
+        'adamps_ps_durable{instance="ps-1"}',
+        "1 1 0 0 0 0 0 0",
+        {"instance": "ps-1"},
+    ),
 }
 
 
