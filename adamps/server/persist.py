@@ -124,6 +124,13 @@ class Persister:
             metasync=sync,
             writemap=False,
             readahead=False,
+            # No lock file: every transaction of this process goes through `_lock`, and no
+            # other process opens the environment. LMDB's lock file is a shared writable map;
+            # on a stalled (frozen) file system its first write page-faults and blocks in
+            # mdb_txn_begin, which py-lmdb calls holding the GIL: the whole server would hang,
+            # /healthz included (issue 29). Without it, only the commit waits for the disk,
+            # and py-lmdb releases the GIL there.
+            lock=False,
         )
         self._tensors = self.env.open_db(b"tensors")
         self._shards = self.env.open_db(b"shards")

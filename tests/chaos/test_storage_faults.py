@@ -20,6 +20,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -160,9 +161,28 @@ def wait_until(what: str, timeout: float, fn) -> float:
     return time.monotonic() - t0
 
 
+def mount_tmpfs(root: Path, m: Path) -> None:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(m)], check=True)
+
+
+def mount_ext4_image(root: Path, m: Path) -> None:
+    """An ext4 file system in an image file, loop-mounted at `m` (fsfreeze needs a real one)."""
+    for tool in ("mkfs.ext4", "fsfreeze"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"needs {tool} (util-linux, e2fsprogs)")
+    img = root / f"{m.name}.img"
+    with open(img, "wb") as f:
+        f.truncate(96 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True, capture_output=True)
+    r = subprocess.run(["mount", "-o", "loop", str(img), str(m)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot loop-mount an image: {r.stderr.decode(errors='replace').strip()}")
+
+
 @contextmanager
-def tmpfs_cluster(root: Path, size: str = "32m"):
-    """A running cluster whose servers' data directories are each a tmpfs of `size`."""
+def disk_cluster(root: Path, mount=mount_tmpfs, frozen: list[Path] | None = None):
+    """A running cluster whose servers' data directories are each a file system of their own
+    (`mount`); every mount in `frozen` is thawed before the cluster stops (whatever happened)."""
     why = can_mount()
     if why:
         pytest.skip(why)
@@ -171,18 +191,20 @@ def tmpfs_cluster(root: Path, size: str = "32m"):
         controller_opts=CONTROLLER_OPTS, ps_opts={**PS_OPTS, "max-unflushed": MAX_UNFLUSHED},
     )  # fmt: skip
     mounts = [root / sid for sid in c.server_ids]
+    mounted = []
     try:
         for m in mounts:
             m.mkdir(parents=True)
-            subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(m)], check=True
-            )
+            mount(root, m)
+            mounted.append(m)
         c.start(timeout=60)
         yield c, mounts
     finally:
+        for m in frozen or []:
+            subprocess.run(["fsfreeze", "--unfreeze", str(m)], capture_output=True, timeout=30)
         c.stop()
-        for m in mounts:
-            subprocess.run(["umount", "-l", str(m)], capture_output=True)
+        for m in mounted:
+            subprocess.run(["umount", "-l", str(m)], capture_output=True, timeout=30)
 
 
 def test_a_full_disk_stops_acknowledgements_and_a_whole_cluster_crash_loses_only_the_window(
@@ -196,7 +218,7 @@ def test_a_full_disk_stops_acknowledgements_and_a_whole_cluster_crash_loses_only
     server 5 s later, disks freed, a restart: every push acknowledged outside the fill window
     (from the last flush before the fill until every server had stopped) and the usual crash
     window is present exactly once."""
-    with tmpfs_cluster(tmp_path) as (c, mounts):
+    with disk_cluster(tmp_path) as (c, mounts):
         client, load = start_load(c)
         try:
             time.sleep(3.0)
@@ -259,6 +281,48 @@ def test_a_full_disk_stops_acknowledgements_and_a_whole_cluster_crash_loses_only
             counts = read_and_check(c, client, load, lossy, timeout=40.0)
             print(f"outcomes: {counts}; settled: {why or 'yes'}")
             assert counts["acked"] - counts["acked_in_loss_windows"] > 50, counts
+            wait_digests_agree(c, timeout=30.0)
+        finally:
+            load.stop()
+            client.close()
+
+
+def test_a_stalled_disk_stops_acknowledgements_until_it_moves_on(tmp_path: Path) -> None:
+    """Issue 29: one server's file system frozen (fsfreeze on a loop-mounted ext4 image) under
+    load: its flush hangs, and within max_unflushed it answers 503 not_durable, /healthz 503
+    saying the disk stalls, its primaries move while the others keep acknowledging. Thawed, it
+    recovers by itself; nothing acknowledged is lost and every copy agrees."""
+    frozen: list[Path] = []
+    with disk_cluster(tmp_path, mount_ext4_image, frozen) as (c, mounts):
+        client, load = start_load(c)
+        try:
+            time.sleep(3.0)
+            victim, addr = c.server_ids[0], c.servers[0]
+            frozen.append(mounts[0])
+            subprocess.run(["fsfreeze", "--freeze", str(mounts[0])], check=True, timeout=30)
+            took = wait_until(
+                f"{victim} reports its stalled disk",
+                MAX_UNFLUSHED + 3.0,
+                lambda: healthz(addr)[0] == 503,
+            )
+            code, body = healthz(addr)
+            print(f"{victim} unhealthy after {took:.1f} s: {body}")
+            assert code == 503 and "stalls" in body["reason"], body
+            c.wait_for(
+                lambda v: all(b["primary"] != victim for b in v["buckets"]),
+                f"primaries moved off {victim}",
+                20.0,
+            )
+            acked = len(load.out.ack_times)
+            time.sleep(2.0)
+            assert len(load.out.ack_times) > acked + 20, "the others keep acknowledging"
+            subprocess.run(["fsfreeze", "--unfreeze", str(mounts[0])], check=True, timeout=30)
+            frozen.clear()
+            wait_until(f"{victim} healthy again", 10.0, lambda: healthz(addr)[0] == 200)
+            why = settle(c, 30.0)
+            load.stop()
+            counts = read_and_check(c, client, load, [], timeout=40.0)
+            print(f"outcomes: {counts}; settled: {why or 'yes'}")
             wait_digests_agree(c, timeout=30.0)
         finally:
             load.stop()
