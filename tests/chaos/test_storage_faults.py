@@ -29,7 +29,6 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from adamps.localcluster import LocalCluster
@@ -40,6 +39,7 @@ from tests.chaos.nemesis import (
     N_BUCKETS,
     PS_OPTS,
     TOKEN,
+    flip_ones,
     loss_window,
     lost_buckets,
     probe,
@@ -51,17 +51,6 @@ from tests.chaos.nemesis import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(170)]
-
-ONE = np.float32(1.0).tobytes()
-ONE_FLIPPED = bytes([ONE[0] ^ 1]) + ONE[1:]  # 1.0000001: the lowest mantissa bit
-
-
-def flip_ones(path: Path) -> int:
-    """Flips the lowest mantissa bit of every float32 1.0 in the file; returns how many."""
-    data = path.read_bytes()
-    n = data.count(ONE)
-    path.write_bytes(data.replace(ONE, ONE_FLIPPED))
-    return n
 
 
 def metric(address: str, name: str) -> float:
