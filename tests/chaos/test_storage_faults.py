@@ -29,15 +29,18 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from adamps.localcluster import LocalCluster
+from adamps.rpc import RpcError, SyncRpc
 from tests.chaos.nemesis import (
     CONTROLLER_OPTS,
     FLUSH_INTERVAL,
     LOSS_MARGIN,
     N_BUCKETS,
     PS_OPTS,
+    SHARD,
     TOKEN,
     flip_ones,
     loss_window,
@@ -225,6 +228,11 @@ def test_a_full_disk_stops_acknowledgements_and_a_whole_cluster_crash_loses_only
                 code == 503 and "disk full" in body["reason"] and str(mounts[0]) in body["reason"]
             )
             assert metric(addr, "adamps_ps_durable") == 0
+            with SyncRpc(addr, TOKEN, timeout=5.0) as rpc:  # a push straight to it: refused
+                with pytest.raises(RpcError) as refused:
+                    zeros = np.zeros(SHARD, np.float32)
+                    rpc.call("push_dense", shards={"x/0": zeros}, client="probe", seq=1)
+            assert refused.value.code == "not_durable" and "disk full" in str(refused.value)
             c.wait_for(
                 lambda v: (
                     all(b["primary"] != victim for b in v["buckets"])

@@ -138,3 +138,31 @@ def test_the_scrub_finds_a_damaged_record_at_a_bounded_rate(tmp_path: Path) -> N
     s.step()
     assert p.scan(None, 1 << 30)[0] == []
     p.close()
+
+
+def test_status_shows_each_servers_last_flush_its_age_and_durability() -> None:
+    from controller.status import render
+
+    view = {
+        "version": 3, "n_buckets": 8, "replication": 3, "under_replicated": 0, "unassigned": 0,
+        "layout_version": 1, "servers": {
+            "ps0": {"address": "a:1", "state": "live", "incarnation": 1},
+            "ps1": {"address": "a:2", "state": "live", "incarnation": 1},
+            "ps2": {"address": "a:3", "state": "dead", "incarnation": 1},
+        }, "buckets": [],
+    }  # fmt: skip
+    servers = {
+        "ps0": {"last_flush": {"time": 0.0 + 3600, "age_seconds": 0.4}, "durable": True},
+        "ps1": {
+            "last_flush": {"time": 7200.0, "age_seconds": 12.25},
+            "durable": False,
+            "not_durable": "disk full: /d has 0 bytes free",
+        },
+        "ps2": None,
+    }
+    text = render(view, [], {}, False, servers)
+    assert "last flush (UTC)" in text and "flush age" in text
+    rows = {line.split()[0]: line for line in text.splitlines() if line.startswith("ps")}
+    assert "01:00:00" in rows["ps0"] and "0.4s" in rows["ps0"] and "yes" in rows["ps0"]
+    assert "02:00:00" in rows["ps1"] and "12.2s" in rows["ps1"] and "NO: disk full" in rows["ps1"]
+    assert "unreachable" in rows["ps2"]
