@@ -2,9 +2,11 @@
 rate, so that a bit flipped on disk is found while the copy in memory (the replicated one) can
 still rewrite it, not at the next restart.
 
-One daemon thread; each step verifies about ``rate * step`` bytes in one short read transaction
-(``Persister.scan``) and then sleeps so that the bytes read per second stay at most ``rate``
-(a record larger than a step's budget is read whole, and the sleep grows to match). What to do
+One daemon thread; each step verifies about ``rate * step`` bytes (at most ``MAX_STEP``, so a
+flush never waits long for the environment's lock) in one short read transaction
+(``Persister.scan``) and then sleeps so that the bytes read per second stay at most ``rate`` (a
+record larger than a step's budget is read whole, and the sleep grows to match); a finished pass
+waits at least one step before the next, so a small environment is not re-read in a spin. What to do
 with a damaged record is the caller's (``on_failure``): the server marks the shard dirty, or
 the copy's position fresh, so the next flush rewrites it.
 """
@@ -18,6 +20,9 @@ from collections.abc import Callable
 from adamps.server.persist import Persister
 
 log = logging.getLogger(__name__)
+
+#: most bytes one step reads while holding the environment's lock
+MAX_STEP = 4 << 20
 
 
 class Scrubber:
@@ -57,7 +62,7 @@ class Scrubber:
 
     def step(self) -> int:
         """Verifies the next records (about one step's budget); returns the bytes read."""
-        budget = max(4096, int(self.rate * self.step_seconds))
+        budget = min(MAX_STEP, max(4096, int(self.rate * self.step_seconds)))
         failures, self.after, nbytes = self.persister.scan(self.after, budget)
         if self.after is None:
             self.passes += 1
@@ -73,6 +78,9 @@ class Scrubber:
             except Exception:  # an environment closing under us, or a read error: logged
                 log.exception("scrub step failed")
                 nbytes = 0
-            # The rate bound: a step that read more than its budget waits that much longer.
-            if self._stop.wait(max(self.step_seconds, nbytes / self.rate)):
+            # The rate bound: each step waits as long as its bytes take at `rate`.
+            wait = nbytes / self.rate
+            if self.after is None:
+                wait = max(wait, self.step_seconds)
+            if self._stop.wait(wait):
                 return

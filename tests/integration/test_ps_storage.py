@@ -4,6 +4,7 @@ and the next flush rewrites it from memory; replication batches carry a checksum
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,10 @@ async def test_the_scrub_finds_a_damaged_record_and_the_next_flush_rewrites_it(
         while ps.scrubber.passes == passes:
             ps.scrubber.step()
         assert ps.m.corrupt.labels("scrub")._value.get() == 1
+        for _ in range(100):  # marked dirty on its owner thread
+            if ps.store.dirty_count() == 1:
+                break
+            await asyncio.sleep(0.02)
         assert ps.store.dirty_count() == 1, "the shard is rewritten from memory"
         await rpc.call("flush")
         assert ps.persister.scan(None, 1 << 30)[0] == [], "rewritten"
