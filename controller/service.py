@@ -176,7 +176,8 @@ class ControllerService:
             not_durable = body.get("not_durable")
             if not_durable is not None and not isinstance(not_durable, str):
                 raise ProtocolError("bad_request", "not_durable must be a string or null")
-            if rec.get("not_durable") != (None if not_durable is None else not_durable[:300]):
+            # Committed when durability flips, not when the reason's figures change.
+            if bool(rec.get("not_durable")) != bool(not_durable):
                 await self.commit("write_storage", sid, not_durable, time.time())
             version, roles, state, unavailable = self.cluster.read(
                 lambda m: (
