@@ -51,6 +51,7 @@ RETRYABLE = frozenset(
         "stale_epoch",
         "unavailable",
         "bucket_unavailable",
+        "not_durable",  # nothing applied; the controllers move the bucket to a durable server
         "timeout",
         "no_quorum",
     }

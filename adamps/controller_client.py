@@ -154,10 +154,14 @@ class ControllerOps:
         server: str,
         known_version: int | None = None,
         reports: dict[int, Sequence[int]] | None = None,
+        not_durable: str | None = None,
     ) -> Any:
-        """(reply, asked_at): asked_at is time.monotonic() before the request was sent."""
+        """(reply, asked_at): asked_at is time.monotonic() before the request was sent.
+        `not_durable`: why the server cannot persist now (issue 29), or None."""
         asked_at = time.monotonic()
         body: dict[str, Any] = {"known_version": known_version}
+        if not_durable is not None:
+            body["not_durable"] = not_durable
         if reports:
             body["reports"] = _reports(reports)
         return self._post(f"/servers/{server}/heartbeat", body, lambda reply: (reply, asked_at))

@@ -84,6 +84,11 @@ ERRORS: dict[str, tuple[int, str]] = {
         503,
         "no live copy of the bucket can serve it: nothing was applied; retry (extra: bucket)",
     ),
+    "not_durable": (
+        503,
+        "this server's flushes have failed or stalled past max_unflushed: nothing was applied; "
+        "retry (the controllers move its buckets to servers that can persist)",
+    ),
     "timeout": (504, "the operation did not complete in time; its outcome is unknown"),
 }
 

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 TOKEN_KEY = web.AppKey("token", str)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 STATUS_KEY = web.AppKey("status", object)
+HEALTH_KEY = web.AppKey("health", object)
 RID_KEY = web.RequestKey("rid", str)
 MAX_BODY_KEY = web.AppKey("max_body", int)
 
@@ -239,6 +240,10 @@ def _json_default(o: Any) -> Any:
 
 
 async def _healthz(request: web.Request) -> web.Response:
+    health = request.app[HEALTH_KEY]
+    reason = health() if health is not None else None
+    if reason is not None:  # serving, but not healthy: the reason for an operator
+        return json_response({"ok": False, "reason": reason}, status=503)
     return json_response({"ok": True})
 
 
@@ -264,8 +269,10 @@ def make_app(
     max_body: int = 64 << 20,
     status: Callable[[], Any] | None = None,
     limits: HttpLimits | None = None,
+    health: Callable[[], str | None] | None = None,
 ) -> web.Application:
-    """An aiohttp app with the shared middleware and the open endpoints installed."""
+    """An aiohttp app with the shared middleware and the open endpoints installed. `health`:
+    why the process is unhealthy (``/healthz`` answers 503 with it), or None."""
     if not token:
         raise ValueError("a cluster token is required")
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
@@ -273,6 +280,7 @@ def make_app(
     app[LIMITS_KEY] = limits or HttpLimits()
     app[REGISTRY_KEY] = registry
     app[STATUS_KEY] = status
+    app[HEALTH_KEY] = health
     app[MAX_BODY_KEY] = max_body
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/metrics", _metrics)

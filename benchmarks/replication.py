@@ -13,6 +13,10 @@ beside this machine's HMAC-SHA256 throughput.
 
     python benchmarks/replication.py [--seconds 8] [--threads 4] [--shard-kb 256]
 
+With ``--scrub`` it measures instead what the background scrub costs (issue 29): the same RF 3
+load with the scrub off (the limit), at the default rate, and at a rate high enough that it never
+sleeps, each beside the bytes it verified per second (from the servers' metrics).
+
 Last line: one JSON object of the figures.
 """
 
@@ -21,9 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import threading
 import time
+import urllib.request
 
 import numpy as np
 
@@ -39,7 +45,12 @@ FAILOVER_SHARD = 500  # 32 shards of x over the 16 buckets
 
 
 def cluster(
-    root: str, replication: int, shard_elems: int, ack: str = "prepared", peer_auth: bool = True
+    root: str,
+    replication: int,
+    shard_elems: int,
+    ack: str = "prepared",
+    peer_auth: bool = True,
+    scrub_rate: int = 0,
 ) -> LocalCluster:
     c = LocalCluster(
         root,
@@ -52,7 +63,7 @@ def cluster(
             "heartbeat-interval": 0.2, "server-timeout": 1.0, "reconcile-interval": 0.1,
         },
         ps_opts={"member-timeout": 0.5, "ping-interval": 0.2, "failover-after": 1.5, "log-level": "WARNING",
-                 "max-shard-elems": shard_elems, "ack": ack},
+                 "max-shard-elems": shard_elems, "ack": ack, "scrub-rate": scrub_rate},
     )  # fmt: skip
     c.start(timeout=60)
     return c
@@ -162,13 +173,85 @@ def hmac_gb_per_s(nbytes: int, seconds: float = 0.5) -> float:
     return n * nbytes / (time.perf_counter() - t0) / 1e9
 
 
+def scrubbed_bytes(c: LocalCluster) -> float:
+    """adamps_ps_scrubbed_bytes_total summed over the cluster's servers."""
+    total = 0.0
+    for addr in c.servers:
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("adamps_ps_scrubbed_bytes_total "):
+                    total += float(line.split()[1])
+    return total
+
+
+def scrub_cost(
+    root: str, threads: int, seconds: float, shard_elems: int, repeats: int
+) -> dict[str, float]:
+    """RF 3 push throughput with the scrub off (the limit) and on at two rates, interleaved
+    `repeats` times (a shared machine drifts: each figure is the median of its runs)."""
+    rates = {"off": 0, "default": 4 << 20, "unbounded": 1 << 40}
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in rates}
+    for i in range(repeats):
+        for name, rate in rates.items():
+            c = cluster(os.path.join(root, f"scrub_{name}_{i}"), 3, shard_elems, scrub_rate=rate)
+            try:
+                b0, t0 = scrubbed_bytes(c), time.monotonic()
+                r = throughput(c, threads, seconds, shard_elems)
+                verified = (scrubbed_bytes(c) - b0) / (time.monotonic() - t0)
+            finally:
+                c.stop()
+            runs[name].append((r["pushes_per_s"], verified, r["cpu_ms_servers"]))
+            print(
+                f"  run {i + 1}: scrub {name:9s}: {r['pushes_per_s']:8.1f} pushes/s, "
+                f"{verified / 1e6:7.2f} MB/s verified on 3 servers, server CPU "
+                f"{r['cpu_ms_servers']:.2f} ms/push"
+            )
+    out: dict[str, float] = {}
+    for name, rate in rates.items():
+        pushes = statistics.median(r[0] for r in runs[name])
+        out[f"scrub_{name}_pushes_per_s"] = round(pushes, 1)
+        out[f"scrub_{name}_pushes_per_s_runs"] = [round(r[0], 1) for r in runs[name]]  # type: ignore[assignment]
+        out[f"scrub_{name}_verified_MB_per_s"] = round(
+            statistics.median(r[1] for r in runs[name]) / 1e6, 2
+        )
+        out[f"scrub_{name}_cpu_ms_servers_per_push"] = round(
+            statistics.median(r[2] for r in runs[name]), 3
+        )
+        shown = "unbounded" if rate >= 1 << 40 else f"{rate} B/s per server"
+        print(
+            f"  median scrub {name:9s} ({shown}): {pushes:8.1f} pushes/s, "
+            f"{out[f'scrub_{name}_verified_MB_per_s']:.2f} MB/s verified"
+        )
+    for name in ("default", "unbounded"):
+        ratio = out[f"scrub_{name}_pushes_per_s"] / out["scrub_off_pushes_per_s"]
+        out[f"scrub_{name}_over_off"] = round(ratio, 3)
+        print(f"  scrub {name} / scrub off (the limit) = {ratio:.3f}")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per configuration")
     p.add_argument("--threads", type=int, default=4, help="client threads")
     p.add_argument("--shard-kb", type=int, default=256, help="size of each pushed shard (KiB)")
+    p.add_argument(
+        "--scrub", action="store_true", help="measure the background scrub's cost instead"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="--scrub: interleaved runs per rate")
     args = p.parse_args()
     shard_elems = args.shard_kb * 256
+    if args.scrub:
+        print(
+            f"adamps benchmarks/replication.py --scrub ({os.cpu_count()} CPUs): RF 3, "
+            f"{args.threads} client threads pushing {args.shard_kb} KiB deltas, "
+            f"{args.seconds:.0f} s each"
+        )
+        with tempfile.TemporaryDirectory(prefix="adamps-bench-") as root:
+            results = scrub_cost(root, args.threads, args.seconds, shard_elems, args.repeats)
+        results["shard_KiB"] = args.shard_kb
+        results["client_threads"] = args.threads
+        print(json.dumps(results))
+        return
     print(
         f"adamps benchmarks/replication.py ({os.cpu_count()} CPUs): 3 controllers + 3 parameter servers per cluster,"
     )

@@ -44,12 +44,20 @@ class Operations:
             for b, p in (copies or {}).items()
             if 0 <= int(b) < self.n_buckets
         }
+        # The digests of the offered copies' values at their committed seq, where the server
+        # sent them: compared between candidates that tie on (epoch, seq) (issue 29).
+        digests = {
+            int(b): [int(p[2]), str(p[3])]
+            for b, p in (copies or {}).items()
+            if 0 <= int(b) < self.n_buckets and len(p) >= 4
+        }
         self.servers[sid] = {
             "address": address,
             "state": state,
             "incarnation": (rec["incarnation"] + 1) if rec else 1,
             "since": now,
             "copies": offered,
+            "digests": digests,
         }
         if rec is not None and state == DRAINING and "drain_floor" in rec:
             self.servers[sid]["drain_floor"] = rec["drain_floor"]
@@ -378,6 +386,26 @@ class Operations:
             rec["since"] = now
             self._replan(now)
         return {"ok": True, "server": sid, "state": LIVE, "changed": changed}
+
+    def write_storage(self, sid: str, not_durable: str | None, now: float) -> dict[str, Any]:
+        """A server reports whether it can persist (issue 29): while its flushes fail or stall
+        past max_unflushed (`not_durable` says why) it takes no bucket and its primaries and
+        copies move to servers that can, as from a draining server; once it flushes again it
+        is eligible again."""
+        now = self._tick(now)
+        rec = self.servers.get(sid)
+        if rec is None:
+            return refusal("not_found", f"no server {sid!r}")
+        reason = None if not_durable is None else str(not_durable)[:300]
+        if rec.get("not_durable") != reason:
+            if reason is None:
+                rec.pop("not_durable", None)
+                log.warning("server %s can persist again", sid)
+            else:
+                rec["not_durable"] = reason
+                log.error("server %s cannot persist (%s): its buckets move", sid, reason)
+            self._replan(now)
+        return {"ok": True, "server": sid, "not_durable": reason}
 
     def rebalance(self, now: float) -> dict[str, Any]:
         now = self._tick(now)

@@ -60,8 +60,11 @@ class BucketRules:
         return self.servers[lease.holder]["incarnation"] == bk["holder_inc"]
 
     def eligible(self) -> list[str]:
-        """Servers that may receive buckets: live and not draining."""
-        return sorted(s for s, rec in self.servers.items() if rec["state"] == LIVE)
+        """Servers that may receive buckets: live and not draining, and, unless none is left
+        then, able to persist (issue 29: a server whose flushes fail or stall is drained)."""
+        live = sorted(s for s, rec in self.servers.items() if rec["state"] == LIVE)
+        durable = [s for s in live if not self.servers[s].get("not_durable")]
+        return durable or live
 
     def _grant(self, b: int, holder: str, now: float) -> Lease:
         bucket = self.buckets[b]
@@ -105,6 +108,7 @@ class BucketRules:
         self._add_copies(b)
         self._drop_stale_offers(b)
         target = self._grant_target(b, now, reports)
+        self._note_digest_conflict(b, target)
         if target is not None:
             prev = bucket["lease"]
             # A candidate's copy after every member was gone (logged: from LMDB it may lack the
@@ -255,13 +259,67 @@ class BucketRules:
         cands = [s for s in cands if b in self.servers[s].get("copies", {})]
         if not cands:
             return None
-        want = bucket["want"]
+        return self._digest_verdict(b, cands)[0]
+
+    def _digest_verdict(self, b: int, cands: list[str]) -> tuple[str | None, dict[str, Any] | None]:
+        """(the candidate to serve bucket `b`, the digest disagreement found or None).
+
+        The most up-to-date candidates (highest (epoch, seq)) should hold bit-identical values.
+        Those that sent a digest at the same committed seq are compared: if they disagree, a
+        digest held by a strict majority of them wins (the others' copies are passed over);
+        without a majority nobody serves the bucket (None) until an operator acts. Never
+        settled silently: `_note_digest_conflict` logs and counts it."""
+        want = self.buckets[b]["want"]
 
         def key(s: str) -> tuple:
-            epoch, seq = self.servers[s]["copies"][b]
+            epoch, seq = self.servers[s]["copies"][b][:2]
             return (-epoch, -seq, want.index(s) if s in want else len(want), s)
 
-        return min(cands, key=key)
+        best = min(cands, key=key)
+        top = [s for s in cands if key(s)[:2] == key(best)[:2]]
+        digests = {s: self.servers[s].get("digests", {}).get(b) for s in top}
+        committed = max((d[0] for d in digests.values() if d), default=None)
+        compared = {s: d[1] for s, d in digests.items() if d and d[0] == committed}
+        if len(set(compared.values())) <= 1:
+            return best, None
+        votes: dict[str, list[str]] = {}
+        for s, dig in sorted(compared.items()):
+            votes.setdefault(dig, []).append(s)
+        conflict = {"committed": committed, "digests": {d: v for d, v in sorted(votes.items())}}
+        winner = [v for v in votes.values() if 2 * len(v) > len(compared)]
+        if not winner:
+            return None, conflict
+        chosen = min([*winner[0], *(s for s in top if s not in compared)], key=key)
+        return chosen, conflict
+
+    def _note_digest_conflict(self, b: int, target: str | None) -> None:
+        """Logs and counts, once per distinct disagreement, a bucket whose tied candidates
+        reported different digests (see `_digest_verdict`)."""
+        bk = self.buckets[b]
+        if not self.unavailable(b):
+            bk.pop("digest_conflict", None)
+            return
+        cands = [
+            s
+            for s in bk.get("candidates", [])
+            if self._live(s) and b in self.servers[s].get("copies", {})
+        ]
+        if not cands or not all(self._live(s) for s in bk.get("candidates", [])):
+            return
+        _, conflict = self._digest_verdict(b, cands)
+        if conflict is None or bk.get("digest_conflict") == conflict:
+            return
+        bk["digest_conflict"] = conflict
+        self.digest_conflicts = getattr(self, "digest_conflicts", 0) + 1
+        log.error(
+            "bucket %d: candidates at the same (epoch, seq) disagree on their values' digest "
+            "%s: %s",
+            b,
+            conflict["digests"],
+            f"serving the majority's copy on {target}"
+            if target is not None
+            else "no majority: the bucket stays unavailable until an operator acts",
+        )
 
     def live_members(self, b: int, exclude: str | None = None) -> list[str]:
         """The live members of bucket `b`'s replica set (primary in its incarnation, holders)."""

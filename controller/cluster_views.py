@@ -140,5 +140,6 @@ class Views:
             "unavailable": [b for b in range(self.n_buckets) if self.unavailable(b)],
             "lost": [b for b in range(self.n_buckets) if self.buckets[b]["lost"]],
             "declared_lost": getattr(self, "declared_lost", 0),
+            "digest_conflicts": getattr(self, "digest_conflicts", 0),
             "layout_version": self.layout_version,
         }

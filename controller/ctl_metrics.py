@@ -45,6 +45,13 @@ class ControllerMetrics:
             "replicated record (survives controller restarts)",
             registry=r,
         )
+        self.digest_conflicts = Gauge(
+            "adamps_controller_digest_conflicts",
+            "times candidates of a bucket at the same (epoch, seq) offered copies whose values' "
+            "digests disagreed (issue 29), in the replicated record: resolved by majority or "
+            "left unavailable, never silently",
+            registry=r,
+        )
         self.version = Gauge("adamps_controller_table_version", "routing table version", registry=r)
         self.writes = Counter(
             "adamps_controller_writes_total",
@@ -86,16 +93,18 @@ class ControllerMetrics:
         self.term.set(term)
         self.commit.set(commit_index)
 
-        def snap(m: ClusterModel) -> tuple[dict[str, int], int, int, int, int, int]:
+        def snap(m: ClusterModel) -> tuple[dict[str, int], int, int, int, int, int, int]:
             states: dict[str, int] = {"live": 0, "dead": 0, "draining": 0}
             for rec in m.servers.values():
                 states[rec["state"]] = states.get(rec["state"], 0) + 1
             unassigned = sum(1 for b in range(m.n_buckets) if not m.holder_live(b))
             unavailable = sum(1 for b in range(m.n_buckets) if m.unavailable(b))
             lost = getattr(m, "declared_lost", 0)
-            return states, m.under_replicated(), unassigned, unavailable, lost, m.version
+            conflicts = getattr(m, "digest_conflicts", 0)
+            return states, m.under_replicated(), unassigned, unavailable, lost, m.version, conflicts
 
-        states, under, unassigned, unavailable, lost, version = cluster.read(snap)
+        states, under, unassigned, unavailable, lost, version, conflicts = cluster.read(snap)
+        self.digest_conflicts.set(conflicts)
         for k, v in states.items():
             self.servers.labels(k).set(v)
         self.under.set(under)

@@ -10,8 +10,10 @@ from aiohttp import web
 from adamps.protocol import ProtocolError
 
 
-def positions(raw: Any, n_buckets: int, name: str) -> dict[int, list[int]]:
-    """A map bucket -> [epoch, seq] from JSON (keys are strings there), checked."""
+def positions(raw: Any, n_buckets: int, name: str) -> dict[int, list[Any]]:
+    """A map bucket -> [epoch, seq] from JSON (keys are strings there), checked. An offer may
+    carry [epoch, seq, committed, digest] (issue 29: the digest of the copy's values at its
+    committed seq, compared between tied candidates); those two are checked and kept."""
     if not isinstance(raw, dict):
         raise ProtocolError("bad_request", f"{name} must be a map bucket -> [epoch, seq]")
     out = {}
@@ -25,6 +27,22 @@ def positions(raw: Any, n_buckets: int, name: str) -> dict[int, list[int]]:
                 "bad_request", f"{name}[{b!r}]: bucket in [0, {n_buckets}), epoch and seq >= 0"
             )
         out[bi] = [epoch, seq]
+        if isinstance(r, list) and len(r) >= 4:
+            committed, dig = r[2], r[3]
+            if (
+                isinstance(committed, bool)
+                or not isinstance(committed, int)
+                or not 0 <= committed <= seq
+                or not isinstance(dig, str)
+                or not 0 < len(dig) <= 32
+                or any(c not in "0123456789abcdef" for c in dig)
+            ):
+                raise ProtocolError(
+                    "bad_request",
+                    f"{name}[{b!r}]: [epoch, seq, committed, digest] needs 0 <= committed <= seq "
+                    "and a digest of 1-32 lowercase hex digits",
+                )
+            out[bi] += [committed, dig]
     return out
 
 

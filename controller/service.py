@@ -195,6 +195,12 @@ class ControllerService:
             renewed: dict[str, Any] = {"renewed": [], "at": None}
             if holds:
                 renewed = ok_or_raise(await self.commit("renew", sid, time.time()))
+            not_durable = body.get("not_durable")
+            if not_durable is not None and not isinstance(not_durable, str):
+                raise ProtocolError("bad_request", "not_durable must be a string or null")
+            # Committed when durability flips, not when the reason's figures change.
+            if bool(rec.get("not_durable")) != bool(not_durable):
+                await self.commit("write_storage", sid, not_durable, time.time())
             version, roles, state, unavailable = self.cluster.read(
                 lambda m: (
                     m.version,

@@ -221,6 +221,11 @@ class ReplicatedCluster(SyncObjConsumer):
     def write_off(self, b: int, now: float) -> dict[str, Any]:
         return self._apply("write_off", b, now)
 
+    # Issue 29's operation: its name sorts after "write_off" (see above).
+    @replicated
+    def write_storage(self, sid: str, not_durable: str | None, now: float) -> dict[str, Any]:
+        return self._apply("write_storage", sid, not_durable, now)
+
     @replicated
     def report_progress(
         self, epoch: int, replica: str, progress: float, done: bool, now: float

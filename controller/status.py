@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from adamps.rpc import get_json
@@ -33,9 +34,26 @@ def table(rows: list[list[Any]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def flush_cells(st: dict[str, Any] | None) -> list[Any]:
+    """[last flush (UTC), its age, durable] from a parameter server's /status (issue 29)."""
+    if st is None:
+        return ["?", "?", "unreachable"]
+    last = st.get("last_flush") or {}
+    at = last.get("time")
+    age = last.get("age_seconds")
+    when = time.strftime("%H:%M:%S", time.gmtime(at)) if at else "never"
+    durable = "yes" if st.get("durable", True) else f"NO: {st.get('not_durable')}"
+    return [when, "-" if age is None else f"{age:.1f}s", durable]
+
+
 def render(
-    view: dict[str, Any], controllers: list[dict[str, Any]], progress: dict[str, Any], buckets: bool
+    view: dict[str, Any],
+    controllers: list[dict[str, Any]],
+    progress: dict[str, Any],
+    buckets: bool,
+    servers: dict[str, dict[str, Any] | None] | None = None,
 ) -> str:
+    """`servers`: each server's own /status (None: unreachable), for its flush columns."""
     out = []
     out.append(
         table(
@@ -69,14 +87,14 @@ def render(
             r.get("secondary", 0),
             r.get("joining", 0),
             r["incarnation"],
+            *(flush_cells((servers or {}).get(s)) if servers is not None else []),
         ]
         for s, r in view["servers"].items()
     ]
-    out.append(
-        table(
-            rows, ["server", "address", "state", "primary", "secondary", "joining", "incarnation"]
-        )
-    )
+    header = ["server", "address", "state", "primary", "secondary", "joining", "incarnation"]
+    if servers is not None:
+        header += ["last flush (UTC)", "flush age", "durable"]
+    out.append(table(rows, header))
     if buckets:
         out.append("")
         rows = []
@@ -129,7 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(view, indent=2))
         return 0
-    print(render(view, controllers, progress or {}, args.buckets))
+    servers: dict[str, dict[str, Any] | None] = {}
+    for sid, rec in view["servers"].items():
+        try:
+            servers[sid] = (
+                None
+                if rec["state"] == "dead"
+                else get_json(rec["address"], "/status", args.timeout)
+            )
+        except (OSError, ValueError, KeyError):
+            servers[sid] = None
+    print(render(view, controllers, progress or {}, args.buckets, servers))
     return 0
 
 

@@ -26,19 +26,21 @@ from prometheus_client import CollectorRegistry
 
 from adamps import metrics, peer_auth, protocol
 from adamps import web as aweb
-from adamps.config import to_dict
+from adamps.config import ConfigError, to_dict
 from adamps.layout import LayoutError
 from adamps.protocol import ProtocolError
 from adamps.server.addressing import Addressing
 from adamps.server.catalog import TensorCatalog
 from adamps.server.config import PsConfig
 from adamps.server.dataplane import DataPlane
+from adamps.server.flusher import Flusher
 from adamps.server.optim import OptimError
 from adamps.server.peer_keys import PEER_OPS
-from adamps.server.persist import Flusher, Persister, Position
+from adamps.server.persist import Persister, Position
 from adamps.server.psmetrics import PsMetrics
 from adamps.server.reads import Reads
 from adamps.server.replicate import Replicator
+from adamps.server.scrub import Scrubber
 from adamps.server.shards import Snapshot, StoreError
 from adamps.server.store import Store
 from adamps.server.vecops import VectorOps
@@ -59,9 +61,19 @@ class ParameterServer:
         self.registry = registry if registry is not None else metrics.new_registry()
         self.m = PsMetrics(self.registry)
         self.started = time.time()
-        self.persister = Persister(cfg.data_dir, cfg.map_size, cfg.lmdb_sync)
-        #: copies this server had when it stopped (replicated servers): it offers them again
-        positions = self.persister.load_positions() if cfg.controllers else {}
+        self.persister = Persister(
+            cfg.data_dir,
+            cfg.map_size,
+            cfg.lmdb_sync,
+            on_corrupt=lambda where: self.m.corrupt.labels(where).inc(),
+        )
+        #: what failed its checksum at start: those copies are not offered (issue 29)
+        self.corruption = self.persister.verify(cfg.n_buckets)
+        if self.corruption.everything or self.corruption.buckets:
+            self._refuse_or_drop_corrupt()
+        #: copies this server had when it stopped (replicated servers): it offers them again,
+        #: except those that failed verification (they rejoin by state transfer)
+        positions = self.persister.load_positions(skip=self.corruption) if cfg.controllers else {}
         self.store = Store(
             n_buckets=cfg.n_buckets,
             # Under controllers a server holds only the copies it had (reloaded below) and then
@@ -72,7 +84,11 @@ class ParameterServer:
             on_applied=lambda kind, n: self.m.applied.labels(kind).inc(n),
         )
         self.flusher = Flusher(
-            self.store, self.persister, cfg.flush_interval, on_flush=self._on_flush
+            self.store,
+            self.persister,
+            cfg.flush_interval,
+            on_flush=self._on_flush,
+            max_unflushed=cfg.max_unflushed or 5 * cfg.flush_interval,
         )
         self.catalog = TensorCatalog(cfg, self.store, self.persister)
         try:
@@ -83,6 +99,9 @@ class ParameterServer:
             raise
         self.m.dirty.set_function(lambda: self.store.dirty_count())
         self.m.loss_window.set_function(lambda: self.flusher.loss_window())
+        self.m.durable.set_function(lambda: 0 if self.flusher.not_durable() else 1)
+        self.m.flush_age.set_function(lambda: self.flusher.last_flush_age() or 0.0)
+        self.m.flush_failures.set_function(lambda: self.flusher.failures)
         self.m.queue_depth.set_function(lambda: sum(self.store.queue_depths()))
         self.m.shards.set_function(lambda: len(self.store.shards))
         self.m.tensors.set_function(lambda: len(self.store.tensors))
@@ -92,7 +111,17 @@ class ParameterServer:
         if cfg.controllers:
             self.replicator = Replicator(cfg, self.store, self.catalog, self.registry)
             self.replicator.restore(positions)
+            self.replicator.on_corrupt = lambda where: self.m.corrupt.labels(where).inc()
+            self.replicator.not_durable = self.flusher.not_durable
             self.flusher.cut = self._cut
+        #: verifies LMDB records in the background at cfg.scrub_rate bytes/s
+        self.scrubber = Scrubber(
+            self.persister,
+            cfg.scrub_rate,
+            on_failure=self._scrub_found,
+            on_bytes=self.m.scrubbed_bytes.inc,
+        )
+        self.scrubber.start()
         #: the event loop serving this server and its thread (set at startup)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -101,6 +130,7 @@ class ParameterServer:
         self.reads = Reads(self.store, self.addressing)
         #: the one way pushes change shards (HTTP and the data plane both use it)
         self.writes = WritePath(cfg, self.store, self.addressing, self.replicator)
+        self.writes.not_durable = self.flusher.not_durable
         self.data_plane = DataPlane(
             cfg,
             self.writes,
@@ -128,6 +158,52 @@ class ParameterServer:
             self._ops["debug_fail"] = self.op_debug_fail
         if self.replicator is not None:
             self._ops.update(self.replicator.handlers())
+
+    def _scrub_found(self, db: str, key: bytes, exc: Exception) -> None:
+        """A record the scrub found damaged (scrub thread): counted and logged; the copy in
+        memory, which replication keeps identical to the others, rewrites it at the next flush.
+        A tensor definition cannot be rewritten from here: the next start then distrusts every
+        copy of this server (they rejoin by state transfer)."""
+        self.persister.report_corrupt("scrub", db, key, exc)
+        if db == "shards":
+            st = self.store.shards.get(key.decode(errors="replace"))
+            if st is not None:
+                self.store.mark_dirty([st], lambda _r, _e: None)
+            else:  # a leftover of a copy this server let go: nothing to rewrite it from
+                self.persister.delete(db, key)
+            return
+        if db == "tensors":
+            return
+        self.persister.delete(db, key)
+        b = self.persister.bucket_of_record(db, key, self.cfg.n_buckets)
+        rep, loop = self.replicator, self._loop
+        if rep is not None and b is not None and loop is not None:
+            # The copy's next cut is written fresh: its position and whole exactly-once table.
+            loop.call_soon_threadsafe(rep.persisted.pop, b, None)
+
+    def _refuse_or_drop_corrupt(self) -> None:
+        """A standalone server has no other copy to recover from: it refuses to start. A
+        replicated one starts without the corrupted copies (not offered, rejoined by state
+        transfer from a good copy; the next flush deletes their records)."""
+        c = self.corruption
+        what = c.everything or "; ".join(f"bucket {b}: {w}" for b, w in sorted(c.buckets.items()))
+        if not self.cfg.controllers:
+            self.persister.close()
+            raise ConfigError(
+                f"{self.cfg.data_dir} holds records that fail their checksum ({what}); a "
+                "standalone server has no other copy to recover them from: restore the data "
+                "directory from a checkpoint or move it aside"
+            )
+        dropped = "every copy" if c.everything else f"buckets {sorted(c.buckets)}"
+        n = self.persister.discard(c, self.cfg.n_buckets)
+        log.error(
+            "storage corruption in %s: %s; %s not offered (they rejoin by state transfer); "
+            "%d records deleted",
+            self.cfg.data_dir,
+            what,
+            dropped,
+            n,
+        )
 
     def _cut(self) -> tuple[list[Snapshot], dict[int, Position] | None]:
         """The flush's cut on a replicated server: the copies of the dirty shards are queued on
@@ -165,6 +241,7 @@ class ParameterServer:
             return
         self._closed = True
         try:
+            self.scrubber.stop()
             self.flusher.stop(final_flush=True)
         finally:
             self.store.close()
@@ -179,6 +256,7 @@ class ParameterServer:
             max_body=self.cfg.max_body,
             status=self.status,
             limits=self.cfg.http_limits,
+            health=self.flusher.not_durable,
         )
         app[PS_KEY] = self
         app.router.add_post("/rpc", self.handle_rpc)
@@ -310,7 +388,13 @@ class ParameterServer:
             "queue_depths": self.store.queue_depths(),
             "dirty_shards": self.store.dirty_count(),
             "loss_window_seconds": self.flusher.loss_window(),
-            "last_flush": self.flusher.last_flush,
+            "last_flush": {
+                **self.flusher.last_flush,
+                "age_seconds": self.flusher.last_flush_age(),
+                "error": self.flusher.last_error,
+            },
+            "durable": self.flusher.not_durable() is None,
+            "not_durable": self.flusher.not_durable(),
             "applied": dict(self.store.applied),
             "clients": len(self.writes.clients),
         }

@@ -52,6 +52,18 @@ class PsConfig:
     flush_interval: float = field(
         1.0, help="seconds between background flushes of dirty shards to LMDB"
     )
+    max_unflushed: float = field(
+        0.0,
+        help="seconds an update may stay unflushed (flushes failing or stalled) before this "
+        "server stops acknowledging pushes (503 not_durable) and reports itself not durable; "
+        "bounds what a crash of every copy can lose (docs/operations.md, Storage faults); "
+        "0: 5 x flush_interval",
+    )
+    scrub_rate: int = field(
+        4 << 20,
+        help="bytes per second of LMDB records the background scrub verifies against their "
+        "checksums (0: no scrub)",
+    )
     map_size: int = field(
         1 << 30, help="initial LMDB map size in bytes (grown by doubling when full)"
     )
@@ -178,6 +190,15 @@ class PsConfig:
             raise ValueError(f"buckets {bad} out of range 0..{self.n_buckets - 1}")
         if self.flush_interval <= 0:
             raise ValueError("flush_interval must be > 0")
+        if self.max_unflushed < 0:
+            raise ValueError("max_unflushed must be >= 0 (0: 5 x flush_interval)")
+        if self.max_unflushed and self.max_unflushed <= self.flush_interval:
+            raise ValueError(
+                f"max_unflushed ({self.max_unflushed}) must exceed flush_interval "
+                f"({self.flush_interval}): every update waits up to one interval for its flush"
+            )
+        if self.scrub_rate < 0:
+            raise ValueError("scrub_rate must be >= 0 (0: no scrub)")
         for name in ("max_tensor_elems", "max_server_elems", "max_shards_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

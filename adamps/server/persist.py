@@ -22,6 +22,13 @@ LMDB layout (one Environment per process, five named databases):
   ``DEDUP_CHUNKS`` chunks of a bucket are kept, so a client's retry of a push is recognized after
   a restart if it comes within that many flushes.
 
+Every record is sealed with a checksum (``adamps.server.checksum``) in the transaction that writes
+it, and verified wherever it is read: at start (``verify``, before a copy is offered), by the
+background scrub, and by ``load``. A sixth database, ``meta``, holds the format stamp
+(``format`` -> ``2``); an environment without it was written by the previous version, whose
+records have no checksum: it is read once unverified (logged), every record is resealed in one
+transaction, and the stamp is written, so from then on a record without a checksum is corrupt.
+
 ``sync`` stays on (no ``writemap``): a committed flush survives a crash of the process or machine.
 MapFullError grows the map (doubling) and retries; ``set_mapsize`` needs no transaction open in this
 process, which holds because every transaction goes through ``_lock``.
@@ -33,7 +40,6 @@ import json
 import logging
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +49,9 @@ import lmdb
 import numpy as np
 
 from adamps import protocol
+from adamps.layout import stable_bucket
+from adamps.server.checksum import CorruptRecord, seal, unseal
 from adamps.server.shards import Snapshot
-from adamps.server.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,26 @@ _HEADER = struct.Struct("<QQQ")
 DEDUP_CHUNKS = 64
 #: pairs persisted per bucket and flush at most (a flush covers far fewer in practice)
 DEDUP_PER_FLUSH = 65_536
+#: the on-disk format this version writes (records sealed with checksums)
+FORMAT = b"2"
+#: the named databases whose records are sealed
+_SEALED_DBS = ("tensors", "shards", "positions", "dedup", "prepared")
+
+
+@dataclass
+class Corruption:
+    """What ``Persister.verify`` found: records whose checksum failed."""
+
+    #: bucket -> why its copy cannot be trusted (first failing record)
+    buckets: dict[int, str] = field(default_factory=dict)
+    #: set when a record no bucket can be told from failed (a tensor definition): every copy
+    #: of this server is then untrusted
+    everything: str | None = None
+    #: records checked
+    records: int = 0
+
+    def bad(self, b: int) -> bool:
+        return self.everything is not None or b in self.buckets
 
 
 @dataclass
@@ -79,24 +106,43 @@ class SavedTensor:
 class Persister:
     """The LMDB environment of this process. Thread-safe (one transaction at a time)."""
 
-    def __init__(self, path: str | Path, map_size: int = 1 << 30, sync: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        map_size: int = 1 << 30,
+        sync: bool = True,
+        on_corrupt: Callable[[str], None] | None = None,
+    ) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         self.path = str(path)
         self._lock = threading.Lock()
         self.env = lmdb.open(
             self.path,
             map_size=map_size,
-            max_dbs=5,
+            max_dbs=6,
             sync=sync,
             metasync=sync,
             writemap=False,
             readahead=False,
+            # No lock file: every transaction of this process goes through `_lock`, and no
+            # other process opens the environment. LMDB's lock file is a shared writable map;
+            # on a stalled (frozen) file system its first write page-faults and blocks in
+            # mdb_txn_begin, which py-lmdb calls holding the GIL: the whole server would hang,
+            # /healthz included (issue 29). Without it, only the commit waits for the disk,
+            # and py-lmdb releases the GIL there.
+            lock=False,
         )
         self._tensors = self.env.open_db(b"tensors")
         self._shards = self.env.open_db(b"shards")
         self._positions = self.env.open_db(b"positions")
         self._dedup = self.env.open_db(b"dedup")
         self._prepared = self.env.open_db(b"prepared")
+        self._meta = self.env.open_db(b"meta")
+        #: called with where ("load", "scrub") for every record that fails its checksum
+        self.on_corrupt = on_corrupt or (lambda where: None)
+        #: records that failed their checksum, by where they were found
+        self.corrupt_records: dict[str, int] = {}
+        self._stamp_or_migrate()
         #: buckets with prepared batches on disk (None: not read yet)
         self._prepared_on_disk: set[int] | None = None
         #: bucket -> (epoch, seq) last written (positions of buckets not held any more are deleted)
@@ -130,7 +176,9 @@ class Persister:
         shards = list(shards)
 
         def fn(txn: lmdb.Transaction) -> None:
-            txn.put(meta["spec"]["name"].encode(), json.dumps(meta).encode(), db=self._tensors)
+            txn.put(
+                meta["spec"]["name"].encode(), seal(json.dumps(meta).encode()), db=self._tensors
+            )
             for sid, version, value, accum in shards:
                 txn.put(
                     sid.encode(),
@@ -174,17 +222,19 @@ class Persister:
                     # must hold exactly what the copy held prepared at that instant.
                     self._delete_prefix(txn, self._prepared, b)
                     for batch in p.prepared:
-                        rec = protocol.encode(batch)
+                        rec = seal(protocol.encode(batch))
                         txn.put(b"%08d/%020d" % (b, batch["seq"]), rec, db=self._prepared)
                         nbytes += len(rec)
                 if self._written.get(b) == (p.epoch, p.seq) and not p.dedup and not p.fresh:
                     continue
-                txn.put(b"%08d" % b, json.dumps([p.epoch, p.seq]).encode(), db=self._positions)
+                txn.put(
+                    b"%08d" % b, seal(json.dumps([p.epoch, p.seq]).encode()), db=self._positions
+                )
                 if p.fresh:
                     self._delete_chunks(txn, b, keep=0)
                 if p.dedup:
                     key = b"%08d/%020d" % (b, p.seq)
-                    txn.put(key, json.dumps(p.dedup).encode(), db=self._dedup)
+                    txn.put(key, seal(json.dumps(p.dedup).encode()), db=self._dedup)
                     self._delete_chunks(txn, b, keep=DEDUP_CHUNKS)
                 nbytes += 64
 
@@ -211,150 +261,220 @@ class Persister:
         for k in keys[: max(0, len(keys) - keep)]:
             txn.delete(k, db=db)
 
+    # -- format ----------------------------------------------------------------------------------
+
+    def _stamp_or_migrate(self) -> None:
+        """Stamps a new environment with FORMAT; reseals an environment of the previous version
+        (no stamp, records without checksums) in one transaction. A stamp other than FORMAT is
+        refused: this version cannot tell what such records mean."""
+        with self._lock, self.env.begin() as txn:
+            stamp = txn.get(b"format", db=self._meta)
+            n = txn.stat(self._tensors)["entries"] + txn.stat(self._positions)["entries"]
+        if stamp is not None:
+            if bytes(stamp) != FORMAT:
+                raise RuntimeError(
+                    f"{self.path}: LMDB format {bytes(stamp)!r} is not this version's {FORMAT!r}"
+                )
+            return
+        if n:
+            log.warning(
+                "%s was written by a previous version without checksums: its records are read "
+                "UNVERIFIED once and resealed with checksums now",
+                self.path,
+            )
+
+        def reseal(txn: lmdb.Transaction) -> None:
+            for name in _SEALED_DBS:
+                db = getattr(self, "_" + name)
+                recs = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db)]
+                for k, v in recs:
+                    txn.put(k, seal(unseal(v, legacy_ok=True)), db=db)
+            txn.put(b"format", FORMAT, db=self._meta)
+
+        self._write(reseal)
+
+    def report_corrupt(self, where: str, db: str, key: bytes, exc: Exception) -> str:
+        """Counts, reports and logs a record that failed its checksum; returns why."""
+        self.corrupt_records[where] = self.corrupt_records.get(where, 0) + 1
+        self.on_corrupt(where)
+        why = f"{db} record {key.decode(errors='replace')!r}: {exc}"
+        log.error("CORRUPT record in %s (%s): %s", self.path, where, why)
+        return why
+
+    def delete(self, db: str, key: bytes) -> None:
+        """Deletes one record if it is still damaged (a flush may have rewritten it since the
+        scrub read it): the next flush rewrites it."""
+        assert db in _SEALED_DBS
+        handle = getattr(self, "_" + db)
+
+        def fn(txn: lmdb.Transaction) -> None:
+            v = txn.get(key, db=handle)
+            if v is not None and self.check_record(db, key, v) is not None:
+                txn.delete(key, db=handle)
+
+        self._write(fn)
+        if db in ("positions", "prepared"):
+            self._written = None  # read again at the next flush
+
+    def bucket_of_record(self, db: str, key: bytes, n_buckets: int) -> int | None:
+        """The bucket a record belongs to (None: a tensor definition, which is every bucket's)."""
+        if db == "shards":
+            return stable_bucket(key.decode(errors="replace"), n_buckets)
+        if db == "tensors":
+            return None
+        return int(key.split(b"/")[0])
+
+    def check_record(self, db: str, key: bytes, value: bytes | memoryview) -> Exception | None:
+        """The reason record (db, key) does not verify, or None."""
+        try:
+            payload = unseal(value)
+            if db == "shards":
+                _unpack(payload)
+            elif db == "prepared":
+                protocol.decode(bytes(payload))
+            else:
+                json.loads(bytes(payload))
+        except (CorruptRecord, ValueError, struct.error, protocol.ProtocolError) as exc:
+            return exc
+        return None
+
+    def verify(self, n_buckets: int, where: str = "load") -> Corruption:
+        """Checks every record's checksum: which buckets' copies on disk cannot be trusted."""
+        out = Corruption()
+        with self._lock, self.env.begin() as txn:
+            for name in _SEALED_DBS:
+                for k, v in txn.cursor(db=getattr(self, "_" + name)):
+                    out.records += 1
+                    exc = self.check_record(name, bytes(k), v)
+                    if exc is None:
+                        continue
+                    why = self.report_corrupt(where, name, bytes(k), exc)
+                    b = self.bucket_of_record(name, bytes(k), n_buckets)
+                    if b is None:
+                        out.everything = out.everything or why
+                    else:
+                        out.buckets.setdefault(b, why)
+        return out
+
+    def discard(self, bad: Corruption, n_buckets: int) -> int:
+        """Deletes, in one transaction, the records of the copies `bad` marks (and every record
+        that fails its checksum): they are never offered, and their buckets come back by state
+        transfer. Returns the records deleted."""
+        deleted = 0
+
+        def fn(txn: lmdb.Transaction) -> None:
+            nonlocal deleted
+            deleted = 0
+            for name in _SEALED_DBS:
+                db = getattr(self, "_" + name)
+                doomed = []
+                for k, v in txn.cursor(db=db):
+                    key = bytes(k)
+                    b = self.bucket_of_record(name, key, n_buckets)
+                    gone = (b is not None and bad.bad(b)) or (
+                        self.check_record(name, key, v) is not None
+                    )
+                    if gone:
+                        doomed.append(key)
+                for key in doomed:
+                    txn.delete(key, db=db)
+                deleted += len(doomed)
+
+        self._write(fn)
+        self._written = None  # read again at the next flush
+        return deleted
+
+    def scan(
+        self, after: tuple[str, bytes] | None, budget: int
+    ) -> tuple[list[tuple[str, bytes, Exception]], tuple[str, bytes] | None, int]:
+        """Verifies records in (db, key) order from just after `after` until about `budget`
+        bytes were read (the scrub's step: one short read transaction). Returns (failures, the
+        last record checked or None at the end of a pass, bytes read)."""
+        failures: list[tuple[str, bytes, Exception]] = []
+        nbytes = 0
+        start = 0 if after is None else _SEALED_DBS.index(after[0])
+        with self._lock, self.env.begin() as txn:
+            for i in range(start, len(_SEALED_DBS)):
+                name = _SEALED_DBS[i]
+                cur = txn.cursor(db=getattr(self, "_" + name))
+                if after is not None and i == start:
+                    ok = cur.set_range(after[1])
+                    if ok and bytes(cur.key()) == after[1]:
+                        ok = cur.next()
+                else:
+                    ok = cur.first()
+                while ok:
+                    k, v = bytes(cur.key()), cur.value()
+                    nbytes += len(v)
+                    exc = self.check_record(name, k, v)
+                    if exc is not None:
+                        failures.append((name, k, exc))
+                    if nbytes >= budget:
+                        return failures, (name, k), nbytes
+                    ok = cur.next()
+        return failures, None, nbytes
+
     # -- reading ------------------------------------------------------------------------------
 
-    def load_positions(self) -> dict[int, Position]:
-        """The persisted copies: bucket -> position with its exactly-once pairs, oldest first."""
+    def load_positions(self, skip: Corruption | None = None) -> dict[int, Position]:
+        """The persisted copies: bucket -> position with its exactly-once pairs, oldest first.
+        Buckets `skip` marks corrupt are left out (their copy is not offered)."""
         out: dict[int, Position] = {}
         with self._lock, self.env.begin() as txn:
             for k, v in txn.cursor(db=self._positions):
-                epoch, seq = json.loads(bytes(v))
-                out[int(bytes(k))] = Position(int(epoch), int(seq), [])
+                try:
+                    epoch, seq = json.loads(bytes(unseal(v)))
+                except (CorruptRecord, ValueError) as exc:
+                    self.report_corrupt("load", "positions", bytes(k), exc)
+                    continue
+                b = int(bytes(k))
+                if skip is None or not skip.bad(b):
+                    out[b] = Position(int(epoch), int(seq), [])
             for k, v in txn.cursor(db=self._dedup):
                 b = int(bytes(k).split(b"/")[0])
                 if b in out:
-                    out[b].dedup.extend(json.loads(bytes(v)))
+                    out[b].dedup.extend(json.loads(bytes(unseal(v))))
             for k, v in txn.cursor(db=self._prepared):
                 b = int(bytes(k).split(b"/")[0])
                 if b in out:
-                    out[b].prepared.append(protocol.decode(bytes(v)))
+                    out[b].prepared.append(protocol.decode(bytes(unseal(v))))
         return out
 
     def load(self) -> list[SavedTensor]:
-        """Every saved tensor in creation order, with the shards saved for it."""
+        """Every saved tensor in creation order, with the shards saved for it; a record that
+        fails its checksum is left out (logged: ``verify`` has kept its bucket from being
+        offered)."""
         with self._lock, self.env.begin() as txn:
-            metas = [json.loads(v) for _, v in txn.cursor(db=self._tensors)]
+            metas = []
+            for k, v in txn.cursor(db=self._tensors):
+                try:
+                    metas.append(json.loads(bytes(unseal(v))))
+                except (CorruptRecord, ValueError) as exc:
+                    log.error("tensor definition %r does not verify (%s): skipped", bytes(k), exc)
             metas.sort(key=lambda m: m["seq"])
             out = {m["spec"]["name"]: SavedTensor(m, {}) for m in metas}
             for k, v in txn.cursor(db=self._shards):
                 sid = bytes(k).decode()
                 tensor = sid.rpartition("/")[0]
                 if tensor in out:
-                    out[tensor].shards[sid] = _unpack(bytes(v))
+                    try:
+                        out[tensor].shards[sid] = _unpack(unseal(v))
+                    except (CorruptRecord, ValueError, struct.error) as exc:
+                        log.error("shard %s does not verify (%s): not loaded", sid, exc)
         return list(out.values())
 
 
 def _pack(version: int, value: bytes, accum: bytes | None) -> bytes:
     accum = accum or b""
-    return b"".join((_HEADER.pack(version, len(value), len(accum)), value, accum))
+    return seal(_HEADER.pack(version, len(value), len(accum)), value, accum)
 
 
-def _unpack(rec: bytes) -> tuple[int, np.ndarray, np.ndarray | None]:
+def _unpack(rec: bytes | memoryview) -> tuple[int, np.ndarray, np.ndarray | None]:
     version, nv, na = _HEADER.unpack_from(rec)
+    if _HEADER.size + nv + na != len(rec) or nv % 4 or na % 4:
+        raise ValueError(f"shard record of {len(rec)} bytes does not hold {nv} + {na} bytes")
     off = _HEADER.size
     # A copy (bytes -> new array): the values become mutable state of the store.
     value = np.frombuffer(rec, dtype="<f4", count=nv // 4, offset=off).copy()
     accum = np.frombuffer(rec, dtype="<f4", count=na // 4, offset=off + nv).copy() if na else None
     return version, value, accum
-
-
-class Flusher:
-    """The background flush thread, the forced flush, and the loss-window bookkeeping."""
-
-    def __init__(
-        self,
-        store: Store,
-        persister: Persister,
-        interval: float,
-        clock: Callable[[], float] = time.monotonic,
-        on_flush: Callable[[int, int, float], None] | None = None,
-    ) -> None:
-        #: takes the flush's cut: (dirty shards, positions of the same instant or None). Default:
-        #: the dirty shards alone; a replicated server sets one that reads its positions too.
-        self.cut: Callable[[], tuple[list[Snapshot], dict[int, Position] | None]] = lambda: (
-            self.store.snapshot_dirty(),
-            None,
-        )
-        #: positions taken but not yet committed (a failed write retries them with the shards)
-        self._pending_positions: dict[int, Position] | None = None
-        self.store = store
-        self.persister = persister
-        self.interval = interval
-        self.clock = clock
-        self._on_flush = on_flush
-        self._flush_lock = threading.Lock()
-        #: snapshots taken but not yet committed (a failed write keeps them for the next round)
-        self._pending: dict[str, Snapshot] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        #: wall-clock time and stats of the last successful flush
-        self.last_flush: dict[str, Any] = {"time": None, "shards": 0, "bytes": 0, "seconds": 0.0}
-        self.failures = 0
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="adamps-flusher", daemon=True)
-        self._thread.start()
-
-    def stop(self, final_flush: bool = True) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        if final_flush:
-            self.flush()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.flush()
-            except Exception:  # logged; the snapshots stay pending and are retried next round
-                log.exception("background flush failed")
-
-    def flush(self) -> dict[str, Any]:
-        """Writes every dirty shard now (blocking). Returns {shards, bytes, seconds}."""
-        with self._flush_lock:
-            t0 = self.clock()
-            dirty, positions = self.cut()
-            if positions is not None:
-                old = self._pending_positions
-                if old:  # a failed write's pairs are still unwritten: keep them, in order
-                    for b, p in positions.items():
-                        if b in old and not p.fresh:
-                            p.dedup[:0] = old[b].dedup
-                            p.fresh = old[b].fresh
-                self._pending_positions = positions
-            for s in dirty:
-                old = self._pending.get(s.shard_id)
-                # Keep the oldest dirty time: those updates are still not on disk.
-                since = s.dirty_since if old is None else min(old.dirty_since, s.dirty_since)
-                self._pending[s.shard_id] = Snapshot(s.shard_id, s.version, s.value, s.accum, since)
-            snaps = list(self._pending.values())
-            try:
-                positions = self._pending_positions
-                nbytes = (
-                    self.persister.write_snapshots(snaps, positions)
-                    if snaps or positions is not None
-                    else 0
-                )
-            except Exception:
-                self.failures += 1
-                raise
-            self._pending.clear()
-            self._pending_positions = None
-            seconds = self.clock() - t0
-            self.last_flush = {
-                "time": time.time(),
-                "shards": len(snaps),
-                "bytes": nbytes,
-                "seconds": seconds,
-            }
-            if self._on_flush is not None:
-                self._on_flush(len(snaps), nbytes, seconds)
-            return dict(self.last_flush)
-
-    def loss_window(self) -> float:
-        """Seconds since the oldest update that is not yet committed to LMDB (0 when clean)."""
-        oldest = self.store.oldest_dirty()
-        for s in list(self._pending.values()):
-            if oldest is None or s.dirty_since < oldest:
-                oldest = s.dirty_since
-        return 0.0 if oldest is None else max(0.0, self.clock() - oldest)

@@ -49,12 +49,39 @@ class PsMetrics:
         self.flushed_bytes = Counter(
             "adamps_ps_flushed_bytes", "bytes written to LMDB by flushes", registry=registry
         )
+        self.corrupt = Counter(
+            "adamps_ps_corrupt_records",
+            "persisted or transferred records that failed their checksum, by where they were "
+            "found (load, scrub, transfer): never served, the copy rejoins by state transfer",
+            ["where"],
+            registry=registry,
+        )
+        self.scrubbed_bytes = Counter(
+            "adamps_ps_scrubbed_bytes", "bytes of LMDB records verified by the scrub",
+            registry=registry,
+        )  # fmt: skip
         self.dirty = Gauge(
             "adamps_ps_dirty_shards", "shards with updates not yet flushed", registry=registry
         )
         self.loss_window = Gauge(
             "adamps_ps_loss_window_seconds",
             "age of the oldest update not yet committed to LMDB (what a crash now would lose)",
+            registry=registry,
+        )
+        self.durable = Gauge(
+            "adamps_ps_durable",
+            "1 while this server may acknowledge pushes; 0 while updates stayed unflushed past "
+            "max_unflushed (flushes failing or stalled): pushes get 503 not_durable",
+            registry=registry,
+        )
+        self.flush_age = Gauge(
+            "adamps_ps_last_flush_age_seconds",
+            "seconds since the last successful flush ended (0 before the first)",
+            registry=registry,
+        )
+        self.flush_failures = Gauge(
+            "adamps_ps_flush_failures",
+            "flushes that failed since the process started",
             registry=registry,
         )
         self.queue_depth = Gauge(

@@ -14,9 +14,18 @@ import numpy as np
 
 from adamps.protocol import require
 from adamps.rpc import RpcError
+from adamps.server import checksum
 from adamps.server.tickets import owner_future
 
 log = logging.getLogger("adamps.server.replicate")
+
+
+def shard_digest(value: np.ndarray, accum: np.ndarray | None) -> int:
+    """xxh3 of a shard's values and accumulator as a snapshot carries them."""
+    parts = [memoryview(np.ascontiguousarray(value)).cast("B")]
+    if accum is not None:
+        parts.append(memoryview(np.ascontiguousarray(accum)).cast("B"))
+    return checksum.digest(*parts)
 
 
 class StateTransfer:
@@ -54,7 +63,12 @@ class StateTransfer:
             **meta,
             "tensors": [self.catalog.definition(name) for name in sorted(tensors)],
             "shards": {
-                st.id: {"value": out, "accum": acc, "version": versions[st.id]}
+                st.id: {
+                    "value": out,
+                    "accum": acc,
+                    "version": versions[st.id],
+                    "x": shard_digest(out, acc),
+                }
                 for st, out, acc in zip(states, outs, accs, strict=True)
             },
         }
@@ -90,7 +104,12 @@ class StateTransfer:
                 await asyncio.sleep(0.3)
                 self.request_heartbeat()
                 continue
-            await self._install(b, snap)
+            try:
+                await self._install(b, snap)
+            except ValueError as exc:  # damaged on the way: nothing installed; fetch it again
+                log.error("bucket %d: CORRUPT snapshot from %s: %s; again", b, primary, exc)
+                await asyncio.sleep(0.3)
+                continue
             log.info(
                 "bucket %d: snapshot at seq %d from %s installed", b, snap["committed"], primary
             )
@@ -103,6 +122,11 @@ class StateTransfer:
                 await asyncio.sleep(0.1)
 
     async def _install(self, b: int, snap: dict[str, Any]) -> None:
+        for sid, rec in snap["shards"].items():  # before anything changes here
+            want = rec.get("x")  # absent from a primary of the previous version
+            if want is not None and shard_digest(rec["value"], rec.get("accum")) != want:
+                self.on_corrupt("transfer")
+                raise ValueError(f"shard {sid} of the snapshot of bucket {b} fails its checksum")
         for d in snap["tensors"]:
             self.catalog.ensure(d)
         states, values, accums, versions = [], [], [], []
@@ -121,6 +145,45 @@ class StateTransfer:
         self.persisted.pop(b, None)
         await done
         self.m.snapshots.labels("received").inc()
+
+    async def offers(self) -> dict[int, list[Any]]:
+        """The copies this server offers the controllers, each [epoch, seq, committed, digest]:
+        the digest (xxh3 of every shard's values and accumulator, in shard order) of the copy
+        at its committed seq, which the controllers compare between candidates that tie on
+        (epoch, seq) (issue 29). Positions are read and the reads queued in one loop step, so
+        each digest is of exactly the committed values."""
+        copies = self.copies()
+        plan: list[tuple[int, int, list[Any], list[np.ndarray], list[Any]]] = []
+        states_all, outs_all, accs_all = [], [], []
+        for b in copies:
+            states = sorted(
+                (
+                    st
+                    for st in self.store.shards.values()
+                    if self.store.layout.bucket_of[st.id] == b
+                ),
+                key=lambda s: s.id,
+            )
+            outs = [np.empty(st.shard.shape, np.float32) for st in states]
+            accs = [np.empty(st.shard.shape, np.float32) if st.accum is not None else None
+                    for st in states]  # fmt: skip
+            plan.append((b, self.buckets[b].committed, states, outs, accs))
+            states_all += states
+            outs_all += outs
+            accs_all += accs
+        if states_all:
+            await owner_future(
+                lambda cb: self.store.read(states_all, outs_all, cb, accums=accs_all)
+            )
+        out: dict[int, list[Any]] = {}
+        for b, committed, states, outs, accs in plan:
+            parts: list[bytes | memoryview] = []
+            for st, value, acc in zip(states, outs, accs, strict=True):
+                parts += [st.id.encode(), memoryview(value).cast("B")]
+                if acc is not None:
+                    parts.append(memoryview(acc).cast("B"))
+            out[b] = [*copies[b], committed, f"{checksum.digest(*parts):016x}"]
+        return out
 
     # -- digests ---------------------------------------------------------------------------------------
 

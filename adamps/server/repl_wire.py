@@ -12,7 +12,7 @@ import numpy as np
 
 from adamps.core.replication import Assignment, Batch, BucketReplica
 from adamps.protocol import ProtocolError, require
-from adamps.server import vecwire
+from adamps.server import checksum, vecwire
 from adamps.server.compressed import signs_of_wire
 from adamps.server.optim import Dense
 from adamps.server.shards import ShardState, fc_parts
@@ -58,12 +58,38 @@ def sign_update(sid: str, tau: float, encoded: dict[str, Any]) -> dict[str, Any]
     return {"k": "c", "s": sid, "t": tau, **encoded}
 
 
+def updates_digest(updates: Iterable[Any]) -> int:
+    """xxh3 of a batch's updates: every field, arrays by their bytes, in order (issue 29:
+    corruption in memory or on the wire is caught where it enters a copy, not applied)."""
+    parts: list[bytes | memoryview] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, np.ndarray):
+            parts.append(str(x.dtype).encode())
+            parts.append(memoryview(np.ascontiguousarray(x)).cast("B"))
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):  # a hostile map may mix key types
+                parts.append(str(k).encode())
+                walk(x[k])
+        elif isinstance(x, list | tuple):
+            for v in x:
+                walk(v)
+        elif isinstance(x, bytes | bytearray | memoryview):
+            parts.append(x)
+        else:  # a scalar: numpy's decode to Python's on the wire, so compare those
+            parts.append(repr(x.item() if isinstance(x, np.generic) else x).encode())
+
+    walk(updates)
+    return checksum.digest(*parts)
+
+
 def batch_to_wire(b: Batch) -> dict[str, Any]:
     return {
         "seq": b.seq,
         "epoch": b.epoch,
         "updates": list(b.updates),
         "clients": [None if c is None else [c[0], c[1]] for c in b.clients],
+        "x": updates_digest(b.updates),
     }
 
 
@@ -78,6 +104,12 @@ def batch_from_wire(d: dict[str, Any]) -> Batch:
     for u in updates:
         if not isinstance(u, list | tuple):
             raise ProtocolError("bad_request", "a batch's updates must be lists of updates")
+    want = d.get("x")  # absent from a peer of the previous version
+    if want is not None and updates_digest(updates) != want:
+        raise ProtocolError(
+            "bad_request",
+            f"batch {seq} of epoch {epoch} fails its checksum: damaged in memory or on the wire",
+        )
     return Batch(seq, epoch, tuple(tuple(u) for u in updates), keys)
 
 

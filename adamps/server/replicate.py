@@ -114,6 +114,11 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         self.registered = asyncio.Event()
         #: set at stop: every loop ends
         self.closing = False
+        #: why this server cannot persist now (set by the server: its flusher), or None;
+        #: reported in every heartbeat so the controllers move its buckets (issue 29)
+        self.not_durable: Callable[[], str | None] = lambda: None
+        #: called with where ("transfer") for every received record that fails its checksum
+        self.on_corrupt: Callable[[str], None] = lambda where: None
         #: buckets with a replication-lag series (removed when the bucket goes)
         self._lag_buckets: set[int] = set()
 
@@ -217,7 +222,7 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         return out
 
     async def _register(self) -> None:
-        copies = self.copies()
+        copies = await self.offers()
         reply = await self.controller.register(self.server_id, self.address, copies)
         if int(reply.get("n_buckets", self.cfg.n_buckets)) != self.cfg.n_buckets:
             raise RuntimeError(
@@ -249,7 +254,7 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         reports = {b: [rep.assignment.epoch, rep.prepared_seq] for b, rep in self.buckets.items()}
         try:
             reply, asked_at = await self.controller.heartbeat(
-                self.server_id, self.table_version, reports
+                self.server_id, self.table_version, reports, self.not_durable()
             )
         except RpcError as exc:
             if exc.code == "conflict" or exc.code == "not_found":

@@ -251,6 +251,22 @@ class Store:
             self._queues[owner].put((_CALL, run, ticket))
         return ticket
 
+    def mark_dirty(
+        self,
+        states: Sequence[ShardState],
+        on_done: Callable[[dict[str, Any], BaseException | None], None],
+    ) -> Ticket:
+        """Marks shards dirty, values unchanged, so the next flush rewrites them (the scrub
+        found their record on disk damaged; the copy in memory is the replicated one)."""
+
+        def mark(st: ShardState) -> int:
+            if st.dirty_since is None:
+                st.dirty_since = self.clock()
+            self._dirty[st.owner].add(st)
+            return st.version
+
+        return self.call(states, mark, on_done)
+
     def push_group(
         self,
         parts: Sequence[tuple[ShardState, optim.Update]],

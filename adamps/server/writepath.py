@@ -1,6 +1,6 @@
 """The write path of a parameter server: the one way a push changes its shards.
 
-validate -> lease check -> replicate or apply. Every push, from ``POST /rpc`` (``app.py``) or the
+validate -> durability and lease check -> replicate or apply. Every push, from ``POST /rpc`` (``app.py``) or the
 binary data plane (``dataplane.py``), comes here and nowhere else:
 
 1. validate: every field (shard ids, dtypes, shapes, finite bounds) before anything is queued, so a
@@ -57,6 +57,17 @@ class WritePath:
         self.replicator = replicator
         #: client id -> last sequence number seen (recorded; exactly-once comes with replication)
         self.clients: dict[str, int] = {}
+        #: why this server must not acknowledge now (flushes failing or stalled past
+        #: max_unflushed), or None: the durability check of every push (set by the server)
+        self.not_durable: Callable[[], str | None] = lambda: None
+
+    def check_durable(self) -> None:
+        """After validation, before anything is queued: a server whose updates stayed
+        unflushed past max_unflushed applies nothing more (issue 29), so what a crash of every
+        copy can lose stays bounded."""
+        reason = self.not_durable()
+        if reason is not None:
+            raise ProtocolError("not_durable", reason)
 
     # -- POST /rpc ----------------------------------------------------------------------------------
 
@@ -197,6 +208,7 @@ class WritePath:
             deltas[s.id] = delta[pos : pos + s.size].reshape(s.shape)
             pos += s.size
         parts = self._dense_shard_parts(deltas, arrays=False)
+        self.check_durable()
 
         def reply(versions: dict[str, int]) -> tuple[dict[str, Any], None]:
             return {"versions": versions}, None
@@ -231,6 +243,7 @@ class WritePath:
         """A validated push: through the replication rounds of its buckets on a replicated
         server (`wire`: shards and the builder of their compact update), else applied here
         (`parts`: the store's form, built only then)."""
+        self.check_durable()
         if self.replicator is not None:
             return await self._replicate(msg, wire)
         self._record_client(msg)
@@ -249,6 +262,7 @@ class WritePath:
         no update queued later is applied before it)."""
         if not group or self.replicator is not None:
             return await self._replicate_or_apply(msg, wire, parts)
+        self.check_durable()
         self._record_client(msg)
         versions = await owner_future(lambda cb: self.store.push_group(parts(), cb))
         return {"versions": versions}

@@ -131,6 +131,31 @@ CLUSTER = Dashboard(
                     [(rate("adamps_ps_flushed_bytes_total"), "{{instance}}")],
                     unit="Bps",
                 ),
+                Panel(
+                    "Durable (1) / not acknowledging (0) and last flush age",
+                    [
+                        ("min by (instance) (adamps_ps_durable)", "durable {{instance}}"),
+                        (
+                            "max by (instance) (adamps_ps_last_flush_age_seconds)",
+                            "last flush age {{instance}}",
+                        ),
+                    ],
+                    description="Issue 29: a server whose updates stay unflushed past "
+                    "max_unflushed (disk full, failing or stalled) answers pushes 503 "
+                    "not_durable and its buckets move; /healthz names the cause.",
+                ),
+                Panel(
+                    "Corrupt records (checksum failures) and digest conflicts",
+                    [
+                        (
+                            "sum by (instance, where) (increase(adamps_ps_corrupt_records_total[5m]))",
+                            "{{where}} {{instance}}",
+                        ),
+                        ("max(adamps_controller_digest_conflicts)", "digest conflicts"),
+                    ],
+                    description="Issue 29: records that failed their checksum (never served; "
+                    "the copy rejoins by state transfer), and tied copies that disagreed.",
+                ),
             ],
         ),
         (

@@ -3,7 +3,8 @@
 Reference: issue 11 ("the contract"); Project Adam 3.3.2-3.3.3. A schedule is a list of steps drawn
 from a seeded RNG: SIGKILL and SIGSTOP/SIGCONT of one, two or all parameter servers, a rolling
 crash (all but one killed, the survivor later), kills of the controllers' Raft leader, restarts
-with and without LMDB, drains, adds of new servers and rebalances. Steps run one after the other
+with and without LMDB, drains, adds of new servers, rebalances, and storage faults (bits flipped in
+a stopped server's LMDB file, issue 29). Steps run one after the other
 under exactness load (unique +1 deltas, SGD lr -1), each followed by a heal and a wait for the
 cluster to settle. At the end everything is healed, the tensor is read back from the primaries
 (every served value is checked, also while buckets are unavailable) and checked: every acknowledged
@@ -271,6 +272,22 @@ def lost_buckets(c: LocalCluster) -> list[int]:
     return [b["bucket"] for b in view["buckets"] if b.get("lost")]
 
 
+# -- storage faults --------------------------------------------------------------------------------
+
+ONE = np.float32(1.0).tobytes()
+ONE_FLIPPED = bytes([ONE[0] ^ 1]) + ONE[1:]  # 1.0000001: the lowest mantissa bit
+
+
+def flip_ones(path: Path) -> int:
+    """Flips the lowest mantissa bit of every float32 1.0 in the file; returns how many."""
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    n = data.count(ONE)
+    path.write_bytes(data.replace(ONE, ONE_FLIPPED))
+    return n
+
+
 # -- schedules -------------------------------------------------------------------------------------
 
 #: step kinds and their weights in the full profile
@@ -286,6 +303,10 @@ KINDS: dict[str, float] = {
     "remove": 0.05,  # drain a server and stop it (at least MIN_SERVERS stay)
     "rebalance": 0.08,  # POST /rebalance
     "leader_and_server_kill": 0.05,  # a server and the leader at once
+    # issue 29: SIGKILL one server, flip the lowest mantissa bit of every stored 1.0 in its
+    # data.mdb, restart it: its records fail their checksums, it offers nothing and rejoins by
+    # state transfer; never a value other than 0 or 1 served
+    "corrupt": 0.06,
 }
 #: faults that the current code is known to survive (issue 11: "single faults passed")
 SINGLE = ("kill1", "pause1", "leader_kill", "add", "rebalance")
@@ -349,6 +370,8 @@ def make_schedule(seed: int, duration: float, kinds: tuple[str, ...] | None = No
             s = Step("pause", n=n, hold=round(rng.uniform(0.5, 2 * LEASE + 1.5), 1))
         elif k == "pause_all":
             s = Step("pause_all", hold=round(rng.uniform(1.0, 5.0), 1))
+        elif k == "corrupt":
+            s = Step("corrupt", hold=round(rng.uniform(0.5, 2.0), 1))
         elif k in ("leader_kill", "leader_and_server_kill"):
             s = Step(k, hold=round(rng.uniform(0.5, 3.0), 1))
         else:
@@ -512,6 +535,23 @@ class Nemesis:
             self.note(f"that was every copy of buckets {whole}: loss window")
             self.report.lossy.append(loss_window(t_crash, time.monotonic()))
         self._restart(idx, step.wipe)
+
+    def do_corrupt(self, step: Step) -> None:
+        """A storage fault: one server SIGKILLed, bits flipped in its LMDB file while it is
+        down, restarted on it. When it held every copy of a bucket, that bucket waits for an
+        operator (never served corrupted): then the step is not taken."""
+        (i,) = self._targets(step, 1)
+        sid = self.c.server_ids[i]
+        if len(self.members) < 2 or self.whole_sets({sid}):
+            self.note(f"skip corrupt {sid}: it holds the only copy of some bucket")
+            return
+        self._before_kill([i])
+        self.c.kill(sid)
+        self.report.faults += 1
+        flipped = flip_ones(self.c.root / sid / "data.mdb")
+        self.note(f"SIGKILL {sid}, {flipped} stored 1.0 values flipped in its data.mdb")
+        time.sleep(step.hold)
+        self._restart([i], wipe_one=False)
 
     def do_kill_all(self, step: Step) -> None:
         idx = list(self.members)

@@ -426,3 +426,42 @@ def test_a_primary_handed_off_stays_in_the_replica_set() -> None:
         m.declare_dead(s, 102.0)
     assert not m.unavailable(b), "the old primary is still a live member"
     validate(m)
+
+
+def _tied_wave(digests: dict[str, str]) -> tuple[ClusterModel, int]:
+    """Every server of bucket b killed and back at the same (epoch, seq), each offering the
+    digest given for it (issue 29)."""
+    m = cluster(3)
+    for s in ("ps0", "ps1", "ps2"):
+        m.declare_dead(s, 101.0)
+    for i, s in enumerate(("ps0", "ps1", "ps2")):
+        copies = {b: [1, 9, 9, digests[s]] for b in range(64)}
+        m.register(s, f"127.0.0.1:{9000 + i}", 102.0, copies=copies)
+    return m, 0
+
+
+def test_tied_candidates_whose_digests_disagree_are_settled_by_majority_and_counted() -> None:
+    """Issue 29: the copy of ps0 (which would win the tie by placement) holds other values than
+    the two others at the same (epoch, seq): the majority's copy serves every bucket; the
+    disagreement is logged and counted, never settled silently."""
+    m, _ = _tied_wave({"ps0": "bad", "ps1": "0a", "ps2": "0a"})
+    m.reconcile(100.0 + WAIT)
+    assert all(m.primary_of(b) in ("ps1", "ps2") for b in range(64))
+    assert m.digest_conflicts == 64 and m.cluster_view()["digest_conflicts"] == 64
+    assert m.cluster_view()["unavailable"] == []
+    validate(m)
+
+
+def test_tied_candidates_without_a_majority_digest_leave_the_bucket_unavailable() -> None:
+    m, _ = _tied_wave({"ps0": "01", "ps1": "02", "ps2": "03"})
+    m.reconcile(100.0 + WAIT)
+    m.reconcile(100.0 + 2 * WAIT)
+    assert m.cluster_view()["unavailable"] == list(range(64)), "never served by a guess"
+    assert m.digest_conflicts == 64, "counted once per bucket, not once per reconcile"
+    validate(m)
+
+
+def test_tied_candidates_that_agree_are_no_conflict() -> None:
+    m, _ = _tied_wave({"ps0": "0a", "ps1": "0a", "ps2": "0a"})
+    m.reconcile(100.0 + WAIT)
+    assert m.cluster_view()["unavailable"] == [] and getattr(m, "digest_conflicts", 0) == 0

@@ -84,6 +84,8 @@ CTL_ATTEMPT = 1.25  # AsyncControllerClient: per-attempt timeout ...
 CTL_RETRY_FOR = 1.25  # ... and retries for this long
 PUSH_TIMEOUT = 3.0  # the client's
 LOG_LIMIT = 16  # replication_log: small, so lagging members need state transfers
+#: chance that a restarted server finds one copy's cut on its disk corrupted (issue 29)
+CORRUPT_P = 0.15
 N_BUCKETS = 2
 CTL = "ctl"
 
@@ -247,7 +249,14 @@ class Rounds:
 
 
 class Server:
-    def __init__(self, sim: Sim, sid: str, disk: dict[int, Cut], wiped: bool = False) -> None:
+    def __init__(
+        self,
+        sim: Sim,
+        sid: str,
+        disk: dict[int, Cut],
+        wiped: bool = False,
+        corrupt: frozenset[int] = frozenset(),
+    ) -> None:
         self.sim, self.sid, self.disk = sim, sid, disk
         self.rate = sim.rng.uniform(0.96, 1.04)
         self.off = sim.rng.uniform(0, 100)
@@ -276,6 +285,10 @@ class Server:
         self.restored: dict[int, int] = {}
         self.crashed = False
         self.paused_until: float | None = None
+        # A cut that fails its checksum (issue 29) is dropped at the reload, as
+        # Persister.verify + discard do: the copy offers nothing and rejoins by state transfer.
+        for b in corrupt:
+            disk.pop(b, None)
         if not wiped:
             for b, cut in disk.items():
                 rep = self.reps[b] = Replica(sid, b, log_limit=LOG_LIMIT)
@@ -1311,6 +1324,8 @@ class Sim:
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
+        #: storage faults (a corrupted copy), apart from `rng` (see `restart`)
+        self.storage_rng = random.Random(f"storage-{seed}")
         #: when a round's pushes are acknowledged (the servers' `ack`): at the decision point,
         #: the default, in three seeds of four; once every member committed in the fourth
         self.ack = ACK or ("committed" if seed % 4 == 3 else "prepared")
@@ -1487,7 +1502,15 @@ class Sim:
         old = self.servers[sid]
         if not old.crashed:
             return
-        self.servers[sid] = Server(self, sid, self.disks[sid], wiped=wipe)
+        # A storage fault (issue 29), drawn from an RNG of its own so that the other faults of
+        # a seed stay as they were: one copy's cut on the disk fails verification.
+        corrupt: frozenset[int] = frozenset()
+        disk = self.disks[sid]
+        if not wipe and disk and self.storage_rng.random() < CORRUPT_P:
+            corrupt = frozenset({self.storage_rng.choice(sorted(disk))})
+            self.stats["corrupt_copies"] += 1
+            self.log(f"nemesis: {sid}'s cut of b{min(corrupt)} fails its checksum: not offered")
+        self.servers[sid] = Server(self, sid, disk, wiped=wipe, corrupt=corrupt)
         cuts = {b: (c.epoch, c.seq) for b, c in self.disks[sid].items()}
         self.log(f"nemesis: restart {sid} from disk {cuts}")
 
@@ -1680,7 +1703,7 @@ class Sim:
                 raise Violation(f"push {p.key} failed definitely but was applied")
         for b in range(N_BUCKETS):
             if m.unavailable(b):
-                self.log(f"b{b}: unavailable at the end (a candidate lost its disk)")
+                self.log(f"b{b}: unavailable at the end (a candidate lost or corrupted its disk)")
                 continue
             members = m.live_members(b)
             if not members:

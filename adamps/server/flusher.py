@@ -1,0 +1,203 @@
+"""The background flush (Adam 3.3.2) and how far durability is behind: the loss window, and
+whether this server may still acknowledge (issue 29).
+
+A flush that fails keeps its snapshots pending (retried with the next round), and one that stalls
+keeps them in flight: either way the loss window (the age of the oldest update not committed to
+LMDB) grows. Once it exceeds ``max_unflushed`` the server must stop acknowledging pushes
+(``not_durable``): what a crash of every copy could lose is then bounded by what was
+acknowledged before, not by how long the disk stays broken. It acknowledges again by itself as
+soon as a flush commits. A failure is named for an operator: a full disk (ENOSPC, or less free
+space than the flush needs: LMDB reports a full tmpfs as EIO) with its path and free space.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from adamps.server.persist import Persister, Position
+from adamps.server.shards import Snapshot
+from adamps.server.store import Store
+
+log = logging.getLogger("adamps.server.persist")
+
+#: how long a durability verdict is reused (it scans the dirty shards; pushes ask often)
+VERDICT_TTL = 0.05
+
+
+def describe_failure(exc: BaseException, path: str, needed: int) -> str:
+    """A flush failure as an operator needs it: a full disk by name, with the free space."""
+    try:
+        free: int | None = shutil.disk_usage(path).free
+    except OSError:
+        free = None
+    text = f"{type(exc).__name__}: {exc}"
+    full = (
+        getattr(exc, "errno", None) == errno.ENOSPC
+        or "No space left" in text
+        or (free is not None and free < needed + (1 << 20))
+    )
+    if full:
+        return (
+            f"disk full: {path} has {free} bytes free, the flush needs about {needed} "
+            f"(LMDB said {text})"
+        )
+    return text
+
+
+class Flusher:
+    """The background flush thread, the forced flush, and the loss-window bookkeeping."""
+
+    def __init__(
+        self,
+        store: Store,
+        persister: Persister,
+        interval: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_flush: Callable[[int, int, float], None] | None = None,
+        max_unflushed: float = math.inf,
+    ) -> None:
+        #: takes the flush's cut: (dirty shards, positions of the same instant or None). Default:
+        #: the dirty shards alone; a replicated server sets one that reads its positions too.
+        self.cut: Callable[[], tuple[list[Snapshot], dict[int, Position] | None]] = lambda: (
+            self.store.snapshot_dirty(),
+            None,
+        )
+        #: positions taken but not yet committed (a failed write retries them with the shards)
+        self._pending_positions: dict[int, Position] | None = None
+        self.store = store
+        self.persister = persister
+        self.interval = interval
+        self.clock = clock
+        self._on_flush = on_flush
+        self._flush_lock = threading.Lock()
+        #: snapshots taken but not yet committed (a failed write keeps them for the next round)
+        self._pending: dict[str, Snapshot] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: wall-clock time and stats of the last successful flush
+        self.last_flush: dict[str, Any] = {"time": None, "shards": 0, "bytes": 0, "seconds": 0.0}
+        self.failures = 0
+        #: seconds an update may stay unflushed before this server stops acknowledging
+        self.max_unflushed = max_unflushed
+        #: why the last flush failed, for an operator (None: it succeeded, or none ran yet)
+        self.last_error: str | None = None
+        #: monotonic time the running flush's write began (None: no write in progress)
+        self.writing_since: float | None = None
+        #: (monotonic time, verdict) of the last `not_durable` answer
+        self._verdict: tuple[float, str | None] = (-math.inf, None)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="adamps-flusher", daemon=True)
+        self._thread.start()
+
+    def stop(self, final_flush: bool = True) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if final_flush:
+            self.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.flush()
+            except Exception:  # logged; the snapshots stay pending and are retried next round
+                log.error("background flush failed: %s", self.last_error)
+
+    def flush(self) -> dict[str, Any]:
+        """Writes every dirty shard now (blocking). Returns {shards, bytes, seconds}."""
+        with self._flush_lock:
+            t0 = self.clock()
+            dirty, positions = self.cut()
+            if positions is not None:
+                old = self._pending_positions
+                if old:  # a failed write's pairs are still unwritten: keep them, in order
+                    for b, p in positions.items():
+                        if b in old and not p.fresh:
+                            p.dedup[:0] = old[b].dedup
+                            p.fresh = old[b].fresh
+                self._pending_positions = positions
+            for s in dirty:
+                old = self._pending.get(s.shard_id)
+                # Keep the oldest dirty time: those updates are still not on disk.
+                since = s.dirty_since if old is None else min(old.dirty_since, s.dirty_since)
+                self._pending[s.shard_id] = Snapshot(s.shard_id, s.version, s.value, s.accum, since)
+            snaps = list(self._pending.values())
+            self.writing_since = self.clock()
+            try:
+                positions = self._pending_positions
+                nbytes = (
+                    self.persister.write_snapshots(snaps, positions)
+                    if snaps or positions is not None
+                    else 0
+                )
+            except Exception as exc:
+                self.failures += 1
+                needed = sum(
+                    memoryview(s.value).nbytes
+                    + (0 if s.accum is None else memoryview(s.accum).nbytes)
+                    for s in snaps
+                )
+                self.last_error = describe_failure(exc, self.persister.path, needed)
+                raise
+            finally:
+                self.writing_since = None
+            self.last_error = None
+            self._pending.clear()
+            self._pending_positions = None
+            seconds = self.clock() - t0
+            self.last_flush = {
+                "time": time.time(),
+                "monotonic": self.clock(),
+                "shards": len(snaps),
+                "bytes": nbytes,
+                "seconds": seconds,
+            }
+            if self._on_flush is not None:
+                self._on_flush(len(snaps), nbytes, seconds)
+            return dict(self.last_flush)
+
+    def loss_window(self) -> float:
+        """Seconds since the oldest update that is not yet committed to LMDB (0 when clean)."""
+        oldest = self.store.oldest_dirty()
+        for s in list(self._pending.values()):
+            if oldest is None or s.dirty_since < oldest:
+                oldest = s.dirty_since
+        return 0.0 if oldest is None else max(0.0, self.clock() - oldest)
+
+    def not_durable(self) -> str | None:
+        """Why this server must not acknowledge a push now, or None: the oldest update not yet
+        committed to LMDB is older than max_unflushed (flushes failing or stalled). Reused for
+        VERDICT_TTL seconds (it scans the dirty shards)."""
+        now = self.clock()
+        at, verdict = self._verdict
+        if now - at < VERDICT_TTL:
+            return verdict
+        window = self.loss_window()
+        verdict = None
+        if window > self.max_unflushed:
+            since = self.writing_since
+            if self.last_error is not None:
+                why = f"flushes fail: {self.last_error}"
+            elif since is not None:
+                why = f"a flush has been writing for {now - since:.1f} s (the disk stalls)"
+            else:
+                why = "flushes do not keep up"
+            verdict = (
+                f"updates unflushed for {window:.1f} s, beyond max_unflushed "
+                f"{self.max_unflushed:g} s: {why}"
+            )
+        self._verdict = (now, verdict)
+        return verdict
+
+    def last_flush_age(self) -> float | None:
+        """Seconds since the last successful flush ended (None: none yet in this process)."""
+        t = self.last_flush.get("monotonic")
+        return None if t is None else max(0.0, self.clock() - t)

@@ -1,0 +1,168 @@
+"""Checksums on everything persisted (issue 29): a record whose bytes changed on disk is found by
+``verify`` (at start), by ``scan`` (the scrub) and skipped by ``load``; a record without a
+checksum in an environment stamped with the checksummed format is corrupt, not "legacy"; an
+environment of the previous version is resealed once."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+from adamps.layout import stable_bucket
+from adamps.server import checksum
+from adamps.server.persist import Persister, Position
+
+N_BUCKETS = 8
+
+
+def fill(path: Path) -> Persister:
+    p = Persister(path, map_size=1 << 22)
+    meta = {"spec": {"name": "w", "shape": [4000]}, "optimizer": {"kind": "sgd"}, "seq": 0}
+    shards = [(f"w/{i}", 3, np.ones(1000, np.float32), None) for i in range(4)]
+    p.write_tensor(meta, shards)
+    positions = {
+        stable_bucket(f"w/{i}", N_BUCKETS): Position(1, 7, [["c", 1, 7]]) for i in range(4)
+    }
+    p.write_snapshots([], {b: pos for b, pos in positions.items()})
+    return p
+
+
+def flip_in_record(path: Path, db: bytes, key: bytes, offset: int = -4) -> None:
+    env = lmdb.open(str(path), max_dbs=6)
+    with env.begin(write=True) as txn:
+        d = env.open_db(db, txn=txn)
+        rec = bytearray(txn.get(key, db=d))
+        rec[offset] ^= 1
+        txn.put(key, bytes(rec), db=d)
+    env.close()
+
+
+def test_seal_and_unseal() -> None:
+    rec = checksum.seal(b"abc", b"def")
+    assert bytes(checksum.unseal(rec)) == b"abcdef"
+    bad = bytearray(rec)
+    bad[-1] ^= 1
+    with pytest.raises(checksum.CorruptRecord, match="checksum mismatch"):
+        checksum.unseal(bytes(bad))
+    with pytest.raises(checksum.CorruptRecord, match="no checksum header"):
+        checksum.unseal(b"[1, 2]")
+    assert bytes(checksum.unseal(b"[1, 2]", legacy_ok=True)) == b"[1, 2]"
+
+
+def test_a_flipped_bit_in_a_shard_marks_its_bucket_and_only_it(tmp_path: Path) -> None:
+    fill(tmp_path / "db").close()
+    flip_in_record(tmp_path / "db", b"shards", b"w/2")
+    p = Persister(tmp_path / "db", map_size=1 << 22)
+    found = p.verify(N_BUCKETS)
+    bad = stable_bucket("w/2", N_BUCKETS)
+    assert set(found.buckets) == {bad} and found.everything is None
+    assert "checksum mismatch" in found.buckets[bad]
+    assert p.corrupt_records == {"load": 1}
+    positions = p.load_positions(skip=found)
+    assert bad not in positions and len(positions) >= 1
+    (saved,) = p.load()
+    assert "w/2" not in saved.shards and len(saved.shards) == 3, "never loaded"
+    failures, last, _ = p.scan(None, budget=1 << 30)
+    assert [(db, k) for db, k, _ in failures] == [("shards", b"w/2")] and last is None
+    assert p.discard(found, N_BUCKETS) >= 2  # the shard record and the position of its bucket
+    assert not p.verify(N_BUCKETS).buckets
+    p.close()
+
+
+def test_a_damaged_checksum_header_is_corrupt_not_legacy(tmp_path: Path) -> None:
+    fill(tmp_path / "db").close()
+    flip_in_record(tmp_path / "db", b"positions", b"%08d" % stable_bucket("w/0", N_BUCKETS), 0)
+    p = Persister(tmp_path / "db", map_size=1 << 22)
+    found = p.verify(N_BUCKETS)
+    assert stable_bucket("w/0", N_BUCKETS) in found.buckets
+    p.close()
+
+
+def test_a_damaged_tensor_definition_distrusts_every_copy(tmp_path: Path) -> None:
+    fill(tmp_path / "db").close()
+    flip_in_record(tmp_path / "db", b"tensors", b"w", 20)
+    p = Persister(tmp_path / "db", map_size=1 << 22)
+    found = p.verify(N_BUCKETS)
+    assert found.everything and all(found.bad(b) for b in range(N_BUCKETS))
+    assert p.load_positions(skip=found) == {}
+    p.close()
+
+
+def test_an_environment_of_the_previous_version_is_resealed_once(tmp_path: Path) -> None:
+    """Records without checksums and no format stamp: read unverified, resealed, stamped."""
+    env = lmdb.open(str(tmp_path / "db"), max_dbs=5, map_size=1 << 22)
+    value = np.arange(10, dtype=np.float32)
+    with env.begin(write=True) as txn:
+        meta = {"spec": {"name": "w", "shape": [10]}, "optimizer": {"kind": "sgd"}, "seq": 0}
+        txn.put(b"w", json.dumps(meta).encode(), db=env.open_db(b"tensors", txn=txn))
+        rec = struct.pack("<QQQ", 5, 40, 0) + value.tobytes()
+        txn.put(b"w/0", rec, db=env.open_db(b"shards", txn=txn))
+        txn.put(b"%08d" % 3, b"[2, 11]", db=env.open_db(b"positions", txn=txn))
+    env.close()
+    p = Persister(tmp_path / "db", map_size=1 << 22)
+    found = p.verify(N_BUCKETS)
+    assert not found.buckets and found.everything is None and found.records == 3
+    (saved,) = p.load()
+    version, loaded, _ = saved.shards["w/0"]
+    assert version == 5 and np.array_equal(loaded, value)
+    assert p.load_positions()[3].seq == 11
+    p.close()
+    flip_in_record(tmp_path / "db", b"shards", b"w/0")
+    p = Persister(tmp_path / "db", map_size=1 << 22)
+    assert stable_bucket("w/0", N_BUCKETS) in p.verify(N_BUCKETS).buckets, "verified from now on"
+    p.close()
+
+
+def test_the_scrub_finds_a_damaged_record_at_a_bounded_rate(tmp_path: Path) -> None:
+    from adamps.server.scrub import Scrubber
+
+    fill(tmp_path / "db").close()
+    flip_in_record(tmp_path / "db", b"shards", b"w/1")
+    p = Persister(tmp_path / "db", map_size=1 << 22)
+    found: list[tuple[str, bytes]] = []
+    read: list[int] = []
+    s = Scrubber(
+        p, rate=8192, on_failure=lambda db, k, e: found.append((db, k)), on_bytes=read.append
+    )
+    while s.passes == 0:
+        n = s.step()
+        assert n <= max(4096, 8192 * s.step_seconds) + 4100, "its budget and one record more"
+    assert found == [("shards", b"w/1")]
+    assert len(read) > 2, "a pass takes several steps at this rate"
+    p.delete("shards", b"w/1")
+    s.step()
+    assert p.scan(None, 1 << 30)[0] == []
+    p.close()
+
+
+def test_status_shows_each_servers_last_flush_its_age_and_durability() -> None:
+    from controller.status import render
+
+    view = {
+        "version": 3, "n_buckets": 8, "replication": 3, "under_replicated": 0, "unassigned": 0,
+        "layout_version": 1, "servers": {
+            "ps0": {"address": "a:1", "state": "live", "incarnation": 1},
+            "ps1": {"address": "a:2", "state": "live", "incarnation": 1},
+            "ps2": {"address": "a:3", "state": "dead", "incarnation": 1},
+        }, "buckets": [],
+    }  # fmt: skip
+    servers = {
+        "ps0": {"last_flush": {"time": 0.0 + 3600, "age_seconds": 0.4}, "durable": True},
+        "ps1": {
+            "last_flush": {"time": 7200.0, "age_seconds": 12.25},
+            "durable": False,
+            "not_durable": "disk full: /d has 0 bytes free",
+        },
+        "ps2": None,
+    }
+    text = render(view, [], {}, False, servers)
+    assert "last flush (UTC)" in text and "flush age" in text
+    rows = {line.split()[0]: line for line in text.splitlines() if line.startswith("ps")}
+    assert "01:00:00" in rows["ps0"] and "0.4s" in rows["ps0"] and "yes" in rows["ps0"]
+    assert "02:00:00" in rows["ps1"] and "12.2s" in rows["ps1"] and "NO: disk full" in rows["ps1"]
+    assert "unreachable" in rows["ps2"]
