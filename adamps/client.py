@@ -38,6 +38,7 @@ from adamps.dataplane_client import DataPlaneClient, DataPlaneError
 from adamps.dataplane_pool import DataPlanePool, as_rpc_error
 from adamps.layout import Layout, Shard, TensorSpec
 from adamps.retry import RetryPolicy
+from adamps.rows_client import RowsClient
 from adamps.rpc import RpcError, SyncRpc, base_url
 
 log = logging.getLogger(__name__)
@@ -177,8 +178,9 @@ def _connection_error(url: str, exc: OSError) -> ConnectionError | TimeoutError:
     return ConnectionError(f"data plane of {url}: {exc}")
 
 
-class PSClient:
-    """Pull and push whole tensors of a model held by the parameter servers."""
+class PSClient(RowsClient):
+    """Pull and push whole tensors of a model held by the parameter servers, and rows of its
+    embedding tables (rows_client.py)."""
 
     def __init__(
         self,
@@ -213,6 +215,8 @@ class PSClient:
         #: requests sent over the data plane and over HTTP (pulls and pushes, one per server)
         self.dp_requests = 0
         self.http_requests = 0
+        #: embedding table name -> dim (create_table)
+        self.tables = {}
 
     # -- plumbing --------------------------------------------------------------------------------
 
