@@ -1,0 +1,97 @@
+"""The exactness checker for embedding-table pushes (issue 23), after ``exactness.py``.
+
+A table of dim 1, zeros init, SGD with lr = -1 (a push of g adds g). Push k adds +1.0 to the
+rows of ids ``2k`` and ``2k + 1`` in one ``push_rows`` (two ids, usually two buckets, so the
+multi-bucket client contract is exercised), and records the outcome of both ids: acknowledged
+(with its time), failed or unknown. The ids' values read back with ``pull_rows`` are then checked
+by ``ExactnessLoad``'s rules, id by id: acknowledged exactly once (or 0/1 inside a loss window),
+failed absent, unknown 0 or 1, nothing else changed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from adamps.client import PSClient
+from adamps.exactness import ExactnessLoad, Outcomes, definitely_not_applied
+from adamps.rpc import RpcError
+
+TABLE = "exact_rows"
+
+
+class RowsExactnessLoad(ExactnessLoad):
+    """Pusher threads, each push +1 to two fresh ids of the table."""
+
+    def __init__(
+        self,
+        client: PSClient,
+        threads: int = 4,
+        retry_for: float = 20.0,
+        pause: float = 0.0,
+        max_pushes: int = 1_000_000,
+        table: str = TABLE,
+    ) -> None:
+        self.client = client
+        self.table = table
+        self.threads = threads
+        self.pause = pause
+        #: ids are 0 .. size - 1
+        self.size = 2 * max_pushes
+        self.out = Outcomes()
+        self._stop = threading.Event()
+        self._next = iter(range(max_pushes))
+        self._next_lock = threading.Lock()
+        self._workers = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        client.retry_for = retry_for
+
+    def create(self) -> None:
+        self.client.create_table(
+            self.table, 1, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": -1.0}
+        )
+
+    def _run(self) -> None:
+        ones = np.ones((2, 1), np.float32)
+        while not self._stop.is_set():
+            k = self._element()
+            if k is None:
+                return
+            ids = [2 * k, 2 * k + 1]
+            try:
+                self.client.push_rows(self.table, np.array(ids, np.int64), ones)
+            except RpcError as exc:
+                with self.out.lock:
+                    where = self.out.failed if definitely_not_applied(exc) else self.out.unknown
+                    where += ids
+                    self.out.errors[exc.code] = self.out.errors.get(exc.code, 0) + 1
+                continue
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                with self.out.lock:
+                    self.out.unknown += ids
+                    name = type(exc).__name__
+                    self.out.errors[name] = self.out.errors.get(name, 0) + 1
+                continue
+            now = time.monotonic()
+            with self.out.lock:
+                self.out.acked += ids
+                self.out.ack_times += [(now, i) for i in ids]
+            if self.pause:
+                self._stop.wait(self.pause)
+
+    def pushed_ids(self) -> int:
+        """One past the highest id any push named."""
+        with self.out.lock:
+            every = [*self.out.acked, *self.out.failed, *self.out.unknown]
+        return max(every, default=-1) + 1
+
+    def read(self, client: PSClient | None = None, chunk: int = 65_536) -> np.ndarray:
+        """The values of ids 0 .. pushed_ids() - 1, pulled from the primaries (plus a margin of
+        ids nobody pushed, which must read 0)."""
+        c = client or self.client
+        n = self.pushed_ids() + 64
+        out = np.empty(n, np.float32)
+        for s in range(0, n, chunk):
+            ids = np.arange(s, min(n, s + chunk), dtype=np.int64)
+            out[s : s + len(ids)] = c.pull_rows(self.table, ids)[:, 0]
+        return out
