@@ -135,4 +135,4 @@ class TableOps:
         await self.writes.replicate_or_apply(
             msg, wire, lambda: [(st, RowPush(i, g, now)) for st, i, g in pieces]
         )
-        return {"rows": len(ids)}
+        return {"rows": len(ids), "versions": {}}

@@ -180,3 +180,43 @@ def test_bad_definitions_name_the_field() -> None:
         normalize_row_init({"kind": "xavier"})
     spec = TableSpec("t", 8, NORMAL, admission=Admission(max_rows=100))
     assert TableSpec.from_dict(spec.to_dict()) == spec
+
+
+def _splitmix(x: int) -> int:
+    m = (1 << 64) - 1
+    z = (x + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
+def test_bucket_and_init_follow_the_documented_algorithm() -> None:
+    """docs/protocol-ps.md, "Embedding tables", in plain Python integers."""
+    import math
+
+    m = (1 << 64) - 1
+    for i in (0, 5, -3, 2**40 + 7):
+        u = i & m
+        assert buckets_of(np.array([i]), 64)[0] == _splitmix(u ^ 0x5BD1E9955BD1E995) % 64
+        key = _splitmix(_splitmix(u) ^ 7)
+
+        def unif(c: int, key: int = key) -> float:
+            return (_splitmix((key + c * 0x9E3779B97F4A7C15) & m) >> 11) * 2.0**-53
+
+        dim = 3
+        want = [
+            np.float32(
+                0.0
+                + 0.1
+                * math.sqrt(-2 * math.log(1 - unif(j + 1)))
+                * math.cos(2 * math.pi * unif(dim + j + 1))
+            )
+            for j in range(dim)
+        ]
+        got = initial_rows(NORMAL, np.array([i]), dim)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        uni = normalize_row_init({"kind": "uniform", "low": -1, "high": 1, "seed": 7})
+        got_u = initial_rows(uni, np.array([i]), dim)[0]
+        np.testing.assert_allclose(
+            got_u, [np.float32(-1 + 2 * unif(j + 1)) for j in range(dim)], rtol=1e-6
+        )

@@ -15,6 +15,7 @@ from adamps import web as aweb
 from adamps.client import PSClient, StaticRouting
 from adamps.layout import Layout
 from adamps.procs import free_port
+from adamps.protocol import ProtocolError
 from adamps.rpc import AsyncRpc, RpcError
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
@@ -152,6 +153,7 @@ async def test_bad_input_is_a_4xx_naming_it_and_changes_nothing(tmp_path: Path) 
             ({"ids": ids, "grads": nan}, "non_finite", "grads"),
             ({"ids": ids, "grads": g * np.float32(1e30)}, "bad_request", "grads"),
             ({"ids": ids, "grads": g * np.float32(np.inf)}, "non_finite", "grads"),
+            ({"ids": ids, "grads": g.astype(np.float64)}, "bad_dtype", "grads"),
             (
                 {"ids": np.arange(100, 164), "grads": np.ones((64, 4), np.float32)},
                 "table_full",
@@ -165,6 +167,12 @@ async def test_bad_input_is_a_4xx_naming_it_and_changes_nothing(tmp_path: Path) 
             assert e.value.code == code, (fields.keys(), e.value)
             assert 400 <= e.value.status < 500
             assert word in e.value.message, e.value.message
+
+        # An empty push (the wire encoder of this client cannot send empty arrays; the handler):
+        with pytest.raises(ProtocolError, match="at least one id"):
+            await ps.rows.op_push_rows(
+                {"table": "t", "ids": np.empty(0, np.int64), "grads": np.empty((0, 4), np.float32)}
+            )
 
         # More ids than the request limit, over the data plane (PSClient: one server, one frame).
         def too_many(op: str) -> None:
