@@ -229,3 +229,38 @@ async def test_row_limit_drop_and_frequency_filter_are_counted(tmp_path: Path) -
     finally:
         await c.close()
         await runner.cleanup()
+
+
+async def test_numpy_embedding_bag_pulls_distinct_ids_and_pushes_summed_row_gradients(
+    tmp_path: Path,
+) -> None:
+    """trainer/embedding.py against a real server: forward is the pooled rows, backward applies
+    one SGD step per distinct id with the summed gradient (lr 1: w -= g)."""
+    from trainer.embedding import EmbeddingBag
+
+    ps, runner, c, url = await start(tmp_path)
+    try:
+
+        def run() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            with PSClient(StaticRouting([url], 8), Layout([], 8), TOKEN) as pc:
+                pc.create_table("bag", 4, init=INIT, optimizer={"kind": "sgd", "lr": 1.0})
+                bag = EmbeddingBag(pc, "bag", 4, mode="mean")
+                ids = np.array([[1, 2, 2], [3, 1, 7]], np.int64)
+                out = bag.forward(ids)
+                grad = np.arange(8, dtype=np.float32).reshape(2, 4)
+                bag.backward(grad)
+                return ids, out, pc.pull_rows("bag", np.array([1, 2, 3, 7]))
+
+        ids, out, after = await asyncio.to_thread(run)
+        init = initial_rows(normalize_row_init(INIT), np.array([1, 2, 3, 7]), 4)
+        rows = dict(zip([1, 2, 3, 7], init, strict=True))
+        want = np.stack([np.mean([rows[i] for i in r], axis=0) for r in ids.tolist()])
+        np.testing.assert_allclose(out, want, rtol=1e-6)
+        g = np.arange(8, dtype=np.float32).reshape(2, 4) / 3
+        summed = {1: g[0] + g[1], 2: 2 * g[0], 3: g[1], 7: g[1]}
+        np.testing.assert_allclose(
+            after, np.stack([rows[i] - summed[i] for i in (1, 2, 3, 7)]), rtol=1e-5, atol=1e-6
+        )
+    finally:
+        await c.close()
+        await runner.cleanup()
