@@ -51,6 +51,8 @@ class CtrConfig:
     test: int = 100_000
     #: first data seed of replica r is seed + r * 1_000_000 (disjoint draws)
     seed: int = 1
+    #: the cluster's bucket count (a client routes ids and shards by it)
+    n_buckets: int = N_BUCKETS
 
     def n_steps(self) -> int:
         return max(1, self.examples // self.batch)
@@ -67,7 +69,7 @@ def mlp_specs(spec: CtrSpec, cfg: CtrConfig) -> list[TensorSpec]:
 
 
 def client_for(controllers: list[str], token: str, spec: CtrSpec, cfg: CtrConfig) -> PSClient:
-    layout = Layout(mlp_specs(spec, cfg), n_buckets=N_BUCKETS)
+    layout = Layout(mlp_specs(spec, cfg), n_buckets=cfg.n_buckets)
     return PSClient(ControllerRouting(controllers), layout, token, retry_for=30.0)
 
 
@@ -218,9 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=CtrConfig.batch)
     ap.add_argument("--dim", type=int, default=CtrConfig.dim)
     ap.add_argument("--test", type=int, default=CtrConfig.test, help="held-out examples")
+    ap.add_argument("--n-buckets", type=int, default=N_BUCKETS, help="the cluster's buckets")
     args = ap.parse_args(argv)
     token = os.environ.get("ADAMPS_TOKEN", "ctr-token")
-    cfg = CtrConfig(dim=args.dim, batch=args.batch, examples=args.examples, test=args.test)
+    cfg = CtrConfig(
+        dim=args.dim, batch=args.batch, examples=args.examples, test=args.test,
+        n_buckets=args.n_buckets,
+    )  # fmt: skip
     spec = CtrSpec()
     if args.replicas < 1 or args.examples < args.batch:
         ap.error("--replicas must be >= 1 and --examples >= --batch")
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
         root = Path(tempfile.mkdtemp(prefix="adamps-ctr-"))
         c = LocalCluster(
-            root, token=token, n_servers=args.servers, n_buckets=N_BUCKETS,
+            root, token=token, n_servers=args.servers, n_buckets=args.n_buckets,
             controller_opts={**FAST_CONTROLLER_OPTS, "replication": args.replication},
             ps_opts={"log-level": "WARNING"},
         )  # fmt: skip
