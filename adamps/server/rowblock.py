@@ -1,9 +1,8 @@
 """One bucket's rows of one embedding table, and the per-row optimizer: pure numpy, no IO, no
 clock (a push's time comes in the update, stamped by the primary, so every copy decides the same).
 
-Rows live in growable arrays (values, Adagrad accumulators, last push time, id) with a dict
-id -> slot; a removed row's slot is filled by the last row (swap-remove), so the arrays stay
-dense. Every step is a deterministic function of (state, ordered updates): copies of a bucket
+Rows live in growable arrays (values, Adagrad accumulators, last push time, id) with an index
+id -> slot (rowindex.py); expiry compacts the arrays, so they stay dense. Every step is a deterministic function of (state, ordered updates): copies of a bucket
 that apply the same batches end bit-identical, and `to_bytes` / `from_bytes` carry the whole
 state (LMDB flushes, state transfer).
 
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from adamps.server.optim import Optimizer
+from adamps.server.rowindex import RowIndex
 from adamps.tables import Admission, initial_rows
 
 #: magic, version, rows, dim, has accumulator, pending counts, next sweep
@@ -86,7 +86,7 @@ class RowBlock:
     accum: np.ndarray | None = None
     #: wall-clock time (the primary's) of each row's last push
     seen: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
-    index: dict[int, int] = field(default_factory=dict)
+    index: RowIndex = field(default_factory=RowIndex)
     #: pushes seen so far of ids not admitted yet (frequency filter)
     pending: dict[int, int] = field(default_factory=dict)
     #: time of the next expiry sweep
@@ -102,8 +102,7 @@ class RowBlock:
 
     def slots(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id, -1 where it has no row."""
-        get = self.index.get
-        return np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, len(ids))
+        return self.index.lookup(ids)
 
     def gather(self, ids: np.ndarray, out: np.ndarray) -> None:
         """Rows of `ids` into `out` [len(ids), dim]; an id without a row reads as the value it
@@ -120,8 +119,7 @@ class RowBlock:
     def missing(self, ids: np.ndarray) -> int:
         """How many distinct `ids` have no row (a racy read from the event loop is fine: the
         answer only decides an early table_full; the owner thread decides for real)."""
-        get = self.index.get
-        return sum(1 for i in set(ids.tolist()) if get(i) is None)
+        return len(np.unique(ids[self.index.lookup(ids) < 0]))
 
     # -- writes ----------------------------------------------------------------------------------
 
@@ -143,30 +141,26 @@ class RowBlock:
         self.ids = grown(self.ids)
         self.seen = grown(self.seen)
 
-    def _remove(self, slot: int) -> None:
-        assert self.values is not None
-        last = self.n - 1
-        del self.index[int(self.ids[slot])]
-        if slot != last:
-            moved = int(self.ids[last])
-            self.ids[slot] = moved
-            self.values[slot] = self.values[last]
-            if self.accum is not None:
-                self.accum[slot] = self.accum[last]
-            self.seen[slot] = self.seen[last]
-            self.index[moved] = slot
-        self.n = last
-
     def expire(self, now: float) -> int:
-        """Removes rows last pushed more than expire_after before `now`; returns how many."""
+        """Removes rows last pushed more than expire_after before `now`; returns how many. The
+        rows kept move down in slot order (the same on every copy), and the index is rebuilt."""
         ttl = self.admission.expire_after
-        if ttl is None:
+        if ttl is None or not self.n:
             return 0
-        old = np.flatnonzero(self.seen[: self.n] < now - ttl)
-        # From the highest slot down: a swap-remove moves only rows from above the slot.
-        for slot in old[::-1].tolist():
-            self._remove(slot)
-        return len(old)
+        keep = self.seen[: self.n] >= now - ttl
+        k = int(keep.sum())
+        if k == self.n:
+            return 0
+        assert self.values is not None
+        gone = self.n - k
+        self.ids[:k] = self.ids[: self.n][keep]
+        self.seen[:k] = self.seen[: self.n][keep]
+        self.values[:k] = self.values[: self.n][keep]
+        if self.accum is not None:
+            self.accum[:k] = self.accum[: self.n][keep]
+        self.n = k
+        self.index.rebuild(self.ids[:k])
+        return gone
 
     def apply(self, push: RowPush, stats: ApplyStats) -> None:
         """One push (module docstring, steps 1-6)."""
@@ -221,8 +215,7 @@ class RowBlock:
             self.accum[slots] = self.optimizer.initial_accumulator
         self.ids[slots] = ids
         self.seen[slots] = 0.0
-        for i, slot in zip(ids.tolist(), slots.tolist(), strict=True):
-            self.index[i] = slot
+        self.index.add(ids, slots)
         self.n += k
         s[new] = slots
 
@@ -281,7 +274,8 @@ class RowBlock:
         self.ids, self.seen, self.values = ids, seen, values
         if self.optimizer.has_accumulator:
             self.accum = accum if accum is not None else np.zeros((n, dim), np.float32)
-        self.index = {i: k for k, i in enumerate(ids.tolist())}
+        self.index = RowIndex()
+        self.index.rebuild(ids)
         self.pending = {int(i): int(c) for i, c in pend.tolist()}
         self.next_sweep = next_sweep
 

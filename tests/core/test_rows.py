@@ -142,7 +142,7 @@ def test_expiry_removes_rows_unseen_for_the_lifetime() -> None:
         blk.apply(RowPush(np.array([i]), g, float(i)), st)
     blk.apply(RowPush(np.array([4]), g, 13.0), st)  # rows 0..2 last pushed > 10 s before 13
     assert sorted(blk.index) == [3, 4] and st.expired == 3
-    # The survivors kept their own rows across the swap-removes.
+    # The survivors kept their own rows across the compaction.
     assert blk.ids[blk.index[3]] == 3 and np.allclose(
         blk.values[blk.index[3]], initial_rows(NORMAL, np.array([3]), 4)[0] - 0.5
     )
@@ -220,3 +220,22 @@ def test_bucket_and_init_follow_the_documented_algorithm() -> None:
         np.testing.assert_allclose(
             got_u, [np.float32(-1 + 2 * unif(j + 1)) for j in range(dim)], rtol=1e-6
         )
+
+
+def test_row_index_agrees_with_a_dict_across_merges() -> None:
+    from adamps.server.rowindex import RowIndex
+
+    rng = np.random.default_rng(5)
+    idx, ref = RowIndex(), {}
+    n = 0
+    for _ in range(30):  # ~30k ids: several merges of the recent dict into the sorted array
+        new = np.setdiff1d(rng.integers(-(2**40), 2**40, 1000), np.fromiter(ref, np.int64))
+        slots = np.arange(n, n + len(new))
+        idx.add(new, slots)
+        ref.update(zip(new.tolist(), slots.tolist(), strict=True))
+        n += len(new)
+        probe = np.concatenate(
+            [rng.choice(np.fromiter(ref, np.int64), 500), rng.integers(0, 9, 50)]
+        )
+        assert idx.lookup(probe).tolist() == [ref.get(i, -1) for i in probe.tolist()]
+    assert len(idx.recent) < len(idx.keys) and len(idx) == len(ref) and sorted(idx) == sorted(ref)
