@@ -32,13 +32,16 @@ class RowsExactnessLoad(ExactnessLoad):
         pause: float = 0.0,
         max_pushes: int = 1_000_000,
         table: str = TABLE,
+        per_push: int = 2,
     ) -> None:
         self.client = client
         self.table = table
         self.threads = threads
         self.pause = pause
+        #: ids of one push: per_push consecutive ids (2: usually two buckets)
+        self.per_push = per_push
         #: ids are 0 .. size - 1
-        self.size = 2 * max_pushes
+        self.size = per_push * max_pushes
         self.out = Outcomes()
         self._stop = threading.Event()
         self._next = iter(range(max_pushes))
@@ -52,12 +55,12 @@ class RowsExactnessLoad(ExactnessLoad):
         )
 
     def _run(self) -> None:
-        ones = np.ones((2, 1), np.float32)
+        ones = np.ones((self.per_push, 1), np.float32)
         while not self._stop.is_set():
             k = self._element()
             if k is None:
                 return
-            ids = [2 * k, 2 * k + 1]
+            ids = list(range(self.per_push * k, self.per_push * (k + 1)))
             try:
                 self.client.push_rows(self.table, np.array(ids, np.int64), ones)
             except RpcError as exc:

@@ -11,7 +11,10 @@
    touched, not the table size.
 3. The AUC that ``python -m trainer.ctr`` reaches with 2 model replicas on the planted
    click-through workload (trainer/ctr_data.py), against the planted truth's AUC on the same
-   held-out examples. Goal: within 0.01.
+   held-out examples (goal: within 0.01), and its examples per CPU-second (the replicas, the
+   servers and the controllers, from /proc) against one PyTorch process training the same model
+   on the same batches with ``nn.Embedding(sparse=True)`` and ``torch.optim.Adagrad`` (sparse
+   row updates), one intra-op thread (goal >= 0.7).
 
     python benchmarks/embeddings.py [--seconds 5] [--examples 300000] [--skip-auc]
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -32,7 +36,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.append(str(ROOT / "benchmarks"))  # after ROOT: benchmarks/trainer.py must not hide trainer/
+sys.path.append(
+    str(ROOT / "benchmarks")
+)  # after ROOT: benchmarks/trainer.py must not hide trainer/
 
 from replication import N_BUCKETS, TOKEN  # noqa: E402
 from replication import cluster as start_cluster  # noqa: E402
@@ -40,7 +46,7 @@ from replication import cluster as start_cluster  # noqa: E402
 from adamps.client import ControllerRouting, PSClient  # noqa: E402
 from adamps.layout import Layout  # noqa: E402
 from trainer.ctr import CtrConfig, run  # noqa: E402
-from trainer.ctr_data import CtrSpec  # noqa: E402
+from trainer.ctr_data import CtrData, CtrSpec, auc  # noqa: E402
 
 BATCH = 4096
 N_IDS = 1_000_000
@@ -116,6 +122,59 @@ def step_bytes(batches: list[np.ndarray], dim: int) -> float:
     return float(np.mean(per))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cluster_cpu(c: Any) -> float:
+    return sum(cpu_seconds(p.pid) for p in c.procs.values() if p.alive)
+
+
+def torch_ctr(spec: CtrSpec, cfg: CtrConfig, replicas: int) -> dict[str, float]:
+    """One PyTorch process, the same model, batches and optimizers (per-row Adagrad)."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    data = CtrData(spec)
+    emb = torch.nn.Embedding(spec.n_ids, cfg.dim, sparse=True)
+    torch.nn.init.normal_(emb.weight, std=0.05)
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(spec.n_fields * cfg.dim, cfg.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(cfg.hidden, 1),
+    )
+    opt_rows = torch.optim.Adagrad(emb.parameters(), lr=cfg.row_lr, initial_accumulator_value=1e-4)
+    opt_mlp = torch.optim.Adagrad(mlp.parameters(), lr=cfg.mlp_lr, initial_accumulator_value=1e-4)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    c0, t0, n = time.process_time(), time.perf_counter(), 0
+    for step in range(cfg.n_steps()):
+        for r in range(replicas):  # the replicas' batches, interleaved
+            ids, y, _ = data.examples(cfg.batch, cfg.seed + r * 1_000_000 + step)
+            x = emb(torch.from_numpy(ids)).reshape(len(y), -1)
+            loss = loss_fn(mlp(x).squeeze(1), torch.from_numpy(y))
+            opt_rows.zero_grad()
+            opt_mlp.zero_grad()
+            loss.backward()
+            opt_rows.step()
+            opt_mlp.step()
+            n += len(y)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    ids, y, logit_true = data.examples(cfg.test, -1 % (1 << 32))
+    with torch.no_grad():
+        score = mlp(emb(torch.from_numpy(ids)).reshape(len(y), -1)).squeeze(1).numpy()
+    return {
+        "examples": n,
+        "cpu_seconds": cpu,
+        "examples_per_cpu_second": n / cpu,
+        "examples_per_second": n / wall,
+        "auc": auc(y, score),
+        "best_auc": auc(y, logit_true),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=5.0, help="per measurement")
@@ -151,7 +210,12 @@ def main() -> int:
                 )
         if not args.skip_auc:
             cfg = CtrConfig(examples=args.examples, n_buckets=N_BUCKETS)
+            before = cluster_cpu(c)
             res = run(c.controllers, TOKEN, CtrSpec(), cfg, replicas=2)
+            servers = cluster_cpu(c) - before  # includes the evaluation's pulls (small)
+            replicas_cpu = res["examples"] / res["examples_per_cpu_second_replicas"]
+            res["cluster_cpu_seconds"] = servers + replicas_cpu
+            res["examples_per_cpu_second"] = res["examples"] / (servers + replicas_cpu)
             out["ctr"] = res
             print(
                 f"CTR, 2 replicas, {res['examples']:,} examples: AUC {res['auc']:.4f}, planted "
@@ -159,6 +223,23 @@ def main() -> int:
                 f"{res['examples_per_second']:,.0f} examples/s, "
                 f"{res['row_bytes_per_step']:,.0f} row bytes per step and replica"
             )
+            print(
+                f"CTR CPU: {res['examples_per_cpu_second']:,.0f} examples per CPU-second "
+                f"(replicas {replicas_cpu:.1f} s + servers and controllers {servers:.1f} s)"
+            )
+            try:
+                tr = torch_ctr(CtrSpec(), cfg, replicas=2)
+            except ImportError:
+                print("torch not installed: no PyTorch baseline")
+            else:
+                out["torch"] = tr
+                ratio = res["examples_per_cpu_second"] / tr["examples_per_cpu_second"]
+                out["ctr_cpu_ratio_vs_torch"] = ratio
+                print(
+                    f"PyTorch, one process, same batches: {tr['examples_per_cpu_second']:,.0f} "
+                    f"examples per CPU-second, AUC {tr['auc']:.4f}; adamps / PyTorch = "
+                    f"{ratio:.2f} (goal >= 0.7)"
+                )
     finally:
         c.stop()
     print(json.dumps(out))
