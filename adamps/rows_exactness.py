@@ -5,7 +5,15 @@ rows of ids ``2k`` and ``2k + 1`` in one ``push_rows`` (two ids, usually two buc
 multi-bucket client contract is exercised), and records the outcome of both ids: acknowledged
 (with its time), failed or unknown. The ids' values read back with ``pull_rows`` are then checked
 by ``ExactnessLoad``'s rules, id by id: acknowledged exactly once (or 0/1 inside a loss window),
-failed absent, unknown 0 or 1, nothing else changed."""
+failed absent, unknown 0 or 1, nothing else changed.
+
+A push spanning two buckets is acknowledged bucket by bucket: after a partial failure the
+client re-sends only the unacknowledged part, so one part may have been acknowledged (and, in a
+crash of every copy, lost within the loss window) long before the push as a whole returns. The
+checker therefore treats an acknowledged push as inside a loss window when any moment from its
+first send to its acknowledgement is (`problems`), not only its final acknowledgement.
+(With only the final acknowledgement time, a whole-cluster SIGKILL test of two-bucket pushes,
+dense or rows, reports such parts as lost acknowledged pushes in about 2 runs of 5.)"""
 
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ import time
 import numpy as np
 
 from adamps.client import PSClient
-from adamps.exactness import ExactnessLoad, Outcomes, definitely_not_applied
+from adamps.exactness import ExactnessLoad, Outcomes, Windows, definitely_not_applied
 from adamps.rpc import RpcError
 
 TABLE = "exact_rows"
@@ -43,6 +51,10 @@ class RowsExactnessLoad(ExactnessLoad):
         #: ids are 0 .. size - 1
         self.size = per_push * max_pushes
         self.out = Outcomes()
+        #: id -> monotonic time its push was first sent
+        self.sent_at: dict[int, float] = {}
+        #: the loss windows of the check in progress (problems -> _snapshot)
+        self._windows: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._next = iter(range(max_pushes))
         self._next_lock = threading.Lock()
@@ -61,6 +73,9 @@ class RowsExactnessLoad(ExactnessLoad):
             if k is None:
                 return
             ids = list(range(self.per_push * k, self.per_push * (k + 1)))
+            sent = time.monotonic()
+            with self.out.lock:
+                self.sent_at.update(dict.fromkeys(ids, sent))
             try:
                 self.client.push_rows(self.table, np.array(ids, np.int64), ones)
             except RpcError as exc:
@@ -81,6 +96,34 @@ class RowsExactnessLoad(ExactnessLoad):
                 self.out.ack_times += [(now, i) for i in ids]
             if self.pause:
                 self._stop.wait(self.pause)
+
+    def problems(
+        self,
+        values: np.ndarray,
+        lossy: Windows = (),
+        start: int = 0,
+        stop: int | None = None,
+        read_at: float | None = None,
+    ) -> list[str]:
+        self._windows = [*lossy, *([(read_at, float("inf"))] if read_at is not None else [])]
+        try:
+            return super().problems(values, lossy, start, stop, read_at)
+        finally:
+            self._windows = []
+
+    def _snapshot(self) -> tuple[list[tuple[float, int]], list[int], list[int]]:
+        """Acknowledgements with, for a push whose span [first send, acknowledgement] meets a
+        loss window, a time inside that window (module docstring)."""
+        acks, failed, unknown = super()._snapshot()
+        windows = self._windows
+        if not windows:
+            return acks, failed, unknown
+        out = []
+        for t, e in acks:
+            s = self.sent_at.get(e, t)
+            hit = next((max(s, t0) for t0, t1 in windows if s <= t1 and t >= t0), None)
+            out.append((t if hit is None else hit, e))
+        return out, failed, unknown
 
     def pushed_ids(self) -> int:
         """One past the highest id any push named."""

@@ -239,3 +239,22 @@ def test_row_index_agrees_with_a_dict_across_merges() -> None:
         )
         assert idx.lookup(probe).tolist() == [ref.get(i, -1) for i in probe.tolist()]
     assert len(idx.recent) < len(idx.keys) and len(idx) == len(ref) and sorted(idx) == sorted(ref)
+
+
+def test_rows_checker_counts_a_push_in_a_loss_window_from_its_first_send() -> None:
+    """A two-bucket push sent before a crash and acknowledged after it may miss the part that was
+    acknowledged (and lost) before the crash; a push wholly outside the window may not."""
+    from types import SimpleNamespace
+
+    from adamps.rows_exactness import RowsExactnessLoad
+
+    load = RowsExactnessLoad(SimpleNamespace(), threads=0, max_pushes=4)
+    load.out.acked += [0, 1, 2, 3]
+    load.out.ack_times += [(15.0, 0), (15.0, 1), (15.0, 2), (15.0, 3)]
+    load.sent_at.update({0: 9.0, 1: 9.0, 2: 12.0, 3: 12.0})
+    values = np.array([0.0, 1.0, 1.0, 0.0, 0.0])
+    window = [(8.0, 10.0)]
+    problems = load.problems(values, window)
+    assert len(problems) == 1 and "1 of 2 acknowledged" in problems[0], problems
+    assert load.problems(np.array([0.0, 1.0, 1.0, 1.0, 0.0]), window) == []
+    assert load.problems(np.array([0.0, 1.0, 1.0, 1.0, 0.0])) != []  # no window: strict
