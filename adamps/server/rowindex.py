@@ -21,17 +21,25 @@ class RowIndex:
     """int64 id -> int slot."""
 
     def __init__(self) -> None:
-        self.keys = np.empty(0, np.int64)
-        self.slots = np.empty(0, np.int64)
+        #: (sorted ids, their slots), replaced as one tuple: a racy reader never pairs the
+        #: arrays of two different merges
+        self.sorted = (np.empty(0, np.int64), np.empty(0, np.int64))
         self.recent: dict[int, int] = {}
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self.sorted[0]
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """The slot of each id, -1 where it has none."""
-        keys, recent = self.keys, self.recent
+        # The dict first: a merge publishes the new arrays before it empties the dict, so a
+        # racy reader sees each id in one or the other.
+        recent = self.recent
+        keys, slots = self.sorted
         if len(keys):
             pos = np.searchsorted(keys, ids)
             np.minimum(pos, len(keys) - 1, out=pos)
-            out = np.where(keys[pos] == ids, self.slots[pos], -1)
+            out = np.where(keys[pos] == ids, slots[pos], -1)
         else:
             out = np.full(len(ids), -1, np.int64)
         if recent:
@@ -52,17 +60,16 @@ class RowIndex:
     def _merge(self) -> None:
         ids = np.fromiter(self.recent.keys(), np.int64, len(self.recent))
         slots = np.fromiter(self.recent.values(), np.int64, len(self.recent))
-        keys = np.concatenate([self.keys, ids])
+        old_keys, old_slots = self.sorted
+        keys = np.concatenate([old_keys, ids])
         order = np.argsort(keys, kind="stable")
-        self.keys = keys[order]
-        self.slots = np.concatenate([self.slots, slots])[order]
+        self.sorted = (keys[order], np.concatenate([old_slots, slots])[order])
         self.recent = {}
 
     def rebuild(self, ids: np.ndarray) -> None:
         """The index of rows `ids` in slots 0 .. len(ids) - 1 (after removals or a load)."""
         order = np.argsort(ids, kind="stable")
-        self.keys = np.ascontiguousarray(ids[order], np.int64)
-        self.slots = order.astype(np.int64)
+        self.sorted = (np.ascontiguousarray(ids[order], np.int64), order.astype(np.int64))
         self.recent = {}
 
     # -- a read-only mapping (tests, status) ------------------------------------------------------
