@@ -264,3 +264,34 @@ async def test_numpy_embedding_bag_pulls_distinct_ids_and_pushes_summed_row_grad
     finally:
         await c.close()
         await runner.cleanup()
+
+
+async def test_rows_unseen_for_expire_after_are_removed_and_counted(tmp_path: Path) -> None:
+    """Expiry on a server: the push's time is the server's clock; a row not pushed for
+    expire_after seconds is gone at a later push (pulls do not keep it), and comes back from
+    its initial value when pushed again."""
+    ps, runner, c, url = await start(tmp_path)
+    try:
+        await c.call(
+            "create_table", name="e", dim=2, init=INIT, optimizer={"kind": "sgd", "lr": 1.0},
+            admission={"expire_after": 0.4},
+        )  # fmt: skip
+        one = np.ones((20, 2), np.float32)
+        await c.call("push_rows", table="e", ids=np.arange(20), grads=one)
+        assert (await c.call("list_tables"))["tables"][0]["rows_held"] == 20
+        await asyncio.sleep(0.3)
+        await c.call("pull_rows", table="e", ids=np.arange(20))  # a read is not a sighting
+        await asyncio.sleep(0.3)
+        # Every bucket that holds a row gets a push 0.6 s later: its sweep removes the old rows.
+        await c.call(
+            "push_rows", table="e", ids=np.arange(100, 400), grads=np.ones((300, 2), np.float32)
+        )
+        assert (await c.call("list_tables"))["tables"][0]["rows_held"] == 300
+        out = generate_latest(ps.registry).decode()
+        assert 'adamps_table_rows_expired_total{table="e"} 20.0' in out
+        back = (await c.call("pull_rows", table="e", ids=np.arange(20)))["rows"]
+        init = initial_rows(normalize_row_init(INIT), np.arange(20), 2)
+        assert np.array_equal(back, init)  # the pushed values (init - 1) are gone
+    finally:
+        await c.close()
+        await runner.cleanup()
