@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 
 #: the recent dict is merged when it holds more than max(MERGE_MIN, len(sorted) // 4) ids
-MERGE_MIN = 4096
+MERGE_MIN = 256
 
 
 class RowIndex:
