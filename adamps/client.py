@@ -39,6 +39,7 @@ from adamps.dataplane_pool import DataPlanePool, as_rpc_error
 from adamps.layout import Layout, Shard, TensorSpec
 from adamps.request_parts import Limits, Unit, chunk, pack, plan_push
 from adamps.retry import RetryPolicy
+from adamps.rows_client import RowsClient
 from adamps.rpc import RpcError, SyncRpc, base_url
 
 log = logging.getLogger(__name__)
@@ -199,8 +200,9 @@ def _connection_error(url: str, exc: OSError) -> ConnectionError | TimeoutError:
     return ConnectionError(f"data plane of {url}: {exc}")
 
 
-class PSClient:
-    """Pull and push whole tensors of a model held by the parameter servers."""
+class PSClient(RowsClient):
+    """Pull and push whole tensors of a model held by the parameter servers, and rows of its
+    embedding tables (rows_client.py)."""
 
     def __init__(
         self,
@@ -237,6 +239,8 @@ class PSClient:
         self.http_requests = 0
         #: server base URL -> its request limits (max_body, max_shards_per_request)
         self._server_limits: dict[str, Limits] = {}
+        #: embedding table name -> dim (create_table)
+        self.tables = {}
 
     # -- plumbing --------------------------------------------------------------------------------
 

@@ -218,6 +218,14 @@ class DataPlaneClient:
             raise err
         return reply["versions"]
 
+    def read_message_reply(self) -> dict[str, Any]:
+        """The reply to a message op (``send_message``), whole: ``pull_rows``' rows."""
+        reply, _, err = self._read_reply()
+        self._check_rid(reply)
+        if err is not None:
+            raise err
+        return reply
+
     def _check_rid(self, reply: dict[str, Any]) -> None:
         """The reply answers the oldest request sent (a fatal error's reply may carry no rid);
         anything else means the stream is out of step: never take it as an acknowledgement."""

@@ -58,6 +58,7 @@ ERRORS: dict[str, tuple[int, str]] = {
     "unknown_tensor": (404, "no tensor of that name"),
     "unknown_shard": (404, "no shard of that id on this server"),
     "unknown_bucket": (404, "no bucket of that id"),
+    "unknown_table": (404, "no embedding table of that name"),
     "not_found": (404, "no such resource"),
     "exists": (409, "a resource of that name exists with a different definition"),
     "not_primary": (
@@ -66,6 +67,11 @@ ERRORS: dict[str, tuple[int, str]] = {
     ),
     "stale_epoch": (409, "the message's lease epoch is older than the current one"),
     "conflict": (409, "the request conflicts with the current state"),
+    "table_full": (
+        409,
+        "the push would create rows beyond the table's row limit (on_full = reject); nothing "
+        "was applied (extra: table, bucket, limit)",
+    ),
     "read_only": (
         409,
         "this endpoint does not take writes on this server (data plane of a replicated server)",

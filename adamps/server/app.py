@@ -43,6 +43,7 @@ from adamps.server.replicate import Replicator
 from adamps.server.scrub import Scrubber
 from adamps.server.shards import Snapshot, StoreError
 from adamps.server.store import Store
+from adamps.server.tableops import TableOps
 from adamps.server.vecops import VectorOps
 from adamps.server.writepath import WritePath
 
@@ -82,6 +83,7 @@ class ParameterServer:
             owner_threads=cfg.owner_threads,
             max_shard_elems=cfg.max_shard_elems,
             on_applied=lambda kind, n: self.m.applied.labels(kind).inc(n),
+            registry=self.registry,
         )
         self.flusher = Flusher(
             self.store,
@@ -139,6 +141,11 @@ class ParameterServer:
             peer=None if self.replicator is None else self.replicator.op_repl_frame,
         )
         self.vectors = VectorOps(self.store, self.addressing, self.writes)
+        #: embedding tables' rows (tableops.py), on /rpc and the data plane
+        self.rows = TableOps(cfg, self.store, self.writes, self.replicator)
+        self.data_plane.messages.update(
+            pull_rows=self.rows.op_pull_rows, push_rows=self.rows.op_push_rows
+        )
         self._closed = False
         #: op -> handler of POST /rpc
         self._ops: dict[str, Handler] = {
@@ -153,6 +160,11 @@ class ParameterServer:
             # Sandblaster's vector operations (vecops.py)
             "vec": self.vectors.op_vec,
             "vec_dot": self.vectors.op_vec_dot,
+            # embedding tables (tablecatalog.py, tableops.py)
+            "create_table": self.catalog.tables.op_create_table,
+            "list_tables": self.catalog.tables.op_list_tables,
+            "pull_rows": self.rows.op_pull_rows,
+            "push_rows": self.rows.op_push_rows,
         }
         if cfg.debug_ops:
             self._ops["debug_fail"] = self.op_debug_fail

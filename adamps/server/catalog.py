@@ -20,6 +20,7 @@ from adamps.server.optim import Optimizer
 from adamps.server.persist import Persister
 from adamps.server.shards import TensorState
 from adamps.server.store import Store
+from adamps.server.tablecatalog import TableCatalog
 
 log = logging.getLogger("adamps.server.app")
 
@@ -33,12 +34,22 @@ class TensorCatalog:
         self.persister = persister
         #: the sequence number of the next definition (orders them in LMDB)
         self._seq = 0
+        #: the embedding tables' definitions (tablecatalog.py), numbered by the same counter
+        self.tables = TableCatalog(cfg, store, persister, self.next_seq)
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq - 1
 
     def load(self) -> None:
         """Reloads every tensor this server saved: definitions, values, accumulators, versions."""
         n = 0
         for saved in self.persister.load():
             meta = saved.meta
+            self._seq = max(self._seq, meta["seq"] + 1)
+            if "table" in meta:  # an embedding table's definition and row shards
+                self.tables.load(meta, saved.shards)
+                continue
             spec = TensorSpec.from_dict(meta["spec"])
             opt = Optimizer.from_dict(meta["optimizer"])
             saved_max = meta.get("max_shard_elems", self.cfg.max_shard_elems)

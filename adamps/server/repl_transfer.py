@@ -54,7 +54,13 @@ class StateTransfer:
         accs = [
             np.empty(st.shard.shape, np.float32) if st.accum is not None else None for st in states
         ]
-        versions = await owner_future(lambda cb: self.store.read(states, outs, cb, accums=accs))
+        read = owner_future(lambda cb: self.store.read(states, outs, cb, accums=accs))
+        # Queued in the same loop step as the shards' reads: the rows are of the same position.
+        rows = self.store.tables.in_bucket(b)
+        row_states = await owner_future(
+            lambda cb: self.store.call(rows, lambda st: (st.version, st.value.tobytes()), cb)
+        )
+        versions = await read
         tensors = {st.shard.tensor for st in states}
         self.m.snapshots.labels("sent").inc()
         return {
@@ -62,6 +68,8 @@ class StateTransfer:
             "epoch": rep.assignment.epoch,
             **meta,
             "tensors": [self.catalog.definition(name) for name in sorted(tensors)],
+            "tables": [st.table.spec.to_dict() for st in rows],
+            "rows": {sid: {"version": v, "state": data} for sid, (v, data) in row_states.items()},
             "shards": {
                 st.id: {
                     "value": out,
@@ -129,6 +137,16 @@ class StateTransfer:
                 raise ValueError(f"shard {sid} of the snapshot of bucket {b} fails its checksum")
         for d in snap["tensors"]:
             self.catalog.ensure(d)
+        for d in snap.get("tables", []):
+            self.catalog.tables.ensure(d)
+        rows = {sid: self.store.tables.shard(sid) for sid in snap.get("rows", {})}
+
+        def put_rows(st: Any) -> int:
+            rec = snap["rows"][st.id]
+            st.value.load_bytes(rec["state"])
+            return int(rec["version"])
+
+        rows_done = owner_future(lambda cb: self.store.replace(list(rows.values()), put_rows, cb))
         states, values, accums, versions = [], [], [], []
         for sid, rec in snap["shards"].items():
             st = self.store.shard(sid)
@@ -144,6 +162,7 @@ class StateTransfer:
         )
         self.persisted.pop(b, None)
         await done
+        await rows_done
         self.m.snapshots.labels("received").inc()
 
     async def offers(self) -> dict[int, list[Any]]:
@@ -196,10 +215,17 @@ class StateTransfer:
         )
         outs = [np.empty(st.shard.shape, np.float32) for st in states]
         await owner_future(lambda cb: self.store.read(states, outs, cb))
+        rows = sorted(self.store.tables.in_bucket(b), key=lambda s: s.id)
+        row_digests = await owner_future(
+            lambda cb: self.store.call(rows, lambda st: st.value.digest(), cb)
+        )
         h = hashlib.sha256()
         for st, out in zip(states, outs, strict=True):
             h.update(st.id.encode())
             h.update(out.tobytes())
+        for st in rows:  # an embedding table's rows of this bucket
+            h.update(st.id.encode())
+            h.update(row_digests[st.id])
         return {
             "bucket": b,
             "digest": h.hexdigest(),

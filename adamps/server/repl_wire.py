@@ -15,6 +15,7 @@ from adamps.protocol import ProtocolError, require
 from adamps.server import checksum, vecwire
 from adamps.server.compressed import signs_of_wire
 from adamps.server.optim import Dense
+from adamps.server.rowblock import RowPush
 from adamps.server.shards import ShardState, fc_parts
 from adamps.server.store import Store
 
@@ -143,6 +144,8 @@ def store_parts(store: Store, updates: Iterable[Any]) -> list[tuple[ShardState, 
             elif kind == "c":
                 st = store.shard(u["s"])
                 parts.append((st, signs_of_wire(u, st.shard.size)))
+            elif kind == "r":  # an embedding table's rows of one bucket (tableops.py)
+                parts.append((store.tables.shard(u["s"]), RowPush(u["i"], u["g"], float(u["t"]))))
             elif kind == "v":  # a vector operation (Sandblaster, vecwire.py)
                 parts += vecwire.parts_of(store, u)
             else:

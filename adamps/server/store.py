@@ -25,11 +25,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from adamps.layout import MAX_SHARD_ELEMS, Layout, Shard, TensorSpec, stable_bucket
 from adamps.server import optim, vecapply
 from adamps.server.initial import initial_values
 from adamps.server.optim import Fc, Optimizer, Scratch, Signs
+from adamps.server.rowtables import RowShardState, RowTables
 from adamps.server.shards import ShardState, Snapshot, StoreError, TensorState
 from adamps.server.tickets import Ticket
 
@@ -57,6 +59,7 @@ class Store:
         max_shard_elems: int = MAX_SHARD_ELEMS,
         clock: Callable[[], float] = time.monotonic,
         on_applied: Callable[[str, int], None] | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         if owner_threads < 1:
             raise ValueError("owner_threads must be >= 1")
@@ -67,6 +70,8 @@ class Store:
         #: shard id -> state (held shards only)
         self.shards: dict[str, ShardState] = {}
         self.clock = clock
+        #: embedding tables: their row shards of the held buckets (rowtables.py)
+        self.tables = RowTables(n_buckets, owner_threads, registry)
         self._on_applied = on_applied
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(owner_threads)]
         #: per owner: shards with updates not yet taken by a snapshot (owner thread only)
@@ -138,6 +143,7 @@ class Store:
         if self.buckets is None or bucket in self.buckets:
             return 0
         self.buckets = self.buckets | {bucket}
+        self.tables.hold(bucket)
         added = 0
         for t in self.tensors.values():
             mine = [s for s in t.layout_shards if self.layout.bucket_of[s.id] == bucket]
@@ -158,6 +164,7 @@ class Store:
         if self.buckets is None or bucket not in self.buckets:
             return 0
         self.buckets = self.buckets - {bucket}
+        self.tables.release(bucket)
         dropped = 0
         for t in self.tensors.values():
             for s in t.layout_shards:
@@ -320,6 +327,33 @@ class Store:
             self._queues[owner].put((_CALL, put, ticket))
         return ticket
 
+    def replace(
+        self,
+        states: Sequence[ShardState],
+        fn: Callable[[ShardState], int],
+        on_done: Callable[[dict[str, int], BaseException | None], None],
+    ) -> Ticket:
+        """Runs ``fn(state)`` (which replaces the state and returns its new version) for each
+        shard on its owner thread and marks it dirty, as `overwrite` does: a row shard's state
+        transfer."""
+        by_owner: dict[int, list[ShardState]] = {}
+        for st in states:
+            by_owner.setdefault(st.owner, []).append(st)
+        ticket = Ticket(len(by_owner), on_done)
+        for owner, items in by_owner.items():
+
+            def put(o: int, items: list = items) -> None:
+                now = self.clock()
+                for st in items:
+                    st.version = int(fn(st))
+                    if st.dirty_since is None:
+                        st.dirty_since = now
+                    self._dirty[o].add(st)
+                    ticket.result[st.id] = st.version
+
+            self._queues[owner].put((_CALL, put, ticket))
+        return ticket
+
     def snapshot_dirty(self, timeout: float = 60.0) -> list[Snapshot]:
         """Copies every dirty shard on its owner thread and marks it clean (blocking; not on the loop)."""
         return self.begin_snapshot()(timeout)
@@ -455,10 +489,13 @@ class Store:
         now = self.clock()
         dirty = self._dirty[owner]
         for st, group in pending.items():
-            t = self.tensors_by_shard(st)
             error: BaseException | None = None
             try:
-                vecapply.apply_batch(t, st.value, st.accum, [u for u, _ in group], scratch)
+                if isinstance(st, RowShardState):  # an embedding table's rows (rowblock.py)
+                    st.apply_rows([u for u, _ in group])
+                else:
+                    t = self.tensors_by_shard(st)
+                    vecapply.apply_batch(t, st.value, st.accum, [u for u, _ in group], scratch)
             except BaseException as exc:  # a logged failure of this batch, not of the thread
                 log.exception(
                     "owner thread %d: applying %d updates to %s failed", owner, len(group), st.id
@@ -471,7 +508,8 @@ class Store:
                 dirty.add(st)
                 n_fc = sum(1 for u, _ in group if isinstance(u, Fc))
                 n_sig = sum(1 for u, _ in group if isinstance(u, Signs))
-                n_dense = len(group) - n_fc - n_sig
+                n_rows = len(group) if isinstance(st, RowShardState) else 0
+                n_dense = len(group) - n_fc - n_sig - n_rows
                 # Counted before the pushers hear back, so /metrics never lags an acknowledged push.
                 counts = self._applied[owner]
                 counts[0] += n_dense
@@ -484,6 +522,8 @@ class Store:
                         self._on_applied("fc", n_fc)
                     if n_sig:
                         self._on_applied("compressed", n_sig)
+                    if n_rows:
+                        self._on_applied("rows", n_rows)
             if once is not None:
                 if error is None:
                     once.result[st.id] = st.version

@@ -32,6 +32,7 @@ from adamps.server.config import PsConfig
 from adamps.server.optim import Dense, Signs
 from adamps.server.repl_wire import dense_update, fc_update, sign_update
 from adamps.server.replicate import Replicator
+from adamps.server.rowtables import RowShardState
 from adamps.server.shards import ShardState, fc_parts
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
@@ -279,7 +280,12 @@ class WritePath:
         for states, make in updates:
             per_bucket: dict[int, list[ShardState]] = {}
             for st in states:
-                per_bucket.setdefault(self.store.layout.bucket_of[st.id], []).append(st)
+                b = (
+                    st.bucket  # an embedding table's row shard: not in the layout
+                    if isinstance(st, RowShardState)
+                    else self.store.layout.bucket_of[st.id]
+                )
+                per_bucket.setdefault(b, []).append(st)
             for b, sts in per_bucket.items():
                 by_bucket.setdefault(b, []).append(make(sts))
         await self.replicator.push(by_bucket, self._record_client(msg))

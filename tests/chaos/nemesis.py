@@ -48,6 +48,7 @@ from adamps.client import ControllerRouting, PSClient
 from adamps.exactness import ExactnessLoad, read_shards
 from adamps.layout import Layout, Shard, TensorSpec
 from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_LEASE, FAST_PS_OPTS, LocalCluster
+from adamps.rows_exactness import RowsExactnessLoad
 from adamps.rpc import RpcError, SyncRpc
 
 TOKEN = "chaos-token"
@@ -732,6 +733,13 @@ def run_nemesis(
     with running_cluster(root) as c:
         nem = Nemesis(c, report, echo=echo)
         client, load = start_load(c)
+        # push_rows in the load too (issue 23): the same contract for embedding rows.
+        rows_client = PSClient(
+            ControllerRouting(c.controllers), Layout([], c.n_buckets), TOKEN, timeout=10.0
+        )
+        rows = RowsExactnessLoad(rows_client, threads=2, retry_for=20.0)
+        rows.create()
+        rows.start()
         try:
             time.sleep(1.0)
             nem.run(duration)
@@ -740,9 +748,12 @@ def run_nemesis(
             nem.note("final: settled" if why is None else f"final: NOT settled: {why[:300]}")
             time.sleep(1.0)
             load.stop()
+            rows.stop()
             nem.note(f"load stopped: {load.acked_count()} acknowledged")
             report.counts = read_and_check(c, client, load, report.lossy, 45.0, nem.t0)
             nem.note(f"exactness ok: {report.counts}")
+            report.counts["rows"] = rows.check(rows.read(), report.lossy)
+            nem.note(f"rows exactness ok: {report.counts['rows']}")
             wait_digests_agree(c, timeout=20.0)
             nem.note("digests agree on every copy")
             lost = lost_buckets(c)
@@ -751,6 +762,8 @@ def run_nemesis(
             raise AssertionError(f"{type(exc).__name__}: {exc}\n{report.text()}") from exc
         finally:
             load.stop(timeout=30)
+            rows.stop(timeout=30)
             client.close()
+            rows_client.close()
             (Path(root) / "nemesis.json").write_text(json.dumps(report.to_json(), indent=1))
     return report

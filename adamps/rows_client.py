@@ -1,0 +1,144 @@
+"""The embedding-table half of ``PSClient`` (issue 23): ``create_table``, ``pull_rows`` and
+``push_rows``, routed by the bucket of each id (``adamps.tables.buckets_of``), one request per
+primary, over the data plane as message frames where offered, else over HTTP.
+
+A push follows the dense pushes' client contract: one (client id, seq) for every part; on a
+retryable error the routing table is refreshed and only the parts not acknowledged are sent
+again, with the same (client id, seq), so each is applied exactly once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from adamps.dataplane_client import DataPlaneClient
+from adamps.rpc import RpcError
+from adamps.tables import split_by_bucket
+
+
+def as_ids(ids: Any) -> np.ndarray:
+    """`ids` as a 1-D int64 array (integers only: a float id is a caller's bug, never rounded)."""
+    a = np.asarray(ids)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise TypeError(f"ids must be a 1-D array of integers, got {a.dtype.name} {list(a.shape)}")
+    if a.dtype.kind == "u" and a.size and int(a.max()) >= 1 << 63:
+        raise TypeError("ids must fit int64")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+class RowsClient:
+    """Mixed into PSClient (which provides routing, retries, connections and sequence numbers)."""
+
+    #: table name -> dim, learned at create_table
+    tables: dict[str, int]
+
+    def create_table(
+        self,
+        name: str,
+        dim: int,
+        init: Mapping[str, Any] | None = None,
+        optimizer: Mapping[str, Any] | None = None,
+        admission: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Defines the table on every server (idempotent, as `create`)."""
+        fields: dict[str, Any] = {"name": name, "dim": dim}
+        for k, v in (("init", init), ("optimizer", optimizer), ("admission", admission)):
+            if v is not None:
+                fields[k] = dict(v)
+
+        def go(routing: Any) -> None:
+            for url in routing.servers():
+                self._rpc(url).call("create_table", **fields)
+
+        self._with_retry(go)
+        self.tables[name] = dim
+
+    def _groups(
+        self, ids: np.ndarray, routing: Any, skip: set[int]
+    ) -> dict[str, list[tuple[int, np.ndarray]]]:
+        """primary url -> [(bucket, positions in ids)] of the buckets not in `skip`."""
+        groups: dict[str, list[tuple[int, np.ndarray]]] = {}
+        for b, pos in split_by_bucket(ids, self.layout.n_buckets).items():
+            if b in skip:
+                continue
+            if b in routing.unavailable:
+                raise RpcError("bucket_unavailable", f"bucket {b} has no live copy to serve it")
+            route = routing.routes.get(b)
+            if route is None:
+                raise RpcError("unavailable", f"bucket {b} has no primary in the routing table")
+            groups.setdefault(route.primary, []).append((b, pos))
+        return groups
+
+    def pull_rows(self, table: str, ids: Any) -> np.ndarray:
+        """The rows of `ids` ([len(ids), dim] float32). An id never pushed reads as its initial
+        value; a pull creates no row."""
+        ids = as_ids(ids)
+        dim = self.tables.get(table)
+        out: np.ndarray | None = None if dim is None else np.empty((len(ids), dim), np.float32)
+
+        def idx(group: list[tuple[int, np.ndarray]]) -> np.ndarray:
+            return np.concatenate([p for _, p in group])
+
+        def put(group: list[tuple[int, np.ndarray]], rows: np.ndarray) -> None:
+            nonlocal out
+            if out is None:
+                out = np.empty((len(ids), rows.shape[1]), np.float32)
+            out[idx(group)] = rows
+
+        def by_http(url: str, group: list[tuple[int, np.ndarray]]) -> None:
+            put(group, self._rpc(url).call("pull_rows", table=table, ids=ids[idx(group)])["rows"])
+
+        def read(dp: DataPlaneClient, group: list[tuple[int, np.ndarray]]) -> None:
+            put(group, dp.read_message_reply()["rows"])
+
+        def go(routing: Any) -> None:
+            self._exchange(
+                self._groups(ids, routing, set()),
+                lambda dp, group: dp.send_message("pull_rows", table=table, ids=ids[idx(group)]),
+                read,
+                by_http,
+            )
+
+        if len(ids):
+            self._with_retry(go)
+        if out is None:
+            out = np.empty((0, 0), np.float32)
+        return out
+
+    def push_rows(self, table: str, ids: Any, grads: np.ndarray, seq: int | None = None) -> None:
+        """Row gradients (``grads[k]`` for ``ids[k]``; duplicate ids are summed) applied by the
+        servers' per-row optimizer, exactly once."""
+        ids = as_ids(ids)
+        grads = np.ascontiguousarray(grads, dtype=np.float32)
+        if grads.ndim != 2 or grads.shape[0] != len(ids):
+            raise ValueError(
+                f"grads must be [len(ids), dim] = [{len(ids)}, dim], got {list(grads.shape)}"
+            )
+        seq = self.next_seq() if seq is None else seq
+        pair = {"client": self.client_id, "seq": seq}
+        done: set[int] = set()
+
+        def fields(group: list[tuple[int, np.ndarray]]) -> dict[str, Any]:
+            pos = np.concatenate([p for _, p in group])
+            return {"table": table, "ids": ids[pos], "grads": grads[pos]}
+
+        def by_http(url: str, group: list[tuple[int, np.ndarray]]) -> None:
+            self._rpc(url).call("push_rows", **fields(group), **pair)
+            done.update(b for b, _ in group)
+
+        def read(dp: DataPlaneClient, group: list[tuple[int, np.ndarray]]) -> None:
+            dp.read_message_reply()
+            done.update(b for b, _ in group)
+
+        def go(routing: Any) -> None:
+            self._exchange(
+                self._groups(ids, routing, done),
+                lambda dp, group: dp.send_message("push_rows", **fields(group), **pair),
+                read,
+                by_http,
+            )
+
+        if len(ids):
+            self._with_retry(go)

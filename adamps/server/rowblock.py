@@ -1,0 +1,296 @@
+"""One bucket's rows of one embedding table, and the per-row optimizer: pure numpy, no IO, no
+clock (a push's time comes in the update, stamped by the primary, so every copy decides the same).
+
+Rows live in growable arrays (values, Adagrad accumulators, last push time, id) with an index
+id -> slot (rowindex.py); expiry compacts the arrays, so they stay dense. Every step is a deterministic function of (state, ordered updates): copies of a bucket
+that apply the same batches end bit-identical, and `to_bytes` / `from_bytes` carry the whole
+state (LMDB flushes, state transfer).
+
+A push (`RowPush`) is applied in this order, by every copy alike:
+
+1. duplicate ids are summed (the push is one gradient per distinct id);
+2. expiry: when the table has ``expire_after`` and the push's time has passed the next sweep,
+   rows last pushed more than ``expire_after`` seconds before it are removed;
+3. admission: an id without a row is counted (frequency filter); at its ``admit_after``-th push
+   it gets a row, if the bucket's share of ``max_rows`` has room (new ids in increasing id order
+   take the room left; the others' gradients are dropped, counted);
+4. new rows start from `initial_rows(init, id)` (and the optimizer's initial accumulator);
+5. SGD ``w -= lr * g`` or Adagrad ``acc += g * g; w -= lr * g / sqrt(acc + eps)`` per row, in
+   float32, one step per push (as for shards: optim.py);
+6. the rows' last push time becomes the push's time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from adamps.server.optim import Optimizer
+from adamps.server.rowindex import RowIndex
+from adamps.tables import Admission, initial_rows
+
+#: magic, version, rows, dim, has accumulator, pending counts, next sweep
+_HEAD = struct.Struct("<4sIQIIQd")
+_MAGIC = b"ROWS"
+
+
+@dataclass(frozen=True, slots=True)
+class RowPush:
+    """The gradient rows of one push to one bucket: ids int64 [n], grads float32 [n, dim], and
+    the primary's wall-clock time of the push (expiry)."""
+
+    ids: np.ndarray
+    grads: np.ndarray
+    time: float
+
+
+@dataclass
+class ApplyStats:
+    """What applying pushes did (for /metrics)."""
+
+    created: int = 0
+    #: gradients of new ids dropped because the bucket's share of max_rows was full
+    dropped_full: int = 0
+    #: gradients of ids not yet admitted by the frequency filter
+    filtered: int = 0
+    expired: int = 0
+
+
+def sum_duplicates(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct ids, the sum of each id's gradient rows)."""
+    uniq, inv = np.unique(ids, return_inverse=True)
+    if len(uniq) == len(ids):
+        order = np.argsort(ids, kind="stable")
+        return ids[order], grads[order]
+    out = np.zeros((len(uniq), grads.shape[1]), np.float32)
+    np.add.at(out, inv, grads)
+    return uniq, out
+
+
+@dataclass(eq=False)
+class RowBlock:
+    """Rows of one table in one bucket. Mutated only by its shard's owner thread."""
+
+    dim: int
+    init: dict
+    optimizer: Optimizer
+    admission: Admission
+    #: the bucket's share of the table's max_rows (None: no limit)
+    limit: int | None
+    n: int = 0
+    ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    values: np.ndarray | None = None
+    accum: np.ndarray | None = None
+    #: wall-clock time (the primary's) of each row's last push
+    seen: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
+    index: RowIndex = field(default_factory=RowIndex)
+    #: pushes seen so far of ids not admitted yet (frequency filter)
+    pending: dict[int, int] = field(default_factory=dict)
+    #: time of the next expiry sweep
+    next_sweep: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.values is None:
+            self.values = np.empty((0, self.dim), np.float32)
+        if self.accum is None and self.optimizer.has_accumulator:
+            self.accum = np.empty((0, self.dim), np.float32)
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def slots(self, ids: np.ndarray) -> np.ndarray:
+        """Slot of each id, -1 where it has no row."""
+        return self.index.lookup(ids)
+
+    def gather(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """Rows of `ids` into `out` [len(ids), dim]; an id without a row reads as the value it
+        would be created with (a pull creates nothing: reads never change state)."""
+        s = self.slots(ids)
+        have = s >= 0
+        assert self.values is not None
+        if have.all():
+            np.take(self.values, s, axis=0, out=out)
+            return
+        out[have] = self.values[s[have]]
+        out[~have] = initial_rows(self.init, ids[~have], self.dim)
+
+    def missing(self, ids: np.ndarray) -> int:
+        """How many distinct `ids` have no row (a racy read from the event loop is fine: the
+        answer only decides an early table_full; the owner thread decides for real)."""
+        return len(np.unique(ids[self.index.lookup(ids) < 0]))
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def _grow(self, need: int) -> None:
+        assert self.values is not None
+        cap = len(self.values)
+        if need <= cap:
+            return
+        new = max(need, 2 * cap, 64)
+
+        def grown(a: np.ndarray) -> np.ndarray:
+            b = np.empty((new, *a.shape[1:]), a.dtype)
+            b[: self.n] = a[: self.n]
+            return b
+
+        self.values = grown(self.values)
+        if self.accum is not None:
+            self.accum = grown(self.accum)
+        self.ids = grown(self.ids)
+        self.seen = grown(self.seen)
+
+    def expire(self, now: float) -> int:
+        """Removes rows last pushed more than expire_after before `now`; returns how many. The
+        rows kept move down in slot order (the same on every copy), and the index is rebuilt."""
+        ttl = self.admission.expire_after
+        if ttl is None or not self.n:
+            return 0
+        keep = self.seen[: self.n] >= now - ttl
+        k = int(keep.sum())
+        if k == self.n:
+            return 0
+        assert self.values is not None
+        gone = self.n - k
+        self.ids[:k] = self.ids[: self.n][keep]
+        self.seen[:k] = self.seen[: self.n][keep]
+        self.values[:k] = self.values[: self.n][keep]
+        if self.accum is not None:
+            self.accum[:k] = self.accum[: self.n][keep]
+        self.n = k
+        self.index.rebuild(self.ids[:k])
+        return gone
+
+    def apply(self, push: RowPush, stats: ApplyStats) -> None:
+        """One push (module docstring, steps 1-6)."""
+        ids, g = sum_duplicates(push.ids, push.grads)
+        ttl = self.admission.expire_after
+        if ttl is not None and push.time >= self.next_sweep:
+            stats.expired += self.expire(push.time)
+            # A sweep costs a pass over the rows: at most one per quarter of the lifetime.
+            self.next_sweep = push.time + ttl / 4
+        s = self.slots(ids)
+        new = np.flatnonzero(s < 0)
+        if len(new):
+            new = self._admit(ids, new, stats)
+            if len(new):
+                self._create(ids[new], s, new)
+                stats.created += len(new)
+        keep = s >= 0
+        if not keep.all():
+            s, g = s[keep], g[keep]
+        if len(s):
+            self._step(s, g)
+            self.seen[s] = push.time
+
+    def _admit(self, ids: np.ndarray, new: np.ndarray, stats: ApplyStats) -> np.ndarray:
+        """The positions in `new` (ids without a row, increasing) that get a row now."""
+        after = self.admission.admit_after
+        if after > 1:
+            ok = []
+            for pos in new.tolist():
+                i = int(ids[pos])
+                c = self.pending.get(i, 0) + 1
+                if c >= after:
+                    self.pending.pop(i, None)
+                    ok.append(pos)
+                else:
+                    self.pending[i] = c
+            stats.filtered += len(new) - len(ok)
+            new = np.asarray(ok, np.int64)
+        if self.limit is not None and self.n + len(new) > self.limit:
+            room = max(0, self.limit - self.n)
+            stats.dropped_full += len(new) - room
+            new = new[:room]
+        return new
+
+    def _create(self, ids: np.ndarray, s: np.ndarray, new: np.ndarray) -> None:
+        assert self.values is not None
+        k = len(ids)
+        self._grow(self.n + k)
+        slots = np.arange(self.n, self.n + k)
+        self.values[slots] = initial_rows(self.init, ids, self.dim)
+        if self.accum is not None:
+            self.accum[slots] = self.optimizer.initial_accumulator
+        self.ids[slots] = ids
+        self.seen[slots] = 0.0
+        self.index.add(ids, slots)
+        self.n += k
+        s[new] = slots
+
+    def _step(self, s: np.ndarray, g: np.ndarray) -> None:
+        assert self.values is not None
+        opt = self.optimizer
+        lr = np.float32(opt.lr)
+        w = self.values[s]
+        if self.accum is None:
+            w -= lr * g
+        else:
+            acc = self.accum[s]
+            acc += g * g
+            w -= lr * g / np.sqrt(acc + np.float32(opt.eps))
+            self.accum[s] = acc
+        self.values[s] = w
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def tobytes(self) -> bytes:
+        """The whole state (a multiple of 4 bytes: LMDB flushes store it as a shard's value)."""
+        assert self.values is not None
+        n = self.n
+        pend = np.array(sorted(self.pending.items()), np.int64).reshape(-1, 2)
+        parts = [
+            _HEAD.pack(_MAGIC, 1, n, self.dim, self.accum is not None, len(pend), self.next_sweep),
+            self.ids[:n].astype("<i8").tobytes(),
+            self.seen[:n].astype("<f8").tobytes(),
+            self.values[:n].astype("<f4").tobytes(),
+            b"" if self.accum is None else self.accum[:n].astype("<f4").tobytes(),
+            pend.astype("<i8").tobytes(),
+        ]
+        return b"".join(parts)
+
+    def load_bytes(self, data: bytes) -> None:
+        """Replaces the whole state by `to_bytes` output (raises ValueError on a bad record)."""
+        magic, ver, n, dim, has_acc, n_pend, next_sweep = _HEAD.unpack_from(data)
+        if magic != _MAGIC or ver != 1 or dim != self.dim:
+            raise ValueError(f"not a row block of dim {self.dim} (magic {magic!r}, dim {dim})")
+        off = _HEAD.size
+
+        def take(dtype: str, count: int) -> np.ndarray:
+            nonlocal off
+            a = np.frombuffer(data, dtype, count, off).copy()
+            off += a.nbytes
+            return a
+
+        ids = take("<i8", n)
+        seen = take("<f8", n)
+        values = take("<f4", n * dim).reshape(n, dim)
+        accum = take("<f4", n * dim).reshape(n, dim) if has_acc else None
+        pend = take("<i8", 2 * n_pend).reshape(-1, 2)
+        if off != len(data):
+            raise ValueError(f"row block of {len(data)} bytes, expected {off}")
+        self.n = n
+        self.ids, self.seen, self.values = ids, seen, values
+        if self.optimizer.has_accumulator:
+            self.accum = accum if accum is not None else np.zeros((n, dim), np.float32)
+        self.index = RowIndex()
+        self.index.rebuild(ids)
+        self.pending = {int(i): int(c) for i, c in pend.tolist()}
+        self.next_sweep = next_sweep
+
+    def digest(self) -> bytes:
+        """SHA-256 of the rows in id order (values, accumulators): equal on agreeing copies."""
+        assert self.values is not None
+        order = np.argsort(self.ids[: self.n], kind="stable")
+        h = hashlib.sha256()
+        h.update(self.ids[: self.n][order].tobytes())
+        h.update(np.ascontiguousarray(self.values[: self.n][order]).tobytes())
+        if self.accum is not None:
+            h.update(np.ascontiguousarray(self.accum[: self.n][order]).tobytes())
+        return h.digest()
+
+    @property
+    def nbytes(self) -> int:
+        per = self.dim * 4 * (2 if self.accum is not None else 1) + 16
+        return self.n * per

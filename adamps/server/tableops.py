@@ -1,0 +1,138 @@
+"""The row ops of a parameter server: ``pull_rows`` and ``push_rows`` (``POST /rpc``, and
+data-plane message frames); the definitions are tablecatalog.py's.
+
+Every request is checked whole before anything is queued (ids int64 and 1-D, at most
+``MAX_IDS`` of them, grads float32 ``[len(ids), dim]``, finite and bounded, the table's dim,
+the row limit under ``on_full = "reject"``); a bad one changes nothing. A push then takes the one
+write path (``WritePath.replicate_or_apply``): its ids are split by bucket, each bucket's part
+is one update of that bucket's row shard (``{"k": "r"}`` in a replication batch), so leases,
+two-phase commit and exactly-once by (client, seq) apply as to any push. The primary stamps the
+push with its wall-clock time, which every copy uses for expiry.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from adamps.protocol import ProtocolError, require, require_array
+from adamps.server import bounds
+from adamps.server.config import PsConfig
+from adamps.server.replicate import Replicator
+from adamps.server.rowblock import RowPush
+from adamps.server.rowtables import RowShardState, TableState
+from adamps.server.store import Store
+from adamps.server.tickets import owner_future
+from adamps.server.writepath import WritePath
+from adamps.tables import split_by_bucket
+
+#: most ids in one pull_rows or push_rows (a larger request is too_large)
+MAX_IDS = 262_144
+
+
+def row_update(sid: str, ids: np.ndarray, grads: np.ndarray, now: float) -> dict[str, Any]:
+    """A push's part for one row shard, in a replication batch."""
+    return {"k": "r", "s": sid, "i": ids, "g": grads, "t": now}
+
+
+def row_push_of_wire(u: dict[str, Any]) -> RowPush:
+    return RowPush(u["i"], u["g"], float(u["t"]))
+
+
+class TableOps:
+    """Row pulls and pushes (event-loop thread)."""
+
+    def __init__(
+        self,
+        cfg: PsConfig,
+        store: Store,
+        writes: WritePath,
+        replicator: Replicator | None,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.tables = store.tables
+        self.writes = writes
+        self.replicator = replicator
+
+    # -- rows ------------------------------------------------------------------------------------
+
+    def _request(
+        self, msg: dict[str, Any], op: str
+    ) -> tuple[TableState, np.ndarray, dict[int, RowShardState], dict[int, np.ndarray]]:
+        """The table, ids and per-bucket (row shard, positions) of a row request: checked whole,
+        with the role of every bucket named, before anything is queued."""
+        t = self.tables.table(require(msg, "table", str))
+        dim = t.spec.dim
+        if "dim" in msg and require(msg, "dim", int) != dim:
+            raise ProtocolError(
+                "bad_shape", f"table {t.spec.name!r} has dim {dim}, the request says {msg['dim']}"
+            )
+        ids = require_array(msg, "ids", dtype="int64", shape=(None,))
+        if len(ids) > MAX_IDS:
+            raise ProtocolError(
+                "too_large", f"{op} names {len(ids)} ids; the limit is {MAX_IDS}", limit=MAX_IDS
+            )
+        parts = split_by_bucket(ids, self.cfg.n_buckets)
+        states: dict[int, RowShardState] = {}
+        for b in parts:
+            if self.replicator is not None:
+                self.replicator.check_primary(b)
+            st = t.shards.get(b)
+            if st is None:
+                raise ProtocolError(
+                    "unknown_shard", f"bucket {b} of table {t.spec.name!r} is not held here"
+                )
+            states[b] = st
+        return t, ids, states, parts
+
+    async def op_pull_rows(self, msg: dict[str, Any]) -> dict[str, Any]:
+        t, ids, states, parts = self._request(msg, "pull_rows")
+        out = np.empty((len(ids), t.spec.dim), np.float32)
+
+        def gather(st: RowShardState) -> int:
+            pos = parts[st.bucket]
+            tmp = np.empty((len(pos), t.spec.dim), np.float32)
+            st.value.gather(ids[pos], tmp)
+            out[pos] = tmp  # the buckets' positions are disjoint: owners write apart
+            return st.version
+
+        sts = list(states.values())
+        await owner_future(lambda cb: self.store.call(sts, gather, cb))
+        return {"rows": out}
+
+    async def op_push_rows(self, msg: dict[str, Any]) -> dict[str, Any]:
+        t, ids, states, parts = self._request(msg, "push_rows")
+        if not len(ids):
+            raise ProtocolError("bad_request", "push_rows needs at least one id")
+        grads = require_array(msg, "grads", shape=(len(ids), t.spec.dim), finite=False)
+        bounds.check_dense("grads", grads)  # finite, and small enough to stay finite
+        adm = t.spec.admission
+        if t.limit is not None and adm.on_full == "reject" and adm.admit_after == 1:
+            for b, st in states.items():
+                new = st.value.missing(ids[parts[b]])
+                if new and st.value.n + new > t.limit:
+                    self.tables.m.rejected.labels(t.spec.name).inc()
+                    raise ProtocolError(
+                        "table_full",
+                        f"table {t.spec.name!r}: bucket {b} holds {st.value.n} of its "
+                        f"{t.limit} rows and this push would add {new}",
+                        table=t.spec.name,
+                        bucket=b,
+                        limit=t.limit,
+                    )
+        now = time.time()
+        pieces = [
+            (states[b], np.ascontiguousarray(ids[pos]), np.ascontiguousarray(grads[pos]))
+            for b, pos in parts.items()
+        ]
+        wire = [
+            ([st], lambda _sts, st=st, i=i, g=g: row_update(st.id, i, g, now))
+            for st, i, g in pieces
+        ]
+        await self.writes.replicate_or_apply(
+            msg, wire, lambda: [(st, RowPush(i, g, now)) for st, i, g in pieces]
+        )
+        return {"rows": len(ids), "versions": {}}

@@ -1,0 +1,250 @@
+"""Embedding tables (issue 23), from one run on this machine.
+
+1. Rows per second pulled and pushed, dim 16 and 64, batches of 4,096 ids drawn Zipf (exponent
+   1.1) from 1,000,000 ids, by one client thread (adamps.client.PSClient, data plane: message
+   frames) against a cluster of 3 controllers + 3 parameter servers with replication factor 1
+   (benchmarks/replication.cluster), beside the in-process numpy limit on the same batches: a
+   dict lookup of each id's slot and ``values[slots]`` (pull) or ``np.add.at(values, slots,
+   -lr * grads)`` (push), measured in the same run. Goal: >= 0.5 of the limit.
+2. Bytes moved per training step (the ids, rows and row gradients of one 4,096-id batch, as
+   arrays on the wire) for tables of 1,000,000 and 10,000,000 ids: they follow the rows
+   touched, not the table size.
+3. The AUC that ``python -m trainer.ctr`` reaches with 2 model replicas on the planted
+   click-through workload (trainer/ctr_data.py), against the planted truth's AUC on the same
+   held-out examples (goal: within 0.01), and its examples per CPU-second (the replicas, the
+   servers and the controllers, from /proc) against one PyTorch process training the same model
+   on the same batches with ``nn.Embedding(sparse=True)`` and ``torch.optim.Adagrad`` (sparse
+   row updates), one intra-op thread (goal >= 0.7).
+
+    python benchmarks/embeddings.py [--seconds 5] [--examples 300000] [--skip-auc]
+
+Human-readable lines, then one JSON object of the figures as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.append(
+    str(ROOT / "benchmarks")
+)  # after ROOT: benchmarks/trainer.py must not hide trainer/
+
+from replication import N_BUCKETS, TOKEN  # noqa: E402
+from replication import cluster as start_cluster  # noqa: E402
+
+from adamps.client import ControllerRouting, PSClient  # noqa: E402
+from adamps.layout import Layout  # noqa: E402
+from trainer.ctr import CtrConfig, run  # noqa: E402
+from trainer.ctr_data import CtrData, CtrSpec, auc  # noqa: E402
+
+BATCH = 4096
+N_IDS = 1_000_000
+LR = 0.01
+
+
+def zipf_batches(n_batches: int, n_ids: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, n_ids + 1, dtype=np.float64) ** 1.1
+    cdf = np.cumsum(p)
+    cdf /= cdf[-1]
+    # Ranks scattered over the id space, as real ids are (not 0, 1, 2, ...).
+    perm = rng.permutation(n_ids).astype(np.int64) * 7919 + 13
+    return [
+        perm[np.minimum(np.searchsorted(cdf, rng.random(BATCH)), n_ids - 1)]
+        for _ in range(n_batches)
+    ]
+
+
+def timed(fn: Any, batches: list[np.ndarray], seconds: float) -> float:
+    """Rows per second of fn(batch) over the batches, cycled for about `seconds`."""
+    n, t0 = 0, time.perf_counter()
+    while True:
+        for b in batches:
+            fn(b)
+            n += len(b)
+        el = time.perf_counter() - t0
+        if el >= seconds:
+            return n / el
+
+
+def numpy_limit(batches: list[np.ndarray], dim: int, seconds: float) -> dict[str, float]:
+    """The in-process limit: a hash lookup per id, then a gather or np.add.at on the same rows."""
+    uniq = np.unique(np.concatenate(batches))
+    index = {int(i): k for k, i in enumerate(uniq.tolist())}
+    values = np.zeros((len(uniq), dim), np.float32)
+    grads = np.full((BATCH, dim), 1e-3, np.float32)
+
+    def slots(ids: np.ndarray) -> np.ndarray:
+        get = index.get
+        return np.fromiter((get(i) for i in ids.tolist()), np.int64, len(ids))
+
+    def pull(ids: np.ndarray) -> None:
+        values[slots(ids)]
+
+    def push(ids: np.ndarray) -> None:
+        np.add.at(values, slots(ids), -LR * grads)
+
+    return {"pull": timed(pull, batches, seconds), "push": timed(push, batches, seconds)}
+
+
+def adamps_rows(c: Any, batches: list[np.ndarray], dim: int, seconds: float) -> dict[str, float]:
+    layout = Layout([], n_buckets=N_BUCKETS)
+    with PSClient(ControllerRouting(c.controllers), layout, TOKEN) as client:
+        table = f"bench{dim}"
+        client.create_table(table, dim, init={"kind": "normal", "std": 0.01, "seed": 1},
+                            optimizer={"kind": "sgd", "lr": LR})  # fmt: skip
+        grads = np.full((BATCH, dim), 1e-3, np.float32)
+        for b in batches:  # every row created before the measurement
+            client.push_rows(table, b, grads)
+        push = timed(lambda b: client.push_rows(table, b, grads), batches, seconds)
+        pull = timed(lambda b: client.pull_rows(table, b), batches, seconds)
+        assert client.http_requests == 0, "every request should go over the data plane"
+    return {"pull": pull, "push": push}
+
+
+def step_bytes(batches: list[np.ndarray], dim: int) -> float:
+    """Array bytes on the wire of one step (pull the distinct ids' rows, push their gradients)."""
+    per = []
+    for b in batches:
+        u = len(np.unique(b))
+        per.append(2 * u * 8 + 2 * u * dim * 4)  # ids twice, rows and gradients
+    return float(np.mean(per))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cluster_cpu(c: Any) -> float:
+    return sum(cpu_seconds(p.pid) for p in c.procs.values() if p.alive)
+
+
+def torch_ctr(spec: CtrSpec, cfg: CtrConfig, replicas: int) -> dict[str, float]:
+    """One PyTorch process, the same model, batches and optimizers (per-row Adagrad)."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    data = CtrData(spec)
+    emb = torch.nn.Embedding(spec.n_ids, cfg.dim, sparse=True)
+    torch.nn.init.normal_(emb.weight, std=0.05)
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(spec.n_fields * cfg.dim, cfg.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(cfg.hidden, 1),
+    )
+    opt_rows = torch.optim.Adagrad(emb.parameters(), lr=cfg.row_lr, initial_accumulator_value=1e-4)
+    opt_mlp = torch.optim.Adagrad(mlp.parameters(), lr=cfg.mlp_lr, initial_accumulator_value=1e-4)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    c0, t0, n = time.process_time(), time.perf_counter(), 0
+    for step in range(cfg.n_steps()):
+        for r in range(replicas):  # the replicas' batches, interleaved
+            ids, y, _ = data.examples(cfg.batch, cfg.seed + r * 1_000_000 + step)
+            x = emb(torch.from_numpy(ids)).reshape(len(y), -1)
+            loss = loss_fn(mlp(x).squeeze(1), torch.from_numpy(y))
+            opt_rows.zero_grad()
+            opt_mlp.zero_grad()
+            loss.backward()
+            opt_rows.step()
+            opt_mlp.step()
+            n += len(y)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    ids, y, logit_true = data.examples(cfg.test, -1 % (1 << 32))
+    with torch.no_grad():
+        score = mlp(emb(torch.from_numpy(ids)).reshape(len(y), -1)).squeeze(1).numpy()
+    return {
+        "examples": n,
+        "cpu_seconds": cpu,
+        "examples_per_cpu_second": n / cpu,
+        "examples_per_second": n / wall,
+        "auc": auc(y, score),
+        "best_auc": auc(y, logit_true),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=5.0, help="per measurement")
+    ap.add_argument("--examples", type=int, default=300_000, help="CTR examples per replica")
+    ap.add_argument("--skip-auc", action="store_true")
+    args = ap.parse_args()
+    batches = zipf_batches(40, N_IDS)
+    out: dict[str, Any] = {"batch": BATCH, "n_ids": N_IDS}
+    root = Path(tempfile.mkdtemp(prefix="adamps-bench-emb-"))
+    c = start_cluster(str(root / "rf1"), 1, 262_144)
+    try:
+        for dim in (16, 64):
+            lim = numpy_limit(batches, dim, args.seconds)
+            got = adamps_rows(c, batches, dim, args.seconds)
+            for op in ("pull", "push"):
+                ratio = got[op] / lim[op]
+                out[f"{op}_rows_per_s_dim{dim}"] = got[op]
+                out[f"{op}_limit_rows_per_s_dim{dim}"] = lim[op]
+                out[f"{op}_ratio_dim{dim}"] = ratio
+                print(
+                    f"dim {dim:2d} {op:4s}: adamps RF 1 data plane {got[op]:>10,.0f} rows/s, "
+                    f"numpy limit {lim[op]:>10,.0f} rows/s, ratio {ratio:.2f} (goal >= 0.5)"
+                )
+        for n_ids in (N_IDS, 10 * N_IDS):
+            b = zipf_batches(20, n_ids, seed=1)
+            for dim in (16, 64):
+                nb = step_bytes(b, dim)
+                out[f"step_bytes_dim{dim}_ids{n_ids}"] = nb
+                table_mb = n_ids * dim * 4 / 1e6
+                print(
+                    f"bytes per step, dim {dim}, table of {n_ids:,} ids ({table_mb:,.0f} MB): "
+                    f"{nb:,.0f} ({nb / (n_ids * dim * 4):.2e} of the table)"
+                )
+        if not args.skip_auc:
+            cfg = CtrConfig(examples=args.examples, n_buckets=N_BUCKETS)
+            before = cluster_cpu(c)
+            res = run(c.controllers, TOKEN, CtrSpec(), cfg, replicas=2)
+            servers = cluster_cpu(c) - before  # includes the evaluation's pulls (small)
+            replicas_cpu = res["examples"] / res["examples_per_cpu_second_replicas"]
+            res["cluster_cpu_seconds"] = servers + replicas_cpu
+            res["examples_per_cpu_second"] = res["examples"] / (servers + replicas_cpu)
+            out["ctr"] = res
+            print(
+                f"CTR, 2 replicas, {res['examples']:,} examples: AUC {res['auc']:.4f}, planted "
+                f"truth {res['best_auc']:.4f}, gap {res['auc_gap']:.4f} (goal <= 0.01); "
+                f"{res['examples_per_second']:,.0f} examples/s, "
+                f"{res['row_bytes_per_step']:,.0f} row bytes per step and replica"
+            )
+            print(
+                f"CTR CPU: {res['examples_per_cpu_second']:,.0f} examples per CPU-second "
+                f"(replicas {replicas_cpu:.1f} s + servers and controllers {servers:.1f} s)"
+            )
+            try:
+                tr = torch_ctr(CtrSpec(), cfg, replicas=2)
+            except ImportError:
+                print("torch not installed: no PyTorch baseline")
+            else:
+                out["torch"] = tr
+                ratio = res["examples_per_cpu_second"] / tr["examples_per_cpu_second"]
+                out["ctr_cpu_ratio_vs_torch"] = ratio
+                print(
+                    f"PyTorch, one process, same batches: {tr['examples_per_cpu_second']:,.0f} "
+                    f"examples per CPU-second, AUC {tr['auc']:.4f}; adamps / PyTorch = "
+                    f"{ratio:.2f} (goal >= 0.7)"
+                )
+    finally:
+        c.stop()
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
