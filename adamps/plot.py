@@ -101,7 +101,9 @@ def iteration_figure(
     losses = [(r["iteration"], r["loss"]) for r in records if r.get("loss") is not None]
     if losses:
         xs, ys = zip(*losses, strict=True)
-        ax_loss.plot(xs, ys, "o-", color="black", lw=1.5, ms=3, label="training loss f (all training images)")
+        ax_loss.plot(
+            xs, ys, "o-", color="black", lw=1.5, ms=3, label="training loss f (all training images)"
+        )
         if min(ys) > 0:
             ax_loss.set_yscale("log")
     ax_loss.set_ylabel("training loss")
