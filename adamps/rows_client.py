@@ -57,8 +57,9 @@ class RowsClient:
 
     def _groups(
         self, ids: np.ndarray, routing: Any, skip: set[int]
-    ) -> dict[str, list[tuple[int, np.ndarray]]]:
-        """primary url -> [(bucket, positions in ids)] of the buckets not in `skip`."""
+    ) -> list[tuple[str, list[tuple[int, np.ndarray]]]]:
+        """(primary url, [(bucket, positions in ids)]) of the buckets not in `skip`, one request
+        per server (PSClient._exchange's groups)."""
         groups: dict[str, list[tuple[int, np.ndarray]]] = {}
         for b, pos in split_by_bucket(ids, self.layout.n_buckets).items():
             if b in skip:
@@ -69,7 +70,7 @@ class RowsClient:
             if route is None:
                 raise RpcError("unavailable", f"bucket {b} has no primary in the routing table")
             groups.setdefault(route.primary, []).append((b, pos))
-        return groups
+        return list(groups.items())
 
     def pull_rows(self, table: str, ids: Any) -> np.ndarray:
         """The rows of `ids` ([len(ids), dim] float32). An id never pushed reads as its initial
