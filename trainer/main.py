@@ -96,10 +96,24 @@ def serve(cfg: TrainConfig) -> int:
         from trainer.partition_launch import launch
 
         return launch(cfg)
-    from trainer.partitioned import make_replica
-
     registry = am.new_registry()
-    replica = make_replica(cfg, registry)
+    if cfg.torch:  # a user's PyTorch model (adamps.torch; torch is imported only then)
+        try:
+            from adamps.torch.main import make_torch_replica
+        except ImportError as exc:
+            log.error("--torch needs PyTorch: pip install 'adamps[torch]' (%s)", exc)
+            return 2
+        from adamps.torch.params import ModelError
+
+        try:
+            replica: Any = make_torch_replica(cfg, registry)
+        except ModelError as exc:
+            log.error("%s", exc)
+            return 2
+    else:
+        from trainer.partitioned import make_replica
+
+        replica = make_replica(cfg, registry)
     started = time.time()
 
     def status() -> dict[str, Any]:

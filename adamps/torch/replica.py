@@ -51,13 +51,15 @@ class Replica:
         n_fetch: int = 1,
         workers: int = 1,
         compress: Any = False,
+        connection: Connection | None = None,
         **server: Any,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.model = model
         self.loss_fn = loss_fn
-        self.conn = Connection(model, lr=lr, **server)
+        #: the servers (a Connection made by the caller, e.g. after waiting for replica 0)
+        self.conn = connection if connection is not None else Connection(model, lr=lr, **server)
         self.workers = [
             self.conn.worker(
                 local_lr=lr if local_lr is None else local_lr,
