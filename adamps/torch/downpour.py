@@ -19,12 +19,20 @@ e.T @ a`` to act/err rows (adamps/server/optim.py): both are gradients here, nev
 with one worker, SGD at the local rate, ``n_fetch = n_push = 1`` and no compression, the
 parameters after each step equal ``torch.optim.SGD``'s on the same batches.
 
+With ``asynchronous=True`` (the CLI's trainers) pushes and fetches are carried out in order by
+a background thread per worker, so computing never waits on the network (Adam 3.2: the
+trainer's communication is off the compute path); a full queue (two items) blocks the worker,
+which bounds how far it runs ahead of what the servers acknowledged. A fetch installs the
+servers' values directly into the shared parameters when it arrives (a Hogwild race, like every
+other update of the replica's copy). The synchronous default keeps the exact equivalence above.
+
 A worker's pushes carry the replica's client id and fresh sequence numbers: each one is applied
 exactly once, also when it is retried after a failover.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +80,7 @@ class WorkerDownpour:
         n_fetch: int = 1,
         compressor: Any = None,
         counts: PushCounts | None = None,
+        asynchronous: bool = False,
     ) -> None:
         if n_push < 1 or n_fetch < 1:
             raise ValueError(f"n_push and n_fetch must be >= 1, got {n_push}, {n_fetch}")
@@ -87,6 +96,13 @@ class WorkerDownpour:
         self.steps = 0
         self._dense: dict[str, np.ndarray] = {}
         self._rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        #: the background thread's work ("push", parts) / ("fetch",), with asynchronous=True
+        self._q: queue.Queue[tuple[Any, ...] | None] | None = (
+            queue.Queue(maxsize=2) if asynchronous else None
+        )
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._fetch_queued = False
 
     def step(self, grads: Mapping[str, torch.Tensor | None]) -> None:
         """One minibatch's gradients (server tensor -> gradient; None: no gradient)."""
@@ -136,8 +152,73 @@ class WorkerDownpour:
     def push(self) -> None:
         """Sends what accumulated since the last push (nothing if nothing did)."""
         parts = self.parts()
-        if not parts:
+        if parts:
+            self._do(("push", parts))
+
+    def fetch(self) -> None:
+        """The servers' values into the shared parameters, plus this worker's unsent residuals."""
+        if self._q is not None:
+            if self._fetch_queued:  # one pending fetch is enough: it reads the newest values
+                return
+            self._fetch_queued = True
+        self._do(("fetch",))
+
+    def flush(self) -> None:
+        """Pushes a partial accumulation and waits until every queued push is acknowledged."""
+        self.push()
+        if self._q is not None:
+            self._q.join()
+        self._raise()
+
+    def close(self) -> None:
+        """Flushes and stops the background thread."""
+        try:
+            self.flush()
+        finally:
+            if self._thread is not None and self._q is not None:
+                self._q.put(None)
+                self._thread.join(60)
+                self._thread = None
+
+    # -- carrying out pushes and fetches -----------------------------------------------------------
+
+    def _do(self, item: tuple[Any, ...]) -> None:
+        if self._q is None:
+            self._carry(item)
             return
+        self._raise()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="downpour-io", daemon=True)
+            self._thread.start()
+        self._q.put(item)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _loop(self) -> None:
+        assert self._q is not None
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:  # after a failure: drain, the worker raises it
+                    self._carry(item)
+            except BaseException as exc:  # noqa: BLE001 - raised in the worker's thread
+                self._error = exc
+            finally:
+                self._q.task_done()
+
+    def _carry(self, item: tuple[Any, ...]) -> None:
+        if item[0] == "push":
+            self._send(item[1])
+        else:
+            self._fetch_queued = False
+            self._pull()
+
+    def _send(self, parts: list[tuple[Any, ...]]) -> None:
         if self.compressor is not None:
             parts, _ = self.compressor.compress(parts)
         nbytes = self.remote.push(parts)
@@ -152,8 +233,7 @@ class WorkerDownpour:
                         arrays[0].nbytes if kind == "compressed" else sum(x.nbytes for x in arrays)
                     )
 
-    def fetch(self) -> None:
-        """The servers' values into the shared parameters, plus this worker's unsent residuals."""
+    def _pull(self) -> None:
         self.remote.pull(self.params)
         if self.compressor is not None:
             with torch.no_grad():
@@ -164,7 +244,3 @@ class WorkerDownpour:
                         view += np.float32(-self.local_lr) * tc.residual
         with self.counts.lock:
             self.counts.fetches += 1
-
-    def flush(self) -> None:
-        """Pushes a partial accumulation (end of training)."""
-        self.push()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -55,6 +56,10 @@ class TorchTrainer:
         self.last_staleness = None
         self.pushq: list[Any] = []  # /status's push_queue: pushes are sent by the workers
         self._stopping = threading.Event()
+        if "OMP_NUM_THREADS" not in os.environ:
+            # parallelism comes from replicas and Hogwild workers: one intra-op thread each,
+            # else every replica's kernels fight over the same cores
+            torch.set_num_threads(1)
         self.model = tdata.build_model(cfg.torch, cfg.seed)
         self.replica: Replica | None = None
 
@@ -106,7 +111,7 @@ class TorchTrainer:
         rep = self.replica = Replica(
             self.model, torch.nn.functional.cross_entropy, lr=lr, local_lr=cfg.local_lr,
             n_push=cfg.n_push, n_fetch=cfg.n_fetch, workers=cfg.workers, compress=compress,
-            connection=conn,
+            connection=conn, asynchronous=True,
         )  # fmt: skip
         test = tdata.heldout(self.data) if cfg.replica == 0 else None
         warm = {"marked": cfg.replica != 0 or board.warm_done()}

@@ -75,7 +75,13 @@ class Connection:
         self.remote.pull()
 
     def worker(
-        self, *, local_lr: float, n_push: int, n_fetch: int, compress: Any = None
+        self,
+        *,
+        local_lr: float,
+        n_push: int,
+        n_fetch: int,
+        compress: Any = None,
+        asynchronous: bool = False,
     ) -> WorkerDownpour:
         """The Downpour rule of one more worker (its own accumulators and compressor)."""
         comp = None
@@ -86,7 +92,7 @@ class Connection:
             comp = Compressor(self.remote.layout.shards_of, **opts)
         return WorkerDownpour(
             self.remote, self.params, self.capture, local_lr=local_lr, n_push=n_push,
-            n_fetch=n_fetch, compressor=comp, counts=self.counts,
+            n_fetch=n_fetch, compressor=comp, counts=self.counts, asynchronous=asynchronous,
         )  # fmt: skip
 
     def server_state_dict(self) -> dict[str, torch.Tensor]:
@@ -156,14 +162,18 @@ class DownpourOptimizer:
         """Pushes what accumulated since the last push and fetches the servers' values."""
         self.worker.flush()
         self.worker.fetch()
+        self.worker.flush()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict at the servers' parameter values (buffers: this replica's)."""
         return self.conn.server_state_dict()
 
     def close(self) -> None:
-        self.worker.flush()
-        self.conn.close()
+        """Pushes what is left (waiting for the acknowledgement) and closes the connections."""
+        try:
+            self.worker.close()
+        finally:
+            self.conn.close()
 
     def __enter__(self) -> DownpourOptimizer:
         return self

@@ -51,6 +51,7 @@ class Replica:
         n_fetch: int = 1,
         workers: int = 1,
         compress: Any = False,
+        asynchronous: bool = False,
         connection: Connection | None = None,
         **server: Any,
     ) -> None:
@@ -65,7 +66,7 @@ class Replica:
                 local_lr=lr if local_lr is None else local_lr,
                 n_push=n_push,
                 n_fetch=n_fetch,
-                compress=compress,
+                compress=compress, asynchronous=asynchronous,
             )  # fmt: skip
             for _ in range(workers)
         ]
@@ -125,6 +126,7 @@ class Replica:
         if errors:
             raise errors[0]
         self.workers[0].fetch()  # the model ends at the servers' values
+        self.workers[0].flush()
         res.seconds = time.perf_counter() - t0
         res.loss = sum(losses) / len(losses) if losses else float("nan")
         return res
@@ -150,4 +152,9 @@ class Replica:
         return self.conn.server_state_dict()
 
     def close(self) -> None:
-        self.conn.close()
+        """Pushes what is left, stops the workers' background threads, closes the connections."""
+        try:
+            for w in self.workers:
+                w.close()
+        finally:
+            self.conn.close()
