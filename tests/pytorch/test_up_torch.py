@@ -47,8 +47,8 @@ def test_up_torch_mnist_reaches_97_percent(tmp_path: Path) -> None:
     import sys
 
     sys.path.insert(0, str(ROOT))
-    from examples.torch_mnist import Net
     from dataserver.sources import builtin_mnist
+    from examples.torch_mnist import Net
 
     model = Net()
     model.load_state_dict(torch.load(run / "model.pt"))
