@@ -45,7 +45,9 @@ def load_factory(spec: str) -> Any:
     """The callable named ``PKG.MODULE:FACTORY`` (ModelError naming what is wrong)."""
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
-        raise ModelError(f"--torch {spec!r}: expected PKG.MODULE:FACTORY, e.g. examples.torch_mnist:Net")
+        raise ModelError(
+            f"--torch {spec!r}: expected PKG.MODULE:FACTORY, e.g. examples.torch_mnist:Net"
+        )
     if os.getcwd() not in sys.path:  # as `python -m` would: modules next to the user's shell
         sys.path.insert(0, os.getcwd())
     try:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from adamps.client import ControllerRouting, PSClient, StaticRouting
+from adamps.client import ControllerRouting, PSClient, StaticRouting, routing_from_table
 from adamps.layout import Layout
 from adamps.rpc import RpcError, SyncRpc, get_json
 from adamps.torch.params import ModelError, Param
@@ -70,7 +70,11 @@ class RemoteModel:
         routing: Any
         if controllers:
             table = _first_answer(controllers, "/routing")
-            layout = Layout(specs, int(table["n_buckets"]))
+            # the shard size is the servers' (they cut tensors themselves): ask one of them
+            servers = routing_from_table(table).servers()
+            status = _first_answer(servers, "/status") if servers else {}
+            max_elems = int(status.get("config", {}).get("max_shard_elems", 262_144))
+            layout = Layout(specs, int(table["n_buckets"]), max_elems)
             routing = ControllerRouting(controllers)
         else:
             status = get_json(ps[0], "/status")
@@ -183,4 +187,4 @@ def _first_answer(urls: Sequence[str], path: str) -> Any:
             return get_json(url, path)
         except (OSError, RpcError, ValueError) as exc:
             errors.append(f"{url}: {exc}")
-    raise ConnectionError(f"no controller answered {path}: " + "; ".join(errors))
+    raise ConnectionError(f"none of {list(urls)} answered {path}: " + "; ".join(errors))

@@ -66,7 +66,8 @@ class Replica:
                 local_lr=lr if local_lr is None else local_lr,
                 n_push=n_push,
                 n_fetch=n_fetch,
-                compress=compress, asynchronous=asynchronous,
+                compress=compress,
+                asynchronous=asynchronous,
             )  # fmt: skip
             for _ in range(workers)
         ]
