@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from adamps import token as tokens
+from adamps.config import default_token
 from adamps.torch.downpour import PushCounts, WorkerDownpour
 from adamps.torch.hooks import ActErrCapture
 from adamps.torch.params import Param, linear_weights, model_params
@@ -56,6 +58,10 @@ class Connection:
     ) -> None:
         self.model = model
         self.params: list[Param] = model_params(model, run, named_parameters)
+        # as every role: the given token, else $ADAMPS_TOKEN, else (loopback only) this user's
+        # local token, which the roles started on this machine without a token use too
+        reached = [tokens.host_of(a) for a in (*controllers, *ps)]
+        token = tokens.resolve(token or default_token(), reached, "adamps.torch")
         self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial)
         self.remote = RemoteModel(
             self.params, controllers=list(controllers), ps=list(ps), token=token,
