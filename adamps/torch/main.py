@@ -62,6 +62,8 @@ class TorchTrainer:
             torch.set_num_threads(1)
         self.model = tdata.build_model(cfg.torch, cfg.seed)
         self.replica: Replica | None = None
+        self.train_cpu_s = 0.0
+        self.eval_cpu_s = 0.0  #: CPU of replica 0's held-out evaluations inside the training
 
     def stop(self) -> None:
         self._stopping.set()
@@ -130,7 +132,7 @@ class TorchTrainer:
             if self._stopping.is_set():
                 raise KeyboardInterrupt
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         try:
             for epoch in range(1, cfg.epochs + 1):
                 if board.finished().get(me, 0) >= epoch:
@@ -150,19 +152,31 @@ class TorchTrainer:
             if not warm["marked"]:
                 board.mark_warm()
             self.result.seconds = time.perf_counter() - t0
+            #: CPU of this process (every thread) while training: startup, the held-out
+            #: evaluations and the final wait excluded
+            self.train_cpu_s = time.process_time() - cpu0 - self.eval_cpu_s
             if cfg.replica == 0 and test is not None:
                 self._finish(board, test)
         finally:
+            rep.close()
             c = rep.counts
             self.result.bytes_pushed, self.result.pushes = c.bytes_pushed, c.pushes
-            rep.close()
+            # one line benchmarks/torch_replica.py reads: what the nn.Linear weights cost
+            log.info("torch pushes %s", json.dumps({
+                "images": self.result.images, "train_cpu_s": round(self.train_cpu_s, 3),
+                "pushes": c.pushes, "fetches": c.fetches,
+                "bytes_pushed": c.bytes_pushed, "linear_bytes": c.fc_bytes,
+                "linear_dense_bytes": c.fc_dense_bytes, "forms": c.forms,
+            }))  # fmt: skip
         return self.result
 
     def _evaluate(self, epoch: int, test: tuple[torch.Tensor, torch.Tensor], res: Any) -> float:
         """Held-out accuracy with the servers' values (pulled into the model)."""
         assert self.replica is not None
+        c0 = time.process_time()
         self.replica.conn.remote.pull()
         acc = self.replica.evaluate([test])
+        self.eval_cpu_s += time.process_time() - c0
         self.result.accuracy[epoch] = acc
         self.m.accuracy.set(acc)
         log.info("epoch %d: held-out accuracy %.4f (server weights)", epoch, acc)
