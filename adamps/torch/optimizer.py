@@ -88,8 +88,10 @@ class Connection:
         n_fetch: int,
         compress: Any = None,
         asynchronous: bool = False,
+        params: Sequence[Param] | None = None,
     ) -> WorkerDownpour:
-        """The Downpour rule of one more worker (its own accumulators and compressor)."""
+        """The Downpour rule of one more worker (its own accumulators and compressor), stepping
+        `params` (default: the model's; a Hogwild worker's own tensors on the same memory)."""
         comp = None
         if compress:
             from trainer.compress import Compressor
@@ -97,7 +99,7 @@ class Connection:
             opts = compress if isinstance(compress, dict) else {}
             comp = Compressor(self.remote.layout.shards_of, **opts)
         return WorkerDownpour(
-            self.remote, self.params, self.capture, local_lr=local_lr, n_push=n_push,
+            self.remote, self.params if params is None else params, self.capture, local_lr=local_lr, n_push=n_push,
             n_fetch=n_fetch, compressor=comp, counts=self.counts, asynchronous=asynchronous,
         )  # fmt: skip
 

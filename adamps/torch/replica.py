@@ -5,16 +5,22 @@
     replica.fit(loader, epochs=3)            # any iterable of (inputs, targets)
     torch.save(replica.state_dict(), "model.pt")   # the servers' values
 
-The workers are threads sharing the one model without locks (Hogwild): torch releases the GIL
-inside its kernels, so they compute side by side. Each takes the next minibatch from the shared
-iterator, computes its gradients with ``torch.autograd.grad`` (into its own tensors: ``.grad``
-would be shared by all threads) and runs its own Downpour rule (adamps/torch/downpour.py): local
-step, push every ``n_push`` of its steps, fetch every ``n_fetch``. While one worker waits on the
-network the others compute.
+The workers are threads sharing the one model's parameter memory without locks (Hogwild): torch
+releases the GIL inside its kernels, so they compute side by side. Worker 0 runs the model
+itself; every other worker a copy of it whose parameters are other tensors on the *same memory*
+(``copy.data = param.data``): each tensor keeps its own autograd version counter, so one worker's
+in-place step does not invalidate another's graph (autograd would refuse the backward pass), yet
+every step lands in the one copy of the weights. Each worker takes the next minibatch from the
+shared iterator, computes its gradients with ``torch.autograd.grad`` (its own tensors: ``.grad``
+would be shared) and runs its own Downpour rule (adamps/torch/downpour.py): local step, push every
+``n_push`` of its steps, fetch every ``n_fetch``. While one worker waits on the network the others
+compute. Buffers (BatchNorm's statistics) are per worker copy; the model's (worker 0's) are the
+replica's.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -26,6 +32,7 @@ from torch import nn
 
 from adamps.torch.downpour import PushCounts
 from adamps.torch.optimizer import Connection
+from adamps.torch.params import Param
 
 
 @dataclass
@@ -61,6 +68,13 @@ class Replica:
         self.loss_fn = loss_fn
         #: the servers (a Connection made by the caller, e.g. after waiting for replica 0)
         self.conn = connection if connection is not None else Connection(model, lr=lr, **server)
+        #: each worker's module (worker 0: the model) and its Params on the shared memory
+        self.modules: list[nn.Module] = [model]
+        self.params: list[list[Param]] = [self.conn.params]
+        for _ in range(1, workers):
+            twin, twin_params = self._twin()
+            self.modules.append(twin)
+            self.params.append(twin_params)
         self.workers = [
             self.conn.worker(
                 local_lr=lr if local_lr is None else local_lr,
@@ -68,10 +82,23 @@ class Replica:
                 n_fetch=n_fetch,
                 compress=compress,
                 asynchronous=asynchronous,
+                params=self.params[w],
             )  # fmt: skip
-            for _ in range(workers)
+            for w in range(workers)
         ]
-        self._trainable = [p for p in self.conn.params if p.param.requires_grad]
+
+    def _twin(self) -> tuple[nn.Module, list[Param]]:
+        """A copy of the model whose parameters share the model's memory (not its tensors). The
+        act/err hooks are copied with it and record into the same per-thread store."""
+        twin = copy.deepcopy(self.model)
+        by_name = dict(twin.named_parameters())
+        out = []
+        with torch.no_grad():
+            for p in self.conn.params:
+                t = by_name[p.name]
+                t.data = p.param.data  # same storage, the twin's own version counter
+                out.append(Param(p.name, p.tensor, t))
+        return twin, out
 
     @property
     def counts(self) -> PushCounts:
@@ -79,14 +106,16 @@ class Replica:
 
     def train_step(self, w: int, x: Any, y: Any) -> float:
         """One minibatch on worker `w` (its own thread): forward, gradients, Downpour step."""
-        loss = self.loss_fn(self.model(x), y)
-        grads = torch.autograd.grad(loss, [p.param for p in self._trainable], allow_unused=True)
-        self.workers[w].step({p.tensor: g for p, g in zip(self._trainable, grads, strict=True)})
+        trainable = [p for p in self.params[w] if p.param.requires_grad]
+        loss = self.loss_fn(self.modules[w](x), y)
+        grads = torch.autograd.grad(loss, [p.param for p in trainable], allow_unused=True)
+        self.workers[w].step({p.tensor: g for p, g in zip(trainable, grads, strict=True)})
         return float(loss.detach())
 
     def fit_epoch(self, batches: Iterable[Sequence[Any]], on_batch: Any = None) -> FitResult:
         """One pass over `batches` by all workers; pushes every worker's rest at the end."""
-        self.model.train()
+        for m in self.modules:
+            m.train()
         it = iter(batches)
         lock = threading.Lock()
         res = FitResult()

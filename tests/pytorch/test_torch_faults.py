@@ -19,9 +19,9 @@ pytest.importorskip("torch", reason="adamps.torch needs torch")
 from adamps.exactness import ExactnessLoad  # noqa: E402
 from adamps.layout import Layout, TensorSpec  # noqa: E402
 from adamps.rpc import get_json  # noqa: E402
+from tests.polling import wait_for  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from polling import wait_for  # noqa: E402
 from replicated_cluster import digests_agree, make_client, running_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
