@@ -29,6 +29,7 @@ class IntParam(nn.Module):
         self.steps = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
 
 
+@pytest.mark.slow  # a real `adamps ps` process
 @pytest.mark.timeout(60)
 def test_bad_models_create_nothing(ps_url: str, token: str) -> None:
     with pytest.raises(at.ModelError, match=r"parameter 'steps' has dtype torch.int64"):

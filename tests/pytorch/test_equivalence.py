@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch", reason="adamps.torch needs torch")
+pytestmark = pytest.mark.slow  # a real `adamps ps` process
 from torch import nn  # noqa: E402
 
 import adamps.torch as at  # noqa: E402
