@@ -97,6 +97,8 @@ def serve(cfg: TrainConfig) -> int:
 
         return launch(cfg)
     registry = am.new_registry()
+    #: errors that name a bad model (exit 2, like a bad configuration), not a failed run
+    bad_model: tuple[type[Exception], ...] = ()
     if cfg.torch:  # a user's PyTorch model (adamps.torch; torch is imported only then)
         try:
             from adamps.torch.main import make_torch_replica
@@ -105,6 +107,7 @@ def serve(cfg: TrainConfig) -> int:
             return 2
         from adamps.torch.params import ModelError
 
+        bad_model = (ModelError,)
         try:
             replica: Any = make_torch_replica(cfg, registry)
         except ModelError as exc:
@@ -152,6 +155,9 @@ def serve(cfg: TrainConfig) -> int:
     except KeyboardInterrupt:
         log.info("interrupted")
         return 128 + (interrupted[0] if interrupted else signal.SIGINT)
+    except bad_model as exc:  # e.g. a tensor of the run on the servers with another shape
+        log.error("%s", exc)
+        return 2
     except Exception:
         if interrupted:
             log.info("interrupted")
