@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -59,8 +58,15 @@ def test_torch_run_survives_a_primary_and_a_replica_kill(tmp_path: Path) -> None
         victim = next(b["primary"] for b in view["buckets"] if b["bucket"] == bucket)
         c.kill(victim)
 
-        # replica 1 dies mid-epoch and comes back (a new process: a new client id)
-        time.sleep(3.0)
+        # replica 1 dies once it reported epoch 2 done, and comes back (a new process, a new
+        # client id): it skips the epochs it reported and redoes the one it was in
+        def replica1_done() -> int:
+            epochs = get_json(c.controllers[0], "/progress").get("epochs", {})
+            done = [int(e) for e, reps in epochs.items()
+                    if reps.get("torch.faults/1", {}).get("done")]  # fmt: skip
+            return max(done, default=0)
+
+        wait_for(lambda: replica1_done() >= 2, 240, "replica 1's epoch 2")
         assert r1.alive, r1.tail(40)
         c.kill("train1")
         r1b = c.start_process("train1b", *common, "--replica", "1")
@@ -78,5 +84,8 @@ def test_torch_run_survives_a_primary_and_a_replica_kill(tmp_path: Path) -> None
         values, _ = client.pull(["x"])
         counts = load.check(values["x"])
         assert counts["acked"] > 100, counts
+        log1 = (tmp_path / "logs" / "train1b.log").read_text()
+        assert "epoch 1 already reported done by this replica: skipped" in log1, log1[-2000:]
+        assert "epoch 10:" in log1
         digests_agree(c)
         client.close()
