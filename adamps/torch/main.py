@@ -119,12 +119,20 @@ class TorchTrainer:
         warm = {"marked": cfg.replica != 0 or board.warm_done()}
         lock = threading.Lock()
 
+        window: list[tuple[float, int]] = []  #: (time, images so far) of recent minibatches
+
         def on_batch(n: int, loss: float) -> None:
             with lock:
                 self.step += 1
                 self.result.images += n
                 self.m.images.inc(n)
                 self.m.loss.set(loss)
+                now = time.monotonic()
+                window.append((now, self.result.images))
+                while len(window) > 2 and now - window[0][0] > 5.0:
+                    window.pop(0)
+                if len(window) > 1 and now > window[0][0]:
+                    self.m.rate.set((window[-1][1] - window[0][1]) / (now - window[0][0]))
                 if not warm["marked"] and self.step >= cfg.warm_start:
                     warm["marked"] = True
                     board.mark_warm()
@@ -145,6 +153,9 @@ class TorchTrainer:
                 res = rep.fit_epoch(tdata.dataserver_batches(batches), on_batch)
                 board.report(epoch, 1.0, True)
                 self.completed = epoch
+                done = board.finished()
+                if len(done) >= cfg.n_replicas:  # every replica's last epoch, for the views
+                    self.m.completed.set(min(done.values()))
                 log.info("epoch %d: %d minibatches, loss %.4f, %.1f s", epoch, res.steps,
                          res.loss, res.seconds)  # fmt: skip
                 if test is not None:
@@ -199,6 +210,7 @@ class TorchTrainer:
             return len(done) >= cfg.n_replicas and min(done.values()) >= cfg.epochs
 
         self._wait(f"every replica to finish epoch {cfg.epochs}", all_done)
+        self.m.completed.set(cfg.epochs)
         assert self.replica is not None
         self.replica.conn.remote.pull()
         acc = self.replica.evaluate([test])
