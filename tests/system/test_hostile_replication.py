@@ -147,6 +147,10 @@ def test_a_server_cannot_impersonate_another(cluster) -> None:
         with pytest.raises(RpcError) as err:
             rpc.send(dataclasses.replace(req, extra_headers=bad))
         assert err.value.http_status == 403 and "does not prove" in err.value.message
+        # ... and as itself it is not the bucket's primary at this epoch: refused by the copy
+        with pytest.raises(RpcError) as err:
+            signed(rpc, c, other, sec, "repl_prepare", **{**forged, "sender": other})
+        assert err.value.http_status == 409, err.value
     # and the controllers give a server's pair keys only to that server
     with SyncRpc(c.controllers[0], TOKEN) as ctl:
         with pytest.raises(RpcError) as err:
