@@ -53,7 +53,7 @@ class PsConfig:
         1.0, help="seconds between background flushes of dirty shards to LMDB"
     )
     flush_chunk_bytes: int = field(
-        64 << 20,
+        16 << 20,
         help="bytes a flush writes per LMDB transaction at most (whole buckets: a bucket larger "
         "than this is one transaction): a flush holds one chunk's copy, not the model's, and "
         "LMDB's file stays within the state + a few chunks (docs/operations.md)",

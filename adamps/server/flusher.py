@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Container
 from typing import Any
 
+from adamps.server import memtrim
 from adamps.server.persist import Persister, Position
 from adamps.server.shards import Snapshot
 from adamps.server.store import Store
@@ -73,7 +74,7 @@ class Flusher:
         clock: Callable[[], float] = time.monotonic,
         on_flush: Callable[[int, int, float], None] | None = None,
         max_unflushed: float = math.inf,
-        chunk_bytes: int = 64 << 20,
+        chunk_bytes: int = 16 << 20,
     ) -> None:
         #: takes a chunk's cut: (dirty shards of the buckets given (None: of all), positions of
         #: the same instant of those buckets or None, every bucket held then or None). Default:
@@ -159,6 +160,8 @@ class Flusher:
                 shards += n
                 nbytes += written
             self.last_error = None
+            if nbytes:
+                memtrim.trim()  # the chunks' records and LMDB's dirty pages are free now
             seconds = self.clock() - t0
             self.last_flush = {
                 "time": time.time(),

@@ -50,7 +50,7 @@ import numpy as np
 
 from adamps import protocol
 from adamps.layout import stable_bucket
-from adamps.server import shardrecord
+from adamps.server import memtrim, shardrecord
 from adamps.server.checksum import CorruptRecord, seal, unseal
 from adamps.server.shardrecord import HEADER
 from adamps.server.shards import Snapshot
@@ -184,6 +184,7 @@ class Persister:
                 txn.put(sid.encode(), shardrecord.pack(version, value, accum), db=self._shards)
 
         self._write(fn)
+        memtrim.trim()  # the records and LMDB's dirty pages of a big tensor are free now
 
     def write_snapshots(
         self,
