@@ -1,8 +1,9 @@
 """Delayed persistence (Adam 3.3.2): the store is a write-back cache, flushed to LMDB lazily.
 
 Updates never wait for the disk. A background thread takes, every ``flush_interval`` seconds, a
-consistent snapshot of every dirty shard (copied on the shard's owner thread, so never torn) and
-writes them all in one LMDB transaction: the many updates applied to a shard since the last flush
+consistent snapshot of every dirty shard (copied on the shard's owner thread, so never torn,
+straight into its sealed record: ``shardrecord``) and writes them in chunks of whole buckets, one
+LMDB transaction each (``Flusher``): the many updates applied to a shard since the last flush
 fold into one write. The age of the oldest update not yet committed is the loss window.
 
 LMDB layout (one Environment per process, five named databases):
