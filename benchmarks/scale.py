@@ -2,7 +2,7 @@
 
 For models of 64 MiB, 256 MiB and 1 GiB of values on one standalone `adamps ps` (Adagrad, so the
 server's state is values + accumulators = 2x the values; flush_interval 1 s, LMDB on the disk
-of the temporary directory), one `PSClient` pushes full-model dense deltas (`push_dense_many`)
+of the temporary directory; max_unflushed 120 s, see below), one `PSClient` pushes full-model dense deltas (`push_dense_many`)
 in a loop. Printed per size:
 
 - RSS under that load (the peak of /proc/PID/status VmRSS, sampled every 0.1 s) divided by the
@@ -118,6 +118,10 @@ def one_size(size_mib: int, seconds: float, disk_gbps: float, tmp: Path) -> dict
             "ps",
             "--port", str(port), "--data-port", str(data_port), "--data-dir", str(data_dir),
             "--n-buckets", str(N_BUCKETS), "--flush-interval", "1",
+            # A flush of the whole state takes state / disk bandwidth (17 s for 2 GiB at
+            # 0.12 GB/s): the default max_unflushed (5 s) would refuse pushes (not_durable)
+            # while it runs, as it must (docs/operations.md, "Memory and disk per GB of model").
+            "--max-unflushed", "120",
             "--max-server-elems", str(max(1 << 28, 2 * n_tensors * elems)),
         ),
         tmp / f"ps-{size_mib}.log",
