@@ -17,7 +17,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import numpy as np
@@ -91,6 +91,7 @@ class ParameterServer:
             cfg.flush_interval,
             on_flush=self._on_flush,
             max_unflushed=cfg.max_unflushed or 5 * cfg.flush_interval,
+            chunk_bytes=cfg.flush_chunk_bytes,
         )
         self.catalog = TensorCatalog(cfg, self.store, self.persister)
         try:
@@ -217,19 +218,22 @@ class ParameterServer:
             n,
         )
 
-    def _cut(self) -> tuple[list[Snapshot], dict[int, Position] | None]:
-        """The flush's cut on a replicated server: the copies of the dirty shards are queued on
-        the event loop, in the same step as the positions are read, so the values written are
-        exactly those of the positions (updates are queued from the loop only)."""
+    def _cut(
+        self, buckets: Container[int] | None = None
+    ) -> tuple[list[Snapshot], dict[int, Position] | None, set[int] | None]:
+        """A flush chunk's cut on a replicated server: the copies of the dirty shards of
+        `buckets` (None: all) are queued on the event loop, in the same step as those buckets'
+        positions are read, so the values written are exactly those of the positions (updates
+        are queued from the loop only). Also returns every bucket held a copy of then."""
         assert self.replicator is not None
         rep = self.replicator
 
-        def take() -> tuple[Callable[[float], list[Snapshot]], dict[int, Position]]:
-            return self.store.begin_snapshot(), rep.positions()
+        def take() -> tuple[Callable[[float], list[Snapshot]], dict[int, Position], set[int]]:
+            return self.store.begin_snapshot(buckets), rep.positions(buckets), rep.held_copies()
 
         loop = self._loop
         if loop is None or not loop.is_running() or threading.get_ident() == self._loop_thread:
-            wait, positions = take()  # no loop queues updates concurrently
+            wait, positions, held = take()  # no loop queues updates concurrently
         else:
             done: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -240,8 +244,8 @@ class ParameterServer:
                     done.set_exception(exc)
 
             loop.call_soon_threadsafe(run)
-            wait, positions = done.result(timeout=60)
-        return wait(60), positions
+            wait, positions, held = done.result(timeout=60)
+        return wait(60), positions, held
 
     def _on_flush(self, shards: int, nbytes: int, seconds: float) -> None:
         self.m.flushed_shards.inc(shards)

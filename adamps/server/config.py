@@ -52,6 +52,12 @@ class PsConfig:
     flush_interval: float = field(
         1.0, help="seconds between background flushes of dirty shards to LMDB"
     )
+    flush_chunk_bytes: int = field(
+        16 << 20,
+        help="bytes a flush writes per LMDB transaction at most (whole buckets: a bucket larger "
+        "than this is one transaction): a flush holds one chunk's copy, not the model's, and "
+        "LMDB's file stays within the state + a few chunks (docs/operations.md)",
+    )
     max_unflushed: float = field(
         0.0,
         help="seconds an update may stay unflushed (flushes failing or stalled) before this "
@@ -190,6 +196,8 @@ class PsConfig:
             raise ValueError(f"buckets {bad} out of range 0..{self.n_buckets - 1}")
         if self.flush_interval <= 0:
             raise ValueError("flush_interval must be > 0")
+        if self.flush_chunk_bytes < 1 << 20:
+            raise ValueError(f"flush_chunk_bytes must be >= 1 MiB, not {self.flush_chunk_bytes}")
         if self.max_unflushed < 0:
             raise ValueError("max_unflushed must be >= 0 (0: 5 x flush_interval)")
         if self.max_unflushed and self.max_unflushed <= self.flush_interval:

@@ -73,7 +73,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     """One connection: header -> meta -> payload -> queued -> next header, replies in order.
 
     Requests may be pipelined: the next frame is read while earlier ones are applied, up to
-    MAX_INFLIGHT per connection (then reading pauses). Each request is validated and queued to
+    MAX_INFLIGHT per connection or max_body bytes of payloads (then reading pauses). Each request is validated and queued to
     the owner threads as soon as it is complete, in arrival order, so pushes on one connection are
     applied in the order sent and a pull sees the pushes sent before it. Replies go out in order.
     """
@@ -90,8 +90,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         #: a repl_multi request's meta as received (decoded again with its payload)
         self.meta_raw = b""
         self.payload_len = 0
-        #: requests queued whose reply is not written yet
+        #: requests queued whose reply is not written yet, and their payloads' bytes
         self.inflight = 0
+        self.inflight_bytes = 0
         self.paused = False
         #: resolved once the reply of the latest request is written: the next one waits for it
         self.tail: asyncio.Future | None = None
@@ -276,15 +277,17 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         prev, done = self.tail, loop.create_future()
         self.tail = done
         self.inflight += 1
+        size = 0 if payload is None else int(payload.nbytes)
+        self.inflight_bytes += size
         try:
             started: Any = self._start(meta, payload)
         except (ProtocolError, StoreError) as exc:  # bad payload: answered, connection usable
             started = (
                 exc if isinstance(exc, ProtocolError) else ProtocolError(exc.code, exc.message)
             )
-        loop.create_task(self._finish(meta, started, prev, done))
+        loop.create_task(self._finish(meta, started, prev, done, size))
         self._expect(_HEADER, HEADER.size)
-        if self.inflight >= MAX_INFLIGHT and not self.paused:
+        if self._full() and not self.paused:
             self.paused = True
             self.transport.pause_reading()
 
@@ -305,8 +308,20 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             return asyncio.ensure_future(handler(msg)), lambda r: (r, None)
         return self.plane.reads.start_stream_pull(meta)
 
+    def _full(self) -> bool:
+        """Whether reading pauses: MAX_INFLIGHT requests, or max_body bytes of payloads, wait
+        for their replies. The byte bound keeps a connection's queued payloads (held until
+        applied) at about max_body, however large the push the client cut into parts: memory
+        sized by configuration, not by the model (issue 30)."""
+        return self.inflight >= MAX_INFLIGHT or self.inflight_bytes >= self.cfg.max_body
+
     async def _finish(
-        self, meta: dict[str, Any], started: Any, prev: asyncio.Future | None, done: asyncio.Future
+        self,
+        meta: dict[str, Any],
+        started: Any,
+        prev: asyncio.Future | None,
+        done: asyncio.Future,
+        size: int = 0,
     ) -> None:
         label = f"dp_{meta['op']}"
         t0 = time.perf_counter()
@@ -340,7 +355,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         finally:
             done.set_result(None)
             self.inflight -= 1
-            if self.paused and self.inflight < MAX_INFLIGHT and self.state != _CLOSED:
+            self.inflight_bytes -= size
+            if self.paused and not self._full() and self.state != _CLOSED:
                 self.paused = False
                 if self.transport is not None and not self.transport.is_closing():
                     self.transport.resume_reading()

@@ -8,19 +8,31 @@ LMDB) grows. Once it exceeds ``max_unflushed`` the server must stop acknowledgin
 acknowledged before, not by how long the disk stays broken. It acknowledges again by itself as
 soon as a flush commits. A failure is named for an operator: a full disk (ENOSPC, or less free
 space than the flush needs: LMDB reports a full tmpfs as EIO) with its path and free space.
+
+A flush is written in chunks (issue 30): groups of whole buckets of at most ``chunk_bytes`` of
+dirty records each (a bigger bucket alone), each chunk cut (its shards copied, with its buckets'
+positions) just before its own LMDB transaction. A flush then holds one chunk's copy, not the
+model's, and LMDB's copy-on-write needs free pages for one chunk, not for the whole state, so
+memory and the file stay within the state + O(chunk). Each bucket's cut stays consistent (its
+shards and position in one transaction); different buckets are cut at different instants, which
+nothing needs: buckets are independent. A chunk's shards are durable when its transaction
+commits; until then they count in the loss window (pending), and the buckets not yet cut are
+still dirty in the store, so the window is exact throughout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import math
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
+from adamps.server import memtrim
 from adamps.server.persist import Persister, Position
 from adamps.server.shards import Snapshot
 from adamps.server.store import Store
@@ -62,15 +74,19 @@ class Flusher:
         clock: Callable[[], float] = time.monotonic,
         on_flush: Callable[[int, int, float], None] | None = None,
         max_unflushed: float = math.inf,
+        chunk_bytes: int = 16 << 20,
     ) -> None:
-        #: takes the flush's cut: (dirty shards, positions of the same instant or None). Default:
+        #: takes a chunk's cut: (dirty shards of the buckets given (None: of all), positions of
+        #: the same instant of those buckets or None, every bucket held then or None). Default:
         #: the dirty shards alone; a replicated server sets one that reads its positions too.
-        self.cut: Callable[[], tuple[list[Snapshot], dict[int, Position] | None]] = lambda: (
-            self.store.snapshot_dirty(),
-            None,
-        )
+        self.cut: Callable[
+            [Container[int] | None],
+            tuple[list[Snapshot], dict[int, Position] | None, set[int] | None],
+        ] = lambda buckets: (self.store.begin_snapshot(buckets)(60.0), None, None)
+        #: dirty record bytes per transaction at most (whole buckets)
+        self.chunk_bytes = chunk_bytes
         #: positions taken but not yet committed (a failed write retries them with the shards)
-        self._pending_positions: dict[int, Position] | None = None
+        self._pending_positions: dict[int, Position] = {}
         self.store = store
         self.persister = persister
         self.interval = interval
@@ -111,58 +127,101 @@ class Flusher:
             except Exception:  # logged; the snapshots stay pending and are retried next round
                 log.error("background flush failed: %s", self.last_error)
 
+    def plan(self) -> list[Container[int] | None]:
+        """The flush's chunks: groups of whole buckets of at most chunk_bytes of dirty records
+        (a racy read of the dirty set: only the plan, not the cuts). The last chunk is every
+        bucket not in an earlier one (what became dirty meanwhile included); a flush of one
+        chunk is one cut of everything, as before chunking."""
+        sizes = self.store.dirty_bytes()
+        for s in self._pending.values():
+            sizes[s.bucket] = sizes.get(s.bucket, 0) + len(s.record)
+        chunks: list[set[int]] = []
+        size = 0
+        for b in sorted(sizes):
+            if not chunks or size + sizes[b] > self.chunk_bytes and size > 0:
+                chunks.append(set())
+                size = 0
+            chunks[-1].add(b)
+            size += sizes[b]
+        if len(chunks) <= 1:
+            return [None]
+        covered = set().union(*chunks[:-1])
+        return [*chunks[:-1], _Rest(covered)]
+
     def flush(self) -> dict[str, Any]:
-        """Writes every dirty shard now (blocking). Returns {shards, bytes, seconds}."""
+        """Writes every dirty shard now (blocking), chunk by chunk. Returns {shards, bytes,
+        seconds, chunks}."""
         with self._flush_lock:
             t0 = self.clock()
-            dirty, positions = self.cut()
-            if positions is not None:
-                old = self._pending_positions
-                if old:  # a failed write's pairs are still unwritten: keep them, in order
-                    for b, p in positions.items():
-                        if b in old and not p.fresh:
-                            p.dedup[:0] = old[b].dedup
-                            p.fresh = old[b].fresh
-                self._pending_positions = positions
-            for s in dirty:
-                old = self._pending.get(s.shard_id)
-                # Keep the oldest dirty time: those updates are still not on disk.
-                since = s.dirty_since if old is None else min(old.dirty_since, s.dirty_since)
-                self._pending[s.shard_id] = Snapshot(s.shard_id, s.version, s.value, s.accum, since)
-            snaps = list(self._pending.values())
-            self.writing_since = self.clock()
-            try:
-                positions = self._pending_positions
-                nbytes = (
-                    self.persister.write_snapshots(snaps, positions)
-                    if snaps or positions is not None
-                    else 0
-                )
-            except Exception as exc:
-                self.failures += 1
-                needed = sum(
-                    memoryview(s.value).nbytes
-                    + (0 if s.accum is None else memoryview(s.accum).nbytes)
-                    for s in snaps
-                )
-                self.last_error = describe_failure(exc, self.persister.path, needed)
-                raise
-            finally:
-                self.writing_since = None
+            shards = nbytes = 0
+            chunks = self.plan()
+            for buckets in chunks:
+                n, written = self._flush_chunk(buckets)
+                shards += n
+                nbytes += written
             self.last_error = None
-            self._pending.clear()
-            self._pending_positions = None
+            if nbytes:
+                memtrim.trim()  # the chunks' records and LMDB's dirty pages are free now
             seconds = self.clock() - t0
             self.last_flush = {
                 "time": time.time(),
                 "monotonic": self.clock(),
-                "shards": len(snaps),
+                "shards": shards,
                 "bytes": nbytes,
                 "seconds": seconds,
+                "chunks": len(chunks),
             }
             if self._on_flush is not None:
-                self._on_flush(len(snaps), nbytes, seconds)
+                self._on_flush(shards, nbytes, seconds)
             return dict(self.last_flush)
+
+    def _flush_chunk(self, buckets: Container[int] | None) -> tuple[int, int]:
+        """Cuts and writes one chunk (its buckets' shards and positions, one transaction), with
+        what a failed write of the same buckets left pending. Returns (shards, bytes)."""
+        dirty, positions, held = self.cut(buckets)
+        mine = (lambda b: True) if buckets is None else buckets.__contains__
+        if positions is not None:
+            for b, p in positions.items():
+                old = self._pending_positions.get(b)
+                if old is not None and not p.fresh:
+                    # a failed write's pairs are still unwritten: keep them, in order
+                    p.dedup[:0] = old.dedup
+                    p.fresh = old.fresh
+            for b in [b for b in self._pending_positions if mine(b)]:
+                del self._pending_positions[b]
+            self._pending_positions.update(positions)
+        for s in dirty:
+            old = self._pending.get(s.shard_id)
+            # Keep the oldest dirty time: those updates are still not on disk.
+            if old is not None and old.dirty_since < s.dirty_since:
+                s = dataclasses.replace(s, dirty_since=old.dirty_since)
+            self._pending[s.shard_id] = s
+        snaps = [s for s in self._pending.values() if mine(s.bucket)]
+        chunk_positions = (
+            None
+            if positions is None
+            else {b: p for b, p in self._pending_positions.items() if mine(b)}
+        )
+        self.writing_since = self.clock()
+        try:
+            nbytes = (
+                self.persister.write_snapshots(snaps, chunk_positions, held)
+                if snaps or chunk_positions is not None
+                else 0
+            )
+        except Exception as exc:
+            self.failures += 1
+            needed = sum(len(s.record) for s in self._pending.values())
+            self.last_error = describe_failure(exc, self.persister.path, needed)
+            raise
+        finally:
+            self.writing_since = None
+        for s in snaps:
+            if self._pending.get(s.shard_id) is s:
+                del self._pending[s.shard_id]
+        for b in list(chunk_positions or ()):
+            self._pending_positions.pop(b, None)
+        return len(snaps), nbytes
 
     def loss_window(self) -> float:
         """Seconds since the oldest update that is not yet committed to LMDB (0 when clean)."""
@@ -201,3 +260,13 @@ class Flusher:
         """Seconds since the last successful flush ended (None: none yet in this process)."""
         t = self.last_flush.get("monotonic")
         return None if t is None else max(0.0, self.clock() - t)
+
+
+class _Rest:
+    """Every bucket but those of the flush's earlier chunks (the last chunk of a plan)."""
+
+    def __init__(self, covered: set[int]) -> None:
+        self.covered = covered
+
+    def __contains__(self, b: object) -> bool:
+        return b not in self.covered

@@ -1,8 +1,9 @@
 """Delayed persistence (Adam 3.3.2): the store is a write-back cache, flushed to LMDB lazily.
 
 Updates never wait for the disk. A background thread takes, every ``flush_interval`` seconds, a
-consistent snapshot of every dirty shard (copied on the shard's owner thread, so never torn) and
-writes them all in one LMDB transaction: the many updates applied to a shard since the last flush
+consistent snapshot of every dirty shard (copied on the shard's owner thread, so never torn,
+straight into its sealed record: ``shardrecord``) and writes them in chunks of whole buckets, one
+LMDB transaction each (``Flusher``): the many updates applied to a shard since the last flush
 fold into one write. The age of the oldest update not yet committed is the loss window.
 
 LMDB layout (one Environment per process, five named databases):
@@ -40,7 +41,7 @@ import json
 import logging
 import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,12 +52,13 @@ import numpy as np
 from adamps import protocol
 from adamps.config import ConfigError
 from adamps.layout import stable_bucket
+from adamps.server import memtrim, shardrecord
 from adamps.server.checksum import CorruptRecord, seal, unseal
+from adamps.server.shardrecord import HEADER
 from adamps.server.shards import Snapshot
 
 log = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<QQQ")
 #: flushes' worth of exactly-once pairs kept per bucket (see the module docstring)
 DEDUP_CHUNKS = 64
 #: pairs persisted per bucket and flush at most (a flush covers far fewer in practice)
@@ -181,42 +183,44 @@ class Persister:
                 meta["spec"]["name"].encode(), seal(json.dumps(meta).encode()), db=self._tensors
             )
             for sid, version, value, accum in shards:
-                txn.put(
-                    sid.encode(),
-                    _pack(version, value.tobytes(), None if accum is None else accum.tobytes()),
-                    db=self._shards,
-                )
+                txn.put(sid.encode(), shardrecord.pack(version, value, accum), db=self._shards)
 
         self._write(fn)
+        memtrim.trim()  # the records and LMDB's dirty pages of a big tensor are free now
 
     def write_snapshots(
-        self, snaps: Iterable[Snapshot], positions: dict[int, Position] | None = None
+        self,
+        snaps: Iterable[Snapshot],
+        positions: dict[int, Position] | None = None,
+        held: Collection[int] | None = None,
     ) -> int:
-        """Many shards in one transaction, with the positions of the same cut (every bucket this
-        server holds a copy of; the positions of the others are deleted). Returns the bytes
-        written."""
+        """Shards in one transaction (a flush chunk: whole buckets), with the positions of the
+        same cut of those buckets. `held` is every bucket this server holds a copy of (None:
+        those of `positions`, a whole cut): the positions of the others are deleted. Returns the
+        bytes written."""
         snaps = list(snaps)
         nbytes = 0
         if positions is not None and self._written is None:
             loaded = self.load_positions()
             self._written = {b: (p.epoch, p.seq) for b, p in loaded.items()}
             self._prepared_on_disk = {b for b, p in loaded.items() if p.prepared}
+        keep = set(positions or ()) if held is None else set(held)
 
         def fn(txn: lmdb.Transaction) -> None:
             nonlocal nbytes
             nbytes = 0
             for s in snaps:
-                rec = _pack(s.version, s.value, s.accum)
-                nbytes += len(rec)
-                txn.put(s.shard_id.encode(), rec, db=self._shards)
+                # The record as the owner thread packed it: LMDB copies it into its page once.
+                txn.put(s.shard_id.encode(), s.record, db=self._shards)
+                nbytes += len(s.record)
             if positions is None or self._written is None:
                 return
-            for b in [b for b in self._written if b not in positions]:
+            for b in [b for b in self._written if b not in keep]:
                 txn.delete(b"%08d" % b, db=self._positions)
                 self._delete_chunks(txn, b, keep=0)
-            on_disk = self._prepared_on_disk or set()
-            for b in on_disk - {b for b, p in positions.items() if p.prepared}:
-                self._delete_prefix(txn, self._prepared, b)
+            for b in self._prepared_on_disk or set():
+                if b not in keep or (b in positions and not positions[b].prepared):
+                    self._delete_prefix(txn, self._prepared, b)
             for b, p in positions.items():
                 if p.prepared:
                     # Rewritten whole each cut: few batches (the rounds in flight), and a cut
@@ -240,9 +244,14 @@ class Persister:
                 nbytes += 64
 
         self._write(fn)
-        if positions is not None:
-            self._written = {b: (p.epoch, p.seq) for b, p in positions.items()}
-            self._prepared_on_disk = {b for b, p in positions.items() if p.prepared}
+        if positions is not None and self._written is not None:
+            written = {b: v for b, v in self._written.items() if b in keep}
+            written.update({b: (p.epoch, p.seq) for b, p in positions.items()})
+            self._written = written
+            on_disk = {b for b in self._prepared_on_disk or set() if b in keep}
+            on_disk -= set(positions)
+            on_disk |= {b for b, p in positions.items() if p.prepared}
+            self._prepared_on_disk = on_disk
         return nbytes
 
     def _delete_chunks(self, txn: lmdb.Transaction, b: int, keep: int) -> None:
@@ -468,16 +477,11 @@ class Persister:
         return list(out.values())
 
 
-def _pack(version: int, value: bytes, accum: bytes | None) -> bytes:
-    accum = accum or b""
-    return seal(_HEADER.pack(version, len(value), len(accum)), value, accum)
-
-
 def _unpack(rec: bytes | memoryview) -> tuple[int, np.ndarray, np.ndarray | None]:
-    version, nv, na = _HEADER.unpack_from(rec)
-    if _HEADER.size + nv + na != len(rec) or nv % 4 or na % 4:
+    version, nv, na = HEADER.unpack_from(rec)
+    if HEADER.size + nv + na != len(rec) or nv % 4 or na % 4:
         raise ValueError(f"shard record of {len(rec)} bytes does not hold {nv} + {na} bytes")
-    off = _HEADER.size
+    off = HEADER.size
     # A copy (bytes -> new array): the values become mutable state of the store.
     value = np.frombuffer(rec, dtype="<f4", count=nv // 4, offset=off).copy()
     accum = np.frombuffer(rec, dtype="<f4", count=na // 4, offset=off + nv).copy() if na else None

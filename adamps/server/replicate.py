@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Container, Iterable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -213,13 +213,23 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
             self.persisted[b] = pos.seq
         log.info("reloaded %d copies: %s", len(positions), self.copies())
 
-    def positions(self) -> dict[int, Position]:
-        """Per held copy, its position and the exactly-once pairs recorded since the last cut.
-        Called on the event loop in the same step as the flush's copies are queued: they
-        describe exactly the values the flush writes."""
+    def held_copies(self) -> set[int]:
+        """The buckets whose copy a flush persists (a joining copy only once it learns)."""
+        return {
+            b
+            for b, rep in self.buckets.items()
+            if not (self.roles.get(b) == "joining" and not rep.learning)
+        }
+
+    def positions(self, buckets: Container[int] | None = None) -> dict[int, Position]:
+        """Per held copy (of `buckets`; None: all), its position and the exactly-once pairs
+        recorded since the last cut. Called on the event loop in the same step as the flush's
+        copies are queued: they describe exactly the values the flush writes."""
         out = {}
         for b, rep in self.buckets.items():
             if self.roles.get(b) == "joining" and not rep.learning:
+                continue
+            if buckets is not None and b not in buckets:
                 continue
             last = self.persisted.get(b)
             if last is None:

@@ -75,9 +75,11 @@ class Snapshot:
 
     shard_id: str
     version: int
-    value: bytes
-    accum: bytes | None
+    #: the shard's sealed LMDB record (adamps.server.shardrecord): values and accumulator
+    record: bytearray
     dirty_since: float
+    #: the bucket the shard belongs to (a flush chunk is made of whole buckets)
+    bucket: int = -1
 
 
 def fc_parts(

@@ -21,14 +21,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
 
 from adamps.layout import MAX_SHARD_ELEMS, Layout, Shard, TensorSpec, stable_bucket
-from adamps.server import optim, vecapply
+from adamps.server import optim, shardrecord, vecapply
 from adamps.server.initial import initial_values
 from adamps.server.optim import Fc, Optimizer, Scratch, Signs
 from adamps.server.rowtables import RowShardState, RowTables
@@ -358,29 +358,36 @@ class Store:
         """Copies every dirty shard on its owner thread and marks it clean (blocking; not on the loop)."""
         return self.begin_snapshot()(timeout)
 
-    def begin_snapshot(self) -> Callable[[float], list[Snapshot]]:
-        """Queues the copy of every dirty shard on every owner thread now, and returns the wait
-        for the copies (blocking; not on the loop). Queued from the thread that queues updates (the
-        event loop), the copies are one consistent cut: every update queued before is in them,
-        none queued after."""
+    def begin_snapshot(
+        self, buckets: Collection[int] | None = None
+    ) -> Callable[[float], list[Snapshot]]:
+        """Queues the copy of every dirty shard (of `buckets`; None: of all) on every owner thread
+        now, and returns the wait for the copies (blocking; not on the loop). Queued from the
+        thread that queues updates (the event loop), the copies are one consistent cut: every
+        update queued before is in them, none queued after. Each copy is the shard's sealed LMDB
+        record (shardrecord.pack): the one copy a flush makes of what it writes."""
         done = threading.Event()
         snaps: list[Snapshot] = []
         lock = threading.Lock()
+        bucket_of = self.layout.bucket_of
 
         def take(owner: int) -> None:
             mine = []
-            for st in self._dirty[owner]:
+            for st in list(self._dirty[owner]):
+                b = _bucket(st, bucket_of)
+                if buckets is not None and b not in buckets:
+                    continue
                 mine.append(
                     Snapshot(
                         st.id,
                         st.version,
-                        st.value.tobytes(),
-                        None if st.accum is None else st.accum.tobytes(),
+                        shardrecord.pack(st.version, st.value, st.accum),
                         st.dirty_since if st.dirty_since is not None else self.clock(),
+                        b,
                     )
                 )
                 st.dirty_since = None
-            self._dirty[owner].clear()
+                self._dirty[owner].discard(st)
             with lock:
                 snaps.extend(mine)
 
@@ -396,6 +403,25 @@ class Store:
             return snaps
 
         return wait
+
+    def dirty_bytes(self) -> dict[int, int]:
+        """Bucket -> record bytes of its dirty shards (a racy read: the flush's plan of chunks;
+        the cuts themselves are exact)."""
+        bucket_of = self.layout.bucket_of
+        out: dict[int, int] = {}
+        for owner_set in self._dirty:
+            for _ in range(10):  # an owner thread may add to its set while we copy it
+                try:
+                    items = list(owner_set)
+                    break
+                except RuntimeError:
+                    continue
+            else:
+                items = []
+            for st in items:
+                b = _bucket(st, bucket_of)
+                out[b] = out.get(b, 0) + shardrecord.record_bytes(st.value, st.accum)
+        return out
 
     def oldest_dirty(self) -> float | None:
         """Monotonic time of the oldest update not yet snapshotted (a racy read; for metrics)."""
@@ -541,3 +567,9 @@ class Store:
     def tensors_by_shard(self, st: ShardState) -> Optimizer:
         # A dict lookup of an immutable entry: the tensor is never removed while its shards live.
         return self.tensors[st.shard.tensor].optimizer
+
+
+def _bucket(st: ShardState, bucket_of: Mapping[str, int]) -> int:
+    """The bucket of a held shard (a row shard knows its own)."""
+    b = getattr(st, "bucket", None)
+    return int(b) if b is not None else bucket_of.get(st.id, -1)

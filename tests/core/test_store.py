@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from adamps.layout import TensorSpec, stable_bucket
+from adamps.server.checksum import unseal
 from adamps.server.flusher import Flusher
 from adamps.server.initial import fans, initial_values, normalize_init
 from adamps.server.optim import Dense, Optimizer
-from adamps.server.persist import Persister, Position
+from adamps.server.persist import Persister, Position, _unpack
 from adamps.server.shards import StoreError, fc_parts
 from adamps.server.store import Store
 
@@ -139,7 +140,8 @@ def test_read_and_snapshot_see_every_update_queued_before_them(store: Store) -> 
         store.push([(st, Dense(np.ones(10, np.float32)))], lambda r, e: None)
     snaps = store.snapshot_dirty()
     assert [(s.shard_id, s.version) for s in snaps] == [("x/0", 100)]
-    assert np.array_equal(np.frombuffer(snaps[0].value, np.float32), np.full(10, 100, np.float32))
+    _version, value, _accum = _unpack(unseal(snaps[0].record))
+    assert np.array_equal(value, np.full(10, 100, np.float32))
     assert store.snapshot_dirty() == [] and store.oldest_dirty() is None
 
 

@@ -1,0 +1,59 @@
+"""A shard's LMDB record, built in one allocation (issue 30).
+
+A record is a sealed (``adamps.server.checksum``) ``<QQQ`` header (version, value bytes,
+accumulator bytes) + values + accumulator. ``pack`` copies the shard's arrays once, straight into
+the final record, on the shard's owner thread (that copy is the flush's consistent snapshot), and
+seals it in place: no ``tobytes`` copy, no ``bytes.join`` copy. A flush therefore holds one copy of
+what it writes, not three; LMDB's ``put`` takes the bytearray as it is.
+
+Pure: no IO, no clock.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+
+from adamps.server.checksum import MAGIC, digest
+
+HEADER = struct.Struct("<QQQ")
+_SEAL = len(MAGIC) + 8
+
+
+def _nbytes(x: Any) -> int:
+    n = x.nbytes
+    return int(n() if callable(n) else n)
+
+
+def record_bytes(value: Any, accum: np.ndarray | None) -> int:
+    """The size of the record of a shard with these arrays (about, for a row block)."""
+    return _SEAL + HEADER.size + _nbytes(value) + (0 if accum is None else accum.nbytes)
+
+
+def pack(version: int, value: Any, accum: np.ndarray | None) -> bytearray:
+    """The sealed record of (version, value, accum): one allocation, one copy of the arrays.
+    A value that is not an array (an embedding table's row block) is serialized by its own
+    ``tobytes`` first."""
+    if not isinstance(value, np.ndarray):
+        value = np.frombuffer(value.tobytes(), np.uint8)
+    nv = value.nbytes
+    na = 0 if accum is None else accum.nbytes
+    rec = bytearray(_SEAL + HEADER.size + nv + na)
+    view = memoryview(rec)
+    HEADER.pack_into(rec, _SEAL, version, nv, na)
+    off = _SEAL + HEADER.size
+    np.frombuffer(view, np.uint8, nv, off)[:] = value.view(np.uint8).reshape(-1)
+    if accum is not None:
+        np.frombuffer(view, np.uint8, na, off + nv)[:] = accum.view(np.uint8).reshape(-1)
+    view[: len(MAGIC)] = MAGIC
+    view[len(MAGIC) : _SEAL] = digest(view[_SEAL:]).to_bytes(8, "little")
+    return rec
+
+
+def pack_bytes(version: int, value: bytes | memoryview, accum: bytes | None) -> bytearray:
+    """`pack` of raw little-endian float32 bytes (a tensor's initial state, a migration)."""
+    v = np.frombuffer(value, np.uint8)
+    a = None if not accum else np.frombuffer(accum, np.uint8)
+    return pack(version, v, a)

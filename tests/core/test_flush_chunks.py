@@ -1,0 +1,120 @@
+"""A flush in chunks of whole buckets (issue 30): it holds one chunk's copy, not the model's, and
+LMDB's file stays near the state however often the whole state is rewritten."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from adamps.layout import TensorSpec
+from adamps.server.checksum import unseal
+from adamps.server.flusher import Flusher
+from adamps.server.initial import normalize_init
+from adamps.server.optim import Dense, Optimizer
+from adamps.server.persist import Persister, Position, _unpack
+from adamps.server.store import Store
+
+MiB = 1 << 20
+ELEMS = 4 * MiB  # 16 MiB of values, 32 MiB of state with Adagrad
+CHUNK = 4 * MiB
+
+
+def make_store() -> tuple[Store, list]:
+    store = Store(n_buckets=64, owner_threads=2, max_shard_elems=1 << 17)  # 512 KiB shards
+    spec = TensorSpec("w", (ELEMS,))
+    t = store.define(
+        spec, Optimizer("adagrad", 0.1), normalize_init({"kind": "zeros"}, (ELEMS,)), None
+    )
+    return store, list(t.shards.values())
+
+
+def push_all(store: Store, states: list, x: float) -> None:
+    from concurrent.futures import Future
+
+    fut: Future = Future()
+    parts = [(st, Dense(np.full(st.value.size, x, np.float32))) for st in states]
+    store.push(parts, lambda r, e: fut.set_exception(e) if e else fut.set_result(r))
+    fut.result(30)
+
+
+def test_a_whole_model_flush_holds_one_chunk_and_the_file_stays_near_the_state(
+    tmp_path: Path,
+) -> None:
+    store, states = make_store()
+    state_bytes = 2 * 4 * ELEMS
+    p = Persister(tmp_path / "db", map_size=1 << 30)
+    try:
+        flusher = Flusher(store, p, interval=3600, chunk_bytes=CHUNK)
+        peaks = []
+        for i in range(6):  # every flush rewrites the whole state
+            push_all(store, states, 1e-3 * (i + 1))
+            gc.collect()
+            tracemalloc.start()
+            stats = flusher.flush()
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+            assert stats["chunks"] >= state_bytes // CHUNK
+            assert stats["bytes"] >= state_bytes and flusher.loss_window() == 0.0
+        # What the flush allocates in Python: one chunk's records (and a shard of slack), not
+        # the state (a single cut of everything held the whole state, packed twice).
+        assert max(peaks) < 2 * CHUNK, [x / MiB for x in peaks]
+        size = (tmp_path / "db" / "data.mdb").stat().st_blocks * 512
+        # Copy-on-write needs free pages for the chunks in flight, not for a second state.
+        assert size <= state_bytes + 4 * CHUNK, size / state_bytes
+        want = {st.id: (st.value.copy(), st.accum.copy()) for st in states}
+    finally:
+        p.close()
+        store.close()
+    # What the chunks wrote is the state at the last flush, every shard of it.
+    with lmdb.open(str(tmp_path / "db"), max_dbs=6, lock=False, readonly=True) as env:
+        with env.begin() as txn:
+            got = {
+                bytes(k).decode(): _unpack(unseal(v))
+                for k, v in txn.cursor(env.open_db(b"shards", txn=txn))
+            }
+    assert set(got) == set(want)
+    for sid, (value, accum) in want.items():
+        assert got[sid][0] == 6 and np.array_equal(got[sid][1], value)
+        assert np.array_equal(got[sid][2], accum)
+
+
+def test_each_chunk_writes_its_buckets_positions_and_the_held_set_drops_the_others(
+    tmp_path: Path,
+) -> None:
+    store, states = make_store()
+    p = Persister(tmp_path / "db", map_size=1 << 30)
+    seq = {"n": 0}
+    held = set(range(64))
+    cuts = []
+
+    def cut(buckets):  # a replicated server's cut: the buckets' shards and positions at once
+        snaps = store.begin_snapshot(buckets)(60.0)
+        seq["n"] += 1
+        pos = {b: Position(1, seq["n"], []) for b in held if buckets is None or b in buckets}
+        cuts.append(sorted(pos))
+        return snaps, pos, set(held)
+
+    try:
+        flusher = Flusher(store, p, interval=3600, chunk_bytes=CHUNK)
+        flusher.cut = cut
+        push_all(store, states, 1.0)
+        flusher.flush()
+        assert len(cuts) > 1
+        # every bucket is in exactly one chunk, its shards and its position in one transaction
+        assert sorted(b for c in cuts for b in c) == list(range(64))
+        on_disk = p.load_positions()
+        assert set(on_disk) == set(range(64))
+        for i, c in enumerate(cuts):
+            assert {on_disk[b].seq for b in c} <= {i + 1}
+        held.discard(5)
+        cuts.clear()
+        push_all(store, states, 1.0)
+        flusher.flush()
+        assert set(p.load_positions()) == set(range(64)) - {5}
+    finally:
+        p.close()
+        store.close()
