@@ -117,8 +117,6 @@ class Cluster:
 def save(cluster: Cluster, to: Path) -> dict[str, Any]:
     """Every bucket's state, each cut on its primary; returns the manifest written."""
     t0 = time.perf_counter()
-    to.mkdir(parents=True, exist_ok=True)
-    (to / MANIFEST).unlink(missing_ok=True)  # a half-overwritten directory is no checkpoint
     statuses = cluster.server_status()
     n_buckets = int(statuses[0]["n_buckets"])
     max_shard = int(statuses[0]["config"]["max_shard_elems"])
@@ -157,27 +155,38 @@ def save(cluster: Cluster, to: Path) -> dict[str, Any]:
         arrays[name] = value.reshape(spec.shape)
         if accum is not None:
             arrays[f"{name}/accum"] = accum.reshape(spec.shape)
-    files = {TENSORS: arrays, ROWS: rows}
+    return write(
+        to,
+        arrays,
+        rows,
+        {
+            "n_buckets": n_buckets,
+            "max_shard_elems": max_shard,
+            "tensors": [defs[n] for n in sorted(defs)],
+            "tables": [tables[n] for n in sorted(tables)],
+            "consistent": False,
+            "cuts": cuts,
+            "progress": cluster.controller_json("/progress"),
+            "seconds": time.perf_counter() - t0,
+        },
+    )
+
+
+def write(
+    to: Path, arrays: dict[str, np.ndarray], rows: dict[str, np.ndarray], fields: dict[str, Any]
+) -> dict[str, Any]:
+    """The files of a checkpoint, each complete and synced before the manifest that lists them
+    (written last, by rename): a crash mid-save leaves no manifest, never a wrong one."""
+    to.mkdir(parents=True, exist_ok=True)
+    (to / MANIFEST).unlink(missing_ok=True)
     listing: dict[str, dict[str, Any]] = {}
-    for fname, content in files.items():
+    for fname, content in ((TENSORS, arrays), (ROWS, rows)):
         tmp = to / f".{fname}.tmp"
         save_file(content, str(tmp))
         _fsynced(tmp)
         tmp.replace(to / fname)
         listing[fname] = {"bytes": (to / fname).stat().st_size, "sha256": _sha256(to / fname)}
-    manifest = {
-        "format": FORMAT,
-        "created": time.time(),
-        "n_buckets": n_buckets,
-        "max_shard_elems": max_shard,
-        "tensors": [defs[n] for n in sorted(defs)],
-        "tables": [tables[n] for n in sorted(tables)],
-        "files": listing,
-        "consistent": False,
-        "cuts": cuts,
-        "progress": cluster.controller_json("/progress"),
-        "seconds": time.perf_counter() - t0,
-    }
+    manifest = {"format": FORMAT, "created": time.time(), **fields, "files": listing}
     tmp = to / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1, default=_plain))
     _fsynced(tmp)
