@@ -4,17 +4,30 @@ path; bad installs get a 4xx naming the problem and change nothing."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from adamps import web as aweb
 from adamps.layout import stable_bucket
+from adamps.procs import free_port
 from adamps.rpc import AsyncRpc, RpcError
+from adamps.server.app import ParameterServer
+from adamps.server.config import PsConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_ps_app import TOKEN, start  # noqa: E402  (the PS fixture of this directory)
+TOKEN = "ckpt-test-token"
+
+
+async def start(tmp: Path) -> tuple[ParameterServer, aweb.web.AppRunner, AsyncRpc]:
+    """A standalone server on loopback (every bucket), as test_ps_app.py starts one."""
+    port = free_port()
+    cfg = PsConfig(port=port, token=TOKEN, data_dir=str(tmp / "ps"), owner_threads=2,
+                   flush_interval=3600, max_shard_elems=1000)  # fmt: skip
+    ps = ParameterServer(cfg)
+    runner = await aweb.serve(ps.make_app(), "127.0.0.1", port)
+    return ps, runner, AsyncRpc(f"http://127.0.0.1:{port}", TOKEN)
+
 
 ADA = {"name": "w", "shape": [2000], "init": {"kind": "normal", "std": 0.1, "seed": 1},
        "optimizer": {"kind": "adagrad", "lr": 0.1}}  # fmt: skip
@@ -104,7 +117,6 @@ async def test_checkpoint_ops_need_the_cluster_token(tmp_path: Path) -> None:
         with pytest.raises(RpcError) as err:
             await anon.call("ckpt_read", bucket=0)
         assert err.value.http_status == 401
-        assert TOKEN
     finally:
         await anon.close()
         await c.close()

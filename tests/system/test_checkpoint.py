@@ -6,6 +6,7 @@ directory restored from its checkpoint, training on."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -17,10 +18,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from adamps.checkpoint import Cluster, save
+from adamps.checkpoint import Cluster, save, write
 from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
 from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
+from adamps.rpc import SyncRpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replicated_cluster import (  # noqa: E402  (in tests/; the tests import in importlib mode)
@@ -121,7 +123,8 @@ def test_round_trip_from_3_servers_under_load_onto_1_and_5(tmp_path: Path) -> No
         load = ExactnessLoad(client, layout, "x", threads=3)
         load.start()
         time.sleep(1.0)
-        acked_before = set(load.out.acked)
+        with load.out.lock:
+            acked_before = set(load.out.acked)
         r = _cli(a, "save", "--to", str(ckpt))
         time.sleep(0.5)
         load.stop()
@@ -133,12 +136,119 @@ def test_round_trip_from_3_servers_under_load_onto_1_and_5(tmp_path: Path) -> No
     assert sorted(manifest["cuts"]) == sorted(str(b) for b in range(N_BUCKETS))
     assert all(cut["seq"] is not None and cut["epoch"] > 0 for cut in manifest["cuts"].values())
     x = load_file(str(ckpt / "tensors.safetensors"))["x"]
-    # A cut of acknowledged pushes: each element 0 or 1, every push acknowledged before the
-    # save began present.
-    assert set(np.unique(x)) <= {0.0, 1.0}
-    assert all(x[i] == 1.0 for i in acked_before) and len(acked_before) > 20
+    assert len(acked_before) > 20
+    _cut_is_of_acknowledged_pushes(x, acked_before, set(load.out.failed))
     for n in (1, 5):
         with cluster_of(tmp_path / f"b{n}", n) as b:
             rows = _restored_matches(b, ckpt, tmp_path / f"b{n}")
             # No push reached the rows during the save: the restored rows are the source's.
             assert rows.tobytes() == rows_before.tobytes()
+
+
+def _cut_is_of_acknowledged_pushes(x: np.ndarray, acked_before: set[int], failed: set[int]) -> None:
+    """A checkpoint of ExactnessLoad's tensor is a cut of its pushes: every element 0 or 1,
+    every push acknowledged before the save began present, no refused push present."""
+    assert set(np.unique(x)) <= {0.0, 1.0}
+    missing = [i for i in acked_before if x[i] != 1.0]
+    assert not missing, f"acknowledged before the save, absent from it: {missing[:10]}"
+    present = [i for i in failed if x[i] != 0.0]
+    assert not present, f"refused pushes present in the checkpoint: {present[:10]}"
+
+
+def test_a_primary_sigkilled_during_a_save(tmp_path: Path) -> None:
+    """The save either completes with a correct cut (the killed primary's buckets read from
+    their new primaries) or fails with a clear error and leaves no manifest."""
+    ckpt = tmp_path / "ckpt"
+    with running_cluster(tmp_path / "a", n_servers=4) as a:
+        client, layout = make_client(a)
+        load = ExactnessLoad(client, layout, "x", threads=3)
+        load.start()
+        time.sleep(1.0)
+        view = a.cluster()
+        victim = max(a.server_ids,
+                     key=lambda s: sum(b["primary"] == s for b in view["buckets"]))  # fmt: skip
+        with load.out.lock:
+            acked_before = set(load.out.acked)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "adamps", "checkpoint", "save", "--to", str(ckpt),
+             "--controllers", ",".join(a.controllers), "--token", TOKEN],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        a.kill(victim)
+        out, err = proc.communicate(timeout=120)
+        time.sleep(0.5)
+        load.stop()
+        with load.out.lock:
+            failed = set(load.out.failed)
+        client.close()
+        if proc.returncode != 0:  # a clear error, and no checkpoint to restore wrong data
+            assert "adamps checkpoint save:" in err and not (ckpt / "manifest.json").exists()
+            return
+    x = load_file(str(ckpt / "tensors.safetensors"))["x"]
+    _cut_is_of_acknowledged_pushes(x, acked_before, failed)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert any(cut["epoch"] > 1 for cut in manifest["cuts"].values()), (
+        "no bucket was read from a primary promoted after the kill"
+    )
+    with cluster_of(tmp_path / "b", 3) as b:
+        _restored_matches(b, ckpt, tmp_path / "b")
+
+
+def test_disaster_recovery_every_data_dir_lost(tmp_path: Path) -> None:
+    """Every server's data directory is lost; a new cluster restored from the checkpoint takes
+    pushes on top of it, exactly once; a second restore onto it is refused (not empty) unless
+    --force, and the refusal changes nothing."""
+    ckpt = tmp_path / "ckpt"
+    with running_cluster(tmp_path / "a", n_servers=3) as a:
+        client, _ = make_client(a)
+        ones = np.zeros(TENSOR.shape, np.float32)
+        ones[::7] = 1.0
+        client.push_dense("x", ones)
+        r = _cli(a, "save", "--to", str(ckpt))
+        assert r.returncode == 0, r.stderr
+        client.push_dense("x", ones)  # after the checkpoint: lost with the disks
+        client.close()
+    for d in (tmp_path / "a").glob("ps*"):  # the disaster
+        shutil.rmtree(d)
+    with running_cluster(tmp_path / "b", n_servers=3) as b:
+        r = _cli(b, "restore", "--from", str(ckpt))
+        assert r.returncode == 0, r.stderr
+        client, _ = make_client(b)
+        got, _ = client.pull(["x"])
+        assert got["x"].tobytes() == ones.tobytes()
+        # Training continues on the restored state: pushes add exactly once on top of it.
+        client.push_dense("x", ones)
+        got, _ = client.pull(["x"])
+        assert got["x"].tobytes() == (2 * ones).tobytes()
+        refused = _cli(b, "restore", "--from", str(ckpt))
+        assert refused.returncode == 1 and "already holds tensors ['x']" in refused.stderr
+        assert "--force" in refused.stderr
+        got, _ = client.pull(["x"])
+        assert got["x"].tobytes() == (2 * ones).tobytes()  # nothing changed
+        forced = _cli(b, "restore", "--from", str(ckpt), "--force")
+        assert forced.returncode == 0, forced.stderr
+        got, _ = client.pull(["x"])
+        assert got["x"].tobytes() == ones.tobytes()
+        # Checkpoints whose layout does not fit this cluster: refused before any write.
+        sgd = {"kind": "sgd", "lr": -1.0}
+        other = tmp_path / "other-shape"
+        write(other, {"x": np.zeros(10, np.float32)}, {},
+              {"n_buckets": N_BUCKETS, "tensors": [{"name": "x", "shape": [10],
+               "optimizer": sgd}], "tables": []})  # fmt: skip
+        r = _cli(b, "restore", "--from", str(other), "--force")
+        assert r.returncode == 1 and "layout mismatch: tensor 'x' is [10]" in r.stderr
+        rows = tmp_path / "other-buckets"
+        write(rows, {"y": np.zeros(3, np.float32)}, {"t#rows/0": np.zeros(8, np.uint8)},
+              {"n_buckets": 3, "tensors": [{"name": "y", "shape": [3], "optimizer": sgd}],
+               "tables": [{"name": "t", "dim": 2}]})  # fmt: skip
+        r = _cli(b, "restore", "--from", str(rows), "--force")
+        assert r.returncode == 1 and "hashed into 3 buckets, the cluster has 8" in r.stderr
+        got, _ = client.pull(["x"])
+        assert got["x"].tobytes() == ones.tobytes()
+        statuses = []
+        for addr in b.servers:
+            with SyncRpc(addr, TOKEN) as rpc:
+                statuses.append(rpc.get_json("/status"))
+        assert all(set(st["tensors"]) == {"x"} for st in statuses)  # no 'y' created
+        digests_agree(b)
+        client.close()
