@@ -34,7 +34,7 @@ import numpy as np
 from adamps.checkpoint import Cluster, restore, save
 from adamps.client import ControllerRouting, PSClient
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import FAST_CONTROLLER_OPTS, LocalCluster
+from adamps.localcluster import LocalCluster
 
 TOKEN = "bench-token"
 N_BUCKETS = 16
@@ -44,7 +44,8 @@ SHARD = 1 << 18  # 1 MB shards (the default)
 def start(root: str) -> LocalCluster:
     c = LocalCluster(
         root, token=TOKEN, n_servers=3, n_buckets=N_BUCKETS,
-        controller_opts={**FAST_CONTROLLER_OPTS, "lease-duration": 4.0},
+        # The default timings: creating 1 GB of tensors stalls a server's loop for longer than
+        # the tests' fast timings allow on 2 cores.
         ps_opts={"max-shard-elems": SHARD, "max-server-elems": 1 << 30,
                  "flush-interval": 1.0},
     )  # fmt: skip
