@@ -24,8 +24,10 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,8 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 ROWS = "rows.safetensors"
+#: buckets read at once by a save
+READERS = 4
 #: bytes of shards per ckpt_install request (under the servers' max_body)
 INSTALL_CHUNK = 32 << 20
 
@@ -73,12 +77,20 @@ class Cluster:
         self.token = token if token is not None else os.environ.get("ADAMPS_TOKEN")
         self.source = ControllerRouting(controllers)
         self.retry_for = retry_for
-        self._rpcs: dict[str, SyncRpc] = {}
+        #: one connection per server and thread (a SyncRpc is one keep-alive connection)
+        self._local = threading.local()
+        self._all: list[SyncRpc] = []
+        self._lock = threading.Lock()
 
     def rpc(self, url: str) -> SyncRpc:
-        if url not in self._rpcs:
-            self._rpcs[url] = SyncRpc(url, self.token, 60.0)
-        return self._rpcs[url]
+        rpcs = getattr(self._local, "rpcs", None)
+        if rpcs is None:
+            rpcs = self._local.rpcs = {}
+        if url not in rpcs:
+            rpcs[url] = SyncRpc(url, self.token, 60.0)
+            with self._lock:
+                self._all.append(rpcs[url])
+        return rpcs[url]
 
     def routing(self) -> Routing:
         return self.source.fetch(self.rpc)
@@ -107,7 +119,7 @@ class Cluster:
         return None
 
     def close(self) -> None:
-        for r in self._rpcs.values():
+        for r in self._all:
             r.close()
 
 
@@ -125,8 +137,15 @@ def save(cluster: Cluster, to: Path) -> dict[str, Any]:
     shards: dict[str, dict[str, Any]] = {}
     rows: dict[str, np.ndarray] = {}
     cuts: dict[str, dict[str, Any]] = {}
-    for b in range(n_buckets):
-        snap = cluster.on_primary(b, lambda r, _n, b=b: r.call("ckpt_read", bucket=b))
+    # Buckets read in parallel (a few at a time: each reply is a bucket's whole state in memory).
+    with ThreadPoolExecutor(READERS) as pool:
+        snaps = list(
+            pool.map(
+                lambda b: cluster.on_primary(b, lambda r, _n: r.call("ckpt_read", bucket=b)),
+                range(n_buckets),
+            )
+        )
+    for b, snap in enumerate(snaps):
         cuts[str(b)] = {"epoch": snap["epoch"], "seq": snap["seq"]}
         for d in snap["tensors"]:
             defs[d["name"]] = d
@@ -307,8 +326,8 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     for sid, a in rows.items():
         b = int(sid.rsplit("/", 1)[1])
         row_bucket.setdefault(b, {})[sid] = {"b": a.tobytes()}
-    installed = 0
-    for b in range(n_buckets):
+
+    def install_bucket(b: int) -> int:
         chunks: list[dict[str, Any]] = []
         size, cur = 0, {}
         for sid, rec in per_bucket.get(b, []):
@@ -319,25 +338,31 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
             size += rec["v"].nbytes * 2
         if cur:
             chunks.append(cur)
+        n = 0
         # A retried install may find its own first attempt applied (the outcome of a timed-out
         # or failed-over request is unknown): a retry overwrites with the same data, so it
         # forces; a first attempt on a shard that took updates is refused by the server.
         for chunk in chunks:
             cluster.on_primary(
                 b,
-                lambda r, n, b=b, c=chunk: r.call(
-                    "ckpt_install", bucket=b, shards=c, force=force or n > 1
+                lambda r, k, c=chunk: r.call(
+                    "ckpt_install", bucket=b, shards=c, force=force or k > 1
                 ),
             )
-            installed += len(chunk)
+            n += len(chunk)
         if b in row_bucket:
             cluster.on_primary(
                 b,
-                lambda r, n, b=b: r.call(
-                    "ckpt_install", bucket=b, rows=row_bucket[b], force=force or n > 1
+                lambda r, k: r.call(
+                    "ckpt_install", bucket=b, rows=row_bucket[b], force=force or k > 1
                 ),
             )
-            installed += len(row_bucket[b])
+            n += len(row_bucket[b])
+        return n
+
+    # Buckets installed in parallel: their primaries and replication rounds are independent.
+    with ThreadPoolExecutor(READERS) as pool:
+        installed = sum(pool.map(install_bucket, range(n_buckets)))
     return {"installed": installed, "seconds": time.perf_counter() - t0}
 
 
