@@ -18,6 +18,7 @@ it to `HolderLeases.on_granted` for every ``[bucket, epoch]`` in the reply's ``r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -131,11 +132,18 @@ class ControllerOps:
     """Every operation of the controllers' API, built once over `_run` (a value in the blocking
     client, an awaitable in the asyncio one). See docs/protocol-controller.md."""
 
+    #: signs a POST (method, path, body) as a server (adamps.peer_auth.server_call_header);
+    #: set by a parameter server that has its own key
+    signer: Callable[[str, str, bytes], tuple[tuple[str, str], ...]] | None = None
+
     def _run(self, call: Call) -> Any:
         raise NotImplementedError
 
     def _post(self, path: str, body: Any, then: Callable[[Any], Any] = _same) -> Any:
-        return self._run(Call(json_request("POST", path, body), then))
+        req = json_request("POST", path, body)
+        if self.signer is not None and req.body is not None:
+            req = dataclasses.replace(req, extra_headers=self.signer("POST", path, req.body))
+        return self._run(Call(req, then))
 
     def _get(self, path: str, if_not_found: Callable[[], Any] | None = None) -> Any:
         return self._run(Call(json_request("GET", path), if_not_found=if_not_found))

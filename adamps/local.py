@@ -161,6 +161,8 @@ class Run:
         self.history_path = self.run / "history.jsonl"
         #: Sandblaster: the coordinator's line per L-BFGS iteration (loss, held-out accuracy)
         self.iterations_path = self.run / "iterations.jsonl"
+        #: replica 0's final weights: a torch state_dict with --torch, else the numpy .npz
+        self.model_path = self.run / ("model.pt" if args.torch else "model.npz")
         self.samples: list[dict[str, Any]] = []
         self.t_train = 0.0
 
@@ -227,6 +229,11 @@ class Run:
             )).wait_http(f"http://127.0.0.1:{port}/healthz", 120)  # fmt: skip
             common += ["--coordinator", f"http://127.0.0.1:{port}"]
             self.coordinator = f"127.0.0.1:{port}"
+        if a.torch:
+            common += ["--torch", a.torch]
+        for arg in a.train_arg:  # FLAG=VALUE -> --flag VALUE
+            flag, _, value = arg.partition("=")
+            common += [f"--{flag.replace('_', '-')}", value]
         if a.http_only:
             common += ["--http-only"]
         if a.compress:
@@ -239,7 +246,7 @@ class Run:
             port = alloc()
             extra = ["--replica", str(r), "--metrics-port", str(port)]
             if r == 0:
-                extra += ["--history", str(self.history_path), "--out", str(self.run / "model.npz")]
+                extra += ["--history", str(self.history_path), "--out", str(self.model_path)]
             name = f"train{r}"
             proc = self.start("trainer", lambda e=extra, n=name: c.start_process(n, *common, *e))
             self.trainers.append((name, proc, f"127.0.0.1:{port}"))
@@ -327,7 +334,7 @@ class Run:
         sandblaster = a.algorithm == "sandblaster"
         after = f"{a.iterations} L-BFGS iterations" if sandblaster else f"{a.epochs} epochs"
         title = (
-            f"adamps up: adam-mnist, {a.trainers} replicas x {a.workers} worker(s), "
+            f"adamps up: {a.torch or 'adam-mnist'}, {a.trainers} replicas x {a.workers} worker(s), "
             f"{a.servers} PS, {after}"
         )
         if sandblaster:
@@ -360,7 +367,7 @@ class Run:
         result = {
             "heldout_accuracy": acc, "images_per_s": round(rate, 1), "images": images,
             "train_seconds": secs, "wall_seconds": round(wall, 1), "epochs": a.epochs,
-            "plot": str(plot), "model": str(self.run / "model.npz"),
+            "plot": str(plot), "model": str(self.model_path),
             "bytes_pushed_per_image": round(pushed / images, 1) if images else None,
         }  # fmt: skip
         (self.run / "result.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -25,6 +25,8 @@ from collections.abc import Iterable
 
 #: the HTTP header of a peer's request on /rpc: "<sender id> <hex HMAC of the body>"
 PEER_HEADER = "X-Adamps-Peer"
+#: the HTTP header of a server's call to the controllers: "<server id> <unix time> <hex HMAC>"
+SERVER_HEADER = "X-Adamps-Server"
 #: bytes of a MAC (appended to a data-plane frame's payload)
 MAC_SIZE = 32
 #: seconds a server's proof of its key stays valid (clocks of servers and controllers may differ)
@@ -84,3 +86,34 @@ def parse_header(value: str) -> tuple[str, bytes] | None:
         return sender, bytes.fromhex(hexmac)
     except ValueError:
         return None
+
+
+def _call_parts(server: str, when: int, method: str, path: str, body: bytes) -> list[bytes]:
+    return ["\0".join(("call", server, str(when), method, path, "")).encode(), body]
+
+
+def server_call_header(
+    key: bytes, server: str, when: int, method: str, path: str, body: bytes
+) -> str:
+    """SERVER_HEADER of server X's call to the controllers, under its own key S_X."""
+    return f"{server} {when} {mac(key, _call_parts(server, when, method, path, body)).hex()}"
+
+
+def server_call_ok(
+    peer_token: str, value: str, method: str, path: str, body: bytes, now: float
+) -> str | None:
+    """The server whose own key made SERVER_HEADER `value` for this call within PROOF_WINDOW of
+    now, or None."""
+    server, _, rest = value.strip().partition(" ")
+    when_s, _, hexmac = rest.partition(" ")
+    if not server or not when_s.isdigit() or len(hexmac) != 2 * MAC_SIZE:
+        return None
+    when = int(when_s)
+    if abs(now - when) > PROOF_WINDOW:
+        return None
+    try:
+        got = bytes.fromhex(hexmac)
+    except ValueError:
+        return None
+    key = server_key(peer_token, server)
+    return server if mac_ok(key, _call_parts(server, when, method, path, body), got) else None

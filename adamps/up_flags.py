@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 #: what the defaults were chosen to reach (measured: see docs/quickstart in the README)
@@ -50,6 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--epochs", type=int, default=DEFAULT_EPOCHS, help="training epochs (default: %(default)s)"
+    )
+    p.add_argument(
+        "--torch",
+        default="",
+        metavar="PKG.MODULE:FACTORY",
+        help="train a PyTorch model (adamps train --torch; extra adamps[torch]), e.g. "
+        "examples.torch_mnist:Net; the final state_dict goes to RUN_DIR/model.pt",
+    )
+    p.add_argument(
+        "--train-arg",
+        action="append",
+        default=[],
+        metavar="FLAG=VALUE",
+        help="an adamps train flag for every trainer, e.g. --train-arg optimizer=sgd "
+        "(repeatable; adamps train --help lists them)",
     )
     p.add_argument(
         "--buckets",
@@ -177,6 +193,14 @@ def check_args(a: argparse.Namespace) -> None:
             parse_taus(a.compress_tau.split(","))
         except ValueError as exc:
             raise UsageError(f"--compress-tau {a.compress_tau}: {exc}") from None
+    if a.torch:
+        need(re.fullmatch(r"[\w.]+:[\w.]+", a.torch) is not None, "--torch", a.torch,
+             "PKG.MODULE:FACTORY, e.g. examples.torch_mnist:Net")  # fmt: skip
+        need(a.algorithm == "downpour" and a.partitions == 1, "--torch", a.torch,
+             "Downpour replicas: no --algorithm sandblaster, no --partitions")  # fmt: skip
+    for arg in a.train_arg:
+        need(re.fullmatch(r"[a-z][a-z0-9_-]*=.*", arg) is not None, "--train-arg", arg,
+             "FLAG=VALUE, e.g. optimizer=sgd")  # fmt: skip
     need(a.controllers <= 9, "--controllers", a.controllers, "at most 9 (3 or 5 are usual)")
     need(a.iterations >= 1, "--iterations", a.iterations, "an integer >= 1")
     if a.target_accuracy is None:  # Sandblaster's 60 full-batch iterations reach less

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from adamps import peer_auth
 from adamps import web as aweb
 from adamps.protocol import ProtocolError
 from controller.config import ControllerConfig
@@ -116,6 +117,9 @@ class Forwarder:
             "Content-Type": request.headers.get("Content-Type", "application/json"),
             FORWARDED: self.raft.self_raft,
         }
+        server_proof = request.headers.get(peer_auth.SERVER_HEADER)
+        if server_proof is not None:  # the leader checks a server's call again
+            headers[peer_auth.SERVER_HEADER] = server_proof
         if self._session is None:
             self._session = aiohttp.ClientSession()
         self.m.forwarded.inc()

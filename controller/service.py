@@ -137,7 +137,7 @@ class ControllerService:
                 "n_buckets": self.cfg.n_buckets,
             }
 
-        return await self.forwarder.write(request, run)
+        return await self._server_write(request, sid, run)
 
     def _check_register(self, sid: str, address: str) -> None:
         """Refuses, before proposing, a registration that would hijack a live server's routes
@@ -222,6 +222,37 @@ class ControllerService:
                 reply["roles"] = roles
             return reply
 
+        return await self._server_write(request, sid, run)
+
+    async def _check_server(self, request: web.Request, server: str) -> None:
+        """With a peer token: refused (403) unless the call carries server `server`'s proof of
+        its own key over this very request (adamps.peer_auth.SERVER_HEADER): the calls only a
+        server makes (register, heartbeat, role changes, caught-up, release, drop-secondary)
+        cannot be made by a holder of the cluster token alone (issue 28)."""
+        if not self.cfg.peer_token:
+            return
+        value = request.headers.get(peer_auth.SERVER_HEADER)
+        body = await aweb.read_body(request)
+        prover = (
+            None
+            if value is None
+            else peer_auth.server_call_ok(
+                self.cfg.peer_token, value, request.method, request.path, body, time.time()
+            )
+        )
+        if prover is None or prover != server:
+            raise ProtocolError(
+                "forbidden",
+                f"{request.path} is a server's call: it needs server {server!r}'s proof of its "
+                f"own key ({peer_auth.SERVER_HEADER}); the cluster token is a client credential",
+            )
+
+    async def _server_write(self, request: web.Request, server: str, run: Any) -> web.Response:
+        try:
+            await self._check_server(request, server)
+        except ProtocolError as exc:
+            self.forwarder.refused(request, exc)
+            raise
         return await self.forwarder.write(request, run)
 
     async def h_peer_keys(self, request: web.Request) -> web.Response:
@@ -355,7 +386,18 @@ class ControllerService:
                 return ok_or_raise(await self.commit("drop_secondary", *args))
             raise ProtocolError("not_found", f"no bucket operation {op!r}")
 
-        return await self.forwarder.write(request, run)
+        if op == "declare-lost" or not self.cfg.peer_token:  # an operator's call
+            return await self.forwarder.write(request, run)
+        # The server whose call this is: the one it names (role-change, release) or the
+        # primary that reports (caught-up, drop-secondary).
+        try:
+            named = (await aweb.read_json(request)).get(
+                "server" if op in ("role-change", "release") else "primary"
+            )
+        except ProtocolError as exc:
+            self.forwarder.refused(request, exc)
+            raise
+        return await self._server_write(request, named if isinstance(named, str) else "", run)
 
     async def h_get_layout(self, request: web.Request) -> web.Response:
         self._applied()

@@ -33,6 +33,11 @@ class TrainConfig:
         "share a progress board; a new name starts a new run on servers that keep an old one's",
     )
     model: str = field("adam-mnist", help="built-in model name or a JSON model description")
+    torch: str = field(
+        "",
+        help="train a PyTorch model instead (extra adamps[torch]): PKG.MODULE:FACTORY, a callable "
+        "returning a torch.nn.Module (e.g. examples.torch_mnist:Net); --out then gets a state_dict",
+    )
     seed: int = field(0, help="seed of the initial weights (replica 0 creates the tensors)")
     epochs: int = field(5, help="training epochs (1-based epoch numbers 1..epochs)")
     batch_size: int = field(8, help="images per minibatch (one worker step)")
@@ -218,6 +223,10 @@ class TrainConfig:
             raise ValueError("warm_start must be >= 0")
         if self.partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {self.partitions}")
+        if self.torch and (self.partitions > 1 or self.coordinator):
+            raise ValueError("--torch trains Downpour replicas: no --partitions, no --coordinator")
+        if self.torch and not re.fullmatch(r"[\w.]+:[\w.]+", self.torch):
+            raise ValueError(f"torch must be PKG.MODULE:FACTORY, got {self.torch!r}")
         if self.partitions > 1:
             from trainer.partition import check_partitions
 

@@ -69,10 +69,27 @@ def serve(cfg: TrainConfig) -> int:
         from trainer.partition_launch import launch
 
         return launch(cfg)
-    from trainer.partitioned import make_replica
-
     registry = am.new_registry()
-    replica = make_replica(cfg, registry)
+    #: errors that name a bad model (exit 2, like a bad configuration), not a failed run
+    bad_model: tuple[type[Exception], ...] = ()
+    if cfg.torch:  # a user's PyTorch model (adamps.torch; torch is imported only then)
+        try:
+            from adamps.torch.main import make_torch_replica
+        except ImportError as exc:
+            log.error("--torch needs PyTorch: pip install 'adamps[torch]' (%s)", exc)
+            return 2
+        from adamps.torch.params import ModelError
+
+        bad_model = (ModelError,)
+        try:
+            replica: Any = make_torch_replica(cfg, registry)
+        except ModelError as exc:
+            log.error("%s", exc)
+            return 2
+    else:
+        from trainer.partitioned import make_replica
+
+        replica = make_replica(cfg, registry)
     started = time.time()
 
     def status() -> dict[str, Any]:
@@ -111,6 +128,9 @@ def serve(cfg: TrainConfig) -> int:
     except KeyboardInterrupt:
         log.info("interrupted")
         return 128 + (interrupted[0] if interrupted else signal.SIGINT)
+    except bad_model as exc:  # e.g. a tensor of the run on the servers with another shape
+        log.error("%s", exc)
+        return 2
     except Exception:
         if interrupted:
             log.info("interrupted")

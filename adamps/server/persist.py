@@ -49,6 +49,7 @@ import lmdb
 import numpy as np
 
 from adamps import protocol
+from adamps.config import ConfigError
 from adamps.layout import stable_bucket
 from adamps.server.checksum import CorruptRecord, seal, unseal
 from adamps.server.shards import Snapshot
@@ -272,8 +273,11 @@ class Persister:
             n = txn.stat(self._tensors)["entries"] + txn.stat(self._positions)["entries"]
         if stamp is not None:
             if bytes(stamp) != FORMAT:
-                raise RuntimeError(
-                    f"{self.path}: LMDB format {bytes(stamp)!r} is not this version's {FORMAT!r}"
+                self.env.close()
+                raise ConfigError(
+                    f"{self.path}: LMDB format {bytes(stamp)!r} is not this version's "
+                    f"{FORMAT!r} (written by a newer adamps?): run that version, or move the "
+                    "directory aside"
                 )
             return
         if n:

@@ -56,6 +56,8 @@ class PsMetrics:
             ["where"],
             registry=registry,
         )
+        for where in ("load", "scrub", "transfer"):
+            self.corrupt.labels(where)  # every series exists from the start (dashboards, alerts)
         self.scrubbed_bytes = Counter(
             "adamps_ps_scrubbed_bytes", "bytes of LMDB records verified by the scrub",
             registry=registry,

@@ -23,6 +23,7 @@ from adamps.core.replication import Batch
 from adamps.protocol import ProtocolError
 from adamps.server import bounds
 from adamps.server.compressed import signs_of_wire
+from adamps.server.repl_wire import install_of
 from adamps.server.store import Store
 from adamps.server.vecapply import KINDS
 
@@ -89,10 +90,49 @@ def check_update(store: Store, u: Any) -> None:
     elif kind == "c":
         st = store.shard(_str(u, "s"))
         signs_of_wire(u, st.shard.size)  # tau (finite, > 0, bounded), words or Rice stream
+    elif kind == "r":
+        _check_rows(store, u)
+    elif kind == "i":  # a checkpoint's shard restored whole (checkpoint_ops.py)
+        install_of(u, store.shard(_str(u, "s")))
+    elif kind == "j":  # a checkpoint's row shard restored whole
+        st = store.tables.shard(_str(u, "s"))
+        if not isinstance(u.get("b"), bytes):
+            raise _bad("a row install needs bytes 'b'")
+        try:
+            st.table.new_block().load_bytes(u["b"])
+        except Exception as exc:  # struct.error, ValueError: a damaged or foreign record
+            raise _bad(f"row install of {st.id}: not a row block: {exc}") from None
     elif kind == "v":
         _check_vec(u)
     else:
         raise _bad(f"unknown update kind {kind!r}")
+
+
+def _check_rows(store: Store, u: dict[str, Any]) -> None:
+    """An embedding table's rows of one bucket (tableops.row_update): what push_rows checked."""
+    st = store.tables.shard(_str(u, "s"))
+    ids, grads, when = u.get("i"), u.get("g"), u.get("t")
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 1 or not len(ids):
+        raise ProtocolError(
+            "bad_shape", "replicated batch: row ids must be a non-empty int64 array"
+        )
+    dim = st.table.spec.dim
+    if (
+        not isinstance(grads, np.ndarray)
+        or grads.dtype != np.float32
+        or grads.shape
+        != (
+            len(ids),
+            dim,
+        )
+    ):
+        raise ProtocolError(
+            "bad_shape",
+            f"replicated batch: row grads of {st.id} must be float32 [{len(ids)}, {dim}]",
+        )
+    bounds.check_dense(st.id, grads)
+    if isinstance(when, bool) or not isinstance(when, int | float) or not math.isfinite(when):
+        raise _bad("a row update's time 't' must be a finite number")
 
 
 def _check_vec(u: dict[str, Any]) -> None:

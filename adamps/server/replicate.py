@@ -130,6 +130,16 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         self.controller = AsyncControllerClient(
             self.cfg.controllers, self.cfg.token, self._session, timeout=5.0, retry_for=5.0
         )
+        own = self.peer_keys.own
+        if own is not None:  # the controllers take this server's calls from this server only
+
+            def sign(method: str, path: str, body: bytes) -> tuple[tuple[str, str], ...]:
+                value = peer_auth.server_call_header(
+                    own, self.server_id, int(time.time()), method, path, body
+                )
+                return ((peer_auth.SERVER_HEADER, value),)
+
+            self.controller.signer = sign
         if not self.peer_keys.enabled:
             log.warning(
                 "peer identity is off (no server_key or peer_token): any holder of the cluster "

@@ -481,7 +481,7 @@ class Nemesis:
             self.apply(step)
             why = settle(self.c, self.settle_timeout, self.registered)
             self.settled = why is None
-            self.note("settled" if self.settled else f"NOT settled: {why[:300]}")
+            self.note("settled" if self.settled else f"NOT settled: {why[:3000]}")
             time.sleep(step.gap)
         self.report.fault_seconds = round(time.monotonic() - self.t0, 1)
 
@@ -745,7 +745,7 @@ def run_nemesis(
             nem.run(duration)
             nem.heal()
             why = settle(c, 40.0)
-            nem.note("final: settled" if why is None else f"final: NOT settled: {why[:300]}")
+            nem.note("final: settled" if why is None else f"final: NOT settled: {why[:3000]}")
             time.sleep(1.0)
             load.stop()
             rows.stop()

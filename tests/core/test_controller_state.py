@@ -465,3 +465,22 @@ def test_tied_candidates_that_agree_are_no_conflict() -> None:
     m, _ = _tied_wave({"ps0": "0a", "ps1": "0a", "ps2": "0a"})
     m.reconcile(100.0 + WAIT)
     assert m.cluster_view()["unavailable"] == [] and getattr(m, "digest_conflicts", 0) == 0
+
+
+def test_a_server_that_cannot_persist_is_drained_until_it_can_again() -> None:
+    """Issue 29: a server reports it cannot persist (its heartbeat's not_durable): placement
+    moves its copies and primaries to the others, as from a draining server; once it can, it is
+    eligible again. With no durable server left, every live one stays eligible."""
+    m = cluster(4)
+    assert any("ps0" in bk["want"] for bk in m.buckets)
+    res = m.write_storage("ps0", "disk full: /data has 0 bytes free", 101.0)
+    assert res["ok"] and m.servers["ps0"]["not_durable"].startswith("disk full")
+    assert "ps0" not in m.eligible()
+    assert all("ps0" not in bk["want"] for bk in m.buckets), "its copies are to move"
+    m.write_storage("ps0", None, 102.0)
+    assert "ps0" in m.eligible() and "not_durable" not in m.servers["ps0"]
+    for s in ("ps0", "ps1", "ps2", "ps3"):
+        m.write_storage(s, "disk full", 103.0)
+    assert m.eligible() == ["ps0", "ps1", "ps2", "ps3"], "nowhere better to go"
+    assert m.write_storage("nobody", None, 104.0)["ok"] is False
+    validate(m)

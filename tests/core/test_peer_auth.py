@@ -113,3 +113,19 @@ def test_a_local_cluster_makes_a_peer_token_and_gives_trainers_none(tmp_path) ->
     assert not any("PEER" in k or "SERVER_KEY" in k for k in a.env)
     off = LocalCluster(tmp_path / "c", token="t" * 64, n_servers=1, peer_token="")
     assert off.server_key(0) == ""
+
+
+def test_a_servers_call_to_the_controllers_is_bound_to_it_and_to_the_request() -> None:
+    key = peer_auth.server_key(PEER_TOKEN, "ps0")
+    body = b'{"known_version": 3}'
+    hdr = peer_auth.server_call_header(key, "ps0", 1000, "POST", "/servers/ps0/heartbeat", body)
+    ok = peer_auth.server_call_ok
+    assert ok(PEER_TOKEN, hdr, "POST", "/servers/ps0/heartbeat", body, now=1010.0) == "ps0"
+    assert ok(PEER_TOKEN, hdr, "POST", "/servers/ps1/heartbeat", body, now=1010.0) is None
+    assert ok(PEER_TOKEN, hdr, "POST", "/servers/ps0/heartbeat", b"{}", now=1010.0) is None
+    assert ok(PEER_TOKEN, hdr, "POST", "/servers/ps0/heartbeat", body, now=5000.0) is None
+    assert ok("other", hdr, "POST", "/servers/ps0/heartbeat", body, now=1010.0) is None
+    forged = hdr.replace("ps0", "ps1", 1)  # another server's id on ps0's MAC
+    assert ok(PEER_TOKEN, forged, "POST", "/servers/ps0/heartbeat", body, now=1010.0) is None
+    for bad in ("", "ps0", "ps0 x y", "ps0 1000 zz"):
+        assert ok(PEER_TOKEN, bad, "POST", "/servers/ps0/heartbeat", body, now=1010.0) is None

@@ -166,3 +166,17 @@ def test_status_shows_each_servers_last_flush_its_age_and_durability() -> None:
     assert "01:00:00" in rows["ps0"] and "0.4s" in rows["ps0"] and "yes" in rows["ps0"]
     assert "02:00:00" in rows["ps1"] and "12.2s" in rows["ps1"] and "NO: disk full" in rows["ps1"]
     assert "unreachable" in rows["ps2"]
+
+
+def test_an_environment_of_an_unknown_format_is_refused_with_a_clear_message(
+    tmp_path: Path,
+) -> None:
+    from adamps.config import ConfigError
+
+    fill(tmp_path / "db").close()
+    env = lmdb.open(str(tmp_path / "db"), max_dbs=6, lock=False)
+    with env.begin(write=True) as txn:
+        txn.put(b"format", b"9", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(ConfigError, match="LMDB format b'9' is not this version's b'2'"):
+        Persister(tmp_path / "db", map_size=1 << 22)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from hypothesis import strategies as st
 from adamps import peer_auth, protocol
 from adamps.dataplane_client import ERROR, REQUEST, frame_header
 from adamps.localcluster import LocalCluster
-from adamps.rpc import RpcError, SyncRpc, rpc_request
+from adamps.rpc import RpcError, SyncRpc, json_request, rpc_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from frames import read_frame  # noqa: E402
@@ -147,6 +148,10 @@ def test_a_server_cannot_impersonate_another(cluster) -> None:
         with pytest.raises(RpcError) as err:
             rpc.send(dataclasses.replace(req, extra_headers=bad))
         assert err.value.http_status == 403 and "does not prove" in err.value.message
+        # ... and as itself it is not the bucket's primary at this epoch: refused by the copy
+        with pytest.raises(RpcError) as err:
+            signed(rpc, c, other, sec, "repl_prepare", **{**forged, "sender": other})
+        assert err.value.http_status == 409, err.value
     # and the controllers give a server's pair keys only to that server
     with SyncRpc(c.controllers[0], TOKEN) as ctl:
         with pytest.raises(RpcError) as err:
@@ -155,6 +160,42 @@ def test_a_server_cannot_impersonate_another(cluster) -> None:
             )
         assert err.value.http_status == 403
     assert _digest(t) == (t["committed"], t["digest"])
+
+
+def test_a_cluster_token_holder_cannot_make_a_servers_calls_to_the_controllers(cluster) -> None:
+    """The controllers take register, heartbeat, role changes, caught-up, release and
+    drop-secondary only with the named server's proof of its own key."""
+    c, client, layout = cluster
+    t = _target(c, layout)
+    primary, sec, epoch = t["primary"], t["secondary_id"], t["epoch"]
+    calls = [
+        (f"/servers/{sec}/heartbeat", {}),
+        (f"/servers/{sec}/register", {"address": "127.0.0.1:1"}),
+        ("/buckets/0/drop-secondary", {"primary": primary, "epoch": epoch, "server": sec}),
+        ("/buckets/0/role-change", {"server": sec, "prev_epoch": epoch}),
+        ("/buckets/0/release", {"server": primary, "epoch": epoch}),
+        ("/buckets/0/caught-up", {"primary": primary, "epoch": epoch, "server": sec}),
+    ]
+    with SyncRpc(c.controllers[0], TOKEN) as ctl:
+        for path, body in calls:
+            with pytest.raises(RpcError) as err:
+                ctl.post_json(path, body)
+            assert err.value.http_status == 403, (path, err.value)
+            assert "cluster token is a client credential" in err.value.message
+        # another server's own key does not make the primary's call either
+        req = json_request("POST", "/buckets/0/drop-secondary", calls[2][1])
+        assert req.body is not None
+        own = peer_auth.server_key(c.peer_token, t["other"])
+        hdr = peer_auth.server_call_header(
+            own, t["other"], int(time.time()), "POST", req.path, req.body
+        )
+        with pytest.raises(RpcError) as err:
+            ctl.send(dataclasses.replace(req, extra_headers=((peer_auth.SERVER_HEADER, hdr),)))
+        assert err.value.http_status == 403
+    view = c.cluster()
+    b0 = next(x for x in view["buckets"] if x["bucket"] == 0)
+    assert b0["primary"] == primary and sec in b0["secondaries"] and b0["epoch"] == epoch
+    digests_agree(c)
 
 
 def test_a_nan_batch_from_the_primary_itself_is_refused_by_the_secondary(cluster) -> None:

@@ -1,0 +1,13 @@
+"""PyTorch models on adamps: any ``torch.nn.Module`` as a Downpour replica (``pip install
+'adamps[torch]'``). See docs/training.md.
+
+- :class:`DownpourOptimizer`: ``loss.backward(); opt.step()`` in your own loop;
+- :class:`Replica`: ``Replica(model, loss_fn, ...).fit(loader)`` with Hogwild worker threads;
+- :func:`tensor_name`: the server tensor of a parameter in a run (``RUN..PARAM``).
+"""
+
+from adamps.torch.optimizer import Connection, DownpourOptimizer
+from adamps.torch.params import ModelError, tensor_name
+from adamps.torch.replica import Replica
+
+__all__ = ["Connection", "DownpourOptimizer", "ModelError", "Replica", "tensor_name"]

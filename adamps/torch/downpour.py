@@ -1,0 +1,246 @@
+"""Downpour SGD (DistBelief 4.1) for one worker of a torch replica: the rule, not the loop.
+
+Each step a worker brings the gradient of every parameter (dense, from ``p.grad`` or
+``torch.autograd.grad``) and the activation/error rows its ``nn.Linear`` layers recorded
+(adamps/torch/hooks.py). It
+
+1. applies the step locally (``p -= local_lr * g``, in place, without locks: the Hogwild
+   workers of a replica share the parameters), so the replica progresses between fetches;
+2. adds the gradient to what it will push (dense sums; the rows of each linear weight);
+3. every ``n_push`` steps pushes, per tensor, the smaller form: a linear weight's k activation
+   and error rows when ``k * (M + N) < M * N`` (the server computes ``e.T @ a``), else the dense
+   sum (for a linear weight ``e.T @ a`` computed here, which is its gradient); with a compressor,
+   Strom's threshold-quantized update when that is smaller (trainer/compress.py);
+4. every ``n_fetch`` steps replaces the parameters by the servers' values, plus the gradient it
+   has not sent yet (the compressor's residuals): local progress the servers do not have.
+
+Units: the servers apply ``w -= lr * g`` (SGD) to a pushed gradient ``g``, and ``W -= lr *
+e.T @ a`` to act/err rows (adamps/server/optim.py): both are gradients here, never deltas. So
+with one worker, SGD at the local rate, ``n_fetch = n_push = 1`` and no compression, the
+parameters after each step equal ``torch.optim.SGD``'s on the same batches.
+
+With ``asynchronous=True`` (the CLI's trainers) pushes and fetches are carried out in order by
+a background thread per worker, so computing never waits on the network (Adam 3.2: the
+trainer's communication is off the compute path); a full queue (two items) blocks the worker,
+which bounds how far it runs ahead of what the servers acknowledged. A fetch installs the
+servers' values directly into the shared parameters when it arrives (a Hogwild race, like every
+other update of the replica's copy). The synchronous default keeps the exact equivalence above.
+
+A worker's pushes carry the replica's client id and fresh sequence numbers: each one is applied
+exactly once, also when it is retried after a failover.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from adamps.torch.hooks import ActErrCapture
+from adamps.torch.params import Param
+from adamps.torch.remote import RemoteModel, flat_view, server_shape
+
+
+@dataclass
+class PushCounts:
+    """Totals of one replica (all workers); written under ``lock``."""
+
+    pushes: int = 0
+    fetches: int = 0
+    bytes_pushed: int = 0
+    #: bytes the linear weights' pushes took / would have taken as dense gradients
+    fc_bytes: int = 0
+    fc_dense_bytes: int = 0
+    forms: dict[str, int] = field(default_factory=lambda: {"fc": 0, "dense": 0, "compressed": 0})
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def use_act_err(k: int, shape: Sequence[int]) -> bool:
+    """Adam 3.2.6: k activation and error vectors are smaller than the M x N gradient."""
+    m, n = shape
+    return k * (m + n) < m * n
+
+
+class WorkerDownpour:
+    """One worker's accumulation, push and fetch schedule. Owned by that worker's thread."""
+
+    def __init__(
+        self,
+        remote: RemoteModel,
+        params: Sequence[Param],
+        capture: ActErrCapture | None,
+        *,
+        local_lr: float,
+        n_push: int = 1,
+        n_fetch: int = 1,
+        compressor: Any = None,
+        counts: PushCounts | None = None,
+        asynchronous: bool = False,
+    ) -> None:
+        if n_push < 1 or n_fetch < 1:
+            raise ValueError(f"n_push and n_fetch must be >= 1, got {n_push}, {n_fetch}")
+        self.remote = remote
+        self.params = list(params)
+        self.capture = capture
+        self.fc = set(capture.layers) if capture is not None else set()
+        self.local_lr = float(local_lr)
+        self.n_push = n_push
+        self.n_fetch = n_fetch
+        self.compressor = compressor
+        self.counts = counts if counts is not None else PushCounts()
+        self.steps = 0
+        self._dense: dict[str, np.ndarray] = {}
+        self._rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        #: the background thread's work ("push", parts) / ("fetch",), with asynchronous=True
+        self._q: queue.Queue[tuple[Any, ...] | None] | None = (
+            queue.Queue(maxsize=2) if asynchronous else None
+        )
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._fetch_queued = False
+
+    def step(self, grads: Mapping[str, torch.Tensor | None]) -> None:
+        """One minibatch's gradients (server tensor -> gradient; None: no gradient)."""
+        rows = self.capture.take() if self.capture is not None else {}
+        with torch.no_grad():
+            for p in self.params:
+                g = grads.get(p.tensor)
+                if g is None:
+                    continue
+                p.param.add_(g, alpha=-self.local_lr)  # Hogwild: no lock
+                if p.tensor in self.fc and p.tensor in rows:
+                    self._rows.setdefault(p.tensor, []).append(rows[p.tensor])
+                    continue
+                gn = g.detach().numpy().reshape(server_shape(p))
+                acc = self._dense.get(p.tensor)
+                if acc is None:
+                    self._dense[p.tensor] = gn.astype(np.float32, copy=True)
+                else:
+                    acc += gn
+        self.steps += 1
+        if self.steps % self.n_push == 0:
+            self.push()
+        if self.steps % self.n_fetch == 0:
+            self.fetch()
+
+    def parts(self) -> list[tuple[Any, ...]]:
+        """What a push sends, in gradient units, before compression; clears the accumulators."""
+        parts: list[tuple[Any, ...]] = []
+        c = self.counts
+        for tensor, rows in self._rows.items():
+            a = np.concatenate([r[0] for r in rows]) if len(rows) > 1 else rows[0][0]
+            e = np.concatenate([r[1] for r in rows]) if len(rows) > 1 else rows[0][1]
+            shape = self.remote.layout.tensors[tensor].shape
+            dense_bytes = 4 * shape[0] * shape[1]
+            with c.lock:
+                c.fc_dense_bytes += dense_bytes
+            if use_act_err(a.shape[0], shape):
+                parts.append(("fc", tensor, np.ascontiguousarray(a), np.ascontiguousarray(e)))
+            else:
+                parts.append(("dense", tensor, e.T @ a))
+        for tensor, g in self._dense.items():
+            parts.append(("dense", tensor, g))
+        self._rows = {}
+        self._dense = {}
+        return parts
+
+    def push(self) -> None:
+        """Sends what accumulated since the last push (nothing if nothing did)."""
+        parts = self.parts()
+        if parts:
+            self._do(("push", parts))
+
+    def fetch(self) -> None:
+        """The servers' values into the shared parameters, plus this worker's unsent residuals."""
+        if self._q is not None:
+            if self._fetch_queued:  # one pending fetch is enough: it reads the newest values
+                return
+            self._fetch_queued = True
+        self._do(("fetch",))
+
+    def flush(self) -> None:
+        """Pushes a partial accumulation and waits until every queued push is acknowledged."""
+        self.push()
+        if self._q is not None:
+            self._q.join()
+        self._raise()
+
+    def close(self) -> None:
+        """Flushes and stops the background thread."""
+        try:
+            self.flush()
+        finally:
+            if self._thread is not None and self._q is not None:
+                self._q.put(None)
+                self._thread.join(60)
+                self._thread = None
+
+    # -- carrying out pushes and fetches -----------------------------------------------------------
+
+    def _do(self, item: tuple[Any, ...]) -> None:
+        if self._q is None:
+            self._carry(item)
+            return
+        self._raise()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="downpour-io", daemon=True)
+            self._thread.start()
+        self._q.put(item)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _loop(self) -> None:
+        assert self._q is not None
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:  # after a failure: drain, the worker raises it
+                    self._carry(item)
+            except BaseException as exc:  # noqa: BLE001 - raised in the worker's thread
+                self._error = exc
+            finally:
+                self._q.task_done()
+
+    def _carry(self, item: tuple[Any, ...]) -> None:
+        if item[0] == "push":
+            self._send(item[1])
+        else:
+            self._fetch_queued = False
+            self._pull()
+
+    def _send(self, parts: list[tuple[Any, ...]]) -> None:
+        if self.compressor is not None:
+            parts, _ = self.compressor.compress(parts)
+        nbytes = self.remote.push(parts)
+        c = self.counts
+        with c.lock:
+            c.pushes += 1
+            c.bytes_pushed += nbytes
+            for kind, name, *arrays in parts:
+                c.forms[kind] = c.forms.get(kind, 0) + 1
+                if name in self.fc:
+                    c.fc_bytes += (
+                        arrays[0].nbytes if kind == "compressed" else sum(x.nbytes for x in arrays)
+                    )
+
+    def _pull(self) -> None:
+        self.remote.pull(self.params)
+        if self.compressor is not None:
+            with torch.no_grad():
+                for p in self.params:
+                    tc = self.compressor.tensors.get(p.tensor)
+                    if tc is not None:
+                        view = flat_view(p).reshape(-1)
+                        view += np.float32(-self.local_lr) * tc.residual
+        with self.counts.lock:
+            self.counts.fetches += 1

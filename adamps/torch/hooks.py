@@ -1,0 +1,83 @@
+"""Activation and error vectors of ``nn.Linear`` layers (Adam 3.2.6), captured by hooks.
+
+A layer ``y = x @ W.T + b`` with W of M x N has the weight gradient ``e.T @ a`` summed over the
+rows of a pass: ``a`` its inputs (k x N) and ``e`` the gradients of the loss with respect to its
+outputs (k x M). A forward hook keeps ``a`` and hangs a tensor hook on the output that keeps
+``e`` when the backward pass reaches it: exactly what autograd uses for ``W.grad``, including the
+loss's own scaling (a mean over the batch is already in ``e``). Inputs with more dimensions
+(sequences) are flattened to rows. A layer called several times in one pass (a shared layer, a
+recurrent step) records one pair per call: the gradient is their sum.
+
+Records are per thread: each Hogwild worker runs its own forward and backward passes and takes
+only its own rows. A forward without a backward (evaluation with grad on) leaves a record
+without errors, which ``take`` drops.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class ActErrCapture:
+    """Hooks on the given layers (server tensor -> layers sharing that weight)."""
+
+    def __init__(self, layers: dict[str, list[nn.Linear]]) -> None:
+        self.layers = layers
+        self._local = threading.local()
+        self._handles: list[Any] = []
+        for tensor, mods in layers.items():
+            for mod in mods:
+                self._handles.append(mod.register_forward_hook(self._hook(tensor, mod)))
+
+    def _records(self) -> dict[str, list[list[Any]]]:
+        recs = getattr(self._local, "records", None)
+        if recs is None:
+            recs = self._local.records = {}
+        return recs
+
+    def _hook(self, tensor: str, mod: nn.Linear) -> Any:
+        n_in, n_out = mod.in_features, mod.out_features
+
+        def forward_hook(_mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            if not (torch.is_grad_enabled() and mod.weight.requires_grad):
+                return
+            if not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return
+            rec: list[Any] = [inputs[0].detach().reshape(-1, n_in), None]
+            self._records().setdefault(tensor, []).append(rec)
+
+            def grad_hook(g: torch.Tensor) -> None:
+                e = g.detach().reshape(-1, n_out)
+                rec[1] = e if rec[1] is None else rec[1] + e  # backward(retain_graph) twice
+
+            output.register_hook(grad_hook)
+
+        return forward_hook
+
+    def take(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """This thread's rows since the last take: tensor -> (a k x N, e k x M), float32."""
+        recs = self._records()
+        self._local.records = {}
+        out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for tensor, rows in recs.items():
+            done = [r for r in rows if r[1] is not None]
+            if not done:
+                continue
+            a = torch.cat([r[0] for r in done]).to(torch.float32).numpy()
+            e = torch.cat([r[1] for r in done]).to(torch.float32).numpy()
+            out[tensor] = (a, e)
+        return out
+
+    def discard(self) -> None:
+        """Forgets this thread's rows (a step that pushes nothing, e.g. a skipped batch)."""
+        self._local.records = {}
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

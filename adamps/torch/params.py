@@ -1,0 +1,126 @@
+"""Which tensors of a ``torch.nn.Module`` live on the parameter servers, and under what names.
+
+Pure: no IO, no servers. A model's parameters are server tensors named
+``<run>..<parameter name>`` (``default..fc1.weight``): the run's namespace comes first, so two
+runs on the same servers never share a tensor by accident. The separator ``..`` cannot occur in a
+PyTorch parameter name (its parts are non-empty module and attribute names joined by single
+dots), so the name splits back unambiguously at its last ``..`` whatever the run's name.
+
+Every problem is found here, before anything is created on the servers: a parameter that is not
+float32 (the servers hold float32), two parameters under one name, a name the layout refuses.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from adamps.layout import LayoutError, TensorSpec
+
+SEP = ".."
+DEFAULT_RUN = "default"
+_RUN_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+class ModelError(ValueError):
+    """A model (or its parameters) that cannot train on the parameter servers; names the problem."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter and its server tensor."""
+
+    name: str  #: the name in ``named_parameters()``
+    tensor: str  #: the server tensor's name (run namespace included)
+    param: nn.Parameter
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.param.shape)
+
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.tensor, self.shape)
+
+
+def run_name(run: str | None) -> str:
+    run = run or DEFAULT_RUN
+    if not _RUN_RE.fullmatch(run):
+        raise ModelError(f"run must be 1-64 letters, digits, '_', '.', '-', got {run!r}")
+    return run
+
+
+def tensor_name(run: str | None, param: str) -> str:
+    """The server tensor of parameter `param` in run `run`."""
+    return f"{run_name(run)}{SEP}{param}"
+
+
+def split_name(tensor: str) -> tuple[str, str]:
+    """(run, parameter name) of a tensor named by :func:`tensor_name`."""
+    run, sep, param = tensor.rpartition(SEP)
+    if not sep or not run or not param or param.startswith("."):
+        raise ValueError(f"{tensor!r} is not a run's tensor name (RUN..PARAM)")
+    # 'a...b' is run 'a.' and param 'b': a parameter never starts with '.'
+    return run, param
+
+
+def model_params(
+    model: Any, run: str | None = None, named: Iterable[tuple[str, Any]] | None = None
+) -> list[Param]:
+    """The server tensors of `model` (``named_parameters()``, or the pairs `named`), checked."""
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"expected a torch.nn.Module, got {type(model).__name__}: {model!r:.80}")
+    run = run_name(run)
+    pairs: Sequence[tuple[str, Any]] = list(model.named_parameters() if named is None else named)
+    if not pairs:
+        raise ModelError(f"{type(model).__name__} has no parameters to train")
+    out: list[Param] = []
+    seen: dict[str, str] = {}
+    for name, p in pairs:
+        if not isinstance(p, torch.Tensor):
+            raise ModelError(f"parameter {name!r} is a {type(p).__name__}, not a tensor")
+        if not p.is_floating_point():
+            raise ModelError(
+                f"parameter {name!r} has dtype {p.dtype}: only floating-point parameters can "
+                "be trained (make it a buffer, or a float32 parameter)"
+            )
+        if p.dtype != torch.float32:
+            raise ModelError(
+                f"parameter {name!r} has dtype {p.dtype}: the servers hold float32 "
+                "(call model.float() first)"
+            )
+        if p.device.type != "cpu":
+            raise ModelError(f"parameter {name!r} is on {p.device}: adamps.torch trains on the CPU")
+        t = tensor_name(run, name)
+        if t in seen:
+            raise ModelError(f"two parameters are named {name!r}: names must be unique")
+        seen[t] = name
+        try:
+            TensorSpec(t, tuple(p.shape) if p.dim() else (1,))
+        except LayoutError as exc:
+            raise ModelError(f"parameter {name!r}: {exc}") from None
+        out.append(Param(name, t, p))
+    return out
+
+
+def linear_weights(model: nn.Module, params: Sequence[Param]) -> dict[str, list[nn.Linear]]:
+    """Server tensor -> the ``nn.Linear`` layers whose weight it is: the weights that may push
+    activation and error vectors. A weight also held by a module that is not an ``nn.Linear``
+    (e.g. tied to an embedding) is left out: its gradient has other terms than the layers'."""
+    by_id = {id(p.param): p for p in params}
+    holders: dict[str, list[nn.Module]] = {}
+    for mod in model.modules():
+        for attr, p in mod.named_parameters(recurse=False):
+            if id(p) in by_id:
+                holders.setdefault(by_id[id(p)].tensor, []).append(
+                    mod if attr == "weight" else None
+                )
+    return {
+        t: mods  # type: ignore[misc]
+        for t, mods in holders.items()
+        if all(isinstance(m, nn.Linear) for m in mods)
+    }

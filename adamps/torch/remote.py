@@ -1,0 +1,190 @@
+"""A PyTorch model's parameters on the parameter servers: check, create, pull, push.
+
+Everything goes through the one ``PSClient`` (routing, retries, the data plane, exactly-once
+``(client, seq)`` pushes), so a torch replica reaches the servers' state by the same
+validate -> lease -> replicate -> apply path as the numpy trainer.
+
+Creation is all or nothing from the model's side: every server is asked which tensors it holds
+(``list``) before anything is created, and a tensor of this run that exists with another shape
+stops the run with its name and both shapes, having created nothing. Tensors that exist with the
+right shape are a run being resumed (a restarted replica 0): they are kept, not re-initialised.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from adamps.client import ControllerRouting, PSClient, StaticRouting, routing_from_table
+from adamps.layout import Layout
+from adamps.rpc import RpcError, SyncRpc, get_json
+from adamps.torch.params import ModelError, Param
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("sgd", "adagrad")
+
+
+def server_shape(p: Param) -> tuple[int, ...]:
+    """A 0-dim parameter is a tensor of one element on the servers."""
+    return p.shape or (1,)
+
+
+def flat_view(p: Param) -> np.ndarray:
+    """The parameter's memory as a float32 array of its server shape (no copy)."""
+    return p.param.detach().numpy().reshape(server_shape(p))
+
+
+def optimizer_spec(kind: str, lr: float, adagrad_initial: float = 0.1) -> dict[str, Any]:
+    if kind not in OPTIMIZERS:
+        raise ModelError(f"optimizer must be one of {list(OPTIMIZERS)}, got {kind!r}")
+    spec: dict[str, Any] = {"kind": kind, "lr": float(lr)}
+    if kind == "adagrad":
+        spec["initial_accumulator"] = float(adagrad_initial)
+    return spec
+
+
+class RemoteModel:
+    """The servers' copy of a list of :class:`Param`. Thread-safe (``PSClient`` is)."""
+
+    def __init__(
+        self,
+        params: Sequence[Param],
+        *,
+        controllers: Sequence[str] = (),
+        ps: Sequence[str] = (),
+        token: str | None = None,
+        http_only: bool = False,
+        retry_for: float = 60.0,
+    ) -> None:
+        if not controllers and not ps:
+            raise ModelError("give the controllers (controllers=[...]) or the servers (ps=[...])")
+        self.params = list(params)
+        self.by_tensor = {p.tensor: p for p in self.params}
+        specs = [p.spec() for p in self.params]
+        specs = [type(s)(s.name, server_shape(p)) for s, p in zip(specs, self.params, strict=True)]
+        routing: Any
+        if controllers:
+            table = _first_answer(controllers, "/routing")
+            # the shard size is the servers' (they cut tensors themselves): ask one of them
+            servers = routing_from_table(table).servers()
+            status = _first_answer(servers, "/status") if servers else {}
+            max_elems = int(status.get("config", {}).get("max_shard_elems", 262_144))
+            layout = Layout(specs, int(table["n_buckets"]), max_elems)
+            routing = ControllerRouting(controllers)
+        else:
+            status = get_json(ps[0], "/status")
+            max_elems = int(status.get("config", {}).get("max_shard_elems", 262_144))
+            layout = Layout(specs, int(status["n_buckets"]), max_elems)
+            routing = StaticRouting(ps, int(status["n_buckets"]))
+        self.layout = layout
+        self.client = PSClient(
+            routing, layout, token, retry_for=retry_for, data_plane=not http_only
+        )
+
+    # -- definition ------------------------------------------------------------------------------
+
+    def existing(self) -> dict[str, tuple[int, ...]]:
+        """The shapes of this model's tensors that some server already holds."""
+        found: dict[str, tuple[int, ...]] = {}
+        for url in self.client.routing(refresh=True).servers():
+            rpc = SyncRpc(url, self.client.token, self.client.timeout)
+            try:
+                tensors = rpc.call("list")["tensors"]
+            finally:
+                rpc.close()
+            for t in tensors:
+                if t["name"] in self.by_tensor:
+                    found[t["name"]] = tuple(t["shape"])
+        return found
+
+    def check(self) -> dict[str, tuple[int, ...]]:
+        """Raises ModelError naming every tensor held on the servers with another shape."""
+        found = self.existing()
+        wrong = [
+            f"{p.tensor!r} (parameter {p.name!r}) is {list(found[p.tensor])} on the servers, "
+            f"{list(server_shape(p))} in the model"
+            for p in self.params
+            if p.tensor in found and found[p.tensor] != server_shape(p)
+        ]
+        if wrong:
+            raise ModelError(
+                "tensors already on the servers have other shapes (another model in this run? "
+                "give another --run): " + "; ".join(wrong)
+            )
+        return found
+
+    def create(self, optimizer: Mapping[str, Any]) -> list[str]:
+        """Creates the tensors the servers do not hold yet, with the model's current values;
+        returns their names. Checks every tensor first: a conflict creates nothing."""
+        found = self.check()
+        made = []
+        for p in self.params:
+            if p.tensor in found:
+                continue
+            values = np.array(flat_view(p), dtype=np.float32, copy=True)
+            self.client.create(
+                p.spec().__class__(p.tensor, server_shape(p)),
+                init={"kind": "values", "values": values},
+                optimizer=dict(optimizer),
+            )
+            made.append(p.tensor)
+        if found:
+            log.info("%d tensors of this run exist on the servers: resumed", len(found))
+        return made
+
+    # -- values ------------------------------------------------------------------------------------
+
+    def pull(self, params: Sequence[Param] | None = None) -> None:
+        """Copies the servers' values into the parameters (in place, no allocation)."""
+        params = self.params if params is None else params
+        with torch.no_grad():
+            self.client.pull(
+                [p.tensor for p in params], out={p.tensor: flat_view(p) for p in params}
+            )
+
+    def values(self) -> dict[str, np.ndarray]:
+        """The servers' values, by parameter name (not written into the model)."""
+        got, _ = self.client.pull([p.tensor for p in self.params])
+        return {p.name: got[p.tensor].reshape(p.shape) for p in self.params}
+
+    def push(self, parts: Sequence[tuple[Any, ...]]) -> int:
+        """Sends a push's parts in gradient units: ``("fc", t, a, e)``, ``("dense", t, g)``,
+        ``("compressed", t, Encoded)`` (trainer/compress.py's forms). One exactly-once request
+        per form (and per fc tensor). Returns the array payload bytes sent."""
+        dense: dict[str, np.ndarray] = {}
+        compressed: dict[str, Any] = {}
+        nbytes = 0
+        for kind, name, *arrays in parts:
+            if kind == "fc":
+                self.client.push_fc(name, arrays[0], arrays[1])
+                nbytes += arrays[0].nbytes + arrays[1].nbytes
+            elif kind == "compressed":
+                compressed.update(arrays[0].shards)
+                nbytes += arrays[0].nbytes
+            else:
+                g = arrays[0].reshape(self.layout.tensors[name].shape)
+                dense[name] = g
+                nbytes += g.nbytes
+        if compressed:
+            self.client.push_compressed(compressed)
+        if dense:
+            self.client.push_dense_many(dense)
+        return nbytes
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _first_answer(urls: Sequence[str], path: str) -> Any:
+    errors = []
+    for url in urls:
+        try:
+            return get_json(url, path)
+        except (OSError, RpcError, ValueError) as exc:
+            errors.append(f"{url}: {exc}")
+    raise ConnectionError(f"none of {list(urls)} answered {path}: " + "; ".join(errors))
