@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from adamps.protocol import ProtocolError, require
-from adamps.server.install import RowInstall
-from adamps.server.repl_wire import install_of, install_update, row_install_update
+from adamps.server.install import RowInstall, install_of
+from adamps.server.repl_wire import install_update, row_install_update
 from adamps.server.replicate import Replicator
 from adamps.server.rowtables import RowShardState
 from adamps.server.store import Store

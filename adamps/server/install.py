@@ -7,8 +7,11 @@ bit-identical to the checkpoint."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from adamps.protocol import ProtocolError
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,3 +36,18 @@ class RowInstall:
     """A row shard's whole state as ``RowBlock.tobytes`` wrote it."""
 
     data: bytes
+
+
+def install_of(u: dict[str, Any], st: Any) -> Install:
+    """The checked store form of an install update: float32 arrays of the shard's size, and
+    an accumulator exactly when given (a peer's batch is checked like a client's request)."""
+    arrays = [u.get("v"), u.get("a")]
+    for name, a in zip(("values", "accumulator"), arrays, strict=True):
+        if a is None and name == "accumulator":
+            continue
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.size != st.shard.size:
+            raise ProtocolError(
+                "bad_shape",
+                f"install of shard {st.id}: {name} must be float32 of {st.shard.size} elements",
+            )
+    return Install(arrays[0], arrays[1])

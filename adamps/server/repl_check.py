@@ -23,7 +23,7 @@ from adamps.core.replication import Batch
 from adamps.protocol import ProtocolError
 from adamps.server import bounds
 from adamps.server.compressed import signs_of_wire
-from adamps.server.repl_wire import install_of
+from adamps.server.install import install_of
 from adamps.server.store import Store
 from adamps.server.vecapply import KINDS
 

@@ -14,7 +14,7 @@ from adamps.core.replication import Assignment, Batch, BucketReplica
 from adamps.protocol import ProtocolError, require
 from adamps.server import checksum, vecwire
 from adamps.server.compressed import signs_of_wire
-from adamps.server.install import Install, RowInstall
+from adamps.server.install import RowInstall, install_of
 from adamps.server.optim import Dense
 from adamps.server.rowblock import RowPush
 from adamps.server.shards import ShardState, fc_parts
@@ -70,21 +70,6 @@ def install_update(sid: str, value: np.ndarray, accum: np.ndarray | None) -> dic
 
 def row_install_update(sid: str, data: bytes) -> dict[str, Any]:
     return {"k": "j", "s": sid, "b": data}
-
-
-def install_of(u: dict[str, Any], st: ShardState) -> Install:
-    """The checked store form of an install update: float32 arrays of the shard's size, and
-    an accumulator exactly when given (a peer's batch is checked like a client's request)."""
-    arrays = [u.get("v"), u.get("a")]
-    for name, a in zip(("values", "accumulator"), arrays, strict=True):
-        if a is None and name == "accumulator":
-            continue
-        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.size != st.shard.size:
-            raise ProtocolError(
-                "bad_shape",
-                f"install of shard {st.id}: {name} must be float32 of {st.shard.size} elements",
-            )
-    return Install(arrays[0], arrays[1])
 
 
 def updates_digest(updates: Iterable[Any]) -> int:
