@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "dataserver": ("dataserver.main", "run a data server"),
     "train": ("trainer.main", "run one model replica (trainer)"),
+    "checkpoint": ("adamps.checkpoint", "save a running cluster's state, or restore it"),
+    "export": ("adamps.export", "write a checkpoint's or a cluster's values as npz or safetensors"),
     "coordinator": ("coordinator.main", "run the Sandblaster L-BFGS coordinator"),
 }
 

@@ -112,6 +112,11 @@ class TrainConfig:
         "2 matched the uncompressed accuracy of adam-mnist, docs/benchmarks.md); SGD: unused",
     )
     out: str = field("", help="replica 0 writes the final weights here (.npz); empty = not saved")
+    init: str = field(
+        "",
+        help="warm start: replica 0 takes the initial weights from this checkpoint directory "
+        "(adamps checkpoint save) or .npz instead of --seed; empty = random by --seed",
+    )
     history: str = field(
         "", help="JSON-lines file of per-epoch {time, epoch, loss, accuracy, images_per_s}"
     )

@@ -230,6 +230,12 @@ class Replica:
         assert self.client is not None
         init = Model(self.spec)
         init.init_params(self.cfg.seed)
+        if self.cfg.init:  # warm start (issue 24): checked whole before the first create
+            from trainer.warm import initial_values
+
+            warm = initial_values(self.cfg.init, {t.name: t.shape for t in self.tensors})
+            for name, values in warm.items():
+                init.param(name)[...] = values
         optimizer: dict[str, Any] = {"kind": self.cfg.optimizer, "lr": self.cfg.server_lr}
         if self.cfg.optimizer == "adagrad":
             optimizer["initial_accumulator"] = self.cfg.adagrad_initial

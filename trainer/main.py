@@ -45,6 +45,22 @@ def _log_name(c: TrainConfig) -> str:
 
 
 def serve(cfg: TrainConfig) -> int:
+    if cfg.init and cfg.replica == 0:  # a bad --init is a message, before any process starts
+        import numpy as np
+
+        from trainer.model import Model, resolve_spec
+        from trainer.warm import InitError, initial_values
+
+        shapes = dict(
+            Model(
+                resolve_spec(cfg.model), params=np.empty(0, np.float32), _layout_only=True
+            ).tensors()
+        )
+        try:
+            initial_values(cfg.init, shapes)
+        except InitError as exc:
+            print(f"adamps train: --init {cfg.init}: {exc}", file=sys.stderr)
+            return 2
     if cfg.coordinator:  # Sandblaster L-BFGS (DistBelief 4.2)
         from trainer.sandblaster import serve_sandblaster
 

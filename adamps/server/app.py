@@ -31,6 +31,7 @@ from adamps.layout import LayoutError
 from adamps.protocol import ProtocolError
 from adamps.server.addressing import Addressing
 from adamps.server.catalog import TensorCatalog
+from adamps.server.checkpoint_ops import CheckpointOps
 from adamps.server.config import PsConfig
 from adamps.server.dataplane import DataPlane
 from adamps.server.flusher import Flusher
@@ -148,6 +149,8 @@ class ParameterServer:
             pull_rows=self.rows.op_pull_rows, push_rows=self.rows.op_push_rows
         )
         self._closed = False
+        #: a checkpoint's read and restore of a bucket (checkpoint_ops.py)
+        self.checkpoints = CheckpointOps(self.store, self.catalog, self.writes, self.replicator)
         #: op -> handler of POST /rpc
         self._ops: dict[str, Handler] = {
             "create": self.catalog.op_create,
@@ -166,6 +169,8 @@ class ParameterServer:
             "list_tables": self.catalog.tables.op_list_tables,
             "pull_rows": self.rows.op_pull_rows,
             "push_rows": self.rows.op_push_rows,
+            "ckpt_read": self.checkpoints.op_ckpt_read,
+            "ckpt_install": self.checkpoints.op_ckpt_install,
         }
         if cfg.debug_ops:
             self._ops["debug_fail"] = self.op_debug_fail

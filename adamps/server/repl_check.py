@@ -23,6 +23,7 @@ from adamps.core.replication import Batch
 from adamps.protocol import ProtocolError
 from adamps.server import bounds
 from adamps.server.compressed import signs_of_wire
+from adamps.server.install import install_of
 from adamps.server.store import Store
 from adamps.server.vecapply import KINDS
 
@@ -91,6 +92,16 @@ def check_update(store: Store, u: Any) -> None:
         signs_of_wire(u, st.shard.size)  # tau (finite, > 0, bounded), words or Rice stream
     elif kind == "r":
         _check_rows(store, u)
+    elif kind == "i":  # a checkpoint's shard restored whole (checkpoint_ops.py)
+        install_of(u, store.shard(_str(u, "s")))
+    elif kind == "j":  # a checkpoint's row shard restored whole
+        st = store.tables.shard(_str(u, "s"))
+        if not isinstance(u.get("b"), bytes):
+            raise _bad("a row install needs bytes 'b'")
+        try:
+            st.table.new_block().load_bytes(u["b"])
+        except Exception as exc:  # struct.error, ValueError: a damaged or foreign record
+            raise _bad(f"row install of {st.id}: not a row block: {exc}") from None
     elif kind == "v":
         _check_vec(u)
     else:

@@ -14,6 +14,7 @@ from adamps.core.replication import Assignment, Batch, BucketReplica
 from adamps.protocol import ProtocolError, require
 from adamps.server import checksum, vecwire
 from adamps.server.compressed import signs_of_wire
+from adamps.server.install import RowInstall, install_of
 from adamps.server.optim import Dense
 from adamps.server.rowblock import RowPush
 from adamps.server.shards import ShardState, fc_parts
@@ -57,6 +58,18 @@ def sign_update(sid: str, tau: float, encoded: dict[str, Any]) -> dict[str, Any]
     """A compressed update of one shard (Strom), replicated in its compressed form: ``encoded``
     is ``{"w": uint32 words}`` or ``{"r": Golomb-Rice bytes, "n": count, "b": Rice k}``."""
     return {"k": "c", "s": sid, "t": tau, **encoded}
+
+
+def install_update(sid: str, value: np.ndarray, accum: np.ndarray | None) -> dict[str, Any]:
+    """A checkpoint's shard restored whole (values and accumulator)."""
+    u: dict[str, Any] = {"k": "i", "s": sid, "v": value}
+    if accum is not None:
+        u["a"] = accum
+    return u
+
+
+def row_install_update(sid: str, data: bytes) -> dict[str, Any]:
+    return {"k": "j", "s": sid, "b": data}
 
 
 def updates_digest(updates: Iterable[Any]) -> int:
@@ -146,6 +159,14 @@ def store_parts(store: Store, updates: Iterable[Any]) -> list[tuple[ShardState, 
                 parts.append((st, signs_of_wire(u, st.shard.size)))
             elif kind == "r":  # an embedding table's rows of one bucket (tableops.py)
                 parts.append((store.tables.shard(u["s"]), RowPush(u["i"], u["g"], float(u["t"]))))
+            elif kind == "i":  # a checkpoint's shard, whole (install.py)
+                st = store.shard(u["s"])
+                parts.append((st, install_of(u, st)))
+            elif kind == "j":  # a checkpoint's row shard, whole (install.py)
+                data = u["b"]
+                if not isinstance(data, bytes):
+                    raise ProtocolError("bad_request", "a row install needs bytes 'b'")
+                parts.append((store.tables.shard(u["s"]), RowInstall(data)))
             elif kind == "v":  # a vector operation (Sandblaster, vecwire.py)
                 parts += vecwire.parts_of(store, u)
             else:

@@ -19,6 +19,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter
 
 from adamps.layout import Shard, stable_bucket
+from adamps.server.install import RowInstall
 from adamps.server.optim import Optimizer
 from adamps.server.rowblock import ApplyStats, RowBlock, RowPush
 from adamps.server.shards import ShardState, StoreError
@@ -32,11 +33,14 @@ class RowShardState(ShardState):
     table: TableState
     bucket: int
 
-    def apply_rows(self, pushes: Iterable[RowPush]) -> None:
+    def apply_rows(self, pushes: Iterable[RowPush | RowInstall]) -> None:
         """Owner thread: the pushes in order; the table's counters follow."""
         stats = ApplyStats()
         for p in pushes:
-            self.value.apply(p, stats)
+            if isinstance(p, RowInstall):  # a checkpoint's restore: the whole block
+                self.value.load_bytes(p.data)
+            else:
+                self.value.apply(p, stats)
         self.table.count(stats)
 
 

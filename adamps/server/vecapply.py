@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from adamps.server import optim
+from adamps.server.install import Install
 
 #: write kinds -> (takes a source vector x, takes a scalar alpha)
 KINDS: dict[str, tuple[bool, bool]] = {
@@ -58,17 +59,20 @@ def apply_batch(
     updates: Sequence[Any],
     scratch: optim.Scratch,
 ) -> None:
-    """``optim.apply_batch`` that also takes VecOps, applied in their place in the order."""
-    if not any(isinstance(u, VecOp) for u in updates):
+    """``optim.apply_batch`` that also takes VecOps and Installs (install.py), applied in their place in the order."""
+    if not any(isinstance(u, VecOp | Install) for u in updates):
         optim.apply_batch(opt, w, acc, updates, scratch)
         return
     run: list[Any] = []
     for u in updates:
-        if isinstance(u, VecOp):
+        if isinstance(u, VecOp | Install):
             if run:
                 optim.apply_batch(opt, w, acc, run, scratch)
                 run = []
-            u.apply(w)
+            if isinstance(u, Install):  # a checkpoint's restore: values and accumulator
+                u.apply(w, acc)
+            else:
+                u.apply(w)
         else:
             run.append(u)
     if run:

@@ -1,0 +1,137 @@
+"""The two server ops a checkpoint is made of (issue 24), on ``POST /rpc`` under the cluster
+token (an operator's call, not a peer's: the replication ops are peer-only):
+
+- ``ckpt_read``: one bucket's consistent state on its primary (values, optimizer
+  accumulators, embedding-table row blocks) at a known (epoch, seq). Taken between rounds the
+  way ``repl_snapshot`` takes a joining copy's (the position read and the owner-thread reads
+  queued in one loop step, no await between), but it adds no learner: nothing waits for it.
+- ``ckpt_install``: shards and row shards of one bucket restored whole. It is an update (wire
+  kinds ``i`` and ``j``, install.py) through the one write path, so every replica gets it by
+  the same two-phase commit as a push. Refused (``conflict``) for a shard that already took an
+  update, unless ``force``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from adamps.protocol import ProtocolError, require
+from adamps.server.install import RowInstall, install_of
+from adamps.server.repl_wire import install_update, row_install_update
+from adamps.server.replicate import Replicator
+from adamps.server.rowtables import RowShardState
+from adamps.server.store import Store
+from adamps.server.tickets import owner_future
+from adamps.server.writepath import WritePath
+
+
+class CheckpointOps:
+    """``ckpt_read`` and ``ckpt_install`` (event-loop thread)."""
+
+    def __init__(
+        self, store: Store, catalog: Any, writes: WritePath, replicator: Replicator | None
+    ) -> None:
+        self.store = store
+        self.catalog = catalog
+        self.writes = writes
+        #: None on a standalone server: its cut has no (epoch, seq), only shard versions
+        self.replicator = replicator
+
+    def _bucket_shards(self, b: int) -> list[Any]:
+        bucket_of = self.store.layout.bucket_of
+        return sorted(
+            (st for st in self.store.shards.values() if bucket_of.get(st.id) == b),
+            key=lambda s: s.id,
+        )
+
+    async def op_ckpt_read(self, msg: dict[str, Any]) -> dict[str, Any]:
+        b = require(msg, "bucket", int)
+        epoch, seq = 0, None
+        if self.replicator is not None:
+            rep = self.replicator.check_primary(b)  # not_primary / unavailable: the caller retries
+            epoch, seq = rep.assignment.epoch, rep.committed
+        elif self.store.buckets is not None and b not in self.store.buckets:
+            raise ProtocolError("not_primary", f"bucket {b} is not held here")
+        # No await from the position above to the reads queued below: every owner thread takes
+        # them after the batches up to `seq` and before any later one, so the values are of
+        # exactly that position.
+        states = self._bucket_shards(b)
+        outs = [np.empty(st.shard.shape, np.float32) for st in states]
+        accs = [np.empty(st.shard.shape, np.float32) if st.accum is not None else None
+                for st in states]  # fmt: skip
+        read = owner_future(lambda cb: self.store.read(states, outs, cb, accums=accs))
+        rows = sorted(self.store.tables.in_bucket(b), key=lambda s: s.id)
+        row_read = owner_future(
+            lambda cb: self.store.call(rows, lambda st: (st.version, st.value.tobytes()), cb)
+        )
+        versions = await read
+        row_states = await row_read
+        tensors = sorted({st.shard.tensor for st in states})
+        return {
+            "bucket": b,
+            "epoch": epoch,
+            "seq": seq,
+            "tensors": [self.catalog.definition(n) for n in tensors],
+            "tables": [st.table.spec.to_dict() for st in rows],
+            "shards": {
+                st.id: {"v": out, "a": acc, "version": versions[st.id]}
+                for st, out, acc in zip(states, outs, accs, strict=True)
+            },
+            "rows": {sid: {"version": v, "b": data} for sid, (v, data) in row_states.items()},
+        }
+
+    async def op_ckpt_install(self, msg: dict[str, Any]) -> dict[str, Any]:
+        b = require(msg, "bucket", int)
+        shards = require(msg, "shards", dict, default={})
+        rows = require(msg, "rows", dict, default={})
+        force = require(msg, "force", bool, default=False)
+        if not shards and not rows:
+            raise ProtocolError("bad_request", "ckpt_install needs 'shards' or 'rows'")
+        wire: list[Any] = []
+        parts: list[Any] = []
+        busy: list[str] = []
+        # Every field checked before anything is queued: a bad install changes nothing.
+        for sid, rec in shards.items():
+            if not isinstance(sid, str) or not isinstance(rec, dict):
+                raise ProtocolError("bad_request", "'shards' maps shard ids to {v, a}")
+            st = self.store.shard(sid)
+            if self.store.layout.bucket_of[sid] != b:
+                raise ProtocolError("bad_request", f"shard {sid} is not in bucket {b}")
+            upd = install_update(sid, rec.get("v"), rec.get("a"))
+            inst = install_of(upd, st)
+            if st.version > 0:
+                busy.append(sid)
+            wire.append(([st], lambda sts, u=upd: u))
+            parts.append((st, inst))
+        for sid, rec in rows.items():
+            data = rec.get("b") if isinstance(rec, dict) else None
+            if not isinstance(sid, str) or not isinstance(data, bytes):
+                raise ProtocolError("bad_request", "'rows' maps row shard ids to {b: bytes}")
+            st = self.store.tables.shard(sid)
+            if not isinstance(st, RowShardState) or st.bucket != b:
+                raise ProtocolError("bad_request", f"row shard {sid} is not in bucket {b}")
+            _check_block(st, sid, data)
+            if st.version > 0 or st.value.n > 0:
+                busy.append(sid)
+            upd = row_install_update(sid, data)
+            wire.append(([st], lambda sts, u=upd: u))
+            parts.append((st, RowInstall(data)))
+        if busy and not force:
+            raise ProtocolError(
+                "conflict",
+                f"bucket {b} already holds data in {sorted(busy)[:5]} "
+                f"({len(busy)} shards); restore with force to overwrite",
+            )
+        await self.writes.replicate_or_apply(msg, wire, lambda: parts)
+        return {"bucket": b, "installed": len(parts)}
+
+
+def _check_block(st: RowShardState, sid: str, data: bytes) -> None:
+    """A row block's bytes load into a scratch block of the table's shape, or a 4xx."""
+    probe = st.table.new_block()
+    try:
+        probe.load_bytes(data)
+    except Exception as exc:  # struct.error, ValueError: a damaged or foreign record
+        raise ProtocolError("bad_request", f"row shard {sid}: not a row block: {exc}") from None

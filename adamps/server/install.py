@@ -1,0 +1,53 @@
+"""A checkpoint's restore as an update: ``Install`` overwrites a shard's values (and its
+optimizer accumulators), ``RowInstall`` replaces a row shard's whole block. They travel in a
+replication batch like any push (wire kinds ``"i"`` and ``"j"``, repl_wire.py), so a restore
+takes the one write path: validate -> lease -> replicate -> apply, and every replica ends
+bit-identical to the checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from adamps.protocol import ProtocolError
+
+
+@dataclass(frozen=True, slots=True)
+class Install:
+    """The values (and accumulator, when the optimizer keeps one) a shard takes, whole."""
+
+    value: np.ndarray
+    accum: np.ndarray | None
+
+    def apply(self, w: np.ndarray, acc: np.ndarray | None) -> None:
+        np.copyto(w, self.value.reshape(w.shape))
+        if acc is not None:
+            # A checkpoint of an SGD tensor restored under Adagrad starts the accumulator at 0.
+            if self.accum is None:
+                acc.fill(0.0)
+            else:
+                np.copyto(acc, self.accum.reshape(acc.shape))
+
+
+@dataclass(frozen=True, slots=True)
+class RowInstall:
+    """A row shard's whole state as ``RowBlock.tobytes`` wrote it."""
+
+    data: bytes
+
+
+def install_of(u: dict[str, Any], st: Any) -> Install:
+    """The checked store form of an install update: float32 arrays of the shard's size, and
+    an accumulator exactly when given (a peer's batch is checked like a client's request)."""
+    arrays = [u.get("v"), u.get("a")]
+    for name, a in zip(("values", "accumulator"), arrays, strict=True):
+        if a is None and name == "accumulator":
+            continue
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.size != st.shard.size:
+            raise ProtocolError(
+                "bad_shape",
+                f"install of shard {st.id}: {name} must be float32 of {st.shard.size} elements",
+            )
+    return Install(arrays[0], arrays[1])

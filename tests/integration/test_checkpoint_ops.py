@@ -1,0 +1,123 @@
+"""The servers' checkpoint ops (issue 24) on a standalone server: ckpt_read returns a bucket's
+values, accumulators and row blocks; ckpt_install restores them bit-identical through the write
+path; bad installs get a 4xx naming the problem and change nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from adamps import web as aweb
+from adamps.layout import stable_bucket
+from adamps.procs import free_port
+from adamps.rpc import AsyncRpc, RpcError
+from adamps.server.app import ParameterServer
+from adamps.server.config import PsConfig
+
+TOKEN = "ckpt-test-token"
+
+
+async def start(tmp: Path) -> tuple[ParameterServer, aweb.web.AppRunner, AsyncRpc]:
+    """A standalone server on loopback (every bucket), as test_ps_app.py starts one."""
+    port = free_port()
+    cfg = PsConfig(port=port, token=TOKEN, data_dir=str(tmp / "ps"), owner_threads=2,
+                   flush_interval=3600, max_shard_elems=1000)  # fmt: skip
+    ps = ParameterServer(cfg)
+    runner = await aweb.serve(ps.make_app(), "127.0.0.1", port)
+    return ps, runner, AsyncRpc(f"http://127.0.0.1:{port}", TOKEN)
+
+
+ADA = {"name": "w", "shape": [2000], "init": {"kind": "normal", "std": 0.1, "seed": 1},
+       "optimizer": {"kind": "adagrad", "lr": 0.1}}  # fmt: skip
+TABLE = {"name": "emb", "dim": 3, "optimizer": {"kind": "adagrad", "lr": 0.1}}
+
+
+async def _filled(tmp: Path):
+    server, runner, c = await start(tmp)
+    await c.call("create", **ADA)
+    await c.call("create_table", **TABLE)
+    g = np.linspace(-1, 1, 2000, dtype=np.float32)
+    await c.call("push_dense", tensor="w", delta=g)
+    ids = np.arange(50, dtype=np.int64)
+    await c.call("push_rows", table="emb", ids=ids, grads=np.ones((50, 3), np.float32))
+    return server, runner, c
+
+
+async def test_read_then_install_onto_an_empty_server_is_bit_identical(tmp_path: Path) -> None:
+    _s1, r1, a = await _filled(tmp_path / "a")
+    _s2, r2, b = await start(tmp_path / "b")
+    try:
+        await b.call("create", **{**ADA, "init": {"kind": "zeros"}})
+        await b.call("create_table", **TABLE)
+        n_buckets = (await a.get_json("/status"))["n_buckets"]
+        bucket = stable_bucket("w/0", n_buckets)
+        snap = await a.call("ckpt_read", bucket=bucket)
+        assert "w/0" in snap["shards"] and snap["shards"]["w/0"]["a"] is not None
+        shards = {sid: {"v": r["v"], "a": r["a"]} for sid, r in snap["shards"].items()}
+        rows = {sid: {"b": r["b"]} for sid, r in snap["rows"].items()}
+        await b.call("ckpt_install", bucket=bucket, shards=shards, rows=rows)
+        again = await b.call("ckpt_read", bucket=bucket)
+        for sid, rec in snap["shards"].items():
+            assert again["shards"][sid]["v"].tobytes() == rec["v"].tobytes()
+            assert again["shards"][sid]["a"].tobytes() == rec["a"].tobytes()
+        for sid, rec in snap["rows"].items():
+            assert again["rows"][sid]["b"] == rec["b"]
+        # A second install on shards that took an update is refused unless forced.
+        with pytest.raises(RpcError) as err:
+            await b.call("ckpt_install", bucket=bucket, shards=shards)
+        assert err.value.code == "conflict" and "force" in err.value.message
+        await b.call("ckpt_install", bucket=bucket, shards=shards, force=True)
+    finally:
+        for c, r in ((a, r1), (b, r2)):
+            await c.close()
+            await r.cleanup()
+
+
+@pytest.mark.parametrize(
+    "bad, code, words",
+    [
+        ({"shards": {"w/0": {"v": np.zeros(7, np.float32)}}}, "bad_shape", "float32 of"),
+        ({"shards": {"w/0": {"v": np.zeros(1000, np.float64)}}}, "bad_shape", "float32"),
+        ({"shards": {"nope/0": {"v": np.zeros(1000, np.float32)}}}, "unknown", "nope"),
+        ({"rows": {"emb#rows/0": {"b": b"garbage!"}}}, "bad_request", "not a row block"),
+        ({}, "bad_request", "needs 'shards' or 'rows'"),
+    ],
+)
+async def test_a_bad_install_is_a_4xx_and_changes_nothing(
+    tmp_path: Path, bad: dict, code: str, words: str
+) -> None:
+    _s, r, c = await _filled(tmp_path)
+    try:
+        n_buckets = (await c.get_json("/status"))["n_buckets"]
+        b = stable_bucket("w/0", n_buckets)
+        if "rows" in bad:
+            b = 0
+        before = await c.call("ckpt_read", bucket=b)
+        with pytest.raises(RpcError) as err:
+            await c.call("ckpt_install", bucket=b, force=True, **bad)
+        assert 400 <= err.value.http_status < 500 and err.value.code.startswith(code)
+        assert words in err.value.message
+        after = await c.call("ckpt_read", bucket=b)
+        for sid, rec in before["shards"].items():
+            assert after["shards"][sid]["v"].tobytes() == rec["v"].tobytes()
+        for sid, rec in before["rows"].items():
+            assert after["rows"][sid]["b"] == rec["b"]
+        assert (await c.call("list")) is not None  # still serving
+    finally:
+        await c.close()
+        await r.cleanup()
+
+
+async def test_checkpoint_ops_need_the_cluster_token(tmp_path: Path) -> None:
+    _s, r, c = await _filled(tmp_path)
+    anon = AsyncRpc(c.base_url, None)
+    try:
+        with pytest.raises(RpcError) as err:
+            await anon.call("ckpt_read", bucket=0)
+        assert err.value.http_status == 401
+    finally:
+        await anon.close()
+        await c.close()
+        await r.cleanup()

@@ -1,0 +1,254 @@
+"""Checkpoints that move (issue 24), with real processes on loopback: a checkpoint saved from
+3 servers under push load and restored onto 1 and onto 5, pulls bit-identical to the
+checkpoint; a primary SIGKILLed during a save; a cluster that lost every server's data
+directory restored from its checkpoint, training on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from adamps.checkpoint import Cluster, save, write
+from adamps.exactness import ExactnessLoad
+from adamps.layout import Layout, TensorSpec
+from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
+from adamps.rpc import SyncRpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from replicated_cluster import (  # noqa: E402  (in tests/; the tests import in importlib mode)
+    N_BUCKETS,
+    SHARD,
+    TENSOR,
+    TOKEN,
+    digests_agree,
+    make_client,
+    running_cluster,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@contextmanager
+def cluster_of(root: Path, n: int) -> Iterator[LocalCluster]:
+    """running_cluster with a replication factor the servers can meet (1 server: 1 copy)."""
+    c = LocalCluster(
+        root, token=TOKEN, n_servers=n, n_buckets=N_BUCKETS,
+        controller_opts={**FAST_CONTROLLER_OPTS, "replication": min(3, n)},
+        ps_opts={**FAST_PS_OPTS, "max-shard-elems": SHARD},
+    )  # fmt: skip
+    try:
+        c.start(timeout=60)
+        yield c
+    finally:
+        c.stop()
+
+
+ADA = TensorSpec("w", (5_000,))
+TABLE = "emb"
+
+
+def _populate(c: LocalCluster):
+    """TENSOR (exactness load target), an Adagrad tensor and an embedding table with rows."""
+    client, layout = make_client(c)
+    client.create(ADA, init={"kind": "normal", "std": 0.1, "seed": 3},
+                  optimizer={"kind": "adagrad", "lr": 0.1})  # fmt: skip
+    layout = layout.with_tensor(ADA)
+    client.layout = layout
+    client.create_table(TABLE, 4, optimizer={"kind": "adagrad", "lr": 0.05})
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        client.push_dense("w", rng.standard_normal(ADA.shape).astype(np.float32))
+        ids = rng.integers(0, 10_000, 200)
+        client.push_rows(TABLE, ids, rng.standard_normal((200, 4)).astype(np.float32))
+    return client, layout
+
+
+def _cli(c: LocalCluster, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "adamps", "checkpoint", *args,
+         "--controllers", ",".join(c.controllers), "--token", TOKEN],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def _restored_matches(c: LocalCluster, ckpt: Path, tmp: Path) -> None:
+    """Restores `ckpt` onto `c` with the CLI; the pulls equal the checkpoint bit for bit, and
+    a save of the restored cluster holds the same arrays (accumulators and rows too)."""
+    r = _cli(c, "restore", "--from", str(ckpt))
+    assert r.returncode == 0, r.stderr
+    want = load_file(str(ckpt / "tensors.safetensors"))
+    layout = Layout([TENSOR, ADA], n_buckets=N_BUCKETS, max_shard_elems=SHARD)
+    from adamps.client import ControllerRouting, PSClient
+
+    client = PSClient(ControllerRouting(c.controllers), layout, TOKEN, retry_for=20.0)
+    got, _ = client.pull(["x", "w"])
+    for name in ("x", "w"):
+        assert got[name].tobytes() == want[name].tobytes(), name
+    client.tables[TABLE] = 4
+    ids = np.arange(10_000)
+    rows = client.pull_rows(TABLE, ids)
+    client.close()
+    again = tmp / "again"
+    cl = Cluster(c.controllers, TOKEN)
+    save(cl, again)
+    cl.close()
+    re = load_file(str(again / "tensors.safetensors"))
+    assert sorted(re) == sorted(want)
+    for k in want:
+        assert re[k].tobytes() == want[k].tobytes(), k
+    assert (
+        load_file(str(again / "rows.safetensors")).keys()
+        == load_file(str(ckpt / "rows.safetensors")).keys()
+    )
+    digests_agree(c)
+    return rows
+
+
+def test_round_trip_from_3_servers_under_load_onto_1_and_5(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    with running_cluster(tmp_path / "a", n_servers=3) as a:
+        client, layout = _populate(a)
+        rows_before = None
+        client.tables[TABLE] = 4
+        load = ExactnessLoad(client, layout, "x", threads=3)
+        load.start()
+        time.sleep(1.0)
+        with load.out.lock:
+            acked_before = set(load.out.acked)
+        r = _cli(a, "save", "--to", str(ckpt))
+        time.sleep(0.5)
+        load.stop()
+        assert r.returncode == 0, r.stderr
+        rows_before = client.pull_rows(TABLE, np.arange(10_000))
+        client.close()
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["format"] == 1 and manifest["consistent"] is False
+    assert sorted(manifest["cuts"]) == sorted(str(b) for b in range(N_BUCKETS))
+    assert all(cut["seq"] is not None and cut["epoch"] > 0 for cut in manifest["cuts"].values())
+    x = load_file(str(ckpt / "tensors.safetensors"))["x"]
+    assert len(acked_before) > 20
+    _cut_is_of_acknowledged_pushes(x, acked_before, set(load.out.failed))
+    for n in (1, 5):
+        with cluster_of(tmp_path / f"b{n}", n) as b:
+            rows = _restored_matches(b, ckpt, tmp_path / f"b{n}")
+            # No push reached the rows during the save: the restored rows are the source's.
+            assert rows.tobytes() == rows_before.tobytes()
+
+
+def _cut_is_of_acknowledged_pushes(x: np.ndarray, acked_before: set[int], failed: set[int]) -> None:
+    """A checkpoint of ExactnessLoad's tensor is a cut of its pushes: every element 0 or 1,
+    every push acknowledged before the save began present, no refused push present."""
+    assert set(np.unique(x)) <= {0.0, 1.0}
+    missing = [i for i in acked_before if x[i] != 1.0]
+    assert not missing, f"acknowledged before the save, absent from it: {missing[:10]}"
+    present = [i for i in failed if x[i] != 0.0]
+    assert not present, f"refused pushes present in the checkpoint: {present[:10]}"
+
+
+def test_a_primary_sigkilled_during_a_save(tmp_path: Path) -> None:
+    """The save either completes with a correct cut (the killed primary's buckets read from
+    their new primaries) or fails with a clear error and leaves no manifest."""
+    ckpt = tmp_path / "ckpt"
+    with running_cluster(tmp_path / "a", n_servers=4) as a:
+        client, layout = make_client(a)
+        load = ExactnessLoad(client, layout, "x", threads=3)
+        load.start()
+        time.sleep(1.0)
+        view = a.cluster()
+        victim = max(a.server_ids,
+                     key=lambda s: sum(b["primary"] == s for b in view["buckets"]))  # fmt: skip
+        with load.out.lock:
+            acked_before = set(load.out.acked)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "adamps", "checkpoint", "save", "--to", str(ckpt),
+             "--controllers", ",".join(a.controllers), "--token", TOKEN],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        a.kill(victim)
+        out, err = proc.communicate(timeout=120)
+        time.sleep(0.5)
+        load.stop()
+        with load.out.lock:
+            failed = set(load.out.failed)
+        client.close()
+        if proc.returncode != 0:  # a clear error, and no checkpoint to restore wrong data
+            assert "adamps checkpoint save:" in err and not (ckpt / "manifest.json").exists()
+            return
+    x = load_file(str(ckpt / "tensors.safetensors"))["x"]
+    _cut_is_of_acknowledged_pushes(x, acked_before, failed)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert any(cut["epoch"] > 1 for cut in manifest["cuts"].values()), (
+        "no bucket was read from a primary promoted after the kill"
+    )
+    with cluster_of(tmp_path / "b", 3) as b:
+        _restored_matches(b, ckpt, tmp_path / "b")
+
+
+def test_disaster_recovery_every_data_dir_lost(tmp_path: Path) -> None:
+    """Every server's data directory is lost; a new cluster restored from the checkpoint takes
+    pushes on top of it, exactly once; a second restore onto it is refused (not empty) unless
+    --force, and the refusal changes nothing."""
+    ckpt = tmp_path / "ckpt"
+    with running_cluster(tmp_path / "a", n_servers=3) as a:
+        client, _ = make_client(a)
+        ones = np.zeros(TENSOR.shape, np.float32)
+        ones[::7] = 1.0
+        client.push_dense("x", ones)
+        r = _cli(a, "save", "--to", str(ckpt))
+        assert r.returncode == 0, r.stderr
+        client.push_dense("x", ones)  # after the checkpoint: lost with the disks
+        client.close()
+    for d in (tmp_path / "a").glob("ps*"):  # the disaster
+        shutil.rmtree(d)
+    with running_cluster(tmp_path / "b", n_servers=3) as b:
+        r = _cli(b, "restore", "--from", str(ckpt))
+        assert r.returncode == 0, r.stderr
+        client, _ = make_client(b)
+        got, _ = client.pull(["x"])
+        assert got["x"].tobytes() == ones.tobytes()
+        # Training continues on the restored state: pushes add exactly once on top of it.
+        client.push_dense("x", ones)
+        got, _ = client.pull(["x"])
+        assert got["x"].tobytes() == (2 * ones).tobytes()
+        refused = _cli(b, "restore", "--from", str(ckpt))
+        assert refused.returncode == 1 and "already holds tensors ['x']" in refused.stderr
+        assert "--force" in refused.stderr
+        got, _ = client.pull(["x"])
+        assert got["x"].tobytes() == (2 * ones).tobytes()  # nothing changed
+        forced = _cli(b, "restore", "--from", str(ckpt), "--force")
+        assert forced.returncode == 0, forced.stderr
+        got, _ = client.pull(["x"])
+        assert got["x"].tobytes() == ones.tobytes()
+        # Checkpoints whose layout does not fit this cluster: refused before any write.
+        sgd = {"kind": "sgd", "lr": -1.0}
+        other = tmp_path / "other-shape"
+        write(other, {"x": np.zeros(10, np.float32)}, {},
+              {"n_buckets": N_BUCKETS, "tensors": [{"name": "x", "shape": [10],
+               "optimizer": sgd}], "tables": []})  # fmt: skip
+        r = _cli(b, "restore", "--from", str(other), "--force")
+        assert r.returncode == 1 and "layout mismatch: tensor 'x' is [10]" in r.stderr
+        rows = tmp_path / "other-buckets"
+        write(rows, {"y": np.zeros(3, np.float32)}, {"t#rows/0": np.zeros(8, np.uint8)},
+              {"n_buckets": 3, "tensors": [{"name": "y", "shape": [3], "optimizer": sgd}],
+               "tables": [{"name": "t", "dim": 2}]})  # fmt: skip
+        r = _cli(b, "restore", "--from", str(rows), "--force")
+        assert r.returncode == 1 and "hashed into 3 buckets, the cluster has 8" in r.stderr
+        got, _ = client.pull(["x"])
+        assert got["x"].tobytes() == ones.tobytes()
+        statuses = []
+        for addr in b.servers:
+            with SyncRpc(addr, TOKEN) as rpc:
+                statuses.append(rpc.get_json("/status"))
+        assert all(set(st["tensors"]) == {"x"} for st in statuses)  # no 'y' created
+        digests_agree(b)
+        client.close()
