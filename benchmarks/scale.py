@@ -75,18 +75,6 @@ def metric(base: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def wait_healthz(base: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(base + "/healthz", timeout=1.0):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
 class Sampler(threading.Thread):
     """Peak RSS (and peak RssAnon) of a process, sampled every 0.1 s until stopped."""
 
@@ -129,7 +117,7 @@ def one_size(size_mib: int, seconds: float, disk_gbps: float, tmp: Path) -> dict
         name=f"ps-{size_mib}",
     )  # fmt: skip
     try:
-        wait_healthz(base)
+        proc.wait_http(base + "/healthz", 60.0)
         specs = [TensorSpec(f"t{i}", (elems,)) for i in range(n_tensors)]
         client = PSClient(StaticRouting([base], N_BUCKETS), Layout(specs, N_BUCKETS), TOKEN)
         for spec in specs:
