@@ -205,6 +205,11 @@ def test_a_full_disk_stops_acknowledgements_and_recovers(tmp_path: Path) -> None
     full_disk(tmp_path, every_disk=False)
 
 
+@pytest.mark.skipif(
+    not os.environ.get("ADAMPS_RUN_KNOWN_FAILURES"),
+    reason="a known failure (issue 29 note, the xfail's reason); 110 s of CI for no news: "
+    "ADAMPS_RUN_KNOWN_FAILURES=1 runs it",
+)
 @pytest.mark.xfail(
     strict=False,
     reason="known (issue 29 note): a server that rejoined by state transfer after its own disk "
