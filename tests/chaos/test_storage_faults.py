@@ -325,6 +325,75 @@ def full_disk(tmp_path: Path, every_disk: bool) -> None:
             client.close()
 
 
+def test_a_copy_transferred_to_a_stalled_disk_is_no_member_until_it_is_persisted(
+    tmp_path: Path,
+) -> None:
+    """Issue 29, the root cause of the every-disk known failure: a copy installed by state
+    transfer that never reached the disk counted as a member, and when every copy then crashed
+    its server came back offering nothing (the bucket waited for an operator). One server is
+    SIGKILLed under load, its file system frozen while it is down (fsfreeze: no write reaches
+    the disk; a full tmpfs is no such fault, LMDB reuses the free pages inside its file), and
+    it is restarted: it must not enter any bucket's replica set while its disk cannot write
+    (a transferred copy it cannot persist does not join; then it reports itself not durable
+    and the controllers want no copy on it), the others keep acknowledging, and once thawed it joins every bucket, each
+    joined copy on its disk with its position: SIGKILLed at once and restarted, it offers
+    every bucket."""
+    frozen: list[Path] = []
+    with disk_cluster(tmp_path, mount_ext4_image, frozen) as (c, mounts):
+        client, load = start_load(c)
+        try:
+            time.sleep(2.0)
+            victim, addr = c.server_ids[0], c.servers[0]
+
+            def members(v: dict) -> list[int]:
+                return [
+                    b["bucket"]
+                    for b in v["buckets"]
+                    if b["primary"] == victim or victim in b["secondaries"]
+                ]
+
+            c.kill(victim)
+            c.wait_for(lambda v: not members(v), f"{victim} out of every replica set", 20.0)
+            frozen.append(mounts[0])
+            subprocess.run(["fsfreeze", "--freeze", str(mounts[0])], check=True, timeout=30)
+            c.start_server(0)
+            c.procs[victim].wait_http(f"http://{addr}/healthz", 30)
+            # Long enough for a join (a transfer takes well under a second here) and for the
+            # server to report itself not durable on main (max_unflushed after its install).
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 2 * MAX_UNFLUSHED + 2.0:
+                joined = members(c.cluster())
+                assert not joined, f"{victim} became a member of {joined} on a frozen disk"
+                time.sleep(0.1)
+            log_path = c.procs[victim].log_path
+            acked = len(load.out.ack_times)
+            time.sleep(1.0)
+            assert len(load.out.ack_times) > acked + 10, "the others keep acknowledging"
+            subprocess.run(["fsfreeze", "--unfreeze", str(mounts[0])], check=True, timeout=30)
+            frozen.clear()
+            c.wait_for(lambda v: len(members(v)) == N_BUCKETS, f"{victim} joined", 30.0)
+            c.kill(victim)  # at once: only what the joins themselves persisted is on its disk
+            pattern = r"registered as \S+ at \S+, offering (\d+) copies"
+            before = len(re.findall(pattern, log_path.read_text(errors="replace")))
+            c.start_server(0)
+            c.procs[victim].wait_http(f"http://{addr}/healthz", 30)
+            wait_until(
+                f"{victim} registered again",
+                20.0,
+                lambda: len(re.findall(pattern, log_path.read_text(errors="replace"))) > before,
+            )
+            offered = re.findall(pattern, log_path.read_text(errors="replace"))[before]
+            assert int(offered) == N_BUCKETS, f"{victim} came back offering {offered} copies"
+            why = settle(c, 30.0)
+            load.stop()
+            counts = read_and_check(c, client, load, [], timeout=40.0)
+            print(f"outcomes: {counts}; settled: {why or 'yes'}")
+            wait_digests_agree(c, timeout=30.0)
+        finally:
+            load.stop()
+            client.close()
+
+
 def test_a_stalled_disk_stops_acknowledgements_until_it_moves_on(tmp_path: Path) -> None:
     """Issue 29: one server's file system frozen (fsfreeze on a loop-mounted ext4 image) under
     load: its flush hangs, and within max_unflushed it answers 503 not_durable, /healthz 503
