@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from adamps.exactness import read_shards
+from adamps.layout import TensorSpec
 from adamps.localcluster import LocalCluster
 from adamps.rpc import RpcError, SyncRpc
 from tests.chaos.nemesis import (
@@ -41,10 +43,12 @@ from tests.chaos.nemesis import (
     N_BUCKETS,
     PS_OPTS,
     SHARD,
+    TENSOR,
     TOKEN,
     flip_ones,
     loss_window,
     lost_buckets,
+    make_client,
     probe,
     read_and_check,
     running_cluster,
@@ -199,43 +203,63 @@ def disk_cluster(root: Path, mount=mount_tmpfs, frozen: list[Path] | None = None
             subprocess.run(["umount", "-l", str(m)], capture_output=True, timeout=30)
 
 
-def test_a_full_disk_stops_acknowledgements_and_recovers(tmp_path: Path) -> None:
-    """Issue 29, failure 2, one server: see `full_disk`; ends with every acknowledged push
-    present exactly once and the copies agreeing."""
-    full_disk(tmp_path, every_disk=False)
-
-
-@pytest.mark.skipif(
-    not os.environ.get("ADAMPS_RUN_KNOWN_FAILURES"),
-    reason="a known failure (issue 29 note, the xfail's reason); 110 s of CI for no news: "
-    "ADAMPS_RUN_KNOWN_FAILURES=1 runs it",
-)
-@pytest.mark.xfail(
-    strict=False,
-    reason="known (issue 29 note): a server that rejoined by state transfer after its own disk "
-    "recovered and whose disk then filled again comes back from the whole-cluster crash "
-    "offering no copy, and the buckets it led wait for an operator",
-)
 def test_every_disk_full_then_a_whole_cluster_crash_loses_only_the_window(tmp_path: Path) -> None:
-    full_disk(tmp_path, every_disk=True)
+    """Issue 29, failure 2: one server's disk fills, then every server's (see `full_disk`).
+    The one-disk case is this test's first half (it ran alone before: the same cluster)."""
+    full_disk(tmp_path)
 
 
-def full_disk(tmp_path: Path, every_disk: bool) -> None:
+def big_tensor(client, name: str) -> TensorSpec:
+    """Creates a 4 MB tensor, before a disk fills. LMDB writes it into the free pages inside
+    its file first: afterwards few are left (see `dirty_all`)."""
+    spec = TensorSpec(name, (1_000_000,))
+    client.create(spec, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": -1.0})
+    return spec
+
+
+def dirty_all(client, spec: TensorSpec) -> None:
+    """Dirties every shard of `spec` on every copy (one push), after the disk filled: the next
+    flush needs 4 MB of new pages, more than LMDB has free inside its file, so it must grow
+    the file, and fails. A full file system alone does not stop LMDB: in steady state each
+    flush commits into the pages the previous ones freed, which needs no new space."""
+    try:
+        client.push_dense(spec.name, np.ones(spec.shape, np.float32))
+    except (RpcError, TimeoutError) as exc:  # refused (not durable already): nothing dirtied
+        print(f"push of {spec.name}: {exc}")
+
+
+def cover(times: list[float], width: float) -> list[tuple[float, float]]:
+    """The fewest windows of `width` seconds that hold every time of `times` (sorted): greedy,
+    each window starting at the first time not yet held."""
+    windows: list[tuple[float, float]] = []
+    for t in times:
+        if not windows or t > windows[-1][1]:
+            windows.append((t, t + width))
+    return windows
+
+
+def full_disk(tmp_path: Path) -> None:
     """Issue 29, failure 2. One server's disk fills: within max_unflushed it answers 503
     not_durable and /healthz 503 naming the full disk, the controllers move its primaries
     away while the others keep acknowledging, and it recovers by itself once space is freed.
     Then every server's disk fills: each stops acknowledging (max_unflushed after its oldest
-    update it could not flush), and nothing is acknowledged once all have; a SIGKILL of every
-    server 5 s later, disks freed, a restart: every push acknowledged outside the fill window
-    (from the last flush before the fill until every server had stopped) and the usual crash
-    window is present exactly once."""
+    update it could not flush), and none acknowledges while it is not durable; a SIGKILL of
+    every server ~10 s after the fill, disks freed, a restart: every bucket is served again
+    (a copy that joined by state transfer is on its server's disk), every push acknowledged
+    before the fill is present exactly once, and those lost fit in at most one window of
+    max_unflushed (+ margin) per server besides the crash's own window (docs/operations.md,
+    "Storage faults"). Each fill is followed by a push of a new 4 MB tensor on every copy, so
+    that the next flush must grow LMDB's file (see `dirty_all`)."""
     with disk_cluster(tmp_path) as (c, mounts):
         client, load = start_load(c)
+        big = make_client(c, retry_for=5.0)
         try:
             time.sleep(3.0)
             # -- one server's disk fills ---------------------------------------------------------
             victim, addr = c.server_ids[0], c.servers[0]
+            spec = big_tensor(big, "big1")
             fill(mounts[0])
+            dirty_all(big, spec)
             took = wait_until(
                 f"{victim} reports its full disk",
                 MAX_UNFLUSHED + 3.0,
@@ -282,28 +306,53 @@ def full_disk(tmp_path: Path, every_disk: bool) -> None:
             for a in c.servers:
                 with SyncRpc(a, TOKEN, timeout=30.0) as rpc:
                     rpc.call("flush")
-            if not every_disk:
-                load.stop()
-                counts = read_and_check(c, client, load, [], timeout=40.0)
-                print(f"outcomes: {counts}")
-                wait_digests_agree(c, timeout=30.0)
-                return
             # -- every server's disk fills -------------------------------------------------------
+            spec = big_tensor(big, "big2")
             for m in mounts:
                 fill(m)
             t_fill = time.monotonic()
+            dirty_all(big, spec)
             # Each stops once its oldest unflushed update is max_unflushed old; one that had
             # nothing to flush may take pushes (its buckets moved to it) until that holds too.
-            took = wait_until(
-                "every server not durable",
-                20.0,
-                lambda: all(healthz(a)[0] == 503 for a in c.servers),
-            )
-            t_all = time.monotonic()
-            print(f"every server not durable {took:.1f} s after the disks filled")
-            time.sleep(5.0)  # the issue's crash came ~10 s after the disks filled
-            late = [t for t, _ in load.out.ack_times if t > t_all + 0.5]
-            assert not late, f"{len(late)} pushes acknowledged while no server could persist"
+            # A full file system does not always stop LMDB: a flush commits into the free pages
+            # inside its file (pages freed by earlier flushes need no new space), so a server
+            # may stay durable, or become durable again, and acknowledge: then its flushes
+            # commit, and what it acknowledges is on its disk. The crash comes ~10 s after the
+            # fill either way (as in the issue); the bound checked below holds in every case.
+            seen: dict[float, list[str]] = {}  # when some server was seen durable: which
+            t_all = None  # when every server was first seen not durable
+            while (elapsed := time.monotonic() - t_fill) < 10.0 or t_all is None and elapsed < 20.0:
+                t = time.monotonic()
+                up = [
+                    s for s, a in zip(c.server_ids, c.servers, strict=True) if healthz(a)[0] == 200
+                ]
+                if up:
+                    seen[t] = up
+                elif t_all is None:
+                    t_all = t
+                time.sleep(0.05)
+            if t_all is None:
+                print(
+                    f"not every server stopped: {sorted({s for up in seen.values() for s in up})} "
+                    "flushed into LMDB's free pages"
+                )
+            else:
+                print(f"every server not durable {t_all - t_fill:.1f} s after the disks filled")
+                # A server that is not durable never acknowledges: each acknowledgement after
+                # every server stopped comes from a server seen durable again around then.
+                again = [d for d in seen if d > t_all]
+                late = [t for t, _ in load.out.ack_times if t > t_all + 0.5]
+                unexplained = [
+                    t for t in late if not any(-1.0 <= t - d <= MAX_UNFLUSHED + 1.0 for d in again)
+                ]
+                print(
+                    f"{len(late)} acknowledged after every server stopped; some server durable "
+                    f"again at {[round(d - t_all, 2) for d in again][:20]}"
+                )
+                assert not unexplained, (
+                    f"{len(unexplained)} pushes acknowledged while no server could persist, "
+                    f"{[round(t - t_all, 2) for t in unexplained[:10]]} s after all stopped"
+                )
             for sid in c.server_ids:
                 c.kill(sid)
             t_crash = time.monotonic()
@@ -312,17 +361,27 @@ def full_disk(tmp_path: Path, every_disk: bool) -> None:
             for i, sid in enumerate(c.server_ids):
                 c.start_server(i)
                 c.procs[sid].wait_http(f"http://{c.servers[i]}/healthz", 30)
-            fill_window = (t_fill - FLUSH_INTERVAL - LOSS_MARGIN, t_all + 0.5)
-            lossy = [fill_window, loss_window(t_crash, time.monotonic())]
+            fill_window = (t_fill - FLUSH_INTERVAL - LOSS_MARGIN, t_crash)
+            crash = loss_window(t_crash, time.monotonic())
             why = settle(c, 30.0)
             load.stop()
-            counts = read_and_check(c, client, load, lossy, timeout=40.0)
+            counts = read_and_check(c, client, load, [fill_window, crash], timeout=40.0)
             print(f"outcomes: {counts}; settled: {why or 'yes'}")
             assert counts["acked"] - counts["acked_in_loss_windows"] > 50, counts
+            # The bound of docs/operations.md, exactly: what is lost was acknowledged within
+            # one window of max_unflushed (+ a round) per primary, or in the crash's window.
+            values, _ = read_shards(client, TENSOR.name, 30.0)
+            flat = values.reshape(-1)
+            lost = sorted(t for t, e in load.out.ack_times if flat[e] != 1.0 and not crash[0] <= t)
+            windows = cover(lost, MAX_UNFLUSHED + LOSS_MARGIN)
+            print(f"{len(lost)} lost before the crash's window, in windows {windows} "
+                  f"(s after the fill: {[(round(a - t_fill, 1), round(b - t_fill, 1)) for a, b in windows]})")  # fmt: skip
+            assert len(windows) <= len(c.servers), windows
             wait_digests_agree(c, timeout=30.0)
         finally:
             load.stop()
             client.close()
+            big.close()
 
 
 def test_a_copy_transferred_to_a_stalled_disk_is_no_member_until_it_is_persisted(
