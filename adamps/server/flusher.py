@@ -175,11 +175,14 @@ class Flusher:
                 self._on_flush(shards, nbytes, seconds)
             return dict(self.last_flush)
 
-    def flush_buckets(self, buckets: set[int], timeout: float = 5.0) -> int:
+    def flush_buckets(self, buckets: set[int], timeout: float | None = None) -> int:
         """Writes the dirty shards and positions of `buckets` now, in one transaction (blocking;
         a state transfer's installed copy before it may count as a member). Raises if the
-        write fails, or if a flush holds the disk longer than `timeout` (a stalled disk): the
-        copy is then not durable here. Returns the bytes written."""
+        write fails, or if a flush holds the disk longer than `timeout` (default max_unflushed,
+        past which this server would not be durable anyway: a stalled disk): the copy is then
+        not durable here. Returns the bytes written."""
+        if timeout is None:
+            timeout = self.max_unflushed if math.isfinite(self.max_unflushed) else 60.0
         if not self._flush_lock.acquire(timeout=timeout):
             raise TimeoutError(
                 f"a flush has been writing for more than {timeout:g} s (the disk stalls)"
