@@ -460,6 +460,8 @@ class Nemesis:
         self.registered: dict[str, Any] = {}
         #: server id -> the mount point of its own file system (storage faults), if any
         self.disks: dict[str, Path] = {}
+        #: a client of its own for the tensors a disk_full step creates (set by run_nemesis)
+        self.big: Any = None
 
     def note(self, what: str) -> None:
         t = time.monotonic() - self.t0
@@ -596,9 +598,23 @@ class Nemesis:
         )
 
     def do_disk_full(self, step: Step) -> None:
-        self._disk_fault(
-            step, lambda at: f"disk full ({disks.fill(at)} bytes of filler)", disks.unfill
-        )
+        def full(at: Path) -> str:
+            # A full file system alone does not stop LMDB (each flush commits into the pages
+            # the previous one freed inside its file): a new 4 MB tensor, created before the
+            # fill and pushed after it, needs new space at the next flush.
+            spec = TensorSpec(f"fill{len(self.report.history)}", (1_000_000,))
+            try:
+                self.big.create(spec, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": -1.0})
+            except (RpcError, TimeoutError) as exc:
+                self.note(f"create {spec.name}: {exc}")
+            n = disks.fill(at)
+            try:
+                self.big.push_dense(spec.name, np.ones(spec.shape, np.float32))
+            except (RpcError, TimeoutError) as exc:
+                self.note(f"push of {spec.name}: {exc}")
+            return f"disk full ({n} bytes of filler; {spec.name} pushed)"
+
+        self._disk_fault(step, full, disks.unfill)
 
     def do_disk_stall(self, step: Step) -> None:
         def freeze(at: Path) -> str:
@@ -795,6 +811,7 @@ def run_nemesis(
         nem = Nemesis(c, report, echo=echo)
         nem.disks = mounts
         client, load = start_load(c)
+        nem.big = make_client(c, retry_for=5.0)
         # push_rows in the load too (issue 23): the same contract for embedding rows.
         rows_client = PSClient(
             ControllerRouting(c.controllers), Layout([], c.n_buckets), TOKEN, timeout=10.0
@@ -826,6 +843,7 @@ def run_nemesis(
             load.stop(timeout=30)
             rows.stop(timeout=30)
             client.close()
+            nem.big.close()
             rows_client.close()
             (Path(root) / "nemesis.json").write_text(json.dumps(report.to_json(), indent=1))
     return report
