@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps import protocol
+from adamps import protocol, tls
 from adamps.dataplane_client import (
     ERROR,
     HEADER,
@@ -434,9 +434,13 @@ class DataPlane:
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: DataPlaneProtocol(self), host, port, reuse_address=True
+            lambda: DataPlaneProtocol(self),
+            host,
+            port,
+            reuse_address=True,
+            **tls.listen_kwargs(self.cfg.http_limits.header_timeout),
         )
-        log.info("data plane listening on %s:%d", host, port)
+        log.info("data plane listening on %s:%d%s", host, port, " (TLS)" if tls.enabled() else "")
         self._sweeper = asyncio.create_task(self.sweep())
 
     async def sweep(self, every: float = 0.5) -> None:
