@@ -144,3 +144,23 @@ def write_ca_and_cert(
     _write(files.cert, cert.public_bytes(serialization.Encoding.PEM))
     _write(files.key, _key_pem(key))
     return files
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m adamps.tls_certs DIR [HOST ...]``: a throwaway CA and one certificate for the
+    hosts (default 127.0.0.1 and localhost, always included) in DIR/tls, for a test cluster in
+    Compose or Kubernetes. Prints the three paths."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m adamps.tls_certs", description=main.__doc__)
+    p.add_argument("dir", help="the files go to DIR/tls (ca.pem, cert.pem, key.pem)")
+    p.add_argument("hosts", nargs="*", help="further DNS names or IP addresses (* wildcards ok)")
+    a = p.parse_args(argv)
+    hosts = ["127.0.0.1", "localhost", *a.hosts]
+    files = write_ca_and_cert(a.dir, hosts)
+    print(f"ca {files.ca}\ncert {files.cert}\nkey {files.key}\nhosts {' '.join(hosts)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
