@@ -94,6 +94,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.inflight = 0
         self.inflight_bytes = 0
         self.paused = False
+        #: large compressed pushes being decoded off the event loop (reading stays paused)
+        self.decoding = 0
         #: resolved once the reply of the latest request is written: the next one waits for it
         self.tail: asyncio.Future | None = None
         #: loop time of the last bytes received (or of the accept): the idle timer
@@ -305,15 +307,46 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if handler is not None:  # the /rpc handler of the op, on the message with its arrays
             msg = protocol.decode(self.meta_raw, b"" if payload is None else payload)
             self.plane.m.bytes_in.inc(0 if payload is None else payload.size)
+            if meta["op"] == "push_compressed":
+                decode, large = self.plane.writes.compressed_decoder(msg)
+                if large:  # reading pauses from now until it is queued (_dispatch)
+                    self.decoding += 1
+                    return asyncio.ensure_future(self._decode_off_loop(decode, msg)), (
+                        lambda r: (r, None)
+                    )
             return asyncio.ensure_future(handler(msg)), lambda r: (r, None)
         return self.plane.reads.start_stream_pull(meta)
+
+    async def _decode_off_loop(self, decode: Callable[[], Any], msg: dict[str, Any]) -> Any:
+        """A large compressed push, decoded on a worker thread (issue 28: the event loop, and
+        every other connection with it, stays responsive). The connection reads no further
+        frame meanwhile (`decoding` keeps it paused), so the requests behind this one are
+        still queued after it: pushes on one connection are applied in the order sent."""
+        try:
+            parts = await asyncio.to_thread(decode)
+            # queued (its first step runs) before any later frame of this connection is read
+            fut = asyncio.ensure_future(self.plane.writes.op_push_compressed(msg, parts))
+        finally:
+            self.decoding -= 1
+            self._resume_if_room()
+        return await fut
+
+    def _resume_if_room(self) -> None:
+        if self.paused and not self._full() and self.state != _CLOSED:
+            self.paused = False
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.resume_reading()
 
     def _full(self) -> bool:
         """Whether reading pauses: MAX_INFLIGHT requests, or max_body bytes of payloads, wait
         for their replies. The byte bound keeps a connection's queued payloads (held until
         applied) at about max_body, however large the push the client cut into parts: memory
         sized by configuration, not by the model (issue 30)."""
-        return self.inflight >= MAX_INFLIGHT or self.inflight_bytes >= self.cfg.max_body
+        return (
+            self.inflight >= MAX_INFLIGHT
+            or self.inflight_bytes >= self.cfg.max_body
+            or self.decoding > 0
+        )
 
     async def _finish(
         self,
@@ -356,10 +389,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             done.set_result(None)
             self.inflight -= 1
             self.inflight_bytes -= size
-            if self.paused and not self._full() and self.state != _CLOSED:
-                self.paused = False
-                if self.transport is not None and not self.transport.is_closing():
-                    self.transport.resume_reading()
+            self._resume_if_room()
 
     # -- replies ----------------------------------------------------------------------------------
 
