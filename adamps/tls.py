@@ -204,3 +204,9 @@ def connect_kwargs(host: str) -> dict[str, Any]:
     """The TLS arguments of ``asyncio.open_connection`` to `host` (none without TLS)."""
     ctx = client_context()
     return {} if ctx is None else {"ssl": ctx, "server_hostname": host}
+
+
+def install_from(args: argparse.Namespace) -> None:
+    """Installs the ``--tls-*`` flags of a command (over $ADAMPS_TLS_* and defaults); raises
+    ConfigError naming a bad value."""
+    install(load(args))
