@@ -400,7 +400,10 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         n = 0 if payload is None else payload.nbytes
         self.transport.write(frame_header(kind, len(m), n) + m)
         if payload is not None:
-            self.transport.write(memoryview(payload).cast("B"))
+            view = memoryview(payload).cast("B")
+            step = self.plane.write_step or len(view) or 1
+            for i in range(0, len(view), step):
+                self.transport.write(view[i : i + step])
             self.plane.m.bytes_out.inc(n)
 
     def _fatal(self, exc: ProtocolError) -> None:
@@ -425,6 +428,10 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
                 t.close()
 
         asyncio.get_running_loop().create_task(answer_and_close())
+
+
+#: bytes per write of a reply's payload on a TLS connection (DataPlane.write_step)
+TLS_WRITE_STEP = 256 << 10
 
 
 class DataPlane:
@@ -457,6 +464,11 @@ class DataPlane:
         self.peer_frame = peer
         #: open connections (closed at shutdown)
         self.conns: set[DataPlaneProtocol] = set()
+        #: bytes per transport.write of a reply's payload (0: all at once). With TLS, asyncio
+        #: encrypts each write whole into a memory buffer before sending any of it: 4 MB pulls
+        #: written at once measured 66-88 MB/s, in 256 KiB pieces 96-158 MB/s (one loaded
+        #: 2-core machine, alternating runs); plain TCP takes the payload in one write
+        self.write_step = TLS_WRITE_STEP if tls.enabled() else 0
         self._server: asyncio.Server | None = None
         #: closes idle and stalled connections
         self._sweeper: asyncio.Task | None = None
