@@ -4,7 +4,8 @@ Reference: docs/protocol-ps.md, push_compressed; docs/operations.md, "Security".
 full shards in Golomb-Rice form expands millions of codes; decoded on the event loop it held every
 connection of the server for a second or more (the PS missed heartbeats and its buckets failed
 over). Now it is decoded on a worker thread, over HTTP and over the data plane: /healthz answers
-within 100 ms all along, and the push is applied exactly (every element moved by tau once).
+within 100 ms all along, and the push is applied exactly (every element moved by tau once); on
+the data port a pull pipelined behind such a push still sees it (the order of one connection).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 
 from adamps import codec
 from adamps.client import PSClient, StaticRouting
+from adamps.dataplane_client import DataPlaneClient
 from adamps.layout import Layout, TensorSpec
 from adamps.procs import Proc, adamps_argv, free_port
 from adamps.rpc import SyncRpc
@@ -108,3 +110,30 @@ def test_healthz_answers_while_a_large_compressed_push_decodes(server, data_plan
         f"/healthz took {worst[0]:.3f} s while the push decoded ({decode_s:.3f} s of decoding)"
     )
     assert proc.alive
+
+
+@pytest.mark.timeout(120)
+def test_a_pull_pipelined_behind_a_large_compressed_push_sees_it(server) -> None:
+    """docs/protocol-ps.md: on one data-plane connection requests are applied in the order sent
+    and a pull sees the pushes sent before it. A large compressed push is decoded on a worker
+    thread; the connection reads no later frame until it is queued, so a pull sent right behind
+    it (in the same write, before any reply) still sees every element moved."""
+    port, _proc = server
+    base = f"http://127.0.0.1:{port}"
+    spec = TensorSpec("g", (N_SHARDS * SHARD,))
+    layout = Layout([spec], n_buckets=64, max_shard_elems=SHARD)
+    client = PSClient(StaticRouting([base], 64), layout, TOKEN, data_plane=False)
+    client.create(spec, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": -1.0})
+    client.close()
+    with SyncRpc(base, TOKEN) as rpc:
+        dport = int(rpc.get_json("/status")["data_port"])
+    ids = [s.id for s in layout.shards_of["g"]]
+    outs = [np.empty(SHARD, np.float32) for _ in ids]
+    with DataPlaneClient("127.0.0.1", dport, TOKEN, timeout=60) as dp:
+        for round_ in (1, 2):
+            assert dp.send_message("push_compressed", shards=every_element(layout, 0.5))
+            dp.send_pull_shards(ids)  # sent before the push's reply: pipelined behind it
+            dp.read_push_reply()
+            dp.read_pull_reply(outs)
+            for o in outs:
+                np.testing.assert_array_equal(o, np.full(SHARD, 0.5 * round_, np.float32))
