@@ -55,6 +55,11 @@ ERRORS: dict[str, tuple[int, str]] = {
         "the credential is valid but may not do this (a replication op without a server's peer "
         "credential, or one sent as another server)",
     ),
+    "quota_exceeded": (
+        403,
+        "the request would take a run past one of its quotas (extra: quota, limit); nothing "
+        "changed",
+    ),
     "unknown_tensor": (404, "no tensor of that name"),
     "unknown_shard": (404, "no shard of that id on this server"),
     "unknown_bucket": (404, "no bucket of that id"),
@@ -75,6 +80,11 @@ ERRORS: dict[str, tuple[int, str]] = {
     "read_only": (
         409,
         "this endpoint does not take writes on this server (data plane of a replicated server)",
+    ),
+    "rate_limited": (
+        429,
+        "a run's push_bytes_per_s quota is spent for now: nothing was applied; retry after "
+        "Retry-After seconds (extra: quota, limit, retry_after)",
     ),
     "slow_request": (408, "the request body did not arrive within the body timeout"),
     "too_large": (413, "the body, or what it asks to allocate, exceeds a configured limit"),
