@@ -17,8 +17,8 @@ BOARD_TENSOR = "adamps.board"
 
 
 def board_tensor(run: str = "") -> str:
-    """The static-mode board tensor of a training run."""
-    return f"{BOARD_TENSOR}.{run}" if run else BOARD_TENSOR
+    """The static-mode board tensor of a training run: in the run's namespace (issue 25)."""
+    return f"{run}..{BOARD_TENSOR}" if run else BOARD_TENSOR
 
 
 # -- boards: where replicas meet (warm start, epochs finished) --------------------------------
