@@ -134,7 +134,8 @@ class ParameterServer:
         #: runs (issue 25): who a request is, its namespace and quotas, learnt from the controllers
         self.tenancy = Tenancy(cfg.token, self.store, self.persister, self.registry)
         if self.replicator is not None:
-            self.tenancy.fetch = self.replicator.controller.runs_auth
+            rep = self.replicator  # its controller client exists once it started
+            self.tenancy.fetch = lambda: rep.controller.runs_auth()
             self.replicator.on_heartbeat = self.tenancy.on_heartbeat
         self.addressing = Addressing(cfg, self.store, self.replicator)
         self.reads = Reads(self.store, self.addressing)

@@ -22,15 +22,18 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from adamps import runs
 from adamps.protocol import ProtocolError
 from adamps.server.persist import Persister
 from adamps.server.store import Store
+from adamps.tables import ROWS_SEP
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +112,7 @@ class Tenancy:
             ["run", "reason"],
             registry=registry,
         )
-        self.m_elems = Gauge(
-            "adamps_run_param_elems",
-            "parameter elements of a run's tensors defined on this server",
-            ["run"],
-            registry=registry,
-        )
+        registry.register(_RunCollector(self))
         self.m_quota = Gauge(
             "adamps_run_quota",
             "a run's quota (param_elems, table_rows, push_bytes_per_s)",
@@ -158,37 +156,31 @@ class Tenancy:
             if rec is None or int(rec.get("version", 0)) < int(version):
                 self.drop_run(name)
         self.version = int(table.get("runs_version", 0))
-        self._gauges()
 
     def drop_run(self, run: str) -> int:
         """Frees a deleted run's tensors: the store's shards and the LMDB records. Idempotent."""
         names = [n for n in self.store.tensors if runs.run_of(n) == run]
-        if not names:
+        tables = [n for n in self.store.tables.tables if runs.run_of(n) == run]
+        if not names and not tables:
             return 0
         dropped = self.store.forget_tensors(names)
-        self.persister.forget_tensors(names)
+        dropped += sum(self.store.tables.forget(n) for n in tables)
+        # A table's records: its definition "<table>#rows" and row shards "<table>#rows/<b>".
+        self.persister.forget_tensors(names + [n + ROWS_SEP[:-1] for n in tables])
         for labels in [("param_elems",), ("table_rows",), ("push_bytes_per_s",)]:
             try:
                 self.m_quota.remove(run, *labels)
             except KeyError:
                 pass
         log.warning(
-            "run %s was deleted: dropped its %d tensors (%d held shards) from memory and LMDB",
+            "run %s was deleted: dropped its %d tensors and %d tables (%d held shards) from "
+            "memory and LMDB",
             run,
             len(names),
+            len(tables),
             dropped,
         )
-        self._gauges()
-        return len(names)
-
-    def _gauges(self) -> None:
-        per: dict[str, int] = {}
-        for n, t in self.store.tensors.items():
-            r = runs.run_of(n)
-            if r is not None:
-                per[r] = per.get(r, 0) + t.spec.size
-        for r in list(per) + [r for r in self.runs if r not in per]:
-            self.m_elems.labels(r).set(per.get(r, 0))
+        return len(names) + len(tables)
 
     # -- who calls --------------------------------------------------------------------------------
 
@@ -338,10 +330,41 @@ class Tenancy:
 
     def status(self) -> dict[str, Any]:
         per: dict[str, dict[str, int]] = {}
-        for n, t in self.store.tensors.items():
+        for n, t in list(self.store.tensors.items()):
             r = runs.run_of(n)
             if r is not None:
-                d = per.setdefault(r, {"tensors": 0, "param_elems": 0})
+                d = per.setdefault(r, {"tensors": 0, "param_elems": 0, "held_bytes": 0})
                 d["tensors"] += 1
                 d["param_elems"] += t.spec.size
+                d["held_bytes"] += sum(4 * st.shard.size for st in list(t.shards.values()))
         return {"runs_version": self.version, "runs": per}
+
+
+class _RunCollector(Collector):
+    """Per run, at scrape time (the event loop serves /metrics): its tensors and parameter
+    elements defined on this server, held shards and their bytes."""
+
+    def __init__(self, tenancy: Tenancy) -> None:
+        self.tenancy = tenancy
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        per = self.tenancy.status()["runs"]
+        families = {
+            "tensors": GaugeMetricFamily(
+                "adamps_run_tensors", "tensors of a run defined on this server", labels=["run"]
+            ),
+            "param_elems": GaugeMetricFamily(
+                "adamps_run_param_elems",
+                "parameter elements of a run's tensors defined on this server",
+                labels=["run"],
+            ),
+            "held_bytes": GaugeMetricFamily(
+                "adamps_run_held_bytes",
+                "bytes of a run's shards held in memory by this server (values)",
+                labels=["run"],
+            ),
+        }
+        for run, d in sorted(per.items()):
+            for key, fam in families.items():
+                fam.add_metric([run], d[key])
+        yield from families.values()
