@@ -40,11 +40,13 @@ class RunTokens:
     async def run_of(self, token: str) -> str | None:
         """The run whose token this is, or None."""
         digest = runs.token_hash(token)
-        now = self.clock()
-        stale = now - self._fetched_at > TTL
-        if (stale or digest not in self.by_hash) and now - self._tried_at >= MISS_INTERVAL:
+        if self.clock() - self._fetched_at > TTL or digest not in self.by_hash:
+            # Under the lock: a lookup that arrives while a fetch is in flight waits for it.
             async with self._lock:
-                if self.clock() - self._tried_at >= MISS_INTERVAL:
+                stale = self.clock() - self._fetched_at > TTL
+                if (stale or digest not in self.by_hash) and (
+                    self.clock() - self._tried_at >= MISS_INTERVAL
+                ):
                     self._tried_at = self.clock()
                     try:
                         table = await self.fetch()

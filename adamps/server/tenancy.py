@@ -200,12 +200,16 @@ class Tenancy:
                 "unauthorized", "missing token: send 'Authorization: Bearer <token>'"
             )
         who = self.known(given)
-        if who is None and time.monotonic() - self._last_miss >= MISS_INTERVAL:
-            self._last_miss = time.monotonic()
-            task = self._refresh_soon()
-            if task is not None:
+        if who is None:
+            task = self._fetching  # a fetch in flight may bring this token: wait for it
+            if (task is None or task.done()) and (
+                time.monotonic() - self._last_miss >= MISS_INTERVAL
+            ):
+                self._last_miss = time.monotonic()
+                task = self._refresh_soon()
+            if task is not None and not task.done():
                 await asyncio.shield(task)
-                who = self.known(given)
+            who = self.known(given)
         if who is None:
             raise ProtocolError("unauthorized", "wrong cluster token, or no run has this token")
         return who

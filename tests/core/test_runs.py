@@ -133,3 +133,32 @@ def test_a_model_pickled_before_runs_existed_still_works() -> None:
     assert m.runs_auth()["runs"] == {}
     created(m, "a")
     assert m.run_view("a") is not None
+
+
+def test_run_tokens_lookups_during_a_fetch_wait_for_it() -> None:
+    """Two trainers' first streams arrive together: the second waits for the first's fetch
+    instead of being refused while it is in flight (seen as a 401 on a data server)."""
+    import asyncio
+
+    from adamps.run_tokens import RunTokens
+
+    ta, tb = runs.new_token("a"), runs.new_token("b")
+    fetches = []
+
+    async def fetch() -> dict:
+        fetches.append(1)
+        await asyncio.sleep(0.05)
+        return {
+            "runs": {
+                "a": {"token_hash": runs.token_hash(ta)},
+                "b": {"token_hash": runs.token_hash(tb)},
+            }
+        }
+
+    async def main() -> list:
+        rt = RunTokens(fetch)
+        got = await asyncio.gather(rt.run_of(ta), rt.run_of(tb), rt.run_of("nobody's"))
+        return [*got, await rt.run_of(ta)]
+
+    assert asyncio.run(main()) == ["a", "b", None, "a"]
+    assert len(fetches) == 1  # one fetch served them all (and a miss does not refetch at once)
