@@ -98,6 +98,8 @@ class Tenancy:
         self.fetch: Callable[[], Awaitable[dict[str, Any]]] | None = None
         self._fetching: asyncio.Task | None = None
         self._last_miss = -1e9
+        #: run -> bytes of its pushes admitted here (for `adamps status`)
+        self.pushed: dict[str, int] = {}
         #: run -> its push-rate limiter
         self.rates: dict[str, runs.PushRate] = {}
         self.m_push_bytes = Counter(
@@ -321,6 +323,7 @@ class Tenancy:
                     run=run,
                 )
         self.m_push_bytes.labels(run).inc(nbytes)
+        self.pushed[run] = self.pushed.get(run, 0) + nbytes
 
     def filter_reply(self, who: runs.Principal, op: str, reply: dict[str, Any]) -> dict[str, Any]:
         """A run's `list` and `list_tables` show its own names only."""
@@ -337,10 +340,14 @@ class Tenancy:
         for n, t in list(self.store.tensors.items()):
             r = runs.run_of(n)
             if r is not None:
-                d = per.setdefault(r, {"tensors": 0, "param_elems": 0, "held_bytes": 0})
+                d = per.setdefault(
+                    r, {"tensors": 0, "param_elems": 0, "held_bytes": 0, "pushed_bytes": 0}
+                )
                 d["tensors"] += 1
                 d["param_elems"] += t.spec.size
                 d["held_bytes"] += sum(4 * st.shard.size for st in list(t.shards.values()))
+        for r, d in per.items():
+            d["pushed_bytes"] = self.pushed.get(r, 0)
         return {"runs_version": self.version, "runs": per}
 
 
@@ -370,5 +377,5 @@ class _RunCollector(Collector):
         }
         for run, d in sorted(per.items()):
             for key, fam in families.items():
-                fam.add_metric([run], d[key])
+                fam.add_metric([run], d[key])  # (pushed_bytes: the counter above has it)
         yield from families.values()

@@ -188,6 +188,18 @@ def test_two_runs_with_the_same_layer_names_train_apart(tmp_path: Path) -> None:
         prog = json.dumps({"epoch": 1, "replica": "beta/0", "progress": 1.0, "done": True})
         status, _, reply = http(ctl, "POST", "/progress", ta, prog.encode())
         assert status == 403 and reply["namespace"] == "alpha/"
+        # `adamps status` shows each run: its tensors, elements, bytes held and pushed
+        st = subprocess.run(
+            adamps_argv("status", "--controllers", ",".join(c.controllers)),
+            capture_output=True, text=True, timeout=60, env={**c.env, "PATH": "/usr/bin:/bin"},
+        )  # fmt: skip
+        assert st.returncode == 0, st.stderr
+        rows = {ln.split()[0]: ln.split() for ln in st.stdout.splitlines() if ln.strip()}
+        n_alpha = len([n for n in names if n.startswith("alpha..")])
+        elems = sum(layout.tensors[n].size for n in names if n.startswith("alpha.."))
+        assert rows["alpha"][1:3] == [str(n_alpha), str(elems)], st.stdout
+        assert int(rows["alpha"][3]) >= 4 * elems and int(rows["alpha"][4]) > 0, st.stdout
+        assert "beta" in rows, st.stdout
         shown = adamps_run(c, "show", "beta")
         assert shown.returncode == 0 and "beta.." in shown.stdout and tb not in shown.stdout
     finally:
