@@ -159,6 +159,11 @@ def test_two_runs_with_the_same_layer_names_train_apart(tmp_path: Path) -> None:
             delta = np.zeros(specs[1].shape, np.float32)
             status, _, body = rpc(addr, ta, "push_dense", tensor="beta..fc1.w", delta=delta)
             assert status == 403 and body["namespace"] == "alpha.."
+            # `list` shows a run its own tensors only
+            status, _, body = rpc(addr, ta, "list")
+            listed = {t["name"] for t in body["tensors"]}
+            assert status == 200 and "alpha..fc1.w" in listed, body
+            assert all(n.startswith("alpha..") for n in listed), listed
             # a replication op or a flush is the operator's
             status, _, body = rpc(addr, ta, "flush")
             assert status == 403 and body["code"] == "forbidden"
