@@ -49,11 +49,12 @@ ERRORS: dict[str, tuple[int, str]] = {
     "bad_shape": (400, "an array's shape does not match what the operation expects"),
     "bad_length": (400, "an array's byte length is not prod(shape) x itemsize"),
     "non_finite": (400, "an array holds NaN or Inf"),
-    "unauthorized": (401, "the cluster token is missing or wrong"),
+    "unauthorized": (401, "the token is missing, or neither the cluster token nor a run's"),
     "forbidden": (
         403,
         "the credential is valid but may not do this (a replication op without a server's peer "
-        "credential, or one sent as another server)",
+        "credential, or one sent as another server; a run's token outside its namespace or on "
+        "an operator's op)",
     ),
     "quota_exceeded": (
         403,

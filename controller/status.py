@@ -170,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             if view is None:
                 view = get_json(addr, "/cluster", args.timeout)
                 progress = get_json(addr, "/progress", args.timeout).get("epochs", {})
-                runs = get_json(addr, "/runs", args.timeout).get("runs", [])
+                try:
+                    runs = get_json(addr, "/runs", args.timeout).get("runs", [])
+                except (OSError, ValueError, KeyError):  # a controller without runs (older)
+                    runs = []
         except (OSError, ValueError, KeyError) as exc:  # get_json: ConnectionError
             controllers.append({"addr": addr, "role": f"unreachable ({type(exc).__name__})"})
     if view is None:
