@@ -139,12 +139,17 @@ class Tenancy:
     async def _refresh(self) -> None:
         assert self.fetch is not None
         try:
-            self.learn(await self.fetch())
+            gone = self.learn(await self.fetch())
+            if gone:  # LMDB's write off the event loop (the persister is thread-safe)
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(None, self.persister.forget_tensors, gone)
         except Exception as exc:  # the next heartbeat tries again
             log.warning("could not fetch the runs from the controllers: %s", exc)
 
-    def learn(self, table: dict[str, Any]) -> None:
-        """Takes the controllers' run table; drops the tensors of deleted runs."""
+    def learn(self, table: dict[str, Any]) -> list[str]:
+        """Takes the controllers' run table; drops the tensors of deleted runs from memory and
+        returns the names whose LMDB records go too (`Persister.forget_tensors`)."""
+        gone: list[str] = []
         recs = table.get("runs") or {}
         self.runs = {n: dict(r) for n, r in recs.items()}
         self.by_hash = {r["token_hash"]: n for n, r in self.runs.items()}
@@ -156,24 +161,24 @@ class Tenancy:
         for name, version in table.get("deleted") or []:
             rec = self.runs.get(name)
             if rec is None or int(rec.get("version", 0)) < int(version):
-                self.drop_run(name)
+                gone += self.drop_run(name)
         self.version = int(table.get("runs_version", 0))
+        return gone
 
-    def drop_run(self, run: str) -> int:
-        """Frees a deleted run's tensors: the store's shards and the LMDB records. Idempotent."""
+    def drop_run(self, run: str) -> list[str]:
+        """Frees a deleted run's tensors and tables in memory; returns the names of their LMDB
+        records (definitions and shards) to delete. Idempotent."""
+        for quota in runs.QUOTAS:
+            try:
+                self.m_quota.remove(run, quota)
+            except KeyError:
+                pass
         names = [n for n in self.store.tensors if runs.run_of(n) == run]
         tables = [n for n in self.store.tables.tables if runs.run_of(n) == run]
         if not names and not tables:
-            return 0
+            return []
         dropped = self.store.forget_tensors(names)
         dropped += sum(self.store.tables.forget(n) for n in tables)
-        # A table's records: its definition "<table>#rows" and row shards "<table>#rows/<b>".
-        self.persister.forget_tensors(names + [n + ROWS_SEP[:-1] for n in tables])
-        for labels in [("param_elems",), ("table_rows",), ("push_bytes_per_s",)]:
-            try:
-                self.m_quota.remove(run, *labels)
-            except KeyError:
-                pass
         log.warning(
             "run %s was deleted: dropped its %d tensors and %d tables (%d held shards) from "
             "memory and LMDB",
@@ -182,7 +187,8 @@ class Tenancy:
             len(tables),
             dropped,
         )
-        return len(names) + len(tables)
+        # A table's records: its definition "<table>#rows" and row shards "<table>#rows/<b>".
+        return names + [n + ROWS_SEP[:-1] for n in tables]
 
     # -- who calls --------------------------------------------------------------------------------
 
