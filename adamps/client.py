@@ -55,6 +55,7 @@ RETRYABLE = frozenset(
         "not_durable",  # nothing applied; the controllers move the bucket to a durable server
         "timeout",
         "no_quorum",
+        "rate_limited",  # a run's push_bytes_per_s quota (issue 25): nothing applied; backs off
     }
 )
 

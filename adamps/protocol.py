@@ -49,11 +49,17 @@ ERRORS: dict[str, tuple[int, str]] = {
     "bad_shape": (400, "an array's shape does not match what the operation expects"),
     "bad_length": (400, "an array's byte length is not prod(shape) x itemsize"),
     "non_finite": (400, "an array holds NaN or Inf"),
-    "unauthorized": (401, "the cluster token is missing or wrong"),
+    "unauthorized": (401, "the token is missing, or neither the cluster token nor a run's"),
     "forbidden": (
         403,
         "the credential is valid but may not do this (a replication op without a server's peer "
-        "credential, or one sent as another server)",
+        "credential, or one sent as another server; a run's token outside its namespace or on "
+        "an operator's op)",
+    ),
+    "quota_exceeded": (
+        403,
+        "the request would take a run past one of its quotas (extra: quota, limit); nothing "
+        "changed",
     ),
     "unknown_tensor": (404, "no tensor of that name"),
     "unknown_shard": (404, "no shard of that id on this server"),
@@ -75,6 +81,11 @@ ERRORS: dict[str, tuple[int, str]] = {
     "read_only": (
         409,
         "this endpoint does not take writes on this server (data plane of a replicated server)",
+    ),
+    "rate_limited": (
+        429,
+        "a run's push_bytes_per_s quota is spent for now: nothing was applied; retry after "
+        "Retry-After seconds (extra: quota, limit, retry_after)",
     ),
     "slow_request": (408, "the request body did not arrive within the body timeout"),
     "too_large": (413, "the body, or what it asks to allocate, exceeds a configured limit"),

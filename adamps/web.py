@@ -112,10 +112,18 @@ async def error_middleware(
 
 
 def _error(status: int, code: str, message: str, rid: str | None, **extra: Any) -> web.Response:
+    retry = extra.get("retry_after")
+    # HTTP's own form of the hint too (whole seconds), for clients that know only headers.
+    headers = (
+        {"Retry-After": str(max(1, math.ceil(retry)))}
+        if isinstance(retry, int | float) and math.isfinite(retry)
+        else None
+    )
     return web.Response(
         status=status,
         body=protocol.error_body(code, message, rid, **extra),
         content_type="application/json",
+        headers=headers,
     )
 
 

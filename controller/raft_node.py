@@ -40,7 +40,11 @@ DRY_RUN_OPS = frozenset(
     }
 )
 #: the refusals of replicated methods that keep their code on the wire (others: conflict)
-ERROR_CODES = {"stale_epoch", "conflict", "not_found", "unknown_bucket", "bad_request", "internal"}
+ERROR_CODES = {
+    "stale_epoch", "conflict", "not_found", "unknown_bucket", "bad_request", "internal",
+    # runs (controller/run_ops.py)
+    "exists", "forbidden", "quota_exceeded", "too_large",
+}  # fmt: skip
 
 
 def ok_or_raise(res: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from controller.ctl_metrics import ControllerMetrics
 from controller.forwarding import BUCKET_OPS, Forwarder
 from controller.leader import LeaderDuties
 from controller.raft_node import RaftNode, ok_or_raise
+from controller.runs_http import PRINCIPAL_KEY, RunsApi
 from controller.state import DEAD, ClusterModel, ReplicatedCluster
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ class ControllerService:
         self.node = self.raft.node
         self.leader = LeaderDuties(cfg, self.cluster, self.raft, self.m)
         self.forwarder = Forwarder(cfg, self.raft, self.m)
+        #: runs (issue 25): their endpoints, and the token check of every write
+        self.runs = RunsApi(self, self._applied)
+        self.forwarder.auth = self.runs.authenticate
         self._loop_task: asyncio.Task | None = None
 
     def is_leader(self) -> bool:
@@ -217,6 +221,8 @@ class ControllerService:
                 "renewed_at": renewed["at"],
                 "lease": self.terms.to_dict(),
                 "unavailable": unavailable,
+                # runs (issue 25): a server whose table is older fetches GET /auth/runs
+                "runs_version": self.cluster.read(lambda m: getattr(m, "runs_version", 0)),
             }
             if known != version:
                 reply["roles"] = roles
@@ -423,9 +429,12 @@ class ControllerService:
                 layout = Layout.from_dict(checked).to_dict()
             except (LayoutError, KeyError, TypeError, ValueError) as exc:
                 raise ProtocolError("bad_request", f"invalid layout: {exc}") from None
+            who = request[PRINCIPAL_KEY]
+            if who.run is not None:  # a run sets its namespace's part of the layout only
+                return await self.runs.set_run_layout(who.run, layout)
             return ok_or_raise(await self.commit("set_layout", layout, time.time()))
 
-        return await self.forwarder.write(request, run)
+        return await self.forwarder.write(request, run, runs_allowed=True)
 
     async def h_get_progress(self, request: web.Request) -> web.Response:
         self._applied()
@@ -446,6 +455,7 @@ class ControllerService:
             if not 0 <= epoch <= MAX_EPOCH:
                 raise ProtocolError("bad_request", f"epoch must be in 0..{MAX_EPOCH}")
             replica = fields.str_field(body, "replica")
+            self.runs.check_progress(request, replica)
             progress = body.get("progress", 0.0)
             if (
                 isinstance(progress, bool)
@@ -462,7 +472,7 @@ class ControllerService:
                 )
             )
 
-        return await self.forwarder.write(request, run)
+        return await self.forwarder.write(request, run, runs_allowed=True)
 
     # -- app -------------------------------------------------------------------------------
 
@@ -491,6 +501,7 @@ class ControllerService:
         r.add_post("/servers/{id}/peer-keys", self.h_peer_keys)
         r.add_post("/rebalance", self.h_rebalance)
         r.add_post("/buckets/{bucket}/{op}", self.h_bucket_op)
+        self.runs.routes(r)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app

@@ -61,13 +61,14 @@ from controller.cluster_rules import (  # noqa: F401 (server states: the model's
     refusal,
 )
 from controller.cluster_views import Views
+from controller.run_ops import RunOps
 
 log = logging.getLogger(__name__)
 
 
 # The class keeps its name and module: pysyncobj's full dump pickles the model, and a dump written
 # by an earlier release names controller.state.ClusterModel. Its methods live in the mixins.
-class ClusterModel(Operations, Views, BucketRules):
+class ClusterModel(Operations, Views, BucketRules, RunOps):
     """The cluster configuration. Mutated only by the Raft apply thread, through its methods."""
 
     def __init__(
@@ -115,6 +116,10 @@ class ClusterModel(Operations, Views, BucketRules):
         self.layout_version = 0
         #: str(epoch) -> replica id -> {"progress", "done", "at"}
         self.progress: dict[str, dict[str, dict[str, Any]]] = {}
+        #: runs (issue 25, controller/run_ops.py): name -> record; runs_version grows with each
+        #: change (the servers refetch the table when it does)
+        self.runs: dict[str, dict[str, Any]] = {}
+        self.runs_version = 0
 
 
 class ReplicatedCluster(SyncObjConsumer):
@@ -225,6 +230,12 @@ class ReplicatedCluster(SyncObjConsumer):
     @replicated
     def write_storage(self, sid: str, not_durable: str | None, now: float) -> dict[str, Any]:
         return self._apply("write_storage", sid, not_durable, now)
+
+    # Issue 25's runs: one method for create, delete and a run's layout; its name sorts after
+    # "write_storage" (see above).
+    @replicated
+    def write_tenancy(self, op: str, name: str, fields: dict, now: float) -> dict[str, Any]:
+        return self._apply("write_tenancy", op, name, fields, now)
 
     @replicated
     def report_progress(

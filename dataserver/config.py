@@ -14,6 +14,11 @@ class DataServerConfig:
     host: str = field("127.0.0.1", help="address to listen on")
     port: int = field(7300, help="HTTP port")
     token: str = field("", help="cluster token required on /stream (Authorization: Bearer <token>)")
+    controllers: list[str] = field(
+        [],
+        help="controllers (host:port, comma separated) whose runs' tokens may stream too "
+        "(issue 25); none: the cluster token only",
+    )
     source: str = field(
         "builtin",
         help="dataset: builtin | mnist:DIR | folder:DIR | npz:FILE | a path (kind guessed)",

@@ -25,7 +25,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from adamps import config as adamps_config
 from adamps import metrics, protocol
 from adamps import web as adamps_web
+from adamps.controller_client import AsyncControllerClient
 from adamps.protocol import ProtocolError
+from adamps.run_tokens import RunTokens
 from dataserver.augment import Augmenter, AugmentParams
 from dataserver.cache import EpochCache
 from dataserver.config import DataServerConfig
@@ -99,6 +101,14 @@ class DataServer:
         self.dataset = dataset
         self.registry = registry if registry is not None else metrics.new_registry()
         self.metrics = DataServerMetrics(self.registry)
+        #: runs' tokens (issue 25), learnt from the controllers when some are configured
+        self.run_tokens: RunTokens | None = None
+        self._ctl: AsyncControllerClient | None = None
+        if cfg.controllers:
+            self._ctl = AsyncControllerClient(
+                cfg.controllers, cfg.token, timeout=3.0, retry_for=3.0
+            )
+            self.run_tokens = RunTokens(self._ctl.runs_auth)
         k, n = cfg.slice_index, cfg.n_slices
         self.n_train_total = len(dataset.train_y)
         self.train_index = slice_members(len(dataset.train_y), k, n)
@@ -143,6 +153,8 @@ class DataServer:
         self._inflight.clear()
         if self.augmenter is not None:
             self.augmenter.close()
+        if self._ctl is not None:
+            await self._ctl.close()
 
     def _fingerprint(self) -> str:
         """Identifies (dataset slice, seed): servers of one failover group must agree on it."""
@@ -295,8 +307,17 @@ class DataServer:
         finally:
             fut.cancel()  # no-op when done; the shared augmentation itself is shielded
 
-    async def handle_stream(self, request: web.Request) -> web.StreamResponse:
+    async def _check_token(self, request: web.Request) -> None:
+        """The cluster token, or (with controllers) a run's token: data is read-only."""
+        if self.run_tokens is not None:
+            _, _, given = request.headers.get("Authorization", "").partition(" ")
+            if given.strip() and given.strip() != self.cfg.token:
+                if await self.run_tokens.run_of(given.strip()) is not None:
+                    return
         adamps_web.check_token(request)
+
+    async def handle_stream(self, request: web.Request) -> web.StreamResponse:
+        await self._check_token(request)
         msg = await adamps_web.read_message(request, {"stream"})
         req = self.parse_stream(msg)
         resp = web.StreamResponse(status=200, headers={"Content-Type": CONTENT_TYPE})

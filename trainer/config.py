@@ -24,7 +24,12 @@ class TrainConfig:
     dataservers: list[str] = field(
         ["http://127.0.0.1:7300"], help="data-server URLs (comma separated; copies fail over)"
     )
-    token: str = field("", help="cluster token")
+    token: str = field("", help="cluster token (or a run's token: see --token-file)")
+    token_file: str = field(
+        "",
+        help="read the token from this file: a run's token (`adamps run create NAME "
+        "--token-file F`), which reads and writes only the run's namespace NAME..",
+    )
     replica: int = field(0, help="index of this model replica, 0 .. n_replicas-1")
     n_replicas: int = field(1, help="number of model replicas training together")
     run: str = field(
@@ -183,6 +188,13 @@ class TrainConfig:
                 self.partition_addrs[0].replace("{index}", str(first + k))
                 for k in range(self.partitions)
             ]
+        if self.token_file:
+            try:
+                self.token = open(self.token_file).read().strip()  # noqa: SIM115 (one read)
+            except OSError as exc:
+                raise ValueError(f"token_file {self.token_file!r} cannot be read: {exc}") from None
+            if not self.token:
+                raise ValueError(f"token_file {self.token_file!r} holds no token")
         # A trainer only calls the others: loopback-only when everything it reaches is local.
         reached = [
             tokens.host_of(a)

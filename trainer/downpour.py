@@ -70,7 +70,7 @@ from trainer.fetcher import Fetcher
 from trainer.hogwild import Hogwild
 from trainer.loop import Loop
 from trainer.metrics import TrainerMetrics
-from trainer.model import Model, resolve_spec
+from trainer.model import Model, in_namespace, resolve_spec
 from trainer.packing import PackPlan, add_pending, collect_round, downpour_worker_factory
 from trainer.push_queue import PushQueue
 from trainer.pusher import Pusher
@@ -117,7 +117,9 @@ class Replica:
         from dataserver.client import DataClient
 
         self.cfg = cfg
-        self.spec = resolve_spec(cfg.model)
+        # A run's tensors live in its namespace (issue 25): "<run>..<layer>.<w|b>" on the
+        # servers and in the layout, so runs with the same layer names never share a tensor.
+        self.spec = in_namespace(resolve_spec(cfg.model), cfg.run)
         self.model = Model(self.spec)  # evaluation model and the layout's source
         self.registry = registry if registry is not None else am.new_registry()
         self.m = TrainerMetrics(self.registry)
@@ -219,8 +221,11 @@ class Replica:
             got = ctl.layout()
             if got is not None:
                 layout = Layout.from_dict(got["layout"])
-                if {n: t.shape for n, t in layout.tensors.items()} == want:
-                    return layout
+                # The cluster's layout holds every run's tensors: this run's part must match.
+                ns = f"{self.cfg.run}.." if self.cfg.run else ""
+                have = {n: t.shape for n, t in layout.tensors.items() if n.startswith(ns)}
+                if have == want:
+                    return Layout(self.tensors, layout.n_buckets, layout.max_shard_elems)
             if time.monotonic() > deadline:
                 raise TimeoutError("no layout of this model at the controllers (is replica 0 up?)")
             time.sleep(0.2)

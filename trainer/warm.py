@@ -39,6 +39,8 @@ def initial_values(path: str, want: Mapping[str, tuple[int, ...]]) -> dict[str, 
     for name, shape in want.items():
         a = arrays.get(name)
         if a is None:
+            a = _same_param(arrays, name, where)
+        if a is None:
             raise InitError(f"{where}: layout mismatch: no tensor {name!r} (the model needs it)")
         if tuple(a.shape) != tuple(shape):
             raise InitError(
@@ -47,3 +49,20 @@ def initial_values(path: str, want: Mapping[str, tuple[int, ...]]) -> dict[str, 
             )
         out[name] = np.ascontiguousarray(a, np.float32)
     return out
+
+
+def _bare(name: str) -> str:
+    """`name` without a run's namespace ("exp1..fc1.w" -> "fc1.w"; issue 25)."""
+    return name.split("..", 1)[1] if ".." in name else name
+
+
+def _same_param(arrays: Mapping[str, np.ndarray], name: str, where: Path) -> np.ndarray | None:
+    """The one array saved for the same parameter under another run's namespace (or none): a
+    model trained as run A warm-starts run B. Several candidates are refused, named."""
+    found = [k for k in arrays if _bare(k) == _bare(name)]
+    if len(found) > 1:
+        raise InitError(
+            f"{where}: tensor {name!r} is not there, and several runs' tensors could stand for "
+            f"it: {sorted(found)}; export the one run's tensors alone"
+        )
+    return arrays[found[0]] if found else None

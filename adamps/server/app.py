@@ -45,6 +45,7 @@ from adamps.server.scrub import Scrubber
 from adamps.server.shards import Snapshot, StoreError
 from adamps.server.store import Store
 from adamps.server.tableops import TableOps
+from adamps.server.tenancy import Tenancy
 from adamps.server.vecops import VectorOps
 from adamps.server.writepath import WritePath
 
@@ -132,6 +133,12 @@ class ParameterServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self.flusher.start()
+        #: runs (issue 25): who a request is, its namespace and quotas, learnt from the controllers
+        self.tenancy = Tenancy(cfg.token, self.store, self.persister, self.registry)
+        if self.replicator is not None:
+            rep = self.replicator  # its controller client exists once it started
+            self.tenancy.fetch = lambda: rep.controller.runs_auth()
+            self.replicator.on_heartbeat = self.tenancy.on_heartbeat
         self.addressing = Addressing(cfg, self.store, self.replicator)
         self.reads = Reads(self.store, self.addressing)
         #: the one way pushes change shards (HTTP and the data plane both use it)
@@ -143,6 +150,7 @@ class ParameterServer:
             self.reads,
             self.m,
             peer=None if self.replicator is None else self.replicator.op_repl_frame,
+            tenancy=self.tenancy,
         )
         self.vectors = VectorOps(self.store, self.addressing, self.writes)
         #: embedding tables' rows (tableops.py), on /rpc and the data plane
@@ -304,7 +312,7 @@ class ParameterServer:
 
     async def handle_rpc(self, request: web.Request) -> web.Response:
         # The token first: an unauthenticated body is never read.
-        aweb.check_token(request)
+        who = await self.tenancy.authenticate(request.headers.get("Authorization"))
         try:
             async with asyncio.timeout(self.cfg.body_timeout):
                 body = await self._read_body(request)
@@ -321,6 +329,7 @@ class ParameterServer:
             if isinstance(rid, str | int):
                 request[aweb.RID_KEY] = str(rid)
             op = protocol.check_message(msg, self._ops)
+            self.tenancy.check(who, op, msg, len(body))  # a run's namespace and quotas
             handler = self._ops[op]
             if self.replicator is not None and op in PEER_OPS:
                 # Who sent it: the MAC of the body under the pair key (adamps.peer_auth); a
@@ -341,6 +350,7 @@ class ParameterServer:
         except Exception:
             self.m.requests.labels(op, "internal").inc()
             raise
+        reply = self.tenancy.filter_reply(who, op, reply)
         resp = aweb.message_response({"rid": msg.get("rid"), **reply})
         self.m.bytes_out.inc(len(resp.body))  # type: ignore[arg-type]
         self.m.requests.labels(op, "ok").inc()
@@ -420,4 +430,5 @@ class ParameterServer:
             "not_durable": self.flusher.not_durable(),
             "applied": dict(self.store.applied),
             "clients": len(self.writes.clients),
+            "runs": self.tenancy.status(),
         }

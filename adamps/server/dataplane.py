@@ -29,7 +29,6 @@ an error found after (NaN, Inf) is answered and the connection stays usable.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import socket
 import time
@@ -55,6 +54,7 @@ from adamps.server.config import PsConfig
 from adamps.server.psmetrics import PsMetrics
 from adamps.server.reads import Reads
 from adamps.server.shards import StoreError
+from adamps.server.tenancy import Tenancy
 from adamps.server.writepath import WritePath
 
 log = logging.getLogger(__name__)
@@ -241,14 +241,10 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         meta = protocol.decode(self.view)
         self.meta = meta
         # The token before anything else: no payload of an unauthenticated peer is ever buffered.
-        token = meta.get("token")
-        if not isinstance(token, str) or not hmac.compare_digest(
-            token.encode(), self.cfg.token.encode()
-        ):
-            raise ProtocolError(
-                "unauthorized", "missing or wrong cluster token in the frame's meta"
-            )
+        who = self.plane.tenancy.authenticate_now(meta.get("token"))
         op = protocol.check_message(meta, OPS)
+        # A run's token: its namespace and push rate (adamps/server/tenancy.py).
+        self.plane.tenancy.check(who, op, meta, self.payload_len)
         # Tensor, length and shards are checked before any payload byte is buffered.
         if op == "push_dense":
             want = self.plane.writes.accept_stream_push(meta, self.payload_len)
@@ -448,8 +444,12 @@ class DataPlane:
         m: PsMetrics,
         peer: Callable[[dict[str, Any], bytes, np.ndarray | None], Awaitable[dict[str, Any]]]
         | None = None,
+        *,
+        tenancy: Tenancy,
     ) -> None:
         self.cfg = cfg
+        #: who a frame is (its meta's token) and what a run's token may do (issue 25)
+        self.tenancy = tenancy
         self.writes = writes
         self.reads = reads
         self.m = m

@@ -151,6 +151,8 @@ class Persister:
         #: bucket -> (epoch, seq) last written (positions of buckets not held any more are deleted)
         self._written: dict[int, tuple[int, int]] | None = None
         self.map_grows = 0
+        #: tensors deleted (a deleted run's): a snapshot of their shards cut before is not written
+        self._forgotten: set[str] = set()
 
     def close(self) -> None:
         with self._lock:
@@ -177,6 +179,7 @@ class Persister:
     ) -> None:
         """A new tensor's definition and its held shards' initial state, in one transaction."""
         shards = list(shards)
+        self._forgotten.discard(meta["spec"]["name"])
 
         def fn(txn: lmdb.Transaction) -> None:
             txn.put(
@@ -199,6 +202,8 @@ class Persister:
         those of `positions`, a whole cut): the positions of the others are deleted. Returns the
         bytes written."""
         snaps = list(snaps)
+        if self._forgotten:
+            snaps = [s for s in snaps if s.shard_id.rpartition("/")[0] not in self._forgotten]
         nbytes = 0
         if positions is not None and self._written is None:
             loaded = self.load_positions()
@@ -328,6 +333,33 @@ class Persister:
         self._write(fn)
         if db in ("positions", "prepared"):
             self._written = None  # read again at the next flush
+
+    def forget_tensors(self, names: Iterable[str]) -> int:
+        """Deletes tensors' definitions and shard records (a deleted run's, issue 25); a flush
+        that cut their shards before does not write them back. Returns the records deleted."""
+        gone = set(names)
+        self._forgotten |= gone
+        deleted = 0
+
+        def fn(txn: lmdb.Transaction) -> None:
+            nonlocal deleted
+            deleted = 0
+            for name in sorted(gone):
+                deleted += bool(txn.delete(name.encode(), db=self._tensors))
+                prefix = (name + "/").encode()  # shard ids are "<tensor>/<index>"
+                cur = txn.cursor(db=self._shards)
+                keys = []
+                if cur.set_range(prefix):
+                    for k in cur.iternext(values=False):
+                        if not bytes(k).startswith(prefix):
+                            break
+                        keys.append(bytes(k))
+                for k in keys:
+                    deleted += bool(txn.delete(k, db=self._shards))
+
+        self._write(fn)
+        memtrim.trim()
+        return deleted
 
     def bucket_of_record(self, db: str, key: bytes, n_buckets: int) -> int | None:
         """The bucket a record belongs to (None: a tensor definition, which is every bucket's)."""

@@ -109,6 +109,8 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         #: the controllers' client (opened at start)
         self.controller: Any = None
         self._heartbeat_now = asyncio.Event()
+        #: sees every heartbeat reply (the runs' table version, adamps/server/tenancy.py)
+        self.on_heartbeat: Callable[[dict[str, Any]], None] = lambda reply: None
         #: bucket -> monotonic time before which no new role change is proposed (secondary side)
         self.role_change_after: dict[int, float] = {}
         self.registered = asyncio.Event()
@@ -291,6 +293,7 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
                 return False
             raise
         self.unavailable = frozenset(int(b) for b in reply.get("unavailable", []))
+        self.on_heartbeat(reply)
         if "roles" in reply:
             self._apply_roles(reply["roles"], int(reply["version"]))
         for b, epoch in reply.get("renewed", []):

@@ -160,6 +160,15 @@ class RowTables:
             if st is not None:
                 del self.shards[st.id]
 
+    def forget(self, name: str) -> int:
+        """Removes a table (a deleted run's, issue 25) and its row shards; returns how many."""
+        t = self.tables.pop(name, None)
+        if t is None:
+            return 0
+        for st in t.shards.values():
+            self.shards.pop(st.id, None)
+        return len(t.shards)
+
     def table(self, name: str) -> TableState:
         t = self.tables.get(name)
         if t is None:

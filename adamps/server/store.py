@@ -174,6 +174,21 @@ class Store:
                     dropped += 1
         return dropped
 
+    def forget_tensors(self, names: Iterable[str]) -> int:
+        """Removes tensors (a deleted run's, issue 25) and their held shards; returns the number
+        of shards dropped. Work already queued for them completes on the detached state, and a
+        snapshot of them is not written (Persister.forget_tensors)."""
+        gone = {n for n in names if n in self.tensors}
+        dropped = 0
+        for n in gone:
+            for st in self.tensors.pop(n).shards.values():
+                self.shards.pop(st.id, None)
+                dropped += 1
+        if gone:
+            kept = [t for n, t in self.layout.tensors.items() if n not in gone]
+            self.layout = Layout(kept, self.layout.n_buckets, self.layout.max_shard_elems)
+        return dropped
+
     def tensor(self, name: str) -> TensorState:
         t = self.tensors.get(name)
         if t is None:

@@ -432,6 +432,49 @@ TRAINING = Dashboard(
             ],
         ),
         (
+            "Runs (namespace, token, quotas)",
+            [
+                Panel(
+                    "Parameter elements per run",
+                    [("max by (run) (adamps_run_param_elems)", "{{run}}")],
+                    description="Every server holds every tensor's definition: the max is the "
+                    "run's total.",
+                ),
+                Panel(
+                    "Bytes held per run (all copies)",
+                    [("sum by (run) (adamps_run_held_bytes)", "{{run}}")],
+                    unit="bytes",
+                ),
+                Panel(
+                    "Push bytes/s per run",
+                    [(rate("adamps_run_push_bytes_total", "run"), "{{run}}")],
+                    unit="Bps",
+                ),
+                Panel(
+                    "Quota use per run",
+                    [
+                        (
+                            "max by (run) (adamps_run_param_elems) / max by (run) "
+                            '(adamps_run_quota{quota="param_elems"})',
+                            "{{run}} parameter elements",
+                        ),
+                        (
+                            f"max by (run) (rate(adamps_run_push_bytes_total[{RATE}]) / on "
+                            '(instance, run) adamps_run_quota{quota="push_bytes_per_s"})',
+                            "{{run}} push bytes/s (busiest server)",
+                        ),
+                    ],
+                    unit="percentunit",
+                    description="1 = at the quota. The push-rate quota holds on each server.",
+                ),
+                Panel(
+                    "Requests refused per run (namespace, quota)",
+                    [(rate("adamps_run_refused_total", "run, reason"), "{{run}} {{reason}}")],
+                    unit="ops",
+                ),
+            ],
+        ),
+        (
             "Data servers",
             [
                 Panel(

@@ -58,6 +58,18 @@ def test_init_that_does_not_fit_the_model_names_file_and_tensor(tmp_path: Path) 
         initial_values(str(tmp_path / "bad.npz"), SHAPES)
 
 
+def test_a_model_of_one_run_warm_starts_another(tmp_path: Path) -> None:
+    """Issue 25: `adamps train --run B --init` of run A's export (tensors "A..fc1.w") finds the
+    same parameters under B's namespace; two runs' tensors that could stand for one are refused."""
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.savez(tmp_path / "a.npz", **{"exp1..fc1.w": w, "exp1..fc1.b": w[0]})
+    got = initial_values(str(tmp_path / "a.npz"), {"exp2..fc1.w": (2, 3), "fc1.b": (3,)})
+    assert got["exp2..fc1.w"].tobytes() == w.tobytes() and got["fc1.b"].tobytes() == w[0].tobytes()
+    np.savez(tmp_path / "two.npz", **{"exp1..fc1.w": w, "exp3..fc1.w": w})
+    with pytest.raises(InitError, match=r"several runs' tensors .*exp1\.\.fc1\.w"):
+        initial_values(str(tmp_path / "two.npz"), {"exp2..fc1.w": (2, 3)})
+
+
 def test_adamps_train_init_refuses_a_mismatched_model_before_starting(tmp_path: Path) -> None:
     np.savez(tmp_path / "m.npz", **{"conv1.w": np.zeros(3, np.float32)})
     r = subprocess.run(
