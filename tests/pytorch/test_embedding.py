@@ -172,3 +172,27 @@ def test_refused_arguments() -> None:
         emb(torch.tensor([10]))
     with pytest.raises(TypeError, match="LongTensor"):
         emb(torch.tensor([1.0]))
+
+
+@pytest.mark.timeout(240)
+def test_torch_ctr_example_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """examples/torch_ctr.py, as docs/training.md runs it (shortened): 2 replicas on a local
+    cluster learn the planted click-through workload."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "torch_ctr.py"), "--local", "--replicas", "2",
+         "--examples", "16384", "--test", "20000"],
+        env=env, capture_output=True, text=True, timeout=220,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["examples"] == 2 * 16384
+    assert res["loss_last"] < res["loss_first"]
+    assert res["auc"] > 0.68, res  # chance is 0.5; 0.73 after 20,000 examples per replica
