@@ -267,6 +267,8 @@ class Store:
         found their record on disk damaged; the copy in memory is the replicated one)."""
 
         def mark(st: ShardState) -> int:
+            if isinstance(st, RowShardState):
+                st.value.full = True  # a damaged row record: every row is written again
             if st.dirty_since is None:
                 st.dirty_since = self.clock()
             self._dirty[st.owner].add(st)
