@@ -28,12 +28,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adamps.server.freqsketch import DEPTH, FrequencySketch
 from adamps.server.optim import Optimizer
 from adamps.server.rowdelta import RowDelta
 from adamps.server.rowindex import RowIndex
 from adamps.tables import Admission, initial_rows
 
-#: magic, version, rows, dim, has accumulator, pending counts, next sweep
+#: magic, version, rows, dim, has accumulator, filter counters (version 1: pending (id, count)
+#: pairs), next sweep
 _HEAD = struct.Struct("<4sIQIIQd")
 _MAGIC = b"ROWS"
 #: the flushed form: the block's own state without its rows (they are records of their own)
@@ -90,8 +92,9 @@ class RowBlock:
     #: wall-clock time (the primary's) of each row's last push
     seen: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
     index: RowIndex = field(default_factory=RowIndex)
-    #: pushes seen so far of ids not admitted yet (frequency filter)
-    pending: dict[int, int] = field(default_factory=dict)
+    #: sightings of ids without a row (the frequency filter, when admit_after > 1): bounded
+    #: memory (freqsketch.py)
+    sketch: FrequencySketch | None = None
     #: time of the next expiry sweep
     next_sweep: float = 0.0
     #: per slot: pushed since the last flush's cut (`take_delta`)
@@ -108,6 +111,8 @@ class RowBlock:
             self.accum = np.empty((0, self.dim), np.float32)
         if len(self.dirty) < len(self.values):
             self.dirty = np.zeros(len(self.values), bool)
+        if self.sketch is None and self.admission.admit_after > 1:
+            self.sketch = FrequencySketch(self.admission.filter_width)
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -202,18 +207,10 @@ class RowBlock:
     def _admit(self, ids: np.ndarray, new: np.ndarray, stats: ApplyStats) -> np.ndarray:
         """The positions in `new` (ids without a row, increasing) that get a row now."""
         after = self.admission.admit_after
-        if after > 1:
-            ok = []
-            for pos in new.tolist():
-                i = int(ids[pos])
-                c = self.pending.get(i, 0) + 1
-                if c >= after:
-                    self.pending.pop(i, None)
-                    ok.append(pos)
-                else:
-                    self.pending[i] = c
-            stats.filtered += len(new) - len(ok)
-            new = np.asarray(ok, np.int64)
+        if after > 1 and self.sketch is not None:
+            ok = self.sketch.see(ids[new]) >= after
+            stats.filtered += len(new) - int(ok.sum())
+            new = new[ok]
         if self.limit is not None and self.n + len(new) > self.limit:
             room = max(0, self.limit - self.n)
             stats.dropped_full += len(new) - room
@@ -255,16 +252,40 @@ class RowBlock:
         """The whole state (a multiple of 4 bytes: LMDB flushes store it as a shard's value)."""
         assert self.values is not None
         n = self.n
-        pend = np.array(sorted(self.pending.items()), np.int64).reshape(-1, 2)
+        sk = b"" if self.sketch is None else self.sketch.tobytes()
         parts = [
-            _HEAD.pack(_MAGIC, 1, n, self.dim, self.accum is not None, len(pend), self.next_sweep),
+            _HEAD.pack(
+                _MAGIC, 2, n, self.dim, self.accum is not None, len(sk) // 4, self.next_sweep
+            ),
             self.ids[:n].astype("<i8").tobytes(),
             self.seen[:n].astype("<f8").tobytes(),
             self.values[:n].astype("<f4").tobytes(),
             b"" if self.accum is None else self.accum[:n].astype("<f4").tobytes(),
-            pend.astype("<i8").tobytes(),
+            sk,
         ]
         return b"".join(parts)
+
+    def _parse_filter(
+        self, ver: int, data: bytes, off: int, count: int
+    ) -> tuple[FrequencySketch | None, int]:
+        """The frequency filter's state at `off` of `data`, and the offset after it. Version 1
+        held exact (id, count) pairs: they become the sketch's counts."""
+        width = self.admission.filter_width
+        sketch = FrequencySketch(width) if self.admission.admit_after > 1 else None
+        if ver == 1:
+            pend = np.frombuffer(data, "<i8", 2 * count, off).reshape(-1, 2)
+            if sketch is not None and len(pend):
+                cells = sketch._cells(pend[:, 0].copy())
+                c = np.minimum(pend[:, 1], 0xFFFFFFFF).astype(np.uint32)
+                for r in range(DEPTH):
+                    np.maximum.at(sketch.counts[r], cells[r], c)
+            return sketch, off + pend.nbytes
+        if count:
+            if count != DEPTH * width:
+                raise ValueError(f"a filter of {count} counters, expected {DEPTH * width}")
+            got = FrequencySketch.from_bytes(width, memoryview(data)[off : off + 4 * count])
+            sketch = got if sketch is not None else None
+        return sketch, off + 4 * count
 
     def take_delta(self) -> RowDelta:
         """Owner thread, a flush's cut: copies of the rows pushed since the previous cut (every
@@ -294,12 +315,12 @@ class RowBlock:
 
     def header_bytes(self) -> bytes:
         """The block's state but its rows (a flush's ``shards`` record; rows: `take_delta`)."""
-        pend = np.array(sorted(self.pending.items()), np.int64).reshape(-1, 2)
+        sk = b"" if self.sketch is None else self.sketch.tobytes()
         return (
             _HEAD.pack(
-                _HEADER_MAGIC, 2, 0, self.dim, self.accum is not None, len(pend), self.next_sweep
+                _HEADER_MAGIC, 2, 0, self.dim, self.accum is not None, len(sk) // 4, self.next_sweep
             )
-            + pend.astype("<i8").tobytes()
+            + sk
         )
 
     def load_flushed(
@@ -317,8 +338,8 @@ class RowBlock:
         _, ver, _, dim, has_acc, n_pend, next_sweep = _HEAD.unpack_from(header)
         if magic != _HEADER_MAGIC or ver != 2 or dim != self.dim:
             raise ValueError(f"not a row block header of dim {self.dim} (magic {magic!r})")
-        pend = np.frombuffer(header, "<i8", 2 * n_pend, _HEAD.size).reshape(-1, 2)
-        if _HEAD.size + pend.nbytes != len(header):
+        sketch, end = self._parse_filter(2, header, _HEAD.size, n_pend)
+        if end != len(header):
             raise ValueError(f"row block header of {len(header)} bytes")
         ids, seen, values, accum = rows or (
             np.empty(0, np.int64),
@@ -336,7 +357,7 @@ class RowBlock:
         self.full = False
         self.index = RowIndex()
         self.index.rebuild(ids)
-        self.pending = {int(i): int(c) for i, c in pend.tolist()}
+        self.sketch = sketch
         self.next_sweep = next_sweep
 
     @property
@@ -344,12 +365,12 @@ class RowBlock:
         """About what the next flush writes of this block (a racy read: the chunk plan)."""
         per = 64 + self.dim * 4 * (2 if self.accum is not None else 1)
         rows = self.n if self.full else int(np.count_nonzero(self.dirty[: self.n]))
-        return rows * per + 16 * len(self.pending) + 64
+        return rows * per + (0 if self.sketch is None else self.sketch.nbytes) + 64
 
     def load_bytes(self, data: bytes) -> None:
         """Replaces the whole state by `to_bytes` output (raises ValueError on a bad record)."""
         magic, ver, n, dim, has_acc, n_pend, next_sweep = _HEAD.unpack_from(data)
-        if magic != _MAGIC or ver != 1 or dim != self.dim:
+        if magic != _MAGIC or ver not in (1, 2) or dim != self.dim:
             raise ValueError(f"not a row block of dim {self.dim} (magic {magic!r}, dim {dim})")
         off = _HEAD.size
 
@@ -363,7 +384,7 @@ class RowBlock:
         seen = take("<f8", n)
         values = take("<f4", n * dim).reshape(n, dim)
         accum = take("<f4", n * dim).reshape(n, dim) if has_acc else None
-        pend = take("<i8", 2 * n_pend).reshape(-1, 2)
+        sketch, off = self._parse_filter(ver, data, off, n_pend)
         if off != len(data):
             raise ValueError(f"row block of {len(data)} bytes, expected {off}")
         self.n = n
@@ -372,7 +393,7 @@ class RowBlock:
             self.accum = accum if accum is not None else np.zeros((n, dim), np.float32)
         self.index = RowIndex()
         self.index.rebuild(ids)
-        self.pending = {int(i): int(c) for i, c in pend.tolist()}
+        self.sketch = sketch
         self.next_sweep = next_sweep
         # replaced whole: the next flush rewrites every row (and deletes the others on disk)
         self.dirty = np.zeros(n, bool)

@@ -115,3 +115,28 @@ async def test_a_damaged_row_record_found_by_the_scrub_is_rewritten(tmp_path: Pa
     finally:
         await c.close()
         await runner.cleanup()
+
+
+async def test_the_frequency_filter_counts_survive_a_restart(tmp_path: Path) -> None:
+    """Sightings counted before a flush are still counted after a restart: an id seen twice,
+    then once more after the restart, gets its row at the third push (admit_after = 3)."""
+    ps, runner, c, _ = await start(tmp_path)
+    ids = np.arange(50, dtype=np.int64)
+    g = np.ones((50, 2), "f4")
+    try:
+        await c.call("create_table", name="f", dim=2, init=INIT, optimizer=SGD,
+                     admission={"admit_after": 3, "filter_width": 1024})  # fmt: skip
+        for _ in range(2):
+            await c.call("push_rows", table="f", ids=ids, grads=g)
+        assert (await c.call("list_tables"))["tables"][0]["rows_held"] == 0
+        await c.call("flush")
+    finally:
+        await c.close()
+        await runner.cleanup()
+    ps, runner, c, _ = await start(tmp_path)
+    try:
+        await c.call("push_rows", table="f", ids=ids, grads=g)
+        assert (await c.call("list_tables"))["tables"][0]["rows_held"] == 50
+    finally:
+        await c.close()
+        await runner.cleanup()
