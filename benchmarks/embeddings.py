@@ -175,11 +175,39 @@ def torch_ctr(spec: CtrSpec, cfg: CtrConfig, replicas: int) -> dict[str, float]:
     }
 
 
+def ctr_side(c: Any, side: str, cfg: CtrConfig) -> dict[str, Any]:
+    """The CTR run with 2 adamps replicas of one kind, and its CPU: the replicas' own (while
+    training) and the servers' and controllers' (from /proc, over the run and its evaluation)."""
+    before = cluster_cpu(c)
+    if side == "numpy":
+        res = run(c.controllers, TOKEN, CtrSpec(), cfg, replicas=2)
+    else:
+        from examples.torch_ctr import run as run_torch
+
+        res = run_torch(
+            {"controllers": c.controllers, "token": TOKEN, "replicas": 2, "examples": cfg.examples,
+             "batch": cfg.batch, "dim": cfg.dim, "hidden": cfg.hidden, "row_lr": cfg.row_lr,
+             "mlp_lr": cfg.mlp_lr, "test": cfg.test, "seed": cfg.seed}
+        )  # fmt: skip
+    servers = cluster_cpu(c) - before  # includes the evaluation's pulls (small)
+    replicas_cpu = res["examples"] / res["examples_per_cpu_second_replicas"]
+    res["servers_cpu_seconds"] = servers
+    res["replicas_cpu_seconds"] = replicas_cpu
+    res["cluster_cpu_seconds"] = servers + replicas_cpu
+    res["examples_per_cpu_second"] = res["examples"] / (servers + replicas_cpu)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=5.0, help="per measurement")
     ap.add_argument("--examples", type=int, default=300_000, help="CTR examples per replica")
     ap.add_argument("--skip-auc", action="store_true")
+    ap.add_argument(
+        "--ctr-side", choices=("torch", "numpy", "both"), default="both",
+        help="the adamps replicas of the CTR run: adamps.torch.Embedding (examples/torch_ctr.py), "
+        "the numpy engine (trainer.ctr), or both",
+    )  # fmt: skip
     args = ap.parse_args()
     batches = zipf_batches(40, N_IDS)
     out: dict[str, Any] = {"batch": BATCH, "n_ids": N_IDS}
@@ -210,36 +238,39 @@ def main() -> int:
                 )
         if not args.skip_auc:
             cfg = CtrConfig(examples=args.examples, n_buckets=N_BUCKETS)
-            before = cluster_cpu(c)
-            res = run(c.controllers, TOKEN, CtrSpec(), cfg, replicas=2)
-            servers = cluster_cpu(c) - before  # includes the evaluation's pulls (small)
-            replicas_cpu = res["examples"] / res["examples_per_cpu_second_replicas"]
-            res["cluster_cpu_seconds"] = servers + replicas_cpu
-            res["examples_per_cpu_second"] = res["examples"] / (servers + replicas_cpu)
-            out["ctr"] = res
-            print(
-                f"CTR, 2 replicas, {res['examples']:,} examples: AUC {res['auc']:.4f}, planted "
-                f"truth {res['best_auc']:.4f}, gap {res['auc_gap']:.4f} (goal <= 0.01); "
-                f"{res['examples_per_second']:,.0f} examples/s, "
-                f"{res['row_bytes_per_step']:,.0f} row bytes per step and replica"
-            )
-            print(
-                f"CTR CPU: {res['examples_per_cpu_second']:,.0f} examples per CPU-second "
-                f"(replicas {replicas_cpu:.1f} s + servers and controllers {servers:.1f} s)"
-            )
+            sides = ("torch", "numpy") if args.ctr_side == "both" else (args.ctr_side,)
+            for side in sides:
+                res = ctr_side(c, side, cfg)
+                out["ctr" if side == "numpy" else "ctr_torch"] = res
+                print(
+                    f"CTR ({side} replicas), 2 replicas, {res['examples']:,} examples: AUC "
+                    f"{res['auc']:.4f}, planted truth {res['best_auc']:.4f}, gap "
+                    f"{res['auc_gap']:.4f} (goal <= 0.01); {res['examples_per_second']:,.0f} "
+                    f"examples/s, {res['row_bytes_per_step']:,.0f} row bytes per step and replica"
+                )
+                print(
+                    f"CTR ({side}) CPU: {res['examples_per_cpu_second']:,.0f} examples per "
+                    f"CPU-second (replicas {res['replicas_cpu_seconds']:.1f} s + servers and "
+                    f"controllers {res['servers_cpu_seconds']:.1f} s)"
+                )
             try:
                 tr = torch_ctr(CtrSpec(), cfg, replicas=2)
             except ImportError:
                 print("torch not installed: no PyTorch baseline")
             else:
                 out["torch"] = tr
-                ratio = res["examples_per_cpu_second"] / tr["examples_per_cpu_second"]
-                out["ctr_cpu_ratio_vs_torch"] = ratio
                 print(
                     f"PyTorch, one process, same batches: {tr['examples_per_cpu_second']:,.0f} "
-                    f"examples per CPU-second, AUC {tr['auc']:.4f}; adamps / PyTorch = "
-                    f"{ratio:.2f} (goal >= 0.7)"
+                    f"examples per CPU-second, AUC {tr['auc']:.4f}"
                 )
+                for side in sides:
+                    res = out["ctr" if side == "numpy" else "ctr_torch"]
+                    ratio = res["examples_per_cpu_second"] / tr["examples_per_cpu_second"]
+                    out[f"ctr_cpu_ratio_vs_torch_{side}"] = ratio
+                    print(
+                        f"adamps ({side} replicas, whole cluster) / PyTorch = {ratio:.2f} "
+                        f"(goal >= 0.7)"
+                    )
     finally:
         c.stop()
     print(json.dumps(out))

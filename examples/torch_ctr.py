@@ -61,6 +61,7 @@ def connect(model: nn.Module, args: Any, create: bool) -> at.DownpourOptimizer:
     return at.DownpourOptimizer(
         model, controllers=args["controllers"], run=RUN, token=args["token"], lr=args["mlp_lr"],
         optimizer="adagrad", adagrad_initial=1e-4, create=create,
+        n_push=args.get("n_push", 1), n_fetch=args.get("n_fetch", 1),
     )  # fmt: skip
 
 
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mlp-lr", type=float, default=0.02)
     ap.add_argument("--test", type=int, default=100_000, help="held-out examples")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--n-push", type=int, default=1, help="push the MLP every n steps")
+    ap.add_argument("--n-fetch", type=int, default=1, help="fetch the MLP every n steps")
     ap.add_argument("--token", default=None, help="cluster token (default: $ADAMPS_TOKEN)")
     a = ap.parse_args(argv)
     if a.replicas < 1 or a.examples < a.batch:

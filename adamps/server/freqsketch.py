@@ -48,20 +48,20 @@ class FrequencySketch:
         #: halvings so far (for tests and status)
         self.halvings = 0
 
-    def _cells(self, ids: np.ndarray) -> np.ndarray:
+    def cells(self, ids: np.ndarray) -> np.ndarray:
         """[DEPTH, k] cell of each id in each row."""
         u = np.asarray(ids, np.int64).view(np.uint64)[None, :]
         return (splitmix64(u ^ _SALTS) % np.uint64(self.width)).astype(np.intp)
 
     def estimate(self, ids: np.ndarray) -> np.ndarray:
-        cells = self._cells(ids)
+        cells = self.cells(ids)
         return np.take_along_axis(self.counts, cells, axis=1).min(axis=0)
 
     def see(self, ids: np.ndarray) -> np.ndarray:
         """One sighting of each of the distinct `ids`; returns their counts including it."""
         if not len(ids):
             return np.empty(0, np.uint32)
-        cells = self._cells(ids)
+        cells = self.cells(ids)
         est = np.take_along_axis(self.counts, cells, axis=1).min(axis=0) + np.uint32(1)
         for r in range(DEPTH):
             np.maximum.at(self.counts[r], cells[r], est)
@@ -69,6 +69,14 @@ class FrequencySketch:
             self.counts >>= np.uint32(1)
             self.halvings += 1
         return est
+
+    def raise_to(self, ids: np.ndarray, counts: np.ndarray) -> None:
+        """Each id's cells at least its count (an exact count carried over from the previous
+        format's pairs)."""
+        cells = self.cells(ids)
+        c = np.minimum(counts, 0xFFFFFFFF).astype(np.uint32)
+        for r in range(DEPTH):
+            np.maximum.at(self.counts[r], cells[r], c)
 
     @property
     def nbytes(self) -> int:

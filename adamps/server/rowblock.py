@@ -275,10 +275,7 @@ class RowBlock:
         if ver == 1:
             pend = np.frombuffer(data, "<i8", 2 * count, off).reshape(-1, 2)
             if sketch is not None and len(pend):
-                cells = sketch._cells(pend[:, 0].copy())
-                c = np.minimum(pend[:, 1], 0xFFFFFFFF).astype(np.uint32)
-                for r in range(DEPTH):
-                    np.maximum.at(sketch.counts[r], cells[r], c)
+                sketch.raise_to(pend[:, 0].copy(), pend[:, 1])
             return sketch, off + pend.nbytes
         if count:
             if count != DEPTH * width:
