@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
-from adamps.server.checksum import seal
+from adamps.server.checksum import MAGIC
 
 
 @dataclass
@@ -63,18 +64,49 @@ class RowDelta:
             parts.append(np.ascontiguousarray(self.accum, "<f4").view(np.uint8).reshape(k, row))
         return np.concatenate(parts, axis=1)
 
-    def records(self, sid: str) -> list[tuple[bytes, bytes]]:
-        """(key, sealed record) of every row, in key order within the shard."""
+    def records(self, sid: str) -> list[tuple[memoryview, memoryview]]:
+        """(key, sealed record) of every row, in key order within the shard: views into two
+        buffers built in a few vectorised passes (a row's only Python-level work is its
+        checksum), so a flush of k rows costs about a microsecond per row."""
+        k = len(self.ids)
+        if not k:
+            return []
         prefix = row_prefix(sid)
-        keys = id_keys(self.ids)
+        kw = len(prefix) + 8
+        keys = np.empty((k, kw), np.uint8)
+        keys[:, : len(prefix)] = np.frombuffer(prefix, np.uint8)
+        keys[:, len(prefix) :] = (
+            np.ascontiguousarray(self.ids, np.int64).astype(">i8").view(np.uint8).reshape(k, 8)
+        )
         pay = self.payloads()
-        return [(prefix + keys[i], seal(pay[i].data)) for i in range(len(self.ids))]
+        w = pay.shape[1]
+        recs = np.empty((k, SEAL_BYTES + w), np.uint8)
+        recs[:, : len(MAGIC)] = np.frombuffer(MAGIC, np.uint8)
+        recs[:, SEAL_BYTES:] = pay
+        pv = memoryview(recs).cast("B")
+        h = xxhash.xxh3_64_intdigest
+        sums = np.fromiter(
+            (
+                h(pv[i * (SEAL_BYTES + w) + SEAL_BYTES : (i + 1) * (SEAL_BYTES + w)])
+                for i in range(k)
+            ),
+            np.uint64,
+            k,
+        )
+        recs[:, len(MAGIC) : SEAL_BYTES] = sums.astype("<u8").view(np.uint8).reshape(k, 8)
+        kv = memoryview(keys).cast("B")
+        rw = SEAL_BYTES + w
+        return [(kv[i * kw : (i + 1) * kw], pv[i * rw : (i + 1) * rw]) for i in range(k)]
 
     @property
     def nbytes(self) -> int:
         """About what writing it costs (the flush's chunk plan)."""
         per = 8 + 16 + 40 + self.values.shape[1] * 4 * (1 if self.accum is None else 2)
         return len(self.ids) * per + len(self.removed) * 48
+
+
+#: a sealed record's head: MAGIC and the xxh3-64 of the payload (adamps.server.checksum)
+SEAL_BYTES = len(MAGIC) + 8
 
 
 def row_prefix(sid: str) -> bytes:
