@@ -150,6 +150,10 @@ def torch_ctr(spec: CtrSpec, cfg: CtrConfig, replicas: int) -> dict[str, float]:
     opt_mlp = torch.optim.Adagrad(mlp.parameters(), lr=cfg.mlp_lr, initial_accumulator_value=1e-4)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     c0, t0, n = time.process_time(), time.perf_counter(), 0
+    # torch's sparse Adagrad builds COO tensors: say that the invariant checks are off (else a
+    # warning per step)
+    checks = torch.sparse.check_sparse_tensor_invariants(enable=False)
+    checks.__enter__()
     for step in range(cfg.n_steps()):
         for r in range(replicas):  # the replicas' batches, interleaved
             ids, y, _ = data.examples(cfg.batch, cfg.seed + r * 1_000_000 + step)
@@ -162,6 +166,7 @@ def torch_ctr(spec: CtrSpec, cfg: CtrConfig, replicas: int) -> dict[str, float]:
             opt_mlp.step()
             n += len(y)
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    checks.__exit__(None, None, None)
     ids, y, logit_true = data.examples(cfg.test, -1 % (1 << 32))
     with torch.no_grad():
         score = mlp(emb(torch.from_numpy(ids)).reshape(len(y), -1)).squeeze(1).numpy()
@@ -175,7 +180,7 @@ def torch_ctr(spec: CtrSpec, cfg: CtrConfig, replicas: int) -> dict[str, float]:
     }
 
 
-def ctr_side(c: Any, side: str, cfg: CtrConfig) -> dict[str, Any]:
+def ctr_side(c: Any, side: str, cfg: CtrConfig, mlp_every: int = 1) -> dict[str, Any]:
     """The CTR run with 2 adamps replicas of one kind, and its CPU: the replicas' own (while
     training) and the servers' and controllers' (from /proc, over the run and its evaluation)."""
     before = cluster_cpu(c)
@@ -187,7 +192,8 @@ def ctr_side(c: Any, side: str, cfg: CtrConfig) -> dict[str, Any]:
         res = run_torch(
             {"controllers": c.controllers, "token": TOKEN, "replicas": 2, "examples": cfg.examples,
              "batch": cfg.batch, "dim": cfg.dim, "hidden": cfg.hidden, "row_lr": cfg.row_lr,
-             "mlp_lr": cfg.mlp_lr, "test": cfg.test, "seed": cfg.seed}
+             "mlp_lr": cfg.mlp_lr, "test": cfg.test, "seed": cfg.seed, "n_push": mlp_every,
+             "n_fetch": mlp_every}
         )  # fmt: skip
     servers = cluster_cpu(c) - before  # includes the evaluation's pulls (small)
     replicas_cpu = res["examples"] / res["examples_per_cpu_second_replicas"]
@@ -203,6 +209,11 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="per measurement")
     ap.add_argument("--examples", type=int, default=300_000, help="CTR examples per replica")
     ap.add_argument("--skip-auc", action="store_true")
+    ap.add_argument("--batch", type=int, default=CtrConfig.batch, help="CTR examples per step")
+    ap.add_argument(
+        "--mlp-every", type=int, default=1,
+        help="torch replicas: push and fetch the MLP every n steps (Downpour's n_push, n_fetch)",
+    )  # fmt: skip
     ap.add_argument(
         "--ctr-side", choices=("torch", "numpy", "both"), default="both",
         help="the adamps replicas of the CTR run: adamps.torch.Embedding (examples/torch_ctr.py), "
@@ -237,10 +248,10 @@ def main() -> int:
                     f"{nb:,.0f} ({nb / (n_ids * dim * 4):.2e} of the table)"
                 )
         if not args.skip_auc:
-            cfg = CtrConfig(examples=args.examples, n_buckets=N_BUCKETS)
+            cfg = CtrConfig(examples=args.examples, batch=args.batch, n_buckets=N_BUCKETS)
             sides = ("torch", "numpy") if args.ctr_side == "both" else (args.ctr_side,)
             for side in sides:
-                res = ctr_side(c, side, cfg)
+                res = ctr_side(c, side, cfg, args.mlp_every)
                 out["ctr" if side == "numpy" else "ctr_torch"] = res
                 print(
                     f"CTR ({side} replicas), 2 replicas, {res['examples']:,} examples: AUC "
