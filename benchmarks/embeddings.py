@@ -9,14 +9,17 @@
 2. Bytes moved per training step (the ids, rows and row gradients of one 4,096-id batch, as
    arrays on the wire) for tables of 1,000,000 and 10,000,000 ids: they follow the rows
    touched, not the table size.
-3. The AUC that ``python -m trainer.ctr`` reaches with 2 model replicas on the planted
-   click-through workload (trainer/ctr_data.py), against the planted truth's AUC on the same
-   held-out examples (goal: within 0.01), and its examples per CPU-second (the replicas, the
-   servers and the controllers, from /proc) against one PyTorch process training the same model
-   on the same batches with ``nn.Embedding(sparse=True)`` and ``torch.optim.Adagrad`` (sparse
-   row updates), one intra-op thread (goal >= 0.7).
+3. The AUC that 2 model replicas reach on the planted click-through workload
+   (trainer/ctr_data.py), against the planted truth's AUC on the same held-out examples (goal:
+   within 0.01), and their examples per CPU-second (the replicas, the servers and the
+   controllers, from /proc) against one PyTorch process training the same model on the same
+   batches with ``nn.Embedding(sparse=True)`` and ``torch.optim.Adagrad`` (sparse row updates),
+   one intra-op thread (goal >= 0.7). The replicas are ``examples/torch_ctr.py``'s
+   (``adamps.torch.Embedding`` + the MLP under ``DownpourOptimizer``) and ``trainer.ctr``'s (the
+   numpy engine), in the same run (``--ctr-side``).
 
     python benchmarks/embeddings.py [--seconds 5] [--examples 300000] [--skip-auc]
+        [--ctr-side torch|numpy|both] [--batch 512] [--mlp-every 1]
 
 Human-readable lines, then one JSON object of the figures as the last line.
 """
