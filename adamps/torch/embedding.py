@@ -257,7 +257,10 @@ class EmbeddingBag(_RowTable):
 
 
 def row_tables(model: nn.Module) -> list[_RowTable]:
-    """The adamps embedding modules of `model` (each once)."""
+    """The adamps embedding modules of `model` (each once; none when `model` is not a module:
+    model_params then names the problem)."""
+    if not isinstance(model, nn.Module):
+        return []
     return [m for m in model.modules() if isinstance(m, _RowTable)]
 
 
