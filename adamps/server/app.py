@@ -41,6 +41,7 @@ from adamps.server.persist import Persister, Position
 from adamps.server.psmetrics import PsMetrics
 from adamps.server.reads import Reads
 from adamps.server.replicate import Replicator
+from adamps.server.rowdelta import sid_of_key
 from adamps.server.scrub import Scrubber
 from adamps.server.shards import Snapshot, StoreError
 from adamps.server.store import Store
@@ -193,8 +194,10 @@ class ParameterServer:
         A tensor definition cannot be rewritten from here: the next start then distrusts every
         copy of this server (they rejoin by state transfer)."""
         self.persister.report_corrupt("scrub", db, key, exc)
-        if db == "shards":
-            st = self.store.shards.get(key.decode(errors="replace"))
+        if db in ("shards", "rows"):
+            # a row record or a row shard's header: the row shard is rewritten whole
+            sid = sid_of_key(key) if db == "rows" else key.decode(errors="replace")
+            st = self.store.shards.get(sid) or self.store.tables.shards.get(sid)
             if st is not None:
                 self.store.mark_dirty([st], lambda _r, _e: None)
             else:  # a leftover of a copy this server let go: nothing to rewrite it from

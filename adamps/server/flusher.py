@@ -223,6 +223,10 @@ class Flusher:
             # Keep the oldest dirty time: those updates are still not on disk.
             if old is not None and old.dirty_since < s.dirty_since:
                 s = dataclasses.replace(s, dirty_since=old.dirty_since)
+            if old is not None and s.rows is not None and old.rows is not None:
+                # a row shard's cut holds only the rows touched since the previous cut: the
+                # unwritten older one's rows are still to be written, under the newer
+                s = dataclasses.replace(s, rows=s.rows.after(old.rows))
             self._pending[s.shard_id] = s
         snaps = [s for s in self._pending.values() if mine(s.bucket)]
         chunk_positions = (
