@@ -1,16 +1,12 @@
 """``adamps checkpoint save|restore``: a model's state out of one running cluster and into
 another of any size (issue 24).
 
-The format (version 1), readable without adamps (docs/operations.md shows how):
-
-- ``manifest.json``: ``format``, ``n_buckets``, the tensors' and tables' definitions, per file
-  its size and sha256, and per bucket the cut ``{epoch, seq}`` its state was read at (``seq``
-  is the bucket's committed replication position on its primary), ``consistent``: false
-  (each bucket is cut on its own: the cuts are not one instant across buckets);
-- ``tensors.safetensors``: each tensor's values under its name, its Adagrad accumulator
-  (when its optimizer keeps one) under ``<name>/accum``, float32 in the tensor's shape;
-- ``rows.safetensors``: each embedding-table row shard (``<table>#rows/<bucket>``) as the
-  uint8 bytes of its row block (ids, values, accumulators; rowblock.py).
+The format (adamps/ckpt_format.py, docs/operations.md shows how to read it without adamps): a
+``manifest.json`` naming, per bucket, the cut ``{epoch, seq}`` its state was read at (``seq``
+is the bucket's committed replication position on its primary; ``consistent``: false, each
+bucket is cut on its own, not at one instant across buckets) and, per shard, the
+``bucket-NNNN.safetensors`` file that holds its values, Adagrad accumulator or row block. An
+incremental save (``base``) writes only what changed since an earlier checkpoint.
 
 The manifest is written last, after every file is complete and synced: a directory without
 one is not a checkpoint. ``restore`` checks everything (format version, every file's size and
@@ -20,7 +16,6 @@ write; its writes go through the servers' one write path (``ckpt_install``)."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -32,41 +27,27 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
 
 from adamps import retry
+from adamps.ckpt_format import (  # noqa: F401 (re-exported: the format's names live there)
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    bucket_file,
+    load,
+    read_manifest,
+    write,
+    write_file,
+    write_manifest,
+)
 from adamps.client import ControllerRouting, PSClient, Routing, retryable
 from adamps.layout import Layout, TensorSpec
 from adamps.rpc import RpcError, SyncRpc
 
-FORMAT = 1
-MANIFEST = "manifest.json"
-TENSORS = "tensors.safetensors"
-ROWS = "rows.safetensors"
 #: buckets read at once by a save
 READERS = 4
 #: bytes of shards per ckpt_install request (under the servers' max_body)
 INSTALL_CHUNK = 32 << 20
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be saved, read or restored; the message names the file."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsynced(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Cluster:
@@ -126,58 +107,87 @@ class Cluster:
 # -- save ----------------------------------------------------------------------------------------
 
 
-def save(cluster: Cluster, to: Path) -> dict[str, Any]:
-    """Every bucket's state, each cut on its primary; returns the manifest written."""
+def save(
+    cluster: Cluster, to: Path, base: Path | None = None, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Every bucket's state, each cut on its primary, into `to`; returns the manifest written.
+
+    With `base` (an earlier checkpoint in the same parent directory) the save is incremental:
+    a shard unchanged since `base` (same lease epoch and version) is not read again nor
+    written, and the manifest names the file of `base` that holds it."""
     t0 = time.perf_counter()
     statuses = cluster.server_status()
     n_buckets = int(statuses[0]["n_buckets"])
     max_shard = int(statuses[0]["config"]["max_shard_elems"])
+    prev = _base_of(to, base, n_buckets)
+    to.mkdir(parents=True, exist_ok=True)
+    (to / MANIFEST).unlink(missing_ok=True)
+
+    def since(b: int) -> dict[str, Any]:
+        if prev is None or str(b) not in prev["cuts"]:
+            return {}
+        versions = {sid: r["version"] for part in ("shards", "row_shards")
+                    for sid, r in prev[part].items() if r.get("bucket") == b}  # fmt: skip
+        return {"epoch": prev["cuts"][str(b)]["epoch"], "versions": versions}
+
+    def read_bucket(b: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        # Each bucket's changed shards go to disk as soon as they are read: a save holds a few
+        # buckets in memory, never the whole model.
+        snap = cluster.on_primary(b, lambda r, _n: r.call("ckpt_read", bucket=b, since=since(b)))
+        content: dict[str, np.ndarray] = {}
+        for sid, rec in snap["shards"].items():
+            content[sid] = np.asarray(rec["v"], np.float32).reshape(-1)
+            if rec.get("a") is not None:
+                content[f"{sid}/accum"] = np.asarray(rec["a"], np.float32).reshape(-1)
+        for sid, rec in snap["rows"].items():
+            content[sid] = np.frombuffer(rec["b"], np.uint8)
+        entry = write_file(to / bucket_file(b), content) if content else None
+        return snap, entry
+
+    with ThreadPoolExecutor(READERS) as pool:
+        results = list(pool.map(read_bucket, range(n_buckets)))
     defs: dict[str, dict[str, Any]] = {}
     tables: dict[str, dict[str, Any]] = {}
-    shards: dict[str, dict[str, Any]] = {}
-    rows: dict[str, np.ndarray] = {}
     cuts: dict[str, dict[str, Any]] = {}
-    # Buckets read in parallel (a few at a time: each reply is a bucket's whole state in memory).
-    with ThreadPoolExecutor(READERS) as pool:
-        snaps = list(
-            pool.map(
-                lambda b: cluster.on_primary(b, lambda r, _n: r.call("ckpt_read", bucket=b)),
-                range(n_buckets),
-            )
-        )
-    for b, snap in enumerate(snaps):
+    files: dict[str, dict[str, Any]] = {}
+    shards: dict[str, dict[str, Any]] = {}
+    row_shards: dict[str, dict[str, Any]] = {}
+    written = 0
+    for b, (snap, entry) in enumerate(results):
         cuts[str(b)] = {"epoch": snap["epoch"], "seq": snap["seq"]}
         for d in snap["tensors"]:
             defs[d["name"]] = d
         for d in snap["tables"]:
             tables[d["name"]] = d
-        shards.update(snap["shards"])
+        if entry is not None:
+            files[bucket_file(b)] = entry
+            written += entry["bytes"]
+        here = {"file": bucket_file(b), "bucket": b, "epoch": snap["epoch"]}
+        for sid, rec in snap["shards"].items():
+            shards[sid] = {**here, "version": rec["version"], "accum": rec.get("a") is not None}
         for sid, rec in snap["rows"].items():
-            rows[sid] = np.frombuffer(rec["b"], np.uint8)
+            row_shards[sid] = {**here, "version": rec["version"]}
+        for sid in snap.get("unchanged", {}):
+            part = "shards" if prev is not None and sid in prev["shards"] else "row_shards"
+            old = prev[part][sid] if prev is not None else None
+            if old is None:
+                raise CheckpointError(f"bucket {b}: shard {sid} unchanged since a checkpoint "
+                                      "that does not hold it")  # fmt: skip
+            rel = _relative(old["file"], base)
+            (shards if part == "shards" else row_shards)[sid] = {**old, "file": rel}
+            files[rel] = prev["files"][old["file"]]
     layout = Layout(
         [TensorSpec(n, tuple(d["shape"])) for n, d in sorted(defs.items())],
         n_buckets=n_buckets,
         max_shard_elems=max_shard,
     )
-    arrays: dict[str, np.ndarray] = {}
-    for name, d in defs.items():
-        spec = layout.tensors[name]
-        value = np.empty(spec.size, np.float32)
-        accum = np.empty(spec.size, np.float32) if _has_accum(d) else None
+    for name in defs:
         for s in layout.shards_of[name]:
-            rec = shards.get(s.id)
-            if rec is None:
+            if s.id not in shards:
                 raise CheckpointError(f"no bucket answered shard {s.id}: the save is incomplete")
-            value[s.start : s.stop] = np.asarray(rec["v"]).reshape(-1)
-            if accum is not None and rec.get("a") is not None:
-                accum[s.start : s.stop] = np.asarray(rec["a"]).reshape(-1)
-        arrays[name] = value.reshape(spec.shape)
-        if accum is not None:
-            arrays[f"{name}/accum"] = accum.reshape(spec.shape)
-    return write(
+            shards[s.id].update(tensor=name, start=s.start, stop=s.stop)
+    return write_manifest(
         to,
-        arrays,
-        rows,
         {
             "n_buckets": n_buckets,
             "max_shard_elems": max_shard,
@@ -186,86 +196,37 @@ def save(cluster: Cluster, to: Path) -> dict[str, Any]:
             "consistent": False,
             "cuts": cuts,
             "progress": cluster.controller_json("/progress"),
+            "base": None if prev is None else base.name,
+            "written_bytes": written,
+            "shards": shards,
+            "row_shards": row_shards,
+            "files": files,
+            **(extra or {}),
             "seconds": time.perf_counter() - t0,
         },
     )
 
 
-def write(
-    to: Path, arrays: dict[str, np.ndarray], rows: dict[str, np.ndarray], fields: dict[str, Any]
-) -> dict[str, Any]:
-    """The files of a checkpoint, each complete and synced before the manifest that lists them
-    (written last, by rename): a crash mid-save leaves no manifest, never a wrong one."""
-    to.mkdir(parents=True, exist_ok=True)
-    (to / MANIFEST).unlink(missing_ok=True)
-    listing: dict[str, dict[str, Any]] = {}
-    for fname, content in ((TENSORS, arrays), (ROWS, rows)):
-        tmp = to / f".{fname}.tmp"
-        save_file(content, str(tmp))
-        _fsynced(tmp)
-        tmp.replace(to / fname)
-        listing[fname] = {"bytes": (to / fname).stat().st_size, "sha256": _sha256(to / fname)}
-    manifest = {"format": FORMAT, "created": time.time(), **fields, "files": listing}
-    tmp = to / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1, default=_plain))
-    _fsynced(tmp)
-    tmp.replace(to / MANIFEST)
-    return manifest
-
-
-def _plain(x: Any) -> Any:
-    if isinstance(x, np.generic):
-        return x.item()
-    raise TypeError(f"not JSON: {type(x).__name__}")
-
-
-def _has_accum(d: dict[str, Any]) -> bool:
-    return d.get("optimizer", {}).get("kind") == "adagrad"
-
-
-# -- read and check --------------------------------------------------------------------------------
-
-
-def load(src: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """The manifest and arrays of a checkpoint, every file checked against the manifest
-    (CheckpointError naming the file and the problem)."""
-    mpath = src / MANIFEST
-    if not mpath.is_file():
-        raise CheckpointError(f"{mpath}: no manifest (not a checkpoint, or a save that failed)")
+def _base_of(to: Path, base: Path | None, n_buckets: int) -> dict[str, Any] | None:
+    """The manifest of an incremental save's base, or None for a full save (no base, or one
+    an incremental save cannot build on: another directory, format or bucket count)."""
+    if base is None:
+        return None
+    if base.resolve().parent != to.resolve().parent:
+        raise CheckpointError(f"{base}: an incremental base must be a sibling of {to}")
     try:
-        manifest = json.loads(mpath.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{mpath}: not valid JSON: {exc}") from None
-    fmt = manifest.get("format") if isinstance(manifest, dict) else None
-    if not isinstance(fmt, int) or fmt < 1:
-        raise CheckpointError(f"{mpath}: field 'format' must be a positive int, got {fmt!r}")
-    if fmt > FORMAT:
-        raise CheckpointError(
-            f"{mpath}: format version {fmt} is newer than this adamps reads ({FORMAT}); "
-            "upgrade adamps"
-        )
-    out: list[dict[str, np.ndarray]] = []
-    for fname in (TENSORS, ROWS):
-        path = src / fname
-        want = manifest.get("files", {}).get(fname)
-        if want is None:
-            raise CheckpointError(f"{mpath}: lists no file {fname}")
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing")
-        size = path.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(
-                f"{path}: truncated or altered: {size} bytes, the manifest says {want['bytes']}"
-            )
-        if _sha256(path) != want["sha256"]:
-            raise CheckpointError(f"{path}: checksum mismatch (sha256 differs from the manifest)")
-        out.append(load_file(str(path)))
-    arrays, rows = out
-    for d in manifest["tensors"]:
-        a = arrays.get(d["name"])
-        if a is None or list(a.shape) != list(d["shape"]) or a.dtype != np.float32:
-            raise CheckpointError(f"{src / TENSORS}: tensor {d['name']!r} missing or misshapen")
-    return manifest, arrays, rows
+        prev = read_manifest(base)
+    except CheckpointError:
+        return None
+    if prev["format"] < 2 or prev.get("n_buckets") != n_buckets:
+        return None
+    return prev
+
+
+def _relative(name: str, base: Path | None) -> str:
+    """A file name of `base`'s manifest as seen from a sibling checkpoint."""
+    assert base is not None
+    return name if name.startswith("../") else f"../{base.name}/{name}"
 
 
 # -- restore ---------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ token (an operator's call, not a peer's: the replication ops are peer-only):
   accumulators, embedding-table row blocks) at a known (epoch, seq). Taken between rounds the
   way ``repl_snapshot`` takes a joining copy's (the position read and the owner-thread reads
   queued in one loop step, no await between), but it adds no learner: nothing waits for it.
+  With ``since {epoch, versions}`` (an incremental checkpoint) it leaves out the shards whose
+  version is unchanged at the same epoch, and lists them under ``unchanged``.
 - ``ckpt_install``: shards and row shards of one bucket restored whole. It is an update (wire
   kinds ``i`` and ``j``, install.py) through the one write path, so every replica gets it by
   the same two-phase commit as a push. Refused (``conflict``) for a shard that already took an
@@ -14,8 +16,6 @@ token (an operator's call, not a peer's: the replication ops are peer-only):
 from __future__ import annotations
 
 from typing import Any
-
-import numpy as np
 
 from adamps.protocol import ProtocolError, require
 from adamps.server.install import RowInstall, install_of
@@ -48,25 +48,40 @@ class CheckpointOps:
 
     async def op_ckpt_read(self, msg: dict[str, Any]) -> dict[str, Any]:
         b = require(msg, "bucket", int)
+        since = require(msg, "since", dict, default={})
         epoch, seq = 0, None
         if self.replicator is not None:
             rep = self.replicator.check_primary(b)  # not_primary / unavailable: the caller retries
             epoch, seq = rep.assignment.epoch, rep.committed
         elif self.store.buckets is not None and b not in self.store.buckets:
             raise ProtocolError("not_primary", f"bucket {b} is not held here")
+        # An incremental read skips a shard whose version is the one the previous checkpoint
+        # read at the same lease epoch: one epoch is one holder incarnation, whose versions only
+        # grow with each applied update, so an equal version is equal data. Another epoch
+        # (a failover, a restart) reads everything.
+        known: dict[str, int] = {}
+        if since.get("epoch") == epoch and isinstance(since.get("versions"), dict):
+            known = {k: v for k, v in since["versions"].items() if isinstance(v, int)}
+
+        def dense(st: Any) -> tuple[int, Any, Any]:
+            if known.get(st.id) == st.version:
+                return st.version, None, None
+            acc = None if st.accum is None else st.accum.reshape(-1).copy()
+            return st.version, st.value.reshape(-1).copy(), acc
+
+        def row(st: Any) -> tuple[int, bytes | None]:
+            if known.get(st.id) == st.version:
+                return st.version, None
+            return st.version, st.value.tobytes()
+
         # No await from the position above to the reads queued below: every owner thread takes
         # them after the batches up to `seq` and before any later one, so the values are of
-        # exactly that position.
+        # exactly that position (and so is the version an unchanged shard is judged by).
         states = self._bucket_shards(b)
-        outs = [np.empty(st.shard.shape, np.float32) for st in states]
-        accs = [np.empty(st.shard.shape, np.float32) if st.accum is not None else None
-                for st in states]  # fmt: skip
-        read = owner_future(lambda cb: self.store.read(states, outs, cb, accums=accs))
+        read = owner_future(lambda cb: self.store.call(states, dense, cb))
         rows = sorted(self.store.tables.in_bucket(b), key=lambda s: s.id)
-        row_read = owner_future(
-            lambda cb: self.store.call(rows, lambda st: (st.version, st.value.tobytes()), cb)
-        )
-        versions = await read
+        row_read = owner_future(lambda cb: self.store.call(rows, row, cb))
+        got = await read
         row_states = await row_read
         tensors = sorted({st.shard.tensor for st in states})
         return {
@@ -76,10 +91,16 @@ class CheckpointOps:
             "tensors": [self.catalog.definition(n) for n in tensors],
             "tables": [st.table.spec.to_dict() for st in rows],
             "shards": {
-                st.id: {"v": out, "a": acc, "version": versions[st.id]}
-                for st, out, acc in zip(states, outs, accs, strict=True)
+                sid: {"v": v, "a": a, "version": ver}
+                for sid, (ver, v, a) in got.items()
+                if v is not None
             },
-            "rows": {sid: {"version": v, "b": data} for sid, (v, data) in row_states.items()},
+            "rows": {
+                sid: {"version": v, "b": d} for sid, (v, d) in row_states.items() if d is not None
+            },
+            "unchanged": {
+                sid: ver for sid, (ver, v, *_r) in {**got, **row_states}.items() if v is None
+            },  # fmt: skip
         }
 
     async def op_ckpt_install(self, msg: dict[str, Any]) -> dict[str, Any]:

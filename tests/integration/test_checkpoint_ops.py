@@ -121,3 +121,28 @@ async def test_checkpoint_ops_need_the_cluster_token(tmp_path: Path) -> None:
         await anon.close()
         await c.close()
         await r.cleanup()
+
+
+async def test_an_incremental_read_leaves_out_what_did_not_change(tmp_path: Path) -> None:
+    """ckpt_read with `since` (the previous checkpoint's epoch and versions) skips a shard
+    whose version is unchanged, and reads it again once a push changed it."""
+    _s, runner, a = await _filled(tmp_path / "a")
+    try:
+        n_buckets = (await a.get_json("/status"))["n_buckets"]
+        bucket = stable_bucket("w/0", n_buckets)
+        full = await a.call("ckpt_read", bucket=bucket)
+        versions = {sid: r["version"] for sid, r in full["shards"].items()}
+        versions.update({sid: r["version"] for sid, r in full["rows"].items()})
+        since = {"epoch": full["epoch"], "versions": versions}
+        same = await a.call("ckpt_read", bucket=bucket, since=since)
+        assert same["shards"] == {} and same["rows"] == {}
+        assert same["unchanged"] == versions
+        other_epoch = await a.call("ckpt_read", bucket=bucket, since={**since, "epoch": 7})
+        assert sorted(other_epoch["shards"]) == sorted(full["shards"])
+        await a.call("push_dense", tensor="w", delta=np.ones(2000, np.float32))
+        after = await a.call("ckpt_read", bucket=bucket, since=since)
+        assert "w/0" in after["shards"] and "w/0" not in after["unchanged"]
+        assert after["shards"]["w/0"]["v"].tobytes() != full["shards"]["w/0"]["v"].tobytes()
+    finally:
+        await a.close()
+        await runner.cleanup()
