@@ -117,9 +117,13 @@ def save(
     written, and the manifest names the file of `base` that holds it."""
     t0 = time.perf_counter()
     statuses = cluster.server_status()
+    if not statuses:
+        raise CheckpointError("the cluster has no parameter server to read from")
     n_buckets = int(statuses[0]["n_buckets"])
     max_shard = int(statuses[0]["config"]["max_shard_elems"])
-    prev = _base_of(to, base, n_buckets)
+    view = cluster.controller_json("/cluster") or {}
+    declared_lost = view.get("declared_lost")
+    prev = _base_of(to, base, n_buckets, declared_lost)
     to.mkdir(parents=True, exist_ok=True)
     (to / MANIFEST).unlink(missing_ok=True)
 
@@ -128,7 +132,7 @@ def save(
             return {}
         versions = {sid: r["version"] for part in ("shards", "row_shards")
                     for sid, r in prev[part].items() if r.get("bucket") == b}  # fmt: skip
-        return {"epoch": prev["cuts"][str(b)]["epoch"], "versions": versions}
+        return {"versions": versions}
 
     def read_bucket(b: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
         # Each bucket's changed shards go to disk as soon as they are read: a save holds a few
@@ -197,6 +201,7 @@ def save(
             "cuts": cuts,
             "progress": cluster.controller_json("/progress"),
             "base": None if prev is None else base.name,
+            "declared_lost": declared_lost,
             "written_bytes": written,
             "shards": shards,
             "row_shards": row_shards,
@@ -207,9 +212,12 @@ def save(
     )
 
 
-def _base_of(to: Path, base: Path | None, n_buckets: int) -> dict[str, Any] | None:
+def _base_of(
+    to: Path, base: Path | None, n_buckets: int, declared_lost: int | None
+) -> dict[str, Any] | None:
     """The manifest of an incremental save's base, or None for a full save (no base, or one
-    an incremental save cannot build on: another directory, format or bucket count)."""
+    an incremental save cannot build on: another directory, format or bucket count, or a
+    bucket declared lost since, whose re-created shards count their versions afresh)."""
     if base is None:
         return None
     if base.resolve().parent != to.resolve().parent:
@@ -219,6 +227,8 @@ def _base_of(to: Path, base: Path | None, n_buckets: int) -> dict[str, Any] | No
     except CheckpointError:
         return None
     if prev["format"] < 2 or prev.get("n_buckets") != n_buckets:
+        return None
+    if declared_lost is None or prev.get("declared_lost") != declared_lost:
         return None
     return prev
 
@@ -238,6 +248,8 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
     manifest, arrays, rows = load(src)
     statuses = cluster.server_status()
+    if not statuses:
+        raise CheckpointError("the cluster has no parameter server to restore onto")
     n_buckets = int(statuses[0]["n_buckets"])
     max_shard = int(statuses[0]["config"]["max_shard_elems"])
     if rows and n_buckets != manifest["n_buckets"]:

@@ -25,7 +25,7 @@ def initial_values(path: str, want: Mapping[str, tuple[int, ...]]) -> dict[str, 
             _manifest, arrays, _rows = load(p)
         except CheckpointError as exc:
             raise InitError(str(exc)) from None
-        where = p / "tensors.safetensors"
+        where = p
     elif p.is_file():
         try:
             with np.load(p, allow_pickle=False) as f:

@@ -5,8 +5,8 @@ token (an operator's call, not a peer's: the replication ops are peer-only):
   accumulators, embedding-table row blocks) at a known (epoch, seq). Taken between rounds the
   way ``repl_snapshot`` takes a joining copy's (the position read and the owner-thread reads
   queued in one loop step, no await between), but it adds no learner: nothing waits for it.
-  With ``since {epoch, versions}`` (an incremental checkpoint) it leaves out the shards whose
-  version is unchanged at the same epoch, and lists them under ``unchanged``.
+  With ``since {versions}`` (an incremental checkpoint) it leaves out the shards whose version
+  is unchanged, and lists them under ``unchanged``.
 - ``ckpt_install``: shards and row shards of one bucket restored whole. It is an update (wire
   kinds ``i`` and ``j``, install.py) through the one write path, so every replica gets it by
   the same two-phase commit as a push. Refused (``conflict``) for a shard that already took an
@@ -56,12 +56,14 @@ class CheckpointOps:
         elif self.store.buckets is not None and b not in self.store.buckets:
             raise ProtocolError("not_primary", f"bucket {b} is not held here")
         # An incremental read skips a shard whose version is the one the previous checkpoint
-        # read at the same lease epoch: one epoch is one holder incarnation, whose versions only
-        # grow with each applied update, so an equal version is equal data. Another epoch
-        # (a failover, a restart) reads everything.
+        # read. A version counts the updates applied to the shard since its creation, and every
+        # copy applies the same committed batches, so an equal version is equal data, also on
+        # another copy after a failover. (A bucket an operator declared lost restarts its
+        # history: the caller then saves everything, adamps/checkpoint.py.)
+        versions = since.get("versions")
         known: dict[str, int] = {}
-        if since.get("epoch") == epoch and isinstance(since.get("versions"), dict):
-            known = {k: v for k, v in since["versions"].items() if isinstance(v, int)}
+        if isinstance(versions, dict):
+            known = {k: v for k, v in versions.items() if isinstance(v, int)}
 
         def dense(st: Any) -> tuple[int, Any, Any]:
             if known.get(st.id) == st.version:
