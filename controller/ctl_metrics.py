@@ -16,6 +16,7 @@ class ControllerMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
+        self.started = time.time()
         self.leader = Gauge(
             "adamps_controller_is_leader", "1 if this node is the Raft leader", registry=r
         )
@@ -85,7 +86,8 @@ class ControllerMetrics:
         # come from the replicated record, so every controller reports the same figures.
         self.ckpt_age = Gauge(
             "adamps_controller_checkpoint_age_seconds",
-            "seconds since the last periodic checkpoint finished (NaN before the first)",
+            "seconds since the last periodic checkpoint finished (before the first: since this "
+            "controller started, so that checkpoints that never succeed still age)",
             registry=r,
         )
         self.ckpt_bytes = Gauge(
@@ -158,4 +160,4 @@ class ControllerMetrics:
             self.ckpt_written.set(last["written_bytes"])
             self.ckpt_seconds.set(last["seconds"])
         else:
-            self.ckpt_age.set(float("nan"))
+            self.ckpt_age.set(time.time() - self.started)

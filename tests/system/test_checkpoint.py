@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps.checkpoint import Cluster, load, save, write
+from adamps.checkpoint import Cluster, save, write
+from adamps.checkpoint import load as load_ckpt
 from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
 from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
@@ -85,7 +86,7 @@ def _restored_matches(c: LocalCluster, ckpt: Path, tmp: Path) -> None:
     a save of the restored cluster holds the same arrays (accumulators and rows too)."""
     r = _cli(c, "restore", "--from", str(ckpt))
     assert r.returncode == 0, r.stderr
-    _m, want, want_rows = load(ckpt)
+    _m, want, want_rows = load_ckpt(ckpt)
     layout = Layout([TENSOR, ADA], n_buckets=N_BUCKETS, max_shard_elems=SHARD)
     from adamps.client import ControllerRouting, PSClient
 
@@ -101,7 +102,7 @@ def _restored_matches(c: LocalCluster, ckpt: Path, tmp: Path) -> None:
     cl = Cluster(c.controllers, TOKEN)
     save(cl, again)
     cl.close()
-    _m, re, re_rows = load(again)
+    _m, re, re_rows = load_ckpt(again)
     assert sorted(re) == sorted(want)
     for k in want:
         assert re[k].tobytes() == want[k].tobytes(), k
@@ -131,7 +132,7 @@ def test_round_trip_from_3_servers_under_load_onto_1_and_5(tmp_path: Path) -> No
     assert manifest["format"] == 2 and manifest["consistent"] is False
     assert sorted(manifest["cuts"]) == sorted(str(b) for b in range(N_BUCKETS))
     assert all(cut["seq"] is not None and cut["epoch"] > 0 for cut in manifest["cuts"].values())
-    x = load(ckpt)[1]["x"]
+    x = load_ckpt(ckpt)[1]["x"]
     assert len(acked_before) > 20
     _cut_is_of_acknowledged_pushes(x, acked_before, set(load.out.failed))
     for n in (1, 5):
@@ -180,7 +181,7 @@ def test_a_primary_sigkilled_during_a_save(tmp_path: Path) -> None:
         if proc.returncode != 0:  # a clear error, and no checkpoint to restore wrong data
             assert "adamps checkpoint save:" in err and not (ckpt / "manifest.json").exists()
             return
-    x = load(ckpt)[1]["x"]
+    x = load_ckpt(ckpt)[1]["x"]
     _cut_is_of_acknowledged_pushes(x, acked_before, failed)
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert any(cut["epoch"] > 1 for cut in manifest["cuts"].values()), (
