@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +47,9 @@ from adamps.rpc import RpcError, SyncRpc
 
 #: buckets read at once by a save
 READERS = 4
+#: seconds a consistent cut's write hold lasts at most (it is released as soon as every
+#: server copied its buckets; the expiry is for a save tool that dies meanwhile)
+HOLD_SECONDS = 5.0
 #: bytes of shards per ckpt_install request (under the servers' max_body)
 INSTALL_CHUNK = 32 << 20
 
@@ -108,13 +112,19 @@ class Cluster:
 
 
 def save(
-    cluster: Cluster, to: Path, base: Path | None = None, extra: dict[str, Any] | None = None
+    cluster: Cluster,
+    to: Path,
+    base: Path | None = None,
+    consistent: bool = False,
+    hold_seconds: float = HOLD_SECONDS,
 ) -> dict[str, Any]:
     """Every bucket's state, each cut on its primary, into `to`; returns the manifest written.
 
     With `base` (an earlier checkpoint in the same parent directory) the save is incremental:
-    a shard unchanged since `base` (same lease epoch and version) is not read again nor
-    written, and the manifest names the file of `base` that holds it."""
+    a shard unchanged since `base` (same version) is not written again, and the manifest names
+    the file of `base` that holds it. With `consistent`, every bucket is cut at one instant:
+    every server holds new writes while it copies its buckets (``ckpt_hold``), and the
+    manifest records how long the writes were held (``hold_ms``)."""
     t0 = time.perf_counter()
     statuses = cluster.server_status()
     if not statuses:
@@ -134,10 +144,21 @@ def save(
                     for sid, r in prev[part].items() if r.get("bucket") == b}  # fmt: skip
         return {"versions": versions}
 
+    held = _hold_all(cluster, n_buckets, hold_seconds) if consistent else None
+
     def read_bucket(b: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
         # Each bucket's changed shards go to disk as soon as they are read: a save holds a few
         # buckets in memory, never the whole model.
-        snap = cluster.on_primary(b, lambda r, _n: r.call("ckpt_read", bucket=b, since=since(b)))
+        if held is None:
+            snap = cluster.on_primary(
+                b, lambda r, _n: r.call("ckpt_read", bucket=b, since=since(b))
+            )
+        else:
+            snap = _read_cut(cluster, held, b)
+            known = since(b).get("versions", {})
+            for part in ("shards", "rows"):
+                for sid in [k for k, r in snap[part].items() if known.get(k) == r["version"]]:
+                    snap["unchanged"][sid] = snap[part].pop(sid)["version"]
         content: dict[str, np.ndarray] = {}
         for sid, rec in snap["shards"].items():
             content[sid] = np.asarray(rec["v"], np.float32).reshape(-1)
@@ -197,7 +218,16 @@ def save(
             "max_shard_elems": max_shard,
             "tensors": [defs[n] for n in sorted(defs)],
             "tables": [tables[n] for n in sorted(tables)],
-            "consistent": False,
+            "consistent": held is not None,
+            **(
+                {}
+                if held is None
+                else {
+                    "hold_ms": held["hold_ms"],
+                    "cut": held["cut"],
+                    "cut_on": {str(b): url for b, (url, _p) in sorted(held["where"].items())},
+                }
+            ),  # fmt: skip
             "cuts": cuts,
             "progress": cluster.controller_json("/progress"),
             "base": None if prev is None else base.name,
@@ -206,10 +236,69 @@ def save(
             "shards": shards,
             "row_shards": row_shards,
             "files": files,
-            **(extra or {}),
             "seconds": time.perf_counter() - t0,
         },
     )
+
+
+def _hold_all(cluster: Cluster, n_buckets: int, seconds: float) -> dict[str, Any]:
+    """One cut of every bucket: every server holds writes and copies the buckets it is primary
+    of (in parallel), then every hold is released. Returns the cut's id, where each bucket's
+    copy is (server URL, [epoch, seq]) and how long writes were held, as this side saw it
+    (from the first hold sent to the last release answered: the longest stall a push saw)."""
+    cut = uuid.uuid4().hex
+    servers = cluster.routing().servers()
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            replies = list(pool.map(
+                lambda u: cluster.rpc(u).call("ckpt_hold", cut=cut, seconds=seconds), servers
+            ))  # fmt: skip
+    except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
+        raise CheckpointError(f"consistent cut: a server could not hold writes: {exc}") from None
+    finally:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(lambda u: _release(cluster, u, cut), servers))
+    hold_ms = (time.perf_counter() - t0) * 1e3
+    where: dict[int, tuple[str, list[int]]] = {}
+    for url, rep in zip(servers, replies, strict=True):
+        for b, pos in rep["positions"].items():
+            if int(b) in where:
+                raise CheckpointError(f"consistent cut: two servers cut bucket {b}; try again")
+            where[int(b)] = (url, pos)
+    missing = sorted(set(range(n_buckets)) - set(where))
+    if missing:
+        for url in servers:
+            _release(cluster, url, cut, drop=True)
+        raise CheckpointError(
+            f"consistent cut: buckets {missing[:10]} had no primary at the cut (a failover "
+            "under way); try again"
+        )
+    return {"cut": cut, "where": where, "hold_ms": hold_ms,
+            "server_ms": max((r["drain_ms"] + r["copy_ms"] for r in replies), default=0.0)}  # fmt: skip
+
+
+def _release(cluster: Cluster, url: str, cut: str, drop: bool = False) -> None:
+    # Best effort: a hold that is not released ends by itself at its expiry.
+    try:
+        cluster.rpc(url).call("ckpt_release", cut=cut, drop=drop)
+    except (RpcError, ConnectionError, TimeoutError, OSError):
+        pass
+
+
+def _read_cut(cluster: Cluster, held: dict[str, Any], b: int) -> dict[str, Any]:
+    """Bucket b's copy of the cut, from the server that took it, checked against the
+    position that server reported at the cut."""
+    url, pos = held["where"][b]
+    try:
+        snap = cluster.rpc(url).call("ckpt_read", bucket=b, cut=held["cut"])
+    except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
+        raise CheckpointError(f"consistent cut: bucket {b}'s copy on {url}: {exc}") from None
+    if [snap["epoch"], snap["seq"]] != list(pos):
+        raise CheckpointError(f"consistent cut: bucket {b} read at {snap['epoch']}/{snap['seq']}, "
+                              f"cut at {pos[0]}/{pos[1]}")  # fmt: skip
+    snap.setdefault("unchanged", {})
+    return snap
 
 
 def _base_of(
@@ -351,6 +440,12 @@ def main(argv: list[str]) -> int:
         s.add_argument("--token", default=None, help="cluster token (default: $ADAMPS_TOKEN)")
         if name == "save":
             s.add_argument("--to", required=True, type=Path, help="directory to write")
+            s.add_argument(
+                "--consistent",
+                action="store_true",
+                help="one cut across all buckets: writes are held (503 held, retried by "
+                "clients) while every server copies its buckets",
+            )
         else:
             s.add_argument("--from", dest="src", required=True, type=Path, help="checkpoint dir")
             s.add_argument("--force", action="store_true", help="overwrite a non-empty cluster")
@@ -358,9 +453,10 @@ def main(argv: list[str]) -> int:
     cluster = Cluster([c for c in args.controllers.split(",") if c], args.token)
     try:
         if args.action == "save":
-            m = save(cluster, args.to)
+            m = save(cluster, args.to, consistent=args.consistent)
             print(json.dumps({"saved": str(args.to), "seconds": m["seconds"],
-                              "bytes": sum(f["bytes"] for f in m["files"].values())}))  # fmt: skip
+                              "bytes": sum(f["bytes"] for f in m["files"].values()),
+                              "consistent": m["consistent"], "hold_ms": m.get("hold_ms")}))  # fmt: skip
         else:
             print(json.dumps(restore(cluster, args.src, force=args.force)))
     except CheckpointError as exc:

@@ -94,4 +94,5 @@ def summary(manifest: dict[str, Any], name: str) -> dict[str, Any]:
         "written_bytes": int(manifest.get("written_bytes", 0)),
         "seconds": float(manifest["seconds"]),
         "consistent": bool(manifest.get("consistent", False)),
+        "hold_ms": float(manifest.get("hold_ms", 0.0)),
     }

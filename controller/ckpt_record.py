@@ -20,6 +20,8 @@ DONE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "consistent": bool,
     "started": (int, float),
 }
+#: optional summary fields (absent in entries of earlier releases)
+OPTIONAL_FIELDS: dict[str, type | tuple[type, ...]] = {"hold_ms": (int, float)}
 
 
 def empty() -> dict[str, Any]:
@@ -52,8 +54,15 @@ def apply(
         for key, kind in DONE_FIELDS.items():
             if not isinstance(fields.get(key), kind):
                 return {"ok": False, "error": "bad_request", "message": f"done needs {key!r}"}
+        for key, kind in OPTIONAL_FIELDS.items():
+            if key in fields and not isinstance(fields[key], kind):
+                return {"ok": False, "error": "bad_request", "message": f"bad {key!r}"}
         record["count"] += 1
-        record["last"] = {**{k: fields[k] for k in DONE_FIELDS}, "finished": now}
+        record["last"] = {
+            **{k: fields[k] for k in DONE_FIELDS},
+            **{k: fields[k] for k in OPTIONAL_FIELDS if k in fields},
+            "finished": now,
+        }
         if (record.get("begun") or {}).get("name") == fields["name"]:
             record["begun"] = None
         return {"ok": True, "count": record["count"]}

@@ -53,6 +53,7 @@ class CheckpointSchedule:
     def status(self) -> dict[str, Any]:
         rec = self.cluster.read(lambda m: dict(m.checkpoint_record()))
         return {
+            "consistent": self.cfg.checkpoint_consistent,
             "interval": self.cfg.checkpoint_interval,
             "keep": self.cfg.checkpoint_keep,
             "dir": self.cfg.checkpoint_dir,
@@ -110,7 +111,9 @@ class CheckpointSchedule:
         controllers = [f"http://{a}" for a in self.cfg.http_addresses]
         cluster = Cluster(controllers, self.cfg.token, retry_for=30.0)
         try:
-            manifest = save(cluster, self.root / name, base=base)
+            manifest = save(
+                cluster, self.root / name, base=base, consistent=self.cfg.checkpoint_consistent
+            )
         finally:
             cluster.close()
         ckpt_series.prune(self.root, self.cfg.checkpoint_keep)

@@ -110,6 +110,11 @@ class ControllerConfig:
     checkpoint_keep: int = field(
         3, help="periodic checkpoints kept (older ones are pruned, files still named are kept)"
     )
+    checkpoint_consistent: bool = field(
+        False,
+        help="periodic checkpoints cut every bucket at one instant (writes held for the copy, "
+        "as adamps checkpoint save --consistent)",
+    )
     checkpoint_dir: str = field(
         "",
         help="directory of the periodic checkpoints, the same on every controller (a shared "

@@ -105,6 +105,11 @@ class ControllerMetrics:
             "how long the last periodic checkpoint took",
             registry=r,
         )
+        self.ckpt_hold = Gauge(
+            "adamps_controller_checkpoint_hold_seconds",
+            "how long the last periodic checkpoint held writes for its cut (0: per-bucket cuts)",
+            registry=r,
+        )
         self.ckpt_count = Gauge(
             "adamps_controller_checkpoints", "periodic checkpoints completed", registry=r
         )
@@ -159,5 +164,6 @@ class ControllerMetrics:
             self.ckpt_bytes.set(last["bytes"])
             self.ckpt_written.set(last["written_bytes"])
             self.ckpt_seconds.set(last["seconds"])
+            self.ckpt_hold.set(last.get("hold_ms", 0.0) / 1e3)
         else:
             self.ckpt_age.set(time.time() - self.started)

@@ -15,6 +15,8 @@ token (an operator's call, not a peer's: the replication ops are peer-only):
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from adamps.protocol import ProtocolError, require
@@ -25,6 +27,11 @@ from adamps.server.rowtables import RowShardState
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
 from adamps.server.writepath import WritePath
+
+#: longest write hold a consistent checkpoint may ask for (seconds)
+MAX_HOLD = 30.0
+#: seconds a cut's copies are kept for their reader
+CUT_TTL = 600.0
 
 
 class CheckpointOps:
@@ -38,6 +45,9 @@ class CheckpointOps:
         self.writes = writes
         #: None on a standalone server: its cut has no (epoch, seq), only shard versions
         self.replicator = replicator
+        #: cut id -> (monotonic time taken, bucket -> its ckpt_read reply) of a consistent
+        #: checkpoint, until read
+        self.cuts: dict[str, tuple[float, dict[int, dict[str, Any]]]] = {}
 
     def _bucket_shards(self, b: int) -> list[Any]:
         bucket_of = self.store.layout.bucket_of
@@ -46,9 +56,84 @@ class CheckpointOps:
             key=lambda s: s.id,
         )
 
+    async def op_ckpt_hold(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Holds new writes (``held``, retryable), waits for the admitted ones to be decided,
+        then copies every bucket this server is primary of (values, accumulators, rows) into
+        memory under the cut's id: one instant for all of them. The caller releases the hold
+        as soon as every server answered and reads the copies at leisure (``ckpt_read`` with
+        ``cut``): the writes stall for the copy, not for the transfer."""
+        cut = require(msg, "cut", str)
+        seconds = require(msg, "seconds", float, default=5.0)
+        if not 0 < seconds <= MAX_HOLD:
+            raise ProtocolError("bad_request", f"'seconds' must be in (0, {MAX_HOLD}]")
+        t0 = time.monotonic()
+        self._expire(t0)
+        hold = self.writes.hold
+        hold.hold(cut, t0, seconds)
+        try:
+            while hold.inflight > 0:
+                if time.monotonic() - t0 > seconds:
+                    raise ProtocolError("timeout", f"pushes under way did not end in {seconds}s")
+                await asyncio.sleep(0.001)
+            drained = time.monotonic() - t0
+            snaps = {}
+            for b in self._primary_buckets():
+                snaps[b] = await self._read(b, {})
+        except BaseException:
+            hold.release(cut)
+            raise
+        self.cuts[cut] = (time.monotonic(), snaps)
+        return {
+            "cut": cut,
+            "positions": {str(b): [sn["epoch"], sn["seq"]] for b, sn in snaps.items()},
+            "drain_ms": drained * 1e3,
+            "copy_ms": (time.monotonic() - t0 - drained) * 1e3,
+        }
+
+    async def op_ckpt_release(self, msg: dict[str, Any]) -> dict[str, Any]:
+        cut = require(msg, "cut", str)
+        drop = require(msg, "drop", bool, default=False)
+        released = self.writes.hold.release(cut)
+        if drop:
+            self.cuts.pop(cut, None)
+        return {"cut": cut, "released": released}
+
+    def _primary_buckets(self) -> list[int]:
+        if self.replicator is None:
+            held = self.store.buckets
+            n = self.store.layout.n_buckets
+            return [b for b in range(n) if held is None or b in held]
+        out = []
+        for b in sorted(self.replicator.buckets):
+            try:
+                self.replicator.check_primary(b)
+            except ProtocolError:
+                continue
+            out.append(b)
+        return out
+
+    def _expire(self, now: float) -> None:
+        """Forgets cuts nobody read within CUT_TTL (a save tool that died)."""
+        for cut, (at, _snaps) in list(self.cuts.items()):
+            if now - at > CUT_TTL:
+                del self.cuts[cut]
+
     async def op_ckpt_read(self, msg: dict[str, Any]) -> dict[str, Any]:
         b = require(msg, "bucket", int)
-        since = require(msg, "since", dict, default={})
+        cut = require(msg, "cut", str, default="")
+        if cut:
+            snaps = self.cuts.get(cut, (0.0, {}))[1]
+            if b not in snaps:
+                raise ProtocolError(
+                    "not_found", f"no copy of bucket {b} in cut {cut} on this server"
+                )
+            snap = snaps.pop(b)
+            if not snaps:
+                self.cuts.pop(cut, None)
+            return snap
+        return await self._read(b, require(msg, "since", dict, default={}))
+
+    async def _read(self, b: int, since: dict[str, Any]) -> dict[str, Any]:
         epoch, seq = 0, None
         if self.replicator is not None:
             rep = self.replicator.check_primary(b)  # not_primary / unavailable: the caller retries
