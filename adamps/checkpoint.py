@@ -57,10 +57,17 @@ INSTALL_CHUNK = 32 << 20
 class Cluster:
     """The controllers' routing and one connection per server (the operator's side)."""
 
-    def __init__(self, controllers: list[str], token: str | None, retry_for: float = 60.0):
+    def __init__(
+        self,
+        controllers: list[str],
+        token: str | None,
+        retry_for: float = 60.0,
+        source: Any = None,
+    ):
         self.controllers = controllers
         self.token = token if token is not None else os.environ.get("ADAMPS_TOKEN")
-        self.source = ControllerRouting(controllers)
+        #: where the routing table comes from (the controllers, or a client's static routing)
+        self.source = source if source is not None else ControllerRouting(controllers)
         self.retry_for = retry_for
         #: one connection per server and thread (a SyncRpc is one keep-alive connection)
         self._local = threading.local()
@@ -373,8 +380,25 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
             )  # fmt: skip
     finally:
         client.close()
+    installed = install(cluster, layout, manifest["tensors"], arrays, rows, force)
+    return {"installed": installed, "seconds": time.perf_counter() - t0}
+
+
+def install(
+    cluster: Cluster,
+    layout: Layout,
+    tensors: list[dict[str, Any]],
+    arrays: dict[str, np.ndarray],
+    rows: dict[str, np.ndarray] | None = None,
+    force: bool = False,
+) -> int:
+    """Installs the values (and ``<name>/accum`` accumulators) of `tensors` (definitions with
+    a ``name``) and the row shards `rows` bucket by bucket on each primary with
+    ``ckpt_install``, through the one write path; returns the shards installed. The tensors
+    exist already (created with any values: an install overwrites them)."""
+    rows = rows or {}
     per_bucket: dict[int, list[tuple[int, dict[str, Any]]]] = {}
-    for d in manifest["tensors"]:
+    for d in tensors:
         name = d["name"]
         flat = arrays[name].reshape(-1)
         acc = arrays.get(f"{name}/accum")
@@ -424,8 +448,8 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
 
     # Buckets installed in parallel: their primaries and replication rounds are independent.
     with ThreadPoolExecutor(READERS) as pool:
-        installed = sum(pool.map(install_bucket, range(n_buckets)))
-    return {"installed": installed, "seconds": time.perf_counter() - t0}
+        installed = sum(pool.map(install_bucket, range(layout.n_buckets)))
+    return installed
 
 
 # -- the command -----------------------------------------------------------------------------------

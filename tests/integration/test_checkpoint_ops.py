@@ -182,3 +182,36 @@ async def test_a_hold_refuses_writes_with_a_retryable_503_until_released_or_expi
     finally:
         await a.close()
         await runner.cleanup()
+
+
+async def test_install_through_a_static_routing_carries_the_accumulators(tmp_path: Path) -> None:
+    """adamps.checkpoint.install (what a warm start uses to carry Adagrad accumulators) on a
+    standalone server found through a static routing: values and accumulators bit-identical."""
+    from adamps.checkpoint import Cluster, install
+    from adamps.client import StaticRouting
+    from adamps.layout import Layout, TensorSpec
+
+    server, runner, a = await start(tmp_path / "a")
+    try:
+        await a.call("create", **{**ADA, "init": {"kind": "zeros"}})
+        n_buckets = (await a.get_json("/status"))["n_buckets"]
+        url = f"http://127.0.0.1:{server.cfg.port}"
+        layout = Layout([TensorSpec("w", (2000,))], n_buckets=n_buckets, max_shard_elems=1000)
+        values = np.linspace(0, 1, 2000, dtype=np.float32)
+        accum = np.linspace(1, 2, 2000, dtype=np.float32)
+        cluster = Cluster([], TOKEN, source=StaticRouting([url], n_buckets))
+        try:
+            n = await asyncio.to_thread(
+                install, cluster, layout, [{"name": "w"}], {"w": values, "w/accum": accum}
+            )
+        finally:
+            cluster.close()
+        assert n == 2
+        for s in layout.shards_of["w"]:
+            snap = await a.call("ckpt_read", bucket=layout.bucket_of[s.id])
+            rec = snap["shards"][s.id]
+            assert rec["v"].tobytes() == values[s.start : s.stop].tobytes()
+            assert rec["a"].tobytes() == accum[s.start : s.stop].tobytes()
+    finally:
+        await a.close()
+        await runner.cleanup()
