@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -67,12 +67,20 @@ def bucket_file(b: int) -> str:
 
 
 def write_file(path: Path, content: dict[str, np.ndarray]) -> dict[str, Any]:
-    """One data file, complete and synced under its final name; its manifest entry."""
+    """One data file, complete and synced under its final name; its manifest entry. The
+    checksum is of the bytes in memory, as they are written: no second pass over the file."""
+    data = save(content)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(content, str(tmp))
-    fsynced(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     tmp.replace(path)
-    return {"bytes": path.stat().st_size, "sha256": sha256(path)}
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def write_manifest(to: Path, fields: dict[str, Any]) -> dict[str, Any]:
