@@ -176,8 +176,14 @@ def save(
         entry = write_file(to / bucket_file(b), content) if content else None
         return snap, entry
 
-    with ThreadPoolExecutor(READERS) as pool:
-        results = list(pool.map(read_bucket, range(n_buckets)))
+    try:
+        with ThreadPoolExecutor(READERS) as pool:
+            results = list(pool.map(read_bucket, range(n_buckets)))
+    except BaseException:
+        if held is not None:  # the servers' copies of the cut are of no use now
+            for url in {u for u, _p in held["where"].values()}:
+                _release(cluster, url, held["cut"], drop=True)
+        raise
     defs: dict[str, dict[str, Any]] = {}
     tables: dict[str, dict[str, Any]] = {}
     cuts: dict[str, dict[str, Any]] = {}

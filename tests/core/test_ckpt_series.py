@@ -88,3 +88,22 @@ def test_prune_never_deletes_a_file_a_kept_checkpoint_names(tmp_path: Path) -> N
     assert half.exists()  # newer than the newest complete one: may be a save under way
     assert ckpt_series.complete(tmp_path) == [c3]
     assert load(c3)[1]["w"].tolist() == [3.0, 3.0, 1.0, 1.0]
+
+
+def test_a_damaged_file_of_the_base_is_named_by_the_incremental_checkpoint(tmp_path: Path) -> None:
+    import pytest
+
+    from adamps.ckpt_format import CheckpointError
+
+    c1 = _series_ckpt(tmp_path, 1, None, {"w/0": 1.0, "w/1": 1.0})
+    c2 = _series_ckpt(tmp_path, 2, c1, {"w/0": 2.0})
+    f = c1 / "bucket-0001.safetensors"  # w/1, which c2 names
+    f.write_bytes(f.read_bytes()[:-3])
+    with pytest.raises(CheckpointError, match=r"ckpt-000001-t1/bucket-0001\.safetensors: trunc"):
+        load(c2)
+    other = _series_ckpt(tmp_path / "other", 1, None, {"w/0": 1.0, "w/1": 1.0})
+    m = json.loads((other / "manifest.json").read_text())
+    m["files"] = {"../../x/bucket-0001.safetensors": {"bytes": 1, "sha256": "0"}}
+    (other / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=r"is not a checkpoint file"):
+        load(other)
