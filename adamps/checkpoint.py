@@ -50,6 +50,8 @@ READERS = 4
 #: seconds a consistent cut's write hold lasts at most (it is released as soon as every
 #: server copied its buckets; the expiry is for a save tool that dies meanwhile)
 HOLD_SECONDS = 5.0
+#: attempts at a consistent cut before the save fails
+CUT_ATTEMPTS = 3
 #: bytes of shards per ckpt_install request (under the servers' max_body)
 INSTALL_CHUNK = 32 << 20
 
@@ -151,7 +153,16 @@ def save(
                     for sid, r in prev[part].items() if r.get("bucket") == b}  # fmt: skip
         return {"versions": versions}
 
-    held = _hold_all(cluster, n_buckets, hold_seconds) if consistent else None
+    held = None
+    for attempt in range(1, CUT_ATTEMPTS + 1) if consistent else ():
+        # A cut that met a failover (a bucket without a primary) is taken again, a few times.
+        try:
+            held = _hold_all(cluster, n_buckets, hold_seconds)
+            break
+        except CheckpointError:
+            if attempt == CUT_ATTEMPTS:
+                raise
+            time.sleep(1.0)
 
     def read_bucket(b: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
         # Each bucket's changed shards go to disk as soon as they are read: a save holds a few
