@@ -248,6 +248,7 @@ def save(
                 if held is None
                 else {
                     "hold_ms": held["hold_ms"],
+                    "hold_server_ms": held["server_ms"],
                     "cut": held["cut"],
                     "cut_on": {str(b): url for b, (url, _p) in sorted(held["where"].items())},
                 }

@@ -91,6 +91,7 @@ def test_a_consistent_cut_holds_each_request_whole(tmp_path: Path) -> None:
         assert n_pushed > 20
     manifest = json.loads((results[True] / "manifest.json").read_text())
     assert manifest["consistent"] is True and 0 < manifest["hold_ms"] < 5000
+    assert 0 <= manifest["hold_server_ms"] <= manifest["hold_ms"]
     _m, arrays, _rows = load(results[True])
     counts = _counts(arrays["c"], layout)
     primary = {int(b): url for b, url in manifest["cut_on"].items()}  # who cut each bucket
