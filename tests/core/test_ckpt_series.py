@@ -107,3 +107,20 @@ def test_a_damaged_file_of_the_base_is_named_by_the_incremental_checkpoint(tmp_p
     (other / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(CheckpointError, match=r"is not a checkpoint file"):
         load(other)
+
+
+def test_the_docs_read_a_checkpoint_without_adamps(tmp_path: Path, monkeypatch) -> None:
+    """docs/operations.md's snippet (json, hashlib, safetensors, numpy only) reads a format-2
+    incremental checkpoint, files of its base included."""
+    import re
+
+    c1 = _series_ckpt(tmp_path, 1, None, {"w/0": 1.0, "w/1": 1.0})
+    c2 = _series_ckpt(tmp_path, 2, c1, {"w/0": 2.0})
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", text[text.index("**The format** (version 2") :],
+                       re.S)[0]  # fmt: skip
+    assert "import adamps" not in block and "from adamps" not in block
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    exec(block.replace('d = "run1-0001"', f'd = "{c2.name}"'), ns)  # noqa: S102
+    assert ns["w"]["w"].tolist() == [2.0, 2.0, 1.0, 1.0]
