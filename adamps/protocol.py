@@ -106,6 +106,11 @@ ERRORS: dict[str, tuple[int, str]] = {
         "this server's flushes have failed or stalled past max_unflushed: nothing was applied; "
         "retry (the controllers move its buckets to servers that can persist)",
     ),
+    "held": (
+        503,
+        "writes are held for the cut of a consistent checkpoint (milliseconds; expires by "
+        "itself): nothing was applied; retry (extra: retry_after)",
+    ),
     "timeout": (504, "the operation did not complete in time; its outcome is unknown"),
 }
 

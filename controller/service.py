@@ -24,6 +24,7 @@ from adamps.core.lease import LeaseTerms
 from adamps.layout import Layout, LayoutError
 from adamps.protocol import ProtocolError
 from controller import fields
+from controller.ckpt_schedule import CheckpointSchedule
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
 from controller.forwarding import BUCKET_OPS, Forwarder
@@ -59,7 +60,9 @@ class ControllerService:
         #: runs (issue 25): their endpoints, and the token check of every write
         self.runs = RunsApi(self, self._applied)
         self.forwarder.auth = self.runs.authenticate
+        self.checkpoints = CheckpointSchedule(cfg, self.cluster, self.raft, self.m)
         self._loop_task: asyncio.Task | None = None
+        self._ckpt_task: asyncio.Task | None = None
 
     def is_leader(self) -> bool:
         return self.raft.is_leader()
@@ -78,6 +81,7 @@ class ControllerService:
             "role": "controller",
             "raft": self.raft.raft_status(),
             "table": info,
+            "checkpoints": self.checkpoints.status(),
             "config": {
                 **config_to_dict(self.cfg),
                 "raft_password": "***",
@@ -508,14 +512,16 @@ class ControllerService:
 
     async def _on_startup(self, app: web.Application) -> None:
         self._loop_task = asyncio.create_task(self.leader.run())
+        self._ckpt_task = asyncio.create_task(self.checkpoints.run())
 
     async def _on_cleanup(self, app: web.Application) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._loop_task, self._ckpt_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         await self.forwarder.close()
         self.close()
 

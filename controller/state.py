@@ -52,6 +52,7 @@ from typing import Any
 from pysyncobj import SyncObjConsumer, replicated
 
 from adamps.core.lease import LeaseTerms
+from controller.ckpt_record import CheckpointRecord
 from controller.cluster_ops import Operations
 from controller.cluster_rules import (  # noqa: F401 (server states: the model's vocabulary)
     DEAD,
@@ -68,7 +69,7 @@ log = logging.getLogger(__name__)
 
 # The class keeps its name and module: pysyncobj's full dump pickles the model, and a dump written
 # by an earlier release names controller.state.ClusterModel. Its methods live in the mixins.
-class ClusterModel(Operations, Views, BucketRules, RunOps):
+class ClusterModel(Operations, Views, CheckpointRecord, BucketRules, RunOps):
     """The cluster configuration. Mutated only by the Raft apply thread, through its methods."""
 
     def __init__(
@@ -242,3 +243,10 @@ class ReplicatedCluster(SyncObjConsumer):
         self, epoch: int, replica: str, progress: float, done: bool, now: float
     ) -> dict[str, Any]:
         return self._apply("report_progress", epoch, replica, progress, done, now)
+
+    # Issue 24's operation (periodic checkpoints: controller/ckpt_record.py). Its name sorts
+    # after every earlier one (see above); one method, several actions, so that later actions
+    # (the consistent cut's write hold) add no journal number.
+    @replicated
+    def x_checkpoint(self, action: str, fields: dict, now: float) -> dict[str, Any]:
+        return self._apply("x_checkpoint", action, fields, now)

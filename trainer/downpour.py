@@ -235,10 +235,11 @@ class Replica:
         assert self.client is not None
         init = Model(self.spec)
         init.init_params(self.cfg.seed)
+        accums: dict[str, Any] = {}
         if self.cfg.init:  # warm start (issue 24): checked whole before the first create
-            from trainer.warm import initial_values
+            from trainer.warm import initial_state
 
-            warm = initial_values(self.cfg.init, {t.name: t.shape for t in self.tensors})
+            warm, accums = initial_state(self.cfg.init, {t.name: t.shape for t in self.tensors})
             for name, values in warm.items():
                 init.param(name)[...] = values
         optimizer: dict[str, Any] = {"kind": self.cfg.optimizer, "lr": self.cfg.server_lr}
@@ -248,6 +249,26 @@ class Replica:
             self.client.create(
                 t, init={"kind": "values", "values": init.param(t.name)}, optimizer=optimizer
             )
+        if accums and self.cfg.optimizer == "adagrad":
+            self._install_accumulators(init, accums)
+
+    def _install_accumulators(self, init: Model, accums: dict[str, Any]) -> None:
+        """The checkpoint's Adagrad accumulators, installed (with the same values) through the
+        servers' one write path: the run goes on from the checkpoint's learning rates, not
+        from fresh accumulators (issue 24)."""
+        from adamps.checkpoint import Cluster, install
+
+        assert self.client is not None
+        arrays = {n: init.param(n) for n in accums}
+        arrays.update({f"{n}/accum": a for n, a in accums.items()})
+        defs = [{"name": n} for n in accums]
+        cluster = Cluster(list(self.cfg.controllers), self.cfg.token, source=self.client.source)
+        try:
+            n = install(cluster, self.client.layout, defs, arrays)
+        finally:
+            cluster.close()
+        log.info("warm start: Adagrad accumulators of %d tensors (%d shards) from %s",
+                 len(accums), n, self.cfg.init)  # fmt: skip
 
     def _wait_warm(self) -> None:
         assert self.board is not None
@@ -297,6 +318,9 @@ class Replica:
         test_x, test_y = self._heldout() if cfg.replica == 0 else (None, None)
         if cfg.replica == 0:
             self._create_tensors()
+            if cfg.init and test_x is not None and test_y is not None:
+                # "epoch 0" of the history: where a run started from a checkpoint begins
+                self._evaluate(0, test_x, test_y)
         else:
             self._wait_warm()
         params, _ = self.client.pull(

@@ -182,6 +182,8 @@ class ParameterServer:
             "push_rows": self.rows.op_push_rows,
             "ckpt_read": self.checkpoints.op_ckpt_read,
             "ckpt_install": self.checkpoints.op_ckpt_install,
+            "ckpt_hold": self.checkpoints.op_ckpt_hold,
+            "ckpt_release": self.checkpoints.op_ckpt_release,
         }
         if cfg.debug_ops:
             self._ops["debug_fail"] = self.op_debug_fail

@@ -19,6 +19,7 @@ commit and deduplication: the same meaning whichever transport.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from adamps.server.rowtables import RowShardState
 from adamps.server.shards import ShardState, fc_parts
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
+from adamps.server.write_hold import WriteHold
 
 #: most rows of activation/error vectors in one push_fc
 MAX_FC_K = 65_536
@@ -81,6 +83,8 @@ class WritePath:
         #: why this server must not acknowledge now (flushes failing or stalled past
         #: max_unflushed), or None: the durability check of every push (set by the server)
         self.not_durable: Callable[[], str | None] = lambda: None
+        #: a consistent checkpoint's hold of new writes (checkpoint_ops.py)
+        self.hold = WriteHold()
 
     def check_durable(self) -> None:
         """After validation, before anything is queued: a server whose updates stayed
@@ -89,6 +93,12 @@ class WritePath:
         reason = self.not_durable()
         if reason is not None:
             raise ProtocolError("not_durable", reason)
+        self._check_hold()
+
+    def _check_hold(self) -> None:
+        held = self.hold.refusal(time.monotonic())
+        if held is not None:
+            raise ProtocolError("held", held, retry_after=0.05)
 
     # -- POST /rpc ----------------------------------------------------------------------------------
 
@@ -320,6 +330,21 @@ class WritePath:
     ) -> dict[str, Any]:
         """A checked push through the replication rounds of its buckets: (shards, compact
         update) pairs, grouped by bucket, each bucket's part a single deduplicated entry."""
+        assert self.replicator is not None
+        # Admitted here, before the first await (a data-plane push's task may start after a
+        # hold began): a push is either refused by a hold or counted until it is decided.
+        self._check_hold()
+        self.hold.admitted()
+        try:
+            return await self._replicate_admitted(msg, updates)
+        finally:
+            self.hold.decided()
+
+    async def _replicate_admitted(
+        self,
+        msg: dict[str, Any],
+        updates: list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]],
+    ) -> dict[str, Any]:
         assert self.replicator is not None
         by_bucket: dict[int, list[Any]] = {}
         for states, make in updates:

@@ -296,6 +296,35 @@ CLUSTER = Dashboard(
                     "Raft commit index",
                     [("max by (instance) (adamps_controller_commit_index)", "{{instance}}")],
                 ),
+                Panel(
+                    "Periodic checkpoints: age and duration",
+                    [
+                        ("min(adamps_controller_checkpoint_age_seconds)", "age"),
+                        ("max(adamps_controller_checkpoint_duration_seconds)", "duration"),
+                        ("max(adamps_controller_checkpoint_interval_seconds)", "interval"),
+                    ],
+                    unit="s",
+                    description="From the controllers' replicated record (issue 24): the age "
+                    "of the newest checkpoint, how long it took, and checkpoint_interval. An "
+                    "alert fires past 3 intervals (deploy/prometheus/alerts.yml).",
+                ),
+                Panel(
+                    "Periodic checkpoints: size",
+                    [
+                        ("max(adamps_controller_checkpoint_bytes)", "named (whole model)"),
+                        ("max(adamps_controller_checkpoint_written_bytes)", "written (changed)"),
+                    ],
+                    unit="bytes",
+                    description="An incremental checkpoint writes only the shards and rows "
+                    "changed since the previous one and names the earlier files for the rest.",
+                ),
+                Panel(
+                    "Periodic checkpoints failed (1 h)",
+                    [("sum(increase(adamps_controller_checkpoint_failures_total[1h]))", "failed")],
+                    kind="stat",
+                    width=6,
+                    description="Counted by the leader that began them; each is logged.",
+                ),
             ],
         ),
     ],

@@ -21,6 +21,7 @@ APPENDED = [
     "write_off_v0",
     "write_storage_v0",
     "write_tenancy_v0",
+    "x_checkpoint_v0",
 ]
 
 
