@@ -25,7 +25,12 @@ class TrainConfig:
         ["http://127.0.0.1:7300"], help="data-server URLs (comma separated; copies fail over)"
     )
     token: str = field("", help="cluster token")
-    replica: int = field(0, help="index of this model replica, 0 .. n_replicas-1")
+    replica: int = field(
+        -1,
+        help="index of this model replica, 0 .. n_replicas-1; not given (-1) with --run: an "
+        "elastic replica that joins the run and trains the slices the data server leases it "
+        "(docs/training.md); not given without --run: 0",
+    )
     n_replicas: int = field(1, help="number of model replicas training together")
     run: str = field(
         "",
@@ -175,6 +180,17 @@ class TrainConfig:
         return self.lr
 
     def __post_init__(self) -> None:
+        #: an elastic replica (trainer/elastic.py): --run without --replica (Downpour, numpy)
+        self.elastic = bool(
+            self.replica < 0
+            and self.run
+            and self.job_index < 0
+            and self.partitions == 1
+            and not self.torch
+            and not self.coordinator
+        )
+        if self.replica < 0 and self.job_index < 0:
+            self.replica = 0  # an elastic replica does replica 0's duties (tensors, evaluation)
         if self.job_index >= 0 and self.partitions >= 1:
             self.replica, self.partition = divmod(self.job_index, self.partitions)
         if len(self.partition_addrs) == 1 and "{index}" in self.partition_addrs[0]:
