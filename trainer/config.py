@@ -37,6 +37,14 @@ class TrainConfig:
         help="name of the training run (letters, digits, '_', '.', '-'): replicas of one run "
         "share a progress board; a new name starts a new run on servers that keep an old one's",
     )
+    consistency: str = field(
+        "async",
+        help="consistency mode of the run, enforced by the parameter servers from the replicas' "
+        "step clocks: 'async' (Downpour), 'ssp:S' (no replica more than S steps ahead of the "
+        "slowest live one) or 'sync' (every live replica's step t summed before any fetches "
+        "step t+1); ssp and sync step once per round (use --workers 1 --n-push 1 for a step "
+        "of one minibatch)",
+    )
     model: str = field("adam-mnist", help="built-in model name or a JSON model description")
     torch: str = field(
         "",
@@ -221,6 +229,14 @@ class TrainConfig:
         if not re.fullmatch(r"[A-Za-z0-9_.\-]{0,64}", self.run):
             raise ValueError(
                 f"run must be up to 64 letters, digits, '_', '.', '-', got {self.run!r}"
+            )
+        from adamps.core.stepclock import parse_mode
+
+        parse_mode(self.consistency)  # ValueError naming the value and what is expected
+        if self.consistency != "async" and (self.partitions > 1 or self.torch or self.coordinator):
+            raise ValueError(
+                f"consistency {self.consistency} is for Downpour replicas (numpy models): "
+                "no --partitions, --torch or --coordinator"
             )
         if not self.compress_lr_scale > 0:
             raise ValueError(f"compress_lr_scale must be > 0, got {self.compress_lr_scale}")

@@ -143,8 +143,12 @@ class Replica:
         self._loss_window: collections.deque[float] = collections.deque(maxlen=32)
         self.recent_loss = float("nan")
         self._merged_seen_before = 0
-        #: called once a round is queued for the push thread (an elastic replica's slice ends)
-        self.after_round: Callable[[], None] = lambda: None
+        #: called in turn once a round is queued for the push thread: an elastic replica's
+        #: slice ends (trainer/elastic.py), a consistency mode's step gate (trainer/consistency.py)
+        self.round_hooks: list[Callable[[], None]] = []
+        if cfg.consistency != "async":  # the step gate fetches every step instead
+            self.schedule.n_fetch = 1 << 62
+            self.schedule.warm_start = 0  # the replicas start together: no warm start alone
 
     @property
     def step(self) -> int:
@@ -318,6 +322,12 @@ class Replica:
             try:
                 if sched.warm_due():
                     self._mark_warm()
+                if cfg.consistency != "async":
+                    from trainer.consistency import StepGate
+
+                    gate = StepGate(self, pool.params, pusher)
+                    gate.join()
+                    self.round_hooks.append(gate.after_round)
                 for epoch in range(1, cfg.epochs + 1) if not cfg.elastic else ():
                     if sched.skip(epoch):
                         log.info("epoch %d is already complete: skipped", epoch)
@@ -436,7 +446,8 @@ class Replica:
                 outs = pool.run([batches[w::W] for w in range(W)])
                 t2 = time.perf_counter()
                 self.pushq.put(collect_round(pool.buffers, plan, outs))
-                self.after_round()
+                for hook in self.round_hooks:
+                    hook()
                 stats.t_data += t1 - t_mark
                 stats.t_compute += t2 - t1
                 n_img = sum(len(b[1]) for b in batches)

@@ -249,7 +249,7 @@ def train_slices(replica: Any, train_epoch: Any) -> None:
         for e, s in feed.take_ended():
             pushq.put(lambda e=e, s=s: _complete(board.leases, e, s))
 
-    replica.after_round = report_ended
+    replica.round_hooks.insert(0, report_ended)  # before a step gate's wait
     feed.start()
     try:
         while True:
