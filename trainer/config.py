@@ -147,7 +147,9 @@ class TrainConfig:
         "it hands out (trainer/sandblaster.py) instead of running Downpour",
     )
     slowdown: float = field(
-        1.0, help="test flag: make a Sandblaster trainer this many times slower"
+        1.0,
+        help="test flag: make a Sandblaster trainer, or a replica under --consistency ssp/sync, "
+        "this many times slower",
     )
     log_level: str = field("INFO", help="logging level")
     # Model parallelism (issue 15, trainer/partitioned.py): one replica as K processes.

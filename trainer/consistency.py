@@ -39,6 +39,8 @@ class StepGate:
         self.clock = 0  #: the last step reported (acknowledged pushes)
         self.staleness = 0  #: the largest staleness the servers answered
         self._rpcs: dict[str, SyncRpc] = {}
+        self.slowdown = cfg.slowdown
+        self._round_started = time.perf_counter()
         model = replica.model
         self.names = [n for n, _ in model.tensors()]
         self.staging = np.zeros(model.n_params, np.float32)
@@ -96,6 +98,8 @@ class StepGate:
         """The round's push acknowledged, the step reported and released, the parameters of the
         next step fetched and installed."""
         replica = self.replica
+        if self.slowdown > 1:  # a test flag: this replica takes slowdown x as long per step
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - self._round_started))
         if not replica.pushq.join(self.timeout, self.pusher.is_alive):
             self.pusher.check()
             raise TimeoutError("pushes not acknowledged in time")
@@ -105,3 +109,4 @@ class StepGate:
             self.staleness = max(self.staleness, int(got["staleness"]))
         replica.last_staleness = self.staleness
         self._fetch()
+        self._round_started = time.perf_counter()
