@@ -74,7 +74,7 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
         steps = sum(s["images"] for s in summaries) / args.batch  # minibatches
         return {
             "mode": mode,
-            "points": [(0.0, 0.1)] + [(r["time"] - t0, r["accuracy"]) for r in recs],
+            "points": [(0.0, args.initial_acc)] + [(r["time"] - t0, r["accuracy"]) for r in recs],
             "acc": [r["accuracy"] for r in recs],
             "train_s": train_s,
             "wall_s": wall,
@@ -83,6 +83,17 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
     finally:
         for p in reversed(procs):
             p.stop(5)
+
+
+def initial_accuracy() -> float:
+    """Held-out accuracy of the weights every run starts from (--seed 0): the curves' t = 0."""
+    from trainer.local import builtin_data
+    from trainer.model import Model, resolve_spec
+
+    _, _, test_x, test_y = builtin_data()
+    m = Model(resolve_spec("adam-mnist"))
+    m.init_params(0)
+    return m.accuracy(m.prepare(test_x), test_y)
 
 
 def plot(path: Path, runs: list[dict], title: str) -> None:
@@ -114,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    args.initial_acc = initial_accuracy()
     runs = []
     for mode in ("async", f"ssp:{args.ssp}", "sync"):
         with tempfile.TemporaryDirectory(prefix="adamps-consistency-") as tmp:
@@ -124,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         f"a step per minibatch, server Adagrad"
     )
     print(title)
+    print(
+        f"held-out accuracy of the initial weights (t = 0 of every curve): {args.initial_acc:.3f}"
+    )
     for r in runs:
         print(
             f"{r['mode']:>6}: held-out accuracy per epoch "
@@ -135,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plot: {args.png}")
     print(json.dumps({
         "replicas": args.replicas, "epochs": args.epochs, "batch": args.batch,
+        "initial_acc_pct": round(args.initial_acc * 100, 2),
         "modes": {
             r["mode"]: {
                 "heldout_acc_pct": [round(a * 100, 2) for a in r["acc"]],
