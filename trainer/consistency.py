@@ -73,6 +73,8 @@ class StepGate:
                 if self.replica._stopping.is_set():
                     raise KeyboardInterrupt from exc
                 log.debug("%s: %s", url, exc)
+                if isinstance(exc, OSError):  # a server down or restarting: not a busy loop
+                    time.sleep(0.2)
 
     def join(self) -> None:
         """Before the first step: the clock this replica continues from (a new replica joins
