@@ -105,7 +105,14 @@ class ElasticBoard(Board):
         return {}
 
     def observe(self, sched: Any) -> int:
-        got = self.leases.heartbeat()
+        try:
+            got = self.leases.heartbeat()
+        except RpcError as exc:
+            if exc.code != "not_found":
+                raise
+            # The data server restarted and forgot the run: the feed's next lease declares it
+            # again (its leases start afresh; docs/training.md).
+            return int(sched.completed)
         self.live = int(got["live"])
         sched.completed = max(sched.completed, int(got["completed"]))
         return sched.completed
