@@ -33,10 +33,10 @@ def get(url: str) -> str:
         return resp.read().decode()
 
 
-def small_dataset(tmp_path) -> str:
+def small_dataset(tmp_path, n_train: int) -> str:
     tx, ty, vx, vy = builtin_data()
     path = tmp_path / "small.npz"
-    np.savez(path, x_train=tx[:N_TRAIN], y_train=ty[:N_TRAIN], x_test=vx[:500], y_test=vy[:500])
+    np.savez(path, x_train=tx[:n_train], y_train=ty[:n_train], x_test=vx[:500], y_test=vy[:500])
     return f"npz:{path}"
 
 
@@ -49,10 +49,10 @@ def start_ps(procs, tmp_path, name: str) -> str:
     return url
 
 
-def start_ds(procs, tmp_path) -> str:
+def start_ds(procs, tmp_path, n_train: int = N_TRAIN) -> str:
     port = free_port()
     p = procs.start("ds", "dataserver", "--port", str(port), "--no-augment",
-                    "--source", small_dataset(tmp_path))  # fmt: skip
+                    "--source", small_dataset(tmp_path, n_train))  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     p.wait_http(url + "/healthz", 60)
     return url
@@ -96,7 +96,7 @@ def metric(text: str, name: str, labels: str) -> list[float]:
 
 @pytest.mark.timeout(240)
 def test_ssp_bounds_the_staleness_of_a_4x_slower_replica(procs, tmp_path, token) -> None:
-    ds = start_ds(procs, tmp_path)
+    ds = start_ds(procs, tmp_path, 480)  # 30 steps of 8 each: the fast one reaches S early
     ps = start_ps(procs, tmp_path, "ps")
     common = ["train", "--ps", ps, "--dataservers", ds, "--consistency", "ssp:2", "--run", "ssp",
               "--batch-size", "8", "--lr", "0.05", "--n-replicas", "2", *STEP]  # fmt: skip
