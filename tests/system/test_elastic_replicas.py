@@ -39,7 +39,7 @@ def wait_for(pred, timeout: float, what: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_replica_dies_for_good_and_another_joins(procs, tmp_path) -> None:
-    ps_port, ds_port = free_port(), free_port()
+    ps_port, ds_port, m_port = free_port(), free_port(), free_port()
     ps = procs.start("ps", "ps", "--port", str(ps_port), "--data-dir", str(tmp_path / "ps"),
                      "--no-lmdb-sync")  # fmt: skip
     ds = procs.start("ds", "dataserver", "--port", str(ds_port), "--no-augment",
@@ -50,14 +50,24 @@ def test_a_replica_dies_for_good_and_another_joins(procs, tmp_path) -> None:
     common = ["train", "--ps", ps_url, "--dataservers", ds_url, "--run", "elastic",
               "--epochs", str(EPOCHS), "--metrics-port", "-1"]  # fmt: skip
     history = tmp_path / "history.jsonl"
-    a = procs.start("a", *common, "--history", str(history))
+    a = procs.start("a", *common[:-2], "--metrics-port", str(m_port), "--history", str(history))
     b = procs.start("b", *common)
     doomed = procs.start("doomed", *common)
+
+    a.wait_http(f"http://127.0.0.1:{m_port}/healthz", 60)
+
+    def status_name() -> str | None:  # null until the replica joined the run
+        return json.loads(get(f"http://127.0.0.1:{m_port}/status"))["elastic_replica"]
+
+    wait_for(lambda: status_name() is not None, 60, "a's name in its /status")
+    name = status_name()
+    assert re.fullmatch(r"[\w.-]+-\d+-[0-9a-f]{6}", name), name  # host-pid-random
 
     def serving(epoch: int) -> bool:
         return str(epoch) in run_of(ds_url).get("counters", {})
 
     wait_for(lambda: serving(2) and len(run_of(ds_url)["live"]) == 3, 150, "epoch 2")
+    assert name in run_of(ds_url)["live"]
     doomed.kill()
     wait_for(lambda: serving(3), 150, "epoch 3")
     late = procs.start("late", *common)
