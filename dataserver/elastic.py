@@ -8,7 +8,7 @@ per run, served over HTTP, with the counters that show every example trained in 
                     -> {counted, completed, live}
     POST /heartbeat (token) msgpack {op: "heartbeat", v, run, replica} -> {completed, live}
     GET  /runs      JSON: per run, its epochs' counters (served, trained, slices_done,
-                    reissued), live replicas, completed epoch
+                    reissued), live replicas, slices each holds, completed epoch
 
 A granted slice is streamed with ``POST /stream`` as replica 0 of 1 from ``start`` to ``stop``.
 The tables live in this server's memory: trainers of a run use one data server for their
@@ -181,6 +181,7 @@ class ElasticRuns:
                 "slice_size": t.slice_size,
                 "n_slices": t.n_slices,
                 "live": t.live(now),
+                "held": t.held(),
                 "counters": {str(e): c for e, c in t.counters().items()},
             }
             for run, t in self.tables.items()

@@ -108,10 +108,13 @@ class SliceTable:
             for e, ep in sorted(self._epochs.items())
         }
 
-    def holdings(self, replica: str) -> list[tuple[int, int]]:
-        return sorted(
-            (e, s) for e, ep in self._epochs.items() for s, r in ep.holder.items() if r == replica
-        )
+    def held(self) -> dict[str, int]:
+        """Replica -> how many slices it holds now."""
+        out: dict[str, int] = {}
+        for ep in self._epochs.values():
+            for r in ep.holder.values():
+                out[r] = out.get(r, 0) + 1
+        return out
 
     # -- events
 

@@ -42,8 +42,9 @@ def test_a_dead_replicas_slice_goes_to_another_after_its_lease() -> None:
     t.complete("a", a.epoch, a.slice, 1.0)
     t.heartbeat("a", 5.5)
     # 6.0: "dead" was last heard at 0.0, lease 5 s: its slice is the oldest free one again
+    assert t.held() == {"dead": 1}
     again = t.acquire("a", 6.0)
-    assert again == dead
+    assert again == dead and t.held() == {"a": 1}
     assert t.live(6.0) == ["a"]
     assert t.counters()[1]["reissued"] == 1
 

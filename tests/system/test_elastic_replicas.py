@@ -17,7 +17,7 @@ from adamps.procs import free_port
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = 4
+EPOCHS = 6  # the late joiner (started at epoch 3) has epochs left to train under load
 N_TRAIN = 4000  # the built-in data set
 
 
@@ -66,7 +66,11 @@ def test_a_replica_dies_for_good_and_another_joins(procs, tmp_path) -> None:
     def serving(epoch: int) -> bool:
         return str(epoch) in run_of(ds_url).get("counters", {})
 
-    wait_for(lambda: serving(2) and len(run_of(ds_url)["live"]) == 3, 150, "epoch 2")
+    def all_hold_a_slice() -> bool:  # so the one killed next holds a slice for the others
+        run = run_of(ds_url)
+        return len(run.get("live", ())) == 3 and sorted(run["held"]) == run["live"]
+
+    wait_for(lambda: serving(2) and all_hold_a_slice(), 150, "epoch 2")
     assert name in run_of(ds_url)["live"]
     doomed.kill()
     wait_for(lambda: serving(3), 150, "epoch 3")
