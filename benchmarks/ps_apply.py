@@ -10,7 +10,9 @@ Limits (measured in this run, on this machine):
 
 The PS figures: the real Store (owner threads, queues, batching, optim kernels) in this process for
 dense SGD, dense Adagrad and activation/error pushes; a real `adamps ps` process over loopback HTTP
-for 4 MB pushes and pulls (1 and 4 connections).
+for 4 MB pushes and pulls (1 and 4 connections); the same server with TLS on both ports (a CA made by
+the run) beside the plain one, for the cost of TLS. Peer authentication does not apply here (a
+single server replicates nothing): benchmarks/replication.py measures it.
 
 Run: python benchmarks/ps_apply.py   (about a minute; the last line is one JSON object)
 """
@@ -34,6 +36,7 @@ import numpy as np
 from scipy.linalg import blas
 from threadpoolctl import threadpool_limits
 
+from adamps import tls, tls_certs
 from adamps.client import PSClient, StaticRouting
 from adamps.dataplane_client import DataPlaneClient
 from adamps.layout import Layout, TensorSpec
@@ -287,6 +290,21 @@ def _aiohttp_sink(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
+def aes_gcm_rate(seconds: float = 0.3) -> float:
+    """GB/s of AES-256-GCM over 4 MiB in this process (OpenSSL, through the cryptography
+    package): the cipher TLS 1.3 negotiates here (TLS_AES_256_GCM_SHA384), the limit of one
+    TLS stream's encryption on one core. A TLS byte is encrypted by the sender and decrypted by
+    the receiver."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aead, nonce, data = AESGCM(AESGCM.generate_key(bit_length=256)), b"\0" * 12, bytes(BODY)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        aead.encrypt(nonce, data, None)
+        n += 1
+    return n * BODY / (time.perf_counter() - t0) / 1e9
+
+
 def wait_healthz(base: str, timeout: float = 30.0) -> None:
     import urllib.request
 
@@ -473,6 +491,16 @@ def main() -> int:
             env={"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1"},
             name="ps",
         )  # fmt: skip
+        # The same server with TLS on both ports (issue 28), the CA made here: its cost is the
+        # ratio of its figures to the plain server's, measured in the same interleaved rounds.
+        tls_files = tls_certs.write_ca_and_cert(tmp)
+        tls_port, tls_data_port = free_port(), free_port()
+        tls_proc = Proc(
+            adamps_argv("ps", "--port", str(tls_port), "--data-port", str(tls_data_port), "--data-dir", str(Path(tmp) / "lmdb-tls"), "--flush-interval", "1", "--log-level", "WARNING"),
+            Path(tmp) / "ps-tls.log",
+            env={"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1", **tls_files.env()},
+            name="ps-tls",
+        )  # fmt: skip
         tcp = RawTcp()
         sink_port = free_port()
         sink = mp.get_context("spawn").Process(target=_aiohttp_sink, args=(sink_port,), daemon=True)
@@ -488,6 +516,14 @@ def main() -> int:
             discard = HttpClients(sink_base, 1)
             dp1, dp4 = DataPlaneClients(data_port, 1), DataPlaneClients(data_port, 4)
             psc_dp, psc_http = PSClients(base, True), PSClients(base, False)
+            # clients take this process's TLS setting when they connect: on for these only
+            tls.install(tls.load(environ=tls_files.env()))
+            tls_base = f"https://127.0.0.1:{tls_port}"
+            tls_proc.wait_http(tls_base + "/healthz", 30)
+            with SyncRpc(tls_base, TOKEN) as c:
+                c.call("create", name="p", shape=[BODY // 4], optimizer={"kind": "sgd", "lr": 0.01})
+            tls_one, tls_dp1 = HttpClients(tls_base, 1), DataPlaneClients(tls_data_port, 1)
+            tls.install(tls.TlsConfig())
             med = interleaved(
                 {
                     "tcp_stream": tcp.stream,
@@ -506,6 +542,11 @@ def main() -> int:
                     "psc_dp_pull": lambda: psc_dp.rate("pull"),
                     "psc_http_push": lambda: psc_http.rate("push"),
                     "psc_http_pull": lambda: psc_http.rate("pull"),
+                    "aes_gcm": aes_gcm_rate,
+                    "tls_push1": lambda: tls_one.rate("push"),
+                    "tls_pull1": lambda: tls_one.rate("pull"),
+                    "tls_dp_push1": lambda: tls_dp1.rate("push"),
+                    "tls_dp_pull1": lambda: tls_dp1.rate("pull"),
                 },
                 4,
             )
@@ -516,11 +557,14 @@ def main() -> int:
             dp4.close()
             psc_dp.close()
             psc_http.close()
+            tls_one.close()
+            tls_dp1.close()
         finally:
             sink.terminate()
             sink.join(5)
             tcp.close()
             proc.stop()
+            tls_proc.stop()
     lim = med["tcp_stream"]
     report("tcp_stream", lim, "GB/s")
     report("tcp_ping_pong", med["tcp_ping_pong"], "GB/s")
@@ -540,6 +584,20 @@ def main() -> int:
     report("psclient_dataplane_pull_4MB", med["psc_dp_pull"], "GB/s", lim)
     report("psclient_http_push_4MB", med["psc_http_push"], "GB/s", lim)
     report("psclient_http_pull_4MB", med["psc_http_pull"], "GB/s", lim)
+    print(
+        "  TLS on both ports (the same server, a CA made by this run; ratio to the plain figure):"
+    )
+    report("aes_256_gcm_4MiB_1_core", med["aes_gcm"], "GB/s", lim)
+    for name, key, plain in (
+        ("tls_push_4MB_1_conn", "tls_push1", "push1"),
+        ("tls_pull_4MB_1_conn", "tls_pull1", "pull1"),
+        ("tls_dataplane_push_4MB_1_conn", "tls_dp_push1", "dp_push1"),
+        ("tls_dataplane_pull_4MB_1_conn", "tls_dp_pull1", "dp_pull1"),
+    ):
+        report(name, med[key], "GB/s", lim)
+        cost = med[key] / med[plain]
+        RESULTS[f"{name}_vs_plain"] = round(cost, 3)
+        print(f"    {'':<36} {cost:5.2f} x the plain {plain}")
 
     RESULTS["wall_seconds"] = round(time.perf_counter() - t_start, 1)
     print()

@@ -268,7 +268,14 @@ class BucketRules:
         Those that sent a digest at the same committed seq are compared: if they disagree, a
         digest held by a strict majority of them wins (the others' copies are passed over);
         without a majority nobody serves the bucket (None) until an operator acts. Never
-        settled silently: `_note_digest_conflict` logs and counts it."""
+        settled silently: `_note_digest_conflict` logs and counts it.
+
+        Except at committed seq 0: no update was ever committed to such a copy, so nothing
+        acknowledged can be lost by serving any of them. Their values are the deterministic
+        initial ones, and they differ only where a tensor's create reached some servers and
+        not others (an interrupted create, which the client's retry completes) or one copy
+        is damaged in memory. A majority still wins; without one the best candidate by
+        placement serves, and the others rejoin by state transfer from it (logged, counted)."""
         want = self.buckets[b]["want"]
 
         def key(s: str) -> tuple:
@@ -288,7 +295,7 @@ class BucketRules:
         conflict = {"committed": committed, "digests": {d: v for d, v in sorted(votes.items())}}
         winner = [v for v in votes.values() if 2 * len(v) > len(compared)]
         if not winner:
-            return None, conflict
+            return (best if committed == 0 else None), conflict
         chosen = min([*winner[0], *(s for s in top if s not in compared)], key=key)
         return chosen, conflict
 
@@ -311,14 +318,23 @@ class BucketRules:
             return
         bk["digest_conflict"] = conflict
         self.digest_conflicts = getattr(self, "digest_conflicts", 0) + 1
+        n = sum(len(v) for v in conflict["digests"].values())
+        if target is None:
+            verdict = "no majority: the bucket stays unavailable until an operator acts"
+        elif any(2 * len(v) > n for v in conflict["digests"].values()):
+            verdict = f"serving the majority's copy on {target}"
+        else:
+            verdict = (
+                f"no majority at seq 0 (nothing ever committed: initial values, which differ "
+                f"after an interrupted create): serving {target}'s copy; the others rejoin by "
+                "state transfer"
+            )
         log.error(
             "bucket %d: candidates at the same (epoch, seq) disagree on their values' digest "
             "%s: %s",
             b,
             conflict["digests"],
-            f"serving the majority's copy on {target}"
-            if target is not None
-            else "no majority: the bucket stays unavailable until an operator acts",
+            verdict,
         )
 
     def live_members(self, b: int, exclude: str | None = None) -> list[str]:

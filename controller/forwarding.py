@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from adamps import peer_auth
+from adamps import peer_auth, tls
 from adamps import web as aweb
 from adamps.protocol import ProtocolError
 from controller.config import ControllerConfig
@@ -126,10 +126,11 @@ class Forwarder:
         try:
             async with self._session.request(
                 request.method,
-                f"http://{target}{request.path_qs}",
+                tls.url(target) + request.path_qs,
                 data=body,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.cfg.commit_timeout + 1.0),
+                ssl=tls.client_context() or True,
             ) as resp:
                 payload = await resp.read()
                 status = resp.status

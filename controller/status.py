@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from adamps import tls
+from adamps.config import ConfigError
 from adamps.rpc import get_json
 
 
@@ -23,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--buckets", action="store_true", help="also list every bucket")
     parser.add_argument("--json", action="store_true", help="print the raw /cluster JSON instead")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds per request")
+    tls.add_arguments(parser)
     return parser
 
 
@@ -129,6 +132,11 @@ def render(
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        tls.install_from(args)
+    except ConfigError as exc:
+        print(f"adamps status: {exc}", file=sys.stderr)
+        return 2
     addrs = [a.strip() for a in args.controllers.split(",") if a.strip()]
     controllers = []
     view = progress = None

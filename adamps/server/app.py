@@ -118,6 +118,8 @@ class ParameterServer:
             self.replicator.restore(positions)
             self.replicator.on_corrupt = lambda where: self.m.corrupt.labels(where).inc()
             self.replicator.not_durable = self.flusher.not_durable
+            self.replicator.persist_now = self.flusher.flush_buckets
+            self.replicator.can_persist = self.flusher.can_persist
             self.flusher.cut = self._cut
         #: verifies LMDB records in the background at cfg.scrub_rate bytes/s
         self.scrubber = Scrubber(

@@ -20,6 +20,10 @@ from adamps.server.tickets import owner_future
 log = logging.getLogger("adamps.server.replicate")
 
 
+class NotPersisted(Exception):
+    """An installed snapshot could not be written to LMDB: the copy does not join."""
+
+
 def shard_digest(value: np.ndarray, accum: np.ndarray | None) -> int:
     """xxh3 of a shard's values and accumulator as a snapshot carries them."""
     parts = [memoryview(np.ascontiguousarray(value)).cast("B")]
@@ -88,6 +92,13 @@ class StateTransfer:
         while not self.closing and self.roles.get(b) == "joining":
             rep = self.buckets[b]
             primary, epoch = rep.assignment.primary, rep.assignment.epoch
+            cannot = self.can_persist()
+            if cannot is not None:
+                # The copy could not be persisted (issue 29): asking would only hold the
+                # primary's rounds for a learner that cannot become a durable member.
+                log.info("bucket %d: not joining while this server cannot persist: %s", b, cannot)
+                await asyncio.sleep(1.0)
+                continue
             try:
                 snap = (
                     await self.peers.call(
@@ -117,6 +128,17 @@ class StateTransfer:
             except ValueError as exc:  # damaged on the way: nothing installed; fetch it again
                 log.error("bucket %d: CORRUPT snapshot from %s: %s; again", b, primary, exc)
                 await asyncio.sleep(0.3)
+                continue
+            except NotPersisted as exc:  # installed in memory only: no member, not learning
+                log.warning(
+                    "bucket %d: snapshot at seq %d from %s could not be persisted: %s; not "
+                    "joining until this server can persist",
+                    b,
+                    snap["committed"],
+                    primary,
+                    exc,
+                )
+                await asyncio.sleep(1.0)
                 continue
             log.info(
                 "bucket %d: snapshot at seq %d from %s installed", b, snap["committed"], primary
@@ -157,12 +179,32 @@ class StateTransfer:
         done = owner_future(lambda cb: self.store.overwrite(states, values, accums, versions, cb))
         # The position moves in the same loop step as the values are queued: a flush cut sees
         # both or neither.
-        self.buckets[b].install_snapshot(
+        rep = self.buckets[b]
+        rep.install_snapshot(
             int(snap["committed"]), snap["dedup"], int(snap.get("committed_epoch", 0))
         )
+        # Not learning (so not acknowledging the primary's rounds, so never reported caught
+        # up) until the copy and its position are on disk: a member whose copy exists only in
+        # memory is lost with every copy's crash, and with it the bucket (issue 29). The flush
+        # holds it meanwhile (`installing`).
+        rep.learning = False
+        of = (rep.assignment.epoch, rep.assignment.primary)
+        self.installing.add(b)
         self.persisted.pop(b, None)
-        await done
-        await rows_done
+        try:
+            await done
+            await rows_done
+            await asyncio.to_thread(self.persist_now, {b})
+        except Exception as exc:
+            raise NotPersisted(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            self.installing.discard(b)
+        if (
+            self.buckets.get(b) is rep
+            and self.roles.get(b) == "joining"
+            and (rep.assignment.epoch, rep.assignment.primary) == of
+        ):
+            rep.learning = True  # else the join loop asks the new primary again
         self.m.snapshots.labels("received").inc()
 
     async def offers(self) -> dict[int, list[Any]]:

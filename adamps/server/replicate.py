@@ -119,6 +119,15 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         self.not_durable: Callable[[], str | None] = lambda: None
         #: called with where ("transfer") for every received record that fails its checksum
         self.on_corrupt: Callable[[str], None] = lambda where: None
+        #: writes the named buckets' copies and positions to LMDB now, blocking (set by the
+        #: server: its flusher; raises if they cannot be written). A state transfer persists
+        #: the installed copy with it before the copy may count as a member (issue 29).
+        self.persist_now: Callable[[set[int]], object] = lambda buckets: None
+        #: why a write to LMDB would not reach the disk now, or None (set by the server): no
+        #: state transfer is asked for while it cannot be persisted
+        self.can_persist: Callable[[], str | None] = lambda: None
+        #: buckets whose installed snapshot is being persisted (held by the flush, not learning)
+        self.installing: set[int] = set()
         #: buckets with a replication-lag series (removed when the bucket goes)
         self._lag_buckets: set[int] = set()
 
@@ -218,7 +227,7 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         return {
             b
             for b, rep in self.buckets.items()
-            if not (self.roles.get(b) == "joining" and not rep.learning)
+            if not (self.roles.get(b) == "joining" and not rep.learning) or b in self.installing
         }
 
     def positions(self, buckets: Container[int] | None = None) -> dict[int, Position]:
@@ -227,7 +236,7 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         copies are queued: they describe exactly the values the flush writes."""
         out = {}
         for b, rep in self.buckets.items():
-            if self.roles.get(b) == "joining" and not rep.learning:
+            if self.roles.get(b) == "joining" and not rep.learning and b not in self.installing:
                 continue
             if buckets is not None and b not in buckets:
                 continue

@@ -39,6 +39,26 @@ from adamps.server.tickets import owner_future
 
 #: most rows of activation/error vectors in one push_fc
 MAX_FC_K = 65_536
+#: codes (elements sent) of one compressed push above which it is decoded off the event loop:
+#: expanding a full 1 MB shard (262,144 codes) takes about 17 ms here, and a push may name many
+#: shards; below this the thread hop would cost more than the decoding (about 4 ms at most)
+DECODE_OFF_LOOP = 1 << 16
+
+
+def compressed_codes(updates: dict[Any, Any]) -> int:
+    """The codes a push_compressed's shards declare (Rice ``n``, or the words' count): what
+    decoding it costs. A stream that lies about its ``n`` is refused by the decoder's bound
+    check before it expands (adamps.codec.rice_decode)."""
+    total = 0
+    for d in updates.values():
+        if not isinstance(d, dict):
+            continue
+        n, words = d.get("n"), d.get("words")
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            total += n
+        if isinstance(words, np.ndarray):
+            total += words.size
+    return total
 
 
 class WritePath:
@@ -156,21 +176,46 @@ class WritePath:
             lambda: fc_parts(t, a, e, states),
         )
 
-    async def op_push_compressed(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Strom's threshold-quantized update: per shard a tau and the elements moved by +-tau
-        (uint32 words, or Golomb-Rice coded index gaps). Validated whole before anything is
-        queued; under replication it travels in the same compressed form."""
+    def compressed_decoder(
+        self, msg: dict[str, Any]
+    ) -> tuple[Callable[[], list[tuple[ShardState, Signs, Any]]], bool]:
+        """The checks of a push_compressed that need the server's state (ids, held shards),
+        done now, on the event loop; returns the rest, the decoding of each shard's words or
+        Rice stream (pure: safe on a worker thread), and whether that decoding is large enough
+        to run off the event loop (more than DECODE_OFF_LOOP codes)."""
         updates = require(msg, "shards", dict)
         if not updates:
             raise ProtocolError("bad_request", "push_compressed needs a non-empty 'shards' map")
         self.addressing.check_ids(updates)
-        parts: list[tuple[ShardState, Signs, dict[str, Any]]] = []
+        shards: list[tuple[str, ShardState, Any]] = []
         for sid, d in updates.items():
             if not isinstance(sid, str):
                 raise ProtocolError("bad_request", "field 'shards' must map shard ids to updates")
-            st = self.store.shard(sid)
-            words, tau = words_of(d, st.shard.size, f"shard {sid!r}")
-            parts.append((st, Signs(words, tau), d))
+            shards.append((sid, self.store.shard(sid), d))
+
+        def decode() -> list[tuple[ShardState, Signs, Any]]:
+            parts = []
+            for sid, st, d in shards:
+                words, tau = words_of(d, st.shard.size, f"shard {sid!r}")
+                parts.append((st, Signs(words, tau), d))
+            return parts
+
+        return decode, compressed_codes(updates) > DECODE_OFF_LOOP
+
+    async def op_push_compressed(
+        self,
+        msg: dict[str, Any],
+        parts: list[tuple[ShardState, Signs, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """Strom's threshold-quantized update: per shard a tau and the elements moved by +-tau
+        (uint32 words, or Golomb-Rice coded index gaps). Validated whole before anything is
+        queued; under replication it travels in the same compressed form. A large one is
+        decoded on a worker thread (issue 28: a push of many full shards took the event loop
+        for a second, and /healthz with it); `parts`: already decoded (the data plane decodes
+        off the loop itself, holding the connection's later frames so that they stay behind)."""
+        if parts is None:
+            decode, large = self.compressed_decoder(msg)
+            parts = await asyncio.to_thread(decode) if large else decode()
         return await self._replicate_or_apply(
             msg,
             [([st], lambda sts, u=u, d=d: sign_update(sts[0].id, u.tau, wire_form(d)))
