@@ -2,8 +2,9 @@
 worker processes, streamed to trainers over HTTP as length-prefixed msgpack frames.
 
     POST /stream   (token)  body: msgpack {"op": "stream", "v": 1, replica, n_replicas, epoch,
-                            start, batch_size, split, fingerprint?}  -> chunked frames (header,
-                            batch..., end); see docs/protocol-dataserver.md
+                            start, stop?, batch_size, split, fingerprint?}  -> chunked frames
+                            (header, batch..., end); see docs/protocol-dataserver.md
+    POST /lease /complete /heartbeat, GET /runs: elastic replicas' slices (dataserver/elastic.py)
     GET  /healthz /status /metrics   (from adamps.web)
 
 Only the event-loop thread touches the server's state; augmentation runs in the worker pool.
@@ -31,6 +32,7 @@ from adamps.run_tokens import RunTokens
 from dataserver.augment import Augmenter, AugmentParams
 from dataserver.cache import EpochCache
 from dataserver.config import DataServerConfig
+from dataserver.elastic import ElasticRuns
 from dataserver.framing import CONTENT_TYPE, Batch, frame
 from dataserver.partition import MAX_EPOCH, MAX_REPLICAS, slice_members, stream_positions
 from dataserver.sources import Dataset
@@ -48,6 +50,7 @@ class StreamRequest:
     start: int
     batch_size: int
     split: str
+    stop: int | None = None  #: end position (exclusive); None: the stream's end (an elastic slice)
 
 
 class DataServerMetrics:
@@ -136,6 +139,10 @@ class DataServer:
             )
         self._inflight: dict[int, asyncio.Task[np.ndarray]] = {}  #: epoch -> its augmentation
         self._streams_open = 0  #: /stream responses being sent
+        #: elastic replicas' leased slices of the training set, per run
+        self.elastic = ElasticRuns(
+            len(self.train_y), cfg.slice_size, cfg.slice_lease, self.registry
+        )
         self._update_gauges()
 
     # ------------------------------------------------------------------ lifecycle
@@ -216,8 +223,10 @@ class DataServer:
     # ------------------------------------------------------------------ streams
 
     def stream_length(self, req: StreamRequest) -> int:
+        """The stream's end position: its length, or ``stop`` when the request bounds it."""
         n = len(self.train_y) if req.split == "train" else len(self.test_y)
-        return len(range(req.replica, n, req.n_replicas))
+        total = len(range(req.replica, n, req.n_replicas))
+        return total if req.stop is None else min(total, req.stop)
 
     async def batches(
         self, req: StreamRequest, images: np.ndarray | None = None
@@ -232,8 +241,9 @@ class DataServer:
         )
         if images is None:
             images = await self.epoch_images(req.split, req.epoch)
-        for pos in range(req.start, len(positions), req.batch_size):
-            sel = positions[pos : pos + req.batch_size]
+        end = self.stream_length(req)
+        for pos in range(req.start, end, req.batch_size):
+            sel = positions[pos : min(end, pos + req.batch_size)]
             yield Batch(pos, images[sel], labels[sel], index[sel])
 
     def parse_stream(self, msg: dict[str, Any]) -> StreamRequest:
@@ -262,7 +272,13 @@ class DataServer:
                 "bad_request", f"split must be one of {list(SPLITS)}, got {split!r}"
             )
         start = protocol.require(msg, "start", int, 0)
-        req = StreamRequest(replica, n_replicas, epoch, start, batch_size, split)
+        stop = protocol.require(msg, "stop", int, None)
+        full = self.stream_length(StreamRequest(replica, n_replicas, epoch, 0, batch_size, split))
+        if stop is not None and not 0 <= stop <= full:
+            raise ProtocolError(
+                "bad_request", f"stop must be in [0, {full}] for this stream, got {stop}"
+            )
+        req = StreamRequest(replica, n_replicas, epoch, start, batch_size, split, stop)
         total = self.stream_length(req)
         if not 0 <= start <= total:
             raise ProtocolError(
@@ -380,6 +396,7 @@ class DataServer:
             "cache_bound": self.cache.bound,
             "skipped_files": self.dataset.skipped,
             "streams_open": self._streams_open,
+            "runs": self.elastic.status(),
             "config": adamps_config.to_dict(self.cfg),
         }
 
@@ -392,4 +409,5 @@ class DataServer:
             limits=self.cfg.http_limits,
         )
         app.router.add_post("/stream", self.handle_stream)
+        self.elastic.add_routes(app)
         return app

@@ -49,6 +49,10 @@ class Board:
         """replica -> the last epoch it finished (0: none)."""
         raise NotImplementedError
 
+    def observe(self, sched: Any) -> int:
+        """Updates the schedule's last complete epoch from the board; returns it."""
+        return int(sched.observe(self.finished()))
+
 
 class PsBoard(Board):
     """A float32 vector on the parameter servers: element r = the last epoch replica r

@@ -145,6 +145,12 @@ class Replica:
         self._loss_window: collections.deque[float] = collections.deque(maxlen=32)
         self.recent_loss = float("nan")
         self._merged_seen_before = 0
+        #: called in turn once a round is queued for the push thread: an elastic replica's
+        #: slice ends (trainer/elastic.py), a consistency mode's step gate (trainer/consistency.py)
+        self.round_hooks: list[Callable[[], None]] = []
+        if cfg.consistency != "async":  # the step gate fetches every step instead
+            self.schedule.n_fetch = 1 << 62
+            self.schedule.warm_start = 0  # the replicas start together: no warm start alone
 
     @property
     def step(self) -> int:
@@ -195,7 +201,11 @@ class Replica:
             self.client, self.pushq, self.m, cfg.local_lr,
             {t.name: t.shape for t in self.tensors}, self.compressor,
         )  # fmt: skip
-        if cfg.controllers:
+        if cfg.elastic:  # the run's progress is the data server's slice table
+            from trainer.elastic import elastic_board
+
+            self.board = elastic_board(self)
+        elif cfg.controllers:
             self.board = ControllerBoard(cfg.controllers, cfg.token, cfg.replica, cfg.run)
         else:
             self.board = PsBoard(self.client, cfg.replica, cfg.n_replicas, cfg.run)
@@ -297,7 +307,7 @@ class Replica:
             if report is not None:
                 self.board.report(report.epoch, report.progress, report.done)
                 sched.reported(report)
-            self.m.completed.set(sched.observe(self.board.finished()))
+            self.m.completed.set(self.board.observe(sched))
 
     def _check_threads(self, *threads: Loop) -> None:
         for t in threads:
@@ -341,13 +351,24 @@ class Replica:
             try:
                 if sched.warm_due():
                     self._mark_warm()
-                for epoch in range(1, cfg.epochs + 1):
+                if cfg.consistency != "async":
+                    from trainer.consistency import StepGate
+
+                    gate = StepGate(self, pool.params, pusher)
+                    gate.join()
+                    self.round_hooks.append(gate.after_round)
+                for epoch in range(1, cfg.epochs + 1) if not cfg.elastic else ():
                     if sched.skip(epoch):
                         log.info("epoch %d is already complete: skipped", epoch)
                         continue
                     self._train_epoch(epoch, pool, plan, fetcher, threads, test_x, test_y)
                     if not self.result.epochs[epoch].moved_on:
                         self.pushq.put(functools.partial(sched.epoch_finished, epoch))
+                if cfg.elastic:
+                    from trainer.elastic import train_slices
+
+                    train_slices(self, lambda e, it: self._train_epoch(
+                        e, pool, plan, fetcher, threads, test_x, test_y, it))  # fmt: skip
                 if not sched.warm_marked:
                     self._mark_warm()  # fewer minibatches than the warm start: let the others go
                 if not self.pushq.join(cfg.wait_timeout, pusher.is_alive):
@@ -428,7 +449,10 @@ class Replica:
         threads: tuple[Loop, ...],
         test_x: np.ndarray | None,
         test_y: np.ndarray | None,
+        it: Any = None,
     ) -> None:
+        """Trains ``epoch``'s batches: this replica's static share, or ``it`` (an elastic
+        replica's leased slices, whose ends ``self.after_round`` reports behind the pushes)."""
         cfg = self.cfg
         sched = self.schedule
         W = cfg.workers
@@ -436,9 +460,10 @@ class Replica:
         self.m.epoch.set(epoch)
         stats = self.result.epochs.setdefault(epoch, EpochStats())
         bar = self._progress_bar(epoch)
-        it = self.data.epoch(
-            cfg.replica, cfg.n_replicas, epoch, batch_size=cfg.batch_size, prefetch=16
-        )
+        if it is None:
+            it = self.data.epoch(
+                cfg.replica, cfg.n_replicas, epoch, batch_size=cfg.batch_size, prefetch=16
+            )
         t_epoch = time.perf_counter()
         try:
             t_mark = time.perf_counter()
@@ -450,6 +475,8 @@ class Replica:
                 outs = pool.run([batches[w::W] for w in range(W)])
                 t2 = time.perf_counter()
                 self.pushq.put(collect_round(pool.buffers, plan, outs))
+                for hook in self.round_hooks:
+                    hook()
                 stats.t_data += t1 - t_mark
                 stats.t_compute += t2 - t1
                 n_img = sum(len(b[1]) for b in batches)
@@ -480,7 +507,8 @@ class Replica:
                     break
         finally:
             stats.seconds += time.perf_counter() - t_epoch
-            it.close()
+            if hasattr(it, "close"):
+                it.close()
             bar.close()
         log.info(
             "epoch %d: %d images, loss %.4f, %.0f images/s%s; fetches %d, staleness %s steps, "

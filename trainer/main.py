@@ -99,6 +99,8 @@ def serve(cfg: TrainConfig) -> int:
             "config": aconfig.to_dict(cfg),
             "uptime_seconds": time.time() - started,
             "replica": cfg.replica,
+            #: an elastic replica's name in its run (trainer/elastic.py), else null
+            "elastic_replica": getattr(replica, "replica_id", None),
             "epoch": replica.epoch,
             "completed_epoch": replica.completed,
             "steps": replica.step,

@@ -32,6 +32,7 @@ from adamps.protocol import ProtocolError
 from adamps.server.addressing import Addressing
 from adamps.server.catalog import TensorCatalog
 from adamps.server.checkpoint_ops import CheckpointOps
+from adamps.server.clockops import ClockOps
 from adamps.server.config import PsConfig
 from adamps.server.dataplane import DataPlane
 from adamps.server.flusher import Flusher
@@ -162,6 +163,8 @@ class ParameterServer:
         self._closed = False
         #: a checkpoint's read and restore of a bucket (checkpoint_ops.py)
         self.checkpoints = CheckpointOps(self.store, self.catalog, self.writes, self.replicator)
+        #: runs' step clocks and their consistency modes (issue 25, clockops.py)
+        self.clocks = ClockOps(cfg.clock_lease, cfg.clock_wait, self.registry)
         #: op -> handler of POST /rpc
         self._ops: dict[str, Handler] = {
             "create": self.catalog.op_create,
@@ -184,6 +187,7 @@ class ParameterServer:
             "ckpt_install": self.checkpoints.op_ckpt_install,
             "ckpt_hold": self.checkpoints.op_ckpt_hold,
             "ckpt_release": self.checkpoints.op_ckpt_release,
+            "clock": self.clocks.op_clock,
         }
         if cfg.debug_ops:
             self._ops["debug_fail"] = self.op_debug_fail
@@ -436,4 +440,5 @@ class ParameterServer:
             "applied": dict(self.store.applied),
             "clients": len(self.writes.clients),
             "runs": self.tenancy.status(),
+            "clocks": self.clocks.status(),
         }
