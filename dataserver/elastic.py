@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -80,6 +81,9 @@ class ElasticRuns:
         self.clock = clock
         self.m = ElasticMetrics(registry)
         self.tables: dict[str, SliceTable] = {}
+        #: who calls (set by the service): None for the cluster token, else the run whose token
+        #: it is (issue 25); raises 401 for neither. A run's token leases only its own run.
+        self.caller: Callable[[web.Request], Awaitable[str | None]] = _cluster_token_only
 
     def _ident(self, msg: dict[str, Any]) -> tuple[str, str]:
         run = protocol.require(msg, "run", str)
@@ -191,8 +195,14 @@ class ElasticRuns:
 
     def _handler(self, op: str, fn: Any) -> Any:
         async def handle(request: web.Request) -> web.Response:
-            adamps_web.check_token(request)
+            caller = await self.caller(request)
             msg = await adamps_web.read_message(request, {op})
+            if caller is not None and msg.get("run") != caller:
+                raise ProtocolError(
+                    "forbidden",
+                    f"run {caller!r}'s token leases only run {caller!r}'s slices, "
+                    f"not run {msg.get('run')!r}'s",
+                )
             return adamps_web.message_response(fn(msg))
 
         return handle
@@ -205,6 +215,10 @@ class ElasticRuns:
         app.router.add_post("/complete", self._handler("complete", self.complete))
         app.router.add_post("/heartbeat", self._handler("heartbeat", self.heartbeat))
         app.router.add_get("/runs", self._runs)
+
+
+async def _cluster_token_only(request: web.Request) -> None:
+    adamps_web.check_token(request)
 
 
 def _grant(g: Grant) -> dict[str, int]:

@@ -143,6 +143,7 @@ class DataServer:
         self.elastic = ElasticRuns(
             len(self.train_y), cfg.slice_size, cfg.slice_lease, self.registry
         )
+        self.elastic.caller = self._check_token
         self._update_gauges()
 
     # ------------------------------------------------------------------ lifecycle
@@ -323,14 +324,17 @@ class DataServer:
         finally:
             fut.cancel()  # no-op when done; the shared augmentation itself is shielded
 
-    async def _check_token(self, request: web.Request) -> None:
-        """The cluster token, or (with controllers) a run's token: data is read-only."""
+    async def _check_token(self, request: web.Request) -> str | None:
+        """The cluster token (None), or (with controllers) a run's token (the run's name): data
+        is read-only, and a run's elastic replicas lease only their run's slices."""
         if self.run_tokens is not None:
             _, _, given = request.headers.get("Authorization", "").partition(" ")
             if given.strip() and given.strip() != self.cfg.token:
-                if await self.run_tokens.run_of(given.strip()) is not None:
-                    return
+                run = await self.run_tokens.run_of(given.strip())
+                if run is not None:
+                    return run
         adamps_web.check_token(request)
+        return None
 
     async def handle_stream(self, request: web.Request) -> web.StreamResponse:
         await self._check_token(request)

@@ -177,6 +177,10 @@ def test_two_runs_with_the_same_layer_names_train_apart(tmp_path: Path) -> None:
             got_b = cb.pull(["beta..fc1.w"])[0]["beta..fc1.w"]
             np.testing.assert_allclose(got_b, wb, rtol=1e-6, atol=1e-6)
 
+        # On the data server, a run's token leases only its own run's slices (elastic replicas)
+        body = protocol.encode(protocol.request("lease", run="beta", replica="r9", epochs=1))
+        status, _, reply = http(ds, "POST", "/lease", ta, body, msgpack=True)
+        assert status == 403 and reply["code"] == "forbidden" and "'beta'" in reply["message"]
         # A run's token calls no admin endpoint on the controllers.
         ctl = c.controllers[1]
         for method, path, body in [
