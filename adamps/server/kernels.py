@@ -56,7 +56,7 @@ def adagrad_numpy(
     np.subtract(w, tmp, out=w)
 
 
-def _compile_numba():  # type: ignore[no-untyped-def]
+def _compile_numba(cache: bool = True):  # type: ignore[no-untyped-def]
     import numba
 
     f32 = numba.float32
@@ -67,10 +67,11 @@ def _compile_numba():  # type: ignore[no-untyped-def]
         # explicit signatures: compiled (or loaded from the cache) at import, never on the update
         # path; a writable gradient (an fc gradient in scratch) is passed through the read-only one
         [numba.void(rw, rw, ro, f32, f32)],
-        cache=True,
+        cache=cache,
         nogil=True,  # the owner threads apply shards in parallel
         # numpy's error model: x / 0 is inf, as in numpy. The default ("python") tests every
-        # divisor to raise ZeroDivisionError, which keeps LLVM from vectorising the loop (4x slower).
+        # divisor to raise ZeroDivisionError, which keeps LLVM from vectorising the loop (several
+        # times slower).
         error_model="numpy",
         boundscheck=False,
     )
@@ -84,7 +85,18 @@ def _compile_numba():  # type: ignore[no-untyped-def]
     return adagrad_fused
 
 
-_adagrad_fused = _compile_numba() if SELECTED == "numba" else None
+def _load_numba():  # type: ignore[no-untyped-def]
+    try:
+        return _compile_numba()
+    except RuntimeError as e:
+        # numba found no writable cache directory (a read-only install and a read-only home):
+        # compile in memory at every start rather than not start
+        if "cannot cache" not in str(e):
+            raise
+        return _compile_numba(cache=False)
+
+
+_adagrad_fused = _load_numba() if SELECTED == "numba" else None
 
 
 def _fusable(*arrays: np.ndarray) -> bool:

@@ -119,3 +119,18 @@ def test_the_compiled_kernel_is_cached_on_disk(tmp_path: Path) -> None:
     second = _run(code, NUMBA_CACHE_DIR=str(tmp_path))
     assert second.returncode == 0, second.stderr
     assert second.stdout.split() == ["1", "0"]  # loaded, not compiled
+
+
+def test_without_a_writable_cache_the_kernel_compiles_in_memory_instead_of_failing() -> None:
+    # Source compiled under the name "<string>" has no place numba could cache it in, as a
+    # read-only install with a read-only home would not: the server must still start, fused.
+    src = Path(kernels.__file__).read_text()
+    ns: dict[str, object] = {"__name__": "kernels_without_cache"}
+    exec(compile(src, "<string>", "exec"), ns)  # noqa: S102
+    fused = ns["_adagrad_fused"]
+    assert fused is not None
+    w, acc, grads = _state(1000, seed=5)
+    w2, acc2 = w.copy(), acc.copy()
+    ns["adagrad"](w, acc, grads[0], 0.1, 1e-8, np.empty(1000, np.float32))  # type: ignore[operator]
+    kernels.adagrad_numpy(w2, acc2, grads[0], 0.1, 1e-8, np.empty(1000, np.float32))
+    assert w.tobytes() == w2.tobytes()
