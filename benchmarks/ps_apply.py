@@ -42,6 +42,7 @@ from adamps.dataplane_client import DataPlaneClient
 from adamps.layout import Layout, TensorSpec
 from adamps.procs import Proc, adamps_argv, free_port
 from adamps.rpc import SyncRpc
+from adamps.server import kernels
 from adamps.server.initial import normalize_init
 from adamps.server.main import tune_malloc
 from adamps.server.optim import Dense, Optimizer
@@ -131,6 +132,29 @@ class RawSaxpy:
         def once() -> None:
             for w, d in zip(self.ws, self.ds, strict=True):
                 blas.saxpy(d, w, a=-0.01)
+
+        return 2 * self.n / timed(once, 2)
+
+
+class RawAdagrad:
+    """The Adagrad kernel alone over 64 separate 1 MB shards and accumulators, no queues, no
+    threads: the fused (numba) kernel, or the numpy reference (issue 27), in the same run."""
+
+    def __init__(self, n_elems: int, fused: bool) -> None:
+        shard = 262_144
+        k = n_elems // shard
+        self.ws = [np.ones(shard, np.float32) for _ in range(k)]
+        self.accs = [np.zeros(shard, np.float32) for _ in range(k)]
+        delta = np.random.default_rng(0).standard_normal(n_elems).astype(np.float32) * 1e-3
+        self.gs = [delta[i * shard : (i + 1) * shard] for i in range(k)]
+        self.tmp = np.empty(shard, np.float32)
+        self.fn = kernels.adagrad if fused else kernels.adagrad_numpy
+        self.n = n_elems
+
+    def sample(self) -> float:
+        def once() -> None:
+            for w, acc, g in zip(self.ws, self.accs, self.gs, strict=True):
+                self.fn(w, acc, g, 0.01, 1e-8, self.tmp)
 
         return 2 * self.n / timed(once, 2)
 
@@ -449,12 +473,18 @@ def main() -> int:
             "dense_adagrad_2_owners": DenseBench("adagrad", 2, n_elems),
         }
         raw = RawSaxpy(n_elems)
-        fns: dict[str, Callable[[], float]] = {"copyto": cp.sample, "raw_saxpy": raw.sample}
+        ada_np, ada_fused = RawAdagrad(n_elems, False), RawAdagrad(n_elems, True)
+        fns: dict[str, Callable[[], float]] = {
+            "copyto": cp.sample,
+            "raw_saxpy": raw.sample,
+            "raw_adagrad_numpy": ada_np.sample,
+            "raw_adagrad_fused": ada_fused.sample,
+        }
         fns.update({k: b.sample for k, b in benches.items()})
         med = interleaved(fns, 5)
         for b in benches.values():
             b.store.close()
-        del cp, benches, raw
+        del cp, benches, raw, ada_np, ada_fused
         report("copyto", med["copyto"], "GB/s")
         eq = med["copyto"] / 4
         report("copyto_equivalent_updates", eq, "G/s")
@@ -463,6 +493,14 @@ def main() -> int:
         report("dense_sgd_2_owners", med["dense_sgd_2_owners"] / 1e9, "G/s", eq)
         report("dense_adagrad_1_owner", med["dense_adagrad_1_owner"] / 1e9, "G/s", eq)
         report("dense_adagrad_2_owners", med["dense_adagrad_2_owners"] / 1e9, "G/s", eq)
+        # issue 27: the kernel alone, fused (the default) and its numpy reference (ADAMPS_KERNELS=numpy)
+        report("kernel_adagrad_numpy_no_store", med["raw_adagrad_numpy"] / 1e9, "G/s", eq)
+        report(
+            "kernel_adagrad_fused_no_store",
+            med["raw_adagrad_fused"] / 1e9,
+            "G/s",
+            med["raw_adagrad_numpy"] / 1e9,
+        )
 
         m = n = 2048  # 16 shards of 128 rows
         for k in (16, 64):
