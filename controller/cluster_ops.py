@@ -123,7 +123,8 @@ class Operations:
                 "conflict", f"server {sid!r} was declared dead; register again", state=DEAD
             )
         renewed = []
-        for b, bk in enumerate(self.buckets):
+        for b in self.leased_to(sid):
+            bk = self.buckets[b]
             lease: Lease | None = bk["lease"]
             if lease is None or lease.holder != sid or lease.released_at is not None:
                 continue
@@ -144,8 +145,9 @@ class Operations:
         now = self._tick(now)
         before = self.version
         reports = reports or {}
+        offers = self._offers_by_bucket()
         for b in range(self.n_buckets):
-            self._settle(b, now, reports.get(b))
+            self._settle(b, now, reports.get(b), offers)
         for rec in self.servers.values():  # a passed drain hold needs no more reconciles
             if rec.get("hold_until", now + 1) <= now:
                 del rec["hold_until"]

@@ -116,6 +116,14 @@ class ClusterModel(Operations, Views, BucketRules):
         #: str(epoch) -> replica id -> {"progress", "done", "at"}
         self.progress: dict[str, dict[str, dict[str, Any]]] = {}
 
+    # Derived indexes (``_leased``: see `leased_to`) are no replicated state: they are left out
+    # of pysyncobj's dump and of copies, and rebuilt from the state on first use.
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_leased"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
 
 class ReplicatedCluster(SyncObjConsumer):
     """The Raft-replicated face of `ClusterModel`: one @replicated method per operation.
