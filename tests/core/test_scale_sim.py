@@ -123,3 +123,60 @@ def test_a_pass_over_every_bucket_does_not_scan_every_server_per_bucket(monkeypa
     m.reconcile(1.0)
     # before: one walk over the servers per bucket (_drop_stale_offers), 2,000 here
     assert seen < 50
+
+
+def _interesting_model() -> ClusterModel:
+    """Placed, a server dead (its buckets promoted, copies joining), one restarted with
+    offers, one draining, buckets unavailable and new servers offering copies of them: every
+    kind of record a bucket operation reads or changes."""
+    m = ClusterModel(60, LeaseTerms(), 3, min_servers=8)
+    for i in range(8):
+        m.register(f"s{i}", f"h:{i}", 0.0)
+    m.renew("s1", 1.0)
+    m.declare_dead("s0", 4.0)
+    m.reconcile(20.0)
+    m.register("s2", "h:2", 21.0, {b: [1, 5] for b in range(0, 60, 3)})
+    m.drain("s3", 22.0)
+    for sid in ("s1", "s4", "s5"):  # the buckets they alone held are unavailable
+        m.declare_dead(sid, 23.0)
+    for i, seq in ((8, 2), (9, 1), (10, 1)):  # copies of every bucket, some older
+        m.register(f"s{i}", f"h:{i}", 24.0, {b: [1, seq] for b in range(60)})
+    assert any(m.unavailable(b) for b in range(60))
+    return m
+
+
+def test_the_leaders_dry_run_changes_nothing_and_answers_as_the_apply() -> None:
+    """The leader's dry run of a bucket operation copies only that bucket (issue 26: a deepcopy
+    of the whole state per caught-up report); it must leave the state exactly as it was and
+    answer what the real apply answers."""
+    import copy
+    import pickle
+
+    from controller.state import BUCKET_OPS, dry_run
+
+    base = _interesting_model()
+    cases = []
+    unavailable = [b for b in range(base.n_buckets) if base.unavailable(b)]
+    for b in sorted({*range(0, base.n_buckets, 4), *unavailable, -1, 60}):
+        bk = base.buckets[b] if 0 <= b < base.n_buckets else None
+        lease = bk["lease"] if bk else None
+        epoch = lease.epoch if lease else 0
+        holder = lease.holder if lease else "s1"
+        for sid in (holder, *(bk or {}).get("holders", [])[:1], "s8", "nobody"):
+            join = (bk or {}).get("join_ids", {}).get(sid)
+            cases += [
+                ("verified_caught_up", (b, holder, epoch, sid, 30.0, join)),
+                ("verified_caught_up", (b, holder, epoch + 1, sid, 30.0, None)),
+                ("drop_secondary", (b, holder, epoch, sid, 30.0)),
+                ("role_change", (b, sid, epoch, {holder: [epoch, 3]}, 40.0)),
+                ("caught_up", (b, sid, epoch, 30.0)),
+            ]
+        cases += [("release", (b, holder, epoch, 30.0)), ("write_off", (b, 60.0))]
+    assert {op for op, _ in cases} == BUCKET_OPS
+    for op, args in cases:
+        m = copy.deepcopy(base)
+        m.leased_to("s1")  # the derived index exists, as on a running leader
+        before = pickle.dumps(m)
+        answer = dry_run(m, op, args)
+        assert pickle.dumps(m) == before, (op, args)
+        assert answer == getattr(m, op)(*args), (op, args)
