@@ -65,6 +65,10 @@ from controller.cluster_views import Views
 log = logging.getLogger(__name__)
 
 
+#: attributes of the model derived from its state (indexes, caches): never dumped or copied
+DERIVED = frozenset({"_leased", "_unavailable"})
+
+
 # The class keeps its name and module: pysyncobj's full dump pickles the model, and a dump written
 # by an earlier release names controller.state.ClusterModel. Its methods live in the mixins.
 class ClusterModel(Operations, Views, BucketRules):
@@ -116,10 +120,10 @@ class ClusterModel(Operations, Views, BucketRules):
         #: str(epoch) -> replica id -> {"progress", "done", "at"}
         self.progress: dict[str, dict[str, dict[str, Any]]] = {}
 
-    # Derived indexes (``_leased``: see `leased_to`) are no replicated state: they are left out
-    # of pysyncobj's dump and of copies, and rebuilt from the state on first use.
+    # Derived indexes (`leased_to`, `unavailable_buckets`) are no replicated state: they are
+    # left out of pysyncobj's dump and of copies, and rebuilt from the state on first use.
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_leased"}
+        return {k: v for k, v in self.__dict__.items() if k not in DERIVED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
