@@ -288,6 +288,19 @@ class Sim:
         return sum(1 for b in range(m.n_buckets) if len(m.holders_of(b)) >= m.replication)
 
 
+def pysyncobj_dump(data: Any) -> bytes:
+    """The bytes pysyncobj writes for a full dump of `data` (its serializer: pickle, gzipped)."""
+    import gzip
+    import io
+
+    from pysyncobj import pickle as raft_pickle
+
+    with io.BytesIO() as buf:
+        with gzip.GzipFile(fileobj=buf, mode="wb") as g:
+            raft_pickle.dump(data, g)
+        return buf.getvalue()
+
+
 def timed_place(sim: Sim) -> None:
     """Times every call of the production placement (the module's own function, called)."""
     real = cluster_rules.placement.place
@@ -334,15 +347,19 @@ def simulate(cfg: Settings, progress: bool = False) -> dict[str, Any]:
         t_real = time.perf_counter()
         sim.start()
         initial_place = list(sim.placements)
-        warm = sim.now + cfg.lease.duration * 2  # every lease granted and renewed once
+        if progress:
+            print(f"  placed; real {time.perf_counter() - t_real:.0f}s", file=sys.stderr)
+        warm = sim.now + cfg.lease.duration + cfg.heartbeat  # every lease renewed at least once
         sim.run_until(warm)
         sim.run_until(warm + cfg.steady)
         steady = window(sim, warm, warm + cfg.steady)
         t0 = time.perf_counter()
         clone = copy.deepcopy(sim.model)
         deepcopy_s = time.perf_counter() - t0  # what every dry run cost before issue 26
-        snap = pickle.dumps({"model": clone})  # what pysyncobj dumps (ReplicatedCluster)
-        snapshot_s = time.perf_counter() - t0
+        state_bytes = len(pickle.dumps({"model": clone}))
+        t1 = time.perf_counter()
+        dump_bytes = len(pysyncobj_dump({"model": clone}))  # ReplicatedCluster._serialize's
+        snapshot_s = deepcopy_s + time.perf_counter() - t1
         del clone
         fail_at = sim.now
         n_before = len(sim.placements)
@@ -359,7 +376,11 @@ def simulate(cfg: Settings, progress: bool = False) -> dict[str, Any]:
             if served_at is not None and sim.at_rf() == cfg.buckets:
                 rf_at = t - fail_at
             if progress:
-                print(f"  t+{t - fail_at:.2f}s entries {len(sim.entries)}", file=sys.stderr)
+                print(
+                    f"  t+{t - fail_at:.2f}s entries {len(sim.entries)} real "
+                    f"{time.perf_counter() - t_real:.0f}s",
+                    file=sys.stderr,
+                )
         failure = window(sim, fail_at, fail_at + (rf_at or cfg.horizon))
         recovery_place = sim.placements[n_before:]
         bad = check_history(sim.model.lease_records(), cfg.lease)
@@ -371,7 +392,8 @@ def simulate(cfg: Settings, progress: bool = False) -> dict[str, Any]:
             "granted_again_s": None if granted_at is None else round(granted_at, 2),
             "served_again_s": None if served_at is None else round(served_at, 2),
             "rf_again_s": None if rf_at is None else round(rf_at, 2),
-            "state_bytes": len(snap),
+            "state_bytes": state_bytes,
+            "dump_bytes": dump_bytes,
             "snapshot_s": round(snapshot_s, 3),
             "steady": steady,
             "failure": failure,
@@ -470,8 +492,19 @@ def report(out: dict[str, Any], raft: dict[str, float], lease_s: float) -> None:
         f" after {out['served_again_s']} s, back at RF after {out['rf_again_s']} s"
     )
     print(
-        f"  replicated state {out['state_bytes'] / 1e6:.1f} MB, dump {out['snapshot_s']} s"
+        f"  replicated state {out['state_bytes'] / 1e6:.1f} MB pickled,"
+        f" {out['dump_bytes'] / 1e6:.1f} MB dumped (gzip), dump {out['snapshot_s']} s"
         f" (a whole-state deepcopy, each dry run before issue 26: {out['full_deepcopy_s']} s)"
+    )
+    # pysyncobj dumps the whole state (fork-free: on its own thread, under the model's lock)
+    # every `compaction_entries` entries: the share of that thread the dumps take.
+    every = _default("compaction_entries") / max(s["entries_per_s"], 1e-9)
+    every = min(every, _default("compaction_seconds"))
+    out["dump_every_s"] = round(every, 2)
+    out["dump_share"] = round(out["snapshot_s"] / every, 3)
+    print(
+        f"  steady state dumps every {every:.1f} s ({_default('compaction_entries')} entries):"
+        f" {out['dump_share']:.3f} of the Raft thread (limit 1.0)"
     )
     rate = raft["commits_per_s"]
     for name, w in (("steady", s), ("failure", f)):
@@ -500,6 +533,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--transfer", type=float, default=Settings.transfer)
     ap.add_argument("--sweep", default="", help="server counts (buckets = 100 x, rack = 5%%)")
     ap.add_argument("--raft-seconds", type=float, default=3.0)
+    ap.add_argument("--steady", type=float, default=Settings.steady)
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args(argv)
     raft = raft_commit_rate(args.raft_seconds)
@@ -512,9 +546,10 @@ def main(argv: list[str] | None = None) -> None:
     lease_s = Settings.lease.duration
     for n, nb, rack in sizes:
         out = simulate(
-            Settings(servers=n, buckets=nb, rack=rack, transfer=args.transfer), args.progress
+            Settings(servers=n, buckets=nb, rack=rack, transfer=args.transfer, steady=args.steady),
+            args.progress,
         )
-        report(out, raft, lease_s)
+        report(out, raft, lease_s)  # adds the dump figures to `out`
         runs.append(out)
     print(json.dumps({"raft": raft, "lease_s": lease_s, "runs": runs}))
 

@@ -179,4 +179,7 @@ def test_the_leaders_dry_run_changes_nothing_and_answers_as_the_apply() -> None:
         before = pickle.dumps(m)
         answer = dry_run(m, op, args)
         assert pickle.dumps(m) == before, (op, args)
+        m.unavailable_buckets()  # cached at this version
         assert answer == getattr(m, op)(*args), (op, args)
+        # the heartbeat's cached list of unavailable buckets follows every change of them
+        assert m.unavailable_buckets() == [b for b in range(m.n_buckets) if m.unavailable(b)]
