@@ -111,6 +111,8 @@ class Sim:
         #: leader CPU seconds outside the apply thread: dry runs, heartbeat answers, leader loop
         self.work: list[tuple[float, str, float]] = []  # (sim t, what, cpu s)
         self.index = {s: i for i, s in enumerate(self.ids)}
+        self.scans = 0
+        self.scanned = -1  # the model version the last scan saw
         self.known: dict[str, int] = {}  # the routing version each server last saw
         self.sample = max(1, cfg.servers // 50)
         self._reports_bytes: int | None = None
@@ -236,10 +238,15 @@ class Sim:
     def _scan(self) -> None:
         """What the servers learn from their roles (they read them at their next heartbeat):
         positions to report, joins to ask their primary for; and the safety checks."""
-        m, now = self.model, self.now
+        m = self.model
         self.reports = None  # rebuilt when an entry carries them
         self._reports_bytes = None
-        writers: dict[int, list[str]] = {}
+        self.scans += 1
+        if self.scans % 4 == 0:
+            self._check_writers()
+        if m.version == self.scanned:  # no grant, no join since the last scan
+            return
+        self.scanned = m.version
         for b, bk in enumerate(m.buckets):
             lease = bk["lease"]
             if lease is None:
@@ -258,6 +265,10 @@ class Sim:
                 start = max(self.next_hb[sid], self.busy[lease.holder], self.busy[sid])
                 self.busy[lease.holder] = self.busy[sid] = start + self.cfg.transfer
                 self.at(start + self.cfg.transfer, "transfer", job)
+
+    def _check_writers(self) -> None:
+        now = self.now
+        writers: dict[int, list[str]] = {}
         for sid in self.ids:  # no two servers' lease cores may let them write one bucket at once
             core = self.holder[sid]
             for b in self.granted[sid]:
