@@ -79,9 +79,11 @@ class Operations:
                 for s in [*self._wave(b, now), sid]:
                     if s not in cands:
                         cands.append(s)
+                        self._touch(s, b)
                 bk["left"] = {}
             elif member:
                 bk.setdefault("left", {})[sid] = now
+                self._touch(sid, b)
             if sid in bk["holders"]:
                 bk["holders"].remove(sid)
             if sid in bk["joining"]:
@@ -205,6 +207,7 @@ class Operations:
             return refusal("conflict", f"{sid!r} is not joining bucket {b}")
         bk["joining"].remove(sid)
         bk["holders"].append(sid)
+        self._touch(sid, b)
         self.version += 1
         self._settle(b, now)
         return {"ok": True, "bucket": b, "server": sid}
@@ -245,6 +248,7 @@ class Operations:
         bk["joining"].remove(sid)
         bk.setdefault("joined", {})[sid] = ids.pop(sid, None)
         bk["holders"].append(sid)
+        self._touch(sid, b)
         self.version += 1
         self._settle(b, now)
         return {"ok": True, "bucket": b, "server": sid}

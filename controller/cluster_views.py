@@ -96,7 +96,10 @@ class Views:
     def roles_of(self, sid: str) -> list[dict[str, Any]]:
         out = []
         offered = self.servers.get(sid, {}).get("copies", {})
-        for b, bk in enumerate(self.buckets):
+        near = self.touching(sid)
+        # Only the buckets where `sid` may have a role (the indexes are supersets), ascending.
+        for b in sorted(near | set(offered) | set(self.leased_to(sid))):
+            bk = self.buckets[b]
             if self.primary_of(b) == sid and self.holder_live(b):
                 role = "primary"
             elif sid in bk["holders"]:
@@ -110,6 +113,9 @@ class Views:
             elif b in offered and sid in bk.get("left", {}):
                 role = "standby"  # left shortly before: a candidate if the last member leaves
             else:
+                lists = (bk["holders"], bk["joining"], bk.get("candidates", []), bk.get("left", {}))
+                if not any(sid in x for x in lists):
+                    near.discard(b)  # in none of them any more: pruned from the index
                 continue
             view = self.bucket_view(b)
             view["role"] = role

@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 
 
 #: attributes of the model derived from its state (indexes, caches): never dumped or copied
-DERIVED = frozenset({"_leased", "_unavailable"})
+DERIVED = frozenset({"_leased", "_touching", "_unavailable"})
 
 
 # The class keeps its name and module: pysyncobj's full dump pickles the model, and a dump written
@@ -120,7 +120,7 @@ class ClusterModel(Operations, Views, BucketRules):
         #: str(epoch) -> replica id -> {"progress", "done", "at"}
         self.progress: dict[str, dict[str, dict[str, Any]]] = {}
 
-    # Derived indexes (`leased_to`, `unavailable_buckets`) are no replicated state: they are
+    # Derived indexes (`leased_to`, `touching`, `unavailable_buckets`) are no replicated state: they are
     # left out of pysyncobj's dump and of copies, and rebuilt from the state on first use.
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in DERIVED}

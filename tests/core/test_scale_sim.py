@@ -145,6 +145,60 @@ def _interesting_model() -> ClusterModel:
     return m
 
 
+def _check_indexes(m: ClusterModel) -> None:
+    """The indexes kept beside the state (updated as it changes) answer as indexes rebuilt
+    from the state would: a copy drops them and rebuilds them on first use."""
+    import copy
+
+    fresh = copy.deepcopy(m)
+    for sid in m.servers:
+        assert m.roles_of(sid) == fresh.roles_of(sid), sid
+        assert m.leased_to(sid) == fresh.leased_to(sid), sid
+        assert m.touching(sid) >= fresh.touching(sid), sid
+
+
+def test_the_indexes_follow_random_histories() -> None:
+    """Random operations over the interesting state: after each, every server's roles, leases
+    and buckets it may touch agree with what the state itself says."""
+    import logging
+    import random
+
+    logging.disable(logging.WARNING)
+    try:
+        for seed in range(2):
+            rng = random.Random(seed)
+            m = _interesting_model()
+            m.roles_of("s2")  # build the indexes, as a running leader has them
+            now = 30.0
+            for _ in range(40):
+                now += rng.choice([0.1, 1.0, 7.0])
+                sid = rng.choice(sorted(m.servers))
+                b = rng.randrange(m.n_buckets)
+                bk = m.buckets[b]
+                lease = bk["lease"]
+                op = rng.choice(["reg", "dead", "renew", "rec", "join", "drop", "drain", "wo"])
+                if op == "reg":
+                    m.register(sid, m.servers[sid]["address"], now, {b: [1, 1]})
+                elif op == "dead":
+                    m.declare_dead(sid, now)
+                elif op == "renew":
+                    m.renew(sid, now)
+                elif op == "rec":
+                    m.reconcile(now)
+                elif op == "join" and lease and bk["joining"]:
+                    j = bk["joining"][0]
+                    m.verified_caught_up(b, lease.holder, lease.epoch, j, now, bk["join_ids"][j])
+                elif op == "drop" and lease and bk["holders"]:
+                    m.drop_secondary(b, lease.holder, lease.epoch, bk["holders"][0], now)
+                elif op == "drain":
+                    m.drain(sid, now, 0.0, rng.random() < 0.5)
+                elif op == "wo":
+                    m.write_off(b, now)
+                _check_indexes(m)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 def test_the_leaders_dry_run_changes_nothing_and_answers_as_the_apply() -> None:
     """The leader's dry run of a bucket operation copies only that bucket (issue 26: a deepcopy
     of the whole state per caught-up report); it must leave the state exactly as it was and
@@ -173,7 +227,7 @@ def test_the_leaders_dry_run_changes_nothing_and_answers_as_the_apply() -> None:
             ]
         cases += [("release", (b, holder, epoch, 30.0)), ("write_off", (b, 60.0))]
     assert {op for op, _ in cases} == BUCKET_OPS
-    for op, args in cases:
+    for i, (op, args) in enumerate(cases):
         m = copy.deepcopy(base)
         m.leased_to("s1")  # the derived index exists, as on a running leader
         before = pickle.dumps(m)
@@ -183,3 +237,5 @@ def test_the_leaders_dry_run_changes_nothing_and_answers_as_the_apply() -> None:
         assert answer == getattr(m, op)(*args), (op, args)
         # the heartbeat's cached list of unavailable buckets follows every change of them
         assert m.unavailable_buckets() == [b for b in range(m.n_buckets) if m.unavailable(b)]
+        if i % 9 == 0:
+            _check_indexes(m)
