@@ -374,17 +374,22 @@ def simulate(cfg: Settings, progress: bool = False) -> dict[str, Any]:
         del clone
         fail_at = sim.now
         n_before = len(sim.placements)
+        rack = set(sim.ids[: cfg.rack])
+        # Buckets with every caught-up copy in the rack: nobody may serve them again until a
+        # copy comes back (or an operator writes them off). Placement knows no racks.
+        doomed = [b for b in range(cfg.buckets) if set(sim.model.holders_of(b)) <= rack]
+        target = cfg.buckets - len(doomed)
         sim.at(fail_at, "fail", sim.ids[: cfg.rack])
         served_at = rf_at = granted_at = None
         t = fail_at
         while t < fail_at + cfg.horizon and rf_at is None:
             t += cfg.reconcile_interval
             sim.run_until(t)
-            if granted_at is None and sim.granted_live() == cfg.buckets:
+            if granted_at is None and sim.granted_live() == target:
                 granted_at = t - fail_at
-            if served_at is None and sim.served() == cfg.buckets:
+            if served_at is None and sim.served() == target:
                 served_at = t - fail_at
-            if served_at is not None and sim.at_rf() == cfg.buckets:
+            if served_at is not None and sim.at_rf() == target:
                 rf_at = t - fail_at
             if progress:
                 print(
@@ -416,6 +421,9 @@ def simulate(cfg: Settings, progress: bool = False) -> dict[str, Any]:
             "two_primaries": len(sim.violations),
             "lease_history_violations": len(bad),
             "at_rf_end": sim.at_rf(),
+            "all_copies_in_rack": len(doomed),
+            "unavailable_end": [b for b in range(cfg.buckets) if sim.model.unavailable(b)],
+            "doomed": doomed,
             "real_s": round(time.perf_counter() - t_real, 1),
         }
         out["violations"] = (sim.violations + bad)[:5]
@@ -497,6 +505,10 @@ def report(out: dict[str, Any], raft: dict[str, float], lease_s: float) -> None:
     print(
         f"{out['servers']} servers, {out['buckets']} buckets, RF 3; rack of {out['rack']} fails"
         f" (transfer {out['transfer_s']} s/bucket)"
+    )
+    print(
+        f"  {out['all_copies_in_rack']} buckets had every copy in the rack: unavailable until it"
+        " returns (placement knows no racks); of the others:"
     )
     print(
         f"  every lease on a live server after {out['granted_again_s']} s, every bucket writable"
