@@ -195,11 +195,7 @@ class ControllerService:
                     ) from None
                 if 0 <= bi < self.cfg.n_buckets:
                     self.leader.record_report(bi, sid, [epoch, seq])
-            holds = self.cluster.read(
-                lambda m: any(
-                    m.primary_of(b) == sid and m.holder_live(b) for b in range(m.n_buckets)
-                )
-            )
+            holds = self.cluster.read(lambda m: m.holds_lease(sid))
             renewed: dict[str, Any] = {"renewed": [], "at": None}
             if holds:
                 renewed = ok_or_raise(await self.commit("renew", sid, time.time()))
@@ -209,27 +205,20 @@ class ControllerService:
             # Committed when durability flips, not when the reason's figures change.
             if bool(rec.get("not_durable")) != bool(not_durable):
                 await self.commit("write_storage", sid, not_durable, time.time())
-            version, roles, state, unavailable = self.cluster.read(
-                lambda m: (
-                    m.version,
-                    m.roles_of(sid),
-                    m.servers[sid]["state"],
-                    [b for b in range(m.n_buckets) if m.unavailable(b)],
-                )
-            )
+            view = self.cluster.read(lambda m: m.heartbeat_view(sid, known))
             reply: dict[str, Any] = {
                 "server": sid,
-                "state": state,
-                "version": version,
+                "state": view["state"],
+                "version": view["version"],
                 "renewed": renewed["renewed"],
                 "renewed_at": renewed["at"],
                 "lease": self.terms.to_dict(),
-                "unavailable": unavailable,
+                "unavailable": view["unavailable"],
                 # runs (issue 25): a server whose table is older fetches GET /auth/runs
                 "runs_version": self.cluster.read(lambda m: getattr(m, "runs_version", 0)),
             }
-            if known != version:
-                reply["roles"] = roles
+            if view["roles"] is not None:
+                reply["roles"] = view["roles"]
             return reply
 
         return await self._server_write(request, sid, run)
