@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 
-from adamps import retry
 from adamps.ckpt_format import (  # noqa: F401 (re-exported: the format's names live there)
     FORMAT,
     MANIFEST,
@@ -41,9 +40,10 @@ from adamps.ckpt_format import (  # noqa: F401 (re-exported: the format's names 
     write_file,
     write_manifest,
 )
-from adamps.client import ControllerRouting, PSClient, Routing, retryable
+from adamps.client import retry
+from adamps.client.ps import ControllerRouting, PSClient, Routing, retryable
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.layout import Layout, TensorSpec
-from adamps.rpc import RpcError, SyncRpc
 
 #: buckets read at once by a save
 READERS = 4

@@ -23,7 +23,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from adamps.checkpoint import CheckpointError, Cluster, load, save
-from adamps.rpc import RpcError
+from adamps.client.rpc import RpcError
 
 FORMATS = ("npz", "safetensors", "torch")
 

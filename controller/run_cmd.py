@@ -13,9 +13,9 @@ from typing import Any
 
 from adamps import runs
 from adamps import token as tokens
+from adamps.client.controller import ControllerClient
+from adamps.client.rpc import RpcError
 from adamps.config import default_token
-from adamps.controller_client import ControllerClient
-from adamps.rpc import RpcError
 from adamps.token import host_of
 from controller.status import table
 

@@ -9,9 +9,9 @@ import logging
 import time
 from typing import Any
 
+from adamps.client.rpc import RpcError
 from adamps.core.replication import Reject
 from adamps.protocol import ProtocolError, require
-from adamps.rpc import RpcError
 from adamps.server.repl_check import check_batches
 from adamps.server.repl_wire import MULTI_OPS, batch_from_wire, store_parts
 from adamps.server.shards import StoreError

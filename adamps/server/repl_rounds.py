@@ -17,9 +17,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from adamps.client.rpc import RpcError
 from adamps.core.replication import BucketReplica, Reject
 from adamps.protocol import ProtocolError
-from adamps.rpc import RpcError
 from adamps.server.repl_wire import batch_to_wire, not_primary
 
 log = logging.getLogger("adamps.server.replicate")

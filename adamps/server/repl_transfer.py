@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from adamps.client.rpc import RpcError
 from adamps.protocol import require
-from adamps.rpc import RpcError
 from adamps.server import checksum
 from adamps.server.tickets import owner_future
 

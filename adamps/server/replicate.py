@@ -34,11 +34,11 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from adamps import peer_auth, protocol
-from adamps.controller_client import AsyncControllerClient
+from adamps.client.controller import AsyncControllerClient
+from adamps.client.rpc import RpcError
 from adamps.core.lease import HolderLeases, LeaseTerms
 from adamps.core.replication import Apply, Assignment, BucketReplica, Reject
 from adamps.protocol import ProtocolError
-from adamps.rpc import RpcError
 from adamps.server.config import PsConfig
 from adamps.server.peer_keys import PeerKeys, forbidden
 from adamps.server.persist import DEDUP_PER_FLUSH, Position

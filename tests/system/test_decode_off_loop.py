@@ -20,10 +20,10 @@ import pytest
 
 from adamps import codec
 from adamps.client import PSClient, StaticRouting
-from adamps.dataplane_client import DataPlaneClient
+from adamps.client.dataplane import DataPlaneClient
+from adamps.client.rpc import SyncRpc
 from adamps.layout import Layout, TensorSpec
-from adamps.procs import Proc, adamps_argv, free_port
-from adamps.rpc import SyncRpc
+from adamps.up.procs import Proc, adamps_argv, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -26,10 +26,10 @@ import pytest
 import yaml
 
 from adamps.client import ControllerRouting, PSClient
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import LocalCluster
-from adamps.procs import Proc, adamps_argv, free_port
-from adamps.rpc import RpcError, SyncRpc
+from adamps.up.cluster import LocalCluster
+from adamps.up.procs import Proc, adamps_argv, free_port
 from dataserver.client import DataClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(170)]
