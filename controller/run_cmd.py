@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--push-bytes-per-s", type=float, help="quota: push bytes per second, on each server"
     )
     parser.add_argument(
-        "--consistency", default=None, help="async (default), sync or ssp:S (stored, shown)"
+        "--consistency",
+        default=None,
+        help="async (default), sync or ssp:S: the mode the run's trainers declare unless given --consistency",
     )
     parser.add_argument(
         "--token-file", default="", help="create: also write the run's token to this file (0600)"

@@ -62,6 +62,13 @@ def serve(cfg: TrainConfig) -> int:
         except InitError as exc:
             print(f"adamps train: --init {cfg.init}: {exc}", file=sys.stderr)
             return 2
+    from trainer.runmode import resolve
+
+    try:
+        cfg = resolve(cfg)  # the consistency mode: given, else the run's record, else async
+    except ValueError as exc:
+        print(f"adamps train: {exc}", file=sys.stderr)
+        return 2
     if cfg.coordinator:  # Sandblaster L-BFGS (DistBelief 4.2)
         from trainer.sandblaster import serve_sandblaster
 

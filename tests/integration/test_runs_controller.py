@@ -128,3 +128,31 @@ def test_the_cli_names_a_bad_value_before_calling_anyone(capsys: pytest.CaptureF
         assert run_cmd.main([*argv, "--controllers", "127.0.0.1:9"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("adamps run") and named in err, err
+
+
+async def test_a_trainer_declares_its_runs_recorded_mode_and_refuses_another(ctl: Ctl) -> None:
+    """`adamps train --run NAME` without --consistency declares the mode of the run's record;
+    a different --consistency is refused at start-up naming both; a run without a record (a
+    name used without `adamps run create`) and a static cluster are async."""
+    import asyncio
+
+    from trainer.config import TrainConfig
+    from trainer.runmode import ModeError, resolve
+
+    status, body = await ctl.call("POST", "/runs", {"name": "exp1", "consistency": "ssp:2"})
+    assert status == 200, body
+    run_token = body["token"]
+
+    def cfg(**kw: object) -> TrainConfig:
+        return TrainConfig(controllers=[f"127.0.0.1:{ctl.http}"], token=run_token, **kw)
+
+    got = await asyncio.to_thread(resolve, cfg(run="exp1"))
+    assert got.consistency == "ssp:2" and got.elastic  # still elastic: no --replica given
+    got = await asyncio.to_thread(resolve, cfg(run="exp1", consistency="ssp:2"))
+    assert got.consistency == "ssp:2"
+    with pytest.raises(ModeError, match=r"--consistency sync differs from run 'exp1'.*ssp:2"):
+        await asyncio.to_thread(resolve, cfg(run="exp1", consistency="sync"))
+    got = await asyncio.to_thread(resolve, cfg(run="norecord", replica=0))
+    assert got.consistency == "async"
+    static = TrainConfig(ps=["http://127.0.0.1:1"], run="exp1", replica=0, token=run_token)
+    assert resolve(static).consistency == "async"  # no controllers: nobody to ask, no request
