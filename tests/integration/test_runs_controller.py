@@ -156,3 +156,34 @@ async def test_a_trainer_declares_its_runs_recorded_mode_and_refuses_another(ctl
     assert got.consistency == "async"
     static = TrainConfig(ps=["http://127.0.0.1:1"], run="exp1", replica=0, token=run_token)
     assert resolve(static).consistency == "async"  # no controllers: nobody to ask, no request
+
+
+async def test_create_refuses_a_token_file_it_cannot_own_before_creating_the_run(
+    ctl: Ctl, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The token is shown once: a --token-file that exists (another run's token may be in it)
+    or cannot be created is refused before the run is created, so no run is left whose token
+    nobody holds; otherwise the file gets the token, mode 0600. An error names its code once."""
+    import asyncio
+
+    from tests.integration.test_controller_hardening import TOKEN
+
+    def cli(*args: str) -> int:
+        return run_cmd.main([*args, "--controllers", f"127.0.0.1:{ctl.http}", "--token", TOKEN])
+
+    other = tmp_path / "other.token"
+    other.write_text("another run's token\n")
+    for path, why in ((other, "exists"), (tmp_path / "no" / "dir" / "t", "cannot be created")):
+        assert await asyncio.to_thread(cli, "create", "r1", "--token-file", str(path)) == 2
+        err = capsys.readouterr().err
+        assert why in err and str(path) in err, err
+        status, _ = await ctl.call("GET", "/runs/r1")
+        assert status == 404  # nothing created
+    assert other.read_text() == "another run's token\n"
+    fresh = tmp_path / "r1.token"
+    assert await asyncio.to_thread(cli, "create", "r1", "--token-file", str(fresh)) == 0
+    token = fresh.read_text().strip()
+    assert token in capsys.readouterr().out and fresh.stat().st_mode & 0o777 == 0o600
+    assert await asyncio.to_thread(cli, "create", "r1") == 1
+    err = capsys.readouterr().err
+    assert err.count("exists") == 2 and "exists: exists" not in err, err  # code, then message
