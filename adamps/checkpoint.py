@@ -491,7 +491,9 @@ def install(
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="adamps checkpoint", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="adamps checkpoint", description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )
     sub = p.add_subparsers(dest="action", required=True)
     for name, help_ in (("save", "save a running cluster's state"), ("restore", "restore it")):
         s = sub.add_parser(name, help=help_)
