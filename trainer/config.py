@@ -39,8 +39,9 @@ class TrainConfig:
     n_replicas: int = field(1, help="number of model replicas training together")
     run: str = field(
         "",
-        help="name of the training run (letters, digits, '_', '.', '-'): replicas of one run "
-        "share a progress board; a new name starts a new run on servers that keep an old one's",
+        help="name of the training run (letters, digits, '_', '.', '-'; a run made with `adamps "
+        "run create`, which has its own namespace, token and quotas, has no '.'): replicas of one "
+        "run share a progress board; a new name starts a new run on servers that keep an old one's",
     )
     consistency: str = field(
         "",
