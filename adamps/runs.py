@@ -96,7 +96,7 @@ def check_consistency(mode: Any) -> str:
         return "async"
     if not isinstance(mode, str) or not CONSISTENCY_RE.fullmatch(mode):
         raise RunError(
-            f"consistency must be 'async', 'sync' or 'ssp:S' (S an integer), got {mode!r}"
+            f"consistency must be 'async', 'sync' or 'ssp:S' (S an integer >= 0), got {mode!r}"
         )
     return mode
 

@@ -51,7 +51,7 @@ def run(op: str, argv: list[str]) -> int:
     try:
         reply = client.drain(args.server) if op == "drain" else client.undrain(args.server)
     except RpcError as exc:
-        print(f"adamps {op}: {args.server}: {exc.code}: {exc}", file=sys.stderr)
+        print(f"adamps {op}: {args.server}: {exc}", file=sys.stderr)  # names its code
         return 1
     except (ConnectionError, TimeoutError, OSError) as exc:
         print(f"adamps {op}: no controller answered at {args.controllers}: {exc}", file=sys.stderr)

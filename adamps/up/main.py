@@ -356,7 +356,7 @@ class Run:
         self.say(f"held-out accuracy: {acc_s} after {after} (1,000 held-out images)")
         self.say(
             f"throughput: {rate:,.0f} images/s ({images:,} training images by {len(good)} "
-            f"replicas in {secs:.1f} s)"
+            f"replica{'' if len(good) == 1 else 's'} in {secs:.1f} s)"
         )
         pushed = sum(int(s.get("bytes_pushed") or 0) for s in good)
         if images and pushed:
