@@ -510,7 +510,12 @@ def main(argv: list[str]) -> int:
             )
         else:
             s.add_argument("--from", dest="src", required=True, type=Path, help="checkpoint dir")
-            s.add_argument("--force", action="store_true", help="overwrite a non-empty cluster")
+            s.add_argument(
+                "--force",
+                action="store_true",
+                help="restore onto a cluster that holds tensors: the checkpoint's overwrite those of "
+                "the same names; the others stay",
+            )
     args = p.parse_args(argv)
     try:
         tls.install_from(args)  # a cluster with TLS on (docs/operations.md, "Security")
