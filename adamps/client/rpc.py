@@ -328,18 +328,31 @@ def http_json(
         return status, None
 
 
+def _get_ok(addr: str, path: str, timeout: float) -> bytes:
+    """The body of GET `path` of `addr` when it answers 200; else ConnectionError naming the
+    status, or why nothing answered (a refused connection, a TLS certificate that does not
+    verify: an outside tester saw only "no answer")."""
+    url = base_url(addr)
+    try:
+        with SyncRpc(url, None, timeout) as rpc:
+            status, raw = rpc.exchange(Request("GET", path, None))
+    except (OSError, ValueError) as exc:
+        raise ConnectionError(f"GET {url}{path}: no answer ({exc})") from exc
+    if status != 200:
+        raise ConnectionError(f"GET {url}{path}: {status}")
+    return raw
+
+
 def get_text(addr: str, path: str, timeout: float = 10.0) -> str:
     """GET `path` of `addr` as text (a /metrics page); ConnectionError if it did not answer 200."""
-    status, raw = http_exchange(base_url(addr) + path, timeout=timeout)
-    if status != 200:
-        raise ConnectionError(f"GET {base_url(addr)}{path}: {status or 'no answer'}")
-    return raw.decode()
+    return _get_ok(addr, path, timeout).decode()
 
 
 def get_json(addr: str, path: str, timeout: float = 10.0) -> Any:
     """GET `path` of `addr` ('host:port' or URL): its JSON body; ConnectionError if it did not
-    answer 200."""
-    status, body = http_json(base_url(addr) + path, timeout=timeout)
-    if status != 200:
-        raise ConnectionError(f"GET {base_url(addr)}{path}: {status or 'no answer'}")
-    return body
+    answer 200 (or its body is not JSON)."""
+    raw = _get_ok(addr, path, timeout)
+    try:
+        return json.loads(raw or b"null")
+    except ValueError as exc:
+        raise ConnectionError(f"GET {base_url(addr)}{path}: not JSON ({exc})") from None

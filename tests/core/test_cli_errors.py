@@ -45,3 +45,12 @@ def test_a_data_dir_that_cannot_be_made_is_one_line(tmp_path) -> None:  # type: 
     )  # fmt: skip
     assert done.returncode == 1, done.stderr
     assert "cannot run" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_no_answer_says_why() -> None:
+    """A request nothing answered names why (refused here; a certificate that does not verify
+    against a TLS server): a user's script saw only "no answer"."""
+    from adamps.client.rpc import get_json
+
+    with pytest.raises(ConnectionError, match=r"no answer \(.*[Rr]efused"):
+        get_json("127.0.0.1:1", "/status", timeout=2.0)
