@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping
 
 #: ``ADAMPS_DP_RECV_THREAD=0`` keeps every payload on the loop, the path before issue 27 (a
-#: way back, and the benchmarks' comparison in one run); read when a data port starts
+#: way back); read when a data port starts
 RECV_THREAD_ENV = "ADAMPS_DP_RECV_THREAD"
 #: payloads at least this large are received on the connection's thread; smaller ones stay on
 #: the loop (a hand-off to a thread and back costs tens of microseconds: more than the reading)

@@ -9,21 +9,52 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from adamps import protocol
+from adamps import web as aweb
 from adamps.client.dataplane import REQUEST, DataPlaneClient, frame_header
 from adamps.client.rpc import AsyncRpc
+from adamps.server.app import ParameterServer
+from adamps.server.config import PsConfig
 from adamps.server.dp_reader import OFF_LOOP_MIN, RECV_THREAD_ENV, off_loop_min
+from adamps.up.procs import free_port
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_connections import TOKEN, closed_within, start_ps  # noqa: E402
+TOKEN = "recv-thread-token"
+
+
+def closed_within(sock: socket.socket, timeout: float) -> float | None:
+    """Seconds until the peer closed `sock`, or None if it stayed open for `timeout`."""
+    t0 = time.monotonic()
+    sock.settimeout(0.1)
+    while time.monotonic() - t0 < timeout:
+        try:
+            if sock.recv(65536) == b"":
+                return time.monotonic() - t0
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return time.monotonic() - t0
+    return None
+
+
+async def start_ps(tmp_path: Path, **cfg: Any) -> tuple[ParameterServer, Any, int]:
+    port, dport = free_port(), free_port()
+    ps = ParameterServer(
+        PsConfig(
+            port=port, data_port=dport, token=TOKEN, data_dir=str(tmp_path / "ps"),
+            owner_threads=1, flush_interval=3600, lmdb_sync=False, **cfg,
+        )
+    )  # fmt: skip
+    runner = await aweb.serve(ps.make_app(), "127.0.0.1", port)
+    return ps, runner, dport
+
 
 N = 1 << 18  # 1 MiB of float32: far above OFF_LOOP_MIN
 assert 4 * N >= OFF_LOOP_MIN
