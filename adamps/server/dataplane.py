@@ -306,7 +306,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.last_activity = asyncio.get_running_loop().time()
         self.pos = self.buf.size
         self._advance()  # dispatched; reading resumes unless the connection is full
-        if not self.off_loop and not self.paused and self.state != _CLOSED:
+        # (after a fatal error too: its input is read and discarded until the peer closes)
+        if not self.off_loop and (not self.paused or self.state == _CLOSED):
             assert self.transport is not None
             if not self.transport.is_closing():
                 self.transport.resume_reading()
