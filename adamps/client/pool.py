@@ -51,12 +51,7 @@ class DataPlanePool:
         conn = conns.get(url)
         if conn is not None:
             return conn
-        with self._lock:
-            port = self._ports.get(url)
-        if port is None:
-            port = int(self.status_of(url).get("data_port") or 0)
-            with self._lock:
-                self._ports[url] = port
+        port = self.port(url)
         if not port:
             return None
         host = urlsplit(url).hostname or "127.0.0.1"
@@ -69,6 +64,16 @@ class DataPlanePool:
         with self._lock:
             self._all.append(conn)
         return conn
+
+    def port(self, url: str) -> int:
+        """`url`'s data port (0: none), from its GET /status (asked once, until forget_port)."""
+        with self._lock:
+            port = self._ports.get(url)
+        if port is None:
+            port = int(self.status_of(url).get("data_port") or 0)
+            with self._lock:
+                self._ports[url] = port
+        return port
 
     def forget_port(self, url: str) -> None:
         with self._lock:

@@ -34,9 +34,10 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from adamps.client import retry
-from adamps.client.dataplane import MAX_INFLIGHT, DataPlaneClient, DataPlaneError
-from adamps.client.parts import Limits, Unit, chunk, pack, plan_push
-from adamps.client.pool import DataPlanePool, as_rpc_error
+from adamps.client.dataplane import DataPlaneClient
+from adamps.client.exchange import Counts, exchange
+from adamps.client.parts import HEADROOM, Limits, Unit, chunk, pack, plan_push
+from adamps.client.pool import DataPlanePool
 from adamps.client.retry import RetryPolicy
 from adamps.client.rows import RowsClient
 from adamps.client.rpc import RpcError, SyncRpc, base_url
@@ -170,17 +171,17 @@ def _dense_bytes(s: Shard) -> int:
     return 4 * s.size
 
 
-def _windows(rounds: Mapping[str, Sequence[T]]) -> Iterator[list[tuple[str, T]]]:
-    """Each server's requests (in order), MAX_INFLIGHT of them per server at a time: what one
-    data-plane connection may have in flight (docs/protocol-ps.md: pipelining)."""
-    depth = max((len(r) for r in rounds.values()), default=0)
-    for w in range(0, depth, MAX_INFLIGHT):
-        yield [
-            (url, reqs[i])
-            for i in range(w, min(w + MAX_INFLIGHT, depth))
-            for url, reqs in rounds.items()
-            if i < len(reqs)
-        ]
+#: payload bytes of one data-plane frame of a pull or push (a request is cut into frames of
+#: about this size on bucket boundaries, several in flight per connection: the server applies
+#: one while the next arrives). Over HTTP a request stays whole (each costs a round trip).
+FRAME_BYTES = 1 << 20
+
+
+def _flat(rounds: Mapping[str, Sequence[T]]) -> Iterator[tuple[str, T]]:
+    """Each server's requests, in order (exchange pipelines them per server)."""
+    for url, reqs in rounds.items():
+        for req in reqs:
+            yield url, req
 
 
 class PushOutcomeUnknown(Exception):
@@ -193,13 +194,6 @@ def retryable(exc: BaseException) -> bool:
     if isinstance(exc, RpcError):
         return exc.code in RETRYABLE
     return isinstance(exc, ConnectionError | TimeoutError)
-
-
-def _connection_error(url: str, exc: OSError) -> ConnectionError | TimeoutError:
-    """A failed data-plane exchange, as the retry policy knows it (outcome unknown)."""
-    if isinstance(exc, ConnectionError | TimeoutError):
-        return exc
-    return ConnectionError(f"data plane of {url}: {exc}")
 
 
 class PSClient(RowsClient):
@@ -236,9 +230,8 @@ class PSClient(RowsClient):
         self._dp = DataPlanePool(
             self.token, timeout, lambda url: self._rpc(url).get_json("/status")
         )
-        #: requests sent over the data plane and over HTTP (pulls and pushes, one per server)
-        self.dp_requests = 0
-        self.http_requests = 0
+        #: requests sent over the data plane and over HTTP (dp_requests, http_requests)
+        self._counts = Counts()
         #: server base URL -> its request limits (max_body, max_shards_per_request)
         self._server_limits: dict[str, Limits] = {}
         #: embedding table name -> dim (create_table)
@@ -352,18 +345,36 @@ class PSClient(RowsClient):
             # Each server's shards in requests under its limits (issue 30), pipelined.
             parts = {}
             for url, group in self._by_server(shards, routing).items():
-                lim = self._limits(url)
+                lim = self._frame_limits(url)
                 parts[url] = chunk(group, _dense_bytes, lim.budget(), lim.max_shards)
-            for window in _windows(parts):
-                self._exchange(
-                    window,
-                    lambda dp, group: dp.send_pull_shards([s.id for s in group]),
-                    read,
-                    by_http,
-                )
+            self._exchange(
+                _flat(parts),
+                lambda dp, group: dp.send_pull_shards([s.id for s in group]),
+                read,
+                by_http,
+            )
 
         self._with_retry(go)
         return result, versions
+
+    @property
+    def dp_requests(self) -> int:
+        """Requests (frames) sent over the data plane."""
+        return self._counts.dp
+
+    @property
+    def http_requests(self) -> int:
+        """Requests sent over HTTP."""
+        return self._counts.http
+
+    def _frame_limits(self, url: str, fixed: int = 0) -> Limits:
+        """The limits a request to `url` is cut by: its own, and over its data plane frames of
+        about FRAME_BYTES, pipelined (not for requests that repeat `fixed` bytes in every
+        part, like push_fc's a and e: cutting would multiply them)."""
+        lim = self._limits(url)
+        if fixed or not self.data_plane or not self._dp.port(url):
+            return lim
+        return Limits(min(lim.max_body, FRAME_BYTES + HEADROOM), lim.max_shards)
 
     def _limits(self, url: str) -> Limits:
         """`url`'s request limits, from its `GET /status` (asked once per server)."""
@@ -484,76 +495,31 @@ class PSClient(RowsClient):
             for u in units:
                 if u.shards[0].id not in done:
                     per_server.setdefault(self._primary(u.shards[0], routing), []).append(u)
+            # Frames of one pair may split a server's request by bucket: each bucket applies
+            # the pair once (docs/protocol-ps.md, "client and seq"), whatever frame carries it.
             rounds = {
-                url: pack(us, size_of, self._limits(url), fixed) for url, us in per_server.items()
+                url: pack(us, size_of, self._frame_limits(url, fixed), fixed)
+                for url, us in per_server.items()
             }
-            for window in _windows(rounds):
-                groups = []
-                for url, req in window:
-                    group = [s for u in req for s in u.shards]
-                    pairs[group[0].id] = {
-                        "client": self.client_id + req[0].client_suffix,
-                        "seq": seq,
-                    }
-                    groups.append((url, group))
-                self._exchange(
-                    groups, lambda dp, group: stream(dp, group, **pairs[group[0].id]), read, by_http
-                )
+            groups = []
+            for url, req in _flat(rounds):
+                group = [s for u in req for s in u.shards]
+                pairs[group[0].id] = {"client": self.client_id + req[0].client_suffix, "seq": seq}
+                groups.append((url, group))
+            self._exchange(
+                groups, lambda dp, group: stream(dp, group, **pairs[group[0].id]), read, by_http
+            )
 
         self._with_retry(go)
 
     def _exchange(
-        self, groups: Sequence[tuple[str, list[Shard]]], send: Any, read: Any, by_http: Any
+        self, groups: Iterable[tuple[str, Any]], send: Any, read: Any, by_http: Any
     ) -> None:
-        """Requests (server URL, shards; at most MAX_INFLIGHT per server, see `_windows`): over
-        the data plane to every server that offers one, all sent before any reply is read (the
-        servers work side by side; a connection's replies come in request order), else over
+        """Requests (server URL, group; each server's in order): over the data plane to every
+        server that offers one, pipelined per connection (adamps/client/exchange.py), else over
         HTTP. Every reply sent for is read (or its connection dropped) before the first error
         is raised."""
-        sent: list[tuple[str, DataPlaneClient, list[Shard]]] = []
-        error: BaseException | None = None
-        for url, group in groups:
-            try:
-                dp = self._dp.get(url) if self.data_plane else None
-                if dp is None or send(dp, group) is False:  # False: too big for a frame
-                    self.http_requests += 1
-                    by_http(url, group)
-                    continue
-                self.dp_requests += 1
-                sent.append((url, dp, group))
-            except OSError as exc:  # the data connection failed: its outcome is unknown
-                self._dp.drop(url)
-                error = error or _connection_error(url, exc)
-            except Exception as exc:  # an HTTP reply: the other servers' replies are still read
-                self._dp.drop(url)  # (a frame half sent would leave its stream unusable)
-                error = error or exc
-        for i, (url, dp, group) in enumerate(sent):
-            try:
-                read(dp, group)
-            except DataPlaneError as exc:
-                self._dp.drop(url)  # a fatal error closes the stream: start a fresh one
-                if exc.code == "unknown_op":
-                    # A server of an older version that takes no message ops there: refused
-                    # before anything was applied, so the same request goes over HTTP.
-                    try:
-                        self.http_requests += 1
-                        by_http(url, group)
-                    except Exception as again:
-                        error = error or again
-                    continue
-                error = error or as_rpc_error(exc)
-            except OSError as exc:
-                self._dp.drop(url)
-                self._dp.forget_port(url)
-                error = error or _connection_error(url, exc)
-            except BaseException:
-                # Replies left unread on a connection would be taken for the next request's:
-                # close every connection whose reply was not read.
-                for u, _, _ in sent[i:]:
-                    self._dp.drop(u)
-                raise
-        if error is not None:
-            raise error
+        exchange(self._dp if self.data_plane else None, groups, send, read, by_http, self._counts)
 
     def close(self) -> None:
         """Closes every thread's connections (call when no thread uses the client any more)."""

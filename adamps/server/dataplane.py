@@ -5,7 +5,9 @@ aiohttp handler that only reads and discards the body does hardly better (benchm
 the HTTP framework, not the PS, is the ceiling. Here a connection reads each payload with
 ``asyncio.BufferedProtocol`` straight into one buffer allocated at its final size (the kernel copies
 into it; no chunk objects, no joins), and the numpy view of that buffer is what the owner threads
-apply. Only the hot ops are offered: ``push_dense`` and ``pull`` (raw float32 payloads), of a
+apply. On plain TCP a payload of 64 KiB or more is received by the connection's own thread
+instead of the loop (adamps.server.dp_reader, issue 27; headers, metas and TLS stay on the loop).
+Only the hot ops are offered: ``push_dense`` and ``pull`` (raw float32 payloads), of a
 whole tensor or of named shards, and the message ops ``push_fc``, ``push_compressed`` and, between
 replicated servers, ``repl_multi`` (the message of ``/rpc`` with its arrays out of band in the
 payload, handled by the op's ``/rpc`` handler; ``repl_multi`` by the replicator, which first
@@ -51,6 +53,7 @@ from adamps.client.dataplane import (
 )
 from adamps.protocol import ProtocolError
 from adamps.server.config import PsConfig
+from adamps.server.dp_reader import PayloadReader, off_loop_min
 from adamps.server.psmetrics import PsMetrics
 from adamps.server.reads import Reads
 from adamps.server.shards import StoreError
@@ -104,6 +107,11 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         #: (header_timeout, body_timeout) run from here, not from the last byte (issue 28: one
         #: header byte every 4 s kept a connection open forever)
         self.frame_started = 0.0
+        #: the thread that receives this connection's large payloads (adamps.server.dp_reader),
+        #: started on the first one; None on TLS connections (the loop reads them all)
+        self.reader: PayloadReader | None = None
+        #: a payload is being received by `reader` (reading on the loop is paused meanwhile)
+        self.off_loop = False
 
     # -- asyncio callbacks ------------------------------------------------------------------------
 
@@ -141,6 +149,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.state = _CLOSED
         self.plane.conns.discard(self)
+        if self.reader is not None:
+            self.reader.stop()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.state == _CLOSED:  # draining after a fatal error: discard what still arrives
@@ -157,6 +167,10 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.pos += nbytes
         if self.pos < self.buf.size:
             return
+        self._advance()
+
+    def _advance(self) -> None:
+        """The current part (header, meta or payload) is complete: on to the next."""
         try:
             if self.state == _HEADER:
                 self._on_header()
@@ -261,8 +275,50 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             want = 0
         if want:
             self._expect(_PAYLOAD, want)
+            if self.plane.off_loop_min is not None and want >= self.plane.off_loop_min:
+                self._read_off_loop()
         else:
             self._dispatch(None)
+
+    def _read_off_loop(self) -> None:
+        """Hands the payload's reading to the connection's thread (plain TCP only): reading on
+        the loop pauses until it is complete (_payload_read)."""
+        assert self.transport is not None
+        if self.reader is None:
+            sock = self.transport.get_extra_info("socket")
+            if sock is None or self.transport.get_extra_info("sslcontext") is not None:
+                return  # TLS (or no socket): the loop reads it, as before
+            self.reader = PayloadReader(sock, asyncio.get_running_loop())
+        self.off_loop = True
+        self.transport.pause_reading()
+        left = self.cfg.http_limits.body_timeout - (
+            asyncio.get_running_loop().time() - self.frame_started
+        )
+        self.reader.read(
+            self.view, time.monotonic() + left, self._payload_read, self._payload_failed
+        )
+
+    def _payload_read(self) -> None:
+        """On the loop: the reader thread received the whole payload."""
+        self.off_loop = False
+        if self.state == _CLOSED:
+            return
+        self.last_activity = asyncio.get_running_loop().time()
+        self.pos = self.buf.size
+        self._advance()  # dispatched; reading resumes unless the connection is full
+        # (after a fatal error too: its input is read and discarded until the peer closes)
+        if not self.off_loop and (not self.paused or self.state == _CLOSED):
+            assert self.transport is not None
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
+
+    def _payload_failed(self, why: str) -> None:
+        """On the loop: the payload did not arrive (peer gone, deadline): close, as the
+        sweeper does for a payload late on the loop's path."""
+        self.off_loop = False
+        if self.transport is not None and not self.transport.is_closing():
+            log.debug("data plane: closing a connection: %s", why)
+            self.transport.close()
 
     def _on_payload(self) -> None:
         self._dispatch(self.buf)
@@ -328,7 +384,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         return await fut
 
     def _resume_if_room(self) -> None:
-        if self.paused and not self._full() and self.state != _CLOSED:
+        if self.paused and not self._full() and self.state != _CLOSED and not self.off_loop:
             self.paused = False
             if self.transport is not None and not self.transport.is_closing():
                 self.transport.resume_reading()
@@ -469,6 +525,9 @@ class DataPlane:
         #: written at once measured 66-88 MB/s, in 256 KiB pieces 96-158 MB/s (one loaded
         #: 2-core machine, alternating runs); plain TCP takes the payload in one write
         self.write_step = TLS_WRITE_STEP if tls.enabled() else 0
+        #: payloads from this size on are received on their connection's thread (None: all on
+        #: the loop; ADAMPS_DP_RECV_THREAD=0)
+        self.off_loop_min = off_loop_min()
         self._server: asyncio.Server | None = None
         #: closes idle and stalled connections
         self._sweeper: asyncio.Task | None = None

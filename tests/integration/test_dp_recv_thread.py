@@ -1,0 +1,154 @@
+"""The data port receives large payloads on a thread per connection, off the event loop (issue
+27, adamps/server/dp_reader.py): the payload arrives whole, pipelined frames are applied in the
+order sent, a payload that stalls is closed at its body deadline, a client gone mid-payload
+ends the thread, and the server keeps serving throughout. An in-process server, so that the
+test sees its connections and threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from adamps import protocol
+from adamps import web as aweb
+from adamps.client.dataplane import REQUEST, DataPlaneClient, frame_header
+from adamps.client.rpc import AsyncRpc
+from adamps.server.app import ParameterServer
+from adamps.server.config import PsConfig
+from adamps.server.dp_reader import OFF_LOOP_MIN, RECV_THREAD_ENV, off_loop_min
+from adamps.up.procs import free_port
+
+TOKEN = "recv-thread-token"
+
+
+def closed_within(sock: socket.socket, timeout: float) -> float | None:
+    """Seconds until the peer closed `sock`, or None if it stayed open for `timeout`."""
+    t0 = time.monotonic()
+    sock.settimeout(0.1)
+    while time.monotonic() - t0 < timeout:
+        try:
+            if sock.recv(65536) == b"":
+                return time.monotonic() - t0
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return time.monotonic() - t0
+    return None
+
+
+async def start_ps(tmp_path: Path, **cfg: Any) -> tuple[ParameterServer, Any, int]:
+    port, dport = free_port(), free_port()
+    ps = ParameterServer(
+        PsConfig(
+            port=port, data_port=dport, token=TOKEN, data_dir=str(tmp_path / "ps"),
+            owner_threads=1, flush_interval=3600, lmdb_sync=False, **cfg,
+        )
+    )  # fmt: skip
+    runner = await aweb.serve(ps.make_app(), "127.0.0.1", port)
+    return ps, runner, dport
+
+
+N = 1 << 18  # 1 MiB of float32: far above OFF_LOOP_MIN
+assert 4 * N >= OFF_LOOP_MIN
+
+
+def readers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "adamps-dp-recv"]
+
+
+async def create(ps, n: int = N) -> None:
+    rpc = AsyncRpc(f"http://127.0.0.1:{ps.cfg.port}", TOKEN)
+    await rpc.call("create", name="v", shape=[n], optimizer={"kind": "sgd", "lr": -1.0})
+    await rpc.close()
+
+
+async def test_large_payloads_are_received_on_the_connections_thread_in_order(
+    tmp_path: Path,
+) -> None:
+    ps, runner, dport = await start_ps(tmp_path)
+    try:
+        await create(ps)
+        deltas = [np.full(N, float(i + 1), np.float32) for i in range(12)]
+
+        def push_and_pull() -> tuple[list, np.ndarray, int]:
+            with DataPlaneClient("127.0.0.1", dport, TOKEN, timeout=20) as c:
+                got = c.push_many([("v", d) for d in deltas], window=8)
+                during = len(readers())
+                values, _ = c.pull("v")
+            return got, values, during
+
+        got, values, during = await asyncio.to_thread(push_and_pull)
+        assert all(isinstance(r, dict) for r in got), got
+        # lr -1: v = sum of the deltas, every one applied once
+        np.testing.assert_array_equal(values, np.full(N, sum(range(1, 13)), np.float32))
+        assert during == 1, "the connection's payloads were not received by its reader thread"
+        for _ in range(50):  # the connection closed: its thread ends
+            if not readers():
+                break
+            await asyncio.sleep(0.05)
+        assert not readers(), "a reader thread outlived its connection"
+    finally:
+        await runner.cleanup()
+
+
+def _push_head(n_bytes: int) -> bytes:
+    meta = protocol.encode(protocol.request("push_dense", tensor="v", token=TOKEN))
+    return frame_header(REQUEST, len(meta), n_bytes) + meta
+
+
+async def test_a_stalled_payload_is_closed_at_its_deadline_and_nothing_changes(
+    tmp_path: Path,
+) -> None:
+    ps, runner, dport = await start_ps(tmp_path, body_timeout=0.8)
+    try:
+        await create(ps)
+
+        def stall_then_push() -> tuple[float | None, float | None, np.ndarray]:
+            with socket.create_connection(("127.0.0.1", dport)) as stalled:
+                stalled.sendall(_push_head(4 * N) + b"\x00" * (2 * N))  # half the payload
+                t_stalled = closed_within(stalled, 5.0)
+            with socket.create_connection(("127.0.0.1", dport)) as gone:
+                gone.sendall(_push_head(4 * N) + b"\x00" * N)
+            t0 = time.monotonic()  # the client left mid-payload: its thread ends at once
+            while readers() and time.monotonic() - t0 < 3.0:
+                time.sleep(0.02)
+            t_gone = time.monotonic() - t0 if not readers() else None
+            with DataPlaneClient("127.0.0.1", dport, TOKEN, timeout=10) as c:
+                values, _ = c.pull("v")
+            return t_stalled, t_gone, values
+
+        t_stalled, t_gone, values = await asyncio.to_thread(stall_then_push)
+        assert t_stalled is not None and t_stalled < 3.0, t_stalled
+        assert t_gone is not None and t_gone < 1.0, t_gone
+        np.testing.assert_array_equal(values, np.zeros(N, np.float32))  # nothing applied
+        assert ps.data_plane.open_connections() == 0
+    finally:
+        await runner.cleanup()
+
+
+async def test_adamps_dp_recv_thread_0_keeps_payloads_on_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(RECV_THREAD_ENV, "0")
+    ps, runner, dport = await start_ps(tmp_path)
+    try:
+        await create(ps)
+
+        def push() -> int:
+            with DataPlaneClient("127.0.0.1", dport, TOKEN, timeout=20) as c:
+                c.push_many([("v", np.ones(N, np.float32))] * 4, window=4)
+                return len(readers())
+
+        assert await asyncio.to_thread(push) == 0
+    finally:
+        await runner.cleanup()
+    with pytest.raises(ValueError, match="ADAMPS_DP_RECV_THREAD must be 0 or 1, got 'yes'"):
+        off_loop_min({RECV_THREAD_ENV: "yes"})
