@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from adamps.server.optim import sgd_fc
 from trainer.layers import Dense
 from trainer.model import Model
 
@@ -70,6 +69,19 @@ class PushItem:
             self.dense[name] = g
 
 
+def combine(items: Sequence[PushItem]) -> PushItem:
+    """One PushItem with the updates of all ``items``, which are left unchanged (the replica's
+    main thread may still be reading them as pending updates). Their sum is what they would
+    have pushed one by one; vector stacks fold as in ``PushItem.merge``."""
+    if len(items) == 1:
+        return items[0]
+    out = PushItem({}, {})
+    for it in items:
+        own = {n: d.copy() for n, d in it.dense.items()}  # merge adds into its own arrays
+        out.merge(PushItem(own, {n: list(bl) for n, bl in it.vectors.items()}, it.steps))
+    return out
+
+
 def stack(blocks: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[Any, Any]:
     """The blocks' activation and error vectors as two matrices ((None, None) if empty)."""
     if not blocks:
@@ -77,6 +89,27 @@ def stack(blocks: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[Any, Any]:
     if len(blocks) == 1:
         return blocks[0]
     return np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks])
+
+
+def add_outer(w: np.ndarray, a: np.ndarray, e: np.ndarray) -> None:
+    """W (M x N, C order) += e.T @ a in place with one sgemm (beta = 1): no M x N temporary.
+
+    The C-ordered W is the F-ordered N x M matrix W.T, so BLAS computes W.T += a.T @ e straight
+    into W's memory (the server's ``sgd_fc`` with lr = -1). Not imported from adamps.server:
+    that module loads the server's numba kernels, about a CPU second in every trainer and in
+    every spawned Hogwild worker (which import this module for their factory), and none of
+    them runs a server kernel (issue 27). scipy's BLAS is imported here, on first use, for the
+    same reason: only the replica's main thread installs fetches; the workers never do.
+    """
+    from scipy.linalg import blas
+
+    a = np.ascontiguousarray(a, np.float32)
+    e = np.ascontiguousarray(e, np.float32)
+    out = blas.sgemm(1.0, a.T, e.T, beta=1.0, c=w.T, trans_b=1, overwrite_c=1)
+    # f2py writes into its output argument only when that is contiguous float32 in the order
+    # BLAS wants; otherwise it silently works on a copy and the update would be lost.
+    if out.__array_interface__["data"][0] != w.__array_interface__["data"][0]:
+        raise RuntimeError("BLAS did not write in place (non-contiguous or non-float32 target)")
 
 
 def add_pending(
@@ -99,10 +132,7 @@ def add_pending(
     for name, bl in blocks.items():
         a, e = stack(bl)
         if a is not None:
-            w = params[slices[name]].reshape(shapes[name])
-            sgd_fc(
-                w, np.ascontiguousarray(a, np.float32), np.ascontiguousarray(e, np.float32), -1.0
-            )
+            add_outer(params[slices[name]].reshape(shapes[name]), a, e)
 
 
 # -- the workers (run inside Hogwild worker processes or threads) ----------------------------
