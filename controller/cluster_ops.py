@@ -29,11 +29,14 @@ class Operations:
         address: str,
         now: float,
         copies: dict[int, list[int]] | None = None,
+        rack: str | None = None,
     ) -> dict[str, Any]:
         """A server (re)starts, or comes back after it was declared dead: a new incarnation,
         which offers the copies it holds (bucket -> [epoch, seq], from memory or LMDB). Its old
         incarnation leaves every replica set; where that leaves a bucket without a live member,
-        its copy becomes a candidate (`_leave`). A copy it no longer offers is no candidate."""
+        its copy becomes a candidate (`_leave`). A copy it no longer offers is no candidate.
+        `rack`: its failure domain (issue 26), which placement keeps copies apart by; None or
+        empty: a rack of its own (an entry of an earlier release carries none)."""
         now = self._tick(now)
         rec = self.servers.get(sid)
         if rec is not None and rec["state"] != DEAD:
@@ -59,6 +62,8 @@ class Operations:
             "copies": offered,
             "digests": digests,
         }
+        if rack:
+            self.servers[sid]["rack"] = str(rack)
         if rec is not None and state == DRAINING and "drain_floor" in rec:
             self.servers[sid]["drain_floor"] = rec["drain_floor"]
         for b, bk in enumerate(self.buckets):

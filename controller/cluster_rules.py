@@ -102,6 +102,10 @@ class BucketRules:
             return False
         return self.servers[lease.holder]["incarnation"] == bk["holder_inc"]
 
+    def racks(self) -> dict[str, str]:
+        """server -> rack, for the servers that named one (issue 26)."""
+        return {s: rec["rack"] for s, rec in self.servers.items() if rec.get("rack")}
+
     def eligible(self) -> list[str]:
         """Servers that may receive buckets: live and not draining, and, unless none is left
         then, able to persist (issue 29: a server whose flushes fail or stall is drained)."""
@@ -457,7 +461,9 @@ class BucketRules:
         for b, bk in enumerate(self.buckets):
             p = [self.primary_of(b)] if self.holder_live(b) else []
             current[b] = p + bk["holders"] + bk["joining"]
-        target = placement.place(self.n_buckets, current, eligible, self.replication)
+        target = placement.place(
+            self.n_buckets, current, eligible, self.replication, racks=self.racks()
+        )
         offers = self._offers_by_bucket()
         for b, bk in enumerate(self.buckets):
             bk["want"] = list(target[b])

@@ -7,6 +7,7 @@ from typing import Any
 
 from adamps.core import lease as leases
 from adamps.core.lease import Lease
+from controller import placement
 from controller.cluster_rules import DEAD, DRAINING
 
 
@@ -20,6 +21,12 @@ class Views:
     def under_replicated(self) -> int:
         """Buckets with fewer caught-up live copies than the replication factor."""
         return sum(1 for b in range(self.n_buckets) if len(self.holders_of(b)) < self.replication)
+
+    def rack_shared(self) -> int:
+        """Buckets with two caught-up live copies in one rack (issue 26): a failure of that rack
+        takes both. 0 while the live servers span enough racks and placement has settled."""
+        racks = self.racks()
+        return placement.rack_shared({b: self.holders_of(b) for b in range(self.n_buckets)}, racks)
 
     def holders_of(self, b: int) -> list[str]:
         """Caught-up live copies, primary first."""
@@ -169,6 +176,10 @@ class Views:
             "servers": servers,
             "buckets": [self.bucket_view(b) for b in range(self.n_buckets)],
             "under_replicated": self.under_replicated(),
+            # issue 26: failure domains among the eligible servers, and buckets with two
+            # caught-up copies in one of them
+            "racks": len({placement.domain(s, self.racks()) for s in self.eligible()}),
+            "rack_shared": self.rack_shared(),
             "unassigned": sum(1 for b in range(self.n_buckets) if not self.holder_live(b)),
             "unavailable": [b for b in range(self.n_buckets) if self.unavailable(b)],
             "lost": [b for b in range(self.n_buckets) if self.buckets[b]["lost"]],

@@ -126,11 +126,11 @@ def place(
     # that came back in another rack).
     kept: dict[int, list[str]] = {}
     for b in range(n_buckets):
-        keep: list[str] = []
-        for s in cur[b][:width]:
-            if not strict or all(dom_of[s] != dom_of[k] for k in keep):
-                keep.append(s)
-        kept[b] = keep
+        keep = cur[b][:width]
+        if strict and len({dom_of[s] for s in keep}) < len(keep):
+            used: set[str] = set()
+            keep = [s for s in keep if not (dom_of[s] in used or used.add(dom_of[s]))]
+        kept[b] = list(keep)
     held: dict[str, int] = {s: 0 for s in live}
     for holders in kept.values():
         for s in holders:
@@ -386,6 +386,7 @@ def _assign_primaries(
                 room = [t for t in kept[b] if t != src and count[t] < hi]
                 if room:
                     move(b, min(room, key=lambda t: (count[t], t)))
+    replicas_of: dict[str, list[int]] | None = None  # server -> buckets it holds a copy of
     while True:
         over = sorted(s for s in live if count[s] > hi)
         if not over or not step(over, lambda t: count[t] < hi):
@@ -395,9 +396,62 @@ def _assign_primaries(
         if not under:
             break
         target = under[0]
-        if not step(sorted(s for s in live if count[s] > lo), lambda t, target=target: t == target):
+        if replicas_of is None:
+            replicas_of = {s: [] for s in live}
+            for b in range(n_buckets):
+                for s in kept[b]:
+                    replicas_of[s].append(b)
+        chain = _cheapest_chain_to(target, lambda u: count[u] > lo, replicas_of, owner, present)
+        if chain is None:
             break
+        for b, t in chain:
+            move(b, t)
     return owner
+
+
+def _cheapest_chain_to(
+    target: str,
+    gives: Callable[[str], bool],
+    replicas_of: Mapping[str, list[int]],
+    owner: Mapping[int, str],
+    present: Mapping[int, str | None],
+) -> list[tuple[int, str]] | None:
+    """The cheapest chain of primary moves that ends at `target`, from a server that `gives`
+    one up: the moves (bucket, new owner) in the order to make them, or None.
+
+    0-1 BFS backwards from the target over the buckets it holds a copy of (their owners may
+    pass them to it), ending at the first server off the queue that gives. Searching forwards
+    from every server that may give (half the cluster) scanned most of the graph for each
+    chain (issue 26's scale simulation: minutes per failure at 1,000 servers)."""
+    dist = {target: 0}
+    nxt: dict[str, tuple[int, str]] = {}
+    queue: deque[str] = deque([target])
+    done: set[str] = set()
+    while queue:
+        t = queue.popleft()
+        if t in done:
+            continue
+        done.add(t)
+        if t != target and gives(t):
+            chain = []
+            while t != target:
+                b, u = nxt[t]
+                chain.append((b, u))
+                t = u
+            return chain
+        for b in replicas_of[t]:
+            u = owner[b]
+            if u == t or u in done:
+                continue
+            d = dist[t] + (0 if owner[b] != present[b] else 1)
+            if u not in dist or d < dist[u]:
+                dist[u] = d
+                nxt[u] = (b, t)
+                if d == dist[t]:
+                    queue.appendleft(u)
+                else:
+                    queue.append(u)
+    return None
 
 
 def _cheapest_chain(
@@ -412,7 +466,10 @@ def _cheapest_chain(
     """The cheapest chain of primary moves from any of `sources` to a server that `accepts` one.
 
     Multi-source 0-1 BFS over servers; returns the target and, per server on the chain, the
-    bucket that moves to it and the server it comes from.
+    bucket that moves to it and the server it comes from. The search ends at the first server
+    taken off the queue that accepts: the queue yields servers in order of distance, so no
+    cheaper chain exists (issue 26's scale simulation: searching the whole graph of 100,000
+    buckets for every chain made a failure's placement take minutes).
     """
     dist = dict.fromkeys(sources, 0)
     via: dict[str, tuple[int, str]] = {}
@@ -423,6 +480,8 @@ def _cheapest_chain(
         if u in done:
             continue
         done.add(u)
+        if u in via and accepts(u):
+            return u, via
         for b in by_server[u]:
             w = 0 if owner[b] != present[b] else 1
             for t in kept[b]:
@@ -436,11 +495,7 @@ def _cheapest_chain(
                         queue.appendleft(t)
                     else:
                         queue.append(t)
-    targets = [t for t in via if accepts(t)]
-    if not targets:
-        return None
-    t = min(targets, key=lambda t: (dist[t], count[t], t))
-    return t, via
+    return None
 
 
 def moves(
