@@ -85,7 +85,17 @@ class Views:
         over 100,000 buckets for each of 1,000 heartbeats a second)."""
         cached = self.__dict__.get("_unavailable")
         if cached is None or cached[0] != self.version:
-            cached = (self.version, [b for b in range(self.n_buckets) if self.unavailable(b)])
+            # A bucket becomes unavailable only when its last live member leaves (`_leave`,
+            # which adds it to this index, a superset); the index is pruned as buckets are
+            # served again. During a recovery the version moves with every entry: a pass over
+            # 100,000 buckets per version was most of the leader's CPU (issue 26).
+            maybe = self.__dict__.get("_unavail")
+            if maybe is None:
+                maybe = set(range(self.n_buckets))
+                self._unavail = maybe
+            now_out = sorted(b for b in maybe if self.unavailable(b))
+            maybe.intersection_update(now_out)
+            cached = (self.version, now_out)
             self._unavailable = cached
         return list(cached[1])
 

@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 
 
 #: attributes of the model derived from its state (indexes, caches): never dumped or copied
-DERIVED = frozenset({"_leased", "_touching", "_unavailable"})
+DERIVED = frozenset({"_leased", "_touching", "_unavailable", "_unavail"})
 
 
 # The class keeps its name and module: pysyncobj's full dump pickles the model, and a dump written
