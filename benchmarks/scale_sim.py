@@ -395,7 +395,8 @@ def simulate(cfg: Settings, progress: bool = False) -> dict[str, Any]:
             sim.run_until(t)
             if granted_at is None and sim.granted_live() == target:
                 granted_at = t - fail_at
-            if served_at is None and sim.served() == target:
+            # (each count is a pass over every bucket: only once the one before it is reached)
+            if served_at is None and granted_at is not None and sim.served() == target:
                 served_at = t - fail_at
             if served_at is not None and sim.at_rf() == target:
                 rf_at = t - fail_at

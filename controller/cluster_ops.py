@@ -162,7 +162,15 @@ class Operations:
         before = self.version
         reports = reports or {}
         offers = self._offers_by_bucket()
-        for b in range(self.n_buckets):
+        # What time alone changes: leases that may now be granted, and the buckets of draining
+        # servers whose hold passed; plus the buckets with offered copies (stale offers go).
+        # Every other bucket's record is as the entry that last changed it settled it
+        # (issue 26's scale simulation: settling 100,000 buckets took seconds per reconcile).
+        due = {b for b in range(self.n_buckets) if self._grant_target(b, now, reports.get(b))}
+        for s in self.holds_due(now):
+            due |= set(self.leased_to(s)) | set(self.touching(s))
+        due |= set(offers)
+        for b in sorted(due):
             self._settle(b, now, reports.get(b), offers)
         for rec in self.servers.values():  # a passed drain hold needs no more reconciles
             if rec.get("hold_until", now + 1) <= now:

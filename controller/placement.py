@@ -245,7 +245,9 @@ def _best_server(
     (computed only for the servers still tied). With fewer racks than copies (not `strict`), a
     server with room in a used rack if no unused rack has room. `over`: any server of an unused
     rack, room or not. None: nobody may (the caller repairs)."""
-    fresh = ~np.isin(doms, doms[holders]) if holders else np.ones(len(live), dtype=bool)
+    fresh = np.ones(len(live), dtype=bool)
+    for h in holders:  # a copy or two: cheaper than np.isin
+        fresh &= doms != doms[h]
     ok = fresh.copy() if over else (rooms > 0) & fresh
     if not ok.any() and not strict and not over:
         ok = rooms > 0
