@@ -518,7 +518,7 @@ def report(out: dict[str, Any], raft: dict[str, float], lease_s: float) -> None:
         f" (transfer {out['transfer_s']} s/bucket)"
     )
     racks = (
-        f"{out['servers'] // out['rack']} racks of {out['rack']} named, "
+        f"{-(-out['servers'] // out['rack'])} racks of up to {out['rack']} named, "
         f"{out['rack_shared_before']} buckets with two copies in one rack"
         if out["racks"]
         else "no racks named"
