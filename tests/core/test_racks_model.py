@@ -87,3 +87,18 @@ def test_the_servers_rack_from_flag_environment_and_its_check() -> None:
     assert load(PsConfig, "ps", {"rack": "r3"}, environ={**env, "ADAMPS_RACK": "r1"}).rack == "r3"
     with pytest.raises(ConfigError, match=r"rack must be 1-64 characters .*'a b'"):
         load(PsConfig, "ps", {"rack": "a b"}, environ=env)
+
+
+def test_adamps_status_shows_each_servers_rack_and_the_buckets_sharing_one() -> None:
+    from controller.status import render
+
+    m = _racked(30)
+    view = m.cluster_view()
+    lines = render(view, [], {}, False).splitlines()
+    header = next(line for line in lines if line.startswith("server"))
+    assert header.split()[:4] == ["server", "address", "state", "rack"]
+    assert any(line.startswith("s4") and " r1 " in line for line in lines)
+    assert not any("two copies in one rack" in line for line in lines)
+    view = {**view, "racks": 2, "rack_shared": 17}
+    text = render(view, [], {}, False)
+    assert "buckets with two copies in one rack: 17 (2 racks among the eligible servers)" in text
