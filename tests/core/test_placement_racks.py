@@ -141,3 +141,14 @@ def test_domain_and_rack_shared() -> None:
     assign = {0: ["a", "b", "c"], 1: ["a", "c"], 2: ["a", "b"]}
     assert rack_shared(assign, racks) == 2
     assert rack_shared(assign, racks, servers=["a", "c"]) == 0
+
+
+def test_unequal_racks_cap_the_large_one_and_share_the_rest_evenly() -> None:
+    # 10 servers, 1,200 copies: 120 each would put 480 copies in rack a, which can hold one
+    # per bucket (400); a's servers get 100 each and the other six share 800 evenly.
+    racks = rack_map({"a": 4, "b": 3, "c": 2, "d": 1})
+    assign = place(400, {}, sorted(racks), racks=racks)
+    held = Counter(s for h in assign.values() for s in h)
+    assert [held[s] for s in sorted(racks) if racks[s] == "a"] == [100] * 4
+    rest = [held[s] for s in racks if racks[s] != "a"]
+    assert sum(rest) == 800 and max(rest) - min(rest) <= 1
