@@ -202,15 +202,13 @@ def place(
                 s = _best_server(b, idx, pairs, rooms, names, live, doms, strict, over=True)
                 if s is None:  # impossible when width <= len(live)
                     raise AssertionError(f"placement: cannot fill bucket {b}")
-            if s is not None:
-                i = at[s]
-                for h in idx:
-                    pairs[i, h] += 1
-                    pairs[h, i] += 1
-                kept[b].append(s)
-                load[s] += 1
-                rooms[i] -= 1
-                continue
+            i = at[s]
+            for h in idx:
+                pairs[i, h] += 1
+                pairs[h, i] += 1
+            kept[b].append(s)
+            load[s] += 1
+            rooms[i] -= 1
 
     # -- primaries -----------------------------------------------------------------------------
     # The primary that may stay is the bucket's *present* primary only (not a survivor that
