@@ -169,7 +169,7 @@ def load(
         if name in table:
             values[name] = _convert(cls, name, tp, table[name], f"{path} [{section}]")
         env_names = [f"ADAMPS_{section.upper()}_{name.upper()}"]
-        if name in ("token", "peer_token"):
+        if name in ("token", "peer_token", "rack"):  # one value per machine, not per role
             env_names.append(f"ADAMPS_{name.upper()}")
         for env_name in env_names:
             if env_name in environ:

@@ -72,6 +72,8 @@ class Settings:
     replication: int = 3
     #: servers of the rack that fails at once (the first `rack` servers)
     rack: int = 50
+    #: every server names its rack (servers i // rack): placement keeps copies on distinct racks
+    racks: bool = True
     heartbeat: float = _default("heartbeat_interval")
     server_timeout: float = _default("server_timeout")
     reconcile_interval: float = _default("reconcile_interval")
@@ -116,6 +118,10 @@ class Sim:
         self.known: dict[str, int] = {}  # the routing version each server last saw
         self.sample = max(1, cfg.servers // 50)
         self._reports_bytes: int | None = None
+
+    def rack_of(self, sid: str) -> str | None:
+        """The rack `sid` registers in: servers i // rack (the failing rack is rack 0)."""
+        return f"rack{self.index[sid] // self.cfg.rack:03d}" if self.cfg.racks else None
 
     # -- plumbing -------------------------------------------------------------------------------
     def at(self, t: float, kind: str, arg: Any = None) -> None:
@@ -165,7 +171,8 @@ class Sim:
         on its own phase."""
         for i, sid in enumerate(self.ids):
             self.now = i * 1e-4
-            self.apply("register", sid, f"10.0.{i // 250}.{i % 250}:7100", self.now, {})
+            addr = f"10.0.{i // 250}.{i % 250}:7100"
+            self.apply("register", sid, addr, self.now, {}, self.rack_of(sid))
             self.last_seen[sid] = self.now
         t0 = self.now
         for i, sid in enumerate(self.ids):
@@ -182,7 +189,7 @@ class Sim:
         self.at(now + self.cfg.heartbeat, "heartbeat", sid)
         m = self.model
         if m.servers[sid]["state"] == DEAD:  # declared dead while alive: a new incarnation
-            self.apply("register", sid, m.servers[sid]["address"], now, {})
+            self.apply("register", sid, m.servers[sid]["address"], now, {}, self.rack_of(sid))
         self.last_seen[sid] = now
         # service.h_heartbeat: a server holding a live lease gets its leases renewed by one entry
         t0 = time.process_time()
@@ -373,10 +380,11 @@ def simulate(cfg: Settings, progress: bool = False) -> dict[str, Any]:
         snapshot_s = deepcopy_s + time.process_time() - t1  # CPU seconds, like every figure
         del clone
         fail_at = sim.now
+        rack_shared_before = sim.model.rack_shared()
         n_before = len(sim.placements)
         rack = set(sim.ids[: cfg.rack])
         # Buckets with every caught-up copy in the rack: nobody may serve them again until a
-        # copy comes back (or an operator writes them off). Placement knows no racks.
+        # copy comes back (or an operator writes them off). None with racks (issue 26).
         doomed = [b for b in range(cfg.buckets) if set(sim.model.holders_of(b)) <= rack]
         target = cfg.buckets - len(doomed)
         sim.at(fail_at, "fail", sim.ids[: cfg.rack])
@@ -387,7 +395,8 @@ def simulate(cfg: Settings, progress: bool = False) -> dict[str, Any]:
             sim.run_until(t)
             if granted_at is None and sim.granted_live() == target:
                 granted_at = t - fail_at
-            if served_at is None and sim.served() == target:
+            # (each count is a pass over every bucket: only once the one before it is reached)
+            if served_at is None and granted_at is not None and sim.served() == target:
                 served_at = t - fail_at
             if served_at is not None and sim.at_rf() == target:
                 rf_at = t - fail_at
@@ -404,6 +413,8 @@ def simulate(cfg: Settings, progress: bool = False) -> dict[str, Any]:
             "servers": cfg.servers,
             "buckets": cfg.buckets,
             "rack": cfg.rack,
+            "racks": cfg.racks,
+            "rack_shared_before": rack_shared_before,
             "transfer_s": cfg.transfer,
             "granted_again_s": None if granted_at is None else round(granted_at, 2),
             "served_again_s": None if served_at is None else round(served_at, 2),
@@ -506,9 +517,15 @@ def report(out: dict[str, Any], raft: dict[str, float], lease_s: float) -> None:
         f"{out['servers']} servers, {out['buckets']} buckets, RF 3; rack of {out['rack']} fails"
         f" (transfer {out['transfer_s']} s/bucket)"
     )
+    racks = (
+        f"{-(-out['servers'] // out['rack'])} racks of up to {out['rack']} named, "
+        f"{out['rack_shared_before']} buckets with two copies in one rack"
+        if out["racks"]
+        else "no racks named"
+    )
     print(
-        f"  {out['all_copies_in_rack']} buckets had every copy in the rack: unavailable until it"
-        " returns (placement knows no racks); of the others:"
+        f"  {racks}; {out['all_copies_in_rack']} buckets had every copy in the failed rack"
+        " (unavailable until it returns); of the others:"
     )
     print(
         f"  every lease on a live server after {out['granted_again_s']} s, every bucket writable"
@@ -557,6 +574,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep", default="", help="server counts (buckets = 100 x, rack = 5%%)")
     ap.add_argument("--raft-seconds", type=float, default=3.0)
     ap.add_argument("--steady", type=float, default=Settings.steady)
+    ap.add_argument(
+        "--no-racks", action="store_true", help="servers name no rack (placement as before racks)"
+    )
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args(argv)
     raft = raft_commit_rate(args.raft_seconds)
@@ -569,7 +589,14 @@ def main(argv: list[str] | None = None) -> None:
     lease_s = Settings.lease.duration
     for n, nb, rack in sizes:
         out = simulate(
-            Settings(servers=n, buckets=nb, rack=rack, transfer=args.transfer, steady=args.steady),
+            Settings(
+                servers=n,
+                buckets=nb,
+                rack=rack,
+                transfer=args.transfer,
+                steady=args.steady,
+                racks=not args.no_racks,
+            ),
             args.progress,
         )
         report(out, raft, lease_s)  # adds the dump figures to `out`

@@ -7,6 +7,7 @@ from typing import Any
 
 from adamps.core import lease as leases
 from adamps.core.lease import Lease
+from controller import placement
 from controller.cluster_rules import DEAD, DRAINING
 
 
@@ -20,6 +21,12 @@ class Views:
     def under_replicated(self) -> int:
         """Buckets with fewer caught-up live copies than the replication factor."""
         return sum(1 for b in range(self.n_buckets) if len(self.holders_of(b)) < self.replication)
+
+    def rack_shared(self) -> int:
+        """Buckets with two caught-up live copies in one rack (issue 26): a failure of that rack
+        takes both. 0 while the live servers span enough racks and placement has settled."""
+        racks = self.racks()
+        return placement.rack_shared({b: self.holders_of(b) for b in range(self.n_buckets)}, racks)
 
     def holders_of(self, b: int) -> list[str]:
         """Caught-up live copies, primary first."""
@@ -78,7 +85,17 @@ class Views:
         over 100,000 buckets for each of 1,000 heartbeats a second)."""
         cached = self.__dict__.get("_unavailable")
         if cached is None or cached[0] != self.version:
-            cached = (self.version, [b for b in range(self.n_buckets) if self.unavailable(b)])
+            # A bucket becomes unavailable only when its last live member leaves (`_leave`,
+            # which adds it to this index, a superset); the index is pruned as buckets are
+            # served again. During a recovery the version moves with every entry: a pass over
+            # 100,000 buckets per version was most of the leader's CPU (issue 26).
+            maybe = self.__dict__.get("_unavail")
+            if maybe is None:
+                maybe = set(range(self.n_buckets))
+                self._unavail = maybe
+            now_out = sorted(b for b in maybe if self.unavailable(b))
+            maybe.intersection_update(now_out)
+            cached = (self.version, now_out)
             self._unavailable = cached
         return list(cached[1])
 
@@ -169,6 +186,10 @@ class Views:
             "servers": servers,
             "buckets": [self.bucket_view(b) for b in range(self.n_buckets)],
             "under_replicated": self.under_replicated(),
+            # issue 26: failure domains among the eligible servers, and buckets with two
+            # caught-up copies in one of them
+            "racks": len({placement.domain(s, self.racks()) for s in self.eligible()}),
+            "rack_shared": self.rack_shared(),
             "unassigned": sum(1 for b in range(self.n_buckets) if not self.holder_live(b)),
             "unavailable": [b for b in range(self.n_buckets) if self.unavailable(b)],
             "lost": [b for b in range(self.n_buckets) if self.buckets[b]["lost"]],

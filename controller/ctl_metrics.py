@@ -55,6 +55,12 @@ class ControllerMetrics:
             "left unavailable, never silently",
             registry=r,
         )
+        self.rack_shared = Gauge(
+            "adamps_controller_rack_shared_buckets",
+            "buckets with two caught-up copies in one rack (issue 26): a failure of that rack "
+            "takes both; 0 while the eligible servers span at least replication racks",
+            registry=r,
+        )
         self.version = Gauge("adamps_controller_table_version", "routing table version", registry=r)
         self.writes = Counter(
             "adamps_controller_writes_total",
@@ -137,7 +143,7 @@ class ControllerMetrics:
         self.term.set(term)
         self.commit.set(commit_index)
 
-        def snap(m: ClusterModel) -> tuple[dict[str, int], int, int, int, int, int, int]:
+        def snap(m: ClusterModel) -> tuple[dict[str, int], int, int, int, int, int, int, int]:
             states: dict[str, int] = {"live": 0, "dead": 0, "draining": 0}
             for rec in m.servers.values():
                 states[rec["state"]] = states.get(rec["state"], 0) + 1
@@ -145,9 +151,14 @@ class ControllerMetrics:
             unavailable = sum(1 for b in range(m.n_buckets) if m.unavailable(b))
             lost = getattr(m, "declared_lost", 0)
             conflicts = getattr(m, "digest_conflicts", 0)
-            return states, m.under_replicated(), unassigned, unavailable, lost, m.version, conflicts
+            shared = m.rack_shared()
+            under = m.under_replicated()
+            return states, under, unassigned, unavailable, lost, m.version, conflicts, shared
 
-        states, under, unassigned, unavailable, lost, version, conflicts = cluster.read(snap)
+        states, under, unassigned, unavailable, lost, version, conflicts, shared = cluster.read(
+            snap
+        )
+        self.rack_shared.set(shared)
         self.digest_conflicts.set(conflicts)
         for k, v in states.items():
             self.servers.labels(k).set(v)

@@ -81,6 +81,24 @@ def address(body: dict[str, Any]) -> str:
     return v
 
 
+def rack(body: dict[str, Any]) -> str | None:
+    """Optional field rack (issue 26): the server's failure domain, 1-64 characters of
+    [A-Za-z0-9._:-]; absent, null or empty: none (a rack of its own)."""
+    v = body.get("rack")
+    if v is None or v == "":
+        return None
+    if (
+        not isinstance(v, str)
+        or len(v) > 64
+        or not all(c.isascii() and (c.isalnum() or c in "-_.:") for c in v)
+    ):
+        raise ProtocolError(
+            "bad_request",
+            f"field 'rack' must be 1-64 characters of [A-Za-z0-9._:-], got {str(v)[:100]!r}",
+        )
+    return v
+
+
 def int_field(body: dict[str, Any], name: str) -> int:
     v = body.get(name)
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 63:

@@ -7,8 +7,14 @@ every controller replica computes the same answer inside a replicated method.
 
 Goals, in order:
 1. every bucket gets min(replication, live) distinct eligible servers (fewer = under-replicated);
-2. per server, replica counts differ by at most 1, and primary counts differ by at most 1;
-3. few moves: a replica that may stay where it is stays (a move copies a bucket over the network),
+2. failure domains (issue 26): while the live servers span at least that many racks, a bucket's
+   copies are on distinct racks, so that a whole rack failing (power, top-of-rack switch) takes
+   at most one copy of any bucket. This outranks balance: where the only servers with room are
+   in racks the bucket already uses, a server of another rack takes one copy above its quota.
+   With fewer racks, copies still go to unused racks first where that costs no balance. A
+   server that names no rack is a rack of its own (so without racks nothing changes);
+3. per server, replica counts differ by at most 1, and primary counts differ by at most 1;
+4. few moves: a replica that may stay where it is stays (a move copies a bucket over the network),
    and a primary that may stay primary stays (a change of primary costs a lease hand-off).
 
 The replica step keeps existing replicas up to each server's quota and fills the gaps greedily
@@ -45,16 +51,61 @@ def _quotas(servers: Sequence[str], total: int, current: Mapping[str, int]) -> d
     return {s: base + (1 if i < extra else 0) for i, s in enumerate(ranked)}
 
 
+def _rack_quotas(
+    live: Sequence[str],
+    n_buckets: int,
+    width: int,
+    current: Mapping[str, int],
+    dom_of: Mapping[str, str],
+) -> dict[str, int] | None:
+    """Quotas under the racks: a rack holds at most one copy of each bucket, so at most
+    `n_buckets` copies whatever its size; what a large rack cannot take goes to the others
+    (water-filling), and within a rack the split is even. None: no rack is capped (the plain
+    even split, `_quotas`, is then the answer: always so without racks)."""
+    members: dict[str, list[str]] = {}
+    for s in live:
+        members.setdefault(dom_of[s], []).append(s)
+    capped: set[str] = set()
+    total = n_buckets * width
+    while True:
+        free = [d for d in members if d not in capped]
+        n_free = sum(len(members[d]) for d in free)
+        left = total - n_buckets * len(capped)
+        if not n_free:
+            break
+        over = [d for d in free if left * len(members[d]) > n_buckets * n_free]
+        if not over:
+            break
+        capped.update(over)
+    if not capped:
+        return None
+    quota: dict[str, int] = {}
+    for d in sorted(capped):
+        quota.update(_quotas(members[d], n_buckets, current))
+    rest = [s for s in live if dom_of[s] not in capped]
+    if rest:
+        quota.update(_quotas(rest, max(0, total - n_buckets * len(capped)), current))
+    return quota
+
+
+def domain(s: str, racks: Mapping[str, str] | None) -> str:
+    """The failure domain of server `s`: its rack, or (no rack named) the server alone."""
+    rack = (racks or {}).get(s)
+    return f"rack:{rack}" if rack else f"server:{s}"
+
+
 def place(
     n_buckets: int,
     current: Mapping[int, Sequence[str]],
     servers: Iterable[str],
     replication: int = REPLICATION,
+    racks: Mapping[str, str] | None = None,
 ) -> Assignment:
     """The new assignment of buckets 0..n_buckets-1 over the eligible `servers`.
 
     `current` maps bucket -> its present holders, primary first (missing or empty for a bucket
-    never placed). Holders not in `servers` (dead, draining) are dropped. Deterministic.
+    never placed). Holders not in `servers` (dead, draining) are dropped. `racks` maps a server
+    to its rack (servers missing from it: a rack each). Deterministic.
     """
     live = sorted(set(servers))
     if n_buckets < 0:
@@ -66,14 +117,26 @@ def place(
     cur = {
         b: [s for s in dict.fromkeys(current.get(b, ())) if s in live_set] for b in range(n_buckets)
     }
+    dom_of = {s: domain(s, racks) for s in live}
+    strict = len(set(dom_of.values())) >= width
 
     # -- replicas ------------------------------------------------------------------------------
+    # A copy that shares its rack with an earlier one of the same bucket (primary first) is not
+    # kept while the racks suffice: it moves to another rack (racks declared late, or a server
+    # that came back in another rack).
+    kept: dict[int, list[str]] = {}
+    for b in range(n_buckets):
+        keep = cur[b][:width]
+        if strict and len({dom_of[s] for s in keep}) < len(keep):
+            used: set[str] = set()
+            keep = [s for s in keep if not (dom_of[s] in used or used.add(dom_of[s]))]
+        kept[b] = list(keep)
     held: dict[str, int] = {s: 0 for s in live}
-    for holders in cur.values():
-        for s in holders[:width]:
+    for holders in kept.values():
+        for s in holders:
             held[s] += 1
-    quota = _quotas(live, n_buckets * width, held)
-    kept: dict[int, list[str]] = {b: list(cur[b][:width]) for b in range(n_buckets)}
+    quota = _rack_quotas(live, n_buckets, width, held, dom_of) if strict else None
+    quota = quota or _quotas(live, n_buckets * width, held)
     load = dict(held)
     # Trim over-full servers. Primaries stay (a dropped primary is a lease hand-off as well as a
     # copy); among its secondaries a server gives up first those of buckets that lost nothing yet
@@ -121,24 +184,31 @@ def place(
                 pairs[c, a] += 1
     rooms = np.array([room(s) for s in live], dtype=np.int64)
     names = [s.encode() for s in live]
+    dom_ids = {d: i for i, d in enumerate(sorted(set(dom_of.values())))}
+    doms = np.array([dom_ids[dom_of[s]] for s in live], dtype=np.int64)
 
     # Most constrained buckets first: those missing the most replicas.
     order = sorted(range(n_buckets), key=lambda b: (len(kept[b]), b))
     for b in order:
         while len(kept[b]) < width:
             idx = [at[h] for h in kept[b]]
-            s = _best_server(b, idx, pairs, rooms, names, live)
-            if s is not None:
-                i = at[s]
-                for h in idx:
-                    pairs[i, h] += 1
-                    pairs[h, i] += 1
-                kept[b].append(s)
-                load[s] += 1
-                rooms[i] -= 1
-                continue
-            _repair(b, kept, live, room, load)
-            rooms = np.array([room(s) for s in live], dtype=np.int64)
+            s = _best_server(b, idx, pairs, rooms, names, live, doms, strict)
+            if s is None:
+                if _repair(b, kept, live, room, load, dom_of if strict else None):
+                    rooms = np.array([room(s) for s in live], dtype=np.int64)
+                    continue
+                # No swap keeps the racks distinct: a server of an unused rack goes above
+                # its quota (goal 2 before goal 3).
+                s = _best_server(b, idx, pairs, rooms, names, live, doms, strict, over=True)
+                if s is None:  # impossible when width <= len(live)
+                    raise AssertionError(f"placement: cannot fill bucket {b}")
+            i = at[s]
+            for h in idx:
+                pairs[i, h] += 1
+                pairs[h, i] += 1
+            kept[b].append(s)
+            load[s] += 1
+            rooms[i] -= 1
 
     # -- primaries -----------------------------------------------------------------------------
     # The primary that may stay is the bucket's *present* primary only (not a survivor that
@@ -163,18 +233,29 @@ def _best_server(
     rooms: np.ndarray,
     names: list[bytes],
     live: list[str],
+    doms: np.ndarray,
+    strict: bool,
+    over: bool = False,
 ) -> str | None:
     """The server for a new copy of bucket `b` (held by the servers at indexes `holders`): among
-    those with room that do not hold it, the fewest buckets shared with its holders, then the
-    most room, then `_mix` (computed only for the servers still tied). None: nobody may."""
-    ok = rooms > 0
-    ok[holders] = False
+    those with room that do not hold it, in a rack the bucket does not use yet (`doms`: each
+    server's rack), the fewest buckets shared with its holders, then the most room, then `_mix`
+    (computed only for the servers still tied). With fewer racks than copies (not `strict`), a
+    server with room in a used rack if no unused rack has room. `over`: any server of an unused
+    rack, room or not. None: nobody may (the caller repairs)."""
+    fresh = np.ones(len(live), dtype=bool)
+    for h in holders:  # a copy or two: cheaper than np.isin
+        fresh &= doms != doms[h]
+    ok = fresh.copy() if over else (rooms > 0) & fresh
+    if not ok.any() and not strict and not over:
+        ok = rooms > 0
+        ok[holders] = False
     if not ok.any():
         return None
     shared = pairs[holders].sum(axis=0) if holders else np.zeros(len(live), dtype=np.int64)
     shared = np.where(ok, shared, np.iinfo(np.int64).max)
     tied = ok & (shared == shared.min())
-    most = np.where(tied, rooms, -1)
+    most = np.where(tied, rooms, np.iinfo(np.int64).min)  # rooms may be <= 0 (above quota)
     tied = np.flatnonzero(most == most.max())
     if len(tied) == 1:
         return live[tied[0]]
@@ -193,25 +274,36 @@ def _repair(
     live: list[str],
     room: Callable[[str], int],
     load: dict[str, int],
-) -> None:
-    """Bucket `b` lacks a replica but every server with room already holds it.
+    dom_of: Mapping[str, str] | None = None,
+) -> bool:
+    """Bucket `b` lacks a replica but every server with room already holds it (or, with racks,
+    is in a rack that holds it).
 
-    Find a server `s` with room (it holds b) and another bucket b2 holding some `t` that b lacks
-    while b2 lacks `s`: move b2's replica from t to s and give t to b. One extra move.
+    Find a server `s` with room and another bucket b2 holding some `t` that b lacks while b2
+    lacks `s`: move b2's replica from t to s and give t to b. One extra move. `dom_of`: each
+    server's rack, which neither bucket may then use twice. False: no such swap.
     """
+
+    def dom(x: str) -> str:
+        return x if dom_of is None else dom_of[x]
+
+    used = {dom(k) for k in kept[b]}
     with_room = [s for s in live if room(s) > 0]
     for s in with_room:
         for b2 in sorted(kept):
             if b2 == b or s in kept[b2]:
                 continue
             for t in kept[b2]:
-                if t not in kept[b] and t != s:
-                    i = kept[b2].index(t)
-                    kept[b2][i] = s
-                    load[s] += 1
-                    kept[b].append(t)
-                    return
-    raise AssertionError(f"placement: cannot fill bucket {b}")  # impossible when width <= len(live)
+                if t in kept[b] or t == s or dom(t) in used:
+                    continue
+                if dom(s) in {dom(k) for k in kept[b2] if k != t}:
+                    continue
+                i = kept[b2].index(t)
+                kept[b2][i] = s
+                load[s] += 1
+                kept[b].append(t)
+                return True
+    return False
 
 
 def _assign_primaries(
@@ -294,6 +386,7 @@ def _assign_primaries(
                 room = [t for t in kept[b] if t != src and count[t] < hi]
                 if room:
                     move(b, min(room, key=lambda t: (count[t], t)))
+    replicas_of: dict[str, list[int]] | None = None  # server -> buckets it holds a copy of
     while True:
         over = sorted(s for s in live if count[s] > hi)
         if not over or not step(over, lambda t: count[t] < hi):
@@ -303,9 +396,62 @@ def _assign_primaries(
         if not under:
             break
         target = under[0]
-        if not step(sorted(s for s in live if count[s] > lo), lambda t, target=target: t == target):
+        if replicas_of is None:
+            replicas_of = {s: [] for s in live}
+            for b in range(n_buckets):
+                for s in kept[b]:
+                    replicas_of[s].append(b)
+        chain = _cheapest_chain_to(target, lambda u: count[u] > lo, replicas_of, owner, present)
+        if chain is None:
             break
+        for b, t in chain:
+            move(b, t)
     return owner
+
+
+def _cheapest_chain_to(
+    target: str,
+    gives: Callable[[str], bool],
+    replicas_of: Mapping[str, list[int]],
+    owner: Mapping[int, str],
+    present: Mapping[int, str | None],
+) -> list[tuple[int, str]] | None:
+    """The cheapest chain of primary moves that ends at `target`, from a server that `gives`
+    one up: the moves (bucket, new owner) in the order to make them, or None.
+
+    0-1 BFS backwards from the target over the buckets it holds a copy of (their owners may
+    pass them to it), ending at the first server off the queue that gives. Searching forwards
+    from every server that may give (half the cluster) scanned most of the graph for each
+    chain (issue 26's scale simulation: minutes per failure at 1,000 servers)."""
+    dist = {target: 0}
+    nxt: dict[str, tuple[int, str]] = {}
+    queue: deque[str] = deque([target])
+    done: set[str] = set()
+    while queue:
+        t = queue.popleft()
+        if t in done:
+            continue
+        done.add(t)
+        if t != target and gives(t):
+            chain = []
+            while t != target:
+                b, u = nxt[t]
+                chain.append((b, u))
+                t = u
+            return chain
+        for b in replicas_of[t]:
+            u = owner[b]
+            if u == t or u in done:
+                continue
+            d = dist[t] + (0 if owner[b] != present[b] else 1)
+            if u not in dist or d < dist[u]:
+                dist[u] = d
+                nxt[u] = (b, t)
+                if d == dist[t]:
+                    queue.appendleft(u)
+                else:
+                    queue.append(u)
+    return None
 
 
 def _cheapest_chain(
@@ -320,7 +466,10 @@ def _cheapest_chain(
     """The cheapest chain of primary moves from any of `sources` to a server that `accepts` one.
 
     Multi-source 0-1 BFS over servers; returns the target and, per server on the chain, the
-    bucket that moves to it and the server it comes from.
+    bucket that moves to it and the server it comes from. The search ends at the first server
+    taken off the queue that accepts: the queue yields servers in order of distance, so no
+    cheaper chain exists (issue 26's scale simulation: searching the whole graph of 100,000
+    buckets for every chain made a failure's placement take minutes).
     """
     dist = dict.fromkeys(sources, 0)
     via: dict[str, tuple[int, str]] = {}
@@ -331,6 +480,8 @@ def _cheapest_chain(
         if u in done:
             continue
         done.add(u)
+        if u in via and accepts(u):
+            return u, via
         for b in by_server[u]:
             w = 0 if owner[b] != present[b] else 1
             for t in kept[b]:
@@ -344,11 +495,7 @@ def _cheapest_chain(
                         queue.appendleft(t)
                     else:
                         queue.append(t)
-    targets = [t for t in via if accepts(t)]
-    if not targets:
-        return None
-    t = min(targets, key=lambda t: (dist[t], count[t], t))
-    return t, via
+    return None
 
 
 def moves(
@@ -400,6 +547,21 @@ def min_moves(
         n_buckets - sum(min(p, phi) for p in prim.values()),
     )
     return need_copies, need_changes
+
+
+def rack_shared(
+    assignment: Mapping[int, Sequence[str]],
+    racks: Mapping[str, str] | None,
+    servers: Iterable[str] | None = None,
+) -> int:
+    """Number of buckets with two copies in one rack (a rack failure takes both). `servers`:
+    count only the copies on these (the live ones); None: every copy listed."""
+    alive = None if servers is None else set(servers)
+    n = 0
+    for holders in assignment.values():
+        doms = [domain(s, racks) for s in holders if alive is None or s in alive]
+        n += len(set(doms)) < len(doms)
+    return n
 
 
 def under_replicated(

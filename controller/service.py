@@ -135,7 +135,10 @@ class ControllerService:
             address = fields.address(body)
             self._check_register(sid, address)
             copies = fields.positions(body.get("copies") or {}, self.cfg.n_buckets, "copies")
-            res = ok_or_raise(await self.commit("register", sid, address, time.time(), copies))
+            rack = fields.rack(body)
+            res = ok_or_raise(
+                await self.commit("register", sid, address, time.time(), copies, rack)
+            )
             self.leader.heard_from(sid)
             return {
                 **res,

@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 
 
 #: attributes of the model derived from its state (indexes, caches): never dumped or copied
-DERIVED = frozenset({"_leased", "_touching", "_unavailable"})
+DERIVED = frozenset({"_leased", "_touching", "_unavailable", "_unavail"})
 
 
 # The class keeps its name and module: pysyncobj's full dump pickles the model, and a dump written
@@ -201,9 +201,16 @@ class ReplicatedCluster(SyncObjConsumer):
 
     @replicated
     def register(
-        self, sid: str, address: str, now: float, copies: dict | None = None
+        self,
+        sid: str,
+        address: str,
+        now: float,
+        copies: dict | None = None,
+        rack: str | None = None,
     ) -> dict[str, Any]:
-        return self._apply("register", sid, address, now, copies)
+        # `rack` (issue 26) is a trailing optional argument: the journal's earlier entries
+        # replay without it.
+        return self._apply("register", sid, address, now, copies, rack)
 
     @replicated
     def declare_dead(self, sid: str, now: float, reports: dict | None = None) -> dict[str, Any]:

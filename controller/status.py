@@ -75,6 +75,11 @@ def render(
         f"under-replicated {view['under_replicated']}  unassigned {view['unassigned']}  "
         f"layout v{view['layout_version']}"
     )
+    if view.get("rack_shared"):  # issue 26: a rack failure would take two copies of these
+        out.append(
+            f"buckets with two copies in one rack: {view['rack_shared']} "
+            f"({view.get('racks', '?')} racks among the eligible servers)"
+        )
     if view.get("unavailable"):
         out.append(
             f"UNAVAILABLE buckets (no live copy; waiting for a copy to come back): "
@@ -88,6 +93,7 @@ def render(
             s,
             r["address"],
             r["state"],
+            r.get("rack", "-"),
             r.get("primary", 0),
             r.get("secondary", 0),
             r.get("joining", 0),
@@ -96,7 +102,16 @@ def render(
         ]
         for s, r in view["servers"].items()
     ]
-    header = ["server", "address", "state", "primary", "secondary", "joining", "incarnation"]
+    header = [
+        "server",
+        "address",
+        "state",
+        "rack",
+        "primary",
+        "secondary",
+        "joining",
+        "incarnation",
+    ]
     if servers is not None:
         header += ["last flush (UTC)", "flush age", "durable"]
     out.append(table(rows, header))

@@ -135,6 +135,9 @@ class ControllerOps:
     #: signs a POST (method, path, body) as a server (adamps.peer_auth.server_call_header);
     #: set by a parameter server that has its own key
     signer: Callable[[str, str, bytes], tuple[tuple[str, str], ...]] | None = None
+    #: the rack a parameter server registers in (issue 26: placement keeps a bucket's copies on
+    #: distinct racks); set by the server, None: no rack
+    rack: str | None = None
 
     def _run(self, call: Call) -> Any:
         raise NotImplementedError
@@ -151,10 +154,18 @@ class ControllerOps:
     # -- parameter servers ---------------------------------------------------------------------
 
     def register(
-        self, server: str, address: str, copies: dict[int, Sequence[int]] | None = None
+        self,
+        server: str,
+        address: str,
+        copies: dict[int, Sequence[int]] | None = None,
+        rack: str | None = None,
     ) -> Any:
-        """A registration: the server's address and the copies it offers (bucket -> [epoch, seq])."""
-        body = {"address": address, "copies": _reports(copies)}
+        """A registration: the server's address, the copies it offers (bucket -> [epoch, seq])
+        and its rack (default: the client's `rack`)."""
+        body: dict[str, Any] = {"address": address, "copies": _reports(copies)}
+        rack = rack if rack is not None else self.rack
+        if rack:
+            body["rack"] = rack
         return self._post(f"/servers/{server}/register", body)
 
     def heartbeat(

@@ -308,6 +308,9 @@ class ParameterServer:
                 await self.data_plane.start(self.cfg.host, self.cfg.data_port)
             if self.replicator is not None:
                 await self.replicator.start()
+                # Its first registration runs in a task started above, which has not run yet:
+                # the rack goes with it (issue 26).
+                self.replicator.controller.rack = self.cfg.rack or None
 
         async def cleanup(_app: web.Application) -> None:
             if self.replicator is not None:

@@ -109,6 +109,13 @@ class PsConfig:
         "on its static bucket map, else buckets, leases and replication come from the controllers",
     )
     server_id: str = field("", help="this server's id at the controllers (default: ps-PORT)")
+    rack: str = field(
+        "",
+        help="this server's failure domain (also $ADAMPS_RACK), 1-64 characters of "
+        "[A-Za-z0-9._:-]: servers that fail together (one rack, power feed or switch) share it, "
+        "and the controllers keep a bucket's copies on distinct racks while enough exist; "
+        "empty = a rack of its own",
+    )
     advertise: str = field(
         "", help="host:port the peers and clients reach this server at (default: host:port)"
     )
@@ -173,6 +180,13 @@ class PsConfig:
         self.token = tokens.resolve(self.token or default_token(), [self.host], "ps")
         if not self.server_id:
             self.server_id = f"ps-{self.port}"
+        if self.rack and (
+            len(self.rack) > 64
+            or not all(c.isascii() and (c.isalnum() or c in "-_.:") for c in self.rack)
+        ):
+            raise ValueError(
+                f"rack must be 1-64 characters of [A-Za-z0-9._:-], got {self.rack[:100]!r}"
+            )
         if self.controllers and self.buckets:
             raise ValueError("buckets (a static map) and controllers exclude each other")
         if self.peer_token and (

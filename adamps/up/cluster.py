@@ -13,7 +13,7 @@ import secrets
 import shutil
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +55,11 @@ class LocalCluster:
         peer_token: str | None = None,
         tls: bool = False,
         tls_mutual: bool = False,
+        racks: Sequence[str] | None = None,
     ) -> None:
         self.root = Path(root)
+        #: server i's rack (issue 26), passed as --rack; None: no racks
+        self.racks = list(racks) if racks is not None else None
         #: where every port of this cluster comes from (`adamps up --port-base` counts up)
         self.port_alloc = port_alloc
         self.root.mkdir(parents=True, exist_ok=True)
@@ -155,6 +158,7 @@ class LocalCluster:
             "--controllers", ",".join(self.controllers),
             "--data-dir", str(data), "--n-buckets", str(self.n_buckets), *self._flags(self.ps_opts),
             *(["--data-port", str(self.data_ports[i])] if self.data_ports[i] else []),
+            *(["--rack", self.racks[i]] if self.racks else []),
             secret={"ADAMPS_PS_SERVER_KEY": self.server_key(i)} if self.peer_token else None,
         )  # fmt: skip
 
