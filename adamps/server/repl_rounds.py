@@ -14,13 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
-from typing import Any
 
-from adamps.core.replication import BucketReplica, Reject
-from adamps.protocol import ProtocolError
+from adamps.core.replication import BucketReplica
 from adamps.rpc import RpcError
-from adamps.server.repl_wire import batch_to_wire, not_primary
+from adamps.server.repl_wire import batch_to_wire
 
 log = logging.getLogger("adamps.server.replicate")
 
@@ -32,35 +29,8 @@ class PrimaryRounds:
     """Pushes and rounds of the buckets this server is primary of.
 
     A part of :class:`adamps.server.replicate.Replicator`, which holds the state its methods
-    use (``buckets``, ``roles``, ``leases``, ``peers``, ``controller``, ``store``, ``m``)."""
-
-    async def push(
-        self, by_bucket: dict[int, list[dict[str, Any]]], client: tuple[str, int] | None
-    ) -> None:
-        """Replicates one client push (its updates grouped by bucket); returns once every
-        bucket's round is decided (``ack = "prepared"``) or committed by every member."""
-        loop = asyncio.get_running_loop()
-        reps = {b: self.check_primary(b) for b in by_bucket}  # all or nothing: check first
-        futs = []
-        for b, updates in by_bucket.items():
-            fut = loop.create_future()
-            verdict = reps[b].submit(tuple(updates), client, fut)
-            if isinstance(verdict, Reject):
-                raise ProtocolError(verdict.code, verdict.message, bucket=b, epoch=verdict.epoch)
-            if verdict == "duplicate-committed":
-                self.m.dedup.inc()
-                fut.set_result(None)
-            elif verdict == "duplicate-inflight":
-                self.m.dedup.inc()
-            self.kick(b)
-            futs.append(fut)
-        try:
-            await asyncio.wait_for(asyncio.gather(*futs), self.cfg.push_timeout)
-        except TimeoutError:
-            raise ProtocolError(
-                "timeout",
-                f"replication did not complete within {self.cfg.push_timeout}s; outcome unknown",
-            ) from None
+    use (``core``, ``buckets``, ``peers``, ``store``, ``m``) and carries out the core's ``Ready``
+    (``drain``). Every decision is the core's; this is the IO of the rounds."""
 
     def kick(self, b: int) -> None:
         task = self.round_tasks.get(b)
@@ -76,25 +46,22 @@ class PrimaryRounds:
         commit_task: asyncio.Task | None = None
         try:
             while not self.closing:
-                rep = self.buckets.get(b)
-                if rep is None or self.roles.get(b) != "primary":
+                verdict = self.core.round_start(b, time.monotonic())
+                if verdict == "stop":
+                    return  # no longer primary, or the lease lapsed: a renewal kicks us again
+                rep = self.buckets[b]
+                if verdict == "idle":
+                    if commit_task is not None:
+                        await commit_task
+                        commit_task = None
+                        continue  # pushes may have arrived meanwhile
+                    # Idle: bring members that joined (or missed a commit) up to date, so a
+                    # quiet bucket's copies are identical and a failover finds nothing missing.
+                    for m in rep.lagging():
+                        await self._sync_member(b, rep, m)
+                    self.core.report_learners(b)
+                    self.drain()
                     return
-                if rep.needs_recovery:
-                    rep.recover()
-                if rep.inflight is None:
-                    if not self.leases.can_write(b, rep.assignment.epoch, time.monotonic()):
-                        return  # the next heartbeat's renewal kicks us again
-                    if rep.next_round() is None:
-                        if commit_task is not None:
-                            await commit_task
-                            commit_task = None
-                            continue  # pushes may have arrived meanwhile
-                        # Idle: bring members that joined (or missed a commit) up to date, so a
-                        # quiet bucket's copies are identical and a failover finds nothing missing.
-                        for m in rep.lagging():
-                            await self._sync_member(b, rep, m)
-                        self._report_learners(b, rep)
-                        return
                 t0 = time.perf_counter()
                 n_pushes = len(rep.inflight[1]) if rep.inflight else 0
                 try:
@@ -103,11 +70,10 @@ class PrimaryRounds:
                     seq = rep.inflight[0].seq
                     # Applied here in seq order: enqueued to the owner threads before anything
                     # else runs on the loop, so reads and snapshots see whole batches.
-                    self.apply_batches(rep.commit_round())
-                    if self.cfg.ack == "prepared":
-                        # The decision point: every member holds the batch prepared, so every
-                        # copy the controller may promote next commits it (docs/protocol-ps.md).
-                        self._release(b, rep, rep.release_decided())
+                    # The core applies it and, with ack = "prepared", acknowledges its pushes:
+                    # the decision point (docs/protocol-ps.md).
+                    self.core.decide(b, time.monotonic())
+                    self.drain()
                     if commit_task is not None:
                         await commit_task  # at most one commit phase in flight
                     commit_task = asyncio.create_task(
@@ -169,8 +135,8 @@ class PrimaryRounds:
                 )
             except RpcError as exc:
                 if exc.code == "stale_epoch":
-                    self.m.stale.inc()
-                    self.request_heartbeat()
+                    self.core.on_peer_stale()
+                    self.drain()
                 return False
             except (ConnectionError, TimeoutError, OSError):
                 return False
@@ -179,7 +145,8 @@ class PrimaryRounds:
                 continue
             rep.on_prepare_ack(member, int(reply["seq"]))
             if "committed" in reply:
-                self._release(b, rep, rep.on_commit_ack(member, int(reply["committed"])))
+                self.core.on_commit_ack(b, member, int(reply["committed"]), time.monotonic())
+                self.drain()
             return True
         return False
 
@@ -208,8 +175,9 @@ class PrimaryRounds:
                 started = time.monotonic()
             elif failed:
                 await asyncio.sleep(0.02)
-        self._release(b, rep, rep.release_acknowledged())
-        self._report_learners(b, rep)
+        if b in self.buckets:
+            self.core.committed_everywhere(b, time.monotonic())
+            self.drain()
         self.m.round_seconds.observe(time.perf_counter() - t0)
         self.m.round_pushes.observe(n_pushes)
 
@@ -229,7 +197,8 @@ class PrimaryRounds:
                     seq=rep.committed if upto is None else min(upto, rep.committed),
                 )
                 if reply["status"] == "ok":
-                    self._release(b, rep, rep.on_commit_ack(member, int(reply["seq"])))
+                    self.core.on_commit_ack(b, member, int(reply["seq"]), time.monotonic())
+                    self.drain()
                     return True
                 position = int(reply["seq"])
                 rep.on_member_position(member, position)
@@ -264,97 +233,21 @@ class PrimaryRounds:
             # it up from the log, then commit again.
             rep.on_member_position(member, int(reply["seq"]))
             return await self._sync_member(b, rep, member, seq)
-        self._release(b, rep, rep.on_commit_ack(member, int(reply["seq"])))
+        self.core.on_commit_ack(b, member, int(reply["seq"]), time.monotonic())
+        self.drain()
         return True
 
-    def _release(self, b: int, rep: BucketReplica, waiters: Iterable[Any]) -> None:
-        """Acknowledges the pushes of batches every replica committed, but only while this
-        server's lease of the bucket holds: past it another copy may already be acknowledging
-        under the next epoch. Then their outcome is unknown to the client (`primary_changed`);
-        its retry is answered by the next primary, which has the batch (exactly once)."""
-        waiters = [f for f in waiters if isinstance(f, asyncio.Future) and not f.done()]
-        if not waiters:
-            return
-        if self.leases.can_write(b, rep.assignment.epoch, time.monotonic()):
-            for fut in waiters:
-                fut.set_result(None)
-            return
-        why = "the lease ended before the acknowledgement; the push's outcome is unknown"
-        for fut in waiters:
-            fut.set_exception(not_primary(rep, b, self.addresses, why, code="primary_changed"))
-
     async def _unresponsive(self, b: int, rep: BucketReplica, member: str) -> None:
-        """A replica did not answer within member_timeout. A learner not yet reported caught up
-        is no member: forget it (it transfers again). One whose report awaits the controller's
-        answer is waited for. A member, or a learner the controller accepted, leaves only by a
-        committed controller entry."""
-        state = rep.learners.get(member)
-        if state == "syncing":
-            log.info("bucket %d: learner %s unresponsive; forgotten", b, member)
-            rep.drop_learner(member)
-            return
-        if state == "reporting":
-            return
-        if await self._drop_secondary(b, rep, member) and member in rep.learners:
-            rep.drop_learner(member)
-
-    def _report_learners(self, b: int, rep: BucketReplica) -> None:
-        """Learners that hold every committed batch: report them caught up (once)."""
-        for m in rep.learners_caught_up():
-            rep.report_sent(m)
-            asyncio.create_task(self._report_caught_up(b, rep, m, rep.assignment.epoch))
-
-    async def _report_caught_up(self, b: int, rep: BucketReplica, member: str, epoch: int) -> None:
-        """Reports a learner caught up, in its join. An answer of unknown outcome is no refusal
-        (the entry may have committed): ask again (a repeated report of one join is accepted)
-        until the controllers answer, or the record moves on without this primary."""
-        join = rep.learner_joins.get(member, 0)
-        while not self.closing:
-            accepted: bool | None
-            try:
-                await self.controller.caught_up(b, self.server_id, epoch, member, join)
-                log.info(
-                    "bucket %d: %s caught up at seq %d (epoch %d)", b, member, rep.committed, epoch
-                )
-                accepted = True
-            except RpcError as exc:
-                if exc.code in ("no_quorum", "timeout", "unavailable", "internal"):
-                    accepted = None
-                else:
-                    log.info("bucket %d: caught-up of %s refused: %s", b, member, exc)
-                    accepted = False
-            except (ConnectionError, TimeoutError, OSError):
-                accepted = None
-            if (
-                rep.assignment.epoch != epoch
-                or not rep.is_primary
-                or rep.learners.get(member) != "reporting"
-                or rep.learner_joins.get(member, 0) != join
-            ):
-                # The record moved on (on_assignment settles the learner), or the copy joined
-                # again meanwhile: that join's own report decides, not this older one's answer.
-                break
-            if accepted is not None:
-                rep.report_done(member, accepted)
-                break
-            await asyncio.sleep(0.2)
-        self.request_heartbeat()
-
-    async def _drop_secondary(self, b: int, rep: BucketReplica, member: str) -> bool:
-        """Reports an unresponsive member; waits for the controller's new assignment. True when
-        the controller removed it."""
-        log.warning(
-            "bucket %d: secondary %s unresponsive; asking the controller to drop it", b, member
-        )
-        self.m.dropped.inc()
+        """A replica did not answer within member_timeout: the core decides (forget a learner,
+        wait for a report's answer, or ask the controllers to drop it). After a drop request the
+        round waits up to member_timeout for the record that removes it before trying again."""
         epoch = rep.assignment.epoch
-        try:
-            await self.controller.drop_secondary(b, self.server_id, epoch, member)
-        except (RpcError, ConnectionError, TimeoutError) as exc:
-            log.warning("bucket %d: drop-secondary %s refused or failed: %s", b, member, exc)
-            self.request_heartbeat()
-            return False
-        # Learn the new replica set (a committed controller entry) before going on without it.
+        verdict = self.core.unresponsive(b, member)
+        self.drain()
+        if verdict == "forgotten":
+            log.info("bucket %d: learner %s unresponsive; forgotten", b, member)
+        if verdict != "drop":
+            return
         deadline = time.monotonic() + self.member_timeout
         while (
             member in rep.assignment.secondaries
@@ -364,4 +257,3 @@ class PrimaryRounds:
         ):
             self.request_heartbeat()
             await asyncio.sleep(0.05)
-        return True

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from adamps.protocol import require
+from adamps.core.repl_types import Reject
+from adamps.protocol import ProtocolError, require
 from adamps.rpc import RpcError
 from adamps.server import checksum
 from adamps.server.tickets import owner_future
@@ -32,7 +33,8 @@ class StateTransfer:
     """Snapshots of a bucket (sent and installed) and digests.
 
     A part of :class:`adamps.server.replicate.Replicator`, which holds the state its methods
-    use (``buckets``, ``roles``, ``leases``, ``peers``, ``controller``, ``store``, ``m``)."""
+    use (``core``, ``buckets``, ``peers``, ``store``, ``m``). The decisions (who may have a
+    snapshot, whether a fetched one is installed, when to transfer again) are the core's."""
 
     async def op_repl_snapshot(self, msg: dict[str, Any]) -> dict[str, Any]:
         """A consistent copy of a bucket for a joining copy: taken between rounds, no await between
@@ -40,13 +42,15 @@ class StateTransfer:
         b = require(msg, "bucket", int)
         joiner = require(msg, "joiner", str)
         join = require(msg, "join", int, default=0)
-        rep = self.check_primary(b)
-        rej = rep.add_learner(joiner, join)
-        if rej is not None:
-            raise self.reject(rej, b)
-        # From here (no await since add_learner) every round waits for the joiner: the batches
-        # after `committed` reach it through the rounds, the ones up to it through this copy.
-        meta = rep.snapshot_meta()
+        meta = self.core.snapshot_for(b, joiner, join, time.monotonic())
+        self.drain()
+        if isinstance(meta, Reject):
+            if meta.code == "bucket_unavailable":
+                raise ProtocolError(meta.code, meta.message, bucket=b)
+            raise self.refusal(b, meta)
+        # From here (no await since the core made the joiner a learner) every round waits for
+        # it: the batches after `committed` reach it through the rounds, the ones up to it
+        # through this copy.
         states = [
             st for st in self.store.shards.values() if self.store.layout.bucket_of[st.id] == b
         ]
@@ -65,7 +69,6 @@ class StateTransfer:
         self.m.snapshots.labels("sent").inc()
         return {
             "bucket": b,
-            "epoch": rep.assignment.epoch,
             **meta,
             "tensors": [self.catalog.definition(name) for name in sorted(tensors)],
             "tables": [st.table.spec.to_dict() for st in rows],
@@ -85,17 +88,12 @@ class StateTransfer:
         """Transfers bucket b from its primary and takes its rounds as a learner until the
         controller makes it a member; transfers again if the primary changes or goes silent
         (it forgot this learner)."""
-        while not self.closing and self.roles.get(b) == "joining":
-            rep = self.buckets[b]
-            primary, epoch = rep.assignment.primary, rep.assignment.epoch
+        while not self.closing and (target := self.core.join_target(b)) is not None:
+            primary, epoch, join = target
             try:
                 snap = (
                     await self.peers.call(
-                        primary,
-                        "repl_snapshot",
-                        bucket=b,
-                        joiner=self.server_id,
-                        join=self.join_ids.get(b, 0),
+                        primary, "repl_snapshot", bucket=b, joiner=self.server_id, join=join
                     )
                     if primary
                     else None
@@ -103,12 +101,7 @@ class StateTransfer:
             except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
                 log.info("bucket %d: snapshot from %s failed: %s; retrying", b, primary, exc)
                 snap = None
-            if (
-                snap is None
-                or self.roles.get(b) != "joining"
-                or (rep.assignment.epoch, rep.assignment.primary) != (epoch, primary)
-                or int(snap["epoch"]) != epoch
-            ):
+            if snap is None or not self.core.snapshot_fits(b, (primary, epoch), int(snap["epoch"])):
                 await asyncio.sleep(0.3)
                 self.request_heartbeat()
                 continue
@@ -121,13 +114,12 @@ class StateTransfer:
             log.info(
                 "bucket %d: snapshot at seq %d from %s installed", b, snap["committed"], primary
             )
-            self.last_heard[b] = time.monotonic()
-            while not self.closing and self.roles.get(b) == "joining" and rep.learning:
-                if time.monotonic() - self.last_heard.get(b, 0.0) > self.failover_after:
-                    log.info("bucket %d: primary %s silent while joining; again", b, primary)
-                    rep.learning = False
-                    break
+            # Takes the primary's rounds until the controllers make it a member; the core's tick
+            # ends the learning when the primary stays silent (it forgot this learner).
+            while not self.closing and self.core.learning(b):
                 await asyncio.sleep(0.1)
+            if self.core.join_target(b) is not None:
+                log.info("bucket %d: primary %s silent while joining; again", b, primary)
 
     async def _install(self, b: int, snap: dict[str, Any]) -> None:
         for sid, rec in snap["shards"].items():  # before anything changes here
@@ -157,10 +149,13 @@ class StateTransfer:
         done = owner_future(lambda cb: self.store.overwrite(states, values, accums, versions, cb))
         # The position moves in the same loop step as the values are queued: a flush cut sees
         # both or neither.
-        self.buckets[b].install_snapshot(
-            int(snap["committed"]), snap["dedup"], int(snap.get("committed_epoch", 0))
+        self.core.installed(
+            b,
+            int(snap["committed"]),
+            snap["dedup"],
+            int(snap.get("committed_epoch", 0)),
+            time.monotonic(),
         )
-        self.persisted.pop(b, None)
         await done
         await rows_done
         self.m.snapshots.labels("received").inc()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Container, Iterable
+from collections.abc import Awaitable, Callable, Container
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -35,8 +35,11 @@ from prometheus_client import CollectorRegistry
 
 from adamps import peer_auth, protocol
 from adamps.controller_client import AsyncControllerClient
-from adamps.core.lease import HolderLeases, LeaseTerms
-from adamps.core.replication import Apply, Assignment, BucketReplica, Reject
+from adamps.core.lease import LeaseTerms
+from adamps.core.repl_core import ReplCore
+from adamps.core.repl_ready import ControllerRequest
+from adamps.core.repl_settings import ReplSettings
+from adamps.core.replication import Apply, BucketReplica, Reject
 from adamps.protocol import ProtocolError
 from adamps.rpc import RpcError
 from adamps.server.config import PsConfig
@@ -79,16 +82,18 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         self.member_timeout = cfg.member_timeout
         self.ping_interval = cfg.ping_interval
         self.failover_after = cfg.failover_after
-        #: bucket -> replication state (buckets this server holds a copy of, or is joining)
-        self.buckets: dict[int, BucketReplica] = {}
-        #: bucket -> "primary" | "secondary" | "joining" | "standby"
-        self.roles: dict[int, str] = {}
-        #: buckets the controllers report unavailable (no live copy to serve them)
-        self.unavailable: frozenset[int] = frozenset()
-        #: bucket -> seq of the last cut taken for the flush (absent: a new or reinstalled copy)
-        self.persisted: dict[int, int] = {}
-        #: bucket -> the controllers' id of this copy's current join (named in the snapshot ask)
-        self.join_ids: dict[int, int] = {}
+        #: every replication decision and all per-bucket state (no IO, no clock)
+        self.core = ReplCore(
+            ReplSettings(
+                cfg.server_id,
+                member_timeout=cfg.member_timeout,
+                failover_after=cfg.failover_after,
+                ack=cfg.ack,
+                log_limit=cfg.replication_log,
+            )
+        )
+        #: bucket -> the task fetching and installing its snapshot (joining side)
+        self._join_tasks: dict[int, asyncio.Task] = {}
         #: who this server is to its peers, and who sent what it is asked to replicate
         self.peer_keys = PeerKeys(
             cfg.server_id, cfg.own_key(), lambda: self.controller, lambda s: s in self.addresses
@@ -96,21 +101,14 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         self.peers = Peers(cfg.token, cfg.member_timeout, self.peer_keys)
         #: server id -> "host:port" (from the controllers' roles; the peers' address book)
         self.addresses = self.peers.addresses
-        self.leases = HolderLeases(LeaseTerms())
-        self.table_version: int | None = None
         self.heartbeat_interval = 1.0
-        #: bucket -> monotonic time the primary was last heard (secondary side)
-        self.last_heard: dict[int, float] = {}
         #: bucket -> the task running its rounds (primary side)
         self.round_tasks: dict[int, asyncio.Task] = {}
-        self._join_tasks: dict[int, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
         #: the controllers' client (opened at start)
         self.controller: Any = None
         self._heartbeat_now = asyncio.Event()
-        #: bucket -> monotonic time before which no new role change is proposed (secondary side)
-        self.role_change_after: dict[int, float] = {}
         self.registered = asyncio.Event()
         #: set at stop: every loop ends
         self.closing = False
@@ -161,8 +159,7 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         # all at once and within one second in total (best effort: unreleased leases run out).
         releases = [
             self.controller.release(b, self.server_id, self.buckets[b].assignment.epoch)
-            for b, role in self.roles.items()
-            if role == "primary" and b in self.buckets
+            for b in self.core.primaries()
         ]
         if releases:
             try:
@@ -192,54 +189,135 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
                 log.warning("controller unreachable: %s; retrying", exc)
                 await asyncio.sleep(0.5)
 
+    # -- the core's views (what the app and the flusher read) -----------------------------------
+
+    @property
+    def buckets(self) -> dict[int, BucketReplica]:
+        return self.core.buckets
+
+    @property
+    def roles(self) -> dict[int, str]:
+        return self.core.roles
+
+    @property
+    def persisted(self) -> dict[int, int]:
+        return self.core.persisted
+
     def copies(self) -> dict[int, list[int]]:
-        """The copies this server holds whole, with their position [epoch, seq] of the newest
-        batch held applied or prepared: what it offers the controllers (a joining copy that has
-        no snapshot yet holds nothing)."""
-        return {
-            b: list(rep.held_position)
-            for b, rep in self.buckets.items()
-            if self.roles.get(b) != "joining" or rep.learning
-        }
+        return self.core.copies()
+
+    def held_copies(self) -> set[int]:
+        return self.core.held_copies()
 
     def restore(self, positions: dict[int, Position]) -> None:
         """Copies reloaded from LMDB at start: held as standby until the controllers decide."""
         for b, pos in positions.items():
-            rep = self.buckets[b] = BucketReplica(
-                self.server_id, b, log_limit=self.cfg.replication_log
-            )
-            rep.restore(pos.seq, pos.epoch, pos.dedup, map(batch_from_wire, pos.prepared))
-            self.roles[b] = "standby"
-            self.persisted[b] = pos.seq
+            self.core.restore(b, pos.seq, pos.epoch, pos.dedup, map(batch_from_wire, pos.prepared))
         log.info("reloaded %d copies: %s", len(positions), self.copies())
-
-    def held_copies(self) -> set[int]:
-        """The buckets whose copy a flush persists (a joining copy only once it learns)."""
-        return {
-            b
-            for b, rep in self.buckets.items()
-            if not (self.roles.get(b) == "joining" and not rep.learning)
-        }
 
     def positions(self, buckets: Container[int] | None = None) -> dict[int, Position]:
         """Per held copy (of `buckets`; None: all), its position and the exactly-once pairs
         recorded since the last cut. Called on the event loop in the same step as the flush's
         copies are queued: they describe exactly the values the flush writes."""
-        out = {}
-        for b, rep in self.buckets.items():
-            if self.roles.get(b) == "joining" and not rep.learning:
+        return self.core.positions(
+            buckets,
+            DEDUP_PER_FLUSH,
+            lambda e, s, d, f, p: Position(e, s, d, f, [batch_to_wire(x) for x in p]),
+        )
+
+    # -- carrying out the core's Ready ------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Carries out what the core decided, in the order repl_ready.py gives; called after
+        every input, in the same loop step (applies are queued before anything else runs)."""
+        core = self.core
+        if not core.has_ready():
+            return
+        rd = core.ready()
+        core.advance()
+        for b in rd.forget:
+            self.store.release_bucket(b)
+            if b in self._lag_buckets:
+                self._lag_buckets.discard(b)
+                self.m.lag.remove(str(b))
+        for b in rd.hold:
+            self.store.hold_bucket(b)
+        for _b, action in rd.applies:
+            self.apply_batches(action)
+        for ans in rd.answers:
+            fut = ans.waiter
+            if not isinstance(fut, asyncio.Future) or fut.done():
                 continue
-            if buckets is not None and b not in buckets:
-                continue
-            last = self.persisted.get(b)
-            if last is None:
-                dedup, fresh = rep.dedup.to_list(), True
-            else:
-                dedup, fresh = rep.dedup.entries_after(last, DEDUP_PER_FLUSH), False
-            prepared = [batch_to_wire(x) for x in rep.held_prepared()]
-            out[b] = Position(rep.committed_epoch, rep.committed, dedup, fresh, prepared)
-            self.persisted[b] = rep.committed
-        return out
+            if ans.outcome == "ok":
+                fut.set_result(None)
+            else:  # queued in a round that may still commit elsewhere: unknown, not "failed"
+                rep = core.buckets.get(ans.bucket)
+                fut.set_exception(
+                    not_primary(rep, ans.bucket, self.addresses, ans.why, code="primary_changed")
+                )
+        for b in rd.stop_joins:
+            task = self._join_tasks.pop(b, None)
+            if task is not None and not task.done():
+                task.cancel()
+        for b in rd.start_joins:
+            if b not in self._join_tasks or self._join_tasks[b].done():
+                self._join_tasks[b] = asyncio.create_task(self.join(b), name=f"join-{b}")
+        for req in rd.requests:
+            asyncio.create_task(self._request(req), name=f"{req.kind}-{req.bucket}")
+        for b in rd.kicks:
+            self.kick(b)
+        if rd.failovers:
+            self.m.failovers.inc(rd.failovers)
+        if rd.stale:
+            self.m.stale.inc(rd.stale)
+        if rd.heartbeat:
+            self.request_heartbeat()
+
+    async def _request(self, req: ControllerRequest) -> None:
+        """One call to the controllers that the core asked for; its answer goes back in."""
+        b, ctl = req.bucket, self.controller
+        if req.kind == "role_change":
+            log.warning("bucket %d: primary silent; proposing a role change", b)
+            retry = None
+            try:
+                await ctl.role_change(
+                    b, self.server_id, req.epoch, {self.server_id: list(req.position)}
+                )
+            except RpcError as exc:
+                retry = exc.extra.get("retry_after")
+                log.info("bucket %d: role change not accepted: %s", b, exc.message)
+            except (ConnectionError, TimeoutError) as exc:
+                log.info("bucket %d: role change failed: %s", b, exc)
+            self.core.on_role_change_answer(b, retry, time.monotonic())
+        elif req.kind == "drop_secondary":
+            log.warning("bucket %d: secondary %s unresponsive; asking the controller to drop it",
+                        b, req.member)  # fmt: skip
+            self.m.dropped.inc()
+            try:
+                await ctl.drop_secondary(b, self.server_id, req.epoch, req.member)
+            except (RpcError, ConnectionError, TimeoutError) as exc:
+                log.warning(
+                    "bucket %d: drop-secondary %s refused or failed: %s", b, req.member, exc
+                )
+            self.request_heartbeat()  # learn the new replica set (a committed entry)
+        elif req.kind == "caught_up":
+            while not self.closing:
+                error: str | None = None
+                try:
+                    await ctl.caught_up(b, self.server_id, req.epoch, req.member, req.join)
+                    log.info("bucket %d: %s caught up (epoch %d)", b, req.member, req.epoch)
+                except RpcError as exc:
+                    log.info("bucket %d: caught-up of %s: %s", b, req.member, exc)
+                    error = exc.code
+                except (ConnectionError, TimeoutError, OSError):
+                    error = "connection"
+                again = self.core.on_caught_up_answer(req, error)
+                self.drain()
+                if not again:
+                    return
+                await asyncio.sleep(0.2)
+            return
+        self.drain()
 
     async def _register(self) -> None:
         copies = await self.offers()
@@ -249,15 +327,9 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
                 f"the controllers use n_buckets={reply['n_buckets']}, this server {self.cfg.n_buckets}"
             )
         terms = reply.get("lease") or {}
-        self.leases = HolderLeases(LeaseTerms(**{k: float(v) for k, v in terms.items()}))
         self.heartbeat_interval = float(reply.get("heartbeat_interval", 1.0))
-        # A new incarnation: no role and no lease is trusted any more, but the copies stay (the
-        # controllers may need them: they were offered) until the roles say what to do.
-        for b, rep in self.buckets.items():
-            self._fail_waiters(rep.on_assignment(Assignment(rep.assignment.epoch, None)), b)
-            if self.roles.get(b) != "joining" or rep.learning:
-                self.roles[b] = "standby"
-        self.table_version = None
+        self.core.registered(LeaseTerms(**{k: float(v) for k, v in terms.items()}))
+        self.drain()
         self.registered.set()
         log.info(
             "registered as %s at %s, offering %d copies (lease %s)",
@@ -271,157 +343,83 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         self._heartbeat_now.set()
 
     async def _heartbeat(self) -> bool:
-        reports = {b: [rep.assignment.epoch, rep.prepared_seq] for b, rep in self.buckets.items()}
         try:
             reply, asked_at = await self.controller.heartbeat(
-                self.server_id, self.table_version, reports, self.not_durable()
-            )
+                self.server_id, self.core.table_version, self.core.heartbeat_reports(),
+                self.not_durable(),
+            )  # fmt: skip
         except RpcError as exc:
             if exc.code == "conflict" or exc.code == "not_found":
                 log.warning("controller says %s: registering again", exc.message)
                 return False
             raise
-        self.unavailable = frozenset(int(b) for b in reply.get("unavailable", []))
-        if "roles" in reply:
-            self._apply_roles(reply["roles"], int(reply["version"]))
-        for b, epoch in reply.get("renewed", []):
-            self.leases.on_granted(int(b), int(epoch), asked_at)
-            if int(b) in self.buckets:
-                self.kick(int(b))
-        self.update_gauges()
-        return True
-
-    def _apply_roles(self, roles: Iterable[dict[str, Any]], version: int) -> None:
-        seen = set()
-        for r in roles:
-            b = int(r["bucket"])
-            seen.add(b)
+        for r in reply.get("roles", []):  # the peers' address book
             if r.get("address") and r.get("primary"):
                 self.addresses[r["primary"]] = r["address"]
             for sid, addr in (r.get("secondary_addresses") or {}).items():
                 if addr:
                     self.addresses[sid] = addr
-            # `secondaries` excludes the primary; membership changes keep the lease epoch.
-            assignment = Assignment(
-                int(r["epoch"]),
-                r.get("primary"),
-                tuple(r.get("secondaries", [])),
-                tuple(r.get("joining", [])),
-            )
-            role = r.get("role") or (
-                "primary"
-                if assignment.primary == self.server_id
-                else "secondary"
-                if self.server_id in assignment.secondaries
-                else "joining"
-            )
-            if role == "standby" and b not in self.buckets:
-                continue  # a copy this server no longer has: never an initial-valued stand-in
-            self.store.hold_bucket(b)  # shards exist only for the buckets this server holds
-            rep = self.buckets.get(b)
-            if rep is None:
-                rep = self.buckets[b] = BucketReplica(
-                    self.server_id, b, log_limit=self.cfg.replication_log
-                )
-            was = self.roles.get(b)
-            if role == "standby":
-                # No member: keep the copy (and its position) untouched, serve nothing.
-                self.roles[b] = "standby"
-                self.leases.drop(b)
-                continue
-            if role == "joining":
-                # Not a member yet: keep the assignment to know the primary, start the transfer.
-                # (A primary handed off ends its rounds and answers its waiters here; another
-                # primary or epoch means another history: transfer again.)
-                self._fail_waiters(rep.on_assignment(assignment), b)
-                self.join_ids[b] = int(r.get("join", 0))
-                self.roles[b] = "joining"
-                if b not in self._join_tasks or self._join_tasks[b].done():
-                    self._join_tasks[b] = asyncio.create_task(self.join(b), name=f"join-{b}")
-                continue
-            if was == "joining" and role != "joining":
-                task = self._join_tasks.pop(b, None)
-                if task is not None and not task.done():
-                    task.cancel()
-            self._fail_waiters(rep.on_assignment(assignment), b)
-            self.roles[b] = role
-            if role == "primary":
-                if was != "primary" and was is not None:
-                    self.m.failovers.inc()
-                    log.info("bucket %d: promoted to primary at epoch %d", b, assignment.epoch)
-                self.kick(b)
-            else:
-                self.leases.drop(b)
-                self.last_heard.setdefault(b, time.monotonic())
-        for b in [b for b in self.buckets if b not in seen]:
-            self._forget(b)
-        self.table_version = version
-
-    def _forget(self, b: int) -> None:
-        rep = self.buckets.pop(b, None)
-        self.persisted.pop(b, None)
-        self.roles.pop(b, None)
-        self.store.release_bucket(b)
-        self.leases.drop(b)
-        self.last_heard.pop(b, None)
-        task = self._join_tasks.pop(b, None)
-        if task is not None:
-            task.cancel()
-        if rep is not None:
-            self._fail_waiters(rep.on_assignment(Assignment(rep.assignment.epoch + 1, None)), b)
-        if b in self._lag_buckets:
-            self._lag_buckets.discard(b)
-            self.m.lag.remove(str(b))
-
-    def _fail_waiters(self, waiters: Iterable[Any], b: int) -> None:
-        rep = self.buckets.get(b)
-        for fut in waiters:
-            if isinstance(fut, asyncio.Future) and not fut.done():
-                # Queued in a round that may still commit elsewhere: unknown, not "not applied".
-                fut.set_exception(
-                    not_primary(
-                        rep,
-                        b,
-                        self.addresses,
-                        "this server is no longer the primary; the push's outcome is unknown",
-                        code="primary_changed",
-                    )
-                )
+        self.core.on_roles(reply, asked_at, time.monotonic())
+        self.drain()
+        self.update_gauges()
+        return True
 
     def update_gauges(self) -> None:
-        prim = [b for b, r in self.roles.items() if r == "primary"]
+        prim = self.core.primaries()
         self.m.primary_buckets.set(len(prim))
         self.m.under_replicated.set(
             sum(1 for b in prim if len(self.buckets[b].assignment.secondaries) < 2)
         )
         self.m.lease_epoch.set(max((self.buckets[b].assignment.epoch for b in prim), default=0))
         for b in prim:
-            rep = self.buckets[b]
-            low = min((rep.acked_commit.get(m, -1) for m in rep.replicas), default=rep.committed)
-            self.m.lag.labels(str(b)).set(max(0, rep.committed - max(low, 0)))
+            self.m.lag.labels(str(b)).set(self.core.lag(b))
             self._lag_buckets.add(b)
 
     # -- primary: pushes and rounds -----------------------------------------------------------------
 
+    def refusal(self, b: int, rej: Reject) -> ProtocolError:
+        """A refusal of the core as the protocol error a client or peer gets."""
+        rep = self.buckets.get(b)
+        if rej.code == "not_primary":
+            return not_primary(rep, b, self.addresses, rej.message)
+        epoch = rej.epoch or (rep.assignment.epoch if rep is not None else 0)
+        return ProtocolError(rej.code, rej.message, bucket=b, epoch=epoch)
+
     def check_primary(self, b: int) -> BucketReplica:
         """The bucket's state if this server may serve it as primary now, else not_primary."""
-        rep = self.buckets.get(b)
-        if b in self.unavailable:
-            self.request_heartbeat()
-            raise ProtocolError(
-                "bucket_unavailable",
-                f"bucket {b}: no live copy can serve it (waiting for a copy to come back, or "
-                "for an operator to declare it lost)",
-                bucket=b,
-            )
-        if rep is None or self.roles.get(b) != "primary":
-            raise not_primary(rep, b, self.addresses, "this server is not its primary")
-        if not self.leases.can_write(b, rep.assignment.epoch, time.monotonic()):
-            self.request_heartbeat()
-            raise not_primary(
-                rep, b, self.addresses, "the primary lease is not (or no longer) held"
-            )
+        rep = self.core.check_primary(b, time.monotonic())
+        self.drain()
+        if isinstance(rep, Reject):
+            if rep.code == "bucket_unavailable":
+                raise ProtocolError(rep.code, rep.message, bucket=b)
+            raise self.refusal(b, rep)
         return rep
+
+    async def push(
+        self, by_bucket: dict[int, list[dict[str, Any]]], client: tuple[str, int] | None
+    ) -> None:
+        """Replicates one client push (its updates grouped by bucket); returns once every
+        bucket's round is decided (``ack = "prepared"``) or committed by every member."""
+        loop = asyncio.get_running_loop()
+        futs = {b: loop.create_future() for b in by_bucket}
+        res = self.core.submit(
+            {b: tuple(u) for b, u in by_bucket.items()}, client, futs, time.monotonic()
+        )
+        self.drain()
+        if isinstance(res, tuple):
+            b, rej = res
+            if rej.code == "bucket_unavailable":
+                raise ProtocolError(rej.code, rej.message, bucket=b)
+            raise self.refusal(b, rej)
+        if res:
+            self.m.dedup.inc(res)
+        try:
+            await asyncio.wait_for(asyncio.gather(*futs.values()), self.cfg.push_timeout)
+        except TimeoutError:
+            raise ProtocolError(
+                "timeout",
+                f"replication did not complete within {self.cfg.push_timeout}s; outcome unknown",
+            ) from None
 
     def apply_batches(self, action: Apply) -> asyncio.Future:
         """Enqueues the batches, each as one group per shard, in order; a future for completion."""
@@ -480,42 +478,13 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         """The replication ops this server serves on POST /rpc (peer traffic), by name."""
         return {op: getattr(self, f"op_{op}") for op in REPL_OPS}
 
-    def known(self, b: int) -> BucketReplica:
-        rep = self.buckets.get(b)
-        if rep is None:
-            self.request_heartbeat()
-            raise ProtocolError("unavailable", f"bucket {b}: no copy here (yet)", bucket=b)
-        return rep
-
-    def reject(self, rej: Reject, b: int) -> ProtocolError:
-        if rej.code == "stale_epoch":
-            self.m.stale.inc()
-        if rej.code == "unavailable":
-            self.request_heartbeat()  # the primary knows an epoch we do not: ask the controller
-        return ProtocolError(rej.code, rej.message, bucket=b, epoch=rej.epoch)
-
     def status(self) -> dict[str, Any]:
-        now = time.monotonic()
-        out = {}
-        for b, rep in sorted(self.buckets.items()):
-            d = self.leases.deadline(b)
-            out[str(b)] = {
-                "role": self.roles.get(b),
-                "epoch": rep.assignment.epoch,
-                "primary": rep.assignment.primary,
-                "secondaries": list(rep.assignment.secondaries),
-                "committed": rep.committed,
-                "committed_epoch": rep.committed_epoch,
-                "learners": dict(rep.learners),
-                "prepared": sorted(rep.prepared),
-                "pending": len(rep.pending),
-                "lease_left": None if d is None else round(d - now, 3),
-            }
+        out = self.core.status(time.monotonic())
         return {
             "server_id": self.server_id,
             "address": self.address,
-            "table_version": self.table_version,
-            "unavailable": sorted(self.unavailable),
+            "table_version": self.core.table_version,
+            "unavailable": sorted(self.core.unavailable),
             "buckets": out,
         }
 
