@@ -27,11 +27,12 @@ primary was last heard, the joins, and which cut of each copy was persisted.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from adamps.core.lease import HolderLeases, LeaseTerms
-from adamps.core.repl_ready import Answer, ControllerRequest, Ready
+from adamps.core.repl_ready import Answer, ControllerRequest, Ready, Send
+from adamps.core.repl_rounds import COMMIT_DELAY, MAX_GAPS, Rounds
 from adamps.core.repl_settings import ReplSettings
 from adamps.core.repl_types import Apply, Assignment, Batch, Reject
 from adamps.core.replication import BucketReplica
@@ -65,6 +66,11 @@ class ReplCore:
         self.last_heard: dict[int, float] = {}
         #: bucket -> time before which no new role change is proposed (secondary side)
         self.role_change_after: dict[int, float] = {}
+        #: bucket -> the primary's messages to its replicas (primary side)
+        self._rounds: dict[int, Rounds] = {}
+        #: message id -> (bucket, replica) of every message in flight
+        self._rids: dict[int, tuple[int, str]] = {}
+        self._next_rid = 0
         self._ready = Ready()
 
     # -- Ready ------------------------------------------------------------------------------------
@@ -83,7 +89,7 @@ class ReplCore:
     def _unknown(self, waiters: Iterable[Any], b: int, why: str) -> None:
         self._ready.answers.extend(Answer(w, "unknown", b, why) for w in waiters)
 
-    def _rep(self, b: int) -> BucketReplica:
+    def new_replica(self, b: int) -> BucketReplica:
         return BucketReplica(self.server_id, b, log_limit=self.settings.log_limit)
 
     # -- the controllers ----------------------------------------------------------------------------
@@ -113,8 +119,7 @@ class ReplCore:
             self._apply_roles(reply["roles"], int(reply["version"]), now)
         for b, epoch in reply.get("renewed", []):
             self.leases.on_granted(int(b), int(epoch), asked_at)
-            if int(b) in self.buckets:
-                self._ready.kicks.add(int(b))
+            self.pump(int(b), now)
 
     def _apply_roles(self, roles: Iterable[Mapping[str, Any]], version: int, now: float) -> None:
         seen = set()
@@ -140,7 +145,7 @@ class ReplCore:
             self._ready.hold.append(b)  # shards exist only for the buckets this server holds
             rep = self.buckets.get(b)
             if rep is None:
-                rep = self.buckets[b] = self._rep(b)
+                rep = self.buckets[b] = self.new_replica(b)
             was = self.roles.get(b)
             if role == "standby":
                 # No member: keep the copy (and its position) untouched, serve nothing.
@@ -164,7 +169,7 @@ class ReplCore:
             if role == "primary":
                 if was != "primary" and was is not None:
                     self._ready.failovers += 1
-                self._ready.kicks.add(b)
+                self.pump(b, now)
             else:
                 self.leases.drop(b)
                 self.last_heard.setdefault(b, now)
@@ -180,6 +185,7 @@ class ReplCore:
         self.leases.drop(b)
         self.last_heard.pop(b, None)
         self.role_change_after.pop(b, None)
+        self._rounds.pop(b, None)
         self._ready.forget.append(b)
         self._ready.stop_joins.append(b)
         if rep is not None:
@@ -217,8 +223,8 @@ class ReplCore:
             elif role == "joining" and rep.learning:
                 if now - self.last_heard.get(b, 0.0) > fa:
                     rep.learning = False  # the primary forgot this learner: transfer again
-            elif role == "primary" and rep.lagging():
-                self._ready.kicks.add(b)
+            elif role == "primary":
+                self.pump(b, now)  # retries, delayed COMMITs, a renewed lease's rounds
 
     def pings(self) -> dict[str, dict[str, int]]:
         """Member -> {bucket: epoch} of the buckets this server is primary of: one ping each."""
@@ -272,33 +278,99 @@ class ReplCore:
             if verdict == "duplicate-committed":
                 self._ready.answers.append(Answer(waiters[b], "ok", b))
             dups += verdict != "queued"
-            self._ready.kicks.add(b)
+            self.pump(b, now)
         return dups
 
-    def round_start(self, b: int, now: float) -> str:
-        """Whether the primary's rounds of bucket b go on: "stop" (no longer primary, or the lease
-        lapsed: the next renewal kicks again), "round" (a round is in flight) or "idle"."""
+    def pump(self, b: int, now: float) -> None:
+        """The primary's rounds of bucket b: start the next round while the lease holds and
+        pushes wait, decide a round every replica holds, send each replica what it lacks."""
         rep = self.buckets.get(b)
         if rep is None or self.roles.get(b) != "primary":
-            return "stop"
-        if rep.needs_recovery:
-            rep.recover()
-        if rep.inflight is None:
-            if not self.leases.can_write(b, rep.assignment.epoch, now):
-                return "stop"
-            if rep.next_round() is None:
-                return "idle"
-        return "round"
+            self._rounds.pop(b, None)
+            return
+        rs = self._rounds.get(b)
+        if rs is None:
+            rs = self._rounds[b] = Rounds()
+        while True:
+            if rep.needs_recovery:
+                rep.recover()
+            if rep.inflight is None:
+                # A new round only under the lease (the next renewal pumps again).
+                if not self.leases.can_write(b, rep.assignment.epoch, now):
+                    break
+                if rep.next_round() is None:
+                    break
+                rs.began, rs.pushes = now, len(rep.inflight[1])  # type: ignore[index]
+            if not rep.round_prepared():
+                break
+            self._decide(b, rep, rs, now)
+        # ack = "committed": what every replica committed (also after one was removed).
+        self.release(b, rep.release_acknowledged(), now)
+        rs.forget_gone(rep.replicas)
+        epoch = rep.assignment.epoch
+        for m, op, fields in rs.to_send(rep, now):
+            if not op:  # its gap reaches past the log: it needs a state transfer
+                self._failed(b, rep, rs, m, now, now)
+                continue
+            self._next_rid += 1
+            rid = self._next_rid
+            rs.sent(m, rid, op, epoch, now)
+            self._rids[rid] = (b, m)
+            body = {"bucket": b, "epoch": epoch, "sender": self.server_id, **fields}
+            self._ready.messages.append(Send(rid, m, op, body))
+        self.report_learners(b)
 
-    def decide(self, b: int, now: float) -> Apply:
-        """Every member holds the round's batch: apply it; with ``ack = "prepared"`` this is the
+    def _decide(self, b: int, rep: BucketReplica, rs: Rounds, now: float) -> None:
+        """Every replica holds the round's batch: apply it; with ``ack = "prepared"`` this is the
         decision point and its pushes are acknowledged (docs/protocol-ps.md)."""
-        rep = self.buckets[b]
-        action = rep.commit_round()
-        self._ready.applies.append((b, action))
+        self._ready.applies.append((b, rep.commit_round()))
+        self._ready.rounds.append((now - rs.began, rs.pushes))
         if self.settings.ack == "prepared":
             self.release(b, rep.release_decided(), now)
-        return action
+            rs.commit_after = now + COMMIT_DELAY
+
+    def on_reply(self, rid: int, reply: Mapping[str, Any], now: float) -> None:
+        """A replica answered message `rid` (a PREPARE or COMMIT of this primary)."""
+        got = self._take(rid)
+        if got is None:
+            return
+        b, m, rep, rs, o = got
+        if o.epoch == rep.assignment.epoch:  # else: of a round restarted under a new epoch
+            committed = rs.answered(rep, m, o.op, dict(reply))
+            if committed is not None:
+                self.release(b, rep.on_commit_ack(m, committed), now)
+            if rs.gaps.get(m, 0) > MAX_GAPS:
+                self._failed(b, rep, rs, m, o.sent, now)
+        self.pump(b, now)
+
+    def report_unreachable(self, rid: int, now: float, code: str = "connection") -> None:
+        """Message `rid` failed: no answer in time, the connection failed, or the replica
+        refused it (`code`: stale_epoch means this server's record is old)."""
+        got = self._take(rid)
+        if got is None:
+            return
+        b, m, rep, rs, o = got
+        if code == "stale_epoch":
+            self.on_peer_stale()
+        if o.epoch == rep.assignment.epoch:
+            self._failed(b, rep, rs, m, o.sent, now)
+        self.pump(b, now)
+
+    def _take(self, rid: int) -> tuple[int, str, BucketReplica, Rounds, Any] | None:
+        bm = self._rids.pop(rid, None)
+        if bm is None:
+            return None
+        b, m = bm
+        rs, rep = self._rounds.get(b), self.buckets.get(b)
+        if rs is None or rep is None or m not in rs.out or rs.out[m].rid != rid:
+            return None
+        return b, m, rep, rs, rs.out.pop(m)
+
+    def _failed(
+        self, b: int, rep: BucketReplica, rs: Rounds, m: str, sent: float, now: float
+    ) -> None:
+        if m in rep.replicas and rs.failed(m, sent, now, self.settings.member_timeout):
+            self.unresponsive(b, m)
 
     def release(self, b: int, waiters: Iterable[Any], now: float) -> None:
         """Acknowledges pushes whose batches are decided (or committed by every member), but only
@@ -315,21 +387,11 @@ class ReplCore:
             why = "the lease ended before the acknowledgement; the push's outcome is unknown"
             self._unknown(waiters, b, why)
 
-    def on_commit_ack(self, b: int, member: str, seq: int, now: float) -> None:
-        rep = self.buckets[b]
-        self.release(b, rep.on_commit_ack(member, seq), now)
-
-    def committed_everywhere(self, b: int, now: float) -> None:
-        """A commit phase ended: acknowledge what every member committed, report learners."""
-        rep = self.buckets[b]
-        self.release(b, rep.release_acknowledged(), now)
-        self.report_learners(b)
-
     def unresponsive(self, b: int, member: str) -> str:
         """A replica did not answer within member_timeout: "forgotten" (a learner not yet reported
         caught up is no member: it transfers again), "wait" (its report awaits the controllers'
         answer) or "drop" (a member, or an accepted learner, leaves only by a committed controller
-        entry: a drop_secondary request is in ``ready()``, and the rounds wait for the record)."""
+        entry: a drop_secondary request is in ``ready()``; the rounds wait for the record)."""
         rep = self.buckets[b]
         state = rep.learners.get(member)
         if state == "syncing":
@@ -381,8 +443,12 @@ class ReplCore:
 
     def step(self, peer: str | None, msg: Mapping[str, Any], now: float) -> Reject | dict[str, Any]:
         """A replication message of a primary (op repl_prepare with its entries decoded and
-        checked, repl_commit, repl_ping): the reply, or a refusal."""
+        checked, repl_commit, repl_ping): the reply, or a refusal. Op "reply" is a replica's
+        answer to this primary's message ``rid`` (``on_reply``)."""
         op = msg["op"]
+        if op == "reply":
+            self.on_reply(msg["rid"], msg["reply"], now)
+            return {}
         if op == "repl_ping":
             return {"stale": self._on_ping(msg["sender"], msg["buckets"], now)}
         b = int(msg["bucket"])
@@ -506,87 +572,3 @@ class ReplCore:
         """A joining copy holds its snapshot and takes its primary's rounds."""
         rep = self.buckets.get(b)
         return rep is not None and self.roles.get(b) == "joining" and rep.learning
-
-    # -- copies and durability --------------------------------------------------------------------
-
-    def _holds(self, b: int, rep: BucketReplica) -> bool:
-        # A joining copy that has no snapshot yet holds nothing.
-        return self.roles.get(b) != "joining" or rep.learning
-
-    def copies(self) -> dict[int, list[int]]:
-        """The copies held whole, with the (epoch, seq) of the newest batch held applied or
-        prepared: what this server offers the controllers."""
-        return {b: list(r.held_position) for b, r in self.buckets.items() if self._holds(b, r)}
-
-    def held_copies(self) -> set[int]:
-        """The buckets whose copy a flush persists."""
-        return {b for b, r in self.buckets.items() if self._holds(b, r)}
-
-    def positions(
-        self,
-        buckets: Container[int] | None,
-        dedup_per_flush: int,
-        make: Callable[[int, int, list[list[Any]], bool, list[Batch]], Any],
-    ) -> dict[int, Any]:
-        """Per held copy (of `buckets`; None: all), make(epoch, seq, dedup pairs, fresh, prepared
-        batches): its position and the exactly-once pairs recorded since the last cut. Taken in
-        the same step as the flush's copies are queued: they describe exactly what it writes."""
-        out = {}
-        for b, rep in self.buckets.items():
-            if not self._holds(b, rep) or (buckets is not None and b not in buckets):
-                continue
-            last = self.persisted.get(b)
-            if last is None:
-                dedup, fresh = rep.dedup.to_list(), True
-            else:
-                dedup, fresh = rep.dedup.entries_after(last, dedup_per_flush), False
-            out[b] = make(rep.committed_epoch, rep.committed, dedup, fresh, rep.held_prepared())
-            self.persisted[b] = rep.committed
-        return out
-
-    def unpersisted(self, b: int) -> None:
-        """Bucket b's cut on disk is gone (corrupt, or moved): the next flush writes it whole."""
-        self.persisted.pop(b, None)
-
-    def restore(
-        self,
-        b: int,
-        seq: int,
-        epoch: int,
-        dedup: Iterable[Sequence[Any]],
-        prepared: Iterable[Batch],
-    ) -> None:
-        """A copy reloaded from disk at start: held as standby until the controllers decide."""
-        rep = self.buckets[b] = self._rep(b)
-        rep.restore(seq, epoch, dedup, prepared)
-        self.roles[b] = "standby"
-        self.persisted[b] = seq
-
-    # -- observation ----------------------------------------------------------------------------
-
-    def primaries(self) -> list[int]:
-        return [b for b, r in self.roles.items() if r == "primary"]
-
-    def lag(self, b: int) -> int:
-        """Batches the slowest replica of a primary bucket has yet to commit."""
-        rep = self.buckets[b]
-        low = min((rep.acked_commit.get(m, -1) for m in rep.replicas), default=rep.committed)
-        return max(0, rep.committed - max(low, 0))
-
-    def status(self, now: float) -> dict[str, Any]:
-        out = {}
-        for b, rep in sorted(self.buckets.items()):
-            d = self.leases.deadline(b)
-            out[str(b)] = {
-                "role": self.roles.get(b),
-                "epoch": rep.assignment.epoch,
-                "primary": rep.assignment.primary,
-                "secondaries": list(rep.assignment.secondaries),
-                "committed": rep.committed,
-                "committed_epoch": rep.committed_epoch,
-                "learners": dict(rep.learners),
-                "prepared": sorted(rep.prepared),
-                "pending": len(rep.pending),
-                "lease_left": None if d is None else round(d - now, 3),
-            }
-        return out

@@ -8,8 +8,8 @@ The order matters and is the same in every shell (the server's asyncio loop, the
    changed (a flush cut or a snapshot then sees the values and the position together);
 3. ``answers``: the waiters of client pushes, each ``ok`` (acknowledged) or ``unknown`` (the
    push may still be committed by another primary: the client retries with the same key);
-4. ``requests`` to the controllers, ``joins`` to start or stop, ``kicks`` (primary buckets whose
-   rounds have work) and ``heartbeat`` (ask the controllers for the record now).
+4. ``messages`` to the replicas, ``requests`` to the controllers, ``joins`` to start or stop,
+   and ``heartbeat`` (ask the controllers for the record now).
 """
 
 from __future__ import annotations
@@ -49,6 +49,19 @@ class ControllerRequest:
     position: tuple[int, int] = (0, 0)
 
 
+@dataclass(frozen=True)
+class Send:
+    """A message of this primary to a replica (repl_prepare, repl_commit). Its answer goes back
+    in as ``ReplCore.on_reply(rid, ...)``, its failure as ``report_unreachable(rid, ...)``:
+    every message sent gets exactly one of the two (the transport times it out)."""
+
+    rid: int
+    peer: str
+    op: str
+    #: the message's fields, with ``entries`` as Batch values (the transport encodes them)
+    fields: dict[str, Any]
+
+
 @dataclass
 class Ready:
     """Everything the core decided since the last ``advance()``."""
@@ -61,8 +74,10 @@ class Ready:
     #: buckets whose state transfer starts (joining) or stops (no longer joining)
     start_joins: list[int] = field(default_factory=list)
     stop_joins: list[int] = field(default_factory=list)
-    #: primary buckets whose rounds have work (pushes, a renewed lease, a lagging member)
-    kicks: set[int] = field(default_factory=set)
+    #: messages to the replicas of this server's primary buckets
+    messages: list[Send] = field(default_factory=list)
+    #: (seconds, pushes) of every round decided (for the metrics)
+    rounds: list[tuple[float, int]] = field(default_factory=list)
     #: ask the controllers for the record now (an epoch seen that this server does not know)
     heartbeat: bool = False
     #: counters for the metrics: failovers (promotions), stale (messages of an older epoch)
@@ -78,7 +93,8 @@ class Ready:
             or self.requests
             or self.start_joins
             or self.stop_joins
-            or self.kicks
+            or self.messages
+            or self.rounds
             or self.heartbeat
             or self.failovers
             or self.stale

@@ -1,20 +1,15 @@
-"""Replication of a parameter server's buckets: the asyncio shell around adamps.core.replication.
+"""Replication of a parameter server's buckets: the asyncio shell around the replication core.
 
-Project Adam 3.3.3, end to end. The pure core (``BucketReplica``) decides; this module does the IO:
+Project Adam 3.3.3, end to end. Every decision and all per-bucket state are the core's
+(``adamps.core.repl_core.ReplCore``: roles, leases, rounds of two-phase commit, the watchdog,
+state-transfer decisions); this shell only carries them out, as etcd-io/raft's users do:
 
-- registers with the controllers and heartbeats them; the replies renew this server's primary
-  leases (timed on its monotonic clock from when it asked, ``HolderLeases``) and tell it its roles
-  per bucket (primary, secondary, joining), which become ``Assignment``s of the core;
-- as primary of a bucket: gathers client pushes into rounds of two-phase commit
-  (``repl_rounds.py``);
-- pings the secondaries of its buckets; as a secondary, answers the primary and proposes a role
-  change to the controller when the primary stays silent (``repl_follower.py``);
-- as a joining copy, fetches a snapshot of the bucket from its primary and installs it; taking
-  the snapshot made it a learner of the primary, whose rounds wait for it from then on
-  (``repl_transfer.py``);
-- keeps its copies across registrations: a server that registers again (after a pause, a
-  partition, or a restart that reloaded its copies from LMDB) offers them with their (epoch,
-  seq), and keeps them as `standby` until the controller gives them a role or lets them go.
+- events go in: the controllers' answers (registration, heartbeats with roles and renewed
+  leases), the peers' messages (``repl_ops.PeerOps`` decodes and checks them), client pushes,
+  the replies to the core's messages, and the clock (``tick`` every ``TICK`` seconds);
+- after each event, ``drain`` carries out the core's ``Ready``: batches queued to the owner
+  threads, pushes answered, messages sent through the transport (``repl_transport``), calls to
+  the controllers, state transfers started or stopped (``repl_transfer`` reads and installs).
 
 Updates travel in their compact form (dense delta of one shard, or activation and error vectors),
 never as an expanded M x N delta, and every replica applies each batch as one group per shard on
@@ -26,37 +21,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Container
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import numpy as np
 from prometheus_client import CollectorRegistry
 
-from adamps import peer_auth, protocol
+from adamps import peer_auth
 from adamps.controller_client import AsyncControllerClient
+from adamps.core import repl_copies
 from adamps.core.lease import LeaseTerms
 from adamps.core.repl_core import ReplCore
-from adamps.core.repl_ready import ControllerRequest
+from adamps.core.repl_ready import ControllerRequest, Send
 from adamps.core.repl_settings import ReplSettings
 from adamps.core.replication import Apply, BucketReplica, Reject
 from adamps.protocol import ProtocolError
 from adamps.rpc import RpcError
+from adamps.server import repl_transfer
 from adamps.server.config import PsConfig
-from adamps.server.peer_keys import PeerKeys, forbidden
+from adamps.server.peer_keys import PeerKeys
 from adamps.server.persist import DEDUP_PER_FLUSH, Position
-from adamps.server.repl_follower import Follower
 from adamps.server.repl_metrics import ReplMetrics
+from adamps.server.repl_ops import PeerOps
 from adamps.server.repl_peers import Peers
-from adamps.server.repl_rounds import PrimaryRounds
-from adamps.server.repl_transfer import StateTransfer
-from adamps.server.repl_wire import (
-    REPL_OPS,
-    batch_from_wire,
-    batch_to_wire,
-    not_primary,
-    store_parts,
-)
+from adamps.server.repl_transport import PeerTransport
+from adamps.server.repl_wire import batch_from_wire, batch_to_wire, not_primary, store_parts
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
 
@@ -65,9 +54,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: seconds between two ticks of the core (retries of failed messages, delayed COMMITs, timers)
+TICK = 0.02
 
-class Replicator(PrimaryRounds, Follower, StateTransfer):
-    """The replication state and tasks of one parameter server. Lives on the PS's event loop."""
+
+class Replicator:
+    """The replication shell of one parameter server. Lives on the PS's event loop."""
 
     def __init__(
         self, cfg: PsConfig, store: Store, catalog: TensorCatalog, registry: CollectorRegistry
@@ -79,9 +71,6 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         self.server_id = cfg.server_id
         self.address = cfg.advertise or f"{cfg.host}:{cfg.port}"
         self.m = ReplMetrics(registry)
-        self.member_timeout = cfg.member_timeout
-        self.ping_interval = cfg.ping_interval
-        self.failover_after = cfg.failover_after
         #: every replication decision and all per-bucket state (no IO, no clock)
         self.core = ReplCore(
             ReplSettings(
@@ -92,18 +81,23 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
                 log_limit=cfg.replication_log,
             )
         )
-        #: bucket -> the task fetching and installing its snapshot (joining side)
-        self._join_tasks: dict[int, asyncio.Task] = {}
         #: who this server is to its peers, and who sent what it is asked to replicate
         self.peer_keys = PeerKeys(
             cfg.server_id, cfg.own_key(), lambda: self.controller, lambda s: s in self.addresses
         )
         self.peers = Peers(cfg.token, cfg.member_timeout, self.peer_keys)
+        self.transport = PeerTransport(self.peers)
         #: server id -> "host:port" (from the controllers' roles; the peers' address book)
         self.addresses = self.peers.addresses
+        #: the ops peers call (POST /rpc, the data plane's repl_multi frames)
+        self.ops = PeerOps(self)
+        self.handlers = self.ops.handlers
+        self.op_from_peer = self.ops.op_from_peer
+        self.op_repl_frame = self.ops.op_repl_frame
+        self.peer_of_request = self.ops.peer_of_request
         self.heartbeat_interval = 1.0
-        #: bucket -> the task running its rounds (primary side)
-        self.round_tasks: dict[int, asyncio.Task] = {}
+        #: bucket -> the task fetching and installing its snapshot (joining side)
+        self._join_tasks: dict[int, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
         #: the controllers' client (opened at start)
@@ -145,12 +139,12 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
             )
         self._tasks = [
             asyncio.create_task(self._control_loop(), name="ps-control"),
-            asyncio.create_task(self.ping_loop(), name="ps-ping"),
+            asyncio.create_task(self._clock(), name="ps-clock"),
         ]
 
     async def stop(self) -> None:
         self.closing = True
-        tasks = [*self._tasks, *self.round_tasks.values(), *self._join_tasks.values()]
+        tasks = [*self._tasks, *self._join_tasks.values()]
         for t in tasks:
             t.cancel()
         self.peers.close()
@@ -158,8 +152,8 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         # Give the primary leases back, so the next primaries need not wait for them to expire:
         # all at once and within one second in total (best effort: unreleased leases run out).
         releases = [
-            self.controller.release(b, self.server_id, self.buckets[b].assignment.epoch)
-            for b in self.core.primaries()
+            self.controller.release(b, self.server_id, self.core.buckets[b].assignment.epoch)
+            for b in repl_copies.primaries(self.core)
         ]
         if releases:
             try:
@@ -169,67 +163,38 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         if self._session is not None:
             await self._session.close()
 
-    # -- control loop: register, heartbeat, learn roles ---------------------------------------------
-
-    async def _control_loop(self) -> None:
-        while not self.closing:
-            try:
-                await self._register()
-                while not self.closing:
-                    if not await self._heartbeat():
-                        break  # declared dead: register again as a fresh incarnation
-                    try:
-                        await asyncio.wait_for(self._heartbeat_now.wait(), self.heartbeat_interval)
-                    except TimeoutError:
-                        pass
-                    self._heartbeat_now.clear()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("controller unreachable: %s; retrying", exc)
-                await asyncio.sleep(0.5)
-
-    # -- the core's views (what the app and the flusher read) -----------------------------------
-
-    @property
-    def buckets(self) -> dict[int, BucketReplica]:
-        return self.core.buckets
-
-    @property
-    def roles(self) -> dict[int, str]:
-        return self.core.roles
+    # -- the core's state, as the app and the flusher read it ------------------------------------
 
     @property
     def persisted(self) -> dict[int, int]:
         return self.core.persisted
 
-    def copies(self) -> dict[int, list[int]]:
-        return self.core.copies()
-
     def held_copies(self) -> set[int]:
-        return self.core.held_copies()
+        return repl_copies.held_copies(self.core)
 
     def restore(self, positions: dict[int, Position]) -> None:
         """Copies reloaded from LMDB at start: held as standby until the controllers decide."""
-        for b, pos in positions.items():
-            self.core.restore(b, pos.seq, pos.epoch, pos.dedup, map(batch_from_wire, pos.prepared))
-        log.info("reloaded %d copies: %s", len(positions), self.copies())
+        for b, p in positions.items():
+            prepared = map(batch_from_wire, p.prepared)
+            repl_copies.restore(self.core, b, p.seq, p.epoch, p.dedup, prepared)
+        log.info("reloaded %d copies: %s", len(positions), repl_copies.copies(self.core))
 
     def positions(self, buckets: Container[int] | None = None) -> dict[int, Position]:
         """Per held copy (of `buckets`; None: all), its position and the exactly-once pairs
         recorded since the last cut. Called on the event loop in the same step as the flush's
         copies are queued: they describe exactly the values the flush writes."""
-        return self.core.positions(
+        return repl_copies.positions(
+            self.core,
             buckets,
             DEDUP_PER_FLUSH,
             lambda e, s, d, f, p: Position(e, s, d, f, [batch_to_wire(x) for x in p]),
         )
 
-    # -- carrying out the core's Ready ------------------------------------------------------------
+    # -- carrying out the core's Ready --------------------------------------------------------------
 
     def drain(self) -> None:
-        """Carries out what the core decided, in the order repl_ready.py gives; called after
-        every input, in the same loop step (applies are queued before anything else runs)."""
+        """Carries out what the core decided, in the order of repl_ready.py; called after every
+        input in the same loop step (batches are queued before anything else runs)."""
         core = self.core
         if not core.has_ready():
             return
@@ -250,22 +215,24 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
                 continue
             if ans.outcome == "ok":
                 fut.set_result(None)
-            else:  # queued in a round that may still commit elsewhere: unknown, not "failed"
+            else:  # in a round that may still commit elsewhere: unknown, not "not applied"
                 rep = core.buckets.get(ans.bucket)
-                fut.set_exception(
-                    not_primary(rep, ans.bucket, self.addresses, ans.why, code="primary_changed")
-                )
+                err = not_primary(rep, ans.bucket, self.addresses, ans.why, code="primary_changed")
+                fut.set_exception(err)
+        for msg in rd.messages:
+            self.transport.send(msg, self._answer_of(msg))
         for b in rd.stop_joins:
             task = self._join_tasks.pop(b, None)
             if task is not None and not task.done():
                 task.cancel()
         for b in rd.start_joins:
             if b not in self._join_tasks or self._join_tasks[b].done():
-                self._join_tasks[b] = asyncio.create_task(self.join(b), name=f"join-{b}")
+                self._join_tasks[b] = asyncio.create_task(self._join(b), name=f"join-{b}")
         for req in rd.requests:
             asyncio.create_task(self._request(req), name=f"{req.kind}-{req.bucket}")
-        for b in rd.kicks:
-            self.kick(b)
+        for seconds, pushes in rd.rounds:
+            self.m.round_seconds.observe(seconds)
+            self.m.round_pushes.observe(pushes)
         if rd.failovers:
             self.m.failovers.inc(rd.failovers)
         if rd.stale:
@@ -273,54 +240,64 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         if rd.heartbeat:
             self.request_heartbeat()
 
-    async def _request(self, req: ControllerRequest) -> None:
-        """One call to the controllers that the core asked for; its answer goes back in."""
-        b, ctl = req.bucket, self.controller
-        if req.kind == "role_change":
-            log.warning("bucket %d: primary silent; proposing a role change", b)
-            retry = None
-            try:
-                await ctl.role_change(
-                    b, self.server_id, req.epoch, {self.server_id: list(req.position)}
-                )
-            except RpcError as exc:
-                retry = exc.extra.get("retry_after")
-                log.info("bucket %d: role change not accepted: %s", b, exc.message)
-            except (ConnectionError, TimeoutError) as exc:
-                log.info("bucket %d: role change failed: %s", b, exc)
-            self.core.on_role_change_answer(b, retry, time.monotonic())
-        elif req.kind == "drop_secondary":
-            log.warning("bucket %d: secondary %s unresponsive; asking the controller to drop it",
-                        b, req.member)  # fmt: skip
-            self.m.dropped.inc()
-            try:
-                await ctl.drop_secondary(b, self.server_id, req.epoch, req.member)
-            except (RpcError, ConnectionError, TimeoutError) as exc:
-                log.warning(
-                    "bucket %d: drop-secondary %s refused or failed: %s", b, req.member, exc
-                )
-            self.request_heartbeat()  # learn the new replica set (a committed entry)
-        elif req.kind == "caught_up":
-            while not self.closing:
-                error: str | None = None
-                try:
-                    await ctl.caught_up(b, self.server_id, req.epoch, req.member, req.join)
-                    log.info("bucket %d: %s caught up (epoch %d)", b, req.member, req.epoch)
-                except RpcError as exc:
-                    log.info("bucket %d: caught-up of %s: %s", b, req.member, exc)
-                    error = exc.code
-                except (ConnectionError, TimeoutError, OSError):
-                    error = "connection"
-                again = self.core.on_caught_up_answer(req, error)
-                self.drain()
-                if not again:
-                    return
-                await asyncio.sleep(0.2)
+    def _answer_of(self, msg: Send) -> Callable[[dict[str, Any] | None, str | None], None]:
+        def done(reply: dict[str, Any] | None, error: str | None) -> None:
+            if reply is not None:
+                self.core.on_reply(msg.rid, reply, time.monotonic())
+            else:
+                self.core.report_unreachable(msg.rid, time.monotonic(), error or "connection")
+            self.drain()
+
+        return done
+
+    async def _clock(self) -> None:
+        """The core's clock: a tick every TICK seconds; pings to the replicas of this server's
+        primary buckets every ping_interval (one message per replica for all its buckets)."""
+        next_ping = 0.0
+        while not self.closing:
+            await asyncio.sleep(TICK)
+            now = time.monotonic()
+            if now >= next_ping:
+                next_ping = now + self.cfg.ping_interval
+                for member, buckets in self.core.pings().items():
+                    asyncio.create_task(self._ping(member, buckets), name=f"ping-{member}")
+                self.update_gauges()
+            self.core.tick(now)
+            self.drain()
+
+    async def _ping(self, member: str, buckets: dict[str, int]) -> None:
+        try:
+            reply = await self.peers.channel(member).call(
+                "repl_ping", sender=self.server_id, buckets=buckets
+            )
+        except (RpcError, ConnectionError, TimeoutError, OSError):
             return
+        self.core.on_ping_reply(reply.get("stale") or [])
         self.drain()
 
+    # -- the controllers --------------------------------------------------------------------------------
+
+    async def _control_loop(self) -> None:
+        while not self.closing:
+            try:
+                await self._register()
+                while not self.closing:
+                    if not await self._heartbeat():
+                        break  # declared dead: register again as a fresh incarnation
+                    try:
+                        await asyncio.wait_for(self._heartbeat_now.wait(), self.heartbeat_interval)
+                    except TimeoutError:
+                        pass
+                    self._heartbeat_now.clear()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("controller unreachable: %s; retrying", exc)
+                await asyncio.sleep(0.5)
+
     async def _register(self) -> None:
-        copies = await self.offers()
+        committed = {b: rep.committed for b, rep in self.core.buckets.items()}
+        copies = await repl_transfer.offers(self.store, repl_copies.copies(self.core), committed)
         reply = await self.controller.register(self.server_id, self.address, copies)
         if int(reply.get("n_buckets", self.cfg.n_buckets)) != self.cfg.n_buckets:
             raise RuntimeError(
@@ -331,13 +308,8 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         self.core.registered(LeaseTerms(**{k: float(v) for k, v in terms.items()}))
         self.drain()
         self.registered.set()
-        log.info(
-            "registered as %s at %s, offering %d copies (lease %s)",
-            self.server_id,
-            self.address,
-            len(copies),
-            terms,
-        )
+        log.info("registered as %s at %s, offering %d copies (lease %s)",
+                 self.server_id, self.address, len(copies), terms)  # fmt: skip
 
     def request_heartbeat(self) -> None:
         self._heartbeat_now.set()
@@ -364,24 +336,66 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         self.update_gauges()
         return True
 
-    def update_gauges(self) -> None:
-        prim = self.core.primaries()
-        self.m.primary_buckets.set(len(prim))
-        self.m.under_replicated.set(
-            sum(1 for b in prim if len(self.buckets[b].assignment.secondaries) < 2)
-        )
-        self.m.lease_epoch.set(max((self.buckets[b].assignment.epoch for b in prim), default=0))
-        for b in prim:
-            self.m.lag.labels(str(b)).set(self.core.lag(b))
-            self._lag_buckets.add(b)
+    async def _request(self, req: ControllerRequest) -> None:
+        """One call to the controllers the core asked for; its answer goes back in."""
+        b, ctl = req.bucket, self.controller
+        if req.kind == "role_change":
+            log.warning("bucket %d: primary silent; proposing a role change", b)
+            retry = None
+            try:
+                position = {self.server_id: list(req.position)}
+                await ctl.role_change(b, self.server_id, req.epoch, position)
+            except RpcError as exc:
+                retry = exc.extra.get("retry_after")
+                log.info("bucket %d: role change not accepted: %s", b, exc.message)
+            except (ConnectionError, TimeoutError) as exc:
+                log.info("bucket %d: role change failed: %s", b, exc)
+            self.core.on_role_change_answer(b, retry, time.monotonic())
+        elif req.kind == "drop_secondary":
+            log.warning("bucket %d: %s unresponsive; asking the controllers to drop it",
+                        b, req.member)  # fmt: skip
+            self.m.dropped.inc()
+            try:
+                await ctl.drop_secondary(b, self.server_id, req.epoch, req.member)
+            except (RpcError, ConnectionError, TimeoutError) as exc:
+                log.warning("bucket %d: drop-secondary %s failed: %s", b, req.member, exc)
+            self.request_heartbeat()  # learn the new replica set (a committed entry)
+        else:  # caught_up: sent again while its outcome is unknown
+            while not self.closing:
+                error: str | None = None
+                try:
+                    await ctl.caught_up(b, self.server_id, req.epoch, req.member, req.join)
+                    log.info("bucket %d: %s caught up (epoch %d)", b, req.member, req.epoch)
+                except RpcError as exc:
+                    log.info("bucket %d: caught-up of %s: %s", b, req.member, exc)
+                    error = exc.code
+                except (ConnectionError, TimeoutError, OSError):
+                    error = "connection"
+                again = self.core.on_caught_up_answer(req, error)
+                self.drain()
+                if not again:
+                    return
+                await asyncio.sleep(0.2)
+        self.drain()
 
-    # -- primary: pushes and rounds -----------------------------------------------------------------
+    # -- peers' messages and pushes ---------------------------------------------------------------------
+
+    def feed(self, b: int, msg: dict[str, Any]) -> dict[str, Any]:
+        """A peer's decoded message to the core; the batches it decides are queued to the owner
+        threads in this same loop step (drain), before the reply goes out."""
+        res = self.core.step(msg["sender"], msg, time.monotonic())
+        self.drain()
+        if isinstance(res, Reject):
+            raise self.refusal(b, res)
+        return res
 
     def refusal(self, b: int, rej: Reject) -> ProtocolError:
         """A refusal of the core as the protocol error a client or peer gets."""
-        rep = self.buckets.get(b)
+        rep = self.core.buckets.get(b)
         if rej.code == "not_primary":
             return not_primary(rep, b, self.addresses, rej.message)
+        if rej.code == "bucket_unavailable":
+            return ProtocolError(rej.code, rej.message, bucket=b)
         epoch = rej.epoch or (rep.assignment.epoch if rep is not None else 0)
         return ProtocolError(rej.code, rej.message, bucket=b, epoch=epoch)
 
@@ -390,8 +404,6 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         rep = self.core.check_primary(b, time.monotonic())
         self.drain()
         if isinstance(rep, Reject):
-            if rep.code == "bucket_unavailable":
-                raise ProtocolError(rep.code, rep.message, bucket=b)
             raise self.refusal(b, rep)
         return rep
 
@@ -402,15 +414,11 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         bucket's round is decided (``ack = "prepared"``) or committed by every member."""
         loop = asyncio.get_running_loop()
         futs = {b: loop.create_future() for b in by_bucket}
-        res = self.core.submit(
-            {b: tuple(u) for b, u in by_bucket.items()}, client, futs, time.monotonic()
-        )
+        updates = {b: tuple(u) for b, u in by_bucket.items()}
+        res = self.core.submit(updates, client, futs, time.monotonic())
         self.drain()
         if isinstance(res, tuple):
-            b, rej = res
-            if rej.code == "bucket_unavailable":
-                raise ProtocolError(rej.code, rej.message, bucket=b)
-            raise self.refusal(b, rej)
+            raise self.refusal(*res)
         if res:
             self.m.dedup.inc(res)
         try:
@@ -431,61 +439,70 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
             futs.append(fut)
         return asyncio.gather(*futs)
 
-    # -- secondary: messages from the primary ---------------------------------------------------------
+    # -- state transfer -----------------------------------------------------------------------------------
 
-    async def op_from_peer(self, op: str, msg: dict[str, Any], peer: str | None) -> dict[str, Any]:
-        """A replication op whose request `peer` proved it sent (None: no proof); with peer
-        identity on, refused unless every sender the message names is that server."""
-        if self.peer_keys.enabled:
-            if peer is None:
-                raise forbidden(op, "no peer credential in the request")
-            self.peer_keys.check_senders(op, msg, peer)
-        return await getattr(self, f"op_{op}")(msg)
+    def snapshot_meta(self, b: int, joiner: str, join: int) -> dict[str, Any]:
+        """The primary's side of a snapshot: the joiner becomes a learner now (the caller queues
+        the reads in this same loop step)."""
+        meta = self.core.snapshot_for(b, joiner, join, time.monotonic())
+        self.drain()
+        if isinstance(meta, Reject):
+            raise self.refusal(b, meta)
+        return meta
 
-    async def peer_of_request(self, op: str, header: str | None, body: Any) -> str | None:
-        """The server whose MAC of `body` the PEER_HEADER value `header` carries, or None when
-        there is none or identity is off; ProtocolError forbidden for a wrong one."""
-        if header is None or not self.peer_keys.enabled:
-            return None
-        parsed = peer_auth.parse_header(header)
-        if parsed is None:
-            raise forbidden(op, f"malformed {peer_auth.PEER_HEADER} header")
-        return await self.peer_keys.prover(op, [body], *parsed)
+    async def _join(self, b: int) -> None:
+        """Transfers bucket b from its primary and takes its rounds as a learner until the
+        controllers make it a member; again while the core says so (another primary or epoch,
+        or a primary gone silent that forgot this learner)."""
+        while not self.closing and (target := self.core.join_target(b)) is not None:
+            primary, epoch, join = target
+            try:
+                snap = None
+                if primary:
+                    snap = await self.peers.call(
+                        primary, "repl_snapshot", bucket=b, joiner=self.server_id, join=join
+                    )
+            except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
+                log.info("bucket %d: snapshot from %s failed: %s; retrying", b, primary, exc)
+            if snap is None or not self.core.snapshot_fits(b, (primary, epoch), int(snap["epoch"])):
+                await asyncio.sleep(0.3)
+                self.request_heartbeat()
+                continue
+            try:
+                futs = repl_transfer.install(self.store, self.catalog, b, snap, self.on_corrupt)
+            except ValueError as exc:  # damaged on the way: nothing installed; fetch it again
+                log.error("bucket %d: CORRUPT snapshot from %s: %s; again", b, primary, exc)
+                await asyncio.sleep(0.3)
+                continue
+            # The position moves in the same loop step as the values are queued: a flush cut
+            # sees both or neither.
+            committed, cepoch = int(snap["committed"]), int(snap.get("committed_epoch", 0))
+            self.core.installed(b, committed, snap["dedup"], cepoch, time.monotonic())
+            await asyncio.gather(*futs)
+            self.m.snapshots.labels("received").inc()
+            log.info("bucket %d: snapshot at seq %d from %s installed", b, committed, primary)
+            while not self.closing and self.core.learning(b):
+                await asyncio.sleep(0.1)
 
-    async def op_repl_frame(
-        self, meta: dict[str, Any], meta_raw: bytes, payload: np.ndarray | None
-    ) -> dict[str, Any]:
-        """A repl_multi frame of the data plane: its MAC (the payload's last MAC_SIZE bytes,
-        over the meta and the rest of the payload) checked before the message is decoded."""
-        peer = None
-        claimed = meta.get("peer")
-        if claimed is not None:
-            if payload is None or payload.size < peer_auth.MAC_SIZE:
-                raise forbidden("repl_multi", "the frame's MAC is missing")
-            got = payload[-peer_auth.MAC_SIZE :].tobytes()
-            payload = payload[: -peer_auth.MAC_SIZE]
-            if self.peer_keys.enabled:
-                peer = await self.peer_keys.prover(
-                    "repl_multi",
-                    [meta_raw, payload],
-                    claimed if isinstance(claimed, str) else None,
-                    got,
-                )
-        msg = protocol.decode(meta_raw, b"" if payload is None else payload)
-        return await self.op_from_peer("repl_multi", msg, peer)
+    # -- observation --------------------------------------------------------------------------------------
 
-    def handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]:
-        """The replication ops this server serves on POST /rpc (peer traffic), by name."""
-        return {op: getattr(self, f"op_{op}") for op in REPL_OPS}
+    def update_gauges(self) -> None:
+        prim = repl_copies.primaries(self.core)
+        reps = self.core.buckets
+        self.m.primary_buckets.set(len(prim))
+        self.m.under_replicated.set(sum(1 for b in prim if len(reps[b].assignment.secondaries) < 2))
+        self.m.lease_epoch.set(max((reps[b].assignment.epoch for b in prim), default=0))
+        for b in prim:
+            self.m.lag.labels(str(b)).set(repl_copies.lag(self.core, b))
+            self._lag_buckets.add(b)
 
     def status(self) -> dict[str, Any]:
-        out = self.core.status(time.monotonic())
         return {
             "server_id": self.server_id,
             "address": self.address,
             "table_version": self.core.table_version,
             "unavailable": sorted(self.core.unavailable),
-            "buckets": out,
+            "buckets": repl_copies.status(self.core, time.monotonic()),
         }
 
 
