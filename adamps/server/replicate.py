@@ -27,12 +27,9 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from adamps import peer_auth
-from adamps.controller_client import AsyncControllerClient
 from adamps.core import repl_copies
-from adamps.core.lease import LeaseTerms
 from adamps.core.repl_core import ReplCore
-from adamps.core.repl_ready import ControllerRequest, Send
+from adamps.core.repl_ready import Send
 from adamps.core.repl_settings import ReplSettings
 from adamps.core.replication import Apply, BucketReplica, Reject
 from adamps.protocol import ProtocolError
@@ -41,6 +38,7 @@ from adamps.server import repl_transfer
 from adamps.server.config import PsConfig
 from adamps.server.peer_keys import PeerKeys
 from adamps.server.persist import DEDUP_PER_FLUSH, Position
+from adamps.server.repl_control import ControllerLink
 from adamps.server.repl_metrics import ReplMetrics
 from adamps.server.repl_ops import PeerOps
 from adamps.server.repl_peers import Peers
@@ -95,15 +93,15 @@ class Replicator:
         self.op_from_peer = self.ops.op_from_peer
         self.op_repl_frame = self.ops.op_repl_frame
         self.peer_of_request = self.ops.peer_of_request
-        self.heartbeat_interval = 1.0
         #: bucket -> the task fetching and installing its snapshot (joining side)
         self._join_tasks: dict[int, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
         #: the controllers' client (opened at start)
         self.controller: Any = None
-        self._heartbeat_now = asyncio.Event()
-        self.registered = asyncio.Event()
+        #: registration, heartbeats and the calls the core asks for
+        self.link = ControllerLink(self)
+        self.registered = self.link.registered
         #: set at stop: every loop ends
         self.closing = False
         #: why this server cannot persist now (set by the server: its flusher), or None;
@@ -119,26 +117,14 @@ class Replicator:
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.peers.session = self._session
-        self.controller = AsyncControllerClient(
-            self.cfg.controllers, self.cfg.token, self._session, timeout=5.0, retry_for=5.0
-        )
-        own = self.peer_keys.own
-        if own is not None:  # the controllers take this server's calls from this server only
-
-            def sign(method: str, path: str, body: bytes) -> tuple[tuple[str, str], ...]:
-                value = peer_auth.server_call_header(
-                    own, self.server_id, int(time.time()), method, path, body
-                )
-                return ((peer_auth.SERVER_HEADER, value),)
-
-            self.controller.signer = sign
+        self.controller = self.link.open(self._session)
         if not self.peer_keys.enabled:
             log.warning(
                 "peer identity is off (no server_key or peer_token): any holder of the cluster "
                 "token, every trainer, can send this server replication messages"
             )
         self._tasks = [
-            asyncio.create_task(self._control_loop(), name="ps-control"),
+            asyncio.create_task(self.link.run(), name="ps-control"),
             asyncio.create_task(self._clock(), name="ps-clock"),
         ]
 
@@ -229,7 +215,7 @@ class Replicator:
             if b not in self._join_tasks or self._join_tasks[b].done():
                 self._join_tasks[b] = asyncio.create_task(self._join(b), name=f"join-{b}")
         for req in rd.requests:
-            asyncio.create_task(self._request(req), name=f"{req.kind}-{req.bucket}")
+            asyncio.create_task(self.link.request(req), name=f"{req.kind}-{req.bucket}")
         for seconds, pushes in rd.rounds:
             self.m.round_seconds.observe(seconds)
             self.m.round_pushes.observe(pushes)
@@ -265,6 +251,9 @@ class Replicator:
             self.core.tick(now)
             self.drain()
 
+    def request_heartbeat(self) -> None:
+        self.link.heartbeat_now.set()
+
     async def _ping(self, member: str, buckets: dict[str, int]) -> None:
         try:
             reply = await self.peers.channel(member).call(
@@ -273,109 +262,6 @@ class Replicator:
         except (RpcError, ConnectionError, TimeoutError, OSError):
             return
         self.core.on_ping_reply(reply.get("stale") or [])
-        self.drain()
-
-    # -- the controllers --------------------------------------------------------------------------------
-
-    async def _control_loop(self) -> None:
-        while not self.closing:
-            try:
-                await self._register()
-                while not self.closing:
-                    if not await self._heartbeat():
-                        break  # declared dead: register again as a fresh incarnation
-                    try:
-                        await asyncio.wait_for(self._heartbeat_now.wait(), self.heartbeat_interval)
-                    except TimeoutError:
-                        pass
-                    self._heartbeat_now.clear()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("controller unreachable: %s; retrying", exc)
-                await asyncio.sleep(0.5)
-
-    async def _register(self) -> None:
-        committed = {b: rep.committed for b, rep in self.core.buckets.items()}
-        copies = await repl_transfer.offers(self.store, repl_copies.copies(self.core), committed)
-        reply = await self.controller.register(self.server_id, self.address, copies)
-        if int(reply.get("n_buckets", self.cfg.n_buckets)) != self.cfg.n_buckets:
-            raise RuntimeError(
-                f"the controllers use n_buckets={reply['n_buckets']}, this server {self.cfg.n_buckets}"
-            )
-        terms = reply.get("lease") or {}
-        self.heartbeat_interval = float(reply.get("heartbeat_interval", 1.0))
-        self.core.registered(LeaseTerms(**{k: float(v) for k, v in terms.items()}))
-        self.drain()
-        self.registered.set()
-        log.info("registered as %s at %s, offering %d copies (lease %s)",
-                 self.server_id, self.address, len(copies), terms)  # fmt: skip
-
-    def request_heartbeat(self) -> None:
-        self._heartbeat_now.set()
-
-    async def _heartbeat(self) -> bool:
-        try:
-            reply, asked_at = await self.controller.heartbeat(
-                self.server_id, self.core.table_version, self.core.heartbeat_reports(),
-                self.not_durable(),
-            )  # fmt: skip
-        except RpcError as exc:
-            if exc.code == "conflict" or exc.code == "not_found":
-                log.warning("controller says %s: registering again", exc.message)
-                return False
-            raise
-        for r in reply.get("roles", []):  # the peers' address book
-            if r.get("address") and r.get("primary"):
-                self.addresses[r["primary"]] = r["address"]
-            for sid, addr in (r.get("secondary_addresses") or {}).items():
-                if addr:
-                    self.addresses[sid] = addr
-        self.core.on_roles(reply, asked_at, time.monotonic())
-        self.drain()
-        self.update_gauges()
-        return True
-
-    async def _request(self, req: ControllerRequest) -> None:
-        """One call to the controllers the core asked for; its answer goes back in."""
-        b, ctl = req.bucket, self.controller
-        if req.kind == "role_change":
-            log.warning("bucket %d: primary silent; proposing a role change", b)
-            retry = None
-            try:
-                position = {self.server_id: list(req.position)}
-                await ctl.role_change(b, self.server_id, req.epoch, position)
-            except RpcError as exc:
-                retry = exc.extra.get("retry_after")
-                log.info("bucket %d: role change not accepted: %s", b, exc.message)
-            except (ConnectionError, TimeoutError) as exc:
-                log.info("bucket %d: role change failed: %s", b, exc)
-            self.core.on_role_change_answer(b, retry, time.monotonic())
-        elif req.kind == "drop_secondary":
-            log.warning("bucket %d: %s unresponsive; asking the controllers to drop it",
-                        b, req.member)  # fmt: skip
-            self.m.dropped.inc()
-            try:
-                await ctl.drop_secondary(b, self.server_id, req.epoch, req.member)
-            except (RpcError, ConnectionError, TimeoutError) as exc:
-                log.warning("bucket %d: drop-secondary %s failed: %s", b, req.member, exc)
-            self.request_heartbeat()  # learn the new replica set (a committed entry)
-        else:  # caught_up: sent again while its outcome is unknown
-            while not self.closing:
-                error: str | None = None
-                try:
-                    await ctl.caught_up(b, self.server_id, req.epoch, req.member, req.join)
-                    log.info("bucket %d: %s caught up (epoch %d)", b, req.member, req.epoch)
-                except RpcError as exc:
-                    log.info("bucket %d: caught-up of %s: %s", b, req.member, exc)
-                    error = exc.code
-                except (ConnectionError, TimeoutError, OSError):
-                    error = "connection"
-                again = self.core.on_caught_up_answer(req, error)
-                self.drain()
-                if not again:
-                    return
-                await asyncio.sleep(0.2)
         self.drain()
 
     # -- peers' messages and pushes ---------------------------------------------------------------------
