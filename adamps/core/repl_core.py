@@ -224,7 +224,11 @@ class ReplCore:
                 if now - self.last_heard.get(b, 0.0) > fa:
                     rep.learning = False  # the primary forgot this learner: transfer again
             elif role == "primary":
-                self.pump(b, now)  # retries, delayed COMMITs, a renewed lease's rounds
+                rs = self._rounds.get(b)
+                # Retries, delayed COMMITs, lagging replicas, pushes waiting for the lease; an
+                # idle bucket costs nothing per tick.
+                if rs is None or rs.retry_at or rep.pending or rep.lagging():
+                    self.pump(b, now)
 
     def pings(self) -> dict[str, dict[str, int]]:
         """Member -> {bucket: epoch} of the buckets this server is primary of: one ping each."""
