@@ -9,10 +9,13 @@ The shell (adamps.server.replicate, or the simulation) feeds events in and carri
   (primary, secondary, joining, standby) and ``Assignment``s, renewed leases are timed from when
   the heartbeat was asked (``HolderLeases``), copies no longer assigned are forgotten;
 - ``tick(now)``: the failover watchdog (a secondary whose primary stayed silent proposes a role
-  change), a joining copy whose primary went silent transfers again, lagging primaries are kicked;
+  change), a joining copy whose primary went silent transfers again, the primary's retries and
+  delayed COMMITs;
 - ``step(peer, msg, now)``: PREPARE, COMMIT and pings of a primary, answered at once (the
   transport is request/response); the batches they decide are applied through ``ready()``;
-- ``submit(...)``: a client push, accepted only as primary and while the lease holds;
+- ``submit(...)``: a client push, accepted only as primary and while the lease holds; then
+  ``pump`` runs the bucket's rounds: its messages (``Send``) are in ``ready()``, and each gets
+  exactly one answer back, ``on_reply(rid, ...)`` or ``report_unreachable(rid, ...)``;
 - ``release(...)``: pushes whose round is decided or committed are acknowledged only while the
   lease holds, else answered "unknown" (another primary may already acknowledge under the next
   epoch; the client's retry is answered exactly once by whoever has the batch);
