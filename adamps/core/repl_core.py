@@ -100,7 +100,17 @@ class ReplCore:
     def registered(self, terms: LeaseTerms) -> None:
         """A new incarnation at the controllers: no role and no lease is trusted any more, but the
         copies stay (they were offered) until the roles say what to do with them."""
+        self.unregistered()
         self.leases = HolderLeases(terms)
+
+    def unregistered(self) -> None:
+        """This server is about to register again (the controllers declared it dead, or could not
+        be reached): it stops acting on every role now, before it offers its copies, so that the
+        positions it offers are final. (A primary that went on committing rounds between its
+        offer and the answer would hold batches the controllers' comparison did not see.)"""
+        self.leases = HolderLeases(self.leases.terms)
+        self._rounds.clear()
+        self._rids.clear()
         for b, rep in self.buckets.items():
             self._unknown(
                 rep.on_assignment(Assignment(rep.assignment.epoch, None)),
@@ -547,6 +557,12 @@ class ReplCore:
             if rej.code == "unavailable":
                 self._ready.heartbeat = True
             return rej
+        rs = self._rounds.get(b)
+        if rs is not None:
+            # What the joiner answers to a message sent before this snapshot (as an earlier
+            # member, or an earlier join) says nothing about the copy it installs now: a late
+            # commit ack would report it caught up before it holds anything.
+            rs.forget(joiner)
         return {"epoch": rep.assignment.epoch, **rep.snapshot_meta()}
 
     def join_target(self, b: int) -> tuple[str | None, int, int] | None:

@@ -60,10 +60,15 @@ class Rounds:
     pushes: int = 0
 
     def forget_gone(self, replicas: tuple[str, ...]) -> None:
-        """Replicas that left the set: nothing more is retried or timed for them."""
-        for d in (self.fail_since, self.retry_at, self.gaps):
-            for m in [m for m in d if m not in replicas]:
-                del d[m]
+        """Replicas that left the set: nothing more is retried or timed for them, and the answer
+        to a message still in flight to one of them is ignored (it may come back as a learner)."""
+        for m in {*self.out, *self.fail_since, *self.retry_at, *self.gaps} - set(replicas):
+            self.forget(m)
+
+    def forget(self, m: str) -> None:
+        """Everything known of `m`'s messages: its answers from now on are to new messages."""
+        for d in (self.out, self.fail_since, self.retry_at, self.gaps):
+            d.pop(m, None)
 
     def to_send(self, rep: BucketReplica, now: float) -> list[tuple[str, str, dict[str, Any]]]:
         """(replica, op, fields) of the messages to send now; a replica whose gap reaches past

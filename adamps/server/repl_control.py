@@ -72,6 +72,9 @@ class ControllerLink:
                 await asyncio.sleep(0.5)
 
     async def _register(self) -> None:
+        # No role is acted on from here: the positions offered are final (ReplCore.unregistered).
+        self.r.core.unregistered()
+        self.r.drain()
         committed = {b: rep.committed for b, rep in self.r.core.buckets.items()}
         copies = await repl_transfer.offers(
             self.r.store, repl_copies.copies(self.r.core), committed

@@ -475,6 +475,8 @@ class Server:
 
     def register(self) -> None:
         self.registering = True
+        self.core.unregistered()  # as ControllerLink._register: the offered positions are final
+        self.drain()
         copies = repl_copies.copies(self.core)
         self.log(f"register offering {copies}")
 
