@@ -166,9 +166,12 @@ class BucketReplica:
             for m in list(self.learners):
                 if m in new.secondaries:
                     self.drop_learner(m)  # the controller made it a member (positions kept)
-                elif m not in new.joining:
-                    # Neither joining nor a member in a record at least as new as the one it
-                    # was added under: the controller removed it (or never accepted a report).
+                elif m not in new.joining and self.learners[m] != "reporting":
+                    # Neither joining nor a member: the controller removed it. Not a learner
+                    # whose report is in flight: the record may be older than the join it
+                    # serves (a heartbeat's answer computed before the copy joined again; the
+                    # simulation, seed 1440), and the controllers may accept the report
+                    # meanwhile. Their answer decides (a refusal drops it); so does a new epoch.
                     self.drop_learner(m)
         failed: list[Any] = []
         if was_primary and not self.is_primary:
