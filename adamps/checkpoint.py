@@ -1,16 +1,12 @@
 """``adamps checkpoint save|restore``: a model's state out of one running cluster and into
 another of any size (issue 24).
 
-The format (version 1), readable without adamps (docs/operations.md shows how):
-
-- ``manifest.json``: ``format``, ``n_buckets``, the tensors' and tables' definitions, per file
-  its size and sha256, and per bucket the cut ``{epoch, seq}`` its state was read at (``seq``
-  is the bucket's committed replication position on its primary), ``consistent``: false
-  (each bucket is cut on its own: the cuts are not one instant across buckets);
-- ``tensors.safetensors``: each tensor's values under its name, its Adagrad accumulator
-  (when its optimizer keeps one) under ``<name>/accum``, float32 in the tensor's shape;
-- ``rows.safetensors``: each embedding-table row shard (``<table>#rows/<bucket>``) as the
-  uint8 bytes of its row block (ids, values, accumulators; rowblock.py).
+The format (adamps/ckpt_format.py, docs/operations.md shows how to read it without adamps): a
+``manifest.json`` naming, per bucket, the cut ``{epoch, seq}`` its state was read at (``seq``
+is the bucket's committed replication position on its primary; ``consistent``: false, each
+bucket is cut on its own, not at one instant across buckets) and, per shard, the
+``bucket-NNNN.safetensors`` file that holds its values, Adagrad accumulator or row block. An
+incremental save (``base``) writes only what changed since an earlier checkpoint.
 
 The manifest is written last, after every file is complete and synced: a directory without
 one is not a checkpoint. ``restore`` checks everything (format version, every file's size and
@@ -20,62 +16,60 @@ write; its writes go through the servers' one write path (``ckpt_install``)."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
 
 from adamps import retry
+from adamps.ckpt_format import (  # noqa: F401 (re-exported: the format's names live there)
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    bucket_file,
+    load,
+    read_manifest,
+    write,
+    write_file,
+    write_manifest,
+)
 from adamps.client import ControllerRouting, PSClient, Routing, retryable
 from adamps.layout import Layout, TensorSpec
 from adamps.rpc import RpcError, SyncRpc
 
-FORMAT = 1
-MANIFEST = "manifest.json"
-TENSORS = "tensors.safetensors"
-ROWS = "rows.safetensors"
 #: buckets read at once by a save
 READERS = 4
+#: seconds a consistent cut's write hold lasts at most (it is released as soon as every
+#: server copied its buckets; the expiry is for a save tool that dies meanwhile)
+HOLD_SECONDS = 5.0
+#: attempts at a consistent cut before the save fails
+CUT_ATTEMPTS = 3
 #: bytes of shards per ckpt_install request (under the servers' max_body)
 INSTALL_CHUNK = 32 << 20
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be saved, read or restored; the message names the file."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsynced(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Cluster:
     """The controllers' routing and one connection per server (the operator's side)."""
 
-    def __init__(self, controllers: list[str], token: str | None, retry_for: float = 60.0):
+    def __init__(
+        self,
+        controllers: list[str],
+        token: str | None,
+        retry_for: float = 60.0,
+        source: Any = None,
+    ):
         self.controllers = controllers
         self.token = token if token is not None else os.environ.get("ADAMPS_TOKEN")
-        self.source = ControllerRouting(controllers)
+        #: where the routing table comes from (the controllers, or a client's static routing)
+        self.source = source if source is not None else ControllerRouting(controllers)
         self.retry_for = retry_for
         #: one connection per server and thread (a SyncRpc is one keep-alive connection)
         self._local = threading.local()
@@ -126,146 +120,237 @@ class Cluster:
 # -- save ----------------------------------------------------------------------------------------
 
 
-def save(cluster: Cluster, to: Path) -> dict[str, Any]:
-    """Every bucket's state, each cut on its primary; returns the manifest written."""
+def save(
+    cluster: Cluster,
+    to: Path,
+    base: Path | None = None,
+    consistent: bool = False,
+    hold_seconds: float = HOLD_SECONDS,
+) -> dict[str, Any]:
+    """Every bucket's state, each cut on its primary, into `to`; returns the manifest written.
+
+    With `base` (an earlier checkpoint in the same parent directory) the save is incremental:
+    a shard unchanged since `base` (same version) is not written again, and the manifest names
+    the file of `base` that holds it. With `consistent`, every bucket is cut at one instant:
+    every server holds new writes while it copies its buckets (``ckpt_hold``), and the
+    manifest records how long the writes were held (``hold_ms``)."""
     t0 = time.perf_counter()
     statuses = cluster.server_status()
+    if not statuses:
+        raise CheckpointError("the cluster has no parameter server to read from")
     n_buckets = int(statuses[0]["n_buckets"])
     max_shard = int(statuses[0]["config"]["max_shard_elems"])
+    view = cluster.controller_json("/cluster") or {}
+    declared_lost = view.get("declared_lost")
+    prev = _base_of(to, base, n_buckets, declared_lost)
+    to.mkdir(parents=True, exist_ok=True)
+    (to / MANIFEST).unlink(missing_ok=True)
+
+    def since(b: int) -> dict[str, Any]:
+        if prev is None or str(b) not in prev["cuts"]:
+            return {}
+        versions = {sid: r["version"] for part in ("shards", "row_shards")
+                    for sid, r in prev[part].items() if r.get("bucket") == b}  # fmt: skip
+        return {"versions": versions}
+
+    held = None
+    for attempt in range(1, CUT_ATTEMPTS + 1) if consistent else ():
+        # A cut that met a failover (a bucket without a primary) is taken again, a few times.
+        try:
+            held = _hold_all(cluster, n_buckets, hold_seconds)
+            break
+        except CheckpointError:
+            if attempt == CUT_ATTEMPTS:
+                raise
+            time.sleep(1.0)
+
+    def read_bucket(b: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        # Each bucket's changed shards go to disk as soon as they are read: a save holds a few
+        # buckets in memory, never the whole model.
+        if held is None:
+            snap = cluster.on_primary(
+                b, lambda r, _n: r.call("ckpt_read", bucket=b, since=since(b))
+            )
+        else:
+            snap = _read_cut(cluster, held, b)
+            known = since(b).get("versions", {})
+            for part in ("shards", "rows"):
+                for sid in [k for k, r in snap[part].items() if known.get(k) == r["version"]]:
+                    snap["unchanged"][sid] = snap[part].pop(sid)["version"]
+        content: dict[str, np.ndarray] = {}
+        for sid, rec in snap["shards"].items():
+            content[sid] = np.asarray(rec["v"], np.float32).reshape(-1)
+            if rec.get("a") is not None:
+                content[f"{sid}/accum"] = np.asarray(rec["a"], np.float32).reshape(-1)
+        for sid, rec in snap["rows"].items():
+            content[sid] = np.frombuffer(rec["b"], np.uint8)
+        entry = write_file(to / bucket_file(b), content) if content else None
+        return snap, entry
+
+    try:
+        with ThreadPoolExecutor(READERS) as pool:
+            results = list(pool.map(read_bucket, range(n_buckets)))
+    except BaseException:
+        if held is not None:  # the servers' copies of the cut are of no use now
+            for url in {u for u, _p in held["where"].values()}:
+                _release(cluster, url, held["cut"], drop=True)
+        raise
     defs: dict[str, dict[str, Any]] = {}
     tables: dict[str, dict[str, Any]] = {}
-    shards: dict[str, dict[str, Any]] = {}
-    rows: dict[str, np.ndarray] = {}
     cuts: dict[str, dict[str, Any]] = {}
-    # Buckets read in parallel (a few at a time: each reply is a bucket's whole state in memory).
-    with ThreadPoolExecutor(READERS) as pool:
-        snaps = list(
-            pool.map(
-                lambda b: cluster.on_primary(b, lambda r, _n: r.call("ckpt_read", bucket=b)),
-                range(n_buckets),
-            )
-        )
-    for b, snap in enumerate(snaps):
+    files: dict[str, dict[str, Any]] = {}
+    shards: dict[str, dict[str, Any]] = {}
+    row_shards: dict[str, dict[str, Any]] = {}
+    written = 0
+    for b, (snap, entry) in enumerate(results):
         cuts[str(b)] = {"epoch": snap["epoch"], "seq": snap["seq"]}
         for d in snap["tensors"]:
             defs[d["name"]] = d
         for d in snap["tables"]:
             tables[d["name"]] = d
-        shards.update(snap["shards"])
+        if entry is not None:
+            files[bucket_file(b)] = entry
+            written += entry["bytes"]
+        here = {"file": bucket_file(b), "bucket": b, "epoch": snap["epoch"]}
+        for sid, rec in snap["shards"].items():
+            shards[sid] = {**here, "version": rec["version"], "accum": rec.get("a") is not None}
         for sid, rec in snap["rows"].items():
-            rows[sid] = np.frombuffer(rec["b"], np.uint8)
+            row_shards[sid] = {**here, "version": rec["version"]}
+        for sid in snap.get("unchanged", {}):
+            part = "shards" if prev is not None and sid in prev["shards"] else "row_shards"
+            old = prev[part][sid] if prev is not None else None
+            if old is None:
+                raise CheckpointError(f"bucket {b}: shard {sid} unchanged since a checkpoint "
+                                      "that does not hold it")  # fmt: skip
+            rel = _relative(old["file"], base)
+            (shards if part == "shards" else row_shards)[sid] = {**old, "file": rel}
+            files[rel] = prev["files"][old["file"]]
     layout = Layout(
         [TensorSpec(n, tuple(d["shape"])) for n, d in sorted(defs.items())],
         n_buckets=n_buckets,
         max_shard_elems=max_shard,
     )
-    arrays: dict[str, np.ndarray] = {}
-    for name, d in defs.items():
-        spec = layout.tensors[name]
-        value = np.empty(spec.size, np.float32)
-        accum = np.empty(spec.size, np.float32) if _has_accum(d) else None
+    for name in defs:
         for s in layout.shards_of[name]:
-            rec = shards.get(s.id)
-            if rec is None:
+            if s.id not in shards:
                 raise CheckpointError(f"no bucket answered shard {s.id}: the save is incomplete")
-            value[s.start : s.stop] = np.asarray(rec["v"]).reshape(-1)
-            if accum is not None and rec.get("a") is not None:
-                accum[s.start : s.stop] = np.asarray(rec["a"]).reshape(-1)
-        arrays[name] = value.reshape(spec.shape)
-        if accum is not None:
-            arrays[f"{name}/accum"] = accum.reshape(spec.shape)
-    return write(
+            shards[s.id].update(tensor=name, start=s.start, stop=s.stop)
+    return write_manifest(
         to,
-        arrays,
-        rows,
         {
             "n_buckets": n_buckets,
             "max_shard_elems": max_shard,
             "tensors": [defs[n] for n in sorted(defs)],
             "tables": [tables[n] for n in sorted(tables)],
-            "consistent": False,
+            "consistent": held is not None,
+            **(
+                {}
+                if held is None
+                else {
+                    "hold_ms": held["hold_ms"],
+                    "hold_server_ms": held["server_ms"],
+                    "cut": held["cut"],
+                    "cut_on": {str(b): url for b, (url, _p) in sorted(held["where"].items())},
+                }
+            ),  # fmt: skip
             "cuts": cuts,
             "progress": cluster.controller_json("/progress"),
+            "base": None if prev is None else base.name,
+            "declared_lost": declared_lost,
+            "written_bytes": written,
+            "shards": shards,
+            "row_shards": row_shards,
+            "files": files,
             "seconds": time.perf_counter() - t0,
         },
     )
 
 
-def write(
-    to: Path, arrays: dict[str, np.ndarray], rows: dict[str, np.ndarray], fields: dict[str, Any]
-) -> dict[str, Any]:
-    """The files of a checkpoint, each complete and synced before the manifest that lists them
-    (written last, by rename): a crash mid-save leaves no manifest, never a wrong one."""
-    to.mkdir(parents=True, exist_ok=True)
-    (to / MANIFEST).unlink(missing_ok=True)
-    listing: dict[str, dict[str, Any]] = {}
-    for fname, content in ((TENSORS, arrays), (ROWS, rows)):
-        tmp = to / f".{fname}.tmp"
-        save_file(content, str(tmp))
-        _fsynced(tmp)
-        tmp.replace(to / fname)
-        listing[fname] = {"bytes": (to / fname).stat().st_size, "sha256": _sha256(to / fname)}
-    manifest = {"format": FORMAT, "created": time.time(), **fields, "files": listing}
-    tmp = to / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1, default=_plain))
-    _fsynced(tmp)
-    tmp.replace(to / MANIFEST)
-    return manifest
-
-
-def _plain(x: Any) -> Any:
-    if isinstance(x, np.generic):
-        return x.item()
-    raise TypeError(f"not JSON: {type(x).__name__}")
-
-
-def _has_accum(d: dict[str, Any]) -> bool:
-    return d.get("optimizer", {}).get("kind") == "adagrad"
-
-
-# -- read and check --------------------------------------------------------------------------------
-
-
-def load(src: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """The manifest and arrays of a checkpoint, every file checked against the manifest
-    (CheckpointError naming the file and the problem)."""
-    mpath = src / MANIFEST
-    if not mpath.is_file():
-        raise CheckpointError(f"{mpath}: no manifest (not a checkpoint, or a save that failed)")
+def _hold_all(cluster: Cluster, n_buckets: int, seconds: float) -> dict[str, Any]:
+    """One cut of every bucket: every server holds writes and copies the buckets it is primary
+    of (in parallel), then every hold is released. Returns the cut's id, where each bucket's
+    copy is (server URL, [epoch, seq]) and how long writes were held, as this side saw it
+    (from the first hold sent to the last release answered: the longest stall a push saw)."""
+    cut = uuid.uuid4().hex
+    servers = cluster.routing().servers()
+    t0 = time.perf_counter()
     try:
-        manifest = json.loads(mpath.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{mpath}: not valid JSON: {exc}") from None
-    fmt = manifest.get("format") if isinstance(manifest, dict) else None
-    if not isinstance(fmt, int) or fmt < 1:
-        raise CheckpointError(f"{mpath}: field 'format' must be a positive int, got {fmt!r}")
-    if fmt > FORMAT:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            replies = list(pool.map(
+                lambda u: cluster.rpc(u).call("ckpt_hold", cut=cut, seconds=seconds), servers
+            ))  # fmt: skip
+    except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
+        raise CheckpointError(f"consistent cut: a server could not hold writes: {exc}") from None
+    finally:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(lambda u: _release(cluster, u, cut), servers))
+    hold_ms = (time.perf_counter() - t0) * 1e3
+    where: dict[int, tuple[str, list[int]]] = {}
+    for url, rep in zip(servers, replies, strict=True):
+        for b, pos in rep["positions"].items():
+            if int(b) in where:
+                raise CheckpointError(f"consistent cut: two servers cut bucket {b}; try again")
+            where[int(b)] = (url, pos)
+    missing = sorted(set(range(n_buckets)) - set(where))
+    if missing:
+        for url in servers:
+            _release(cluster, url, cut, drop=True)
         raise CheckpointError(
-            f"{mpath}: format version {fmt} is newer than this adamps reads ({FORMAT}); "
-            "upgrade adamps"
+            f"consistent cut: buckets {missing[:10]} had no primary at the cut (a failover "
+            "under way); try again"
         )
-    out: list[dict[str, np.ndarray]] = []
-    for fname in (TENSORS, ROWS):
-        path = src / fname
-        want = manifest.get("files", {}).get(fname)
-        if want is None:
-            raise CheckpointError(f"{mpath}: lists no file {fname}")
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing")
-        size = path.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(
-                f"{path}: truncated or altered: {size} bytes, the manifest says {want['bytes']}"
-            )
-        if _sha256(path) != want["sha256"]:
-            raise CheckpointError(f"{path}: checksum mismatch (sha256 differs from the manifest)")
-        out.append(load_file(str(path)))
-    arrays, rows = out
-    for d in manifest["tensors"]:
-        a = arrays.get(d["name"])
-        if a is None or list(a.shape) != list(d["shape"]) or a.dtype != np.float32:
-            raise CheckpointError(f"{src / TENSORS}: tensor {d['name']!r} missing or misshapen")
-    return manifest, arrays, rows
+    return {"cut": cut, "where": where, "hold_ms": hold_ms,
+            "server_ms": max((r["drain_ms"] + r["copy_ms"] for r in replies), default=0.0)}  # fmt: skip
+
+
+def _release(cluster: Cluster, url: str, cut: str, drop: bool = False) -> None:
+    # Best effort: a hold that is not released ends by itself at its expiry.
+    try:
+        cluster.rpc(url).call("ckpt_release", cut=cut, drop=drop)
+    except (RpcError, ConnectionError, TimeoutError, OSError):
+        pass
+
+
+def _read_cut(cluster: Cluster, held: dict[str, Any], b: int) -> dict[str, Any]:
+    """Bucket b's copy of the cut, from the server that took it, checked against the
+    position that server reported at the cut."""
+    url, pos = held["where"][b]
+    try:
+        snap = cluster.rpc(url).call("ckpt_read", bucket=b, cut=held["cut"])
+    except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
+        raise CheckpointError(f"consistent cut: bucket {b}'s copy on {url}: {exc}") from None
+    if [snap["epoch"], snap["seq"]] != list(pos):
+        raise CheckpointError(f"consistent cut: bucket {b} read at {snap['epoch']}/{snap['seq']}, "
+                              f"cut at {pos[0]}/{pos[1]}")  # fmt: skip
+    snap.setdefault("unchanged", {})
+    return snap
+
+
+def _base_of(
+    to: Path, base: Path | None, n_buckets: int, declared_lost: int | None
+) -> dict[str, Any] | None:
+    """The manifest of an incremental save's base, or None for a full save (no base, or one
+    an incremental save cannot build on: another directory, format or bucket count, or a
+    bucket declared lost since, whose re-created shards count their versions afresh)."""
+    if base is None:
+        return None
+    if base.resolve().parent != to.resolve().parent:
+        raise CheckpointError(f"{base}: an incremental base must be a sibling of {to}")
+    try:
+        prev = read_manifest(base)
+    except CheckpointError:
+        return None
+    if prev["format"] < 2 or prev.get("n_buckets") != n_buckets:
+        return None
+    if declared_lost is None or prev.get("declared_lost") != declared_lost:
+        return None
+    return prev
+
+
+def _relative(name: str, base: Path | None) -> str:
+    """A file name of `base`'s manifest as seen from a sibling checkpoint."""
+    assert base is not None
+    return name if name.startswith("../") else f"../{base.name}/{name}"
 
 
 # -- restore ---------------------------------------------------------------------------------------
@@ -277,6 +362,8 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
     manifest, arrays, rows = load(src)
     statuses = cluster.server_status()
+    if not statuses:
+        raise CheckpointError("the cluster has no parameter server to restore onto")
     n_buckets = int(statuses[0]["n_buckets"])
     max_shard = int(statuses[0]["config"]["max_shard_elems"])
     if rows and n_buckets != manifest["n_buckets"]:
@@ -311,8 +398,25 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
             )  # fmt: skip
     finally:
         client.close()
+    installed = install(cluster, layout, manifest["tensors"], arrays, rows, force)
+    return {"installed": installed, "seconds": time.perf_counter() - t0}
+
+
+def install(
+    cluster: Cluster,
+    layout: Layout,
+    tensors: list[dict[str, Any]],
+    arrays: dict[str, np.ndarray],
+    rows: dict[str, np.ndarray] | None = None,
+    force: bool = False,
+) -> int:
+    """Installs the values (and ``<name>/accum`` accumulators) of `tensors` (definitions with
+    a ``name``) and the row shards `rows` bucket by bucket on each primary with
+    ``ckpt_install``, through the one write path; returns the shards installed. The tensors
+    exist already (created with any values: an install overwrites them)."""
+    rows = rows or {}
     per_bucket: dict[int, list[tuple[int, dict[str, Any]]]] = {}
-    for d in manifest["tensors"]:
+    for d in tensors:
         name = d["name"]
         flat = arrays[name].reshape(-1)
         acc = arrays.get(f"{name}/accum")
@@ -362,8 +466,8 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
 
     # Buckets installed in parallel: their primaries and replication rounds are independent.
     with ThreadPoolExecutor(READERS) as pool:
-        installed = sum(pool.map(install_bucket, range(n_buckets)))
-    return {"installed": installed, "seconds": time.perf_counter() - t0}
+        installed = sum(pool.map(install_bucket, range(layout.n_buckets)))
+    return installed
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -378,6 +482,12 @@ def main(argv: list[str]) -> int:
         s.add_argument("--token", default=None, help="cluster token (default: $ADAMPS_TOKEN)")
         if name == "save":
             s.add_argument("--to", required=True, type=Path, help="directory to write")
+            s.add_argument(
+                "--consistent",
+                action="store_true",
+                help="one cut across all buckets: writes are held (503 held, retried by "
+                "clients) while every server copies its buckets",
+            )
         else:
             s.add_argument("--from", dest="src", required=True, type=Path, help="checkpoint dir")
             s.add_argument("--force", action="store_true", help="overwrite a non-empty cluster")
@@ -385,9 +495,10 @@ def main(argv: list[str]) -> int:
     cluster = Cluster([c for c in args.controllers.split(",") if c], args.token)
     try:
         if args.action == "save":
-            m = save(cluster, args.to)
+            m = save(cluster, args.to, consistent=args.consistent)
             print(json.dumps({"saved": str(args.to), "seconds": m["seconds"],
-                              "bytes": sum(f["bytes"] for f in m["files"].values())}))  # fmt: skip
+                              "bytes": sum(f["bytes"] for f in m["files"].values()),
+                              "consistent": m["consistent"], "hold_ms": m.get("hold_ms")}))  # fmt: skip
         else:
             print(json.dumps(restore(cluster, args.src, force=args.force)))
     except CheckpointError as exc:

@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "controller.drain_cmd:undrain_main",
         "return a drained parameter server to service",
     ),
+    "run": (
+        "controller.run_cmd",
+        "create, list, show or delete training runs (namespace, token, quotas)",
+    ),
     "dataserver": ("dataserver.main", "run a data server"),
     "train": ("trainer.main", "run one model replica (trainer)"),
     "checkpoint": ("adamps.checkpoint", "save a running cluster's state, or restore it"),

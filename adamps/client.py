@@ -53,8 +53,10 @@ RETRYABLE = frozenset(
         "unavailable",
         "bucket_unavailable",
         "not_durable",  # nothing applied; the controllers move the bucket to a durable server
+        "held",  # nothing applied; a consistent checkpoint's cut holds writes for a moment
         "timeout",
         "no_quorum",
+        "rate_limited",  # a run's push_bytes_per_s quota (issue 25): nothing applied; backs off
     }
 )
 

@@ -244,6 +244,30 @@ class ControllerOps:
     def rebalance(self) -> Any:
         return self._post("/rebalance", {})
 
+    # -- runs (issue 25; controller/runs_http.py) -------------------------------------------------
+
+    def create_run(
+        self, name: str, quotas: dict[str, Any] | None = None, consistency: str | None = None
+    ) -> Any:
+        """{"ok", "run", "token"}: the token is shown this once."""
+        body: dict[str, Any] = {"name": name, "quotas": quotas or {}}
+        if consistency is not None:
+            body["consistency"] = consistency
+        return self._post("/runs", body)
+
+    def runs(self) -> Any:
+        return self._get("/runs")
+
+    def run(self, name: str) -> Any:
+        return self._get(f"/runs/{name}", if_not_found=lambda: None)
+
+    def delete_run(self, name: str) -> Any:
+        return self._run(Call(json_request("DELETE", f"/runs/{name}")))
+
+    def runs_auth(self) -> Any:
+        """The runs' token hashes and quotas (the servers', with the cluster token)."""
+        return self._get("/auth/runs")
+
 
 # -- the drivers -----------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps import protocol
+from adamps import protocol, tls
 from adamps.protocol import ProtocolError
 
 MAGIC = b"ADPS"
@@ -51,8 +51,9 @@ class DataPlaneClient:
     """A blocking client of one PS's data plane (one connection; one thread at a time)."""
 
     def __init__(self, host: str, port: int, token: str, timeout: float = 30.0) -> None:
-        self.sock = socket.create_connection((host, port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = socket.create_connection((host, port), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = tls.wrap_client(sock, host)
         self.token = token
         self._hdr = bytearray(HEADER.size)
         #: rids of the shard requests sent whose reply is not read yet, oldest first

@@ -1,16 +1,19 @@
 """``adamps export``: a model's values as one file others read, from a checkpoint directory or
 a running cluster (through a checkpoint save into a temporary directory).
 
-    adamps export --from DIR --format npz|safetensors --out model.npz
+    adamps export --from DIR --format npz|safetensors|torch --out model.npz
     adamps export --controllers URL,... --format safetensors --out model.safetensors
 
 The file holds each tensor's float32 values under its name (accumulators and embedding rows
 stay in the checkpoint): what ``adamps train --init`` and ``numpy.load`` /
-``safetensors.numpy.load_file`` read."""
+``safetensors.numpy.load_file`` read. ``--format torch`` writes a PyTorch ``state_dict``
+(``torch.save``) under the parameters' own names, the run prefix removed (``--run`` picks the
+run when the checkpoint holds several): ``model.load_state_dict(torch.load(FILE))``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
@@ -22,22 +25,33 @@ from safetensors.numpy import save_file
 from adamps.checkpoint import CheckpointError, Cluster, load, save
 from adamps.rpc import RpcError
 
-FORMATS = ("npz", "safetensors")
+FORMATS = ("npz", "safetensors", "torch")
 
 
-def export(src: Path, out: Path, fmt: str) -> list[str]:
+def export(src: Path, out: Path, fmt: str, run: str | None = None) -> list[str]:
     """The values of checkpoint `src` into `out` (written whole, then renamed); the names."""
     manifest, arrays, _rows = load(src)
     values = {d["name"]: arrays[d["name"]] for d in manifest["tensors"]}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
+    names = sorted(values)
     if fmt == "npz":
         with tmp.open("wb") as f:
             np.savez(f, **values)
+    elif fmt == "torch":
+        # Imported only for this format: torch is an optional extra (adamps[torch]).
+        try:
+            sd = importlib.import_module("adamps.torch.state_dict")
+        except ImportError as exc:
+            raise CheckpointError(f"--format torch needs torch (adamps[torch]): {exc}") from None
+        try:
+            names = sd.save_state_dict(values, tmp, run)
+        except ValueError as exc:
+            raise CheckpointError(f"{src}: {exc}") from None
     else:
         save_file(values, str(tmp))
     os.replace(tmp, out)
-    return sorted(values)
+    return names
 
 
 def main(argv: list[str]) -> int:
@@ -46,7 +60,8 @@ def main(argv: list[str]) -> int:
     src.add_argument("--from", dest="src", type=Path, help="checkpoint directory")
     src.add_argument("--controllers", help="comma-separated controller URLs of a running cluster")
     p.add_argument("--token", default=None, help="cluster token (default: $ADAMPS_TOKEN)")
-    p.add_argument("--format", default="npz", help="npz or safetensors")
+    p.add_argument("--format", default="npz", help="npz, safetensors or torch (a state_dict)")
+    p.add_argument("--run", default=None, help="--format torch: the run whose tensors to write")
     p.add_argument("--out", required=True, type=Path, help="file to write")
     args = p.parse_args(argv)
     if args.format not in FORMATS:
@@ -57,13 +72,13 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         if args.src is not None:
-            names = export(args.src, args.out, args.format)
+            names = export(args.src, args.out, args.format, args.run)
         else:
             cluster = Cluster([c for c in args.controllers.split(",") if c], args.token)
             try:
                 with tempfile.TemporaryDirectory(prefix="adamps-export-") as tmp:
                     save(cluster, Path(tmp))
-                    names = export(Path(tmp), args.out, args.format)
+                    names = export(Path(tmp), args.out, args.format, args.run)
             finally:
                 cluster.close()
     except CheckpointError as exc:

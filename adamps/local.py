@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from adamps import tls
 from adamps.localcluster import LocalCluster
 from adamps.procs import Proc
 from adamps.progress import LOG_INTERVAL, Progress
@@ -152,7 +153,7 @@ class Run:
         extra = {"port_alloc": alloc} if alloc else {}
         self.cluster = LocalCluster(
             self.run, token=self.token, n_controllers=args.controllers, n_servers=args.servers,
-            n_buckets=args.buckets, data_plane=not args.http_only, **extra,
+            n_buckets=args.buckets, data_plane=not args.http_only, tls=args.tls, **extra,
             # three copies of every bucket, fewer only when there are fewer servers
             controller_opts={"replication": min(3, args.servers)},
         )  # fmt: skip
@@ -189,6 +190,9 @@ class Run:
         a, c = self.a, self.cluster
         self.say(f"adamps up: run directory {self.run}")
         self.say(f"  token: {self.token_origin}, in {self.run / 'token'} (mode 0600)")
+        if c.tls_files is not None:
+            self.say(f"  TLS on every port; throwaway CA and certificate in {c.tls_files.ca.parent}"
+                     f" (clients: export ADAMPS_TLS_CA={c.tls_files.ca})")  # fmt: skip
         t = time.monotonic()
         for i in range(a.controllers):
             self.start("controller", lambda i=i: c.start_controller(i))
@@ -270,7 +274,7 @@ class Run:
             "  endpoints (every one also serves /healthz and /metrics; logs in logs/NAME.log):"
         )
         for name, addr, extra in rows:
-            self.say(f"    {name:<12} http://{addr:<16} {extra}")
+            self.say(f"    {name:<12} {tls.scheme()}://{addr:<16} {extra}")
         self.say(f"  cluster view: adamps status --controllers {','.join(c.controllers)}")
 
     def watch(self) -> bool:

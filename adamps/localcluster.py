@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from adamps import peer_auth
+from adamps import peer_auth, tls_certs
+from adamps import tls as tls_mod
 from adamps.procs import Proc, adamps_argv, free_port
 from adamps.rpc import http_json  # noqa: F401  (re-exported: the tests use it from here)
 
@@ -52,6 +53,8 @@ class LocalCluster:
         wrap: Callable[[str, list[str]], list[str]] | None = None,
         data_plane: bool = True,
         peer_token: str | None = None,
+        tls: bool = False,
+        tls_mutual: bool = False,
     ) -> None:
         self.root = Path(root)
         #: where every port of this cluster comes from (`adamps up --port-base` counts up)
@@ -69,6 +72,17 @@ class LocalCluster:
         self.peer_token = secrets.token_hex(32) if peer_token is None else peer_token
         self.n_buckets = n_buckets
         self.env = {"ADAMPS_TOKEN": token, "OPENBLAS_NUM_THREADS": "1", **(env or {})}
+        #: the cluster's throwaway CA and certificate (adamps.tls_certs) when TLS is on: every
+        #: process gets them through $ADAMPS_TLS_*, and this process (which probes and drives
+        #: the cluster, and builds the tests' clients) speaks TLS until stop()
+        self.tls_files: tls_certs.CertFiles | None = None
+        self._tls_before: tls_mod.TlsConfig | None = None
+        if tls:
+            self.tls_files = tls_certs.write_ca_and_cert(self.root)
+            tls_env = self.tls_files.env(mutual=tls_mutual)
+            self.env.update(tls_env)
+            self._tls_before = tls_mod.current()
+            tls_mod.install(tls_mod.load(environ=tls_env))
         ports = [(port_alloc(), port_alloc()) for _ in range(n_controllers)]
         hosts = [self.host_of(f"controller{i}") for i in range(n_controllers)]
         self.members = ",".join(f"{h}:{rp}:{hp}" for h, (rp, hp) in zip(hosts, ports, strict=True))
@@ -129,7 +143,10 @@ class LocalCluster:
 
     def start_server(self, i: int, wipe: bool = False) -> Proc:
         data = self.root / f"{self.server_ids[i]}"
-        if wipe and data.exists():
+        if wipe and data.is_mount():  # a file system of its own (storage-fault tests): empty it
+            for p in data.iterdir():
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        elif wipe and data.exists():
             shutil.rmtree(data)
         host, port = self.servers[i].rsplit(":", 1)
         return self._start(
@@ -173,6 +190,8 @@ class LocalCluster:
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
             proc.stop(timeout=5)
+        if self.tls_files is not None:
+            tls_mod.install(self._tls_before)
 
     def alive(self, name: str) -> bool:
         proc = self.procs.get(name)

@@ -49,11 +49,17 @@ ERRORS: dict[str, tuple[int, str]] = {
     "bad_shape": (400, "an array's shape does not match what the operation expects"),
     "bad_length": (400, "an array's byte length is not prod(shape) x itemsize"),
     "non_finite": (400, "an array holds NaN or Inf"),
-    "unauthorized": (401, "the cluster token is missing or wrong"),
+    "unauthorized": (401, "the token is missing, or neither the cluster token nor a run's"),
     "forbidden": (
         403,
         "the credential is valid but may not do this (a replication op without a server's peer "
-        "credential, or one sent as another server)",
+        "credential, or one sent as another server; a run's token outside its namespace or on "
+        "an operator's op)",
+    ),
+    "quota_exceeded": (
+        403,
+        "the request would take a run past one of its quotas (extra: quota, limit); nothing "
+        "changed",
     ),
     "unknown_tensor": (404, "no tensor of that name"),
     "unknown_shard": (404, "no shard of that id on this server"),
@@ -76,6 +82,11 @@ ERRORS: dict[str, tuple[int, str]] = {
         409,
         "this endpoint does not take writes on this server (data plane of a replicated server)",
     ),
+    "rate_limited": (
+        429,
+        "a run's push_bytes_per_s quota is spent for now: nothing was applied; retry after "
+        "Retry-After seconds (extra: quota, limit, retry_after)",
+    ),
     "slow_request": (408, "the request body did not arrive within the body timeout"),
     "too_large": (413, "the body, or what it asks to allocate, exceeds a configured limit"),
     "internal": (500, "an unexpected error; the server logged it and keeps serving"),
@@ -94,6 +105,11 @@ ERRORS: dict[str, tuple[int, str]] = {
         503,
         "this server's flushes have failed or stalled past max_unflushed: nothing was applied; "
         "retry (the controllers move its buckets to servers that can persist)",
+    ),
+    "held": (
+        503,
+        "writes are held for the cut of a consistent checkpoint (milliseconds; expires by "
+        "itself): nothing was applied; retry (extra: retry_after)",
     ),
     "timeout": (504, "the operation did not complete in time; its outcome is unknown"),
 }

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from adamps import config, web
+from adamps import config, tls, web
 
 C = TypeVar("C")
 
@@ -18,6 +18,7 @@ def role_parser(prog: str, description: str, cls: type) -> argparse.ArgumentPars
     """The parser of `adamps <role>`: one flag per field of the role's configuration."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     config.add_arguments(parser, cls)
+    tls.add_arguments(parser)
     return parser
 
 
@@ -34,6 +35,10 @@ def run_role(
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         cfg: Any = config.load(cls, section, args)
+        # one [tls] table for every role: this process's listeners and its clients alike
+        tls.install(tls.load(args))
+        if tls.enabled():  # every role listens (at least /healthz): it needs its certificate
+            tls.server_context()
     except config.ConfigError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ import contextlib
 import http.client
 import json
 import socket
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from adamps import protocol
+from adamps import protocol, tls
 from adamps.protocol import ProtocolError
 
 MSGPACK = "application/msgpack"
@@ -105,7 +106,7 @@ def read_reply(req: Request, status: int, data: bytes) -> Any:
 
 def base_url(addr: str) -> str:
     """'host:port' or a URL -> a URL without a trailing slash."""
-    return (addr if "://" in addr else f"http://{addr}").rstrip("/")
+    return tls.url(addr)
 
 
 class _Verbs:
@@ -157,10 +158,14 @@ class SyncRpc(_Verbs, contextlib.AbstractContextManager["SyncRpc"]):
     """A blocking client of one server over one keep-alive connection."""
 
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0) -> None:
-        parts = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
+        parts = urlsplit(tls.url(base_url))
         self.base_url = f"{parts.scheme}://{parts.netloc}"
         self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or 80
+        #: the TLS context of an https server (None: plain HTTP)
+        self._tls = tls.client_context() if parts.scheme == "https" else None
+        if parts.scheme == "https" and self._tls is None:  # an explicit https URL, no CA set
+            self._tls = ssl.create_default_context()
+        self.port = parts.port or (443 if self._tls else 80)
         self.token = token
         self.timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
@@ -170,7 +175,7 @@ class SyncRpc(_Verbs, contextlib.AbstractContextManager["SyncRpc"]):
         where = f"{self.base_url}{req.path}"
         for attempt in (0, 1):
             if self._conn is None:
-                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+                self._conn = self._connect()
             try:
                 self._conn.request(
                     req.method,
@@ -187,6 +192,13 @@ class SyncRpc(_Verbs, contextlib.AbstractContextManager["SyncRpc"]):
                 self.close()
                 raise _transport_error(exc, where, self.timeout) from exc
         raise AssertionError("unreachable")
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self._tls is None:
+            return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        return http.client.HTTPSConnection(
+            self.host, self.port, timeout=self.timeout, context=self._tls
+        )
 
     def exchange(self, req: Request) -> tuple[int, bytes]:
         """(status, body) of `req`, whatever the status."""
@@ -248,9 +260,9 @@ class AsyncRpc(_Verbs):
         session: aiohttp.ClientSession | None = None,
         timeout: float = 30.0,
     ) -> None:
-        self.base_url = (
-            base_url.rstrip("/") if "://" in base_url else f"http://{base_url.rstrip('/')}"
-        )
+        self.base_url = tls.url(base_url)
+        #: the TLS context of an https server (None: aiohttp's default, plain for http)
+        self._ssl = tls.client_context() if self.base_url.startswith("https://") else None
         self.token = token
         self._session = session
         self._own_session = session is None
@@ -271,6 +283,7 @@ class AsyncRpc(_Verbs):
                 data=req.body,
                 headers=headers(self.token, req.content_type, req.extra_headers),
                 timeout=self.timeout,
+                ssl=self._ssl if self._ssl is not None else True,
             ) as resp:
                 return resp.status, await resp.read()
         except aiohttp.ClientError as exc:

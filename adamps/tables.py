@@ -166,6 +166,9 @@ class Admission:
     admit_after: int = 1
     #: rows not pushed for this many seconds are removed (None: never)
     expire_after: float | None = None
+    #: counters per row of each bucket's frequency sketch (adamps/server/freqsketch.py: 4 rows,
+    #: 16 * filter_width bytes per bucket, only with admit_after > 1)
+    filter_width: int = 4096
 
     def __post_init__(self) -> None:
         if self.max_rows is not None and (
@@ -182,6 +185,9 @@ class Admission:
             or not 1 <= self.admit_after <= 1 << 20
         ):
             raise TableError(f"admit_after must be an int in [1, 2^20], got {self.admit_after!r}")
+        w = self.filter_width
+        if isinstance(w, bool) or not isinstance(w, int) or not 64 <= w <= 1 << 24:
+            raise TableError(f"filter_width must be an int in [64, 2^24], got {w!r}")
         e = self.expire_after
         if e is not None and (
             isinstance(e, bool) or not isinstance(e, int | float) or not 0 < e < 1e9
@@ -197,13 +203,14 @@ class Admission:
             "on_full": self.on_full,
             "admit_after": self.admit_after,
             "expire_after": None if self.expire_after is None else float(self.expire_after),
+            "filter_width": self.filter_width,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Admission:
         if not isinstance(d, Mapping):
             raise TableError(f"admission must be a map, got {type(d).__name__}")
-        unknown = set(d) - {"max_rows", "on_full", "admit_after", "expire_after"}
+        unknown = set(d) - {"max_rows", "on_full", "admit_after", "expire_after", "filter_width"}
         if unknown:
             raise TableError(f"unknown admission field(s) {sorted(unknown)}")
         return cls(**dict(d))

@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the servers' binary data ports)",
     )
     p.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS on every port: generates a throwaway CA and certificate in RUN_DIR/tls and "
+        "gives them to every process (docs/operations.md, Security)",
+    )
+    p.add_argument(
         "--compress",
         action="store_true",
         help="trainers push Strom's threshold-quantized updates with error feedback "

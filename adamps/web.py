@@ -28,7 +28,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from adamps import metrics, protocol
+from adamps import metrics, protocol, tls
 from adamps.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -112,10 +112,18 @@ async def error_middleware(
 
 
 def _error(status: int, code: str, message: str, rid: str | None, **extra: Any) -> web.Response:
+    retry = extra.get("retry_after")
+    # HTTP's own form of the hint too (whole seconds), for clients that know only headers.
+    headers = (
+        {"Retry-After": str(max(1, math.ceil(retry)))}
+        if isinstance(retry, int | float) and math.isfinite(retry)
+        else None
+    )
     return web.Response(
         status=status,
         body=protocol.error_body(code, message, rid, **extra),
         content_type="application/json",
+        headers=headers,
     )
 
 
@@ -365,9 +373,33 @@ async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
     server._deadlines = {}  # type: ignore[attr-defined]
     server._cap = limits.effective_max_connections()  # type: ignore[attr-defined]
     server._warned = -1e9  # type: ignore[attr-defined]
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = _Site(runner, host, port, reuse_address=True, handshake_timeout=limits.header_timeout)
     await site.start()
     return runner
+
+
+class _Site(web.TCPSite):
+    """aiohttp's TCP site, with TLS when the process has it on (adamps.tls), and a handshake
+    deadline: a connection is aiohttp's (and under _GuardedServer's deadlines) only once its
+    handshake ended, so the handshake is bounded here, by the same header_timeout."""
+
+    def __init__(self, *args: Any, handshake_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tls = tls.listen_kwargs(handshake_timeout)
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self._runner.server,
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            **self._tls,
+        )
+        sockets = self._server.sockets
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
 
 
 async def run_app(
@@ -379,7 +411,7 @@ async def run_app(
 ) -> None:
     """Serves `app` until SIGTERM or SIGINT, then cleans up (the app's on_cleanup hooks run)."""
     runner = await serve(app, host, port)
-    log.info("listening on http://%s:%d", host, port)
+    log.info("listening on %s://%s:%d", tls.scheme(), host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -9,14 +9,17 @@
 2. Bytes moved per training step (the ids, rows and row gradients of one 4,096-id batch, as
    arrays on the wire) for tables of 1,000,000 and 10,000,000 ids: they follow the rows
    touched, not the table size.
-3. The AUC that ``python -m trainer.ctr`` reaches with 2 model replicas on the planted
-   click-through workload (trainer/ctr_data.py), against the planted truth's AUC on the same
-   held-out examples (goal: within 0.01), and its examples per CPU-second (the replicas, the
-   servers and the controllers, from /proc) against one PyTorch process training the same model
-   on the same batches with ``nn.Embedding(sparse=True)`` and ``torch.optim.Adagrad`` (sparse
-   row updates), one intra-op thread (goal >= 0.7).
+3. The AUC that 2 model replicas reach on the planted click-through workload
+   (trainer/ctr_data.py), against the planted truth's AUC on the same held-out examples (goal:
+   within 0.01), and their examples per CPU-second (the replicas, the servers and the
+   controllers, from /proc) against one PyTorch process training the same model on the same
+   batches with ``nn.Embedding(sparse=True)`` and ``torch.optim.Adagrad`` (sparse row updates),
+   one intra-op thread (goal >= 0.7). The replicas are ``examples/torch_ctr.py``'s
+   (``adamps.torch.Embedding`` + the MLP under ``DownpourOptimizer``) and ``trainer.ctr``'s (the
+   numpy engine), in the same run (``--ctr-side``).
 
     python benchmarks/embeddings.py [--seconds 5] [--examples 300000] [--skip-auc]
+        [--ctr-side torch|numpy|both] [--batch 512] [--mlp-every 1]
 
 Human-readable lines, then one JSON object of the figures as the last line.
 """
@@ -150,6 +153,10 @@ def torch_ctr(spec: CtrSpec, cfg: CtrConfig, replicas: int) -> dict[str, float]:
     opt_mlp = torch.optim.Adagrad(mlp.parameters(), lr=cfg.mlp_lr, initial_accumulator_value=1e-4)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     c0, t0, n = time.process_time(), time.perf_counter(), 0
+    # torch's sparse Adagrad builds COO tensors: say that the invariant checks are off (else a
+    # warning per step)
+    checks = torch.sparse.check_sparse_tensor_invariants(enable=False)
+    checks.__enter__()
     for step in range(cfg.n_steps()):
         for r in range(replicas):  # the replicas' batches, interleaved
             ids, y, _ = data.examples(cfg.batch, cfg.seed + r * 1_000_000 + step)
@@ -162,6 +169,7 @@ def torch_ctr(spec: CtrSpec, cfg: CtrConfig, replicas: int) -> dict[str, float]:
             opt_mlp.step()
             n += len(y)
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    checks.__exit__(None, None, None)
     ids, y, logit_true = data.examples(cfg.test, -1 % (1 << 32))
     with torch.no_grad():
         score = mlp(emb(torch.from_numpy(ids)).reshape(len(y), -1)).squeeze(1).numpy()
@@ -175,11 +183,45 @@ def torch_ctr(spec: CtrSpec, cfg: CtrConfig, replicas: int) -> dict[str, float]:
     }
 
 
+def ctr_side(c: Any, side: str, cfg: CtrConfig, mlp_every: int = 1) -> dict[str, Any]:
+    """The CTR run with 2 adamps replicas of one kind, and its CPU: the replicas' own (while
+    training) and the servers' and controllers' (from /proc, over the run and its evaluation)."""
+    before = cluster_cpu(c)
+    if side == "numpy":
+        res = run(c.controllers, TOKEN, CtrSpec(), cfg, replicas=2)
+    else:
+        from examples.torch_ctr import run as run_torch
+
+        res = run_torch(
+            {"controllers": c.controllers, "token": TOKEN, "replicas": 2, "examples": cfg.examples,
+             "batch": cfg.batch, "dim": cfg.dim, "hidden": cfg.hidden, "row_lr": cfg.row_lr,
+             "mlp_lr": cfg.mlp_lr, "test": cfg.test, "seed": cfg.seed, "n_push": mlp_every,
+             "n_fetch": mlp_every}
+        )  # fmt: skip
+    servers = cluster_cpu(c) - before  # includes the evaluation's pulls (small)
+    replicas_cpu = res["examples"] / res["examples_per_cpu_second_replicas"]
+    res["servers_cpu_seconds"] = servers
+    res["replicas_cpu_seconds"] = replicas_cpu
+    res["cluster_cpu_seconds"] = servers + replicas_cpu
+    res["examples_per_cpu_second"] = res["examples"] / (servers + replicas_cpu)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=5.0, help="per measurement")
     ap.add_argument("--examples", type=int, default=300_000, help="CTR examples per replica")
     ap.add_argument("--skip-auc", action="store_true")
+    ap.add_argument("--batch", type=int, default=CtrConfig.batch, help="CTR examples per step")
+    ap.add_argument(
+        "--mlp-every", type=int, default=1,
+        help="torch replicas: push and fetch the MLP every n steps (Downpour's n_push, n_fetch)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--ctr-side", choices=("torch", "numpy", "both"), default="both",
+        help="the adamps replicas of the CTR run: adamps.torch.Embedding (examples/torch_ctr.py), "
+        "the numpy engine (trainer.ctr), or both",
+    )  # fmt: skip
     args = ap.parse_args()
     batches = zipf_batches(40, N_IDS)
     out: dict[str, Any] = {"batch": BATCH, "n_ids": N_IDS}
@@ -209,37 +251,40 @@ def main() -> int:
                     f"{nb:,.0f} ({nb / (n_ids * dim * 4):.2e} of the table)"
                 )
         if not args.skip_auc:
-            cfg = CtrConfig(examples=args.examples, n_buckets=N_BUCKETS)
-            before = cluster_cpu(c)
-            res = run(c.controllers, TOKEN, CtrSpec(), cfg, replicas=2)
-            servers = cluster_cpu(c) - before  # includes the evaluation's pulls (small)
-            replicas_cpu = res["examples"] / res["examples_per_cpu_second_replicas"]
-            res["cluster_cpu_seconds"] = servers + replicas_cpu
-            res["examples_per_cpu_second"] = res["examples"] / (servers + replicas_cpu)
-            out["ctr"] = res
-            print(
-                f"CTR, 2 replicas, {res['examples']:,} examples: AUC {res['auc']:.4f}, planted "
-                f"truth {res['best_auc']:.4f}, gap {res['auc_gap']:.4f} (goal <= 0.01); "
-                f"{res['examples_per_second']:,.0f} examples/s, "
-                f"{res['row_bytes_per_step']:,.0f} row bytes per step and replica"
-            )
-            print(
-                f"CTR CPU: {res['examples_per_cpu_second']:,.0f} examples per CPU-second "
-                f"(replicas {replicas_cpu:.1f} s + servers and controllers {servers:.1f} s)"
-            )
+            cfg = CtrConfig(examples=args.examples, batch=args.batch, n_buckets=N_BUCKETS)
+            sides = ("torch", "numpy") if args.ctr_side == "both" else (args.ctr_side,)
+            for side in sides:
+                res = ctr_side(c, side, cfg, args.mlp_every)
+                out["ctr" if side == "numpy" else "ctr_torch"] = res
+                print(
+                    f"CTR ({side} replicas), 2 replicas, {res['examples']:,} examples: AUC "
+                    f"{res['auc']:.4f}, planted truth {res['best_auc']:.4f}, gap "
+                    f"{res['auc_gap']:.4f} (goal <= 0.01); {res['examples_per_second']:,.0f} "
+                    f"examples/s, {res['row_bytes_per_step']:,.0f} row bytes per step and replica"
+                )
+                print(
+                    f"CTR ({side}) CPU: {res['examples_per_cpu_second']:,.0f} examples per "
+                    f"CPU-second (replicas {res['replicas_cpu_seconds']:.1f} s + servers and "
+                    f"controllers {res['servers_cpu_seconds']:.1f} s)"
+                )
             try:
                 tr = torch_ctr(CtrSpec(), cfg, replicas=2)
             except ImportError:
                 print("torch not installed: no PyTorch baseline")
             else:
                 out["torch"] = tr
-                ratio = res["examples_per_cpu_second"] / tr["examples_per_cpu_second"]
-                out["ctr_cpu_ratio_vs_torch"] = ratio
                 print(
                     f"PyTorch, one process, same batches: {tr['examples_per_cpu_second']:,.0f} "
-                    f"examples per CPU-second, AUC {tr['auc']:.4f}; adamps / PyTorch = "
-                    f"{ratio:.2f} (goal >= 0.7)"
+                    f"examples per CPU-second, AUC {tr['auc']:.4f}"
                 )
+                for side in sides:
+                    res = out["ctr" if side == "numpy" else "ctr_torch"]
+                    ratio = res["examples_per_cpu_second"] / tr["examples_per_cpu_second"]
+                    out[f"ctr_cpu_ratio_vs_torch_{side}"] = ratio
+                    print(
+                        f"adamps ({side} replicas, whole cluster) / PyTorch = {ratio:.2f} "
+                        f"(goal >= 0.7)"
+                    )
     finally:
         c.stop()
     print(json.dumps(out))

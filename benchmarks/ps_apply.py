@@ -10,7 +10,9 @@ Limits (measured in this run, on this machine):
 
 The PS figures: the real Store (owner threads, queues, batching, optim kernels) in this process for
 dense SGD, dense Adagrad and activation/error pushes; a real `adamps ps` process over loopback HTTP
-for 4 MB pushes and pulls (1 and 4 connections).
+for 4 MB pushes and pulls (1 and 4 connections); the same server with TLS on both ports (a CA made by
+the run) beside the plain one, for the cost of TLS. Peer authentication does not apply here (a
+single server replicates nothing): benchmarks/replication.py measures it.
 
 Run: python benchmarks/ps_apply.py   (about a minute; the last line is one JSON object)
 """
@@ -34,11 +36,13 @@ import numpy as np
 from scipy.linalg import blas
 from threadpoolctl import threadpool_limits
 
+from adamps import tls, tls_certs
 from adamps.client import PSClient, StaticRouting
 from adamps.dataplane_client import DataPlaneClient
 from adamps.layout import Layout, TensorSpec
 from adamps.procs import Proc, adamps_argv, free_port
 from adamps.rpc import SyncRpc
+from adamps.server import kernels
 from adamps.server.initial import normalize_init
 from adamps.server.main import tune_malloc
 from adamps.server.optim import Dense, Optimizer
@@ -128,6 +132,29 @@ class RawSaxpy:
         def once() -> None:
             for w, d in zip(self.ws, self.ds, strict=True):
                 blas.saxpy(d, w, a=-0.01)
+
+        return 2 * self.n / timed(once, 2)
+
+
+class RawAdagrad:
+    """The Adagrad kernel alone over 64 separate 1 MB shards and accumulators, no queues, no
+    threads: the fused (numba) kernel, or the numpy reference (issue 27), in the same run."""
+
+    def __init__(self, n_elems: int, fused: bool) -> None:
+        shard = 262_144
+        k = n_elems // shard
+        self.ws = [np.ones(shard, np.float32) for _ in range(k)]
+        self.accs = [np.zeros(shard, np.float32) for _ in range(k)]
+        delta = np.random.default_rng(0).standard_normal(n_elems).astype(np.float32) * 1e-3
+        self.gs = [delta[i * shard : (i + 1) * shard] for i in range(k)]
+        self.tmp = np.empty(shard, np.float32)
+        self.fn = kernels.adagrad if fused else kernels.adagrad_numpy
+        self.n = n_elems
+
+    def sample(self) -> float:
+        def once() -> None:
+            for w, acc, g in zip(self.ws, self.accs, self.gs, strict=True):
+                self.fn(w, acc, g, 0.01, 1e-8, self.tmp)
 
         return 2 * self.n / timed(once, 2)
 
@@ -287,6 +314,21 @@ def _aiohttp_sink(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
+def aes_gcm_rate(seconds: float = 0.3) -> float:
+    """GB/s of AES-256-GCM over 4 MiB in this process (OpenSSL, through the cryptography
+    package): the cipher TLS 1.3 negotiates here (TLS_AES_256_GCM_SHA384), the limit of one
+    TLS stream's encryption on one core. A TLS byte is encrypted by the sender and decrypted by
+    the receiver."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aead, nonce, data = AESGCM(AESGCM.generate_key(bit_length=256)), b"\0" * 12, bytes(BODY)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        aead.encrypt(nonce, data, None)
+        n += 1
+    return n * BODY / (time.perf_counter() - t0) / 1e9
+
+
 def wait_healthz(base: str, timeout: float = 30.0) -> None:
     import urllib.request
 
@@ -431,12 +473,18 @@ def main() -> int:
             "dense_adagrad_2_owners": DenseBench("adagrad", 2, n_elems),
         }
         raw = RawSaxpy(n_elems)
-        fns: dict[str, Callable[[], float]] = {"copyto": cp.sample, "raw_saxpy": raw.sample}
+        ada_np, ada_fused = RawAdagrad(n_elems, False), RawAdagrad(n_elems, True)
+        fns: dict[str, Callable[[], float]] = {
+            "copyto": cp.sample,
+            "raw_saxpy": raw.sample,
+            "raw_adagrad_numpy": ada_np.sample,
+            "raw_adagrad_fused": ada_fused.sample,
+        }
         fns.update({k: b.sample for k, b in benches.items()})
         med = interleaved(fns, 5)
         for b in benches.values():
             b.store.close()
-        del cp, benches, raw
+        del cp, benches, raw, ada_np, ada_fused
         report("copyto", med["copyto"], "GB/s")
         eq = med["copyto"] / 4
         report("copyto_equivalent_updates", eq, "G/s")
@@ -445,6 +493,14 @@ def main() -> int:
         report("dense_sgd_2_owners", med["dense_sgd_2_owners"] / 1e9, "G/s", eq)
         report("dense_adagrad_1_owner", med["dense_adagrad_1_owner"] / 1e9, "G/s", eq)
         report("dense_adagrad_2_owners", med["dense_adagrad_2_owners"] / 1e9, "G/s", eq)
+        # issue 27: the kernel alone, fused (the default) and its numpy reference (ADAMPS_KERNELS=numpy)
+        report("kernel_adagrad_numpy_no_store", med["raw_adagrad_numpy"] / 1e9, "G/s", eq)
+        report(
+            "kernel_adagrad_fused_no_store",
+            med["raw_adagrad_fused"] / 1e9,
+            "G/s",
+            med["raw_adagrad_numpy"] / 1e9,
+        )
 
         m = n = 2048  # 16 shards of 128 rows
         for k in (16, 64):
@@ -473,6 +529,16 @@ def main() -> int:
             env={"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1"},
             name="ps",
         )  # fmt: skip
+        # The same server with TLS on both ports (issue 28), the CA made here: its cost is the
+        # ratio of its figures to the plain server's, measured in the same interleaved rounds.
+        tls_files = tls_certs.write_ca_and_cert(tmp)
+        tls_port, tls_data_port = free_port(), free_port()
+        tls_proc = Proc(
+            adamps_argv("ps", "--port", str(tls_port), "--data-port", str(tls_data_port), "--data-dir", str(Path(tmp) / "lmdb-tls"), "--flush-interval", "1", "--log-level", "WARNING"),
+            Path(tmp) / "ps-tls.log",
+            env={"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1", **tls_files.env()},
+            name="ps-tls",
+        )  # fmt: skip
         tcp = RawTcp()
         sink_port = free_port()
         sink = mp.get_context("spawn").Process(target=_aiohttp_sink, args=(sink_port,), daemon=True)
@@ -488,6 +554,14 @@ def main() -> int:
             discard = HttpClients(sink_base, 1)
             dp1, dp4 = DataPlaneClients(data_port, 1), DataPlaneClients(data_port, 4)
             psc_dp, psc_http = PSClients(base, True), PSClients(base, False)
+            # clients take this process's TLS setting when they connect: on for these only
+            tls.install(tls.load(environ=tls_files.env()))
+            tls_base = f"https://127.0.0.1:{tls_port}"
+            tls_proc.wait_http(tls_base + "/healthz", 30)
+            with SyncRpc(tls_base, TOKEN) as c:
+                c.call("create", name="p", shape=[BODY // 4], optimizer={"kind": "sgd", "lr": 0.01})
+            tls_one, tls_dp1 = HttpClients(tls_base, 1), DataPlaneClients(tls_data_port, 1)
+            tls.install(tls.TlsConfig())
             med = interleaved(
                 {
                     "tcp_stream": tcp.stream,
@@ -506,6 +580,11 @@ def main() -> int:
                     "psc_dp_pull": lambda: psc_dp.rate("pull"),
                     "psc_http_push": lambda: psc_http.rate("push"),
                     "psc_http_pull": lambda: psc_http.rate("pull"),
+                    "aes_gcm": aes_gcm_rate,
+                    "tls_push1": lambda: tls_one.rate("push"),
+                    "tls_pull1": lambda: tls_one.rate("pull"),
+                    "tls_dp_push1": lambda: tls_dp1.rate("push"),
+                    "tls_dp_pull1": lambda: tls_dp1.rate("pull"),
                 },
                 4,
             )
@@ -516,11 +595,14 @@ def main() -> int:
             dp4.close()
             psc_dp.close()
             psc_http.close()
+            tls_one.close()
+            tls_dp1.close()
         finally:
             sink.terminate()
             sink.join(5)
             tcp.close()
             proc.stop()
+            tls_proc.stop()
     lim = med["tcp_stream"]
     report("tcp_stream", lim, "GB/s")
     report("tcp_ping_pong", med["tcp_ping_pong"], "GB/s")
@@ -540,6 +622,20 @@ def main() -> int:
     report("psclient_dataplane_pull_4MB", med["psc_dp_pull"], "GB/s", lim)
     report("psclient_http_push_4MB", med["psc_http_push"], "GB/s", lim)
     report("psclient_http_pull_4MB", med["psc_http_pull"], "GB/s", lim)
+    print(
+        "  TLS on both ports (the same server, a CA made by this run; ratio to the plain figure):"
+    )
+    report("aes_256_gcm_4MiB_1_core", med["aes_gcm"], "GB/s", lim)
+    for name, key, plain in (
+        ("tls_push_4MB_1_conn", "tls_push1", "push1"),
+        ("tls_pull_4MB_1_conn", "tls_pull1", "pull1"),
+        ("tls_dataplane_push_4MB_1_conn", "tls_dp_push1", "dp_push1"),
+        ("tls_dataplane_pull_4MB_1_conn", "tls_dp_pull1", "dp_pull1"),
+    ):
+        report(name, med[key], "GB/s", lim)
+        cost = med[key] / med[plain]
+        RESULTS[f"{name}_vs_plain"] = round(cost, 3)
+        print(f"    {'':<36} {cost:5.2f} x the plain {plain}")
 
     RESULTS["wall_seconds"] = round(time.perf_counter() - t_start, 1)
     print()

@@ -9,7 +9,8 @@ with SIGKILL under load, and the failover time is measured: from the kill to the
 acknowledged push to a bucket that server led. Every acknowledged push is checked to be present
 exactly once at the end (the exactness checker of the tests). RF 3 also runs with peer
 identity off (issue 28: no MAC of replication messages), which prices the peer authentication,
-beside this machine's HMAC-SHA256 throughput.
+beside this machine's HMAC-SHA256 throughput, and with TLS on every port (a CA made by the run),
+which prices the encryption.
 
     python benchmarks/replication.py [--seconds 8] [--threads 4] [--shard-kb 256]
 
@@ -51,10 +52,12 @@ def cluster(
     ack: str = "prepared",
     peer_auth: bool = True,
     scrub_rate: int = 0,
+    tls: bool = False,
 ) -> LocalCluster:
     c = LocalCluster(
         root,
         token=TOKEN,
+        tls=tls,  # every port, this process's clients included, with a CA made for the run
         peer_token=None if peer_auth else "",  # None: a generated one (adamps up's default)
         n_servers=3,
         n_buckets=N_BUCKETS,
@@ -237,7 +240,13 @@ def main() -> None:
     p.add_argument(
         "--scrub", action="store_true", help="measure the background scrub's cost instead"
     )
-    p.add_argument("--repeats", type=int, default=3, help="--scrub: interleaved runs per rate")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="interleaved runs per compared configuration (rf3, peer auth off, TLS; --scrub: "
+        "per rate)",
+    )
     args = p.parse_args()
     shard_elems = args.shard_kb * 256
     if args.scrub:
@@ -264,28 +273,40 @@ def main() -> None:
         # committed too (ack = "committed"): what the stricter mode costs.
         # rf3_no_peer_auth: the same as rf3 with peer identity off (no MAC of replication
         # messages, issue 28): what authenticating the peers costs.
-        for name, rf, ack, auth in (
-            ("rf1", 1, "prepared", True),
-            ("rf3", 3, "prepared", True),
-            ("rf3_committed", 3, "committed", True),
-            ("rf3_no_peer_auth", 3, "prepared", False),
-        ):
-            c = cluster(os.path.join(root, name), rf, shard_elems, ack, auth)
+        # rf3_tls: the same as rf3 with TLS on every port (issue 28): what encrypting costs.
+        # These three are compared with each other: they run in alternation, `repeats` times
+        # each (a shared machine drifts), and each figure is the median of its runs.
+        plan = [("rf1", 1, "prepared", True, False), ("rf3_committed", 3, "committed", True, False)]
+        plan += [
+            ("rf3", 3, "prepared", True, False),
+            ("rf3_no_peer_auth", 3, "prepared", False, False),
+            ("rf3_tls", 3, "prepared", True, True),
+        ] * args.repeats
+        runs: dict[str, list[dict[str, float]]] = {}
+        for i, (name, rf, ack, auth, tls) in enumerate(plan):
+            c = cluster(os.path.join(root, f"{name}-{i}"), rf, shard_elems, ack, auth, tls=tls)
             try:
                 r = throughput(c, args.threads, args.seconds, shard_elems)
             finally:
                 c.stop()
-            results[f"{name}_pushes_per_s"] = round(r["pushes_per_s"], 1)
-            results[f"{name}_GB_per_s"] = round(r["GB_per_s"], 4)
-            for k in ("cpu_ms_servers", "cpu_ms_clients", "cpu_ms_controllers"):
-                results[f"{name}_{k}_per_push"] = round(r[k], 3)
+            runs.setdefault(name, []).append(r)
             print(
-                f"  replication factor {rf}, ack = {ack:9s}{'' if auth else ', peer auth off'}:"
-                f" {r['pushes_per_s']:8.1f} pushes/s  {r['GB_per_s']:.3f} GB/s"
+                f"  replication factor {rf}, ack = {ack:9s}{'' if auth else ', peer auth off'}"
+                f"{', TLS' if tls else ''}: {r['pushes_per_s']:8.1f} pushes/s  "
+                f"{r['GB_per_s']:.3f} GB/s; CPU ms per push: servers {r['cpu_ms_servers']:.2f},"
+                f" clients {r['cpu_ms_clients']:.2f}, controllers {r['cpu_ms_controllers']:.2f}"
             )
+        for name, rs in runs.items():
+            med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+            results[f"{name}_pushes_per_s"] = round(med["pushes_per_s"], 1)
+            results[f"{name}_GB_per_s"] = round(med["GB_per_s"], 4)
+            for k in ("cpu_ms_servers", "cpu_ms_clients", "cpu_ms_controllers"):
+                results[f"{name}_{k}_per_push"] = round(med[k], 3)
+        print(f"  medians of {args.repeats} alternating runs of rf3, rf3_no_peer_auth, rf3_tls:")
+        for name in ("rf3", "rf3_no_peer_auth", "rf3_tls"):
             print(
-                f"  {'':38s}CPU ms per push: servers {r['cpu_ms_servers']:.2f}, clients"
-                f" {r['cpu_ms_clients']:.2f}, controllers {r['cpu_ms_controllers']:.2f}"
+                f"    {name:17s} {results[f'{name}_pushes_per_s']:8.1f} pushes/s, server CPU"
+                f" {results[f'{name}_cpu_ms_servers_per_push']:.2f} ms per push"
             )
         ratio = results["rf3_pushes_per_s"] / results["rf1_pushes_per_s"]
         results["rf3_over_rf1"] = round(ratio, 3)
@@ -307,6 +328,17 @@ def main() -> None:
             f" machine {mac_gbs:.2f} GB/s, so {mac_ms:.2f} ms of CPU per push at RF 3 (2"
             f" secondaries, signed and checked), against {results['rf3_cpu_ms_servers_per_push']:.2f}"
             " ms of server CPU per push"
+        )
+        tls_ratio = results["rf3_tls_pushes_per_s"] / results["rf3_pushes_per_s"]
+        results["rf3_tls_over_plain"] = round(tls_ratio, 3)
+        tls_cpu = (
+            results["rf3_tls_cpu_ms_servers_per_push"] / results["rf3_cpu_ms_servers_per_push"]
+        )
+        results["rf3_tls_server_cpu_over_plain"] = round(tls_cpu, 3)
+        print(
+            f"  TLS on every port: RF 3 with / without = {tls_ratio:.2f}; server CPU per push"
+            f" {results['rf3_tls_cpu_ms_servers_per_push']:.2f} ms against"
+            f" {results['rf3_cpu_ms_servers_per_push']:.2f} ms ({tls_cpu:.2f} x)"
         )
         # On one machine whose cores every process shares, throughput follows CPU per push. RF 3
         # receives and applies each push on three servers: even if a secondary's copy cost no

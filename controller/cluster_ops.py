@@ -79,9 +79,11 @@ class Operations:
                 for s in [*self._wave(b, now), sid]:
                     if s not in cands:
                         cands.append(s)
+                        self._touch(s, b)
                 bk["left"] = {}
             elif member:
                 bk.setdefault("left", {})[sid] = now
+                self._touch(sid, b)
             if sid in bk["holders"]:
                 bk["holders"].remove(sid)
             if sid in bk["joining"]:
@@ -123,7 +125,8 @@ class Operations:
                 "conflict", f"server {sid!r} was declared dead; register again", state=DEAD
             )
         renewed = []
-        for b, bk in enumerate(self.buckets):
+        for b in self.leased_to(sid):
+            bk = self.buckets[b]
             lease: Lease | None = bk["lease"]
             if lease is None or lease.holder != sid or lease.released_at is not None:
                 continue
@@ -144,8 +147,9 @@ class Operations:
         now = self._tick(now)
         before = self.version
         reports = reports or {}
+        offers = self._offers_by_bucket()
         for b in range(self.n_buckets):
-            self._settle(b, now, reports.get(b))
+            self._settle(b, now, reports.get(b), offers)
         for rec in self.servers.values():  # a passed drain hold needs no more reconciles
             if rec.get("hold_until", now + 1) <= now:
                 del rec["hold_until"]
@@ -203,6 +207,7 @@ class Operations:
             return refusal("conflict", f"{sid!r} is not joining bucket {b}")
         bk["joining"].remove(sid)
         bk["holders"].append(sid)
+        self._touch(sid, b)
         self.version += 1
         self._settle(b, now)
         return {"ok": True, "bucket": b, "server": sid}
@@ -243,6 +248,7 @@ class Operations:
         bk["joining"].remove(sid)
         bk.setdefault("joined", {})[sid] = ids.pop(sid, None)
         bk["holders"].append(sid)
+        self._touch(sid, b)
         self.version += 1
         self._settle(b, now)
         return {"ok": True, "bucket": b, "server": sid}

@@ -103,6 +103,23 @@ class ControllerConfig:
     max_connections: int = field(
         512, help="open HTTP connections; beyond, the oldest idle one is closed"
     )
+    checkpoint_interval: float = field(
+        0.0,
+        help="seconds between periodic checkpoints taken by the leader (issue 24); 0 = none",
+    )
+    checkpoint_keep: int = field(
+        3, help="periodic checkpoints kept (older ones are pruned, files still named are kept)"
+    )
+    checkpoint_consistent: bool = field(
+        False,
+        help="periodic checkpoints cut every bucket at one instant (writes held for the copy, "
+        "as adamps checkpoint save --consistent)",
+    )
+    checkpoint_dir: str = field(
+        "",
+        help="directory of the periodic checkpoints, the same on every controller (a shared "
+        "file system when they run on several machines); needed with checkpoint_interval",
+    )
     log_level: str = field("INFO", help="logging level")
 
     def __post_init__(self) -> None:
@@ -120,6 +137,16 @@ class ControllerConfig:
             raise ConfigError("controller: need 0 < election_min < election_max")
         if self.server_timeout <= self.heartbeat_interval:
             raise ConfigError("controller.server_timeout must exceed heartbeat_interval")
+        if self.checkpoint_interval < 0 or self.checkpoint_keep < 1:
+            raise ConfigError(
+                "controller: need checkpoint_interval >= 0 and checkpoint_keep >= 1, got "
+                f"{self.checkpoint_interval} and {self.checkpoint_keep}"
+            )
+        if self.checkpoint_interval > 0 and not self.checkpoint_dir:
+            raise ConfigError(
+                "controller.checkpoint_interval is set but checkpoint_dir is empty: name the "
+                "directory the periodic checkpoints go to"
+            )
         if not self.data_dir:
             self.data_dir = f"run/controller-{self.member}"
         # Loopback-only means every member (their Raft and HTTP ports) and the bind address.

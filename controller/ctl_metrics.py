@@ -3,6 +3,8 @@ buckets, and the writes it proposed."""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from adamps import metrics
@@ -14,6 +16,7 @@ class ControllerMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
+        self.started = time.time()
         self.leader = Gauge(
             "adamps_controller_is_leader", "1 if this node is the Raft leader", registry=r
         )
@@ -79,6 +82,47 @@ class ControllerMetrics:
         self.heartbeats = Counter(
             "adamps_controller_heartbeats_total", "server heartbeats handled as leader", registry=r
         )
+        # Issue 24: periodic checkpoints (controller/ckpt_schedule.py). Age, size and duration
+        # come from the replicated record, so every controller reports the same figures.
+        self.ckpt_age = Gauge(
+            "adamps_controller_checkpoint_age_seconds",
+            "seconds since the last periodic checkpoint finished (before the first: since this "
+            "controller started, so that checkpoints that never succeed still age)",
+            registry=r,
+        )
+        self.ckpt_bytes = Gauge(
+            "adamps_controller_checkpoint_bytes",
+            "bytes of the files the last periodic checkpoint names (its own and its bases')",
+            registry=r,
+        )
+        self.ckpt_written = Gauge(
+            "adamps_controller_checkpoint_written_bytes",
+            "bytes the last periodic checkpoint wrote (incremental: only what changed)",
+            registry=r,
+        )
+        self.ckpt_seconds = Gauge(
+            "adamps_controller_checkpoint_duration_seconds",
+            "how long the last periodic checkpoint took",
+            registry=r,
+        )
+        self.ckpt_hold = Gauge(
+            "adamps_controller_checkpoint_hold_seconds",
+            "how long the last periodic checkpoint held writes for its cut (0: per-bucket cuts)",
+            registry=r,
+        )
+        self.ckpt_count = Gauge(
+            "adamps_controller_checkpoints", "periodic checkpoints completed", registry=r
+        )
+        self.ckpt_interval = Gauge(
+            "adamps_controller_checkpoint_interval_seconds",
+            "the checkpoint_interval setting (0: periodic checkpoints are off)",
+            registry=r,
+        )
+        self.ckpt_failures = Counter(
+            "adamps_controller_checkpoint_failures_total",
+            "periodic checkpoints this node began as leader that failed (each one logged)",
+            registry=r,
+        )
         self.dead = Counter(
             "adamps_controller_servers_declared_dead_total",
             "servers declared dead by this leader",
@@ -112,3 +156,14 @@ class ControllerMetrics:
         self.unavailable.set(unavailable)
         self.lost.set(lost)
         self.version.set(version)
+        rec = cluster.read(lambda m: dict(m.checkpoint_record()))
+        last = rec.get("last")
+        self.ckpt_count.set(rec["count"])
+        if last is not None:
+            self.ckpt_age.set(max(0.0, time.time() - last["finished"]))
+            self.ckpt_bytes.set(last["bytes"])
+            self.ckpt_written.set(last["written_bytes"])
+            self.ckpt_seconds.set(last["seconds"])
+            self.ckpt_hold.set(last.get("hold_ms", 0.0) / 1e3)
+        else:
+            self.ckpt_age.set(time.time() - self.started)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from adamps import tls
 from adamps import token as tokens
 from adamps.config import default_token
 from adamps.controller_client import ControllerClient
@@ -31,6 +32,7 @@ def build_parser(op: str) -> argparse.ArgumentParser:
         "--token", default="", help="cluster token (default: $ADAMPS_TOKEN, or the local token)"
     )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
+    tls.add_arguments(parser)
     return parser
 
 
@@ -41,6 +43,7 @@ def run(op: str, argv: list[str]) -> int:
         if not addrs:
             raise ValueError("--controllers names no address (expected host:port,...)")
         token = tokens.resolve(args.token or default_token(), map(host_of, addrs), f"adamps {op}")
+        tls.install_from(args)
     except (ValueError, tokens.TokenError) as exc:
         print(f"adamps {op}: {exc}", file=sys.stderr)
         return 2

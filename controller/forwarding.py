@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from adamps import peer_auth
+from adamps import peer_auth, tls
 from adamps import web as aweb
 from adamps.protocol import ProtocolError
 from controller.config import ControllerConfig
@@ -27,7 +27,7 @@ APPLIED = "X-Adamps-Applied"
 
 
 #: the endpoints operators (not servers) call: every refusal is logged
-OPERATOR_ENDPOINTS = frozenset({"declare-lost", "drain", "rebalance", "layout"})
+OPERATOR_ENDPOINTS = frozenset({"declare-lost", "drain", "rebalance", "layout", "runs"})
 #: the bucket operations of POST /buckets/{bucket}/{op}
 BUCKET_OPS = ("role-change", "caught-up", "release", "drop-secondary", "declare-lost")
 
@@ -53,14 +53,26 @@ class Forwarder:
         self._session: aiohttp.ClientSession | None = None
         #: (endpoint, reason) -> monotonic time of its last log line (servers' calls only)
         self._logged: dict[tuple[str, str], float] = {}
+        #: the token check of writes (controller/runs_http.py: the cluster token, or a run's
+        #: where allowed); None: the cluster token only
+        self.auth: Callable[[web.Request, bool], None] | None = None
 
     async def write(
-        self, request: web.Request, run: Callable[[], Awaitable[dict[str, Any]]]
+        self,
+        request: web.Request,
+        run: Callable[[], Awaitable[dict[str, Any]]],
+        runs_allowed: bool = False,
     ) -> web.Response:
         """Token check, then run on the leader or forward to it. A refusal (any 4xx this node
-        decides) is logged and counted by endpoint and reason (the audit of issue 28)."""
+        decides) is logged and counted by endpoint and reason (the audit of issue 28).
+
+        `runs_allowed`: a run's token may call it too (issue 25; `run` then reads who called
+        from the request, controller/runs_http.py); else it is the operator's alone."""
         try:
-            aweb.check_token(request)
+            if self.auth is None:
+                aweb.check_token(request)
+            else:
+                self.auth(request, runs_allowed)
             if self.raft.is_leader():
                 try:
                     resp = aweb.json_response(await run())
@@ -126,10 +138,11 @@ class Forwarder:
         try:
             async with self._session.request(
                 request.method,
-                f"http://{target}{request.path_qs}",
+                tls.url(target) + request.path_qs,
                 data=body,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.cfg.commit_timeout + 1.0),
+                ssl=tls.client_context() or True,
             ) as resp:
                 payload = await resp.read()
                 status = resp.status

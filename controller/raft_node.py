@@ -10,7 +10,6 @@ proposed: it is first run on a copy of the applied state (``DRY_RUN_OPS``).
 from __future__ import annotations
 
 import asyncio
-import copy
 import os
 import time
 from typing import Any
@@ -21,7 +20,7 @@ from adamps.protocol import ProtocolError
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
 from controller.raft_transport import RaftLimits, transport_class
-from controller.state import ReplicatedCluster
+from controller.state import ReplicatedCluster, dry_run
 
 #: pysyncobj's getStatus()["state"] of a leader (0 follower, 1 candidate, 2 leader): its public API
 RAFT_LEADER = 2
@@ -40,7 +39,11 @@ DRY_RUN_OPS = frozenset(
     }
 )
 #: the refusals of replicated methods that keep their code on the wire (others: conflict)
-ERROR_CODES = {"stale_epoch", "conflict", "not_found", "unknown_bucket", "bad_request", "internal"}
+ERROR_CODES = {
+    "stale_epoch", "conflict", "not_found", "unknown_bucket", "bad_request", "internal",
+    # runs (controller/run_ops.py)
+    "exists", "forbidden", "quota_exceeded", "too_large",
+}  # fmt: skip
 
 
 def ok_or_raise(res: dict[str, Any]) -> dict[str, Any]:
@@ -149,7 +152,7 @@ class RaftNode:
             # A Raft entry whose apply would refuse is not proposed (issue 12): the operation is
             # first run on a copy of this leader's applied state. Only an entry committed in
             # between can still make the real apply refuse (then a no-op on every replica).
-            dry = self.cluster.read(lambda m: getattr(copy.deepcopy(m), op)(*copy.deepcopy(args)))
+            dry = self.cluster.read(lambda m: dry_run(m, op, args))
             if not dry.get("ok"):
                 self.m.writes.labels(op, "refused").inc()
                 return dry

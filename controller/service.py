@@ -24,11 +24,13 @@ from adamps.core.lease import LeaseTerms
 from adamps.layout import Layout, LayoutError
 from adamps.protocol import ProtocolError
 from controller import fields
+from controller.ckpt_schedule import CheckpointSchedule
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
 from controller.forwarding import BUCKET_OPS, Forwarder
 from controller.leader import LeaderDuties
 from controller.raft_node import RaftNode, ok_or_raise
+from controller.runs_http import PRINCIPAL_KEY, RunsApi
 from controller.state import DEAD, ClusterModel, ReplicatedCluster
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,12 @@ class ControllerService:
         self.node = self.raft.node
         self.leader = LeaderDuties(cfg, self.cluster, self.raft, self.m)
         self.forwarder = Forwarder(cfg, self.raft, self.m)
+        #: runs (issue 25): their endpoints, and the token check of every write
+        self.runs = RunsApi(self, self._applied)
+        self.forwarder.auth = self.runs.authenticate
+        self.checkpoints = CheckpointSchedule(cfg, self.cluster, self.raft, self.m)
         self._loop_task: asyncio.Task | None = None
+        self._ckpt_task: asyncio.Task | None = None
 
     def is_leader(self) -> bool:
         return self.raft.is_leader()
@@ -74,6 +81,7 @@ class ControllerService:
             "role": "controller",
             "raft": self.raft.raft_status(),
             "table": info,
+            "checkpoints": self.checkpoints.status(),
             "config": {
                 **config_to_dict(self.cfg),
                 "raft_password": "***",
@@ -187,11 +195,7 @@ class ControllerService:
                     ) from None
                 if 0 <= bi < self.cfg.n_buckets:
                     self.leader.record_report(bi, sid, [epoch, seq])
-            holds = self.cluster.read(
-                lambda m: any(
-                    m.primary_of(b) == sid and m.holder_live(b) for b in range(m.n_buckets)
-                )
-            )
+            holds = self.cluster.read(lambda m: m.holds_lease(sid))
             renewed: dict[str, Any] = {"renewed": [], "at": None}
             if holds:
                 renewed = ok_or_raise(await self.commit("renew", sid, time.time()))
@@ -201,25 +205,20 @@ class ControllerService:
             # Committed when durability flips, not when the reason's figures change.
             if bool(rec.get("not_durable")) != bool(not_durable):
                 await self.commit("write_storage", sid, not_durable, time.time())
-            version, roles, state, unavailable = self.cluster.read(
-                lambda m: (
-                    m.version,
-                    m.roles_of(sid),
-                    m.servers[sid]["state"],
-                    [b for b in range(m.n_buckets) if m.unavailable(b)],
-                )
-            )
+            view = self.cluster.read(lambda m: m.heartbeat_view(sid, known))
             reply: dict[str, Any] = {
                 "server": sid,
-                "state": state,
-                "version": version,
+                "state": view["state"],
+                "version": view["version"],
                 "renewed": renewed["renewed"],
                 "renewed_at": renewed["at"],
                 "lease": self.terms.to_dict(),
-                "unavailable": unavailable,
+                "unavailable": view["unavailable"],
+                # runs (issue 25): a server whose table is older fetches GET /auth/runs
+                "runs_version": self.cluster.read(lambda m: getattr(m, "runs_version", 0)),
             }
-            if known != version:
-                reply["roles"] = roles
+            if view["roles"] is not None:
+                reply["roles"] = view["roles"]
             return reply
 
         return await self._server_write(request, sid, run)
@@ -423,9 +422,12 @@ class ControllerService:
                 layout = Layout.from_dict(checked).to_dict()
             except (LayoutError, KeyError, TypeError, ValueError) as exc:
                 raise ProtocolError("bad_request", f"invalid layout: {exc}") from None
+            who = request[PRINCIPAL_KEY]
+            if who.run is not None:  # a run sets its namespace's part of the layout only
+                return await self.runs.set_run_layout(who.run, layout)
             return ok_or_raise(await self.commit("set_layout", layout, time.time()))
 
-        return await self.forwarder.write(request, run)
+        return await self.forwarder.write(request, run, runs_allowed=True)
 
     async def h_get_progress(self, request: web.Request) -> web.Response:
         self._applied()
@@ -446,6 +448,7 @@ class ControllerService:
             if not 0 <= epoch <= MAX_EPOCH:
                 raise ProtocolError("bad_request", f"epoch must be in 0..{MAX_EPOCH}")
             replica = fields.str_field(body, "replica")
+            self.runs.check_progress(request, replica)
             progress = body.get("progress", 0.0)
             if (
                 isinstance(progress, bool)
@@ -462,7 +465,7 @@ class ControllerService:
                 )
             )
 
-        return await self.forwarder.write(request, run)
+        return await self.forwarder.write(request, run, runs_allowed=True)
 
     # -- app -------------------------------------------------------------------------------
 
@@ -491,20 +494,23 @@ class ControllerService:
         r.add_post("/servers/{id}/peer-keys", self.h_peer_keys)
         r.add_post("/rebalance", self.h_rebalance)
         r.add_post("/buckets/{bucket}/{op}", self.h_bucket_op)
+        self.runs.routes(r)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
         self._loop_task = asyncio.create_task(self.leader.run())
+        self._ckpt_task = asyncio.create_task(self.checkpoints.run())
 
     async def _on_cleanup(self, app: web.Application) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._loop_task, self._ckpt_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         await self.forwarder.close()
         self.close()
 

@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from adamps import tls
+from adamps.config import ConfigError
 from adamps.rpc import get_json
 
 
@@ -23,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--buckets", action="store_true", help="also list every bucket")
     parser.add_argument("--json", action="store_true", help="print the raw /cluster JSON instead")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds per request")
+    tls.add_arguments(parser)
     return parser
 
 
@@ -52,8 +55,10 @@ def render(
     progress: dict[str, Any],
     buckets: bool,
     servers: dict[str, dict[str, Any] | None] | None = None,
+    runs: list[dict[str, Any]] | None = None,
 ) -> str:
-    """`servers`: each server's own /status (None: unreachable), for its flush columns."""
+    """`servers`: each server's own /status (None: unreachable), for its flush columns and the
+    runs' held and pushed bytes; `runs`: the controllers' /runs (issue 25)."""
     out = []
     out.append(
         table(
@@ -117,6 +122,9 @@ def render(
             )
         header = ["bucket", "primary", "epoch", "secondaries", "joining", "lease left", "state"]
         out.append(table(rows, [*header, "candidates"]))
+    if runs:
+        out.append("")
+        out.append(render_runs(runs, servers or {}))
     if progress:
         out.append("")
         rows = []
@@ -127,11 +135,42 @@ def render(
     return "\n".join(out)
 
 
+def render_runs(runs: list[dict[str, Any]], servers: dict[str, dict[str, Any] | None]) -> str:
+    """Each run: its tensors and elements (the layout), the bytes the servers hold of it (every
+    copy) and the bytes of pushes they admitted, its quotas and the use of the element quota."""
+    held: dict[str, int] = {}
+    pushed: dict[str, int] = {}
+    for st in servers.values():
+        for run, d in ((st or {}).get("runs") or {}).get("runs", {}).items():
+            held[run] = held.get(run, 0) + int(d.get("held_bytes", 0))
+            pushed[run] = pushed.get(run, 0) + int(d.get("pushed_bytes", 0))
+    rows = []
+    for v in runs:
+        q = v.get("quotas") or {}
+        use = f"{v['param_elems'] / q['param_elems']:.0%}" if q.get("param_elems") else None
+        rows.append(
+            [
+                v["name"], v["tensors"], v["param_elems"], held.get(v["name"], 0),
+                pushed.get(v["name"], 0), q.get("param_elems"), use, q.get("table_rows"),
+                q.get("push_bytes_per_s"), v["consistency"],
+            ]
+        )  # fmt: skip
+    header = ["run", "tensors", "elements", "held bytes", "pushed bytes", "quota elems",
+              "use", "quota rows", "quota push B/s", "mode"]  # fmt: skip
+    return table(rows, header)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        tls.install_from(args)
+    except ConfigError as exc:
+        print(f"adamps status: {exc}", file=sys.stderr)
+        return 2
     addrs = [a.strip() for a in args.controllers.split(",") if a.strip()]
     controllers = []
     view = progress = None
+    runs: list[dict[str, Any]] = []
     for addr in addrs:
         try:
             st = get_json(addr, "/status", args.timeout)["raft"]
@@ -139,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             if view is None:
                 view = get_json(addr, "/cluster", args.timeout)
                 progress = get_json(addr, "/progress", args.timeout).get("epochs", {})
+                try:
+                    runs = get_json(addr, "/runs", args.timeout).get("runs", [])
+                except (OSError, ValueError, KeyError):  # a controller without runs (older)
+                    runs = []
         except (OSError, ValueError, KeyError) as exc:  # get_json: ConnectionError
             controllers.append({"addr": addr, "role": f"unreachable ({type(exc).__name__})"})
     if view is None:
@@ -157,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         except (OSError, ValueError, KeyError):
             servers[sid] = None
-    print(render(view, controllers, progress or {}, args.buckets, servers))
+    print(render(view, controllers, progress or {}, args.buckets, servers, runs))
     return 0
 
 

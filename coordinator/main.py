@@ -18,6 +18,7 @@ import sys
 import threading
 
 from adamps import metrics as am
+from adamps import tls
 from adamps import web as aweb
 from adamps.role import role_parser, run_role
 from coordinator.config import CoordinatorConfig
@@ -51,7 +52,7 @@ def serve(cfg: CoordinatorConfig) -> int:
 
     async def run() -> None:
         runner = await aweb.serve(app, cfg.host, cfg.port)
-        log.info("coordinator on http://%s:%d (run %s)", cfg.host, cfg.port, cfg.run)
+        log.info("coordinator on %s://%s:%d (run %s)", tls.scheme(), cfg.host, cfg.port, cfg.run)
         try:
             while True:
                 await asyncio.sleep(0.2)

@@ -120,6 +120,24 @@ class DataClient:
         """An iterator over replica `replica`'s batches of `epoch` (all slices), read ahead in a thread."""
         return BatchIterator(self, replica, n_replicas, epoch, batch_size, split, prefetch)
 
+    def span(self, epoch: int, start: int, stop: int, *, batch_size: int) -> Iterator[Batch]:
+        """The training batches of positions ``start:stop`` of ``epoch``'s whole order (replica 0
+        of 1): an elastic replica's leased slice (dataserver/slices.py). Read in the calling
+        thread, failing over like an epoch's stream; needs a single data-server slice."""
+        groups = self.groups()
+        if len(groups) != 1 or 0 not in groups:
+            raise DataServerError(
+                f"elastic replicas need the dataset on one data-server slice, got {sorted(groups)}"
+            )
+        req = {"replica": 0, "n_replicas": 1, "epoch": epoch, "batch_size": batch_size,
+               "split": "train", "start": start, "stop": stop}  # fmt: skip
+        stream = _SliceStream(self, 0, [s.url for s in groups[0]], req, _Progress())
+        try:
+            while (b := stream.next_batch()) is not None:
+                yield b
+        finally:
+            stream.close()
+
 
 class _SliceStream:
     """One slice's stream of an epoch; resumes at `position` on another server of the slice."""
@@ -139,7 +157,7 @@ class _SliceStream:
         # Start on a different server for each replica: the servers of a slice share the load.
         shift = req["replica"] % len(urls)
         self.urls = urls[shift:] + urls[:shift]
-        self.position = 0
+        self.position = int(req.get("start", 0))  #: a bounded stream (a slice) starts inside
         self.total: int | None = None
         self.fingerprint: str | None = None
         self._rpc: SyncRpc | None = None

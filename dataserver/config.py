@@ -14,6 +14,11 @@ class DataServerConfig:
     host: str = field("127.0.0.1", help="address to listen on")
     port: int = field(7300, help="HTTP port")
     token: str = field("", help="cluster token required on /stream (Authorization: Bearer <token>)")
+    controllers: list[str] = field(
+        [],
+        help="controllers (host:port, comma separated) whose runs' tokens may stream too "
+        "(issue 25); none: the cluster token only",
+    )
     source: str = field(
         "builtin",
         help="dataset: builtin | mnist:DIR | folder:DIR | npz:FILE | a path (kind guessed)",
@@ -45,6 +50,16 @@ class DataServerConfig:
     heartbeat: float = field(
         1.0, help="seconds between 'wait' frames while a stream waits for its epoch's augmentation"
     )
+    slice_size: int = field(
+        256,
+        help="elastic replicas: examples per leased slice of an epoch (a replica that dies "
+        "mid-slice costs at most this many examples trained twice)",
+    )
+    slice_lease: float = field(
+        10.0,
+        help="elastic replicas: seconds a slice stays leased to a replica not heard from; "
+        "then it goes to another replica and the replica stops counting as alive",
+    )
     max_batch: int = field(4096, help="largest batch_size a stream may ask for")
     max_body: int = field(1 << 20, help="largest request body in bytes")
     header_timeout: float = field(
@@ -71,6 +86,11 @@ class DataServerConfig:
             )
         if self.workers < 0 or self.ahead < 0 or self.chunk < 1 or self.max_batch < 1:
             raise ValueError("workers and ahead must be >= 0, chunk and max_batch >= 1")
+        if self.slice_size < 1 or not self.slice_lease > 0:
+            raise ValueError(
+                f"slice_size must be >= 1 and slice_lease > 0, got {self.slice_size}, "
+                f"{self.slice_lease}"
+            )
         if self.heartbeat <= 0:
             raise ValueError("heartbeat must be > 0")
         if self.max_shift < 0 or self.max_rotation < 0:

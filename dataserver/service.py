@@ -2,8 +2,9 @@
 worker processes, streamed to trainers over HTTP as length-prefixed msgpack frames.
 
     POST /stream   (token)  body: msgpack {"op": "stream", "v": 1, replica, n_replicas, epoch,
-                            start, batch_size, split, fingerprint?}  -> chunked frames (header,
-                            batch..., end); see docs/protocol-dataserver.md
+                            start, stop?, batch_size, split, fingerprint?}  -> chunked frames
+                            (header, batch..., end); see docs/protocol-dataserver.md
+    POST /lease /complete /heartbeat, GET /runs: elastic replicas' slices (dataserver/elastic.py)
     GET  /healthz /status /metrics   (from adamps.web)
 
 Only the event-loop thread touches the server's state; augmentation runs in the worker pool.
@@ -25,10 +26,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from adamps import config as adamps_config
 from adamps import metrics, protocol
 from adamps import web as adamps_web
+from adamps.controller_client import AsyncControllerClient
 from adamps.protocol import ProtocolError
+from adamps.run_tokens import RunTokens
 from dataserver.augment import Augmenter, AugmentParams
 from dataserver.cache import EpochCache
 from dataserver.config import DataServerConfig
+from dataserver.elastic import ElasticRuns
 from dataserver.framing import CONTENT_TYPE, Batch, frame
 from dataserver.partition import MAX_EPOCH, MAX_REPLICAS, slice_members, stream_positions
 from dataserver.sources import Dataset
@@ -46,6 +50,7 @@ class StreamRequest:
     start: int
     batch_size: int
     split: str
+    stop: int | None = None  #: end position (exclusive); None: the stream's end (an elastic slice)
 
 
 class DataServerMetrics:
@@ -99,6 +104,14 @@ class DataServer:
         self.dataset = dataset
         self.registry = registry if registry is not None else metrics.new_registry()
         self.metrics = DataServerMetrics(self.registry)
+        #: runs' tokens (issue 25), learnt from the controllers when some are configured
+        self.run_tokens: RunTokens | None = None
+        self._ctl: AsyncControllerClient | None = None
+        if cfg.controllers:
+            self._ctl = AsyncControllerClient(
+                cfg.controllers, cfg.token, timeout=3.0, retry_for=3.0
+            )
+            self.run_tokens = RunTokens(self._ctl.runs_auth)
         k, n = cfg.slice_index, cfg.n_slices
         self.n_train_total = len(dataset.train_y)
         self.train_index = slice_members(len(dataset.train_y), k, n)
@@ -126,6 +139,11 @@ class DataServer:
             )
         self._inflight: dict[int, asyncio.Task[np.ndarray]] = {}  #: epoch -> its augmentation
         self._streams_open = 0  #: /stream responses being sent
+        #: elastic replicas' leased slices of the training set, per run
+        self.elastic = ElasticRuns(
+            len(self.train_y), cfg.slice_size, cfg.slice_lease, self.registry
+        )
+        self.elastic.caller = self._check_token
         self._update_gauges()
 
     # ------------------------------------------------------------------ lifecycle
@@ -143,6 +161,8 @@ class DataServer:
         self._inflight.clear()
         if self.augmenter is not None:
             self.augmenter.close()
+        if self._ctl is not None:
+            await self._ctl.close()
 
     def _fingerprint(self) -> str:
         """Identifies (dataset slice, seed): servers of one failover group must agree on it."""
@@ -204,8 +224,10 @@ class DataServer:
     # ------------------------------------------------------------------ streams
 
     def stream_length(self, req: StreamRequest) -> int:
+        """The stream's end position: its length, or ``stop`` when the request bounds it."""
         n = len(self.train_y) if req.split == "train" else len(self.test_y)
-        return len(range(req.replica, n, req.n_replicas))
+        total = len(range(req.replica, n, req.n_replicas))
+        return total if req.stop is None else min(total, req.stop)
 
     async def batches(
         self, req: StreamRequest, images: np.ndarray | None = None
@@ -220,8 +242,9 @@ class DataServer:
         )
         if images is None:
             images = await self.epoch_images(req.split, req.epoch)
-        for pos in range(req.start, len(positions), req.batch_size):
-            sel = positions[pos : pos + req.batch_size]
+        end = self.stream_length(req)
+        for pos in range(req.start, end, req.batch_size):
+            sel = positions[pos : min(end, pos + req.batch_size)]
             yield Batch(pos, images[sel], labels[sel], index[sel])
 
     def parse_stream(self, msg: dict[str, Any]) -> StreamRequest:
@@ -250,7 +273,13 @@ class DataServer:
                 "bad_request", f"split must be one of {list(SPLITS)}, got {split!r}"
             )
         start = protocol.require(msg, "start", int, 0)
-        req = StreamRequest(replica, n_replicas, epoch, start, batch_size, split)
+        stop = protocol.require(msg, "stop", int, None)
+        full = self.stream_length(StreamRequest(replica, n_replicas, epoch, 0, batch_size, split))
+        if stop is not None and not 0 <= stop <= full:
+            raise ProtocolError(
+                "bad_request", f"stop must be in [0, {full}] for this stream, got {stop}"
+            )
+        req = StreamRequest(replica, n_replicas, epoch, start, batch_size, split, stop)
         total = self.stream_length(req)
         if not 0 <= start <= total:
             raise ProtocolError(
@@ -295,8 +324,20 @@ class DataServer:
         finally:
             fut.cancel()  # no-op when done; the shared augmentation itself is shielded
 
-    async def handle_stream(self, request: web.Request) -> web.StreamResponse:
+    async def _check_token(self, request: web.Request) -> str | None:
+        """The cluster token (None), or (with controllers) a run's token (the run's name): data
+        is read-only, and a run's elastic replicas lease only their run's slices."""
+        if self.run_tokens is not None:
+            _, _, given = request.headers.get("Authorization", "").partition(" ")
+            if given.strip() and given.strip() != self.cfg.token:
+                run = await self.run_tokens.run_of(given.strip())
+                if run is not None:
+                    return run
         adamps_web.check_token(request)
+        return None
+
+    async def handle_stream(self, request: web.Request) -> web.StreamResponse:
+        await self._check_token(request)
         msg = await adamps_web.read_message(request, {"stream"})
         req = self.parse_stream(msg)
         resp = web.StreamResponse(status=200, headers={"Content-Type": CONTENT_TYPE})
@@ -359,6 +400,7 @@ class DataServer:
             "cache_bound": self.cache.bound,
             "skipped_files": self.dataset.skipped,
             "streams_open": self._streams_open,
+            "runs": self.elastic.status(),
             "config": adamps_config.to_dict(self.cfg),
         }
 
@@ -371,4 +413,5 @@ class DataServer:
             limits=self.cfg.http_limits,
         )
         app.router.add_post("/stream", self.handle_stream)
+        self.elastic.add_routes(app)
         return app

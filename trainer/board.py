@@ -16,9 +16,18 @@ from adamps.layout import TensorSpec
 BOARD_TENSOR = "adamps.board"
 
 
-def board_tensor(run: str = "") -> str:
-    """The static-mode board tensor of a training run."""
-    return f"{BOARD_TENSOR}.{run}" if run else BOARD_TENSOR
+def board_tensor(run: str = "", engine: str = "") -> str:
+    """The static-mode board tensor of a training run: in the run's namespace (issue 25); an
+    engine other than the numpy one (``torch``) has a board of its own."""
+    name = f"{BOARD_TENSOR}.{engine}" if engine else BOARD_TENSOR
+    return f"{run}..{name}" if run else name
+
+
+def board_prefix(run: str = "", engine: str = "") -> str:
+    """The controllers' progress keys of a run are "<run>/[<engine>/]<replica>": under the run's
+    name, which its token may report (issue 25)."""
+    parts = [p for p in (run, engine) if p]
+    return "".join(f"{p}/" for p in parts)
 
 
 # -- boards: where replicas meet (warm start, epochs finished) --------------------------------
@@ -40,17 +49,23 @@ class Board:
         """replica -> the last epoch it finished (0: none)."""
         raise NotImplementedError
 
+    def observe(self, sched: Any) -> int:
+        """Updates the schedule's last complete epoch from the board; returns it."""
+        return int(sched.observe(self.finished()))
+
 
 class PsBoard(Board):
     """A float32 vector on the parameter servers: element r = the last epoch replica r
     finished, element n = 1 once replica 0's warm start is done. Replicas add to it (SGD with
     lr = -1); every push is applied exactly once, so the counts are exact."""
 
-    def __init__(self, client: PSClient, replica: int, n_replicas: int, run: str = "") -> None:
+    def __init__(
+        self, client: PSClient, replica: int, n_replicas: int, run: str = "", engine: str = ""
+    ) -> None:
         self.client = client
         self.replica = replica
         self.n = n_replicas
-        self.tensor = board_tensor(run)
+        self.tensor = board_tensor(run, engine)
         client.create(
             TensorSpec(self.tensor, (n_replicas + 1,)),
             init={"kind": "zeros"},
@@ -89,10 +104,17 @@ class ControllerBoard(Board):
     warm-start mark is replica 0's report for epoch 0. With a run name, replicas report as
     "<run>/<replica>" so that runs do not see each other's progress."""
 
-    def __init__(self, controllers: Sequence[str], token: str, replica: int, run: str = "") -> None:
+    def __init__(
+        self,
+        controllers: Sequence[str],
+        token: str,
+        replica: int,
+        run: str = "",
+        engine: str = "",
+    ) -> None:
         self.controllers = list(controllers)
         self.token = token
-        self.prefix = f"{run}/" if run else ""
+        self.prefix = board_prefix(run, engine)
         self.replica = self.prefix + str(replica)
         self._local = threading.local()
 

@@ -24,13 +24,31 @@ class TrainConfig:
     dataservers: list[str] = field(
         ["http://127.0.0.1:7300"], help="data-server URLs (comma separated; copies fail over)"
     )
-    token: str = field("", help="cluster token")
-    replica: int = field(0, help="index of this model replica, 0 .. n_replicas-1")
+    token: str = field("", help="cluster token (or a run's token: see --token-file)")
+    token_file: str = field(
+        "",
+        help="read the token from this file: a run's token (`adamps run create NAME "
+        "--token-file F`), which reads and writes only the run's namespace NAME..",
+    )
+    replica: int = field(
+        -1,
+        help="index of this model replica, 0 .. n_replicas-1; not given (-1) with --run: an "
+        "elastic replica that joins the run and trains the slices the data server leases it "
+        "(docs/training.md); not given without --run: 0",
+    )
     n_replicas: int = field(1, help="number of model replicas training together")
     run: str = field(
         "",
         help="name of the training run (letters, digits, '_', '.', '-'): replicas of one run "
         "share a progress board; a new name starts a new run on servers that keep an old one's",
+    )
+    consistency: str = field(
+        "async",
+        help="consistency mode of the run, enforced by the parameter servers from the replicas' "
+        "step clocks: 'async' (Downpour), 'ssp:S' (no replica more than S steps ahead of the "
+        "slowest live one) or 'sync' (every live replica's step t summed before any fetches "
+        "step t+1); ssp and sync step once per round (use --workers 1 --n-push 1 for a step "
+        "of one minibatch)",
     )
     model: str = field("adam-mnist", help="built-in model name or a JSON model description")
     torch: str = field(
@@ -134,7 +152,9 @@ class TrainConfig:
         "it hands out (trainer/sandblaster.py) instead of running Downpour",
     )
     slowdown: float = field(
-        1.0, help="test flag: make a Sandblaster trainer this many times slower"
+        1.0,
+        help="test flag: make a Sandblaster trainer, or a replica under --consistency ssp/sync, "
+        "this many times slower",
     )
     log_level: str = field("INFO", help="logging level")
     # Model parallelism (issue 15, trainer/partitioned.py): one replica as K processes.
@@ -175,6 +195,17 @@ class TrainConfig:
         return self.lr
 
     def __post_init__(self) -> None:
+        #: an elastic replica (trainer/elastic.py): --run without --replica (Downpour, numpy)
+        self.elastic = bool(
+            self.replica < 0
+            and self.run
+            and self.job_index < 0
+            and self.partitions == 1
+            and not self.torch
+            and not self.coordinator
+        )
+        if self.replica < 0 and self.job_index < 0:
+            self.replica = 0  # an elastic replica does replica 0's duties (tensors, evaluation)
         if self.job_index >= 0 and self.partitions >= 1:
             self.replica, self.partition = divmod(self.job_index, self.partitions)
         if len(self.partition_addrs) == 1 and "{index}" in self.partition_addrs[0]:
@@ -183,6 +214,13 @@ class TrainConfig:
                 self.partition_addrs[0].replace("{index}", str(first + k))
                 for k in range(self.partitions)
             ]
+        if self.token_file:
+            try:
+                self.token = open(self.token_file).read().strip()  # noqa: SIM115 (one read)
+            except OSError as exc:
+                raise ValueError(f"token_file {self.token_file!r} cannot be read: {exc}") from None
+            if not self.token:
+                raise ValueError(f"token_file {self.token_file!r} holds no token")
         # A trainer only calls the others: loopback-only when everything it reaches is local.
         reached = [
             tokens.host_of(a)
@@ -205,6 +243,14 @@ class TrainConfig:
         if not re.fullmatch(r"[A-Za-z0-9_.\-]{0,64}", self.run):
             raise ValueError(
                 f"run must be up to 64 letters, digits, '_', '.', '-', got {self.run!r}"
+            )
+        from adamps.core.stepclock import parse_mode
+
+        parse_mode(self.consistency)  # ValueError naming the value and what is expected
+        if self.consistency != "async" and (self.partitions > 1 or self.torch or self.coordinator):
+            raise ValueError(
+                f"consistency {self.consistency} is for Downpour replicas (numpy models): "
+                "no --partitions, --torch or --coordinator"
             )
         if not self.compress_lr_scale > 0:
             raise ValueError(f"compress_lr_scale must be > 0, got {self.compress_lr_scale}")

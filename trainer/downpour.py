@@ -70,7 +70,7 @@ from trainer.fetcher import Fetcher
 from trainer.hogwild import Hogwild
 from trainer.loop import Loop
 from trainer.metrics import TrainerMetrics
-from trainer.model import Model, resolve_spec
+from trainer.model import Model, in_namespace, resolve_spec
 from trainer.packing import PackPlan, add_pending, collect_round, downpour_worker_factory
 from trainer.push_queue import PushQueue
 from trainer.pusher import Pusher
@@ -117,7 +117,9 @@ class Replica:
         from dataserver.client import DataClient
 
         self.cfg = cfg
-        self.spec = resolve_spec(cfg.model)
+        # A run's tensors live in its namespace (issue 25): "<run>..<layer>.<w|b>" on the
+        # servers and in the layout, so runs with the same layer names never share a tensor.
+        self.spec = in_namespace(resolve_spec(cfg.model), cfg.run)
         self.model = Model(self.spec)  # evaluation model and the layout's source
         self.registry = registry if registry is not None else am.new_registry()
         self.m = TrainerMetrics(self.registry)
@@ -143,6 +145,12 @@ class Replica:
         self._loss_window: collections.deque[float] = collections.deque(maxlen=32)
         self.recent_loss = float("nan")
         self._merged_seen_before = 0
+        #: called in turn once a round is queued for the push thread: an elastic replica's
+        #: slice ends (trainer/elastic.py), a consistency mode's step gate (trainer/consistency.py)
+        self.round_hooks: list[Callable[[], None]] = []
+        if cfg.consistency != "async":  # the step gate fetches every step instead
+            self.schedule.n_fetch = 1 << 62
+            self.schedule.warm_start = 0  # the replicas start together: no warm start alone
 
     @property
     def step(self) -> int:
@@ -193,7 +201,11 @@ class Replica:
             self.client, self.pushq, self.m, cfg.local_lr,
             {t.name: t.shape for t in self.tensors}, self.compressor,
         )  # fmt: skip
-        if cfg.controllers:
+        if cfg.elastic:  # the run's progress is the data server's slice table
+            from trainer.elastic import elastic_board
+
+            self.board = elastic_board(self)
+        elif cfg.controllers:
             self.board = ControllerBoard(cfg.controllers, cfg.token, cfg.replica, cfg.run)
         else:
             self.board = PsBoard(self.client, cfg.replica, cfg.n_replicas, cfg.run)
@@ -219,8 +231,11 @@ class Replica:
             got = ctl.layout()
             if got is not None:
                 layout = Layout.from_dict(got["layout"])
-                if {n: t.shape for n, t in layout.tensors.items()} == want:
-                    return layout
+                # The cluster's layout holds every run's tensors: this run's part must match.
+                ns = f"{self.cfg.run}.." if self.cfg.run else ""
+                have = {n: t.shape for n, t in layout.tensors.items() if n.startswith(ns)}
+                if have == want:
+                    return Layout(self.tensors, layout.n_buckets, layout.max_shard_elems)
             if time.monotonic() > deadline:
                 raise TimeoutError("no layout of this model at the controllers (is replica 0 up?)")
             time.sleep(0.2)
@@ -230,10 +245,11 @@ class Replica:
         assert self.client is not None
         init = Model(self.spec)
         init.init_params(self.cfg.seed)
+        accums: dict[str, Any] = {}
         if self.cfg.init:  # warm start (issue 24): checked whole before the first create
-            from trainer.warm import initial_values
+            from trainer.warm import initial_state
 
-            warm = initial_values(self.cfg.init, {t.name: t.shape for t in self.tensors})
+            warm, accums = initial_state(self.cfg.init, {t.name: t.shape for t in self.tensors})
             for name, values in warm.items():
                 init.param(name)[...] = values
         optimizer: dict[str, Any] = {"kind": self.cfg.optimizer, "lr": self.cfg.server_lr}
@@ -243,6 +259,26 @@ class Replica:
             self.client.create(
                 t, init={"kind": "values", "values": init.param(t.name)}, optimizer=optimizer
             )
+        if accums and self.cfg.optimizer == "adagrad":
+            self._install_accumulators(init, accums)
+
+    def _install_accumulators(self, init: Model, accums: dict[str, Any]) -> None:
+        """The checkpoint's Adagrad accumulators, installed (with the same values) through the
+        servers' one write path: the run goes on from the checkpoint's learning rates, not
+        from fresh accumulators (issue 24)."""
+        from adamps.checkpoint import Cluster, install
+
+        assert self.client is not None
+        arrays = {n: init.param(n) for n in accums}
+        arrays.update({f"{n}/accum": a for n, a in accums.items()})
+        defs = [{"name": n} for n in accums]
+        cluster = Cluster(list(self.cfg.controllers), self.cfg.token, source=self.client.source)
+        try:
+            n = install(cluster, self.client.layout, defs, arrays)
+        finally:
+            cluster.close()
+        log.info("warm start: Adagrad accumulators of %d tensors (%d shards) from %s",
+                 len(accums), n, self.cfg.init)  # fmt: skip
 
     def _wait_warm(self) -> None:
         assert self.board is not None
@@ -271,7 +307,7 @@ class Replica:
             if report is not None:
                 self.board.report(report.epoch, report.progress, report.done)
                 sched.reported(report)
-            self.m.completed.set(sched.observe(self.board.finished()))
+            self.m.completed.set(self.board.observe(sched))
 
     def _check_threads(self, *threads: Loop) -> None:
         for t in threads:
@@ -292,6 +328,9 @@ class Replica:
         test_x, test_y = self._heldout() if cfg.replica == 0 else (None, None)
         if cfg.replica == 0:
             self._create_tensors()
+            if cfg.init and test_x is not None and test_y is not None:
+                # "epoch 0" of the history: where a run started from a checkpoint begins
+                self._evaluate(0, test_x, test_y)
         else:
             self._wait_warm()
         params, _ = self.client.pull(
@@ -312,13 +351,24 @@ class Replica:
             try:
                 if sched.warm_due():
                     self._mark_warm()
-                for epoch in range(1, cfg.epochs + 1):
+                if cfg.consistency != "async":
+                    from trainer.consistency import StepGate
+
+                    gate = StepGate(self, pool.params, pusher)
+                    gate.join()
+                    self.round_hooks.append(gate.after_round)
+                for epoch in range(1, cfg.epochs + 1) if not cfg.elastic else ():
                     if sched.skip(epoch):
                         log.info("epoch %d is already complete: skipped", epoch)
                         continue
                     self._train_epoch(epoch, pool, plan, fetcher, threads, test_x, test_y)
                     if not self.result.epochs[epoch].moved_on:
                         self.pushq.put(functools.partial(sched.epoch_finished, epoch))
+                if cfg.elastic:
+                    from trainer.elastic import train_slices
+
+                    train_slices(self, lambda e, it: self._train_epoch(
+                        e, pool, plan, fetcher, threads, test_x, test_y, it))  # fmt: skip
                 if not sched.warm_marked:
                     self._mark_warm()  # fewer minibatches than the warm start: let the others go
                 if not self.pushq.join(cfg.wait_timeout, pusher.is_alive):
@@ -399,7 +449,10 @@ class Replica:
         threads: tuple[Loop, ...],
         test_x: np.ndarray | None,
         test_y: np.ndarray | None,
+        it: Any = None,
     ) -> None:
+        """Trains ``epoch``'s batches: this replica's static share, or ``it`` (an elastic
+        replica's leased slices, whose ends ``self.after_round`` reports behind the pushes)."""
         cfg = self.cfg
         sched = self.schedule
         W = cfg.workers
@@ -407,9 +460,10 @@ class Replica:
         self.m.epoch.set(epoch)
         stats = self.result.epochs.setdefault(epoch, EpochStats())
         bar = self._progress_bar(epoch)
-        it = self.data.epoch(
-            cfg.replica, cfg.n_replicas, epoch, batch_size=cfg.batch_size, prefetch=16
-        )
+        if it is None:
+            it = self.data.epoch(
+                cfg.replica, cfg.n_replicas, epoch, batch_size=cfg.batch_size, prefetch=16
+            )
         t_epoch = time.perf_counter()
         try:
             t_mark = time.perf_counter()
@@ -421,6 +475,8 @@ class Replica:
                 outs = pool.run([batches[w::W] for w in range(W)])
                 t2 = time.perf_counter()
                 self.pushq.put(collect_round(pool.buffers, plan, outs))
+                for hook in self.round_hooks:
+                    hook()
                 stats.t_data += t1 - t_mark
                 stats.t_compute += t2 - t1
                 n_img = sum(len(b[1]) for b in batches)
@@ -451,7 +507,8 @@ class Replica:
                     break
         finally:
             stats.seconds += time.perf_counter() - t_epoch
-            it.close()
+            if hasattr(it, "close"):
+                it.close()
             bar.close()
         log.info(
             "epoch %d: %d images, loss %.4f, %.0f images/s%s; fetches %d, staleness %s steps, "

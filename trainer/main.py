@@ -22,6 +22,7 @@ from typing import Any
 
 from adamps import config as aconfig
 from adamps import metrics as am
+from adamps import tls
 from adamps.role import role_parser, run_role
 from trainer.config import TrainConfig
 from trainer.metrics_server import MetricsServer
@@ -98,6 +99,8 @@ def serve(cfg: TrainConfig) -> int:
             "config": aconfig.to_dict(cfg),
             "uptime_seconds": time.time() - started,
             "replica": cfg.replica,
+            #: an elastic replica's name in its run (trainer/elastic.py), else null
+            "elastic_replica": getattr(replica, "replica_id", None),
             "epoch": replica.epoch,
             "completed_epoch": replica.completed,
             "steps": replica.step,
@@ -111,7 +114,7 @@ def serve(cfg: TrainConfig) -> int:
     server = None
     if cfg.metrics_port >= 0:
         server = MetricsServer(registry, cfg.token, status, cfg.host, cfg.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", cfg.host, server.port)
+        log.info("metrics on %s://%s:%d/metrics", tls.scheme(), cfg.host, server.port)
         if cfg.partitions > 1:
             replica.metrics_port = server.port  # type: ignore[attr-defined] # told to the leader
 

@@ -75,6 +75,15 @@ def resolve_spec(spec: str | dict[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(spec)
 
 
+def in_namespace(spec: dict[str, Any], run: str) -> dict[str, Any]:
+    """`spec` with every layer named "<run>..<name>" (its tensors: "<run>..<name>.<w|b>"), the
+    namespace of run `run` (adamps/runs.py); unchanged without a run."""
+    if not run:
+        return spec
+    layers = [{**layer, "name": f"{run}..{layer['name']}"} for layer in spec["layers"]]
+    return {**spec, "layers": layers}
+
+
 def tensor_layout(spec: str | dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """The ordered (name, shape) list of a model's float32 tensors, without allocating them."""
     return Model(spec, params=np.empty(0, np.float32), _layout_only=True).tensors()

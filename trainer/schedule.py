@@ -59,6 +59,8 @@ class Schedule:
     replica: int = 0
     #: report progress inside an epoch (only the controllers' board keeps it)
     progress_reports: bool = False
+    #: an elastic replica (trainer/elastic.py): it never leaves a leased slice half trained
+    elastic: bool = False
 
     step: int = 0  #: replica steps (minibatches of all workers) so far (main thread)
     epoch: int = 0  #: the epoch being trained (main thread)
@@ -79,7 +81,7 @@ class Schedule:
             workers=cfg.workers, n_push=cfg.n_push, n_fetch=cfg.n_fetch,
             warm_start=cfg.warm_start, n_replicas=cfg.n_replicas,
             epoch_fraction=cfg.epoch_fraction, replica=cfg.replica,
-            progress_reports=bool(cfg.controllers),
+            progress_reports=bool(cfg.controllers), elastic=getattr(cfg, "elastic", False),
         )  # fmt: skip
 
     # -- the main thread
@@ -124,8 +126,9 @@ class Schedule:
         return self.step - requested_at
 
     def move_on(self, epoch: int) -> bool:
-        """Leave ``epoch`` now: enough replicas finished it (the 75% rule)."""
-        return self.completed >= epoch
+        """Leave ``epoch`` now: enough replicas finished it (the 75% rule). An elastic replica
+        finishes its slice: the data server applies the rule when it opens the next epoch."""
+        return not self.elastic and self.completed >= epoch
 
     # -- the push thread
 

@@ -23,9 +23,14 @@ def copies(core: ReplCore) -> dict[int, list[int]]:
     return {b: list(r.held_position) for b, r in core.buckets.items() if _holds(core, b, r)}
 
 
+def _persists(core: ReplCore, b: int, rep: BucketReplica) -> bool:
+    # Also a joining copy whose installed snapshot is being persisted before it learns.
+    return _holds(core, b, rep) or b in core.installing
+
+
 def held_copies(core: ReplCore) -> set[int]:
     """The buckets whose copy a flush persists."""
-    return {b for b, r in core.buckets.items() if _holds(core, b, r)}
+    return {b for b, r in core.buckets.items() if _persists(core, b, r)}
 
 
 def positions(
@@ -39,7 +44,7 @@ def positions(
     the same step as the flush's copies are queued: they describe exactly what it writes."""
     out = {}
     for b, rep in core.buckets.items():
-        if not _holds(core, b, rep) or (buckets is not None and b not in buckets):
+        if not _persists(core, b, rep) or (buckets is not None and b not in buckets):
             continue
         last = core.persisted.get(b)
         if last is None:

@@ -21,7 +21,7 @@ The shell (adamps.server.replicate, or the simulation) feeds events in and carri
   epoch; the client's retry is answered exactly once by whoever has the batch);
 - ``unresponsive(...)``: a member that did not answer within ``member_timeout``;
 - the controllers' answers (``on_role_change_answer``, ``on_caught_up_answer``) and the joining
-  copy's snapshot (``snapshot_fits``, ``installed``).
+  copy's snapshot (``snapshot_fits``, ``installed``, ``install_persisted``: repl_join.py).
 
 Per bucket, the two-phase-commit state machine is ``BucketReplica`` (adamps.core.replication);
 this object holds one per copy, and the per-server state around them: roles, leases, when each
@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from adamps.core.lease import HolderLeases, LeaseTerms
+from adamps.core.repl_join import JoiningCopy
 from adamps.core.repl_ready import Answer, ControllerRequest, Ready, Send
 from adamps.core.repl_rounds import COMMIT_DELAY, MAX_GAPS, Rounds
 from adamps.core.repl_settings import ReplSettings
@@ -45,7 +46,7 @@ from adamps.core.replication import BucketReplica
 UNKNOWN_OUTCOME = frozenset({"no_quorum", "timeout", "unavailable", "internal"})
 
 
-class ReplCore:
+class ReplCore(JoiningCopy):
     """Replication state of one server. Mutated only through its methods, by one shell."""
 
     def __init__(self, settings: ReplSettings) -> None:
@@ -61,6 +62,8 @@ class ReplCore:
         self.persisted: dict[int, int] = {}
         #: bucket -> the controllers' id of this copy's current join (named in the snapshot ask)
         self.join_ids: dict[int, int] = {}
+        #: bucket -> (primary, epoch) its installed snapshot came from, while it is persisted
+        self.installing: dict[int, tuple[str | None, int]] = {}
         #: this server's primary leases, timed on its own clock from when it asked
         self.leases = HolderLeases(settings.lease)
         #: version of the controllers' record last applied (None: send every role next time)
@@ -195,6 +198,7 @@ class ReplCore:
         self.persisted.pop(b, None)
         self.roles.pop(b, None)
         self.join_ids.pop(b, None)
+        self.installing.pop(b, None)
         self.leases.drop(b)
         self.last_heard.pop(b, None)
         self.role_change_after.pop(b, None)
@@ -564,34 +568,3 @@ class ReplCore:
             # commit ack would report it caught up before it holds anything.
             rs.forget(joiner)
         return {"epoch": rep.assignment.epoch, **rep.snapshot_meta()}
-
-    def join_target(self, b: int) -> tuple[str | None, int, int] | None:
-        """(primary, epoch, join id) to ask for a snapshot while bucket b is joining, else None."""
-        if self.roles.get(b) != "joining":
-            return None
-        a = self.buckets[b].assignment
-        return a.primary, a.epoch, self.join_ids.get(b, 0)
-
-    def snapshot_fits(self, b: int, asked: tuple[str | None, int], snap_epoch: int) -> bool:
-        """A snapshot fetched from `asked` = (primary, epoch) is installed only if the copy is still
-        joining under that very record, and the primary sent it under that epoch."""
-        rep = self.buckets.get(b)
-        return (
-            rep is not None
-            and self.roles.get(b) == "joining"
-            and (rep.assignment.primary, rep.assignment.epoch) == asked
-            and snap_epoch == asked[1]
-        )
-
-    def installed(
-        self, b: int, committed: int, dedup: Iterable[Sequence[Any]], epoch: int, now: float
-    ) -> None:
-        """The shell queued the snapshot's values: the position moves in the same step."""
-        self.buckets[b].install_snapshot(committed, dedup, epoch)
-        self.persisted.pop(b, None)
-        self.last_heard[b] = now
-
-    def learning(self, b: int) -> bool:
-        """A joining copy holds its snapshot and takes its primary's rounds."""
-        rep = self.buckets.get(b)
-        return rep is not None and self.roles.get(b) == "joining" and rep.learning

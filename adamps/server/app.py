@@ -32,6 +32,7 @@ from adamps.protocol import ProtocolError
 from adamps.server.addressing import Addressing
 from adamps.server.catalog import TensorCatalog
 from adamps.server.checkpoint_ops import CheckpointOps
+from adamps.server.clockops import ClockOps
 from adamps.server.config import PsConfig
 from adamps.server.dataplane import DataPlane
 from adamps.server.flusher import Flusher
@@ -41,10 +42,12 @@ from adamps.server.persist import Persister, Position
 from adamps.server.psmetrics import PsMetrics
 from adamps.server.reads import Reads
 from adamps.server.replicate import Replicator
+from adamps.server.rowdelta import sid_of_key
 from adamps.server.scrub import Scrubber
 from adamps.server.shards import Snapshot, StoreError
 from adamps.server.store import Store
 from adamps.server.tableops import TableOps
+from adamps.server.tenancy import Tenancy
 from adamps.server.vecops import VectorOps
 from adamps.server.writepath import WritePath
 
@@ -117,6 +120,8 @@ class ParameterServer:
             self.replicator.restore(positions)
             self.replicator.on_corrupt = lambda where: self.m.corrupt.labels(where).inc()
             self.replicator.not_durable = self.flusher.not_durable
+            self.replicator.persist_now = self.flusher.flush_buckets
+            self.replicator.can_persist = self.flusher.can_persist
             self.flusher.cut = self._cut
         #: verifies LMDB records in the background at cfg.scrub_rate bytes/s
         self.scrubber = Scrubber(
@@ -130,6 +135,12 @@ class ParameterServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self.flusher.start()
+        #: runs (issue 25): who a request is, its namespace and quotas, learnt from the controllers
+        self.tenancy = Tenancy(cfg.token, self.store, self.persister, self.registry)
+        if self.replicator is not None:
+            rep = self.replicator  # its controller client exists once it started
+            self.tenancy.fetch = lambda: rep.controller.runs_auth()
+            self.replicator.on_heartbeat = self.tenancy.on_heartbeat
         self.addressing = Addressing(cfg, self.store, self.replicator)
         self.reads = Reads(self.store, self.addressing)
         #: the one way pushes change shards (HTTP and the data plane both use it)
@@ -141,6 +152,7 @@ class ParameterServer:
             self.reads,
             self.m,
             peer=None if self.replicator is None else self.replicator.op_repl_frame,
+            tenancy=self.tenancy,
         )
         self.vectors = VectorOps(self.store, self.addressing, self.writes)
         #: embedding tables' rows (tableops.py), on /rpc and the data plane
@@ -151,6 +163,8 @@ class ParameterServer:
         self._closed = False
         #: a checkpoint's read and restore of a bucket (checkpoint_ops.py)
         self.checkpoints = CheckpointOps(self.store, self.catalog, self.writes, self.replicator)
+        #: runs' step clocks and their consistency modes (issue 25, clockops.py)
+        self.clocks = ClockOps(cfg.clock_lease, cfg.clock_wait, self.registry)
         #: op -> handler of POST /rpc
         self._ops: dict[str, Handler] = {
             "create": self.catalog.op_create,
@@ -171,6 +185,9 @@ class ParameterServer:
             "push_rows": self.rows.op_push_rows,
             "ckpt_read": self.checkpoints.op_ckpt_read,
             "ckpt_install": self.checkpoints.op_ckpt_install,
+            "ckpt_hold": self.checkpoints.op_ckpt_hold,
+            "ckpt_release": self.checkpoints.op_ckpt_release,
+            "clock": self.clocks.op_clock,
         }
         if cfg.debug_ops:
             self._ops["debug_fail"] = self.op_debug_fail
@@ -183,8 +200,10 @@ class ParameterServer:
         A tensor definition cannot be rewritten from here: the next start then distrusts every
         copy of this server (they rejoin by state transfer)."""
         self.persister.report_corrupt("scrub", db, key, exc)
-        if db == "shards":
-            st = self.store.shards.get(key.decode(errors="replace"))
+        if db in ("shards", "rows"):
+            # a row record or a row shard's header: the row shard is rewritten whole
+            sid = sid_of_key(key) if db == "rows" else key.decode(errors="replace")
+            st = self.store.shards.get(sid) or self.store.tables.shards.get(sid)
             if st is not None:
                 self.store.mark_dirty([st], lambda _r, _e: None)
             else:  # a leftover of a copy this server let go: nothing to rewrite it from
@@ -302,7 +321,7 @@ class ParameterServer:
 
     async def handle_rpc(self, request: web.Request) -> web.Response:
         # The token first: an unauthenticated body is never read.
-        aweb.check_token(request)
+        who = await self.tenancy.authenticate(request.headers.get("Authorization"))
         try:
             async with asyncio.timeout(self.cfg.body_timeout):
                 body = await self._read_body(request)
@@ -319,6 +338,7 @@ class ParameterServer:
             if isinstance(rid, str | int):
                 request[aweb.RID_KEY] = str(rid)
             op = protocol.check_message(msg, self._ops)
+            self.tenancy.check(who, op, msg, len(body))  # a run's namespace and quotas
             handler = self._ops[op]
             if self.replicator is not None and op in PEER_OPS:
                 # Who sent it: the MAC of the body under the pair key (adamps.peer_auth); a
@@ -339,6 +359,7 @@ class ParameterServer:
         except Exception:
             self.m.requests.labels(op, "internal").inc()
             raise
+        reply = self.tenancy.filter_reply(who, op, reply)
         resp = aweb.message_response({"rid": msg.get("rid"), **reply})
         self.m.bytes_out.inc(len(resp.body))  # type: ignore[arg-type]
         self.m.requests.labels(op, "ok").inc()
@@ -418,4 +439,6 @@ class ParameterServer:
             "not_durable": self.flusher.not_durable(),
             "applied": dict(self.store.applied),
             "clients": len(self.writes.clients),
+            "runs": self.tenancy.status(),
+            "clocks": self.clocks.status(),
         }

@@ -48,7 +48,7 @@ class TensorCatalog:
             meta = saved.meta
             self._seq = max(self._seq, meta["seq"] + 1)
             if "table" in meta:  # an embedding table's definition and row shards
-                self.tables.load(meta, saved.shards)
+                self.tables.load(meta, saved.shards, saved.rows)
                 continue
             spec = TensorSpec.from_dict(meta["spec"])
             opt = Optimizer.from_dict(meta["optimizer"])

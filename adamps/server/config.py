@@ -139,6 +139,16 @@ class PsConfig:
         64,
         help="committed batches kept per bucket to catch up a lagging secondary without a snapshot",
     )
+    clock_lease: float = field(
+        10.0,
+        help="consistency modes: seconds a replica's step clock counts as live after its last "
+        "report; a dead replica stops holding the others back after this",
+    )
+    clock_wait: float = field(
+        5.0,
+        help="consistency modes: longest a clock request is held before it is answered 503 "
+        "'unavailable' (the replica asks again)",
+    )
     log_level: str = field("INFO", help="logging level")
     debug_ops: bool = field(
         False, help="enable the op debug_fail (raises on purpose; for tests only)"

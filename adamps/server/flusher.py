@@ -175,6 +175,34 @@ class Flusher:
                 self._on_flush(shards, nbytes, seconds)
             return dict(self.last_flush)
 
+    def flush_buckets(self, buckets: set[int], timeout: float | None = None) -> int:
+        """Writes the dirty shards and positions of `buckets` now, in one transaction (blocking;
+        a state transfer's installed copy before it may count as a member). Raises if the
+        write fails, or if a flush holds the disk longer than `timeout` (default max_unflushed,
+        past which this server would not be durable anyway: a stalled disk): the copy is then
+        not durable here. Returns the bytes written."""
+        if timeout is None:
+            timeout = self.max_unflushed if math.isfinite(self.max_unflushed) else 60.0
+        if not self._flush_lock.acquire(timeout=timeout):
+            raise TimeoutError(
+                f"a flush has been writing for more than {timeout:g} s (the disk stalls)"
+            )
+        try:
+            return self._flush_chunk(buckets)[1]
+        except Exception:
+            for b in buckets:  # a copy that is not held: its cut is not written later
+                self._pending_positions.pop(b, None)
+            raise
+        finally:
+            self._flush_lock.release()
+
+    def can_persist(self) -> str | None:
+        """Why a write now would not reach the disk (the last flush failed, or one is stalled),
+        or None: checked before a state transfer is asked for."""
+        if self.last_error is not None:
+            return f"flushes fail: {self.last_error}"
+        return self.not_durable()
+
     def _flush_chunk(self, buckets: Container[int] | None) -> tuple[int, int]:
         """Cuts and writes one chunk (its buckets' shards and positions, one transaction), with
         what a failed write of the same buckets left pending. Returns (shards, bytes)."""
@@ -195,6 +223,10 @@ class Flusher:
             # Keep the oldest dirty time: those updates are still not on disk.
             if old is not None and old.dirty_since < s.dirty_since:
                 s = dataclasses.replace(s, dirty_since=old.dirty_since)
+            if old is not None and s.rows is not None and old.rows is not None:
+                # a row shard's cut holds only the rows touched since the previous cut: the
+                # unwritten older one's rows are still to be written, under the newer
+                s = dataclasses.replace(s, rows=s.rows.after(old.rows))
             self._pending[s.shard_id] = s
         snaps = [s for s in self._pending.values() if mine(s.bucket)]
         chunk_positions = (

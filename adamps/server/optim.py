@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 from scipy.linalg import blas
 
+from adamps.server import kernels
+
 KINDS = ("sgd", "adagrad")
 
 
@@ -171,14 +173,11 @@ def fc_grad(a: np.ndarray, e: np.ndarray, out: np.ndarray) -> np.ndarray:
 def adagrad(
     w: np.ndarray, acc: np.ndarray, g: np.ndarray, lr: float, eps: float, tmp: np.ndarray
 ) -> None:
-    """acc += g*g; w -= lr * g / sqrt(acc + eps), in place; tmp is scratch of w's shape."""
-    g = g.reshape(w.shape)
-    np.multiply(g, g, out=tmp)
-    np.add(acc, tmp, out=acc)
-    np.add(acc, np.float32(eps), out=tmp)
-    np.sqrt(tmp, out=tmp)
-    np.divide(g, tmp, out=tmp)
-    sgd_dense(w, tmp, lr)
+    """acc += g*g; w -= lr * (g / sqrt(acc + eps)), in place; tmp is scratch of w's shape.
+
+    One fused pass (numba) or the numpy reference, bit-identical: see :mod:`adamps.server.kernels`.
+    """
+    kernels.adagrad(w, acc, g, lr, eps, tmp)
 
 
 def sparse_step(opt: Optimizer, w: np.ndarray, acc: np.ndarray | None, u: Signs) -> None:

@@ -18,6 +18,11 @@ LMDB layout (one Environment per process, five named databases):
   copy held prepared (not yet applied) at the cut, written in the same transaction: with
   ``ack = "prepared"`` a push is acknowledged once every member holds its batch prepared, so a
   copy reloaded from disk must still hold what it had prepared when its cut was taken;
+- ``rows``: ``<row shard id>/<id, 8 bytes big-endian>`` -> one row of an embedding table (its last
+  push time, values, accumulator: ``adamps.server.rowdelta``), written by the flush that follows
+  its push, in the same transaction as its row shard's record in ``shards`` (the block's header)
+  and its bucket's position: a flush writes the rows touched since the previous one, not the
+  bucket's whole row block;
 - ``dedup``: ``%08d/%020d`` (bucket, seq) -> JSON ``[[client, client_seq, batch_seq], ...]``: the
   exactly-once pairs of the batches applied since the previous flush; the newest
   ``DEDUP_CHUNKS`` chunks of a bucket are kept, so a client's retry of a push is recognized after
@@ -54,8 +59,10 @@ from adamps.config import ConfigError
 from adamps.layout import stable_bucket
 from adamps.server import memtrim, shardrecord
 from adamps.server.checksum import CorruptRecord, seal, unseal
+from adamps.server.rowdelta import RowDelta, id_keys, id_of_key, row_prefix, sid_of_key
 from adamps.server.shardrecord import HEADER
 from adamps.server.shards import Snapshot
+from adamps.tables import parse_row_shard_id
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +73,7 @@ DEDUP_PER_FLUSH = 65_536
 #: the on-disk format this version writes (records sealed with checksums)
 FORMAT = b"2"
 #: the named databases whose records are sealed
-_SEALED_DBS = ("tensors", "shards", "positions", "dedup", "prepared")
+_SEALED_DBS = ("tensors", "shards", "positions", "dedup", "prepared", "rows")
 
 
 @dataclass
@@ -104,6 +111,8 @@ class SavedTensor:
     meta: dict[str, Any]
     #: shard id -> (version, values, accumulator or None), float32 1-D arrays
     shards: dict[str, tuple[int, np.ndarray, np.ndarray | None]]
+    #: an embedding table's row shard id -> (ids, row record payloads) (rowdelta.parse_rows)
+    rows: dict[str, tuple[list[int], list[bytes]]] = field(default_factory=dict)
 
 
 class Persister:
@@ -122,7 +131,7 @@ class Persister:
         self.env = lmdb.open(
             self.path,
             map_size=map_size,
-            max_dbs=6,
+            max_dbs=7,
             sync=sync,
             metasync=sync,
             writemap=False,
@@ -141,6 +150,7 @@ class Persister:
         self._dedup = self.env.open_db(b"dedup")
         self._prepared = self.env.open_db(b"prepared")
         self._meta = self.env.open_db(b"meta")
+        self._rows = self.env.open_db(b"rows")
         #: called with where ("load", "scrub") for every record that fails its checksum
         self.on_corrupt = on_corrupt or (lambda where: None)
         #: records that failed their checksum, by where they were found
@@ -151,6 +161,8 @@ class Persister:
         #: bucket -> (epoch, seq) last written (positions of buckets not held any more are deleted)
         self._written: dict[int, tuple[int, int]] | None = None
         self.map_grows = 0
+        #: tensors deleted (a deleted run's): a snapshot of their shards cut before is not written
+        self._forgotten: set[str] = set()
 
     def close(self) -> None:
         with self._lock:
@@ -177,6 +189,7 @@ class Persister:
     ) -> None:
         """A new tensor's definition and its held shards' initial state, in one transaction."""
         shards = list(shards)
+        self._forgotten.discard(meta["spec"]["name"])
 
         def fn(txn: lmdb.Transaction) -> None:
             txn.put(
@@ -199,6 +212,8 @@ class Persister:
         those of `positions`, a whole cut): the positions of the others are deleted. Returns the
         bytes written."""
         snaps = list(snaps)
+        if self._forgotten:
+            snaps = [s for s in snaps if s.shard_id.rpartition("/")[0] not in self._forgotten]
         nbytes = 0
         if positions is not None and self._written is None:
             loaded = self.load_positions()
@@ -213,6 +228,8 @@ class Persister:
                 # The record as the owner thread packed it: LMDB copies it into its page once.
                 txn.put(s.shard_id.encode(), s.record, db=self._shards)
                 nbytes += len(s.record)
+                if s.rows is not None:
+                    nbytes += self._write_rows(txn, s.shard_id, s.rows)
             if positions is None or self._written is None:
                 return
             for b in [b for b in self._written if b not in keep]:
@@ -253,6 +270,22 @@ class Persister:
             on_disk |= {b for b, p in positions.items() if p.prepared}
             self._prepared_on_disk = on_disk
         return nbytes
+
+    def _write_rows(self, txn: lmdb.Transaction, sid: str, delta: RowDelta) -> int:
+        """A row shard's rows of one cut (rowdelta.py); returns the bytes written."""
+        prefix = row_prefix(sid)
+        if delta.full:  # replaced whole: no row of an earlier state may survive
+            cur = txn.cursor(db=self._rows)
+            if cur.set_range(prefix):
+                while bytes(cur.key()).startswith(prefix):
+                    if not cur.delete():
+                        break
+        for k in id_keys(delta.removed):
+            txn.delete(prefix + k, db=self._rows)
+        recs = delta.records(sid)
+        if recs:
+            txn.cursor(db=self._rows).putmulti(recs)
+        return sum(len(k) + len(v) for k, v in recs) + 8 * len(delta.removed)
 
     def _delete_chunks(self, txn: lmdb.Transaction, b: int, keep: int) -> None:
         self._delete_prefix(txn, self._dedup, b, keep)
@@ -329,10 +362,39 @@ class Persister:
         if db in ("positions", "prepared"):
             self._written = None  # read again at the next flush
 
+    def forget_tensors(self, names: Iterable[str]) -> int:
+        """Deletes tensors' definitions and shard records (a deleted run's, issue 25); a flush
+        that cut their shards before does not write them back. Returns the records deleted."""
+        gone = set(names)
+        self._forgotten |= gone
+        deleted = 0
+
+        def fn(txn: lmdb.Transaction) -> None:
+            nonlocal deleted
+            deleted = 0
+            for name in sorted(gone):
+                deleted += bool(txn.delete(name.encode(), db=self._tensors))
+                prefix = (name + "/").encode()  # shard ids are "<tensor>/<index>"
+                cur = txn.cursor(db=self._shards)
+                keys = []
+                if cur.set_range(prefix):
+                    for k in cur.iternext(values=False):
+                        if not bytes(k).startswith(prefix):
+                            break
+                        keys.append(bytes(k))
+                for k in keys:
+                    deleted += bool(txn.delete(k, db=self._shards))
+
+        self._write(fn)
+        memtrim.trim()
+        return deleted
+
     def bucket_of_record(self, db: str, key: bytes, n_buckets: int) -> int | None:
         """The bucket a record belongs to (None: a tensor definition, which is every bucket's)."""
-        if db == "shards":
-            return stable_bucket(key.decode(errors="replace"), n_buckets)
+        if db in ("shards", "rows"):
+            sid = sid_of_key(key) if db == "rows" else key.decode(errors="replace")
+            row = parse_row_shard_id(sid)  # a row shard names its bucket
+            return row[1] if row is not None else stable_bucket(sid, n_buckets)
         if db == "tensors":
             return None
         return int(key.split(b"/")[0])
@@ -343,6 +405,8 @@ class Persister:
             payload = unseal(value)
             if db == "shards":
                 _unpack(payload)
+            elif db == "rows":
+                pass  # its length is its table's: checked when loaded
             elif db == "prepared":
                 protocol.decode(bytes(payload))
             else:
@@ -474,6 +538,20 @@ class Persister:
                         out[tensor].shards[sid] = _unpack(unseal(v))
                     except (CorruptRecord, ValueError, struct.error) as exc:
                         log.error("shard %s does not verify (%s): not loaded", sid, exc)
+            for k, v in txn.cursor(db=self._rows):
+                key = bytes(k)
+                sid = sid_of_key(key)
+                saved = out.get(sid.rpartition("/")[0])
+                if saved is None:
+                    continue
+                try:
+                    payload = bytes(unseal(v))
+                except CorruptRecord as exc:
+                    log.error("row record %r does not verify (%s): not loaded", key, exc)
+                    continue
+                ids, pays = saved.rows.setdefault(sid, ([], []))
+                ids.append(id_of_key(key))
+                pays.append(payload)
         return list(out.values())
 
 

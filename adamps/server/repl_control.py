@@ -109,6 +109,7 @@ class ControllerLink:
             for sid, addr in (r.get("secondary_addresses") or {}).items():
                 if addr:
                     self.r.addresses[sid] = addr
+        self.r.on_heartbeat(reply)  # the runs' table version (adamps/server/tenancy.py)
         self.r.core.on_roles(reply, asked_at, time.monotonic())
         self.r.drain()
         self.r.update_gauges()

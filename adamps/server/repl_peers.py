@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from adamps import peer_auth, protocol
+from adamps import peer_auth, protocol, tls
 from adamps.dataplane_client import (
     ERROR,
     HEADER,
@@ -79,7 +79,9 @@ class PeerStream:
         self, meta: bytes, parts: list[memoryview], n: int, rid: str
     ) -> dict[str, Any]:
         if self._conn is None:
-            r, w = await asyncio.open_connection(self.host, self.port)
+            r, w = await asyncio.open_connection(
+                self.host, self.port, **tls.connect_kwargs(self.host)
+            )
             sock = w.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

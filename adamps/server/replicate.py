@@ -109,6 +109,15 @@ class Replicator:
         self.not_durable: Callable[[], str | None] = lambda: None
         #: called with where ("transfer") for every received record that fails its checksum
         self.on_corrupt: Callable[[str], None] = lambda where: None
+        #: writes the named buckets' copies and positions to LMDB now, blocking (set by the
+        #: server: its flusher; raises if they cannot be written). A state transfer persists
+        #: the installed copy with it before the copy may count as a member (issue 29).
+        self.persist_now: Callable[[set[int]], object] = lambda buckets: None
+        #: why a write to LMDB would not reach the disk now, or None (set by the server): no
+        #: state transfer is asked for while it cannot be persisted
+        self.can_persist: Callable[[], str | None] = lambda: None
+        #: sees every heartbeat reply (the runs' table version, adamps/server/tenancy.py)
+        self.on_heartbeat: Callable[[dict[str, Any]], None] = lambda reply: None
         #: buckets with a replication-lag series (removed when the bucket goes)
         self._lag_buckets: set[int] = set()
 
@@ -342,6 +351,13 @@ class Replicator:
         or a primary gone silent that forgot this learner)."""
         while not self.closing and (target := self.core.join_target(b)) is not None:
             primary, epoch, join = target
+            cannot = self.can_persist()
+            if cannot is not None:
+                # The copy could not be persisted (issue 29): asking would only hold the
+                # primary's rounds for a learner that cannot become a durable member.
+                log.info("bucket %d: not joining while this server cannot persist: %s", b, cannot)
+                await asyncio.sleep(1.0)
+                continue
             try:
                 snap = None
                 if primary:
@@ -364,7 +380,25 @@ class Replicator:
             # sees both or neither.
             committed, cepoch = int(snap["committed"]), int(snap.get("committed_epoch", 0))
             self.core.installed(b, committed, snap["dedup"], cepoch, time.monotonic())
-            await asyncio.gather(*futs)
+            # Not learning until the copy and its position are on disk (the core's `installed`):
+            # the flush holds it meanwhile, and persist_now writes it.
+            try:
+                await asyncio.gather(*futs)
+                await asyncio.to_thread(self.persist_now, {b})
+            except Exception as exc:  # installed in memory only: no member, not learning
+                self.core.install_persisted(b, False, time.monotonic())
+                log.warning(
+                    "bucket %d: snapshot at seq %d from %s could not be persisted: %s: %s; not "
+                    "joining until this server can persist",
+                    b, committed, primary, type(exc).__name__, exc,
+                )  # fmt: skip
+                await asyncio.sleep(1.0)
+                continue
+            except BaseException:  # cancelled (the bucket moved on): the flush holds it no more
+                self.core.install_persisted(b, False, time.monotonic())
+                raise
+            self.core.install_persisted(b, True, time.monotonic())
+            self.drain()
             self.m.snapshots.labels("received").inc()
             log.info("bucket %d: snapshot at seq %d from %s installed", b, committed, primary)
             while not self.closing and self.core.learning(b):

@@ -28,13 +28,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adamps.server.freqsketch import DEPTH, FrequencySketch
 from adamps.server.optim import Optimizer
+from adamps.server.rowdelta import RowDelta
 from adamps.server.rowindex import RowIndex
 from adamps.tables import Admission, initial_rows
 
-#: magic, version, rows, dim, has accumulator, pending counts, next sweep
+#: magic, version, rows, dim, has accumulator, filter counters (version 1: pending (id, count)
+#: pairs), next sweep
 _HEAD = struct.Struct("<4sIQIIQd")
 _MAGIC = b"ROWS"
+#: the flushed form: the block's own state without its rows (they are records of their own)
+_HEADER_MAGIC = b"ROWH"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,16 +92,27 @@ class RowBlock:
     #: wall-clock time (the primary's) of each row's last push
     seen: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
     index: RowIndex = field(default_factory=RowIndex)
-    #: pushes seen so far of ids not admitted yet (frequency filter)
-    pending: dict[int, int] = field(default_factory=dict)
+    #: sightings of ids without a row (the frequency filter, when admit_after > 1): bounded
+    #: memory (freqsketch.py)
+    sketch: FrequencySketch | None = None
     #: time of the next expiry sweep
     next_sweep: float = 0.0
+    #: per slot: pushed since the last flush's cut (`take_delta`)
+    dirty: np.ndarray = field(default_factory=lambda: np.empty(0, bool))
+    #: ids removed (expired) since the last cut
+    removed: list[np.ndarray] = field(default_factory=list)
+    #: the next flush writes every row (the state was replaced whole, or never flushed)
+    full: bool = True
 
     def __post_init__(self) -> None:
         if self.values is None:
             self.values = np.empty((0, self.dim), np.float32)
         if self.accum is None and self.optimizer.has_accumulator:
             self.accum = np.empty((0, self.dim), np.float32)
+        if len(self.dirty) < len(self.values):
+            self.dirty = np.zeros(len(self.values), bool)
+        if self.sketch is None and self.admission.admit_after > 1:
+            self.sketch = FrequencySketch(self.admission.filter_width)
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -140,6 +156,7 @@ class RowBlock:
             self.accum = grown(self.accum)
         self.ids = grown(self.ids)
         self.seen = grown(self.seen)
+        self.dirty = grown(self.dirty)
 
     def expire(self, now: float) -> int:
         """Removes rows last pushed more than expire_after before `now`; returns how many. The
@@ -153,8 +170,10 @@ class RowBlock:
             return 0
         assert self.values is not None
         gone = self.n - k
+        self.removed.append(self.ids[: self.n][~keep].copy())
         self.ids[:k] = self.ids[: self.n][keep]
         self.seen[:k] = self.seen[: self.n][keep]
+        self.dirty[:k] = self.dirty[: self.n][keep]
         self.values[:k] = self.values[: self.n][keep]
         if self.accum is not None:
             self.accum[:k] = self.accum[: self.n][keep]
@@ -183,22 +202,15 @@ class RowBlock:
         if len(s):
             self._step(s, g)
             self.seen[s] = push.time
+            self.dirty[s] = True
 
     def _admit(self, ids: np.ndarray, new: np.ndarray, stats: ApplyStats) -> np.ndarray:
         """The positions in `new` (ids without a row, increasing) that get a row now."""
         after = self.admission.admit_after
-        if after > 1:
-            ok = []
-            for pos in new.tolist():
-                i = int(ids[pos])
-                c = self.pending.get(i, 0) + 1
-                if c >= after:
-                    self.pending.pop(i, None)
-                    ok.append(pos)
-                else:
-                    self.pending[i] = c
-            stats.filtered += len(new) - len(ok)
-            new = np.asarray(ok, np.int64)
+        if after > 1 and self.sketch is not None:
+            ok = self.sketch.see(ids[new]) >= after
+            stats.filtered += len(new) - int(ok.sum())
+            new = new[ok]
         if self.limit is not None and self.n + len(new) > self.limit:
             room = max(0, self.limit - self.n)
             stats.dropped_full += len(new) - room
@@ -215,6 +227,7 @@ class RowBlock:
             self.accum[slots] = self.optimizer.initial_accumulator
         self.ids[slots] = ids
         self.seen[slots] = 0.0
+        self.dirty[slots] = True
         self.index.add(ids, slots)
         self.n += k
         s[new] = slots
@@ -239,21 +252,122 @@ class RowBlock:
         """The whole state (a multiple of 4 bytes: LMDB flushes store it as a shard's value)."""
         assert self.values is not None
         n = self.n
-        pend = np.array(sorted(self.pending.items()), np.int64).reshape(-1, 2)
+        sk = b"" if self.sketch is None else self.sketch.tobytes()
         parts = [
-            _HEAD.pack(_MAGIC, 1, n, self.dim, self.accum is not None, len(pend), self.next_sweep),
+            _HEAD.pack(
+                _MAGIC, 2, n, self.dim, self.accum is not None, len(sk) // 4, self.next_sweep
+            ),
             self.ids[:n].astype("<i8").tobytes(),
             self.seen[:n].astype("<f8").tobytes(),
             self.values[:n].astype("<f4").tobytes(),
             b"" if self.accum is None else self.accum[:n].astype("<f4").tobytes(),
-            pend.astype("<i8").tobytes(),
+            sk,
         ]
         return b"".join(parts)
+
+    def _parse_filter(
+        self, ver: int, data: bytes, off: int, count: int
+    ) -> tuple[FrequencySketch | None, int]:
+        """The frequency filter's state at `off` of `data`, and the offset after it. Version 1
+        held exact (id, count) pairs: they become the sketch's counts."""
+        width = self.admission.filter_width
+        sketch = FrequencySketch(width) if self.admission.admit_after > 1 else None
+        if ver == 1:
+            pend = np.frombuffer(data, "<i8", 2 * count, off).reshape(-1, 2)
+            if sketch is not None and len(pend):
+                sketch.raise_to(pend[:, 0].copy(), pend[:, 1])
+            return sketch, off + pend.nbytes
+        if count:
+            if count != DEPTH * width:
+                raise ValueError(f"a filter of {count} counters, expected {DEPTH * width}")
+            got = FrequencySketch.from_bytes(width, memoryview(data)[off : off + 4 * count])
+            sketch = got if sketch is not None else None
+        return sketch, off + 4 * count
+
+    def take_delta(self) -> RowDelta:
+        """Owner thread, a flush's cut: copies of the rows pushed since the previous cut (every
+        row after a whole replacement) and the ids removed since; the next cut starts empty."""
+        assert self.values is not None
+        n = self.n
+        s = np.arange(n) if self.full else np.flatnonzero(self.dirty[:n])
+        removed = (
+            np.concatenate(self.removed)
+            if self.removed and not self.full
+            else np.empty(0, np.int64)
+        )
+        if len(removed):
+            removed = np.setdiff1d(removed, self.ids[s])  # expired, then created again
+        delta = RowDelta(
+            self.full,
+            self.ids[s],
+            self.seen[s],
+            self.values[s],
+            None if self.accum is None else self.accum[s],
+            removed,
+        )
+        self.dirty[:n] = False
+        self.removed = []
+        self.full = False
+        return delta
+
+    def header_bytes(self) -> bytes:
+        """The block's state but its rows (a flush's ``shards`` record; rows: `take_delta`)."""
+        sk = b"" if self.sketch is None else self.sketch.tobytes()
+        return (
+            _HEAD.pack(
+                _HEADER_MAGIC, 2, 0, self.dim, self.accum is not None, len(sk) // 4, self.next_sweep
+            )
+            + sk
+        )
+
+    def load_flushed(
+        self,
+        header: bytes,
+        rows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None,
+    ) -> None:
+        """The state a flush left: `header_bytes` and the row records' (ids, seen, values,
+        accum); or an older format's whole block (`tobytes`), rewritten whole by the next
+        flush."""
+        magic = bytes(header[:4])
+        if magic == _MAGIC:
+            self.load_bytes(header)
+            return
+        _, ver, _, dim, has_acc, n_pend, next_sweep = _HEAD.unpack_from(header)
+        if magic != _HEADER_MAGIC or ver != 2 or dim != self.dim:
+            raise ValueError(f"not a row block header of dim {self.dim} (magic {magic!r})")
+        sketch, end = self._parse_filter(2, header, _HEAD.size, n_pend)
+        if end != len(header):
+            raise ValueError(f"row block header of {len(header)} bytes")
+        ids, seen, values, accum = rows or (
+            np.empty(0, np.int64),
+            np.empty(0),
+            np.empty((0, dim), np.float32),
+            None,
+        )
+        n = len(ids)
+        self.n = n
+        self.ids, self.seen, self.values = ids, seen, values
+        if self.optimizer.has_accumulator:
+            self.accum = accum if accum is not None else np.zeros((n, dim), np.float32)
+        self.dirty = np.zeros(n, bool)
+        self.removed = []
+        self.full = False
+        self.index = RowIndex()
+        self.index.rebuild(ids)
+        self.sketch = sketch
+        self.next_sweep = next_sweep
+
+    @property
+    def flush_nbytes(self) -> int:
+        """About what the next flush writes of this block (a racy read: the chunk plan)."""
+        per = 64 + self.dim * 4 * (2 if self.accum is not None else 1)
+        rows = self.n if self.full else int(np.count_nonzero(self.dirty[: self.n]))
+        return rows * per + (0 if self.sketch is None else self.sketch.nbytes) + 64
 
     def load_bytes(self, data: bytes) -> None:
         """Replaces the whole state by `to_bytes` output (raises ValueError on a bad record)."""
         magic, ver, n, dim, has_acc, n_pend, next_sweep = _HEAD.unpack_from(data)
-        if magic != _MAGIC or ver != 1 or dim != self.dim:
+        if magic != _MAGIC or ver not in (1, 2) or dim != self.dim:
             raise ValueError(f"not a row block of dim {self.dim} (magic {magic!r}, dim {dim})")
         off = _HEAD.size
 
@@ -267,7 +381,7 @@ class RowBlock:
         seen = take("<f8", n)
         values = take("<f4", n * dim).reshape(n, dim)
         accum = take("<f4", n * dim).reshape(n, dim) if has_acc else None
-        pend = take("<i8", 2 * n_pend).reshape(-1, 2)
+        sketch, off = self._parse_filter(ver, data, off, n_pend)
         if off != len(data):
             raise ValueError(f"row block of {len(data)} bytes, expected {off}")
         self.n = n
@@ -276,8 +390,12 @@ class RowBlock:
             self.accum = accum if accum is not None else np.zeros((n, dim), np.float32)
         self.index = RowIndex()
         self.index.rebuild(ids)
-        self.pending = {int(i): int(c) for i, c in pend.tolist()}
+        self.sketch = sketch
         self.next_sweep = next_sweep
+        # replaced whole: the next flush rewrites every row (and deletes the others on disk)
+        self.dirty = np.zeros(n, bool)
+        self.removed = []
+        self.full = True
 
     def digest(self) -> bytes:
         """SHA-256 of the rows in id order (values, accumulators): equal on agreeing copies."""

@@ -22,6 +22,7 @@ from adamps.layout import Shard, stable_bucket
 from adamps.server.install import RowInstall
 from adamps.server.optim import Optimizer
 from adamps.server.rowblock import ApplyStats, RowBlock, RowPush
+from adamps.server.rowdelta import parse_rows
 from adamps.server.shards import ShardState, StoreError
 from adamps.tables import ROWS_SEP, TableSpec, row_shard_id
 
@@ -122,18 +123,29 @@ class RowTables:
         spec: TableSpec,
         buckets: Iterable[int],
         saved: Mapping[str, tuple[int, np.ndarray, Any]] | None = None,
+        rows: Mapping[str, tuple[list[int], list[bytes]]] | None = None,
     ) -> TableState:
         """Adds a table with empty row shards for `buckets`, or their `saved` state (row shard
-        id -> (version, the block's bytes as float32, unused)). The caller checked the name."""
+        id -> (version, the block's header or whole bytes as float32, unused), and its `rows`:
+        row shard id -> (ids, row record payloads), rowdelta.py). The caller checked the
+        name."""
         t = TableState(spec, self.n_buckets, self.m)
         self.tables[spec.name] = t
         saved = saved or {}
+        rows = rows or {}
         for b in buckets:
             st = self._add(t, b)
             rec = saved.get(st.id)
             if rec is not None:
                 st.version = int(rec[0])
-                st.value.load_bytes(np.ascontiguousarray(rec[1]).tobytes())
+                blk = st.value
+                got = rows.get(st.id)
+                parsed = (
+                    None
+                    if got is None
+                    else parse_rows(got[0], got[1], spec.dim, blk.accum is not None)
+                )
+                blk.load_flushed(np.ascontiguousarray(rec[1]).tobytes(), parsed)
         return t
 
     def _add(self, t: TableState, b: int) -> RowShardState:
@@ -159,6 +171,15 @@ class RowTables:
             st = t.shards.pop(bucket, None)
             if st is not None:
                 del self.shards[st.id]
+
+    def forget(self, name: str) -> int:
+        """Removes a table (a deleted run's, issue 25) and its row shards; returns how many."""
+        t = self.tables.pop(name, None)
+        if t is None:
+            return 0
+        for st in t.shards.values():
+            self.shards.pop(st.id, None)
+        return len(t.shards)
 
     def table(self, name: str) -> TableState:
         t = self.tables.get(name)

@@ -80,6 +80,8 @@ class Snapshot:
     dirty_since: float
     #: the bucket the shard belongs to (a flush chunk is made of whole buckets)
     bucket: int = -1
+    #: a row shard's rows to write (adamps.server.rowdelta; its `record` is the block's header)
+    rows: Any = None
 
 
 def fc_parts(

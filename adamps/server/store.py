@@ -174,6 +174,21 @@ class Store:
                     dropped += 1
         return dropped
 
+    def forget_tensors(self, names: Iterable[str]) -> int:
+        """Removes tensors (a deleted run's, issue 25) and their held shards; returns the number
+        of shards dropped. Work already queued for them completes on the detached state, and a
+        snapshot of them is not written (Persister.forget_tensors)."""
+        gone = {n for n in names if n in self.tensors}
+        dropped = 0
+        for n in gone:
+            for st in self.tensors.pop(n).shards.values():
+                self.shards.pop(st.id, None)
+                dropped += 1
+        if gone:
+            kept = [t for n, t in self.layout.tensors.items() if n not in gone]
+            self.layout = Layout(kept, self.layout.n_buckets, self.layout.max_shard_elems)
+        return dropped
+
     def tensor(self, name: str) -> TensorState:
         t = self.tensors.get(name)
         if t is None:
@@ -267,6 +282,8 @@ class Store:
         found their record on disk damaged; the copy in memory is the replicated one)."""
 
         def mark(st: ShardState) -> int:
+            if isinstance(st, RowShardState):
+                st.value.full = True  # a damaged row record: every row is written again
             if st.dirty_since is None:
                 st.dirty_since = self.clock()
             self._dirty[st.owner].add(st)
@@ -377,15 +394,16 @@ class Store:
                 b = _bucket(st, bucket_of)
                 if buckets is not None and b not in buckets:
                     continue
-                mine.append(
-                    Snapshot(
-                        st.id,
-                        st.version,
-                        shardrecord.pack(st.version, st.value, st.accum),
-                        st.dirty_since if st.dirty_since is not None else self.clock(),
-                        b,
-                    )
-                )
+                since = st.dirty_since if st.dirty_since is not None else self.clock()
+                if isinstance(st, RowShardState):
+                    # an embedding table's rows: the block's header and the rows touched
+                    # since the previous cut, not the whole block (rowdelta.py)
+                    blk = st.value
+                    rec = shardrecord.pack_bytes(st.version, blk.header_bytes(), None)
+                    mine.append(Snapshot(st.id, st.version, rec, since, b, blk.take_delta()))
+                else:
+                    rec = shardrecord.pack(st.version, st.value, st.accum)
+                    mine.append(Snapshot(st.id, st.version, rec, since, b))
                 st.dirty_since = None
                 self._dirty[owner].discard(st)
             with lock:
@@ -420,7 +438,10 @@ class Store:
                 items = []
             for st in items:
                 b = _bucket(st, bucket_of)
-                out[b] = out.get(b, 0) + shardrecord.record_bytes(st.value, st.accum)
+                if isinstance(st, RowShardState):
+                    out[b] = out.get(b, 0) + st.value.flush_nbytes
+                else:
+                    out[b] = out.get(b, 0) + shardrecord.record_bytes(st.value, st.accum)
         return out
 
     def oldest_dirty(self) -> float | None:

@@ -91,10 +91,13 @@ class TableCatalog:
         log.info("created table %s dim %d (%s)", spec.name, spec.dim, spec.optimizer["kind"])
         return True, t
 
-    def load(self, meta: dict[str, Any], shards: dict[str, Any]) -> None:
-        """A saved table at start: its definition and the saved row shards of held buckets."""
+    def load(
+        self, meta: dict[str, Any], shards: dict[str, Any], rows: dict[str, Any] | None = None
+    ) -> None:
+        """A saved table at start: its definition and the saved row shards of held buckets
+        (their headers in `shards`, their row records in `rows`: persist.SavedTensor)."""
         spec = TableSpec.from_dict(meta["table"])
-        self.tables.define(spec, self._held(), shards)
+        self.tables.define(spec, self._held(), shards, rows)
 
     def ensure(self, d: dict[str, Any]) -> bool:
         """Defines a table from a peer's definition (state transfer) unless it exists here."""

@@ -19,6 +19,7 @@ commit and deduplication: the same meaning whichever transport.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,9 +37,30 @@ from adamps.server.rowtables import RowShardState
 from adamps.server.shards import ShardState, fc_parts
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
+from adamps.server.write_hold import WriteHold
 
 #: most rows of activation/error vectors in one push_fc
 MAX_FC_K = 65_536
+#: codes (elements sent) of one compressed push above which it is decoded off the event loop:
+#: expanding a full 1 MB shard (262,144 codes) takes about 17 ms here, and a push may name many
+#: shards; below this the thread hop would cost more than the decoding (about 4 ms at most)
+DECODE_OFF_LOOP = 1 << 16
+
+
+def compressed_codes(updates: dict[Any, Any]) -> int:
+    """The codes a push_compressed's shards declare (Rice ``n``, or the words' count): what
+    decoding it costs. A stream that lies about its ``n`` is refused by the decoder's bound
+    check before it expands (adamps.codec.rice_decode)."""
+    total = 0
+    for d in updates.values():
+        if not isinstance(d, dict):
+            continue
+        n, words = d.get("n"), d.get("words")
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            total += n
+        if isinstance(words, np.ndarray):
+            total += words.size
+    return total
 
 
 class WritePath:
@@ -61,6 +83,8 @@ class WritePath:
         #: why this server must not acknowledge now (flushes failing or stalled past
         #: max_unflushed), or None: the durability check of every push (set by the server)
         self.not_durable: Callable[[], str | None] = lambda: None
+        #: a consistent checkpoint's hold of new writes (checkpoint_ops.py)
+        self.hold = WriteHold()
 
     def check_durable(self) -> None:
         """After validation, before anything is queued: a server whose updates stayed
@@ -69,6 +93,12 @@ class WritePath:
         reason = self.not_durable()
         if reason is not None:
             raise ProtocolError("not_durable", reason)
+        self._check_hold()
+
+    def _check_hold(self) -> None:
+        held = self.hold.refusal(time.monotonic())
+        if held is not None:
+            raise ProtocolError("held", held, retry_after=0.05)
 
     # -- POST /rpc ----------------------------------------------------------------------------------
 
@@ -156,21 +186,46 @@ class WritePath:
             lambda: fc_parts(t, a, e, states),
         )
 
-    async def op_push_compressed(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Strom's threshold-quantized update: per shard a tau and the elements moved by +-tau
-        (uint32 words, or Golomb-Rice coded index gaps). Validated whole before anything is
-        queued; under replication it travels in the same compressed form."""
+    def compressed_decoder(
+        self, msg: dict[str, Any]
+    ) -> tuple[Callable[[], list[tuple[ShardState, Signs, Any]]], bool]:
+        """The checks of a push_compressed that need the server's state (ids, held shards),
+        done now, on the event loop; returns the rest, the decoding of each shard's words or
+        Rice stream (pure: safe on a worker thread), and whether that decoding is large enough
+        to run off the event loop (more than DECODE_OFF_LOOP codes)."""
         updates = require(msg, "shards", dict)
         if not updates:
             raise ProtocolError("bad_request", "push_compressed needs a non-empty 'shards' map")
         self.addressing.check_ids(updates)
-        parts: list[tuple[ShardState, Signs, dict[str, Any]]] = []
+        shards: list[tuple[str, ShardState, Any]] = []
         for sid, d in updates.items():
             if not isinstance(sid, str):
                 raise ProtocolError("bad_request", "field 'shards' must map shard ids to updates")
-            st = self.store.shard(sid)
-            words, tau = words_of(d, st.shard.size, f"shard {sid!r}")
-            parts.append((st, Signs(words, tau), d))
+            shards.append((sid, self.store.shard(sid), d))
+
+        def decode() -> list[tuple[ShardState, Signs, Any]]:
+            parts = []
+            for sid, st, d in shards:
+                words, tau = words_of(d, st.shard.size, f"shard {sid!r}")
+                parts.append((st, Signs(words, tau), d))
+            return parts
+
+        return decode, compressed_codes(updates) > DECODE_OFF_LOOP
+
+    async def op_push_compressed(
+        self,
+        msg: dict[str, Any],
+        parts: list[tuple[ShardState, Signs, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """Strom's threshold-quantized update: per shard a tau and the elements moved by +-tau
+        (uint32 words, or Golomb-Rice coded index gaps). Validated whole before anything is
+        queued; under replication it travels in the same compressed form. A large one is
+        decoded on a worker thread (issue 28: a push of many full shards took the event loop
+        for a second, and /healthz with it); `parts`: already decoded (the data plane decodes
+        off the loop itself, holding the connection's later frames so that they stay behind)."""
+        if parts is None:
+            decode, large = self.compressed_decoder(msg)
+            parts = await asyncio.to_thread(decode) if large else decode()
         return await self._replicate_or_apply(
             msg,
             [([st], lambda sts, u=u, d=d: sign_update(sts[0].id, u.tau, wire_form(d)))
@@ -275,6 +330,21 @@ class WritePath:
     ) -> dict[str, Any]:
         """A checked push through the replication rounds of its buckets: (shards, compact
         update) pairs, grouped by bucket, each bucket's part a single deduplicated entry."""
+        assert self.replicator is not None
+        # Admitted here, before the first await (a data-plane push's task may start after a
+        # hold began): a push is either refused by a hold or counted until it is decided.
+        self._check_hold()
+        self.hold.admitted()
+        try:
+            return await self._replicate_admitted(msg, updates)
+        finally:
+            self.hold.decided()
+
+    async def _replicate_admitted(
+        self,
+        msg: dict[str, Any],
+        updates: list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]],
+    ) -> dict[str, Any]:
         assert self.replicator is not None
         by_bucket: dict[int, list[Any]] = {}
         for states, make in updates:

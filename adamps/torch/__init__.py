@@ -3,11 +3,21 @@
 
 - :class:`DownpourOptimizer`: ``loss.backward(); opt.step()`` in your own loop;
 - :class:`Replica`: ``Replica(model, loss_fn, ...).fit(loader)`` with Hogwild worker threads;
+- :class:`Embedding`, :class:`EmbeddingBag`: rows in a server table, pulled and pushed per batch;
 - :func:`tensor_name`: the server tensor of a parameter in a run (``RUN..PARAM``).
 """
 
+from adamps.torch.embedding import Embedding, EmbeddingBag
 from adamps.torch.optimizer import Connection, DownpourOptimizer
 from adamps.torch.params import ModelError, tensor_name
 from adamps.torch.replica import Replica
 
-__all__ = ["Connection", "DownpourOptimizer", "ModelError", "Replica", "tensor_name"]
+__all__ = [
+    "Connection",
+    "DownpourOptimizer",
+    "Embedding",
+    "EmbeddingBag",
+    "ModelError",
+    "Replica",
+    "tensor_name",
+]

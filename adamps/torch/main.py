@@ -76,12 +76,13 @@ class TorchTrainer:
         cfg = self.cfg
         run = cfg.run or "default"
         if cfg.controllers:
-            return ControllerBoard(cfg.controllers, cfg.token, cfg.replica, f"torch.{run}")
+            # Under the run's name (its token reports only there), the torch engine's own keys.
+            return ControllerBoard(cfg.controllers, cfg.token, cfg.replica, run, engine="torch")
         from adamps.client import PSClient, StaticRouting
 
         n_buckets = int(get_json(cfg.ps[0], "/status")["n_buckets"])
         client = PSClient(StaticRouting(cfg.ps, n_buckets), Layout([], n_buckets), cfg.token)
-        return PsBoard(client, cfg.replica, cfg.n_replicas, f"torch.{run}")
+        return PsBoard(client, cfg.replica, cfg.n_replicas, run, engine="torch")
 
     def _wait(self, what: str, ready: Any) -> None:
         deadline = time.monotonic() + self.cfg.wait_timeout

@@ -32,6 +32,7 @@ from torch import nn
 from adamps import token as tokens
 from adamps.config import default_token
 from adamps.torch.downpour import PushCounts, WorkerDownpour
+from adamps.torch.embedding import bind_tables, row_tables
 from adamps.torch.hooks import ActErrCapture
 from adamps.torch.params import Param, linear_weights, model_params
 from adamps.torch.remote import RemoteModel, optimizer_spec
@@ -57,7 +58,11 @@ class Connection:
         named_parameters: Iterable[tuple[str, Any]] | None = None,
     ) -> None:
         self.model = model
-        self.params: list[Param] = model_params(model, run, named_parameters)
+        #: the model's adamps Embedding / EmbeddingBag modules (rows on the servers' tables)
+        self.tables = row_tables(model)
+        self.params: list[Param] = model_params(
+            model, run, named_parameters, allow_empty=bool(self.tables)
+        )
         # as every role: the given token, else $ADAMPS_TOKEN, else (loopback only) this user's
         # local token, which the roles started on this machine without a token use too
         reached = [tokens.host_of(a) for a in (*controllers, *ps)]
@@ -73,6 +78,8 @@ class Connection:
                 self.created = self.remote.create(self.optimizer)
             else:
                 self.remote.check()
+            # tables are created like tensors (idempotent): replica 0 creates, others check
+            bind_tables(model, self.remote.client, run, create)
         except BaseException:
             self.remote.close()
             raise

@@ -69,14 +69,18 @@ def split_name(tensor: str) -> tuple[str, str]:
 
 
 def model_params(
-    model: Any, run: str | None = None, named: Iterable[tuple[str, Any]] | None = None
+    model: Any,
+    run: str | None = None,
+    named: Iterable[tuple[str, Any]] | None = None,
+    allow_empty: bool = False,
 ) -> list[Param]:
-    """The server tensors of `model` (``named_parameters()``, or the pairs `named`), checked."""
+    """The server tensors of `model` (``named_parameters()``, or the pairs `named`), checked.
+    `allow_empty`: a model of embedding tables only (adamps.torch.Embedding) has none."""
     if not isinstance(model, nn.Module):
         raise ModelError(f"expected a torch.nn.Module, got {type(model).__name__}: {model!r:.80}")
     run = run_name(run)
     pairs: Sequence[tuple[str, Any]] = list(model.named_parameters() if named is None else named)
-    if not pairs:
+    if not pairs and not allow_empty:
         raise ModelError(f"{type(model).__name__} has no parameters to train")
     out: list[Param] = []
     seen: dict[str, str] = {}

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from adamps.torch.downpour import PushCounts
+from adamps.torch.embedding import take_row_leaves
 from adamps.torch.optimizer import Connection
 from adamps.torch.params import Param
 
@@ -108,7 +109,11 @@ class Replica:
         """One minibatch on worker `w` (its own thread): forward, gradients, Downpour step."""
         trainable = [p for p in self.params[w] if p.param.requires_grad]
         loss = self.loss_fn(self.modules[w](x), y)
-        grads = torch.autograd.grad(loss, [p.param for p in trainable], allow_unused=True)
+        # the embedding modules' row leaves: computing their gradients pushes them
+        leaves = take_row_leaves(self.conn.tables)
+        grads = torch.autograd.grad(loss, [p.param for p in trainable] + leaves, allow_unused=True)[
+            : len(trainable)
+        ]
         self.workers[w].step({p.tensor: g for p, g in zip(trainable, grads, strict=True)})
         return float(loss.detach())
 

@@ -296,6 +296,35 @@ CLUSTER = Dashboard(
                     "Raft commit index",
                     [("max by (instance) (adamps_controller_commit_index)", "{{instance}}")],
                 ),
+                Panel(
+                    "Periodic checkpoints: age and duration",
+                    [
+                        ("min(adamps_controller_checkpoint_age_seconds)", "age"),
+                        ("max(adamps_controller_checkpoint_duration_seconds)", "duration"),
+                        ("max(adamps_controller_checkpoint_interval_seconds)", "interval"),
+                    ],
+                    unit="s",
+                    description="From the controllers' replicated record (issue 24): the age "
+                    "of the newest checkpoint, how long it took, and checkpoint_interval. An "
+                    "alert fires past 3 intervals (deploy/prometheus/alerts.yml).",
+                ),
+                Panel(
+                    "Periodic checkpoints: size",
+                    [
+                        ("max(adamps_controller_checkpoint_bytes)", "named (whole model)"),
+                        ("max(adamps_controller_checkpoint_written_bytes)", "written (changed)"),
+                    ],
+                    unit="bytes",
+                    description="An incremental checkpoint writes only the shards and rows "
+                    "changed since the previous one and names the earlier files for the rest.",
+                ),
+                Panel(
+                    "Periodic checkpoints failed (1 h)",
+                    [("sum(increase(adamps_controller_checkpoint_failures_total[1h]))", "failed")],
+                    kind="stat",
+                    width=6,
+                    description="Counted by the leader that began them; each is logged.",
+                ),
             ],
         ),
     ],
@@ -428,6 +457,49 @@ TRAINING = Dashboard(
                         ("max by (instance) (adamps_trainer_push_queue)", "queued {{instance}}"),
                         (rate("adamps_trainer_pushes_merged_total"), "merged/s {{instance}}"),
                     ],
+                ),
+            ],
+        ),
+        (
+            "Runs (namespace, token, quotas)",
+            [
+                Panel(
+                    "Parameter elements per run",
+                    [("max by (run) (adamps_run_param_elems)", "{{run}}")],
+                    description="Every server holds every tensor's definition: the max is the "
+                    "run's total.",
+                ),
+                Panel(
+                    "Bytes held per run (all copies)",
+                    [("sum by (run) (adamps_run_held_bytes)", "{{run}}")],
+                    unit="bytes",
+                ),
+                Panel(
+                    "Push bytes/s per run",
+                    [(rate("adamps_run_push_bytes_total", "run"), "{{run}}")],
+                    unit="Bps",
+                ),
+                Panel(
+                    "Quota use per run",
+                    [
+                        (
+                            "max by (run) (adamps_run_param_elems) / max by (run) "
+                            '(adamps_run_quota{quota="param_elems"})',
+                            "{{run}} parameter elements",
+                        ),
+                        (
+                            f"max by (run) (rate(adamps_run_push_bytes_total[{RATE}]) / on "
+                            '(instance, run) adamps_run_quota{quota="push_bytes_per_s"})',
+                            "{{run}} push bytes/s (busiest server)",
+                        ),
+                    ],
+                    unit="percentunit",
+                    description="1 = at the quota. The push-rate quota holds on each server.",
+                ),
+                Panel(
+                    "Requests refused per run (namespace, quota)",
+                    [(rate("adamps_run_refused_total", "run, reason"), "{{run}} {{reason}}")],
+                    unit="ops",
                 ),
             ],
         ),

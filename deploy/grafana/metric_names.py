@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 #: The packages whose metrics a dashboard may use.
 PACKAGES = ("adamps", "controller", "dataserver", "trainer")
-KINDS = ("Counter", "Gauge", "Histogram", "Summary", "Info", "Enum")
+KINDS = ("Counter", "Gauge", "Histogram", "Summary", "Info", "Enum", "GaugeMetricFamily")
 
 
 def _kind_of(func: ast.expr) -> str | None:
@@ -72,7 +72,9 @@ def metric_table(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> list[
                     continue
                 args = {kw.arg: kw.value for kw in node.keywords}
                 doc = args.get("documentation", node.args[1] if len(node.args) > 1 else None)
-                labels = args.get("labelnames", node.args[2] if len(node.args) > 2 else None)
+                labels = args.get(
+                    "labelnames", args.get("labels", node.args[2] if len(node.args) > 2 else None)
+                )
                 label_list = (
                     [str(_const(e)) for e in labels.elts]
                     if isinstance(labels, ast.List | ast.Tuple)
@@ -81,7 +83,8 @@ def metric_table(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> list[
                 scraped = {"Counter": name.removesuffix("_total") + "_total"}.get(kind, name)
                 rows[name] = {
                     "name": scraped,
-                    "kind": kind.lower(),
+                    # a collector's GaugeMetricFamily is a gauge when scraped
+                    "kind": kind.removesuffix("MetricFamily").lower(),
                     "labels": ", ".join(label_list),
                     "help": str(_const(doc) or ""),
                     "file": path.relative_to(root).as_posix(),
@@ -100,7 +103,7 @@ def exposed_names(name: str, kind: str) -> set[str]:
         return {name, name + "_sum", name + "_count", name + "_created"}
     if kind == "Info":
         return {name.removesuffix("_info") + "_info"}
-    return {name}  # Gauge, Enum
+    return {name}  # Gauge, Enum, GaugeMetricFamily (a collector's gauge)
 
 
 def exposed_metrics(root: Path = ROOT) -> dict[str, str]:

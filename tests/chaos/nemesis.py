@@ -3,8 +3,10 @@
 Reference: issue 11 ("the contract"); Project Adam 3.3.2-3.3.3. A schedule is a list of steps drawn
 from a seeded RNG: SIGKILL and SIGSTOP/SIGCONT of one, two or all parameter servers, a rolling
 crash (all but one killed, the survivor later), kills of the controllers' Raft leader, restarts
-with and without LMDB, drains, adds of new servers, rebalances, and storage faults (bits flipped in
-a stopped server's LMDB file, issue 29). Steps run one after the other
+with and without LMDB, drains, adds of new servers, rebalances, and storage faults (issue 29: bits
+flipped in a stopped server's LMDB file; one server's file system filled until ENOSPC or frozen
+with fsfreeze for a few seconds: each server's data directory is an ext4 image the nemesis
+mounts, tests/chaos/disks.py; skipped where it cannot mount). Steps run one after the other
 under exactness load (unique +1 deltas, SGD lr -1), each followed by a heal and a wait for the
 cluster to settle. At the end everything is healed, the tensor is read back from the primaries
 (every served value is checked, also while buckets are unavailable) and checked: every acknowledged
@@ -50,6 +52,7 @@ from adamps.layout import Layout, Shard, TensorSpec
 from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_LEASE, FAST_PS_OPTS, LocalCluster
 from adamps.rows_exactness import RowsExactnessLoad
 from adamps.rpc import RpcError, SyncRpc
+from tests.chaos import disks
 
 TOKEN = "chaos-token"
 LEASE = FAST_LEASE
@@ -308,7 +311,14 @@ KINDS: dict[str, float] = {
     # data.mdb, restart it: its records fail their checksums, it offers nothing and rejoins by
     # state transfer; never a value other than 0 or 1 served
     "corrupt": 0.06,
+    # issue 29: one server's file system (an ext4 image the nemesis mounts per server) filled
+    # until ENOSPC, or frozen (fsfreeze), for a few seconds, then freed: it stops acknowledging
+    # once its updates stay unflushed past max_unflushed, its buckets move, it recovers
+    "disk_full": 0.05,
+    "disk_stall": 0.05,
 }
+#: step kinds that need the servers' own file systems (skipped where they cannot be mounted)
+DISK_KINDS = ("disk_full", "disk_stall")
 #: faults that the current code is known to survive (issue 11: "single faults passed")
 SINGLE = ("kill1", "pause1", "leader_kill", "add", "rebalance")
 
@@ -373,6 +383,8 @@ def make_schedule(seed: int, duration: float, kinds: tuple[str, ...] | None = No
             s = Step("pause_all", hold=round(rng.uniform(1.0, 5.0), 1))
         elif k == "corrupt":
             s = Step("corrupt", hold=round(rng.uniform(0.5, 2.0), 1))
+        elif k in DISK_KINDS:  # past max_unflushed (2.5 s), so that it stops acknowledging
+            s = Step(k, hold=round(rng.uniform(3.0, 6.0), 1))
         elif k in ("leader_kill", "leader_and_server_kill"):
             s = Step(k, hold=round(rng.uniform(0.5, 3.0), 1))
         else:
@@ -446,6 +458,10 @@ class Nemesis:
         self.settled = True
         #: servers (re)started by the current step: id -> incarnation before (None: new id)
         self.registered: dict[str, Any] = {}
+        #: server id -> the mount point of its own file system (storage faults), if any
+        self.disks: dict[str, Path] = {}
+        #: a client of its own for the tensors a disk_full step creates (set by run_nemesis)
+        self.big: Any = None
 
     def note(self, what: str) -> None:
         t = time.monotonic() - self.t0
@@ -553,6 +569,59 @@ class Nemesis:
         self.note(f"SIGKILL {sid}, {flipped} stored 1.0 values flipped in its data.mdb")
         time.sleep(step.hold)
         self._restart([i], wipe_one=False)
+
+    def _disk_fault(
+        self, step: Step, inject: Callable[[Path], str], heal: Callable[[Path], None]
+    ) -> None:
+        """A storage fault of one member's file system for step.hold seconds, then healed;
+        notes whether the server reported itself not durable meanwhile (a full file system
+        does not stop a flush that fits in the free pages inside LMDB's file)."""
+        cands = [i for i in self.members if self.c.server_ids[i] in self.disks]
+        if not cands:
+            self.note(f"skip {step.kind}: no server on a file system of its own")
+            return
+        i = random.Random(step.pick).choice(cands)
+        sid, at = self.c.server_ids[i], self.disks[self.c.server_ids[i]]
+        what = inject(at)
+        self.report.faults += 1
+        self.note(f"{sid}: {what} for {step.hold:.1f}s")
+        stopped = False
+        try:
+            end = time.monotonic() + step.hold
+            while time.monotonic() < end:
+                stopped = stopped or not disks.durable(self.c.servers[i])
+                time.sleep(0.2)
+        finally:
+            heal(at)
+        self.note(
+            f"{sid}: disk healed ({'it had stopped acknowledging' if stopped else 'it stayed durable'})"
+        )
+
+    def do_disk_full(self, step: Step) -> None:
+        def full(at: Path) -> str:
+            # A full file system alone does not stop LMDB (each flush commits into the pages
+            # the previous one freed inside its file): a new 4 MB tensor, created before the
+            # fill and pushed after it, needs new space at the next flush.
+            spec = TensorSpec(f"fill{len(self.report.history)}", (1_000_000,))
+            try:
+                self.big.create(spec, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": -1.0})
+            except (RpcError, TimeoutError) as exc:
+                self.note(f"create {spec.name}: {exc}")
+            n = disks.fill(at)
+            try:
+                self.big.push_dense(spec.name, np.ones(spec.shape, np.float32))
+            except (RpcError, TimeoutError) as exc:
+                self.note(f"push of {spec.name}: {exc}")
+            return f"disk full ({n} bytes of filler; {spec.name} pushed)"
+
+        self._disk_fault(step, full, disks.unfill)
+
+    def do_disk_stall(self, step: Step) -> None:
+        def freeze(at: Path) -> str:
+            disks.freeze(at)
+            return "file system frozen (fsfreeze)"
+
+        self._disk_fault(step, freeze, disks.thaw)
 
     def do_kill_all(self, step: Step) -> None:
         idx = list(self.members)
@@ -730,9 +799,19 @@ def run_nemesis(
         echo(f"nemesis seed {seed} (ADAMPS_NEMESIS_SEED={seed} reproduces the schedule)")
         echo("schedule (run until the time is up): "
              + ", ".join(s.describe() for s in report.schedule))  # fmt: skip
-    with running_cluster(root) as c:
+    wants_disks = any(s.kind in DISK_KINDS for s in report.schedule)
+    why_not = disks.cannot_mount() if wants_disks else "not needed"
+    if wants_disks and why_not and echo:
+        echo(f"storage-fault steps are skipped: {why_not}")
+    ids = [f"ps{i}" for i in range(3)]
+    with (
+        disks.server_disks(Path(root), [] if why_not else ids) as mounts,
+        running_cluster(root) as c,
+    ):
         nem = Nemesis(c, report, echo=echo)
+        nem.disks = mounts
         client, load = start_load(c)
+        nem.big = make_client(c, retry_for=5.0)
         # push_rows in the load too (issue 23): the same contract for embedding rows.
         rows_client = PSClient(
             ControllerRouting(c.controllers), Layout([], c.n_buckets), TOKEN, timeout=10.0
@@ -764,6 +843,7 @@ def run_nemesis(
             load.stop(timeout=30)
             rows.stop(timeout=30)
             client.close()
+            nem.big.close()
             rows_client.close()
             (Path(root) / "nemesis.json").write_text(json.dumps(report.to_json(), indent=1))
     return report

@@ -461,6 +461,29 @@ def test_tied_candidates_without_a_majority_digest_leave_the_bucket_unavailable(
     validate(m)
 
 
+def test_tied_candidates_at_seq_0_without_a_majority_serve_and_the_others_rejoin() -> None:
+    """Issue 29 (seen on the scale branch): copies at (epoch 0, seq 0) whose digests differ
+    after an interrupted create hold no committed update: serving any of them loses nothing
+    acknowledged, so the bucket is served (the placement's first candidate), the disagreement
+    is counted, and the other copies rejoin by state transfer from it instead of waiting for
+    an operator."""
+    m = cluster(3)
+    for s in ("ps0", "ps1", "ps2"):
+        m.declare_dead(s, 101.0)
+    for i, s in enumerate(("ps0", "ps1", "ps2")):
+        copies = {b: [0, 0, 0, f"0{i}"] for b in range(64)}
+        m.register(s, f"127.0.0.1:{9000 + i}", 102.0, copies=copies)
+    m.reconcile(100.0 + WAIT)
+    view = m.cluster_view()
+    assert view["unavailable"] == [], "nothing committed: never waits for an operator"
+    assert m.digest_conflicts == 64 and view["digest_conflicts"] == 64
+    for b in range(64):
+        bk = m.buckets[b]
+        assert m.primary_of(b) == bk["want"][0]
+        assert sorted(bk["joining"]) == sorted(s for s in bk["want"] if s != m.primary_of(b))
+    validate(m)
+
+
 def test_tied_candidates_that_agree_are_no_conflict() -> None:
     m, _ = _tied_wave({"ps0": "0a", "ps1": "0a", "ps2": "0a"})
     m.reconcile(100.0 + WAIT)

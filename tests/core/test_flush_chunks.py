@@ -118,3 +118,34 @@ def test_each_chunk_writes_its_buckets_positions_and_the_held_set_drops_the_othe
     finally:
         p.close()
         store.close()
+
+
+def test_flush_buckets_writes_those_buckets_now_and_refuses_while_a_flush_holds_the_disk(
+    tmp_path: Path,
+) -> None:
+    """Issue 29: a state transfer persists its installed copy with `flush_buckets` before it
+    may count as a member. It writes the named buckets' dirty shards (only those), and when a
+    flush holds the disk past its timeout (a stalled disk) it raises: the copy does not join."""
+    store = Store(n_buckets=8, owner_threads=2, max_shard_elems=1 << 10)
+    t = store.define(
+        TensorSpec("w", (1 << 14,)), Optimizer("sgd", 1.0), normalize_init({"kind": "zeros"}, (1 << 14,)), None
+    )  # fmt: skip
+    states = list(t.shards.values())
+    p = Persister(tmp_path / "db", map_size=1 << 28)
+    try:
+        flusher = Flusher(store, p, interval=3600, max_unflushed=0.2)
+        push_all(store, states, 1.0)
+        b = store.layout.bucket_of[states[0].id]
+        mine = {st.id for st in states if store.layout.bucket_of[st.id] == b}
+        assert flusher.flush_buckets({b}) > 0
+        dirty = {s.shard_id for s in store.begin_snapshot()(30)}
+        assert dirty == {st.id for st in states} - mine, "only bucket b's shards were written"
+        with flusher._flush_lock:  # a flush that does not finish: the disk stalls
+            try:
+                flusher.flush_buckets({b})
+                raise AssertionError("flush_buckets returned while a flush held the disk")
+            except TimeoutError as exc:
+                assert "the disk stalls" in str(exc)
+    finally:
+        p.close()
+        store.close()

@@ -15,7 +15,14 @@ RELEASED = [
     "reconcile_v0", "register_v0", "release_v0", "renew_v0", "report_progress_v0",
     "role_change_v0", "set_layout_v0",
 ]  # fmt: skip
-APPENDED = ["sweep_dead_v0", "verified_caught_up_v0", "write_off_v0", "write_storage_v0"]
+APPENDED = [
+    "sweep_dead_v0",
+    "verified_caught_up_v0",
+    "write_off_v0",
+    "write_storage_v0",
+    "write_tenancy_v0",
+    "x_checkpoint_v0",
+]
 
 
 def replicated_method_order(cls: type) -> list[str]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from adamps.core import repl_copies
 from adamps.core.lease import LeaseTerms
 from adamps.core.repl_core import ReplCore
 from adamps.core.repl_ready import Ready
@@ -206,6 +207,9 @@ def test_roles_standby_joining_and_forgotten_copies() -> None:
     assert c.join_target(0) == ("a", 1, 7)
     assert repl_copies_of(c) == {}, "a joining copy without its snapshot offers nothing"
     c.installed(0, 5, [["cl", 1, 5]], 1, 0.5)
+    # Persisted (issue 29) before it learns or is offered; the flush holds it meanwhile.
+    assert not c.learning(0) and repl_copies_of(c) == {} and repl_copies.held_copies(c) == {0}
+    c.install_persisted(0, True, 0.5)
     assert c.learning(0) and repl_copies_of(c) == {0: [1, 5]}
     c.tick(4.0)  # the primary stayed silent past failover_after: transfer again
     assert not c.learning(0)
@@ -217,9 +221,31 @@ def test_roles_standby_joining_and_forgotten_copies() -> None:
     assert rd.forget == [0] and 0 not in c.buckets
 
 
-def repl_copies_of(c: ReplCore) -> dict[int, list[int]]:
-    from adamps.core import repl_copies
+def test_an_installed_copy_learns_only_once_persisted_under_the_record_it_came_from() -> None:
+    # Issue 29: a copy held only in memory is no member. While it is persisted the flush holds
+    # it (held_copies, positions) but it neither learns nor is offered; a failed write, or a
+    # record that moved on meanwhile, leaves it not learning (the shell asks again).
+    c = core("b")
+    c.on_roles({"version": 1, "roles": [role(0, 1, "a", ["c"], ["b"], join=7)]}, 0.0, 0.0)
+    take(c)
+    c.installed(0, 5, [], 1, 0.5)
+    assert not c.learning(0)
+    got = repl_copies.positions(c, None, 100, lambda e, s, d, f, p: (e, s))
+    assert got == {0: (1, 5)} and repl_copies_of(c) == {}
+    c.install_persisted(0, False, 0.6)  # the disk refused it
+    assert not c.learning(0) and repl_copies.held_copies(c) == set()
+    assert c.join_target(0) == ("a", 1, 7), "asks again"
+    c.installed(0, 6, [], 1, 0.7)
+    c.on_roles({"version": 2, "roles": [role(0, 2, "c", ["a"], ["b"], join=8)]}, 0.8, 0.8)
+    c.install_persisted(0, True, 0.9)
+    assert not c.learning(0), "fetched from an earlier record: the new primary is asked"
+    assert c.join_target(0) == ("c", 2, 8)
+    c.installed(0, 6, [], 2, 1.0)
+    c.install_persisted(0, True, 1.1)
+    assert c.learning(0) and repl_copies_of(c) == {0: [2, 6]}
 
+
+def repl_copies_of(c: ReplCore) -> dict[int, list[int]]:
     return repl_copies.copies(c)
 
 

@@ -548,6 +548,8 @@ class Server:
             self.core.installed(
                 b, snap["committed"], snap["dedup"], snap["committed_epoch"], self.local()
             )
+            # The simulated disk never fails: the copy is persisted in the same step.
+            self.core.install_persisted(b, True, self.local())
             self.restored.pop(b, None)
             self.log(f"b{b}: snapshot at {snap['committed']} from {primary} installed")
             self.sim.stats["snapshots"] += 1

@@ -4,6 +4,7 @@ path; bad installs get a 4xx naming the problem and change nothing."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -121,3 +122,96 @@ async def test_checkpoint_ops_need_the_cluster_token(tmp_path: Path) -> None:
         await anon.close()
         await c.close()
         await r.cleanup()
+
+
+async def test_an_incremental_read_leaves_out_what_did_not_change(tmp_path: Path) -> None:
+    """ckpt_read with `since` (the previous checkpoint's epoch and versions) skips a shard
+    whose version is unchanged, and reads it again once a push changed it."""
+    _s, runner, a = await _filled(tmp_path / "a")
+    try:
+        n_buckets = (await a.get_json("/status"))["n_buckets"]
+        bucket = stable_bucket("w/0", n_buckets)
+        full = await a.call("ckpt_read", bucket=bucket)
+        versions = {sid: r["version"] for sid, r in full["shards"].items()}
+        versions.update({sid: r["version"] for sid, r in full["rows"].items()})
+        since = {"versions": versions}
+        same = await a.call("ckpt_read", bucket=bucket, since=since)
+        assert same["shards"] == {} and same["rows"] == {}
+        assert same["unchanged"] == versions
+        older = {sid: v - 1 for sid, v in versions.items()}
+        again = await a.call("ckpt_read", bucket=bucket, since={"versions": older})
+        assert sorted(again["shards"]) == sorted(full["shards"]) and again["unchanged"] == {}
+        await a.call("push_dense", tensor="w", delta=np.ones(2000, np.float32))
+        after = await a.call("ckpt_read", bucket=bucket, since=since)
+        assert "w/0" in after["shards"] and "w/0" not in after["unchanged"]
+        assert after["shards"]["w/0"]["v"].tobytes() != full["shards"]["w/0"]["v"].tobytes()
+    finally:
+        await a.close()
+        await runner.cleanup()
+
+
+async def test_a_hold_refuses_writes_with_a_retryable_503_until_released_or_expired(
+    tmp_path: Path,
+) -> None:
+    """ckpt_hold: pushes get 503 held (nothing applied) while held, reads and the cut's copy
+    go on; the hold ends at release, or by itself at its expiry; a bad hold is a 400."""
+    _s, runner, a = await _filled(tmp_path / "a")
+    try:
+        before = (await a.call("pull", tensors=["w"]))["tensors"]["w"]
+        got = await a.call("ckpt_hold", cut="c1", seconds=5.0)
+        assert got["positions"] and got["cut"] == "c1"
+        with pytest.raises(RpcError) as exc:
+            await a.call("push_dense", tensor="w", delta=np.ones(2000, np.float32))
+        assert exc.value.http_status == 503 and exc.value.code == "held"
+        after = (await a.call("pull", tensors=["w"]))["tensors"]["w"]
+        assert after.tobytes() == before.tobytes()
+        assert (await a.call("ckpt_release", cut="c1"))["released"] is True
+        await a.call("push_dense", tensor="w", delta=np.ones(2000, np.float32))
+        # The cut's copy is of the moment of the hold, read after the release.
+        n_buckets = (await a.get_json("/status"))["n_buckets"]
+        snap = await a.call("ckpt_read", bucket=stable_bucket("w/0", n_buckets), cut="c1")
+        assert snap["shards"]["w/0"]["v"].tobytes() == before[:1000].tobytes()
+        await a.call("ckpt_hold", cut="c2", seconds=0.2)
+        await asyncio.sleep(0.3)  # expired: a save tool that died does not wedge the server
+        await a.call("push_dense", tensor="w", delta=np.ones(2000, np.float32))
+        for bad in (0.0, 31.0):
+            with pytest.raises(RpcError) as exc:
+                await a.call("ckpt_hold", cut="c3", seconds=bad)
+            assert exc.value.http_status == 400 and "seconds" in str(exc.value)
+        await a.call("push_dense", tensor="w", delta=np.ones(2000, np.float32))
+    finally:
+        await a.close()
+        await runner.cleanup()
+
+
+async def test_install_through_a_static_routing_carries_the_accumulators(tmp_path: Path) -> None:
+    """adamps.checkpoint.install (what a warm start uses to carry Adagrad accumulators) on a
+    standalone server found through a static routing: values and accumulators bit-identical."""
+    from adamps.checkpoint import Cluster, install
+    from adamps.client import StaticRouting
+    from adamps.layout import Layout, TensorSpec
+
+    server, runner, a = await start(tmp_path / "a")
+    try:
+        await a.call("create", **{**ADA, "init": {"kind": "zeros"}})
+        n_buckets = (await a.get_json("/status"))["n_buckets"]
+        url = f"http://127.0.0.1:{server.cfg.port}"
+        layout = Layout([TensorSpec("w", (2000,))], n_buckets=n_buckets, max_shard_elems=1000)
+        values = np.linspace(0, 1, 2000, dtype=np.float32)
+        accum = np.linspace(1, 2, 2000, dtype=np.float32)
+        cluster = Cluster([], TOKEN, source=StaticRouting([url], n_buckets))
+        try:
+            n = await asyncio.to_thread(
+                install, cluster, layout, [{"name": "w"}], {"w": values, "w/accum": accum}
+            )
+        finally:
+            cluster.close()
+        assert n == 2
+        for s in layout.shards_of["w"]:
+            snap = await a.call("ckpt_read", bucket=layout.bucket_of[s.id])
+            rec = snap["shards"][s.id]
+            assert rec["v"].tobytes() == values[s.start : s.stop].tobytes()
+            assert rec["a"].tobytes() == accum[s.start : s.stop].tobytes()
+    finally:
+        await a.close()
+        await runner.cleanup()

@@ -59,6 +59,15 @@ FIRES = {
         "1 1 0 0 0 0 0 0",
         {"instance": "ps-1"},
     ),
+    # age grows by a minute a minute past an interval of 60 s: over 3 intervals at 4 min
+    "AdampsCheckpointStale": (
+        [
+            ('adamps_controller_checkpoint_age_seconds{instance="c-1"}', "0 60 120 180 240"),
+            ('adamps_controller_checkpoint_interval_seconds{instance="c-1"}', "60 60 60 60 60"),
+        ],
+        None,
+        {"instance": "c-1"},
+    ),
 }
 
 
@@ -72,7 +81,10 @@ def test_every_alert_fires_on_its_fault(tmp_path: Path) -> None:
         tests.append(
             {
                 "interval": "1m",
-                "input_series": [{"series": series, "values": values}],
+                "input_series": [
+                    {"series": k, "values": v}
+                    for k, v in (series if values is None else [(series, values)])
+                ],
                 "alert_rule_test": [
                     {"eval_time": "0m", "alertname": name, "exp_alerts": []},
                     {

@@ -63,7 +63,7 @@ def test_torch_run_survives_a_primary_and_a_replica_kill(tmp_path: Path) -> None
         def replica1_done() -> int:
             epochs = get_json(c.controllers[0], "/progress").get("epochs", {})
             done = [int(e) for e, reps in epochs.items()
-                    if reps.get("torch.faults/1", {}).get("done")]  # fmt: skip
+                    if reps.get("faults/torch/1", {}).get("done")]  # fmt: skip
             return max(done, default=0)
 
         wait_for(lambda: replica1_done() >= 2, 240, "replica 1's epoch 2")

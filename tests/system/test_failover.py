@@ -37,9 +37,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    with running_cluster(tmp_path, n_servers=4) as c:
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    # a test may ask for more LocalCluster arguments (indirect parametrization: WITH_TLS)
+    with running_cluster(tmp_path, n_servers=4, **getattr(request, "param", {})) as c:
         yield c
+
+
+#: the variant of a test with TLS on every port (issue 28), over HTTP only: the clients' pushes,
+#: the peers' two-phase commit and state transfer all go through aiohttp with the test's CA
+WITH_TLS = pytest.mark.parametrize(
+    "cluster", [{}, {"tls": True, "data_plane": False}], indirect=True, ids=["plain", "tls-http"]
+)
 
 
 def run_load_with_fault(
@@ -70,6 +78,7 @@ def busiest_primary(c: LocalCluster) -> str:
     return max(c.server_ids, key=lambda s: len(primaries_of(view, s)))
 
 
+@WITH_TLS
 def test_primary_sigkill_under_load_loses_nothing_acknowledged(cluster: LocalCluster) -> None:
     victim = busiest_primary(cluster)
     layout = Layout([TENSOR], n_buckets=N_BUCKETS, max_shard_elems=SHARD)
@@ -145,6 +154,7 @@ def test_secondary_sigkill_primary_continues_and_a_replacement_catches_up(
     assert all(victim not in [b["primary"], *b["secondaries"]] for b in view["buckets"])
 
 
+@WITH_TLS
 def test_servers_restarted_with_and_without_their_lmdb_rejoin_and_catch_up(
     cluster: LocalCluster,
 ) -> None:

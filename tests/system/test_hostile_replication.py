@@ -9,7 +9,8 @@ server, could do to the replicas, and malformed replication messages.
   message from the primary;
 - a NaN batch signed as the primary itself (the test holds the peer token) is refused by the
   secondary's own checks, not applied, and the replicas agree afterwards;
-- malformed repl_* messages on /rpc, signed as the primary: a 4xx with a JSON error, never a 500.
+- malformed repl_* messages on /rpc, signed as the primary: a 4xx with a JSON error, never a 500;
+- a replayed replication message (a seq the copy holds, with a valid MAC) changes nothing.
 """
 
 from __future__ import annotations
@@ -219,6 +220,48 @@ def test_a_nan_batch_from_the_primary_itself_is_refused_by_the_secondary(cluster
     client.push_dense("x", np.ones(16_000, np.float32))  # the real next batch still replicates
     values, _ = client.pull(["x"])
     assert np.isfinite(values["x"]).all()
+    digests_agree(c)
+
+
+def test_a_replayed_replication_message_changes_nothing(cluster) -> None:
+    """A captured replication message, sent again later, with its MAC intact: here a PREPARE
+    and a COMMIT of a seq the secondary already committed, signed as the primary (what an
+    eavesdropper who recorded the primary's frames holds; the content is the test's own, +1000,
+    so that applying it could not go unnoticed). On /rpc and as a repl_multi frame on the data
+    port, twice each: the copy refuses or ignores every one (the replica state machine has that
+    seq), its position and digest stay, and the replicas agree."""
+    c, client, layout = cluster
+    t = _target(c, layout)
+    plus = np.full(SHARD, 1000.0, np.float32)
+    old = {**t, "committed": t["committed"] - 1}  # _forged_prepare sends committed + 1
+    prepare = {**_forged_prepare(old, plus), "commit": t["committed"]}
+    commit = {"bucket": 0, "sender": t["primary"], "epoch": t["epoch"], "seq": t["committed"]}
+    with SyncRpc(t["secondary"], TOKEN) as rpc:
+        for _ in range(2):
+            for op, fields in (("repl_prepare", prepare), ("repl_commit", commit)):
+                try:
+                    signed(rpc, c, t["primary"], t["secondary_id"], op, **fields)
+                except RpcError as exc:
+                    assert 400 <= exc.http_status < 500, (op, exc)
+    items = [{"op": "repl_prepare", **prepare}, {"op": "repl_commit", **commit}]
+    meta, parts, n = protocol.encode_oob(
+        protocol.request("repl_multi", token=TOKEN, peer=t["primary"], items=items)
+    )
+    payload = b"".join(bytes(p) for p in parts)
+    key = peer_auth.pair_key(c.peer_token, t["primary"], t["secondary_id"])
+    mac = peer_auth.mac(key, [meta, payload])
+    frame = frame_header(REQUEST, len(meta), n + len(mac)) + meta + payload + mac
+    with socket.create_connection(("127.0.0.1", t["data_port"]), timeout=10) as s:
+        for _ in range(2):  # the captured frame, byte for byte, twice
+            s.sendall(frame)
+            kind, reply = read_frame(s)
+            if kind == ERROR:
+                assert reply["error"]["code"] != "internal", reply
+            else:
+                for r in reply["results"]:
+                    assert r.get("error", {}).get("code") != "internal", r
+    assert _digest(t) == (t["committed"], t["digest"])
+    client.push_dense("x", np.ones(16_000, np.float32))  # the real next batch still replicates
     digests_agree(c)
 
 

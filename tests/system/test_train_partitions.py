@@ -91,7 +91,8 @@ def test_two_partitions_reach_the_accuracy_of_one(procs, tmp_path: Path) -> None
             st = wait_for(exchanging, 120, "the partitions exchanging")
             assert st["partition"] == 0 and st["partitions"] == 2 and st["transport"] == "shm"
             follower = get_json(st["followers"]["1"], "/status")["partition"]
-            assert follower["partition"] == 1 and follower["tensors"][0] == "conv1-p1of2.w"
+            # the run's namespace first (issue 25), then the partition's tensor
+            assert follower["partition"] == 1 and follower["tensors"][0] == "k2..conv1-p1of2.w"
             with urllib.request.urlopen(f"http://{st['followers']['1']}/metrics") as resp:
                 metrics = resp.read().decode()
             assert 'adamps_trainer_partition_bytes_exchanged_total{partition="1"}' in metrics

@@ -239,6 +239,29 @@ def test_missed_target_exits_1(tmp_path: Path) -> None:
     assert (run / "training.png").exists()
 
 
+@pytest.mark.timeout(150)
+def test_up_with_tls_runs_every_process_over_tls(tmp_path: Path) -> None:
+    """`adamps up --tls` (issue 28): a throwaway CA in RUN_DIR/tls, every process serving
+    HTTPS (and TLS on the data ports), the trainer training through them."""
+    run = tmp_path / "run"
+    proc, out = start_up(run, "--epochs", "1", "--target-accuracy", "0", "--trainers", "1",
+                         "--servers", "1", "--controllers", "1", "--tls")  # fmt: skip
+    try:
+        code = proc.wait(130)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+    text = out.read_text()
+    assert code == 0, text
+    assert "TLS on every port" in text and "https://127.0.0.1:" in text, text
+    assert oct((run / "tls" / "key.pem").stat().st_mode & 0o777) == "0o600"
+    logs = {p.stem: p.read_text() for p in (run / "logs").glob("*.log")}
+    for name in ("controller0", "ps0", "dataserver0", "train0"):
+        assert "://" in logs[name] and ("on https://" in logs[name]), (name, logs[name][-2000:])
+    assert "data plane listening on 127.0.0.1" in logs["ps0"] and "(TLS)" in logs["ps0"]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -1,0 +1,230 @@
+"""The checkpoint format on disk (issue 24): how a checkpoint directory is written and checked.
+
+Version 2 (what ``adamps checkpoint save`` and the periodic checkpoints write):
+
+- ``manifest.json``: ``format``, ``n_buckets``, ``max_shard_elems``, the tensors' and tables'
+  definitions, ``cuts`` (per bucket the ``{epoch, seq}`` it was read at), ``consistent``,
+  ``shards`` (per dense shard id: its ``tensor``, ``start``, ``stop`` in the flattened tensor,
+  ``file``, and the ``epoch`` and ``version`` it was read at), ``row_shards`` (per row shard id:
+  ``file``, ``epoch``, ``version``), and ``files`` (per file: ``bytes`` and ``sha256``);
+- ``bucket-NNNN.safetensors``: the shards of bucket NNNN that changed since the checkpoint this
+  one is based on (all of them in a full checkpoint): ``<shard id>`` float32 values (flat),
+  ``<shard id>/accum`` its Adagrad accumulator, ``<row shard id>`` the uint8 bytes of a row
+  block (rowblock.py).
+
+An incremental checkpoint names, for an unchanged shard, the file of an earlier checkpoint in the
+same parent directory (``../<name>/bucket-NNNN.safetensors``): always the file that holds the
+data, never a chain. Version 1 (one ``tensors.safetensors`` and one ``rows.safetensors``) is
+still read.
+
+The manifest is written last, after every file is complete and synced: a directory without one
+is not a checkpoint. ``load`` checks every file's size and checksum before it returns anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file, save
+
+FORMAT = 2
+MANIFEST = "manifest.json"
+TENSORS = "tensors.safetensors"
+ROWS = "rows.safetensors"
+#: what a manifest's file entry may name: a file here, or one of a sibling checkpoint's
+_FILE_RE = re.compile(r"^(\.\./[A-Za-z0-9_.-]+/)?[A-Za-z0-9_.-]+\.safetensors$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be saved, read or restored; the message names the file."""
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsynced(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def bucket_file(b: int) -> str:
+    return f"bucket-{b:04d}.safetensors"
+
+
+def write_file(path: Path, content: dict[str, np.ndarray]) -> dict[str, Any]:
+    """One data file, complete and synced under its final name; its manifest entry. The
+    checksum is of the bytes in memory, as they are written: no second pass over the file."""
+    data = save(content)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    tmp.replace(path)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def write_manifest(to: Path, fields: dict[str, Any]) -> dict[str, Any]:
+    """The manifest, last, by rename: a crash before leaves no manifest, never a wrong one."""
+    manifest = {"format": FORMAT, "created": time.time(), **fields}
+    tmp = to / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, default=_plain))
+    fsynced(tmp)
+    tmp.replace(to / MANIFEST)
+    return manifest
+
+
+def write(
+    to: Path, arrays: dict[str, np.ndarray], rows: dict[str, np.ndarray], fields: dict[str, Any]
+) -> dict[str, Any]:
+    """A version-1 checkpoint (whole tensors in one file): what earlier releases wrote, kept
+    so that tests and tools can make one."""
+    to.mkdir(parents=True, exist_ok=True)
+    (to / MANIFEST).unlink(missing_ok=True)
+    listing = {fname: write_file(to / fname, content)
+               for fname, content in ((TENSORS, arrays), (ROWS, rows))}  # fmt: skip
+    return write_manifest(to, {**fields, "format": 1, "files": listing})
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"not JSON: {type(x).__name__}")
+
+
+def read_manifest(src: Path) -> dict[str, Any]:
+    """The manifest of `src`, its format checked (CheckpointError naming the file)."""
+    mpath = src / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{mpath}: no manifest (not a checkpoint, or a save that failed)")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{mpath}: not valid JSON: {exc}") from None
+    fmt = manifest.get("format") if isinstance(manifest, dict) else None
+    if not isinstance(fmt, int) or fmt < 1:
+        raise CheckpointError(f"{mpath}: field 'format' must be a positive int, got {fmt!r}")
+    if fmt > FORMAT:
+        raise CheckpointError(
+            f"{mpath}: format version {fmt} is newer than this adamps reads ({FORMAT}); "
+            "upgrade adamps"
+        )
+    if not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{mpath}: field 'files' must be an object")
+    return manifest
+
+
+def checked_file(src: Path, name: str, want: Any) -> Path:
+    """The path of file `name` of checkpoint `src`, its size and checksum those of `want`."""
+    if not isinstance(name, str) or not _FILE_RE.match(name):
+        raise CheckpointError(f"{src / MANIFEST}: file name {name!r} is not a checkpoint file")
+    if not isinstance(want, dict) or not {"bytes", "sha256"} <= set(want):
+        raise CheckpointError(f"{src / MANIFEST}: file {name}: needs 'bytes' and 'sha256'")
+    path = src / name
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    size = path.stat().st_size
+    if size != want["bytes"]:
+        raise CheckpointError(
+            f"{path}: truncated or altered: {size} bytes, the manifest says {want['bytes']}"
+        )
+    if sha256(path) != want["sha256"]:
+        raise CheckpointError(f"{path}: checksum mismatch (sha256 differs from the manifest)")
+    return path
+
+
+def load(src: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The manifest and arrays of a checkpoint (``{tensor: values, "<tensor>/accum": ...}``,
+    ``{row shard id: uint8 block}``), every file checked against the manifest first."""
+    manifest = read_manifest(src)
+    if manifest["format"] == 1:
+        for fname in (TENSORS, ROWS):
+            if fname not in manifest["files"]:
+                raise CheckpointError(f"{src / MANIFEST}: lists no file {fname}")
+        content = {f: load_file(str(checked_file(src, f, w))) for f, w in manifest["files"].items()}
+        arrays, rows = content[TENSORS], content.get(ROWS, {})
+    else:
+        arrays, rows = _assemble(src, manifest)
+    for d in manifest.get("tensors", []):
+        a = arrays.get(d["name"])
+        if a is None or list(a.shape) != list(d["shape"]) or a.dtype != np.float32:
+            raise CheckpointError(f"{src}: tensor {d['name']!r} missing or misshapen")
+    return manifest, arrays, rows
+
+
+def _assemble(
+    src: Path, manifest: dict[str, Any]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Version 2: every listed file checked, then each tensor put together from its shards."""
+    files = {name: load_file(str(checked_file(src, name, want)))
+             for name, want in manifest["files"].items()}  # fmt: skip
+    mpath = src / MANIFEST
+
+    def piece(sid: str, rec: Any, key: str) -> np.ndarray:
+        content = files.get(rec.get("file")) if isinstance(rec, dict) else None
+        if content is None or key not in content:
+            raise CheckpointError(f"{mpath}: shard {sid!r}: {key!r} is in no listed file")
+        return content[key]
+
+    arrays: dict[str, np.ndarray] = {}
+    shards = manifest.get("shards", {})
+    for d in manifest.get("tensors", []):
+        name, shape = d["name"], tuple(d["shape"])
+        size = int(np.prod(shape, dtype=np.int64))
+        value = np.empty(size, np.float32)
+        accum = np.zeros(size, np.float32) if _has_accum(d) else None
+        covered = 0
+        for sid, rec in shards.items():
+            if rec.get("tensor") != name:
+                continue
+            start, stop = int(rec["start"]), int(rec["stop"])
+            v = piece(sid, rec, sid)
+            if v.size != stop - start or not 0 <= start < stop <= size:
+                raise CheckpointError(
+                    f"{mpath}: shard {sid!r}: {v.size} values for [{start}, {stop})"
+                )
+            value[start:stop] = v.reshape(-1)
+            if accum is not None and rec.get("accum"):
+                accum[start:stop] = piece(sid, rec, f"{sid}/accum").reshape(-1)
+            covered += stop - start
+        if covered != size:
+            raise CheckpointError(
+                f"{mpath}: tensor {name!r}: its shards cover {covered} of {size} elements"
+            )
+        arrays[name] = value.reshape(shape)
+        if accum is not None:
+            arrays[f"{name}/accum"] = accum.reshape(shape)
+    rows = {sid: piece(sid, rec, sid) for sid, rec in manifest.get("row_shards", {}).items()}
+    return arrays, rows
+
+
+def _has_accum(d: dict[str, Any]) -> bool:
+    return d.get("optimizer", {}).get("kind") == "adagrad"
+
+
+def referenced(src: Path) -> set[Path]:
+    """The files (resolved) checkpoint `src`'s manifest names; empty without a manifest."""
+    try:
+        manifest = read_manifest(src)
+    except CheckpointError:
+        return set()
+    return {(src / name).resolve() for name in manifest["files"]}

@@ -1,0 +1,278 @@
+"""``adamps.torch.Embedding`` and ``EmbeddingBag``: ``torch.nn.Embedding`` /
+``torch.nn.EmbeddingBag`` whose rows live in a parameter server's embedding table (issue 23).
+
+    emb = adamps.torch.EmbeddingBag(None, 16, mode="sum", table="items", lr=0.05)
+    model = nn.Sequential(...)            # uses emb
+    opt = adamps.torch.DownpourOptimizer(model, controllers=[...])   # binds emb, creates the table
+    # or, in a loop of one's own: emb.bind(ps_client)
+
+The table has no size: ``num_embeddings`` may be None (any int64 id), or an int, and then an id
+outside ``[0, num_embeddings)`` is an error, as in torch. The module holds no ``nn.Parameter``:
+the rows are the servers', so ``named_parameters()`` (what Downpour pushes as dense tensors)
+never sees them.
+
+``forward`` takes the batch's **distinct** ids (``torch.unique``), pulls their rows (one
+``pull_rows``) into a leaf tensor that requires grad, and computes the output from it with torch's
+own ``F.embedding`` / ``F.embedding_bag`` on the local indices, so everything torch does to the
+batch (offsets, ``per_sample_weights``, modes) is torch's code. The leaf's gradient is then the
+gradient of each distinct row with duplicates already summed, and a hook on it pushes it (one
+``push_rows``, exactly-once by the client's ``(client, seq)``) as soon as backward computes it:
+``loss.backward()`` and ``torch.autograd.grad(loss, [..., *take_row_leaves(tables)])`` (what
+``Replica`` does) both push. A forward's rows are pushed at most once, even if the graph is
+backpropagated again; a forward that is never backpropagated (evaluation) pushes nothing.
+
+The servers apply their table's per-row optimizer (SGD or Adagrad, ``optimizer`` and ``lr``
+here): there is no local step, so the next forward pulls the updated rows. What cannot apply to a
+table of the servers and is refused: ``padding_idx``, ``max_norm``, ``scale_grad_by_freq``,
+``_weight`` / ``_freeze`` and devices other than the CPU (``sparse`` is accepted and ignored: the
+updates are always sparse).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adamps.torch.params import ModelError, tensor_name
+from adamps.torch.remote import optimizer_spec
+
+
+class _Binding:
+    """The client a module pulls and pushes through, and its table's full name. Shared, not
+    copied, by ``copy.deepcopy`` (a Hogwild twin uses the same client: PSClient is
+    thread-safe)."""
+
+    def __init__(self) -> None:
+        self.client: Any = None
+        self.table: str | None = None
+        #: each thread's last forward's rows leaf (a Hogwild worker is a thread: its own)
+        self.last = threading.local()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Binding:
+        return self
+
+
+class _RowTable(nn.Module):
+    """What Embedding and EmbeddingBag share: the table, the binding, pull and push."""
+
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        *,
+        table: str,
+        optimizer: str = "sgd",
+        lr: float = 0.01,
+        adagrad_initial: float = 0.1,
+        init: Mapping[str, Any] | None = None,
+        client: Any = None,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = True,
+        _weight: Any = None,
+        _freeze: bool = False,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__()
+        refused = {
+            "padding_idx": padding_idx is not None,
+            "max_norm": max_norm is not None,
+            "scale_grad_by_freq": bool(scale_grad_by_freq),
+            "_weight": _weight is not None,
+            "_freeze": bool(_freeze),
+        }
+        bad = [k for k, v in refused.items() if v]
+        if bad:
+            raise ModelError(
+                f"{type(self).__name__}: {', '.join(bad)} cannot apply to a parameter server's "
+                "table (its rows are updated only by the servers' optimizer)"
+            )
+        if device is not None and torch.device(device).type != "cpu":
+            raise ModelError(f"{type(self).__name__}: adamps.torch trains on the CPU, not {device}")
+        if dtype is not None and dtype != torch.float32:
+            raise ModelError(f"{type(self).__name__}: the servers hold float32 rows, not {dtype}")
+        if num_embeddings is not None and (
+            isinstance(num_embeddings, bool)
+            or not isinstance(num_embeddings, int)
+            or num_embeddings < 1
+        ):
+            raise ModelError(
+                f"num_embeddings must be a positive int or None, got {num_embeddings!r}"
+            )
+        if (
+            isinstance(embedding_dim, bool)
+            or not isinstance(embedding_dim, int)
+            or embedding_dim < 1
+        ):
+            raise ModelError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.sparse = True
+        #: the table's name in its run (the servers' table is RUN..TABLE, adamps.torch.params)
+        self.table = table
+        self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial)
+        # torch's nn.Embedding starts from N(0, 1); the seed is the table's, so that every
+        # replica (and every copy of a bucket) creates a row with the same value
+        self.init = dict(init) if init is not None else {"kind": "normal", "std": 1.0, "seed": 0}
+        self._binding = _Binding()
+        #: bytes of ids, rows and row gradients moved by this module's pulls and pushes
+        self.bytes_moved = 0
+        if client is not None:
+            self.bind(client)
+
+    def bind(self, client: Any, run: str | None = None, create: bool = True) -> None:
+        """Pull and push through `client` (a PSClient), to the table ``RUN..TABLE``, created on
+        the servers if `create` (idempotent: a table that exists with the same definition is
+        kept with its rows; another definition is an error naming it)."""
+        name = tensor_name(run, self.table)
+        if create:
+            client.create_table(name, self.embedding_dim, init=self.init, optimizer=self.optimizer)
+        else:
+            client.tables[name] = self.embedding_dim
+        self._binding.client = client
+        self._binding.table = name
+
+    @property
+    def server_table(self) -> str | None:
+        """The servers' name of the table (None until bound)."""
+        return self._binding.table
+
+    def _ids(self, input: torch.Tensor) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"{type(self).__name__} expects a LongTensor or IntTensor of ids, got "
+                f"{getattr(input, 'dtype', type(input).__name__)}"
+            )
+        if self.num_embeddings is not None and input.numel():
+            lo, hi = int(input.min()), int(input.max())
+            if lo < 0 or hi >= self.num_embeddings:
+                raise IndexError(
+                    f"id {lo if lo < 0 else hi} is out of range [0, {self.num_embeddings})"
+                )
+        return input
+
+    def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the distinct ids' rows as a leaf that pushes its gradient, local index per id)."""
+        b = self._binding
+        if b.client is None:
+            raise RuntimeError(
+                f"{type(self).__name__} {self.table!r} is not bound to servers: give it to a "
+                "DownpourOptimizer or Replica, or call .bind(client)"
+            )
+        uniq, inv = torch.unique(ids.reshape(-1), return_inverse=True)
+        u = uniq.numpy().astype(np.int64, copy=False)
+        rows = torch.from_numpy(b.client.pull_rows(b.table, u))
+        self.bytes_moved += u.nbytes + rows.numel() * 4
+        if not torch.is_grad_enabled():
+            return rows, inv.reshape(ids.shape)
+        rows.requires_grad_(True)
+        state = {"pushed": False}
+
+        def push(grad: torch.Tensor) -> None:
+            if state["pushed"]:  # backward run again on a retained graph: pushed already
+                return
+            state["pushed"] = True
+            g = grad.detach().numpy()
+            b.client.push_rows(b.table, u, g)
+            self.bytes_moved += u.nbytes + g.nbytes
+
+        rows.register_hook(push)
+        self._binding.last.leaf = rows
+        return rows, inv.reshape(ids.shape)
+
+    def take_leaf(self) -> torch.Tensor | None:
+        """This thread's last forward's rows leaf (None if none), forgotten here: the input
+        whose gradient ``torch.autograd.grad`` must compute for the push to happen."""
+        last = self._binding.last
+        leaf = getattr(last, "leaf", None)
+        last.leaf = None
+        return leaf
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
+
+
+class Embedding(_RowTable):
+    """``ids [*] -> rows [*, embedding_dim]`` (torch.nn.Embedding's signature, plus ``table``,
+    ``optimizer``, ``lr``, ``init`` and ``client``)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        rows, inv = self._rows(self._ids(input))
+        return F.embedding(inv, rows)
+
+
+class EmbeddingBag(_RowTable):
+    """``ids [B, N]`` or ``ids [n] + offsets [B]`` -> pooled rows ``[B, embedding_dim]``
+    (torch.nn.EmbeddingBag's signature: ``mode`` "sum", "mean" or "max", ``per_sample_weights``,
+    ``include_last_offset``; plus ``table``, ``optimizer``, ``lr``, ``init``, ``client``)."""
+
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = True,
+        _weight: Any = None,
+        include_last_offset: bool = False,
+        padding_idx: int | None = None,
+        device: Any = None,
+        dtype: Any = None,
+        **table: Any,
+    ) -> None:
+        if mode not in ("sum", "mean", "max"):
+            raise ModelError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        super().__init__(
+            num_embeddings, embedding_dim, max_norm=max_norm, scale_grad_by_freq=scale_grad_by_freq,
+            sparse=sparse, _weight=_weight, padding_idx=padding_idx, device=device, dtype=dtype,
+            **table,
+        )  # fmt: skip
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        rows, inv = self._rows(self._ids(input))
+        return F.embedding_bag(
+            inv, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", mode={self.mode!r}"
+
+
+def row_tables(model: nn.Module) -> list[_RowTable]:
+    """The adamps embedding modules of `model` (each once; none when `model` is not a module:
+    model_params then names the problem)."""
+    if not isinstance(model, nn.Module):
+        return []
+    return [m for m in model.modules() if isinstance(m, _RowTable)]
+
+
+def bind_tables(model: nn.Module, client: Any, run: str | None, create: bool) -> list[str]:
+    """Binds every embedding module of `model` to `client`; returns the servers' table names."""
+    names = []
+    for m in row_tables(model):
+        m.bind(client, run, create)
+        names.append(m.server_table)
+    return [n for n in names if n is not None]
+
+
+def take_row_leaves(modules: Iterable[_RowTable]) -> list[torch.Tensor]:
+    """This thread's last forward's row leaves of `modules` (each taken once)."""
+    return [leaf for m in modules if (leaf := m.take_leaf()) is not None]

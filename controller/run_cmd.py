@@ -1,0 +1,152 @@
+"""`adamps run create|list|show|delete [NAME]`: an operator's runs (issue 25), on any controller
+(writes are forwarded to the Raft leader). `create` prints the run's token once: keep it (for
+example ``--token-file``, mode 0600), nobody can show it again."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from adamps import runs
+from adamps import token as tokens
+from adamps.config import default_token
+from adamps.controller_client import ControllerClient
+from adamps.rpc import RpcError
+from adamps.token import host_of
+from controller.status import table
+
+ACTIONS = ("create", "list", "show", "delete")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adamps run",
+        description="Create, list, show or delete training runs: each has a namespace "
+        "(NAME..), a token of its own and optional quotas.",
+    )
+    parser.add_argument("action", choices=ACTIONS, help="what to do")
+    parser.add_argument("name", nargs="?", help="the run's name (create, show, delete)")
+    parser.add_argument(
+        "--controllers",
+        default="127.0.0.1:7000",
+        help="comma-separated HTTP addresses (host:port) of controllers; any of them answers",
+    )
+    parser.add_argument(
+        "--token", default="", help="cluster token (default: $ADAMPS_TOKEN, or the local token)"
+    )
+    parser.add_argument("--param-elems", type=int, help="quota: parameter elements of the run")
+    parser.add_argument("--table-rows", type=int, help="quota: rows of the run's tables")
+    parser.add_argument(
+        "--push-bytes-per-s", type=float, help="quota: push bytes per second, on each server"
+    )
+    parser.add_argument(
+        "--consistency", default=None, help="async (default), sync or ssp:S (stored, shown)"
+    )
+    parser.add_argument(
+        "--token-file", default="", help="create: also write the run's token to this file (0600)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the reply as JSON")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
+    return parser
+
+
+def _quotas(args: argparse.Namespace) -> dict[str, Any]:
+    raw = {
+        "param_elems": args.param_elems,
+        "table_rows": args.table_rows,
+        "push_bytes_per_s": args.push_bytes_per_s,
+    }
+    return runs.check_quotas({k: v for k, v in raw.items() if v is not None})
+
+
+def _write_token(path: str, token: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
+
+
+def _show(view: dict[str, Any]) -> str:
+    quotas = view.get("quotas") or {}
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(view["created"]))
+    return "\n".join(
+        [
+            f"run {view['name']} (namespace {view['namespace']})",
+            f"  created      {created} UTC",
+            f"  consistency  {view['consistency']}",
+            f"  tensors      {view['tensors']} ({view['param_elems']} elements, "
+            f"{view['bytes']} bytes)",
+            "  quotas       "
+            + (", ".join(f"{k} = {v:g}" for k, v in sorted(quotas.items())) or "none"),
+        ]
+    )
+
+
+def render_runs(listed: list[dict[str, Any]]) -> str:
+    rows = [
+        [
+            v["name"],
+            v["tensors"],
+            v["param_elems"],
+            v["quotas"].get("param_elems"),
+            v["quotas"].get("table_rows"),
+            v["quotas"].get("push_bytes_per_s"),
+            v["consistency"],
+        ]
+        for v in listed
+    ]
+    header = ["run", "tensors", "elements", "quota elems", "quota rows", "quota B/s", "mode"]
+    return table(rows, header) if rows else "no runs"
+
+
+def _act(client: ControllerClient, args: argparse.Namespace) -> tuple[Any, str]:
+    """(reply, text) of the action."""
+    if args.action == "list":
+        reply = client.runs()
+        return reply, render_runs(reply["runs"])
+    if args.action == "show":
+        reply = client.run(args.name)
+        if reply is None:
+            raise RpcError("not_found", f"no run {args.name!r}")
+        return reply, _show(reply)
+    if args.action == "delete":
+        reply = client.delete_run(args.name)
+        return reply, f"run {args.name} deleted ({len(reply.get('tensors', []))} layout tensors)"
+    reply = client.create_run(args.name, _quotas(args), args.consistency)
+    if args.token_file:
+        _write_token(args.token_file, reply["token"])
+    text = _show(reply["run"]) + f"\n  token        {reply['token']}\n(shown once: keep it)"
+    return reply, text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.action != "list":
+            runs.check_name(args.name)
+        if args.action == "create":
+            _quotas(args)
+            runs.check_consistency(args.consistency)
+        addrs = [a.strip() for a in args.controllers.split(",") if a.strip()]
+        if not addrs:
+            raise ValueError("--controllers names no address (expected host:port,...)")
+        token = tokens.resolve(args.token or default_token(), map(host_of, addrs), "adamps run")
+    except (ValueError, tokens.TokenError) as exc:
+        print(f"adamps run {args.action}: {exc}", file=sys.stderr)
+        return 2
+    client = ControllerClient(addrs, token, timeout=args.timeout, retry_for=args.timeout * 2)
+    try:
+        reply, text = _act(client, args)
+    except RpcError as exc:
+        print(f"adamps run {args.action}: {exc.code}: {exc}", file=sys.stderr)
+        return 1
+    except (ConnectionError, TimeoutError, OSError) as exc:
+        print(f"adamps run: no controller answered at {args.controllers}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(json.dumps(reply) if args.json else text)
+    return 0

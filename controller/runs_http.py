@@ -1,0 +1,158 @@
+"""The controllers' run endpoints (issue 25) and who may call what.
+
+- ``POST /runs`` (operator): creates a run; the reply shows its token, once. Only the token's
+  hash enters the Raft entry.
+- ``GET /runs``, ``GET /runs/{name}``: the runs as shown (no token, no hash), open like
+  ``/routing``.
+- ``DELETE /runs/{name}`` (operator): deletes the run, its layout tensors, and (through the
+  servers, which learn it) its shards in memory and in LMDB.
+- ``GET /auth/runs`` (operator: the servers call it with the cluster token): each run's token
+  hash and quotas, the recent deletions.
+
+Who calls: the cluster token is the operator; a run's token (looked up by its hash in the
+applied state) may call only the writes that allow it (`Forwarder.write(runs_allowed=True)`:
+``POST /layout`` for its namespace and ``POST /progress`` for its own replicas), and gets 403
+naming its run on every other write (declare-lost, drain, run create, ...).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from adamps import runs
+from adamps import web as aweb
+from adamps.protocol import ProtocolError
+from controller.raft_node import ok_or_raise
+
+#: who made a request: set by `RunsApi.authenticate` for the handlers
+PRINCIPAL_KEY = web.RequestKey("principal", runs.Principal)
+
+
+class RunsApi:
+    """Run handlers and the token check of a controller's writes."""
+
+    def __init__(self, service: Any, applied: Callable[[], None]) -> None:
+        #: the ControllerService (its cluster, forwarder, commit and config)
+        self.svc = service
+        #: raises unavailable until this controller applied the state (reads wait for it)
+        self.applied = applied
+
+    # -- who calls ----------------------------------------------------------------------------
+
+    def principal_of(self, request: web.Request) -> runs.Principal:
+        """The operator (cluster token) or a run (its token's hash is in the table); else 401."""
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        given = given.strip()
+        if scheme.lower() == "bearer" and given:
+            raw = given.encode("utf-8", "surrogateescape")
+            if hmac.compare_digest(raw, self.svc.cfg.token.encode()):
+                return runs.Principal()
+            digest = runs.token_hash(given)
+            name = self.svc.cluster.read(
+                lambda m: next(
+                    (n for n, r in m.runs_table().items() if r["token_hash"] == digest), None
+                )
+            )
+            if name is not None:
+                return runs.Principal(name)
+        aweb.check_token(request)  # raises the usual 401 (missing or wrong token)
+        return runs.Principal()  # not reached
+
+    def authenticate(self, request: web.Request, runs_allowed: bool) -> None:
+        who = self.principal_of(request)
+        if who.run is not None and not runs_allowed:
+            raise ProtocolError(
+                "forbidden",
+                f"run {who.run!r}'s token may not call {request.method} {request.path}: it is "
+                "an operator's call (the cluster token)",
+                run=who.run,
+            )
+        request[PRINCIPAL_KEY] = who
+
+    # -- handlers -----------------------------------------------------------------------------
+
+    async def h_create(self, request: web.Request) -> web.Response:
+        async def run() -> dict[str, Any]:
+            body = await aweb.read_json(request)
+            try:
+                name = runs.check_name(body.get("name"))
+                quotas = runs.check_quotas(body.get("quotas"))
+                consistency = runs.check_consistency(body.get("consistency"))
+            except runs.RunError as exc:
+                raise ProtocolError("bad_request", str(exc)) from None
+            token = runs.new_token(name)
+            fields = {
+                "token_hash": runs.token_hash(token),
+                "quotas": quotas,
+                "consistency": consistency,
+            }
+            res = ok_or_raise(
+                await self.svc.commit("write_tenancy", "create", name, fields, time.time())
+            )
+            # The one time the token is shown: nobody, the controllers included, can show it later.
+            return {**res, "token": token}
+
+        return await self.svc.forwarder.write(request, run)
+
+    async def h_delete(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+
+        async def run() -> dict[str, Any]:
+            return ok_or_raise(
+                await self.svc.commit("write_tenancy", "delete", name, {}, time.time())
+            )
+
+        return await self.svc.forwarder.write(request, run)
+
+    async def h_list(self, request: web.Request) -> web.Response:
+        self.applied()
+        listed = self.svc.cluster.read(
+            lambda m: {
+                "runs": [m.run_view(n) for n in sorted(m.runs_table())],
+                "runs_version": m.runs_version,
+            }
+        )
+        return aweb.json_response(listed)
+
+    async def h_show(self, request: web.Request) -> web.Response:
+        self.applied()
+        name = request.match_info["name"]
+        view = self.svc.cluster.read(lambda m: m.run_view(name))
+        if view is None:
+            raise ProtocolError("not_found", f"no run {name!r}")
+        return aweb.json_response(view)
+
+    async def h_auth(self, request: web.Request) -> web.Response:
+        aweb.check_token(request)
+        self.applied()
+        return aweb.json_response(self.svc.cluster.read(lambda m: m.runs_auth()))
+
+    async def set_run_layout(self, run: str, layout: dict[str, Any]) -> dict[str, Any]:
+        """A run's replica 0 sets its part of the layout (POST /layout with a run's token)."""
+        return ok_or_raise(
+            await self.svc.commit("write_tenancy", "layout", run, {"layout": layout}, time.time())
+        )
+
+    def check_progress(self, request: web.Request, replica: str) -> None:
+        """A run's token reports progress only for its own replicas ("<run>/<replica>")."""
+        who = request.get(PRINCIPAL_KEY)
+        if who is not None and who.run is not None and not replica.startswith(f"{who.run}/"):
+            raise ProtocolError(
+                "forbidden",
+                f"run {who.run!r}'s token reports progress only as '{who.run}/<replica>', "
+                f"not {replica!r}",
+                namespace=f"{who.run}/",
+            )
+
+    def routes(self, r: web.UrlDispatcher) -> None:
+        r.add_post("/runs", self.h_create)
+        r.add_get("/runs", self.h_list)
+        r.add_get("/runs/{name}", self.h_show)
+        r.add_delete("/runs/{name}", self.h_delete)
+        r.add_get("/auth/runs", self.h_auth)

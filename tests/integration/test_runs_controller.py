@@ -1,0 +1,130 @@
+"""Issue 25's run endpoints against one in-process controller on loopback (real Raft, real HTTP):
+create shows the token once and stores only its hash; bad input is a 400 naming the value, with
+nothing proposed; a run's token may set its part of the layout and report its own progress, and
+is refused (403, naming the run) on every operator endpoint; `adamps run` names a bad value."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from adamps import runs
+from adamps.layout import Layout, TensorSpec
+from controller import run_cmd
+from tests.integration.test_controller_hardening import Ctl, start_controller
+
+
+@pytest.fixture
+async def ctl(tmp_path: Path) -> AsyncIterator[Ctl]:
+    c, runner = await start_controller(tmp_path)
+    try:
+        yield c
+    finally:
+        await c.session.close()
+        await runner.cleanup()
+
+
+def layout(*tensors: tuple[str, tuple[int, ...]], n_buckets: int = 64) -> dict:
+    return Layout([TensorSpec(n, s) for n, s in tensors], n_buckets).to_dict()
+
+
+async def test_create_show_list_delete_and_the_token_is_only_a_hash(ctl: Ctl) -> None:
+    status, body = await ctl.call(
+        "POST", "/runs", {"name": "exp1", "quotas": {"param_elems": 100}, "consistency": "ssp:2"}
+    )
+    assert status == 200, body
+    token = body["token"]
+    assert body["run"]["namespace"] == "exp1.." and body["run"]["consistency"] == "ssp:2"
+    # the Raft state (what a snapshot or a dump holds) has the hash, never the token
+    state = ctl.read(lambda m: pickle.dumps(m))
+    assert token.encode() not in state and runs.token_hash(token).encode() in state
+    status, shown = await ctl.call("GET", "/runs/exp1")
+    assert (
+        status == 200 and token not in json.dumps(shown) and shown["quotas"] == {"param_elems": 100}
+    )
+    status, listed = await ctl.call("GET", "/runs")
+    assert [r["name"] for r in listed["runs"]] == ["exp1"]
+    status, again = await ctl.call("POST", "/runs", {"name": "exp1"})
+    assert status == 409 and again["error"]["code"] == "exists"
+    status, gone = await ctl.call("DELETE", "/runs/exp1")
+    assert status == 200 and gone["deleted"] is True
+    status, body = await ctl.call("GET", "/runs/exp1")
+    assert status == 404
+
+
+@pytest.mark.parametrize(
+    "body, named",
+    [
+        ({"name": "a.b"}, "'a.b'"),
+        ({"name": ""}, "run's name"),
+        ({"name": "ok", "quotas": {"param_elems": -5}}, "param_elems"),
+        ({"name": "ok", "quotas": {"rows": 5}}, "'rows'"),
+        ({"name": "ok", "quotas": {"push_bytes_per_s": "fast"}}, "push_bytes_per_s"),
+        ({"name": "ok", "consistency": "bsp"}, "'bsp'"),
+    ],
+)
+async def test_bad_input_is_a_400_naming_it_and_nothing_is_proposed(
+    ctl: Ctl, body: dict, named: str
+) -> None:
+    before = ctl.read(lambda m: m.applied)
+    status, reply = await ctl.call("POST", "/runs", body)
+    assert status == 400 and reply["error"]["code"] == "bad_request", reply
+    assert named in reply["error"]["message"], reply
+    assert ctl.read(lambda m: (m.applied, dict(m.runs_table()))) == (before, {})
+
+
+async def test_a_runs_token_sets_its_layout_part_and_calls_no_admin_endpoint(ctl: Ctl) -> None:
+    tokens = {}
+    for name in ("a", "b"):
+        status, body = await ctl.call("POST", "/runs", {"name": name})
+        tokens[name] = body["token"]
+    auth = {"Authorization": f"Bearer {tokens['a']}"}
+    ok, body = await ctl.call("POST", "/layout", {"layout": layout(("a..w", (8, 4)))}, headers=auth)
+    assert ok == 200, body
+    auth_b = {"Authorization": f"Bearer {tokens['b']}"}
+    ok, body = await ctl.call(
+        "POST", "/layout", {"layout": layout(("b..w", (8, 4)))}, headers=auth_b
+    )
+    assert ok == 200, body
+    _, got = await ctl.call("GET", "/layout")
+    assert {t["name"] for t in got["layout"]["tensors"]} == {"a..w", "b..w"}
+    status, body = await ctl.call(
+        "POST", "/layout", {"layout": layout(("b..w", (8, 5)))}, headers=auth
+    )
+    assert status == 403 and body["error"]["namespace"] == "a..", body
+    status, body = await ctl.call(
+        "POST", "/progress", {"epoch": 1, "replica": "a/0", "progress": 1.0}, headers=auth
+    )
+    assert status == 200, body
+    for method, path, payload in [
+        ("POST", "/buckets/0/declare-lost", {}),
+        ("POST", "/servers/ps0/drain", {}),
+        ("POST", "/servers/ps0/undrain", {}),
+        ("POST", "/rebalance", {}),
+        ("POST", "/runs", {"name": "c"}),
+        ("DELETE", "/runs/b", None),
+        ("GET", "/auth/runs", None),
+    ]:
+        status, body = await ctl.call(method, path, payload, headers=auth)
+        assert status in (401, 403), (path, body)
+        if status == 403:
+            assert "'a'" in body["error"]["message"], body
+    status, body = await ctl.call("POST", "/rebalance", {}, headers={"Authorization": "Bearer x"})
+    assert status == 401
+    assert ctl.read(lambda m: sorted(m.runs_table())) == ["a", "b"]
+
+
+def test_the_cli_names_a_bad_value_before_calling_anyone(capsys: pytest.CaptureFixture) -> None:
+    for argv, named in [
+        (["create", "a.b"], "'a.b'"),
+        (["create", "ok", "--param-elems", "0"], "param_elems"),
+        (["create", "ok", "--consistency", "bsp"], "'bsp'"),
+        (["show"], "None"),
+    ]:
+        assert run_cmd.main([*argv, "--controllers", "127.0.0.1:9"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("adamps run") and named in err, err

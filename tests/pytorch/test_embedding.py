@@ -1,0 +1,198 @@
+"""adamps.torch.Embedding / EmbeddingBag (issue 23) against plain PyTorch on a real `adamps ps`:
+after 100 steps the servers' rows (and the dense weights) equal ``torch.nn.EmbeddingBag(
+sparse=True)`` / ``nn.Embedding(sparse=True)`` trained by ``torch.optim.SGD`` (or ``Adagrad``)
+on the same batches, within 1e-5, in a loop of one's own, under ``DownpourOptimizer`` and under
+``Replica.fit``; one pull_rows and one push_rows per step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="adamps.torch needs torch")
+pytestmark = pytest.mark.slow  # a real `adamps ps` process
+from torch import nn  # noqa: E402
+
+import adamps.torch as at  # noqa: E402
+from adamps.client import PSClient, StaticRouting  # noqa: E402
+from adamps.layout import Layout  # noqa: E402
+from adamps.rpc import get_json  # noqa: E402
+from adamps.tables import initial_rows, normalize_row_init  # noqa: E402
+
+STEPS, BATCH, BAG, N_IDS, DIM, LR = 100, 8, 5, 300, 6, 0.05
+INIT = {"kind": "normal", "std": 0.5, "seed": 7}
+
+
+def bags(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zipf-ish ids (many duplicates within a batch) and regression targets."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(n):
+        ids = (torch.rand(BATCH, BAG, generator=g) ** 3 * N_IDS).long()
+        out.append((ids, torch.randn(BATCH, 2, generator=g)))
+    return out
+
+
+def init_weight() -> torch.Tensor:
+    """The rows the servers create for ids 0 .. N_IDS - 1 (a function of (seed, id))."""
+    return torch.from_numpy(initial_rows(normalize_row_init(INIT), np.arange(N_IDS), DIM))
+
+
+def client_for(ps_url: str, token: str) -> PSClient:
+    n = int(get_json(ps_url, "/status")["n_buckets"])
+    return PSClient(StaticRouting([ps_url], n), Layout([], n_buckets=n), token)
+
+
+class Counting:
+    """A PSClient's row calls counted (the module must pull once and push once per step)."""
+
+    def __init__(self, client: PSClient) -> None:
+        self.client = client
+        self.tables = client.tables
+        self.pulls = self.pushes = 0
+
+    def create_table(self, *a, **k):  # type: ignore[no-untyped-def]
+        return self.client.create_table(*a, **k)
+
+    def pull_rows(self, table, ids):  # type: ignore[no-untyped-def]
+        self.pulls += 1
+        return self.client.pull_rows(table, ids)
+
+    def push_rows(self, table, ids, grads):  # type: ignore[no-untyped-def]
+        self.pushes += 1
+        return self.client.push_rows(table, ids, grads)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_embedding_bag_equals_torch_sparse(ps_url: str, token: str, optimizer: str) -> None:
+    """Own loop, no Downpour: the rows equal torch's EmbeddingBag(sparse=True) + SGD/Adagrad.
+    torch's Adagrad divides by sqrt(acc) + eps, the servers' by sqrt(acc + eps): with the
+    accumulators starting at 0.1 the two differ by ~1e-8 relative, inside the tolerance."""
+    data = bags()
+    proj = torch.randn(DIM, 2, generator=torch.Generator().manual_seed(5))
+    ref = nn.EmbeddingBag(N_IDS, DIM, mode="sum", sparse=True)
+    with torch.no_grad():
+        ref.weight.copy_(init_weight())
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    else:
+        opt = torch.optim.Adagrad(ref.parameters(), lr=LR, initial_accumulator_value=0.1)
+    # torch's sparse Adagrad builds COO tensors: say the invariant checks are off (else a
+    # UserWarning, an error under this suite's warnings policy)
+    with torch.sparse.check_sparse_tensor_invariants(enable=False):
+        for ids, y in data:
+            opt.zero_grad()
+            nn.functional.mse_loss(ref(ids) @ proj, y).backward()
+            opt.step()
+
+    client = client_for(ps_url, token)
+    counting = Counting(client)
+    emb = at.EmbeddingBag(None, DIM, mode="sum", table=f"bag-{optimizer}", optimizer=optimizer,
+                          lr=LR, init=INIT, adagrad_initial=0.1, client=counting)  # fmt: skip
+    first = None
+    for ids, y in data:
+        out = emb(ids)
+        if first is None:  # before any push: the initial rows, as torch's
+            first = out.detach()
+            assert torch.allclose(
+                first, nn.functional.embedding_bag(ids, init_weight(), mode="sum")
+            )
+        nn.functional.mse_loss(out @ proj, y).backward()
+    assert counting.pulls == STEPS and counting.pushes == STEPS
+    got = torch.from_numpy(client.pull_rows(emb.server_table, np.arange(N_IDS)))
+    client.close()
+    diff = (got - ref.weight.detach()).abs().max()
+    assert diff <= 1e-5, diff
+    assert (got - init_weight()).abs().max() > 1e-2  # trained, not a stale copy
+
+
+class Net(nn.Module):
+    def __init__(self, emb: nn.Module) -> None:
+        super().__init__()
+        self.emb = emb
+        torch.manual_seed(11)
+        self.head = nn.Linear(BAG * DIM, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).reshape(len(ids), -1))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["downpour", "replica"])
+def test_embedding_in_downpour_equals_torch(ps_url: str, token: str, how: str) -> None:
+    """Embedding + a Linear head under DownpourOptimizer (own loop) and Replica.fit (the
+    gradients by torch.autograd.grad): rows and weights equal torch's after 100 steps."""
+    data = bags()
+    ref = Net(nn.Embedding(N_IDS, DIM, sparse=True))
+    with torch.no_grad():
+        ref.emb.weight.copy_(init_weight())
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for ids, y in data:
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(ids), y).backward()
+        opt.step()
+
+    emb = at.Embedding(None, DIM, table="items", lr=LR, init=INIT)
+    model = Net(emb)
+    run = f"emb-{how}"
+    if how == "downpour":
+        dp = at.DownpourOptimizer(model, ps=[ps_url], lr=LR, run=run, token=token)
+        for ids, y in data:
+            dp.zero_grad()
+            nn.functional.mse_loss(model(ids), y).backward()
+            dp.step()
+        server = dp.state_dict()
+        dp.close()
+    else:
+        rep = at.Replica(model, nn.functional.mse_loss, ps=[ps_url], lr=LR, run=run, token=token)
+        rep.fit(data)
+        server = rep.state_dict()
+        rep.close()
+    assert emb.server_table == f"{run}..items"
+    client = client_for(ps_url, token)
+    client.tables[emb.server_table] = DIM
+    rows = torch.from_numpy(client.pull_rows(emb.server_table, np.arange(N_IDS)))
+    client.close()
+    assert (rows - ref.emb.weight.detach()).abs().max() <= 1e-5
+    for k in ("head.weight", "head.bias"):
+        assert (server[k] - ref.state_dict()[k]).abs().max() <= 1e-5, k
+    assert "emb.weight" not in server  # the rows are the table's, not a dense tensor
+
+
+def test_refused_arguments() -> None:
+    with pytest.raises(at.ModelError, match="padding_idx"):
+        at.Embedding(10, 4, table="t", padding_idx=0)
+    with pytest.raises(at.ModelError, match="mode"):
+        at.EmbeddingBag(10, 4, mode="median", table="t")
+    emb = at.Embedding(10, 4, table="t")
+    with pytest.raises(RuntimeError, match="not bound"):
+        emb(torch.tensor([1]))
+    with pytest.raises(IndexError, match="out of range"):
+        emb(torch.tensor([10]))
+    with pytest.raises(TypeError, match="LongTensor"):
+        emb(torch.tensor([1.0]))
+
+
+@pytest.mark.timeout(240)
+def test_torch_ctr_example_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """examples/torch_ctr.py, as docs/training.md runs it (shortened): 2 replicas on a local
+    cluster learn the planted click-through workload."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "torch_ctr.py"), "--local", "--replicas", "2",
+         "--examples", "16384", "--test", "20000"],
+        env=env, capture_output=True, text=True, timeout=220,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["examples"] == 2 * 16384
+    assert res["loss_last"] < res["loss_first"]
+    assert res["auc"] > 0.68, res  # chance is 0.5; 0.73 after 20,000 examples per replica
