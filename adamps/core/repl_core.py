@@ -72,6 +72,9 @@ class ReplCore(JoiningCopy):
         self.last_heard: dict[int, float] = {}
         #: bucket -> time before which no new role change is proposed (secondary side)
         self.role_change_after: dict[int, float] = {}
+        #: bucket -> learner -> when the controllers' acceptance of its caught-up report came
+        #: (primary side): a record asked before then may predate it (``_apply_roles``)
+        self._accepted: dict[int, dict[str, float]] = {}
         #: bucket -> the primary's messages to its replicas (primary side)
         self._rounds: dict[int, Rounds] = {}
         #: message id -> (bucket, replica) of every message in flight
@@ -132,12 +135,14 @@ class ReplCore(JoiningCopy):
         """A heartbeat's answer, asked at `asked_at` (this server's clock)."""
         self.unavailable = frozenset(int(b) for b in reply.get("unavailable", []))
         if "roles" in reply:
-            self._apply_roles(reply["roles"], int(reply["version"]), now)
+            self._apply_roles(reply["roles"], int(reply["version"]), asked_at, now)
         for b, epoch in reply.get("renewed", []):
             self.leases.on_granted(int(b), int(epoch), asked_at)
             self.pump(int(b), now)
 
-    def _apply_roles(self, roles: Iterable[Mapping[str, Any]], version: int, now: float) -> None:
+    def _apply_roles(
+        self, roles: Iterable[Mapping[str, Any]], version: int, asked_at: float, now: float
+    ) -> None:
         seen = set()
         for r in roles:
             b = int(r["bucket"])
@@ -180,7 +185,15 @@ class ReplCore(JoiningCopy):
                 continue
             if was == "joining":
                 self._ready.stop_joins.append(b)
-            self._unknown(rep.on_assignment(assignment), b, why)
+            # Learners whose acceptance came after this heartbeat was asked: a record without
+            # them may be older than the acceptance (the answer was slow), and the controllers
+            # already count them members. Dropping them would acknowledge pushes they lack
+            # (the simulation, seeds 3745, 8035, 9819). A record asked later decides.
+            accepted = self._accepted.get(b, {})
+            keep = frozenset(m for m, at in accepted.items() if at >= asked_at)
+            self._unknown(rep.on_assignment(assignment, keep), b, why)
+            if accepted:
+                self._accepted[b] = {m: at for m, at in accepted.items() if m in rep.learners}
             self.roles[b] = role
             if role == "primary":
                 if was != "primary" and was is not None:
@@ -202,6 +215,7 @@ class ReplCore(JoiningCopy):
         self.leases.drop(b)
         self.last_heard.pop(b, None)
         self.role_change_after.pop(b, None)
+        self._accepted.pop(b, None)
         self._rounds.pop(b, None)
         self._ready.forget.append(b)
         self._ready.stop_joins.append(b)
@@ -438,7 +452,7 @@ class ReplCore(JoiningCopy):
                 )
             )
 
-    def on_caught_up_answer(self, req: ControllerRequest, error: str | None) -> bool:
+    def on_caught_up_answer(self, req: ControllerRequest, error: str | None, now: float) -> bool:
         """The controllers' answer to a caught-up report (`error`: None if accepted, else its
         code, "connection" when none came). True when the report must be sent again: its
         outcome is unknown (the entry may have committed, and a repeated report of one join is
@@ -458,6 +472,8 @@ class ReplCore(JoiningCopy):
         if error is not None and (error == "connection" or error in UNKNOWN_OUTCOME):
             return True
         rep.report_done(req.member, error is None)
+        if error is None:
+            self._accepted.setdefault(req.bucket, {})[req.member] = now
         return False
 
     # -- secondary: messages from the primary ---------------------------------------------------

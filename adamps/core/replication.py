@@ -42,7 +42,7 @@ The protocol, for a bucket whose controller-recorded assignment is (epoch, prima
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,12 +146,13 @@ class BucketReplica:
         with the cut, so a copy reloaded from disk still holds what it acknowledged as prepared."""
         return [self.prepared[s] for s in range(self.committed + 1, self.prepared_seq + 1)]
 
-    def on_assignment(self, new: Assignment) -> list[Any]:
+    def on_assignment(self, new: Assignment, keep: Container[str] = ()) -> list[Any]:
         """The controller's record changed. Returns the waiters of pushes this server can no
         longer see through, when it stopped being the primary. Their outcome is UNKNOWN (a batch
         in flight may still be committed by the next primary): the shell answers them with a
         retryable error (not_primary), and the client's retry with the same (client id, seq) is
-        applied exactly once wherever the batch ended."""
+        applied exactly once wherever the batch ended. Learners in `keep` stay learners if the
+        record lacks them (it may be older than the controllers' acceptance of their report)."""
         if new.epoch < self.assignment.epoch:
             return []  # an old message arriving late
         was_primary = self.is_primary
@@ -166,7 +167,7 @@ class BucketReplica:
             for m in list(self.learners):
                 if m in new.secondaries:
                     self.drop_learner(m)  # the controller made it a member (positions kept)
-                elif m not in new.joining and self.learners[m] != "reporting":
+                elif m not in new.joining and self.learners[m] != "reporting" and m not in keep:
                     # Neither joining nor a member: the controller removed it. Not a learner
                     # whose report is in flight: the record may be older than the join it
                     # serves (a heartbeat's answer computed before the copy joined again; the

@@ -150,7 +150,7 @@ class ControllerLink:
                     error = exc.code
                 except (ConnectionError, TimeoutError, OSError):
                     error = "connection"
-                again = self.r.core.on_caught_up_answer(req, error)
+                again = self.r.core.on_caught_up_answer(req, error, time.monotonic())
                 self.r.drain()
                 if not again:
                     return

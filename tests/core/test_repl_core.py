@@ -274,10 +274,35 @@ def test_a_caught_up_report_of_unknown_outcome_is_sent_again(
     a.pump(0, 0.1)
     (req,) = take(a).requests
     assert req.kind == "caught_up" and req.member == "d"
-    assert a.on_caught_up_answer(req, error) is again
+    assert a.on_caught_up_answer(req, error, 0.2) is again
     assert a.buckets[0].learners.get("d") == (
         "reporting" if again else "reported" if error is None else None
     )
+
+
+def test_a_record_older_than_an_accepted_caught_up_report_keeps_the_learner_in_the_rounds() -> None:
+    """Simulation seeds 3745, 8035, 9819: a heartbeat's answer computed before the controllers
+    accepted a learner's caught-up report (here: while it was out of the record, between two
+    joins) arrives after the acceptance. Dropping the learner on it made the primary
+    acknowledge pushes without a copy the controllers already count as a member; only a record
+    asked after the acceptance may remove it."""
+    cl = Cluster()
+    a = cl.cores["a"]
+    a.on_roles({"version": 2, "roles": [role(0, 1, "a", ["b", "c"], ["d"])]}, 0.1, 0.1)
+    take(a)
+    assert not isinstance(a.snapshot_for(0, "d", 0, 0.1), Reject)
+    a.buckets[0].acked_commit["d"] = 0  # (d committed everything: nothing was committed yet)
+    a.pump(0, 0.1)
+    (req,) = take(a).requests
+    assert a.on_caught_up_answer(req, None, 0.2) is False  # accepted: d is a member now
+    # the answer to a heartbeat asked at 0.15, from a record without d
+    a.on_roles({"version": 3, "roles": [role(0, 1, "a", ["b", "c"])]}, 0.15, 0.25)
+    assert a.buckets[0].learners == {"d": "reported"}
+    a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.3)
+    assert sorted(m.peer for m in take(a).messages) == ["b", "c", "d"], "d is in the round"
+    # a record asked after the acceptance that lacks d: the controllers removed it since
+    a.on_roles({"version": 4, "roles": [role(0, 1, "a", ["b", "c"])]}, 0.3, 0.35)
+    assert a.buckets[0].learners == {}
 
 
 def test_a_stale_epoch_is_refused_and_counted() -> None:

@@ -419,7 +419,7 @@ class Server:
                     "server": req.member, "join": req.join}  # fmt: skip
 
             def done(err: Any) -> None:
-                if core.on_caught_up_answer(req, None if err is None else _code(err)):
+                if core.on_caught_up_answer(req, None if err is None else _code(err), self.local()):
                     self.request(req)  # its outcome is unknown: ask again
 
             self.call(CTL, "caught_up", body, lambda _r: done(None), done)
