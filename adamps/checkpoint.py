@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps import retry
+from adamps import tls
 from adamps.ckpt_format import (  # noqa: F401 (re-exported: the format's names live there)
     FORMAT,
     MANIFEST,
@@ -41,9 +41,10 @@ from adamps.ckpt_format import (  # noqa: F401 (re-exported: the format's names 
     write_file,
     write_manifest,
 )
-from adamps.client import ControllerRouting, PSClient, Routing, retryable
+from adamps.client import retry
+from adamps.client.ps import ControllerRouting, PSClient, Routing, retryable
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.layout import Layout, TensorSpec
-from adamps.rpc import RpcError, SyncRpc
 
 #: buckets read at once by a save
 READERS = 4
@@ -480,6 +481,7 @@ def main(argv: list[str]) -> int:
         s = sub.add_parser(name, help=help_)
         s.add_argument("--controllers", required=True, help="comma-separated controller URLs")
         s.add_argument("--token", default=None, help="cluster token (default: $ADAMPS_TOKEN)")
+        tls.add_arguments(s)
         if name == "save":
             s.add_argument("--to", required=True, type=Path, help="directory to write")
             s.add_argument(
@@ -492,6 +494,11 @@ def main(argv: list[str]) -> int:
             s.add_argument("--from", dest="src", required=True, type=Path, help="checkpoint dir")
             s.add_argument("--force", action="store_true", help="overwrite a non-empty cluster")
     args = p.parse_args(argv)
+    try:
+        tls.install_from(args)  # a cluster with TLS on (docs/operations.md, "Security")
+    except ValueError as exc:
+        print(f"adamps checkpoint {args.action}: {exc}", file=sys.stderr)
+        return 2
     cluster = Cluster([c for c in args.controllers.split(",") if c], args.token)
     try:
         if args.action == "save":

@@ -11,7 +11,7 @@ import sys
 
 #: subcommand -> (module with main(argv), or "module:function", one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("adamps.local", "run the whole cluster as local processes and train adam-mnist"),
+    "up": ("adamps.up.main", "run the whole cluster as local processes and train adam-mnist"),
     "ps": ("adamps.server.main", "run a parameter server"),
     "controller": ("controller.main", "run one controller node (Raft)"),
     "status": ("controller.status", "print the cluster's servers, buckets, leases and progress"),
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"adamps {__version__}")
         return 0
-    from adamps.procs import die_with_parent
+    from adamps.up.procs import die_with_parent
 
     die_with_parent()
     command, rest = argv[0], argv[1:]

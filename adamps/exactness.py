@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from adamps.client import RETRYABLE, PSClient
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.layout import Layout, Shard
-from adamps.rpc import RpcError, SyncRpc
 
 #: (start, end) monotonic times; acknowledgements inside may be missing (0 or 1, never 2)
 Windows = Sequence[tuple[float, float]]

@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from adamps import tls
 from adamps.checkpoint import CheckpointError, Cluster, load, save
-from adamps.rpc import RpcError
+from adamps.client.rpc import RpcError
 
 FORMATS = ("npz", "safetensors", "torch")
 
@@ -63,7 +64,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--format", default="npz", help="npz, safetensors or torch (a state_dict)")
     p.add_argument("--run", default=None, help="--format torch: the run whose tensors to write")
     p.add_argument("--out", required=True, type=Path, help="file to write")
+    tls.add_arguments(p)
     args = p.parse_args(argv)
+    try:
+        tls.install_from(args)  # a cluster with TLS on (docs/operations.md, "Security")
+    except ValueError as exc:
+        print(f"adamps export: {exc}", file=sys.stderr)
+        return 2
     if args.format not in FORMATS:
         print(
             f"adamps export: --format {args.format!r}: expected one of {', '.join(FORMATS)}",

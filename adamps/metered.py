@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from adamps.client import PSClient
-from adamps.rpc import SyncRpc
+from adamps.client.rpc import SyncRpc
 
 
 class MeteredRpc(SyncRpc):

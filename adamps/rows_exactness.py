@@ -23,8 +23,8 @@ import time
 import numpy as np
 
 from adamps.client import PSClient
+from adamps.client.rpc import RpcError
 from adamps.exactness import ExactnessLoad, Outcomes, Windows, definitely_not_applied
-from adamps.rpc import RpcError
 
 TABLE = "exact_rows"
 

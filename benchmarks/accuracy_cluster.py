@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from adamps.procs import Proc, adamps_argv, free_port  # noqa: E402
+from adamps.up.procs import Proc, adamps_argv, free_port  # noqa: E402
 
 
 def _cpu_seconds(pid: int) -> float:

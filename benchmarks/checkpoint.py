@@ -39,7 +39,7 @@ from adamps import ckpt_series
 from adamps.checkpoint import Cluster, restore, save
 from adamps.client import ControllerRouting, PSClient
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import LocalCluster
+from adamps.up.cluster import LocalCluster
 
 TOKEN = "bench-token"
 N_BUCKETS = 16

@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ps_apply import RawTcp  # noqa: E402  (the loopback TCP limit of ps_apply.py)
 
-from adamps.client import PSClient, StaticRouting  # noqa: E402
+from adamps.client.ps import PSClient, StaticRouting  # noqa: E402
 from adamps.layout import Layout, TensorSpec  # noqa: E402
-from adamps.procs import Proc, adamps_argv, free_port  # noqa: E402
+from adamps.up.procs import Proc, adamps_argv, free_port  # noqa: E402
 
 TOKEN = "bench-client-parts-0123456789abcdef0123456789abcdef"
 N_BUCKETS = 64

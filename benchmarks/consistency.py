@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from adamps.procs import Proc, adamps_argv, free_port  # noqa: E402
+from adamps.up.procs import Proc, adamps_argv, free_port  # noqa: E402
 
 
 def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:

@@ -1,7 +1,7 @@
 """Embedding tables (issue 23), from one run on this machine.
 
 1. Rows per second pulled and pushed, dim 16 and 64, batches of 4,096 ids drawn Zipf (exponent
-   1.1) from 1,000,000 ids, by one client thread (adamps.client.PSClient, data plane: message
+   1.1) from 1,000,000 ids, by one client thread (adamps.client.ps.PSClient, data plane: message
    frames) against a cluster of 3 controllers + 3 parameter servers with replication factor 1
    (benchmarks/replication.cluster), beside the in-process numpy limit on the same batches: a
    dict lookup of each id's slot and ``values[slots]`` (pull) or ``np.add.at(values, slots,
@@ -46,7 +46,7 @@ sys.path.append(
 from replication import N_BUCKETS, TOKEN  # noqa: E402
 from replication import cluster as start_cluster  # noqa: E402
 
-from adamps.client import ControllerRouting, PSClient  # noqa: E402
+from adamps.client.ps import ControllerRouting, PSClient  # noqa: E402
 from adamps.layout import Layout  # noqa: E402
 from trainer.ctr import CtrConfig, run  # noqa: E402
 from trainer.ctr_data import CtrData, CtrSpec, auc  # noqa: E402

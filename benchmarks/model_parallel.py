@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adamps.procs import free_port  # noqa: E402
+from adamps.up.procs import free_port  # noqa: E402
 from trainer.model import ADAM_MNIST, Model  # noqa: E402
 from trainer.partition import PARAM_KINDS, max_message_bytes  # noqa: E402
 
@@ -74,7 +74,7 @@ def activation_bytes(spec: dict[str, Any]) -> int:
 
 
 def _free_ports(n: int) -> list[int]:
-    """n distinct ports, free a moment ago, below the ephemeral range (adamps.procs.free_port:
+    """n distinct ports, free a moment ago, below the ephemeral range (adamps.up.procs.free_port:
     an outgoing connection cannot take one before a partition listens on it)."""
     out: list[int] = []
     while len(out) < n:

@@ -7,8 +7,8 @@ limit measured in the same run (benchmarks/ps_apply.RawTcp: one connection, 4 Mi
 blocking sendall/recv_into). Systems:
 
   - adamps, one standalone `adamps ps` (replication factor 1, no controllers) over HTTP
-    (adamps.client.PSClient, StaticRouting) and over its binary data plane
-    (adamps.dataplane_client.DataPlaneClient, whole-tensor frames). The data plane takes pushes only
+    (adamps.client.ps.PSClient, StaticRouting) and over its binary data plane
+    (adamps.client.dataplane.DataPlaneClient, whole-tensor frames). The data plane takes pushes only
     on a server that does not replicate, hence a standalone server;
   - adamps clusters of 3 controllers + 3 parameter servers (benchmarks/replication.cluster) with
     replication factor 1 and 3, over HTTP (PSClient, ControllerRouting): the RF 3 / RF 1 ratio;
@@ -55,12 +55,12 @@ from ps_apply import RawTcp  # noqa: E402  (the loopback TCP limit of ps_apply.p
 from replication import N_BUCKETS  # noqa: E402
 from replication import cluster as start_cluster  # noqa: E402
 
-from adamps.client import ControllerRouting, PSClient, StaticRouting  # noqa: E402
-from adamps.dataplane_client import DataPlaneClient  # noqa: E402
+from adamps.client.dataplane import DataPlaneClient  # noqa: E402
+from adamps.client.ps import ControllerRouting, PSClient, StaticRouting  # noqa: E402
+from adamps.client.rpc import SyncRpc  # noqa: E402
 from adamps.layout import Layout, TensorSpec  # noqa: E402
-from adamps.procs import Proc, adamps_argv, free_port  # noqa: E402
-from adamps.rpc import SyncRpc  # noqa: E402
 from adamps.server.main import tune_malloc  # noqa: E402
+from adamps.up.procs import Proc, adamps_argv, free_port  # noqa: E402
 
 TOKEN = "bench-token"
 N_ELEMS = 16 << 20  # 64 MiB of float32

@@ -38,16 +38,16 @@ from threadpoolctl import threadpool_limits
 
 from adamps import tls, tls_certs
 from adamps.client import PSClient, StaticRouting
-from adamps.dataplane_client import DataPlaneClient
+from adamps.client.dataplane import DataPlaneClient
+from adamps.client.rpc import SyncRpc
 from adamps.layout import Layout, TensorSpec
-from adamps.procs import Proc, adamps_argv, free_port
-from adamps.rpc import SyncRpc
 from adamps.server import kernels
 from adamps.server.initial import normalize_init
 from adamps.server.main import tune_malloc
 from adamps.server.optim import Dense, Optimizer
 from adamps.server.shards import fc_parts
 from adamps.server.store import Store
+from adamps.up.procs import Proc, adamps_argv, free_port
 
 MiB = 1 << 20
 BODY = 4 * MiB
@@ -385,7 +385,7 @@ class DataPlaneClients:
 
 
 class PSClients:
-    """One adamps.client.PSClient (the trainers' client: shards split by server, (client, seq)
+    """One adamps.client.ps.PSClient (the trainers' client: shards split by server, (client, seq)
     per push) over the data plane (shard frames) or HTTP, pushing or pulling tensor p (4 MB)."""
 
     def __init__(self, base: str, data_plane: bool) -> None:

@@ -2,7 +2,7 @@
 
 Two real clusters on loopback (3 controllers + 3 parameter servers each), one with replication
 factor 1 and one with replication factor 3. The same client load (threads pushing dense deltas of
-whole shards through adamps.client.PSClient) runs against each; the figure is RF 3 throughput as a
+whole shards through adamps.client.ps.PSClient) runs against each; the figure is RF 3 throughput as a
 ratio to RF 1 (goal >= 0.5), with pushes acknowledged at the decision point of two-phase commit
 (the default), and beside it the stricter ``ack = "committed"``. Then, on the RF 3 cluster, the primary of the most buckets is killed
 with SIGKILL under load, and the failover time is measured: from the kill to the first
@@ -37,7 +37,7 @@ import numpy as np
 from adamps.client import ControllerRouting, PSClient
 from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import LocalCluster
+from adamps.up.cluster import LocalCluster
 
 TOKEN = "bench-token"
 N_BUCKETS = 16

@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from adamps.client import ControllerRouting, PSClient
-from adamps.controller_client import ControllerClient
+from adamps.client.controller import ControllerClient
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
+from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
 
 TOKEN = "benchmark-runs-cluster-token-" + "0" * 16
 #: interleaved rounds of the cluster-token and run-token measurements

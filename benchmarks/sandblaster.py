@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from adamps.client import ControllerRouting, PSClient  # noqa: E402
+from adamps.client.ps import ControllerRouting, PSClient  # noqa: E402
 from adamps.layout import Layout, TensorSpec  # noqa: E402
-from adamps.localcluster import LocalCluster, http_json  # noqa: E402
-from adamps.procs import free_port  # noqa: E402
+from adamps.up.cluster import LocalCluster, http_json  # noqa: E402
+from adamps.up.procs import free_port  # noqa: E402
 from dataserver.sources import builtin_mnist  # noqa: E402
 from trainer.model import Model, builtin  # noqa: E402
 

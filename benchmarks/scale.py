@@ -37,7 +37,7 @@ import numpy as np
 
 from adamps.client import PSClient, StaticRouting
 from adamps.layout import Layout, TensorSpec
-from adamps.procs import Proc, adamps_argv, free_port
+from adamps.up.procs import Proc, adamps_argv, free_port
 
 MiB = 1 << 20
 TENSOR_BYTES = 64 * MiB

@@ -438,7 +438,7 @@ def raft_commit_rate(seconds: float, payload: int = 64) -> dict[str, float]:
     controllers' own settings: controller.raft_node.raft_conf and its bounded transport)."""
     from pysyncobj import SyncObjConsumer, replicated
 
-    from adamps.procs import free_port
+    from adamps.up.procs import free_port
     from controller.raft_node import make_node, raft_conf
 
     class Counter_(SyncObjConsumer):

@@ -9,9 +9,9 @@ import sys
 
 from adamps import tls
 from adamps import token as tokens
+from adamps.client.controller import ControllerClient
+from adamps.client.rpc import RpcError
 from adamps.config import default_token
-from adamps.controller_client import ControllerClient
-from adamps.rpc import RpcError
 from adamps.token import host_of
 
 WHAT = {

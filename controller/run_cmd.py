@@ -11,11 +11,11 @@ import sys
 import time
 from typing import Any
 
-from adamps import runs
+from adamps import runs, tls
 from adamps import token as tokens
+from adamps.client.controller import ControllerClient
+from adamps.client.rpc import RpcError
 from adamps.config import default_token
-from adamps.controller_client import ControllerClient
-from adamps.rpc import RpcError
 from adamps.token import host_of
 from controller.status import table
 
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print the reply as JSON")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
+    tls.add_arguments(parser)
     return parser
 
 
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         if not addrs:
             raise ValueError("--controllers names no address (expected host:port,...)")
         token = tokens.resolve(args.token or default_token(), map(host_of, addrs), "adamps run")
+        tls.install_from(args)
     except (ValueError, tokens.TokenError) as exc:
         print(f"adamps run {args.action}: {exc}", file=sys.stderr)
         return 2

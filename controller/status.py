@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 from adamps import tls
+from adamps.client.rpc import get_json
 from adamps.config import ConfigError
-from adamps.rpc import get_json
 
 
 def build_parser() -> argparse.ArgumentParser:

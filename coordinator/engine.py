@@ -24,9 +24,9 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from adamps.client import ControllerRouting, PSClient
+from adamps.client.rpc import RpcError
 from adamps.layout import Layout, TensorSpec
 from adamps.metered import MeteredClient
-from adamps.rpc import RpcError
 from coordinator.config import CoordinatorConfig
 from coordinator.heldout import HeldoutMeter
 from coordinator.lbfgs import Lbfgs, LbfgsConfig, LbfgsState, Regularized

@@ -22,17 +22,17 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from adamps import retry
+from adamps.client import retry
+from adamps.client.retry import RetryPolicy
+from adamps.client.rpc import RpcError, Stream, SyncRpc, get_json, rpc_request
 from adamps.protocol import ProtocolError
-from adamps.retry import RetryPolicy
-from adamps.rpc import RpcError, Stream, SyncRpc, get_json, rpc_request
 from dataserver.framing import Batch, read_frame
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Batch", "BatchIterator", "DataClient", "DataServerError"]
 
-#: a server lost: refused, reset, silent (adamps.rpc raises ConnectionError, TimeoutError), a
+#: a server lost: refused, reset, silent (adamps.client.rpc raises ConnectionError, TimeoutError), a
 #: stream cut before its end (EOFError)
 _RETRYABLE = (OSError, EOFError)
 
@@ -231,7 +231,7 @@ class _SliceStream:
 
     def _open(self) -> None:
         """Opens the stream at self.position on the first server of the slice that answers,
-        in rounds over the slice's servers (adamps.retry's policy within failover_timeout)."""
+        in rounds over the slice's servers (adamps.client.retry's policy within failover_timeout)."""
         try:
             retry.call(
                 RetryPolicy(self.client.failover_timeout),

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from adamps import config as adamps_config
 from adamps import metrics, protocol
 from adamps import web as adamps_web
-from adamps.controller_client import AsyncControllerClient
+from adamps.client.controller import AsyncControllerClient
 from adamps.protocol import ProtocolError
 from adamps.run_tokens import RunTokens
 from dataserver.augment import Augmenter, AugmentParams

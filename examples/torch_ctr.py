@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = {k: v for k, v in vars(a).items() if k not in ("local", "controllers")}
     args["token"] = a.token or os.environ.get("ADAMPS_TOKEN") or ("torch-ctr" if a.local else None)
     if a.local:
-        from adamps.localcluster import FAST_CONTROLLER_OPTS, LocalCluster
+        from adamps.up.cluster import FAST_CONTROLLER_OPTS, LocalCluster
 
         c = LocalCluster(
             Path(tempfile.mkdtemp(prefix="adamps-torch-ctr-")), token=args["token"], n_servers=3,

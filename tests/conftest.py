@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from adamps.procs import Proc, adamps_argv, free_port
+from adamps.up.procs import Proc, adamps_argv, free_port
 
 TOKEN = "test-token"
 

@@ -1,4 +1,4 @@
-"""Raw data-plane frames for the tests that send what no client would (adamps.dataplane_client)."""
+"""Raw data-plane frames for the tests that send what no client would (adamps.client.dataplane)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 from typing import Any
 
 from adamps import protocol
-from adamps.dataplane_client import HEADER
+from adamps.client.dataplane import HEADER
 
 
 def recv_exact(s: socket.socket, n: int) -> bytes:

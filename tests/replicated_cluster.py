@@ -15,10 +15,10 @@ from typing import Any
 
 from adamps import peer_auth, protocol
 from adamps.client import ControllerRouting, PSClient
-from adamps.dataplane_client import REQUEST, frame_header
+from adamps.client.dataplane import REQUEST, frame_header
+from adamps.client.rpc import RpcError, SyncRpc, rpc_request
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_LEASE, FAST_PS_OPTS, LocalCluster
-from adamps.rpc import RpcError, SyncRpc, rpc_request
+from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_LEASE, FAST_PS_OPTS, LocalCluster
 
 TOKEN = "test-token"
 LEASE = FAST_LEASE

@@ -119,7 +119,7 @@ class ControllerBoard(Board):
         self._local = threading.local()
 
     def _ctl(self) -> Any:
-        from adamps.controller_client import ControllerClient
+        from adamps.client.controller import ControllerClient
 
         ctl = getattr(self._local, "ctl", None)
         if ctl is None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps.rpc import RpcError, SyncRpc
+from adamps.client.rpc import RpcError, SyncRpc
 
 log = logging.getLogger(__name__)
 

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.local and not args.controllers:
         ap.error("give --controllers or --local")
     if args.local:
-        from adamps.localcluster import FAST_CONTROLLER_OPTS, LocalCluster
+        from adamps.up.cluster import FAST_CONTROLLER_OPTS, LocalCluster
 
         root = Path(tempfile.mkdtemp(prefix="adamps-ctr-"))
         c = LocalCluster(

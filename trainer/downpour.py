@@ -60,9 +60,9 @@ from prometheus_client import CollectorRegistry
 
 from adamps import metrics as am
 from adamps.client import ControllerRouting, PSClient, StaticRouting
+from adamps.client.rpc import get_json
 from adamps.layout import Layout, TensorSpec
 from adamps.progress import Progress
-from adamps.rpc import get_json
 from trainer import export
 from trainer.board import Board, ControllerBoard, PsBoard
 from trainer.config import TrainConfig
@@ -171,7 +171,7 @@ class Replica:
     def _setup_cluster(self) -> None:
         cfg = self.cfg
         if cfg.controllers:
-            from adamps.controller_client import ControllerClient
+            from adamps.client.controller import ControllerClient
 
             ctl = ControllerClient(cfg.controllers, cfg.token, retry_for=cfg.wait_timeout)
             try:

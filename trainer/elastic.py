@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from adamps.rpc import RpcError, SyncRpc
+from adamps.client.rpc import RpcError, SyncRpc
 from dataserver.client import Batch, DataClient
 from trainer.board import Board
 

@@ -9,7 +9,7 @@ Only the rows a batch touches move, never the table.
 
 The pure parts (`lookup`, `row_grads`, `pool`) take arrays and return arrays; the layer adds the
 client calls. The client is anything with ``pull_rows(table, ids)`` and ``push_rows(table, ids,
-grads)`` (adamps.client.PSClient).
+grads)`` (adamps.client.ps.PSClient).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from adamps.procs import PARENT_ENV, adamps_argv, free_port
+from adamps.up.procs import PARENT_ENV, adamps_argv, free_port
 from trainer.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def child_flags(cfg: TrainConfig) -> list[str]:
 
 def free_port_block(n: int, host: str = "127.0.0.1", tries: int = 200) -> int:
     """A port p with p .. p+n-1 all free now (control link + one per worker), below the
-    kernel's ephemeral range like adamps.procs.free_port: ports the kernel hands out are also
+    kernel's ephemeral range like adamps.up.procs.free_port: ports the kernel hands out are also
     the source ports of outgoing connections, which could take one before a partition binds."""
     for _ in range(tries):
         base = free_port(host)

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from adamps.client import ControllerRouting
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.layout import VECTOR_SEP, Layout, TensorSpec
 from adamps.metered import MeteredClient
-from adamps.rpc import RpcError, SyncRpc
 from trainer.model import Model
 
 log = logging.getLogger("trainer.sandblaster")

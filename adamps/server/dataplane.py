@@ -10,7 +10,7 @@ whole tensor or of named shards, and the message ops ``push_fc``, ``push_compres
 replicated servers, ``repl_multi`` (the message of ``/rpc`` with its arrays out of band in the
 payload, handled by the op's ``/rpc`` handler; ``repl_multi`` by the replicator, which first
 checks the sending server's MAC at the payload's end, adamps.peer_auth); everything else stays on ``POST /rpc``. The frame
-format and the clients are in ``adamps.dataplane_client`` (servers reach their peers with
+format and the clients are in ``adamps.client.dataplane`` (servers reach their peers with
 ``adamps.server.repl_peers``).
 
 One write path: a push here goes through ``WritePath`` like a push on /rpc (the same checks, and on
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from adamps import protocol, tls
-from adamps.dataplane_client import (
+from adamps.client.dataplane import (
     ERROR,
     HEADER,
     MAGIC,

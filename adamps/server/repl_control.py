@@ -13,11 +13,11 @@ from typing import Any
 import aiohttp
 
 from adamps import peer_auth
-from adamps.controller_client import AsyncControllerClient
+from adamps.client.controller import AsyncControllerClient
+from adamps.client.rpc import RpcError
 from adamps.core import repl_copies
 from adamps.core.lease import LeaseTerms
 from adamps.core.repl_ready import ControllerRequest
-from adamps.rpc import RpcError
 from adamps.server import repl_transfer
 
 log = logging.getLogger("adamps.server.replicate")

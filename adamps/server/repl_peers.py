@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from adamps import peer_auth, protocol, tls
-from adamps.dataplane_client import (
+from adamps.client.dataplane import (
     ERROR,
     HEADER,
     MAGIC,
@@ -23,7 +23,7 @@ from adamps.dataplane_client import (
     REQUEST,
     frame_header,
 )
-from adamps.rpc import AsyncRpc, RpcError, rpc_request
+from adamps.client.rpc import AsyncRpc, RpcError, rpc_request
 from adamps.server.peer_keys import PeerKeys
 
 #: seconds between two lookups of a peer's data port (GET /status) when it has none or is down

@@ -10,8 +10,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from adamps.client.rpc import RpcError
 from adamps.core.repl_ready import Send
-from adamps.rpc import RpcError
 from adamps.server.repl_peers import Peers
 from adamps.server.repl_wire import batch_to_wire
 

@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from prometheus_client import CollectorRegistry
 
+from adamps.client.rpc import RpcError
 from adamps.core import repl_copies
 from adamps.core.repl_core import ReplCore
 from adamps.core.repl_ready import Send
 from adamps.core.repl_settings import ReplSettings
 from adamps.core.replication import Apply, BucketReplica, Reject
 from adamps.protocol import ProtocolError
-from adamps.rpc import RpcError
 from adamps.server import repl_transfer
 from adamps.server.config import PsConfig
 from adamps.server.peer_keys import PeerKeys

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
+from adamps.client.rpc import get_json
 from adamps.layout import Layout
-from adamps.rpc import get_json
 from adamps.torch import data as tdata
 from adamps.torch.optimizer import Connection
 from adamps.torch.replica import Replica

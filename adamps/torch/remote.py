@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from adamps.client import ControllerRouting, PSClient, StaticRouting, routing_from_table
+from adamps.client.rpc import RpcError, SyncRpc, get_json
 from adamps.layout import Layout
-from adamps.rpc import RpcError, SyncRpc, get_json
 from adamps.torch.params import ModelError, Param
 
 log = logging.getLogger(__name__)

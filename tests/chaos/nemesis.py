@@ -47,11 +47,11 @@ from typing import Any
 import numpy as np
 
 from adamps.client import ControllerRouting, PSClient
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.exactness import ExactnessLoad, read_shards
 from adamps.layout import Layout, Shard, TensorSpec
-from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_LEASE, FAST_PS_OPTS, LocalCluster
 from adamps.rows_exactness import RowsExactnessLoad
-from adamps.rpc import RpcError, SyncRpc
+from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_LEASE, FAST_PS_OPTS, LocalCluster
 from tests.chaos import disks
 
 TOKEN = "chaos-token"

@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 
 from adamps.client import ControllerRouting, PSClient
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.core.lease import LeaseTerms, check_history
 from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import (
+from adamps.up.cluster import (
     FAST_LEASE,
     LocalCluster,
     http_json,
 )
-from adamps.rpc import RpcError, SyncRpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -32,10 +32,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.exactness import read_shards
 from adamps.layout import TensorSpec
-from adamps.localcluster import LocalCluster
-from adamps.rpc import RpcError, SyncRpc
+from adamps.up.cluster import LocalCluster
 from tests.chaos.nemesis import (
     CONTROLLER_OPTS,
     FLUSH_INTERVAL,

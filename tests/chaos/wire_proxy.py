@@ -16,8 +16,8 @@ import aiohttp
 from aiohttp import web
 
 from adamps import protocol
-from adamps.localcluster import LocalCluster
-from adamps.procs import free_port
+from adamps.up.cluster import LocalCluster
+from adamps.up.procs import free_port
 from tests.chaos.nemesis import CONTROLLER_OPTS, N_BUCKETS, PS_OPTS, TOKEN
 
 ONE = b"\x00\x00\x80\x3f"  # float32 1.0, little-endian

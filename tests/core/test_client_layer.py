@@ -1,5 +1,5 @@
-"""The client layer's pure parts: the one retry policy (adamps/retry.py), the request builder
-(adamps/rpc.py) and the controller client's core (which controller to ask, what ends a round)."""
+"""The client layer's pure parts: the one retry policy (adamps/client/retry.py), the request builder
+(adamps/client/rpc.py) and the controller client's core (which controller to ask, what ends a round)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from adamps import protocol, retry
-from adamps.controller_client import Call, ControllerOps, ControllerRing, retryable
-from adamps.retry import RetryPolicy
-from adamps.rpc import RpcError, json_request, read_reply, rpc_request
+from adamps import protocol
+from adamps.client import retry
+from adamps.client.controller import Call, ControllerOps, ControllerRing, retryable
+from adamps.client.retry import RetryPolicy
+from adamps.client.rpc import RpcError, json_request, read_reply, rpc_request
 
 pytestmark = pytest.mark.timeout(30)
 

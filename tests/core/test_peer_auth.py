@@ -103,7 +103,7 @@ def test_without_a_key_nothing_is_signed() -> None:
 
 
 def test_a_local_cluster_makes_a_peer_token_and_gives_trainers_none(tmp_path) -> None:
-    from adamps.localcluster import LocalCluster
+    from adamps.up.cluster import LocalCluster
 
     a = LocalCluster(tmp_path / "a", token="t" * 64, n_servers=2)
     b = LocalCluster(tmp_path / "b", token="t" * 64, n_servers=2)

@@ -1,11 +1,11 @@
-"""The parts of a pull or a push cut to a server's limits (adamps/request_parts.py, issue 30)."""
+"""The parts of a pull or a push cut to a server's limits (adamps/client/parts.py, issue 30)."""
 
 from __future__ import annotations
 
 import random
 
+from adamps.client.parts import HEADROOM, PER_SHARD, Limits, chunk, pack, plan_push
 from adamps.layout import Layout, TensorSpec
-from adamps.request_parts import HEADROOM, PER_SHARD, Limits, chunk, pack, plan_push
 
 LAYOUT = Layout([TensorSpec("x", (64_000,)), TensorSpec("b", (10,))], 8, max_shard_elems=1_000)
 SHARDS = [s for n in ("x", "b") for s in LAYOUT.shards_of[n]]

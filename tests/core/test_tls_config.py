@@ -102,3 +102,28 @@ def test_a_role_with_a_bad_tls_setting_exits_2_naming_it(
     assert "/no/such/ca.pem" in capsys.readouterr().err
     assert status_main(["--controllers", "127.0.0.1:1", "--tls-ca", "/no/such/ca.pem"]) == 2
     assert "/no/such/ca.pem" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "list", "--controllers", "127.0.0.1:1"],
+        ["checkpoint", "save", "--controllers", "127.0.0.1:1", "--to", "/tmp/never"],
+        ["checkpoint", "restore", "--controllers", "127.0.0.1:1", "--from", "/tmp/never"],
+        ["export", "--controllers", "127.0.0.1:1", "--out", "/tmp/never.npz"],
+        ["drain", "ps0", "--controllers", "127.0.0.1:1"],
+    ],
+    ids=["run", "checkpoint-save", "checkpoint-restore", "export", "drain"],
+)
+def test_every_command_that_talks_to_a_cluster_takes_the_tls_flags(argv: list[str]) -> None:
+    """A cluster with TLS on is reachable from every command (a bad CA file: exit 2, named)."""
+    import subprocess
+
+    from adamps.up.procs import adamps_argv
+
+    done = subprocess.run(
+        adamps_argv(*argv, "--token", "t" * 32, "--tls-ca", "/no/such/ca.pem"),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "/no/such/ca.pem" in done.stderr and "unrecognized" not in done.stderr, done.stderr

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from adamps import web as aweb
+from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.layout import stable_bucket
-from adamps.procs import free_port
-from adamps.rpc import AsyncRpc, RpcError
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
+from adamps.up.procs import free_port
 
 TOKEN = "ckpt-test-token"
 

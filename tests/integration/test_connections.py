@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from adamps import web as aweb
-from adamps.dataplane_client import HEADER, MAGIC, REQUEST, DataPlaneClient
-from adamps.procs import free_port
+from adamps.client.dataplane import HEADER, MAGIC, REQUEST, DataPlaneClient
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
+from adamps.up.procs import free_port
 from dataserver.config import DataServerConfig
 from dataserver.service import DataServer
 from dataserver.sources import Dataset
@@ -126,7 +126,7 @@ async def test_data_port_caps_connections_and_keeps_serving(tmp_path: Path) -> N
     ps, runner, dport = await start_ps(tmp_path, max_connections=20)
     try:
         rpc_port = ps.cfg.port
-        from adamps.rpc import AsyncRpc
+        from adamps.client.rpc import AsyncRpc
 
         rpc = AsyncRpc(f"http://127.0.0.1:{rpc_port}", TOKEN)
         await rpc.call("create", name="v", shape=[16], optimizer={"kind": "sgd", "lr": -1})

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 from adamps import web as aweb
-from adamps.procs import free_port
+from adamps.up.procs import free_port
 from controller.config import ControllerConfig
 from controller.service import ControllerService
 from controller.state import DEAD

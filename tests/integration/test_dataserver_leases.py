@@ -14,7 +14,7 @@ import pytest
 
 from adamps import protocol
 from adamps import web as aweb
-from adamps.procs import free_port
+from adamps.up.procs import free_port
 from dataserver.client import DataClient
 from dataserver.config import DataServerConfig
 from dataserver.partition import stream_positions

@@ -12,7 +12,7 @@ import pytest
 
 from adamps import protocol
 from adamps import web as aweb
-from adamps.procs import free_port
+from adamps.up.procs import free_port
 from dataserver.augment import AugmentParams, augment_images, epoch_transforms
 from dataserver.client import DataClient, DataServerError
 from dataserver.config import DataServerConfig

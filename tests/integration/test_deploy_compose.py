@@ -29,7 +29,7 @@ import yaml
 
 from adamps import config as aconfig
 from adamps.cli import COMMANDS
-from adamps.procs import free_port
+from adamps.up.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"

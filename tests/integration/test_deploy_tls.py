@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from adamps import tls_certs
-from adamps.procs import Proc, adamps_argv, free_port
+from adamps.up.procs import Proc, adamps_argv, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = [ROOT / "docker-compose.yml", ROOT / "deploy" / "compose.tls.yml"]

@@ -12,8 +12,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from adamps.procs import free_port
-from adamps.rpc import SyncRpc
+from adamps.client.rpc import SyncRpc
+from adamps.up.procs import free_port
 from trainer import export
 from trainer.board import BOARD_TENSOR
 from trainer.local import builtin_data

@@ -16,9 +16,9 @@ import urllib.request
 
 import pytest
 
-from adamps.controller_client import ControllerClient
+from adamps.client.controller import ControllerClient
 from adamps.layout import Layout
-from adamps.procs import free_port
+from adamps.up.procs import free_port
 from trainer.model import tensor_layout
 
 pytestmark = pytest.mark.slow

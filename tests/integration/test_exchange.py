@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from adamps.procs import free_port
+from adamps.up.procs import free_port
 from trainer.exchange import Exchange, connect_mesh
 
 
 def _ports(n: int) -> list[int]:
-    """n distinct ports, free a moment ago, below the ephemeral range (adamps.procs.free_port:
+    """n distinct ports, free a moment ago, below the ephemeral range (adamps.up.procs.free_port:
     an outgoing connection cannot take one before a partition listens on it)."""
     out: list[int] = []
     while len(out) < n:

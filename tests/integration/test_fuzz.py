@@ -35,11 +35,11 @@ from hypothesis import strategies as st
 
 from adamps import protocol
 from adamps import web as aweb
-from adamps.procs import free_port
-from adamps.rpc import SyncRpc
+from adamps.client.rpc import SyncRpc
 from adamps.server import dataplane
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
+from adamps.up.procs import free_port
 
 TOKEN = "fuzz-token"
 REQUEST_TIMEOUT = 10.0

@@ -25,11 +25,11 @@ import pytest
 
 from adamps import protocol
 from adamps import web as aweb
-from adamps.dataplane_client import REQUEST, DataPlaneClient, frame_header
-from adamps.procs import free_port
-from adamps.rpc import RpcError, SyncRpc
+from adamps.client.dataplane import REQUEST, DataPlaneClient, frame_header
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
+from adamps.up.procs import free_port
 
 TOKEN = "hostile-token"
 HEADER_TIMEOUT = 1.0

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from adamps.procs import free_port
+from adamps.up.procs import free_port
 from trainer.config import TrainConfig
 from trainer.exchange import token_digest
 from trainer.partition_follower import PartitionFollower

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps.procs import free_port
+from adamps.up.procs import free_port
 from trainer.model import Model
 from trainer.partition import PARAM_KINDS, PartitionModel, part_name, split, units_of
 
@@ -37,7 +37,7 @@ ODD: dict = {
 
 
 def _free_ports(n: int) -> list[int]:
-    """n distinct ports, free a moment ago, below the ephemeral range (adamps.procs.free_port:
+    """n distinct ports, free a moment ago, below the ephemeral range (adamps.up.procs.free_port:
     an outgoing connection cannot take one before a partition listens on it)."""
     out: list[int] = []
     while len(out) < n:

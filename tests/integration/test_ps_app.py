@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from adamps import web as aweb
+from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.config import ConfigError
-from adamps.procs import free_port
 from adamps.protocol import ProtocolError
-from adamps.rpc import AsyncRpc, RpcError
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.server.optim import Optimizer, reference_apply
+from adamps.up.procs import free_port
 
 TOKEN = "ps-test-token"
 

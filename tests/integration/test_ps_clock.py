@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from adamps import web as aweb
-from adamps.procs import free_port
-from adamps.rpc import AsyncRpc, RpcError
+from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
+from adamps.up.procs import free_port
 
 TOKEN = "ps-test-token"
 pytestmark = pytest.mark.timeout(60)

@@ -11,10 +11,10 @@ import pytest
 
 from adamps import codec
 from adamps import web as aweb
-from adamps.procs import free_port
-from adamps.rpc import AsyncRpc, RpcError
+from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
+from adamps.up.procs import free_port
 
 TOKEN = "ps-test-token"
 

@@ -23,11 +23,11 @@ import pytest
 
 from adamps import protocol
 from adamps import web as aweb
-from adamps.dataplane_client import DataPlaneClient, DataPlaneError
-from adamps.procs import free_port
-from adamps.rpc import AsyncRpc, RpcError
+from adamps.client.dataplane import DataPlaneClient, DataPlaneError
+from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
+from adamps.up.procs import free_port
 
 TOKEN = "ps-hardening-token"
 

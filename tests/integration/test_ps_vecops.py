@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from adamps.client.rpc import RpcError
 from adamps.layout import placement_key, stable_bucket
-from adamps.rpc import RpcError
 from tests.integration.test_ps_app import start
 
 SHAPE = [30, 40]  # max_shard_elems=1000 in start(): 2 shards of 25 and 5 rows

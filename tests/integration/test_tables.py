@@ -13,13 +13,13 @@ from prometheus_client import generate_latest
 
 from adamps import web as aweb
 from adamps.client import PSClient, StaticRouting
+from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.layout import Layout
-from adamps.procs import free_port
 from adamps.protocol import ProtocolError
-from adamps.rpc import AsyncRpc, RpcError
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.tables import initial_rows, normalize_row_init
+from adamps.up.procs import free_port
 
 TOKEN = "tables-test-token"
 INIT = {"kind": "normal", "std": 0.1, "seed": 3}

@@ -9,9 +9,9 @@ from aiohttp import web
 
 from adamps import protocol
 from adamps import web as aweb
+from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.metrics import new_registry
-from adamps.procs import free_port
-from adamps.rpc import AsyncRpc, RpcError
+from adamps.up.procs import free_port
 
 TOKEN = "t0ken"
 
@@ -109,7 +109,7 @@ def test_one_off_requests_report_the_status_of_a_text_body(tmp_path) -> None:
     import http.server
     import threading
 
-    from adamps.rpc import http_json
+    from adamps.client.rpc import http_json
 
     class Text(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from adamps.procs import free_port
+from adamps.up.procs import free_port
 
 pytest.importorskip("torch", reason="adamps.torch needs torch: pip install -e '.[torch]'")
 

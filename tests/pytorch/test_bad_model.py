@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch", reason="adamps.torch needs torch")
 from torch import nn  # noqa: E402
 
 import adamps.torch as at  # noqa: E402
-from adamps.rpc import SyncRpc  # noqa: E402
+from adamps.client.rpc import SyncRpc  # noqa: E402
 from adamps.torch.params import split_name, tensor_name  # noqa: E402
 
 

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch", reason="adamps.torch needs torch")
 
-from adamps.procs import adamps_argv  # noqa: E402
+from adamps.up.procs import adamps_argv  # noqa: E402
 
 
 @pytest.mark.timeout(120)

@@ -14,9 +14,9 @@ pytestmark = pytest.mark.slow  # a real `adamps ps` process
 from torch import nn  # noqa: E402
 
 import adamps.torch as at  # noqa: E402
-from adamps.client import PSClient, StaticRouting  # noqa: E402
+from adamps.client.ps import PSClient, StaticRouting  # noqa: E402
+from adamps.client.rpc import get_json  # noqa: E402
 from adamps.layout import Layout  # noqa: E402
-from adamps.rpc import get_json  # noqa: E402
 from adamps.tables import initial_rows, normalize_row_init  # noqa: E402
 
 STEPS, BATCH, BAG, N_IDS, DIM, LR = 100, 8, 5, 300, 6, 0.05

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # a real `adamps ps` process
 from torch import nn  # noqa: E402
 
 import adamps.torch as at  # noqa: E402
-from adamps.rpc import SyncRpc  # noqa: E402
+from adamps.client.rpc import SyncRpc  # noqa: E402
 
 STEPS, BATCH, LR = 100, 4, 0.05
 

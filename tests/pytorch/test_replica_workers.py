@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # a real `adamps ps` process
 from torch import nn  # noqa: E402
 
 import adamps.torch as at  # noqa: E402
-from adamps.client import PSClient, StaticRouting  # noqa: E402
+from adamps.client.ps import PSClient, StaticRouting  # noqa: E402
 
 
 def task(n: int = 2048, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,9 +15,9 @@ import pytest
 
 pytest.importorskip("torch", reason="adamps.torch needs torch")
 
+from adamps.client.rpc import get_json  # noqa: E402
 from adamps.exactness import ExactnessLoad  # noqa: E402
 from adamps.layout import Layout, TensorSpec  # noqa: E402
-from adamps.rpc import get_json  # noqa: E402
 from tests.polling import wait_for  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
-from adamps.procs import adamps_argv
+from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
+from adamps.up.procs import adamps_argv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="adamps.torch needs torch")
 
-from adamps.procs import adamps_argv  # noqa: E402
+from adamps.up.procs import adamps_argv  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

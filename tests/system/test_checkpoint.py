@@ -19,10 +19,10 @@ import pytest
 
 from adamps.checkpoint import Cluster, save, write
 from adamps.checkpoint import load as load_ckpt
+from adamps.client.rpc import SyncRpc
 from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
-from adamps.rpc import SyncRpc
+from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replicated_cluster import (  # noqa: E402  (in tests/; the tests import in importlib mode)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from adamps.client import ControllerRouting, PSClient
+from adamps.client.rpc import RpcError
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
-from adamps.rpc import RpcError
+from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replicated_cluster import TOKEN, digests_agree  # noqa: E402

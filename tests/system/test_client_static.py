@@ -1,4 +1,4 @@
-"""adamps.client against two real parameter-server processes with a static bucket map.
+"""adamps.client.ps against two real parameter-server processes with a static bucket map.
 
 After ps-lite's end-to-end test: push known values N times and pull exactly N times them; the
 model's shards are split over two servers, so every pull and push is a multi-server operation.
@@ -13,7 +13,7 @@ import pytest
 
 from adamps.client import PSClient, StaticRouting
 from adamps.layout import Layout, TensorSpec
-from adamps.procs import free_port
+from adamps.up.procs import free_port
 
 pytestmark = pytest.mark.slow
 

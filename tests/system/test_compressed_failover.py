@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from adamps.exactness import ExactnessLoad
-from adamps.localcluster import LocalCluster
+from adamps.up.cluster import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replicated_cluster import LEASE, digests_agree, make_client, running_cluster  # noqa: E402

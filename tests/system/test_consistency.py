@@ -18,8 +18,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from adamps.procs import free_port
-from adamps.rpc import RpcError, SyncRpc
+from adamps.client.rpc import RpcError, SyncRpc
+from adamps.up.procs import free_port
 from trainer import export
 from trainer.local import builtin_data
 

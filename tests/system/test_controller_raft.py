@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from adamps.controller_client import ControllerClient
+from adamps.client.controller import ControllerClient
 from adamps.core.lease import LeaseTerms, check_history
 from adamps.layout import Layout, TensorSpec
-from adamps.procs import adamps_argv, free_port
+from adamps.up.procs import adamps_argv, free_port
 
 TOKEN = "test-token"
 TERMS = LeaseTerms(duration=1.0, skew=0.1, margin=0.2)

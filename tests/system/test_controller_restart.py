@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from adamps.client import ControllerRouting, PSClient
-from adamps.controller_client import ControllerClient
-from adamps.localcluster import LocalCluster
-from adamps.rpc import http_json
+from adamps.client.controller import ControllerClient
+from adamps.client.rpc import http_json
+from adamps.up.cluster import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replicated_cluster import TOKEN, make_client, running_cluster  # noqa: E402

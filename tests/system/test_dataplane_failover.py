@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from adamps import protocol
-from adamps.dataplane_client import ERROR, REPLY, REQUEST, frame_header
+from adamps.client.dataplane import ERROR, REPLY, REQUEST, frame_header
+from adamps.client.rpc import get_json, get_text
 from adamps.exactness import ExactnessLoad
-from adamps.rpc import get_json, get_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from frames import read_frame  # noqa: E402

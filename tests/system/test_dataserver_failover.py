@@ -10,7 +10,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from adamps.procs import adamps_argv, free_port
+from adamps.up.procs import adamps_argv, free_port
 from dataserver.augment import AugmentParams, augment_images, epoch_transforms
 from dataserver.client import DataClient
 

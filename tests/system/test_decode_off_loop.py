@@ -20,10 +20,10 @@ import pytest
 
 from adamps import codec
 from adamps.client import PSClient, StaticRouting
-from adamps.dataplane_client import DataPlaneClient
+from adamps.client.dataplane import DataPlaneClient
+from adamps.client.rpc import SyncRpc
 from adamps.layout import Layout, TensorSpec
-from adamps.procs import Proc, adamps_argv, free_port
-from adamps.rpc import SyncRpc
+from adamps.up.procs import Proc, adamps_argv, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,14 +61,27 @@ def every_element(layout: Layout, tau: float) -> dict[str, dict]:
     return out
 
 
+def shards_to_decode_for(seconds: float) -> int:
+    """How many 1 MB shards take about `seconds` to decode on this machine now (at least
+    N_SHARDS, at most 256): a fast machine needs a larger push to show a blocked loop."""
+    layout = Layout([TensorSpec("g", (SHARD,))], n_buckets=1, max_shard_elems=SHARD)
+    (u,) = every_element(layout, 0.5).values()
+    t0 = time.perf_counter()
+    for _ in range(4):
+        codec.rice_decode(u["rice"], u["n"], u["k"], SHARD)
+    one = (time.perf_counter() - t0) / 4
+    return int(min(256, max(N_SHARDS, seconds / max(one, 1e-6))))
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("data_plane", [False, True], ids=["http", "data-plane"])
 def test_healthz_answers_while_a_large_compressed_push_decodes(server, data_plane: bool) -> None:
     port, proc = server
     base = f"http://127.0.0.1:{port}"
-    spec = TensorSpec("g", (N_SHARDS * SHARD,))
+    n_shards = shards_to_decode_for(3 * HEALTH_BOUND)
+    spec = TensorSpec("g", (n_shards * SHARD,))
     layout = Layout([spec], n_buckets=64, max_shard_elems=SHARD)
-    assert len(layout.shards_of["g"]) == N_SHARDS
+    assert len(layout.shards_of["g"]) == n_shards
     client = PSClient(StaticRouting([base], 64), layout, TOKEN, data_plane=data_plane)
     client.create(spec, init={"kind": "zeros"},
                   optimizer={"kind": "sgd", "lr": -1.0})  # fmt: skip
@@ -104,7 +117,7 @@ def test_healthz_answers_while_a_large_compressed_push_decodes(server, data_plan
     values, _ = client.pull(["g"])
     client.close()
     print(f"decode alone {decode_s:.3f} s, push {push_s:.3f} s, worst /healthz {worst[0]:.3f} s")
-    np.testing.assert_array_equal(values["g"], np.full(N_SHARDS * SHARD, 0.5, np.float32))
+    np.testing.assert_array_equal(values["g"], np.full(n_shards * SHARD, 0.5, np.float32))
     assert decode_s > HEALTH_BOUND, "the push is too small to show a blocked loop here"
     assert worst[0] < HEALTH_BOUND, (
         f"/healthz took {worst[0]:.3f} s while the push decoded ({decode_s:.3f} s of decoding)"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from adamps.exactness import ExactnessLoad
-from adamps.procs import adamps_argv
+from adamps.up.procs import adamps_argv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replicated_cluster import (  # noqa: E402  (in tests/; the tests import in importlib mode)

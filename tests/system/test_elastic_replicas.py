@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from adamps.procs import free_port
+from adamps.up.procs import free_port
 
 pytestmark = pytest.mark.slow
 

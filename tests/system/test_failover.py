@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout
-from adamps.localcluster import LocalCluster
-from adamps.rpc import RpcError, SyncRpc
+from adamps.up.cluster import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replicated_cluster import (  # noqa: E402  (in tests/; the tests import in importlib mode)

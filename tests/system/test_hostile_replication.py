@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from adamps import peer_auth, protocol
-from adamps.dataplane_client import ERROR, REQUEST, frame_header
-from adamps.localcluster import LocalCluster
-from adamps.rpc import RpcError, SyncRpc, json_request, rpc_request
+from adamps.client.dataplane import ERROR, REQUEST, frame_header
+from adamps.client.rpc import RpcError, SyncRpc, json_request, rpc_request
+from adamps.up.cluster import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from frames import read_frame  # noqa: E402

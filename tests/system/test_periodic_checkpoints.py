@@ -21,7 +21,7 @@ from adamps.checkpoint import load
 from adamps.client import ControllerRouting, PSClient
 from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster, http_json
+from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster, http_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replicated_cluster import N_BUCKETS, SHARD, TENSOR, TOKEN, make_client  # noqa: E402

@@ -1,4 +1,4 @@
-"""adamps.procs: a child started with Proc ends when its parent dies, even by SIGKILL."""
+"""adamps.up.procs: a child started with Proc ends when its parent dies, even by SIGKILL."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from adamps.procs import free_port
+from adamps.up.procs import free_port
 
 pytestmark = pytest.mark.slow
 
 PARENT = """
 import sys, time
-from adamps.procs import Proc, adamps_argv, free_port
+from adamps.up.procs import Proc, adamps_argv, free_port
 port = free_port()
 p = Proc(adamps_argv("ps", "--port", str(port), "--data-dir", sys.argv[1]), sys.argv[2])
 p.wait_http(f"http://127.0.0.1:{port}/healthz")

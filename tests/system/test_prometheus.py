@@ -26,10 +26,10 @@ import pytest
 import yaml
 
 from adamps.client import ControllerRouting, PSClient
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import LocalCluster
-from adamps.procs import Proc, adamps_argv, free_port
-from adamps.rpc import SyncRpc
+from adamps.up.cluster import LocalCluster
+from adamps.up.procs import Proc, adamps_argv, free_port
 from dataserver.client import DataClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(170)]
@@ -130,7 +130,28 @@ class Stack:
                 for _ in zip(range(2), it, strict=False):
                     pass
 
-        self.traffic += [push_pull, controller_writes, batches]
+        # A run (issue 25) with quotas, whose token pushes its own tensor and is refused on the
+        # cluster's: the per-run panels (elements, bytes, push rate, quota use, refusals).
+        run = ctl[0].post_json(
+            "/runs",
+            {"name": "probe", "quotas": {"param_elems": 1 << 20, "push_bytes_per_s": 1 << 30}},
+        )
+        run_spec = TensorSpec("probe..t", (64, 32))
+        rps = PSClient(
+            ControllerRouting(c.controllers), Layout([], n_buckets=N_BUCKETS), run["token"]
+        )
+        intruder = SyncRpc(f"http://{c.servers[0]}", run["token"], timeout=10)
+        self.closers += [rps.close, intruder.close]
+        rps.create(run_spec, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": 0.1})
+
+        def run_pushes() -> None:
+            rps.push_dense("probe..t", g.standard_normal((64, 32)).astype(np.float32))
+            try:
+                intruder.call("pull", "/rpc", tensors=["probe"])  # not its namespace: refused
+            except RpcError as exc:
+                assert exc.code == "forbidden", exc
+
+        self.traffic += [push_pull, controller_writes, batches, run_pushes]
 
     def start_prometheus(self, binary: str) -> None:
         port = free_port()

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from adamps import protocol
-from adamps.procs import Proc, adamps_argv, free_port
-from adamps.rpc import SyncRpc
+from adamps.client.rpc import SyncRpc
+from adamps.up.procs import Proc, adamps_argv, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from adamps import protocol
-from adamps.dataplane_client import (
+from adamps.client.dataplane import (
     ERROR,
     HEADER,
     MAX_META,
@@ -28,10 +28,10 @@ from adamps.dataplane_client import (
     DataPlaneError,
     frame_header,
 )
-from adamps.procs import Proc, adamps_argv, free_port
-from adamps.rpc import RpcError, SyncRpc
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.server.peer_keys import PeerKeys
 from adamps.server.repl_peers import PeerChannel, Peers
+from adamps.up.procs import Proc, adamps_argv, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from frames import read_frame  # noqa: E402

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps.procs import Proc, free_port
-from adamps.rpc import SyncRpc
+from adamps.client.rpc import SyncRpc
+from adamps.up.procs import Proc, free_port
 
 pytestmark = pytest.mark.slow
 

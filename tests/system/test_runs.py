@@ -25,11 +25,11 @@ import pytest
 
 from adamps import protocol
 from adamps.client import ControllerRouting, PSClient
+from adamps.client.rpc import RpcError
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
-from adamps.procs import adamps_argv
-from adamps.rpc import RpcError
 from adamps.server.persist import Persister
+from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
+from adamps.up.procs import adamps_argv
 from tests.polling import wait_for
 from trainer import export
 

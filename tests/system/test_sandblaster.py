@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster, http_json
-from adamps.procs import free_port
+from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster, http_json
+from adamps.up.procs import free_port
 from coordinator.lbfgs import Lbfgs, LbfgsConfig, NumpyVectors, Regularized
 from dataserver.sources import builtin_mnist
 from tests.replicated_cluster import running_cluster

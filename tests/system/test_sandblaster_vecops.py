@@ -16,8 +16,8 @@ import pytest
 
 from adamps.client import ControllerRouting
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import LocalCluster
 from adamps.metered import MeteredClient
+from adamps.up.cluster import LocalCluster
 from coordinator.psvectors import PsVectors
 from coordinator.record import ServerRecord
 from tests.replicated_cluster import running_cluster

@@ -22,7 +22,7 @@ import pytest
 
 from adamps.client import ControllerRouting, PSClient
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import LocalCluster
+from adamps.up.cluster import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replicated_cluster import TOKEN  # noqa: E402

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from adamps import tls, tls_certs
-from adamps.dataplane_client import DataPlaneClient
-from adamps.procs import Proc, adamps_argv, free_port
-from adamps.rpc import SyncRpc
+from adamps.client.dataplane import DataPlaneClient
+from adamps.client.rpc import SyncRpc
+from adamps.up.procs import Proc, adamps_argv, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from adamps.procs import free_port
-from adamps.rpc import get_json
+from adamps.client.rpc import get_json
+from adamps.up.procs import free_port
 from tests.polling import wait_for
 from trainer import export
 from trainer.local import builtin_data

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from adamps.client.rpc import get_json
 from adamps.layout import Layout
-from adamps.procs import adamps_argv, free_port
-from adamps.rpc import get_json
+from adamps.up.procs import adamps_argv, free_port
 from tests.polling import wait_for
 from trainer import export
 from trainer.local import builtin_data

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from adamps.client import ControllerRouting, PSClient
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.layout import Layout, TensorSpec
-from adamps.localcluster import LocalCluster, http_json
-from adamps.rpc import RpcError, SyncRpc
+from adamps.up.cluster import LocalCluster, http_json
 
 pytestmark = pytest.mark.slow
 

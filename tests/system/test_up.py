@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from adamps.plot import iteration_figure
-from adamps.procs import adamps_argv
+from adamps.up.procs import adamps_argv
 
 pytestmark = pytest.mark.slow
 

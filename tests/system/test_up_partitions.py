@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from adamps.procs import adamps_argv
+from adamps.up.procs import adamps_argv
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from adamps.checkpoint import load
-from adamps.localcluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
+from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
 from trainer.local import builtin_data
 from trainer.model import Model, resolve_spec
 

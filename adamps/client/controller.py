@@ -8,7 +8,7 @@ are answers (4xx: bad input, stale epoch, conflict) are raised at once as `RpcEr
 Written once for both styles: `ControllerOps` turns every operation into a `Call` (the request
 and how to read its answer) and `ControllerRing` decides which controller to ask and which
 failures to retry; `ControllerClient` (blocking) and `AsyncControllerClient` (asyncio) only send
-the requests, through `adamps.rpc`, with `adamps.retry`'s policy between rounds.
+the requests, through `adamps.client.rpc`, with `adamps.client.retry`'s policy between rounds.
 
 Lease timing for a parameter server (see adamps/core/lease.py): `heartbeat` returns the reply
 together with `asked_at`, the caller's monotonic clock taken *before* the request was sent; pass
@@ -26,9 +26,9 @@ from typing import Any
 
 import aiohttp
 
-from adamps import retry
-from adamps.retry import RetryPolicy
-from adamps.rpc import AsyncRpc, Request, RpcError, SyncRpc, json_request
+from adamps.client import retry
+from adamps.client.retry import RetryPolicy
+from adamps.client.rpc import AsyncRpc, Request, RpcError, SyncRpc, json_request
 
 #: error codes worth retrying on another controller / a bit later
 RETRY_CODES = {"no_quorum", "unavailable", "timeout"}

@@ -16,8 +16,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from adamps import protocol
-from adamps.dataplane_client import DataPlaneClient, DataPlaneError
-from adamps.rpc import RpcError
+from adamps.client.dataplane import DataPlaneClient, DataPlaneError
+from adamps.client.rpc import RpcError
 
 
 def as_rpc_error(exc: DataPlaneError) -> RpcError:

@@ -10,7 +10,7 @@ A request is built once as a ``Request`` (method, path, encoded body, how to rea
 a transport only moves bytes. Error replies are raised as ``RpcError`` carrying the server's
 code, message and extra fields; a failure to reach the server at all is ``ConnectionError``, a
 silent server ``TimeoutError`` (in both cases the outcome is unknown to the caller). Retrying is
-not done here: it is the callers' (``adamps.retry``), who know what is safe to repeat.
+not done here: it is the callers' (``adamps.client.retry``), who know what is safe to repeat.
 """
 
 from __future__ import annotations

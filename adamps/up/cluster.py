@@ -19,8 +19,8 @@ from typing import Any
 
 from adamps import peer_auth, tls_certs
 from adamps import tls as tls_mod
-from adamps.procs import Proc, adamps_argv, free_port
-from adamps.rpc import http_json  # noqa: F401  (re-exported: the tests use it from here)
+from adamps.client.rpc import http_json  # noqa: F401  (re-exported: the tests use it from here)
+from adamps.up.procs import Proc, adamps_argv, free_port
 
 #: Timings of the fault tests and benchmarks: 2 s leases, a silent server declared dead after
 #: 1 s, a silent primary replaced after 1.5 s, so a failover completes in about 2.5 s.

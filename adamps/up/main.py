@@ -4,7 +4,7 @@
     adamps up --epochs 3 --target-accuracy 0.9 --run-dir /tmp/run --no-progress
 
 Every role is started the way a user starts it (`adamps controller|ps|dataserver|train`, through
-adamps.localcluster), each with its log and data under the run directory. While the trainers
+adamps.up.cluster), each with its log and data under the run directory. While the trainers
 run, one progress view shows the epoch, the held-out accuracy, images/s, the servers up and the
 under-replicated buckets (read from the controllers' /cluster and the trainers' /metrics). At
 the end it prints the held-out accuracy, the throughput and the path of a PNG plot of loss and
@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from adamps import tls
-from adamps.localcluster import LocalCluster
-from adamps.procs import Proc
 from adamps.progress import LOG_INTERVAL, Progress
-from adamps.up_flags import UsageError, build_parser, check_args
-from adamps.up_view import Reading, read_cluster, read_history, trainer_summary
+from adamps.up.cluster import LocalCluster
+from adamps.up.flags import UsageError, build_parser, check_args
+from adamps.up.procs import Proc
+from adamps.up.view import Reading, read_cluster, read_history, trainer_summary
 
 
 class Interrupted(BaseException):

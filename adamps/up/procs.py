@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from adamps.rpc import http_json
+from adamps.client.rpc import http_json
 
 #: environment variable naming the pid of the process whose death must end the child
 PARENT_ENV = "ADAMPS_DIE_WITH_PARENT"

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adamps.localcluster import LocalCluster
-from adamps.procs import Proc
-from adamps.rpc import get_text
+from adamps.client.rpc import get_text
+from adamps.up.cluster import LocalCluster
+from adamps.up.procs import Proc
 
 
 def scrape(addr: str, timeout: float = 1.0) -> dict[str, float]:

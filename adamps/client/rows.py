@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from adamps.dataplane_client import DataPlaneClient
-from adamps.rpc import RpcError
+from adamps.client.dataplane import DataPlaneClient
+from adamps.client.rpc import RpcError
 from adamps.tables import split_by_bucket
 
 

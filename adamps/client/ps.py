@@ -33,14 +33,14 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from adamps import retry
-from adamps.dataplane_client import MAX_INFLIGHT, DataPlaneClient, DataPlaneError
-from adamps.dataplane_pool import DataPlanePool, as_rpc_error
+from adamps.client import retry
+from adamps.client.dataplane import MAX_INFLIGHT, DataPlaneClient, DataPlaneError
+from adamps.client.parts import Limits, Unit, chunk, pack, plan_push
+from adamps.client.pool import DataPlanePool, as_rpc_error
+from adamps.client.retry import RetryPolicy
+from adamps.client.rows import RowsClient
+from adamps.client.rpc import RpcError, SyncRpc, base_url
 from adamps.layout import Layout, Shard, TensorSpec
-from adamps.request_parts import Limits, Unit, chunk, pack, plan_push
-from adamps.retry import RetryPolicy
-from adamps.rows_client import RowsClient
-from adamps.rpc import RpcError, SyncRpc, base_url
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class PSClient(RowsClient):
         return groups
 
     def _with_retry(self, fn: Any) -> Any:
-        """Runs fn(routing) until it succeeds (adamps.retry's policy within `retry_for`),
+        """Runs fn(routing) until it succeeds (adamps.client.retry's policy within `retry_for`),
         re-reading the routing table before every attempt after a retryable error."""
         return retry.call(
             RetryPolicy(self.retry_for),
@@ -452,7 +452,7 @@ class PSClient(RowsClient):
         """Push `op` of `shards` with `fields(group)` (over HTTP) or `stream(conn, group,
         client=, seq=)` (over the data plane where offered; by default the same message as a
         message frame). One request per primary under one (client id, seq) when it fits the
-        server's limits, else parts (adamps/request_parts.py: `size_of` a shard's payload
+        server's limits, else parts (adamps/client/parts.py: `size_of` a shard's payload
         bytes, `fixed` the bytes every part repeats); after a partial failure only the
         unacknowledged parts are sent again, each with its own pair."""
         seq = self.next_seq() if seq is None else seq
