@@ -121,6 +121,23 @@ class Cluster:
 # -- save ----------------------------------------------------------------------------------------
 
 
+def _claim(to: Path) -> None:
+    """Makes `to` the new checkpoint's directory: new, empty, or a failed save's (no manifest).
+    A complete checkpoint there is refused, never overwritten: a mistyped --to would otherwise
+    replace an older backup (and a save that then failed left neither)."""
+    if (to / MANIFEST).exists():
+        raise CheckpointError(
+            f"{to} holds a checkpoint ({MANIFEST}); save into a new directory (a checkpoint is "
+            "never overwritten)"
+        )
+    if to.exists() and not to.is_dir():
+        raise CheckpointError(f"{to} is a file, not a directory")
+    try:
+        to.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create {to}: {exc.strerror or exc}") from None
+
+
 def save(
     cluster: Cluster,
     to: Path,
@@ -136,6 +153,7 @@ def save(
     every server holds new writes while it copies its buckets (``ckpt_hold``), and the
     manifest records how long the writes were held (``hold_ms``)."""
     t0 = time.perf_counter()
+    _claim(to)  # before any request: a refused --to is refused whatever the cluster's state
     statuses = cluster.server_status()
     if not statuses:
         raise CheckpointError("the cluster has no parameter server to read from")
@@ -144,8 +162,6 @@ def save(
     view = cluster.controller_json("/cluster") or {}
     declared_lost = view.get("declared_lost")
     prev = _base_of(to, base, n_buckets, declared_lost)
-    to.mkdir(parents=True, exist_ok=True)
-    (to / MANIFEST).unlink(missing_ok=True)
 
     def since(b: int) -> dict[str, Any]:
         if prev is None or str(b) not in prev["cuts"]:
@@ -475,7 +491,9 @@ def install(
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="adamps checkpoint", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="adamps checkpoint", description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )
     sub = p.add_subparsers(dest="action", required=True)
     for name, help_ in (("save", "save a running cluster's state"), ("restore", "restore it")):
         s = sub.add_parser(name, help=help_)

@@ -56,7 +56,9 @@ def export(src: Path, out: Path, fmt: str, run: str | None = None) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="adamps export", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="adamps export", description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from", dest="src", type=Path, help="checkpoint directory")
     src.add_argument("--controllers", help="comma-separated controller URLs of a running cluster")

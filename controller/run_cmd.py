@@ -44,10 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--push-bytes-per-s", type=float, help="quota: push bytes per second, on each server"
     )
     parser.add_argument(
-        "--consistency", default=None, help="async (default), sync or ssp:S (stored, shown)"
+        "--consistency",
+        default=None,
+        help="async (default), sync or ssp:S: the mode the run's trainers declare unless given --consistency",
     )
     parser.add_argument(
-        "--token-file", default="", help="create: also write the run's token to this file (0600)"
+        "--token-file",
+        default="",
+        help="create: also write the run's token to this new file (0600; an existing path is "
+        "refused)",
     )
     parser.add_argument("--json", action="store_true", help="print the reply as JSON")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
@@ -64,10 +69,18 @@ def _quotas(args: argparse.Namespace) -> dict[str, Any]:
     return runs.check_quotas({k: v for k, v in raw.items() if v is not None})
 
 
-def _write_token(path: str, token: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(token + "\n")
+def _claim_token_file(path: str) -> int:
+    """Creates the token file (mode 0600) before the run is created: a path that exists (it may
+    hold another run's token, shown once) or cannot be written is refused while nothing was
+    created yet, instead of leaving a run whose token nobody holds. Returns its descriptor."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ValueError(
+            f"--token-file {path} exists (it may hold another run's token): give a new path"
+        ) from None
+    except OSError as exc:
+        raise ValueError(f"--token-file {path} cannot be created: {exc.strerror}") from None
 
 
 def _show(view: dict[str, Any]) -> str:
@@ -117,8 +130,10 @@ def _act(client: ControllerClient, args: argparse.Namespace) -> tuple[Any, str]:
         reply = client.delete_run(args.name)
         return reply, f"run {args.name} deleted ({len(reply.get('tensors', []))} layout tensors)"
     reply = client.create_run(args.name, _quotas(args), args.consistency)
-    if args.token_file:
-        _write_token(args.token_file, reply["token"])
+    if args.token_fd is not None:
+        with os.fdopen(args.token_fd, "w") as fh:
+            fh.write(reply["token"] + "\n")
+        args.token_fd = None
     text = _show(reply["run"]) + f"\n  token        {reply['token']}\n(shown once: keep it)"
     return reply, text
 
@@ -136,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--controllers names no address (expected host:port,...)")
         token = tokens.resolve(args.token or default_token(), map(host_of, addrs), "adamps run")
         tls.install_from(args)
+        args.token_fd = None
+        if args.action == "create" and args.token_file:
+            args.token_fd = _claim_token_file(args.token_file)
     except (ValueError, tokens.TokenError) as exc:
         print(f"adamps run {args.action}: {exc}", file=sys.stderr)
         return 2
@@ -143,12 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         reply, text = _act(client, args)
     except RpcError as exc:
-        print(f"adamps run {args.action}: {exc.code}: {exc}", file=sys.stderr)
+        print(f"adamps run {args.action}: {exc}", file=sys.stderr)  # names its code
         return 1
     except (ConnectionError, TimeoutError, OSError) as exc:
         print(f"adamps run: no controller answered at {args.controllers}: {exc}", file=sys.stderr)
         return 1
     finally:
         client.close()
+        if args.token_fd is not None:  # the run was not created: no token for the file
+            os.close(args.token_fd)
+            os.unlink(args.token_file)
     print(json.dumps(reply) if args.json else text)
     return 0

@@ -39,16 +39,19 @@ class TrainConfig:
     n_replicas: int = field(1, help="number of model replicas training together")
     run: str = field(
         "",
-        help="name of the training run (letters, digits, '_', '.', '-'): replicas of one run "
-        "share a progress board; a new name starts a new run on servers that keep an old one's",
+        help="name of the training run (letters, digits, '_', '.', '-'; a run made with `adamps "
+        "run create`, which has its own namespace, token and quotas, has no '.'): replicas of one "
+        "run share a progress board; a new name starts a new run on servers that keep an old one's",
     )
     consistency: str = field(
-        "async",
+        "",
         help="consistency mode of the run, enforced by the parameter servers from the replicas' "
         "step clocks: 'async' (Downpour), 'ssp:S' (no replica more than S steps ahead of the "
         "slowest live one) or 'sync' (every live replica's step t summed before any fetches "
         "step t+1); ssp and sync step once per round (use --workers 1 --n-push 1 for a step "
-        "of one minibatch)",
+        "of one minibatch). Empty: the mode of the run's record (`adamps run create NAME "
+        "--consistency MODE`), else async; a mode given here that differs from the record is "
+        "refused",
     )
     model: str = field("adam-mnist", help="built-in model name or a JSON model description")
     torch: str = field(
@@ -194,6 +197,16 @@ class TrainConfig:
             return self.lr * self.compress_lr_scale
         return self.lr
 
+    def check_mode(self) -> None:
+        """The consistency mode (given, or read from the run's record) fits this trainer."""
+        if self.consistency not in ("", "async") and (
+            self.partitions > 1 or self.torch or self.coordinator
+        ):
+            raise ValueError(
+                f"consistency {self.consistency} is for Downpour replicas (numpy models): "
+                "no --partitions, --torch or --coordinator"
+            )
+
     def __post_init__(self) -> None:
         #: an elastic replica (trainer/elastic.py): --run without --replica (Downpour, numpy)
         self.elastic = bool(
@@ -246,12 +259,9 @@ class TrainConfig:
             )
         from adamps.core.stepclock import parse_mode
 
-        parse_mode(self.consistency)  # ValueError naming the value and what is expected
-        if self.consistency != "async" and (self.partitions > 1 or self.torch or self.coordinator):
-            raise ValueError(
-                f"consistency {self.consistency} is for Downpour replicas (numpy models): "
-                "no --partitions, --torch or --coordinator"
-            )
+        if self.consistency:
+            parse_mode(self.consistency)  # ValueError naming the value and what is expected
+        self.check_mode()
         if not self.compress_lr_scale > 0:
             raise ValueError(f"compress_lr_scale must be > 0, got {self.compress_lr_scale}")
         if not 0.0 < self.compress_fraction <= 1.0:

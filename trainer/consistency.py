@@ -30,7 +30,7 @@ class StepGate:
         self.replica = replica
         self.params = params
         self.pusher = pusher  #: the push thread (a Loop): waiting on a dead one is pointless
-        self.mode = cfg.consistency
+        self.mode = cfg.consistency or "async"
         self.run = cfg.run or "default"
         self.name = getattr(replica, "replica_id", None) or str(cfg.replica)
         #: a static run starts with its n_replicas (the servers hold step 1 for them)

@@ -148,7 +148,7 @@ class Replica:
         #: called in turn once a round is queued for the push thread: an elastic replica's
         #: slice ends (trainer/elastic.py), a consistency mode's step gate (trainer/consistency.py)
         self.round_hooks: list[Callable[[], None]] = []
-        if cfg.consistency != "async":  # the step gate fetches every step instead
+        if cfg.consistency not in ("", "async"):  # the step gate fetches every step instead
             self.schedule.n_fetch = 1 << 62
             self.schedule.warm_start = 0  # the replicas start together: no warm start alone
 
@@ -351,7 +351,7 @@ class Replica:
             try:
                 if sched.warm_due():
                     self._mark_warm()
-                if cfg.consistency != "async":
+                if cfg.consistency not in ("", "async"):
                     from trainer.consistency import StepGate
 
                     gate = StepGate(self, pool.params, pusher)

@@ -36,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
 
+#: error codes by which the cluster refuses what the run asked (docs/protocol-ps.md): reported in
+#: one line, not as a crash
+REFUSALS = frozenset(
+    {"quota_exceeded", "forbidden", "unauthorized", "too_large", "exists", "bad_request"}
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_role(build_parser(), TrainConfig, "train", argv, serve, _log_name)
 
@@ -62,6 +69,13 @@ def serve(cfg: TrainConfig) -> int:
         except InitError as exc:
             print(f"adamps train: --init {cfg.init}: {exc}", file=sys.stderr)
             return 2
+    from trainer.runmode import resolve
+
+    try:
+        cfg = resolve(cfg)  # the consistency mode: given, else the run's record, else async
+    except ValueError as exc:
+        print(f"adamps train: {exc}", file=sys.stderr)
+        return 2
     if cfg.coordinator:  # Sandblaster L-BFGS (DistBelief 4.2)
         from trainer.sandblaster import serve_sandblaster
 
@@ -134,10 +148,17 @@ def serve(cfg: TrainConfig) -> int:
     except bad_model as exc:  # e.g. a tensor of the run on the servers with another shape
         log.error("%s", exc)
         return 2
-    except Exception:
+    except Exception as exc:
         if interrupted:
             log.info("interrupted")
             return 128 + interrupted[0]
+        from adamps.client.rpc import RpcError
+
+        if isinstance(exc, RpcError) and exc.code in REFUSALS:
+            # The cluster refused the run (a quota, a token's rights): the message names why;
+            # a traceback would bury it.
+            log.error("training refused by the cluster: %s", exc)
+            return 1
         log.exception("training failed")
         return 1
     finally:

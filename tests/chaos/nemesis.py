@@ -146,7 +146,33 @@ def settle(c: LocalCluster, timeout: float, registered: dict[str, Any] | None = 
         c.wait_placed(max(1.0, deadline - time.monotonic()))
         return None
     except TimeoutError as exc:
-        return str(exc)[:600]
+        try:
+            why = unserved(c)
+        except Exception as diag:  # noqa: BLE001 - a diagnosis must not hide the failure
+            why = f"(no diagnosis: {diag!r})"
+        return f"{str(exc)[:600]}; {why}"
+
+
+def unserved(c: LocalCluster, limit: int = 4) -> str:
+    """Why buckets are not served, for a failure's message: each unavailable bucket's record
+    (candidates, members that left, digest disagreements), what the servers offer of it, and
+    the controllers' log lines about it (a CI failure leaves nothing else to read)."""
+    view = c.cluster()
+    if view is None:
+        return "no controller answers /cluster"
+    bad = [b for b in view["buckets"] if b.get("state") == "unavailable" or not b.get("primary")]
+    out = [f"{len(bad)} buckets unserved"]
+    logs = sorted((c.root / "logs").glob("controller*.log"))
+    lines = [ln for f in logs[:1] for ln in f.read_text(errors="replace").splitlines()]
+    for b in bad[:limit]:
+        n = b["bucket"]
+        offers = {
+            sid: (s.get("copies", {}).get(str(n)), s.get("digests", {}).get(str(n)))
+            for sid, s in view["servers"].items()
+        }
+        about = [ln[24:240] for ln in lines if f"bucket {n}:" in ln][-4:]
+        out.append(f"bucket {n}: {json.dumps(b)[:500]}; offers {offers}; log {about}")
+    return "\n".join(out)
 
 
 def read_and_check(

@@ -376,9 +376,10 @@ def full_disk(tmp_path: Path) -> None:
             fill_window = (t_fill - FLUSH_INTERVAL - LOSS_MARGIN, t_crash)
             crash = loss_window(t_crash, time.monotonic())
             why = settle(c, 30.0)
+            print(f"settled after the restart: {why or 'yes'}")
             load.stop()
             counts = read_and_check(c, client, load, [fill_window, crash], timeout=40.0)
-            print(f"outcomes: {counts}; settled: {why or 'yes'}")
+            print(f"outcomes: {counts}")
             assert counts["acked"] - counts["acked_in_loss_windows"] > 50, counts
             # The bound of docs/operations.md, exactly: what is lost was acknowledged within
             # one window of max_unflushed (+ a round) per primary, or in the crash's window.

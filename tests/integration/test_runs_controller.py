@@ -128,3 +128,62 @@ def test_the_cli_names_a_bad_value_before_calling_anyone(capsys: pytest.CaptureF
         assert run_cmd.main([*argv, "--controllers", "127.0.0.1:9"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("adamps run") and named in err, err
+
+
+async def test_a_trainer_declares_its_runs_recorded_mode_and_refuses_another(ctl: Ctl) -> None:
+    """`adamps train --run NAME` without --consistency declares the mode of the run's record;
+    a different --consistency is refused at start-up naming both; a run without a record (a
+    name used without `adamps run create`) and a static cluster are async."""
+    import asyncio
+
+    from trainer.config import TrainConfig
+    from trainer.runmode import ModeError, resolve
+
+    status, body = await ctl.call("POST", "/runs", {"name": "exp1", "consistency": "ssp:2"})
+    assert status == 200, body
+    run_token = body["token"]
+
+    def cfg(**kw: object) -> TrainConfig:
+        return TrainConfig(controllers=[f"127.0.0.1:{ctl.http}"], token=run_token, **kw)
+
+    got = await asyncio.to_thread(resolve, cfg(run="exp1"))
+    assert got.consistency == "ssp:2" and got.elastic  # still elastic: no --replica given
+    got = await asyncio.to_thread(resolve, cfg(run="exp1", consistency="ssp:2"))
+    assert got.consistency == "ssp:2"
+    with pytest.raises(ModeError, match=r"--consistency sync differs from run 'exp1'.*ssp:2"):
+        await asyncio.to_thread(resolve, cfg(run="exp1", consistency="sync"))
+    got = await asyncio.to_thread(resolve, cfg(run="norecord", replica=0))
+    assert got.consistency == "async"
+    static = TrainConfig(ps=["http://127.0.0.1:1"], run="exp1", replica=0, token=run_token)
+    assert resolve(static).consistency == "async"  # no controllers: nobody to ask, no request
+
+
+async def test_create_refuses_a_token_file_it_cannot_own_before_creating_the_run(
+    ctl: Ctl, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The token is shown once: a --token-file that exists (another run's token may be in it)
+    or cannot be created is refused before the run is created, so no run is left whose token
+    nobody holds; otherwise the file gets the token, mode 0600. An error names its code once."""
+    import asyncio
+
+    from tests.integration.test_controller_hardening import TOKEN
+
+    def cli(*args: str) -> int:
+        return run_cmd.main([*args, "--controllers", f"127.0.0.1:{ctl.http}", "--token", TOKEN])
+
+    other = tmp_path / "other.token"
+    other.write_text("another run's token\n")
+    for path, why in ((other, "exists"), (tmp_path / "no" / "dir" / "t", "cannot be created")):
+        assert await asyncio.to_thread(cli, "create", "r1", "--token-file", str(path)) == 2
+        err = capsys.readouterr().err
+        assert why in err and str(path) in err, err
+        status, _ = await ctl.call("GET", "/runs/r1")
+        assert status == 404  # nothing created
+    assert other.read_text() == "another run's token\n"
+    fresh = tmp_path / "r1.token"
+    assert await asyncio.to_thread(cli, "create", "r1", "--token-file", str(fresh)) == 0
+    token = fresh.read_text().strip()
+    assert token in capsys.readouterr().out and fresh.stat().st_mode & 0o777 == 0o600
+    assert await asyncio.to_thread(cli, "create", "r1") == 1
+    err = capsys.readouterr().err
+    assert err.count("exists") == 2 and "exists: exists" not in err, err  # code, then message

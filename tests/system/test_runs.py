@@ -241,6 +241,17 @@ def test_quotas_refuse_with_their_code_and_delete_frees_the_run(tmp_path: Path) 
         )
         assert status == 403 and reply["code"] == "quota_exceeded", reply
         assert reply["quota"] == "param_elems"
+        # and a trainer of the run whose model is over it: one line naming the quota, exit 1
+        # (a traceback buried the message)
+        train = subprocess.run(
+            adamps_argv("train", "--controllers", ",".join(c.controllers), "--run", "q",
+                        "--token-file", str(tmp_path / "q.token"), "--epochs", "1",
+                        "--metrics-port", "-1", "--dataservers", "http://127.0.0.1:1"),
+            capture_output=True, text=True, timeout=120, env={**c.env, "PATH": "/usr/bin:/bin"},
+        )  # fmt: skip
+        assert train.returncode == 1, train.stderr[-2000:]
+        assert "quota_exceeded" in train.stderr and "param_elems" in train.stderr, train.stderr
+        assert "Traceback" not in train.stderr, train.stderr[-2000:]
 
         # Table rows, at create: a table's max_rows counts against the quota.
         adm = {"max_rows": 80}
