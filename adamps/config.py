@@ -73,7 +73,10 @@ def _convert(cls: type, name: str, tp: Any, raw: Any, source: str) -> Any:
         if tp is int:
             if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
                 raise TypeError("an integer")
-            return int(raw)
+            value = int(raw)
+            if (name == "port" or name.endswith("_port")) and not -1 <= value <= 65535:
+                raise TypeError("a port number in 0..65535 (0: any free one; -1: off, if offered)")
+            return value
         if tp is float:
             if isinstance(raw, bool):
                 raise TypeError("a number")
@@ -97,6 +100,14 @@ def _convert(cls: type, name: str, tp: Any, raw: Any, source: str) -> Any:
 def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
     hints = typing.get_type_hints(cls)
     return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+#: a role's fields (name -> (field, type)) and one value's conversion, as `load` does them
+fields_of = _fields
+
+
+def convert(cls: type, name: str, tp: Any, raw: Any, source: str) -> Any:
+    return _convert(cls, name, tp, raw, source)
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:

@@ -96,5 +96,8 @@ def main(argv: list[str]) -> int:
     except (RpcError, ConnectionError, TimeoutError) as exc:
         print(f"adamps export: cluster error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # --out in a directory that does not exist or cannot be written
+        print(f"adamps export: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(f"wrote {len(names)} tensors to {args.out}")
     return 0

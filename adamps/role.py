@@ -5,6 +5,7 @@ defaults), and logging. A bad value stops the process with a message naming it a
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -43,4 +44,12 @@ def run_role(
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2
     web.setup_logging(cfg.log_level, log_name(cfg) if log_name else section)
-    return serve(cfg)
+    try:
+        return serve(cfg)
+    except OSError as exc:
+        # a directory or address the role cannot use (a data dir it cannot create, a port in
+        # use): one line naming it, not a traceback; the traceback at debug level
+        log = logging.getLogger(section)
+        log.error("%s cannot run: %s", parser.prog, exc)
+        log.debug("the error", exc_info=True)
+        return 1

@@ -192,8 +192,14 @@ class BucketRules:
                 want.insert(0, target)
             self._add_copies(b)  # a bucket served again: the wanted copies join now
         # Members outside `want` leave once every wanted live copy is in the replica set; a
-        # draining member only once the drain no longer needs its copy (`_drain_keeps`).
-        primary = self.primary_of(b)
+        # draining member only once the drain no longer needs its copy (`_drain_keeps`). The
+        # primary counts only in the incarnation its lease was granted to: a primary that
+        # restarted holds no copy as a member (it re-joins), and counting its new incarnation
+        # as "in the replica set" let every other member leave, with no candidate kept, so
+        # the bucket stayed unavailable until an operator acted (issue 29's every-disk-full
+        # test in CI: the old primary came back within the server timeout, the only durable
+        # server, so `want` was it alone).
+        primary = self.primary_of(b) if self.holder_live(b) else None
         wanted_live = [s for s in want if self._live(s)]
         if all(s == primary or s in bucket["holders"] for s in wanted_live):
             bucket["holders"] = [

@@ -133,10 +133,15 @@ class RunsApi:
         self.applied()
         return aweb.json_response(self.svc.cluster.read(lambda m: m.runs_auth()))
 
-    async def set_run_layout(self, run: str, layout: dict[str, Any]) -> dict[str, Any]:
-        """A run's replica 0 sets its part of the layout (POST /layout with a run's token)."""
+    async def set_run_layout(
+        self, run: str, layout: dict[str, Any], operator: bool = False
+    ) -> dict[str, Any]:
+        """A run's replica 0 sets its part of the layout (POST /layout with a run's token, or
+        with the cluster token and ``"run"``: then also a run without a record, whose names
+        carry its namespace all the same)."""
+        fields = {"layout": layout, "operator": operator}
         return ok_or_raise(
-            await self.svc.commit("write_tenancy", "layout", run, {"layout": layout}, time.time())
+            await self.svc.commit("write_tenancy", "layout", run, fields, time.time())
         )
 
     def check_progress(self, request: web.Request, replica: str) -> None:

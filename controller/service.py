@@ -423,8 +423,17 @@ class ControllerService:
             except (LayoutError, KeyError, TypeError, ValueError) as exc:
                 raise ProtocolError("bad_request", f"invalid layout: {exc}") from None
             who = request[PRINCIPAL_KEY]
+            part = body.get("run") if isinstance(body, dict) and "layout" in body else None
+            if part is not None and (not isinstance(part, str) or not 0 < len(part) <= 64):
+                raise ProtocolError("bad_request", f"run must be a run's name, got {part!r}")
             if who.run is not None:  # a run sets its namespace's part of the layout only
+                if part not in (None, who.run):
+                    raise ProtocolError(
+                        "forbidden", f"run {who.run!r}'s token sets only its own part, not {part!r}"
+                    )
                 return await self.runs.set_run_layout(who.run, layout)
+            if part is not None:  # the operator on behalf of a run: that run's part only
+                return await self.runs.set_run_layout(part, layout, operator=True)
             return ok_or_raise(await self.commit("set_layout", layout, time.time()))
 
         return await self.forwarder.write(request, run, runs_allowed=True)

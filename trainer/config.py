@@ -261,6 +261,13 @@ class TrainConfig:
 
         if self.consistency:
             parse_mode(self.consistency)  # ValueError naming the value and what is expected
+        if not self.torch:  # a bad --model is a message before anything starts
+            from trainer.model import resolve_spec
+
+            try:
+                resolve_spec(self.model)
+            except (ValueError, KeyError) as exc:
+                raise ValueError(f"model {self.model[:200]!r}: {exc}") from None
         self.check_mode()
         if not self.compress_lr_scale > 0:
             raise ValueError(f"compress_lr_scale must be > 0, got {self.compress_lr_scale}")

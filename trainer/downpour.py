@@ -226,7 +226,9 @@ class Replica:
             if self.cfg.replica == 0:
                 n_buckets = int(ctl.routing()["n_buckets"])
                 layout = Layout(self.tensors, n_buckets)
-                ctl.set_layout(layout.to_dict())
+                # With --run, only the run's part: the other runs' tensors stay in the layout
+                # (with the cluster token the whole layout was replaced, erasing theirs).
+                ctl.set_layout(layout.to_dict(), run=self.cfg.run or None)
                 return layout
             got = ctl.layout()
             if got is not None:

@@ -23,8 +23,9 @@ def decide(given: str, recorded: str | None, run: str) -> str:
         return recorded or "async"
     if recorded and parse_mode(recorded) != parse_mode(given):
         raise ModeError(
-            f"--consistency {given} differs from run {run!r}'s record ({recorded}, set by "
-            f"`adamps run create {run} --consistency {recorded}`): give {recorded} or nothing"
+            f"--consistency {given} differs from run {run!r}'s mode ({recorded}, recorded when "
+            f"the run was created): give {recorded} or nothing (a run's mode is chosen at "
+            f"`adamps run create {run} --consistency MODE`, async by default)"
         )
     return given
 

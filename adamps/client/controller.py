@@ -225,8 +225,13 @@ class ControllerOps:
         """{"layout_version", "layout"}, or None when no layout was set yet."""
         return self._get("/layout", if_not_found=lambda: None)
 
-    def set_layout(self, layout: dict[str, Any]) -> Any:
-        return self._post("/layout", {"layout": layout})
+    def set_layout(self, layout: dict[str, Any], run: str | None = None) -> Any:
+        """Sets the cluster's layout; with `run`, only that run's part (its namespace's
+        tensors: the others' stay)."""
+        body: dict[str, Any] = {"layout": layout}
+        if run:
+            body["run"] = run
+        return self._post("/layout", body)
 
     def progress(self, epoch: int | None = None) -> Any:
         return self._get("/progress" if epoch is None else f"/progress?epoch={int(epoch)}")

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 RUN_OPS = frozenset(
     {
         "create", "pull", "push_dense", "push_fc", "push_compressed", "describe", "list",
-        "create_table", "list_tables", "pull_rows", "push_rows", "vec", "vec_dot",
+        "create_table", "list_tables", "pull_rows", "push_rows", "vec", "vec_dot", "clock",
     }
 )  # fmt: skip
 #: ops whose bytes count against push_bytes_per_s
@@ -248,6 +248,16 @@ class Tenancy:
                 "forbidden",
                 f"op {op!r} is the operator's (the cluster token); run {run!r}'s token may "
                 f"call {sorted(RUN_OPS)}",
+                run=run,
+            )
+        if op == "clock" and msg.get("run") != run:
+            # a run's step clocks are its own: another run's would hold back or release that
+            # run's replicas (the consistency modes, adamps/server/clockops.py)
+            self._refuse(run, "namespace")
+            raise ProtocolError(
+                "forbidden",
+                f"run {run!r}'s token reports step clocks only for run {run!r}, not "
+                f"{msg.get('run')!r}",
                 run=run,
             )
         outside = who.outside(_names(msg))

@@ -71,6 +71,7 @@ class _RowTable(nn.Module):
         lr: float = 0.01,
         adagrad_initial: float = 0.1,
         init: Mapping[str, Any] | None = None,
+        admission: Mapping[str, Any] | None = None,
         client: Any = None,
         padding_idx: int | None = None,
         max_norm: float | None = None,
@@ -122,6 +123,11 @@ class _RowTable(nn.Module):
         # torch's nn.Embedding starts from N(0, 1); the seed is the table's, so that every
         # replica (and every copy of a bucket) creates a row with the same value
         self.init = dict(init) if init is not None else {"kind": "normal", "std": 1.0, "seed": 0}
+        if admission is not None and not isinstance(admission, Mapping):
+            raise ModelError(f"admission must be a mapping (max_rows, ...), got {admission!r}")
+        #: the table's admission (row limit, frequency filter, expiry; docs/protocol-ps.md): a
+        #: run with a table_rows quota needs its max_rows
+        self.admission = dict(admission) if admission is not None else None
         self._binding = _Binding()
         #: bytes of ids, rows and row gradients moved by this module's pulls and pushes
         self.bytes_moved = 0
@@ -134,7 +140,13 @@ class _RowTable(nn.Module):
         kept with its rows; another definition is an error naming it)."""
         name = tensor_name(run, self.table)
         if create:
-            client.create_table(name, self.embedding_dim, init=self.init, optimizer=self.optimizer)
+            client.create_table(
+                name,
+                self.embedding_dim,
+                init=self.init,
+                optimizer=self.optimizer,
+                admission=self.admission,
+            )
         else:
             client.tables[name] = self.embedding_dim
         self._binding.client = client

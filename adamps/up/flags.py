@@ -15,6 +15,26 @@ class UsageError(Exception):
     pass
 
 
+def _check_train_arg(arg: str) -> None:
+    """A --train-arg FLAG=VALUE names a flag of `adamps train` with a value of its type: found
+    before the cluster starts (it was found ~30 s later, when the trainers exited)."""
+    from adamps import config
+    from trainer.config import TrainConfig
+
+    flag, _, value = arg.partition("=")
+    name = flag.replace("-", "_")
+    fields = config.fields_of(TrainConfig)
+    if name not in fields:
+        raise UsageError(
+            f"--train-arg {arg}: adamps train has no flag --{flag.replace('_', '-')} "
+            "(see adamps train --help)"
+        )
+    try:
+        config.convert(TrainConfig, name, fields[name][1], value, f"--train-arg {arg}")
+    except config.ConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="adamps up",
@@ -207,6 +227,7 @@ def check_args(a: argparse.Namespace) -> None:
     for arg in a.train_arg:
         need(re.fullmatch(r"[a-z][a-z0-9_-]*=.*", arg) is not None, "--train-arg", arg,
              "FLAG=VALUE, e.g. optimizer=sgd")  # fmt: skip
+        _check_train_arg(arg)
     need(a.controllers <= 9, "--controllers", a.controllers, "at most 9 (3 or 5 are usual)")
     need(a.iterations >= 1, "--iterations", a.iterations, "an integer >= 1")
     if a.target_accuracy is None:  # Sandblaster's 60 full-batch iterations reach less

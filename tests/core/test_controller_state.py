@@ -507,3 +507,32 @@ def test_a_server_that_cannot_persist_is_drained_until_it_can_again() -> None:
     assert m.eligible() == ["ps0", "ps1", "ps2", "ps3"], "nowhere better to go"
     assert m.write_storage("nobody", None, 104.0)["ok"] is False
     validate(m)
+
+
+def test_a_primary_back_within_the_server_timeout_keeps_its_secondaries_members() -> None:
+    """Issue 29, every disk full, then every server SIGKILLed and restarted (CI saw it): the
+    first server back was a primary and came back before the controllers declared the others
+    dead. It was the only durable server, so each bucket wanted it alone, and its new
+    incarnation counted as the primary "in the replica set": every caught-up secondary left,
+    with no candidate kept, and its buckets stayed unavailable once the others were back.
+    A restarted primary is no member (it re-joins): the secondaries stay until one is served."""
+    m = cluster(3, n_buckets=8)
+    led = [b for b in range(8) if m.primary_of(b) == "ps0"]
+    assert led
+    for s in ("ps0", "ps1", "ps2"):
+        m.write_storage(s, "disk full", 101.0)  # none durable: every server still eligible
+    copies = {b: [1, 0] for b in range(8)}
+    before = {b: list(m.buckets[b]["holders"]) for b in led}
+    assert all(before.values())  # each still has a caught-up secondary
+    m.register("ps0", "127.0.0.1:9000", 102.0, copies)  # back at once; the others not yet
+    for b in led:
+        assert m.buckets[b]["holders"] == before[b], m.bucket_view(b)
+        assert not m.unavailable(b)
+    m.declare_dead("ps1", 103.0)
+    m.declare_dead("ps2", 103.0)
+    m.register("ps1", "127.0.0.1:9001", 104.0, copies)
+    m.register("ps2", "127.0.0.1:9002", 105.0, copies)
+    m.reconcile(102.0 + WAIT)
+    assert [b for b in range(8) if m.unavailable(b)] == []
+    assert all(m.holder_live(b) for b in range(8))
+    validate(m)

@@ -187,3 +187,35 @@ async def test_create_refuses_a_token_file_it_cannot_own_before_creating_the_run
     assert await asyncio.to_thread(cli, "create", "r1") == 1
     err = capsys.readouterr().err
     assert err.count("exists") == 2 and "exists: exists" not in err, err  # code, then message
+
+
+async def test_the_operator_sets_one_runs_part_of_the_layout_and_keeps_the_others(
+    ctl: Ctl,
+) -> None:
+    """`adamps train --run NAME` with the cluster token sends its layout with "run": only that
+    run's part is replaced, also for a run name never created (an outside tester saw every
+    other run's tensors erased from the layout); a run's token names only its own run."""
+    status, body = await ctl.call("POST", "/runs", {"name": "exp1"})
+    token = body["token"]
+    mine = {"layout": layout(("exp1..w", (10,))), "run": "exp1"}
+    status, body = await ctl.call(
+        "POST", "/layout", mine, headers={"Authorization": f"Bearer {token}"}
+    )
+    assert status == 200, body
+    status, body = await ctl.call(
+        "POST", "/layout", {"layout": layout(("old..w", (5,))), "run": "old"}
+    )
+    assert status == 200, body  # the cluster token, a run never created
+    status, body = await ctl.call(
+        "POST", "/layout", {"layout": layout(("old..v", (7,))), "run": "old"}
+    )
+    assert status == 200, body
+    status, got = await ctl.call("GET", "/layout")
+    assert sorted(t["name"] for t in got["layout"]["tensors"]) == ["exp1..w", "old..v"]
+    status, body = await ctl.call(
+        "POST", "/layout", {"layout": layout(("old..x", (1,))), "run": "old"},
+        headers={"Authorization": f"Bearer {token}"},
+    )  # fmt: skip
+    assert status == 403 and body["error"]["code"] == "forbidden", body
+    status, body = await ctl.call("POST", "/layout", {"layout": layout(("a..w", (1,))), "run": 5})
+    assert status == 400 and "run" in body["error"]["message"], body

@@ -196,3 +196,21 @@ def test_torch_ctr_example_runs(tmp_path) -> None:  # type: ignore[no-untyped-de
     assert res["examples"] == 2 * 16384
     assert res["loss_last"] < res["loss_first"]
     assert res["auc"] > 0.68, res  # chance is 0.5; 0.73 after 20,000 examples per replica
+
+
+@pytest.mark.timeout(120)
+def test_a_modules_admission_reaches_the_servers_table(ps_url: str, token: str) -> None:
+    """`admission=` (row limit, filter, expiry) goes to `create_table`: a run with a table_rows
+    quota needs `max_rows`, and the modules had no way to give it (an outside tester's model
+    could not be built)."""
+    client = client_for(ps_url, token)
+    try:
+        bag = at.EmbeddingBag(None, DIM, table="adm", admission={"max_rows": 50}, mode="sum")
+        bag.bind(client)
+        tables = client._rpc(ps_url).call("list_tables")["tables"]
+        mine = [t for t in tables if t["name"].endswith("..adm")]
+        assert mine and mine[0]["admission"]["max_rows"] == 50, tables
+    finally:
+        client.close()
+    with pytest.raises(at.ModelError, match="admission"):
+        at.Embedding(None, DIM, table="t", admission=50)

@@ -252,6 +252,13 @@ def test_quotas_refuse_with_their_code_and_delete_frees_the_run(tmp_path: Path) 
         assert train.returncode == 1, train.stderr[-2000:]
         assert "quota_exceeded" in train.stderr and "param_elems" in train.stderr, train.stderr
         assert "Traceback" not in train.stderr, train.stderr[-2000:]
+        # The consistency modes' step clocks: its own run's, not another's (a run token could
+        # not train under ssp or sync at all: `clock` was the operator's)
+        clock = {"replica": "0", "mode": "ssp:1", "step": 0, "wait": 0.0}
+        status, _, reply = rpc(c.servers[0], tq, "clock", run="q", **clock)
+        assert status == 200, reply
+        status, _, reply = rpc(c.servers[0], tq, "clock", run="other", **clock)
+        assert status == 403 and reply["code"] == "forbidden" and "'q'" in str(reply), reply
 
         # Table rows, at create: a table's max_rows counts against the quota.
         adm = {"max_rows": 80}

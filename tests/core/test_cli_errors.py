@@ -1,0 +1,47 @@
+"""Bad values a user types get a message naming the value and what is expected, never a
+traceback (README, "Configuration"; an outside tester found these five): a port out of range,
+a data directory that cannot be made, an unknown model, and `adamps up --train-arg` flags that
+`adamps train` does not have or values of the wrong type (found before the cluster starts)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from adamps.server.main import main as ps_main
+from adamps.up.flags import UsageError, build_parser, check_args
+from trainer.config import TrainConfig
+
+
+def test_a_port_out_of_range_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert ps_main(["--port", "70000"]) == 2
+    err = capsys.readouterr().err
+    assert "70000" in err and "0..65535" in err and "Traceback" not in err
+
+
+def test_an_unknown_model_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown model 'nosuchmodel'"):
+        TrainConfig(model="nosuchmodel", ps=["http://127.0.0.1:1"], token="t" * 32)
+
+
+@pytest.mark.parametrize(
+    "arg, named",
+    [("nosuch=1", "has no flag --nosuch"), ("lr=abc", "bad value 'abc'; expected float")],
+)
+def test_up_checks_its_train_args_before_starting_anything(arg: str, named: str) -> None:
+    with pytest.raises(UsageError, match=named):
+        check_args(build_parser().parse_args(["--train-arg", arg]))
+    check_args(build_parser().parse_args(["--train-arg", "optimizer=sgd"]))  # a good one passes
+
+
+def test_a_data_dir_that_cannot_be_made_is_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "file").write_text("")
+    done = subprocess.run(
+        [sys.executable, "-m", "adamps", "ps", "--port", "0", "--data-dir",
+         str(tmp_path / "file" / "sub")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "cannot run" in done.stderr and "Traceback" not in done.stderr, done.stderr
