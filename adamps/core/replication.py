@@ -41,108 +41,24 @@ The protocol, for a bucket whose controller-recorded assignment is (epoch, prima
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from adamps.core.repl_types import (  # noqa: F401  (re-exported: the module's public names)
+    DEFAULT_DEDUP_LIMIT,
+    Apply,
+    Assignment,
+    Batch,
+    ClientKey,
+    Dedup,
+    Pending,
+    Reject,
+)
+
 #: committed batches kept per bucket for catching up lagging members (older ones need a snapshot)
 DEFAULT_LOG_LIMIT = 1024
-#: (client id, seq) pairs remembered per bucket for deduplication
-DEFAULT_DEDUP_LIMIT = 65_536
-
-ClientKey = tuple[str, int]
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """What the controller's committed record says about one bucket."""
-
-    epoch: int
-    primary: str | None
-    secondaries: tuple[str, ...] = ()
-    #: copies the controller has joining the bucket (they become learners of the primary)
-    joining: tuple[str, ...] = ()
-
-    def members(self) -> tuple[str, ...]:
-        return ((self.primary,) if self.primary else ()) + self.secondaries
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One replication round's worth of updates, as every replica applies it."""
-
-    seq: int
-    epoch: int
-    #: the updates, opaque here (compact form: activation/error vectors, codec messages)
-    updates: tuple[Any, ...]
-    #: (client id, client seq) of the pushes in this batch, parallel to `updates`
-    clients: tuple[ClientKey | None, ...]
-
-
-@dataclass(frozen=True)
-class Reject:
-    """A refusal with a protocol error code (stale_epoch, not_primary, conflict, unavailable)."""
-
-    code: str
-    message: str
-    epoch: int = 0
-
-
-@dataclass(frozen=True)
-class Apply:
-    """Action: apply these batches to the store, in this order."""
-
-    batches: tuple[Batch, ...]
-
-
-@dataclass
-class _Pending:
-    update: Any
-    client: ClientKey | None
-    #: the shell's handle to answer the client (a future), opaque here
-    waiter: Any
-
-
-class Dedup:
-    """Recently applied (client id, seq) pairs, bounded, in application order."""
-
-    def __init__(self, limit: int = DEFAULT_DEDUP_LIMIT) -> None:
-        self.limit = limit
-        self._seen: OrderedDict[ClientKey, int] = OrderedDict()  # key -> batch seq
-
-    def batch_of(self, key: ClientKey | None) -> int | None:
-        return None if key is None else self._seen.get(key)
-
-    def record(self, batch: Batch) -> None:
-        for key in batch.clients:
-            if key is not None:
-                self._seen[key] = batch.seq
-        while len(self._seen) > self.limit:
-            self._seen.popitem(last=False)
-
-    def to_list(self) -> list[list[Any]]:
-        return [[c, s, b] for (c, s), b in self._seen.items()]
-
-    def entries_after(self, seq: int, limit: int) -> list[list[Any]]:
-        """The pairs recorded by batches after `seq` (at most the newest `limit`), in order: what
-        a flush adds to the persisted table. Cost: the entries returned, not the table."""
-        out = []
-        for (c, s), b in reversed(self._seen.items()):
-            if b <= seq or len(out) >= limit:
-                break
-            out.append([c, s, b])
-        out.reverse()
-        return out
-
-    @classmethod
-    def from_list(cls, items: Iterable[Sequence[Any]], limit: int = DEFAULT_DEDUP_LIMIT) -> Dedup:
-        d = cls(limit)
-        for c, s, b in items:
-            d._seen[(str(c), int(s))] = int(b)
-        while len(d._seen) > limit:
-            d._seen.popitem(last=False)
-        return d
 
 
 @dataclass
@@ -165,19 +81,19 @@ class BucketReplica:
     log: deque[Batch] = field(default_factory=deque)
     # -- primary side --
     #: pushes waiting for the next round
-    pending: list[_Pending] = field(default_factory=list)
+    pending: list[Pending] = field(default_factory=list)
     #: the round in flight: its batch and waiters
-    inflight: tuple[Batch, list[_Pending]] | None = None
+    inflight: tuple[Batch, list[Pending]] | None = None
     #: member -> highest seq it acknowledged as prepared
     acked_prepare: dict[str, int] = field(default_factory=dict)
     #: member -> highest seq it acknowledged as committed
     acked_commit: dict[str, int] = field(default_factory=dict)
     #: committed locally, waiting for members' commit acks: seq -> waiters
-    awaiting_commit: dict[int, list[_Pending]] = field(default_factory=dict)
+    awaiting_commit: dict[int, list[Pending]] = field(default_factory=dict)
     #: a promoted primary must first re-replicate the in-doubt batches it holds
     needs_recovery: bool = False
     #: in-doubt batch seq -> waiters of clients that retried a push it carries
-    doubt_waiters: dict[int, list[_Pending]] = field(default_factory=dict)
+    doubt_waiters: dict[int, list[Pending]] = field(default_factory=dict)
     #: learner -> "syncing" (forgettable) | "reporting" (a caught-up report in flight or of
     #: unknown outcome: only the controller's record decides) | "reported" (accepted)
     learners: dict[str, str] = field(default_factory=dict)
@@ -230,12 +146,13 @@ class BucketReplica:
         with the cut, so a copy reloaded from disk still holds what it acknowledged as prepared."""
         return [self.prepared[s] for s in range(self.committed + 1, self.prepared_seq + 1)]
 
-    def on_assignment(self, new: Assignment) -> list[Any]:
+    def on_assignment(self, new: Assignment, keep: Container[str] = ()) -> list[Any]:
         """The controller's record changed. Returns the waiters of pushes this server can no
         longer see through, when it stopped being the primary. Their outcome is UNKNOWN (a batch
         in flight may still be committed by the next primary): the shell answers them with a
         retryable error (not_primary), and the client's retry with the same (client id, seq) is
-        applied exactly once wherever the batch ended."""
+        applied exactly once wherever the batch ended. Learners in `keep` stay learners if the
+        record lacks them (it may be older than the controllers' acceptance of their report)."""
         if new.epoch < self.assignment.epoch:
             return []  # an old message arriving late
         was_primary = self.is_primary
@@ -250,9 +167,12 @@ class BucketReplica:
             for m in list(self.learners):
                 if m in new.secondaries:
                     self.drop_learner(m)  # the controller made it a member (positions kept)
-                elif m not in new.joining:
-                    # Neither joining nor a member in a record at least as new as the one it
-                    # was added under: the controller removed it (or never accepted a report).
+                elif m not in new.joining and self.learners[m] != "reporting" and m not in keep:
+                    # Neither joining nor a member: the controller removed it. Not a learner
+                    # whose report is in flight: the record may be older than the join it
+                    # serves (a heartbeat's answer computed before the copy joined again; the
+                    # simulation, seed 1440), and the controllers may accept the report
+                    # meanwhile. Their answer decides (a refusal drops it); so does a new epoch.
                     self.drop_learner(m)
         failed: list[Any] = []
         if was_primary and not self.is_primary:
@@ -308,16 +228,16 @@ class BucketReplica:
         if client is not None:
             # A retry of a push that is in a round not yet committed: wait for that round.
             if self.inflight is not None and client in self.inflight[0].clients:
-                self.inflight[1].append(_Pending(None, client, waiter))
+                self.inflight[1].append(Pending(None, client, waiter))
                 return "duplicate-inflight"
             for b in self.prepared.values():
                 if client in b.clients:
-                    self.doubt_waiters.setdefault(b.seq, []).append(_Pending(None, client, waiter))
+                    self.doubt_waiters.setdefault(b.seq, []).append(Pending(None, client, waiter))
                     return "duplicate-inflight"
             if any(p.client == client for p in self.pending):
-                self.pending.append(_Pending(None, client, waiter))
+                self.pending.append(Pending(None, client, waiter))
                 return "duplicate-inflight"
-        self.pending.append(_Pending(update, client, waiter))
+        self.pending.append(Pending(update, client, waiter))
         return "queued"
 
     def next_round(self) -> Batch | None:

@@ -104,7 +104,7 @@ class CheckpointOps:
             n = self.store.layout.n_buckets
             return [b for b in range(n) if held is None or b in held]
         out = []
-        for b in sorted(self.replicator.buckets):
+        for b in sorted(self.replicator.core.buckets):
             try:
                 self.replicator.check_primary(b)
             except ProtocolError:

@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import logging
-import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from adamps.client.rpc import RpcError
-from adamps.protocol import require
 from adamps.server import checksum
+from adamps.server.store import Store
 from adamps.server.tickets import owner_future
 
-log = logging.getLogger("adamps.server.replicate")
-
-
-class NotPersisted(Exception):
-    """An installed snapshot could not be written to LMDB: the copy does not join."""
+if TYPE_CHECKING:
+    from adamps.server.catalog import TensorCatalog
 
 
 def shard_digest(value: np.ndarray, accum: np.ndarray | None) -> int:
@@ -32,246 +26,125 @@ def shard_digest(value: np.ndarray, accum: np.ndarray | None) -> int:
     return checksum.digest(*parts)
 
 
-class StateTransfer:
-    """Snapshots of a bucket (sent and installed) and digests.
+async def read_snapshot(
+    store: Store, catalog: TensorCatalog, b: int, meta: dict[str, Any]
+) -> dict[str, Any]:
+    """The primary's snapshot of bucket b at the position `meta` (epoch, committed, dedup) the
+    core gave in this same loop step: the reads are queued before any await, so the values are
+    exactly those of that position."""
+    states = [st for st in store.shards.values() if store.layout.bucket_of[st.id] == b]
+    outs = [np.empty(st.shard.shape, np.float32) for st in states]
+    accs = [np.empty(st.shard.shape, np.float32) if st.accum is not None else None for st in states]
+    read = owner_future(lambda cb: store.read(states, outs, cb, accums=accs))
+    # Queued in the same loop step as the shards' reads: the rows are of the same position.
+    rows = store.tables.in_bucket(b)
+    row_states = await owner_future(
+        lambda cb: store.call(rows, lambda st: (st.version, st.value.tobytes()), cb)
+    )
+    versions = await read
+    tensors = {st.shard.tensor for st in states}
+    return {
+        "bucket": b,
+        **meta,
+        "tensors": [catalog.definition(name) for name in sorted(tensors)],
+        "tables": [st.table.spec.to_dict() for st in rows],
+        "rows": {sid: {"version": v, "state": data} for sid, (v, data) in row_states.items()},
+        "shards": {
+            st.id: {
+                "value": out,
+                "accum": acc,
+                "version": versions[st.id],
+                "x": shard_digest(out, acc),
+            }
+            for st, out, acc in zip(states, outs, accs, strict=True)
+        },
+    }
 
-    A part of :class:`adamps.server.replicate.Replicator`, which holds the state its methods
-    use (``buckets``, ``roles``, ``leases``, ``peers``, ``controller``, ``store``, ``m``)."""
 
-    async def op_repl_snapshot(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """A consistent copy of a bucket for a joining copy: taken between rounds, no await between
-        reading the position and queueing the reads, so values match `committed` exactly."""
-        b = require(msg, "bucket", int)
-        joiner = require(msg, "joiner", str)
-        join = require(msg, "join", int, default=0)
-        rep = self.check_primary(b)
-        rej = rep.add_learner(joiner, join)
-        if rej is not None:
-            raise self.reject(rej, b)
-        # From here (no await since add_learner) every round waits for the joiner: the batches
-        # after `committed` reach it through the rounds, the ones up to it through this copy.
-        meta = rep.snapshot_meta()
-        states = [
-            st for st in self.store.shards.values() if self.store.layout.bucket_of[st.id] == b
-        ]
-        outs = [np.empty(st.shard.shape, np.float32) for st in states]
-        accs = [
-            np.empty(st.shard.shape, np.float32) if st.accum is not None else None for st in states
-        ]
-        read = owner_future(lambda cb: self.store.read(states, outs, cb, accums=accs))
-        # Queued in the same loop step as the shards' reads: the rows are of the same position.
-        rows = self.store.tables.in_bucket(b)
-        row_states = await owner_future(
-            lambda cb: self.store.call(rows, lambda st: (st.version, st.value.tobytes()), cb)
-        )
-        versions = await read
-        tensors = {st.shard.tensor for st in states}
-        self.m.snapshots.labels("sent").inc()
-        return {
-            "bucket": b,
-            "epoch": rep.assignment.epoch,
-            **meta,
-            "tensors": [self.catalog.definition(name) for name in sorted(tensors)],
-            "tables": [st.table.spec.to_dict() for st in rows],
-            "rows": {sid: {"version": v, "state": data} for sid, (v, data) in row_states.items()},
-            "shards": {
-                st.id: {
-                    "value": out,
-                    "accum": acc,
-                    "version": versions[st.id],
-                    "x": shard_digest(out, acc),
-                }
-                for st, out, acc in zip(states, outs, accs, strict=True)
-            },
-        }
+def install(
+    store: Store, catalog: TensorCatalog, b: int, snap: dict[str, Any], on_corrupt: Any
+) -> list[asyncio.Future]:
+    """Queues a snapshot's values to the owner threads (after checking every shard's checksum:
+    ValueError, nothing installed, if one fails). The caller moves the copy's position in the
+    same loop step, then awaits the futures."""
+    for sid, rec in snap["shards"].items():  # before anything changes here
+        want = rec.get("x")  # absent from a primary of the previous version
+        if want is not None and shard_digest(rec["value"], rec.get("accum")) != want:
+            on_corrupt("transfer")
+            raise ValueError(f"shard {sid} of the snapshot of bucket {b} fails its checksum")
+    for d in snap["tensors"]:
+        catalog.ensure(d)
+    for d in snap.get("tables", []):
+        catalog.tables.ensure(d)
+    rows = {sid: store.tables.shard(sid) for sid in snap.get("rows", {})}
 
-    async def join(self, b: int) -> None:
-        """Transfers bucket b from its primary and takes its rounds as a learner until the
-        controller makes it a member; transfers again if the primary changes or goes silent
-        (it forgot this learner)."""
-        while not self.closing and self.roles.get(b) == "joining":
-            rep = self.buckets[b]
-            primary, epoch = rep.assignment.primary, rep.assignment.epoch
-            cannot = self.can_persist()
-            if cannot is not None:
-                # The copy could not be persisted (issue 29): asking would only hold the
-                # primary's rounds for a learner that cannot become a durable member.
-                log.info("bucket %d: not joining while this server cannot persist: %s", b, cannot)
-                await asyncio.sleep(1.0)
-                continue
-            try:
-                snap = (
-                    await self.peers.call(
-                        primary,
-                        "repl_snapshot",
-                        bucket=b,
-                        joiner=self.server_id,
-                        join=self.join_ids.get(b, 0),
-                    )
-                    if primary
-                    else None
-                )
-            except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
-                log.info("bucket %d: snapshot from %s failed: %s; retrying", b, primary, exc)
-                snap = None
-            if (
-                snap is None
-                or self.roles.get(b) != "joining"
-                or (rep.assignment.epoch, rep.assignment.primary) != (epoch, primary)
-                or int(snap["epoch"]) != epoch
-            ):
-                await asyncio.sleep(0.3)
-                self.request_heartbeat()
-                continue
-            try:
-                await self._install(b, snap)
-            except ValueError as exc:  # damaged on the way: nothing installed; fetch it again
-                log.error("bucket %d: CORRUPT snapshot from %s: %s; again", b, primary, exc)
-                await asyncio.sleep(0.3)
-                continue
-            except NotPersisted as exc:  # installed in memory only: no member, not learning
-                log.warning(
-                    "bucket %d: snapshot at seq %d from %s could not be persisted: %s; not "
-                    "joining until this server can persist",
-                    b,
-                    snap["committed"],
-                    primary,
-                    exc,
-                )
-                await asyncio.sleep(1.0)
-                continue
-            log.info(
-                "bucket %d: snapshot at seq %d from %s installed", b, snap["committed"], primary
-            )
-            self.last_heard[b] = time.monotonic()
-            while not self.closing and self.roles.get(b) == "joining" and rep.learning:
-                if time.monotonic() - self.last_heard.get(b, 0.0) > self.failover_after:
-                    log.info("bucket %d: primary %s silent while joining; again", b, primary)
-                    rep.learning = False
-                    break
-                await asyncio.sleep(0.1)
+    def put_rows(st: Any) -> int:
+        rec = snap["rows"][st.id]
+        st.value.load_bytes(rec["state"])
+        return int(rec["version"])
 
-    async def _install(self, b: int, snap: dict[str, Any]) -> None:
-        for sid, rec in snap["shards"].items():  # before anything changes here
-            want = rec.get("x")  # absent from a primary of the previous version
-            if want is not None and shard_digest(rec["value"], rec.get("accum")) != want:
-                self.on_corrupt("transfer")
-                raise ValueError(f"shard {sid} of the snapshot of bucket {b} fails its checksum")
-        for d in snap["tensors"]:
-            self.catalog.ensure(d)
-        for d in snap.get("tables", []):
-            self.catalog.tables.ensure(d)
-        rows = {sid: self.store.tables.shard(sid) for sid in snap.get("rows", {})}
+    rows_done = owner_future(lambda cb: store.replace(list(rows.values()), put_rows, cb))
+    states, values, accums, versions = [], [], [], []
+    for sid, rec in snap["shards"].items():
+        st = store.shard(sid)
+        states.append(st)
+        values.append(rec["value"])
+        accums.append(rec.get("accum"))
+        versions.append(int(rec["version"]))
+    done = owner_future(lambda cb: store.overwrite(states, values, accums, versions, cb))
+    return [done, rows_done]
 
-        def put_rows(st: Any) -> int:
-            rec = snap["rows"][st.id]
-            st.value.load_bytes(rec["state"])
-            return int(rec["version"])
 
-        rows_done = owner_future(lambda cb: self.store.replace(list(rows.values()), put_rows, cb))
-        states, values, accums, versions = [], [], [], []
-        for sid, rec in snap["shards"].items():
-            st = self.store.shard(sid)
-            states.append(st)
-            values.append(rec["value"])
-            accums.append(rec.get("accum"))
-            versions.append(int(rec["version"]))
-        done = owner_future(lambda cb: self.store.overwrite(states, values, accums, versions, cb))
-        # The position moves in the same loop step as the values are queued: a flush cut sees
-        # both or neither.
-        rep = self.buckets[b]
-        rep.install_snapshot(
-            int(snap["committed"]), snap["dedup"], int(snap.get("committed_epoch", 0))
-        )
-        # Not learning (so not acknowledging the primary's rounds, so never reported caught
-        # up) until the copy and its position are on disk: a member whose copy exists only in
-        # memory is lost with every copy's crash, and with it the bucket (issue 29). The flush
-        # holds it meanwhile (`installing`).
-        rep.learning = False
-        of = (rep.assignment.epoch, rep.assignment.primary)
-        self.installing.add(b)
-        self.persisted.pop(b, None)
-        try:
-            await done
-            await rows_done
-            await asyncio.to_thread(self.persist_now, {b})
-        except Exception as exc:
-            raise NotPersisted(f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            self.installing.discard(b)
-        if (
-            self.buckets.get(b) is rep
-            and self.roles.get(b) == "joining"
-            and (rep.assignment.epoch, rep.assignment.primary) == of
-        ):
-            rep.learning = True  # else the join loop asks the new primary again
-        self.m.snapshots.labels("received").inc()
-
-    async def offers(self) -> dict[int, list[Any]]:
-        """The copies this server offers the controllers, each [epoch, seq, committed, digest]:
-        the digest (xxh3 of every shard's values and accumulator, in shard order) of the copy
-        at its committed seq, which the controllers compare between candidates that tie on
-        (epoch, seq) (issue 29). Positions are read and the reads queued in one loop step, so
-        each digest is of exactly the committed values."""
-        copies = self.copies()
-        plan: list[tuple[int, int, list[Any], list[np.ndarray], list[Any]]] = []
-        states_all, outs_all, accs_all = [], [], []
-        for b in copies:
-            states = sorted(
-                (
-                    st
-                    for st in self.store.shards.values()
-                    if self.store.layout.bucket_of[st.id] == b
-                ),
-                key=lambda s: s.id,
-            )
-            outs = [np.empty(st.shard.shape, np.float32) for st in states]
-            accs = [np.empty(st.shard.shape, np.float32) if st.accum is not None else None
-                    for st in states]  # fmt: skip
-            plan.append((b, self.buckets[b].committed, states, outs, accs))
-            states_all += states
-            outs_all += outs
-            accs_all += accs
-        if states_all:
-            await owner_future(
-                lambda cb: self.store.read(states_all, outs_all, cb, accums=accs_all)
-            )
-        out: dict[int, list[Any]] = {}
-        for b, committed, states, outs, accs in plan:
-            parts: list[bytes | memoryview] = []
-            for st, value, acc in zip(states, outs, accs, strict=True):
-                parts += [st.id.encode(), memoryview(value).cast("B")]
-                if acc is not None:
-                    parts.append(memoryview(acc).cast("B"))
-            out[b] = [*copies[b], committed, f"{checksum.digest(*parts):016x}"]
-        return out
-
-    # -- digests ---------------------------------------------------------------------------------------
-
-    async def op_digest(self, msg: dict[str, Any]) -> dict[str, Any]:
-        b = require(msg, "bucket", int)
-        rep = self.buckets.get(b)
+async def offers(
+    store: Store, copies: dict[int, list[int]], committed: dict[int, int]
+) -> dict[int, list[Any]]:
+    """The copies this server offers the controllers, each [epoch, seq, committed, digest]:
+    the digest (xxh3 of every shard's values and accumulator, in shard order) of the copy
+    at its committed seq, which the controllers compare between candidates that tie on
+    (epoch, seq) (issue 29). Positions are read and the reads queued in one loop step, so
+    each digest is of exactly the committed values."""
+    plan: list[tuple[int, int, list[Any], list[np.ndarray], list[Any]]] = []
+    states_all, outs_all, accs_all = [], [], []
+    for b in copies:
         states = sorted(
-            (st for st in self.store.shards.values() if self.store.layout.bucket_of[st.id] == b),
+            (st for st in store.shards.values() if store.layout.bucket_of[st.id] == b),
             key=lambda s: s.id,
         )
         outs = [np.empty(st.shard.shape, np.float32) for st in states]
-        await owner_future(lambda cb: self.store.read(states, outs, cb))
-        rows = sorted(self.store.tables.in_bucket(b), key=lambda s: s.id)
-        row_digests = await owner_future(
-            lambda cb: self.store.call(rows, lambda st: st.value.digest(), cb)
-        )
-        h = hashlib.sha256()
-        for st, out in zip(states, outs, strict=True):
-            h.update(st.id.encode())
-            h.update(out.tobytes())
-        for st in rows:  # an embedding table's rows of this bucket
-            h.update(st.id.encode())
-            h.update(row_digests[st.id])
-        return {
-            "bucket": b,
-            "digest": h.hexdigest(),
-            "committed": rep.committed if rep else None,
-            "role": self.roles.get(b),
-            "epoch": rep.assignment.epoch if rep else None,
-        }
+        accs = [np.empty(st.shard.shape, np.float32) if st.accum is not None else None
+                for st in states]  # fmt: skip
+        plan.append((b, committed[b], states, outs, accs))
+        states_all += states
+        outs_all += outs
+        accs_all += accs
+    if states_all:
+        await owner_future(lambda cb: store.read(states_all, outs_all, cb, accums=accs_all))
+    out: dict[int, list[Any]] = {}
+    for b, committed, states, outs, accs in plan:
+        parts: list[bytes | memoryview] = []
+        for st, value, acc in zip(states, outs, accs, strict=True):
+            parts += [st.id.encode(), memoryview(value).cast("B")]
+            if acc is not None:
+                parts.append(memoryview(acc).cast("B"))
+        out[b] = [*copies[b], committed, f"{checksum.digest(*parts):016x}"]
+    return out
+
+
+async def digest(store: Store, b: int) -> str:
+    """sha256 of bucket b's shards and rows on this server, in id order (replicas compare it)."""
+    states = sorted(
+        (st for st in store.shards.values() if store.layout.bucket_of[st.id] == b),
+        key=lambda s: s.id,
+    )
+    outs = [np.empty(st.shard.shape, np.float32) for st in states]
+    await owner_future(lambda cb: store.read(states, outs, cb))
+    rows = sorted(store.tables.in_bucket(b), key=lambda s: s.id)
+    row_digests = await owner_future(lambda cb: store.call(rows, lambda st: st.value.digest(), cb))
+    h = hashlib.sha256()
+    for st, out in zip(states, outs, strict=True):
+        h.update(st.id.encode())
+        h.update(out.tobytes())
+    for st in rows:  # an embedding table's rows of this bucket
+        h.update(st.id.encode())
+        h.update(row_digests[st.id])
+    return h.hexdigest()

@@ -1,20 +1,15 @@
-"""Replication of a parameter server's buckets: the asyncio shell around adamps.core.replication.
+"""Replication of a parameter server's buckets: the asyncio shell around the replication core.
 
-Project Adam 3.3.3, end to end. The pure core (``BucketReplica``) decides; this module does the IO:
+Project Adam 3.3.3, end to end. Every decision and all per-bucket state are the core's
+(``adamps.core.repl_core.ReplCore``: roles, leases, rounds of two-phase commit, the watchdog,
+state-transfer decisions); this shell only carries them out, as etcd-io/raft's users do:
 
-- registers with the controllers and heartbeats them; the replies renew this server's primary
-  leases (timed on its monotonic clock from when it asked, ``HolderLeases``) and tell it its roles
-  per bucket (primary, secondary, joining), which become ``Assignment``s of the core;
-- as primary of a bucket: gathers client pushes into rounds of two-phase commit
-  (``repl_rounds.py``);
-- pings the secondaries of its buckets; as a secondary, answers the primary and proposes a role
-  change to the controller when the primary stays silent (``repl_follower.py``);
-- as a joining copy, fetches a snapshot of the bucket from its primary and installs it; taking
-  the snapshot made it a learner of the primary, whose rounds wait for it from then on
-  (``repl_transfer.py``);
-- keeps its copies across registrations: a server that registers again (after a pause, a
-  partition, or a restart that reloaded its copies from LMDB) offers them with their (epoch,
-  seq), and keeps them as `standby` until the controller gives them a role or lets them go.
+- events go in: the controllers' answers (registration, heartbeats with roles and renewed
+  leases), the peers' messages (``repl_ops.PeerOps`` decodes and checks them), client pushes,
+  the replies to the core's messages, and the clock (``tick`` every ``TICK`` seconds);
+- after each event, ``drain`` carries out the core's ``Ready``: batches queued to the owner
+  threads, pushes answered, messages sent through the transport (``repl_transport``), calls to
+  the controllers, state transfers started or stopped (``repl_transfer`` reads and installs).
 
 Updates travel in their compact form (dense delta of one shard, or activation and error vectors),
 never as an expanded M x N delta, and every replica applies each batch as one group per shard on
@@ -26,34 +21,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Container, Iterable
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import numpy as np
 from prometheus_client import CollectorRegistry
 
-from adamps import peer_auth, protocol
-from adamps.client.controller import AsyncControllerClient
 from adamps.client.rpc import RpcError
-from adamps.core.lease import HolderLeases, LeaseTerms
-from adamps.core.replication import Apply, Assignment, BucketReplica, Reject
+from adamps.core import repl_copies
+from adamps.core.repl_core import ReplCore
+from adamps.core.repl_ready import Send
+from adamps.core.repl_settings import ReplSettings
+from adamps.core.replication import Apply, BucketReplica, Reject
 from adamps.protocol import ProtocolError
+from adamps.server import repl_transfer
 from adamps.server.config import PsConfig
-from adamps.server.peer_keys import PeerKeys, forbidden
+from adamps.server.peer_keys import PeerKeys
 from adamps.server.persist import DEDUP_PER_FLUSH, Position
-from adamps.server.repl_follower import Follower
+from adamps.server.repl_control import ControllerLink
 from adamps.server.repl_metrics import ReplMetrics
+from adamps.server.repl_ops import PeerOps
 from adamps.server.repl_peers import Peers
-from adamps.server.repl_rounds import PrimaryRounds
-from adamps.server.repl_transfer import StateTransfer
-from adamps.server.repl_wire import (
-    REPL_OPS,
-    batch_from_wire,
-    batch_to_wire,
-    not_primary,
-    store_parts,
-)
+from adamps.server.repl_transport import PeerTransport
+from adamps.server.repl_wire import batch_from_wire, batch_to_wire, not_primary, store_parts
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
 
@@ -62,9 +52,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: seconds between two ticks of the core (retries of failed messages, delayed COMMITs, timers)
+TICK = 0.02
 
-class Replicator(PrimaryRounds, Follower, StateTransfer):
-    """The replication state and tasks of one parameter server. Lives on the PS's event loop."""
+
+class Replicator:
+    """The replication shell of one parameter server. Lives on the PS's event loop."""
 
     def __init__(
         self, cfg: PsConfig, store: Store, catalog: TensorCatalog, registry: CollectorRegistry
@@ -76,44 +69,39 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         self.server_id = cfg.server_id
         self.address = cfg.advertise or f"{cfg.host}:{cfg.port}"
         self.m = ReplMetrics(registry)
-        self.member_timeout = cfg.member_timeout
-        self.ping_interval = cfg.ping_interval
-        self.failover_after = cfg.failover_after
-        #: bucket -> replication state (buckets this server holds a copy of, or is joining)
-        self.buckets: dict[int, BucketReplica] = {}
-        #: bucket -> "primary" | "secondary" | "joining" | "standby"
-        self.roles: dict[int, str] = {}
-        #: buckets the controllers report unavailable (no live copy to serve them)
-        self.unavailable: frozenset[int] = frozenset()
-        #: bucket -> seq of the last cut taken for the flush (absent: a new or reinstalled copy)
-        self.persisted: dict[int, int] = {}
-        #: bucket -> the controllers' id of this copy's current join (named in the snapshot ask)
-        self.join_ids: dict[int, int] = {}
+        #: every replication decision and all per-bucket state (no IO, no clock)
+        self.core = ReplCore(
+            ReplSettings(
+                cfg.server_id,
+                member_timeout=cfg.member_timeout,
+                failover_after=cfg.failover_after,
+                ack=cfg.ack,
+                log_limit=cfg.replication_log,
+            )
+        )
         #: who this server is to its peers, and who sent what it is asked to replicate
         self.peer_keys = PeerKeys(
             cfg.server_id, cfg.own_key(), lambda: self.controller, lambda s: s in self.addresses
         )
         self.peers = Peers(cfg.token, cfg.member_timeout, self.peer_keys)
+        self.transport = PeerTransport(self.peers)
         #: server id -> "host:port" (from the controllers' roles; the peers' address book)
         self.addresses = self.peers.addresses
-        self.leases = HolderLeases(LeaseTerms())
-        self.table_version: int | None = None
-        self.heartbeat_interval = 1.0
-        #: bucket -> monotonic time the primary was last heard (secondary side)
-        self.last_heard: dict[int, float] = {}
-        #: bucket -> the task running its rounds (primary side)
-        self.round_tasks: dict[int, asyncio.Task] = {}
+        #: the ops peers call (POST /rpc, the data plane's repl_multi frames)
+        self.ops = PeerOps(self)
+        self.handlers = self.ops.handlers
+        self.op_from_peer = self.ops.op_from_peer
+        self.op_repl_frame = self.ops.op_repl_frame
+        self.peer_of_request = self.ops.peer_of_request
+        #: bucket -> the task fetching and installing its snapshot (joining side)
         self._join_tasks: dict[int, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
         #: the controllers' client (opened at start)
         self.controller: Any = None
-        self._heartbeat_now = asyncio.Event()
-        #: sees every heartbeat reply (the runs' table version, adamps/server/tenancy.py)
-        self.on_heartbeat: Callable[[dict[str, Any]], None] = lambda reply: None
-        #: bucket -> monotonic time before which no new role change is proposed (secondary side)
-        self.role_change_after: dict[int, float] = {}
-        self.registered = asyncio.Event()
+        #: registration, heartbeats and the calls the core asks for
+        self.link = ControllerLink(self)
+        self.registered = self.link.registered
         #: set at stop: every loop ends
         self.closing = False
         #: why this server cannot persist now (set by the server: its flusher), or None;
@@ -128,8 +116,8 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         #: why a write to LMDB would not reach the disk now, or None (set by the server): no
         #: state transfer is asked for while it cannot be persisted
         self.can_persist: Callable[[], str | None] = lambda: None
-        #: buckets whose installed snapshot is being persisted (held by the flush, not learning)
-        self.installing: set[int] = set()
+        #: sees every heartbeat reply (the runs' table version, adamps/server/tenancy.py)
+        self.on_heartbeat: Callable[[dict[str, Any]], None] = lambda reply: None
         #: buckets with a replication-lag series (removed when the bucket goes)
         self._lag_buckets: set[int] = set()
 
@@ -138,32 +126,20 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.peers.session = self._session
-        self.controller = AsyncControllerClient(
-            self.cfg.controllers, self.cfg.token, self._session, timeout=5.0, retry_for=5.0
-        )
-        own = self.peer_keys.own
-        if own is not None:  # the controllers take this server's calls from this server only
-
-            def sign(method: str, path: str, body: bytes) -> tuple[tuple[str, str], ...]:
-                value = peer_auth.server_call_header(
-                    own, self.server_id, int(time.time()), method, path, body
-                )
-                return ((peer_auth.SERVER_HEADER, value),)
-
-            self.controller.signer = sign
+        self.controller = self.link.open(self._session)
         if not self.peer_keys.enabled:
             log.warning(
                 "peer identity is off (no server_key or peer_token): any holder of the cluster "
                 "token, every trainer, can send this server replication messages"
             )
         self._tasks = [
-            asyncio.create_task(self._control_loop(), name="ps-control"),
-            asyncio.create_task(self.ping_loop(), name="ps-ping"),
+            asyncio.create_task(self.link.run(), name="ps-control"),
+            asyncio.create_task(self._clock(), name="ps-clock"),
         ]
 
     async def stop(self) -> None:
         self.closing = True
-        tasks = [*self._tasks, *self.round_tasks.values(), *self._join_tasks.values()]
+        tasks = [*self._tasks, *self._join_tasks.values()]
         for t in tasks:
             t.cancel()
         self.peers.close()
@@ -171,9 +147,8 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         # Give the primary leases back, so the next primaries need not wait for them to expire:
         # all at once and within one second in total (best effort: unreleased leases run out).
         releases = [
-            self.controller.release(b, self.server_id, self.buckets[b].assignment.epoch)
-            for b, role in self.roles.items()
-            if role == "primary" and b in self.buckets
+            self.controller.release(b, self.server_id, self.core.buckets[b].assignment.epoch)
+            for b in repl_copies.primaries(self.core)
         ]
         if releases:
             try:
@@ -183,257 +158,171 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
         if self._session is not None:
             await self._session.close()
 
-    # -- control loop: register, heartbeat, learn roles ---------------------------------------------
+    # -- the core's state, as the app and the flusher read it ------------------------------------
 
-    async def _control_loop(self) -> None:
-        while not self.closing:
-            try:
-                await self._register()
-                while not self.closing:
-                    if not await self._heartbeat():
-                        break  # declared dead: register again as a fresh incarnation
-                    try:
-                        await asyncio.wait_for(self._heartbeat_now.wait(), self.heartbeat_interval)
-                    except TimeoutError:
-                        pass
-                    self._heartbeat_now.clear()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("controller unreachable: %s; retrying", exc)
-                await asyncio.sleep(0.5)
+    @property
+    def persisted(self) -> dict[int, int]:
+        return self.core.persisted
 
-    def copies(self) -> dict[int, list[int]]:
-        """The copies this server holds whole, with their position [epoch, seq] of the newest
-        batch held applied or prepared: what it offers the controllers (a joining copy that has
-        no snapshot yet holds nothing)."""
-        return {
-            b: list(rep.held_position)
-            for b, rep in self.buckets.items()
-            if self.roles.get(b) != "joining" or rep.learning
-        }
+    def held_copies(self) -> set[int]:
+        return repl_copies.held_copies(self.core)
 
     def restore(self, positions: dict[int, Position]) -> None:
         """Copies reloaded from LMDB at start: held as standby until the controllers decide."""
-        for b, pos in positions.items():
-            rep = self.buckets[b] = BucketReplica(
-                self.server_id, b, log_limit=self.cfg.replication_log
-            )
-            rep.restore(pos.seq, pos.epoch, pos.dedup, map(batch_from_wire, pos.prepared))
-            self.roles[b] = "standby"
-            self.persisted[b] = pos.seq
-        log.info("reloaded %d copies: %s", len(positions), self.copies())
-
-    def held_copies(self) -> set[int]:
-        """The buckets whose copy a flush persists (a joining copy only once it learns)."""
-        return {
-            b
-            for b, rep in self.buckets.items()
-            if not (self.roles.get(b) == "joining" and not rep.learning) or b in self.installing
-        }
+        for b, p in positions.items():
+            prepared = map(batch_from_wire, p.prepared)
+            repl_copies.restore(self.core, b, p.seq, p.epoch, p.dedup, prepared)
+        log.info("reloaded %d copies: %s", len(positions), repl_copies.copies(self.core))
 
     def positions(self, buckets: Container[int] | None = None) -> dict[int, Position]:
         """Per held copy (of `buckets`; None: all), its position and the exactly-once pairs
         recorded since the last cut. Called on the event loop in the same step as the flush's
         copies are queued: they describe exactly the values the flush writes."""
-        out = {}
-        for b, rep in self.buckets.items():
-            if self.roles.get(b) == "joining" and not rep.learning and b not in self.installing:
-                continue
-            if buckets is not None and b not in buckets:
-                continue
-            last = self.persisted.get(b)
-            if last is None:
-                dedup, fresh = rep.dedup.to_list(), True
-            else:
-                dedup, fresh = rep.dedup.entries_after(last, DEDUP_PER_FLUSH), False
-            prepared = [batch_to_wire(x) for x in rep.held_prepared()]
-            out[b] = Position(rep.committed_epoch, rep.committed, dedup, fresh, prepared)
-            self.persisted[b] = rep.committed
-        return out
-
-    async def _register(self) -> None:
-        copies = await self.offers()
-        reply = await self.controller.register(self.server_id, self.address, copies)
-        if int(reply.get("n_buckets", self.cfg.n_buckets)) != self.cfg.n_buckets:
-            raise RuntimeError(
-                f"the controllers use n_buckets={reply['n_buckets']}, this server {self.cfg.n_buckets}"
-            )
-        terms = reply.get("lease") or {}
-        self.leases = HolderLeases(LeaseTerms(**{k: float(v) for k, v in terms.items()}))
-        self.heartbeat_interval = float(reply.get("heartbeat_interval", 1.0))
-        # A new incarnation: no role and no lease is trusted any more, but the copies stay (the
-        # controllers may need them: they were offered) until the roles say what to do.
-        for b, rep in self.buckets.items():
-            self._fail_waiters(rep.on_assignment(Assignment(rep.assignment.epoch, None)), b)
-            if self.roles.get(b) != "joining" or rep.learning:
-                self.roles[b] = "standby"
-        self.table_version = None
-        self.registered.set()
-        log.info(
-            "registered as %s at %s, offering %d copies (lease %s)",
-            self.server_id,
-            self.address,
-            len(copies),
-            terms,
+        return repl_copies.positions(
+            self.core,
+            buckets,
+            DEDUP_PER_FLUSH,
+            lambda e, s, d, f, p: Position(e, s, d, f, [batch_to_wire(x) for x in p]),
         )
+
+    # -- carrying out the core's Ready --------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Carries out what the core decided, in the order of repl_ready.py; called after every
+        input in the same loop step (batches are queued before anything else runs)."""
+        core = self.core
+        if not core.has_ready():
+            return
+        rd = core.ready()
+        core.advance()
+        for b in rd.forget:
+            self.store.release_bucket(b)
+            if b in self._lag_buckets:
+                self._lag_buckets.discard(b)
+                self.m.lag.remove(str(b))
+        for b in rd.hold:
+            self.store.hold_bucket(b)
+        for _b, action in rd.applies:
+            self.apply_batches(action)
+        for ans in rd.answers:
+            fut = ans.waiter
+            if not isinstance(fut, asyncio.Future) or fut.done():
+                continue
+            if ans.outcome == "ok":
+                fut.set_result(None)
+            else:  # in a round that may still commit elsewhere: unknown, not "not applied"
+                rep = core.buckets.get(ans.bucket)
+                err = not_primary(rep, ans.bucket, self.addresses, ans.why, code="primary_changed")
+                fut.set_exception(err)
+        for msg in rd.messages:
+            self.transport.send(msg, self._answer_of(msg))
+        for b in rd.stop_joins:
+            task = self._join_tasks.pop(b, None)
+            if task is not None and not task.done():
+                task.cancel()
+        for b in rd.start_joins:
+            if b not in self._join_tasks or self._join_tasks[b].done():
+                self._join_tasks[b] = asyncio.create_task(self._join(b), name=f"join-{b}")
+        for req in rd.requests:
+            asyncio.create_task(self.link.request(req), name=f"{req.kind}-{req.bucket}")
+        for seconds, pushes in rd.rounds:
+            self.m.round_seconds.observe(seconds)
+            self.m.round_pushes.observe(pushes)
+        if rd.failovers:
+            self.m.failovers.inc(rd.failovers)
+        if rd.stale:
+            self.m.stale.inc(rd.stale)
+        if rd.heartbeat:
+            self.request_heartbeat()
+
+    def _answer_of(self, msg: Send) -> Callable[[dict[str, Any] | None, str | None], None]:
+        def done(reply: dict[str, Any] | None, error: str | None) -> None:
+            if reply is not None:
+                self.core.on_reply(msg.rid, reply, time.monotonic())
+            else:
+                self.core.report_unreachable(msg.rid, time.monotonic(), error or "connection")
+            self.drain()
+
+        return done
+
+    async def _clock(self) -> None:
+        """The core's clock: a tick every TICK seconds; pings to the replicas of this server's
+        primary buckets every ping_interval (one message per replica for all its buckets)."""
+        next_ping = 0.0
+        while not self.closing:
+            await asyncio.sleep(TICK)
+            now = time.monotonic()
+            if now >= next_ping:
+                next_ping = now + self.cfg.ping_interval
+                for member, buckets in self.core.pings().items():
+                    asyncio.create_task(self._ping(member, buckets), name=f"ping-{member}")
+                self.update_gauges()
+            self.core.tick(now)
+            self.drain()
 
     def request_heartbeat(self) -> None:
-        self._heartbeat_now.set()
+        self.link.heartbeat_now.set()
 
-    async def _heartbeat(self) -> bool:
-        reports = {b: [rep.assignment.epoch, rep.prepared_seq] for b, rep in self.buckets.items()}
+    async def _ping(self, member: str, buckets: dict[str, int]) -> None:
         try:
-            reply, asked_at = await self.controller.heartbeat(
-                self.server_id, self.table_version, reports, self.not_durable()
+            reply = await self.peers.channel(member).call(
+                "repl_ping", sender=self.server_id, buckets=buckets
             )
-        except RpcError as exc:
-            if exc.code == "conflict" or exc.code == "not_found":
-                log.warning("controller says %s: registering again", exc.message)
-                return False
-            raise
-        self.unavailable = frozenset(int(b) for b in reply.get("unavailable", []))
-        self.on_heartbeat(reply)
-        if "roles" in reply:
-            self._apply_roles(reply["roles"], int(reply["version"]))
-        for b, epoch in reply.get("renewed", []):
-            self.leases.on_granted(int(b), int(epoch), asked_at)
-            if int(b) in self.buckets:
-                self.kick(int(b))
-        self.update_gauges()
-        return True
+        except (RpcError, ConnectionError, TimeoutError, OSError):
+            return
+        self.core.on_ping_reply(reply.get("stale") or [])
+        self.drain()
 
-    def _apply_roles(self, roles: Iterable[dict[str, Any]], version: int) -> None:
-        seen = set()
-        for r in roles:
-            b = int(r["bucket"])
-            seen.add(b)
-            if r.get("address") and r.get("primary"):
-                self.addresses[r["primary"]] = r["address"]
-            for sid, addr in (r.get("secondary_addresses") or {}).items():
-                if addr:
-                    self.addresses[sid] = addr
-            # `secondaries` excludes the primary; membership changes keep the lease epoch.
-            assignment = Assignment(
-                int(r["epoch"]),
-                r.get("primary"),
-                tuple(r.get("secondaries", [])),
-                tuple(r.get("joining", [])),
-            )
-            role = r.get("role") or (
-                "primary"
-                if assignment.primary == self.server_id
-                else "secondary"
-                if self.server_id in assignment.secondaries
-                else "joining"
-            )
-            if role == "standby" and b not in self.buckets:
-                continue  # a copy this server no longer has: never an initial-valued stand-in
-            self.store.hold_bucket(b)  # shards exist only for the buckets this server holds
-            rep = self.buckets.get(b)
-            if rep is None:
-                rep = self.buckets[b] = BucketReplica(
-                    self.server_id, b, log_limit=self.cfg.replication_log
-                )
-            was = self.roles.get(b)
-            if role == "standby":
-                # No member: keep the copy (and its position) untouched, serve nothing.
-                self.roles[b] = "standby"
-                self.leases.drop(b)
-                continue
-            if role == "joining":
-                # Not a member yet: keep the assignment to know the primary, start the transfer.
-                # (A primary handed off ends its rounds and answers its waiters here; another
-                # primary or epoch means another history: transfer again.)
-                self._fail_waiters(rep.on_assignment(assignment), b)
-                self.join_ids[b] = int(r.get("join", 0))
-                self.roles[b] = "joining"
-                if b not in self._join_tasks or self._join_tasks[b].done():
-                    self._join_tasks[b] = asyncio.create_task(self.join(b), name=f"join-{b}")
-                continue
-            if was == "joining" and role != "joining":
-                task = self._join_tasks.pop(b, None)
-                if task is not None and not task.done():
-                    task.cancel()
-            self._fail_waiters(rep.on_assignment(assignment), b)
-            self.roles[b] = role
-            if role == "primary":
-                if was != "primary" and was is not None:
-                    self.m.failovers.inc()
-                    log.info("bucket %d: promoted to primary at epoch %d", b, assignment.epoch)
-                self.kick(b)
-            else:
-                self.leases.drop(b)
-                self.last_heard.setdefault(b, time.monotonic())
-        for b in [b for b in self.buckets if b not in seen]:
-            self._forget(b)
-        self.table_version = version
+    # -- peers' messages and pushes ---------------------------------------------------------------------
 
-    def _forget(self, b: int) -> None:
-        rep = self.buckets.pop(b, None)
-        self.persisted.pop(b, None)
-        self.roles.pop(b, None)
-        self.store.release_bucket(b)
-        self.leases.drop(b)
-        self.last_heard.pop(b, None)
-        task = self._join_tasks.pop(b, None)
-        if task is not None:
-            task.cancel()
-        if rep is not None:
-            self._fail_waiters(rep.on_assignment(Assignment(rep.assignment.epoch + 1, None)), b)
-        if b in self._lag_buckets:
-            self._lag_buckets.discard(b)
-            self.m.lag.remove(str(b))
+    def feed(self, b: int, msg: dict[str, Any]) -> dict[str, Any]:
+        """A peer's decoded message to the core; the batches it decides are queued to the owner
+        threads in this same loop step (drain), before the reply goes out."""
+        res = self.core.step(msg["sender"], msg, time.monotonic())
+        self.drain()
+        if isinstance(res, Reject):
+            raise self.refusal(b, res)
+        return res
 
-    def _fail_waiters(self, waiters: Iterable[Any], b: int) -> None:
-        rep = self.buckets.get(b)
-        for fut in waiters:
-            if isinstance(fut, asyncio.Future) and not fut.done():
-                # Queued in a round that may still commit elsewhere: unknown, not "not applied".
-                fut.set_exception(
-                    not_primary(
-                        rep,
-                        b,
-                        self.addresses,
-                        "this server is no longer the primary; the push's outcome is unknown",
-                        code="primary_changed",
-                    )
-                )
-
-    def update_gauges(self) -> None:
-        prim = [b for b, r in self.roles.items() if r == "primary"]
-        self.m.primary_buckets.set(len(prim))
-        self.m.under_replicated.set(
-            sum(1 for b in prim if len(self.buckets[b].assignment.secondaries) < 2)
-        )
-        self.m.lease_epoch.set(max((self.buckets[b].assignment.epoch for b in prim), default=0))
-        for b in prim:
-            rep = self.buckets[b]
-            low = min((rep.acked_commit.get(m, -1) for m in rep.replicas), default=rep.committed)
-            self.m.lag.labels(str(b)).set(max(0, rep.committed - max(low, 0)))
-            self._lag_buckets.add(b)
-
-    # -- primary: pushes and rounds -----------------------------------------------------------------
+    def refusal(self, b: int, rej: Reject) -> ProtocolError:
+        """A refusal of the core as the protocol error a client or peer gets."""
+        rep = self.core.buckets.get(b)
+        if rej.code == "not_primary":
+            return not_primary(rep, b, self.addresses, rej.message)
+        if rej.code == "bucket_unavailable":
+            return ProtocolError(rej.code, rej.message, bucket=b)
+        epoch = rej.epoch or (rep.assignment.epoch if rep is not None else 0)
+        return ProtocolError(rej.code, rej.message, bucket=b, epoch=epoch)
 
     def check_primary(self, b: int) -> BucketReplica:
         """The bucket's state if this server may serve it as primary now, else not_primary."""
-        rep = self.buckets.get(b)
-        if b in self.unavailable:
-            self.request_heartbeat()
-            raise ProtocolError(
-                "bucket_unavailable",
-                f"bucket {b}: no live copy can serve it (waiting for a copy to come back, or "
-                "for an operator to declare it lost)",
-                bucket=b,
-            )
-        if rep is None or self.roles.get(b) != "primary":
-            raise not_primary(rep, b, self.addresses, "this server is not its primary")
-        if not self.leases.can_write(b, rep.assignment.epoch, time.monotonic()):
-            self.request_heartbeat()
-            raise not_primary(
-                rep, b, self.addresses, "the primary lease is not (or no longer) held"
-            )
+        rep = self.core.check_primary(b, time.monotonic())
+        self.drain()
+        if isinstance(rep, Reject):
+            raise self.refusal(b, rep)
         return rep
+
+    async def push(
+        self, by_bucket: dict[int, list[dict[str, Any]]], client: tuple[str, int] | None
+    ) -> None:
+        """Replicates one client push (its updates grouped by bucket); returns once every
+        bucket's round is decided (``ack = "prepared"``) or committed by every member."""
+        loop = asyncio.get_running_loop()
+        futs = {b: loop.create_future() for b in by_bucket}
+        updates = {b: tuple(u) for b, u in by_bucket.items()}
+        res = self.core.submit(updates, client, futs, time.monotonic())
+        self.drain()
+        if isinstance(res, tuple):
+            raise self.refusal(*res)
+        if res:
+            self.m.dedup.inc(res)
+        try:
+            await asyncio.wait_for(asyncio.gather(*futs.values()), self.cfg.push_timeout)
+        except TimeoutError:
+            raise ProtocolError(
+                "timeout",
+                f"replication did not complete within {self.cfg.push_timeout}s; outcome unknown",
+            ) from None
 
     def apply_batches(self, action: Apply) -> asyncio.Future:
         """Enqueues the batches, each as one group per shard, in order; a future for completion."""
@@ -445,90 +334,95 @@ class Replicator(PrimaryRounds, Follower, StateTransfer):
             futs.append(fut)
         return asyncio.gather(*futs)
 
-    # -- secondary: messages from the primary ---------------------------------------------------------
+    # -- state transfer -----------------------------------------------------------------------------------
 
-    async def op_from_peer(self, op: str, msg: dict[str, Any], peer: str | None) -> dict[str, Any]:
-        """A replication op whose request `peer` proved it sent (None: no proof); with peer
-        identity on, refused unless every sender the message names is that server."""
-        if self.peer_keys.enabled:
-            if peer is None:
-                raise forbidden(op, "no peer credential in the request")
-            self.peer_keys.check_senders(op, msg, peer)
-        return await getattr(self, f"op_{op}")(msg)
+    def snapshot_meta(self, b: int, joiner: str, join: int) -> dict[str, Any]:
+        """The primary's side of a snapshot: the joiner becomes a learner now (the caller queues
+        the reads in this same loop step)."""
+        meta = self.core.snapshot_for(b, joiner, join, time.monotonic())
+        self.drain()
+        if isinstance(meta, Reject):
+            raise self.refusal(b, meta)
+        return meta
 
-    async def peer_of_request(self, op: str, header: str | None, body: Any) -> str | None:
-        """The server whose MAC of `body` the PEER_HEADER value `header` carries, or None when
-        there is none or identity is off; ProtocolError forbidden for a wrong one."""
-        if header is None or not self.peer_keys.enabled:
-            return None
-        parsed = peer_auth.parse_header(header)
-        if parsed is None:
-            raise forbidden(op, f"malformed {peer_auth.PEER_HEADER} header")
-        return await self.peer_keys.prover(op, [body], *parsed)
+    async def _join(self, b: int) -> None:
+        """Transfers bucket b from its primary and takes its rounds as a learner until the
+        controllers make it a member; again while the core says so (another primary or epoch,
+        or a primary gone silent that forgot this learner)."""
+        while not self.closing and (target := self.core.join_target(b)) is not None:
+            primary, epoch, join = target
+            cannot = self.can_persist()
+            if cannot is not None:
+                # The copy could not be persisted (issue 29): asking would only hold the
+                # primary's rounds for a learner that cannot become a durable member.
+                log.info("bucket %d: not joining while this server cannot persist: %s", b, cannot)
+                await asyncio.sleep(1.0)
+                continue
+            try:
+                snap = None
+                if primary:
+                    snap = await self.peers.call(
+                        primary, "repl_snapshot", bucket=b, joiner=self.server_id, join=join
+                    )
+            except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
+                log.info("bucket %d: snapshot from %s failed: %s; retrying", b, primary, exc)
+            if snap is None or not self.core.snapshot_fits(b, (primary, epoch), int(snap["epoch"])):
+                await asyncio.sleep(0.3)
+                self.request_heartbeat()
+                continue
+            try:
+                futs = repl_transfer.install(self.store, self.catalog, b, snap, self.on_corrupt)
+            except ValueError as exc:  # damaged on the way: nothing installed; fetch it again
+                log.error("bucket %d: CORRUPT snapshot from %s: %s; again", b, primary, exc)
+                await asyncio.sleep(0.3)
+                continue
+            # The position moves in the same loop step as the values are queued: a flush cut
+            # sees both or neither.
+            committed, cepoch = int(snap["committed"]), int(snap.get("committed_epoch", 0))
+            self.core.installed(b, committed, snap["dedup"], cepoch, time.monotonic())
+            # Not learning until the copy and its position are on disk (the core's `installed`):
+            # the flush holds it meanwhile, and persist_now writes it.
+            try:
+                await asyncio.gather(*futs)
+                await asyncio.to_thread(self.persist_now, {b})
+            except Exception as exc:  # installed in memory only: no member, not learning
+                self.core.install_persisted(b, False, time.monotonic())
+                log.warning(
+                    "bucket %d: snapshot at seq %d from %s could not be persisted: %s: %s; not "
+                    "joining until this server can persist",
+                    b, committed, primary, type(exc).__name__, exc,
+                )  # fmt: skip
+                await asyncio.sleep(1.0)
+                continue
+            except BaseException:  # cancelled (the bucket moved on): the flush holds it no more
+                self.core.install_persisted(b, False, time.monotonic())
+                raise
+            self.core.install_persisted(b, True, time.monotonic())
+            self.drain()
+            self.m.snapshots.labels("received").inc()
+            log.info("bucket %d: snapshot at seq %d from %s installed", b, committed, primary)
+            while not self.closing and self.core.learning(b):
+                await asyncio.sleep(0.1)
 
-    async def op_repl_frame(
-        self, meta: dict[str, Any], meta_raw: bytes, payload: np.ndarray | None
-    ) -> dict[str, Any]:
-        """A repl_multi frame of the data plane: its MAC (the payload's last MAC_SIZE bytes,
-        over the meta and the rest of the payload) checked before the message is decoded."""
-        peer = None
-        claimed = meta.get("peer")
-        if claimed is not None:
-            if payload is None or payload.size < peer_auth.MAC_SIZE:
-                raise forbidden("repl_multi", "the frame's MAC is missing")
-            got = payload[-peer_auth.MAC_SIZE :].tobytes()
-            payload = payload[: -peer_auth.MAC_SIZE]
-            if self.peer_keys.enabled:
-                peer = await self.peer_keys.prover(
-                    "repl_multi",
-                    [meta_raw, payload],
-                    claimed if isinstance(claimed, str) else None,
-                    got,
-                )
-        msg = protocol.decode(meta_raw, b"" if payload is None else payload)
-        return await self.op_from_peer("repl_multi", msg, peer)
+    # -- observation --------------------------------------------------------------------------------------
 
-    def handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]:
-        """The replication ops this server serves on POST /rpc (peer traffic), by name."""
-        return {op: getattr(self, f"op_{op}") for op in REPL_OPS}
-
-    def known(self, b: int) -> BucketReplica:
-        rep = self.buckets.get(b)
-        if rep is None:
-            self.request_heartbeat()
-            raise ProtocolError("unavailable", f"bucket {b}: no copy here (yet)", bucket=b)
-        return rep
-
-    def reject(self, rej: Reject, b: int) -> ProtocolError:
-        if rej.code == "stale_epoch":
-            self.m.stale.inc()
-        if rej.code == "unavailable":
-            self.request_heartbeat()  # the primary knows an epoch we do not: ask the controller
-        return ProtocolError(rej.code, rej.message, bucket=b, epoch=rej.epoch)
+    def update_gauges(self) -> None:
+        prim = repl_copies.primaries(self.core)
+        reps = self.core.buckets
+        self.m.primary_buckets.set(len(prim))
+        self.m.under_replicated.set(sum(1 for b in prim if len(reps[b].assignment.secondaries) < 2))
+        self.m.lease_epoch.set(max((reps[b].assignment.epoch for b in prim), default=0))
+        for b in prim:
+            self.m.lag.labels(str(b)).set(repl_copies.lag(self.core, b))
+            self._lag_buckets.add(b)
 
     def status(self) -> dict[str, Any]:
-        now = time.monotonic()
-        out = {}
-        for b, rep in sorted(self.buckets.items()):
-            d = self.leases.deadline(b)
-            out[str(b)] = {
-                "role": self.roles.get(b),
-                "epoch": rep.assignment.epoch,
-                "primary": rep.assignment.primary,
-                "secondaries": list(rep.assignment.secondaries),
-                "committed": rep.committed,
-                "committed_epoch": rep.committed_epoch,
-                "learners": dict(rep.learners),
-                "prepared": sorted(rep.prepared),
-                "pending": len(rep.pending),
-                "lease_left": None if d is None else round(d - now, 3),
-            }
         return {
             "server_id": self.server_id,
             "address": self.address,
-            "table_version": self.table_version,
-            "unavailable": sorted(self.unavailable),
-            "buckets": out,
+            "table_version": self.core.table_version,
+            "unavailable": sorted(self.core.unavailable),
+            "buckets": repl_copies.status(self.core, time.monotonic()),
         }
 
 

@@ -1,6 +1,9 @@
-"""Randomized simulation of bucket replication: the pure core, the real controller model, a faithful
-but simple model of the asyncio shell, an unreliable network, and a nemesis (etcd-io/raft's network
-test shape: no sockets, no threads, time passed in).
+"""Randomized simulation of bucket replication: the production replication core of every server
+(adamps.core.repl_core.ReplCore, unchanged), the real controller model, an unreliable network and
+a nemesis (etcd-io/raft's network test shape, and TigerBeetle's cluster test: the simulator runs
+the replica that ships, here through an in-memory transport; no sockets, no threads, time passed
+in). Each server's shell here only carries out the core's Ready as adamps.server.replicate does
+(network, disk, clock); it takes no decision and has no model of the rounds.
 
 Every seed builds a small cluster (4-5 servers, 2 buckets, 3 copies each) and runs it for a few
 hundred steps of 50 ms. Within a step, the due messages, the servers' timers, the controller
@@ -35,20 +38,11 @@ every seed in one mode).
 On failure the seed and the last events are printed. ``ADAMPS_SIM_SEEDS=N`` runs N seeds (default
 200); ``ADAMPS_SIM_STEPS`` sets the steps per seed (default 300); ``ADAMPS_SIM_SEED=S`` runs one.
 
-Bugs found (each one a strict xfail test at the end of this file; the simulation runs with the
-suggested fix emulated, ``ADAMPS_SIM_UNPATCHED=1,2,...|all`` leaves them as the code has them):
-
-1. `add_learner` counts the learner as committed at the snapshot's seq before it installed it: it
-   is reported caught up, and becomes a promotable member, holding nothing.
-2. A primary handed off becomes `joining` without `on_assignment` (the shell sets the
-   assignment): it keeps its round in flight, and replays it if promoted later (wedged bucket, or
-   a push applied twice).
-3. A caught-up report whose outcome is unknown (reply lost, or the client's retry refused as a
-   duplicate) makes the primary forget a learner the controller made a member.
-4. A caught-up report is not tied to the join it reports on: one sent before the copy restarted
-   or transferred again is accepted for the new, empty copy.
-5. (The shell, not the core.) A round's pushes are acknowledged after the lease ended, even
-   after the next epoch was granted: two copies acknowledge in overlapping lease time.
+Bugs the simulation found in earlier shapes of the code, each fixed and kept as a minimal
+reproduction at the end of this file: a learner counted caught up before it installed its snapshot
+(1); a primary handed off keeping its round in flight (2); a caught-up report of unknown outcome
+forgetting a member (3); a caught-up report not tied to its join (4); and, before the lease check
+moved into the core (``ReplCore.release``), acknowledgements after the lease ended (5).
 """
 
 from __future__ import annotations
@@ -65,7 +59,11 @@ from typing import Any
 
 import pytest
 
-from adamps.core.lease import HolderLeases, LeaseTerms, check_history
+from adamps.core import repl_copies
+from adamps.core.lease import LeaseTerms, check_history
+from adamps.core.repl_core import ReplCore
+from adamps.core.repl_ready import Answer, ControllerRequest, Send
+from adamps.core.repl_settings import ReplSettings
 from adamps.core.replication import Assignment, Batch, BucketReplica, Reject
 from controller.state import DEAD, LIVE, ClusterModel
 
@@ -99,37 +97,6 @@ logging.getLogger("controller.state").setLevel(logging.ERROR)
 
 class Violation(AssertionError):
     pass
-
-
-#: The simulation found bugs (each reproduced by its own strict xfail test at the end of this
-#: file). To explore past them it runs with the fix each test suggests, emulated here in the
-#: core's subclass, the shell model and the controller's handler. ADAMPS_SIM_UNPATCHED lists the
-#: bugs to leave as the code has them ("1,4"), or "all" (then seeds fail within a few runs).
-_UNFIXED = os.environ.get("ADAMPS_SIM_UNPATCHED", "")
-UNFIXED = {1, 2, 3, 4, 5} if _UNFIXED == "all" else {int(x) for x in _UNFIXED.split(",") if x}
-
-
-class PatchedReplica(BucketReplica):
-    def add_learner(self, member: str, join: int = 0) -> Reject | None:
-        # Bug 1 (test_learner_is_not_caught_up_before_it_installed_the_snapshot): the learner
-        # counts as having committed `committed` from the moment the snapshot is taken, so it is
-        # reported caught up (and becomes a promotable member) before it installed anything.
-        # Fix: wait for the learner's own commit ack.
-        prev = self.learners.get(member)
-        rej = super().add_learner(member, join)
-        if rej is None:
-            if 1 not in UNFIXED:
-                self.acked_commit[member] = -1
-            if prev in ("reporting", "reported") and 4 not in UNFIXED:
-                # Bug 4, the primary's side: a new snapshot for a learner whose report is in
-                # flight (it went silent and transfers again) resets it to "syncing", and
-                # Replicator._unresponsive then forgets it while the controller may still accept
-                # the report. Fix: keep the state (the rounds wait for it until the answer).
-                self.learners[member] = prev
-        return rej
-
-
-Replica = BucketReplica if UNFIXED >= {1, 4} else PatchedReplica
 
 
 # -- network ---------------------------------------------------------------------------------------
@@ -212,43 +179,41 @@ class Rpc:
 class Waiter:
     """A client push waiting in the core (the shell's future)."""
 
-    def __init__(self, server: Server, client: str, key: tuple[str, int], uid: int, b: int) -> None:
-        self.server, self.client, self.key, self.uid, self.b = server, client, key, uid, b
-        self.rid = 0
-        self.done = False
+    def __init__(self, client: str, uid: int, b: int, rid: int) -> None:
+        self.client, self.uid, self.b, self.rid = client, uid, b, rid
 
 
-@dataclass
-class CommitPhase:
-    seq: int
-    epoch: int
-    started: float = -1.0
-    out: set[str] = field(default_factory=set)
-    failed: set[str] = field(default_factory=set)
+class SimTransport:
+    """The in-memory transport: the core's messages over the simulated network, each answered
+    exactly once (the reply, or a failure when none came within MEMBER_TIMEOUT), as
+    adamps.server.repl_transport.PeerTransport answers them."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    def send(self, msg: Send) -> None:
+        s = self.server
+        s.call(
+            msg.peer,
+            msg.op,
+            dict(msg.fields),
+            lambda r: s.core.on_reply(msg.rid, r, s.local()),
+            lambda err: s.core.report_unreachable(msg.rid, s.local(), _code(err)),
+        )
 
 
-class Rounds:
-    """The state of `Replicator._rounds` for one bucket (one task per bucket)."""
-
-    def __init__(self, rep: BucketReplica) -> None:
-        self.rep = rep
-        self.prep_epoch: int | None = None
-        self.prep_started = 0.0
-        self.prep_out: set[str] = set()
-        self.prep_failed: set[str] = set()
-        self.commits: deque[CommitPhase] = deque()
-        #: members being brought up to date while idle (_sync_member)
-        self.syncing: set[str] = set()
-        #: _unresponsive in progress: (member, epoch, phase, deadline)
-        self.drop: list[Any] | None = None
-        self.drop_queue: list[str] = []
-        self.alive = True
+def _code(err: Any) -> str:
+    return str(err.get("code")) if isinstance(err, dict) else str(err)
 
 
-# -- a parameter server (the shell) ----------------------------------------------------------------
+# -- a parameter server: the production core in a shell of the simulation ---------------------------
 
 
 class Server:
+    """One parameter server: adamps.core.repl_core.ReplCore as the server runs it, with this
+    simulation's network, disk and clock for its shell (what adamps.server.replicate does with
+    asyncio, HTTP and LMDB). No decision is taken here."""
+
     def __init__(
         self,
         sim: Sim,
@@ -260,29 +225,31 @@ class Server:
         self.sim, self.sid, self.disk = sim, sid, disk
         self.rate = sim.rng.uniform(0.96, 1.04)
         self.off = sim.rng.uniform(0, 100)
-        self.reps: dict[int, BucketReplica] = {}
-        self.roles: dict[int, str] = {}
+        settings = ReplSettings(
+            sid,
+            member_timeout=MEMBER_TIMEOUT,
+            failover_after=FAILOVER_AFTER,
+            ack=sim.ack,
+            log_limit=LOG_LIMIT,
+            lease=TERMS,
+        )
+        self.core = ReplCore(settings)
+        self.transport = SimTransport(self)
         self.store: dict[int, list[int]] = {}
-        self.leases = HolderLeases(TERMS)
         self.registered = False
         self.registering = False
-        self.table_version: int | None = None
-        self.unavailable: frozenset[int] = frozenset()
-        self.last_heard: dict[int, float] = {}
-        self.role_change_after: dict[int, float] = {}
         self.hb_inflight = False
         self.hb_next = 0.0
         self.reregister_at: float | None = None
         self.next_ping = self.local() + PING
         self.next_flush = self.local() + sim.rng.uniform(0, FLUSH)
         self.rpcs: dict[int, Rpc] = {}
-        self.rounds: dict[int, Rounds] = {}
-        #: (bucket, learner) -> event count of the snapshot that made it a learner
-        self.joined_at: dict[tuple[int, str], int] = {}
-        #: bucket -> (next try, outstanding rid or None)
+        #: bucket -> [next try, outstanding rid or None] of its state transfer (Replicator._join)
         self.joins: dict[int, list[Any]] = {}
         #: bucket -> event count of the disk cut this copy was reloaded from (loss window)
         self.restored: dict[int, int] = {}
+        #: (bucket, epoch, seq) of the rounds seen started (each checked under the lease once)
+        self.rounds_seen: set[tuple[int, int, int]] = set()
         self.crashed = False
         self.paused_until: float | None = None
         # A cut that fails its checksum (issue 29) is dropped at the reload, as
@@ -291,15 +258,21 @@ class Server:
             disk.pop(b, None)
         if not wiped:
             for b, cut in disk.items():
-                rep = self.reps[b] = Replica(sid, b, log_limit=LOG_LIMIT)
-                rep.restore(cut.seq, cut.epoch, cut.dedup, cut.prepared)
-                self.roles[b] = "standby"
+                repl_copies.restore(self.core, b, cut.seq, cut.epoch, cut.dedup, cut.prepared)
                 self.store[b] = list(cut.values)
                 self.restored[b] = cut.at
         else:
             disk.clear()
 
     # -- helpers -----------------------------------------------------------------------------
+
+    @property
+    def reps(self) -> dict[int, BucketReplica]:
+        return self.core.buckets
+
+    @property
+    def roles(self) -> dict[int, str]:
+        return self.core.roles
 
     def local(self) -> float:
         return self.off + self.rate * self.sim.now
@@ -320,7 +293,7 @@ class Server:
         kind: str,
         body: dict[str, Any],
         on_reply: Callable[[dict[str, Any]], None],
-        on_fail: Callable[[str], None],
+        on_fail: Callable[[Any], None],
         timeout: float = MEMBER_TIMEOUT,
     ) -> int:
         rid = self.sim.rid()
@@ -341,6 +314,7 @@ class Server:
             rpc.on_fail(body["error"])
         else:
             rpc.on_reply(body)
+        self.drain()
 
     def expire_rpcs(self) -> None:
         now = self.local()
@@ -354,20 +328,101 @@ class Server:
                 self.sim.net.send(self.sid, dst, kind, {**body, "rid": rid, "from": self.sid})
                 continue
             rpc.on_fail("timeout")
+            self.drain()
 
     def request_heartbeat(self) -> None:
         self.hb_next = min(self.hb_next, self.local())
 
-    def can_write(self, b: int) -> bool:
-        rep = self.reps.get(b)
-        return rep is not None and self.leases.can_write(b, rep.assignment.epoch, self.local())
-
     def serve(self, b: int, what: str) -> None:
         """Records an act as primary under the lease (invariant 1)."""
-        rep = self.reps[b]
-        deadline = self.leases.deadline(b)
-        assert deadline is not None
+        rep = self.core.buckets[b]
+        deadline = self.core.leases.deadline(b)
+        if deadline is None:
+            raise Violation(f"{self.sid} acts as primary of b{b} ({what}) holding no lease")
         self.sim.served(self.sid, b, rep.assignment.epoch, self.to_true(deadline), what)
+
+    # -- the Ready ---------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Carries out the core's Ready as Replicator.drain does, in the same order."""
+        core = self.core
+        while core.has_ready():
+            rd = core.ready()
+            core.advance()
+            for b in rd.forget:
+                self.log(f"b{b}: copy dropped (no role)")
+                self.store.pop(b, None)
+                self.restored.pop(b, None)
+                self.joins.pop(b, None)
+            for b in rd.hold:
+                if b not in self.store:
+                    self.store[b] = []
+                    self.restored.pop(b, None)
+            for b, action in rd.applies:
+                for batch in action.batches:
+                    self.store[b].extend(batch.updates)
+            for ans in rd.answers:
+                self.answer(ans)
+            for msg in rd.messages:
+                self.transport.send(msg)
+            for b in rd.stop_joins:
+                self.joins.pop(b, None)
+            for b in rd.start_joins:
+                self.joins.setdefault(b, [0.0, None])
+            for req in rd.requests:
+                self.request(req)
+            if rd.heartbeat:
+                self.request_heartbeat()
+        # Invariant 1 for every round the core started (only while the lease holds).
+        for b in core.buckets:
+            rep = core.buckets[b]
+            if core.roles.get(b) == "primary" and rep.inflight is not None:
+                key = (b, rep.assignment.epoch, rep.inflight[0].seq)
+                if key not in self.rounds_seen:
+                    self.rounds_seen.add(key)
+                    self.serve(b, f"round {key[2]}")
+
+    def answer(self, ans: Answer) -> None:
+        w: Waiter = ans.waiter
+        if ans.outcome != "ok":
+            self.sim.net.send(
+                self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "unknown"}
+            )
+            return
+        self.serve(w.b, f"ack u{w.uid}")
+        rep = self.core.buckets[w.b]
+        # the promotable holders: primary and members (a learner's copy is no member's)
+        self.sim.acked(w.b, w.uid, self.sid, (self.sid, *rep.assignment.secondaries))
+        self.sim.net.send(self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "ack"})
+
+    def request(self, req: ControllerRequest) -> None:
+        """A call to the controllers the core asked for (Replicator._request)."""
+        b, core = req.bucket, self.core
+        if req.kind == "role_change":
+            self.log(f"b{b}: primary silent: role change")
+            body = {"bucket": b, "server": self.sid, "prev_epoch": req.epoch,
+                    "reports": {self.sid: list(req.position)}}  # fmt: skip
+
+            def answered(err: Any, b: int = b) -> None:
+                retry = err.get("retry_after") if isinstance(err, dict) else None
+                core.on_role_change_answer(b, retry, self.local())
+
+            self.call(CTL, "role_change", body, lambda _r: answered(None), answered)
+        elif req.kind == "drop_secondary":
+            self.log(f"b{b}: drop-secondary {req.member} (epoch {req.epoch})")
+            body = {"bucket": b, "primary": self.sid, "epoch": req.epoch, "server": req.member}
+            self.call(CTL, "drop_secondary", body, lambda _r: self.request_heartbeat(),
+                      lambda _e: self.request_heartbeat())  # fmt: skip
+        else:
+            self.log(f"b{b}: report {req.member} caught up (epoch {req.epoch})")
+            body = {"bucket": b, "primary": self.sid, "epoch": req.epoch,
+                    "server": req.member, "join": req.join}  # fmt: skip
+
+            def done(err: Any) -> None:
+                if core.on_caught_up_answer(req, None if err is None else _code(err), self.local()):
+                    self.request(req)  # its outcome is unknown: ask again
+
+            self.call(CTL, "caught_up", body, lambda _r: done(None), done)
 
     # -- timers ------------------------------------------------------------------------------
 
@@ -382,61 +437,52 @@ class Server:
             self.heartbeat()
         if now >= self.next_ping:
             self.next_ping = now + PING
-            self.ping_loop()
+            for m, buckets in self.core.pings().items():
+                ok = lambda r: self.core.on_ping_reply(r["stale"])  # noqa: E731
+                self.call(m, "repl_ping", {"buckets": {int(k): e for k, e in buckets.items()}},
+                          ok, lambda _e: None)  # fmt: skip
         if now >= self.next_flush:
             self.next_flush = now + FLUSH
             self.flush()
-        for b in [b for b in self.rounds if self.roles.get(b) != "primary"]:
-            self.rounds.pop(b).alive = False
-        for b in list(self.roles):
-            role = self.roles.get(b)
-            if role == "primary":
-                self.drive(b)
-            elif role == "joining":
-                self.drive_join(b)
+        self.core.tick(now)
+        self.drain()
+        for b in list(self.joins):
+            self.drive_join(b)
 
     def flush(self) -> None:
         """The flusher's cut: every held copy's values and position at one instant; positions of
         the others are deleted (persist.write_snapshots)."""
+        at = self.sim.tick_n()
+
+        def cut(epoch: int, seq: int, dedup: Any, _fresh: bool, prepared: Any) -> Any:
+            return epoch, seq, dedup, tuple(prepared)
+
         cuts = {}
-        for b, rep in self.reps.items():
-            if self.roles.get(b) == "joining" and not rep.learning:
-                continue
+        for b, (epoch, seq, _d, prepared) in repl_copies.positions(self.core, None, 0, cut).items():
             cuts[b] = Cut(
                 list(self.store[b]),
-                rep.committed_epoch,
-                rep.committed,
-                rep.dedup.to_list(),
+                epoch,
+                seq,
+                self.core.buckets[b].dedup.to_list(),
                 # a copy reloaded from an older cut holds what it held then (plus later rounds)
-                self.restored.get(b, self.sim.tick_n()),
-                tuple(rep.held_prepared()),
+                self.restored.get(b, at),
+                prepared,
             )
         self.disk.clear()
         self.disk.update(cuts)
 
     # -- control loop ------------------------------------------------------------------------
 
-    def copies(self) -> dict[int, list[int]]:
-        return {
-            b: list(rep.held_position)
-            for b, rep in self.reps.items()
-            if self.roles.get(b) != "joining" or rep.learning
-        }
-
     def register(self) -> None:
         self.registering = True
-        copies = self.copies()
+        self.core.unregistered()  # as ControllerLink._register: the offered positions are final
+        self.drain()
+        copies = repl_copies.copies(self.core)
         self.log(f"register offering {copies}")
 
         def ok(reply: dict[str, Any]) -> None:
             self.registering = False
-            self.leases = HolderLeases(TERMS)
-            for b, rep in self.reps.items():
-                self.fail_waiters(rep.on_assignment(Assignment(rep.assignment.epoch, None)))
-                if self.roles.get(b) != "joining" or rep.learning:
-                    self.roles[b] = "standby"
-            self.rounds.clear()
-            self.table_version = None
+            self.core.registered(TERMS)
             self.registered = True
             self.hb_inflight = False
             self.hb_next = self.local()
@@ -449,7 +495,7 @@ class Server:
 
     def heartbeat(self) -> None:
         asked_at = self.local()
-        reports = {b: [rep.assignment.epoch, rep.prepared_seq] for b, rep in self.reps.items()}
+        reports = self.core.heartbeat_reports()
         self.hb_inflight = True
         incarnation = self.registered
 
@@ -458,15 +504,11 @@ class Server:
             self.hb_next = self.local() + HEARTBEAT
             if not incarnation or not self.registered:
                 return
-            self.unavailable = frozenset(reply["unavailable"])
-            if "roles" in reply:
-                self.apply_roles(reply["roles"], reply["version"])
-            for b, epoch in reply["renewed"]:
-                self.leases.on_granted(b, epoch, asked_at)
+            self.core.on_roles(reply, asked_at, self.local())
 
         def fail(err: Any) -> None:
             self.hb_inflight = False
-            code = err.get("code") if isinstance(err, dict) else err
+            code = _code(err)
             # declared dead (conflict / not_found), or the controllers unreachable: the control
             # loop registers again (a new incarnation)
             self.log(f"heartbeat failed ({code}): registering again")
@@ -475,475 +517,20 @@ class Server:
                 0.0 if code in ("conflict", "not_found") else 0.125
             )
 
-        self.call(CTL, "heartbeat", {"known": self.table_version, "reports": reports}, ok, fail)
-
-    def apply_roles(self, roles: list[dict[str, Any]], version: int) -> None:
-        seen = set()
-        for r in roles:
-            b = r["bucket"]
-            seen.add(b)
-            a = Assignment(r["epoch"], r["primary"], tuple(r["secondaries"]), tuple(r["joining"]))
-            role = r["role"]
-            rep = self.reps.get(b)
-            if rep is None:
-                rep = self.reps[b] = Replica(self.sid, b, log_limit=LOG_LIMIT)
-                self.store[b] = []
-                self.restored.pop(b, None)
-            was = self.roles.get(b)
-            if role == "standby":
-                self.roles[b] = "standby"
-                self.leases.drop(b)
-                continue
-            if role == "joining":
-                if rep.is_primary and 2 not in UNFIXED:
-                    # Bug 2 (test_deposed_primary_that_rejoins_keeps_its_round_in_flight): the
-                    # shell sets the assignment of a copy that becomes `joining` directly, so a
-                    # primary handed off keeps its round in flight and its waiters; promoted
-                    # later, it replays that stale round. Workaround: leave the role first.
-                    self.fail_waiters(rep.on_assignment(Assignment(rep.assignment.epoch, None)))
-                if a.epoch >= rep.assignment.epoch:
-                    if (a.epoch, a.primary) != (rep.assignment.epoch, rep.assignment.primary):
-                        if rep.learning:
-                            self.log(f"b{b}: joining {a}: transfer again")
-                        rep.learning = False
-                    rep.assignment = a
-                self.roles[b] = "joining"
-                self.joins.setdefault(b, [0.0, None])
-                continue
-            if was == "joining":
-                self.joins.pop(b, None)
-            self.fail_waiters(rep.on_assignment(a))
-            self.roles[b] = role
-            if role == "primary":
-                if was != "primary":
-                    self.log(f"b{b}: primary at epoch {a.epoch} {a}")
-            else:
-                self.leases.drop(b)
-                self.last_heard.setdefault(b, self.local())
-        for b in [b for b in self.reps if b not in seen]:
-            self.forget(b)
-        self.table_version = version
-
-    def forget(self, b: int) -> None:
-        self.log(f"b{b}: copy dropped (no role)")
-        rep = self.reps.pop(b)
-        self.roles.pop(b, None)
-        self.store.pop(b, None)
-        self.restored.pop(b, None)
-        self.leases.drop(b)
-        self.last_heard.pop(b, None)
-        self.joins.pop(b, None)
-        self.fail_waiters(rep.on_assignment(Assignment(rep.assignment.epoch + 1, None)))
-
-    def fail_waiters(self, waiters: list[Any]) -> None:
-        for w in waiters:
-            if not w.done:
-                w.done = True
-                self.sim.net.send(
-                    self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "unknown"}
-                )
-
-    def release(self, waiters: list[Any]) -> None:
-        for w in waiters:
-            if w.done:
-                continue
-            w.done = True
-            rep = self.reps.get(w.b)
-            if rep is not None and self.can_write(w.b):
-                self.serve(w.b, f"ack u{w.uid}")
-            else:
-                # Replicator._release answers a round's pushes whenever its members confirmed,
-                # also after the lease ran out, even after the next epoch was granted: two
-                # copies then acknowledge in overlapping time (harmless for the data: the batch
-                # is on the new primary too). Fix: past the lease, the outcome is unknown.
-                lease = self.sim.ctl.model.buckets[w.b]["lease"]
-                epoch = rep.assignment.epoch if rep is not None else -1
-                if lease is not None and (lease.holder, lease.epoch) != (self.sid, epoch):
-                    self.sim.stats["acks_after_next_grant"] += 1
-                    if 5 in UNFIXED:
-                        raise Violation(
-                            f"{self.sid} acknowledges u{w.uid} of b{w.b} (epoch {epoch}) after "
-                            f"epoch {lease.epoch} was granted to {lease.holder}"
-                        )
-                if 5 not in UNFIXED:
-                    self.sim.net.send(
-                        self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "unknown"}
-                    )
-                    continue
-            # the promotable holders: primary and members (a learner's copy is no member's)
-            holders = (self.sid, *rep.assignment.secondaries) if rep is not None else (self.sid,)
-            self.sim.acked(w.b, w.uid, self.sid, holders)
-            self.sim.net.send(self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "ack"})
-
-    # -- primary: rounds (Replicator._rounds / _prepare_all / _commit_all) -------------------------
-
-    def drive(self, b: int) -> None:
-        rep = self.reps[b]
-        rs = self.rounds.get(b)
-        if rs is None or rs.rep is not rep:
-            if rs is not None:
-                rs.alive = False
-            rs = self.rounds[b] = Rounds(rep)
-        if rs.drop is not None or rs.drop_queue:
-            self.drive_drop(b, rs)
-            if rs.drop is not None or rs.drop_queue:
-                return
-        if rep.needs_recovery:
-            rep.recover()
-        if rep.inflight is None:
-            rs.prep_epoch = None
-            if not self.can_write(b):
-                rs.commits.clear()  # the task returns; its commit task is cancelled
-                return
-            if len(rs.commits) <= 1:
-                batch = rep.next_round()
-                if batch is not None:
-                    self.serve(b, f"round {batch.seq}")
-                elif rs.commits:
-                    self.drive_commits(b, rs)
-                    return
-                else:
-                    for m in rep.lagging():
-                        if m not in rs.syncing:
-                            rs.syncing.add(m)
-                            self.sync_member(b, rs, m, None, lambda ok, m=m: rs.syncing.discard(m))
-                    if not rs.syncing:
-                        self.report_learners(b, rep)
-                    return
-        if rep.inflight is not None:
-            self.drive_prepare(b, rs)
-        self.drive_commits(b, rs)
-
-    def drive_prepare(self, b: int, rs: Rounds) -> None:
-        rep = rs.rep
-        if rs.prep_epoch != rep.assignment.epoch:
-            rs.prep_epoch = rep.assignment.epoch
-            rs.prep_started = self.local()
-            rs.prep_failed = set()
-        assert rep.inflight is not None
-        seq = rep.inflight[0].seq
-        if rep.round_prepared():
-            if len(rs.commits) >= 2:
-                return  # awaits the previous commit task
-            rep_apply = rep.commit_round()
-            self.apply(b, rep_apply.batches)
-            if self.sim.ack == "prepared":
-                self.release(rep.release_decided())  # the decision point (the default)
-            rs.commits.append(CommitPhase(seq, rep.assignment.epoch))
-            rs.prep_epoch = None
-            return
-        for m in rep.replicas:
-            if rep.acked_prepare.get(m, -1) < seq and m not in rs.prep_out:
-                rs.prep_out.add(m)
-                self.prepare_one(b, rs, m, 3)
-        if rs.prep_failed and self.local() - rs.prep_started > MEMBER_TIMEOUT:
-            rs.drop_queue += sorted(rs.prep_failed)
-            rs.prep_failed = set()
-            rs.prep_started = self.local()
-
-    def prepare_one(self, b: int, rs: Rounds, m: str, tries: int) -> None:
-        rep = rs.rep
-
-        def done(ok: bool) -> None:
-            rs.prep_out.discard(m)
-            if ok:
-                rs.prep_failed.discard(m)
-            else:
-                rs.prep_failed.add(m)
-
-        if rep.inflight is None or tries == 0:
-            done(False)
-            return
-        entries = rep.prepare_for(m)
-        if entries is None:
-            done(False)
-            return
-
-        def reply(r: dict[str, Any]) -> None:
-            if not rs.alive:
-                return
-            if r["status"] == "gap":
-                rep.on_member_position(m, r["seq"])
-                self.prepare_one(b, rs, m, tries - 1)
-                return
-            rep.on_prepare_ack(m, r["seq"])
-            if "committed" in r:  # it applied what this PREPARE said was decided
-                self.release(rep.on_commit_ack(m, r["committed"]))
-            done(True)
-
-        def fail(err: Any) -> None:
-            if not rs.alive:
-                return
-            if isinstance(err, dict) and err.get("code") == "stale_epoch":
-                self.request_heartbeat()
-            done(False)
-
-        self.call(
-            m,
-            "prepare",
-            # `commit`: the primary's committed seq rides along (Replicator._prepare_one)
-            {
-                "bucket": b,
-                "epoch": rep.assignment.epoch,
-                "entries": entries,
-                "commit": rep.committed,
-            },
-            reply,
-            fail,
-        )
-
-    def drive_commits(self, b: int, rs: Rounds) -> None:
-        rep = rs.rep
-        while rs.commits:
-            ph = rs.commits[0]
-            if ph.started < 0:
-                ph.started = self.local()
-                if self.sim.ack == "prepared" and self.sim.rng.random() < 0.5:
-                    # Replicator._commit_all waits COMMIT_DELAY first: the next PREPARE may
-                    # carry the commit (here: a step, in half of the rounds)
-                    return
-            waiting = [m for m in rep.replicas if rep.acked_commit.get(m, -1) < ph.seq]
-            if not waiting or rep.assignment.epoch != ph.epoch or self.roles.get(b) != "primary":
-                rs.commits.popleft()
-                self.release(rep.release_acknowledged())
-                self.report_learners(b, rep)
-                continue
-            for m in waiting:
-                if m not in ph.out:
-                    ph.out.add(m)
-                    self.commit_one(b, rs, ph, m)
-            if ph.failed and self.local() - ph.started > MEMBER_TIMEOUT:
-                rs.drop_queue += sorted(ph.failed)
-                ph.failed = set()
-                ph.started = self.local()
-            return
-
-    def commit_one(self, b: int, rs: Rounds, ph: CommitPhase, m: str) -> None:
-        rep = rs.rep
-
-        def done(ok: bool) -> None:
-            ph.out.discard(m)
-            if ok:
-                ph.failed.discard(m)
-            else:
-                ph.failed.add(m)
-
-        def reply(r: dict[str, Any]) -> None:
-            if not rs.alive:
-                return
-            if r["status"] == "gap":
-                rep.on_member_position(m, r["seq"])
-                self.sync_member(b, rs, m, ph.seq, done)
-                return
-            self.release(rep.on_commit_ack(m, r["seq"]))
-            done(True)
-
-        def fail(err: Any) -> None:
-            if not rs.alive:
-                return
-            if isinstance(err, dict) and err.get("code") == "stale_epoch":
-                self.request_heartbeat()
-            done(False)
-
-        self.call(
-            m, "commit", {"bucket": b, "epoch": rep.assignment.epoch, "seq": ph.seq}, reply, fail
-        )
-
-    def sync_member(
-        self,
-        b: int,
-        rs: Rounds,
-        m: str,
-        upto: int | None,
-        done: Callable[[bool], None],
-        tries: int = 3,
-    ) -> None:
-        """_sync_member: COMMIT up to `upto`; on a gap, PREPARE the log after its position."""
-        rep = rs.rep
-        if tries == 0 or not rs.alive:
-            done(False)
-            return
-        seq = rep.committed if upto is None else min(upto, rep.committed)
-
-        def reply(r: dict[str, Any]) -> None:
-            if not rs.alive:
-                return
-            if r["status"] == "ok":
-                self.release(rep.on_commit_ack(m, r["seq"]))
-                done(True)
-                return
-            rep.on_member_position(m, r["seq"])
-            entries = rep.log_after(r["seq"])
-            if entries is None:
-                done(False)
-                return
-            self.call(
-                m,
-                "prepare",
-                {"bucket": b, "epoch": rep.assignment.epoch, "entries": entries},
-                lambda _r: self.sync_member(b, rs, m, upto, done, tries - 1),
-                lambda _e: done(False),
-            )
-
-        self.call(
-            m,
-            "commit",
-            {"bucket": b, "epoch": rep.assignment.epoch, "seq": seq},
-            reply,
-            lambda _e: done(False),
-        )
-
-    def drive_drop(self, b: int, rs: Rounds) -> None:
-        """_unresponsive for the queued members, one at a time (the round task awaits it)."""
-        rep = rs.rep
-        if rs.drop is not None:
-            member, epoch, phase, deadline = rs.drop
-            if phase == "rpc":
-                return
-            if (
-                member in rep.assignment.secondaries
-                and rep.assignment.epoch == epoch
-                and self.local() < deadline
-            ):
-                self.request_heartbeat()
-                return
-            rs.drop = None
-            if member in rep.learners:
-                rep.drop_learner(member)
-        while rs.drop is None and rs.drop_queue:
-            m = rs.drop_queue.pop(0)
-            state = rep.learners.get(m)
-            if state == "syncing":
-                self.log(f"b{b}: learner {m} unresponsive; forgotten")
-                rep.drop_learner(m)
-                continue
-            if state == "reporting":
-                continue
-            epoch = rep.assignment.epoch
-            self.log(f"b{b}: drop-secondary {m} (epoch {epoch})")
-            rs.drop = [m, epoch, "rpc", 0.0]
-
-            def ok(_r: dict[str, Any], rs: Rounds = rs) -> None:
-                if rs.drop is not None:
-                    rs.drop[2] = "wait"
-                    rs.drop[3] = self.local() + MEMBER_TIMEOUT
-                self.request_heartbeat()
-
-            def fail(_e: Any, rs: Rounds = rs) -> None:
-                rs.drop = None
-                self.request_heartbeat()
-
-            self.call(
-                CTL,
-                "drop_secondary",
-                {"bucket": b, "primary": self.sid, "epoch": epoch, "server": m},
-                ok,
-                fail,
-            )
-
-    def report_learners(self, b: int, rep: BucketReplica) -> None:
-        for m in rep.learners_caught_up():
-            rep.report_sent(m)
-            self.report_caught_up(b, rep, m, rep.assignment.epoch, self.joined_at.get((b, m), 0))
-
-    def report_caught_up(
-        self, b: int, rep: BucketReplica, m: str, epoch: int, joined_at: int
-    ) -> None:
-        """Replicator._report_caught_up."""
-        self.log(f"b{b}: report {m} caught up at {rep.committed} (epoch {epoch})")
-
-        def current() -> bool:
-            # the answer settles the learner only if the record did not move on and the copy
-            # did not join again meanwhile (that join's own report decides)
-            return rep.assignment.epoch == epoch and self.joined_at.get((b, m), 0) == joined_at
-
-        def ok(_r: dict[str, Any]) -> None:
-            if current():
-                rep.report_done(m, True)
-            self.request_heartbeat()
-
-        def fail(err: Any) -> None:
-            if err == "timeout" and 3 not in UNFIXED and self.up and self.reps.get(b) is rep:
-                # Bug 3 (test_caught_up_report_with_unknown_outcome_forgets_a_member): an
-                # unknown outcome is no refusal. Fix: ask again until the controller answers
-                # (caught_up is idempotent, see Controller.handle).
-                self.report_caught_up(b, rep, m, epoch, joined_at)
-                return
-            if current():
-                rep.report_done(m, False)
-            self.request_heartbeat()
-
-        body = {"bucket": b, "primary": self.sid, "epoch": epoch, "server": m}
-        if 4 not in UNFIXED:
-            body["joined_at"] = joined_at
-        self.call(CTL, "caught_up", body, ok, fail)
-
-    def apply(self, b: int, batches: tuple[Batch, ...]) -> None:
-        st = self.store[b]
-        for batch in batches:
-            st.extend(batch.updates)
-
-    # -- pings, watchdog, join ---------------------------------------------------------------
-
-    def ping_loop(self) -> None:
-        by_member: dict[str, dict[int, int]] = {}
-        for b, role in self.roles.items():
-            if role != "primary":
-                continue
-            rep = self.reps[b]
-            for m in rep.replicas:
-                by_member.setdefault(m, {})[b] = rep.assignment.epoch
-        for m, buckets in by_member.items():
-
-            def ok(r: dict[str, Any]) -> None:
-                if r["stale"]:
-                    self.request_heartbeat()
-
-            self.call(m, "ping", {"buckets": buckets}, ok, lambda _e: None)
-        self.watchdog()
-
-    def watchdog(self) -> None:
-        now = self.local()
-        for b, role in list(self.roles.items()):
-            if role != "secondary":
-                continue
-            heard = self.last_heard.get(b, now)
-            if now - heard > FAILOVER_AFTER and now >= self.role_change_after.get(b, 0):
-                self.role_change_after[b] = now + FAILOVER_AFTER
-                rep = self.reps[b]
-                self.log(f"b{b}: primary {rep.assignment.primary} silent: role change")
-
-                def fail(err: Any, b: int = b) -> None:
-                    if isinstance(err, dict) and err.get("retry_after"):
-                        self.role_change_after[b] = self.local() + err["retry_after"]
-                    self.request_heartbeat()
-
-                self.call(
-                    CTL,
-                    "role_change",
-                    {
-                        "bucket": b,
-                        "server": self.sid,
-                        "prev_epoch": rep.assignment.epoch,
-                        "reports": {self.sid: [rep.assignment.epoch, rep.prepared_seq]},
-                    },
-                    lambda _r: self.request_heartbeat(),
-                    fail,
-                )
+        known = self.core.table_version
+        self.call(CTL, "heartbeat", {"known": known, "reports": reports}, ok, fail)
 
     def drive_join(self, b: int) -> None:
-        """Replicator._join."""
-        js = self.joins.setdefault(b, [0.0, None])
-        rep = self.reps[b]
+        """Replicator._join: fetch a snapshot, install it if the core says it fits."""
+        js = self.joins[b]
+        target = self.core.join_target(b)
         now = self.local()
-        if rep.learning:
-            if now - self.last_heard.get(b, 0.0) > FAILOVER_AFTER:
-                self.log(f"b{b}: primary silent while joining; again")
-                rep.learning = False
+        if target is None:
+            self.joins.pop(b, None)
             return
-        if js[1] is not None or now < js[0]:
+        if self.core.learning(b) or js[1] is not None or now < js[0]:
             return
-        primary, epoch = rep.assignment.primary, rep.assignment.epoch
+        primary, epoch, join = target
         if primary is None:
             js[0] = now + 0.3 / 4
             self.request_heartbeat()
@@ -951,20 +538,19 @@ class Server:
 
         def ok(snap: dict[str, Any]) -> None:
             js[1] = None
-            if (
-                self.joins.get(b) is not js
-                or self.reps.get(b) is not rep
-                or self.roles.get(b) != "joining"
-                or (rep.assignment.epoch, rep.assignment.primary) != (epoch, primary)
-                or snap["epoch"] != epoch
+            if self.joins.get(b) is not js or not self.core.snapshot_fits(
+                b, (primary, epoch), snap["epoch"]
             ):
                 js[0] = self.local() + 0.3 / 4
                 self.request_heartbeat()
                 return
             self.store[b] = list(snap["values"])
-            rep.install_snapshot(snap["committed"], snap["dedup"], snap["committed_epoch"])
+            self.core.installed(
+                b, snap["committed"], snap["dedup"], snap["committed_epoch"], self.local()
+            )
+            # The simulated disk never fails: the copy is persisted in the same step.
+            self.core.install_persisted(b, True, self.local())
             self.restored.pop(b, None)
-            self.last_heard[b] = self.local()
             self.log(f"b{b}: snapshot at {snap['committed']} from {primary} installed")
             self.sim.stats["snapshots"] += 1
 
@@ -973,7 +559,8 @@ class Server:
             js[0] = self.local() + 0.3 / 4
             self.request_heartbeat()
 
-        js[1] = self.call(primary, "snapshot", {"bucket": b, "joiner": self.sid}, ok, fail)
+        body = {"bucket": b, "joiner": self.sid, "join": join}
+        js[1] = self.call(primary, "snapshot", body, ok, fail)
 
     # -- requests from peers and clients -------------------------------------------------------
 
@@ -985,119 +572,34 @@ class Server:
         if msg.kind == "push":
             self.on_push(msg)
             return
-        handler = getattr(self, f"op_{msg.kind}")
-        try:
-            result = handler(msg.src, body)
-            reply = {"rid": body["rid"], **result}
-        except ProtoError as exc:
-            reply = {"rid": body["rid"], "error": {"code": exc.code, **exc.extra}}
+        now = self.local()
+        if msg.kind == "snapshot":
+            b = body["bucket"]
+            res = self.core.snapshot_for(b, body["joiner"], body["join"], now)
+            if not isinstance(res, Reject):
+                self.serve(b, f"snapshot to {body['joiner']}")
+                self.log(f"b{b}: snapshot at {res['committed']} for {body['joiner']}")
+                res = {**res, "values": list(self.store[b])}
+        else:  # repl_prepare, repl_commit, repl_ping: the fields as repl_ops.PeerOps feeds them
+            res = self.core.step(msg.src, {**body, "op": msg.kind, "sender": msg.src}, now)
+        self.drain()
+        if isinstance(res, Reject):
+            reply = {"rid": body["rid"], "error": {"code": res.code}}
+        else:
+            reply = {"rid": body["rid"], **res}
         self.sim.net.send(self.sid, msg.src, "reply", reply)
-
-    def _known(self, b: int) -> BucketReplica:
-        rep = self.reps.get(b)
-        if rep is None:
-            self.request_heartbeat()
-            raise ProtoError("unavailable")
-        return rep
-
-    def _reject(self, rej: Reject) -> ProtoError:
-        if rej.code == "unavailable":
-            self.request_heartbeat()
-        return ProtoError(rej.code)
-
-    def op_prepare(self, sender: str, body: dict[str, Any]) -> dict[str, Any]:
-        b = body["bucket"]
-        rep = self._known(b)
-        res = rep.on_prepare(sender, body["epoch"], body["entries"])
-        if isinstance(res, Reject):
-            raise self._reject(res)
-        self.last_heard[b] = self.local()
-        reply = {"status": res[0], "seq": res[1]}
-        upto = min(body.get("commit", 0), rep.prepared_seq)
-        if res[0] == "ok" and upto > rep.committed:  # Follower.op_repl_prepare
-            done = rep.on_commit(sender, body["epoch"], upto)
-            assert not isinstance(done, (Reject, tuple)), done
-            self.apply(b, done.batches)
-            reply["committed"] = rep.committed
-        return reply
-
-    def op_commit(self, sender: str, body: dict[str, Any]) -> dict[str, Any]:
-        b = body["bucket"]
-        rep = self._known(b)
-        res = rep.on_commit(sender, body["epoch"], body["seq"])
-        if isinstance(res, Reject):
-            raise self._reject(res)
-        self.last_heard[b] = self.local()
-        if isinstance(res, tuple):
-            return {"status": res[0], "seq": res[1]}
-        self.apply(b, res.batches)
-        return {"status": "ok", "seq": rep.committed}
-
-    def op_ping(self, sender: str, body: dict[str, Any]) -> dict[str, Any]:
-        stale = []
-        for b, epoch in body["buckets"].items():
-            rep = self.reps.get(b)
-            if rep is None:
-                continue
-            if rep.assignment.epoch == epoch and rep.assignment.primary == sender:
-                self.last_heard[b] = self.local()
-            elif epoch < rep.assignment.epoch:
-                stale.append(b)
-            else:
-                self.request_heartbeat()
-        return {"stale": stale}
-
-    def check_primary(self, b: int) -> BucketReplica:
-        rep = self.reps.get(b)
-        if b in self.unavailable:
-            self.request_heartbeat()
-            raise ProtoError("bucket_unavailable")
-        if rep is None or self.roles.get(b) != "primary":
-            raise ProtoError("not_primary")
-        if not self.can_write(b):
-            self.request_heartbeat()
-            raise ProtoError("not_primary")
-        return rep
-
-    def op_snapshot(self, sender: str, body: dict[str, Any]) -> dict[str, Any]:
-        b = body["bucket"]
-        rep = self.check_primary(b)
-        rej = rep.add_learner(body["joiner"])
-        if rej is not None:
-            raise self._reject(rej)
-        self.serve(b, f"snapshot to {body['joiner']}")
-        self.joined_at[(b, body["joiner"])] = self.sim.tick_n()
-        self.log(f"b{b}: snapshot at {rep.committed} for {body['joiner']}")
-        return {
-            "epoch": rep.assignment.epoch,
-            **rep.snapshot_meta(),
-            "values": list(self.store[b]),
-        }
 
     def on_push(self, msg: Msg) -> None:
         body = msg.body
         b, key, uid = body["bucket"], tuple(body["key"]), body["uid"]
-        w = Waiter(self, msg.src, key, uid, b)
-        w.rid = body["rid"]
-        try:
-            rep = self.check_primary(b)
-            verdict = rep.submit(uid, key, w)
-        except ProtoError as exc:
-            verdict = Reject(exc.code, "")
-        if isinstance(verdict, Reject):
-            w.done = True
+        w = Waiter(msg.src, uid, b, body["rid"])
+        res = self.core.submit({b: uid}, key, {b: w}, self.local())
+        if isinstance(res, tuple):
+            self.drain()
             self.sim.net.send(self.sid, msg.src, "push_reply", {"rid": w.rid, "outcome": "failed"})
             return
         self.serve(b, f"push {key}")
-        if verdict == "duplicate-committed":
-            self.release([w])
-
-
-class ProtoError(Exception):
-    def __init__(self, code: str, **extra: Any) -> None:
-        super().__init__(code)
-        self.code = code
-        self.extra = extra
+        self.drain()
 
 
 # -- the controller (leader): the real ClusterModel and the service's soft state ----------------
@@ -1110,21 +612,6 @@ class Controller:
         self.last_seen: dict[str, float] = {}
         self.reports: dict[int, dict[str, list[int]]] = {}
         self.next_step = 0.0
-        #: (bucket, server, incarnation) -> event count when it entered `joining` (bug 4's fix)
-        self.join_since: dict[tuple[int, str, int], int] = {}
-        self._joining: set[tuple[int, str, int]] = set()
-
-    def track(self) -> None:
-        """Notes when copies enter `joining` (call after every change of the model)."""
-        servers = self.model.servers
-        now = {
-            (b, s, servers[s]["incarnation"])
-            for b, bk in enumerate(self.model.buckets)
-            for s in bk["joining"]
-        }
-        for key in now - self._joining:
-            self.join_since[key] = self.sim.tick_n()
-        self._joining = now
 
     def leader_change(self) -> None:
         self.last_seen = {}
@@ -1151,7 +638,6 @@ class Controller:
         if m.grants_due(now):
             self.sim.log("ctl: reconcile")
             m.reconcile(now, self._reports())
-        self.track()
 
     def handle(self, msg: Msg) -> None:
         body = msg.body
@@ -1190,24 +676,9 @@ class Controller:
                 clean.setdefault(s, r)
             res = m.role_change(b, body["server"], body["prev_epoch"], clean, now)
         elif kind == "caught_up":
-            b, sid_j = body["bucket"], body["server"]
-            bk = m.buckets[b]
-            lease = bk["lease"]
-            inc = m.servers.get(sid_j, {}).get("incarnation", 0)
-            if "joined_at" in body and body["joined_at"] < self.join_since.get((b, sid_j, inc), 0):
-                # Bug 4 (test_stale_caught_up_report_makes_a_fresh_copy_a_member). Fix: the report
-                # names the join it is about (here: when the snapshot was taken); a report of an
-                # earlier join of the same copy is refused.
-                res = {"ok": False, "error": "conflict"}
-            elif (
-                3 not in UNFIXED
-                and sid_j in bk["holders"]
-                and lease is not None
-                and (lease.holder, lease.epoch) == (body["primary"], body["epoch"])
-            ):
-                res = {"ok": True}  # bug 3's fix: a repeated report of this join is accepted
-            else:
-                res = m.verified_caught_up(b, body["primary"], body["epoch"], sid_j, now)
+            res = m.verified_caught_up(
+                body["bucket"], body["primary"], body["epoch"], body["server"], now, body["join"]
+            )
         elif kind == "drop_secondary":
             res = m.drop_secondary(
                 body["bucket"], body["primary"], body["epoch"], body["server"], now
@@ -1230,7 +701,6 @@ class Controller:
                     **{k: v for k, v in res.items() if k == "retry_after"},
                 },
             }
-        self.track()
         self.sim.net.send(CTL, sid, "reply", reply)
 
 
@@ -1482,14 +952,12 @@ class Sim:
                 s = rng.choice(live)
                 self.log(f"nemesis: drain {s}")
                 self.ctl.model.drain(s, self.now)
-                self.ctl.track()
         elif kind == "add":
             if self.n_servers < 7:
                 self.add_server()
         elif kind == "rebalance":
             self.log("nemesis: rebalance")
             self.ctl.model.rebalance(self.now)
-            self.ctl.track()
         elif kind == "leader":
             self.log("nemesis: controller leader change (soft state lost)")
             self.ctl.leader_change()

@@ -1,0 +1,586 @@
+"""The replication core of one parameter server: every bucket's state and every decision, no IO
+and no clock (etcd-io/raft's RawNode shape; Project Adam 3.3.3).
+
+The shell (adamps.server.replicate, or the simulation) feeds events in and carries out what
+``ready()`` returns, then calls ``advance()``:
+
+- ``registered(terms)``: a new incarnation at the controllers (no role or lease trusted any more);
+- ``on_roles(reply, asked_at, now)``: a heartbeat's answer: the buckets' records become roles
+  (primary, secondary, joining, standby) and ``Assignment``s, renewed leases are timed from when
+  the heartbeat was asked (``HolderLeases``), copies no longer assigned are forgotten;
+- ``tick(now)``: the failover watchdog (a secondary whose primary stayed silent proposes a role
+  change), a joining copy whose primary went silent transfers again, the primary's retries and
+  delayed COMMITs;
+- ``step(peer, msg, now)``: PREPARE, COMMIT and pings of a primary, answered at once (the
+  transport is request/response); the batches they decide are applied through ``ready()``;
+- ``submit(...)``: a client push, accepted only as primary and while the lease holds; then
+  ``pump`` runs the bucket's rounds: its messages (``Send``) are in ``ready()``, and each gets
+  exactly one answer back, ``on_reply(rid, ...)`` or ``report_unreachable(rid, ...)``;
+- ``release(...)``: pushes whose round is decided or committed are acknowledged only while the
+  lease holds, else answered "unknown" (another primary may already acknowledge under the next
+  epoch; the client's retry is answered exactly once by whoever has the batch);
+- ``unresponsive(...)``: a member that did not answer within ``member_timeout``;
+- the controllers' answers (``on_role_change_answer``, ``on_caught_up_answer``) and the joining
+  copy's snapshot (``snapshot_fits``, ``installed``, ``install_persisted``: repl_join.py).
+
+Per bucket, the two-phase-commit state machine is ``BucketReplica`` (adamps.core.replication);
+this object holds one per copy, and the per-server state around them: roles, leases, when each
+primary was last heard, the joins, and which cut of each copy was persisted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from adamps.core.lease import HolderLeases, LeaseTerms
+from adamps.core.repl_join import JoiningCopy
+from adamps.core.repl_ready import Answer, ControllerRequest, Ready, Send
+from adamps.core.repl_rounds import COMMIT_DELAY, MAX_GAPS, Rounds
+from adamps.core.repl_settings import ReplSettings
+from adamps.core.repl_types import Apply, Assignment, Batch, Reject
+from adamps.core.replication import BucketReplica
+
+#: controller error codes after which a caught-up report's outcome is unknown (the entry may have
+#: committed): the report is sent again, never taken as a refusal
+UNKNOWN_OUTCOME = frozenset({"no_quorum", "timeout", "unavailable", "internal"})
+
+
+class ReplCore(JoiningCopy):
+    """Replication state of one server. Mutated only through its methods, by one shell."""
+
+    def __init__(self, settings: ReplSettings) -> None:
+        self.settings = settings
+        self.server_id = settings.server_id
+        #: bucket -> replication state (buckets this server holds a copy of, or is joining)
+        self.buckets: dict[int, BucketReplica] = {}
+        #: bucket -> "primary" | "secondary" | "joining" | "standby"
+        self.roles: dict[int, str] = {}
+        #: buckets the controllers report unavailable (no live copy to serve them)
+        self.unavailable: frozenset[int] = frozenset()
+        #: bucket -> seq of the last cut taken for the flush (absent: a new or reinstalled copy)
+        self.persisted: dict[int, int] = {}
+        #: bucket -> the controllers' id of this copy's current join (named in the snapshot ask)
+        self.join_ids: dict[int, int] = {}
+        #: bucket -> (primary, epoch) its installed snapshot came from, while it is persisted
+        self.installing: dict[int, tuple[str | None, int]] = {}
+        #: this server's primary leases, timed on its own clock from when it asked
+        self.leases = HolderLeases(settings.lease)
+        #: version of the controllers' record last applied (None: send every role next time)
+        self.table_version: int | None = None
+        #: bucket -> time the primary was last heard (secondary and joining side)
+        self.last_heard: dict[int, float] = {}
+        #: bucket -> time before which no new role change is proposed (secondary side)
+        self.role_change_after: dict[int, float] = {}
+        #: bucket -> learner -> when the controllers' acceptance of its caught-up report came
+        #: (primary side): a record asked before then may predate it (``_apply_roles``)
+        self._accepted: dict[int, dict[str, float]] = {}
+        #: bucket -> the primary's messages to its replicas (primary side)
+        self._rounds: dict[int, Rounds] = {}
+        #: message id -> (bucket, replica) of every message in flight
+        self._rids: dict[int, tuple[int, str]] = {}
+        self._next_rid = 0
+        self._ready = Ready()
+
+    # -- Ready ------------------------------------------------------------------------------------
+
+    def ready(self) -> Ready:
+        """What to carry out now (the same value until ``advance()``)."""
+        return self._ready
+
+    def advance(self) -> None:
+        """The shell carried out the last ``ready()``."""
+        self._ready = Ready()
+
+    def has_ready(self) -> bool:
+        return not self._ready.empty()
+
+    def _unknown(self, waiters: Iterable[Any], b: int, why: str) -> None:
+        self._ready.answers.extend(Answer(w, "unknown", b, why) for w in waiters)
+
+    def new_replica(self, b: int) -> BucketReplica:
+        return BucketReplica(self.server_id, b, log_limit=self.settings.log_limit)
+
+    # -- the controllers ----------------------------------------------------------------------------
+
+    def registered(self, terms: LeaseTerms) -> None:
+        """A new incarnation at the controllers: no role and no lease is trusted any more, but the
+        copies stay (they were offered) until the roles say what to do with them."""
+        self.unregistered()
+        self.leases = HolderLeases(terms)
+
+    def unregistered(self) -> None:
+        """This server is about to register again (the controllers declared it dead, or could not
+        be reached): it stops acting on every role now, before it offers its copies, so that the
+        positions it offers are final. (A primary that went on committing rounds between its
+        offer and the answer would hold batches the controllers' comparison did not see.)"""
+        self.leases = HolderLeases(self.leases.terms)
+        self._rounds.clear()
+        self._rids.clear()
+        for b, rep in self.buckets.items():
+            self._unknown(
+                rep.on_assignment(Assignment(rep.assignment.epoch, None)),
+                b,
+                "this server registered again; the push's outcome is unknown",
+            )
+            if self.roles.get(b) != "joining" or rep.learning:
+                self.roles[b] = "standby"
+        self.table_version = None
+
+    def heartbeat_reports(self) -> dict[int, list[int]]:
+        """Per copy, [epoch it knows, prepared seq]: what each heartbeat tells the controllers."""
+        return {b: [rep.assignment.epoch, rep.prepared_seq] for b, rep in self.buckets.items()}
+
+    def on_roles(self, reply: Mapping[str, Any], asked_at: float, now: float) -> None:
+        """A heartbeat's answer, asked at `asked_at` (this server's clock)."""
+        self.unavailable = frozenset(int(b) for b in reply.get("unavailable", []))
+        if "roles" in reply:
+            self._apply_roles(reply["roles"], int(reply["version"]), asked_at, now)
+        for b, epoch in reply.get("renewed", []):
+            self.leases.on_granted(int(b), int(epoch), asked_at)
+            self.pump(int(b), now)
+
+    def _apply_roles(
+        self, roles: Iterable[Mapping[str, Any]], version: int, asked_at: float, now: float
+    ) -> None:
+        seen = set()
+        for r in roles:
+            b = int(r["bucket"])
+            seen.add(b)
+            # `secondaries` excludes the primary; membership changes keep the lease epoch.
+            assignment = Assignment(
+                int(r["epoch"]),
+                r.get("primary"),
+                tuple(r.get("secondaries", [])),
+                tuple(r.get("joining", [])),
+            )
+            role = r.get("role") or (
+                "primary"
+                if assignment.primary == self.server_id
+                else "secondary"
+                if self.server_id in assignment.secondaries
+                else "joining"
+            )
+            if role == "standby" and b not in self.buckets:
+                continue  # a copy this server no longer has: never an initial-valued stand-in
+            self._ready.hold.append(b)  # shards exist only for the buckets this server holds
+            rep = self.buckets.get(b)
+            if rep is None:
+                rep = self.buckets[b] = self.new_replica(b)
+            was = self.roles.get(b)
+            if role == "standby":
+                # No member: keep the copy (and its position) untouched, serve nothing.
+                self.roles[b] = "standby"
+                self.leases.drop(b)
+                continue
+            why = "this server is no longer the primary; the push's outcome is unknown"
+            if role == "joining":
+                # Not a member yet: keep the assignment to know the primary, start the transfer.
+                # (A primary handed off ends its rounds and answers its waiters here; another
+                # primary or epoch means another history: transfer again.)
+                self._unknown(rep.on_assignment(assignment), b, why)
+                self.join_ids[b] = int(r.get("join", 0))
+                self.roles[b] = "joining"
+                self._ready.start_joins.append(b)
+                continue
+            if was == "joining":
+                self._ready.stop_joins.append(b)
+            # Learners whose acceptance came after this heartbeat was asked: a record without
+            # them may be older than the acceptance (the answer was slow), and the controllers
+            # already count them members. Dropping them would acknowledge pushes they lack
+            # (the simulation, seeds 3745, 8035, 9819). A record asked later decides.
+            accepted = self._accepted.get(b, {})
+            keep = frozenset(m for m, at in accepted.items() if at >= asked_at)
+            self._unknown(rep.on_assignment(assignment, keep), b, why)
+            if accepted:
+                self._accepted[b] = {m: at for m, at in accepted.items() if m in rep.learners}
+            self.roles[b] = role
+            if role == "primary":
+                if was != "primary" and was is not None:
+                    self._ready.failovers += 1
+                self.pump(b, now)
+            else:
+                self.leases.drop(b)
+                self.last_heard.setdefault(b, now)
+        for b in [b for b in self.buckets if b not in seen]:
+            self._forget(b)
+        self.table_version = version
+
+    def _forget(self, b: int) -> None:
+        rep = self.buckets.pop(b, None)
+        self.persisted.pop(b, None)
+        self.roles.pop(b, None)
+        self.join_ids.pop(b, None)
+        self.installing.pop(b, None)
+        self.leases.drop(b)
+        self.last_heard.pop(b, None)
+        self.role_change_after.pop(b, None)
+        self._accepted.pop(b, None)
+        self._rounds.pop(b, None)
+        self._ready.forget.append(b)
+        self._ready.stop_joins.append(b)
+        if rep is not None:
+            self._unknown(
+                rep.on_assignment(Assignment(rep.assignment.epoch + 1, None)),
+                b,
+                "this server no longer holds the bucket; the push's outcome is unknown",
+            )
+
+    def on_role_change_answer(self, b: int, retry_after: float | None, now: float) -> None:
+        """The controllers answered a role-change proposal (a refusal may say when to retry)."""
+        if retry_after:
+            self.role_change_after[b] = now + float(retry_after)
+        self._ready.heartbeat = True
+
+    # -- time -------------------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Timers: the failover watchdog, silent primaries of joining copies, lagging members."""
+        fa = self.settings.failover_after
+        for b, role in self.roles.items():
+            rep = self.buckets[b]
+            if role == "secondary":
+                heard = self.last_heard.get(b, now)
+                if now - heard > fa and now >= self.role_change_after.get(b, 0.0):
+                    self.role_change_after[b] = now + fa
+                    self._ready.requests.append(
+                        ControllerRequest(
+                            "role_change",
+                            b,
+                            rep.assignment.epoch,
+                            position=(rep.assignment.epoch, rep.prepared_seq),
+                        )
+                    )
+            elif role == "joining" and rep.learning:
+                if now - self.last_heard.get(b, 0.0) > fa:
+                    rep.learning = False  # the primary forgot this learner: transfer again
+            elif role == "primary":
+                rs = self._rounds.get(b)
+                # Retries, delayed COMMITs, lagging replicas, pushes waiting for the lease; an
+                # idle bucket costs nothing per tick.
+                if rs is None or rs.retry_at or rep.pending or rep.lagging():
+                    self.pump(b, now)
+
+    def pings(self) -> dict[str, dict[str, int]]:
+        """Member -> {bucket: epoch} of the buckets this server is primary of: one ping each."""
+        by_member: dict[str, dict[str, int]] = {}
+        for b, role in self.roles.items():
+            if role == "primary":
+                rep = self.buckets[b]
+                for m in rep.replicas:
+                    by_member.setdefault(m, {})[str(b)] = rep.assignment.epoch
+        return by_member
+
+    # -- primary: pushes, rounds, acknowledgements ---------------------------------------------
+
+    def check_primary(self, b: int, now: float) -> BucketReplica | Reject:
+        """The bucket's state if this server may serve it as primary now."""
+        rep = self.buckets.get(b)
+        if b in self.unavailable:
+            self._ready.heartbeat = True
+            return Reject(
+                "bucket_unavailable",
+                f"bucket {b}: no live copy can serve it (waiting for a copy to come back, or "
+                "for an operator to declare it lost)",
+            )
+        if rep is None or self.roles.get(b) != "primary":
+            return Reject("not_primary", "this server is not its primary")
+        if not self.leases.can_write(b, rep.assignment.epoch, now):
+            self._ready.heartbeat = True
+            return Reject("not_primary", "the primary lease is not (or no longer) held")
+        return rep
+
+    def submit(
+        self,
+        updates: Mapping[int, Any],
+        client: tuple[str, int] | None,
+        waiters: Mapping[int, Any],
+        now: float,
+    ) -> tuple[int, Reject] | int:
+        """A client push (its updates per bucket, a waiter per bucket): all buckets or none.
+        Returns (bucket, refusal), or how many buckets found it a duplicate."""
+        reps = {}
+        for b in updates:
+            rep = self.check_primary(b, now)
+            if isinstance(rep, Reject):
+                return b, rep
+            reps[b] = rep
+        dups = 0
+        for b, update in updates.items():
+            verdict = reps[b].submit(update, client, waiters[b])
+            if isinstance(verdict, Reject):
+                return b, verdict
+            if verdict == "duplicate-committed":
+                self._ready.answers.append(Answer(waiters[b], "ok", b))
+            dups += verdict != "queued"
+            self.pump(b, now)
+        return dups
+
+    def pump(self, b: int, now: float) -> None:
+        """The primary's rounds of bucket b: start the next round while the lease holds and
+        pushes wait, decide a round every replica holds, send each replica what it lacks."""
+        rep = self.buckets.get(b)
+        if rep is None or self.roles.get(b) != "primary":
+            self._rounds.pop(b, None)
+            return
+        rs = self._rounds.get(b)
+        if rs is None:
+            rs = self._rounds[b] = Rounds()
+        while True:
+            if rep.needs_recovery:
+                rep.recover()
+            if rep.inflight is None:
+                # A new round only under the lease (the next renewal pumps again).
+                if not self.leases.can_write(b, rep.assignment.epoch, now):
+                    break
+                if rep.next_round() is None:
+                    break
+                rs.began, rs.pushes = now, len(rep.inflight[1])  # type: ignore[index]
+            if not rep.round_prepared():
+                break
+            self._decide(b, rep, rs, now)
+        # ack = "committed": what every replica committed (also after one was removed).
+        self.release(b, rep.release_acknowledged(), now)
+        rs.forget_gone(rep.replicas)
+        epoch = rep.assignment.epoch
+        for m, op, fields in rs.to_send(rep, now):
+            if not op:  # its gap reaches past the log: it needs a state transfer
+                self._failed(b, rep, rs, m, now, now)
+                continue
+            self._next_rid += 1
+            rid = self._next_rid
+            rs.sent(m, rid, op, epoch, now)
+            self._rids[rid] = (b, m)
+            body = {"bucket": b, "epoch": epoch, "sender": self.server_id, **fields}
+            self._ready.messages.append(Send(rid, m, op, body))
+        self.report_learners(b)
+
+    def _decide(self, b: int, rep: BucketReplica, rs: Rounds, now: float) -> None:
+        """Every replica holds the round's batch: apply it; with ``ack = "prepared"`` this is the
+        decision point and its pushes are acknowledged (docs/protocol-ps.md)."""
+        self._ready.applies.append((b, rep.commit_round()))
+        self._ready.rounds.append((now - rs.began, rs.pushes))
+        if self.settings.ack == "prepared":
+            self.release(b, rep.release_decided(), now)
+            rs.commit_after = now + COMMIT_DELAY
+
+    def on_reply(self, rid: int, reply: Mapping[str, Any], now: float) -> None:
+        """A replica answered message `rid` (a PREPARE or COMMIT of this primary)."""
+        got = self._take(rid)
+        if got is None:
+            return
+        b, m, rep, rs, o = got
+        if o.epoch == rep.assignment.epoch:  # else: of a round restarted under a new epoch
+            committed = rs.answered(rep, m, o.op, dict(reply))
+            if committed is not None:
+                self.release(b, rep.on_commit_ack(m, committed), now)
+            if rs.gaps.get(m, 0) > MAX_GAPS:
+                self._failed(b, rep, rs, m, o.sent, now)
+        self.pump(b, now)
+
+    def report_unreachable(self, rid: int, now: float, code: str = "connection") -> None:
+        """Message `rid` failed: no answer in time, the connection failed, or the replica
+        refused it (`code`: stale_epoch means this server's record is old)."""
+        got = self._take(rid)
+        if got is None:
+            return
+        b, m, rep, rs, o = got
+        if code == "stale_epoch":
+            self.on_peer_stale()
+        if o.epoch == rep.assignment.epoch:
+            self._failed(b, rep, rs, m, o.sent, now)
+        self.pump(b, now)
+
+    def _take(self, rid: int) -> tuple[int, str, BucketReplica, Rounds, Any] | None:
+        bm = self._rids.pop(rid, None)
+        if bm is None:
+            return None
+        b, m = bm
+        rs, rep = self._rounds.get(b), self.buckets.get(b)
+        if rs is None or rep is None or m not in rs.out or rs.out[m].rid != rid:
+            return None
+        return b, m, rep, rs, rs.out.pop(m)
+
+    def _failed(
+        self, b: int, rep: BucketReplica, rs: Rounds, m: str, sent: float, now: float
+    ) -> None:
+        if m in rep.replicas and rs.failed(m, sent, now, self.settings.member_timeout):
+            self.unresponsive(b, m)
+
+    def release(self, b: int, waiters: Iterable[Any], now: float) -> None:
+        """Acknowledges pushes whose batches are decided (or committed by every member), but only
+        while this server's lease of the bucket holds: past it another copy may already be
+        acknowledging under the next epoch. Then their outcome is unknown to the client; its
+        retry is answered by the next primary, which has the batch (exactly once)."""
+        waiters = list(waiters)
+        if not waiters:
+            return
+        rep = self.buckets.get(b)
+        if rep is not None and self.leases.can_write(b, rep.assignment.epoch, now):
+            self._ready.answers.extend(Answer(w, "ok", b) for w in waiters)
+        else:
+            why = "the lease ended before the acknowledgement; the push's outcome is unknown"
+            self._unknown(waiters, b, why)
+
+    def unresponsive(self, b: int, member: str) -> str:
+        """A replica did not answer within member_timeout: "forgotten" (a learner not yet reported
+        caught up is no member: it transfers again), "wait" (its report awaits the controllers'
+        answer) or "drop" (a member, or an accepted learner, leaves only by a committed controller
+        entry: a drop_secondary request is in ``ready()``; the rounds wait for the record)."""
+        rep = self.buckets[b]
+        state = rep.learners.get(member)
+        if state == "syncing":
+            rep.drop_learner(member)
+            return "forgotten"
+        if state == "reporting":
+            return "wait"
+        self._ready.requests.append(
+            ControllerRequest("drop_secondary", b, rep.assignment.epoch, member)
+        )
+        return "drop"
+
+    def report_learners(self, b: int) -> None:
+        """Learners that hold every committed batch: report them caught up (once)."""
+        rep = self.buckets.get(b)
+        if rep is None:
+            return
+        for m in rep.learners_caught_up():
+            rep.report_sent(m)
+            self._ready.requests.append(
+                ControllerRequest(
+                    "caught_up", b, rep.assignment.epoch, m, rep.learner_joins.get(m, 0)
+                )
+            )
+
+    def on_caught_up_answer(self, req: ControllerRequest, error: str | None, now: float) -> bool:
+        """The controllers' answer to a caught-up report (`error`: None if accepted, else its
+        code, "connection" when none came). True when the report must be sent again: its
+        outcome is unknown (the entry may have committed, and a repeated report of one join is
+        accepted), and the record has not moved on without this primary or this join."""
+        self._ready.heartbeat = True
+        rep = self.buckets.get(req.bucket)
+        if (
+            rep is None
+            or rep.assignment.epoch != req.epoch
+            or not rep.is_primary
+            or rep.learners.get(req.member) != "reporting"
+            or rep.learner_joins.get(req.member, 0) != req.join
+        ):
+            # The record moved on (on_assignment settles the learner), or the copy joined
+            # again meanwhile: that join's own report decides, not this older one's answer.
+            return False
+        if error is not None and (error == "connection" or error in UNKNOWN_OUTCOME):
+            return True
+        rep.report_done(req.member, error is None)
+        if error is None:
+            self._accepted.setdefault(req.bucket, {})[req.member] = now
+        return False
+
+    # -- secondary: messages from the primary ---------------------------------------------------
+
+    def step(self, peer: str | None, msg: Mapping[str, Any], now: float) -> Reject | dict[str, Any]:
+        """A replication message of a primary (op repl_prepare with its entries decoded and
+        checked, repl_commit, repl_ping): the reply, or a refusal. Op "reply" is a replica's
+        answer to this primary's message ``rid`` (``on_reply``)."""
+        op = msg["op"]
+        if op == "reply":
+            self.on_reply(msg["rid"], msg["reply"], now)
+            return {}
+        if op == "repl_ping":
+            return {"stale": self._on_ping(msg["sender"], msg["buckets"], now)}
+        b = int(msg["bucket"])
+        rep = self.buckets.get(b)
+        if rep is None:
+            self._ready.heartbeat = True
+            return Reject("unavailable", f"bucket {b}: no copy here (yet)")
+        if op == "repl_prepare":
+            res = self._on_prepare(b, rep, msg, now)
+        else:
+            res = self._on_commit(b, rep, msg["sender"], msg["epoch"], msg["seq"], now)
+        if isinstance(res, Reject):
+            if res.code == "stale_epoch":
+                self._ready.stale += 1
+            if res.code == "unavailable":
+                self._ready.heartbeat = True  # the primary knows an epoch we do not
+        return res
+
+    def _on_prepare(
+        self, b: int, rep: BucketReplica, msg: Mapping[str, Any], now: float
+    ) -> Reject | dict[str, Any]:
+        sender, epoch = msg["sender"], msg["epoch"]
+        entries: Sequence[Batch] = msg["entries"]
+        res = rep.on_prepare(sender, epoch, entries)
+        if isinstance(res, Reject):
+            return res
+        self.last_heard[b] = now
+        reply: dict[str, Any] = {"status": res[0], "seq": res[1]}
+        # The primary's committed seq rides along (Raft's leaderCommit): what it says was decided
+        # is applied now, as an explicit COMMIT would be, and the reply tells the primary so.
+        upto = min(int(msg.get("commit", 0)), rep.prepared_seq)
+        if res[0] == "ok" and upto > rep.committed:
+            done = rep.on_commit(sender, epoch, upto)
+            if isinstance(done, Apply):
+                self._ready.applies.append((b, done))
+                reply["committed"] = rep.committed
+        return reply
+
+    def _on_commit(
+        self, b: int, rep: BucketReplica, sender: str, epoch: int, seq: int, now: float
+    ) -> Reject | dict[str, Any]:
+        res = rep.on_commit(sender, epoch, seq)
+        if isinstance(res, Reject):
+            return res
+        self.last_heard[b] = now
+        if isinstance(res, tuple):
+            return {"status": res[0], "seq": res[1]}
+        # Decided and queued to the owner threads in seq order by the shell (ready().applies),
+        # in this same step: the ack need not wait for the application.
+        self._ready.applies.append((b, res))
+        return {"status": "ok", "seq": rep.committed}
+
+    def _on_ping(self, sender: str, pinged: Mapping[int, int], now: float) -> list[int]:
+        stale = []
+        for b, epoch in pinged.items():
+            rep = self.buckets.get(b)
+            if rep is None:
+                continue
+            if rep.assignment.epoch == epoch and rep.assignment.primary == sender:
+                self.last_heard[b] = now
+            elif epoch < rep.assignment.epoch:
+                stale.append(b)
+            else:
+                self._ready.heartbeat = True
+        return stale
+
+    def on_ping_reply(self, stale: Sequence[int]) -> None:
+        """A member says some of this server's pinged epochs are stale: ask the controllers."""
+        if stale:
+            self._ready.stale += len(stale)
+            self._ready.heartbeat = True
+
+    def on_peer_stale(self) -> None:
+        """A member refused a message as of an older epoch: this server's record is old."""
+        self._ready.stale += 1
+        self._ready.heartbeat = True
+
+    # -- state transfer -------------------------------------------------------------------------------
+
+    def snapshot_for(self, b: int, joiner: str, join: int, now: float) -> Reject | dict[str, Any]:
+        """A joining copy asks for a snapshot: as primary under the lease, the joiner becomes a
+        learner now (every later round waits for it) and gets the position and dedup table; the
+        shell queues the values' reads in this same step."""
+        rep = self.check_primary(b, now)
+        if isinstance(rep, Reject):
+            return rep
+        rej = rep.add_learner(joiner, join)
+        if rej is not None:
+            if rej.code == "unavailable":
+                self._ready.heartbeat = True
+            return rej
+        rs = self._rounds.get(b)
+        if rs is not None:
+            # What the joiner answers to a message sent before this snapshot (as an earlier
+            # member, or an earlier join) says nothing about the copy it installs now: a late
+            # commit ack would report it caught up before it holds anything.
+            rs.forget(joiner)
+        return {"epoch": rep.assignment.epoch, **rep.snapshot_meta()}

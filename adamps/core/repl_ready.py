@@ -1,0 +1,101 @@
+"""What a server's replication core asks its shell to do (etcd-io/raft's ``Ready``): a value the
+shell reads with ``ReplCore.ready()``, carries out in order, then acknowledges with ``advance()``.
+
+The order matters and is the same in every shell (the server's asyncio loop, the simulation):
+
+1. ``forget`` and ``hold``: the store stops or starts keeping a bucket's shards;
+2. ``applies``: batches to apply, in order per bucket, queued in the same step as the state
+   changed (a flush cut or a snapshot then sees the values and the position together);
+3. ``answers``: the waiters of client pushes, each ``ok`` (acknowledged) or ``unknown`` (the
+   push may still be committed by another primary: the client retries with the same key);
+4. ``messages`` to the replicas, ``requests`` to the controllers, ``joins`` to start or stop,
+   and ``heartbeat`` (ask the controllers for the record now).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from adamps.core.repl_types import Apply
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The outcome of one client push for its waiter."""
+
+    waiter: Any
+    #: "ok" (acknowledged) | "unknown" (outcome unknown to this server: the client retries)
+    outcome: str
+    bucket: int
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class ControllerRequest:
+    """A call to make to the controllers; its answer goes back in through the core's
+    ``on_role_change_answer`` / ``on_caught_up_answer`` (``drop_secondary`` needs none: the
+    record that removes the member arrives with the roles)."""
+
+    #: "role_change" | "drop_secondary" | "caught_up"
+    kind: str
+    bucket: int
+    epoch: int
+    #: the member dropped or reported caught up (drop_secondary, caught_up)
+    member: str = ""
+    #: the controllers' id of the join reported (caught_up)
+    join: int = 0
+    #: this copy's [epoch, prepared seq] (role_change)
+    position: tuple[int, int] = (0, 0)
+
+
+@dataclass(frozen=True)
+class Send:
+    """A message of this primary to a replica (repl_prepare, repl_commit). Its answer goes back
+    in as ``ReplCore.on_reply(rid, ...)``, its failure as ``report_unreachable(rid, ...)``:
+    every message sent gets exactly one of the two (the transport times it out)."""
+
+    rid: int
+    peer: str
+    op: str
+    #: the message's fields, with ``entries`` as Batch values (the transport encodes them)
+    fields: dict[str, Any]
+
+
+@dataclass
+class Ready:
+    """Everything the core decided since the last ``advance()``."""
+
+    forget: list[int] = field(default_factory=list)
+    hold: list[int] = field(default_factory=list)
+    applies: list[tuple[int, Apply]] = field(default_factory=list)
+    answers: list[Answer] = field(default_factory=list)
+    requests: list[ControllerRequest] = field(default_factory=list)
+    #: buckets whose state transfer starts (joining) or stops (no longer joining)
+    start_joins: list[int] = field(default_factory=list)
+    stop_joins: list[int] = field(default_factory=list)
+    #: messages to the replicas of this server's primary buckets
+    messages: list[Send] = field(default_factory=list)
+    #: (seconds, pushes) of every round decided (for the metrics)
+    rounds: list[tuple[float, int]] = field(default_factory=list)
+    #: ask the controllers for the record now (an epoch seen that this server does not know)
+    heartbeat: bool = False
+    #: counters for the metrics: failovers (promotions), stale (messages of an older epoch)
+    failovers: int = 0
+    stale: int = 0
+
+    def empty(self) -> bool:
+        return not (
+            self.forget
+            or self.hold
+            or self.applies
+            or self.answers
+            or self.requests
+            or self.start_joins
+            or self.stop_joins
+            or self.messages
+            or self.rounds
+            or self.heartbeat
+            or self.failovers
+            or self.stale
+        )

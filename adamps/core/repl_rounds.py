@@ -1,0 +1,125 @@
+"""The primary's rounds of one bucket as messages: what to send each replica now, and what a
+reply or a failure means (Project Adam 3.3.3; the per-bucket 2PC state is ``BucketReplica``).
+
+At most one message per replica is in flight for a bucket. Each replica gets, in this order:
+
+- the PREPARE of the round in flight, with every batch it lacks before it (from the log), and the
+  primary's committed seq riding along (Raft's leaderCommit: the replica applies what was decided
+  without a separate COMMIT, and says so in its reply);
+- else, when it has not confirmed everything committed: the batches it lacks from the log with the
+  committed seq riding along (a replica that answered "gap"), or COMMIT(committed). With
+  ``ack = "prepared"`` a COMMIT waits ``COMMIT_DELAY`` first: the next round's PREPARE usually
+  carries it (one message per replica per round instead of two).
+
+A failed message is retried after ``RETRY_EVERY``; a replica that has failed since a message sent
+more than ``member_timeout`` ago is unresponsive (``ReplCore.unresponsive`` decides what follows).
+Replies to a message of an older epoch change nothing: the round was restarted under the new one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from adamps.core.replication import BucketReplica
+
+#: seconds a decided round's COMMIT waits (ack = "prepared") for the next PREPARE to carry it
+COMMIT_DELAY = 0.002
+#: seconds between two tries of a message to a replica that failed
+RETRY_EVERY = 0.02
+#: "gap" answers in a row after which a replica counts as failing (its position keeps moving)
+MAX_GAPS = 3
+
+
+@dataclass
+class Outstanding:
+    """A message to a replica, in flight."""
+
+    rid: int
+    op: str
+    epoch: int
+    sent: float
+
+
+@dataclass
+class Rounds:
+    """The primary's bookkeeping of one bucket's messages. Mutated only by ReplCore."""
+
+    #: replica -> its message in flight
+    out: dict[str, Outstanding] = field(default_factory=dict)
+    #: replica -> when the first message it failed since its last answer was sent
+    fail_since: dict[str, float] = field(default_factory=dict)
+    #: replica -> no new try before this time
+    retry_at: dict[str, float] = field(default_factory=dict)
+    #: replica -> "gap" answers in a row
+    gaps: dict[str, int] = field(default_factory=dict)
+    #: no COMMIT before this time (ack = "prepared": the next PREPARE may carry it)
+    commit_after: float = 0.0
+    #: when the round in flight started, and how many pushes it carries (for the metrics)
+    began: float = 0.0
+    pushes: int = 0
+
+    def forget_gone(self, replicas: tuple[str, ...]) -> None:
+        """Replicas that left the set: nothing more is retried or timed for them, and the answer
+        to a message still in flight to one of them is ignored (it may come back as a learner)."""
+        for m in {*self.out, *self.fail_since, *self.retry_at, *self.gaps} - set(replicas):
+            self.forget(m)
+
+    def forget(self, m: str) -> None:
+        """Everything known of `m`'s messages: its answers from now on are to new messages."""
+        for d in (self.out, self.fail_since, self.retry_at, self.gaps):
+            d.pop(m, None)
+
+    def to_send(self, rep: BucketReplica, now: float) -> list[tuple[str, str, dict[str, Any]]]:
+        """(replica, op, fields) of the messages to send now; a replica whose gap reaches past
+        the log gets ("", ...) as op: it needs a state transfer (the caller counts a failure)."""
+        out = []
+        for m in rep.replicas:
+            if m in self.out or now < self.retry_at.get(m, 0.0):
+                continue
+            have = rep.acked_prepare.get(m, -1)
+            if rep.inflight is not None and have < rep.inflight[0].seq:
+                entries = rep.prepare_for(m)
+                if entries is None:
+                    out.append((m, "", {}))
+                    continue
+                out.append((m, "repl_prepare", {"entries": entries, "commit": rep.committed}))
+            elif rep.acked_commit.get(m, -1) < rep.committed and now >= self.commit_after:
+                if 0 <= have < rep.committed:  # it said where it stands: send what it lacks
+                    entries = rep.log_after(have)
+                    if entries is None:
+                        out.append((m, "", {}))
+                        continue
+                    out.append((m, "repl_prepare", {"entries": entries, "commit": rep.committed}))
+                else:
+                    out.append((m, "repl_commit", {"seq": rep.committed}))
+        return out
+
+    def sent(self, m: str, rid: int, op: str, epoch: int, now: float) -> None:
+        self.out[m] = Outstanding(rid, op, epoch, now)
+
+    def answered(self, rep: BucketReplica, m: str, op: str, reply: dict[str, Any]) -> int | None:
+        """A replica's reply to its message: updates what the primary knows of it. Returns the
+        seq it says it committed, if it says so (the caller releases what that acknowledges)."""
+        status, seq = reply.get("status"), int(reply.get("seq", -1))
+        if status == "gap":
+            rep.on_member_position(m, seq)
+            self.gaps[m] = self.gaps.get(m, 0) + 1
+            return None
+        self.gaps.pop(m, None)
+        self.fail_since.pop(m, None)
+        self.retry_at.pop(m, None)
+        if op == "repl_prepare":
+            rep.on_prepare_ack(m, seq)
+            return int(reply["committed"]) if "committed" in reply else None
+        return seq
+
+    def failed(self, m: str, sent: float, now: float, timeout: float) -> bool:
+        """A message to `m` failed (or could not be built). True when `m` has failed for longer
+        than `timeout`: it is unresponsive now (timed again from now)."""
+        since = self.fail_since.setdefault(m, sent)
+        self.retry_at[m] = now + RETRY_EVERY
+        if now - since > timeout:
+            self.fail_since[m] = now
+            return True
+        return False

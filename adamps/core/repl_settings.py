@@ -1,0 +1,29 @@
+"""The settings of a server's replication core: one frozen value, filled by the shell from the
+server's configuration (adamps.server.config.PsConfig) or by the simulation from its own timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from adamps.core.lease import LeaseTerms
+from adamps.core.replication import DEFAULT_LOG_LIMIT
+
+
+@dataclass(frozen=True)
+class ReplSettings:
+    #: this server's id (what the controllers' records name)
+    server_id: str
+    #: seconds a member has to answer a round before the primary asks the controllers to drop it
+    member_timeout: float = 1.0
+    #: seconds a secondary waits without a word from its primary before proposing a role change
+    failover_after: float = 3.0
+    #: "prepared": acknowledge at the decision point of 2PC; "committed": once every member committed
+    ack: str = "prepared"
+    #: committed batches kept per bucket for lagging members (older gaps need a state transfer)
+    log_limit: int = DEFAULT_LOG_LIMIT
+    #: the controllers' lease terms (replaced at each registration by what they announce)
+    lease: LeaseTerms = field(default_factory=LeaseTerms)
+
+    def __post_init__(self) -> None:
+        if self.ack not in ("prepared", "committed"):
+            raise ValueError(f"ack must be 'prepared' or 'committed', not {self.ack!r}")

@@ -1,0 +1,332 @@
+"""adamps.core.repl_core without sockets or clock: the per-server replication core's decisions,
+each driven through its inputs (on_roles, tick, step, submit, on_reply, report_unreachable) and
+read from its Ready, as the shell and the simulation drive it. Three cores are wired by hand
+(an in-memory network of state machines, etcd-io/raft's test shape)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adamps.core import repl_copies
+from adamps.core.lease import LeaseTerms
+from adamps.core.repl_core import ReplCore
+from adamps.core.repl_ready import Ready
+from adamps.core.repl_settings import ReplSettings
+from adamps.core.repl_types import Reject
+
+TERMS = LeaseTerms(duration=2.0, skew=0.1, margin=0.1)
+
+
+def role(b: int, epoch: int, primary: str, secondaries: list[str], joining: list[str] = (), **kw: Any) -> dict[str, Any]:  # fmt: skip
+    return {"bucket": b, "epoch": epoch, "primary": primary, "secondaries": list(secondaries),
+            "joining": list(joining), **kw}  # fmt: skip
+
+
+def core(sid: str, **kw: Any) -> ReplCore:
+    c = ReplCore(ReplSettings(sid, member_timeout=1.0, failover_after=3.0, lease=TERMS, **kw))
+    c.registered(TERMS)
+    return c
+
+
+def take(c: ReplCore) -> Ready:
+    rd = c.ready()
+    c.advance()
+    return rd
+
+
+class Cluster:
+    """Three cores a (primary), b, c of bucket 0 at epoch 1, messages delivered by hand."""
+
+    def __init__(self, ack: str = "prepared") -> None:
+        self.cores = {s: core(s, ack=ack) for s in "abc"}
+        for c in self.cores.values():
+            c.on_roles({"version": 1, "roles": [role(0, 1, "a", ["b", "c"])]}, 0.0, 0.0)
+        self.cores["a"].on_roles({"renewed": [[0, 1]]}, 0.0, 0.0)
+        self.out: list[Any] = []  # (sender, Send) not yet delivered
+        self.answers: list[Any] = []
+        self.applied: dict[str, list[Any]] = {s: [] for s in "abc"}
+        self.requests: list[Any] = []
+        self.collect()
+        # A new primary learns each member's position first (a COMMIT of what it holds).
+        assert {m.op for _s, m in self.out} == {"repl_commit"}
+        self.deliver(0.0)
+
+    def collect(self) -> None:
+        for s, c in self.cores.items():
+            rd = take(c)
+            self.out += [(s, m) for m in rd.messages]
+            self.answers += rd.answers
+            self.requests += rd.requests
+            for _b, action in rd.applies:
+                self.applied[s] += [u for batch in action.batches for u in batch.updates]
+
+    def deliver(self, now: float, drop: set[str] = frozenset(), hops: int = 1000) -> int:
+        """Delivers every message in flight and the replies, and what they cause (`hops` times
+        at most); those to `drop` fail."""
+        n = 0
+        while self.out and hops > 0:
+            hops -= 1
+            out, self.out = self.out, []
+            for src, m in out:
+                n += 1
+                if m.peer in drop:
+                    self.cores[src].report_unreachable(m.rid, now)
+                    continue
+                res = self.cores[m.peer].step(src, {"op": m.op, **m.fields}, now)
+                assert not isinstance(res, Reject), res
+                self.cores[src].step(m.peer, {"op": "reply", "rid": m.rid, "reply": res}, now)
+            self.collect()
+        return n
+
+
+def test_a_push_is_acknowledged_at_the_decision_point_and_applied_everywhere() -> None:
+    """Reference: docs/protocol-ps.md, replication: PREPARE to every member, apply and acknowledge
+    once all hold the batch; the COMMIT rides on the next PREPARE or follows alone."""
+    cl = Cluster()
+    a = cl.cores["a"]
+    assert a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.1) == 0
+    cl.collect()
+    assert [m.op for _s, m in cl.out] == ["repl_prepare", "repl_prepare"]
+    cl.deliver(0.1)
+    assert [(x.waiter, x.outcome) for x in cl.answers] == [("w1", "ok")]
+    assert cl.applied["a"] == ["u1"] and cl.applied["b"] == []  # b, c: prepared, not committed
+    a.tick(0.2)  # past COMMIT_DELAY: COMMIT goes alone (no next round carried it)
+    cl.collect()
+    assert [m.op for _s, m in cl.out] == ["repl_commit", "repl_commit"]
+    cl.deliver(0.2)
+    assert cl.applied == {"a": ["u1"], "b": ["u1"], "c": ["u1"]}
+
+
+def test_the_commit_rides_on_the_next_prepare() -> None:
+    cl = Cluster()
+    a = cl.cores["a"]
+    a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.1)
+    cl.collect()
+    cl.deliver(0.1)
+    a.submit({0: "u2"}, ("cl", 2), {0: "w2"}, 0.1)  # before COMMIT_DELAY passed
+    cl.collect()
+    (_, m), _ = cl.out
+    assert m.op == "repl_prepare" and m.fields["commit"] == 1
+    cl.deliver(0.1)
+    assert cl.applied["b"] == ["u1"], "b applied batch 1 from the commit riding on PREPARE 2"
+    assert cl.cores["a"].buckets[0].acked_commit["b"] == 1
+
+
+def test_no_acknowledgement_after_the_lease_ended() -> None:
+    """A round decided after the primary's lease ran out: its pushes are answered "unknown"
+    (another copy may already acknowledge under the next epoch), never "ok"."""
+    cl = Cluster()
+    a = cl.cores["a"]
+    a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.1)
+    cl.collect()
+    deadline = a.leases.deadline(0)
+    assert deadline is not None
+    cl.deliver(deadline + 0.01)
+    assert [(x.waiter, x.outcome) for x in cl.answers] == [("w1", "unknown")]
+
+
+def test_committed_mode_acknowledges_once_every_member_committed() -> None:
+    cl = Cluster(ack="committed")
+    a = cl.cores["a"]
+    a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.1)
+    cl.collect()
+    cl.deliver(0.1, hops=1)  # the PREPAREs and their replies
+    assert cl.applied["a"] == ["u1"] and cl.answers == []  # decided, not committed by b and c
+    assert [m.op for _s, m in cl.out] == ["repl_commit", "repl_commit"]  # no COMMIT_DELAY
+    cl.deliver(0.1)
+    assert [(x.waiter, x.outcome) for x in cl.answers] == [("w1", "ok")]
+    assert cl.applied == {"a": ["u1"], "b": ["u1"], "c": ["u1"]}
+
+
+def test_a_push_is_refused_without_the_lease_or_the_role() -> None:
+    cl = Cluster()
+    b = cl.cores["b"]
+    res = b.submit({0: "u"}, ("cl", 1), {0: "w"}, 0.1)
+    assert isinstance(res, tuple) and res[1].code == "not_primary"
+    a = cl.cores["a"]
+    late = a.leases.deadline(0) + 1.0  # type: ignore[operator]
+    res = a.submit({0: "u"}, ("cl", 1), {0: "w"}, late)
+    assert isinstance(res, tuple) and res[1].code == "not_primary"
+    assert take(a).heartbeat, "a lapsed lease asks the controllers at once"
+
+
+def test_an_unresponsive_member_is_reported_only_after_member_timeout() -> None:
+    """Reference: Project Adam 3.3.3; a member that does not answer is dropped by a committed
+    controller entry, never by the primary alone: the round waits for the new record."""
+    cl = Cluster()
+    a = cl.cores["a"]
+    a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.1)
+    cl.collect()
+    cl.deliver(0.5, drop={"c"})
+    assert cl.answers == [] and cl.requests == []
+    for t in (0.6, 0.9, 1.0):
+        a.tick(t)
+        cl.collect()
+        cl.deliver(t, drop={"c"})
+    assert cl.requests == [], "not before member_timeout"
+    a.tick(1.2)
+    cl.collect()
+    cl.deliver(1.2, drop={"c"})
+    kinds = [(r.kind, r.member) for r in cl.requests]
+    assert kinds == [("drop_secondary", "c")]
+    assert cl.answers == [], "nothing acknowledged without c before the record drops it"
+    # The controllers' entry removes c (same epoch: a membership change keeps it).
+    a.on_roles({"version": 2, "roles": [role(0, 1, "a", ["b"])]}, 1.3, 1.3)
+    cl.collect()
+    assert [(x.waiter, x.outcome) for x in cl.answers] == [("w1", "ok")]
+
+
+def test_the_watchdog_proposes_a_role_change_once_per_failover_after() -> None:
+    c = core("b")
+    c.on_roles({"version": 1, "roles": [role(0, 1, "a", ["b", "c"])]}, 0.0, 0.0)
+    take(c)
+    c.step("a", {"op": "repl_ping", "sender": "a", "buckets": {0: 1}}, 1.0)
+    c.tick(3.9)
+    assert take(c).requests == []
+    c.tick(4.1)
+    (req,) = take(c).requests
+    assert (req.kind, req.bucket, req.position) == ("role_change", 0, (1, 0))
+    c.tick(4.2)
+    assert take(c).requests == [], "not again before failover_after"
+    c.on_role_change_answer(0, 10.0, 4.3)  # refused: retry_after
+    c.tick(8.0)
+    assert take(c).requests == [], "retry_after is respected"
+    c.tick(14.4)
+    assert [r.kind for r in take(c).requests] == ["role_change"]
+
+
+def test_roles_standby_joining_and_forgotten_copies() -> None:
+    c = core("b")
+    c.on_roles({"version": 1, "roles": [role(0, 1, "a", ["c"], ["b"], join=7)]}, 0.0, 0.0)
+    rd = take(c)
+    assert rd.start_joins == [0] and rd.hold == [0]
+    assert c.join_target(0) == ("a", 1, 7)
+    assert repl_copies_of(c) == {}, "a joining copy without its snapshot offers nothing"
+    c.installed(0, 5, [["cl", 1, 5]], 1, 0.5)
+    # Persisted (issue 29) before it learns or is offered; the flush holds it meanwhile.
+    assert not c.learning(0) and repl_copies_of(c) == {} and repl_copies.held_copies(c) == {0}
+    c.install_persisted(0, True, 0.5)
+    assert c.learning(0) and repl_copies_of(c) == {0: [1, 5]}
+    c.tick(4.0)  # the primary stayed silent past failover_after: transfer again
+    assert not c.learning(0)
+    # a standby role for a copy it does not hold is ignored; for one it holds, kept untouched
+    c.on_roles({"version": 2, "roles": [role(0, 1, "a", ["c"], role="standby")]}, 4.1, 4.1)
+    assert c.roles[0] == "standby" and c.buckets[0].committed == 5
+    c.on_roles({"version": 3, "roles": []}, 4.2, 4.2)
+    rd = take(c)
+    assert rd.forget == [0] and 0 not in c.buckets
+
+
+def test_an_installed_copy_learns_only_once_persisted_under_the_record_it_came_from() -> None:
+    # Issue 29: a copy held only in memory is no member. While it is persisted the flush holds
+    # it (held_copies, positions) but it neither learns nor is offered; a failed write, or a
+    # record that moved on meanwhile, leaves it not learning (the shell asks again).
+    c = core("b")
+    c.on_roles({"version": 1, "roles": [role(0, 1, "a", ["c"], ["b"], join=7)]}, 0.0, 0.0)
+    take(c)
+    c.installed(0, 5, [], 1, 0.5)
+    assert not c.learning(0)
+    got = repl_copies.positions(c, None, 100, lambda e, s, d, f, p: (e, s))
+    assert got == {0: (1, 5)} and repl_copies_of(c) == {}
+    c.install_persisted(0, False, 0.6)  # the disk refused it
+    assert not c.learning(0) and repl_copies.held_copies(c) == set()
+    assert c.join_target(0) == ("a", 1, 7), "asks again"
+    c.installed(0, 6, [], 1, 0.7)
+    c.on_roles({"version": 2, "roles": [role(0, 2, "c", ["a"], ["b"], join=8)]}, 0.8, 0.8)
+    c.install_persisted(0, True, 0.9)
+    assert not c.learning(0), "fetched from an earlier record: the new primary is asked"
+    assert c.join_target(0) == ("c", 2, 8)
+    c.installed(0, 6, [], 2, 1.0)
+    c.install_persisted(0, True, 1.1)
+    assert c.learning(0) and repl_copies_of(c) == {0: [2, 6]}
+
+
+def repl_copies_of(c: ReplCore) -> dict[int, list[int]]:
+    return repl_copies.copies(c)
+
+
+def test_a_deposed_primary_answers_its_waiters_unknown() -> None:
+    cl = Cluster()
+    a = cl.cores["a"]
+    a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.1)
+    take(a)
+    a.on_roles({"version": 2, "roles": [role(0, 2, "b", ["c", "a"])]}, 0.2, 0.2)
+    rd = take(a)
+    assert [(x.waiter, x.outcome) for x in rd.answers] == [("w1", "unknown")]
+
+
+@pytest.mark.parametrize(("error", "again"), [("timeout", True), ("connection", True),
+                                               ("conflict", False), (None, False)])  # fmt: skip
+def test_a_caught_up_report_of_unknown_outcome_is_sent_again(
+    error: str | None, again: bool
+) -> None:
+    cl = Cluster()
+    a = cl.cores["a"]
+    a.on_roles({"version": 2, "roles": [role(0, 1, "a", ["b", "c"], ["d"])]}, 0.1, 0.1)
+    take(a)
+    meta = a.snapshot_for(0, "d", 0, 0.1)
+    assert not isinstance(meta, Reject)
+    a.buckets[0].acked_commit["d"] = 0  # (d committed everything: nothing was committed yet)
+    a.pump(0, 0.1)
+    (req,) = take(a).requests
+    assert req.kind == "caught_up" and req.member == "d"
+    assert a.on_caught_up_answer(req, error, 0.2) is again
+    assert a.buckets[0].learners.get("d") == (
+        "reporting" if again else "reported" if error is None else None
+    )
+
+
+def test_a_record_older_than_an_accepted_caught_up_report_keeps_the_learner_in_the_rounds() -> None:
+    """Simulation seeds 3745, 8035, 9819: a heartbeat's answer computed before the controllers
+    accepted a learner's caught-up report (here: while it was out of the record, between two
+    joins) arrives after the acceptance. Dropping the learner on it made the primary
+    acknowledge pushes without a copy the controllers already count as a member; only a record
+    asked after the acceptance may remove it."""
+    cl = Cluster()
+    a = cl.cores["a"]
+    a.on_roles({"version": 2, "roles": [role(0, 1, "a", ["b", "c"], ["d"])]}, 0.1, 0.1)
+    take(a)
+    assert not isinstance(a.snapshot_for(0, "d", 0, 0.1), Reject)
+    a.buckets[0].acked_commit["d"] = 0  # (d committed everything: nothing was committed yet)
+    a.pump(0, 0.1)
+    (req,) = take(a).requests
+    assert a.on_caught_up_answer(req, None, 0.2) is False  # accepted: d is a member now
+    # the answer to a heartbeat asked at 0.15, from a record without d
+    a.on_roles({"version": 3, "roles": [role(0, 1, "a", ["b", "c"])]}, 0.15, 0.25)
+    assert a.buckets[0].learners == {"d": "reported"}
+    a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.3)
+    assert sorted(m.peer for m in take(a).messages) == ["b", "c", "d"], "d is in the round"
+    # a record asked after the acceptance that lacks d: the controllers removed it since
+    a.on_roles({"version": 4, "roles": [role(0, 1, "a", ["b", "c"])]}, 0.3, 0.35)
+    assert a.buckets[0].learners == {}
+
+
+def test_a_stale_epoch_is_refused_and_counted() -> None:
+    c = core("b")
+    c.on_roles({"version": 1, "roles": [role(0, 2, "a", ["b"])]}, 0.0, 0.0)
+    take(c)
+    res = c.step("a", {"op": "repl_commit", "bucket": 0, "sender": "a", "epoch": 1, "seq": 1}, 1)
+    assert isinstance(res, Reject) and res.code == "stale_epoch"
+    assert take(c).stale == 1
+    res = c.step("a", {"op": "repl_commit", "bucket": 0, "sender": "a", "epoch": 3, "seq": 1}, 1)
+    assert isinstance(res, Reject) and res.code == "unavailable"
+    assert take(c).heartbeat, "an epoch it does not know: ask the controllers"
+
+
+def test_the_core_reads_no_clock_and_does_no_io() -> None:
+    """The core takes time as an argument: none of its modules imports a clock, a socket, a
+    thread or an event loop (what makes the simulation's seeds deterministic)."""
+    banned = {"time", "datetime", "asyncio", "socket", "threading", "random", "os", "aiohttp"}
+    core_dir = Path(__file__).resolve().parents[2] / "adamps" / "core"
+    for path in sorted(core_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module.split(".")[0]]
+            assert not set(names) & banned, f"{path.name} imports {set(names) & banned}"
