@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from adamps.up.procs import PORT_RANGE_ENV, Proc, adamps_argv, free_port, port_range
+from adamps.up.procs import (
+    PORT_RANGE_ENV,
+    Proc,
+    adamps_argv,
+    free_port,
+    port_range,
+    stop_together,
+)
 
 TOKEN = "test-token"
 
@@ -31,8 +38,14 @@ class ProcessGroup:
         return proc
 
     def stop_all(self) -> None:
-        for p in reversed(self.procs):
-            p.stop(timeout=5)
+        """In the stages of `adamps up` (trainers, servers, controllers), each stage at once: one
+        process after the other, a teardown took the sum of their shutdowns."""
+        procs = list(reversed(self.procs))
+        trainers = [p for p in procs if p.name.startswith("train")]
+        controllers = [p for p in procs if p.name.startswith("controller")]
+        others = [p for p in procs if p not in trainers and p not in controllers]
+        for stage in (trainers, others, controllers):
+            stop_together(stage, timeout=5)
 
 
 @pytest.fixture
