@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from adamps.up.procs import Proc, adamps_argv, free_port
+from adamps.up.procs import (
+    PORT_RANGE_ENV,
+    Proc,
+    adamps_argv,
+    free_port,
+    port_range,
+    stop_together,
+)
 
 TOKEN = "test-token"
 
@@ -31,8 +38,14 @@ class ProcessGroup:
         return proc
 
     def stop_all(self) -> None:
-        for p in reversed(self.procs):
-            p.stop(timeout=5)
+        """In the stages of `adamps up` (trainers, servers, controllers), each stage at once: one
+        process after the other, a teardown took the sum of their shutdowns."""
+        procs = list(reversed(self.procs))
+        trainers = [p for p in procs if p.name.startswith("train")]
+        controllers = [p for p in procs if p.name.startswith("controller")]
+        others = [p for p in procs if p not in trainers and p not in controllers]
+        for stage in (trainers, others, controllers):
+            stop_together(stage, timeout=5)
 
 
 @pytest.fixture
@@ -64,3 +77,15 @@ def pytest_configure(config: pytest.Config) -> None:
         tmp = tempfile.mkdtemp(prefix="adamps-tests-")
         atexit.register(shutil.rmtree, tmp, True)
         os.environ["ADAMPS_LOCAL_TOKEN_FILE"] = os.path.join(tmp, "local-token")
+    # Under pytest-xdist each worker draws ports from a slice of its own (the processes its tests
+    # start inherit it): free_port remembers only what its own process handed out, so two
+    # workers sharing one range could pick the same port between a pick and the bind.
+    worker, count = (
+        os.environ.get("PYTEST_XDIST_WORKER"),
+        os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
+    )
+    if worker and count and PORT_RANGE_ENV not in os.environ:
+        low, high = port_range()
+        i, n = int(worker.removeprefix("gw")), int(count)
+        step = (high - low) // n
+        os.environ[PORT_RANGE_ENV] = f"{low + i * step}-{low + (i + 1) * step}"

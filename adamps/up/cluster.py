@@ -20,7 +20,7 @@ from typing import Any
 from adamps import peer_auth, tls_certs
 from adamps import tls as tls_mod
 from adamps.client.rpc import http_json  # noqa: F401  (re-exported: the tests use it from here)
-from adamps.up.procs import Proc, adamps_argv, free_port
+from adamps.up.procs import Proc, adamps_argv, free_port, stop_together
 
 #: Timings of the fault tests and benchmarks: 2 s leases, a silent server declared dead after
 #: 1 s, a silent primary replaced after 1.5 s, so a failover completes in about 2.5 s.
@@ -192,8 +192,11 @@ class LocalCluster:
         self.procs[name].signal(signal.SIGCONT)
 
     def stop(self) -> None:
-        for proc in reversed(list(self.procs.values())):
-            proc.stop(timeout=5)
+        """Stops every process: the others at once, then the controllers at once (a parameter
+        server's shutdown still talks to the controllers, as in `adamps up`)."""
+        named = list(reversed(self.procs.items()))
+        stop_together([p for n, p in named if not n.startswith("controller")], timeout=5)
+        stop_together([p for n, p in named if n.startswith("controller")], timeout=5)
         if self.tls_files is not None:
             tls_mod.install(self._tls_before)
 

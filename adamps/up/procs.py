@@ -56,13 +56,38 @@ def _ephemeral_range() -> tuple[int, int]:
 _handed_out: set[int] = set()
 
 
+#: environment variable "LOW-HIGH": free_port picks only in [LOW, HIGH). The test suite run by
+#: several pytest-xdist workers gives each worker its own slice: each worker remembers only its
+#: own handed-out ports, so two workers drawing from one range could both pick a port between
+#: one's pick and its server's bind (tests/conftest.py)
+PORT_RANGE_ENV = "ADAMPS_FREE_PORT_RANGE"
+
+
+def port_range() -> tuple[int, int]:
+    """[low, high) of the ports free_port picks from: below the kernel's ephemeral range, or
+    `$ADAMPS_FREE_PORT_RANGE`."""
+    lo, _hi = _ephemeral_range()
+    low, high = (10_000, lo) if lo > 11_000 else (lo, 65_000)
+    want = os.environ.get(PORT_RANGE_ENV)
+    if want:
+        try:
+            a, b = (int(x) for x in want.split("-"))
+        except ValueError:
+            raise ValueError(
+                f"{PORT_RANGE_ENV}={want!r}: expected LOW-HIGH, e.g. 10000-20000"
+            ) from None
+        if not 1024 <= a < b <= 65_536:
+            raise ValueError(f"{PORT_RANGE_ENV}={want!r}: expected 1024 <= LOW < HIGH <= 65536")
+        low, high = a, b
+    return low, high
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago and that this process has not handed out before,
     chosen below the kernel's ephemeral range: a port the kernel hands out (bind to 0) is also
     what it picks as the source port of outgoing connections, so a server started on it a
-    moment later can find it taken."""
-    lo, _hi = _ephemeral_range()
-    low, high = (10_000, lo) if lo > 11_000 else (lo, 65_000)
+    moment later can find it taken. `$ADAMPS_FREE_PORT_RANGE` narrows the range."""
+    low, high = port_range()
     for _ in range(200):
         port = random.randrange(low, high)
         if port in _handed_out:
@@ -178,3 +203,16 @@ class Proc:
         except OSError:
             return ""
         return "\n".join(lines[-n:])
+
+
+def stop_together(procs: Sequence[Proc], timeout: float = 10.0) -> None:
+    """Stops `procs` at once: SIGTERM to each, then each waited for until one shared deadline
+    (SIGKILL after it). A parameter server takes seconds to stop (its final flush): one after
+    the other, a test cluster's teardown took the sum of them."""
+    for p in procs:
+        if p.alive:
+            p.signal(signal.SIGCONT)  # a paused process cannot handle SIGTERM
+            p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.stop(timeout=max(0.1, deadline - time.monotonic()))

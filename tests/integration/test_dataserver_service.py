@@ -164,17 +164,23 @@ async def test_bad_token_garbage_and_unknown_op_get_json_4xx(mnist) -> None:
 
 
 async def test_wait_frames_keep_a_slow_epoch_from_looking_like_a_dead_server() -> None:
-    """An epoch that takes longer to augment than the client's read timeout is not a failover."""
+    """An epoch that takes longer to augment than the client's read timeout is not a failover.
+
+    The augmentation runs in a worker process, as it does in production: in a thread of the
+    test's process (workers=0) it shared the GIL with the event loop that sends the wait frames
+    and with the client, and on a loaded machine a frame came later than the client's 0.1 s read
+    timeout now and then. A wait frame every 20 ms against a read timeout of 0.3 s."""
+    timeout = 0.3
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (600, 128, 128), dtype=np.uint8)
     y = np.arange(600, dtype=np.int64) % 10
     big = Dataset(x, y, x[:10], y[:10])
-    async with running(big, ahead=0, heartbeat=0.02) as (server, url):
-        client = DataClient([url], TOKEN, timeout=0.1)
+    async with running(big, ahead=0, heartbeat=0.02, workers=1) as (server, url):
+        client = DataClient([url], TOKEN, timeout=timeout)
         t0 = asyncio.get_running_loop().time()
         batches, it = await asyncio.to_thread(collect, client, 0, 1, 5, batch_size=100)
         assert (
-            asyncio.get_running_loop().time() - t0 > 0.2
+            asyncio.get_running_loop().time() - t0 > 2 * timeout
         )  # augmentation really was slower than the timeout
         assert it.failovers == 0
         assert sorted(np.concatenate([b.index for b in batches]).tolist()) == list(range(600))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from adamps.plot import iteration_figure
-from adamps.up.procs import adamps_argv
+from adamps.up.procs import adamps_argv, port_range
 
 pytestmark = pytest.mark.slow
 
@@ -148,7 +148,9 @@ def test_a_dead_trainer_fails_the_run_and_everything_stops(tmp_path: Path) -> No
 @pytest.mark.timeout(150)
 def test_short_run_ends_with_accuracy_and_plot(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    base = 20000 + os.getpid() % 5000  # below the kernel's ephemeral range
+    # below the kernel's ephemeral range, in this pytest-xdist worker's slice of it
+    low, high = port_range()
+    base = low + os.getpid() % (high - low - 100)
     t0 = time.monotonic()
     proc, out = start_up(run, "--epochs", "2", "--target-accuracy", "0.9", "--port-base", str(base))
     try:
