@@ -63,7 +63,7 @@ from adamps.client import ControllerRouting, PSClient, StaticRouting
 from adamps.client.rpc import get_json
 from adamps.layout import Layout, TensorSpec
 from adamps.progress import Progress
-from trainer import export
+from trainer import export, tensor_setup
 from trainer.board import Board, ControllerBoard, PsBoard
 from trainer.config import TrainConfig
 from trainer.fetcher import Fetcher
@@ -218,69 +218,12 @@ class Replica:
             )  # fmt: skip
 
     def _controller_layout(self, ctl: Any) -> Layout:
-        """Replica 0 stores the model's layout at the controllers; the others read it there, so
-        every replica derives the same shards and buckets."""
-        want = {t.name: t.shape for t in self.tensors}
-        deadline = time.monotonic() + self.cfg.wait_timeout
-        while True:
-            if self.cfg.replica == 0:
-                n_buckets = int(ctl.routing()["n_buckets"])
-                layout = Layout(self.tensors, n_buckets)
-                # With --run, only the run's part: the other runs' tensors stay in the layout
-                # (with the cluster token the whole layout was replaced, erasing theirs).
-                ctl.set_layout(layout.to_dict(), run=self.cfg.run or None)
-                return layout
-            got = ctl.layout()
-            if got is not None:
-                layout = Layout.from_dict(got["layout"])
-                # The cluster's layout holds every run's tensors: this run's part must match.
-                ns = f"{self.cfg.run}.." if self.cfg.run else ""
-                have = {n: t.shape for n, t in layout.tensors.items() if n.startswith(ns)}
-                if have == want:
-                    return Layout(self.tensors, layout.n_buckets, layout.max_shard_elems)
-            if time.monotonic() > deadline:
-                raise TimeoutError("no layout of this model at the controllers (is replica 0 up?)")
-            time.sleep(0.2)
+        return tensor_setup.controller_layout(self.cfg, self.tensors, ctl)
 
     def _create_tensors(self) -> None:
         """Replica 0 defines every tensor with its initial values and the optimizer."""
         assert self.client is not None
-        init = Model(self.spec)
-        init.init_params(self.cfg.seed)
-        accums: dict[str, Any] = {}
-        if self.cfg.init:  # warm start (issue 24): checked whole before the first create
-            from trainer.warm import initial_state
-
-            warm, accums = initial_state(self.cfg.init, {t.name: t.shape for t in self.tensors})
-            for name, values in warm.items():
-                init.param(name)[...] = values
-        optimizer: dict[str, Any] = {"kind": self.cfg.optimizer, "lr": self.cfg.server_lr}
-        if self.cfg.optimizer == "adagrad":
-            optimizer["initial_accumulator"] = self.cfg.adagrad_initial
-        for t in self.tensors:
-            self.client.create(
-                t, init={"kind": "values", "values": init.param(t.name)}, optimizer=optimizer
-            )
-        if accums and self.cfg.optimizer == "adagrad":
-            self._install_accumulators(init, accums)
-
-    def _install_accumulators(self, init: Model, accums: dict[str, Any]) -> None:
-        """The checkpoint's Adagrad accumulators, installed (with the same values) through the
-        servers' one write path: the run goes on from the checkpoint's learning rates, not
-        from fresh accumulators (issue 24)."""
-        from adamps.checkpoint import Cluster, install
-
-        assert self.client is not None
-        arrays = {n: init.param(n) for n in accums}
-        arrays.update({f"{n}/accum": a for n, a in accums.items()})
-        defs = [{"name": n} for n in accums]
-        cluster = Cluster(list(self.cfg.controllers), self.cfg.token, source=self.client.source)
-        try:
-            n = install(cluster, self.client.layout, defs, arrays)
-        finally:
-            cluster.close()
-        log.info("warm start: Adagrad accumulators of %d tensors (%d shards) from %s",
-                 len(accums), n, self.cfg.init)  # fmt: skip
+        tensor_setup.create_tensors(self.cfg, self.spec, self.tensors, self.client)
 
     def _wait_warm(self) -> None:
         assert self.board is not None
