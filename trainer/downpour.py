@@ -11,7 +11,7 @@ background threads, so compute never waits on the network:
   layer's M x N weight pushes its k activation and error vectors instead (Adam 3.2.6; the
   server computes ``e.T @ a``) whenever ``k * (M + N) < M * N``, else the dense delta. The
   queue is bounded: when the network falls behind, a new round is merged into the last queued
-  push (deltas added, vectors stacked) instead of blocking the workers; a backlog goes as one push;
+  push (deltas added, vectors stacked) instead of blocking the workers;
 - with ``--compress`` the push thread sends Strom's threshold-quantized updates instead
   (trainer/compress.py: a residual per tensor with error feedback, +-tau per sent element),
   whichever of vectors, compressed and dense is smallest per tensor;
@@ -476,7 +476,7 @@ class Replica:
         """Fetched parameters become the local copy, plus the local updates still waiting in
         the push queue: they are not on the servers yet, and dropping them would make the
         replica compute them again (with a backlog of pushes, in effect a larger learning
-        rate). The push in flight (a backlog sent together) is counted as arrived."""
+        rate). The push in flight is counted as arrived."""
         params[...] = fetched
         sl = self.model.slices()
         shapes = dict(self.model.tensors())

@@ -69,19 +69,6 @@ class PushItem:
             self.dense[name] = g
 
 
-def combine(items: Sequence[PushItem]) -> PushItem:
-    """One PushItem with the updates of all ``items``, which are left unchanged (the replica's
-    main thread may still be reading them as pending updates). Their sum is what they would
-    have pushed one by one; vector stacks fold as in ``PushItem.merge``."""
-    if len(items) == 1:
-        return items[0]
-    out = PushItem({}, {})
-    for it in items:
-        own = {n: d.copy() for n, d in it.dense.items()}  # merge adds into its own arrays
-        out.merge(PushItem(own, {n: list(bl) for n, bl in it.vectors.items()}, it.steps))
-    return out
-
-
 def stack(blocks: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[Any, Any]:
     """The blocks' activation and error vectors as two matrices ((None, None) if empty)."""
     if not blocks:

@@ -21,8 +21,6 @@ class PushQueue:
         self._cond = threading.Condition()
         self._busy = 0  #: items taken by the consumer and not yet done
         self.merged = 0  #: items merged because the queue was full
-        #: items the consumer took together with the one before them (``get_run``)
-        self.coalesced = 0
 
     def put(self, item: PushItem | Callable[[], None] | None) -> None:
         with self._cond:
@@ -44,26 +42,6 @@ class PushQueue:
                 self._cond.wait()
             self._busy += 1
             return self._items.popleft()
-
-    def get_run(self) -> Any:
-        """Like ``get``, but a PushItem comes with every PushItem queued right behind it (up
-        to the next marker), as a list: a push thread that fell behind sends its backlog as
-        one push instead of one per item (issue 27: each push costs the client and every
-        server a fixed amount of CPU, whatever its size). The items stay unmodified, since the
-        producer may be reading them in ``pending()``; the caller combines them
-        (trainer/packing.py ``combine``). They count as one item for ``done``."""
-        with self._cond:
-            while not self._items:
-                self._cond.wait()
-            self._busy += 1
-            first = self._items.popleft()
-            if not isinstance(first, PushItem):
-                return first
-            run = [first]
-            while self._items and isinstance(self._items[0], PushItem):
-                run.append(self._items.popleft())
-            self.coalesced += len(run) - 1
-            return run
 
     def done(self) -> None:
         with self._cond:

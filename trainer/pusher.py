@@ -16,7 +16,7 @@ import numpy as np
 
 from adamps.client import PSClient
 from trainer.metrics import TrainerMetrics
-from trainer.packing import PushItem, combine, push_parts
+from trainer.packing import PushItem, push_parts
 from trainer.push_queue import PushQueue
 
 
@@ -49,17 +49,16 @@ class Pusher:
         self._comp_totals = [0, 0]  #: elements sent, elements offered to the compressor
 
     def loop(self) -> None:
-        """Until a None item: push items (a backlog of items queued back to back as one push),
-        run markers."""
+        """Until a None item: push items, run markers."""
         while True:
-            item = self.queue.get_run()
+            item = self.queue.get()
             try:
                 if item is None:
                     return
                 if callable(item):
                     item()
                     continue
-                self.push(combine(item))
+                self.push(item)
             finally:
                 self.queue.done()
                 self.m.queue.set(len(self.queue))

@@ -18,7 +18,6 @@ from trainer.packing import (
     PushItem,
     add_pending,
     collect_round,
-    combine,
     push_parts,
     use_vectors,
 )
@@ -72,38 +71,6 @@ def test_push_queue_merges_instead_of_blocking_and_keeps_markers_in_order() -> N
     assert [b[0][0, 0] for b in last.vectors["f.w"]] == [2, 3, 4]
     marker()
     assert seen == ["marker"]
-    for _ in range(3):
-        q.done()
-    assert q.join(0.1)
-
-
-def test_a_push_thread_behind_takes_its_backlog_as_one_push_with_the_same_sum() -> None:
-    """Issue 27: the items queued back to back go out as one push (one request per server
-    instead of one per round), up to the next marker, and the combined push is their sum;
-    the queued items themselves stay unchanged (the main thread may be reading them)."""
-    q = PushQueue(limit=8)
-    seen: list[str] = []
-    items = [_item(1), _item(2), _item(3)]
-    for it in items:
-        q.put(it)
-    q.put(lambda: seen.append("marker"))
-    q.put(_item(5))
-    run = q.get_run()
-    assert run == items and q.coalesced == 2
-    sent = combine(run)
-    assert sent.steps == 3
-    np.testing.assert_array_equal(sent.dense["c.w"], np.full(5, 6, np.float32))
-    (fc,) = [p for p in push_parts(sent, 1.0, {"f.w": (40, 30), "c.w": (5,)}) if p[0] == "fc"]
-    a, e = fc[2], fc[3]
-    np.testing.assert_allclose(
-        e.T @ a, sum(it.vectors["f.w"][0][1].T @ it.vectors["f.w"][0][0] for it in items)
-    )
-    assert [it.dense["c.w"][0] for it in items] == [1, 2, 3]  # not added into
-    assert [len(it.vectors["f.w"]) for it in items] == [1, 1, 1]
-    marker = q.get_run()
-    assert callable(marker) and seen == []  # the marker stays behind the pushes before it
-    (last,) = q.get_run()
-    assert last.steps == 1
     for _ in range(3):
         q.done()
     assert q.join(0.1)
