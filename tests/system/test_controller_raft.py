@@ -607,8 +607,12 @@ def test_lease_safety_across_leader_changes_and_server_failures(procs, tmp_path:
         lines = {
             line.split()[0]: line.split() for line in out.splitlines() if line.startswith("ps")
         }
+        head = next(line.split() for line in out.splitlines() if line.startswith("server"))
+        state, primary = head.index("state"), head.index("primary")  # by name: columns grow
         assert (
-            lines["ps1"][2] == "dead" and lines["ps3"][2] == "drained" and lines["ps0"][3] == "64"
-        )
+            lines["ps1"][state] == "dead"
+            and lines["ps3"][state] == "drained"
+            and lines["ps0"][primary] == "64"
+        ), out
     finally:
         servers.stop()
