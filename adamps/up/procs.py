@@ -7,6 +7,7 @@ started (worker processes), and a parent that dies takes no orphan with it unnot
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -16,6 +17,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from adamps.client.rpc import http_json
 
@@ -203,6 +205,20 @@ class Proc:
         except OSError:
             return ""
         return "\n".join(lines[-n:])
+
+    def summary(self) -> dict[str, Any]:
+        """The last JSON object the process printed on a line of its own (a trainer's figures,
+        its last stdout line): the log also holds stderr, where a warning at exit (a shared
+        memory segment's resource tracker) may come after it."""
+        for line in reversed(self.tail(200).splitlines()):
+            if line.startswith("{"):
+                try:
+                    out = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(out, dict):
+                    return out
+        raise ValueError(f"{self.name} printed no JSON summary; its output ends: {self.tail(5)}")
 
 
 def stop_together(procs: Sequence[Proc], timeout: float = 10.0) -> None:

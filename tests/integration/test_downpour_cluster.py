@@ -94,7 +94,7 @@ def test_two_replicas_train_and_export(procs, tmp_path, token) -> None:
     again = procs.start("again", "train", "--ps", ps_url, "--dataservers", ds_url, "--run",
                         "again", "--epochs", "1", "--metrics-port", "-1")  # fmt: skip
     assert again.popen.wait(60) == 0, again.tail()
-    summary = json.loads(again.tail(1))
+    summary = again.summary()
     assert summary["images"] == 4000 and summary["heldout_accuracy"]["1"] >= 0.90
     assert "already records finished epochs" not in again.tail(200)
 
@@ -130,6 +130,6 @@ def test_a_slow_replica_moves_on_from_a_complete_epoch(procs, tmp_path) -> None:
     assert r1.popen.wait(60) == 0, r1.tail()
     assert "moving on" in r1.tail(200), r1.tail(200)
     assert "(moved on)" in r1.tail(200)
-    summary = json.loads(r1.tail(1))
+    summary = r1.summary()
     assert summary["images"] < 4000  # it did not train all of its 2 x 2000 images
     assert [json.loads(x)["epoch"] for x in history.read_text().splitlines()] == [1, 2]

@@ -100,6 +100,6 @@ def test_a_replica_dies_for_good_and_another_joins(procs, tmp_path) -> None:
     # The run reached the target; every survivor and the late joiner trained some of it.
     lines = [json.loads(x) for x in history.read_text().splitlines()]
     assert lines[-1]["epoch"] == EPOCHS and lines[-1]["accuracy"] >= 0.95, lines
-    images = [json.loads(p.tail(1))["images"] for p in (a, b, late)]
+    images = [p.summary()["images"] for p in (a, b, late)]
     assert all(n > 0 for n in images), images
     assert "joins run 'elastic'" in late.tail(400)
