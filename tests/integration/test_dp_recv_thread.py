@@ -25,23 +25,9 @@ from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.server.dp_reader import OFF_LOOP_MIN, RECV_THREAD_ENV, off_loop_min
 from adamps.up.procs import free_port
+from tests.integration.test_connections import closed_within
 
 TOKEN = "recv-thread-token"
-
-
-def closed_within(sock: socket.socket, timeout: float) -> float | None:
-    """Seconds until the peer closed `sock`, or None if it stayed open for `timeout`."""
-    t0 = time.monotonic()
-    sock.settimeout(0.1)
-    while time.monotonic() - t0 < timeout:
-        try:
-            if sock.recv(65536) == b"":
-                return time.monotonic() - t0
-        except TimeoutError:
-            continue
-        except ConnectionResetError:
-            return time.monotonic() - t0
-    return None
 
 
 async def start_ps(tmp_path: Path, **cfg: Any) -> tuple[ParameterServer, Any, int]:
