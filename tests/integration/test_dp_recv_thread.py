@@ -12,35 +12,15 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 from adamps import protocol
-from adamps import web as aweb
 from adamps.client.dataplane import REQUEST, DataPlaneClient, frame_header
 from adamps.client.rpc import AsyncRpc
-from adamps.server.app import ParameterServer
-from adamps.server.config import PsConfig
 from adamps.server.dp_reader import OFF_LOOP_MIN, RECV_THREAD_ENV, off_loop_min
-from adamps.up.procs import free_port
-from tests.integration.test_connections import closed_within
-
-TOKEN = "recv-thread-token"
-
-
-async def start_ps(tmp_path: Path, **cfg: Any) -> tuple[ParameterServer, Any, int]:
-    port, dport = free_port(), free_port()
-    ps = ParameterServer(
-        PsConfig(
-            port=port, data_port=dport, token=TOKEN, data_dir=str(tmp_path / "ps"),
-            owner_threads=1, flush_interval=3600, lmdb_sync=False, **cfg,
-        )
-    )  # fmt: skip
-    runner = await aweb.serve(ps.make_app(), "127.0.0.1", port)
-    return ps, runner, dport
-
+from tests.integration.test_connections import TOKEN, closed_within, start_ps
 
 N = 1 << 18  # 1 MiB of float32: far above OFF_LOOP_MIN
 assert 4 * N >= OFF_LOOP_MIN
