@@ -74,7 +74,7 @@ from trainer.model import Model, in_namespace, resolve_spec
 from trainer.packing import PackPlan, add_pending, collect_round, downpour_worker_factory
 from trainer.push_queue import PushQueue
 from trainer.pusher import Pusher
-from trainer.schedule import Schedule
+from trainer.schedule import Schedule, completed_epoch
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,8 @@ class Replica:
         self.result = ReplicaResult()
         #: the Downpour rules and their counts (steps, epochs complete, finished, reported)
         self.schedule = Schedule.of(cfg)
+        #: epochs complete before this replica started: its earlier incarnation evaluated them
+        self._evaluated_upto = 0
         self.last_staleness: int | None = None
         #: fetches installed so far (also the adamps_trainer fetch counter; read here, not there)
         self.fetches = 0
@@ -210,6 +212,8 @@ class Replica:
         else:
             self.board = PsBoard(self.client, cfg.replica, cfg.n_replicas, cfg.run)
         earlier = self.board.finished()
+        if not cfg.elastic:  # evaluated by this replica's earlier incarnation, if any: not again
+            self._evaluated_upto = completed_epoch(earlier, cfg.n_replicas, cfg.epoch_fraction)
         if any(earlier.values()):
             log.warning(
                 "the board already records finished epochs %s (an earlier run%s?): complete "
@@ -515,10 +519,14 @@ class Replica:
         return self.model.prepare(np.concatenate(xs)), np.concatenate(ys)
 
     def _evaluate_completed(self, test_x: np.ndarray | None, test_y: np.ndarray | None) -> None:
-        done = min(self.completed, self.cfg.epochs)
-        if test_x is None or not done or done in self.result.accuracy:
+        """Evaluate every epoch completed since the last call. The board can report two epochs
+        complete between two calls (a loaded machine, or a replica that was in its last rounds):
+        each still gets its line in --history, with the servers' weights as they are now."""
+        if test_x is None:
             return
-        self._evaluate(done, test_x, test_y)
+        for epoch in range(self._evaluated_upto + 1, min(self.completed, self.cfg.epochs) + 1):
+            if epoch not in self.result.accuracy:
+                self._evaluate(epoch, test_x, test_y)
 
     def _evaluate(self, epoch: int, test_x: np.ndarray, test_y: np.ndarray) -> float:
         assert self.client is not None

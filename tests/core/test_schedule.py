@@ -163,3 +163,40 @@ def test_two_replicas_the_slow_one_moves_on() -> None:
     assert slow.move_on(1)
     assert slow.skip(2) and not slow.skip(3)
     assert slow.next_report(0, None) is None  # moved on: epoch 1 is not reported as finished
+
+
+def test_replica_0_evaluates_every_epoch_completed_between_two_looks() -> None:
+    """The board can report epochs 1 and 2 complete at once (replica 0 was in its last rounds,
+    or the machine was loaded): --history still gets one line per complete epoch, in order,
+    and a restarted replica 0 does not evaluate again the epochs complete before it started."""
+    from types import SimpleNamespace
+
+    from trainer.downpour import Replica
+
+    def fake(completed: int, upto: int) -> SimpleNamespace:
+        r = SimpleNamespace(
+            completed=completed, cfg=SimpleNamespace(epochs=3), _evaluated_upto=upto,
+            result=SimpleNamespace(accuracy={}), evaluated=[],
+        )  # fmt: skip
+
+        def evaluate(epoch: int, x: object, y: object) -> None:
+            r.evaluated.append(epoch)
+            r.result.accuracy[epoch] = 0.5
+
+        r._evaluate = evaluate
+        return r
+
+    r = fake(completed=2, upto=0)
+    Replica._evaluate_completed(r, "x", "y")
+    assert r.evaluated == [1, 2]
+    Replica._evaluate_completed(r, "x", "y")
+    assert r.evaluated == [1, 2]
+    r.completed = 5  # past --epochs: evaluates up to the last epoch only
+    Replica._evaluate_completed(r, "x", "y")
+    assert r.evaluated == [1, 2, 3]
+    restarted = fake(completed=2, upto=1)
+    Replica._evaluate_completed(restarted, "x", "y")
+    assert restarted.evaluated == [2]
+    no_heldout = fake(completed=2, upto=0)
+    Replica._evaluate_completed(no_heldout, None, None)
+    assert no_heldout.evaluated == []
