@@ -346,7 +346,7 @@ class ParameterServer:
             if self.replicator is not None and op in PEER_OPS:
                 # Who sent it: the MAC of the body under the pair key (adamps.peer_auth); a
                 # replication op is not served on the cluster token alone (issue 28).
-                peer = await self.replicator.peer_of_request(
+                peer = await self.replicator.peer_keys.request_peer(
                     op, request.headers.get(peer_auth.PEER_HEADER), body
                 )
                 handler = functools.partial(self.replicator.op_from_peer, op, peer=peer)

@@ -8,7 +8,7 @@ state-transfer decisions); this shell only carries them out, as etcd-io/raft's u
   leases), the peers' messages (``repl_ops.PeerOps`` decodes and checks them), client pushes,
   the replies to the core's messages, and the clock (``tick`` every ``TICK`` seconds);
 - after each event, ``drain`` carries out the core's ``Ready``: batches queued to the owner
-  threads, pushes answered, messages sent through the transport (``repl_transport``), calls to
+  threads, pushes answered, messages sent through the transport (``repl_peers.Peers.send``), calls to
   the controllers, state transfers started or stopped (``repl_transfer`` reads and installs).
 
 Updates travel in their compact form (dense delta of one shard, or activation and error vectors),
@@ -42,7 +42,6 @@ from adamps.server.repl_control import ControllerLink
 from adamps.server.repl_metrics import ReplMetrics
 from adamps.server.repl_ops import PeerOps
 from adamps.server.repl_peers import Peers
-from adamps.server.repl_transport import PeerTransport
 from adamps.server.repl_wire import batch_from_wire, batch_to_wire, not_primary, store_parts
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
@@ -84,7 +83,6 @@ class Replicator:
             cfg.server_id, cfg.own_key(), lambda: self.controller, lambda s: s in self.addresses
         )
         self.peers = Peers(cfg.token, cfg.member_timeout, self.peer_keys)
-        self.transport = PeerTransport(self.peers)
         #: server id -> "host:port" (from the controllers' roles; the peers' address book)
         self.addresses = self.peers.addresses
         #: the ops peers call (POST /rpc, the data plane's repl_multi frames)
@@ -92,7 +90,6 @@ class Replicator:
         self.handlers = self.ops.handlers
         self.op_from_peer = self.ops.op_from_peer
         self.op_repl_frame = self.ops.op_repl_frame
-        self.peer_of_request = self.ops.peer_of_request
         #: bucket -> the task fetching and installing its snapshot (joining side)
         self._join_tasks: dict[int, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
@@ -215,7 +212,7 @@ class Replicator:
                 err = not_primary(rep, ans.bucket, self.addresses, ans.why, code="primary_changed")
                 fut.set_exception(err)
         for msg in rd.messages:
-            self.transport.send(msg, self._answer_of(msg))
+            self.peers.send(msg, self._answer_of(msg))
         for b in rd.stop_joins:
             task = self._join_tasks.pop(b, None)
             if task is not None and not task.done():

@@ -186,7 +186,7 @@ class Waiter:
 class SimTransport:
     """The in-memory transport: the core's messages over the simulated network, each answered
     exactly once (the reply, or a failure when none came within MEMBER_TIMEOUT), as
-    adamps.server.repl_transport.PeerTransport answers them."""
+    adamps.server.repl_peers.Peers.send answers them."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
