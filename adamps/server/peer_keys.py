@@ -168,3 +168,18 @@ class PeerKeys:
             return None, payload
         claimed = claimed if isinstance(claimed, str) else None
         return await self.prover("repl_multi", [meta_raw, payload], claimed, got), payload
+
+    def controller_signer(self) -> Callable[[str, str, bytes], tuple[tuple[str, str], ...]] | None:
+        """What signs this server's calls to the controllers, which take them from this server
+        only; None when it has no key."""
+        own = self.own
+        if own is None:
+            return None
+
+        def sign(method: str, path: str, body: bytes) -> tuple[tuple[str, str], ...]:
+            value = peer_auth.server_call_header(
+                own, self.server_id, int(time.time()), method, path, body
+            )
+            return ((peer_auth.SERVER_HEADER, value),)
+
+        return sign

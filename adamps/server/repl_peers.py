@@ -259,6 +259,15 @@ class Peers:
         """One replication request to a peer over HTTP, signed (repl_snapshot)."""
         return await signed_call(self.rpc(server), self.keys, server, op, fields)
 
+    def learn(self, roles: list[dict[str, Any]]) -> None:
+        """The addresses of the servers a heartbeat's roles name."""
+        for r in roles:
+            if r.get("address") and r.get("primary"):
+                self.addresses[r["primary"]] = r["address"]
+            for sid, addr in (r.get("secondary_addresses") or {}).items():
+                if addr:
+                    self.addresses[sid] = addr
+
     def rpc(self, server: str) -> AsyncRpc:
         addr = self.addresses.get(server)
         if addr is None:

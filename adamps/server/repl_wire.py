@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps.core.replication import Assignment, Batch, BucketReplica
+from adamps.core.replication import Assignment, Batch, BucketReplica, Reject
 from adamps.protocol import ProtocolError, require
 from adamps.server import checksum, vecwire
 from adamps.server.compressed import signs_of_wire
@@ -41,6 +41,18 @@ def not_primary(
         epoch=a.epoch,
         primary=addresses.get(a.primary or "", None),
     )
+
+
+def refusal(
+    rej: Reject, rep: BucketReplica | None, bucket: int, addresses: dict[str, str]
+) -> ProtocolError:
+    """A refusal of the replication core as the protocol error a client or peer gets."""
+    if rej.code == "not_primary":
+        return not_primary(rep, bucket, addresses, rej.message)
+    if rej.code == "bucket_unavailable":
+        return ProtocolError(rej.code, rej.message, bucket=bucket)
+    epoch = rej.epoch or (rep.assignment.epoch if rep is not None else 0)
+    return ProtocolError(rej.code, rej.message, bucket=bucket, epoch=epoch)
 
 
 # -- updates on the wire ---------------------------------------------------------------------------
