@@ -21,7 +21,7 @@ The shell (adamps.server.replicate, or the simulation) feeds events in and carri
   epoch; the client's retry is answered exactly once by whoever has the batch);
 - ``unresponsive(...)``: a member that did not answer within ``member_timeout``;
 - the controllers' answers (``on_role_change_answer``, ``on_caught_up_answer``) and the joining
-  copy's snapshot (``snapshot_fits``, ``installed``, ``install_persisted``: repl_join.py).
+  copy's snapshot (``snapshot_fetched``, ``installed``, ``install_persisted``: repl_join.py).
 
 Per bucket, the two-phase-commit state machine is ``BucketReplica`` (adamps.core.replication);
 this object holds one per copy, and the per-server state around them: roles, leases, when each
@@ -35,7 +35,7 @@ from typing import Any
 
 from adamps.core.lease import HolderLeases, LeaseTerms
 from adamps.core.repl_join import JoiningCopy
-from adamps.core.repl_ready import Answer, ControllerRequest, Ready, Send
+from adamps.core.repl_ready import Answer, ControllerRequest, Fetch, Ready, Send
 from adamps.core.repl_rounds import COMMIT_DELAY, MAX_GAPS, Rounds
 from adamps.core.repl_settings import ReplSettings
 from adamps.core.repl_types import Apply, Assignment, Batch, Reject
@@ -64,6 +64,8 @@ class ReplCore(JoiningCopy):
         self.join_ids: dict[int, int] = {}
         #: bucket -> (primary, epoch) its installed snapshot came from, while it is persisted
         self.installing: dict[int, tuple[str | None, int]] = {}
+        self._fetching: dict[int, Fetch] = {}
+        self._fetch_after: dict[int, float] = {}
         #: this server's primary leases, timed on its own clock from when it asked
         self.leases = HolderLeases(settings.lease)
         #: version of the controllers' record last applied (None: send every role next time)
@@ -181,10 +183,9 @@ class ReplCore(JoiningCopy):
                 self._unknown(rep.on_assignment(assignment), b, why)
                 self.join_ids[b] = int(r.get("join", 0))
                 self.roles[b] = "joining"
-                self._ready.start_joins.append(b)
                 continue
             if was == "joining":
-                self._ready.stop_joins.append(b)
+                self._stop_join(b)
             # Learners whose acceptance came after this heartbeat was asked: a record without
             # them may be older than the acceptance (the answer was slow), and the controllers
             # already count them members. Dropping them would acknowledge pushes they lack
@@ -218,7 +219,7 @@ class ReplCore(JoiningCopy):
         self._accepted.pop(b, None)
         self._rounds.pop(b, None)
         self._ready.forget.append(b)
-        self._ready.stop_joins.append(b)
+        self._stop_join(b)
         if rep is not None:
             self._unknown(
                 rep.on_assignment(Assignment(rep.assignment.epoch + 1, None)),
@@ -235,7 +236,8 @@ class ReplCore(JoiningCopy):
     # -- time -------------------------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        """Timers: the failover watchdog, silent primaries of joining copies, lagging members."""
+        """Timers: the failover watchdog, silent primaries of joining copies, lagging members,
+        snapshots to ask for."""
         fa = self.settings.failover_after
         for b, role in self.roles.items():
             rep = self.buckets[b]
@@ -260,6 +262,7 @@ class ReplCore(JoiningCopy):
                 # idle bucket costs nothing per tick.
                 if rs is None or rs.retry_at or rep.pending or rep.lagging():
                     self.pump(b, now)
+        self._joins_tick(now)
 
     def pings(self) -> dict[str, dict[str, int]]:
         """Member -> {bucket: epoch} of the buckets this server is primary of: one ping each."""

@@ -1,13 +1,17 @@
 """The joining side of a state transfer, as the replication core decides it (no IO, no clock):
-which primary to ask for a snapshot, whether a fetched snapshot still fits, and when the
-installed copy starts to learn (take its primary's rounds). Part of ``ReplCore``
-(adamps.core.repl_core), which holds the state these methods read."""
+when to ask which primary for a snapshot (``Fetch`` in the Ready; again after ``join_retry``
+when one failed or did not fit, after ``persist_retry`` while this server cannot persist),
+whether a fetched snapshot still fits, and when the installed copy starts to learn (take its
+primary's rounds). Part of ``ReplCore`` (adamps.core.repl_core), which holds the state these
+methods read; the shell fetches, installs and persists."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from adamps.core.repl_ready import Fetch, Ready
+from adamps.core.repl_settings import ReplSettings
 from adamps.core.replication import BucketReplica
 
 
@@ -21,6 +25,42 @@ class JoiningCopy:
     last_heard: dict[int, float]
     #: bucket -> (primary, epoch) its installed snapshot came from, while it is persisted
     installing: dict[int, tuple[str | None, int]]
+    settings: ReplSettings
+    _ready: Ready
+    #: why this server cannot persist a copy now, or None (set by the shell from its flusher):
+    #: no transfer is asked for meanwhile, it would only hold the primary's rounds for a
+    #: learner that cannot become a durable member (issue 29)
+    persist_blocked: str | None = None
+    #: bucket -> the fetch in flight (the shell answers it with ``snapshot_fetched``)
+    _fetching: dict[int, Fetch]
+    #: bucket -> time before which no snapshot is asked for
+    _fetch_after: dict[int, float]
+    _next_fid: int = 0
+
+    def _joins_tick(self, now: float) -> None:
+        """Asks for a snapshot for every joining copy that holds none, fetches none and installs
+        none, once its wait is over."""
+        for b in self.roles:
+            target = self.join_target(b)
+            if target is None or b in self._fetching or b in self.installing:
+                continue
+            if self.buckets[b].learning or now < self._fetch_after.get(b, now):
+                continue
+            primary, epoch, join = target
+            if self.persist_blocked is not None:
+                self._fetch_after[b] = now + self.settings.persist_retry
+            elif primary is None:
+                self._fetch_after[b] = now + self.settings.join_retry
+                self._ready.heartbeat = True
+            else:
+                self._next_fid += 1
+                self._fetching[b] = f = Fetch(b, primary, epoch, join, self._next_fid)
+                self._ready.fetches.append(f)
+
+    def _stop_join(self, b: int) -> None:
+        self._fetching.pop(b, None)
+        self._fetch_after.pop(b, None)
+        self._ready.stop_joins.append(b)
 
     def join_target(self, b: int) -> tuple[str | None, int, int] | None:
         """(primary, epoch, join id) to ask for a snapshot while bucket b is joining, else None."""
@@ -29,16 +69,29 @@ class JoiningCopy:
         a = self.buckets[b].assignment
         return a.primary, a.epoch, self.join_ids.get(b, 0)
 
-    def snapshot_fits(self, b: int, asked: tuple[str | None, int], snap_epoch: int) -> bool:
-        """A snapshot fetched from `asked` = (primary, epoch) is installed only if the copy is still
-        joining under that very record, and the primary sent it under that epoch."""
-        rep = self.buckets.get(b)
-        return (
+    def snapshot_fetched(self, f: Fetch, snap_epoch: int | None, now: float) -> bool:
+        """The answer to `f`: the epoch its snapshot was sent under, or None (the fetch failed).
+        True: install it now (then ``installed`` in the same step). A snapshot is installed only
+        if the copy is still joining under the very record it was asked under, and the primary
+        sent it under that epoch; else the record is asked for and the fetch tried again."""
+        if self._fetching.get(f.bucket) != f:
+            return False  # a fetch the core no longer waits for
+        del self._fetching[f.bucket]
+        rep = self.buckets.get(f.bucket)
+        if (
             rep is not None
-            and self.roles.get(b) == "joining"
-            and (rep.assignment.primary, rep.assignment.epoch) == asked
-            and snap_epoch == asked[1]
-        )
+            and self.roles.get(f.bucket) == "joining"
+            and (rep.assignment.primary, rep.assignment.epoch) == (f.primary, f.epoch)
+            and snap_epoch == f.epoch
+        ):
+            return True
+        self._fetch_after[f.bucket] = now + self.settings.join_retry
+        self._ready.heartbeat = True
+        return False
+
+    def snapshot_corrupt(self, f: Fetch, now: float) -> None:
+        """The fitting snapshot of `f` failed its checksum: nothing was installed; fetch again."""
+        self._fetch_after[f.bucket] = now + self.settings.join_retry
 
     def installed(
         self, b: int, committed: int, dedup: Iterable[Sequence[Any]], epoch: int, now: float
@@ -57,7 +110,9 @@ class JoiningCopy:
         """The installed copy was persisted (ok) or could not be: it learns only if it is still
         joining under the record it was fetched from (else the shell asks the new primary)."""
         of, rep = self.installing.pop(b, None), self.buckets.get(b)
-        if ok and rep is not None and self.roles.get(b) == "joining":
+        if not ok and self.roles.get(b) == "joining":
+            self._fetch_after[b] = now + self.settings.persist_retry
+        elif ok and rep is not None and self.roles.get(b) == "joining":
             if of == (rep.assignment.primary, rep.assignment.epoch):
                 rep.learning = True
                 self.last_heard[b] = now

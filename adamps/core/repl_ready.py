@@ -8,8 +8,9 @@ The order matters and is the same in every shell (the server's asyncio loop, the
    changed (a flush cut or a snapshot then sees the values and the position together);
 3. ``answers``: the waiters of client pushes, each ``ok`` (acknowledged) or ``unknown`` (the
    push may still be committed by another primary: the client retries with the same key);
-4. ``messages`` to the replicas, ``requests`` to the controllers, ``joins`` to start or stop,
-   and ``heartbeat`` (ask the controllers for the record now).
+4. ``messages`` to the replicas, ``requests`` to the controllers, state transfers to stop
+   (``stop_joins``) and snapshots to fetch (``fetches``), and ``heartbeat`` (ask the controllers
+   for the record now).
 """
 
 from __future__ import annotations
@@ -62,6 +63,21 @@ class Send:
     fields: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Fetch:
+    """A snapshot for a joining copy to fetch from its primary. The shell fetches it, feeds the
+    answer back (``ReplCore.snapshot_fetched``: True means install it now, then ``installed``
+    and ``install_persisted``), or reports it damaged (``snapshot_corrupt``)."""
+
+    bucket: int
+    primary: str
+    epoch: int
+    #: the controllers' id of this copy's join (named in the snapshot request)
+    join: int
+    #: this fetch's id: an answer to an earlier one is ignored
+    fid: int
+
+
 @dataclass
 class Ready:
     """Everything the core decided since the last ``advance()``."""
@@ -71,8 +87,8 @@ class Ready:
     applies: list[tuple[int, Apply]] = field(default_factory=list)
     answers: list[Answer] = field(default_factory=list)
     requests: list[ControllerRequest] = field(default_factory=list)
-    #: buckets whose state transfer starts (joining) or stops (no longer joining)
-    start_joins: list[int] = field(default_factory=list)
+    #: snapshots to fetch (joining copies), and buckets whose state transfer stops
+    fetches: list[Fetch] = field(default_factory=list)
     stop_joins: list[int] = field(default_factory=list)
     #: messages to the replicas of this server's primary buckets
     messages: list[Send] = field(default_factory=list)
@@ -91,7 +107,7 @@ class Ready:
             or self.applies
             or self.answers
             or self.requests
-            or self.start_joins
+            or self.fetches
             or self.stop_joins
             or self.messages
             or self.rounds

@@ -21,6 +21,10 @@ class ReplSettings:
     ack: str = "prepared"
     #: committed batches kept per bucket for lagging members (older gaps need a state transfer)
     log_limit: int = DEFAULT_LOG_LIMIT
+    #: seconds before a joining copy asks for a snapshot again after a failed or unfitting one
+    join_retry: float = 0.3
+    #: seconds before a joining copy that cannot persist looks again (issue 29)
+    persist_retry: float = 1.0
     #: the controllers' lease terms (replaced at each registration by what they announce)
     lease: LeaseTerms = field(default_factory=LeaseTerms)
 

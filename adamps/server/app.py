@@ -151,7 +151,7 @@ class ParameterServer:
             self.writes,
             self.reads,
             self.m,
-            peer=None if self.replicator is None else self.replicator.op_repl_frame,
+            peer=None if self.replicator is None else self.replicator.ops.op_repl_frame,
             tenancy=self.tenancy,
         )
         self.vectors = VectorOps(self.store, self.addressing, self.writes)
@@ -192,7 +192,7 @@ class ParameterServer:
         if cfg.debug_ops:
             self._ops["debug_fail"] = self.op_debug_fail
         if self.replicator is not None:
-            self._ops.update(self.replicator.handlers())
+            self._ops.update(self.replicator.ops.handlers())
 
     def _scrub_found(self, db: str, key: bytes, exc: Exception) -> None:
         """A record the scrub found damaged (scrub thread): counted and logged; the copy in
@@ -346,10 +346,10 @@ class ParameterServer:
             if self.replicator is not None and op in PEER_OPS:
                 # Who sent it: the MAC of the body under the pair key (adamps.peer_auth); a
                 # replication op is not served on the cluster token alone (issue 28).
-                peer = await self.replicator.peer_of_request(
+                peer = await self.replicator.peer_keys.request_peer(
                     op, request.headers.get(peer_auth.PEER_HEADER), body
                 )
-                handler = functools.partial(self.replicator.op_from_peer, op, peer=peer)
+                handler = functools.partial(self.replicator.ops.op_from_peer, op, peer=peer)
             try:
                 reply = await handler(msg)
             except StoreError as exc:

@@ -132,3 +132,54 @@ class PeerKeys:
             if not isinstance(s, str) or s != peer:
                 shown = repr(s) if isinstance(s, str | int | None) else type(s).__name__
                 raise forbidden(op, f"server {peer!r} may not send as {shown}")
+
+    def admit(self, op: str, msg: dict[str, Any], peer: str | None) -> None:
+        """A replication op whose request `peer` proved it sent (None: no proof); with peer
+        identity on, refused unless every sender the message names is that server."""
+        if self.enabled:
+            if peer is None:
+                raise forbidden(op, "no peer credential in the request")
+            self.check_senders(op, msg, peer)
+
+    async def request_peer(self, op: str, header: str | None, body: Any) -> str | None:
+        """The server whose MAC of `body` the PEER_HEADER value `header` carries, or None when
+        there is none or identity is off; ProtocolError forbidden for a wrong one."""
+        if header is None or not self.enabled:
+            return None
+        parsed = peer_auth.parse_header(header)
+        if parsed is None:
+            raise forbidden(op, f"malformed {peer_auth.PEER_HEADER} header")
+        return await self.prover(op, [body], *parsed)
+
+    async def frame_peer(
+        self, meta: dict[str, Any], meta_raw: bytes, payload: Any
+    ) -> tuple[str | None, Any]:
+        """The peer that sent a repl_multi frame of the data plane, and the payload without its
+        MAC: the payload's last MAC_SIZE bytes, over the meta and the rest of the payload,
+        checked before the message is decoded."""
+        claimed = meta.get("peer")
+        if claimed is None:
+            return None, payload
+        if payload is None or payload.size < peer_auth.MAC_SIZE:
+            raise forbidden("repl_multi", "the frame's MAC is missing")
+        got = payload[-peer_auth.MAC_SIZE :].tobytes()
+        payload = payload[: -peer_auth.MAC_SIZE]
+        if not self.enabled:
+            return None, payload
+        claimed = claimed if isinstance(claimed, str) else None
+        return await self.prover("repl_multi", [meta_raw, payload], claimed, got), payload
+
+    def controller_signer(self) -> Callable[[str, str, bytes], tuple[tuple[str, str], ...]] | None:
+        """What signs this server's calls to the controllers, which take them from this server
+        only; None when it has no key."""
+        own = self.own
+        if own is None:
+            return None
+
+        def sign(method: str, path: str, body: bytes) -> tuple[tuple[str, str], ...]:
+            value = peer_auth.server_call_header(
+                own, self.server_id, int(time.time()), method, path, body
+            )
+            return ((peer_auth.SERVER_HEADER, value),)
+
+        return sign

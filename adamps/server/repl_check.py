@@ -24,6 +24,7 @@ from adamps.protocol import ProtocolError
 from adamps.server import bounds
 from adamps.server.compressed import signs_of_wire
 from adamps.server.install import install_of
+from adamps.server.repl_wire import store_parts
 from adamps.server.store import Store
 from adamps.server.vecapply import KINDS
 
@@ -159,10 +160,14 @@ def _check_vec(u: dict[str, Any]) -> None:
 
 
 def check_batches(store: Store, batches: Sequence[Batch]) -> None:
-    """Every update of every push of every batch (see check_update)."""
+    """Every update of every push of every batch (see check_update), then their store parts
+    built as the owner threads will apply them (what the store cannot take raises here, before
+    the replica state machine sees the batch)."""
     for b in batches:
         for push in b.updates:
             if not isinstance(push, tuple | list):
                 raise _bad("a push must be a list of updates")
             for u in push:
                 check_update(store, u)
+    for b in batches:
+        store_parts(store, b.updates)

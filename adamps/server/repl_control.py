@@ -12,7 +12,6 @@ from typing import Any
 
 import aiohttp
 
-from adamps import peer_auth
 from adamps.client.controller import AsyncControllerClient
 from adamps.client.rpc import RpcError
 from adamps.core import repl_copies
@@ -33,23 +32,13 @@ class ControllerLink:
         self.heartbeat_interval = 1.0
         #: set to send the next heartbeat now (the core asked, or a refusal named a newer epoch)
         self.heartbeat_now = asyncio.Event()
-        self.registered = asyncio.Event()
 
     def open(self, session: aiohttp.ClientSession) -> Any:
         """The controllers' client, signing this server's calls when it has a key."""
         ctl = AsyncControllerClient(
             self.r.cfg.controllers, self.r.cfg.token, session, timeout=5.0, retry_for=5.0
         )
-        own = self.r.peer_keys.own
-        if own is not None:  # the controllers take this server's calls from this server only
-
-            def sign(method: str, path: str, body: bytes) -> tuple[tuple[str, str], ...]:
-                value = peer_auth.server_call_header(
-                    own, self.r.server_id, int(time.time()), method, path, body
-                )
-                return ((peer_auth.SERVER_HEADER, value),)
-
-            ctl.signer = sign
+        ctl.signer = self.r.peer_keys.controller_signer()
         self.ctl = ctl
         return ctl
 
@@ -88,7 +77,6 @@ class ControllerLink:
         self.heartbeat_interval = float(reply.get("heartbeat_interval", 1.0))
         self.r.core.registered(LeaseTerms(**{k: float(v) for k, v in terms.items()}))
         self.r.drain()
-        self.registered.set()
         log.info("registered as %s at %s, offering %d copies (lease %s)",
                  self.r.server_id, self.r.address, len(copies), terms)  # fmt: skip
 
@@ -103,16 +91,11 @@ class ControllerLink:
                 log.warning("controller says %s: registering again", exc.message)
                 return False
             raise
-        for r in reply.get("roles", []):  # the peers' address book
-            if r.get("address") and r.get("primary"):
-                self.r.addresses[r["primary"]] = r["address"]
-            for sid, addr in (r.get("secondary_addresses") or {}).items():
-                if addr:
-                    self.r.addresses[sid] = addr
+        self.r.peers.learn(reply.get("roles", []))
         self.r.on_heartbeat(reply)  # the runs' table version (adamps/server/tenancy.py)
         self.r.core.on_roles(reply, asked_at, time.monotonic())
         self.r.drain()
-        self.r.update_gauges()
+        self.r.m.observe(self.r.core)
         return True
 
     async def request(self, req: ControllerRequest) -> None:

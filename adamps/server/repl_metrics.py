@@ -5,10 +5,15 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from adamps import metrics
+from adamps.core import repl_copies
+from adamps.core.repl_core import ReplCore
+from adamps.core.repl_ready import Ready
 
 
 class ReplMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        #: buckets with a replication-lag series (removed when the bucket goes)
+        self._lag_buckets: set[int] = set()
         self.round_seconds = Histogram(
             "adamps_ps_replication_round_seconds",
             "two-phase-commit round as primary: first prepare to the last commit ack",
@@ -68,3 +73,29 @@ class ReplMetrics:
             "highest lease epoch among the buckets this server is primary of",
             registry=registry,
         )
+
+    def count(self, rd: Ready) -> None:
+        """What the core decided, as counted: rounds, promotions, stale messages; a forgotten
+        bucket's lag series goes with it."""
+        for seconds, pushes in rd.rounds:
+            self.round_seconds.observe(seconds)
+            self.round_pushes.observe(pushes)
+        if rd.failovers:
+            self.failovers.inc(rd.failovers)
+        if rd.stale:
+            self.stale.inc(rd.stale)
+        for b in rd.forget:
+            if b in self._lag_buckets:
+                self._lag_buckets.discard(b)
+                self.lag.remove(str(b))
+
+    def observe(self, core: ReplCore) -> None:
+        """The gauges of this server's primary buckets."""
+        prim = repl_copies.primaries(core)
+        reps = core.buckets
+        self.primary_buckets.set(len(prim))
+        self.under_replicated.set(sum(1 for b in prim if len(reps[b].assignment.secondaries) < 2))
+        self.lease_epoch.set(max((reps[b].assignment.epoch for b in prim), default=0))
+        for b in prim:
+            self.lag.labels(str(b)).set(repl_copies.lag(core, b))
+            self._lag_buckets.add(b)

@@ -1,6 +1,6 @@
 """The replication ops a parameter server serves to its peers (POST /rpc and the data plane's
-repl_multi frames): authentication of the sender, decoding and checking of the fields, then the
-message goes to the replication core (``Replicator.feed``). No decision is taken here: epochs,
+repl_multi frames): the sender's proof (peer_keys.py), the message decoded (repl_wire.py) and its
+batches re-checked (repl_check.py), then to the replication core (``Replicator.feed``). No decision is taken here: epochs,
 roles, the commit riding on a PREPARE and the watchdog's clock are the core's
 (adamps.core.repl_core); the store's reads and installs of a state transfer are
 repl_transfer.py's."""
@@ -12,12 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from adamps import peer_auth, protocol
+from adamps import protocol
 from adamps.protocol import ProtocolError, require
 from adamps.server import repl_transfer
-from adamps.server.peer_keys import forbidden
 from adamps.server.repl_check import check_batches
-from adamps.server.repl_wire import MULTI_OPS, REPL_OPS, batch_from_wire, store_parts
+from adamps.server.repl_wire import MULTI_OPS, REPL_OPS, message_from_wire
 from adamps.server.shards import StoreError
 
 
@@ -33,88 +32,35 @@ class PeerOps:
         return {op: getattr(self, f"op_{op}") for op in REPL_OPS}
 
     async def op_from_peer(self, op: str, msg: dict[str, Any], peer: str | None) -> dict[str, Any]:
-        """A replication op whose request `peer` proved it sent (None: no proof); with peer
-        identity on, refused unless every sender the message names is that server."""
-        keys = self.repl.peer_keys
-        if keys.enabled:
-            if peer is None:
-                raise forbidden(op, "no peer credential in the request")
-            keys.check_senders(op, msg, peer)
+        """A replication op whose request `peer` proved it sent (None: no proof)."""
+        self.repl.peer_keys.admit(op, msg, peer)
         return await getattr(self, f"op_{op}")(msg)
-
-    async def peer_of_request(self, op: str, header: str | None, body: Any) -> str | None:
-        """The server whose MAC of `body` the PEER_HEADER value `header` carries, or None when
-        there is none or identity is off; ProtocolError forbidden for a wrong one."""
-        if header is None or not self.repl.peer_keys.enabled:
-            return None
-        parsed = peer_auth.parse_header(header)
-        if parsed is None:
-            raise forbidden(op, f"malformed {peer_auth.PEER_HEADER} header")
-        return await self.repl.peer_keys.prover(op, [body], *parsed)
 
     async def op_repl_frame(
         self, meta: dict[str, Any], meta_raw: bytes, payload: np.ndarray | None
     ) -> dict[str, Any]:
-        """A repl_multi frame of the data plane: its MAC (the payload's last MAC_SIZE bytes,
-        over the meta and the rest of the payload) checked before the message is decoded."""
-        peer = None
-        claimed = meta.get("peer")
-        if claimed is not None:
-            if payload is None or payload.size < peer_auth.MAC_SIZE:
-                raise forbidden("repl_multi", "the frame's MAC is missing")
-            got = payload[-peer_auth.MAC_SIZE :].tobytes()
-            payload = payload[: -peer_auth.MAC_SIZE]
-            if self.repl.peer_keys.enabled:
-                peer = await self.repl.peer_keys.prover(
-                    "repl_multi",
-                    [meta_raw, payload],
-                    claimed if isinstance(claimed, str) else None,
-                    got,
-                )
+        """A repl_multi frame of the data plane: its sender proved before it is decoded."""
+        peer, payload = await self.repl.peer_keys.frame_peer(meta, meta_raw, payload)
         msg = protocol.decode(meta_raw, b"" if payload is None else payload)
         return await self.op_from_peer("repl_multi", msg, peer)
 
-    async def op_repl_prepare(self, msg: dict[str, Any]) -> dict[str, Any]:
-        b = require(msg, "bucket", int)
-        raw = require(msg, "entries", list)
-        if not all(isinstance(e, dict) for e in raw):
-            raise ProtocolError("bad_request", "field 'entries' must be a list of batches")
-        entries = [batch_from_wire(e) for e in raw]
-        sender, epoch = require(msg, "sender", str), require(msg, "epoch", int)
-        commit = require(msg, "commit", int, default=0)
-        if b in self.repl.core.buckets:
+    def _step(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+        m = message_from_wire(op, msg)
+        b = m.get("bucket", -1)
+        if op == "repl_prepare" and b in self.repl.core.buckets:
             # Every copy re-checks what it will apply (shapes, finiteness, bounds), whoever sent
             # it: nothing is kept of a batch the primary itself would have refused as a push.
-            store = self.repl.store
-            check_batches(store, entries)
-            for e in entries:
-                store_parts(store, e.updates)
-        return self.repl.feed(
-            b,
-            {"op": "repl_prepare", "bucket": b, "sender": sender, "epoch": epoch,
-             "entries": entries, "commit": commit},
-        )  # fmt: skip
+            check_batches(self.repl.store, m["entries"])
+        return self.repl.feed(b, m)
+
+    async def op_repl_prepare(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return self._step("repl_prepare", msg)
 
     async def op_repl_commit(self, msg: dict[str, Any]) -> dict[str, Any]:
-        b = require(msg, "bucket", int)
-        return self.repl.feed(
-            b,
-            {"op": "repl_commit", "bucket": b, "sender": require(msg, "sender", str),
-             "epoch": require(msg, "epoch", int), "seq": require(msg, "seq", int)},
-        )  # fmt: skip
+        return self._step("repl_commit", msg)
 
     async def op_repl_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
-        sender = require(msg, "sender", str)
-        pinged = require(msg, "buckets", dict)
-        for key, epoch in pinged.items():
-            if (
-                not isinstance(key, str)
-                or not (key.isascii() and key.isdigit())
-                or type(epoch) is not int
-            ):
-                raise ProtocolError("bad_request", "field 'buckets' must map bucket ids to epochs")
-        buckets = {int(k): e for k, e in pinged.items()}
-        return self.repl.feed(-1, {"op": "repl_ping", "sender": sender, "buckets": buckets})
+        return self._step("repl_ping", msg)
 
     async def op_repl_multi(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Several replication messages from one peer, handled in order; one result each."""

@@ -1,13 +1,17 @@
 """The peers of a replicated server: their addresses (learnt from the controllers' roles), one
 RPC client per address, and one aggregating channel per peer for the replication messages, sent
-over the peer's data port when it has one (``PeerStream``), else over HTTP."""
+over the peer's data port when it has one (``PeerStream``), else over HTTP. ``Peers.send`` is
+the replication core's transport: the simulation has an in-memory one with the same interface
+(tests/core/test_replication_sim.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,7 +28,11 @@ from adamps.client.dataplane import (
     frame_header,
 )
 from adamps.client.rpc import AsyncRpc, RpcError, rpc_request
+from adamps.core.repl_ready import Send
 from adamps.server.peer_keys import PeerKeys
+from adamps.server.repl_wire import batch_to_wire
+
+log = logging.getLogger(__name__)
 
 #: seconds between two lookups of a peer's data port (GET /status) when it has none or is down
 LOOKUP_EVERY = 2.0
@@ -251,6 +259,15 @@ class Peers:
         """One replication request to a peer over HTTP, signed (repl_snapshot)."""
         return await signed_call(self.rpc(server), self.keys, server, op, fields)
 
+    def learn(self, roles: list[dict[str, Any]]) -> None:
+        """The addresses of the servers a heartbeat's roles name."""
+        for r in roles:
+            if r.get("address") and r.get("primary"):
+                self.addresses[r["primary"]] = r["address"]
+            for sid, addr in (r.get("secondary_addresses") or {}).items():
+                if addr:
+                    self.addresses[sid] = addr
+
     def rpc(self, server: str) -> AsyncRpc:
         addr = self.addresses.get(server)
         if addr is None:
@@ -259,6 +276,30 @@ class Peers:
         if rpc is None:
             rpc = self._rpcs[addr] = AsyncRpc(addr, self.token, self.session, self.timeout)
         return rpc
+
+    def send(self, msg: Send, done: Callable[[dict[str, Any] | None, str | None], None]) -> None:
+        """The replication core's message over the peer's aggregating channel. Every message
+        gets exactly one answer through `done`: the reply, or an error code ("connection" when
+        no reply came within the channel's timeout)."""
+        asyncio.create_task(self._send(msg, done), name=f"{msg.op}-{msg.peer}")
+
+    async def _send(
+        self, msg: Send, done: Callable[[dict[str, Any] | None, str | None], None]
+    ) -> None:
+        fields = dict(msg.fields)
+        if "entries" in fields:
+            fields["entries"] = [batch_to_wire(e) for e in fields["entries"]]
+        try:
+            reply = await self.channel(msg.peer).call(msg.op, **fields)
+        except RpcError as exc:
+            done(None, exc.code)
+        except (ConnectionError, TimeoutError, OSError):
+            done(None, "connection")
+        except Exception:  # noqa: BLE001  (a bug here must not leave the message in flight)
+            log.exception("sending %s to %s failed", msg.op, msg.peer)
+            done(None, "internal")
+        else:
+            done(reply, None)
 
     def close(self) -> None:
         """Cancels the channels' sending tasks."""

@@ -18,6 +18,19 @@ if TYPE_CHECKING:
     from adamps.server.catalog import TensorCatalog
 
 
+def _bucket_shards(store: Store, b: int) -> list[Any]:
+    """Bucket b's shards held here, in id order (the order digests are taken in)."""
+    bucket_of = store.layout.bucket_of
+    return sorted((st for st in store.shards.values() if bucket_of[st.id] == b), key=lambda s: s.id)
+
+
+def _buffers(states: list[Any]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+    """Empty value and accumulator buffers for a read of `states`."""
+    outs = [np.empty(st.shard.shape, np.float32) for st in states]
+    accs = [np.empty(st.shard.shape, np.float32) if st.accum is not None else None for st in states]
+    return outs, accs
+
+
 def shard_digest(value: np.ndarray, accum: np.ndarray | None) -> int:
     """xxh3 of a shard's values and accumulator as a snapshot carries them."""
     parts = [memoryview(np.ascontiguousarray(value)).cast("B")]
@@ -32,9 +45,8 @@ async def read_snapshot(
     """The primary's snapshot of bucket b at the position `meta` (epoch, committed, dedup) the
     core gave in this same loop step: the reads are queued before any await, so the values are
     exactly those of that position."""
-    states = [st for st in store.shards.values() if store.layout.bucket_of[st.id] == b]
-    outs = [np.empty(st.shard.shape, np.float32) for st in states]
-    accs = [np.empty(st.shard.shape, np.float32) if st.accum is not None else None for st in states]
+    states = _bucket_shards(store, b)
+    outs, accs = _buffers(states)
     read = owner_future(lambda cb: store.read(states, outs, cb, accums=accs))
     # Queued in the same loop step as the shards' reads: the rows are of the same position.
     rows = store.tables.in_bucket(b)
@@ -106,13 +118,8 @@ async def offers(
     plan: list[tuple[int, int, list[Any], list[np.ndarray], list[Any]]] = []
     states_all, outs_all, accs_all = [], [], []
     for b in copies:
-        states = sorted(
-            (st for st in store.shards.values() if store.layout.bucket_of[st.id] == b),
-            key=lambda s: s.id,
-        )
-        outs = [np.empty(st.shard.shape, np.float32) for st in states]
-        accs = [np.empty(st.shard.shape, np.float32) if st.accum is not None else None
-                for st in states]  # fmt: skip
+        states = _bucket_shards(store, b)
+        outs, accs = _buffers(states)
         plan.append((b, committed[b], states, outs, accs))
         states_all += states
         outs_all += outs
@@ -132,11 +139,8 @@ async def offers(
 
 async def digest(store: Store, b: int) -> str:
     """sha256 of bucket b's shards and rows on this server, in id order (replicas compare it)."""
-    states = sorted(
-        (st for st in store.shards.values() if store.layout.bucket_of[st.id] == b),
-        key=lambda s: s.id,
-    )
-    outs = [np.empty(st.shard.shape, np.float32) for st in states]
+    states = _bucket_shards(store, b)
+    outs, _accs = _buffers(states)
     await owner_future(lambda cb: store.read(states, outs, cb))
     rows = sorted(store.tables.in_bucket(b), key=lambda s: s.id)
     row_digests = await owner_future(lambda cb: store.call(rows, lambda st: st.value.digest(), cb))

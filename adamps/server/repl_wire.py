@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps.core.replication import Assignment, Batch, BucketReplica
+from adamps.core.replication import Assignment, Batch, BucketReplica, Reject
 from adamps.protocol import ProtocolError, require
 from adamps.server import checksum, vecwire
 from adamps.server.compressed import signs_of_wire
@@ -41,6 +41,18 @@ def not_primary(
         epoch=a.epoch,
         primary=addresses.get(a.primary or "", None),
     )
+
+
+def refusal(
+    rej: Reject, rep: BucketReplica | None, bucket: int, addresses: dict[str, str]
+) -> ProtocolError:
+    """A refusal of the replication core as the protocol error a client or peer gets."""
+    if rej.code == "not_primary":
+        return not_primary(rep, bucket, addresses, rej.message)
+    if rej.code == "bucket_unavailable":
+        return ProtocolError(rej.code, rej.message, bucket=bucket)
+    epoch = rej.epoch or (rep.assignment.epoch if rep is not None else 0)
+    return ProtocolError(rej.code, rej.message, bucket=bucket, epoch=epoch)
 
 
 # -- updates on the wire ---------------------------------------------------------------------------
@@ -125,6 +137,34 @@ def batch_from_wire(d: dict[str, Any]) -> Batch:
             f"batch {seq} of epoch {epoch} fails its checksum: damaged in memory or on the wire",
         )
     return Batch(seq, epoch, tuple(tuple(u) for u in updates), keys)
+
+
+def message_from_wire(op: str, msg: dict[str, Any]) -> dict[str, Any]:
+    """A peer's repl_prepare, repl_commit or repl_ping as the replication core steps it: every
+    field checked (ProtocolError bad_request), a PREPARE's batches decoded."""
+    if op == "repl_ping":
+        sender = require(msg, "sender", str)
+        pinged = require(msg, "buckets", dict)
+        for key, epoch in pinged.items():
+            if (
+                not isinstance(key, str)
+                or not (key.isascii() and key.isdigit())
+                or type(epoch) is not int
+            ):
+                raise ProtocolError("bad_request", "field 'buckets' must map bucket ids to epochs")
+        return {"op": op, "sender": sender, "buckets": {int(k): e for k, e in pinged.items()}}
+    b = require(msg, "bucket", int)
+    if op == "repl_commit":
+        return {"op": op, "bucket": b, "sender": require(msg, "sender", str),
+                "epoch": require(msg, "epoch", int), "seq": require(msg, "seq", int)}  # fmt: skip
+    raw = require(msg, "entries", list)
+    if not all(isinstance(e, dict) for e in raw):
+        raise ProtocolError("bad_request", "field 'entries' must be a list of batches")
+    entries = [batch_from_wire(e) for e in raw]
+    sender, epoch = require(msg, "sender", str), require(msg, "epoch", int)
+    commit = require(msg, "commit", int, default=0)
+    return {"op": op, "bucket": b, "sender": sender, "epoch": epoch, "entries": entries,
+            "commit": commit}  # fmt: skip
 
 
 def _client_key(c: Any) -> tuple[str, int] | None:

@@ -5,11 +5,12 @@ Project Adam 3.3.3, end to end. Every decision and all per-bucket state are the 
 state-transfer decisions); this shell only carries them out, as etcd-io/raft's users do:
 
 - events go in: the controllers' answers (registration, heartbeats with roles and renewed
-  leases), the peers' messages (``repl_ops.PeerOps`` decodes and checks them), client pushes,
+  leases), the peers' messages (``repl_ops.PeerOps`` dispatches them), client pushes,
   the replies to the core's messages, and the clock (``tick`` every ``TICK`` seconds);
 - after each event, ``drain`` carries out the core's ``Ready``: batches queued to the owner
-  threads, pushes answered, messages sent through the transport (``repl_transport``), calls to
-  the controllers, state transfers started or stopped (``repl_transfer`` reads and installs).
+  threads, pushes answered, messages sent through the transport (``repl_peers.Peers.send``),
+  calls to the controllers, snapshots fetched, installed and persisted (``repl_transfer`` reads
+  and installs) or transfers stopped.
 
 Updates travel in their compact form (dense delta of one shard, or activation and error vectors),
 never as an expanded M x N delta, and every replica applies each batch as one group per shard on
@@ -30,7 +31,7 @@ from prometheus_client import CollectorRegistry
 from adamps.client.rpc import RpcError
 from adamps.core import repl_copies
 from adamps.core.repl_core import ReplCore
-from adamps.core.repl_ready import Send
+from adamps.core.repl_ready import Fetch, Send
 from adamps.core.repl_settings import ReplSettings
 from adamps.core.replication import Apply, BucketReplica, Reject
 from adamps.protocol import ProtocolError
@@ -42,8 +43,13 @@ from adamps.server.repl_control import ControllerLink
 from adamps.server.repl_metrics import ReplMetrics
 from adamps.server.repl_ops import PeerOps
 from adamps.server.repl_peers import Peers
-from adamps.server.repl_transport import PeerTransport
-from adamps.server.repl_wire import batch_from_wire, batch_to_wire, not_primary, store_parts
+from adamps.server.repl_wire import (
+    batch_from_wire,
+    batch_to_wire,
+    not_primary,
+    refusal,
+    store_parts,
+)
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
 
@@ -84,15 +90,10 @@ class Replicator:
             cfg.server_id, cfg.own_key(), lambda: self.controller, lambda s: s in self.addresses
         )
         self.peers = Peers(cfg.token, cfg.member_timeout, self.peer_keys)
-        self.transport = PeerTransport(self.peers)
         #: server id -> "host:port" (from the controllers' roles; the peers' address book)
         self.addresses = self.peers.addresses
         #: the ops peers call (POST /rpc, the data plane's repl_multi frames)
         self.ops = PeerOps(self)
-        self.handlers = self.ops.handlers
-        self.op_from_peer = self.ops.op_from_peer
-        self.op_repl_frame = self.ops.op_repl_frame
-        self.peer_of_request = self.ops.peer_of_request
         #: bucket -> the task fetching and installing its snapshot (joining side)
         self._join_tasks: dict[int, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
@@ -101,7 +102,6 @@ class Replicator:
         self.controller: Any = None
         #: registration, heartbeats and the calls the core asks for
         self.link = ControllerLink(self)
-        self.registered = self.link.registered
         #: set at stop: every loop ends
         self.closing = False
         #: why this server cannot persist now (set by the server: its flusher), or None;
@@ -118,8 +118,6 @@ class Replicator:
         self.can_persist: Callable[[], str | None] = lambda: None
         #: sees every heartbeat reply (the runs' table version, adamps/server/tenancy.py)
         self.on_heartbeat: Callable[[dict[str, Any]], None] = lambda reply: None
-        #: buckets with a replication-lag series (removed when the bucket goes)
-        self._lag_buckets: set[int] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -195,11 +193,9 @@ class Replicator:
             return
         rd = core.ready()
         core.advance()
+        self.m.count(rd)
         for b in rd.forget:
             self.store.release_bucket(b)
-            if b in self._lag_buckets:
-                self._lag_buckets.discard(b)
-                self.m.lag.remove(str(b))
         for b in rd.hold:
             self.store.hold_bucket(b)
         for _b, action in rd.applies:
@@ -215,23 +211,17 @@ class Replicator:
                 err = not_primary(rep, ans.bucket, self.addresses, ans.why, code="primary_changed")
                 fut.set_exception(err)
         for msg in rd.messages:
-            self.transport.send(msg, self._answer_of(msg))
+            self.peers.send(msg, self._answer_of(msg))
         for b in rd.stop_joins:
             task = self._join_tasks.pop(b, None)
             if task is not None and not task.done():
                 task.cancel()
-        for b in rd.start_joins:
-            if b not in self._join_tasks or self._join_tasks[b].done():
-                self._join_tasks[b] = asyncio.create_task(self._join(b), name=f"join-{b}")
+        for f in rd.fetches:
+            self._join_tasks[f.bucket] = asyncio.create_task(
+                self._transfer(f), name=f"join-{f.bucket}"
+            )
         for req in rd.requests:
             asyncio.create_task(self.link.request(req), name=f"{req.kind}-{req.bucket}")
-        for seconds, pushes in rd.rounds:
-            self.m.round_seconds.observe(seconds)
-            self.m.round_pushes.observe(pushes)
-        if rd.failovers:
-            self.m.failovers.inc(rd.failovers)
-        if rd.stale:
-            self.m.stale.inc(rd.stale)
         if rd.heartbeat:
             self.request_heartbeat()
 
@@ -256,7 +246,13 @@ class Replicator:
                 next_ping = now + self.cfg.ping_interval
                 for member, buckets in self.core.pings().items():
                     asyncio.create_task(self._ping(member, buckets), name=f"ping-{member}")
-                self.update_gauges()
+                self.m.observe(self.core)
+            # Asked only while a copy joins: it scans the dirty shards.
+            blocked = self.can_persist() if "joining" in self.core.roles.values() else None
+            if blocked is not None and self.core.persist_blocked is None:
+                log.info("no state transfer is asked for while this server cannot persist: %s",
+                         blocked)  # fmt: skip
+            self.core.persist_blocked = blocked
             self.core.tick(now)
             self.drain()
 
@@ -285,14 +281,7 @@ class Replicator:
         return res
 
     def refusal(self, b: int, rej: Reject) -> ProtocolError:
-        """A refusal of the core as the protocol error a client or peer gets."""
-        rep = self.core.buckets.get(b)
-        if rej.code == "not_primary":
-            return not_primary(rep, b, self.addresses, rej.message)
-        if rej.code == "bucket_unavailable":
-            return ProtocolError(rej.code, rej.message, bucket=b)
-        epoch = rej.epoch or (rep.assignment.epoch if rep is not None else 0)
-        return ProtocolError(rej.code, rej.message, bucket=b, epoch=epoch)
+        return refusal(rej, self.core.buckets.get(b), b, self.addresses)
 
     def check_primary(self, b: int) -> BucketReplica:
         """The bucket's state if this server may serve it as primary now, else not_primary."""
@@ -345,76 +334,52 @@ class Replicator:
             raise self.refusal(b, meta)
         return meta
 
-    async def _join(self, b: int) -> None:
-        """Transfers bucket b from its primary and takes its rounds as a learner until the
-        controllers make it a member; again while the core says so (another primary or epoch,
-        or a primary gone silent that forgot this learner)."""
-        while not self.closing and (target := self.core.join_target(b)) is not None:
-            primary, epoch, join = target
-            cannot = self.can_persist()
-            if cannot is not None:
-                # The copy could not be persisted (issue 29): asking would only hold the
-                # primary's rounds for a learner that cannot become a durable member.
-                log.info("bucket %d: not joining while this server cannot persist: %s", b, cannot)
-                await asyncio.sleep(1.0)
-                continue
-            try:
-                snap = None
-                if primary:
-                    snap = await self.peers.call(
-                        primary, "repl_snapshot", bucket=b, joiner=self.server_id, join=join
-                    )
-            except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
-                log.info("bucket %d: snapshot from %s failed: %s; retrying", b, primary, exc)
-            if snap is None or not self.core.snapshot_fits(b, (primary, epoch), int(snap["epoch"])):
-                await asyncio.sleep(0.3)
-                self.request_heartbeat()
-                continue
-            try:
-                futs = repl_transfer.install(self.store, self.catalog, b, snap, self.on_corrupt)
-            except ValueError as exc:  # damaged on the way: nothing installed; fetch it again
-                log.error("bucket %d: CORRUPT snapshot from %s: %s; again", b, primary, exc)
-                await asyncio.sleep(0.3)
-                continue
-            # The position moves in the same loop step as the values are queued: a flush cut
-            # sees both or neither.
-            committed, cepoch = int(snap["committed"]), int(snap.get("committed_epoch", 0))
-            self.core.installed(b, committed, snap["dedup"], cepoch, time.monotonic())
-            # Not learning until the copy and its position are on disk (the core's `installed`):
-            # the flush holds it meanwhile, and persist_now writes it.
-            try:
-                await asyncio.gather(*futs)
-                await asyncio.to_thread(self.persist_now, {b})
-            except Exception as exc:  # installed in memory only: no member, not learning
-                self.core.install_persisted(b, False, time.monotonic())
-                log.warning(
-                    "bucket %d: snapshot at seq %d from %s could not be persisted: %s: %s; not "
-                    "joining until this server can persist",
-                    b, committed, primary, type(exc).__name__, exc,
-                )  # fmt: skip
-                await asyncio.sleep(1.0)
-                continue
-            except BaseException:  # cancelled (the bucket moved on): the flush holds it no more
-                self.core.install_persisted(b, False, time.monotonic())
-                raise
-            self.core.install_persisted(b, True, time.monotonic())
-            self.drain()
-            self.m.snapshots.labels("received").inc()
-            log.info("bucket %d: snapshot at seq %d from %s installed", b, committed, primary)
-            while not self.closing and self.core.learning(b):
-                await asyncio.sleep(0.1)
+    async def _transfer(self, f: Fetch) -> None:
+        """Fetches, installs and persists the snapshot the core asked for (repl_join.py)."""
+        b, now = f.bucket, time.monotonic
+        snap = None
+        try:
+            snap = await self.peers.call(
+                f.primary, "repl_snapshot", bucket=b, joiner=self.server_id, join=f.join
+            )
+        except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
+            log.info("bucket %d: snapshot from %s failed: %s; retrying", b, f.primary, exc)
+        fits = self.core.snapshot_fetched(f, None if snap is None else int(snap["epoch"]), now())
+        self.drain()
+        if not fits or snap is None:
+            return
+        try:
+            futs = repl_transfer.install(self.store, self.catalog, b, snap, self.on_corrupt)
+        except ValueError as exc:  # damaged on the way: nothing installed; fetch it again
+            log.error("bucket %d: CORRUPT snapshot from %s: %s; again", b, f.primary, exc)
+            self.core.snapshot_corrupt(f, now())
+            return
+        # The position moves in the same loop step as the values are queued: a flush cut
+        # sees both or neither.
+        committed, cepoch = int(snap["committed"]), int(snap.get("committed_epoch", 0))
+        self.core.installed(b, committed, snap["dedup"], cepoch, now())
+        # Not learning until the copy and its position are on disk (the core's `installed`):
+        # the flush holds it meanwhile, and persist_now writes it.
+        try:
+            await asyncio.gather(*futs)
+            await asyncio.to_thread(self.persist_now, {b})
+        except Exception as exc:  # installed in memory only: no member, not learning
+            self.core.install_persisted(b, False, now())
+            log.warning(
+                "bucket %d: snapshot at seq %d from %s could not be persisted: %s: %s; not "
+                "joining until this server can persist",
+                b, committed, f.primary, type(exc).__name__, exc,
+            )  # fmt: skip
+            return
+        except BaseException:  # cancelled (the bucket moved on): the flush holds it no more
+            self.core.install_persisted(b, False, now())
+            raise
+        self.core.install_persisted(b, True, now())
+        self.drain()
+        self.m.snapshots.labels("received").inc()
+        log.info("bucket %d: snapshot at seq %d from %s installed", b, committed, f.primary)
 
     # -- observation --------------------------------------------------------------------------------------
-
-    def update_gauges(self) -> None:
-        prim = repl_copies.primaries(self.core)
-        reps = self.core.buckets
-        self.m.primary_buckets.set(len(prim))
-        self.m.under_replicated.set(sum(1 for b in prim if len(reps[b].assignment.secondaries) < 2))
-        self.m.lease_epoch.set(max((reps[b].assignment.epoch for b in prim), default=0))
-        for b in prim:
-            self.m.lag.labels(str(b)).set(repl_copies.lag(self.core, b))
-            self._lag_buckets.add(b)
 
     def status(self) -> dict[str, Any]:
         return {

@@ -203,8 +203,9 @@ def test_roles_standby_joining_and_forgotten_copies() -> None:
     c = core("b")
     c.on_roles({"version": 1, "roles": [role(0, 1, "a", ["c"], ["b"], join=7)]}, 0.0, 0.0)
     rd = take(c)
-    assert rd.start_joins == [0] and rd.hold == [0]
-    assert c.join_target(0) == ("a", 1, 7)
+    assert rd.hold == [0]
+    c.tick(0.0)
+    assert [(f.bucket, f.primary, f.epoch, f.join) for f in take(c).fetches] == [(0, "a", 1, 7)]
     assert repl_copies_of(c) == {}, "a joining copy without its snapshot offers nothing"
     c.installed(0, 5, [["cl", 1, 5]], 1, 0.5)
     # Persisted (issue 29) before it learns or is offered; the flush holds it meanwhile.
@@ -243,6 +244,66 @@ def test_an_installed_copy_learns_only_once_persisted_under_the_record_it_came_f
     c.installed(0, 6, [], 2, 1.0)
     c.install_persisted(0, True, 1.1)
     assert c.learning(0) and repl_copies_of(c) == {0: [2, 6]}
+
+
+def test_the_state_transfer_is_asked_again_as_the_core_decides() -> None:
+    """The joining side's loop (which primary to ask, when to ask again, when a snapshot fits,
+    the gate of a server that cannot persist) is the core's; the shell only fetches, installs
+    and persists what the Ready names and feeds the outcome back."""
+    c = core("b", join_retry=0.3, persist_retry=1.0)
+    c.on_roles({"version": 1, "roles": [role(0, 1, None, [], ["b"], join=7)]}, 0.0, 0.0)
+    take(c)
+    c.tick(0.0)
+    rd = take(c)
+    assert rd.fetches == [] and rd.heartbeat, "no primary to ask: learn the record first"
+    c.on_roles({"version": 2, "roles": [role(0, 1, "a", [], ["b"], join=7)]}, 0.1, 0.1)
+    c.tick(0.2)
+    assert take(c).fetches == [], "asked again only after join_retry"
+    c.persist_blocked = "flushes fail: disk full"
+    c.tick(0.35)
+    assert take(c).fetches == [], "no transfer is asked for while the copy cannot be persisted"
+    c.persist_blocked = None
+    c.tick(1.0)
+    assert take(c).fetches == [], "the gate is looked at again after persist_retry"
+    c.tick(1.36)
+    (f,) = take(c).fetches
+    c.tick(1.4)
+    assert take(c).fetches == [], "one fetch at a time"
+    assert not c.snapshot_fetched(f, None, 1.5), "the fetch failed"
+    rd = take(c)
+    assert rd.heartbeat and rd.fetches == []
+    c.tick(1.81)
+    (f,) = take(c).fetches
+    assert not c.snapshot_fetched(f, 2, 1.9), "sent under another epoch: does not fit"
+    c.tick(2.21)
+    (f,) = take(c).fetches
+    assert c.snapshot_fetched(f, 1, 2.3)
+    c.snapshot_corrupt(f, 2.3)  # failed its checksum: nothing installed
+    c.tick(2.4)
+    assert take(c).fetches == []
+    c.tick(2.61)
+    (f,) = take(c).fetches
+    c.on_roles({"version": 3, "roles": [role(0, 2, "c", [], ["b"], join=8)]}, 2.7, 2.7)
+    assert not c.snapshot_fetched(f, 1, 2.8), "the record moved on while it was fetched"
+    c.tick(3.11)
+    (f,) = take(c).fetches
+    assert (f.primary, f.epoch, f.join) == ("c", 2, 8)
+    assert c.snapshot_fetched(f, 2, 3.2)
+    c.installed(0, 5, [], 2, 3.2)
+    c.tick(3.6)
+    assert take(c).fetches == [], "nothing is asked while the installed copy is persisted"
+    c.install_persisted(0, False, 3.7)
+    c.tick(4.0)
+    assert take(c).fetches == [], "a copy that could not be persisted waits persist_retry"
+    c.tick(4.71)
+    (f,) = take(c).fetches
+    assert c.snapshot_fetched(f, 2, 4.8)
+    c.installed(0, 6, [], 2, 4.8)
+    c.install_persisted(0, True, 4.9)
+    c.tick(5.0)
+    assert c.learning(0) and take(c).fetches == [], "learning: nothing to fetch"
+    c.on_roles({"version": 4, "roles": [role(0, 2, "c", ["b"])]}, 5.1, 5.1)
+    assert take(c).stop_joins == [0]
 
 
 def repl_copies_of(c: ReplCore) -> dict[int, list[int]]:

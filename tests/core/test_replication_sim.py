@@ -62,7 +62,7 @@ import pytest
 from adamps.core import repl_copies
 from adamps.core.lease import LeaseTerms, check_history
 from adamps.core.repl_core import ReplCore
-from adamps.core.repl_ready import Answer, ControllerRequest, Send
+from adamps.core.repl_ready import Answer, ControllerRequest, Fetch, Send
 from adamps.core.repl_settings import ReplSettings
 from adamps.core.replication import Assignment, Batch, BucketReplica, Reject
 from controller.state import DEAD, LIVE, ClusterModel
@@ -186,7 +186,7 @@ class Waiter:
 class SimTransport:
     """The in-memory transport: the core's messages over the simulated network, each answered
     exactly once (the reply, or a failure when none came within MEMBER_TIMEOUT), as
-    adamps.server.repl_transport.PeerTransport answers them."""
+    adamps.server.repl_peers.Peers.send answers them."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -232,6 +232,7 @@ class Server:
             ack=sim.ack,
             log_limit=LOG_LIMIT,
             lease=TERMS,
+            join_retry=0.3 / 4,  # the simulation's timings are a quarter of the server's
         )
         self.core = ReplCore(settings)
         self.transport = SimTransport(self)
@@ -244,8 +245,6 @@ class Server:
         self.next_ping = self.local() + PING
         self.next_flush = self.local() + sim.rng.uniform(0, FLUSH)
         self.rpcs: dict[int, Rpc] = {}
-        #: bucket -> [next try, outstanding rid or None] of its state transfer (Replicator._join)
-        self.joins: dict[int, list[Any]] = {}
         #: bucket -> event count of the disk cut this copy was reloaded from (loss window)
         self.restored: dict[int, int] = {}
         #: (bucket, epoch, seq) of the rounds seen started (each checked under the lease once)
@@ -353,7 +352,6 @@ class Server:
                 self.log(f"b{b}: copy dropped (no role)")
                 self.store.pop(b, None)
                 self.restored.pop(b, None)
-                self.joins.pop(b, None)
             for b in rd.hold:
                 if b not in self.store:
                     self.store[b] = []
@@ -365,10 +363,8 @@ class Server:
                 self.answer(ans)
             for msg in rd.messages:
                 self.transport.send(msg)
-            for b in rd.stop_joins:
-                self.joins.pop(b, None)
-            for b in rd.start_joins:
-                self.joins.setdefault(b, [0.0, None])
+            for f in rd.fetches:
+                self.fetch(f)
             for req in rd.requests:
                 self.request(req)
             if rd.heartbeat:
@@ -446,8 +442,6 @@ class Server:
             self.flush()
         self.core.tick(now)
         self.drain()
-        for b in list(self.joins):
-            self.drive_join(b)
 
     def flush(self) -> None:
         """The flusher's cut: every held copy's values and position at one instant; positions of
@@ -520,29 +514,12 @@ class Server:
         known = self.core.table_version
         self.call(CTL, "heartbeat", {"known": known, "reports": reports}, ok, fail)
 
-    def drive_join(self, b: int) -> None:
-        """Replicator._join: fetch a snapshot, install it if the core says it fits."""
-        js = self.joins[b]
-        target = self.core.join_target(b)
-        now = self.local()
-        if target is None:
-            self.joins.pop(b, None)
-            return
-        if self.core.learning(b) or js[1] is not None or now < js[0]:
-            return
-        primary, epoch, join = target
-        if primary is None:
-            js[0] = now + 0.3 / 4
-            self.request_heartbeat()
-            return
+    def fetch(self, f: Fetch) -> None:
+        """Replicator._transfer: fetch the snapshot the core asked for, install it if it fits."""
+        b = f.bucket
 
         def ok(snap: dict[str, Any]) -> None:
-            js[1] = None
-            if self.joins.get(b) is not js or not self.core.snapshot_fits(
-                b, (primary, epoch), snap["epoch"]
-            ):
-                js[0] = self.local() + 0.3 / 4
-                self.request_heartbeat()
+            if not self.core.snapshot_fetched(f, snap["epoch"], self.local()):
                 return
             self.store[b] = list(snap["values"])
             self.core.installed(
@@ -551,16 +528,14 @@ class Server:
             # The simulated disk never fails: the copy is persisted in the same step.
             self.core.install_persisted(b, True, self.local())
             self.restored.pop(b, None)
-            self.log(f"b{b}: snapshot at {snap['committed']} from {primary} installed")
+            self.log(f"b{b}: snapshot at {snap['committed']} from {f.primary} installed")
             self.sim.stats["snapshots"] += 1
 
         def fail(_e: Any) -> None:
-            js[1] = None
-            js[0] = self.local() + 0.3 / 4
-            self.request_heartbeat()
+            self.core.snapshot_fetched(f, None, self.local())
 
-        body = {"bucket": b, "joiner": self.sid, "join": join}
-        js[1] = self.call(primary, "snapshot", body, ok, fail)
+        body = {"bucket": b, "joiner": self.sid, "join": f.join}
+        self.call(f.primary, "snapshot", body, ok, fail)
 
     # -- requests from peers and clients -------------------------------------------------------
 
