@@ -215,9 +215,10 @@ def test_a_pull_comes_back_in_frames_in_flight(server: tuple[str, int]) -> None:
     client.close()
 
 
-def test_frames_are_of_4_mib_by_default(server: tuple[str, int]) -> None:
-    """A push or pull of 4 MiB to one server is one frame (a frame's fixed cost, not its bytes,
-    was most of a push's CPU with 1 MiB frames); 12 MiB are 3 frames in flight."""
+def test_push_frames_are_of_4_mib_by_default(server: tuple[str, int]) -> None:
+    """A push of 4 MiB to one server is one frame (a frame's fixed cost, not its bytes, was
+    most of a push's CPU with 1 MiB frames); 12 MiB are 3 frames in flight. Pulls keep frames
+    of 1 MiB (PULL_FRAME_BYTES)."""
     base, data_port = server
     n_shards = 12
     layout = Layout([TensorSpec("u", (n_shards * SHARD,))], n_buckets=N_BUCKETS)
@@ -240,7 +241,7 @@ def test_frames_are_of_4_mib_by_default(server: tuple[str, int]) -> None:
         proxy.close()
     assert FRAME_BYTES == 4 * SHARD * 4
     # (a push's frames are cut on bucket boundaries: 3, or 4 where two shards share a bucket)
-    assert (one, pulled) == (1, 3) and pushed in (3, 4), (one, pushed, pulled)
+    assert (one, pulled) == (1, 12) and pushed in (3, 4), (one, pushed, pulled)
     want = -np.ones(n_shards * SHARD, np.float32)
     want[: 4 * SHARD] -= 1.0
     assert np.array_equal(got["u"], want)
