@@ -13,6 +13,7 @@ a fixed number of buckets, so every process derives the same buckets. Pure code:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -87,8 +88,10 @@ class Shard:
     #: shape of the shard's values: (rows, *shape[1:]) when rows_aligned, else (size,)
     shape: tuple[int, ...] = field(compare=False)
 
-    @property
+    @functools.cached_property
     def id(self) -> str:
+        # Cached (in the instance's __dict__, which a frozen dataclass still has): clients and
+        # servers ask for it dozens of times per push (issue 27).
         return shard_id(self.tensor, self.index)
 
     @property

@@ -36,7 +36,7 @@ import numpy as np
 from adamps.client import retry
 from adamps.client.dataplane import DataPlaneClient
 from adamps.client.exchange import Counts, exchange
-from adamps.client.parts import HEADROOM, Limits, Unit, chunk, pack, plan_push
+from adamps.client.parts import HEADROOM, PER_SHARD, Limits, Unit, chunk, pack, plan_push
 from adamps.client.pool import DataPlanePool
 from adamps.client.retry import RetryPolicy
 from adamps.client.rows import RowsClient
@@ -174,7 +174,19 @@ def _dense_bytes(s: Shard) -> int:
 #: payload bytes of one data-plane frame of a pull or push (a request is cut into frames of
 #: about this size on bucket boundaries, several in flight per connection: the server applies
 #: one while the next arrives). Over HTTP a request stays whole (each costs a round trip).
-FRAME_BYTES = 1 << 20
+#: 4 MiB, not 1 MiB (issue 27): every frame costs both sides a fixed amount of Python (the
+#: server's loop about 0.4 ms a frame here), and with 1 MiB frames that fixed cost, not the
+#: bytes, was most of a push's CPU. A 4 MB push to one server is one frame: its CPU per GB
+#: fell by about 45% on the server and 25% on the client (benchmarks/ps_apply.py's
+#: PSClient push, on a loaded 2-core machine); larger requests still go out as frames in flight.
+FRAME_BYTES = 4 << 20
+#: the same for a pull's frames: 1 MiB. A pull's cost on the server is its reply's write, which
+#: a larger frame does not make cheaper (no payload to receive and check): in Python 3.11
+#: asyncio copies what a first send does not take into a bytearray and moves the rest down
+#: after every partial send, more for a larger reply; smaller frames keep it pipelined.
+PULL_FRAME_BYTES = 1 << 20
+#: shards whose entries (PER_SHARD bytes each) a frame has room for beside its FRAME_BYTES
+FRAME_SHARDS = 64
 
 
 def _flat(rounds: Mapping[str, Sequence[T]]) -> Iterator[tuple[str, T]]:
@@ -210,6 +222,7 @@ class PSClient(RowsClient):
         timeout: float = 35.0,  # above the servers' push_timeout (30 s): their 504 comes first
         retry_for: float = 30.0,
         data_plane: bool = True,
+        frame_bytes: int = FRAME_BYTES,
     ) -> None:
         self.source = routing
         self.layout = layout
@@ -227,6 +240,8 @@ class PSClient(RowsClient):
         self.retries = 0
         #: pulls and dense pushes over the servers' data ports where offered (else HTTP)
         self.data_plane = data_plane
+        #: payload bytes of a push's data-plane frame (FRAME_BYTES; pulls: PULL_FRAME_BYTES)
+        self.frame_bytes = frame_bytes
         self._dp = DataPlanePool(
             self.token, timeout, lambda url: self._rpc(url).get_json("/status")
         )
@@ -345,7 +360,7 @@ class PSClient(RowsClient):
             # Each server's shards in requests under its limits (issue 30), pipelined.
             parts = {}
             for url, group in self._by_server(shards, routing).items():
-                lim = self._frame_limits(url)
+                lim = self._frame_limits(url, frame=PULL_FRAME_BYTES)
                 parts[url] = chunk(group, _dense_bytes, lim.budget(), lim.max_shards)
             self._exchange(
                 _flat(parts),
@@ -367,14 +382,16 @@ class PSClient(RowsClient):
         """Requests sent over HTTP."""
         return self._counts.http
 
-    def _frame_limits(self, url: str, fixed: int = 0) -> Limits:
+    def _frame_limits(self, url: str, fixed: int = 0, frame: int | None = None) -> Limits:
         """The limits a request to `url` is cut by: its own, and over its data plane frames of
-        about FRAME_BYTES, pipelined (not for requests that repeat `fixed` bytes in every
+        about `frame` bytes (default `frame_bytes`), pipelined (not for requests that repeat `fixed` bytes in every
         part, like push_fc's a and e: cutting would multiply them)."""
         lim = self._limits(url)
         if fixed or not self.data_plane or not self._dp.port(url):
             return lim
-        return Limits(min(lim.max_body, FRAME_BYTES + HEADROOM), lim.max_shards)
+        # (room for the entries of the shards it holds too: 4 shards of 1 MiB fill 4 MiB)
+        room = (frame or self.frame_bytes) + HEADROOM + FRAME_SHARDS * PER_SHARD
+        return Limits(min(lim.max_body, room), lim.max_shards)
 
     def _limits(self, url: str) -> Limits:
         """`url`'s request limits, from its `GET /status` (asked once per server)."""

@@ -11,6 +11,7 @@ its deadline. Built on tenacity; nobody else imports it.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -70,10 +71,26 @@ def call(
 ) -> T:
     """attempt(n) for n = 1, 2, ... until it returns, raises an error that `retry_if` refuses, or
     the deadline (or `give_up()`) ends the retries. `on_retry(error, n)` runs before each wait."""
+    # The first attempt runs bare: most calls succeed at once, and building tenacity's machinery
+    # cost more than a 4 MB push's Python work on the data plane (issue 27: 0.1-0.2 ms per
+    # call). A failure is handed to tenacity as its own first attempt, with the deadline left.
+    start = time.monotonic()
+    try:
+        return attempt(1)
+    except BaseException as exc:
+        if not retry_if(exc):
+            raise
+        first = exc
     numbers = itertools.count(1)
-    return tenacity.Retrying(**_settings(policy, retry_if, on_retry, give_up))(
-        lambda: attempt(next(numbers))
-    )
+
+    def again() -> T:
+        n = next(numbers)
+        if n == 1:
+            raise first
+        return attempt(n)
+
+    left = RetryPolicy(policy.deadline - (time.monotonic() - start), policy.first, policy.cap)
+    return tenacity.Retrying(**_settings(left, retry_if, on_retry, give_up))(again)
 
 
 async def acall(

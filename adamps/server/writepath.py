@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from adamps.layout import Shard
 from adamps.protocol import ProtocolError, require, require_array
 from adamps.server import bounds
 from adamps.server.addressing import Addressing
@@ -118,12 +119,13 @@ class WritePath:
         return await self._replicate_or_apply(msg, self._dense_wire(parts), lambda: parts)
 
     def _dense_shard_parts(
-        self, deltas: dict[str, Any], arrays: bool
+        self, deltas: dict[str, Any], arrays: bool, checked: bool = False
     ) -> list[tuple[ShardState, Dense]]:
         """The checks of a push_dense by shard, from /rpc (`arrays`: wire arrays, checked for
         dtype and shape) or the data plane (float32 views cut to each shard's shape already):
         the shard count, the primary role of every bucket named, every shard held here, the
-        finite bounds. Raises before anything is queued."""
+        finite bounds (`checked`: already found within them over the whole payload,
+        bounds.within). Raises before anything is queued."""
         if len(deltas) > self.cfg.max_shards_per_request:
             raise ProtocolError(
                 "too_large",
@@ -136,12 +138,14 @@ class WritePath:
             if not isinstance(sid, str):
                 raise ProtocolError("bad_request", "field 'shards' must map shard ids to arrays")
             st = self.store.shard(sid)
-            d = (
-                require_array(deltas, sid, shape=st.shard.shape, finite=False)
-                if arrays
-                else deltas[sid]
-            )
-            bounds.check_dense(sid, d)
+            if arrays:
+                d = require_array(deltas, sid, shape=st.shard.shape, finite=False)
+            else:
+                d = deltas[sid]
+                if d.shape != st.shard.shape:  # cut by the layout the meta was checked against
+                    raise ProtocolError("bad_shape", f"shard {sid!r} changed shape meanwhile")
+            if not checked:
+                bounds.check_dense(sid, d)
             parts.append((st, Dense(d)))
         if not parts:
             raise ProtocolError(
@@ -235,35 +239,46 @@ class WritePath:
 
     # -- the data plane ---------------------------------------------------------------------------
 
-    def accept_stream_push(self, meta: dict[str, Any], payload_len: int) -> int:
+    def accept_stream_push(self, meta: dict[str, Any], payload_len: int) -> list[Shard]:
         """The checks of a data-plane push's header, before any payload byte is buffered; returns
-        the payload's size in bytes: the whole tensor (`tensor`) or the named shards one after
-        the other (`shards`), float32. The role checks come with the payload (start_stream_push),
-        so that a not_primary leaves the connection usable."""
-        want = 4 * sum(s.size for s in self.addressing.stream_shards(meta))
+        the shards the payload holds, in order: the whole tensor (`tensor`) or the named shards
+        one after the other (`shards`), float32 (`payload_len` must be their size). The role
+        checks come with the payload (start_stream_push), so that a not_primary leaves the
+        connection usable."""
+        shards = self.addressing.stream_shards(meta)
+        want = 4 * sum(s.size for s in shards)
         if payload_len != want:
             raise ProtocolError(
                 "bad_length", f"this push_dense needs a payload of {want} bytes, got {payload_len}"
             )
-        return want
+        return shards
 
     def start_stream_push(
-        self, payload: np.ndarray, meta: dict[str, Any]
+        self,
+        payload: np.ndarray,
+        meta: dict[str, Any],
+        shards: list[Shard] | None = None,
+        checked: bool = False,
     ) -> tuple[Any, Callable[[dict[str, int]], tuple[dict[str, Any], None]]]:
         """Validates a data-plane push exactly as push_dense by shard on /rpc (role, held shards,
         finite bounds; raises before anything is queued), then queues it now: applied at once on
         a standalone server, into its buckets' replication rounds on a replicated one (lease,
         two-phase commit, exactly once by (client, seq)). Pushes of one connection are queued
-        in the order sent. Returns (future of the versions, reply builder)."""
+        in the order sent. `shards`: what accept_stream_push returned for this meta (else found
+        again); `checked`: the whole payload already passed bounds.within (the data port's
+        reader thread ran it), so check_dense is not run again on its slices. Returns (future of
+        the versions, reply builder)."""
         # Zero copy: the kernel wrote the payload into this buffer; the owner threads (or the
         # replication round) read these views of it.
         delta = payload.view("<f4")
         deltas: dict[str, np.ndarray] = {}
         pos = 0
-        for s in self.addressing.stream_shards(meta):
+        for s in shards if shards is not None else self.addressing.stream_shards(meta):
             deltas[s.id] = delta[pos : pos + s.size].reshape(s.shape)
             pos += s.size
-        parts = self._dense_shard_parts(deltas, arrays=False)
+        if pos != delta.size:
+            raise ProtocolError("bad_length", "the payload does not match the shards it names")
+        parts = self._dense_shard_parts(deltas, arrays=False, checked=checked)
         self.check_durable()
 
         def reply(versions: dict[str, int]) -> tuple[dict[str, Any], None]:

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from adamps import protocol
-from adamps.client.dataplane import REQUEST, DataPlaneClient, frame_header
+from adamps.client.dataplane import REQUEST, DataPlaneClient, DataPlaneError, frame_header
 from adamps.client.rpc import AsyncRpc
+from adamps.server import bounds
 from adamps.server.dp_reader import OFF_LOOP_MIN, RECV_THREAD_ENV, off_loop_min
 from tests.integration.test_connections import TOKEN, closed_within, start_ps
 
@@ -118,3 +119,63 @@ async def test_adamps_dp_recv_thread_0_keeps_payloads_on_the_loop(
         await runner.cleanup()
     with pytest.raises(ValueError, match="ADAMPS_DP_RECV_THREAD must be 0 or 1, got 'yes'"):
         off_loop_min({RECV_THREAD_ENV: "yes"})
+
+
+async def test_bad_values_in_a_payload_read_off_the_loop_get_the_loops_error(
+    tmp_path: Path,
+) -> None:
+    """The reader thread checks a push's values while they are hot (bounds.within); a payload
+    that fails is refused with the loop's error naming the shard (NaN, Inf, too large), nothing
+    of it is applied, the connection stays usable, and a good push behind it is applied once."""
+    ps, runner, dport = await start_ps(tmp_path)
+    try:
+        await create(ps, 2 * N)  # two shards of 1 MiB
+        half = N  # layout: shards of at most 262,144 float32
+        assert [s.id for s in ps.store.layout.shards_of["v"]] == ["v/0", "v/1"]
+
+        def pushes() -> tuple[list, np.ndarray, int]:
+            got = []
+            with DataPlaneClient("127.0.0.1", dport, TOKEN, timeout=20) as c:
+                for value, pos in ((np.nan, 3), (np.inf, half + 7), (-2e12, 2 * half - 1)):
+                    bad = np.ones(2 * N, np.float32)
+                    bad[pos] = value
+                    try:
+                        c.push_dense("v", bad)
+                        got.append("applied")
+                    except DataPlaneError as exc:
+                        got.append((exc.code, str(exc)))
+                c.push_dense("v", np.full(2 * N, 2.0, np.float32))
+                values, _ = c.pull("v")
+                return got, values, len(readers())
+
+        got, values, during = await asyncio.to_thread(pushes)
+        assert during == 1
+        assert [g[0] for g in got] == ["non_finite", "non_finite", "bad_request"], got
+        assert "v/0" in got[0][1] and "v/1" in got[1][1] and "v/1" in got[2][1], got
+        np.testing.assert_array_equal(values, np.full(2 * N, 2.0, np.float32))  # lr -1, once
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_good_payload_read_off_the_loop_is_not_checked_again_on_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader thread's check replaces the loop's for a payload it received: check_dense
+    runs on the loop only for a payload that failed there (or one the loop received)."""
+    calls: list[str] = []
+    real = bounds.check_dense
+    monkeypatch.setattr(bounds, "check_dense", lambda name, d: (calls.append(name), real(name, d)))
+    ps, runner, dport = await start_ps(tmp_path)
+    try:
+        await create(ps)
+
+        def push(value: float) -> None:
+            with DataPlaneClient("127.0.0.1", dport, TOKEN, timeout=20) as c:
+                c.push_many([("v", np.full(N, value, np.float32))] * 3, window=3)
+
+        await asyncio.to_thread(push, 1.0)
+        assert calls == []
+        await asyncio.to_thread(push, np.nan)
+        assert calls == ["v/0"] * 3
+    finally:
+        await runner.cleanup()

@@ -1,5 +1,5 @@
 """`PSClient` pipelines its data-plane frames (issue 27): a push to one server goes out as frames
-of about 1 MiB on bucket boundaries, up to MAX_INFLIGHT (8) in flight on the connection, and each
+(of at most `frame_bytes`, here 1 MiB) on bucket boundaries, up to MAX_INFLIGHT (8) in flight on the connection, and each
 reply read lets the next frame out at once (a sliding window, not rounds with a barrier).
 
 A real `adamps ps` process; between it and the client a frame-aware TCP proxy that forwards the
@@ -21,6 +21,7 @@ import pytest
 from adamps.client import PSClient, StaticRouting
 from adamps.client.dataplane import HEADER, MAX_INFLIGHT
 from adamps.client.pool import DataPlanePool
+from adamps.client.ps import FRAME_BYTES
 from adamps.client.rpc import SyncRpc
 from adamps.layout import Layout, TensorSpec
 from adamps.up.procs import Proc, adamps_argv, free_port
@@ -129,7 +130,11 @@ def server(tmp_path: Path) -> Iterator[tuple[str, int]]:
 
 
 def _client(base: str, layout: Layout, proxy: GateProxy) -> PSClient:
-    client = PSClient(StaticRouting([base], N_BUCKETS), layout, TOKEN, timeout=20, retry_for=0)
+    # Frames of one shard each (1 MiB): enough frames to fill the window.
+    client = PSClient(
+        StaticRouting([base], N_BUCKETS), layout, TOKEN, timeout=20, retry_for=0,
+        frame_bytes=SHARD * 4,
+    )  # fmt: skip
     # The server's data port as the client finds it, but through the proxy.
     client._dp = DataPlanePool(TOKEN, 20, lambda url: {"data_port": proxy.port})
     return client
@@ -208,3 +213,35 @@ def test_a_pull_comes_back_in_frames_in_flight(server: tuple[str, int]) -> None:
     assert frames_out, f"only {frames} pull frame(s) sent while no reply was released"
     assert got and np.array_equal(got[0], want)
     client.close()
+
+
+def test_push_frames_are_of_4_mib_by_default(server: tuple[str, int]) -> None:
+    """A push of 4 MiB to one server is one frame (a frame's fixed cost, not its bytes, was
+    most of a push's CPU with 1 MiB frames); 12 MiB are 3 frames in flight. Pulls keep frames
+    of 1 MiB (PULL_FRAME_BYTES)."""
+    base, data_port = server
+    n_shards = 12
+    layout = Layout([TensorSpec("u", (n_shards * SHARD,))], n_buckets=N_BUCKETS)
+    with SyncRpc(base, TOKEN) as rpc:
+        rpc.call("create", name="u", shape=[n_shards * SHARD], optimizer={"kind": "sgd", "lr": 1.0})
+    proxy = GateProxy(data_port)
+    proxy.allow(float("inf"))
+    client = PSClient(StaticRouting([base], N_BUCKETS), layout, TOKEN, timeout=20, retry_for=0)
+    client._dp = DataPlanePool(TOKEN, 20, lambda url: {"data_port": proxy.port})
+    try:
+        delta = np.ones(n_shards * SHARD, np.float32)
+        client.push_shards({s.id: delta[s.start : s.stop] for s in layout.shards_of["u"][:4]})
+        one = proxy.frames
+        client.push_dense("u", delta)
+        pushed = proxy.frames - one
+        got, _ = client.pull(["u"])
+        pulled = proxy.frames - one - pushed
+    finally:
+        client.close()
+        proxy.close()
+    assert FRAME_BYTES == 4 * SHARD * 4
+    # (a push's frames are cut on bucket boundaries: 3, or 4 where two shards share a bucket)
+    assert (one, pulled) == (1, 12) and pushed in (3, 4), (one, pushed, pulled)
+    want = -np.ones(n_shards * SHARD, np.float32)
+    want[: 4 * SHARD] -= 1.0
+    assert np.array_equal(got["u"], want)
