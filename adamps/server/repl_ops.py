@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps import peer_auth, protocol
+from adamps import peer_auth
 from adamps.protocol import ProtocolError, require
 from adamps.server import repl_transfer
 from adamps.server.peer_keys import forbidden
@@ -55,23 +55,9 @@ class PeerOps:
     async def op_repl_frame(
         self, meta: dict[str, Any], meta_raw: bytes, payload: np.ndarray | None
     ) -> dict[str, Any]:
-        """A repl_multi frame of the data plane: its MAC (the payload's last MAC_SIZE bytes,
-        over the meta and the rest of the payload) checked before the message is decoded."""
-        peer = None
-        claimed = meta.get("peer")
-        if claimed is not None:
-            if payload is None or payload.size < peer_auth.MAC_SIZE:
-                raise forbidden("repl_multi", "the frame's MAC is missing")
-            got = payload[-peer_auth.MAC_SIZE :].tobytes()
-            payload = payload[: -peer_auth.MAC_SIZE]
-            if self.repl.peer_keys.enabled:
-                peer = await self.repl.peer_keys.prover(
-                    "repl_multi",
-                    [meta_raw, payload],
-                    claimed if isinstance(claimed, str) else None,
-                    got,
-                )
-        msg = protocol.decode(meta_raw, b"" if payload is None else payload)
+        """A repl_multi frame of the data plane: its MAC (the payload's last MAC_SIZE bytes)
+        checked before the message is used (PeerKeys.frame)."""
+        peer, msg = await self.repl.peer_keys.frame(meta, meta_raw, payload)
         return await self.op_from_peer("repl_multi", msg, peer)
 
     async def op_repl_prepare(self, msg: dict[str, Any]) -> dict[str, Any]:
