@@ -145,3 +145,24 @@ def test_segments_cover_every_byte_once() -> None:
     key = b"k" * 32
     assert peer_auth.frame_mac(key, b"m", cut) != peer_auth.frame_mac(key, b"m", whole)
     assert peer_auth.frame_mac(key, b"m", cut) != peer_auth.mac(key, [b"m", data])
+
+
+def test_a_batch_is_digested_once_for_all_its_peers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from adamps.core.repl_types import Batch
+    from adamps.server import repl_wire
+
+    calls = []
+    real = repl_wire.updates_digest
+    monkeypatch.setattr(repl_wire, "updates_digest", lambda u: calls.append(1) or real(u))
+    monkeypatch.setattr(repl_wire, "WIRE_CACHE", 2)
+    updates = (({"k": "d", "s": "w/0", "d": np.ones(3, np.float32)},),)
+    b = Batch(1, 1, updates, (("c", 1),))
+    first = repl_wire.batch_to_wire(b)
+    assert repl_wire.batch_to_wire(b) is first and len(calls) == 1
+    # an equal batch that is another object is digested on its own
+    assert repl_wire.batch_to_wire(Batch(1, 1, updates, (("c", 1),))) == first
+    assert len(calls) == 2
+    for seq in range(2, 6):  # bounded: the oldest goes
+        repl_wire.batch_to_wire(Batch(seq, 1, updates, (None,)))
+    assert len(repl_wire._WIRE) <= 2
+    assert repl_wire.batch_from_wire(first) == b
