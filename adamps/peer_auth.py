@@ -73,6 +73,48 @@ def mac_ok(key: bytes, parts: Iterable[bytes | bytearray | memoryview], got: byt
     return hmac.compare_digest(mac(key, parts), bytes(got))
 
 
+# -- the data port's frame MAC (issue 27) -----------------------------------------------------------
+#
+# A primary sends each batch to two secondaries, under two pair keys: an HMAC of the whole frame
+# hashed every batch's arrays once per secondary. The frame MAC hashes the payload in segments
+# (each out-of-band array with its padding) and MACs the meta and those digests, so a primary
+# hashes each array once whatever the number of its peers (the digest is the same for both), and
+# a secondary still hashes every payload byte it receives once. Forging a frame then needs an
+# HMAC-SHA256 forgery or a SHA-256 second preimage: the same guarantee as the MAC of the bytes.
+
+#: what a data-plane frame's meta names in "mac" when its MAC is the segmented one (`frame_mac`);
+#: also the MAC's domain separator, so no MAC of one form can pass for the other
+FRAME_MAC = "sha256-segments"
+
+
+def segment_digest(parts: Iterable[bytes | bytearray | memoryview]) -> bytes:
+    """SHA-256 of one payload segment (given as the concatenation of `parts`)."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def frame_mac(key: bytes, meta: bytes | memoryview, digests: Iterable[bytes]) -> bytes:
+    """HMAC-SHA256 under `key` of the frame's meta and the SHA-256 of each payload segment."""
+    h = hmac.new(key, FRAME_MAC.encode() + b"\0", hashlib.sha256)
+    h.update(meta)
+    for d in digests:
+        h.update(d)
+    return h.digest()
+
+
+def segment_digests(payload: memoryview, cuts: Iterable[int]) -> list[bytes]:
+    """The digests of `payload` cut at the offsets `cuts` (those outside it are ignored; a cut
+    at 0 is implied): the segments cover every byte of the payload exactly once."""
+    n = len(payload)
+    if not n:
+        return []
+    points = sorted({0, *(c for c in cuts if 0 < c < n)})
+    ends = [*points[1:], n]
+    return [hashlib.sha256(payload[a:b]).digest() for a, b in zip(points, ends, strict=True)]
+
+
 def header(sender: str, key: bytes, body: bytes) -> str:
     return f"{sender} {mac(key, [body]).hex()}"
 

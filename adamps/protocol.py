@@ -184,11 +184,14 @@ def _is_oob_map(d: Mapping[str, Any]) -> bool:
 OOB_ALIGN = 8
 
 
-def encode_oob(msg: Mapping[str, Any]) -> tuple[bytes, list[memoryview], int]:
+def encode_oob(
+    msg: Mapping[str, Any], starts: list[int] | None = None
+) -> tuple[bytes, list[memoryview], int]:
     """A message whose arrays travel out of band, after it (the data plane's ``repl_multi``):
     returns the msgpack meta, in which each array is ``{"dtype", "shape", "at": offset}``, the
     buffers to send after it in order (the arrays' own memory, and padding), and their length.
-    No array byte is copied here."""
+    No array byte is copied here. `starts`, if given, receives the index in the buffers of each
+    array's (its padding follows it)."""
     parts: list[memoryview] = []
     size = 0
 
@@ -198,6 +201,8 @@ def encode_oob(msg: Mapping[str, Any]) -> tuple[bytes, list[memoryview], int]:
             d = array_to_wire(obj)
             data = d.pop("data")
             d["at"] = size
+            if starts is not None:
+                starts.append(len(parts))
             parts.append(data)
             size += len(data)
             pad = -size % OOB_ALIGN
@@ -262,13 +267,17 @@ MAX_CONTAINERS = 1 << 18
 class _Counter:
     """Counts the maps and lists one decode builds; past MAX_CONTAINERS the decode fails."""
 
-    __slots__ = ("n", "limit", "payload")
+    __slots__ = ("n", "limit", "payload", "offsets")
 
-    def __init__(self, limit: int, payload: memoryview | None = None) -> None:
+    def __init__(
+        self, limit: int, payload: memoryview | None = None, offsets: list[int] | None = None
+    ) -> None:
         self.n = 0
         self.limit = limit
         #: the frame's payload: out-of-band arrays are views of it
         self.payload = payload
+        #: where the out-of-band arrays start, in the order met (None: not collected)
+        self.offsets = offsets
 
     def tick(self) -> None:
         self.n += 1
@@ -280,7 +289,10 @@ class _Counter:
         if _is_array_map(d):
             return array_from_wire(d)
         if self.payload is not None and _is_oob_map(d):
-            return _array_at(d, self.payload)
+            arr = _array_at(d, self.payload)
+            if self.offsets is not None:
+                self.offsets.append(d["at"])
+            return arr
         return d
 
     def list_hook(self, x: list[Any]) -> list[Any]:
@@ -297,15 +309,21 @@ def encode(msg: Mapping[str, Any]) -> bytes:
 
 
 def decode(
-    body: bytes | bytearray | memoryview, payload: bytes | bytearray | memoryview | None = None
+    body: bytes | bytearray | memoryview,
+    payload: bytes | bytearray | memoryview | None = None,
+    offsets: list[int] | None = None,
 ) -> dict[str, Any]:
     """msgpack bytes as a message; arrays come back zero-copy and read-only. With `payload`
-    (``encode_oob``'s buffers as received) its out-of-band arrays are views of the payload.
+    (``encode_oob``'s buffers as received) its out-of-band arrays are views of the payload, and
+    `offsets`, if given, receives where each of them starts (a frame's MAC segments,
+    adamps.peer_auth.segment_digests).
 
     Raises ProtocolError (malformed, bad_array, bad_dtype, bad_length) on bad input.
     """
     counter = _Counter(
-        MAX_CONTAINERS, None if payload is None else memoryview(payload).cast("B").toreadonly()
+        MAX_CONTAINERS,
+        None if payload is None else memoryview(payload).cast("B").toreadonly(),
+        offsets,
     )
     try:
         msg = msgpack.unpackb(

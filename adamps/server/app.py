@@ -416,6 +416,8 @@ class ParameterServer:
         return {
             "role": "ps",
             "data_port": self.cfg.data_port or None,
+            # what a peer's repl_multi frames may be signed with (adamps.peer_auth, issue 27)
+            "peer_frame_mac": peer_auth.FRAME_MAC,
             "config": to_dict(self.cfg),
             "uptime_seconds": time.time() - self.started,
             "n_buckets": self.cfg.n_buckets,

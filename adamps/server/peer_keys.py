@@ -13,11 +13,14 @@ as before issue 28; the server says so in its log at start.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from adamps import peer_auth
+import numpy as np
+
+from adamps import peer_auth, protocol
 from adamps.protocol import ProtocolError
 
 #: the replication ops that need a peer's proof (``digest`` is a read: the cluster token will do)
@@ -103,10 +106,15 @@ class PeerKeys:
         )
 
     async def prover(
-        self, op: str, parts: list[Any], claimed: str | None, got: bytes | None
+        self,
+        op: str,
+        parts: list[Any] | Callable[[bytes], bytes],
+        claimed: str | None,
+        got: bytes | None,
     ) -> str:
         """The peer whose MAC `got` of `parts` is (it claims to be `claimed`); ProtocolError
-        forbidden otherwise."""
+        forbidden otherwise. `parts` may instead be the MAC's function of the pair key (the
+        data port's segmented frame MAC, `frame`)."""
         if claimed is None or got is None:
             raise forbidden(op, "no peer credential in the request")
         if not self._known(claimed):
@@ -122,9 +130,50 @@ class PeerKeys:
                 "unavailable",
                 f"cannot get the pair key of {claimed!r} from the controllers now: {exc}",
             ) from None
-        if not peer_auth.mac_ok(key, parts, got):
+        want = parts(key) if callable(parts) else peer_auth.mac(key, parts)
+        if not hmac.compare_digest(want, bytes(got)):
             raise forbidden(op, f"the MAC does not prove server {claimed!r}")
         return claimed
+
+    async def frame(
+        self, meta: dict[str, Any], meta_raw: bytes, payload: np.ndarray | None
+    ) -> tuple[str | None, dict[str, Any]]:
+        """A data-plane repl_multi frame, authenticated, then decoded: (the server whose MAC it
+        carries, or None when identity is off or the frame names no sender; the message).
+
+        The MAC is the payload's last MAC_SIZE bytes. With ``"mac": FRAME_MAC`` in the meta it
+        is ``peer_auth.frame_mac`` of the meta and the digests of the payload's segments, cut
+        where the meta's out-of-band arrays start (so the message is decoded first: bounded, and
+        only views; a frame that cannot be decoded cannot be verified, and is forbidden).
+        Without it, the HMAC of the meta and the payload's bytes (a peer of the previous
+        version)."""
+        op = "repl_multi"
+        claimed = meta.get("peer")
+        if claimed is None:
+            return None, protocol.decode(meta_raw, b"" if payload is None else payload)
+        if payload is None or payload.size < peer_auth.MAC_SIZE:
+            raise forbidden(op, "the frame's MAC is missing")
+        got = payload[-peer_auth.MAC_SIZE :].tobytes()
+        payload = payload[: -peer_auth.MAC_SIZE]
+        if not self.enabled:
+            return None, protocol.decode(meta_raw, payload)
+        name = claimed if isinstance(claimed, str) else None
+        form = meta.get("mac")
+        if form is None:
+            peer = await self.prover(op, [meta_raw, payload], name, got)
+            return peer, protocol.decode(meta_raw, payload)
+        if form != peer_auth.FRAME_MAC:
+            raise forbidden(op, f"unknown frame MAC {form!r}")
+        offsets: list[int] = []
+        try:
+            msg = protocol.decode(meta_raw, payload, offsets)
+        except ProtocolError as exc:
+            raise forbidden(op, f"the frame cannot be verified: {exc.message}") from None
+        digests = peer_auth.segment_digests(memoryview(payload), offsets)
+        peer = await self.prover(
+            op, lambda key: peer_auth.frame_mac(key, meta_raw, digests), name, got
+        )
+        return peer, msg
 
     def check_senders(self, op: str, msg: dict[str, Any], peer: str) -> None:
         """Every sender the message names is the server that proved it sent it."""
@@ -150,24 +199,6 @@ class PeerKeys:
         if parsed is None:
             raise forbidden(op, f"malformed {peer_auth.PEER_HEADER} header")
         return await self.prover(op, [body], *parsed)
-
-    async def frame_peer(
-        self, meta: dict[str, Any], meta_raw: bytes, payload: Any
-    ) -> tuple[str | None, Any]:
-        """The peer that sent a repl_multi frame of the data plane, and the payload without its
-        MAC: the payload's last MAC_SIZE bytes, over the meta and the rest of the payload,
-        checked before the message is decoded."""
-        claimed = meta.get("peer")
-        if claimed is None:
-            return None, payload
-        if payload is None or payload.size < peer_auth.MAC_SIZE:
-            raise forbidden("repl_multi", "the frame's MAC is missing")
-        got = payload[-peer_auth.MAC_SIZE :].tobytes()
-        payload = payload[: -peer_auth.MAC_SIZE]
-        if not self.enabled:
-            return None, payload
-        claimed = claimed if isinstance(claimed, str) else None
-        return await self.prover("repl_multi", [meta_raw, payload], claimed, got), payload
 
     def controller_signer(self) -> Callable[[str, str, bytes], tuple[tuple[str, str], ...]] | None:
         """What signs this server's calls to the controllers, which take them from this server

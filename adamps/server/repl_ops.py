@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from adamps import protocol
 from adamps.protocol import ProtocolError, require
 from adamps.server import repl_transfer
 from adamps.server.repl_check import check_batches
@@ -39,9 +38,9 @@ class PeerOps:
     async def op_repl_frame(
         self, meta: dict[str, Any], meta_raw: bytes, payload: np.ndarray | None
     ) -> dict[str, Any]:
-        """A repl_multi frame of the data plane: its sender proved before it is decoded."""
-        peer, payload = await self.repl.peer_keys.frame_peer(meta, meta_raw, payload)
-        msg = protocol.decode(meta_raw, b"" if payload is None else payload)
+        """A repl_multi frame of the data plane: its MAC (the payload's last MAC_SIZE bytes)
+        checked before the message is used (PeerKeys.frame)."""
+        peer, msg = await self.repl.peer_keys.frame(meta, meta_raw, payload)
         return await self.op_from_peer("repl_multi", msg, peer)
 
     def _step(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:

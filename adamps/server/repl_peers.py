@@ -41,6 +41,46 @@ LOOKUP_EVERY = 2.0
 RATE_FLOOR = 32e6
 
 
+class SegmentDigests:
+    """The SHA-256 of each out-of-band array of the frames to the peers (with its padding: one
+    MAC segment, peer_auth.segment_digests), kept for the few frames that send the same arrays
+    to the other peers. A batch's arrays are never changed once submitted (every replica must
+    apply the same bytes); a cached digest holds its array, so its id is not reused meanwhile
+    (the arrays of the last `size` segments: batches the replication log holds anyway)."""
+
+    def __init__(self, size: int = 64) -> None:
+        #: id(array) -> (array, segment length, digest), oldest first
+        self._cache: dict[int, tuple[Any, int, bytes]] = {}
+        self.size = size
+        #: digests computed and reused (tests, and the benchmark's reading of a profile)
+        self.computed = self.reused = 0
+
+    def of(self, parts: list[memoryview], starts: list[int]) -> list[bytes]:
+        """The digests of the segments of a frame's payload: `parts` as protocol.encode_oob
+        returned them, `starts` the indices of the parts where its arrays start. Empty segments
+        (arrays of no bytes) have none, as on the receiving side."""
+        out = []
+        bounds = [*starts, len(parts)]
+        for i, j in zip(bounds, bounds[1:], strict=False):
+            seg = parts[i:j]
+            length = sum(len(p) for p in seg)
+            if not length:
+                continue
+            obj = seg[0].obj
+            hit = self._cache.get(id(obj))
+            if hit is not None and hit[0] is obj and hit[1] == length:
+                out.append(hit[2])
+                self.reused += 1
+                continue
+            d = peer_auth.segment_digest(seg)
+            self.computed += 1
+            self._cache[id(obj)] = (obj, length, d)
+            if len(self._cache) > self.size:
+                del self._cache[next(iter(self._cache))]
+            out.append(d)
+        return out
+
+
 class PeerStream:
     """``repl_multi`` over one TCP connection to a peer's data port (``adamps.server.dataplane``).
 
@@ -50,25 +90,45 @@ class PeerStream:
     one is answered. Any failure closes the connection (a half-done exchange leaves the stream out
     of step); the next call opens a new one."""
 
-    def __init__(self, host: str, port: int, token: str, timeout: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        timeout: float,
+        digests: SegmentDigests | None = None,
+    ) -> None:
         self.host, self.port = host, port
         self.token = token
         self.timeout = timeout
+        #: the segments' digests shared by every peer's stream (None: the peer is of a version
+        #: that checks only the MAC of the frame's bytes, peer_auth.mac)
+        self.digests = digests
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     def fits(
         self, msg: dict[str, Any], sender: str, key: bytes | None
     ) -> tuple[bytes, list[memoryview], int, str] | None:
         """The encoded request, or None when its meta exceeds a frame's (send it over HTTP).
-        With a pair key, the meta names the sender and the payload ends with the MAC of the
-        meta and the arrays (adamps.peer_auth): what the peer checks before it reads a field."""
-        extra = {} if key is None else {"peer": sender}
+        With a pair key, the meta names the sender and the payload ends with the MAC that the
+        peer checks before it reads a field (adamps.peer_auth): the segmented frame MAC when the
+        peer takes it (each array hashed once for all peers), else the MAC of the bytes."""
+        extra: dict[str, Any] = {}
+        if key is not None:
+            extra["peer"] = sender
+            if self.digests is not None:
+                extra["mac"] = peer_auth.FRAME_MAC
         req = protocol.request("repl_multi", token=self.token, **extra, **msg)
-        meta, parts, n = protocol.encode_oob(req)
+        starts: list[int] = []
+        meta, parts, n = protocol.encode_oob(req, starts)
         if len(meta) > MAX_META:
             return None
         if key is not None:
-            parts = [*parts, memoryview(peer_auth.mac(key, [meta, *parts]))]
+            if self.digests is not None:
+                tag = peer_auth.frame_mac(key, meta, self.digests.of(parts, starts))
+            else:
+                tag = peer_auth.mac(key, [meta, *parts])
+            parts = [*parts, memoryview(tag)]
             n += peer_auth.MAC_SIZE
         return meta, parts, n, req["rid"]
 
@@ -127,9 +187,17 @@ class PeerChannel:
     the cost of replication is the number of requests far more than their bytes."""
 
     def __init__(
-        self, rpc: AsyncRpc, token: str, timeout: float, keys: PeerKeys, member: str
+        self,
+        rpc: AsyncRpc,
+        token: str,
+        timeout: float,
+        keys: PeerKeys,
+        member: str,
+        digests: SegmentDigests | None = None,
     ) -> None:
         self.rpc = rpc
+        #: the array digests shared by the channels of one server (Peers.digests)
+        self.digests = digests or SegmentDigests()
         self.token = token
         self.timeout = timeout
         #: this server's peer identity (signs every message when enabled)
@@ -151,12 +219,17 @@ class PeerChannel:
             return self.stream
         self._looked_up = time.monotonic()
         try:
-            port = int((await self.rpc.get_json("/status")).get("data_port") or 0)
+            status = await self.rpc.get_json("/status")
+            port = int(status.get("data_port") or 0)
         except (RpcError, ConnectionError, TimeoutError, OSError, ValueError, AttributeError):
             return None
         if port:
             host = urlsplit(self.rpc.base_url).hostname or "127.0.0.1"
-            self.stream = PeerStream(host, port, self.token, self.timeout)
+            # The segmented frame MAC only to a peer that says it checks it (a peer of the
+            # previous version would refuse it as forbidden).
+            takes = status.get("peer_frame_mac") == peer_auth.FRAME_MAC
+            digests = self.digests if takes else None
+            self.stream = PeerStream(host, port, self.token, self.timeout, digests)
         return self.stream
 
     async def _http(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -243,6 +316,9 @@ class Peers:
         self.session: aiohttp.ClientSession | None = None
         self._rpcs: dict[str, AsyncRpc] = {}
         self._channels: dict[str, PeerChannel] = {}
+        #: the arrays' digests of the data-plane frames, shared by every peer's channel: a
+        #: batch sent to two secondaries is hashed once (peer_auth.frame_mac)
+        self.digests = SegmentDigests()
 
     def channel(self, server: str) -> PeerChannel:
         """The aggregating channel to a peer (prepare, commit and ping messages)."""
@@ -250,7 +326,7 @@ class Peers:
         ch = self._channels.get(rpc.base_url)
         if ch is None:
             ch = self._channels[rpc.base_url] = PeerChannel(
-                rpc, self.token, self.timeout, self.keys, server
+                rpc, self.token, self.timeout, self.keys, server, self.digests
             )
         ch.member = server
         return ch

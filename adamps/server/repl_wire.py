@@ -5,6 +5,7 @@ every replica turns them into the same per-shard parts, so replicas end bit-iden
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -84,6 +85,18 @@ def row_install_update(sid: str, data: bytes) -> dict[str, Any]:
     return {"k": "j", "s": sid, "b": data}
 
 
+#: str(dtype).encode() by dtype: numpy's dtype.__str__ is Python code, and took a third of the
+#: digest's time over a 256 KiB delta (issue 27's profile of an RF 3 push)
+_DTYPE_NAMES: dict[np.dtype, bytes] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> bytes:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).encode()
+    return name
+
+
 def updates_digest(updates: Iterable[Any]) -> int:
     """xxh3 of a batch's updates: every field, arrays by their bytes, in order (issue 29:
     corruption in memory or on the wire is caught where it enters a copy, not applied)."""
@@ -91,7 +104,7 @@ def updates_digest(updates: Iterable[Any]) -> int:
 
     def walk(x: Any) -> None:
         if isinstance(x, np.ndarray):
-            parts.append(str(x.dtype).encode())
+            parts.append(_dtype_name(x.dtype))
             parts.append(memoryview(np.ascontiguousarray(x)).cast("B"))
         elif isinstance(x, dict):
             for k in sorted(x, key=str):  # a hostile map may mix key types
@@ -109,14 +122,36 @@ def updates_digest(updates: Iterable[Any]) -> int:
     return checksum.digest(*parts)
 
 
+#: the wire form of the batches sent last, by id (the batch held, so its id is not reused): a
+#: round's batch goes to every secondary, and its digest was computed once per peer
+_WIRE: dict[int, tuple[Batch, dict[str, Any]]] = {}
+#: batches whose wire form is kept (a round's PREPARE goes to its peers within a few rounds; the
+#: replica state machine keeps `replication_log`, 64, batches per bucket anyway)
+WIRE_CACHE = 64
+#: several servers' loops may share this process (the in-process tests)
+_WIRE_LOCK = threading.Lock()
+
+
 def batch_to_wire(b: Batch) -> dict[str, Any]:
-    return {
+    """The wire form of a batch (shared: not to be changed by the caller). Its digest is
+    computed once, when the batch is first sent: a batch changed in memory afterwards is then
+    caught by the copies it is sent to next, not sent with a new digest of the damage."""
+    with _WIRE_LOCK:
+        hit = _WIRE.get(id(b))
+    if hit is not None and hit[0] is b:
+        return hit[1]
+    wire = {
         "seq": b.seq,
         "epoch": b.epoch,
         "updates": list(b.updates),
         "clients": [None if c is None else [c[0], c[1]] for c in b.clients],
         "x": updates_digest(b.updates),
     }
+    with _WIRE_LOCK:
+        _WIRE[id(b)] = (b, wire)
+        if len(_WIRE) > WIRE_CACHE:
+            del _WIRE[next(iter(_WIRE))]
+    return wire
 
 
 def batch_from_wire(d: dict[str, Any]) -> Batch:

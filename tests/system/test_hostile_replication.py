@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from adamps import peer_auth, protocol
 from adamps.client.dataplane import ERROR, REQUEST, frame_header
 from adamps.client.rpc import RpcError, SyncRpc, json_request, rpc_request
+from adamps.server.repl_peers import PeerStream, SegmentDigests
 from adamps.up.cluster import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -260,6 +261,44 @@ def test_a_replayed_replication_message_changes_nothing(cluster) -> None:
             else:
                 for r in reply["results"]:
                     assert r.get("error", {}).get("code") != "internal", r
+    assert _digest(t) == (t["committed"], t["digest"])
+    client.push_dense("x", np.ones(16_000, np.float32))  # the real next batch still replicates
+    digests_agree(c)
+
+
+def test_a_segmented_frame_is_checked_on_the_data_port(cluster) -> None:
+    """The data port's segmented frame MAC (issue 27), as a primary signs it (PeerStream.fits):
+    the secondary advertises it, a replayed frame changes nothing, and one changed payload byte,
+    or the MAC of another pair, is 403 forbidden before anything is used."""
+    c, client, layout = cluster
+    t = _target(c, layout)
+    with SyncRpc(t["secondary"], TOKEN) as rpc:
+        assert rpc.get_json("/status")["peer_frame_mac"] == peer_auth.FRAME_MAC
+    plus = np.full(SHARD, 1000.0, np.float32)
+    old = {**t, "committed": t["committed"] - 1}  # a seq the copy holds: a replay
+    items = [{"op": "repl_prepare", **_forged_prepare(old, plus), "commit": t["committed"]}]
+
+    def frame(signer: str) -> bytearray:
+        key = peer_auth.pair_key(c.peer_token, signer, t["secondary_id"])
+        stream = PeerStream("127.0.0.1", t["data_port"], TOKEN, 5.0, SegmentDigests())
+        meta, parts, n, _rid = stream.fits({"items": items}, t["primary"], key)  # type: ignore[misc]
+        assert protocol.decode(meta)["mac"] == peer_auth.FRAME_MAC
+        return bytearray(frame_header(REQUEST, len(meta), n) + meta + b"".join(map(bytes, parts)))
+
+    good = frame(t["primary"])
+    changed = bytearray(good)
+    changed[-peer_auth.MAC_SIZE - 100] ^= 1  # a byte of the delta
+    with socket.create_connection(("127.0.0.1", t["data_port"]), timeout=10) as s:
+        s.sendall(good)
+        kind, reply = read_frame(s)
+        assert kind != ERROR and all(
+            r.get("error", {}).get("code") != "internal" for r in reply["results"]
+        ), reply
+    for bad in (changed, frame(t["other"])):
+        with socket.create_connection(("127.0.0.1", t["data_port"]), timeout=10) as s:
+            s.sendall(bad)
+            kind, reply = read_frame(s)
+        assert kind == ERROR and reply["error"]["code"] == "forbidden", reply
     assert _digest(t) == (t["committed"], t["digest"])
     client.push_dense("x", np.ones(16_000, np.float32))  # the real next batch still replicates
     digests_agree(c)
