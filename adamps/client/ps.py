@@ -474,17 +474,18 @@ class PSClient(RowsClient):
 
         def fields(group: list[Shard]) -> dict[str, Any]:
             layers: dict[str, dict[str, Any]] = {}
-            deltas = {}
+            ids = []
             for s in group:
                 name = layer_of.get(s.id)
                 if name is None:
-                    deltas[s.id] = by_id[s.id]
+                    ids.append(s.id)
                     continue
                 a, e = vecs[name]
                 layers.setdefault(name, {"a": a, "e": e, "shards": []})["shards"].append(s.id)
             out: dict[str, Any] = {"layers": layers}
-            if deltas:
-                out["dense"] = deltas
+            if ids:  # one array for all: the server decodes and bounds it once
+                out["dense_shards"] = ids
+                out["dense"] = np.concatenate([by_id[i].reshape(-1) for i in ids])
             return out
 
         self._push(

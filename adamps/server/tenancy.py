@@ -57,7 +57,7 @@ def _names(msg: dict[str, Any]) -> list[str]:
         v = msg.get(f)
         if v is not None:
             out.append(v)
-    for f in ("tensors", "shards", "layers", "dense"):
+    for f in ("tensors", "shards", "layers", "dense_shards"):
         v = msg.get(f)
         if isinstance(v, dict):
             out += list(v)

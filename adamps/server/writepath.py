@@ -118,12 +118,13 @@ class WritePath:
         return await self._replicate_or_apply(msg, self._dense_wire(parts), lambda: parts)
 
     def _dense_shard_parts(
-        self, deltas: dict[str, Any], arrays: bool
+        self, deltas: dict[str, Any], arrays: bool, checked: bool = False
     ) -> list[tuple[ShardState, Dense]]:
         """The checks of a push_dense by shard, from /rpc (`arrays`: wire arrays, checked for
         dtype and shape) or the data plane (float32 views cut to each shard's shape already):
         the shard count, the primary role of every bucket named, every shard held here, the
-        finite bounds. Raises before anything is queued."""
+        finite bounds (`checked`: the caller bounded them all at once). Raises before anything
+        is queued."""
         if len(deltas) > self.cfg.max_shards_per_request:
             raise ProtocolError(
                 "too_large",
@@ -141,7 +142,8 @@ class WritePath:
                 if arrays
                 else deltas[sid]
             )
-            bounds.check_dense(sid, d)
+            if not checked:
+                bounds.check_dense(sid, d)
             parts.append((st, Dense(d)))
         if not parts:
             raise ProtocolError(
@@ -172,11 +174,7 @@ class WritePath:
                 fc.append(self._fc_layer(name, layer))
         elif "dense" not in msg or "tensor" in msg:
             fc.append(self._fc_layer(require(msg, "tensor", str), msg))
-        dense: list[tuple[ShardState, Dense]] = []
-        if "dense" in msg:
-            deltas = require(msg, "dense", dict)
-            if deltas:
-                dense = self._dense_shard_parts(deltas, arrays=True)
+        dense = self._dense_round(msg) if "dense" in msg else []
         if not fc and not dense:
             raise ProtocolError("bad_request", "push_fc needs 'tensor', or 'layers' or 'dense'")
         if len(fc) + len(dense) > 1:
@@ -196,6 +194,23 @@ class WritePath:
             return out + dense
 
         return await self._replicate_or_apply(msg, wire, parts)
+
+    def _dense_round(self, msg: dict[str, Any]) -> list[tuple[ShardState, Dense]]:
+        """A round's dense deltas: `dense_shards` (ids) and `dense`, their values one after the
+        other in one float32 array (one array to decode and bound, not one per shard)."""
+        states = self.addressing.shard_ids(msg, "dense_shards", twice_ok=False)
+        values = require_array(msg, "dense", shape=(None,), finite=False)
+        want = sum(st.shard.size for st in states)
+        if values.size != want:
+            raise ProtocolError(
+                "bad_shape", f"field 'dense' needs {want} values for its shards, got {values.size}"
+            )
+        deltas, pos = {}, 0
+        for st in states:
+            deltas[st.id] = values[pos : pos + st.shard.size].reshape(st.shard.shape)
+            pos += st.shard.size
+        bounds.check_dense("dense", values)  # the bound of every shard's part at once
+        return self._dense_shard_parts(deltas, arrays=False, checked=True) if deltas else []
 
     def _fc_layer(
         self, name: str, fields: dict[str, Any]

@@ -172,7 +172,8 @@ def test_a_round_push_names_every_layer_and_shard_for_the_namespace_check() -> N
     msg = {
         "op": "push_fc",
         "layers": {"a..f1.w": {"a": 0, "e": 0}, "a..f2.w": {"shards": ["b..f2.w/0"]}},
-        "dense": {"c..conv.w/0": 0},
+        "dense_shards": ["c..conv.w/0"],
+        "dense": 0,
     }
     assert set(_names(msg)) == {"a..f1.w", "a..f2.w", "b..f2.w/0", "c..conv.w/0"}
     assert runs.Principal("a").outside(_names(msg)) in ("b..f2.w/0", "c..conv.w/0")

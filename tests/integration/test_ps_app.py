@@ -166,7 +166,8 @@ async def test_a_whole_round_in_one_push_fc_equals_its_separate_pushes(ps) -> No
         r = await c.call(
             "push_fc",
             layers={"rf1": {"a": a1, "e": e1}, "rf2": {"a": a2, "e": e2, "shards": ["rf2/0"]}},
-            dense={"rc/0": dc, "rb/0": db},
+            dense_shards=["rc/0", "rb/0"],
+            dense=np.concatenate([dc, db]),
             client="t",
             seq=step + 1,
         )
@@ -181,14 +182,16 @@ async def test_a_whole_round_in_one_push_fc_equals_its_separate_pushes(ps) -> No
     one = np.ones((8, 30), np.float32)
     for bad in (
         {"layers": {"rf1": {"a": one, "e": np.ones((8, 40), np.float32)}},
-         "dense": {"rf1/1": np.ones((7, 30), np.float32)}},  # a shard twice
-        {"layers": {}, "dense": {}},  # nothing
+         "dense_shards": ["rf1/1"], "dense": np.ones(210, np.float32)},  # a shard twice
+        {"layers": {}},  # nothing
         {"layers": {"rf1": {"a": one, "e": np.ones((8, 40), np.float32)}},
-         "dense": {"rc/0": np.full(700, np.nan, np.float32)}},  # one bad part: nothing applied
+         "dense_shards": ["rc/0"], "dense": np.ones(699, np.float32)},  # too few values
+        {"layers": {"rf1": {"a": one, "e": np.ones((8, 40), np.float32)}},
+         "dense_shards": ["rc/0"], "dense": np.full(700, np.nan, np.float32)},  # not finite
     ):  # fmt: skip
         with pytest.raises(RpcError) as err:
             await c.call("push_fc", **bad)
-        assert err.value.code in ("bad_request", "non_finite"), err.value
+        assert err.value.code in ("bad_request", "bad_shape", "non_finite"), err.value
     after = (await c.call("pull", tensors=["rf1", "rc"]))["tensors"]
     assert all(np.array_equal(before[n], after[n]) for n in before)
 
