@@ -13,6 +13,7 @@ a fixed number of buckets, so every process derives the same buckets. Pure code:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -87,8 +88,9 @@ class Shard:
     #: shape of the shard's values: (rows, *shape[1:]) when rows_aligned, else (size,)
     shape: tuple[int, ...] = field(compare=False)
 
-    @property
+    @functools.cached_property
     def id(self) -> str:
+        # formatted once per shard, not on each of the many lookups of every push and pull
         return shard_id(self.tensor, self.index)
 
     @property
