@@ -161,11 +161,18 @@ def _pack_default(obj: Any) -> Any:
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
+#: an allowed dtype in its wire byte order -> its wire name. ``dtype.name`` is computed in Python
+#: by numpy 2 (about 17 us a call here, 30% of a data server's CPU in issue 27's profile); a
+#: dict lookup is under half a microsecond
+_WIRE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in ALLOWED_DTYPES.items()}
+
+
 def array_to_wire(arr: np.ndarray) -> dict[str, Any]:
-    name = arr.dtype.name
-    if name not in ALLOWED_DTYPES:
-        raise TypeError(f"dtype {name} is not allowed on the wire")
-    if arr.dtype.byteorder == ">":
+    name = _WIRE_NAMES.get(arr.dtype)
+    if name is None:  # not allowed, or big-endian: the slow path names it
+        name = arr.dtype.name
+        if name not in ALLOWED_DTYPES:
+            raise TypeError(f"dtype {name} is not allowed on the wire")
         arr = arr.astype(ALLOWED_DTYPES[name])
     # A C-contiguous array is sent from its own memory (msgpack takes the buffer): no copy.
     data = memoryview(np.ascontiguousarray(arr)).cast("B")

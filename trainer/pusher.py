@@ -64,8 +64,11 @@ class Pusher:
                 self.m.queue.set(len(self.queue))
 
     def push(self, item: PushItem) -> None:
+        """One item: its fc vectors and dense deltas in one request per server
+        (``PSClient.push_round``), its compressed updates (with --compress) in another."""
         client = self.client
         dense: dict[str, np.ndarray] = {}
+        fc: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         compressed: dict[str, dict[str, Any]] = {}
         parts = push_parts(item, self.inv, self.shapes)
         self.pushes += 1
@@ -74,7 +77,7 @@ class Pusher:
             self._count_compression(st)
         for kind, name, *arrays in parts:
             if kind == "fc":
-                client.push_fc(name, *arrays)
+                fc[name] = (arrays[0], arrays[1])
                 self.m.pushes.labels("fc").inc()
             elif kind == "compressed":
                 compressed.update(arrays[0].shards)
@@ -86,12 +89,13 @@ class Pusher:
             nbytes = sum(x.nbytes for x in arrays)
             self.m.bytes_pushed.labels(kind).inc(nbytes)
             self.bytes_pushed += nbytes
+        if fc or dense:
+            client.push_round(fc, dense)
+            if dense:
+                self.m.pushes.labels("dense").inc()
         if compressed:
             client.push_compressed(compressed)
             self.m.pushes.labels("compressed").inc()
-        if dense:
-            client.push_dense_many(dense)
-            self.m.pushes.labels("dense").inc()
 
     def _count_compression(self, st: Any) -> None:
         assert self.compressor is not None

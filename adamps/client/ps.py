@@ -467,6 +467,53 @@ class PSClient(RowsClient):
             fixed=a.nbytes + e.nbytes,  # every part carries a and e
         )
 
+    def push_round(
+        self,
+        fc: Mapping[str, tuple[np.ndarray, np.ndarray]],
+        dense: Mapping[str, np.ndarray],
+        seq: int | None = None,
+    ) -> None:
+        """A trainer's round in one request per server: the (a, e) vectors of fully connected
+        weights (as `push_fc`) and the dense deltas of other whole tensors (as
+        `push_dense_many`), applied exactly once under one (client id, seq). One request
+        instead of one per layer plus a push_dense: each request costs a server's event loop
+        and this client's thread more than the arithmetic it carries (issue 27)."""
+        vecs = {n: (np.ascontiguousarray(a, np.float32), np.ascontiguousarray(e, np.float32))
+                for n, (a, e) in fc.items()}  # fmt: skip
+        by_id: dict[str, np.ndarray] = {}
+        for name, delta in dense.items():
+            parts = self.layout.split(name, np.ascontiguousarray(delta, dtype=np.float32))
+            for s, part in zip(self.layout.shards_of[name], parts, strict=True):
+                by_id[s.id] = part
+        layer_of = {s.id: n for n in vecs for s in self.layout.shards_of[n]}
+        shards = [s for n in vecs for s in self.layout.shards_of[n]]
+        shards += [self.layout.shards[sid] for sid in by_id]
+
+        def fields(group: list[Shard]) -> dict[str, Any]:
+            layers: dict[str, dict[str, Any]] = {}
+            ids = []
+            for s in group:
+                name = layer_of.get(s.id)
+                if name is None:
+                    ids.append(s.id)
+                    continue
+                a, e = vecs[name]
+                layers.setdefault(name, {"a": a, "e": e, "shards": []})["shards"].append(s.id)
+            out: dict[str, Any] = {"layers": layers}
+            if ids:  # one array for all: the server decodes and bounds it once
+                out["dense_shards"] = ids
+                out["dense"] = np.concatenate([by_id[i].reshape(-1) for i in ids])
+            return out
+
+        self._push(
+            "push_fc",
+            shards,
+            fields,
+            seq,
+            size_of=lambda s: int(by_id[s.id].nbytes) if s.id in by_id else 0,
+            fixed=sum(a.nbytes + e.nbytes for a, e in vecs.values()),  # every part carries them
+        )
+
     def _push(
         self,
         op: str,

@@ -57,7 +57,7 @@ def _names(msg: dict[str, Any]) -> list[str]:
         v = msg.get(f)
         if v is not None:
             out.append(v)
-    for f in ("tensors", "shards"):
+    for f in ("tensors", "shards", "layers", "dense_shards"):
         v = msg.get(f)
         if isinstance(v, dict):
             out += list(v)
@@ -65,6 +65,14 @@ def _names(msg: dict[str, Any]) -> list[str]:
             out += v
         elif v is not None:
             out.append(v)
+    layers = msg.get("layers")
+    if isinstance(layers, dict):  # push_fc of a whole round: each layer may name its shards
+        for layer in layers.values():
+            shards = layer.get("shards") if isinstance(layer, dict) else None
+            if isinstance(shards, list):
+                out += shards
+            elif shards is not None:
+                out.append(shards)
     return out
 
 

@@ -160,7 +160,65 @@ class WritePath:
         return [([st], lambda sts, d=upd.delta: dense_update(sts[0].id, d)) for st, upd in parts]
 
     async def op_push_fc(self, msg: dict[str, Any]) -> dict[str, Any]:
-        name = require(msg, "tensor", str)
+        """One layer's vectors (`tensor`, `a`, `e`, optional `shards`), or a trainer's whole
+        round (`layers`: several layers' vectors, `dense`: dense deltas of other shards) in one
+        request: validated whole before anything is queued, applied under one (client, seq).
+        One request instead of one per layer plus a push_dense: issue 27's profile found the
+        server's event loop spending more per request than the owner threads per update."""
+        fc: list[tuple[str, Any, np.ndarray, np.ndarray, list[ShardState]]] = []
+        if "layers" in msg:
+            layers = require(msg, "layers", dict)
+            for name, layer in layers.items():
+                if not isinstance(name, str) or not isinstance(layer, dict):
+                    raise ProtocolError(
+                        "bad_request", "field 'layers' must map tensor names to {a, e, shards}"
+                    )
+                fc.append(self._fc_layer(name, layer))
+        elif "dense" not in msg or "tensor" in msg:
+            fc.append(self._fc_layer(require(msg, "tensor", str), msg))
+        dense = self._dense_round(msg) if "dense" in msg else []
+        if not fc and not dense:
+            raise ProtocolError("bad_request", "push_fc needs 'tensor', or 'layers' or 'dense'")
+        if len(fc) + len(dense) > 1:
+            named = [st.id for *_, sts in fc for st in sts] + [st.id for st, _ in dense]
+            if len(set(named)) != len(named):
+                raise ProtocolError("bad_request", "push_fc names a shard twice")
+        wire: list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]] = [
+            (states, lambda sts, name=name, a=a, e=e: fc_update(name, [st.id for st in sts], a, e))
+            for name, _t, a, e, states in fc
+        ]
+        wire += self._dense_wire(dense)
+
+        def parts() -> list[tuple[ShardState, Any]]:
+            out: list[tuple[ShardState, Any]] = []
+            for _name, t, a, e, states in fc:
+                out += fc_parts(t, a, e, states)
+            return out + dense
+
+        return await self._replicate_or_apply(msg, wire, parts)
+
+    def _dense_round(self, msg: dict[str, Any]) -> list[tuple[ShardState, Dense]]:
+        """A round's dense deltas: `dense_shards` (ids) and `dense`, their values one after the
+        other in one float32 array (one array to decode and bound, not one per shard)."""
+        states = self.addressing.shard_ids(msg, "dense_shards", twice_ok=False)
+        values = require_array(msg, "dense", shape=(None,), finite=False)
+        want = sum(st.shard.size for st in states)
+        if values.size != want:
+            raise ProtocolError(
+                "bad_shape", f"field 'dense' needs {want} values for its shards, got {values.size}"
+            )
+        deltas, pos = {}, 0
+        for st in states:
+            deltas[st.id] = values[pos : pos + st.shard.size].reshape(st.shard.shape)
+            pos += st.shard.size
+        bounds.check_dense("dense", values)  # the bound of every shard's part at once
+        return self._dense_shard_parts(deltas, arrays=False, checked=True) if deltas else []
+
+    def _fc_layer(
+        self, name: str, fields: dict[str, Any]
+    ) -> tuple[str, Any, np.ndarray, np.ndarray, list[ShardState]]:
+        """The checks of one layer's vectors: a 2-D tensor cut on whole rows, a (k x N) and e
+        (k x M) within the bounds, `shards` (optional) unique shards of that tensor."""
         t = self.store.tensor(name)
         if len(t.spec.shape) != 2 or not all(s.rows_aligned for s in t.layout_shards):
             raise ProtocolError(
@@ -168,8 +226,8 @@ class WritePath:
                 f"push_fc needs a 2-D tensor cut on whole rows; {name!r} has shape {list(t.spec.shape)}",
             )
         m, n = t.spec.shape
-        a = require_array(msg, "a", shape=(None, n), finite=False)
-        e = require_array(msg, "e", shape=(None, m), finite=False)
+        a = require_array(fields, "a", shape=(None, n), finite=False)
+        e = require_array(fields, "e", shape=(None, m), finite=False)
         k = a.shape[0]
         if not 1 <= k <= MAX_FC_K or e.shape[0] != k:
             raise ProtocolError(
@@ -177,18 +235,14 @@ class WritePath:
                 f"a and e need the same number of rows k, 1 <= k <= {MAX_FC_K}; got {a.shape[0]} and {e.shape[0]}",
             )
         bounds.check_fc(a, e)
-        if "shards" in msg:
-            states = self.addressing.shard_ids(msg, "shards", twice_ok=False)
+        if "shards" in fields:
+            states = self.addressing.shard_ids(fields, "shards", twice_ok=False)
             wrong = [st.id for st in states if st.shard.tensor != name]
             if wrong:
                 raise ProtocolError("bad_request", f"shards {wrong} are not shards of {name!r}")
         else:
             states = self.addressing.held(name)
-        return await self._replicate_or_apply(
-            msg,
-            [(states, lambda sts: fc_update(name, [st.id for st in sts], a, e))],
-            lambda: fc_parts(t, a, e, states),
-        )
+        return name, t, a, e, states
 
     def compressed_decoder(
         self, msg: dict[str, Any]

@@ -64,6 +64,22 @@ def test_give_up_ends_the_retries() -> None:
     assert seen == [1, 2]
 
 
+def test_a_first_attempt_that_succeeds_costs_no_retry_state(monkeypatch) -> None:
+    """The common case runs without tenacity (issue 27: its state cost 0.1 ms a push); a
+    failure hands the rest of the same schedule to it."""
+    import tenacity
+
+    def no(*_a: object, **_k: object) -> None:
+        raise AssertionError("tenacity was used for a first attempt that succeeded")
+
+    monkeypatch.setattr(tenacity, "Retrying", no)
+    assert retry.call(RetryPolicy(5.0), lambda n: n * 10, retryable) == 10
+    attempt, seen = flaky(10_000)
+    with pytest.raises(ConnectionError, match="attempt 1"):  # give_up before any retry
+        retry.call(RetryPolicy(30.0), attempt, retryable, give_up=lambda: True)
+    assert seen == [1]
+
+
 def test_async_retries_share_the_policy() -> None:
     attempt, seen = flaky(2, exc=TimeoutError)
 

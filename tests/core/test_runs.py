@@ -162,3 +162,18 @@ def test_run_tokens_lookups_during_a_fetch_wait_for_it() -> None:
 
     assert asyncio.run(main()) == ["a", "b", None, "a"]
     assert len(fetches) == 1  # one fetch served them all (and a miss does not refetch at once)
+
+
+def test_a_round_push_names_every_layer_and_shard_for_the_namespace_check() -> None:
+    """push_fc of a whole round (issue 27) names tensors and shards in `layers` and `dense`:
+    a run's token must not reach another run's shards through them."""
+    from adamps.server.tenancy import _names
+
+    msg = {
+        "op": "push_fc",
+        "layers": {"a..f1.w": {"a": 0, "e": 0}, "a..f2.w": {"shards": ["b..f2.w/0"]}},
+        "dense_shards": ["c..conv.w/0"],
+        "dense": 0,
+    }
+    assert set(_names(msg)) == {"a..f1.w", "a..f2.w", "b..f2.w/0", "c..conv.w/0"}
+    assert runs.Principal("a").outside(_names(msg)) in ("b..f2.w/0", "c..conv.w/0")

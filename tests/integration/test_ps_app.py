@@ -148,6 +148,54 @@ async def test_adagrad_over_http_matches_reference(ps) -> None:
     np.testing.assert_allclose(w, w_ref, rtol=1e-5, atol=1e-6)
 
 
+async def test_a_whole_round_in_one_push_fc_equals_its_separate_pushes(ps) -> None:
+    """push_fc with `layers` and `dense` (PSClient.push_round, issue 27): the same Adagrad steps,
+    bit for bit, as one push_fc per layer and a push_dense, each shard stepped once."""
+    _, c = ps
+    opt = {"kind": "adagrad", "lr": 0.05, "initial_accumulator": 0.1}
+    shapes = {"f1": [40, 30], "f2": [12, 40], "c": [700], "b": [40]}  # f1: 2 row blocks
+    for run in ("r", "s"):  # r: one request per round; s: the separate pushes
+        for name, shape in shapes.items():
+            init = {"kind": "normal", "std": 0.1, "seed": len(name)}
+            await c.call("create", name=f"{run}{name}", shape=shape, init=init, optimizer=opt)
+    g = np.random.default_rng(9)
+    for step in range(3):
+        a1, e1 = g.standard_normal((8, 30), np.float32), g.standard_normal((8, 40), np.float32)
+        a2, e2 = g.standard_normal((8, 40), np.float32), g.standard_normal((8, 12), np.float32)
+        dc, db = g.standard_normal(700, np.float32), g.standard_normal(40, np.float32)
+        r = await c.call(
+            "push_fc",
+            layers={"rf1": {"a": a1, "e": e1}, "rf2": {"a": a2, "e": e2, "shards": ["rf2/0"]}},
+            dense_shards=["rc/0", "rb/0"],
+            dense=np.concatenate([dc, db]),
+            client="t",
+            seq=step + 1,
+        )
+        assert r["versions"] == dict.fromkeys(["rf1/0", "rf1/1", "rf2/0", "rc/0", "rb/0"], step + 1)
+        await c.call("push_fc", tensor="sf1", a=a1, e=e1)
+        await c.call("push_fc", tensor="sf2", a=a2, e=e2)
+        await c.call("push_dense", shards={"sc/0": dc, "sb/0": db})
+    for name in shapes:
+        got = await c.call("pull", tensors=[f"r{name}", f"s{name}"])
+        assert np.array_equal(got["tensors"][f"r{name}"], got["tensors"][f"s{name}"]), name
+    before = (await c.call("pull", tensors=["rf1", "rc"]))["tensors"]
+    one = np.ones((8, 30), np.float32)
+    for bad in (
+        {"layers": {"rf1": {"a": one, "e": np.ones((8, 40), np.float32)}},
+         "dense_shards": ["rf1/1"], "dense": np.ones(210, np.float32)},  # a shard twice
+        {"layers": {}},  # nothing
+        {"layers": {"rf1": {"a": one, "e": np.ones((8, 40), np.float32)}},
+         "dense_shards": ["rc/0"], "dense": np.ones(699, np.float32)},  # too few values
+        {"layers": {"rf1": {"a": one, "e": np.ones((8, 40), np.float32)}},
+         "dense_shards": ["rc/0"], "dense": np.full(700, np.nan, np.float32)},  # not finite
+    ):  # fmt: skip
+        with pytest.raises(RpcError) as err:
+            await c.call("push_fc", **bad)
+        assert err.value.code in ("bad_request", "bad_shape", "non_finite"), err.value
+    after = (await c.call("pull", tensors=["rf1", "rc"]))["tensors"]
+    assert all(np.array_equal(before[n], after[n]) for n in before)
+
+
 async def test_status_metrics_and_loss_window(ps) -> None:
     server, c = ps
     await c.call("create", name="s", shape=[10])

@@ -25,7 +25,7 @@ TENSORS = [
 ]
 
 
-def start_two_servers(procs, tmp_path, token):
+def start_two_servers(procs, tmp_path, token, data_ports=False):
     urls = []
     halves = [range(0, N_BUCKETS // 2), range(N_BUCKETS // 2, N_BUCKETS)]
     for i, buckets in enumerate(halves):
@@ -34,6 +34,7 @@ def start_two_servers(procs, tmp_path, token):
             f"ps{i}", "ps", "--port", str(port), "--data-dir", str(tmp_path / f"ps{i}"),
             "--n-buckets", str(N_BUCKETS), "--buckets", ",".join(map(str, buckets)),
             "--max-shard-elems", "50000",
+            *(["--data-port", str(free_port())] if data_ports else []),
         )  # fmt: skip
         p.wait_http(f"http://127.0.0.1:{port}/healthz")
         urls.append(f"http://127.0.0.1:{port}")
@@ -77,4 +78,32 @@ def test_exact_sums_across_two_servers(procs, tmp_path, token) -> None:
     client.push_fc("fc.w", a, e)
     after, _ = client.pull(["fc.w"])
     np.testing.assert_array_equal(after["fc.w"], values["fc.w"] + e.T @ a)  # lr = -1 adds
+    client.close()
+
+
+def test_a_round_in_one_request_per_server_equals_its_separate_pushes(procs, tmp_path, token):
+    """PSClient.push_round (issue 27): the fc layers' vectors and the dense deltas in one
+    request per server, over the data plane, across two servers: exactly the Adagrad steps of
+    push_fc per layer plus push_dense_many, bit for bit."""
+    urls = start_two_servers(procs, tmp_path, token, data_ports=True)
+    twins = [TensorSpec(f"{run}{t.name}", t.shape) for run in ("r.", "s.") for t in TENSORS]
+    layout = Layout(twins, n_buckets=N_BUCKETS, max_shard_elems=50_000)
+    client = PSClient(StaticRouting(urls, N_BUCKETS), layout, token)
+    opt = {"kind": "adagrad", "lr": 0.05, "initial_accumulator": 0.1}
+    for spec in twins:
+        client.create(spec, init={"kind": "normal", "std": 0.1, "seed": 3}, optimizer=opt)
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        a = rng.standard_normal((8, 500), np.float32)
+        e = rng.standard_normal((8, 600), np.float32)
+        d = {t.name: rng.standard_normal(t.shape, np.float32) for t in TENSORS if t.name != "fc.w"}
+        client.push_round({"r.fc.w": (a, e)}, {f"r.{n}": v for n, v in d.items()})
+        client.push_fc("s.fc.w", a, e)
+        client.push_dense_many({f"s.{n}": v for n, v in d.items()})
+    got, versions = client.pull([t.name for t in twins])
+    for t in TENSORS:
+        np.testing.assert_array_equal(got[f"r.{t.name}"], got[f"s.{t.name}"])
+        n = len(versions[f"r.{t.name}"])
+        assert versions[f"r.{t.name}"] == versions[f"s.{t.name}"] == [3] * n
+    assert client.dp_requests > 0 and client.http_requests == 0  # the data plane carried them
     client.close()
