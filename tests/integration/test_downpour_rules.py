@@ -165,8 +165,10 @@ def test_a_rounds_pushes_equal_the_dense_gradient_push(kind: str) -> None:
         dense = start.copy()
         apply_batch(opt, dense, acc_b, [Dense(total[sl[name]].reshape(shapes[name]))], scratch)
         # Adagrad's first step is lr * g / |g|: for gradients near 0 float rounding of the
-        # rescaled g moves it by up to ~1e-3 of lr
-        atol = 2e-5 if kind == "adagrad" else 1e-6
+        # rescaled g moves it by up to ~5e-3 of lr (e.T @ a's summation order is BLAS's, which
+        # follows its thread count: other tests in the same worker process may have set it;
+        # 3e-5 was seen under pytest-xdist)
+        atol = 5e-5 if kind == "adagrad" else 1e-6
         np.testing.assert_allclose(via_push, dense, rtol=1e-4, atol=atol, err_msg=name)
         assert not np.array_equal(via_push, start), name  # something was applied
 
