@@ -78,7 +78,8 @@ def call(
     try:
         return attempt(1)
     except BaseException as exc:
-        if not retry_if(exc):
+        # what tenacity would decide after this attempt without a wait: stop here
+        if not retry_if(exc) or (give_up is not None and give_up()):
             raise
         first = exc
     numbers = itertools.count(1)

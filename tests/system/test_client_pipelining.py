@@ -36,7 +36,10 @@ N_BUCKETS = 64
 def _recv_exact(s: socket.socket, n: int) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
-        got = s.recv(min(n - len(buf), 1 << 20))
+        try:
+            got = s.recv(min(n - len(buf), 1 << 20))
+        except OSError:  # the other direction's thread closed this socket: the connection ended
+            return None
         if not got:
             return None
         buf += got
@@ -81,7 +84,10 @@ class GateProxy:
             rest = _recv_exact(src, meta_len + payload_len)
             if rest is None:
                 break
-            dst.sendall(head + rest)
+            try:
+                dst.sendall(head + rest)
+            except OSError:
+                break
         dst.close()
 
     def _replies(self, src: socket.socket, dst: socket.socket) -> None:
@@ -94,7 +100,10 @@ class GateProxy:
                 self.cond.wait_for(lambda: self.replies < self.allowed or self.closed, 30)
                 self.replies += 1
                 self.cond.notify_all()
-            dst.sendall(head + rest)
+            try:
+                dst.sendall(head + rest)
+            except OSError:
+                break
         dst.close()
 
     def wait_frames(self, n: int, timeout: float = 10.0) -> bool:
