@@ -43,8 +43,8 @@ PROFILED = ("ps", "dataserver", "train0")
 def cpu_seconds(pid: int) -> float:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
+    except OSError:  # gone: its CPU in a window that outlived it is unknown, not negative
+        return float("nan")
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
@@ -209,8 +209,11 @@ def main() -> int:
         window = time.monotonic() - t0
         cpu = {r: cpu_seconds(pid) - cpu0[r] for r, pid in pids.items()}
         for t in [t for t in pids if t.startswith("train")]:
-            cpu[f"{t}_workers"] = sum(
-                cpu_seconds(p) - workers0.get(p, 0.0) for p in descendants(pids[t])
+            ended = cpu[t] != cpu[t]  # nan: the trainer, and so its workers, ended
+            cpu[f"{t}_workers"] = (
+                float("nan")
+                if ended
+                else sum(cpu_seconds(p) - workers0.get(p, 0.0) for p in descendants(pids[t]))
             )
         for role, sp in spies.items():
             _, err = sp.communicate(timeout=120)
@@ -218,7 +221,8 @@ def main() -> int:
                 print(f"py-spy on {role} failed: {err.decode(errors='replace')[-500:]}")
         print(f"py-spy record, {args.duration} s, while benchmarks/accuracy_cluster.py "
               f"{' '.join(args.cluster_args)} trains; CPU seconds in the {window:.1f} s window: "
-              + ", ".join(f"{r} {c:.1f}" for r, c in cpu.items()), flush=True)  # fmt: skip
+              + ", ".join(f"{r} {c:.1f}" if c == c else f"{r} (ended before the window)"
+                          for r, c in cpu.items()), flush=True)  # fmt: skip
         for role in PROFILED:
             f = out / f"{role}.speedscope.json"
             print(f"  {role} (pid {pids[role]}; {f}):")
