@@ -43,7 +43,15 @@ class Outcomes:
     errors: dict[str, int] = field(default_factory=dict)
     #: (monotonic time, element) of every acknowledgement
     ack_times: list[tuple[float, int]] = field(default_factory=list)
+    #: the first refusals taken as definite ("code: message"), named when one was applied
+    refusals: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def refused(self, exc: RpcError) -> None:
+        """Counts an RpcError; keeps the first few definite ones' text (call under `lock`)."""
+        self.errors[exc.code] = self.errors.get(exc.code, 0) + 1
+        if definitely_not_applied(exc) and len(self.refusals) < 5:
+            self.refusals.append(f"{exc.code} ({exc.http_status}): {exc}")
 
 
 def definitely_not_applied(exc: RpcError) -> bool:
@@ -115,7 +123,7 @@ class ExactnessLoad:
                     (self.out.failed if definitely_not_applied(exc) else self.out.unknown).append(
                         element
                     )
-                    self.out.errors[exc.code] = self.out.errors.get(exc.code, 0) + 1
+                    self.out.refused(exc)
                 continue
             except (ConnectionError, TimeoutError, OSError) as exc:
                 with self.out.lock:
@@ -193,7 +201,10 @@ class ExactnessLoad:
             )
         bad_failed = [e for e in failed if here(e) and flat[e - start] != 0.0]
         if bad_failed:
-            problems.append(f"{len(bad_failed)} failed pushes applied: {bad_failed[:10]}")
+            problems.append(
+                f"{len(bad_failed)} failed pushes applied: {bad_failed[:10]} (the first "
+                f"refusals: {self.out.refusals})"
+            )
         bad_unknown = [e for e in unknown if here(e) and flat[e - start] not in (0.0, 1.0)]
         if bad_unknown:
             problems.append(

@@ -82,7 +82,7 @@ class RowsExactnessLoad(ExactnessLoad):
                 with self.out.lock:
                     where = self.out.failed if definitely_not_applied(exc) else self.out.unknown
                     where += ids
-                    self.out.errors[exc.code] = self.out.errors.get(exc.code, 0) + 1
+                    self.out.refused(exc)
                 continue
             except (ConnectionError, TimeoutError, OSError) as exc:
                 with self.out.lock:

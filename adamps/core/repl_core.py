@@ -276,8 +276,10 @@ class ReplCore(JoiningCopy):
 
     # -- primary: pushes, rounds, acknowledgements ---------------------------------------------
 
-    def check_primary(self, b: int, now: float) -> BucketReplica | Reject:
-        """The bucket's state if this server may serve it as primary now."""
+    def check_primary(self, b: int, now: float, read: bool = False) -> BucketReplica | Reject:
+        """The bucket's state if this server may serve it as primary now; for a `read`, only
+        once it holds no in-doubt batch (a new primary's values may lack acknowledged pushes
+        until its first rounds applied what its predecessor left prepared)."""
         rep = self.buckets.get(b)
         if b in self.unavailable:
             self._ready.heartbeat = True
@@ -291,6 +293,14 @@ class ReplCore(JoiningCopy):
         if not self.leases.can_write(b, rep.assignment.epoch, now):
             self._ready.heartbeat = True
             return Reject("not_primary", "the primary lease is not (or no longer) held")
+        if read and rep.in_doubt:
+            # Writes may go on: they are sequenced after the in-doubt batches.
+            return Reject(
+                "not_primary",
+                f"bucket {b}: this new primary has not yet applied its predecessor's in-doubt "
+                f"rounds (seq {rep.committed + 1} to {rep.prepared_seq}); a read now could miss "
+                "an acknowledged push: retry",
+            )
         return rep
 
     def submit(

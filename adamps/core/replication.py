@@ -141,6 +141,13 @@ class BucketReplica:
             return self.committed_epoch, top
         return self.prepared[top].epoch, top
 
+    @property
+    def in_doubt(self) -> bool:
+        """Holds batches prepared and not applied that an earlier primary sent: on a promoted
+        primary some may be acknowledged already (``ack = "prepared"``), so its values lack
+        pushes a client was told are done until its first rounds have applied them."""
+        return self.prepared_seq > self.committed
+
     def held_prepared(self) -> list[Batch]:
         """The prepared batches counted in ``held_position``, in seq order: a flush writes them
         with the cut, so a copy reloaded from disk still holds what it acknowledged as prepared."""

@@ -92,4 +92,4 @@ class Addressing:
         """Under replication, only the primary of a bucket with a live lease serves it."""
         if self.replicator is not None:
             for b in {self.store.layout.bucket_of[st.id] for st in states}:
-                self.replicator.check_primary(b)
+                self.replicator.check_primary(b, read=True)

@@ -106,7 +106,7 @@ class CheckpointOps:
         out = []
         for b in sorted(self.replicator.core.buckets):
             try:
-                self.replicator.check_primary(b)
+                self.replicator.check_primary(b, read=True)
             except ProtocolError:
                 continue
             out.append(b)
@@ -136,7 +136,9 @@ class CheckpointOps:
     async def _read(self, b: int, since: dict[str, Any]) -> dict[str, Any]:
         epoch, seq = 0, None
         if self.replicator is not None:
-            rep = self.replicator.check_primary(b)  # not_primary / unavailable: the caller retries
+            rep = self.replicator.check_primary(
+                b, read=True
+            )  # not_primary / unavailable: the caller retries
             epoch, seq = rep.assignment.epoch, rep.committed
         elif self.store.buckets is not None and b not in self.store.buckets:
             raise ProtocolError("not_primary", f"bucket {b} is not held here")

@@ -283,9 +283,10 @@ class Replicator:
     def refusal(self, b: int, rej: Reject) -> ProtocolError:
         return refusal(rej, self.core.buckets.get(b), b, self.addresses)
 
-    def check_primary(self, b: int) -> BucketReplica:
-        """The bucket's state if this server may serve it as primary now, else not_primary."""
-        rep = self.core.check_primary(b, time.monotonic())
+    def check_primary(self, b: int, read: bool = False) -> BucketReplica:
+        """The bucket's state if this server may serve it as primary now (a `read`: with every
+        acknowledged push applied), else not_primary."""
+        rep = self.core.check_primary(b, time.monotonic(), read)
         self.drain()
         if isinstance(rep, Reject):
             raise self.refusal(b, rep)

@@ -79,7 +79,7 @@ class TableOps:
         states: dict[int, RowShardState] = {}
         for b in parts:
             if self.replicator is not None:
-                self.replicator.check_primary(b)
+                self.replicator.check_primary(b, read=op == "pull_rows")
             st = t.shards.get(b)
             if st is None:
                 raise ProtocolError(

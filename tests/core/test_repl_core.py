@@ -116,6 +116,36 @@ def test_the_commit_rides_on_the_next_prepare() -> None:
     assert cl.cores["a"].buckets[0].acked_commit["b"] == 1
 
 
+def test_a_new_primary_serves_no_read_before_it_applied_its_in_doubt_rounds() -> None:
+    """Found by tests/system/test_racks.py (1 run in 5): a's push was acknowledged once b and c
+    held it prepared; a died before any COMMIT. The promoted b held it prepared, not applied,
+    and served a pull without it. docs/protocol-ps.md: a pull sees every push acknowledged
+    before it was sent. Reads are refused (not_primary, retryable) until the first rounds of
+    the new epoch applied the in-doubt batches; writes go on, sequenced after them."""
+    cl = Cluster()
+    a, b = cl.cores["a"], cl.cores["b"]
+    a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.1)
+    cl.collect()
+    cl.deliver(0.1)
+    assert [(x.waiter, x.outcome) for x in cl.answers] == [("w1", "ok")]
+    assert cl.applied["b"] == []  # prepared only: a's COMMIT never left
+    for c in (b, cl.cores["c"]):
+        c.on_roles({"version": 2, "roles": [role(0, 2, "b", ["c"])]}, 3.0, 3.0)
+    b.on_roles({"renewed": [[0, 2]]}, 3.0, 3.0)
+    assert b.buckets[0].in_doubt
+    rej = b.check_primary(0, 3.0, read=True)
+    assert isinstance(rej, Reject) and rej.code == "not_primary" and "in-doubt" in rej.message
+    assert not isinstance(b.check_primary(0, 3.0), Reject), "writes are not refused"
+    assert b.submit({0: "u2"}, ("cl", 2), {0: "w2"}, 3.0) == 0
+    cl.cores.pop("a")  # dead: its messages are gone with it
+    cl.out = [(s, m) for s, m in cl.out if s != "a"]
+    cl.collect()
+    cl.deliver(3.0)
+    assert cl.applied["b"][:1] == ["u1"], "the in-doubt batch is applied first"
+    assert not b.buckets[0].in_doubt
+    assert not isinstance(b.check_primary(0, 3.0, read=True), Reject)
+
+
 def test_no_acknowledgement_after_the_lease_ended() -> None:
     """A round decided after the primary's lease ran out: its pushes are answered "unknown"
     (another copy may already acknowledge under the next epoch), never "ok"."""

@@ -24,7 +24,9 @@ After every step the invariants of issue 11 are checked:
    each live member of the controller's replica set and each live candidate, except, for a copy
    reloaded from its disk after a crash, the pushes acknowledged after that cut (the loss window);
 3. copies at equal (committed_epoch, committed) hold equal values (applied lists), and no copy
-   ever applies an update twice.
+   ever applies an update twice;
+4. a copy that would serve a read now (``check_primary(read=True)``) has applied every
+   acknowledged push (a pull sees every push acknowledged before it was sent).
 
 At the end the nemesis stops, everything heals and settles: every acknowledged push is then applied
 exactly once on every member (minus the loss-window ones, which were never applied twice either),
@@ -1097,6 +1099,25 @@ class Sim:
                     self.stats["loss_window_pushes"] += len(excused - self.allowed_loss[b])
                     self.allowed_loss[b] |= excused
                     self.log(f"b{b}: loss window: {sorted(excused)} lost with {sid}'s cut")
+            # 4. a read (pull) is served only by a copy whose applied values hold every
+            # acknowledged push: a new primary holding its predecessor's in-doubt batches
+            # prepared, not applied, refuses reads until its first rounds applied them
+            for s in self.servers.values():
+                if not s.up or b not in s.reps:
+                    continue
+                wanted = s.core._ready.heartbeat  # (a refusal may ask for the record: undone)
+                served = not isinstance(s.core.check_primary(b, s.local(), read=True), Reject)
+                s.core._ready.heartbeat = wanted
+                if not served:
+                    continue
+                missing = set(acks) - set(s.store.get(b, ())) - self.allowed_loss[b]
+                missing -= self.lost_with_a_crash(b, missing) if missing else set()
+                if missing:
+                    worst = sorted(missing)[:10]
+                    raise Violation(
+                        f"b{b}: {s.sid} serves a read (committed {s.reps[b].committed}, in doubt "
+                        f"to {s.reps[b].prepared_seq}) without acknowledged pushes {worst}"
+                    )
             # 3. equal positions hold equal values; nothing applied twice
             seen: dict[tuple[int, int], tuple[str, list[int]]] = {}
             for s in self.servers.values():
