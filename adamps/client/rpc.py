@@ -219,6 +219,9 @@ class SyncRpc(_Verbs, contextlib.AbstractContextManager["SyncRpc"]):
         try:
             data = resp.read()
         except (OSError, http.client.HTTPException) as exc:
+            # The response may own the socket (a "Connection: close" reply): closing only the
+            # connection would leave its descriptor open until the garbage collector came.
+            resp.close()
             self.close()
             raise _transport_error(exc, f"{self.base_url}{path}", self.timeout) from exc
         if resp.getheader("Connection", "").lower() == "close":
