@@ -64,22 +64,30 @@ class TableOps:
     ) -> tuple[TableState, np.ndarray, dict[int, RowShardState], dict[int, np.ndarray]]:
         """The table, ids and per-bucket (row shard, positions) of a row request: checked whole,
         with the role of every bucket named, before anything is queued."""
-        t = self.tables.table(require(msg, "table", str))
-        dim = t.spec.dim
-        if "dim" in msg and require(msg, "dim", int) != dim:
-            raise ProtocolError(
-                "bad_shape", f"table {t.spec.name!r} has dim {dim}, the request says {msg['dim']}"
-            )
+        name = require(msg, "table", str)
         ids = require_array(msg, "ids", dtype="int64", shape=(None,))
         if len(ids) > MAX_IDS:
             raise ProtocolError(
                 "too_large", f"{op} names {len(ids)} ids; the limit is {MAX_IDS}", limit=MAX_IDS
             )
         parts = split_by_bucket(ids, self.cfg.n_buckets)
+        # The role first, from the ids alone, as for shard ids (Addressing.check_ids): a server
+        # that leads none of the buckets answers not_primary (the client retries elsewhere) even
+        # when it does not know the table. A restarted server whose disk was lost knows no table
+        # until a state transfer: its 404 unknown_table to a client with an old routing table
+        # was a definite refusal of a push that the new primary had committed (the nemesis,
+        # CI of session 9: "failed pushes applied").
+        if self.replicator is not None:
+            for b in parts:
+                self.replicator.check_primary(b, read=op == "pull_rows")
+        t = self.tables.table(name)
+        dim = t.spec.dim
+        if "dim" in msg and require(msg, "dim", int) != dim:
+            raise ProtocolError(
+                "bad_shape", f"table {t.spec.name!r} has dim {dim}, the request says {msg['dim']}"
+            )
         states: dict[int, RowShardState] = {}
         for b in parts:
-            if self.replicator is not None:
-                self.replicator.check_primary(b, read=op == "pull_rows")
             st = t.shards.get(b)
             if st is None:
                 raise ProtocolError(
