@@ -219,6 +219,11 @@ class WritePath:
     ) -> tuple[str, Any, np.ndarray, np.ndarray, list[ShardState]]:
         """The checks of one layer's vectors: a 2-D tensor cut on whole rows, a (k x N) and e
         (k x M) within the bounds, `shards` (optional) unique shards of that tensor."""
+        if isinstance(fields.get("shards"), list):
+            # The role first, as for every op naming shard ids: a server restarted without its
+            # data knows no tensor until a state transfer, and its 404 unknown_tensor to a client
+            # with an old routing table would refuse for good a push the new primary may hold.
+            self.addressing.check_ids(fields["shards"])
         t = self.store.tensor(name)
         if len(t.spec.shape) != 2 or not all(s.rows_aligned for s in t.layout_shards):
             raise ProtocolError(

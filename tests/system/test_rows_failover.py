@@ -24,7 +24,7 @@ import pytest
 
 from adamps.client import ControllerRouting, PSClient
 from adamps.client.rpc import RpcError, SyncRpc
-from adamps.layout import Layout
+from adamps.layout import Layout, TensorSpec
 from adamps.rows_exactness import RowsExactnessLoad
 from adamps.tables import buckets_of
 
@@ -115,7 +115,7 @@ def test_whole_cluster_sigkill_keeps_rows_outside_the_loss_window(tmp_path: Path
             client.close()
 
 
-def test_a_server_restarted_without_its_data_answers_row_requests_not_primary(
+def test_a_server_restarted_without_its_data_answers_row_and_fc_requests_not_primary(
     tmp_path: Path,
 ) -> None:
     """Found by the nemesis (CI, session 9, seed 1171519651: "29 failed pushes applied"): a
@@ -123,14 +123,16 @@ def test_a_server_restarted_without_its_data_answers_row_requests_not_primary(
     with its disk wiped at the same address before the controllers noticed. The client's retry,
     routed there by its old table, got 404 unknown_table (the restarted server knew no table),
     a definite refusal, while the new primary committed the push. The server now checks the
-    role of the ids' buckets first: 409 not_primary, which the client retries elsewhere."""
+    role of the ids' buckets first: 409 not_primary, which the client retries elsewhere. The
+    same for push_fc by shards, which looked its tensor up first."""
+    w = TensorSpec("w", (160, 100))  # 16 shards of 10 rows over the 8 buckets
+    layout = Layout([w], N_BUCKETS, max_shard_elems=1_000)
     with running_cluster(tmp_path, n_servers=4) as c:
-        client = PSClient(
-            ControllerRouting(c.controllers), Layout([], N_BUCKETS), TOKEN, retry_for=20.0
-        )
+        client = PSClient(ControllerRouting(c.controllers), layout, TOKEN, retry_for=20.0)
         try:
-            client.create_table("emb", 1, init={"kind": "zeros"},
-                                optimizer={"kind": "sgd", "lr": -1.0})  # fmt: skip
+            sgd = {"kind": "sgd", "lr": -1.0}
+            client.create_table("emb", 1, init={"kind": "zeros"}, optimizer=sgd)
+            client.create(w, init={"kind": "zeros"}, optimizer=sgd)
             view = c.cluster()
             victim = max(
                 c.server_ids,
@@ -140,18 +142,25 @@ def test_a_server_restarted_without_its_data_answers_row_requests_not_primary(
             ids = np.arange(10_000, dtype=np.int64)
             mine = ids[np.isin(buckets_of(ids, N_BUCKETS), list(led))][:8]
             assert len(mine), "the busiest primary leads no bucket of 10,000 ids"
+            its_shards = [s.id for s in layout.shards_of["w"] if layout.bucket_of[s.id] in led]
+            assert its_shards, "the busiest primary leads no shard of w"
             address = view["servers"][victim]["address"]
             proc = c.restart_server(c.server_ids.index(victim), wipe=True)
             proc.wait_http(f"http://{address}/healthz", 30)
             grads = np.ones((len(mine), 1), np.float32)
+            a, e = np.ones((1, 100), np.float32), np.ones((1, 160), np.float32)
             for op, fields in (
-                ("push_rows", {"grads": grads, "client": "t", "seq": 1}),
-                ("pull_rows", {}),
+                ("push_rows", {"table": "emb", "ids": mine, "grads": grads, "seq": 1}),
+                ("pull_rows", {"table": "emb", "ids": mine}),
+                ("push_fc", {"tensor": "w", "a": a, "e": e, "shards": its_shards, "seq": 2}),
             ):
                 with SyncRpc(address, TOKEN) as rpc, pytest.raises(RpcError) as info:
-                    rpc.call(op, table="emb", ids=mine, **fields)
+                    rpc.call(op, client="t", **fields)
                 assert info.value.code == "not_primary", (op, info.value)
-            client.push_rows("emb", mine, grads)  # retried until the new primary has it
+            # The clients' retries reach the new primaries.
+            client.push_rows("emb", mine, grads)
             assert (client.pull_rows("emb", mine)[:, 0] == 1.0).all()
+            client.push_fc("w", a, e)
+            assert (client.pull(["w"])[0]["w"] == 1.0).all()  # e.T @ a, with lr -1
         finally:
             client.close()
