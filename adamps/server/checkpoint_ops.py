@@ -136,9 +136,8 @@ class CheckpointOps:
     async def _read(self, b: int, since: dict[str, Any]) -> dict[str, Any]:
         epoch, seq = 0, None
         if self.replicator is not None:
-            rep = self.replicator.check_primary(
-                b, read=True
-            )  # not_primary / unavailable: the caller retries
+            # not_primary (also while in doubt) / unavailable: the caller retries
+            rep = self.replicator.check_primary(b, read=True)
             epoch, seq = rep.assignment.epoch, rep.committed
         elif self.store.buckets is not None and b not in self.store.buckets:
             raise ProtocolError("not_primary", f"bucket {b} is not held here")
