@@ -80,6 +80,7 @@ class Replicator:
                 cfg.server_id,
                 member_timeout=cfg.member_timeout,
                 failover_after=cfg.failover_after,
+                ping_interval=cfg.ping_interval,
                 ack=cfg.ack,
                 log_limit=cfg.replication_log,
             )
@@ -223,6 +224,10 @@ class Replicator:
             asyncio.create_task(self.calls.request(req), name=f"{req.kind}-{req.bucket}")
         if rd.heartbeat:
             self.request_heartbeat()
+        if rd.pings is not None:
+            for member, buckets in rd.pings.items():
+                asyncio.create_task(self._ping(member, buckets), name=f"ping-{member}")
+            self.m.observe(core)
 
     def _answer_of(self, msg: Send) -> Callable[[dict[str, Any] | None, str | None], None]:
         def done(reply: dict[str, Any] | None, error: str | None) -> None:
@@ -235,17 +240,10 @@ class Replicator:
         return done
 
     async def _clock(self) -> None:
-        """The core's clock: a tick every TICK seconds; pings to the replicas of this server's
-        primary buckets every ping_interval (one message per replica for all its buckets)."""
-        next_ping = 0.0
+        """The core's and the link's clock: a tick every TICK seconds."""
         while not self.closing:
             await asyncio.sleep(TICK)
             now = time.monotonic()
-            if now >= next_ping:
-                next_ping = now + self.cfg.ping_interval
-                for member, buckets in self.core.pings().items():
-                    asyncio.create_task(self._ping(member, buckets), name=f"ping-{member}")
-                self.m.observe(self.core)
             # Asked only while a copy joins: it scans the dirty shards.
             blocked = self.can_persist() if "joining" in self.core.roles.values() else None
             if blocked is not None and self.core.persist_blocked is None:

@@ -236,14 +236,14 @@ class Server:
             ack=sim.ack,
             log_limit=LOG_LIMIT,
             lease=TERMS,
-            join_retry=0.3 / 4,  # the simulation's timings are a quarter of the server's
+            join_retry=0.3 / 4,
+            ping_interval=PING,  # the simulation's timings are a quarter of the server's
         )
         self.core = ReplCore(settings)
         self.transport = SimTransport(self)
         self.store: dict[int, list[int]] = {}
         #: when to register and heartbeat: the production link (a quarter of its retry)
         self.link = ControllerLink(retry=0.5 / 4)
-        self.next_ping = self.local() + PING
         self.next_flush = self.local() + sim.rng.uniform(0, FLUSH)
         self.rpcs: dict[int, Rpc] = {}
         #: bucket -> event count of the disk cut this copy was reloaded from (loss window)
@@ -374,6 +374,10 @@ class Server:
                 self.request(req)
             if rd.heartbeat:
                 self.request_heartbeat()
+            for m, buckets in (rd.pings or {}).items():
+                ok = lambda r: self.core.on_ping_reply(r["stale"])  # noqa: E731
+                self.call(m, "repl_ping", {"buckets": {int(k): e for k, e in buckets.items()}},
+                          ok, lambda _e: None)  # fmt: skip
         # Invariant 1 for every round the core started (only while the lease holds).
         for b in core.buckets:
             rep = core.buckets[b]
@@ -437,12 +441,6 @@ class Server:
             self.heartbeat()
         if not self.link.registered:
             return
-        if now >= self.next_ping:
-            self.next_ping = now + PING
-            for m, buckets in self.core.pings().items():
-                ok = lambda r: self.core.on_ping_reply(r["stale"])  # noqa: E731
-                self.call(m, "repl_ping", {"buckets": {int(k): e for k, e in buckets.items()}},
-                          ok, lambda _e: None)  # fmt: skip
         if now >= self.next_flush:
             self.next_flush = now + FLUSH
             self.flush()
