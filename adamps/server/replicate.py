@@ -2,14 +2,15 @@
 
 Project Adam 3.3.3, end to end. Every decision and all per-bucket state are the core's
 (``adamps.core.repl_core.ReplCore``: roles, leases, rounds of two-phase commit, the watchdog,
-state-transfer decisions); this shell only carries them out, as etcd-io/raft's users do:
+pings, state-transfer decisions), and when to register and heartbeat is the controller link's
+(``adamps.core.controller_link``); this shell only carries them out, as etcd-io/raft's users do:
 
 - events go in: the controllers' answers (registration, heartbeats with roles and renewed
   leases), the peers' messages (``repl_ops.PeerOps`` dispatches them), client pushes,
   the replies to the core's messages, and the clock (``tick`` every ``TICK`` seconds);
 - after each event, ``drain`` carries out the core's ``Ready``: batches queued to the owner
-  threads, pushes answered, messages sent through the transport (``repl_peers.Peers.send``),
-  calls to the controllers, snapshots fetched, installed and persisted (the store's side is
+  threads, pushes answered, messages and pings sent through the transport
+  (``repl_peers.Peers.send``), calls to the controllers (``repl_control``), snapshots fetched, installed and persisted (the store's side is
   ``bucket_copy``) or transfers stopped.
 
 Updates travel in their compact form (dense delta of one shard, or activation and error vectors),
