@@ -35,6 +35,7 @@ from typing import Any
 
 from adamps.core.lease import HolderLeases, LeaseTerms
 from adamps.core.repl_join import JoiningCopy
+from adamps.core.repl_pings import Pings
 from adamps.core.repl_ready import Answer, ControllerRequest, Fetch, Ready, Send
 from adamps.core.repl_rounds import COMMIT_DELAY, MAX_GAPS, Rounds
 from adamps.core.repl_settings import ReplSettings
@@ -46,7 +47,7 @@ from adamps.core.replication import BucketReplica
 UNKNOWN_OUTCOME = frozenset({"no_quorum", "timeout", "unavailable", "internal"})
 
 
-class ReplCore(JoiningCopy):
+class ReplCore(JoiningCopy, Pings):
     """Replication state of one server. Mutated only through its methods, by one shell."""
 
     def __init__(self, settings: ReplSettings) -> None:
@@ -237,7 +238,7 @@ class ReplCore(JoiningCopy):
 
     def tick(self, now: float) -> None:
         """Timers: the failover watchdog, silent primaries of joining copies, lagging members,
-        snapshots to ask for."""
+        snapshots to ask for, the primary's pings (repl_pings.py)."""
         fa = self.settings.failover_after
         for b, role in self.roles.items():
             rep = self.buckets[b]
@@ -263,16 +264,7 @@ class ReplCore(JoiningCopy):
                 if rs is None or rs.retry_at or rep.pending or rep.lagging():
                     self.pump(b, now)
         self._joins_tick(now)
-
-    def pings(self) -> dict[str, dict[str, int]]:
-        """Member -> {bucket: epoch} of the buckets this server is primary of: one ping each."""
-        by_member: dict[str, dict[str, int]] = {}
-        for b, role in self.roles.items():
-            if role == "primary":
-                rep = self.buckets[b]
-                for m in rep.replicas:
-                    by_member.setdefault(m, {})[str(b)] = rep.assignment.epoch
-        return by_member
+        self._pings_tick(now)
 
     # -- primary: pushes, rounds, acknowledgements ---------------------------------------------
 
@@ -550,26 +542,6 @@ class ReplCore(JoiningCopy):
         # in this same step: the ack need not wait for the application.
         self._ready.applies.append((b, res))
         return {"status": "ok", "seq": rep.committed}
-
-    def _on_ping(self, sender: str, pinged: Mapping[int, int], now: float) -> list[int]:
-        stale = []
-        for b, epoch in pinged.items():
-            rep = self.buckets.get(b)
-            if rep is None:
-                continue
-            if rep.assignment.epoch == epoch and rep.assignment.primary == sender:
-                self.last_heard[b] = now
-            elif epoch < rep.assignment.epoch:
-                stale.append(b)
-            else:
-                self._ready.heartbeat = True
-        return stale
-
-    def on_ping_reply(self, stale: Sequence[int]) -> None:
-        """A member says some of this server's pinged epochs are stale: ask the controllers."""
-        if stale:
-            self._ready.stale += len(stale)
-            self._ready.heartbeat = True
 
     def on_peer_stale(self) -> None:
         """A member refused a message as of an older epoch: this server's record is old."""

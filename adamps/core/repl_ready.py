@@ -9,8 +9,8 @@ The order matters and is the same in every shell (the server's asyncio loop, the
 3. ``answers``: the waiters of client pushes, each ``ok`` (acknowledged) or ``unknown`` (the
    push may still be committed by another primary: the client retries with the same key);
 4. ``messages`` to the replicas, ``requests`` to the controllers, state transfers to stop
-   (``stop_joins``) and snapshots to fetch (``fetches``), and ``heartbeat`` (ask the controllers
-   for the record now).
+   (``stop_joins``) and snapshots to fetch (``fetches``), ``heartbeat`` (ask the controllers
+   for the record now) and the primary's ``pings`` to its replicas.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ class Ready:
     rounds: list[tuple[float, int]] = field(default_factory=list)
     #: ask the controllers for the record now (an epoch seen that this server does not know)
     heartbeat: bool = False
+    #: the pings due now, member -> {bucket: epoch} (repl_pings.py); None: not the time
+    pings: dict[str, dict[str, int]] | None = None
     #: counters for the metrics: failovers (promotions), stale (messages of an older epoch)
     failovers: int = 0
     stale: int = 0
@@ -112,6 +114,7 @@ class Ready:
             or self.messages
             or self.rounds
             or self.heartbeat
+            or self.pings is not None
             or self.failovers
             or self.stale
         )

@@ -21,6 +21,8 @@ class ReplSettings:
     ack: str = "prepared"
     #: committed batches kept per bucket for lagging members (older gaps need a state transfer)
     log_limit: int = DEFAULT_LOG_LIMIT
+    #: seconds between a primary's pings to the replicas of its buckets
+    ping_interval: float = 0.3
     #: seconds before a joining copy asks for a snapshot again after a failed or unfitting one
     join_retry: float = 0.3
     #: seconds before a joining copy that cannot persist looks again (issue 29)

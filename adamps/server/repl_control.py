@@ -1,7 +1,8 @@
-"""A parameter server's link to the controllers: registration, heartbeats (whose answers carry
+"""A parameter server's calls to the controllers: registration, heartbeats (whose answers carry
 the roles and renewed leases), and the calls the replication core asks for (role changes,
-drop-secondary, caught-up reports). IO only: the answers go back into the core
-(adamps.core.repl_core), which decides."""
+drop-secondary, caught-up reports). IO only: when to register and heartbeat is the pure link's
+(adamps.core.controller_link), the answers go back into it and into the core
+(adamps.core.repl_core), which decide."""
 
 from __future__ import annotations
 
@@ -14,24 +15,21 @@ import aiohttp
 
 from adamps.client.controller import AsyncControllerClient
 from adamps.client.rpc import RpcError
-from adamps.core import repl_copies
 from adamps.core.lease import LeaseTerms
 from adamps.core.repl_ready import ControllerRequest
-from adamps.server import repl_transfer
+from adamps.server import bucket_copy
 
 log = logging.getLogger("adamps.server.replicate")
 
 
-class ControllerLink:
-    """The controllers as one server's replication sees them. `r` is its Replicator (typed
-    loosely: the layer above, which imports this module)."""
+class ControllerCalls:
+    """The controllers as one server's replication calls them. `r` is its Replicator (typed
+    loosely: the layer above, which imports this module). When to register and heartbeat is
+    the pure link's (adamps.core.controller_link, ``r.link``)."""
 
     def __init__(self, r: Any) -> None:
         self.r = r
         self.ctl: Any = None
-        self.heartbeat_interval = 1.0
-        #: set to send the next heartbeat now (the core asked, or a refusal named a newer epoch)
-        self.heartbeat_now = asyncio.Event()
 
     def open(self, session: aiohttp.ClientSession) -> Any:
         """The controllers' client, signing this server's calls when it has a key."""
@@ -42,61 +40,44 @@ class ControllerLink:
         self.ctl = ctl
         return ctl
 
-    async def run(self) -> None:
-        while not self.r.closing:
-            try:
-                await self._register()
-                while not self.r.closing:
-                    if not await self._heartbeat():
-                        break  # declared dead: register again as a fresh incarnation
-                    try:
-                        await asyncio.wait_for(self.heartbeat_now.wait(), self.heartbeat_interval)
-                    except TimeoutError:
-                        pass
-                    self.heartbeat_now.clear()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("controller unreachable: %s; retrying", exc)
-                await asyncio.sleep(0.5)
-
-    async def _register(self) -> None:
-        # No role is acted on from here: the positions offered are final (ReplCore.unregistered).
-        self.r.core.unregistered()
-        self.r.drain()
-        committed = {b: rep.committed for b, rep in self.r.core.buckets.items()}
-        copies = await repl_transfer.offers(
-            self.r.store, repl_copies.copies(self.r.core), committed
-        )
-        reply = await self.ctl.register(self.r.server_id, self.r.address, copies)
-        if int(reply.get("n_buckets", self.r.cfg.n_buckets)) != self.r.cfg.n_buckets:
-            raise RuntimeError(
-                f"the controllers use n_buckets={reply['n_buckets']}, this server {self.r.cfg.n_buckets}"
-            )
-        terms = reply.get("lease") or {}
-        self.heartbeat_interval = float(reply.get("heartbeat_interval", 1.0))
-        self.r.core.registered(LeaseTerms(**{k: float(v) for k, v in terms.items()}))
-        self.r.drain()
+    async def register(self, copies: dict[int, list[int]], committed: dict[int, int]) -> None:
+        """Offers `copies` (read in the same loop step as the core stopped acting on its roles:
+        the positions offered are final, ReplCore.unregistered)."""
+        r = self.r
+        try:
+            offered = await bucket_copy.offers(r.store, copies, committed)
+            reply = await self.ctl.register(r.server_id, r.address, offered)
+            if int(reply.get("n_buckets", r.cfg.n_buckets)) != r.cfg.n_buckets:
+                raise RuntimeError(
+                    f"the controllers use n_buckets={reply['n_buckets']}, this server {r.cfg.n_buckets}"
+                )
+            terms = reply.get("lease") or {}
+            r.link.on_registered(reply.get("heartbeat_interval"), time.monotonic())
+            r.core.registered(LeaseTerms(**{k: float(v) for k, v in terms.items()}))
+            r.drain()
+        except Exception as exc:
+            log.warning("controller unreachable: %s; retrying", exc)
+            r.link.on_failed(time.monotonic())
+            return
         log.info("registered as %s at %s, offering %d copies (lease %s)",
-                 self.r.server_id, self.r.address, len(copies), terms)  # fmt: skip
+                 r.server_id, r.address, len(offered), terms)  # fmt: skip
 
-    async def _heartbeat(self) -> bool:
+    async def heartbeat(self) -> None:
+        r = self.r
         try:
             reply, asked_at = await self.ctl.heartbeat(
-                self.r.server_id, self.r.core.table_version, self.r.core.heartbeat_reports(),
-                self.r.not_durable(),
-            )  # fmt: skip
-        except RpcError as exc:
-            if exc.code == "conflict" or exc.code == "not_found":
-                log.warning("controller says %s: registering again", exc.message)
-                return False
-            raise
-        self.r.peers.learn(reply.get("roles", []))
-        self.r.on_heartbeat(reply)  # the runs' table version (adamps/server/tenancy.py)
-        self.r.core.on_roles(reply, asked_at, time.monotonic())
-        self.r.drain()
-        self.r.m.observe(self.r.core)
-        return True
+                r.server_id, r.core.table_version, r.core.heartbeat_reports(), r.not_durable()
+            )
+            r.link.on_heartbeat(time.monotonic())
+            r.peers.learn(reply.get("roles", []))
+            r.on_heartbeat(reply)  # the runs' table version (adamps/server/tenancy.py)
+            r.core.on_roles(reply, asked_at, time.monotonic())
+            r.drain()
+            r.m.observe(r.core)
+        except Exception as exc:  # declared dead, or unreachable: register again
+            dead = isinstance(exc, RpcError) and exc.code in ("conflict", "not_found")
+            log.warning("controller %s: registering again", exc if dead else f"unreachable: {exc}")
+            r.link.on_failed(time.monotonic(), declared_dead=dead)
 
     async def request(self, req: ControllerRequest) -> None:
         """One call to the controllers the core asked for; its answer goes back in."""
@@ -121,7 +102,7 @@ class ControllerLink:
                 await ctl.drop_secondary(b, self.r.server_id, req.epoch, req.member)
             except (RpcError, ConnectionError, TimeoutError) as exc:
                 log.warning("bucket %d: drop-secondary %s failed: %s", b, req.member, exc)
-            self.heartbeat_now.set()  # learn the new replica set (a committed entry)
+            self.r.request_heartbeat()  # learn the new replica set (a committed entry)
         else:  # caught_up: sent again while its outcome is unknown
             while not self.r.closing:
                 error: str | None = None

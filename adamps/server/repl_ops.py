@@ -3,7 +3,7 @@ repl_multi frames): the sender's proof (peer_keys.py), the message decoded (repl
 batches re-checked (repl_check.py), then to the replication core (``Replicator.feed``). No decision is taken here: epochs,
 roles, the commit riding on a PREPARE and the watchdog's clock are the core's
 (adamps.core.repl_core); the store's reads and installs of a state transfer are
-repl_transfer.py's."""
+bucket_copy.py's."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from adamps.protocol import ProtocolError, require
-from adamps.server import repl_transfer
+from adamps.server import bucket_copy
 from adamps.server.repl_check import check_batches
 from adamps.server.repl_wire import MULTI_OPS, REPL_OPS, message_from_wire
 from adamps.server.shards import StoreError
@@ -86,7 +86,7 @@ class PeerOps:
         joiner = require(msg, "joiner", str)
         join = require(msg, "join", int, default=0)
         meta = self.repl.snapshot_meta(b, joiner, join)
-        snap = await repl_transfer.read_snapshot(self.repl.store, self.repl.catalog, b, meta)
+        snap = await bucket_copy.read_snapshot(self.repl.store, self.repl.catalog, b, meta)
         self.repl.m.snapshots.labels("sent").inc()
         return snap
 
@@ -95,7 +95,7 @@ class PeerOps:
         rep = self.repl.core.buckets.get(b)
         return {
             "bucket": b,
-            "digest": await repl_transfer.digest(self.repl.store, b),
+            "digest": await bucket_copy.digest(self.repl.store, b),
             "committed": rep.committed if rep else None,
             "role": self.repl.core.roles.get(b),
             "epoch": rep.assignment.epoch if rep else None,

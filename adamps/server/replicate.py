@@ -2,15 +2,16 @@
 
 Project Adam 3.3.3, end to end. Every decision and all per-bucket state are the core's
 (``adamps.core.repl_core.ReplCore``: roles, leases, rounds of two-phase commit, the watchdog,
-state-transfer decisions); this shell only carries them out, as etcd-io/raft's users do:
+pings, state-transfer decisions), and when to register and heartbeat is the controller link's
+(``adamps.core.controller_link``); this shell only carries them out, as etcd-io/raft's users do:
 
 - events go in: the controllers' answers (registration, heartbeats with roles and renewed
   leases), the peers' messages (``repl_ops.PeerOps`` dispatches them), client pushes,
   the replies to the core's messages, and the clock (``tick`` every ``TICK`` seconds);
 - after each event, ``drain`` carries out the core's ``Ready``: batches queued to the owner
-  threads, pushes answered, messages sent through the transport (``repl_peers.Peers.send``),
-  calls to the controllers, snapshots fetched, installed and persisted (``repl_transfer`` reads
-  and installs) or transfers stopped.
+  threads, pushes answered, messages and pings sent through the transport
+  (``repl_peers.Peers.send``), calls to the controllers (``repl_control``), snapshots fetched, installed and persisted (the store's side is
+  ``bucket_copy``) or transfers stopped.
 
 Updates travel in their compact form (dense delta of one shard, or activation and error vectors),
 never as an expanded M x N delta, and every replica applies each batch as one group per shard on
@@ -30,16 +31,17 @@ from prometheus_client import CollectorRegistry
 
 from adamps.client.rpc import RpcError
 from adamps.core import repl_copies
+from adamps.core.controller_link import REGISTER, ControllerLink
 from adamps.core.repl_core import ReplCore
 from adamps.core.repl_ready import Fetch, Send
 from adamps.core.repl_settings import ReplSettings
-from adamps.core.replication import Apply, BucketReplica, Reject
+from adamps.core.replication import BucketReplica, Reject
 from adamps.protocol import ProtocolError
-from adamps.server import repl_transfer
+from adamps.server import bucket_copy
 from adamps.server.config import PsConfig
 from adamps.server.peer_keys import PeerKeys
 from adamps.server.persist import DEDUP_PER_FLUSH, Position
-from adamps.server.repl_control import ControllerLink
+from adamps.server.repl_control import ControllerCalls
 from adamps.server.repl_metrics import ReplMetrics
 from adamps.server.repl_ops import PeerOps
 from adamps.server.repl_peers import Peers
@@ -48,10 +50,8 @@ from adamps.server.repl_wire import (
     batch_to_wire,
     not_primary,
     refusal,
-    store_parts,
 )
 from adamps.server.store import Store
-from adamps.server.tickets import owner_future
 
 if TYPE_CHECKING:
     from adamps.server.catalog import TensorCatalog
@@ -81,6 +81,7 @@ class Replicator:
                 cfg.server_id,
                 member_timeout=cfg.member_timeout,
                 failover_after=cfg.failover_after,
+                ping_interval=cfg.ping_interval,
                 ack=cfg.ack,
                 log_limit=cfg.replication_log,
             )
@@ -100,8 +101,11 @@ class Replicator:
         self._session: aiohttp.ClientSession | None = None
         #: the controllers' client (opened at start)
         self.controller: Any = None
-        #: registration, heartbeats and the calls the core asks for
-        self.link = ControllerLink(self)
+        #: when to register and heartbeat (pure), and the calls to the controllers (IO)
+        self.link = ControllerLink(retry=0.5)
+        self.calls = ControllerCalls(self)
+        #: the registration or heartbeat in flight (cancelled at stop)
+        self._link_tasks: set[asyncio.Task] = set()
         #: set at stop: every loop ends
         self.closing = False
         #: why this server cannot persist now (set by the server: its flusher), or None;
@@ -124,20 +128,17 @@ class Replicator:
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.peers.session = self._session
-        self.controller = self.link.open(self._session)
+        self.controller = self.calls.open(self._session)
         if not self.peer_keys.enabled:
             log.warning(
                 "peer identity is off (no server_key or peer_token): any holder of the cluster "
                 "token, every trainer, can send this server replication messages"
             )
-        self._tasks = [
-            asyncio.create_task(self.link.run(), name="ps-control"),
-            asyncio.create_task(self._clock(), name="ps-clock"),
-        ]
+        self._tasks = [asyncio.create_task(self._clock(), name="ps-clock")]
 
     async def stop(self) -> None:
         self.closing = True
-        tasks = [*self._tasks, *self._join_tasks.values()]
+        tasks = [*self._tasks, *self._join_tasks.values(), *self._link_tasks]
         for t in tasks:
             t.cancel()
         self.peers.close()
@@ -199,7 +200,7 @@ class Replicator:
         for b in rd.hold:
             self.store.hold_bucket(b)
         for _b, action in rd.applies:
-            self.apply_batches(action)
+            bucket_copy.apply_batches(self.store, action.batches)
         for ans in rd.answers:
             fut = ans.waiter
             if not isinstance(fut, asyncio.Future) or fut.done():
@@ -221,9 +222,13 @@ class Replicator:
                 self._transfer(f), name=f"join-{f.bucket}"
             )
         for req in rd.requests:
-            asyncio.create_task(self.link.request(req), name=f"{req.kind}-{req.bucket}")
+            asyncio.create_task(self.calls.request(req), name=f"{req.kind}-{req.bucket}")
         if rd.heartbeat:
             self.request_heartbeat()
+        if rd.pings is not None:
+            for member, buckets in rd.pings.items():
+                asyncio.create_task(self._ping(member, buckets), name=f"ping-{member}")
+            self.m.observe(core)
 
     def _answer_of(self, msg: Send) -> Callable[[dict[str, Any] | None, str | None], None]:
         def done(reply: dict[str, Any] | None, error: str | None) -> None:
@@ -236,17 +241,10 @@ class Replicator:
         return done
 
     async def _clock(self) -> None:
-        """The core's clock: a tick every TICK seconds; pings to the replicas of this server's
-        primary buckets every ping_interval (one message per replica for all its buckets)."""
-        next_ping = 0.0
+        """The core's and the link's clock: a tick every TICK seconds."""
         while not self.closing:
             await asyncio.sleep(TICK)
             now = time.monotonic()
-            if now >= next_ping:
-                next_ping = now + self.cfg.ping_interval
-                for member, buckets in self.core.pings().items():
-                    asyncio.create_task(self._ping(member, buckets), name=f"ping-{member}")
-                self.m.observe(self.core)
             # Asked only while a copy joins: it scans the dirty shards.
             blocked = self.can_persist() if "joining" in self.core.roles.values() else None
             if blocked is not None and self.core.persist_blocked is None:
@@ -255,9 +253,29 @@ class Replicator:
             self.core.persist_blocked = blocked
             self.core.tick(now)
             self.drain()
+            self._call_controllers(now)
+
+    def _call_controllers(self, now: float) -> None:
+        """Makes the call to the controllers the link asks for now (one in flight at a time)."""
+        call = self.link.tick(now)
+        if call is None:
+            return
+        if call == REGISTER:  # no role is acted on from here: the positions offered are final
+            self.core.unregistered()
+            self.drain()
+            committed = {b: rep.committed for b, rep in self.core.buckets.items()}
+            coro = self.calls.register(repl_copies.copies(self.core), committed)
+        else:
+            coro = self.calls.heartbeat()
+        task = asyncio.create_task(coro, name=f"ps-{call}")
+        self._link_tasks.add(task)
+        task.add_done_callback(self._link_tasks.discard)
 
     def request_heartbeat(self) -> None:
-        self.link.heartbeat_now.set()
+        """The record wanted now: a heartbeat at once, or when the one in flight is answered."""
+        self.link.want_record()
+        if self.link.registered and not self.closing:
+            self._call_controllers(time.monotonic())
 
     async def _ping(self, member: str, buckets: dict[str, int]) -> None:
         try:
@@ -314,16 +332,6 @@ class Replicator:
                 f"replication did not complete within {self.cfg.push_timeout}s; outcome unknown",
             ) from None
 
-    def apply_batches(self, action: Apply) -> asyncio.Future:
-        """Enqueues the batches, each as one group per shard, in order; a future for completion."""
-        futs = []
-        for batch in action.batches:
-            parts = store_parts(self.store, batch.updates)
-            fut = owner_future(lambda cb, parts=parts: self.store.push_group(parts, cb))
-            fut.add_done_callback(_log_apply_error)
-            futs.append(fut)
-        return asyncio.gather(*futs)
-
     # -- state transfer -----------------------------------------------------------------------------------
 
     def snapshot_meta(self, b: int, joiner: str, join: int) -> dict[str, Any]:
@@ -350,7 +358,7 @@ class Replicator:
         if not fits or snap is None:
             return
         try:
-            futs = repl_transfer.install(self.store, self.catalog, b, snap, self.on_corrupt)
+            futs = bucket_copy.install(self.store, self.catalog, b, snap, self.on_corrupt)
         except ValueError as exc:  # damaged on the way: nothing installed; fetch it again
             log.error("bucket %d: CORRUPT snapshot from %s: %s; again", b, f.primary, exc)
             self.core.snapshot_corrupt(f, now())
@@ -390,8 +398,3 @@ class Replicator:
             "unavailable": sorted(self.core.unavailable),
             "buckets": repl_copies.status(self.core, time.monotonic()),
         }
-
-
-def _log_apply_error(fut: asyncio.Future) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.error("applying a committed batch failed: %r", fut.exception())

@@ -35,13 +35,14 @@ def test_no_module_outside_tests_and_benchmarks_is_over_600_lines() -> None:
 
 
 #: the replication shell (issue 26): what feeds the core its events and carries out its Ready
-#: (replicate.py), the controllers' link (repl_control.py), the peer ops' dispatch (repl_ops.py)
-#: and the state transfer's store IO (repl_transfer.py). The core is adamps/core/repl_*.py; the
-#: transport (repl_peers.py), the wire (repl_wire.py), the re-checks (repl_check.py), peer
-#: identity (peer_keys.py) and the metrics (repl_metrics.py) are modules of their own concepts.
-SHELL = ("replicate.py", "repl_control.py", "repl_ops.py", "repl_transfer.py")
+#: (replicate.py), the controllers' calls (repl_control.py) and the peer ops' dispatch
+#: (repl_ops.py). The core is adamps/core/repl_*.py; the transport (repl_peers.py), the wire
+#: (repl_wire.py), the re-checks (repl_check.py), peer identity (peer_keys.py), the metrics
+#: (repl_metrics.py) and a bucket's copy in the store (bucket_copy.py: batches applied, snapshots
+#: read and installed, digests) are modules of their own concepts.
+SHELL = ("replicate.py", "repl_control.py", "repl_ops.py")
 #: issue 26 asks for under 400; this ceiling only ratchets down as the shell shrinks
-SHELL_LIMIT = 800
+SHELL_LIMIT = 630
 
 
 def test_the_replication_shell_does_not_grow_and_has_no_mixins() -> None:

@@ -229,6 +229,31 @@ def test_the_watchdog_proposes_a_role_change_once_per_failover_after() -> None:
     assert [r.kind for r in take(c).requests] == ["role_change"]
 
 
+def test_a_primary_pings_each_replica_once_per_ping_interval() -> None:
+    """Reference: Project Adam 3.3.3 (the primary heartbeats its secondaries): one ping per
+    replica for all the buckets it is primary of, every ping_interval; none from a secondary."""
+    a = core("a", ping_interval=0.3)
+    a.on_roles({"version": 1, "roles": [role(0, 1, "a", ["b", "c"]), role(1, 2, "a", ["b"]),
+                                        role(2, 1, "b", ["a"])]}, 0.0, 0.0)  # fmt: skip
+    take(a)
+    a.tick(0.0)
+    assert take(a).pings == {"b": {"0": 1, "1": 2}, "c": {"0": 1}}
+    a.tick(0.29)
+    assert take(a).pings is None, "not before ping_interval"
+    a.tick(0.3)
+    assert take(a).pings == {"b": {"0": 1, "1": 2}, "c": {"0": 1}}
+    b = core("b", ping_interval=0.3)
+    b.on_roles({"version": 1, "roles": [role(0, 1, "a", ["b"])]}, 0.0, 0.0)
+    take(b)
+    b.tick(0.0)
+    assert take(b).pings == {}, "the time came, but a secondary pings nobody"
+    assert b.step("a", {"op": "repl_ping", "sender": "a", "buckets": {0: 0}}, 0.1) == {
+        "stale": [0]
+    }, "a ping of an older epoch is answered stale"
+    a.on_ping_reply([0])
+    assert take(a).heartbeat, "told its epoch is stale: the primary asks for the record"
+
+
 def test_roles_standby_joining_and_forgotten_copies() -> None:
     c = core("b")
     c.on_roles({"version": 1, "roles": [role(0, 1, "a", ["c"], ["b"], join=7)]}, 0.0, 0.0)

@@ -62,6 +62,8 @@ from typing import Any
 import pytest
 
 from adamps.core import repl_copies
+from adamps.core.controller_link import HEARTBEAT as HEARTBEAT_CALL
+from adamps.core.controller_link import REGISTER, ControllerLink
 from adamps.core.lease import LeaseTerms, check_history
 from adamps.core.repl_core import ReplCore
 from adamps.core.repl_ready import Answer, ControllerRequest, Fetch, Send
@@ -234,17 +236,14 @@ class Server:
             ack=sim.ack,
             log_limit=LOG_LIMIT,
             lease=TERMS,
-            join_retry=0.3 / 4,  # the simulation's timings are a quarter of the server's
+            join_retry=0.3 / 4,
+            ping_interval=PING,  # the simulation's timings are a quarter of the server's
         )
         self.core = ReplCore(settings)
         self.transport = SimTransport(self)
         self.store: dict[int, list[int]] = {}
-        self.registered = False
-        self.registering = False
-        self.hb_inflight = False
-        self.hb_next = 0.0
-        self.reregister_at: float | None = None
-        self.next_ping = self.local() + PING
+        #: when to register and heartbeat: the production link (a quarter of its retry)
+        self.link = ControllerLink(retry=0.5 / 4)
         self.next_flush = self.local() + sim.rng.uniform(0, FLUSH)
         self.rpcs: dict[int, Rpc] = {}
         #: bucket -> event count of the disk cut this copy was reloaded from (loss window)
@@ -331,8 +330,12 @@ class Server:
             rpc.on_fail("timeout")
             self.drain()
 
+    @property
+    def registered(self) -> bool:
+        return self.link.registered
+
     def request_heartbeat(self) -> None:
-        self.hb_next = min(self.hb_next, self.local())
+        self.link.want_record()
 
     def serve(self, b: int, what: str) -> None:
         """Records an act as primary under the lease (invariant 1)."""
@@ -371,6 +374,10 @@ class Server:
                 self.request(req)
             if rd.heartbeat:
                 self.request_heartbeat()
+            for m, buckets in (rd.pings or {}).items():
+                ok = lambda r: self.core.on_ping_reply(r["stale"])  # noqa: E731
+                self.call(m, "repl_ping", {"buckets": {int(k): e for k, e in buckets.items()}},
+                          ok, lambda _e: None)  # fmt: skip
         # Invariant 1 for every round the core started (only while the lease holds).
         for b in core.buckets:
             rep = core.buckets[b]
@@ -427,18 +434,13 @@ class Server:
     def tick(self) -> None:
         self.expire_rpcs()
         now = self.local()
-        if not self.registered:
-            if not self.registering and (self.reregister_at is None or now >= self.reregister_at):
-                self.register()
-            return
-        if not self.hb_inflight and now >= self.hb_next:
+        call = self.link.tick(now)
+        if call == REGISTER:
+            self.register()
+        elif call == HEARTBEAT_CALL:
             self.heartbeat()
-        if now >= self.next_ping:
-            self.next_ping = now + PING
-            for m, buckets in self.core.pings().items():
-                ok = lambda r: self.core.on_ping_reply(r["stale"])  # noqa: E731
-                self.call(m, "repl_ping", {"buckets": {int(k): e for k, e in buckets.items()}},
-                          ok, lambda _e: None)  # fmt: skip
+        if not self.link.registered:
+            return
         if now >= self.next_flush:
             self.next_flush = now + FLUSH
             self.flush()
@@ -470,48 +472,34 @@ class Server:
     # -- control loop ------------------------------------------------------------------------
 
     def register(self) -> None:
-        self.registering = True
-        self.core.unregistered()  # as ControllerLink._register: the offered positions are final
+        self.core.unregistered()  # as Replicator._call_controllers: the offered positions are final
         self.drain()
         copies = repl_copies.copies(self.core)
         self.log(f"register offering {copies}")
 
         def ok(reply: dict[str, Any]) -> None:
-            self.registering = False
+            self.link.on_registered(HEARTBEAT, self.local())
             self.core.registered(TERMS)
-            self.registered = True
-            self.hb_inflight = False
-            self.hb_next = self.local()
 
         def fail(err: Any) -> None:
-            self.registering = False
-            self.reregister_at = self.local() + 0.5 / 4
+            self.link.on_failed(self.local())
 
         self.call(CTL, "register", {"copies": copies}, ok, fail)
 
     def heartbeat(self) -> None:
         asked_at = self.local()
         reports = self.core.heartbeat_reports()
-        self.hb_inflight = True
-        incarnation = self.registered
 
         def ok(reply: dict[str, Any]) -> None:
-            self.hb_inflight = False
-            self.hb_next = self.local() + HEARTBEAT
-            if not incarnation or not self.registered:
-                return
+            self.link.on_heartbeat(self.local())
             self.core.on_roles(reply, asked_at, self.local())
 
         def fail(err: Any) -> None:
-            self.hb_inflight = False
             code = _code(err)
-            # declared dead (conflict / not_found), or the controllers unreachable: the control
-            # loop registers again (a new incarnation)
+            # declared dead (conflict / not_found), or the controllers unreachable: the link
+            # registers again (a new incarnation)
             self.log(f"heartbeat failed ({code}): registering again")
-            self.registered = False
-            self.reregister_at = self.local() + (
-                0.0 if code in ("conflict", "not_found") else 0.125
-            )
+            self.link.on_failed(self.local(), declared_dead=code in ("conflict", "not_found"))
 
         known = self.core.table_version
         self.call(CTL, "heartbeat", {"known": known, "reports": reports}, ok, fail)

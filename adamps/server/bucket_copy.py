@@ -1,21 +1,48 @@
-"""State transfer between copies of a bucket: the primary's consistent snapshot for a joining
-copy (values, accumulators, versions, position and deduplication table), the joining copy's
-fetch and install, and the digests that show replicas bit-identical."""
+"""A bucket's copy as the store holds it, read and written as replication needs it: the
+replicated batches applied on the shards' owner threads, the primary's consistent snapshot for a
+joining copy (values, accumulators, versions, rows, position and deduplication table), a fetched
+snapshot installed, the digests of the copies offered to the controllers, and the digests that show
+replicas bit-identical. Store IO only, kept apart from the replication shell
+(adamps.server.replicate), which decides nothing either: it carries out what the core
+(adamps.core.repl_core) asks and calls these."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from adamps.core.repl_types import Batch
 from adamps.server import checksum
+from adamps.server.repl_wire import store_parts
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
 
 if TYPE_CHECKING:
     from adamps.server.catalog import TensorCatalog
+
+log = logging.getLogger("adamps.server.replicate")
+
+
+def apply_batches(store: Store, batches: Iterable[Batch]) -> asyncio.Future:
+    """Enqueues the batches, each as one group per shard, in order, so that every copy applies
+    the same groups and the copies end bit-identical; a future for completion."""
+    futs = []
+    for batch in batches:
+        parts = store_parts(store, batch.updates)
+        fut = owner_future(lambda cb, parts=parts: store.push_group(parts, cb))
+        fut.add_done_callback(_log_apply_error)
+        futs.append(fut)
+    return asyncio.gather(*futs)
+
+
+def _log_apply_error(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("applying a committed batch failed: %r", fut.exception())
 
 
 def _bucket_shards(store: Store, b: int) -> list[Any]:
