@@ -29,6 +29,7 @@ from adamps import web as aweb
 from adamps.config import ConfigError, to_dict
 from adamps.layout import LayoutError
 from adamps.protocol import ProtocolError
+from adamps.server import repl_persist
 from adamps.server.addressing import Addressing
 from adamps.server.catalog import TensorCatalog
 from adamps.server.checkpoint_ops import CheckpointOps
@@ -117,7 +118,7 @@ class ParameterServer:
         self.replicator: Replicator | None = None
         if cfg.controllers:
             self.replicator = Replicator(cfg, self.store, self.catalog, self.registry)
-            self.replicator.restore(positions)
+            repl_persist.restore(self.replicator.core, positions)
             self.replicator.on_corrupt = lambda where: self.m.corrupt.labels(where).inc()
             self.replicator.not_durable = self.flusher.not_durable
             self.replicator.persist_now = self.flusher.flush_buckets
@@ -216,7 +217,7 @@ class ParameterServer:
         rep, loop = self.replicator, self._loop
         if rep is not None and b is not None and loop is not None:
             # The copy's next cut is written fresh: its position and whole exactly-once table.
-            loop.call_soon_threadsafe(rep.persisted.pop, b, None)
+            loop.call_soon_threadsafe(rep.core.persisted.pop, b, None)
 
     def _refuse_or_drop_corrupt(self) -> None:
         """A standalone server has no other copy to recover from: it refuses to start. A
@@ -253,7 +254,12 @@ class ParameterServer:
         rep = self.replicator
 
         def take() -> tuple[Callable[[float], list[Snapshot]], dict[int, Position], set[int]]:
-            return self.store.begin_snapshot(buckets), rep.positions(buckets), rep.held_copies()
+            snaps = self.store.begin_snapshot(buckets)
+            return (
+                snaps,
+                repl_persist.positions(rep.core, buckets),
+                repl_persist.held_copies(rep.core),
+            )
 
         loop = self._loop
         if loop is None or not loop.is_running() or threading.get_ident() == self._loop_thread:

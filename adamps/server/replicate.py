@@ -10,8 +10,9 @@ pings, state-transfer decisions), and when to register and heartbeat is the cont
   the replies to the core's messages, and the clock (``tick`` every ``TICK`` seconds);
 - after each event, ``drain`` carries out the core's ``Ready``: batches queued to the owner
   threads, pushes answered, messages and pings sent through the transport
-  (``repl_peers.Peers.send``), calls to the controllers (``repl_control``), snapshots fetched, installed and persisted (the store's side is
-  ``bucket_copy``) or transfers stopped.
+  (``repl_peers.Peers.send``), calls to the controllers (``repl_control``), snapshots
+  fetched, installed and persisted (the store's side is ``bucket_copy``, the disk's
+  ``repl_persist``) or transfers stopped.
 
 Updates travel in their compact form (dense delta of one shard, or activation and error vectors),
 never as an expanded M x N delta, and every replica applies each batch as one group per shard on
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -37,20 +38,14 @@ from adamps.core.repl_ready import Fetch, Send
 from adamps.core.repl_settings import ReplSettings
 from adamps.core.replication import BucketReplica, Reject
 from adamps.protocol import ProtocolError
-from adamps.server import bucket_copy
+from adamps.server import bucket_copy, repl_persist
 from adamps.server.config import PsConfig
 from adamps.server.peer_keys import PeerKeys
-from adamps.server.persist import DEDUP_PER_FLUSH, Position
 from adamps.server.repl_control import ControllerCalls
 from adamps.server.repl_metrics import ReplMetrics
 from adamps.server.repl_ops import PeerOps
 from adamps.server.repl_peers import Peers
-from adamps.server.repl_wire import (
-    batch_from_wire,
-    batch_to_wire,
-    not_primary,
-    refusal,
-)
+from adamps.server.repl_wire import not_primary, refusal
 from adamps.server.store import Store
 
 if TYPE_CHECKING:
@@ -156,33 +151,6 @@ class Replicator:
                 pass
         if self._session is not None:
             await self._session.close()
-
-    # -- the core's state, as the app and the flusher read it ------------------------------------
-
-    @property
-    def persisted(self) -> dict[int, int]:
-        return self.core.persisted
-
-    def held_copies(self) -> set[int]:
-        return repl_copies.held_copies(self.core)
-
-    def restore(self, positions: dict[int, Position]) -> None:
-        """Copies reloaded from LMDB at start: held as standby until the controllers decide."""
-        for b, p in positions.items():
-            prepared = map(batch_from_wire, p.prepared)
-            repl_copies.restore(self.core, b, p.seq, p.epoch, p.dedup, prepared)
-        log.info("reloaded %d copies: %s", len(positions), repl_copies.copies(self.core))
-
-    def positions(self, buckets: Container[int] | None = None) -> dict[int, Position]:
-        """Per held copy (of `buckets`; None: all), its position and the exactly-once pairs
-        recorded since the last cut. Called on the event loop in the same step as the flush's
-        copies are queued: they describe exactly the values the flush writes."""
-        return repl_copies.positions(
-            self.core,
-            buckets,
-            DEDUP_PER_FLUSH,
-            lambda e, s, d, f, p: Position(e, s, d, f, [batch_to_wire(x) for x in p]),
-        )
 
     # -- carrying out the core's Ready --------------------------------------------------------------
 
@@ -370,8 +338,7 @@ class Replicator:
         # Not learning until the copy and its position are on disk (the core's `installed`):
         # the flush holds it meanwhile, and persist_now writes it.
         try:
-            await asyncio.gather(*futs)
-            await asyncio.to_thread(self.persist_now, {b})
+            await repl_persist.persist_installed(futs, self.persist_now, b)
         except Exception as exc:  # installed in memory only: no member, not learning
             self.core.install_persisted(b, False, now())
             log.warning(
