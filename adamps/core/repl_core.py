@@ -10,7 +10,7 @@ The shell (adamps.server.replicate, or the simulation) feeds events in and carri
   the heartbeat was asked (``HolderLeases``), copies no longer assigned are forgotten;
 - ``tick(now)``: the failover watchdog (a secondary whose primary stayed silent proposes a role
   change), a joining copy whose primary went silent transfers again, the primary's retries and
-  delayed COMMITs;
+  delayed COMMITs, caught-up reports of unknown outcome sent again;
 - ``step(peer, msg, now)``: PREPARE, COMMIT and pings of a primary, answered at once (the
   transport is request/response); the batches they decide are applied through ``ready()``;
 - ``submit(...)``: a client push, accepted only as primary and while the lease holds; then
@@ -78,6 +78,9 @@ class ReplCore(JoiningCopy, Pings):
         #: bucket -> learner -> when the controllers' acceptance of its caught-up report came
         #: (primary side): a record asked before then may predate it (``_apply_roles``)
         self._accepted: dict[int, dict[str, float]] = {}
+        #: (bucket, learner) -> (when, report): caught-up reports of unknown outcome to send
+        #: again (primary side, ``tick``)
+        self._report_again: dict[tuple[int, str], tuple[float, ControllerRequest]] = {}
         #: bucket -> the primary's messages to its replicas (primary side)
         self._rounds: dict[int, Rounds] = {}
         #: message id -> (bucket, replica) of every message in flight
@@ -263,6 +266,10 @@ class ReplCore(JoiningCopy, Pings):
                 # idle bucket costs nothing per tick.
                 if rs is None or rs.retry_at or rep.pending or rep.lagging():
                     self.pump(b, now)
+        for key, (at, req) in list(self._report_again.items()):
+            if now >= at:
+                del self._report_again[key]
+                self._ready.requests.append(req)
         self._joins_tick(now)
         self._pings_tick(now)
 
@@ -459,9 +466,10 @@ class ReplCore(JoiningCopy, Pings):
 
     def on_caught_up_answer(self, req: ControllerRequest, error: str | None, now: float) -> bool:
         """The controllers' answer to a caught-up report (`error`: None if accepted, else its
-        code, "connection" when none came). True when the report must be sent again: its
-        outcome is unknown (the entry may have committed, and a repeated report of one join is
-        accepted), and the record has not moved on without this primary or this join."""
+        code, "connection" when none came). True when the report is sent again (in the
+        ``Ready`` of the first ``tick`` ``report_retry`` later): its outcome is unknown (the
+        entry may have committed, and a repeated report of one join is accepted), and the
+        record has not moved on without this primary or this join."""
         self._ready.heartbeat = True
         rep = self.buckets.get(req.bucket)
         if (
@@ -475,6 +483,7 @@ class ReplCore(JoiningCopy, Pings):
             # again meanwhile: that join's own report decides, not this older one's answer.
             return False
         if error is not None and (error == "connection" or error in UNKNOWN_OUTCOME):
+            self._report_again[req.bucket, req.member] = (now + self.settings.report_retry, req)
             return True
         rep.report_done(req.member, error is None)
         if error is None:

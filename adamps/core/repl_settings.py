@@ -27,6 +27,8 @@ class ReplSettings:
     join_retry: float = 0.3
     #: seconds before a joining copy that cannot persist looks again (issue 29)
     persist_retry: float = 1.0
+    #: seconds before a caught-up report whose outcome is unknown is sent again
+    report_retry: float = 0.2
     #: the controllers' lease terms (replaced at each registration by what they announce)
     lease: LeaseTerms = field(default_factory=LeaseTerms)
 

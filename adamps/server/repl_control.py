@@ -6,7 +6,6 @@ drop-secondary, caught-up reports). IO only: when to register and heartbeat is t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
@@ -103,20 +102,15 @@ class ControllerCalls:
             except (RpcError, ConnectionError, TimeoutError) as exc:
                 log.warning("bucket %d: drop-secondary %s failed: %s", b, req.member, exc)
             self.r.request_heartbeat()  # learn the new replica set (a committed entry)
-        else:  # caught_up: sent again while its outcome is unknown
-            while not self.r.closing:
-                error: str | None = None
-                try:
-                    await ctl.caught_up(b, self.r.server_id, req.epoch, req.member, req.join)
-                    log.info("bucket %d: %s caught up (epoch %d)", b, req.member, req.epoch)
-                except RpcError as exc:
-                    log.info("bucket %d: caught-up of %s: %s", b, req.member, exc)
-                    error = exc.code
-                except (ConnectionError, TimeoutError, OSError):
-                    error = "connection"
-                again = self.r.core.on_caught_up_answer(req, error, time.monotonic())
-                self.r.drain()
-                if not again:
-                    return
-                await asyncio.sleep(0.2)
+        else:  # caught_up: while its outcome is unknown, the core's tick asks for it again
+            error: str | None = None
+            try:
+                await ctl.caught_up(b, self.r.server_id, req.epoch, req.member, req.join)
+                log.info("bucket %d: %s caught up (epoch %d)", b, req.member, req.epoch)
+            except RpcError as exc:
+                log.info("bucket %d: caught-up of %s: %s", b, req.member, exc)
+                error = exc.code
+            except (ConnectionError, TimeoutError, OSError):
+                error = "connection"
+            self.r.core.on_caught_up_answer(req, error, time.monotonic())
         self.r.drain()

@@ -394,6 +394,14 @@ def test_a_caught_up_report_of_unknown_outcome_is_sent_again(
     assert a.buckets[0].learners.get("d") == (
         "reporting" if again else "reported" if error is None else None
     )
+    # When to send it again is the core's: in the first tick report_retry (0.2 s) later, once
+    take(a)
+    a.tick(0.3)
+    assert take(a).requests == []
+    a.tick(0.41)
+    assert take(a).requests == ([req] if again else [])
+    a.tick(0.7)
+    assert take(a).requests == []
 
 
 def test_a_record_older_than_an_accepted_caught_up_report_keeps_the_learner_in_the_rounds() -> None:

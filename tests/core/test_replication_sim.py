@@ -237,6 +237,7 @@ class Server:
             log_limit=LOG_LIMIT,
             lease=TERMS,
             join_retry=0.3 / 4,
+            report_retry=0.2 / 4,
             ping_interval=PING,  # the simulation's timings are a quarter of the server's
         )
         self.core = ReplCore(settings)
@@ -423,9 +424,8 @@ class Server:
             body = {"bucket": b, "primary": self.sid, "epoch": req.epoch,
                     "server": req.member, "join": req.join}  # fmt: skip
 
-            def done(err: Any) -> None:
-                if core.on_caught_up_answer(req, None if err is None else _code(err), self.local()):
-                    self.request(req)  # its outcome is unknown: ask again
+            def done(err: Any) -> None:  # unknown outcome: the core's tick asks again
+                core.on_caught_up_answer(req, None if err is None else _code(err), self.local())
 
             self.call(CTL, "caught_up", body, lambda _r: done(None), done)
 
