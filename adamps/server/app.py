@@ -29,7 +29,7 @@ from adamps import web as aweb
 from adamps.config import ConfigError, to_dict
 from adamps.layout import LayoutError
 from adamps.protocol import ProtocolError
-from adamps.server import repl_persist
+from adamps.server import repl_metrics, repl_persist
 from adamps.server.addressing import Addressing
 from adamps.server.catalog import TensorCatalog
 from adamps.server.checkpoint_ops import CheckpointOps
@@ -419,6 +419,7 @@ class ParameterServer:
         raise RuntimeError("debug_fail: an unexpected error on purpose (debug_ops is on)")
 
     def status(self) -> dict[str, Any]:
+        rep, now = self.replicator, time.monotonic()
         return {
             "role": "ps",
             "data_port": self.cfg.data_port or None,
@@ -428,7 +429,7 @@ class ParameterServer:
             "uptime_seconds": time.time() - self.started,
             "n_buckets": self.cfg.n_buckets,
             "buckets": sorted(self.store.buckets) if self.store.buckets is not None else "all",
-            "replication": self.replicator.status() if self.replicator is not None else None,
+            "replication": None if rep is None else repl_metrics.status(rep.core, rep.address, now),
             "tensors": {n: list(t.spec.shape) for n, t in self.store.tensors.items()},
             "shards": {
                 sid: {

@@ -1,6 +1,10 @@
-"""The replication metrics of a parameter server (``adamps_ps_replication_*`` and friends)."""
+"""What an operator sees of a parameter server's replication: its metrics
+(``adamps_ps_replication_*`` and friends, counted from each ``Ready`` and read from the core) and
+its part of ``/status``."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -99,3 +103,15 @@ class ReplMetrics:
         for b in prim:
             self.lag.labels(str(b)).set(repl_copies.lag(core, b))
             self._lag_buckets.add(b)
+
+
+def status(core: ReplCore, address: str, now: float) -> dict[str, Any]:
+    """The replication's part of /status: this server, the version of the controllers' record
+    it applied, the buckets they report unavailable, and each copy (repl_copies.status)."""
+    return {
+        "server_id": core.server_id,
+        "address": address,
+        "table_version": core.table_version,
+        "unavailable": sorted(core.unavailable),
+        "buckets": repl_copies.status(core, now),
+    }

@@ -354,14 +354,3 @@ class Replicator:
         self.drain()
         self.m.snapshots.labels("received").inc()
         log.info("bucket %d: snapshot at seq %d from %s installed", b, committed, f.primary)
-
-    # -- observation --------------------------------------------------------------------------------------
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "server_id": self.server_id,
-            "address": self.address,
-            "table_version": self.core.table_version,
-            "unavailable": sorted(self.core.unavailable),
-            "buckets": repl_copies.status(self.core, time.monotonic()),
-        }
