@@ -1,10 +1,11 @@
 """A server's replicated copies as LMDB holds them: the copies reloaded at start, the positions
 a flush writes beside its values, and a transferred copy written before it may count as a member
 (issue 29). Converts between the core's form (adamps.core.repl_copies: batches, exactly-once
-pairs) and the persister's (persist.Position, batches in wire form), and runs the flusher's
-blocking write off the event loop. Persistence, not replication: the replication shell
-(adamps.server.replicate) decides nothing about it and the core (adamps.core.repl_core) reads
-no disk; the flush's cut (``ParameterServer._cut``) calls ``positions`` and ``held_copies``."""
+pairs) and the persister's (persist.Position, batches in wire form), runs the flusher's blocking
+write off the event loop, and tells the core while a transferred copy cannot be persisted.
+Persistence, not replication: the replication shell (adamps.server.replicate) decides nothing
+about it and the core (adamps.core.repl_core) reads no disk; the flush's cut
+(``ParameterServer._cut``) calls ``positions`` and ``held_copies``."""
 
 from __future__ import annotations
 
@@ -46,11 +47,36 @@ def held_copies(core: ReplCore) -> set[int]:
 
 
 async def persist_installed(
-    installing: Iterable[asyncio.Future], persist_now: Callable[[set[int]], object], b: int
-) -> None:
-    """A transferred copy of bucket `b` on disk: once its values are applied (`installing`, the
-    owner threads' futures), they and its position are written now by `persist_now` (the
-    flusher's blocking write, in a thread; raises if they cannot be written). The flush holds
-    the copy meanwhile (the core's ``installed``), so no cut writes it half installed."""
-    await asyncio.gather(*installing)
-    await asyncio.to_thread(persist_now, {b})
+    installing: Iterable[asyncio.Future],
+    persist_now: Callable[[set[int]], object],
+    b: int,
+    seq: int,
+    source: str | None,
+) -> bool:
+    """A transferred copy of bucket `b` (at `seq`, from `source`) on disk: once its values are
+    applied (`installing`, the owner threads' futures), they and its position are written now
+    by `persist_now` (the flusher's blocking write, in a thread). The flush holds the copy
+    meanwhile (the core's ``installed``), so no cut writes it half installed. False (logged)
+    when they could not be written: the copy is then in memory only, no member and not
+    learning."""
+    try:
+        await asyncio.gather(*installing)
+        await asyncio.to_thread(persist_now, {b})
+    except Exception as exc:
+        log.warning(
+            "bucket %d: snapshot at seq %d from %s could not be persisted: %s: %s; not "
+            "joining until this server can persist",
+            b, seq, source, type(exc).__name__, exc,
+        )  # fmt: skip
+        return False
+    return True
+
+
+def tell_blocked(core: ReplCore, can_persist: Callable[[], str | None]) -> None:
+    """Tells the core why this server cannot persist a transferred copy now, or None: it asks
+    for no snapshot meanwhile (issue 29). `can_persist` (the flusher's) scans the dirty shards,
+    so it is asked only while a copy joins."""
+    blocked = can_persist() if "joining" in core.roles.values() else None
+    if blocked is not None and core.persist_blocked is None:
+        log.info("no state transfer is asked for while this server cannot persist: %s", blocked)
+    core.persist_blocked = blocked

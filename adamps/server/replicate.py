@@ -213,12 +213,7 @@ class Replicator:
         while not self.closing:
             await asyncio.sleep(TICK)
             now = time.monotonic()
-            # Asked only while a copy joins: it scans the dirty shards.
-            blocked = self.can_persist() if "joining" in self.core.roles.values() else None
-            if blocked is not None and self.core.persist_blocked is None:
-                log.info("no state transfer is asked for while this server cannot persist: %s",
-                         blocked)  # fmt: skip
-            self.core.persist_blocked = blocked
+            repl_persist.tell_blocked(self.core, self.can_persist)
             self.core.tick(now)
             self.drain()
             self._call_controllers(now)
@@ -337,20 +332,14 @@ class Replicator:
         self.core.installed(b, committed, snap["dedup"], cepoch, now())
         # Not learning until the copy and its position are on disk (the core's `installed`):
         # the flush holds it meanwhile, and persist_now writes it.
+        persisted = False
         try:
-            await repl_persist.persist_installed(futs, self.persist_now, b)
-        except Exception as exc:  # installed in memory only: no member, not learning
-            self.core.install_persisted(b, False, now())
-            log.warning(
-                "bucket %d: snapshot at seq %d from %s could not be persisted: %s: %s; not "
-                "joining until this server can persist",
-                b, committed, f.primary, type(exc).__name__, exc,
-            )  # fmt: skip
-            return
-        except BaseException:  # cancelled (the bucket moved on): the flush holds it no more
-            self.core.install_persisted(b, False, now())
-            raise
-        self.core.install_persisted(b, True, now())
+            persisted = await repl_persist.persist_installed(
+                futs, self.persist_now, b, committed, f.primary
+            )
+        finally:  # False also when cancelled (the bucket moved on): the flush holds it no more
+            self.core.install_persisted(b, persisted, now())
         self.drain()
-        self.m.snapshots.labels("received").inc()
-        log.info("bucket %d: snapshot at seq %d from %s installed", b, committed, f.primary)
+        if persisted:
+            self.m.snapshots.labels("received").inc()
+            log.info("bucket %d: snapshot at seq %d from %s installed", b, committed, f.primary)
