@@ -119,10 +119,12 @@ class ParameterServer:
         if cfg.controllers:
             self.replicator = Replicator(cfg, self.store, self.catalog, self.registry)
             repl_persist.restore(self.replicator.core, positions)
-            self.replicator.on_corrupt = lambda where: self.m.corrupt.labels(where).inc()
-            self.replicator.not_durable = self.flusher.not_durable
-            self.replicator.persist_now = self.flusher.flush_buckets
-            self.replicator.can_persist = self.flusher.can_persist
+            self.replicator.disk = repl_persist.Disk(
+                not_durable=self.flusher.not_durable,
+                can_persist=self.flusher.can_persist,
+                persist_now=self.flusher.flush_buckets,
+                on_corrupt=lambda where: self.m.corrupt.labels(where).inc(),
+            )
             self.flusher.cut = self._cut
         #: verifies LMDB records in the background at cfg.scrub_rate bytes/s
         self.scrubber = Scrubber(

@@ -65,7 +65,7 @@ class ControllerCalls:
         r = self.r
         try:
             reply, asked_at = await self.ctl.heartbeat(
-                r.server_id, r.core.table_version, r.core.heartbeat_reports(), r.not_durable()
+                r.server_id, r.core.table_version, r.core.heartbeat_reports(), r.disk.not_durable()
             )
             r.link.on_heartbeat(time.monotonic())
             r.peers.learn(reply.get("roles", []))

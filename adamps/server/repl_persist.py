@@ -2,7 +2,8 @@
 a flush writes beside its values, and a transferred copy written before it may count as a member
 (issue 29). Converts between the core's form (adamps.core.repl_copies: batches, exactly-once
 pairs) and the persister's (persist.Position, batches in wire form), runs the flusher's blocking
-write off the event loop, and tells the core while a transferred copy cannot be persisted.
+write off the event loop, and tells the core while a transferred copy cannot be persisted; the
+disk's answers reach replication through ``Disk``.
 Persistence, not replication: the replication shell (adamps.server.replicate) decides nothing
 about it and the core (adamps.core.repl_core) reads no disk; the flush's cut
 (``ParameterServer._cut``) calls ``positions`` and ``held_copies``."""
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Container, Iterable
+from dataclasses import dataclass
 
 from adamps.core import repl_copies
 from adamps.core.repl_core import ReplCore
@@ -19,6 +21,25 @@ from adamps.server.persist import DEDUP_PER_FLUSH, Position
 from adamps.server.repl_wire import batch_from_wire, batch_to_wire
 
 log = logging.getLogger("adamps.server.replicate")
+
+
+@dataclass
+class Disk:
+    """What replication asks of this server's disk, set by the server from its flusher (the
+    defaults: a disk that always persists, for a server without one)."""
+
+    #: why this server cannot persist now, or None: reported in every heartbeat so the
+    #: controllers move its buckets (issue 29)
+    not_durable: Callable[[], str | None] = lambda: None
+    #: why a write to LMDB would not reach the disk now, or None: no state transfer is asked
+    #: for while it cannot be persisted (``tell_blocked``)
+    can_persist: Callable[[], str | None] = lambda: None
+    #: writes the named buckets' copies and positions to LMDB now, blocking (raises if they
+    #: cannot be written). A state transfer persists the installed copy with it before the copy
+    #: may count as a member (issue 29, ``persist_installed``).
+    persist_now: Callable[[set[int]], object] = lambda buckets: None
+    #: called with where ("transfer") for every received record that fails its checksum
+    on_corrupt: Callable[[str], None] = lambda where: None
 
 
 def restore(core: ReplCore, positions: dict[int, Position]) -> None:

@@ -103,18 +103,8 @@ class Replicator:
         self._link_tasks: set[asyncio.Task] = set()
         #: set at stop: every loop ends
         self.closing = False
-        #: why this server cannot persist now (set by the server: its flusher), or None;
-        #: reported in every heartbeat so the controllers move its buckets (issue 29)
-        self.not_durable: Callable[[], str | None] = lambda: None
-        #: called with where ("transfer") for every received record that fails its checksum
-        self.on_corrupt: Callable[[str], None] = lambda where: None
-        #: writes the named buckets' copies and positions to LMDB now, blocking (set by the
-        #: server: its flusher; raises if they cannot be written). A state transfer persists
-        #: the installed copy with it before the copy may count as a member (issue 29).
-        self.persist_now: Callable[[set[int]], object] = lambda buckets: None
-        #: why a write to LMDB would not reach the disk now, or None (set by the server): no
-        #: state transfer is asked for while it cannot be persisted
-        self.can_persist: Callable[[], str | None] = lambda: None
+        #: what replication asks of this server's disk (set by the server: its flusher)
+        self.disk = repl_persist.Disk()
         #: sees every heartbeat reply (the runs' table version, adamps/server/tenancy.py)
         self.on_heartbeat: Callable[[dict[str, Any]], None] = lambda reply: None
 
@@ -213,7 +203,7 @@ class Replicator:
         while not self.closing:
             await asyncio.sleep(TICK)
             now = time.monotonic()
-            repl_persist.tell_blocked(self.core, self.can_persist)
+            repl_persist.tell_blocked(self.core, self.disk.can_persist)
             self.core.tick(now)
             self.drain()
             self._call_controllers(now)
@@ -321,7 +311,7 @@ class Replicator:
         if not fits or snap is None:
             return
         try:
-            futs = bucket_copy.install(self.store, self.catalog, b, snap, self.on_corrupt)
+            futs = bucket_copy.install(self.store, self.catalog, b, snap, self.disk.on_corrupt)
         except ValueError as exc:  # damaged on the way: nothing installed; fetch it again
             log.error("bucket %d: CORRUPT snapshot from %s: %s; again", b, f.primary, exc)
             self.core.snapshot_corrupt(f, now())
@@ -331,11 +321,11 @@ class Replicator:
         committed, cepoch = int(snap["committed"]), int(snap.get("committed_epoch", 0))
         self.core.installed(b, committed, snap["dedup"], cepoch, now())
         # Not learning until the copy and its position are on disk (the core's `installed`):
-        # the flush holds it meanwhile, and persist_now writes it.
+        # the flush holds it meanwhile, and the disk's persist_now writes it.
         persisted = False
         try:
             persisted = await repl_persist.persist_installed(
-                futs, self.persist_now, b, committed, f.primary
+                futs, self.disk.persist_now, b, committed, f.primary
             )
         finally:  # False also when cancelled (the bucket moved on): the flush holds it no more
             self.core.install_persisted(b, persisted, now())
