@@ -12,11 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from adamps.protocol import ProtocolError, require
+from adamps.protocol import require
 from adamps.server import bucket_copy
 from adamps.server.repl_check import check_batches
-from adamps.server.repl_wire import MULTI_OPS, REPL_OPS, message_from_wire
-from adamps.server.shards import StoreError
+from adamps.server.repl_wire import REPL_OPS, message_from_wire, multi_results
 
 
 class PeerOps:
@@ -63,20 +62,7 @@ class PeerOps:
 
     async def op_repl_multi(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Several replication messages from one peer, handled in order; one result each."""
-        results = []
-        for item in require(msg, "items", list):
-            if not isinstance(item, dict) or item.get("op") not in MULTI_OPS:
-                op = item.get("op") if isinstance(item, dict) else None
-                err = {"code": "unknown_op", "message": f"{op!r} not allowed in repl_multi"}
-                results.append({"error": err})
-                continue
-            try:
-                results.append({"ok": await getattr(self, f"op_{item['op']}")(item)})
-            except ProtocolError as exc:
-                results.append({"error": exc.to_dict()})
-            except StoreError as exc:  # e.g. a tensor not defined here: this message fails only
-                results.append({"error": ProtocolError(exc.code, exc.message).to_dict()})
-        return {"results": results}
+        return await multi_results(msg, lambda item: getattr(self, f"op_{item['op']}")(item))
 
     async def op_repl_snapshot(self, msg: dict[str, Any]) -> dict[str, Any]:
         """A consistent copy of a bucket for a joining copy: the core makes the joiner a learner

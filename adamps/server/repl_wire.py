@@ -1,12 +1,13 @@
 """What replication sends between servers: the ops peers use on ``/rpc``, updates in their
 compact form (a dense delta of one shard, activation and error vectors, a compressed update),
-batches of a round, and the ``not_primary`` answer. Also the store form of a batch's updates:
+batches of a round, a ``repl_multi`` request's results (one per message), and the ``not_primary``
+answer. Also the store form of a batch's updates:
 every replica turns them into the same per-shard parts, so replicas end bit-identical."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,13 +19,35 @@ from adamps.server.compressed import signs_of_wire
 from adamps.server.install import RowInstall, install_of
 from adamps.server.optim import Dense
 from adamps.server.rowblock import RowPush
-from adamps.server.shards import ShardState, fc_parts
+from adamps.server.shards import ShardState, StoreError, fc_parts
 from adamps.server.store import Store
 
 #: replication ops served on /rpc (peer traffic: cluster token required like every mutating call)
 REPL_OPS = ("repl_prepare", "repl_commit", "repl_ping", "repl_multi", "repl_snapshot", "digest")
 #: the ops that may travel inside a repl_multi message
 MULTI_OPS = ("repl_prepare", "repl_commit", "repl_ping")
+
+
+async def multi_results(
+    msg: dict[str, Any], handle: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+) -> dict[str, Any]:
+    """A repl_multi request: its messages (each an op of MULTI_OPS) handled in order by
+    `handle`, one result each ({"ok": reply} or {"error": ...}), so that one refused message
+    fails alone."""
+    results = []
+    for item in require(msg, "items", list):
+        if not isinstance(item, dict) or item.get("op") not in MULTI_OPS:
+            op = item.get("op") if isinstance(item, dict) else None
+            err = {"code": "unknown_op", "message": f"{op!r} not allowed in repl_multi"}
+            results.append({"error": err})
+            continue
+        try:
+            results.append({"ok": await handle(item)})
+        except ProtocolError as exc:
+            results.append({"error": exc.to_dict()})
+        except StoreError as exc:  # e.g. a tensor not defined here: this message fails only
+            results.append({"error": ProtocolError(exc.code, exc.message).to_dict()})
+    return {"results": results}
 
 
 def not_primary(
