@@ -377,6 +377,23 @@ class Peers:
         else:
             done(reply, None)
 
+    def ping(self, member: str, buckets: dict[str, int], done: Callable[[list[Any]], None]) -> None:
+        """The primary's ping (adamps.core.repl_pings) to one replica over its channel: `done`
+        gets the buckets the replica answered stale. An unanswered ping is not reported: the
+        next one follows."""
+        asyncio.create_task(self._ping(member, buckets, done), name=f"ping-{member}")
+
+    async def _ping(
+        self, member: str, buckets: dict[str, int], done: Callable[[list[Any]], None]
+    ) -> None:
+        try:
+            reply = await self.channel(member).call(
+                "repl_ping", sender=self.keys.server_id, buckets=buckets
+            )
+        except (RpcError, ConnectionError, TimeoutError, OSError):
+            return
+        done(reply.get("stale") or [])
+
     def close(self) -> None:
         """Cancels the channels' sending tasks."""
         for ch in self._channels.values():

@@ -10,7 +10,7 @@ pings, state-transfer decisions), and when to register and heartbeat is the cont
   the replies to the core's messages, and the clock (``tick`` every ``TICK`` seconds);
 - after each event, ``drain`` carries out the core's ``Ready``: batches queued to the owner
   threads, pushes answered, messages and pings sent through the transport
-  (``repl_peers.Peers.send``), calls to the controllers (``repl_control``), snapshots
+  (``repl_peers.Peers.send``, ``ping``), calls to the controllers (``repl_control``), snapshots
   fetched, installed and persisted (the store's side is ``bucket_copy``, the disk's
   ``repl_persist``) or transfers stopped.
 
@@ -185,7 +185,7 @@ class Replicator:
             self.request_heartbeat()
         if rd.pings is not None:
             for member, buckets in rd.pings.items():
-                asyncio.create_task(self._ping(member, buckets), name=f"ping-{member}")
+                self.peers.ping(member, buckets, self._on_stale)
             self.m.observe(core)
 
     def _answer_of(self, msg: Send) -> Callable[[dict[str, Any] | None, str | None], None]:
@@ -230,14 +230,8 @@ class Replicator:
         if self.link.registered and not self.closing:
             self._call_controllers(time.monotonic())
 
-    async def _ping(self, member: str, buckets: dict[str, int]) -> None:
-        try:
-            reply = await self.peers.channel(member).call(
-                "repl_ping", sender=self.server_id, buckets=buckets
-            )
-        except (RpcError, ConnectionError, TimeoutError, OSError):
-            return
-        self.core.on_ping_reply(reply.get("stale") or [])
+    def _on_stale(self, stale: list[Any]) -> None:
+        self.core.on_ping_reply(stale)
         self.drain()
 
     # -- peers' messages and pushes ---------------------------------------------------------------------
