@@ -1,6 +1,6 @@
 """What a server's copies are, as its replication core holds them: the copies offered to the
-controllers, the cut a flush persists, a copy reloaded from disk, and the status page. Pure
-functions of a ``ReplCore`` (no IO, no clock: time comes in)."""
+controllers, the cut a flush persists, a copy reloaded from disk, the status page and the
+digest op's position. Pure functions of a ``ReplCore`` (no IO, no clock: time comes in)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,17 @@ def restore(
     rep.restore(seq, epoch, dedup, prepared)
     core.roles[b] = "standby"
     core.persisted[b] = seq
+
+
+def position(core: ReplCore, b: int) -> dict[str, Any]:
+    """A copy's committed seq, role and epoch (None when no copy is held): what the digest op
+    answers beside the digest of its values."""
+    rep = core.buckets.get(b)
+    return {
+        "committed": rep.committed if rep else None,
+        "role": core.roles.get(b),
+        "epoch": rep.assignment.epoch if rep else None,
+    }
 
 
 def primaries(core: ReplCore) -> list[int]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from adamps import peer_auth
 from adamps import token as tokens
 from adamps.config import default_token, field
+from adamps.core.repl_settings import ReplSettings
 from adamps.layout import DEFAULT_BUCKETS, MAX_SHARD_ELEMS
 from adamps.web import HttpLimits
 
@@ -169,6 +170,18 @@ class PsConfig:
         if self.peer_token:
             return peer_auth.server_key(self.peer_token, self.server_id)
         return None
+
+    @property
+    def repl_settings(self) -> ReplSettings:
+        """The replication core's settings (adamps.core.repl_settings) from these fields."""
+        return ReplSettings(
+            self.server_id,
+            member_timeout=self.member_timeout,
+            failover_after=self.failover_after,
+            ping_interval=self.ping_interval,
+            ack=self.ack,
+            log_limit=self.replication_log,
+        )
 
     @property
     def http_limits(self) -> HttpLimits:

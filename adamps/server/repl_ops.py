@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from adamps.core import repl_copies
 from adamps.protocol import require
 from adamps.server import bucket_copy
 from adamps.server.repl_check import check_batches
@@ -78,11 +79,5 @@ class PeerOps:
 
     async def op_digest(self, msg: dict[str, Any]) -> dict[str, Any]:
         b = require(msg, "bucket", int)
-        rep = self.repl.core.buckets.get(b)
-        return {
-            "bucket": b,
-            "digest": await bucket_copy.digest(self.repl.store, b),
-            "committed": rep.committed if rep else None,
-            "role": self.repl.core.roles.get(b),
-            "epoch": rep.assignment.epoch if rep else None,
-        }
+        digest = await bucket_copy.digest(self.repl.store, b)
+        return {"bucket": b, "digest": digest, **repl_copies.position(self.repl.core, b)}

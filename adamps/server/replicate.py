@@ -35,7 +35,6 @@ from adamps.core import repl_copies
 from adamps.core.controller_link import REGISTER, ControllerLink
 from adamps.core.repl_core import ReplCore
 from adamps.core.repl_ready import Fetch, Send
-from adamps.core.repl_settings import ReplSettings
 from adamps.core.replication import BucketReplica, Reject
 from adamps.protocol import ProtocolError
 from adamps.server import bucket_copy, repl_persist
@@ -71,16 +70,7 @@ class Replicator:
         self.address = cfg.advertise or f"{cfg.host}:{cfg.port}"
         self.m = ReplMetrics(registry)
         #: every replication decision and all per-bucket state (no IO, no clock)
-        self.core = ReplCore(
-            ReplSettings(
-                cfg.server_id,
-                member_timeout=cfg.member_timeout,
-                failover_after=cfg.failover_after,
-                ping_interval=cfg.ping_interval,
-                ack=cfg.ack,
-                log_limit=cfg.replication_log,
-            )
-        )
+        self.core = ReplCore(cfg.repl_settings)
         #: who this server is to its peers, and who sent what it is asked to replicate
         self.peer_keys = PeerKeys(
             cfg.server_id, cfg.own_key(), lambda: self.controller, lambda s: s in self.addresses
