@@ -87,6 +87,8 @@ class ExactnessLoad:
         #: push each +1 as a compressed update (push_compressed, tau = 1) instead of a dense one
         self.compressed = compressed
         self.out = Outcomes()
+        #: element -> monotonic time its acknowledged push was sent
+        self.sent_at: dict[int, float] = {}
         self._stop = threading.Event()
         self._next = iter(range(self.size))
         self._next_lock = threading.Lock()
@@ -110,6 +112,7 @@ class ExactnessLoad:
                 return
             shard, offset = self.element_of(i)
             element = shard.start + offset
+            sent = time.monotonic()
             try:
                 if self.compressed:
                     word = np.array([offset << 1], np.uint32)  # index offset, sign +
@@ -134,6 +137,7 @@ class ExactnessLoad:
             with self.out.lock:
                 self.out.acked.append(element)
                 self.out.ack_times.append((time.monotonic(), element))
+                self.sent_at[element] = sent
             if self.pause:
                 self._stop.wait(self.pause)
 
