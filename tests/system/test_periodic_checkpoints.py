@@ -60,6 +60,17 @@ def _wait(c: LocalCluster, pred, timeout: float, what: str, poll: float = 0.2) -
     raise AssertionError(f"timed out waiting for {what}; last record {_record(c)}")
 
 
+def _holds(root: Path, rec: dict[str, Any], tensor: str) -> bool:
+    """Whether the record's last complete checkpoint holds the tensor."""
+    if not rec["count"] or not rec.get("last"):
+        return False
+    try:
+        manifest = json.loads((root / rec["last"]["name"] / "manifest.json").read_text())
+    except OSError:  # pruned meanwhile: the next record names a newer one
+        return False
+    return any(d["name"] == tensor for d in manifest["tensors"])
+
+
 def test_the_leader_killed_during_a_periodic_checkpoint(tmp_path: Path) -> None:
     root = tmp_path / "ckpts"
     a = _cluster(tmp_path / "a", 3, **{"checkpoint-interval": INTERVAL, "checkpoint-keep": 2,
@@ -71,7 +82,9 @@ def test_the_leader_killed_during_a_periodic_checkpoint(tmp_path: Path) -> None:
                       optimizer={"kind": "adagrad", "lr": 0.1})  # fmt: skip
         load_ = ExactnessLoad(client, layout, "x", threads=2)
         load_.start()
-        first = _wait(a, lambda r: r["count"] >= 1, 60, "a first periodic checkpoint")
+        # The schedule runs from the cluster's start: a first checkpoint may predate BIG, and
+        # one built on it writes BIG whole. Wait for one that holds BIG.
+        first = _wait(a, lambda r: _holds(root, r, "big"), 60, "a periodic checkpoint of big")
         # The next one, caught under way on the leader: SIGKILL that leader.
         running = _wait(a, lambda r: r["running"] is not None, 30, "a checkpoint under way",
                         poll=0.01)  # fmt: skip
