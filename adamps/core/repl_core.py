@@ -15,13 +15,12 @@ The shell (adamps.server.replicate, or the simulation) feeds events in and carri
   transport is request/response); the batches they decide are applied through ``ready()``;
 - ``submit(...)``: a client push, accepted only as primary and while the lease holds; then
   ``pump`` runs the bucket's rounds: its messages (``Send``) are in ``ready()``, and each gets
-  exactly one answer back, ``on_reply(rid, ...)`` or ``report_unreachable(rid, ...)``;
+  exactly one answer back, ``answer(rid, reply, error, now)``;
 - ``release(...)``: pushes whose round is decided or committed are acknowledged only while the
   lease holds, else answered "unknown" (another primary may already acknowledge under the next
   epoch; the client's retry is answered exactly once by whoever has the batch);
 - ``unresponsive(...)``: a member that did not answer within ``member_timeout``;
-- the controllers' answers (``on_role_change_answer``, ``on_caught_up_answer``) and the joining
-  copy's snapshot (``snapshot_fetched``, ``installed``, ``install_persisted``: repl_join.py).
+- the controllers' answers (``controller_answer``) and the joining copy's snapshot (``snapshot_fetched``, ``installed``, ``install_persisted``: repl_join.py).
 
 Per bucket, the two-phase-commit state machine is ``BucketReplica`` (adamps.core.replication);
 this object holds one per copy, and the per-server state around them: roles, leases, when each
@@ -231,11 +230,19 @@ class ReplCore(JoiningCopy, Pings):
                 "this server no longer holds the bucket; the push's outcome is unknown",
             )
 
-    def on_role_change_answer(self, b: int, retry_after: float | None, now: float) -> None:
-        """The controllers answered a role-change proposal (a refusal may say when to retry)."""
-        if retry_after:
-            self.role_change_after[b] = now + float(retry_after)
-        self._ready.heartbeat = True
+    def controller_answer(
+        self, req: ControllerRequest, error: str | None, retry_after: float | None, now: float
+    ) -> None:
+        """The controllers' answer to `req`: None if accepted, else its error code ("connection"
+        when none came), and the retry_after a refusal may carry."""
+        if req.kind == "role_change":  # a refusal may say when to propose again
+            if retry_after:
+                self.role_change_after[req.bucket] = now + float(retry_after)
+            self._ready.heartbeat = True
+        elif req.kind == "caught_up":
+            self.on_caught_up_answer(req, error, now)
+        else:  # drop_secondary: the record without the member is what the rounds wait for
+            self._ready.heartbeat = True
 
     # -- time -------------------------------------------------------------------------------------------
 
@@ -375,6 +382,15 @@ class ReplCore(JoiningCopy, Pings):
         if self.settings.ack == "prepared":
             self.release(b, rep.release_decided(), now)
             rs.commit_after = now + COMMIT_DELAY
+
+    def answer(
+        self, rid: int, reply: Mapping[str, Any] | None, error: str | None, now: float
+    ) -> None:
+        """The one answer the transport gives message `rid`: the replica's reply, or its error."""
+        if reply is not None:
+            self.on_reply(rid, reply, now)
+        else:
+            self.report_unreachable(rid, now, error or "connection")
 
     def on_reply(self, rid: int, reply: Mapping[str, Any], now: float) -> None:
         """A replica answered message `rid` (a PREPARE or COMMIT of this primary)."""

@@ -34,9 +34,9 @@ class Answer:
 
 @dataclass(frozen=True)
 class ControllerRequest:
-    """A call to make to the controllers; its answer goes back in through the core's
-    ``on_role_change_answer`` / ``on_caught_up_answer`` (``drop_secondary`` needs none: the
-    record that removes the member arrives with the roles)."""
+    """A call to make to the controllers; its answer, whatever it is, goes back in through
+    ``ReplCore.controller_answer`` (for ``drop_secondary``: the record without the member is
+    asked for, and the rounds wait for it)."""
 
     #: "role_change" | "drop_secondary" | "caught_up"
     kind: str
@@ -53,8 +53,8 @@ class ControllerRequest:
 @dataclass(frozen=True)
 class Send:
     """A message of this primary to a replica (repl_prepare, repl_commit). Its answer goes back
-    in as ``ReplCore.on_reply(rid, ...)``, its failure as ``report_unreachable(rid, ...)``:
-    every message sent gets exactly one of the two (the transport times it out)."""
+    in as ``ReplCore.answer(rid, reply, None, now)``, its failure as ``answer(rid, None, error,
+    now)``: every message sent gets exactly one answer (the transport times it out)."""
 
     rid: int
     peer: str

@@ -195,7 +195,7 @@ class ParameterServer:
         if cfg.debug_ops:
             self._ops["debug_fail"] = self.op_debug_fail
         if self.replicator is not None:
-            self._ops.update(self.replicator.ops.handlers())
+            self._ops.update(self.replicator.ops.handlers)
 
     def _scrub_found(self, db: str, key: bytes, exc: Exception) -> None:
         """A record the scrub found damaged (scrub thread): counted and logged; the copy in

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,6 +26,8 @@ from adamps.protocol import ProtocolError
 
 #: the replication ops that need a peer's proof (``digest`` is a read: the cluster token will do)
 PEER_OPS = ("repl_prepare", "repl_commit", "repl_ping", "repl_multi", "repl_snapshot")
+
+log = logging.getLogger("adamps.server.replicate")
 
 
 def forbidden(op: str, why: str) -> ProtocolError:
@@ -70,6 +73,11 @@ class PeerKeys:
         #: peer id -> K_(this server, peer)
         self.keys: dict[str, bytes] = {}
         self._fetching: dict[str, asyncio.Future] = {}
+        if own is None:
+            log.warning(
+                "peer identity is off (no server_key or peer_token): any holder of the cluster "
+                "token, every trainer, can send this server replication messages"
+            )
 
     @property
     def enabled(self) -> bool:

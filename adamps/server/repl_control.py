@@ -79,38 +79,23 @@ class ControllerCalls:
             r.link.on_failed(time.monotonic(), declared_dead=dead)
 
     async def request(self, req: ControllerRequest) -> None:
-        """One call to the controllers the core asked for; its answer goes back in."""
-        b, ctl = req.bucket, self.ctl
-        if req.kind == "role_change":
-            log.warning("bucket %d: primary silent; proposing a role change", b)
-            retry = None
-            try:
-                position = {self.r.server_id: list(req.position)}
-                await ctl.role_change(b, self.r.server_id, req.epoch, position)
-            except RpcError as exc:
-                retry = exc.extra.get("retry_after")
-                log.info("bucket %d: role change not accepted: %s", b, exc.message)
-            except (ConnectionError, TimeoutError) as exc:
-                log.info("bucket %d: role change failed: %s", b, exc)
-            self.r.core.on_role_change_answer(b, retry, time.monotonic())
-        elif req.kind == "drop_secondary":
-            log.warning("bucket %d: %s unresponsive; asking the controllers to drop it",
-                        b, req.member)  # fmt: skip
-            self.r.m.dropped.inc()
-            try:
-                await ctl.drop_secondary(b, self.r.server_id, req.epoch, req.member)
-            except (RpcError, ConnectionError, TimeoutError) as exc:
-                log.warning("bucket %d: drop-secondary %s failed: %s", b, req.member, exc)
-            self.r.request_heartbeat()  # learn the new replica set (a committed entry)
-        else:  # caught_up: while its outcome is unknown, the core's tick asks for it again
-            error: str | None = None
-            try:
-                await ctl.caught_up(b, self.r.server_id, req.epoch, req.member, req.join)
-                log.info("bucket %d: %s caught up (epoch %d)", b, req.member, req.epoch)
-            except RpcError as exc:
-                log.info("bucket %d: caught-up of %s: %s", b, req.member, exc)
-                error = exc.code
-            except (ConnectionError, TimeoutError, OSError):
-                error = "connection"
-            self.r.core.on_caught_up_answer(req, error, time.monotonic())
-        self.r.drain()
+        """One call to the controllers the core asked for. Its answer, whatever it is, goes
+        back in (ReplCore.controller_answer), as a peer's answer to a message does."""
+        b, me, ctl = req.bucket, self.r.server_id, self.ctl
+        call = {
+            "role_change": lambda: ctl.role_change(b, me, req.epoch, {me: list(req.position)}),
+            "drop_secondary": lambda: ctl.drop_secondary(b, me, req.epoch, req.member),
+            "caught_up": lambda: ctl.caught_up(b, me, req.epoch, req.member, req.join),
+        }[req.kind]
+        error, retry = None, None
+        try:
+            await call()
+        except RpcError as exc:
+            error, retry = exc.code, exc.extra.get("retry_after")
+        except Exception as exc:  # no answer: the outcome is unknown (the core decides)
+            error = "connection"
+            log.info("bucket %d: %s: %r", b, req.kind, exc)
+        log.log(logging.INFO if req.kind == "caught_up" else logging.WARNING,
+                "bucket %d: %s %s (epoch %d): %s", b, req.kind, req.member or "(this copy)",
+                req.epoch, error or "accepted")  # fmt: skip
+        self.r.step(b, self.r.core.controller_answer, req, error, retry)

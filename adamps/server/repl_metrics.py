@@ -79,8 +79,8 @@ class ReplMetrics:
         )
 
     def count(self, rd: Ready) -> None:
-        """What the core decided, as counted: rounds, promotions, stale messages; a forgotten
-        bucket's lag series goes with it."""
+        """What the core decided, as counted: rounds, promotions, stale messages, secondaries
+        dropped (asked of the controllers); a forgotten bucket's lag series goes with it."""
         for seconds, pushes in rd.rounds:
             self.round_seconds.observe(seconds)
             self.round_pushes.observe(pushes)
@@ -88,6 +88,9 @@ class ReplMetrics:
             self.failovers.inc(rd.failovers)
         if rd.stale:
             self.stale.inc(rd.stale)
+        for req in rd.requests:
+            if req.kind == "drop_secondary":
+                self.dropped.inc()
         for b in rd.forget:
             if b in self._lag_buckets:
                 self._lag_buckets.discard(b)

@@ -1,12 +1,13 @@
 """The replication ops a parameter server serves to its peers (POST /rpc and the data plane's
 repl_multi frames): the sender's proof (peer_keys.py), the message decoded (repl_wire.py) and its
-batches re-checked (repl_check.py), then to the replication core (``Replicator.feed``). No decision is taken here: epochs,
+batches re-checked (repl_check.py), then to the replication core (``Replicator.step``). No decision is taken here: epochs,
 roles, the commit riding on a PREPARE and the watchdog's clock are the core's
 (adamps.core.repl_core); the store's reads and installs of a state transfer are
 bucket_copy.py's."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from adamps.core import repl_copies
 from adamps.protocol import require
 from adamps.server import bucket_copy
 from adamps.server.repl_check import check_batches
-from adamps.server.repl_wire import REPL_OPS, message_from_wire, multi_results
+from adamps.server.repl_wire import MULTI_OPS, REPL_OPS, message_from_wire, multi_results
 
 
 class PeerOps:
@@ -25,15 +26,20 @@ class PeerOps:
 
     def __init__(self, repl: Any) -> None:
         self.repl = repl
-
-    def handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]:
-        """The replication ops this server serves on POST /rpc (peer traffic), by name."""
-        return {op: getattr(self, f"op_{op}") for op in REPL_OPS}
+        #: the replication ops this server serves on POST /rpc (peer traffic), by name: a
+        #: primary's messages go to the core as they are (``_step``)
+        self.handlers: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+            **{op: functools.partial(self._step, op) for op in MULTI_OPS},
+            "repl_multi": self.op_repl_multi,
+            "repl_snapshot": self.op_repl_snapshot,
+            "digest": self.op_digest,
+        }
+        assert set(self.handlers) == set(REPL_OPS)
 
     async def op_from_peer(self, op: str, msg: dict[str, Any], peer: str | None) -> dict[str, Any]:
         """A replication op whose request `peer` proved it sent (None: no proof)."""
         self.repl.peer_keys.admit(op, msg, peer)
-        return await getattr(self, f"op_{op}")(msg)
+        return await self.handlers[op](msg)
 
     async def op_repl_frame(
         self, meta: dict[str, Any], meta_raw: bytes, payload: np.ndarray | None
@@ -43,27 +49,18 @@ class PeerOps:
         peer, msg = await self.repl.peer_keys.frame(meta, meta_raw, payload)
         return await self.op_from_peer("repl_multi", msg, peer)
 
-    def _step(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+    async def _step(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
         m = message_from_wire(op, msg)
         b = m.get("bucket", -1)
         if op == "repl_prepare" and b in self.repl.core.buckets:
             # Every copy re-checks what it will apply (shapes, finiteness, bounds), whoever sent
             # it: nothing is kept of a batch the primary itself would have refused as a push.
             check_batches(self.repl.store, m["entries"])
-        return self.repl.feed(b, m)
-
-    async def op_repl_prepare(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self._step("repl_prepare", msg)
-
-    async def op_repl_commit(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self._step("repl_commit", msg)
-
-    async def op_repl_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self._step("repl_ping", msg)
+        return self.repl.step(b, self.repl.core.step, m["sender"], m)
 
     async def op_repl_multi(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Several replication messages from one peer, handled in order; one result each."""
-        return await multi_results(msg, lambda item: getattr(self, f"op_{item['op']}")(item))
+        return await multi_results(msg, lambda item: self.handlers[item["op"]](item))
 
     async def op_repl_snapshot(self, msg: dict[str, Any]) -> dict[str, Any]:
         """A consistent copy of a bucket for a joining copy: the core makes the joiner a learner
@@ -72,7 +69,7 @@ class PeerOps:
         b = require(msg, "bucket", int)
         joiner = require(msg, "joiner", str)
         join = require(msg, "join", int, default=0)
-        meta = self.repl.snapshot_meta(b, joiner, join)
+        meta = self.repl.step(b, self.repl.core.snapshot_for, b, joiner, join)
         snap = await bucket_copy.read_snapshot(self.repl.store, self.repl.catalog, b, meta)
         self.repl.m.snapshots.labels("sent").inc()
         return snap

@@ -1,17 +1,19 @@
 """What replication sends between servers: the ops peers use on ``/rpc``, updates in their
 compact form (a dense delta of one shard, activation and error vectors, a compressed update),
-batches of a round, a ``repl_multi`` request's results (one per message), and the ``not_primary``
-answer. Also the store form of a batch's updates:
+batches of a round, a ``repl_multi`` request's results (one per message), the ``not_primary``
+answer and a push's outcome. Also the store form of a batch's updates:
 every replica turns them into the same per-shard parts, so replicas end bit-identical."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
+from adamps.core.repl_ready import Answer
 from adamps.core.replication import Assignment, Batch, BucketReplica, Reject
 from adamps.protocol import ProtocolError, require
 from adamps.server import checksum, vecwire
@@ -77,6 +79,18 @@ def refusal(
         return ProtocolError(rej.code, rej.message, bucket=bucket)
     epoch = rej.epoch or (rep.assignment.epoch if rep is not None else 0)
     return ProtocolError(rej.code, rej.message, bucket=bucket, epoch=epoch)
+
+
+def settle(ans: Answer, rep: BucketReplica | None, addresses: dict[str, str]) -> None:
+    """A push's outcome to its waiter (a future): acknowledged, or unknown, as a retryable
+    primary_changed (its round may still commit on another copy: never "not applied")."""
+    fut = ans.waiter
+    if not isinstance(fut, asyncio.Future) or fut.done():
+        return
+    if ans.outcome == "ok":
+        fut.set_result(None)
+    else:
+        fut.set_exception(not_primary(rep, ans.bucket, addresses, ans.why, "primary_changed"))
 
 
 # -- updates on the wire ---------------------------------------------------------------------------

@@ -5,14 +5,15 @@ Project Adam 3.3.3, end to end. Every decision and all per-bucket state are the 
 pings, state-transfer decisions), and when to register and heartbeat is the controller link's
 (``adamps.core.controller_link``); this shell only carries them out, as etcd-io/raft's users do:
 
-- events go in: the controllers' answers (registration, heartbeats with roles and renewed
-  leases), the peers' messages (``repl_ops.PeerOps`` dispatches them), client pushes,
-  the replies to the core's messages, and the clock (``tick`` every ``TICK`` seconds);
-- after each event, ``drain`` carries out the core's ``Ready``: batches queued to the owner
-  threads, pushes answered, messages and pings sent through the transport
-  (``repl_peers.Peers.send``, ``ping``), calls to the controllers (``repl_control``), snapshots
-  fetched, installed and persisted (the store's side is ``bucket_copy``, the disk's
-  ``repl_persist``) or transfers stopped.
+- events go in through one entry, ``step`` (the core's input, the clock read, the Ready
+  carried out, a refusal raised): the peers' messages (``repl_ops.PeerOps`` dispatches them),
+  the answers to the core's messages and to its calls to the controllers, client pushes,
+  the joining copy's snapshot, heartbeats' roles, and the clock (``tick`` every ``TICK`` s);
+- ``drain`` carries out the core's ``Ready``: batches queued to the owner threads, pushes
+  answered, messages and pings sent through the transport (``repl_peers.Peers.send``,
+  ``ping``), calls to the controllers (``repl_control``), snapshots fetched, installed and
+  persisted (the store's side is ``bucket_copy``, the disk's ``repl_persist``) or transfers
+  stopped.
 
 Updates travel in their compact form (dense delta of one shard, or activation and error vectors),
 never as an expanded M x N delta, and every replica applies each batch as one group per shard on
@@ -22,6 +23,7 @@ the shard's owner thread, so replicas end bit-identical (``digest`` checks it).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -34,7 +36,7 @@ from adamps.client.rpc import RpcError
 from adamps.core import repl_copies
 from adamps.core.controller_link import REGISTER, ControllerLink
 from adamps.core.repl_core import ReplCore
-from adamps.core.repl_ready import Fetch, Send
+from adamps.core.repl_ready import Fetch
 from adamps.core.replication import BucketReplica, Reject
 from adamps.protocol import ProtocolError
 from adamps.server import bucket_copy, repl_persist
@@ -44,7 +46,7 @@ from adamps.server.repl_control import ControllerCalls
 from adamps.server.repl_metrics import ReplMetrics
 from adamps.server.repl_ops import PeerOps
 from adamps.server.repl_peers import Peers
-from adamps.server.repl_wire import not_primary, refusal
+from adamps.server.repl_wire import refusal, settle
 from adamps.server.store import Store
 
 if TYPE_CHECKING:
@@ -104,11 +106,6 @@ class Replicator:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.peers.session = self._session
         self.controller = self.calls.open(self._session)
-        if not self.peer_keys.enabled:
-            log.warning(
-                "peer identity is off (no server_key or peer_token): any holder of the cluster "
-                "token, every trainer, can send this server replication messages"
-            )
         self._tasks = [asyncio.create_task(self._clock(), name="ps-clock")]
 
     async def stop(self) -> None:
@@ -150,17 +147,9 @@ class Replicator:
         for _b, action in rd.applies:
             bucket_copy.apply_batches(self.store, action.batches)
         for ans in rd.answers:
-            fut = ans.waiter
-            if not isinstance(fut, asyncio.Future) or fut.done():
-                continue
-            if ans.outcome == "ok":
-                fut.set_result(None)
-            else:  # in a round that may still commit elsewhere: unknown, not "not applied"
-                rep = core.buckets.get(ans.bucket)
-                err = not_primary(rep, ans.bucket, self.addresses, ans.why, code="primary_changed")
-                fut.set_exception(err)
-        for msg in rd.messages:
-            self.peers.send(msg, self._answer_of(msg))
+            settle(ans, core.buckets.get(ans.bucket), self.addresses)
+        for msg in rd.messages:  # its one answer (a reply or an error) goes back in
+            self.peers.send(msg, functools.partial(self.step, -1, core.answer, msg.rid))
         for b in rd.stop_joins:
             task = self._join_tasks.pop(b, None)
             if task is not None and not task.done():
@@ -178,15 +167,21 @@ class Replicator:
                 self.peers.ping(member, buckets, self._on_stale)
             self.m.observe(core)
 
-    def _answer_of(self, msg: Send) -> Callable[[dict[str, Any] | None, str | None], None]:
-        def done(reply: dict[str, Any] | None, error: str | None) -> None:
-            if reply is not None:
-                self.core.on_reply(msg.rid, reply, time.monotonic())
-            else:
-                self.core.report_unreachable(msg.rid, time.monotonic(), error or "connection")
-            self.drain()
+    def step(self, b: int, event: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """The one way an event enters the core: `event` (one of ReplCore's inputs) gets the
+        clock's reading after `args`; the Ready it leaves is carried out in the same loop step
+        (its batches reach the owner threads before anything else runs, before a peer's reply
+        goes out), and a refusal is raised as the protocol's error about bucket `b`."""
+        res = event(*args, time.monotonic(), **kw)
+        self.drain()
+        if isinstance(res, Reject):
+            raise refusal(res, self.core.buckets.get(b), b, self.addresses)
+        return res
 
-        return done
+    def check_primary(self, b: int, read: bool = False) -> BucketReplica:
+        """The bucket's state if this server may serve it as primary now (a `read`: with every
+        acknowledged push applied), else not_primary."""
+        return self.step(b, self.core.check_primary, b, read=read)
 
     async def _clock(self) -> None:
         """The core's and the link's clock: a tick every TICK seconds."""
@@ -224,28 +219,7 @@ class Replicator:
         self.core.on_ping_reply(stale)
         self.drain()
 
-    # -- peers' messages and pushes ---------------------------------------------------------------------
-
-    def feed(self, b: int, msg: dict[str, Any]) -> dict[str, Any]:
-        """A peer's decoded message to the core; the batches it decides are queued to the owner
-        threads in this same loop step (drain), before the reply goes out."""
-        res = self.core.step(msg["sender"], msg, time.monotonic())
-        self.drain()
-        if isinstance(res, Reject):
-            raise self.refusal(b, res)
-        return res
-
-    def refusal(self, b: int, rej: Reject) -> ProtocolError:
-        return refusal(rej, self.core.buckets.get(b), b, self.addresses)
-
-    def check_primary(self, b: int, read: bool = False) -> BucketReplica:
-        """The bucket's state if this server may serve it as primary now (a `read`: with every
-        acknowledged push applied), else not_primary."""
-        rep = self.core.check_primary(b, time.monotonic(), read)
-        self.drain()
-        if isinstance(rep, Reject):
-            raise self.refusal(b, rep)
-        return rep
+    # -- pushes -------------------------------------------------------------------------------------
 
     async def push(
         self, by_bucket: dict[int, list[dict[str, Any]]], client: tuple[str, int] | None
@@ -258,7 +232,7 @@ class Replicator:
         res = self.core.submit(updates, client, futs, time.monotonic())
         self.drain()
         if isinstance(res, tuple):
-            raise self.refusal(*res)
+            raise refusal(res[1], self.core.buckets.get(res[0]), res[0], self.addresses)
         if res:
             self.m.dedup.inc(res)
         try:
@@ -271,18 +245,9 @@ class Replicator:
 
     # -- state transfer -----------------------------------------------------------------------------------
 
-    def snapshot_meta(self, b: int, joiner: str, join: int) -> dict[str, Any]:
-        """The primary's side of a snapshot: the joiner becomes a learner now (the caller queues
-        the reads in this same loop step)."""
-        meta = self.core.snapshot_for(b, joiner, join, time.monotonic())
-        self.drain()
-        if isinstance(meta, Reject):
-            raise self.refusal(b, meta)
-        return meta
-
     async def _transfer(self, f: Fetch) -> None:
         """Fetches, installs and persists the snapshot the core asked for (repl_join.py)."""
-        b, now = f.bucket, time.monotonic
+        b, core = f.bucket, self.core
         snap = None
         try:
             snap = await self.peers.call(
@@ -290,20 +255,19 @@ class Replicator:
             )
         except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
             log.info("bucket %d: snapshot from %s failed: %s; retrying", b, f.primary, exc)
-        fits = self.core.snapshot_fetched(f, None if snap is None else int(snap["epoch"]), now())
-        self.drain()
+        fits = self.step(b, core.snapshot_fetched, f, None if snap is None else int(snap["epoch"]))
         if not fits or snap is None:
             return
         try:
             futs = bucket_copy.install(self.store, self.catalog, b, snap, self.disk.on_corrupt)
         except ValueError as exc:  # damaged on the way: nothing installed; fetch it again
             log.error("bucket %d: CORRUPT snapshot from %s: %s; again", b, f.primary, exc)
-            self.core.snapshot_corrupt(f, now())
+            self.step(b, core.snapshot_corrupt, f)
             return
         # The position moves in the same loop step as the values are queued: a flush cut
         # sees both or neither.
         committed, cepoch = int(snap["committed"]), int(snap.get("committed_epoch", 0))
-        self.core.installed(b, committed, snap["dedup"], cepoch, now())
+        self.step(b, core.installed, b, committed, snap["dedup"], cepoch)
         # Not learning until the copy and its position are on disk (the core's `installed`):
         # the flush holds it meanwhile, and the disk's persist_now writes it.
         persisted = False
@@ -312,8 +276,7 @@ class Replicator:
                 futs, self.disk.persist_now, b, committed, f.primary
             )
         finally:  # False also when cancelled (the bucket moved on): the flush holds it no more
-            self.core.install_persisted(b, persisted, now())
-        self.drain()
+            self.step(b, core.install_persisted, b, persisted)
         if persisted:
             self.m.snapshots.labels("received").inc()
             log.info("bucket %d: snapshot at seq %d from %s installed", b, committed, f.primary)

@@ -222,7 +222,7 @@ def test_the_watchdog_proposes_a_role_change_once_per_failover_after() -> None:
     assert (req.kind, req.bucket, req.position) == ("role_change", 0, (1, 0))
     c.tick(4.2)
     assert take(c).requests == [], "not again before failover_after"
-    c.on_role_change_answer(0, 10.0, 4.3)  # refused: retry_after
+    c.controller_answer(req, "conflict", 10.0, 4.3)  # refused: retry_after
     c.tick(8.0)
     assert take(c).requests == [], "retry_after is respected"
     c.tick(14.4)

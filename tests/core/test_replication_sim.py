@@ -201,8 +201,8 @@ class SimTransport:
             msg.peer,
             msg.op,
             dict(msg.fields),
-            lambda r: s.core.on_reply(msg.rid, r, s.local()),
-            lambda err: s.core.report_unreachable(msg.rid, s.local(), _code(err)),
+            lambda r: s.core.answer(msg.rid, r, None, s.local()),
+            lambda err: s.core.answer(msg.rid, None, _code(err), s.local()),
         )
 
 
@@ -402,32 +402,25 @@ class Server:
         self.sim.net.send(self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "ack"})
 
     def request(self, req: ControllerRequest) -> None:
-        """A call to the controllers the core asked for (Replicator._request)."""
-        b, core = req.bucket, self.core
-        if req.kind == "role_change":
-            self.log(f"b{b}: primary silent: role change")
-            body = {"bucket": b, "server": self.sid, "prev_epoch": req.epoch,
-                    "reports": {self.sid: list(req.position)}}  # fmt: skip
+        """A call to the controllers the core asked for (repl_control.ControllerCalls.request):
+        its answer, whatever it is, goes back in through the core's controller_answer."""
+        b, sid = req.bucket, self.sid
+        self.log(f"b{b}: {req.kind} {req.member} (epoch {req.epoch})")
+        body = {
+            "role_change": {"bucket": b, "server": sid, "prev_epoch": req.epoch,
+                            "reports": {sid: list(req.position)}},
+            "drop_secondary": {"bucket": b, "primary": sid, "epoch": req.epoch,
+                               "server": req.member},
+            "caught_up": {"bucket": b, "primary": sid, "epoch": req.epoch,
+                          "server": req.member, "join": req.join},
+        }[req.kind]  # fmt: skip
 
-            def answered(err: Any, b: int = b) -> None:
-                retry = err.get("retry_after") if isinstance(err, dict) else None
-                core.on_role_change_answer(b, retry, self.local())
+        def answered(err: Any) -> None:
+            retry = err.get("retry_after") if isinstance(err, dict) else None
+            code = None if err is None else _code(err)
+            self.core.controller_answer(req, code, retry, self.local())
 
-            self.call(CTL, "role_change", body, lambda _r: answered(None), answered)
-        elif req.kind == "drop_secondary":
-            self.log(f"b{b}: drop-secondary {req.member} (epoch {req.epoch})")
-            body = {"bucket": b, "primary": self.sid, "epoch": req.epoch, "server": req.member}
-            self.call(CTL, "drop_secondary", body, lambda _r: self.request_heartbeat(),
-                      lambda _e: self.request_heartbeat())  # fmt: skip
-        else:
-            self.log(f"b{b}: report {req.member} caught up (epoch {req.epoch})")
-            body = {"bucket": b, "primary": self.sid, "epoch": req.epoch,
-                    "server": req.member, "join": req.join}  # fmt: skip
-
-            def done(err: Any) -> None:  # unknown outcome: the core's tick asks again
-                core.on_caught_up_answer(req, None if err is None else _code(err), self.local())
-
-            self.call(CTL, "caught_up", body, lambda _r: done(None), done)
+        self.call(CTL, req.kind, body, lambda _r: answered(None), answered)
 
     # -- timers ------------------------------------------------------------------------------
 
