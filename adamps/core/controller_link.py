@@ -34,8 +34,9 @@ class ControllerLink:
         self.interval = interval
         #: "unregistered" | "registering" | "registered"
         self.state = "unregistered"
-        #: when the next call is due: the registration (unregistered) or the next heartbeat
-        self._due = 0.0
+        #: when the next call is due: the registration (unregistered: at the first tick,
+        #: whatever the clock reads) or the next heartbeat
+        self._due = float("-inf")
         self._heartbeat_in_flight = False
         #: the replication core wants the record now: a heartbeat as soon as none is in flight
         self._wanted = False

@@ -12,20 +12,15 @@ from adamps.core.repl_types import Batch
 from adamps.core.replication import BucketReplica
 
 
-def _holds(core: ReplCore, b: int, rep: BucketReplica) -> bool:
-    # A joining copy that has no snapshot yet holds nothing.
-    return core.roles.get(b) != "joining" or rep.learning
-
-
 def copies(core: ReplCore) -> dict[int, list[int]]:
     """The copies held whole, with the (epoch, seq) of the newest batch held applied or
-    prepared: what this server offers the controllers."""
-    return {b: list(r.held_position) for b, r in core.buckets.items() if _holds(core, b, r)}
+    prepared: what this server offers the controllers (ReplCore.offered)."""
+    return core.offered()
 
 
 def _persists(core: ReplCore, b: int, rep: BucketReplica) -> bool:
     # Also a joining copy whose installed snapshot is being persisted before it learns.
-    return _holds(core, b, rep) or b in core.installing
+    return core.holds(b, rep) or b in core.installing
 
 
 def held_copies(core: ReplCore) -> set[int]:

@@ -4,8 +4,10 @@ and no clock (etcd-io/raft's RawNode shape; Project Adam 3.3.3).
 The shell (adamps.server.replicate, or the simulation) feeds events in and carries out what
 ``ready()`` returns, then calls ``advance()``:
 
-- ``registered(terms)``: a new incarnation at the controllers (no role or lease trusted any more);
-- ``on_roles(reply, asked_at, now)``: a heartbeat's answer: the buckets' records become roles
+- the controllers (repl_controllers.py): ``tick`` asks for the registration and the heartbeats
+  when the link says (``ControllerRequest`` in the ``Ready``), ``want_record(now)`` for a
+  heartbeat at once, and ``controller_answer(req, answer, now)`` feeds back every answer;
+- ``on_roles(reply, asked_at, now)`` (a heartbeat's answer): the buckets' records become roles
   (primary, secondary, joining, standby) and ``Assignment``s, renewed leases are timed from when
   the heartbeat was asked (``HolderLeases``), copies no longer assigned are forgotten;
 - ``tick(now)``: the failover watchdog (a secondary whose primary stayed silent proposes a role
@@ -20,7 +22,8 @@ The shell (adamps.server.replicate, or the simulation) feeds events in and carri
   lease holds, else answered "unknown" (another primary may already acknowledge under the next
   epoch; the client's retry is answered exactly once by whoever has the batch);
 - ``unresponsive(...)``: a member that did not answer within ``member_timeout``;
-- the controllers' answers (``controller_answer``) and the joining copy's snapshot (``snapshot_fetched``, ``installed``, ``install_persisted``: repl_join.py).
+- the joining copy's snapshot (``snapshot_fetched``, ``installed``, ``install_persisted``:
+  repl_join.py).
 
 Per bucket, the two-phase-commit state machine is ``BucketReplica`` (adamps.core.replication);
 this object holds one per copy, and the per-server state around them: roles, leases, when each
@@ -32,7 +35,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from adamps.core.lease import HolderLeases, LeaseTerms
+from adamps.core.controller_link import ControllerLink
+from adamps.core.lease import HolderLeases
+from adamps.core.repl_controllers import ControllerSide
 from adamps.core.repl_join import JoiningCopy
 from adamps.core.repl_pings import Pings
 from adamps.core.repl_ready import Answer, ControllerRequest, Fetch, Ready, Send
@@ -41,12 +46,8 @@ from adamps.core.repl_settings import ReplSettings
 from adamps.core.repl_types import Apply, Assignment, Batch, Reject
 from adamps.core.replication import BucketReplica
 
-#: controller error codes after which a caught-up report's outcome is unknown (the entry may have
-#: committed): the report is sent again, never taken as a refusal
-UNKNOWN_OUTCOME = frozenset({"no_quorum", "timeout", "unavailable", "internal"})
 
-
-class ReplCore(JoiningCopy, Pings):
+class ReplCore(ControllerSide, JoiningCopy, Pings):
     """Replication state of one server. Mutated only through its methods, by one shell."""
 
     def __init__(self, settings: ReplSettings) -> None:
@@ -86,6 +87,8 @@ class ReplCore(JoiningCopy, Pings):
         self._rids: dict[int, tuple[int, str]] = {}
         self._next_rid = 0
         self._ready = Ready()
+        #: when to register and heartbeat (repl_controllers.py)
+        self.link = ControllerLink(retry=settings.link_retry)
 
     # -- Ready ------------------------------------------------------------------------------------
 
@@ -106,35 +109,7 @@ class ReplCore(JoiningCopy, Pings):
     def new_replica(self, b: int) -> BucketReplica:
         return BucketReplica(self.server_id, b, log_limit=self.settings.log_limit)
 
-    # -- the controllers ----------------------------------------------------------------------------
-
-    def registered(self, terms: LeaseTerms) -> None:
-        """A new incarnation at the controllers: no role and no lease is trusted any more, but the
-        copies stay (they were offered) until the roles say what to do with them."""
-        self.unregistered()
-        self.leases = HolderLeases(terms)
-
-    def unregistered(self) -> None:
-        """This server is about to register again (the controllers declared it dead, or could not
-        be reached): it stops acting on every role now, before it offers its copies, so that the
-        positions it offers are final. (A primary that went on committing rounds between its
-        offer and the answer would hold batches the controllers' comparison did not see.)"""
-        self.leases = HolderLeases(self.leases.terms)
-        self._rounds.clear()
-        self._rids.clear()
-        for b, rep in self.buckets.items():
-            self._unknown(
-                rep.on_assignment(Assignment(rep.assignment.epoch, None)),
-                b,
-                "this server registered again; the push's outcome is unknown",
-            )
-            if self.roles.get(b) != "joining" or rep.learning:
-                self.roles[b] = "standby"
-        self.table_version = None
-
-    def heartbeat_reports(self) -> dict[int, list[int]]:
-        """Per copy, [epoch it knows, prepared seq]: what each heartbeat tells the controllers."""
-        return {b: [rep.assignment.epoch, rep.prepared_seq] for b, rep in self.buckets.items()}
+    # -- the controllers' records (their calls and answers: repl_controllers.py) ----------------
 
     def on_roles(self, reply: Mapping[str, Any], asked_at: float, now: float) -> None:
         """A heartbeat's answer, asked at `asked_at` (this server's clock)."""
@@ -230,20 +205,6 @@ class ReplCore(JoiningCopy, Pings):
                 "this server no longer holds the bucket; the push's outcome is unknown",
             )
 
-    def controller_answer(
-        self, req: ControllerRequest, error: str | None, retry_after: float | None, now: float
-    ) -> None:
-        """The controllers' answer to `req`: None if accepted, else its error code ("connection"
-        when none came), and the retry_after a refusal may carry."""
-        if req.kind == "role_change":  # a refusal may say when to propose again
-            if retry_after:
-                self.role_change_after[req.bucket] = now + float(retry_after)
-            self._ready.heartbeat = True
-        elif req.kind == "caught_up":
-            self.on_caught_up_answer(req, error, now)
-        else:  # drop_secondary: the record without the member is what the rounds wait for
-            self._ready.heartbeat = True
-
     # -- time -------------------------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
@@ -279,6 +240,7 @@ class ReplCore(JoiningCopy, Pings):
                 self._ready.requests.append(req)
         self._joins_tick(now)
         self._pings_tick(now)
+        self._link_tick(now)
 
     # -- primary: pushes, rounds, acknowledgements ---------------------------------------------
 
@@ -479,32 +441,6 @@ class ReplCore(JoiningCopy, Pings):
                     "caught_up", b, rep.assignment.epoch, m, rep.learner_joins.get(m, 0)
                 )
             )
-
-    def on_caught_up_answer(self, req: ControllerRequest, error: str | None, now: float) -> bool:
-        """The controllers' answer to a caught-up report (`error`: None if accepted, else its
-        code, "connection" when none came). True when the report is sent again (in the
-        ``Ready`` of the first ``tick`` ``report_retry`` later): its outcome is unknown (the
-        entry may have committed, and a repeated report of one join is accepted), and the
-        record has not moved on without this primary or this join."""
-        self._ready.heartbeat = True
-        rep = self.buckets.get(req.bucket)
-        if (
-            rep is None
-            or rep.assignment.epoch != req.epoch
-            or not rep.is_primary
-            or rep.learners.get(req.member) != "reporting"
-            or rep.learner_joins.get(req.member, 0) != req.join
-        ):
-            # The record moved on (on_assignment settles the learner), or the copy joined
-            # again meanwhile: that join's own report decides, not this older one's answer.
-            return False
-        if error is not None and (error == "connection" or error in UNKNOWN_OUTCOME):
-            self._report_again[req.bucket, req.member] = (now + self.settings.report_retry, req)
-            return True
-        rep.report_done(req.member, error is None)
-        if error is None:
-            self._accepted.setdefault(req.bucket, {})[req.member] = now
-        return False
 
     # -- secondary: messages from the primary ---------------------------------------------------
 

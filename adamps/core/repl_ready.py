@@ -9,12 +9,13 @@ The order matters and is the same in every shell (the server's asyncio loop, the
 3. ``answers``: the waiters of client pushes, each ``ok`` (acknowledged) or ``unknown`` (the
    push may still be committed by another primary: the client retries with the same key);
 4. ``messages`` to the replicas, ``requests`` to the controllers, state transfers to stop
-   (``stop_joins``) and snapshots to fetch (``fetches``), ``heartbeat`` (ask the controllers
-   for the record now) and the primary's ``pings`` to its replicas.
+   (``stop_joins``) and snapshots to fetch (``fetches``), ``heartbeat`` (the record is wanted
+   now: the shell feeds ``want_record``) and the primary's ``pings`` to its replicas.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +36,11 @@ class Answer:
 @dataclass(frozen=True)
 class ControllerRequest:
     """A call to make to the controllers; its answer, whatever it is, goes back in through
-    ``ReplCore.controller_answer`` (for ``drop_secondary``: the record without the member is
-    asked for, and the rounds wait for it)."""
+    ``ReplCore.controller_answer`` (repl_controllers.py)."""
 
-    #: "role_change" | "drop_secondary" | "caught_up"
+    #: "register" | "heartbeat" | "role_change" | "drop_secondary" | "caught_up"
     kind: str
+    #: the bucket (-1 for register and heartbeat) and the epoch the request is about
     bucket: int
     epoch: int
     #: the member dropped or reported caught up (drop_secondary, caught_up)
@@ -48,6 +49,23 @@ class ControllerRequest:
     join: int = 0
     #: this copy's [epoch, prepared seq] (role_change)
     position: tuple[int, int] = (0, 0)
+    #: register: {"copies", "committed"}; heartbeat: {"known", "reports"}
+    body: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ControllerAnswer:
+    """The controllers' answer to a ``ControllerRequest``, as the transport got it."""
+
+    #: the reply (None: refused, or no answer came)
+    reply: Mapping[str, Any] | None = None
+    #: the refusal's code, "connection" when no answer came; None: accepted
+    error: str | None = None
+    #: seconds the controllers said to wait before asking again (a refused role change)
+    retry_after: float | None = None
+    #: when the answered call was sent, on this server's clock (a heartbeat's renewed leases
+    #: are timed from it)
+    asked_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ class ReplSettings:
     persist_retry: float = 1.0
     #: seconds before a caught-up report whose outcome is unknown is sent again
     report_retry: float = 0.2
+    #: seconds before registering again after the controllers could not be reached
+    link_retry: float = 0.5
     #: the controllers' lease terms (replaced at each registration by what they announce)
     lease: LeaseTerms = field(default_factory=LeaseTerms)
 

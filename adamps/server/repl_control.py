@@ -1,8 +1,8 @@
-"""A parameter server's calls to the controllers: registration, heartbeats (whose answers carry
-the roles and renewed leases), and the calls the replication core asks for (role changes,
-drop-secondary, caught-up reports). IO only: when to register and heartbeat is the pure link's
-(adamps.core.controller_link), the answers go back into it and into the core
-(adamps.core.repl_core), which decide."""
+"""A parameter server's calls to the controllers, as its replication core asks for them
+(``ControllerRequest`` in the ``Ready``): registration, heartbeats (whose answers carry the roles
+and renewed leases), role changes, drop-secondary and caught-up reports. Each call is made once
+and its answer goes back into the core as it is (``ReplCore.controller_answer``): when to call,
+and what an answer or its absence means, are the core's (adamps.core.repl_controllers)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import aiohttp
 
 from adamps.client.controller import AsyncControllerClient
 from adamps.client.rpc import RpcError
-from adamps.core.lease import LeaseTerms
-from adamps.core.repl_ready import ControllerRequest
+from adamps.core.repl_ready import ControllerAnswer, ControllerRequest
 from adamps.server import bucket_copy
 
 log = logging.getLogger("adamps.server.replicate")
@@ -23,8 +22,7 @@ log = logging.getLogger("adamps.server.replicate")
 
 class ControllerCalls:
     """The controllers as one server's replication calls them. `r` is its Replicator (typed
-    loosely: the layer above, which imports this module). When to register and heartbeat is
-    the pure link's (adamps.core.controller_link, ``r.link``)."""
+    loosely: the layer above, which imports this module)."""
 
     def __init__(self, r: Any) -> None:
         self.r = r
@@ -39,63 +37,52 @@ class ControllerCalls:
         self.ctl = ctl
         return ctl
 
-    async def register(self, copies: dict[int, list[int]], committed: dict[int, int]) -> None:
-        """Offers `copies` (read in the same loop step as the core stopped acting on its roles:
-        the positions offered are final, ReplCore.unregistered)."""
+    async def _register(self, body: dict[str, Any]) -> dict[str, Any]:
         r = self.r
-        try:
-            offered = await bucket_copy.offers(r.store, copies, committed)
-            reply = await self.ctl.register(r.server_id, r.address, offered)
-            if int(reply.get("n_buckets", r.cfg.n_buckets)) != r.cfg.n_buckets:
-                raise RuntimeError(
-                    f"the controllers use n_buckets={reply['n_buckets']}, this server {r.cfg.n_buckets}"
-                )
-            terms = reply.get("lease") or {}
-            r.link.on_registered(reply.get("heartbeat_interval"), time.monotonic())
-            r.core.registered(LeaseTerms(**{k: float(v) for k, v in terms.items()}))
-            r.drain()
-        except Exception as exc:
-            log.warning("controller unreachable: %s; retrying", exc)
-            r.link.on_failed(time.monotonic())
-            return
-        log.info("registered as %s at %s, offering %d copies (lease %s)",
-                 r.server_id, r.address, len(offered), terms)  # fmt: skip
-
-    async def heartbeat(self) -> None:
-        r = self.r
-        try:
-            reply, asked_at = await self.ctl.heartbeat(
-                r.server_id, r.core.table_version, r.core.heartbeat_reports(), r.disk.not_durable()
+        offered = await bucket_copy.offers(r.store, body["copies"], body["committed"])
+        reply = await self.ctl.register(r.server_id, r.address, offered)
+        if int(reply.get("n_buckets", r.cfg.n_buckets)) != r.cfg.n_buckets:
+            raise RuntimeError(
+                f"the controllers use n_buckets={reply['n_buckets']}, this server {r.cfg.n_buckets}"
             )
-            r.link.on_heartbeat(time.monotonic())
-            r.peers.learn(reply.get("roles", []))
-            r.on_heartbeat(reply)  # the runs' table version (adamps/server/tenancy.py)
-            r.core.on_roles(reply, asked_at, time.monotonic())
-            r.drain()
-            r.m.observe(r.core)
-        except Exception as exc:  # declared dead, or unreachable: register again
-            dead = isinstance(exc, RpcError) and exc.code in ("conflict", "not_found")
-            log.warning("controller %s: registering again", exc if dead else f"unreachable: {exc}")
-            r.link.on_failed(time.monotonic(), declared_dead=dead)
+        log.info("registered as %s at %s, offering %d copies (lease %s)",
+                 r.server_id, r.address, len(offered), reply.get("lease"))  # fmt: skip
+        return reply
+
+    async def _heartbeat(self, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        r = self.r
+        reply, asked_at = await self.ctl.heartbeat(
+            r.server_id, body["known"], body["reports"], r.disk.not_durable()
+        )
+        r.peers.learn(reply.get("roles", []))  # the address book, before the roles act
+        r.on_heartbeat(reply)  # the runs' table version (adamps/server/tenancy.py)
+        return reply, asked_at
 
     async def request(self, req: ControllerRequest) -> None:
-        """One call to the controllers the core asked for. Its answer, whatever it is, goes
-        back in (ReplCore.controller_answer), as a peer's answer to a message does."""
+        """One call the core asked for; its answer, whatever it is, goes back in."""
         b, me, ctl = req.bucket, self.r.server_id, self.ctl
         call = {
+            "register": lambda: self._register(dict(req.body)),
+            "heartbeat": lambda: self._heartbeat(dict(req.body)),
             "role_change": lambda: ctl.role_change(b, me, req.epoch, {me: list(req.position)}),
             "drop_secondary": lambda: ctl.drop_secondary(b, me, req.epoch, req.member),
             "caught_up": lambda: ctl.caught_up(b, me, req.epoch, req.member, req.join),
         }[req.kind]
-        error, retry = None, None
+        asked_at = time.monotonic()
         try:
-            await call()
+            reply = await call()
+            if req.kind == "heartbeat":
+                reply, asked_at = reply
+            ans = ControllerAnswer(reply or {}, asked_at=asked_at)
         except RpcError as exc:
-            error, retry = exc.code, exc.extra.get("retry_after")
+            ans = ControllerAnswer(error=exc.code, retry_after=exc.extra.get("retry_after"))
+            log.warning("controllers: %s (bucket %d, %s): %s", req.kind, b, req.member, exc)
         except Exception as exc:  # no answer: the outcome is unknown (the core decides)
-            error = "connection"
-            log.info("bucket %d: %s: %r", b, req.kind, exc)
-        log.log(logging.INFO if req.kind == "caught_up" else logging.WARNING,
-                "bucket %d: %s %s (epoch %d): %s", b, req.kind, req.member or "(this copy)",
-                req.epoch, error or "accepted")  # fmt: skip
-        self.r.step(b, self.r.core.controller_answer, req, error, retry)
+            ans = ControllerAnswer(error="connection")
+            log.warning("controllers: %s (bucket %d, %s): %r", req.kind, b, req.member, exc)
+        if ans.error is None and req.kind not in ("register", "heartbeat"):
+            log.info("controllers: %s (bucket %d, %s, epoch %d) accepted",
+                     req.kind, b, req.member, req.epoch)  # fmt: skip
+        self.r.step(b, self.r.core.controller_answer, req, ans)
+        if req.kind == "heartbeat":
+            self.r.m.observe(self.r.core)

@@ -34,7 +34,6 @@ from prometheus_client import CollectorRegistry
 
 from adamps.client.rpc import RpcError
 from adamps.core import repl_copies
-from adamps.core.controller_link import REGISTER, ControllerLink
 from adamps.core.repl_core import ReplCore
 from adamps.core.repl_ready import Fetch
 from adamps.core.replication import BucketReplica, Reject
@@ -86,13 +85,11 @@ class Replicator:
         self._join_tasks: dict[int, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
-        #: the controllers' client (opened at start)
+        #: the controllers' client (opened at start) and the calls the core asks of them
         self.controller: Any = None
-        #: when to register and heartbeat (pure), and the calls to the controllers (IO)
-        self.link = ControllerLink(retry=0.5)
         self.calls = ControllerCalls(self)
-        #: the registration or heartbeat in flight (cancelled at stop)
-        self._link_tasks: set[asyncio.Task] = set()
+        #: the calls to the controllers in flight (cancelled at stop)
+        self._calls: set[asyncio.Task] = set()
         #: set at stop: every loop ends
         self.closing = False
         #: what replication asks of this server's disk (set by the server: its flusher)
@@ -110,7 +107,7 @@ class Replicator:
 
     async def stop(self) -> None:
         self.closing = True
-        tasks = [*self._tasks, *self._join_tasks.values(), *self._link_tasks]
+        tasks = [*self._tasks, *self._join_tasks.values(), *self._calls]
         for t in tasks:
             t.cancel()
         self.peers.close()
@@ -158,10 +155,12 @@ class Replicator:
             self._join_tasks[f.bucket] = asyncio.create_task(
                 self._transfer(f), name=f"join-{f.bucket}"
             )
-        for req in rd.requests:
-            asyncio.create_task(self.calls.request(req), name=f"{req.kind}-{req.bucket}")
+        for req in () if self.closing else rd.requests:
+            task = asyncio.create_task(self.calls.request(req), name=f"{req.kind}-{req.bucket}")
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
         if rd.heartbeat:
-            self.request_heartbeat()
+            self.step(-1, core.want_record)
         if rd.pings is not None:
             for member, buckets in rd.pings.items():
                 self.peers.ping(member, buckets, self._on_stale)
@@ -184,36 +183,11 @@ class Replicator:
         return self.step(b, self.core.check_primary, b, read=read)
 
     async def _clock(self) -> None:
-        """The core's and the link's clock: a tick every TICK seconds."""
+        """The core's clock: a tick every TICK seconds (its timers and the controller link's)."""
         while not self.closing:
             await asyncio.sleep(TICK)
-            now = time.monotonic()
             repl_persist.tell_blocked(self.core, self.disk.can_persist)
-            self.core.tick(now)
-            self.drain()
-            self._call_controllers(now)
-
-    def _call_controllers(self, now: float) -> None:
-        """Makes the call to the controllers the link asks for now (one in flight at a time)."""
-        call = self.link.tick(now)
-        if call is None:
-            return
-        if call == REGISTER:  # no role is acted on from here: the positions offered are final
-            self.core.unregistered()
-            self.drain()
-            committed = {b: rep.committed for b, rep in self.core.buckets.items()}
-            coro = self.calls.register(repl_copies.copies(self.core), committed)
-        else:
-            coro = self.calls.heartbeat()
-        task = asyncio.create_task(coro, name=f"ps-{call}")
-        self._link_tasks.add(task)
-        task.add_done_callback(self._link_tasks.discard)
-
-    def request_heartbeat(self) -> None:
-        """The record wanted now: a heartbeat at once, or when the one in flight is answered."""
-        self.link.want_record()
-        if self.link.registered and not self.closing:
-            self._call_controllers(time.monotonic())
+            self.step(-1, self.core.tick)
 
     def _on_stale(self, stale: list[Any]) -> None:
         self.core.on_ping_reply(stale)

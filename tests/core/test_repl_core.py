@@ -14,7 +14,7 @@ import pytest
 from adamps.core import repl_copies
 from adamps.core.lease import LeaseTerms
 from adamps.core.repl_core import ReplCore
-from adamps.core.repl_ready import Ready
+from adamps.core.repl_ready import ControllerAnswer, Ready
 from adamps.core.repl_settings import ReplSettings
 from adamps.core.repl_types import Reject
 
@@ -27,8 +27,17 @@ def role(b: int, epoch: int, primary: str, secondaries: list[str], joining: list
 
 
 def core(sid: str, **kw: Any) -> ReplCore:
+    """A core registered as a server's is (its link's request, the controllers' answer), its
+    first heartbeat left in flight: the tests feed it roles themselves (on_roles), so its link
+    asks for nothing more."""
     c = ReplCore(ReplSettings(sid, member_timeout=1.0, failover_after=3.0, lease=TERMS, **kw))
-    c.registered(TERMS)
+    before = -100.0  # long before the tests' times: no timer of theirs has run yet
+    c.tick(before)
+    (reg,) = take(c).requests
+    answer = {"lease": TERMS.to_dict(), "heartbeat_interval": 1.0}
+    c.controller_answer(reg, ControllerAnswer(answer), before)
+    c.tick(before)
+    assert [r.kind for r in take(c).requests] == ["heartbeat"]
     return c
 
 
@@ -210,6 +219,47 @@ def test_an_unresponsive_member_is_reported_only_after_member_timeout() -> None:
     assert [(x.waiter, x.outcome) for x in cl.answers] == [("w1", "ok")]
 
 
+def test_the_core_calls_the_controllers_when_its_link_says_and_takes_every_answer() -> None:
+    """Registration and heartbeats are requests in the Ready (repl_controllers.py): a register
+    offers the copies after the core stopped acting on its roles; an unreachable controller
+    group means registering again after link_retry, a heartbeat refused as dead at once; a
+    record wanted while registered is a heartbeat at once, but never two in flight."""
+    c = ReplCore(ReplSettings("a", lease=TERMS, link_retry=0.5))
+    c.tick(10.0)
+    (reg,) = take(c).requests
+    assert (reg.kind, dict(reg.body)) == ("register", {"copies": {}, "committed": {}})
+    c.controller_answer(reg, ControllerAnswer(error="connection"), 10.1)
+    c.tick(10.5)
+    assert take(c).requests == [], "not again before link_retry"
+    c.tick(10.7)
+    (reg,) = take(c).requests
+    answer = {"lease": {"duration": 3.0, "skew": 0.1, "margin": 0.1}, "heartbeat_interval": 2.0}
+    c.controller_answer(reg, ControllerAnswer(answer), 10.8)
+    assert c.leases.terms.duration == 3.0, "the lease terms announced at registration"
+    c.tick(10.8)
+    (hb,) = take(c).requests
+    assert (hb.kind, dict(hb.body)) == ("heartbeat", {"known": None, "reports": {}})
+    c.want_record(10.9)
+    assert take(c).requests == [], "one heartbeat in flight at a time"
+    roles = {"version": 4, "roles": [role(0, 1, "a", ["b"])], "renewed": [[0, 1]]}
+    c.controller_answer(hb, ControllerAnswer(roles, asked_at=10.8), 11.0)
+    assert c.roles == {0: "primary"} and c.leases.deadline(0) is not None
+    take(c)
+    c.tick(11.0)
+    (hb,) = take(c).requests  # the record wanted meanwhile, once the answer came
+    c.controller_answer(hb, ControllerAnswer({"version": 4}, asked_at=11.0), 11.0)
+    c.tick(12.9)
+    assert take(c).requests == [], "the next heartbeat after the interval"
+    c.want_record(12.95)
+    (hb,) = take(c).requests
+    assert hb.body["known"] == 4 and hb.body["reports"] == {0: [1, 0]}
+    c.controller_answer(hb, ControllerAnswer(error="conflict"), 13.0)  # declared dead
+    c.tick(13.0)
+    (reg,) = take(c).requests
+    assert reg.kind == "register" and c.roles == {0: "standby"}, "no role acted on meanwhile"
+    assert reg.body["copies"] == {0: [0, 0]}, "its copy offered: no batch held yet"
+
+
 def test_the_watchdog_proposes_a_role_change_once_per_failover_after() -> None:
     c = core("b")
     c.on_roles({"version": 1, "roles": [role(0, 1, "a", ["b", "c"])]}, 0.0, 0.0)
@@ -222,7 +272,7 @@ def test_the_watchdog_proposes_a_role_change_once_per_failover_after() -> None:
     assert (req.kind, req.bucket, req.position) == ("role_change", 0, (1, 0))
     c.tick(4.2)
     assert take(c).requests == [], "not again before failover_after"
-    c.controller_answer(req, "conflict", 10.0, 4.3)  # refused: retry_after
+    c.controller_answer(req, ControllerAnswer(error="conflict", retry_after=10.0), 4.3)
     c.tick(8.0)
     assert take(c).requests == [], "retry_after is respected"
     c.tick(14.4)

@@ -62,11 +62,9 @@ from typing import Any
 import pytest
 
 from adamps.core import repl_copies
-from adamps.core.controller_link import HEARTBEAT as HEARTBEAT_CALL
-from adamps.core.controller_link import REGISTER, ControllerLink
 from adamps.core.lease import LeaseTerms, check_history
 from adamps.core.repl_core import ReplCore
-from adamps.core.repl_ready import Answer, ControllerRequest, Fetch, Send
+from adamps.core.repl_ready import Answer, ControllerAnswer, ControllerRequest, Fetch, Send
 from adamps.core.repl_settings import ReplSettings
 from adamps.core.replication import Assignment, Batch, BucketReplica, Reject
 from controller.state import DEAD, LIVE, ClusterModel
@@ -238,13 +236,12 @@ class Server:
             lease=TERMS,
             join_retry=0.3 / 4,
             report_retry=0.2 / 4,
+            link_retry=0.5 / 4,  # the production link's retry, a quarter of it
             ping_interval=PING,  # the simulation's timings are a quarter of the server's
         )
         self.core = ReplCore(settings)
         self.transport = SimTransport(self)
         self.store: dict[int, list[int]] = {}
-        #: when to register and heartbeat: the production link (a quarter of its retry)
-        self.link = ControllerLink(retry=0.5 / 4)
         self.next_flush = self.local() + sim.rng.uniform(0, FLUSH)
         self.rpcs: dict[int, Rpc] = {}
         #: bucket -> event count of the disk cut this copy was reloaded from (loss window)
@@ -333,10 +330,7 @@ class Server:
 
     @property
     def registered(self) -> bool:
-        return self.link.registered
-
-    def request_heartbeat(self) -> None:
-        self.link.want_record()
+        return self.core.link.registered
 
     def serve(self, b: int, what: str) -> None:
         """Records an act as primary under the lease (invariant 1)."""
@@ -374,7 +368,7 @@ class Server:
             for req in rd.requests:
                 self.request(req)
             if rd.heartbeat:
-                self.request_heartbeat()
+                core.want_record(self.local())
             for m, buckets in (rd.pings or {}).items():
                 ok = lambda r: self.core.on_ping_reply(r["stale"])  # noqa: E731
                 self.call(m, "repl_ping", {"buckets": {int(k): e for k, e in buckets.items()}},
@@ -404,9 +398,14 @@ class Server:
     def request(self, req: ControllerRequest) -> None:
         """A call to the controllers the core asked for (repl_control.ControllerCalls.request):
         its answer, whatever it is, goes back in through the core's controller_answer."""
-        b, sid = req.bucket, self.sid
-        self.log(f"b{b}: {req.kind} {req.member} (epoch {req.epoch})")
+        b, sid, asked_at = req.bucket, self.sid, self.local()
+        if req.kind == "register":
+            self.log(f"register offering {req.body['copies']}")
+        elif req.kind != "heartbeat":
+            self.log(f"b{b}: {req.kind} {req.member} (epoch {req.epoch})")
         body = {
+            "register": {"copies": req.body.get("copies")},
+            "heartbeat": {"known": req.body.get("known"), "reports": req.body.get("reports")},
             "role_change": {"bucket": b, "server": sid, "prev_epoch": req.epoch,
                             "reports": {sid: list(req.position)}},
             "drop_secondary": {"bucket": b, "primary": sid, "epoch": req.epoch,
@@ -415,29 +414,29 @@ class Server:
                           "server": req.member, "join": req.join},
         }[req.kind]  # fmt: skip
 
-        def answered(err: Any) -> None:
-            retry = err.get("retry_after") if isinstance(err, dict) else None
-            code = None if err is None else _code(err)
-            self.core.controller_answer(req, code, retry, self.local())
+        def ok(reply: dict[str, Any]) -> None:
+            self.core.controller_answer(
+                req, ControllerAnswer(reply, asked_at=asked_at), self.local()
+            )
 
-        self.call(CTL, req.kind, body, lambda _r: answered(None), answered)
+        def fail(err: Any) -> None:
+            if req.kind == "heartbeat":
+                self.log(f"heartbeat failed ({_code(err)}): registering again")
+            retry = err.get("retry_after") if isinstance(err, dict) else None
+            ans = ControllerAnswer(error=_code(err), retry_after=retry)
+            self.core.controller_answer(req, ans, self.local())
+
+        self.call(CTL, req.kind, body, ok, fail)
 
     # -- timers ------------------------------------------------------------------------------
 
     def tick(self) -> None:
         self.expire_rpcs()
         now = self.local()
-        call = self.link.tick(now)
-        if call == REGISTER:
-            self.register()
-        elif call == HEARTBEAT_CALL:
-            self.heartbeat()
-        if not self.link.registered:
-            return
-        if now >= self.next_flush:
+        if self.registered and now >= self.next_flush:
             self.next_flush = now + FLUSH
             self.flush()
-        self.core.tick(now)
+        self.core.tick(now)  # with the controller link's: the registration and heartbeats
         self.drain()
 
     def flush(self) -> None:
@@ -463,39 +462,6 @@ class Server:
         self.disk.update(cuts)
 
     # -- control loop ------------------------------------------------------------------------
-
-    def register(self) -> None:
-        self.core.unregistered()  # as Replicator._call_controllers: the offered positions are final
-        self.drain()
-        copies = repl_copies.copies(self.core)
-        self.log(f"register offering {copies}")
-
-        def ok(reply: dict[str, Any]) -> None:
-            self.link.on_registered(HEARTBEAT, self.local())
-            self.core.registered(TERMS)
-
-        def fail(err: Any) -> None:
-            self.link.on_failed(self.local())
-
-        self.call(CTL, "register", {"copies": copies}, ok, fail)
-
-    def heartbeat(self) -> None:
-        asked_at = self.local()
-        reports = self.core.heartbeat_reports()
-
-        def ok(reply: dict[str, Any]) -> None:
-            self.link.on_heartbeat(self.local())
-            self.core.on_roles(reply, asked_at, self.local())
-
-        def fail(err: Any) -> None:
-            code = _code(err)
-            # declared dead (conflict / not_found), or the controllers unreachable: the link
-            # registers again (a new incarnation)
-            self.log(f"heartbeat failed ({code}): registering again")
-            self.link.on_failed(self.local(), declared_dead=code in ("conflict", "not_found"))
-
-        known = self.core.table_version
-        self.call(CTL, "heartbeat", {"known": known, "reports": reports}, ok, fail)
 
     def fetch(self, f: Fetch) -> None:
         """Replicator._transfer: fetch the snapshot the core asked for, install it if it fits."""
@@ -607,6 +573,8 @@ class Controller:
         if kind == "register":
             res = m.register(sid, sid, now, body["copies"])
             self.last_seen[sid] = now
+            if res.get("ok"):  # announced with every registration (controller/service.py)
+                res = {**res, "lease": TERMS.to_dict(), "heartbeat_interval": HEARTBEAT}
         elif kind == "heartbeat":
             rec = m.servers.get(sid)
             if rec is None:
