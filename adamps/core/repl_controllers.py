@@ -5,7 +5,8 @@ does. Part of ``ReplCore`` (adamps.core.repl_core), which holds the state these 
 Every call is a ``ControllerRequest`` in the ``Ready``: ``register`` (this server's copies and
 their positions, read after it stopped acting on every role, so they are final), ``heartbeat``
 (the record version it knows and, per copy, its epoch and prepared seq), and the calls the
-protocol asks for (``role_change``, ``drop_secondary``, ``caught_up``). The transport makes each
+protocol asks for (``role_change``, ``drop_secondary``, ``caught_up``), and at stop the primary
+leases given back (``release``, ``stopping``). The transport makes each
 call once and feeds its answer back, whatever it is (``controller_answer``): the reply, or the
 refusal's code, or "connection" when none came."""
 
@@ -66,6 +67,15 @@ class ControllerSide:
         if self.link.registered:
             self._link_tick(now)
 
+    def stopping(self) -> list[ControllerRequest]:
+        """This server stops: a release of each primary lease it holds, so that the next
+        primaries need not wait for them to run out (best effort: the answers change nothing)."""
+        return [
+            ControllerRequest("release", b, self.buckets[b].assignment.epoch)
+            for b, role in self.roles.items()
+            if role == "primary"
+        ]
+
     def registered(self, terms: LeaseTerms) -> None:
         """A new incarnation at the controllers: no role and no lease is trusted any more, but the
         copies stay (they were offered) until the roles say what to do with them."""
@@ -124,7 +134,7 @@ class ControllerSide:
             self._ready.heartbeat = True
         elif req.kind == "caught_up":
             self.on_caught_up_answer(req, ans.error, now)
-        else:  # drop_secondary: the record without the member is what the rounds wait for
+        elif req.kind == "drop_secondary":  # the record without the member: the rounds wait
             self._ready.heartbeat = True
 
     def on_caught_up_answer(self, req: ControllerRequest, error: str | None, now: float) -> bool:

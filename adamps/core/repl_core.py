@@ -32,6 +32,7 @@ primary was last heard, the joins, and which cut of each copy was persisted.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -277,25 +278,24 @@ class ReplCore(ControllerSide, JoiningCopy, Pings):
         client: tuple[str, int] | None,
         waiters: Mapping[int, Any],
         now: float,
-    ) -> tuple[int, Reject] | int:
+    ) -> Reject | None:
         """A client push (its updates per bucket, a waiter per bucket): all buckets or none.
-        Returns (bucket, refusal), or how many buckets found it a duplicate."""
+        Returns the refusal (naming its bucket), if any; duplicates are counted in the Ready."""
         reps = {}
         for b in updates:
             rep = self.check_primary(b, now)
             if isinstance(rep, Reject):
-                return b, rep
+                return dataclasses.replace(rep, bucket=b)
             reps[b] = rep
-        dups = 0
         for b, update in updates.items():
             verdict = reps[b].submit(update, client, waiters[b])
             if isinstance(verdict, Reject):
-                return b, verdict
+                return dataclasses.replace(verdict, bucket=b)
             if verdict == "duplicate-committed":
                 self._ready.answers.append(Answer(waiters[b], "ok", b))
-            dups += verdict != "queued"
+            self._ready.duplicates += verdict != "queued"
             self.pump(b, now)
-        return dups
+        return None
 
     def pump(self, b: int, now: float) -> None:
         """The primary's rounds of bucket b: start the next round while the lease holds and

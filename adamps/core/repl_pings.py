@@ -58,7 +58,7 @@ class Pings:
                 self._ready.heartbeat = True
         return stale
 
-    def on_ping_reply(self, stale: Sequence[int]) -> None:
+    def on_ping_reply(self, stale: Sequence[int], now: float) -> None:
         """A member says some of this server's pinged epochs are stale: ask the controllers."""
         if stale:
             self._ready.stale += len(stale)

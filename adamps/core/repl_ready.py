@@ -38,7 +38,7 @@ class ControllerRequest:
     """A call to make to the controllers; its answer, whatever it is, goes back in through
     ``ReplCore.controller_answer`` (repl_controllers.py)."""
 
-    #: "register" | "heartbeat" | "role_change" | "drop_secondary" | "caught_up"
+    #: "register" | "heartbeat" | "role_change" | "drop_secondary" | "caught_up" | "release"
     kind: str
     #: the bucket (-1 for register and heartbeat) and the epoch the request is about
     bucket: int
@@ -116,9 +116,11 @@ class Ready:
     heartbeat: bool = False
     #: the pings due now, member -> {bucket: epoch} (repl_pings.py); None: not the time
     pings: dict[str, dict[str, int]] | None = None
-    #: counters for the metrics: failovers (promotions), stale (messages of an older epoch)
+    #: counters for the metrics: failovers (promotions), stale (messages of an older epoch),
+    #: duplicates (a push's buckets that already had it: answered once, never applied twice)
     failovers: int = 0
     stale: int = 0
+    duplicates: int = 0
 
     def empty(self) -> bool:
         return not (
@@ -135,4 +137,5 @@ class Ready:
             or self.pings is not None
             or self.failovers
             or self.stale
+            or self.duplicates
         )

@@ -48,6 +48,8 @@ class Reject:
     code: str
     message: str
     epoch: int = 0
+    #: the bucket refused, where the input named several (a push)
+    bucket: int | None = None
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,7 @@ class ParameterServer:
         self.tenancy = Tenancy(cfg.token, self.store, self.persister, self.registry)
         if self.replicator is not None:
             rep = self.replicator  # its controller client exists once it started
-            self.tenancy.fetch = lambda: rep.controller.runs_auth()
+            self.tenancy.fetch = lambda: rep.calls.ctl.runs_auth()
             self.replicator.on_heartbeat = self.tenancy.on_heartbeat
         self.addressing = Addressing(cfg, self.store, self.replicator)
         self.reads = Reads(self.store, self.addressing)
@@ -318,7 +318,7 @@ class ParameterServer:
                 await self.replicator.start()
                 # Its first registration runs in a task started above, which has not run yet:
                 # the rack goes with it (issue 26).
-                self.replicator.controller.rack = self.cfg.rack or None
+                self.replicator.calls.ctl.rack = self.cfg.rack or None
 
         async def cleanup(_app: web.Application) -> None:
             if self.replicator is not None:

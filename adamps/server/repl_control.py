@@ -28,14 +28,13 @@ class ControllerCalls:
         self.r = r
         self.ctl: Any = None
 
-    def open(self, session: aiohttp.ClientSession) -> Any:
+    def open(self, session: aiohttp.ClientSession) -> None:
         """The controllers' client, signing this server's calls when it has a key."""
-        ctl = AsyncControllerClient(
-            self.r.cfg.controllers, self.r.cfg.token, session, timeout=5.0, retry_for=5.0
+        cfg = self.r.cfg
+        self.ctl = AsyncControllerClient(
+            cfg.controllers, cfg.token, session, timeout=5.0, retry_for=5.0
         )
-        ctl.signer = self.r.peer_keys.controller_signer()
-        self.ctl = ctl
-        return ctl
+        self.ctl.signer = self.r.peer_keys.controller_signer()
 
     async def _register(self, body: dict[str, Any]) -> dict[str, Any]:
         r = self.r
@@ -67,6 +66,7 @@ class ControllerCalls:
             "role_change": lambda: ctl.role_change(b, me, req.epoch, {me: list(req.position)}),
             "drop_secondary": lambda: ctl.drop_secondary(b, me, req.epoch, req.member),
             "caught_up": lambda: ctl.caught_up(b, me, req.epoch, req.member, req.join),
+            "release": lambda: ctl.release(b, me, req.epoch),
         }[req.kind]
         asked_at = time.monotonic()
         try:
@@ -75,14 +75,15 @@ class ControllerCalls:
                 reply, asked_at = reply
             ans = ControllerAnswer(reply or {}, asked_at=asked_at)
         except RpcError as exc:
-            ans = ControllerAnswer(error=exc.code, retry_after=exc.extra.get("retry_after"))
-            log.warning("controllers: %s (bucket %d, %s): %s", req.kind, b, req.member, exc)
+            ans, why = ControllerAnswer(None, exc.code, exc.extra.get("retry_after")), exc
         except Exception as exc:  # no answer: the outcome is unknown (the core decides)
-            ans = ControllerAnswer(error="connection")
-            log.warning("controllers: %s (bucket %d, %s): %r", req.kind, b, req.member, exc)
-        if ans.error is None and req.kind not in ("register", "heartbeat"):
-            log.info("controllers: %s (bucket %d, %s, epoch %d) accepted",
-                     req.kind, b, req.member, req.epoch)  # fmt: skip
+            ans, why = ControllerAnswer(error="connection"), exc
+        else:  # (registrations log themselves; heartbeats and releases are routine)
+            why = "accepted" if req.kind in ("role_change", "drop_secondary", "caught_up") else None
+        if why is not None:
+            about = (
+                f" (bucket {b}, epoch {req.epoch}, {req.member or 'this copy'})" if b >= 0 else ""
+            )
+            log.log(logging.WARNING if ans.error else logging.INFO, "controllers: %s%s: %s",
+                    req.kind, about, why)  # fmt: skip
         self.r.step(b, self.r.core.controller_answer, req, ans)
-        if req.kind == "heartbeat":
-            self.r.m.observe(self.r.core)

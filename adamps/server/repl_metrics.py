@@ -79,7 +79,7 @@ class ReplMetrics:
         )
 
     def count(self, rd: Ready) -> None:
-        """What the core decided, as counted: rounds, promotions, stale messages, secondaries
+        """What the core decided, as counted: rounds, promotions, stale messages, duplicates, secondaries
         dropped (asked of the controllers); a forgotten bucket's lag series goes with it."""
         for seconds, pushes in rd.rounds:
             self.round_seconds.observe(seconds)
@@ -88,6 +88,8 @@ class ReplMetrics:
             self.failovers.inc(rd.failovers)
         if rd.stale:
             self.stale.inc(rd.stale)
+        if rd.duplicates:
+            self.dedup.inc(rd.duplicates)
         for req in rd.requests:
             if req.kind == "drop_secondary":
                 self.dropped.inc()

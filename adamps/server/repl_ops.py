@@ -1,9 +1,7 @@
 """The replication ops a parameter server serves to its peers (POST /rpc and the data plane's
-repl_multi frames): the sender's proof (peer_keys.py), the message decoded (repl_wire.py) and its
-batches re-checked (repl_check.py), then to the replication core (``Replicator.step``). No decision is taken here: epochs,
-roles, the commit riding on a PREPARE and the watchdog's clock are the core's
-(adamps.core.repl_core); the store's reads and installs of a state transfer are
-bucket_copy.py's."""
+repl_multi frames): the sender's proof (peer_keys.py), the message decoded (repl_wire.py) and
+its batches re-checked (repl_check.py), then into the core (``Replicator.step``), which takes
+every decision; a state transfer's store reads are bucket_copy.py's."""
 
 from __future__ import annotations
 

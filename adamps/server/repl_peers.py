@@ -28,7 +28,7 @@ from adamps.client.dataplane import (
     frame_header,
 )
 from adamps.client.rpc import AsyncRpc, RpcError, rpc_request
-from adamps.core.repl_ready import Send
+from adamps.core.repl_ready import Fetch, Send
 from adamps.server.peer_keys import PeerKeys
 from adamps.server.repl_wire import batch_to_wire
 
@@ -331,9 +331,17 @@ class Peers:
         ch.member = server
         return ch
 
-    async def call(self, server: str, op: str, **fields: Any) -> dict[str, Any]:
-        """One replication request to a peer over HTTP, signed (repl_snapshot)."""
-        return await signed_call(self.rpc(server), self.keys, server, op, fields)
+    async def snapshot(self, f: Fetch) -> dict[str, Any] | None:
+        """The snapshot a joining copy asks its primary for (the core's Fetch), over HTTP,
+        signed; None when it failed (the core asks again)."""
+        fields = {"bucket": f.bucket, "joiner": self.keys.server_id, "join": f.join}
+        try:
+            return await signed_call(
+                self.rpc(f.primary), self.keys, f.primary, "repl_snapshot", fields
+            )
+        except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
+            log.info("bucket %d: snapshot from %s failed: %s; again", f.bucket, f.primary, exc)
+            return None
 
     def learn(self, roles: list[dict[str, Any]]) -> None:
         """The addresses of the servers a heartbeat's roles name."""

@@ -2,18 +2,14 @@
 
 Project Adam 3.3.3, end to end. Every decision and all per-bucket state are the core's
 (``adamps.core.repl_core.ReplCore``: roles, leases, rounds of two-phase commit, the watchdog,
-pings, state-transfer decisions), and when to register and heartbeat is the controller link's
-(``adamps.core.controller_link``); this shell only carries them out, as etcd-io/raft's users do:
-
-- events go in through one entry, ``step`` (the core's input, the clock read, the Ready
-  carried out, a refusal raised): the peers' messages (``repl_ops.PeerOps`` dispatches them),
-  the answers to the core's messages and to its calls to the controllers, client pushes,
-  the joining copy's snapshot, heartbeats' roles, and the clock (``tick`` every ``TICK`` s);
-- ``drain`` carries out the core's ``Ready``: batches queued to the owner threads, pushes
-  answered, messages and pings sent through the transport (``repl_peers.Peers.send``,
-  ``ping``), calls to the controllers (``repl_control``), snapshots fetched, installed and
-  persisted (the store's side is ``bucket_copy``, the disk's ``repl_persist``) or transfers
-  stopped.
+pings, state transfers, when to call the controllers); this shell only carries them out, as
+etcd-io/raft's users do. Every event goes in through one entry, ``step`` (the core's input with
+the clock's reading, its ``Ready`` carried out in the same loop step, a refusal raised): the
+peers' messages (``repl_ops``), the answers to the core's messages and calls, client pushes, a
+joining copy's snapshot, and the clock (a tick every ``TICK`` s). ``drain`` carries out the
+``Ready``: batches to the owner threads, pushes answered, messages and pings through the
+transport (``repl_peers.Peers``), calls to the controllers (``repl_control``), snapshots fetched,
+installed (``bucket_copy``) and persisted (``repl_persist``).
 
 Updates travel in their compact form (dense delta of one shard, or activation and error vectors),
 never as an expanded M x N delta, and every replica applies each batch as one group per shard on
@@ -23,6 +19,7 @@ the shard's owner thread, so replicas end bit-identical (``digest`` checks it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -32,8 +29,6 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from adamps.client.rpc import RpcError
-from adamps.core import repl_copies
 from adamps.core.repl_core import ReplCore
 from adamps.core.repl_ready import Fetch
 from adamps.core.replication import BucketReplica, Reject
@@ -74,22 +69,20 @@ class Replicator:
         self.core = ReplCore(cfg.repl_settings)
         #: who this server is to its peers, and who sent what it is asked to replicate
         self.peer_keys = PeerKeys(
-            cfg.server_id, cfg.own_key(), lambda: self.controller, lambda s: s in self.addresses
+            cfg.server_id, cfg.own_key(), lambda: self.calls.ctl, lambda s: s in self.addresses
         )
         self.peers = Peers(cfg.token, cfg.member_timeout, self.peer_keys)
         #: server id -> "host:port" (from the controllers' roles; the peers' address book)
         self.addresses = self.peers.addresses
         #: the ops peers call (POST /rpc, the data plane's repl_multi frames)
         self.ops = PeerOps(self)
-        #: bucket -> the task fetching and installing its snapshot (joining side)
+        #: every task of this shell (cancelled at stop): the clock, the calls to the controllers
+        #: and, by bucket, the state transfers (fetch, install, persist) of joining copies
+        self._tasks: set[asyncio.Task] = set()
         self._join_tasks: dict[int, asyncio.Task] = {}
-        self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
-        #: the controllers' client (opened at start) and the calls the core asks of them
-        self.controller: Any = None
+        #: the calls the core asks of the controllers (their client is opened at start)
         self.calls = ControllerCalls(self)
-        #: the calls to the controllers in flight (cancelled at stop)
-        self._calls: set[asyncio.Task] = set()
         #: set at stop: every loop ends
         self.closing = False
         #: what replication asks of this server's disk (set by the server: its flusher)
@@ -102,27 +95,21 @@ class Replicator:
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.peers.session = self._session
-        self.controller = self.calls.open(self._session)
-        self._tasks = [asyncio.create_task(self._clock(), name="ps-clock")]
+        self.calls.open(self._session)
+        self._spawn(self._clock(), "ps-clock")
 
     async def stop(self) -> None:
         self.closing = True
-        tasks = [*self._tasks, *self._join_tasks.values(), *self._calls]
+        tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
         self.peers.close()
         await asyncio.gather(*tasks, return_exceptions=True)
-        # Give the primary leases back, so the next primaries need not wait for them to expire:
+        # The primary leases given back, so the next primaries need not wait for them to expire:
         # all at once and within one second in total (best effort: unreleased leases run out).
-        releases = [
-            self.controller.release(b, self.server_id, self.core.buckets[b].assignment.epoch)
-            for b in repl_copies.primaries(self.core)
-        ]
-        if releases:
-            try:
-                await asyncio.wait_for(asyncio.gather(*releases, return_exceptions=True), 1.0)
-            except TimeoutError:
-                pass
+        releases = [self.calls.request(req) for req in self.core.stopping()]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*releases), 1.0)
         if self._session is not None:
             await self._session.close()
 
@@ -147,33 +134,31 @@ class Replicator:
             settle(ans, core.buckets.get(ans.bucket), self.addresses)
         for msg in rd.messages:  # its one answer (a reply or an error) goes back in
             self.peers.send(msg, functools.partial(self.step, -1, core.answer, msg.rid))
-        for b in rd.stop_joins:
-            task = self._join_tasks.pop(b, None)
-            if task is not None and not task.done():
+        for b in rd.stop_joins:  # (cancelling a finished task does nothing)
+            if (task := self._join_tasks.pop(b, None)) is not None:
                 task.cancel()
         for f in rd.fetches:
-            self._join_tasks[f.bucket] = asyncio.create_task(
-                self._transfer(f), name=f"join-{f.bucket}"
-            )
+            self._join_tasks[f.bucket] = self._spawn(self._transfer(f), f"join-{f.bucket}")
         for req in () if self.closing else rd.requests:
-            task = asyncio.create_task(self.calls.request(req), name=f"{req.kind}-{req.bucket}")
-            self._calls.add(task)
-            task.add_done_callback(self._calls.discard)
+            self._spawn(self.calls.request(req), f"{req.kind}-{req.bucket}")
         if rd.heartbeat:
             self.step(-1, core.want_record)
         if rd.pings is not None:
+            stale = functools.partial(self.step, -1, core.on_ping_reply)
             for member, buckets in rd.pings.items():
-                self.peers.ping(member, buckets, self._on_stale)
+                self.peers.ping(member, buckets, stale)
             self.m.observe(core)
 
     def step(self, b: int, event: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """The one way an event enters the core: `event` (one of ReplCore's inputs) gets the
         clock's reading after `args`; the Ready it leaves is carried out in the same loop step
         (its batches reach the owner threads before anything else runs, before a peer's reply
-        goes out), and a refusal is raised as the protocol's error about bucket `b`."""
+        goes out), and a refusal is raised as the protocol's error about bucket `b` (or the one
+        it names)."""
         res = event(*args, time.monotonic(), **kw)
         self.drain()
         if isinstance(res, Reject):
+            b = b if res.bucket is None else res.bucket
             raise refusal(res, self.core.buckets.get(b), b, self.addresses)
         return res
 
@@ -182,16 +167,18 @@ class Replicator:
         acknowledged push applied), else not_primary."""
         return self.step(b, self.core.check_primary, b, read=read)
 
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     async def _clock(self) -> None:
         """The core's clock: a tick every TICK seconds (its timers and the controller link's)."""
         while not self.closing:
             await asyncio.sleep(TICK)
             repl_persist.tell_blocked(self.core, self.disk.can_persist)
             self.step(-1, self.core.tick)
-
-    def _on_stale(self, stale: list[Any]) -> None:
-        self.core.on_ping_reply(stale)
-        self.drain()
 
     # -- pushes -------------------------------------------------------------------------------------
 
@@ -200,15 +187,9 @@ class Replicator:
     ) -> None:
         """Replicates one client push (its updates grouped by bucket); returns once every
         bucket's round is decided (``ack = "prepared"``) or committed by every member."""
-        loop = asyncio.get_running_loop()
-        futs = {b: loop.create_future() for b in by_bucket}
+        futs = {b: asyncio.get_running_loop().create_future() for b in by_bucket}
         updates = {b: tuple(u) for b, u in by_bucket.items()}
-        res = self.core.submit(updates, client, futs, time.monotonic())
-        self.drain()
-        if isinstance(res, tuple):
-            raise refusal(res[1], self.core.buckets.get(res[0]), res[0], self.addresses)
-        if res:
-            self.m.dedup.inc(res)
+        self.step(-1, self.core.submit, updates, client, futs)
         try:
             await asyncio.wait_for(asyncio.gather(*futs.values()), self.cfg.push_timeout)
         except TimeoutError:
@@ -222,13 +203,7 @@ class Replicator:
     async def _transfer(self, f: Fetch) -> None:
         """Fetches, installs and persists the snapshot the core asked for (repl_join.py)."""
         b, core = f.bucket, self.core
-        snap = None
-        try:
-            snap = await self.peers.call(
-                f.primary, "repl_snapshot", bucket=b, joiner=self.server_id, join=f.join
-            )
-        except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
-            log.info("bucket %d: snapshot from %s failed: %s; retrying", b, f.primary, exc)
+        snap = await self.peers.snapshot(f)
         fits = self.step(b, core.snapshot_fetched, f, None if snap is None else int(snap["epoch"]))
         if not fits or snap is None:
             return

@@ -97,7 +97,7 @@ def test_a_push_is_acknowledged_at_the_decision_point_and_applied_everywhere() -
     once all hold the batch; the COMMIT rides on the next PREPARE or follows alone."""
     cl = Cluster()
     a = cl.cores["a"]
-    assert a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.1) == 0
+    assert a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.1) is None
     cl.collect()
     assert [m.op for _s, m in cl.out] == ["repl_prepare", "repl_prepare"]
     cl.deliver(0.1)
@@ -145,7 +145,7 @@ def test_a_new_primary_serves_no_read_before_it_applied_its_in_doubt_rounds() ->
     rej = b.check_primary(0, 3.0, read=True)
     assert isinstance(rej, Reject) and rej.code == "not_primary" and "in-doubt" in rej.message
     assert not isinstance(b.check_primary(0, 3.0), Reject), "writes are not refused"
-    assert b.submit({0: "u2"}, ("cl", 2), {0: "w2"}, 3.0) == 0
+    assert b.submit({0: "u2"}, ("cl", 2), {0: "w2"}, 3.0) is None
     cl.cores.pop("a")  # dead: its messages are gone with it
     cl.out = [(s, m) for s, m in cl.out if s != "a"]
     cl.collect()
@@ -185,11 +185,11 @@ def test_a_push_is_refused_without_the_lease_or_the_role() -> None:
     cl = Cluster()
     b = cl.cores["b"]
     res = b.submit({0: "u"}, ("cl", 1), {0: "w"}, 0.1)
-    assert isinstance(res, tuple) and res[1].code == "not_primary"
+    assert isinstance(res, Reject) and (res.code, res.bucket) == ("not_primary", 0)
     a = cl.cores["a"]
     late = a.leases.deadline(0) + 1.0  # type: ignore[operator]
     res = a.submit({0: "u"}, ("cl", 1), {0: "w"}, late)
-    assert isinstance(res, tuple) and res[1].code == "not_primary"
+    assert isinstance(res, Reject) and (res.code, res.bucket) == ("not_primary", 0)
     assert take(a).heartbeat, "a lapsed lease asks the controllers at once"
 
 
@@ -300,7 +300,7 @@ def test_a_primary_pings_each_replica_once_per_ping_interval() -> None:
     assert b.step("a", {"op": "repl_ping", "sender": "a", "buckets": {0: 0}}, 0.1) == {
         "stale": [0]
     }, "a ping of an older epoch is answered stale"
-    a.on_ping_reply([0])
+    a.on_ping_reply([0], 1.0)
     assert take(a).heartbeat, "told its epoch is stale: the primary asks for the record"
 
 

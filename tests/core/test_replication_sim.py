@@ -370,7 +370,7 @@ class Server:
             if rd.heartbeat:
                 core.want_record(self.local())
             for m, buckets in (rd.pings or {}).items():
-                ok = lambda r: self.core.on_ping_reply(r["stale"])  # noqa: E731
+                ok = lambda r: self.core.on_ping_reply(r["stale"], self.local())  # noqa: E731
                 self.call(m, "repl_ping", {"buckets": {int(k): e for k, e in buckets.items()}},
                           ok, lambda _e: None)  # fmt: skip
         # Invariant 1 for every round the core started (only while the lease holds).
@@ -518,7 +518,7 @@ class Server:
         b, key, uid = body["bucket"], tuple(body["key"]), body["uid"]
         w = Waiter(msg.src, uid, b, body["rid"])
         res = self.core.submit({b: uid}, key, {b: w}, self.local())
-        if isinstance(res, tuple):
+        if isinstance(res, Reject):
             self.drain()
             self.sim.net.send(self.sid, msg.src, "push_reply", {"rid": w.rid, "outcome": "failed"})
             return
