@@ -13,8 +13,9 @@ declared it dead (``conflict`` or ``not_found``: a heartbeat cannot succeed agai
 replication core stop acting on every role (``ReplCore.unregistered``), so the positions it offers
 are final.
 
-The shell (adamps.server.replicate, or the simulation) asks ``tick(now)`` which call to make, makes
-it and feeds the answer back (``on_registered``, ``on_heartbeat``, ``on_failed``).
+The replication core holds the link (adamps.core.repl_controllers): its tick asks ``tick(now)``
+which call to make and puts it in its ``Ready``; the answer the shell feeds back goes to
+``on_registered``, ``on_heartbeat`` or ``on_failed``.
 """
 
 from __future__ import annotations

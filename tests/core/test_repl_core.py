@@ -1,5 +1,5 @@
 """adamps.core.repl_core without sockets or clock: the per-server replication core's decisions,
-each driven through its inputs (on_roles, tick, step, submit, on_reply, report_unreachable) and
+each driven through its inputs (on_roles, tick, step, submit, answer, controller_answer) and
 read from its Ready, as the shell and the simulation drive it. Three cores are wired by hand
 (an in-memory network of state machines, etcd-io/raft's test shape)."""
 
