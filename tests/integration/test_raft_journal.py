@@ -5,10 +5,12 @@ guarded node overrides. tests/chaos/test_controller_disk.py runs three controlle
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pysyncobj.syncobj as ps_syncobj
@@ -16,9 +18,11 @@ import pytest
 from pysyncobj import SyncObj
 from pysyncobj.journal import FileJournal
 
+from adamps.core.lease import LeaseTerms
 from adamps.up.procs import free_port
 from controller.raft_journal import RAFT_FOLLOWER, DiskJournal, GuardedSyncObj, make_guarded_node
 from controller.raft_node import raft_conf
+from controller.state import ClusterModel, ReplicatedCluster, state_digest
 from tests.chaos import disks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,3 +184,83 @@ def test_the_pysyncobj_members_the_guarded_node_overrides_exist(tmp_path: Path) 
         other._destroy()
     finally:
         node.destroy()
+
+
+def test_pysyncobjs_truncation_of_applied_entries_after_a_stale_reply_is_no_divergence(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pysyncobj's `CRITICAL ... truncating already-applied log entries ... may have diverged`
+    (seen by the testers after a controller restarted): a follower's late `next_node_idx` reply
+    (reset) makes the leader send again entries the follower already appended and applied, and
+    pysyncobj drops the follower's whole suffix after `prevLogIdx` even though it matches. The
+    dropped entries are committed, so the leader sends them again unchanged; the applied state
+    does not go back and nothing is applied twice. Three real nodes on loopback, the
+    controller's replicated state, ticked by hand; the stale reply is delivered to the leader
+    as the transport would."""
+    ports = [free_port() for _ in range(3)]
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    clusters, nodes = [], []
+    for i, addr in enumerate(addrs):
+        conf = raft_conf(
+            password="pw",
+            journal_file=str(tmp_path / f"n{i}.journal"),
+            dump_file=str(tmp_path / f"n{i}.dump"),
+            autoTick=False,
+        )
+        cluster = ReplicatedCluster(ClusterModel(8, LeaseTerms(1.0, 0.1, 0.2)))
+        clusters.append(cluster)
+        nodes.append(
+            make_guarded_node(addr, [a for a in addrs if a != addr], conf=conf, consumers=[cluster])
+        )
+
+    def tick_until(cond, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, [n.getStatus() for n in nodes]
+            for n in nodes:
+                n.doTick(0.0)
+            time.sleep(0.002)
+
+    def digests() -> set[str]:
+        return {c.read(state_digest) for c in clusters}
+
+    def commit(k: int) -> None:
+        done: list[int] = []
+        leader = next(i for i, n in enumerate(nodes) if n._isLeader())
+        for j in range(k):
+            clusters[leader].report_progress(
+                j, f"r{j}", 0.5, False, 1000.0 + j, callback=lambda res, err: done.append(err)
+            )
+        tick_until(lambda: len(done) == k)
+        assert set(done) == {0}  # FAIL_REASON.SUCCESS
+        tick_until(lambda: len({n.raftLastApplied for n in nodes}) == 1)
+
+    try:
+        tick_until(lambda: any(n._isLeader() for n in nodes))
+        commit(20)
+        leader = next(n for n in nodes if n._isLeader())
+        i = next(i for i, n in enumerate(nodes) if n is not leader)
+        follower = nodes[i]
+        applied = follower.raftLastApplied
+        assert len(digests()) == 1
+        # The follower's late reply to an append it once could not take: "resend from here".
+        peer = next(p for p in leader.otherNodes if p.address == addrs[i])
+        caplog.set_level(logging.CRITICAL, logger="pysyncobj.syncobj")
+        leader._SyncObj__onMessageReceived(
+            peer,
+            {
+                "type": "next_node_idx",
+                "reset": True,
+                "next_node_idx": applied - 5,
+                "success": False,
+            },
+        )
+        tick_until(lambda: "may have diverged" in caplog.text, 5)
+        commit(5)
+        assert follower.raftLastApplied >= applied + 5
+        assert len(digests()) == 1, "the members' states differ"
+        # 25 entries applied once each on every member (the model counts its applies).
+        assert {c.read(lambda m: m.applied) for c in clusters} == {25}
+    finally:
+        for n in nodes:
+            n.destroy()
