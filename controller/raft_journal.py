@@ -99,6 +99,9 @@ class DiskJournal(Journal):
         #: writes (journal or meta) that failed since start
         self.failures = 0
         self._next_probe = 0.0
+        #: a truncation or rewrite failed: the file is behind the entries in memory, and is
+        #: written again in full before anything else is appended (or the probe succeeds)
+        self._dirty = False
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         size = os.fstat(self._fd).st_size
         if size < FIRST_RECORD_OFFSET:
@@ -131,6 +134,8 @@ class DiskJournal(Journal):
     # -- the Journal interface (pysyncobj's names) ---------------------------------------------
 
     def add(self, command: bytes, idx: int, term: int) -> None:
+        if self._dirty:
+            self._rewrite()
         body = _IDX_TERM.pack(idx, term) + to_bytes(command)
         n = _REC.pack(len(body))
         self._write_records(self._end, n + body + n)
@@ -144,29 +149,30 @@ class DiskJournal(Journal):
                 self._failed("reserve space for", exc)
 
     def clear(self) -> None:
-        self._set_end(FIRST_RECORD_OFFSET)
-        self._entries, self._offsets = [], []
+        self.deleteEntriesFrom(0)
 
     def deleteEntriesFrom(self, entryFrom: int) -> None:  # noqa: N802 - pysyncobj's name
+        """Drops the records from `entryFrom` on: the end-of-records mark moves back. Memory
+        first: if the mark cannot be written, the file is rewritten before the next append."""
         if entryFrom >= len(self._entries):
             return
-        self._set_end(self._offsets[entryFrom])
+        self._end = self._offsets[entryFrom]
         del self._entries[entryFrom:], self._offsets[entryFrom:]
+        if self._dirty:
+            self._rewrite()
+            return
+        try:
+            _pwrite_all(self._fd, _REC.pack(self._end), LAST_RECORD_OFFSET_OFFSET)
+        except OSError as exc:
+            self._dirty = True
+            self._failed("truncate", exc)
+            raise
 
     def deleteEntriesTo(self, entryTo: int) -> None:  # noqa: N802 - pysyncobj's name
         """Drops the first `entryTo` records (after a full dump): the rest is written again from
         the start, into space the file already holds."""
-        keep = self._entries[entryTo:]
-        self.clear()
-        blob, offsets, at = bytearray(), [], FIRST_RECORD_OFFSET
-        for command, idx, term in keep:
-            body = _IDX_TERM.pack(idx, term) + to_bytes(command)
-            n = _REC.pack(len(body))
-            offsets.append(at)
-            blob += n + body + n
-            at += len(body) + 8
-        self._write_records(FIRST_RECORD_OFFSET, bytes(blob))
-        self._entries, self._offsets, self._end = list(keep), offsets, at
+        self._entries = self._entries[entryTo:]
+        self._rewrite()
 
     def __getitem__(self, item: Any) -> Any:
         return self._entries[item]
@@ -232,6 +238,8 @@ class DiskJournal(Journal):
             return False
         self._next_probe = now + PROBE_EVERY
         try:
+            if self._dirty:
+                self._rewrite()
             self._allocate(self._end + 2 * self.reserve)
             self._store_meta(self._meta)
         except OSError as exc:
@@ -258,13 +266,27 @@ class DiskJournal(Journal):
             self._failed("append to", exc)
             raise
 
-    def _set_end(self, end: int) -> None:
+    def _rewrite(self) -> None:
+        """Writes every record in memory again from the start. Like pysyncobj, the mark says
+        "no records" while they are written: a crash then leaves the full dump to start from."""
+        blob, offsets, at = bytearray(), [], FIRST_RECORD_OFFSET
+        for command, idx, term in self._entries:
+            body = _IDX_TERM.pack(idx, term) + to_bytes(command)
+            n = _REC.pack(len(body))
+            offsets.append(at)
+            blob += n + body + n
+            at += len(body) + 8
+        self._offsets, self._end = offsets, at
         try:
-            _pwrite_all(self._fd, _REC.pack(end), LAST_RECORD_OFFSET_OFFSET)
+            _pwrite_all(self._fd, _REC.pack(FIRST_RECORD_OFFSET), LAST_RECORD_OFFSET_OFFSET)
+            self._allocate(at)
+            _pwrite_all(self._fd, bytes(blob), FIRST_RECORD_OFFSET)
+            _pwrite_all(self._fd, _REC.pack(at), LAST_RECORD_OFFSET_OFFSET)
         except OSError as exc:
-            self._failed("truncate", exc)
+            self._dirty = True
+            self._failed("rewrite", exc)
             raise
-        self._end = end
+        self._dirty = False
 
     def _store_meta(self, meta: dict[str, Any]) -> None:
         tmp = self._meta_path + ".tmp"

@@ -94,7 +94,7 @@ def test_a_controller_whose_disk_fills_steps_down_stands_aside_and_rejoins(
     if reason:
         pytest.skip(reason)
     mounts: list[Path] = []
-    ctl = Controllers(procs, tmp_path, **{"compaction-entries": 200})
+    ctl = Controllers(procs, tmp_path, **{"compaction-entries": 50})
     writer = Writer(ctl)
     try:
         for i in range(3):
@@ -154,6 +154,10 @@ def test_a_controller_whose_disk_fills_steps_down_stands_aside_and_rejoins(
             "gauge back to 1", lambda: journal_gauge(ctl, full) == 1.0, 5
         )
 
+        wait_for(
+            "every member compacted its log into a full dump",
+            lambda: all((m / "raft.dump").exists() for m in mounts),
+        )
         # A restart after it all: the state it rebuilds from its journal and dump is the others'.
         ctl.kill(full)
         ctl.start(full)
