@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from adamps.up.procs import adamps_argv
 from tests.chaos import disks
 from tests.system.test_controller_raft import TOKEN, Controllers, call
 
@@ -136,6 +137,16 @@ def test_a_controller_whose_disk_fills_steps_down_stands_aside_and_rejoins(
         assert ctl.leader(among=others) == new
         log = ctl.proc[full].log_path.read_text(errors="replace")
         assert "stands aside" in log and "stepping down as leader" in log
+        # `adamps status`, asked the full one first, shows it and reads the state elsewhere.
+        order = ",".join(ctl.http[i] for i in [full, *others])
+        out = subprocess.run(
+            adamps_argv("status", "--controllers", order),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "NOT WRITABLE: cannot" in out.stdout and "table version" in out.stdout, out.stdout
 
         # Killed and restarted while its disk is still full: it starts, and stands aside.
         ctl.kill(full)
