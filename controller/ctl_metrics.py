@@ -22,6 +22,20 @@ class ControllerMetrics:
         )
         self.term = Gauge("adamps_controller_raft_term", "current Raft term", registry=r)
         self.commit = Gauge("adamps_controller_commit_index", "Raft commit index", registry=r)
+        # Issue 39: a controller that cannot write its Raft journal (its data_dir is full or
+        # failing) stands aside: it does not lead, vote or acknowledge entries until it can.
+        self.journal_writable = Gauge(
+            "adamps_controller_journal_writable",
+            "1 if this controller can write its Raft journal; 0: it stands aside (no leading, "
+            "voting or acknowledging) until space returns (see its log and /status raft.journal)",
+            registry=r,
+        )
+        self.journal_failures = Counter(
+            "adamps_controller_journal_write_failures_total",
+            "writes of the Raft journal or its term/vote file that failed (each episode logged)",
+            registry=r,
+        )
+        self._journal_failures_seen = 0
         self.servers = Gauge(
             "adamps_controller_servers", "parameter servers by state", ["state"], registry=r
         )
@@ -136,10 +150,21 @@ class ControllerMetrics:
         )
 
     def update(
-        self, leader: bool, term: int, commit_index: int, cluster: ReplicatedCluster
+        self,
+        leader: bool,
+        term: int,
+        commit_index: int,
+        cluster: ReplicatedCluster,
+        journal: dict | None = None,
     ) -> None:
-        """The gauges from the node's Raft view and its applied state."""
+        """The gauges from the node's Raft view, its journal's state and its applied state."""
         self.leader.set(1 if leader else 0)
+        if journal is not None:
+            self.journal_writable.set(1 if journal["writable"] else 0)
+            failed = journal["write_failures"]
+            if failed > self._journal_failures_seen:
+                self.journal_failures.inc(failed - self._journal_failures_seen)
+                self._journal_failures_seen = failed
         self.term.set(term)
         self.commit.set(commit_index)
 

@@ -73,6 +73,7 @@ class Forwarder:
                 aweb.check_token(request)
             else:
                 self.auth(request, runs_allowed)
+            self.raft.check_journal()
             if self.raft.is_leader():
                 try:
                     resp = aweb.json_response(await run())

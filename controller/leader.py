@@ -58,7 +58,11 @@ class LeaderDuties:
             try:
                 await self._leader_step()
                 self.m.update(
-                    self.raft.is_leader(), self.raft.term, self.raft.commit_index, self.cluster
+                    self.raft.is_leader(),
+                    self.raft.term,
+                    self.raft.commit_index,
+                    self.cluster,
+                    self.raft.journal(),
                 )
             except asyncio.CancelledError:
                 raise

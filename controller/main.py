@@ -36,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(cfg: ControllerConfig) -> int:
-    service = ControllerService(cfg)
+    try:
+        service = ControllerService(cfg)
+    except OSError as exc:  # a new journal on a full (or read-only) data_dir: nothing to serve
+        log.error("cannot start the Raft journal in %s: %s", cfg.data_dir, exc)
+        return 1
     app = service.make_app()
     host = cfg.bind_host or cfg.self_host
     log.info(

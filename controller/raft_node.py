@@ -14,11 +14,12 @@ import os
 import time
 from typing import Any
 
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
+from pysyncobj import FAIL_REASON, SyncObjConf
 
 from adamps.protocol import ProtocolError
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
+from controller.raft_journal import GuardedSyncObj, make_guarded_node
 from controller.raft_transport import RaftLimits, transport_class
 from controller.state import ReplicatedCluster, dry_run
 
@@ -118,6 +119,22 @@ class RaftNode:
         leader = self.node.getStatus()["leader"]
         return None if leader is None else leader.address
 
+    def journal(self) -> dict[str, Any]:
+        """Whether this node can write its Raft journal (controller/raft_journal.py)."""
+        return self.node.journal.state()
+
+    def check_journal(self) -> None:
+        """Raises 503 `unavailable` while this node stands aside (it cannot write its journal):
+        it neither applies new entries nor can it wait for a forwarded write to apply here, so
+        clients ask another controller (adamps.client.controller retries `unavailable` there)."""
+        error = self.node.journal_error()
+        if error is not None:
+            raise ProtocolError(
+                "unavailable",
+                f"this controller stands aside: {error}; ask another controller",
+                retry_after=1.0,
+            )
+
     def has_quorum(self) -> bool:
         try:
             return bool(self.node.hasQuorum)
@@ -137,6 +154,7 @@ class RaftNode:
             "has_quorum": self.has_quorum(),
             "ready": self.node.isReady(),
             "members": self.cfg.members,
+            "journal": self.journal(),
         }
 
     async def commit(self, op: str, *args: Any) -> dict[str, Any]:
@@ -236,10 +254,11 @@ def make_node(
     cluster: ReplicatedCluster,
     conf: SyncObjConf,
     limits: RaftLimits | None = None,
-) -> SyncObj:
+) -> GuardedSyncObj:
     """A Raft node on `self_addr` (host:port) replicating `cluster` with `partners`, on the
-    bounded transport (bound to its own address; controller/raft_transport.py)."""
-    return SyncObj(
+    bounded transport (bound to its own address; controller/raft_transport.py), that stands
+    aside while it cannot write its journal (controller/raft_journal.py)."""
+    return make_guarded_node(
         self_addr,
         partners,
         conf=conf,

@@ -31,7 +31,7 @@ from controller.forwarding import BUCKET_OPS, Forwarder
 from controller.leader import LeaderDuties
 from controller.raft_node import RaftNode, ok_or_raise
 from controller.runs_http import PRINCIPAL_KEY, RunsApi
-from controller.state import DEAD, ClusterModel, ReplicatedCluster
+from controller.state import DEAD, ClusterModel, ReplicatedCluster, state_digest
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,9 @@ class ControllerService:
     def _applied(self) -> None:
         """Reads of the replicated state wait until this node applied the log up to the commit
         index the leader told it: a restarted controller otherwise answered `/routing` with
-        version 0 and no primaries (which means "never placed") for ~0.6 s (issue 26)."""
+        version 0 and no primaries (which means "never placed") for ~0.6 s (issue 26). A node
+        that cannot write its journal applies nothing new: it answers 503 too (issue 39)."""
+        self.raft.check_journal()
         if not self.raft.is_ready():
             raise ProtocolError(
                 "unavailable",
@@ -113,6 +115,18 @@ class ControllerService:
         view = self.cluster.read(lambda m: m.cluster_view())
         view["raft"] = self.raft.raft_status()
         return aweb.json_response(view)
+
+    async def h_digest(self, request: web.Request) -> web.Response:
+        """A digest of this controller's applied state, to compare across members (every
+        controller that applied the same entries answers the same digest). Computed in a
+        thread: it reads the whole state."""
+        self._applied()
+        digest, applied = await asyncio.to_thread(
+            self.cluster.read, lambda m: (state_digest(m), m.applied)
+        )
+        return aweb.json_response(
+            {"digest": digest, "applied": applied, "last_applied": self.raft.last_applied}
+        )
 
     async def h_leases(self, request: web.Request) -> web.Response:
         self._applied()
@@ -493,6 +507,7 @@ class ControllerService:
         r.add_get("/routing", self.h_routing)
         r.add_get("/cluster", self.h_cluster)
         r.add_get("/leases", self.h_leases)
+        r.add_get("/state/digest", self.h_digest)
         r.add_get("/layout", self.h_get_layout)
         r.add_put("/layout", self.h_set_layout)
         r.add_post("/layout", self.h_set_layout)

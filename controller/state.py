@@ -44,6 +44,8 @@ from an older copy except by an operator's explicit `write_off` (`POST /buckets/
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -164,6 +166,28 @@ def dry_run(model: ClusterModel, op: str, args: tuple) -> dict[str, Any]:
     }
     trial.history = list(model.history)
     return getattr(trial, op)(*copy.deepcopy(args))
+
+
+def state_digest(model: ClusterModel) -> str:
+    """sha256 of the replicated state in a canonical form (maps by key, sets sorted, derived
+    indexes left out): equal on every controller that applied the same entries, whatever the
+    order its dicts were filled in (GET /state/digest; issue 39 compares it across members)."""
+    canon = json.dumps(_canon(model.__getstate__()), sort_keys=True, default=repr)
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def _canon(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {repr(k): _canon(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_canon(v) for v in x]
+    if isinstance(x, set | frozenset):
+        return sorted((_canon(v) for v in x), key=repr)
+    if x is None or isinstance(x, str | int | float):
+        return x
+    if hasattr(x, "__dict__"):
+        return {"class": type(x).__name__, "vars": _canon(vars(x))}
+    return repr(x)
 
 
 class ReplicatedCluster(SyncObjConsumer):

@@ -49,6 +49,13 @@ def flush_cells(st: dict[str, Any] | None) -> list[Any]:
     return [when, "-" if age is None else f"{age:.1f}s", durable]
 
 
+def journal_cell(journal: dict[str, Any] | None) -> str:
+    """A controller's Raft journal: "ok", or why it cannot write it (it stands aside)."""
+    if journal is None:
+        return "-"
+    return "ok" if journal.get("writable") else f"NOT WRITABLE: {journal.get('error')}"
+
+
 def render(
     view: dict[str, Any],
     controllers: list[dict[str, Any]],
@@ -63,10 +70,17 @@ def render(
     out.append(
         table(
             [
-                [c["addr"], c.get("role"), c.get("term"), c.get("commit_index"), c.get("leader")]
+                [
+                    c["addr"],
+                    c.get("role"),
+                    c.get("term"),
+                    c.get("commit_index"),
+                    c.get("leader"),
+                    journal_cell(c.get("journal")),
+                ]
                 for c in controllers
             ],
-            ["controller", "role", "term", "commit", "leader"],
+            ["controller", "role", "term", "commit", "leader", "journal"],
         )
     )
     out.append("")
@@ -189,16 +203,23 @@ def main(argv: list[str] | None = None) -> int:
     for addr in addrs:
         try:
             st = get_json(addr, "/status", args.timeout)["raft"]
-            controllers.append({"addr": addr, **st})
-            if view is None:
-                view = get_json(addr, "/cluster", args.timeout)
-                progress = get_json(addr, "/progress", args.timeout).get("epochs", {})
-                try:
-                    runs = get_json(addr, "/runs", args.timeout).get("runs", [])
-                except (OSError, ValueError, KeyError):  # a controller without runs (older)
-                    runs = []
         except (OSError, ValueError, KeyError) as exc:  # get_json: ConnectionError
             controllers.append({"addr": addr, "role": f"unreachable ({type(exc).__name__})"})
+            continue
+        controllers.append({"addr": addr, **st})
+        if view is None:
+            # A controller that answers /status may still refuse the state (503: starting, or
+            # standing aside because it cannot write its journal): the next one is asked.
+            try:
+                view = get_json(addr, "/cluster", args.timeout)
+                progress = get_json(addr, "/progress", args.timeout).get("epochs", {})
+            except (OSError, ValueError, KeyError):
+                view = None
+                continue
+            try:
+                runs = get_json(addr, "/runs", args.timeout).get("runs", [])
+            except (OSError, ValueError, KeyError):  # a controller without runs (older)
+                runs = []
     if view is None:
         print(f"adamps status: no controller answered at {', '.join(addrs)}", file=sys.stderr)
         return 1

@@ -59,6 +59,11 @@ FIRES = {
         "1 1 0 0 0 0 0 0",
         {"instance": "ps-1"},
     ),
+    "AdampsControllerJournalNotWritable": (
+        'adamps_controller_journal_writable{instance="c-1"}',
+        "1 1 0 0 0 0 0 0",
+        {"instance": "c-1"},
+    ),
     # age grows by a minute a minute past an interval of 60 s: over 3 intervals at 4 min
     "AdampsCheckpointStale": (
         [
