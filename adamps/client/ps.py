@@ -10,6 +10,10 @@ error the client refreshes its routing table and retries the same (client id, se
 deadline: a server that already applied the push recognises it and does not apply it again, also
 after a failover, so a retried push is applied exactly once.
 
+A push is checked whole before any part is sent (``push_checks``: finite, shapes, dtypes, ids):
+a bad one is refused with nothing applied anywhere. One that fails after some buckets
+acknowledged their parts raises ``PartialPushError`` (``partial``) naming them (issue 39).
+
 Pulls and dense pushes go over a server's binary data plane when it offers one (``data_port`` in
 its ``GET /status``; ``adamps.server.dataplane``), else over HTTP: the same operations, checks,
 error codes and exactly-once (client id, seq) whichever transport (docs/protocol-ps.md, "Binary
