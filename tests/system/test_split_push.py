@@ -128,7 +128,7 @@ def test_a_push_with_one_bad_part_is_refused_whole_on_every_server(tmp_path: Pat
             with pytest.raises(RpcError) as exc:
                 push()
             refused_4xx(exc, "non_finite")
-        # wrong shapes, unknown shards and too many rows are refused before sending too
+        # a wrong shape and an unknown shard are refused before sending too
         with pytest.raises(RpcError) as exc:
             client.push_dense_many({"b": b, "w": np.ones((40, 49), np.float32)})
         refused_4xx(exc, "bad_shape")
