@@ -25,6 +25,13 @@ import numpy as np
 
 VERSION = 1
 
+#: the most magnitude of one push's gradient element (and of k * max|a| * max|e| for
+#: activation/error vectors): docs/protocol-ps.md, "Finite values". Here, not in the servers'
+#: bounds, because the client checks a whole push against it before sending any part (issue 39)
+MAX_GRAD = 1e12
+#: most rows k of the activation/error vectors of one push_fc (the same reason)
+MAX_FC_K = 65_536
+
 #: dtype name on the wire -> numpy dtype (explicit little endian, whatever the host).
 ALLOWED_DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype("<f4"),

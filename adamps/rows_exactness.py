@@ -22,9 +22,10 @@ import time
 
 import numpy as np
 
-from adamps.client import PSClient
+from adamps.client import PartialPushError, PSClient
 from adamps.client.rpc import RpcError
 from adamps.exactness import ExactnessLoad, Outcomes, Windows, definitely_not_applied
+from adamps.tables import buckets_of
 
 TABLE = "exact_rows"
 
@@ -78,6 +79,9 @@ class RowsExactnessLoad(ExactnessLoad):
                 self.sent_at.update(dict.fromkeys(ids, sent))
             try:
                 self.client.push_rows(self.table, np.array(ids, np.int64), ones)
+            except PartialPushError as exc:
+                self._partly(ids, exc)
+                continue
             except RpcError as exc:
                 with self.out.lock:
                     where = self.out.failed if definitely_not_applied(exc) else self.out.unknown
@@ -96,6 +100,26 @@ class RowsExactnessLoad(ExactnessLoad):
                 self.out.ack_times += [(now, i) for i in ids]
             if self.pause:
                 self._stop.wait(self.pause)
+
+    def _partly(self, ids: list[int], exc: PartialPushError) -> None:
+        """A push whose buckets answered apart (issue 39): the ids of the buckets that applied
+        it are acknowledged, the others failed (after a 4xx) or unknown."""
+        cause = exc.cause
+        refused = isinstance(cause, RpcError) and definitely_not_applied(cause)
+        now = time.monotonic()
+        buckets = buckets_of(np.array(ids, np.int64), self.client.layout.n_buckets).tolist()
+        with self.out.lock:
+            for i, b in zip(ids, buckets, strict=True):
+                if b in exc.applied:
+                    self.out.acked.append(i)
+                    self.out.ack_times.append((now, i))
+                else:
+                    (self.out.failed if refused else self.out.unknown).append(i)
+            if isinstance(cause, RpcError):
+                self.out.refused(cause)
+            else:
+                name = type(cause).__name__
+                self.out.errors[name] = self.out.errors.get(name, 0) + 1
 
     def problems(
         self,

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps.client import ControllerRouting, PSClient
+from adamps.client import ControllerRouting, PSClient, push_checks
 from adamps.layout import Layout, TensorSpec
 from trainer.ctr_data import CtrData, CtrSpec, auc
 from trainer.embedding import Embedding
@@ -130,6 +130,10 @@ def train_replica(
             x = emb.forward(ids).reshape(len(y), -1)
             params, _ = client.pull(names)
             loss, grads, dx = gradients(x, y, params)
+            # the step whole first (issue 39): a NaN in the MLP's gradients must not follow rows
+            # already pushed
+            for name, g in {"dx": dx, **grads}.items():
+                push_checks.bounded(name, g)
             emb.backward(dx.reshape(len(y), spec.n_fields, cfg.dim))
             client.push_dense_many(grads)
             dense_bytes += 2 * sum(v.nbytes for v in grads.values())

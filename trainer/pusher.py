@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps.client import PSClient
+from adamps.client import PSClient, push_checks
 from trainer.metrics import TrainerMetrics
 from trainer.packing import PushItem, push_parts
 from trainer.push_queue import PushQueue
@@ -89,6 +89,10 @@ class Pusher:
             nbytes = sum(x.nbytes for x in arrays)
             self.m.bytes_pushed.labels(kind).inc(nbytes)
             self.bytes_pushed += nbytes
+        if compressed and (fc or dense):
+            # the whole item checked before its round is sent (issue 39): a bad compressed
+            # update must not follow a round already applied
+            push_checks.compressed(client.layout, compressed)
         if fc or dense:
             client.push_round(fc, dense)
             if dense:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps.client import ControllerRouting
+from adamps.client import ControllerRouting, push_checks
 from adamps.client.rpc import RpcError, SyncRpc
 from adamps.layout import VECTOR_SEP, Layout, TensorSpec
 from adamps.metered import MeteredClient
@@ -131,8 +131,10 @@ class SandblasterTrainer:
         return deltas
 
     def _push(self, p: dict[str, Any], deltas: dict[str, np.ndarray]) -> None:
-        """One exactly-once push per portion: (the portion's client id, seq 1)."""
+        """One exactly-once push per portion: (the portion's client id, seq 1), checked whole
+        before any server is sent its part (issue 39: a NaN must not leave it applied in part)."""
         client = self.client
+        deltas = push_checks.shards(client.layout, deltas)
         done: set[str] = set()
 
         def go(routing: Any) -> None:

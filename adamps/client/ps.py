@@ -10,6 +10,10 @@ error the client refreshes its routing table and retries the same (client id, se
 deadline: a server that already applied the push recognises it and does not apply it again, also
 after a failover, so a retried push is applied exactly once.
 
+A push is checked whole before any part is sent (``push_checks``: finite, shapes, dtypes, ids):
+a bad one is refused with nothing applied anywhere. One that fails after some buckets
+acknowledged their parts raises ``PartialPushError`` (``partial``) naming them (issue 39).
+
 Pulls and dense pushes go over a server's binary data plane when it offers one (``data_port`` in
 its ``GET /status``; ``adamps.server.dataplane``), else over HTTP: the same operations, checks,
 error codes and exactly-once (client id, seq) whichever transport (docs/protocol-ps.md, "Binary
@@ -28,19 +32,29 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
+from adamps.client import push_checks as checks
 from adamps.client import retry
 from adamps.client.dataplane import DataPlaneClient
 from adamps.client.exchange import Counts, exchange
+from adamps.client.partial import PartialPushError, partial_of  # noqa: F401 - re-exported
 from adamps.client.parts import HEADROOM, PER_SHARD, Limits, Unit, chunk, pack, plan_push
 from adamps.client.pool import DataPlanePool
 from adamps.client.retry import RetryPolicy
+from adamps.client.routing import (  # noqa: F401 - re-exported: where they were before
+    ControllerRouting,
+    Route,
+    Routing,
+    RoutingSource,
+    StaticRouting,
+    normalize_url,
+    routing_from_table,
+)
 from adamps.client.rows import RowsClient
-from adamps.client.rpc import RpcError, SyncRpc, base_url
+from adamps.client.rpc import RpcError, SyncRpc
 from adamps.layout import Layout, Shard, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -60,109 +74,6 @@ RETRYABLE = frozenset(
         "rate_limited",  # a run's push_bytes_per_s quota (issue 25): nothing applied; backs off
     }
 )
-
-
-@dataclass(frozen=True)
-class Route:
-    bucket: int
-    #: base URL of the bucket's primary
-    primary: str
-    epoch: int = 0
-    #: base URLs of the secondaries (creates go to every replica)
-    secondaries: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Routing:
-    version: int
-    routes: Mapping[int, Route]
-    #: every live server's base URL (a copy may be joining any bucket; creates go to all)
-    all_servers: tuple[str, ...] = ()
-    #: buckets with no live copy to serve them (the controllers' state "unavailable")
-    unavailable: frozenset[int] = frozenset()
-
-    def servers(self) -> list[str]:
-        """Every server known: the table's server list, and every replica of every bucket."""
-        seen: dict[str, None] = dict.fromkeys(self.all_servers)
-        for r in self.routes.values():
-            seen[r.primary] = None
-            for s in r.secondaries:
-                seen[s] = None
-        return list(seen)
-
-
-class RoutingSource(Protocol):
-    def fetch(self, rpc_for: Any) -> Routing: ...
-
-
-class StaticRouting:
-    """Servers that each hold a fixed set of buckets (their `buckets` config): no controller."""
-
-    def __init__(self, servers: Sequence[str], n_buckets: int) -> None:
-        if not servers:
-            raise ValueError("StaticRouting needs at least one server URL")
-        self.servers = [normalize_url(s) for s in servers]
-        self.n_buckets = n_buckets
-
-    def fetch(self, rpc_for: Any) -> Routing:
-        routes: dict[int, Route] = {}
-        for url in self.servers:
-            status = rpc_for(url).get_json("/status")
-            held = status.get("buckets")
-            buckets = range(self.n_buckets) if held in (None, "all") else held
-            for b in buckets:
-                routes.setdefault(int(b), Route(int(b), url))
-        return Routing(0, routes)
-
-
-class ControllerRouting:
-    """The controllers' routing table (GET /routing on any controller; tries each in turn)."""
-
-    def __init__(self, controllers: Sequence[str]) -> None:
-        if not controllers:
-            raise ValueError("ControllerRouting needs at least one controller URL")
-        self.controllers = [normalize_url(c) for c in controllers]
-
-    def fetch(self, rpc_for: Any) -> Routing:
-        errors = []
-        for url in self.controllers:
-            try:
-                table = rpc_for(url).get_json("/routing")
-            except (ConnectionError, TimeoutError, RpcError) as exc:
-                errors.append(f"{url}: {exc}")
-                continue
-            return routing_from_table(table)
-        raise ConnectionError("no controller answered the routing table: " + "; ".join(errors))
-
-
-def routing_from_table(table: Mapping[str, Any]) -> Routing:
-    """A Routing from the controllers' JSON table (docs/protocol-controller.md, GET /routing)."""
-    addresses = table.get("servers", {})
-    routes = {}
-    unavailable = set()
-    for entry in table.get("buckets", []):
-        primary = entry.get("address")
-        b = int(entry["bucket"])
-        if entry.get("state") == "unavailable":
-            unavailable.add(b)
-            continue
-        if not primary:
-            continue  # never placed yet
-        secondaries = tuple(
-            normalize_url(addresses[s]) for s in entry.get("secondaries", []) if s in addresses
-        )
-        routes[b] = Route(b, normalize_url(primary), int(entry.get("epoch", 0)), secondaries)
-    return Routing(
-        int(table.get("version", 0)),
-        routes,
-        tuple(normalize_url(a) for a in addresses.values() if a),
-        frozenset(unavailable),
-    )
-
-
-#: 'host:port' or a URL -> a URL without a trailing slash
-normalize_url = base_url
-
 
 T = TypeVar("T")
 
@@ -415,17 +326,25 @@ class PSClient(RowsClient):
     def push_dense_many(self, deltas: Mapping[str, np.ndarray], seq: int | None = None) -> None:
         """Dense deltas of several whole tensors in one request per server (a push of the conv
         layers and every bias costs one round trip, not one per tensor). Applied exactly once."""
+        self._push_shards(self._dense_by_shard(deltas), seq)
+
+    def _dense_by_shard(self, deltas: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Whole tensors' deltas, every one checked (push_checks), cut into their shards."""
+        checked = {name: checks.dense(self.layout, name, d) for name, d in deltas.items()}
         by_id: dict[str, np.ndarray] = {}
-        for name, delta in deltas.items():
-            parts = self.layout.split(name, np.ascontiguousarray(delta, dtype=np.float32))
+        for name, delta in checked.items():
+            parts = self.layout.split(name, delta)
             for s, part in zip(self.layout.shards_of[name], parts, strict=True):
                 by_id[s.id] = part
-        self.push_shards(by_id, seq)
+        return by_id
 
     def push_shards(self, deltas: Mapping[str, np.ndarray], seq: int | None = None) -> None:
         """Dense deltas of individual shards (shard id -> values of the shard's shape), grouped
         into one push_dense per server; all parts carry the same (client id, seq), so a retry
         after a partial failure re-sends only what was not acknowledged, exactly once."""
+        self._push_shards(checks.shards(self.layout, deltas), seq)
+
+    def _push_shards(self, deltas: Mapping[str, np.ndarray], seq: int | None) -> None:
         self._push(
             "push_dense",
             [self.layout.shards[sid] for sid in deltas],
@@ -443,6 +362,7 @@ class PSClient(RowsClient):
         """Compressed updates of individual shards (Strom; shard id -> ``{"tau", "words"}`` or
         ``{"tau", "n", "k", "rice"}``, see docs/protocol-ps.md ``push_compressed``), grouped
         into one request per server under one (client id, seq): applied exactly once."""
+        checks.compressed(self.layout, updates)
         self._push(
             "push_compressed",
             [self.layout.shards[sid] for sid in updates],
@@ -457,8 +377,7 @@ class PSClient(RowsClient):
     def push_fc(self, name: str, a: np.ndarray, e: np.ndarray, seq: int | None = None) -> None:
         """W -= lr * e.T @ a for a fully connected layer's M x N weight, computed by the servers
         from k activation vectors `a` (k x N) and error vectors `e` (k x M). Applied exactly once."""
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        e = np.ascontiguousarray(e, dtype=np.float32)
+        a, e = checks.fc(self.layout, name, a, e)
         self._push(
             "push_fc",
             self.layout.shards_of[name],
@@ -478,13 +397,8 @@ class PSClient(RowsClient):
         `push_dense_many`), applied exactly once under one (client id, seq). One request
         instead of one per layer plus a push_dense: each request costs a server's event loop
         and this client's thread more than the arithmetic it carries (issue 27)."""
-        vecs = {n: (np.ascontiguousarray(a, np.float32), np.ascontiguousarray(e, np.float32))
-                for n, (a, e) in fc.items()}  # fmt: skip
-        by_id: dict[str, np.ndarray] = {}
-        for name, delta in dense.items():
-            parts = self.layout.split(name, np.ascontiguousarray(delta, dtype=np.float32))
-            for s, part in zip(self.layout.shards_of[name], parts, strict=True):
-                by_id[s.id] = part
+        vecs = {n: checks.fc(self.layout, n, a, e) for n, (a, e) in fc.items()}
+        by_id = self._dense_by_shard(dense)
         layer_of = {s.id: n for n in vecs for s in self.layout.shards_of[n]}
         shards = [s for n in vecs for s in self.layout.shards_of[n]]
         shards += [self.layout.shards[sid] for sid in by_id]
@@ -541,6 +455,8 @@ class PSClient(RowsClient):
         units: list[Unit] = []
         #: first shard id of a request sent in this round -> its pair
         pairs: dict[str, dict[str, Any]] = {}
+        #: bucket -> the server its part was last sent to (PartialPushError)
+        sent_to: dict[int, str] = {}
 
         def by_http(url: str, group: list[Shard]) -> None:
             self._rpc(url).call(op, **fields(group), **pairs[group[0].id])
@@ -569,12 +485,22 @@ class PSClient(RowsClient):
             for url, req in _flat(rounds):
                 group = [s for u in req for s in u.shards]
                 pairs[group[0].id] = {"client": self.client_id + req[0].client_suffix, "seq": seq}
+                sent_to.update((u.bucket, url) for u in req)
                 groups.append((url, group))
             self._exchange(
                 groups, lambda dp, group: stream(dp, group, **pairs[group[0].id]), read, by_http
             )
 
-        self._with_retry(go)
+        try:
+            self._with_retry(go)
+        except Exception as exc:
+            # Some buckets may have applied their parts: the caller learns which (issue 39)
+            short = {u.bucket for u in units if any(s.id not in done for s in u.shards)}
+            applied = {u.bucket for u in units} - short
+            partial = partial_of(exc, op, self.client_id, seq, sent_to, applied, short)
+            if partial is None:
+                raise
+            raise partial from exc
 
     def _exchange(
         self, groups: Iterable[tuple[str, Any]], send: Any, read: Any, by_http: Any

@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from adamps.client import push_checks as checks
 from adamps.client.dataplane import DataPlaneClient
+from adamps.client.partial import partial_of
 from adamps.client.rpc import RpcError
 from adamps.tables import split_by_bucket
 
@@ -110,16 +112,16 @@ class RowsClient:
 
     def push_rows(self, table: str, ids: Any, grads: np.ndarray, seq: int | None = None) -> None:
         """Row gradients (``grads[k]`` for ``ids[k]``; duplicate ids are summed) applied by the
-        servers' per-row optimizer, exactly once."""
+        servers' per-row optimizer, exactly once. Checked whole before any server is sent its
+        part (push_checks: a NaN row refuses the push everywhere); a push that fails after some
+        buckets applied their rows raises PartialPushError naming them."""
         ids = as_ids(ids)
-        grads = np.ascontiguousarray(grads, dtype=np.float32)
-        if grads.ndim != 2 or grads.shape[0] != len(ids):
-            raise ValueError(
-                f"grads must be [len(ids), dim] = [{len(ids)}, dim], got {list(grads.shape)}"
-            )
+        grads = checks.rows(ids, grads, self.tables.get(table))
         seq = self.next_seq() if seq is None else seq
         pair = {"client": self.client_id, "seq": seq}
         done: set[int] = set()
+        #: bucket -> the server its rows were last sent to
+        sent_to: dict[int, str] = {}
 
         def fields(group: list[tuple[int, np.ndarray]]) -> dict[str, Any]:
             pos = np.concatenate([p for _, p in group])
@@ -134,12 +136,22 @@ class RowsClient:
             done.update(b for b, _ in group)
 
         def go(routing: Any) -> None:
+            groups = self._groups(ids, routing, done)
+            sent_to.update((b, url) for url, group in groups for b, _ in group)
             self._exchange(
-                self._groups(ids, routing, done),
+                groups,
                 lambda dp, group: dp.send_message("push_rows", **fields(group), **pair),
                 read,
                 by_http,
             )
 
-        if len(ids):
+        if not len(ids):
+            return
+        try:
             self._with_retry(go)
+        except Exception as exc:
+            buckets = split_by_bucket(ids, self.layout.n_buckets)
+            partial = partial_of(exc, "push_rows", self.client_id, seq, sent_to, done, buckets)
+            if partial is None:
+                raise
+            raise partial from exc

@@ -29,12 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from adamps.protocol import ProtocolError
+from adamps.protocol import MAX_GRAD, ProtocolError
 from adamps.server.optim import Optimizer
 
 MAX_VALUE = 1e24
 MAX_LR = 1e12
-MAX_GRAD = 1e12
 #: normal init: samples beyond mean +- 64 std never occur (numpy's ziggurat tops out near 14)
 NORMAL_SIGMAS = 64.0
 

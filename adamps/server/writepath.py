@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from adamps.layout import Shard
-from adamps.protocol import ProtocolError, require, require_array
+from adamps.protocol import MAX_FC_K, ProtocolError, require, require_array
 from adamps.server import bounds
 from adamps.server.addressing import Addressing
 from adamps.server.compressed import wire_form, words_of
@@ -40,8 +40,6 @@ from adamps.server.store import Store
 from adamps.server.tickets import owner_future
 from adamps.server.write_hold import WriteHold
 
-#: most rows of activation/error vectors in one push_fc
-MAX_FC_K = 65_536
 #: codes (elements sent) of one compressed push above which it is decoded off the event loop:
 #: expanding a full 1 MB shard (262,144 codes) takes about 17 ms here, and a push may name many
 #: shards; below this the thread hop would cost more than the decoding (about 4 ms at most)

@@ -28,6 +28,12 @@ other update of the replica's copy). The synchronous default keeps the exact equ
 
 A worker's pushes carry the replica's client id and fresh sequence numbers: each one is applied
 exactly once, also when it is retried after a failover.
+
+A step is checked whole first (issue 39): every gradient, the linear layers' activation/error
+rows and the embedding tables' row gradients (kept by their hooks for the step) must be finite
+and within the servers' bound. Otherwise the step raises ``RpcError("non_finite")`` (or
+``bad_request``) before anything changes: no local step, nothing accumulated, nothing pushed.
+Then the rows are pushed, and the step goes on as above.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from adamps.client import push_checks
 from adamps.torch.hooks import ActErrCapture
 from adamps.torch.params import Param
 from adamps.torch.remote import RemoteModel, flat_view, server_shape
@@ -81,6 +88,7 @@ class WorkerDownpour:
         compressor: Any = None,
         counts: PushCounts | None = None,
         asynchronous: bool = False,
+        tables: Sequence[Any] = (),
     ) -> None:
         if n_push < 1 or n_fetch < 1:
             raise ValueError(f"n_push and n_fetch must be >= 1, got {n_push}, {n_fetch}")
@@ -92,6 +100,8 @@ class WorkerDownpour:
         self.n_push = n_push
         self.n_fetch = n_fetch
         self.compressor = compressor
+        #: the model's adamps embedding modules whose row gradients the step pushes
+        self.tables = list(tables)
         self.counts = counts if counts is not None else PushCounts()
         self.steps = 0
         self._dense: dict[str, np.ndarray] = {}
@@ -107,6 +117,10 @@ class WorkerDownpour:
     def step(self, grads: Mapping[str, torch.Tensor | None]) -> None:
         """One minibatch's gradients (server tensor -> gradient; None: no gradient)."""
         rows = self.capture.take() if self.capture is not None else {}
+        table_grads = [(t, t.take_grads()) for t in self.tables]
+        self._check(grads, rows, table_grads)
+        for t, tg in table_grads:
+            t.push_grads(tg)
         with torch.no_grad():
             for p in self.params:
                 g = grads.get(p.tensor)
@@ -127,6 +141,25 @@ class WorkerDownpour:
             self.push()
         if self.steps % self.n_fetch == 0:
             self.fetch()
+
+    def _check(
+        self,
+        grads: Mapping[str, torch.Tensor | None],
+        rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
+        table_grads: Sequence[tuple[Any, list[tuple[np.ndarray, np.ndarray]]]],
+    ) -> None:
+        """Every gradient of the step finite and bounded (push_checks.bounded: one min and one
+        max each), before anything is applied anywhere."""
+        for p in self.params:
+            g = grads.get(p.tensor)
+            if g is not None:
+                push_checks.bounded(f"the gradient of {p.name!r}", g.detach().numpy())
+        for tensor, (a, e) in rows.items():
+            push_checks.bounded(f"the activations into {tensor!r}", a)
+            push_checks.bounded(f"the errors out of {tensor!r}", e)
+        for t, tg in table_grads:
+            for _ids, g in tg:
+                push_checks.bounded(f"the row gradients of table {t.table!r}", g)
 
     def parts(self) -> list[tuple[Any, ...]]:
         """What a push sends, in gradient units, before compression; clears the accumulators."""

@@ -21,6 +21,12 @@ gradient of each distinct row with duplicates already summed, and a hook on it p
 ``Replica`` does) both push. A forward's rows are pushed at most once, even if the graph is
 backpropagated again; a forward that is never backpropagated (evaluation) pushes nothing.
 
+Bound by a ``DownpourOptimizer`` or a ``Replica`` (``defer``), the hook keeps the gradient and
+the optimizer's ``step()`` pushes it, after checking every gradient of the step (issue 39: a NaN
+anywhere, rows or dense, refuses the whole step before any server applies anything);
+``zero_grad()`` drops what was kept, as it drops ``.grad``. Bound by ``.bind(client)`` alone
+there is no step: the hook pushes, and a NaN row gradient refuses that push whole.
+
 The servers apply their table's per-row optimizer (SGD or Adagrad, ``optimizer`` and ``lr``
 here): there is no local step, so the next forward pulls the updated rows. What cannot apply to a
 table of the servers and is refused: ``padding_idx``, ``max_norm``, ``scale_grad_by_freq``,
@@ -51,8 +57,11 @@ class _Binding:
     def __init__(self) -> None:
         self.client: Any = None
         self.table: str | None = None
-        #: each thread's last forward's rows leaf (a Hogwild worker is a thread: its own)
+        #: each thread's last forward's rows leaf, and its row gradients kept for the step
+        #: (`pending`, with `defer`); a Hogwild worker is a thread: its own
         self.last = threading.local()
+        #: keep the row gradients for the optimizer's step instead of pushing them in backward
+        self.defer = False
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Binding:
         return self
@@ -134,10 +143,13 @@ class _RowTable(nn.Module):
         if client is not None:
             self.bind(client)
 
-    def bind(self, client: Any, run: str | None = None, create: bool = True) -> None:
+    def bind(
+        self, client: Any, run: str | None = None, create: bool = True, defer: bool = False
+    ) -> None:
         """Pull and push through `client` (a PSClient), to the table ``RUN..TABLE``, created on
         the servers if `create` (idempotent: a table that exists with the same definition is
-        kept with its rows; another definition is an error naming it)."""
+        kept with its rows; another definition is an error naming it). `defer`: the row
+        gradients wait for ``take_grads`` (an optimizer's step) instead of being pushed."""
         name = tensor_name(run, self.table)
         if create:
             client.create_table(
@@ -151,6 +163,7 @@ class _RowTable(nn.Module):
             client.tables[name] = self.embedding_dim
         self._binding.client = client
         self._binding.table = name
+        self._binding.defer = defer
 
     @property
     def server_table(self) -> str | None:
@@ -193,12 +206,36 @@ class _RowTable(nn.Module):
                 return
             state["pushed"] = True
             g = grad.detach().numpy()
-            b.client.push_rows(b.table, u, g)
-            self.bytes_moved += u.nbytes + g.nbytes
+            if b.defer:
+                pending = getattr(b.last, "pending", None)
+                if pending is None:
+                    pending = b.last.pending = []
+                pending.append((u, g))
+                return
+            self.push_grads([(u, g)])
 
         rows.register_hook(push)
         self._binding.last.leaf = rows
         return rows, inv.reshape(ids.shape)
+
+    def take_grads(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """This thread's row gradients kept for the step (ids, grads), forgotten here."""
+        last = self._binding.last
+        pending = getattr(last, "pending", None) or []
+        last.pending = None
+        return pending
+
+    def push_grads(self, grads: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Pushes row gradients (ids, grads) in one push_rows (duplicate ids are summed)."""
+        if not grads:
+            return
+        b = self._binding
+        if len(grads) == 1:
+            u, g = grads[0]
+        else:
+            u, g = np.concatenate([x[0] for x in grads]), np.concatenate([x[1] for x in grads])
+        b.client.push_rows(b.table, u, g)
+        self.bytes_moved += u.nbytes + g.nbytes
 
     def take_leaf(self) -> torch.Tensor | None:
         """This thread's last forward's rows leaf (None if none), forgotten here: the input
@@ -276,11 +313,13 @@ def row_tables(model: nn.Module) -> list[_RowTable]:
     return [m for m in model.modules() if isinstance(m, _RowTable)]
 
 
-def bind_tables(model: nn.Module, client: Any, run: str | None, create: bool) -> list[str]:
+def bind_tables(
+    model: nn.Module, client: Any, run: str | None, create: bool, defer: bool = False
+) -> list[str]:
     """Binds every embedding module of `model` to `client`; returns the servers' table names."""
     names = []
     for m in row_tables(model):
-        m.bind(client, run, create)
+        m.bind(client, run, create, defer)
         names.append(m.server_table)
     return [n for n in names if n is not None]
 

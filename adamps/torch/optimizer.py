@@ -79,7 +79,8 @@ class Connection:
             else:
                 self.remote.check()
             # tables are created like tensors (idempotent): replica 0 creates, others check
-            bind_tables(model, self.remote.client, run, create)
+            # (their row gradients are pushed by the step, checked with the others: defer)
+            bind_tables(model, self.remote.client, run, create, defer=True)
         except BaseException:
             self.remote.close()
             raise
@@ -108,6 +109,7 @@ class Connection:
         return WorkerDownpour(
             self.remote, self.params if params is None else params, self.capture, local_lr=local_lr, n_push=n_push,
             n_fetch=n_fetch, compressor=comp, counts=self.counts, asynchronous=asynchronous,
+            tables=self.tables,
         )  # fmt: skip
 
     def server_state_dict(self) -> dict[str, torch.Tensor]:
@@ -169,8 +171,13 @@ class DownpourOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)
+        for t in self.conn.tables:  # the embedding rows' gradients kept for the step
+            t.take_grads()
 
     def step(self) -> None:
+        """Checks every gradient (parameters, linear layers' rows, embedding rows), then pushes
+        the rows, steps locally and pushes on schedule; a NaN or Inf anywhere raises
+        ``RpcError("non_finite")`` with nothing changed, locally or on the servers."""
         self.worker.step({p.tensor: p.param.grad for p in self.conn.params})
 
     def flush(self) -> None:

@@ -19,7 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from adamps.client import ControllerRouting, PSClient, StaticRouting, routing_from_table
+from adamps.client import (
+    ControllerRouting,
+    PSClient,
+    StaticRouting,
+    push_checks,
+    routing_from_table,
+)
 from adamps.client.rpc import RpcError, SyncRpc, get_json
 from adamps.layout import Layout
 from adamps.torch.params import ModelError, Param
@@ -154,14 +160,18 @@ class RemoteModel:
 
     def push(self, parts: Sequence[tuple[Any, ...]]) -> int:
         """Sends a push's parts in gradient units: ``("fc", t, a, e)``, ``("dense", t, g)``,
-        ``("compressed", t, Encoded)`` (trainer/compress.py's forms). One exactly-once request
-        per form (and per fc tensor). Returns the array payload bytes sent."""
+        ``("compressed", t, Encoded)`` (trainer/compress.py's forms): the fc vectors and dense
+        gradients in one exactly-once request per server (``PSClient.push_round``), the
+        compressed updates in another. Every part is checked before any is sent (issue 39: a
+        NaN anywhere refuses the whole push, nothing applied). Returns the array payload bytes
+        sent."""
+        fc: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         dense: dict[str, np.ndarray] = {}
         compressed: dict[str, Any] = {}
         nbytes = 0
         for kind, name, *arrays in parts:
             if kind == "fc":
-                self.client.push_fc(name, arrays[0], arrays[1])
+                fc[name] = (arrays[0], arrays[1])
                 nbytes += arrays[0].nbytes + arrays[1].nbytes
             elif kind == "compressed":
                 compressed.update(arrays[0].shards)
@@ -170,10 +180,15 @@ class RemoteModel:
                 g = arrays[0].reshape(self.layout.tensors[name].shape)
                 dense[name] = g
                 nbytes += g.nbytes
+        if compressed and (fc or dense):
+            # checked before the round is sent (push_compressed checks it again: it is small)
+            push_checks.compressed(self.layout, compressed)
+        if fc:
+            self.client.push_round(fc, dense)
+        elif dense:
+            self.client.push_dense_many(dense)
         if compressed:
             self.client.push_compressed(compressed)
-        if dense:
-            self.client.push_dense_many(dense)
         return nbytes
 
     def close(self) -> None:
