@@ -95,7 +95,7 @@ def start_cluster(rf: int, root: Path, token: str) -> Any:
 
     c = LocalCluster(
         root, token=token, n_servers=3, n_buckets=64, controller_opts={"replication": rf},
-        ps_opts={"log-level": "WARNING"},
+        ps_opts={"log-level": os.environ.get("PS_LOG", "WARNING")},
     )  # fmt: skip
     c.start(timeout=120)
     return c
