@@ -446,7 +446,9 @@ class ControllerService:
         epoch = request.query.get("epoch")
         progress = self.cluster.read(lambda m: {k: dict(v) for k, v in m.progress.items()})
         if epoch is not None:
-            if not (epoch.isdigit() and len(epoch) <= 10 and int(epoch) <= MAX_EPOCH):
+            if not (
+                epoch.isascii() and epoch.isdigit() and len(epoch) <= 10 and int(epoch) <= MAX_EPOCH
+            ):
                 raise ProtocolError("bad_request", f"epoch must be an integer in 0..{MAX_EPOCH}")
             return aweb.json_response(
                 {"epoch": int(epoch), "replicas": progress.get(str(int(epoch)), {})}
