@@ -262,7 +262,7 @@ class ControllerService:
         it holds its own key. Any controller answers (a derivation from the peer token: no Raft
         entry); nobody else can, and a trainer (the cluster token only) gets 403."""
         try:
-            aweb.check_token(request)
+            self.runs.authenticate(request, runs_allowed=False)  # a run's token: 403
             sid = fields.server_id(request)
             if not self.cfg.peer_token:
                 raise ProtocolError("not_found", "peer identity is off (no peer_token set)")
