@@ -110,8 +110,14 @@ class RowsClient:
 
     def push_rows(self, table: str, ids: Any, grads: np.ndarray, seq: int | None = None) -> None:
         """Row gradients (``grads[k]`` for ``ids[k]``; duplicate ids are summed) applied by the
-        servers' per-row optimizer, exactly once."""
+        servers' per-row optimizer, exactly once. At least one id: an empty push is a
+        ValueError here, as the servers refuse it (400 bad_request), never a silent no-op."""
         ids = as_ids(ids)
+        if not len(ids):
+            raise ValueError(
+                f"push_rows of table {table!r} needs at least one id, got none: with nothing to "
+                "push, do not call it"
+            )
         grads = np.ascontiguousarray(grads, dtype=np.float32)
         if grads.ndim != 2 or grads.shape[0] != len(ids):
             raise ValueError(
@@ -141,5 +147,4 @@ class RowsClient:
                 by_http,
             )
 
-        if len(ids):
-            self._with_retry(go)
+        self._with_retry(go)

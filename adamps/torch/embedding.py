@@ -193,7 +193,8 @@ class _RowTable(nn.Module):
                 return
             state["pushed"] = True
             g = grad.detach().numpy()
-            b.client.push_rows(b.table, u, g)
+            if len(u):  # a batch without ids has no row to push (PSClient refuses an empty one)
+                b.client.push_rows(b.table, u, g)
             self.bytes_moved += u.nbytes + g.nbytes
 
         rows.register_hook(push)
