@@ -39,7 +39,7 @@ MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 ROWS = "rows.safetensors"
 #: what a manifest's file entry may name: a file here, or one of a sibling checkpoint's
-_FILE_RE = re.compile(r"^(\.\./[A-Za-z0-9_.-]+/)?[A-Za-z0-9_.-]+\.safetensors$")
+_FILE_RE = re.compile(r"(\.\./[A-Za-z0-9_.-]+/)?[A-Za-z0-9_.-]+\.safetensors")  # fullmatch
 
 
 class CheckpointError(Exception):
@@ -135,7 +135,7 @@ def read_manifest(src: Path) -> dict[str, Any]:
 
 def checked_file(src: Path, name: str, want: Any) -> Path:
     """The path of file `name` of checkpoint `src`, its size and checksum those of `want`."""
-    if not isinstance(name, str) or not _FILE_RE.match(name):
+    if not isinstance(name, str) or not _FILE_RE.fullmatch(name):
         raise CheckpointError(f"{src / MANIFEST}: file name {name!r} is not a checkpoint file")
     if not isinstance(want, dict) or not {"bytes", "sha256"} <= set(want):
         raise CheckpointError(f"{src / MANIFEST}: file {name}: needs 'bytes' and 'sha256'")

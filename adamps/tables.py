@@ -40,7 +40,7 @@ ROW_INIT_KINDS = ("zeros", "constant", "uniform", "normal")
 #: what a push that would create rows beyond the limit gets (docs/protocol-ps.md, "Tables")
 ON_FULL = ("reject", "drop")
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")  # fullmatch: "$" lets a final "\n" in
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -229,7 +229,7 @@ class TableSpec:
     admission: Admission = field(default_factory=Admission)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
             raise TableError(
                 f"table name {self.name!r} must be 1-128 characters of letters, digits, '_', '.', '-'"
             )

@@ -129,7 +129,7 @@ class RunsApi:
         return aweb.json_response(view)
 
     async def h_auth(self, request: web.Request) -> web.Response:
-        aweb.check_token(request)
+        self.authenticate(request, runs_allowed=False)  # a run's token: 403; unknown: 401
         self.applied()
         return aweb.json_response(self.svc.cluster.read(lambda m: m.runs_auth()))
 

@@ -276,7 +276,7 @@ class ControllerService:
         it holds its own key. Any controller answers (a derivation from the peer token: no Raft
         entry); nobody else can, and a trainer (the cluster token only) gets 403."""
         try:
-            aweb.check_token(request)
+            self.runs.authenticate(request, runs_allowed=False)  # a run's token: 403
             sid = fields.server_id(request)
             if not self.cfg.peer_token:
                 raise ProtocolError("not_found", "peer identity is off (no peer_token set)")
@@ -460,7 +460,9 @@ class ControllerService:
         epoch = request.query.get("epoch")
         progress = self.cluster.read(lambda m: {k: dict(v) for k, v in m.progress.items()})
         if epoch is not None:
-            if not (epoch.isdigit() and len(epoch) <= 10 and int(epoch) <= MAX_EPOCH):
+            if not (
+                epoch.isascii() and epoch.isdigit() and len(epoch) <= 10 and int(epoch) <= MAX_EPOCH
+            ):
                 raise ProtocolError("bad_request", f"epoch must be an integer in 0..{MAX_EPOCH}")
             return aweb.json_response(
                 {"epoch": int(epoch), "replicas": progress.get(str(int(epoch)), {})}

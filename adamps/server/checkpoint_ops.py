@@ -131,9 +131,9 @@ class CheckpointOps:
             if not snaps:
                 self.cuts.pop(cut, None)
             return snap
-        return await self._read(b, require(msg, "since", dict, default={}))
+        return await self._read(b, _since_versions(msg))
 
-    async def _read(self, b: int, since: dict[str, Any]) -> dict[str, Any]:
+    async def _read(self, b: int, known: dict[str, int]) -> dict[str, Any]:
         epoch, seq = 0, None
         if self.replicator is not None:
             # not_primary (also while in doubt) / unavailable: the caller retries
@@ -146,10 +146,6 @@ class CheckpointOps:
         # copy applies the same committed batches, so an equal version is equal data, also on
         # another copy after a failover. (A bucket an operator declared lost restarts its
         # history: the caller then saves everything, adamps/checkpoint.py.)
-        versions = since.get("versions")
-        known: dict[str, int] = {}
-        if isinstance(versions, dict):
-            known = {k: v for k, v in versions.items() if isinstance(v, int)}
 
         def dense(st: Any) -> tuple[int, Any, Any]:
             if known.get(st.id) == st.version:
@@ -244,3 +240,21 @@ def _check_block(st: RowShardState, sid: str, data: bytes) -> None:
         probe.load_bytes(data)
     except Exception as exc:  # struct.error, ValueError: a damaged or foreign record
         raise ProtocolError("bad_request", f"row shard {sid}: not a row block: {exc}") from None
+
+
+def _since_versions(msg: dict[str, Any]) -> dict[str, int]:
+    """ckpt_read's `since: {versions: {shard or row shard id: version}}`, checked whole: a
+    malformed one was ignored, and the read then silently saved everything (issue 39 #15)."""
+    since = require(msg, "since", dict, default={})
+    extra = sorted(str(k) for k in since if k != "versions")
+    if extra:
+        raise ProtocolError("bad_request", f"field 'since' takes only 'versions', got {extra}")
+    versions = since.get("versions", {})
+    if not isinstance(versions, dict) or not all(
+        isinstance(k, str) and type(v) is int for k, v in versions.items()
+    ):
+        raise ProtocolError(
+            "bad_request",
+            "field 'since.versions' must map shard or row shard ids to versions (ints)",
+        )
+    return versions

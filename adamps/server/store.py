@@ -72,6 +72,9 @@ class Store:
         self.clock = clock
         #: embedding tables: their row shards of the held buckets (rowtables.py)
         self.tables = RowTables(n_buckets, owner_threads, registry)
+        #: runs deleted at the controllers (set by tenancy.py): an update in flight to their
+        #: tensors or tables, gone here, is refused alone (repl_wire.store_parts)
+        self.deleted_runs: frozenset[str] = frozenset()
         self._on_applied = on_applied
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(owner_threads)]
         #: per owner: shards with updates not yet taken by a snapshot (owner thread only)

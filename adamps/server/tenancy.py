@@ -166,10 +166,14 @@ class Tenancy:
             for q in runs.QUOTAS:
                 if q in r["quotas"]:
                     self.m_quota.labels(n, q).set(r["quotas"][q])
+        dead = set()
         for name, version in table.get("deleted") or []:
             rec = self.runs.get(name)
             if rec is None or int(rec.get("version", 0)) < int(version):
+                dead.add(name)
                 gone += self.drop_run(name)
+        # Before the next loop step: an update of theirs in a round in flight is refused alone.
+        self.store.deleted_runs = frozenset(dead)
         self.version = int(table.get("runs_version", 0))
         return gone
 

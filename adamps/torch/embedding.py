@@ -227,6 +227,7 @@ class _RowTable(nn.Module):
 
     def push_grads(self, grads: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """Pushes row gradients (ids, grads) in one push_rows (duplicate ids are summed)."""
+        grads = [(u, g) for u, g in grads if len(u)]  # a batch without ids has no row to push
         if not grads:
             return
         b = self._binding

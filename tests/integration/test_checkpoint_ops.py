@@ -150,6 +150,34 @@ async def test_an_incremental_read_leaves_out_what_did_not_change(tmp_path: Path
         await runner.cleanup()
 
 
+@pytest.mark.parametrize(
+    "since",
+    [
+        "versions",
+        [1, 2],
+        {"versions": [1, 2]},
+        {"versions": {"w/0": "3"}},
+        {"versions": {"w/0": True}},
+        {"versions": {"w/0": 1.0}},
+        {"verisons": {"w/0": 1}},
+    ],
+)
+async def test_a_malformed_since_is_a_400_naming_it(tmp_path: Path, since: object) -> None:
+    """Issue 39 #15: a malformed `since` was ignored (the read then saved everything, silently)."""
+    _s, runner, a = await _filled(tmp_path / "a")
+    try:
+        n_buckets = (await a.get_json("/status"))["n_buckets"]
+        bucket = stable_bucket("w/0", n_buckets)
+        with pytest.raises(RpcError) as bad:
+            await a.call("ckpt_read", bucket=bucket, since=since)
+        assert bad.value.code == "bad_request" and bad.value.http_status == 400
+        assert "since" in str(bad.value)
+        await a.call("ckpt_read", bucket=bucket, since={"versions": {}})  # still serving
+    finally:
+        await a.close()
+        await runner.cleanup()
+
+
 async def test_a_hold_refuses_writes_with_a_retryable_503_until_released_or_expired(
     tmp_path: Path,
 ) -> None:

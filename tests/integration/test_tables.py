@@ -295,3 +295,44 @@ async def test_rows_unseen_for_expire_after_are_removed_and_counted(tmp_path: Pa
     finally:
         await c.close()
         await runner.cleanup()
+
+
+async def test_an_empty_push_rows_is_a_value_error_in_the_client_and_a_400_from_the_server(
+    tmp_path: Path,
+) -> None:
+    """Issue 39 #16: PSClient.push_rows with no id returned as if it had pushed. It now raises
+    a ValueError naming the table, before sending anything; the server answers an empty
+    push_rows that reaches it (a hand-made request) with 400 bad_request, nothing applied."""
+    import aiohttp
+
+    from adamps import protocol
+
+    ps, runner, c, url = await start(tmp_path)
+    try:
+        await c.call("create_table", name="t", dim=4, init=INIT)
+
+        def client_push() -> None:
+            with PSClient(StaticRouting([url], 8), Layout([], 8), TOKEN, retry_for=0) as pc:
+                with pytest.raises(ValueError, match="'t' needs at least one id"):
+                    pc.push_rows("t", np.empty(0, np.int64), np.empty((0, 4), np.float32))
+                with pytest.raises(ValueError, match="at least one id"):
+                    pc.push_rows("t", [], np.empty((0, 4), np.float32))
+
+        await asyncio.to_thread(client_push)
+        # The same request by hand (the arrays' wire maps written out: empty data)
+        body = protocol.encode(
+            {"op": "push_rows", "v": 1, "rid": 1, "table": "t",
+             "ids": {"dtype": "int64", "shape": [0], "data": b""},
+             "grads": {"dtype": "float32", "shape": [0, 4], "data": b""}}
+        )  # fmt: skip
+        hdrs = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/msgpack"}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{url}/rpc", data=body, headers=hdrs) as resp:
+                assert resp.status == 400
+                err = (await resp.json())["error"]
+        assert err["code"] == "bad_request" and "at least one id" in err["message"], err
+        assert ps.store.tables.table("t").rows() == 0
+        assert (await c.call("list_tables"))["tables"][0]["rows_held"] == 0  # still serving
+    finally:
+        await c.close()
+        await runner.cleanup()

@@ -167,6 +167,8 @@ def test_two_runs_with_the_same_layer_names_train_apart(tmp_path: Path) -> None:
             # a replication op or a flush is the operator's
             status, _, body = rpc(addr, ta, "flush")
             assert status == 403 and body["code"] == "forbidden"
+            status, _, body = http(addr, "POST", "/flush", ta)  # was 401 (issue 39 #14)
+            assert status == 403 and body["code"] == "forbidden" and "'alpha'" in str(body)
             # an unknown token is no run's
             status, _, body = rpc(addr, ta + "x", "pull", tensors=["alpha..fc1.w"])
             assert status == 401
@@ -189,6 +191,7 @@ def test_two_runs_with_the_same_layer_names_train_apart(tmp_path: Path) -> None:
             ("POST", "/rebalance", b"{}"),
             ("POST", "/runs", json.dumps({"name": "gamma"}).encode()),
             ("DELETE", "/runs/beta", b""),
+            ("GET", "/auth/runs", b""),  # was 401 "wrong cluster token" (issue 39 #14)
         ]:
             status, _, reply = http(ctl, method, path, ta, body)
             assert status == 403, (path, reply)
