@@ -21,11 +21,13 @@ import logging
 import math
 import resource
 import signal
+import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry
 
 from adamps import metrics, protocol, tls
@@ -106,6 +108,17 @@ async def error_middleware(
         return _error(exc.status, code, exc.reason or code, _rid_of(request))
     except asyncio.CancelledError:
         raise
+    except ConnectionError as exc:
+        # The client went away (mid-body, or before its answer): nobody to answer, nothing
+        # wrong here. One line, no traceback (issue 39); the 499 below is never delivered.
+        log.warning(
+            "client %s went away during %s %s: %s",
+            request.remote,
+            request.method,
+            request.path[:200],
+            exc or type(exc).__name__,
+        )
+        return _error(499, "client_closed", "the client closed the connection", _rid_of(request))
     except Exception:
         log.exception("unexpected error in %s %s", request.method, request.path)
         return _error(500, "internal", "unexpected server error (logged)", _rid_of(request))
@@ -348,6 +361,39 @@ class _GuardedServer(web.Server):
         super().connection_lost(handler, exc)
 
 
+class _ServerLog:
+    """The logger aiohttp's connection handler writes to (``aiohttp.server``), quieter: a request
+    aiohttp could not parse (a 10 kB request line, a bad header, non-HTTP bytes) or a
+    connection lost under it is the client's problem, answered 400 by aiohttp already. It was
+    an ERROR with a traceback per request (issue 39); here it is one warning line, at most one
+    per `QUIET_INTERVAL` (the others at debug: a flood must not flood the log). Anything else
+    keeps its traceback."""
+
+    #: seconds between two warnings about bad requests (the rest go to debug)
+    QUIET_INTERVAL = 10.0
+
+    def __init__(self) -> None:
+        self._log = logging.getLogger("aiohttp.server")
+        self._warned = -1e9
+
+    def exception(self, msg: str, *args: Any, exc_info: Any = True, **kw: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else None
+        if isinstance(exc, HttpProcessingError | ConnectionError):
+            text = str(exc).strip().replace("\n", " ")[:200]
+            line = (msg % args if args else msg) + f": {type(exc).__name__}: {text}"
+            now = time.monotonic()
+            if now - self._warned >= self.QUIET_INTERVAL:
+                self._warned = now
+                self._log.warning("%s", line)
+            else:
+                self._log.debug("%s", line)
+            return
+        self._log.exception(msg, *args, exc_info=exc_info, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._log, name)
+
+
 #: seconds a stopping process lets requests in flight finish
 SHUTDOWN_GRACE = 3.0
 
@@ -364,6 +410,7 @@ async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
         handle_signals=False,
         keepalive_timeout=limits.idle_timeout,
         shutdown_timeout=SHUTDOWN_GRACE,
+        logger=_ServerLog(),
     )
     await runner.setup()
     server = runner.server
