@@ -1,6 +1,7 @@
 """The aiohttp shell every role's HTTP service is built on.
 
 What it gives every process: ``GET /healthz`` and ``GET /metrics`` (open), ``GET /status`` (JSON),
+the event-loop probe (``adamps_event_loop_lag_seconds``, adamps/looplag.py),
 an error middleware that turns every failure into a JSON body naming the problem (4xx for bad
 input, a logged 500 for a bug; the process keeps serving), a bounded request body (also when sent
 chunked), and the cluster-token check for mutating calls.
@@ -22,6 +23,7 @@ import math
 import resource
 import signal
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry
 
 from adamps import metrics, protocol, tls
+from adamps.looplag import LoopLag
 from adamps.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,9 @@ STATUS_KEY = web.AppKey("status", object)
 HEALTH_KEY = web.AppKey("health", object)
 RID_KEY = web.RequestKey("rid", str)
 MAX_BODY_KEY = web.AppKey("max_body", int)
+#: the event-loop probe of the app's process (adamps/looplag.py)
+LOOP_LAG_KEY = web.AppKey("loop_lag", LoopLag)
+_probes: weakref.WeakKeyDictionary[CollectorRegistry, LoopLag] = weakref.WeakKeyDictionary()
 
 LIMITS_KEY = web.AppKey("http_limits", object)
 
@@ -227,6 +233,34 @@ def message_response(msg: dict[str, Any], status: int = 200) -> web.Response:
     return web.Response(status=status, body=protocol.encode(msg), content_type=MSGPACK)
 
 
+#: a reply of at least this many bytes is written in pieces of this size (send_message)
+STREAM_PIECE = 1 << 20
+
+
+async def send_message(request: web.Request, msg: dict[str, Any]) -> tuple[web.StreamResponse, int]:
+    """Answers `msg` (status 200) and returns the response and its size. A large reply (a pull
+    of a big tensor) is not encoded into one buffer and copied twice more on the event loop,
+    which held it for a fraction of a second (issue 39): its arrays are written from their own
+    memory, a piece of STREAM_PIECE bytes at a time, waiting for the socket between pieces."""
+    parts, total = protocol.encode_parts(msg)
+    if total < STREAM_PIECE:
+        body = b"".join(parts)
+        return web.Response(body=body, content_type=MSGPACK), len(body)
+    resp = web.StreamResponse()
+    resp.content_type = MSGPACK
+    resp.content_length = total
+    await resp.prepare(request)
+    try:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for i in range(0, len(view), STREAM_PIECE):
+                await resp.write(view[i : i + STREAM_PIECE])
+        await resp.write_eof()
+    except ConnectionError as exc:  # the client went away: nobody to answer
+        log.warning("client %s went away during its reply: %s", request.remote, exc)
+    return resp, total
+
+
 def json_response(obj: Any, status: int = 200) -> web.Response:
     """A standard-JSON reply: never NaN/Infinity tokens (issue 12). Inputs are validated, so
     stored state holds none; a non-finite reading in a status (a diverged loss) becomes null."""
@@ -306,6 +340,19 @@ def make_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/status", _status)
+    probe = _probes.get(registry)
+    if probe is None:  # one per registry (an app made twice shares it)
+        probe = _probes[registry] = LoopLag(registry)
+    app[LOOP_LAG_KEY] = probe
+
+    async def start_probe(_app: web.Application) -> None:
+        probe.start()
+
+    async def stop_probe(_app: web.Application) -> None:
+        await probe.stop()
+
+    app.on_startup.append(start_probe)
+    app.on_cleanup.append(stop_probe)
     return app
 
 

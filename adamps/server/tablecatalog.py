@@ -5,6 +5,7 @@ in LMDB beside the tensors' (its record has a ``table`` field) and its row shard
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,14 @@ from adamps.server.optim import OptimError, Optimizer
 from adamps.server.persist import Persister
 from adamps.server.rowtables import TableState
 from adamps.server.store import Store
-from adamps.tables import ROWS_SEP, Admission, TableError, TableSpec, normalize_row_init
+from adamps.tables import (
+    ROWS_SEP,
+    Admission,
+    TableError,
+    TableSpec,
+    normalize_row_init,
+    row_shard_id,
+)
 
 log = logging.getLogger("adamps.server.app")
 
@@ -38,6 +46,8 @@ class TableCatalog:
         self.persister = persister
         #: the tensor catalog's counter that orders definitions in LMDB
         self.next_seq = next_seq
+        #: one create at a time (op_create_table)
+        self._creating = asyncio.Lock()
 
     def _held(self) -> list[int]:
         b = self.store.buckets
@@ -61,33 +71,58 @@ class TableCatalog:
 
     async def op_create_table(self, msg: dict[str, Any]) -> dict[str, Any]:
         spec = self._spec(msg)
-        created, t = self._define(spec)
+        async with self._creating:
+            if self._existing(spec) is None:
+                # The definition and its empty row shards go to LMDB on a worker thread (the
+                # persister's lock may wait for a flush), before the table exists in memory:
+                # no push or flush of it can come first (issue 39).
+                held = self._held()
+                await asyncio.to_thread(self._persist, spec, held, self.next_seq())
+                if self._existing(spec) is None:
+                    t = self.tables.define(spec, held)
+                    for b in self._held():  # a bucket held meanwhile (rare): an empty block
+                        if b not in t.shards:
+                            self.tables.hold(b)
+                    log.info(
+                        "created table %s dim %d (%s)", spec.name, spec.dim, spec.optimizer["kind"]
+                    )
+                    return {"created": True, "table": self._describe(t)}
+            created, t = self._define(spec)
         return {"created": created, "table": self._describe(t)}
 
-    def _define(self, spec: TableSpec) -> tuple[bool, TableState]:
+    def _existing(self, spec: TableSpec) -> TableState | None:
+        """The table of this name if its definition is `spec`; `exists` if another."""
         existing = self.tables.tables.get(spec.name)
-        if existing is not None:
-            if existing.spec == spec:
-                return False, existing
+        if existing is not None and existing.spec != spec:
             raise ProtocolError(
                 "exists",
                 f"table {spec.name!r} exists with a different definition",
                 existing=existing.spec.to_dict(),
             )
-        t = self.tables.define(spec, self._held())
+        return existing
+
+    def _persist(self, spec: TableSpec, held: list[int], seq: int) -> None:
+        """A new table's definition and its empty row shards (a header each: a block's
+        frequency sketch is made at its first sighting) in one transaction."""
         meta = {
             "spec": {"name": spec.name + ROWS_SEP[:-1]},  # what the saved row shards group by
             "table": spec.to_dict(),
-            "seq": self.next_seq(),
+            "seq": seq,
         }
-        # Written before the caller yields (as a tensor's create): no push is queued yet.
+        empty = TableState(spec, self.cfg.n_buckets, self.tables.m).new_block().tobytes()
+        rec = np.frombuffer(empty, "<f4")
         self.persister.write_tensor(
-            meta,
-            [
-                (st.id, st.version, np.frombuffer(st.value.tobytes(), "<f4"), None)
-                for st in t.shards.values()
-            ],
+            meta, [(row_shard_id(spec.name, b), 0, rec, None) for b in held]
         )
+
+    def _define(self, spec: TableSpec) -> tuple[bool, TableState]:
+        """A peer's definition (state transfer) or a repeated create: defined here at once."""
+        existing = self._existing(spec)
+        if existing is not None:
+            return False, existing
+        held = self._held()
+        self._persist(spec, held, self.next_seq())
+        t = self.tables.define(spec, held)
         log.info("created table %s dim %d (%s)", spec.name, spec.dim, spec.optimizer["kind"])
         return True, t
 
