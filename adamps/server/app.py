@@ -143,6 +143,7 @@ class ParameterServer:
         if self.replicator is not None:
             rep = self.replicator  # its controller client exists once it started
             self.tenancy.fetch = lambda: rep.calls.ctl.runs_auth()
+            self.tenancy.use = lambda run, name, cost: rep.calls.ctl.run_usage(run, name, cost)
             self.replicator.on_heartbeat = self.tenancy.on_heartbeat
         self.addressing = Addressing(cfg, self.store, self.replicator)
         self.reads = Reads(self.store, self.addressing)
@@ -355,6 +356,7 @@ class ParameterServer:
                 request[aweb.RID_KEY] = str(rid)
             op = protocol.check_message(msg, self._ops)
             self.tenancy.check(who, op, msg, len(body))  # a run's namespace and quotas
+            await self.tenancy.reserve(who, op, msg)  # its size quotas, across the cluster
             handler = self._ops[op]
             if self.replicator is not None and op in PEER_OPS:
                 # Who sent it: the MAC of the body under the pair key (adamps.peer_auth); a
