@@ -115,7 +115,7 @@ class TensorCatalog:
                 self._check_server_room(spec)
                 meta = self._meta(spec, opt, init)
                 own = await asyncio.to_thread(self._prepare, spec, opt, init, values, meta)
-                if name not in self.store.tensors:  # (an ensure may have defined it meanwhile)
+                if own is not None and name not in self.store.tensors:
                     created, t = self._define(spec, opt, init, values, own)
                     return {"created": created, "tensor": self._describe(t)}
             created, t = self._define(spec, opt, init, values)
@@ -138,7 +138,7 @@ class TensorCatalog:
         init: dict[str, Any],
         values: np.ndarray | None,
         meta: dict[str, Any],
-    ) -> dict[str, tuple[int, np.ndarray, np.ndarray | None]]:
+    ) -> dict[str, tuple[int, np.ndarray, np.ndarray | None]] | None:
         """A worker thread: the initial values and accumulators of the shards held now, written
         to LMDB with the definition before the tensor exists in memory (so no push or flush of
         it can come first). Returns them for `Store.define(own=True)`."""
@@ -153,12 +153,14 @@ class TensorCatalog:
                 else None
             )
             out[s.id] = (0, whole[s.start : s.stop].copy().reshape(s.shape), acc)
-        self.persister.write_tensor(meta, [(sid, v, val, a) for sid, (v, val, a) in out.items()])
+        recs = [(sid, v, val, a) for sid, (v, val, a) in out.items()]
+        if not self.persister.write_tensor(meta, recs, only_new=True):
+            return None  # a peer's definition came first (ensure): op_create compares with it
         return out
 
     def _check_server_room(self, spec: TensorSpec) -> None:
         """The shards of `spec` this server would hold fit in max_server_elems."""
-        held = sum(st.shard.size for st in self.store.shards.values())
+        held = sum(st.shard.size for st in self.store.shards.values()) + self.tables.sketch_cells()
         if limits.shard_count(spec.shape, self.store.layout.max_shard_elems) > (1 << 20):
             raise ProtocolError("too_large", f"tensor {spec.name!r} would have too many shards")
         new = sum(

@@ -15,6 +15,7 @@ import numpy as np
 from adamps.protocol import ProtocolError, require
 from adamps.server import bounds
 from adamps.server.config import PsConfig
+from adamps.server.freqsketch import DEPTH
 from adamps.server.optim import OptimError, Optimizer
 from adamps.server.persist import Persister
 from adamps.server.rowtables import TableState
@@ -32,6 +33,10 @@ log = logging.getLogger("adamps.server.app")
 
 #: a table's rows start so unless create_table says otherwise
 DEFAULT_INIT = {"kind": "normal", "mean": 0.0, "std": 0.01, "seed": 0}
+
+
+def _sketch_cells(adm: Admission, buckets: int) -> int:
+    return DEPTH * adm.filter_width * buckets if adm.admit_after > 1 else 0
 
 
 class TableCatalog:
@@ -69,16 +74,40 @@ class TableCatalog:
         except (TableError, OptimError) as exc:
             raise ProtocolError("bad_request", str(exc)) from None
 
+    def sketch_cells(self) -> int:
+        """4-byte counters the frequency filters of the tables here may hold (one sketch per
+        held bucket, made at its first sighting): counted in max_server_elems."""
+        return sum(
+            _sketch_cells(t.spec.admission, len(t.shards)) for t in self.tables.tables.values()
+        )
+
+    def _check_room(self, spec: TableSpec, held: list[int]) -> None:
+        """A new table's filters fit in max_server_elems beside the tensors' elements and the
+        other tables' filters (issue 39: a filter of 2^24 counters was 256 MiB per bucket)."""
+        new = _sketch_cells(spec.admission, len(held))
+        if not new:
+            return
+        used = sum(st.shard.size for st in self.store.shards.values()) + self.sketch_cells()
+        if used + new > self.cfg.max_server_elems:
+            raise ProtocolError(
+                "too_large",
+                f"table {spec.name!r}'s frequency filters would put {used + new} 4-byte cells "
+                f"on this server ({new} for its {len(held)} buckets, filter_width "
+                f"{spec.admission.filter_width}); the limit is {self.cfg.max_server_elems}",
+                limit=self.cfg.max_server_elems,
+            )
+
     async def op_create_table(self, msg: dict[str, Any]) -> dict[str, Any]:
         spec = self._spec(msg)
         async with self._creating:
             if self._existing(spec) is None:
+                self._check_room(spec, self._held())
                 # The definition and its empty row shards go to LMDB on a worker thread (the
                 # persister's lock may wait for a flush), before the table exists in memory:
                 # no push or flush of it can come first (issue 39).
                 held = self._held()
-                await asyncio.to_thread(self._persist, spec, held, self.next_seq())
-                if self._existing(spec) is None:
+                wrote = await asyncio.to_thread(self._persist, spec, held, self.next_seq(), True)
+                if wrote and self._existing(spec) is None:
                     t = self.tables.define(spec, held)
                     for b in self._held():  # a bucket held meanwhile (rare): an empty block
                         if b not in t.shards:
@@ -101,9 +130,10 @@ class TableCatalog:
             )
         return existing
 
-    def _persist(self, spec: TableSpec, held: list[int], seq: int) -> None:
+    def _persist(self, spec: TableSpec, held: list[int], seq: int, only_new: bool = False) -> bool:
         """A new table's definition and its empty row shards (a header each: a block's
-        frequency sketch is made at its first sighting) in one transaction."""
+        frequency sketch is made at its first sighting) in one transaction; `only_new`: not if
+        a definition exists (a peer's, written meanwhile: Persister.write_tensor)."""
         meta = {
             "spec": {"name": spec.name + ROWS_SEP[:-1]},  # what the saved row shards group by
             "table": spec.to_dict(),
@@ -111,9 +141,8 @@ class TableCatalog:
         }
         empty = TableState(spec, self.cfg.n_buckets, self.tables.m).new_block().tobytes()
         rec = np.frombuffer(empty, "<f4")
-        self.persister.write_tensor(
-            meta, [(row_shard_id(spec.name, b), 0, rec, None) for b in held]
-        )
+        recs = [(row_shard_id(spec.name, b), 0, rec, None) for b in held]
+        return self.persister.write_tensor(meta, recs, only_new)
 
     def _define(self, spec: TableSpec) -> tuple[bool, TableState]:
         """A peer's definition (state transfer) or a repeated create: defined here at once."""
