@@ -356,7 +356,6 @@ class ParameterServer:
                 request[aweb.RID_KEY] = str(rid)
             op = protocol.check_message(msg, self._ops)
             self.tenancy.check(who, op, msg, len(body))  # a run's namespace and quotas
-            await self.tenancy.reserve(who, op, msg)  # its size quotas, across the cluster
             handler = self._ops[op]
             if self.replicator is not None and op in PEER_OPS:
                 # Who sent it: the MAC of the body under the pair key (adamps.peer_auth); a
@@ -366,6 +365,12 @@ class ParameterServer:
                 )
                 handler = functools.partial(self.replicator.ops.op_from_peer, op, peer=peer)
             try:
+                if who.run is not None and op in ("create", "create_table"):
+                    # checked whole first: the controllers count only a definition that is
+                    # created once it fits (its run's size quotas, across the cluster)
+                    checker = self.catalog if op == "create" else self.catalog.tables
+                    checker.check(msg)
+                    await self.tenancy.reserve(who, op, msg)
                 reply = await handler(msg)
             except StoreError as exc:
                 raise ProtocolError(exc.code, exc.message) from None

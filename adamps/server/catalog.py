@@ -95,7 +95,10 @@ class TensorCatalog:
 
     # -- ops ----------------------------------------------------------------------------------------
 
-    async def op_create(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def check(
+        self, msg: dict[str, Any]
+    ) -> tuple[TensorSpec, Optimizer, dict[str, Any], np.ndarray | None]:
+        """A create's definition, checked whole (raises the 4xx naming the problem)."""
         name = require(msg, "name", str)
         # Sizes by arithmetic before anything is allocated (issue 12: [2^32] with Adagrad asked
         # for 32 GiB); a create that only repeats an existing definition allocates nothing.
@@ -106,7 +109,11 @@ class TensorCatalog:
         bounds.check_optimizer(opt)
         init = normalize_init(init_in, spec.shape)
         bounds.check_init(init, init_in.get("values"))
-        values = init_in.get("values")
+        return spec, opt, init, init_in.get("values")
+
+    async def op_create(self, msg: dict[str, Any]) -> dict[str, Any]:
+        spec, opt, init, values = self.check(msg)
+        name = spec.name
         # One create at a time draws, allocates and writes its values, on a worker thread: a
         # tensor of max_tensor_elems with Adagrad is 512 MiB, which held the event loop for
         # seconds (issue 39); the lock admits them one by one against max_server_elems.

@@ -60,7 +60,7 @@ class TableCatalog:
 
     # -- definitions ---------------------------------------------------------------------------
 
-    def _spec(self, msg: dict[str, Any]) -> TableSpec:
+    def check(self, msg: dict[str, Any]) -> TableSpec:
         try:
             opt = Optimizer.from_dict(require(msg, "optimizer", dict, default={"kind": "sgd"}))
             bounds.check_optimizer(opt)
@@ -98,7 +98,7 @@ class TableCatalog:
             )
 
     async def op_create_table(self, msg: dict[str, Any]) -> dict[str, Any]:
-        spec = self._spec(msg)
+        spec = self.check(msg)
         async with self._creating:
             if self._existing(spec) is None:
                 self._check_room(spec, self._held())
@@ -165,7 +165,7 @@ class TableCatalog:
 
     def ensure(self, d: dict[str, Any]) -> bool:
         """Defines a table from a peer's definition (state transfer) unless it exists here."""
-        return self._define(self._spec(d))[0]
+        return self._define(self.check(d))[0]
 
     def definitions(self, names: list[str]) -> list[dict[str, Any]]:
         return [self.tables.table(n).spec.to_dict() for n in names]

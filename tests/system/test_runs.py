@@ -370,6 +370,9 @@ def test_size_quotas_hold_across_the_servers(tmp_path: Path) -> None:
         assert status == 200, reply
         status, _, reply = rpc(third, tz, "list")
         assert [t["name"] for t in reply["tensors"]] == ["z..a"]  # z..b exists nowhere
+        status, _, reply = rpc(third, tz, "create_table", name="z..v", dim=4,
+                               admission={"max_rows": 10}, init={"kind": "bogus"})  # fmt: skip
+        assert status == 400 and reply["code"] == "bad_request", reply  # and not counted:
         show = adamps_run(c, "show", "z", "--json")
         assert show.returncode == 0, show.stderr
         usage = json.loads(show.stdout)["usage"]
