@@ -35,6 +35,9 @@ import numpy as np
 ROWS_SEP = "#rows/"
 #: widest row a table may have (float32 elements)
 MAX_DIM = 4096
+#: widest frequency sketch (counters per hash row): 16 * this bytes per bucket, 16 MiB (was
+#: 2^24, 256 MiB per bucket: issue 39)
+MAX_FILTER_WIDTH = 1 << 20
 #: init kinds of a table's rows
 ROW_INIT_KINDS = ("zeros", "constant", "uniform", "normal")
 #: what a push that would create rows beyond the limit gets (docs/protocol-ps.md, "Tables")
@@ -186,8 +189,11 @@ class Admission:
         ):
             raise TableError(f"admit_after must be an int in [1, 2^20], got {self.admit_after!r}")
         w = self.filter_width
-        if isinstance(w, bool) or not isinstance(w, int) or not 64 <= w <= 1 << 24:
-            raise TableError(f"filter_width must be an int in [64, 2^24], got {w!r}")
+        if isinstance(w, bool) or not isinstance(w, int) or not 64 <= w <= MAX_FILTER_WIDTH:
+            raise TableError(
+                f"filter_width must be an int in [64, 2^{MAX_FILTER_WIDTH.bit_length() - 1}], "
+                f"got {w!r}"
+            )
         e = self.expire_after
         if e is not None and (
             isinstance(e, bool) or not isinstance(e, int | float) or not 0 < e < 1e9

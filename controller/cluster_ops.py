@@ -11,7 +11,15 @@ from typing import Any
 
 from adamps.core import lease as leases
 from adamps.core.lease import Lease
-from controller.cluster_rules import DEAD, DRAINING, LIVE, PROGRESS_EPOCHS, refusal
+from controller.cluster_rules import (
+    DEAD,
+    DRAINING,
+    LIVE,
+    PROGRESS_EPOCHS,
+    PROGRESS_REPLICAS,
+    PROGRESS_REPLICAS_PER_RUN,
+    refusal,
+)
 
 log = logging.getLogger("controller.state")
 
@@ -456,7 +464,20 @@ class Operations:
         self, epoch: int, replica: str, progress: float, done: bool, now: float
     ) -> dict[str, Any]:
         now = self._tick(now)
-        per = self.progress.setdefault(str(epoch), {})
+        per = self.progress.get(str(epoch), {})
+        if replica not in per:
+            run = replica.partition("/")[0] if "/" in replica else ""
+            mine = sum(1 for r in per if (r.partition("/")[0] if "/" in r else "") == run)
+            if mine >= PROGRESS_REPLICAS_PER_RUN or len(per) >= PROGRESS_REPLICAS:
+                who = f"run {run!r}" if run else "the operator's replicas"
+                return refusal(
+                    "too_large",
+                    f"epoch {epoch} holds the progress of {mine} replicas of {who} and "
+                    f"{len(per)} in all: the board keeps at most {PROGRESS_REPLICAS_PER_RUN} "
+                    f"per run and {PROGRESS_REPLICAS} per epoch",
+                    limit=PROGRESS_REPLICAS_PER_RUN,
+                )
+        per = self.progress.setdefault(str(epoch), per)
         per[replica] = {"progress": progress, "done": bool(done), "at": now}
         if len(self.progress) > PROGRESS_EPOCHS:
             for key in sorted(self.progress, key=int)[: len(self.progress) - PROGRESS_EPOCHS]:

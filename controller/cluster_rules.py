@@ -21,6 +21,11 @@ WAVE = 1.0
 HISTORY_LIMIT = 4096
 #: Trainer epochs whose progress is kept.
 PROGRESS_EPOCHS = 32
+#: Replicas of one run (the part of a replica's name before '/'; the operator's names have
+#: none) whose progress one epoch keeps, and of all runs (issue 39: the board took any number,
+#: 1,500 posted were 255 KB of Raft state). A new replica past either is refused (413).
+PROGRESS_REPLICAS_PER_RUN = 256
+PROGRESS_REPLICAS = 1024
 
 
 def refusal(code: str, message: str, **extra: Any) -> dict[str, Any]:

@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--param-elems", type=int, help="quota: parameter elements of the run")
     parser.add_argument("--table-rows", type=int, help="quota: rows of the run's tables")
     parser.add_argument(
+        "--memory-bytes",
+        type=int,
+        help="quota: bytes the run's tensors and tables hold per copy (values, optimizer "
+        "state, rows at max_rows, frequency filters), summed across the servers",
+    )
+    parser.add_argument(
         "--push-bytes-per-s", type=float, help="quota: push bytes per second, on each server"
     )
     parser.add_argument(
@@ -64,6 +70,7 @@ def _quotas(args: argparse.Namespace) -> dict[str, Any]:
     raw = {
         "param_elems": args.param_elems,
         "table_rows": args.table_rows,
+        "memory_bytes": args.memory_bytes,
         "push_bytes_per_s": args.push_bytes_per_s,
     }
     return runs.check_quotas({k: v for k, v in raw.items() if v is not None})
@@ -95,6 +102,8 @@ def _show(view: dict[str, Any]) -> str:
             f"{view['bytes']} bytes)",
             "  quotas       "
             + (", ".join(f"{k} = {v:g}" for k, v in sorted(quotas.items())) or "none"),
+            "  usage        "
+            + ", ".join(f"{k} = {v}" for k, v in sorted((view.get("usage") or {}).items())),
         ]
     )
 

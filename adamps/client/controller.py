@@ -280,6 +280,11 @@ class ControllerOps:
     def delete_run(self, name: str) -> Any:
         return self._run(Call(json_request("DELETE", f"/runs/{name}")))
 
+    def run_usage(self, run: str, name: str, cost: dict[str, int]) -> Any:
+        """Asks the controllers to count `name` at `cost` against run `run`'s size quotas
+        (a server, before it creates it; 403 quota_exceeded when past them)."""
+        return self._post(f"/runs/{run}/usage", {"name": name, "cost": cost})
+
     def runs_auth(self) -> Any:
         """The runs' token hashes and quotas (the servers', with the cluster token)."""
         return self._get("/auth/runs")

@@ -143,6 +143,7 @@ class ParameterServer:
         if self.replicator is not None:
             rep = self.replicator  # its controller client exists once it started
             self.tenancy.fetch = lambda: rep.calls.ctl.runs_auth()
+            self.tenancy.use = lambda run, name, cost: rep.calls.ctl.run_usage(run, name, cost)
             self.replicator.on_heartbeat = self.tenancy.on_heartbeat
         self.addressing = Addressing(cfg, self.store, self.replicator)
         self.reads = Reads(self.store, self.addressing)
@@ -164,6 +165,8 @@ class ParameterServer:
             pull_rows=self.rows.op_pull_rows, push_rows=self.rows.op_push_rows
         )
         self._closed = False
+        #: "METHOD /path" of every HTTP route (set by make_app)
+        self._routes: set[str] = set()
         #: a checkpoint's read and restore of a bucket (checkpoint_ops.py)
         self.checkpoints = CheckpointOps(self.store, self.catalog, self.writes, self.replicator)
         #: runs' step clocks and their consistency modes (issue 25, clockops.py)
@@ -309,6 +312,9 @@ class ParameterServer:
         app[PS_KEY] = self
         app.router.add_post("/rpc", self.handle_rpc)
         app.router.add_post("/flush", self.handle_flush)
+        self._routes = {
+            f"{r.method} {r.resource.canonical}" for r in app.router.routes() if r.method != "HEAD"
+        }
 
         async def start_data_plane(_app: web.Application) -> None:
             self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
@@ -359,6 +365,12 @@ class ParameterServer:
                 )
                 handler = functools.partial(self.replicator.ops.op_from_peer, op, peer=peer)
             try:
+                if who.run is not None and op in ("create", "create_table"):
+                    # checked whole first: the controllers count only a definition that is
+                    # created once it fits (its run's size quotas, across the cluster)
+                    checker = self.catalog if op == "create" else self.catalog.tables
+                    checker.check(msg)
+                    await self.tenancy.reserve(who, op, msg)
                 reply = await handler(msg)
             except StoreError as exc:
                 raise ProtocolError(exc.code, exc.message) from None
@@ -371,8 +383,8 @@ class ParameterServer:
             self.m.requests.labels(op, "internal").inc()
             raise
         reply = self.tenancy.filter_reply(who, op, reply)
-        resp = aweb.message_response({"rid": msg.get("rid"), **reply})
-        self.m.bytes_out.inc(len(resp.body))  # type: ignore[arg-type]
+        resp, size = await aweb.send_message(request, {"rid": msg.get("rid"), **reply})
+        self.m.bytes_out.inc(size)
         self.m.requests.labels(op, "ok").inc()
         self.m.latency.labels(op).observe(time.perf_counter() - t0)
         return resp
@@ -457,4 +469,17 @@ class ParameterServer:
             "clients": len(self.writes.clients),
             "runs": self.tenancy.status(),
             "clocks": self.clocks.status(),
+            "served": self.served(),
+        }
+
+    def served(self) -> dict[str, list[str]]:
+        """Every kind of request this server answers: /rpc ops, HTTP routes, data-plane frames
+        (tests/system/test_loop_lag.py probes each; a new op cannot escape it)."""
+        frames = ["push_dense", "pull", *self.data_plane.messages]
+        if self.data_plane.peer_frame is not None:
+            frames.append("repl_multi")
+        return {
+            "rpc": sorted(self._ops),
+            "routes": sorted(self._routes),
+            "data_plane": sorted(frames) if self.cfg.data_port else [],
         }

@@ -86,8 +86,9 @@ class PsConfig:
     )
     max_server_elems: int = field(
         1 << 28,
-        help="most float32 elements of all tensors' shards held here, checked at create (1 GiB; "
-        "Adagrad doubles the memory)",
+        help="most float32 elements of all tensors' shards held here, and 4-byte counters of "
+        "tables' frequency filters, checked at create and create_table (1 GiB; Adagrad "
+        "doubles the tensors' memory)",
     )
     max_shards_per_request: int = field(
         4096, help="most shard ids (after removing duplicates) or tensors in one pull or push"

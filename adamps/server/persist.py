@@ -185,21 +185,31 @@ class Persister:
                     self.map_grows += 1
 
     def write_tensor(
-        self, meta: dict[str, Any], shards: Iterable[tuple[str, int, np.ndarray, np.ndarray | None]]
-    ) -> None:
-        """A new tensor's definition and its held shards' initial state, in one transaction."""
+        self,
+        meta: dict[str, Any],
+        shards: Iterable[tuple[str, int, np.ndarray, np.ndarray | None]],
+        only_new: bool = False,
+    ) -> bool:
+        """A new tensor's definition and its held shards' initial state, in one transaction.
+        `only_new` (a create written off the event loop): nothing is written if a definition
+        of that name exists already (a peer's, written meanwhile, then transferred state and
+        flushed: this older initial state must not overwrite it). Returns whether it wrote."""
         shards = list(shards)
-        self._forgotten.discard(meta["spec"]["name"])
+        key = meta["spec"]["name"].encode()
+        wrote = [True]
 
         def fn(txn: lmdb.Transaction) -> None:
-            txn.put(
-                meta["spec"]["name"].encode(), seal(json.dumps(meta).encode()), db=self._tensors
-            )
+            if only_new and txn.get(key, db=self._tensors) is not None:
+                wrote[0] = False
+                return
+            txn.put(key, seal(json.dumps(meta).encode()), db=self._tensors)
             for sid, version, value, accum in shards:
                 txn.put(sid.encode(), shardrecord.pack(version, value, accum), db=self._shards)
 
+        self._forgotten.discard(meta["spec"]["name"])
         self._write(fn)
         memtrim.trim()  # the records and LMDB's dirty pages of a big tensor are free now
+        return wrote[0]
 
     def write_snapshots(
         self,

@@ -93,7 +93,7 @@ class RowBlock:
     seen: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
     index: RowIndex = field(default_factory=RowIndex)
     #: sightings of ids without a row (the frequency filter, when admit_after > 1): bounded
-    #: memory (freqsketch.py)
+    #: memory (freqsketch.py), made at the first sighting (None before: no counts)
     sketch: FrequencySketch | None = None
     #: time of the next expiry sweep
     next_sweep: float = 0.0
@@ -111,8 +111,8 @@ class RowBlock:
             self.accum = np.empty((0, self.dim), np.float32)
         if len(self.dirty) < len(self.values):
             self.dirty = np.zeros(len(self.values), bool)
-        if self.sketch is None and self.admission.admit_after > 1:
-            self.sketch = FrequencySketch(self.admission.filter_width)
+        # The frequency sketch is made at the first sighting (`_admit`, the owner thread): a
+        # create allocates nothing per bucket on the event loop (issue 39).
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -207,7 +207,9 @@ class RowBlock:
     def _admit(self, ids: np.ndarray, new: np.ndarray, stats: ApplyStats) -> np.ndarray:
         """The positions in `new` (ids without a row, increasing) that get a row now."""
         after = self.admission.admit_after
-        if after > 1 and self.sketch is not None:
+        if after > 1:
+            if self.sketch is None:
+                self.sketch = FrequencySketch(self.admission.filter_width)
             ok = self.sketch.see(ids[new]) >= after
             stats.filtered += len(new) - int(ok.sum())
             new = new[ok]
@@ -271,17 +273,19 @@ class RowBlock:
         """The frequency filter's state at `off` of `data`, and the offset after it. Version 1
         held exact (id, count) pairs: they become the sketch's counts."""
         width = self.admission.filter_width
-        sketch = FrequencySketch(width) if self.admission.admit_after > 1 else None
+        filtered = self.admission.admit_after > 1
+        sketch = None  # none yet: made at the first sighting
         if ver == 1:
             pend = np.frombuffer(data, "<i8", 2 * count, off).reshape(-1, 2)
-            if sketch is not None and len(pend):
+            if filtered and len(pend):
+                sketch = FrequencySketch(width)
                 sketch.raise_to(pend[:, 0].copy(), pend[:, 1])
             return sketch, off + pend.nbytes
         if count:
             if count != DEPTH * width:
                 raise ValueError(f"a filter of {count} counters, expected {DEPTH * width}")
             got = FrequencySketch.from_bytes(width, memoryview(data)[off : off + 4 * count])
-            sketch = got if sketch is not None else None
+            sketch = got if filtered else None
         return sketch, off + 4 * count
 
     def take_delta(self) -> RowDelta:

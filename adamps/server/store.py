@@ -104,9 +104,11 @@ class Store:
         init: dict[str, Any],
         values: np.ndarray | None,
         saved: Mapping[str, tuple[int, np.ndarray, np.ndarray | None]] | None = None,
+        own: bool = False,
     ) -> TensorState:
         """Adds a tensor; its held shards get `saved` state (shard id -> (version, value, accum))
-        or else the initial values. The caller checked that the name is new."""
+        or else the initial values. The caller checked that the name is new. `own`: the saved
+        arrays are given, not copied (a create made them off the event loop, catalog.py)."""
         self.layout = self.layout.with_tensor(spec)
         t = TensorState(spec, optimizer, init, layout_shards=self.layout.shards_of[spec.name])
         saved = saved or {}
@@ -115,7 +117,7 @@ class Store:
             if not self.holds(s):
                 continue
             if s.id in saved:
-                self._materialize(t, s, *saved[s.id])
+                self._materialize(t, s, *saved[s.id], own=own)
             else:
                 if whole is None:
                     whole = initial_values(spec.shape, init, values).reshape(-1)
@@ -123,16 +125,16 @@ class Store:
         self.tensors[spec.name] = t
         return t
 
-    def _materialize(
-        self, t: TensorState, s: Shard, version: int, value: np.ndarray, accum: np.ndarray | None
-    ) -> ShardState:
+    def _materialize(self, t: TensorState, s: Shard, *state: Any, own: bool = False) -> ShardState:
+        version, value, accum = state  # (int, values, accumulators or None)
         if accum is None and t.optimizer.has_accumulator:
             accum = np.full(s.shape, t.optimizer.initial_accumulator, dtype=np.float32)
+        take = np.asarray if own else np.array
         st = ShardState(
             s,
             owner=stable_bucket(s.id, len(self._queues)),
-            value=np.array(value, dtype=np.float32, order="C").reshape(s.shape),
-            accum=None if accum is None else np.array(accum, dtype=np.float32).reshape(s.shape),
+            value=take(value, dtype=np.float32, order="C").reshape(s.shape),
+            accum=None if accum is None else take(accum, dtype=np.float32).reshape(s.shape),
             version=version,
         )
         t.shards[s.index] = st

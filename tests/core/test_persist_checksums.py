@@ -180,3 +180,27 @@ def test_an_environment_of_an_unknown_format_is_refused_with_a_clear_message(
     env.close()
     with pytest.raises(ConfigError, match="LMDB format b'9' is not this version's b'2'"):
         Persister(tmp_path / "db", map_size=1 << 22)
+
+
+def test_a_create_written_off_the_loop_never_overwrites_a_definition_written_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """Issue 39: a create writes its definition and initial values on a worker thread
+    (catalog.py). A peer's definition of the same tensor (state transfer, `ensure`) may be
+    written in the meantime, and flushed values after it: the create's older initial state
+    must then not replace them (`only_new`)."""
+    p = Persister(tmp_path / "lmdb", 1 << 24, sync=False)
+    try:
+        meta = {"spec": {"name": "w", "shape": [4]}, "init": {"kind": "zeros"}, "seq": 0}
+        newer = np.full(4, 7.0, np.float32)
+        assert p.write_tensor({**meta, "seq": 1}, [("w/0", 5, newer, None)])
+        zeros = np.zeros(4, np.float32)
+        assert not p.write_tensor(meta, [("w/0", 0, zeros, None)], only_new=True)
+        (saved,) = list(p.load())
+        assert saved.meta["seq"] == 1
+        version, value, _acc = saved.shards["w/0"]
+        assert version == 5 and np.array_equal(np.asarray(value).reshape(-1), newer)
+        assert p.write_tensor({**meta, "spec": {"name": "v", "shape": [4]}},
+                              [("v/0", 0, zeros, None)], only_new=True)  # fmt: skip
+    finally:
+        p.close()
