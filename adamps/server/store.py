@@ -72,8 +72,7 @@ class Store:
         self.clock = clock
         #: embedding tables: their row shards of the held buckets (rowtables.py)
         self.tables = RowTables(n_buckets, owner_threads, registry)
-        #: runs deleted at the controllers (set by tenancy.py): an update in flight to their
-        #: tensors or tables, gone here, is refused alone (repl_wire.store_parts)
+        #: runs deleted at the controllers (tenancy.py): their updates in flight are refused alone
         self.deleted_runs: frozenset[str] = frozenset()
         self._on_applied = on_applied
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(owner_threads)]
@@ -108,7 +107,7 @@ class Store:
     ) -> TensorState:
         """Adds a tensor; its held shards get `saved` state (shard id -> (version, value, accum))
         or else the initial values. The caller checked that the name is new. `own`: the saved
-        arrays are given, not copied (a create made them off the event loop, catalog.py)."""
+        arrays are taken, not copied (made off the event loop, catalog.py)."""
         self.layout = self.layout.with_tensor(spec)
         t = TensorState(spec, optimizer, init, layout_shards=self.layout.shards_of[spec.name])
         saved = saved or {}
