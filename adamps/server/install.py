@@ -42,12 +42,13 @@ def install_of(u: dict[str, Any], st: Any) -> Install:
     """The checked store form of an install update: float32 arrays of the shard's size, and
     an accumulator exactly when given (a peer's batch is checked like a client's request)."""
     arrays = [u.get("v"), u.get("a")]
-    for name, a in zip(("values", "accumulator"), arrays, strict=True):
+    # the optimizer's state (optspec.py) may be larger than the shard: slots and a step count
+    sizes = [st.shard.size, st.shard.size if st.accum is None else st.accum.size]
+    for name, a, size in zip(("values", "accumulator"), arrays, sizes, strict=True):
         if a is None and name == "accumulator":
             continue
-        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.size != st.shard.size:
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.size != size:
             raise ProtocolError(
-                "bad_shape",
-                f"install of shard {st.id}: {name} must be float32 of {st.shard.size} elements",
+                "bad_shape", f"install of shard {st.id}: {name} must be float32 of {size} elements"
             )
     return Install(arrays[0], arrays[1])

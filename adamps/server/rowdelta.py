@@ -101,7 +101,7 @@ class RowDelta:
     @property
     def nbytes(self) -> int:
         """About what writing it costs (the flush's chunk plan)."""
-        per = 8 + 16 + 40 + self.values.shape[1] * 4 * (1 if self.accum is None else 2)
+        per = 8 + 16 + 40 + (self.values.shape[1] + (0 if self.accum is None else self.accum.shape[1])) * 4
         return len(self.ids) * per + len(self.removed) * 48
 
 
@@ -130,10 +130,11 @@ def sid_of_key(key: bytes) -> str:
 
 
 def parse_rows(
-    ids: list[int], payloads: list[bytes | memoryview], dim: int, has_accum: bool
+    ids: list[int], payloads: list[bytes | memoryview], dim: int, acc_width: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """(ids, seen, values, accum) of row records' payloads (raises ValueError on a bad size)."""
-    width = 8 + dim * 4 * (2 if has_accum else 1)
+    """(ids, seen, values, accum) of row records' payloads (raises ValueError on a bad size);
+    `acc_width` is the optimizer's state per row (optspec.Optimizer.row_state_width), 0: none."""
+    width = 8 + (dim + acc_width) * 4
     k = len(ids)
     raw = np.frombuffer(b"".join(payloads), np.uint8)
     if raw.size != k * width:
@@ -142,6 +143,6 @@ def parse_rows(
     seen = raw[:, :8].copy().view("<f8").reshape(k).astype(np.float64)
     values = raw[:, 8 : 8 + dim * 4].copy().view("<f4").reshape(k, dim).astype(np.float32)
     accum = None
-    if has_accum:
-        accum = raw[:, 8 + dim * 4 :].copy().view("<f4").reshape(k, dim).astype(np.float32)
+    if acc_width:
+        accum = raw[:, 8 + dim * 4 :].copy().view("<f4").reshape(k, acc_width).astype(np.float32)
     return np.array(ids, np.int64), seen, values, accum

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 from adamps.layout import MAX_SHARD_ELEMS, Layout, Shard, TensorSpec, stable_bucket
 from adamps.server import optim, shardrecord, vecapply
 from adamps.server.initial import initial_values
-from adamps.server.optim import Fc, Optimizer, Scratch, Signs
+from adamps.server.optim import Fc, Optimizer, Scratch, Signs, initial_state, state_array
 from adamps.server.rowtables import RowShardState, RowTables
 from adamps.server.shards import ShardState, Snapshot, StoreError, TensorState
 from adamps.server.tickets import Ticket
@@ -123,13 +123,14 @@ class Store:
     def _materialize(
         self, t: TensorState, s: Shard, version: int, value: np.ndarray, accum: np.ndarray | None
     ) -> ShardState:
-        if accum is None and t.optimizer.has_accumulator:
-            accum = np.full(s.shape, t.optimizer.initial_accumulator, dtype=np.float32)
+        opt = t.optimizer
+        if accum is None and opt.has_accumulator:
+            accum = initial_state(opt, s.size)
         st = ShardState(
             s,
             owner=stable_bucket(s.id, len(self._queues)),
             value=np.array(value, dtype=np.float32, order="C").reshape(s.shape),
-            accum=None if accum is None else np.array(accum, dtype=np.float32).reshape(s.shape),
+            accum=None if accum is None else state_array(opt, s, accum),
             version=version,
         )
         t.shards[s.index] = st

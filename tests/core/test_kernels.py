@@ -51,7 +51,7 @@ def test_fused_adagrad_is_bit_identical_to_numpy(n: int) -> None:
 
 
 def test_fused_adagrad_in_apply_batch_matches_numpy_on_a_2d_shard() -> None:
-    opt = Optimizer("adagrad", lr=0.05, eps=1e-7, initial_accumulator=0.01)
+    opt = Optimizer("adagrad_legacy", 0.05, {"eps": 1e-7, "initial_accumulator": 0.01})
     w1, a1, grads = _state(128 * 96, seed=3)
     w1, a1 = w1.reshape(128, 96), a1.reshape(128, 96)
     w2, a2 = w1.copy(), a1.copy()
@@ -65,7 +65,7 @@ def test_fused_adagrad_in_apply_batch_matches_numpy_on_a_2d_shard() -> None:
 
 
 def test_the_numpy_path_keeps_the_float64_reference_within_float32_rounding() -> None:
-    opt = Optimizer("adagrad", lr=0.1, eps=1e-6)
+    opt = Optimizer("adagrad_legacy", 0.1, {"eps": 1e-6})
     w, acc, grads = _state(5000, seed=9)
     w64, acc64 = w.copy(), acc.copy()
     tmp = np.empty(w.size, np.float32)
