@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from adamps import tls
-from adamps.server.optspec import Optimizer, state_ranges
 from adamps.ckpt_format import (  # noqa: F401 (re-exported: the format's names live there)
     FORMAT,
     MANIFEST,
@@ -46,6 +45,7 @@ from adamps.client import retry
 from adamps.client.ps import ControllerRouting, PSClient, Routing, retryable
 from adamps.client.rpc import RpcError, SyncRpc
 from adamps.layout import Layout, TensorSpec
+from adamps.optspec import Optimizer, state_ranges
 
 #: buckets read at once by a save
 READERS = 4

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save
 
-from adamps.server.optspec import OptimError, Optimizer, state_ranges
+from adamps.optspec import OptimError, Optimizer, state_ranges
 
 FORMAT = 2
 MANIFEST = "manifest.json"

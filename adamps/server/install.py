@@ -42,7 +42,7 @@ def install_of(u: dict[str, Any], st: Any) -> Install:
     """The checked store form of an install update: float32 arrays of the shard's size, and
     an accumulator exactly when given (a peer's batch is checked like a client's request)."""
     arrays = [u.get("v"), u.get("a")]
-    # the optimizer's state (optspec.py) may be larger than the shard: slots and a step count
+    # the optimizer's state (adamps/optspec.py) may be larger than the shard: slots and a step count
     sizes = [st.shard.size, st.shard.size if st.accum is None else st.accum.size]
     for name, a, size in zip(("values", "accumulator"), arrays, sizes, strict=True):
         if a is None and name == "accumulator":

@@ -35,9 +35,10 @@ import numpy as np
 from scipy.linalg import blas
 
 from adamps.server import kernels, torchoptim
-from adamps.server.optspec import KINDS, OptimError, Optimizer
+from adamps.optspec import KINDS, OptimError, Optimizer
 
 __all__ = ["KINDS", "OptimError", "Optimizer"]
+
 
 @dataclass(frozen=True, slots=True)
 class Dense:
@@ -84,7 +85,7 @@ class Scratch:
 
 def state_shape(opt: Optimizer, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of the state array of a shard of `shape`: the shard's own for the legacy
-    Adagrad (its records are unchanged), else flat (optspec.py: arrays, then the step count)."""
+    Adagrad (its records are unchanged), else flat (adamps/optspec.py: arrays, then the step count)."""
     if opt.legacy_layout:
         return shape
     return (opt.state_size(math.prod(shape)),)

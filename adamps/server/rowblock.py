@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adamps.server.freqsketch import DEPTH, FrequencySketch
 from adamps.server import torchoptim
+from adamps.server.freqsketch import DEPTH, FrequencySketch
 from adamps.server.optim import Optimizer
 from adamps.server.rowdelta import RowDelta
 from adamps.server.rowindex import RowIndex

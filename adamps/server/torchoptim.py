@@ -5,7 +5,7 @@ Each dense step follows torch.optim's single-tensor code (torch 2.x, ``foreach=F
 over two preallocated scratch buffers: no full-size temporary per step. The order of the float32
 operations is fixed, so replicas that apply the same pushes end bit-identical.
 
-A shard's state (optspec.py) is one flat float32 array: the per-element arrays one after the
+A shard's state (adamps/optspec.py) is one flat float32 array: the per-element arrays one after the
 other, then the step count in the last two elements (uint64 bits). Per kind, in order:
 
 - ``sgd`` (momentum > 0): momentum_buffer (torch's first step sets it to the gradient);
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from adamps.server.optspec import STEP_SLOTS, Optimizer
+from adamps.server import kernels
+from adamps.optspec import STEP_SLOTS, Optimizer
 
 F32 = np.float32
 
@@ -35,7 +36,9 @@ def _next_step(state: np.ndarray) -> int:
     return step
 
 
-def _decayed(g: np.ndarray, w: np.ndarray, wd: float, gbuf: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+def _decayed(
+    g: np.ndarray, w: np.ndarray, wd: float, gbuf: np.ndarray, tmp: np.ndarray
+) -> np.ndarray:
     """gbuf = g + wd * w (torch: ``grad.add(param, alpha=weight_decay)``); g may be gbuf."""
     np.multiply(w, F32(wd), out=tmp)
     np.add(g, tmp, out=gbuf)
@@ -89,15 +92,8 @@ def dense_step(
         np.multiply(g, F32(lr), out=tmp)
         w -= tmp
     elif kind == "adagrad":
-        acc = state[:n]
         clr = lr / (1.0 + (step - 1) * p["lr_decay"])
-        np.multiply(g, g, out=tmp)
-        acc += tmp
-        np.sqrt(acc, out=tmp)
-        tmp += F32(p["eps"])
-        np.divide(g, tmp, out=tmp)
-        tmp *= F32(clr)
-        w -= tmp
+        kernels.adagrad_torch(w, state[:n], g, clr, p["eps"], tmp)  # one fused pass (numba)
     elif kind in ("adam", "adamw"):
         b1, b2 = p["betas"]
         if wd != 0 and kind == "adamw":

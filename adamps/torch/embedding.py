@@ -21,8 +21,9 @@ gradient of each distinct row with duplicates already summed, and a hook on it p
 ``Replica`` does) both push. A forward's rows are pushed at most once, even if the graph is
 backpropagated again; a forward that is never backpropagated (evaluation) pushes nothing.
 
-The servers apply their table's per-row optimizer (SGD or Adagrad, ``optimizer`` and ``lr``
-here): there is no local step, so the next forward pulls the updated rows. What cannot apply to a
+The servers apply their table's per-row optimizer (``optimizer`` and ``lr`` here: ``sgd``,
+torch's ``adagrad`` per element, ``rowwise_adagrad`` with one accumulator per row as TorchRec's,
+or ``adagrad_legacy``; docs/training.md, "Optimizers"): there is no local step, so the next forward pulls the updated rows. What cannot apply to a
 table of the servers and is refused: ``padding_idx``, ``max_norm``, ``scale_grad_by_freq``,
 ``_weight`` / ``_freeze`` and devices other than the CPU (``sparse`` is accepted and ignored: the
 updates are always sparse).
@@ -69,7 +70,8 @@ class _RowTable(nn.Module):
         table: str,
         optimizer: str = "sgd",
         lr: float = 0.01,
-        adagrad_initial: float = 0.1,
+        adagrad_initial: float = 0.0,
+        optimizer_args: Mapping[str, Any] | None = None,
         init: Mapping[str, Any] | None = None,
         admission: Mapping[str, Any] | None = None,
         client: Any = None,
@@ -119,7 +121,7 @@ class _RowTable(nn.Module):
         self.sparse = True
         #: the table's name in its run (the servers' table is RUN..TABLE, adamps.torch.params)
         self.table = table
-        self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial)
+        self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial, optimizer_args, table=True)
         # torch's nn.Embedding starts from N(0, 1); the seed is the table's, so that every
         # replica (and every copy of a bucket) creates a row with the same value
         self.init = dict(init) if init is not None else {"kind": "normal", "std": 1.0, "seed": 0}

@@ -66,7 +66,10 @@ def test_adagrad_on_sparse_updates_touches_only_the_sent_elements() -> None:
 
 def test_a_batch_mixing_kinds_equals_applying_them_in_order() -> None:
     rng = np.random.default_rng(3)
-    for opt in (Optimizer("sgd", 0.1), Optimizer("adagrad_legacy", 0.1, {"initial_accumulator": 0.1})):
+    for opt in (
+        Optimizer("sgd", 0.1),
+        Optimizer("adagrad_legacy", 0.1, {"initial_accumulator": 0.1}),
+    ):
         w = rng.standard_normal((20, 10)).astype(np.float32)
         acc = np.full_like(w, 0.1) if opt.has_accumulator else None
         a = rng.standard_normal((3, 10)).astype(np.float32)

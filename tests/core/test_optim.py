@@ -127,5 +127,8 @@ def test_bad_optimizer_descriptions_are_refused(bad: dict) -> None:
 
 
 def test_optimizer_round_trips() -> None:
-    for opt in (Optimizer("sgd", -1), Optimizer("adagrad_legacy", 0.5, {"eps": 1e-4, "initial_accumulator": 0.1})):
+    for opt in (
+        Optimizer("sgd", -1),
+        Optimizer("adagrad_legacy", 0.5, {"eps": 1e-4, "initial_accumulator": 0.1}),
+    ):
         assert Optimizer.from_dict(opt.to_dict()) == opt

@@ -36,16 +36,33 @@ CASES = [
     ({"kind": "sgd", "lr": 0.05, "weight_decay": 0.1}, "SGD", {"lr": 0.05, "weight_decay": 0.1}),
     ({"kind": "adagrad", "lr": 0.02}, "Adagrad", {"lr": 0.02}),
     (
-        {"kind": "adagrad", "lr": 0.02, "lr_decay": 0.01, "weight_decay": 0.05,
-         "initial_accumulator_value": 0.1, "eps": 1e-6},
+        {
+            "kind": "adagrad",
+            "lr": 0.02,
+            "lr_decay": 0.01,
+            "weight_decay": 0.05,
+            "initial_accumulator_value": 0.1,
+            "eps": 1e-6,
+        },
         "Adagrad",
-        {"lr": 0.02, "lr_decay": 0.01, "weight_decay": 0.05, "initial_accumulator_value": 0.1,
-         "eps": 1e-6},
+        {
+            "lr": 0.02,
+            "lr_decay": 0.01,
+            "weight_decay": 0.05,
+            "initial_accumulator_value": 0.1,
+            "eps": 1e-6,
+        },
     ),  # fmt: skip
     ({"kind": "adam", "lr": 0.01}, "Adam", {"lr": 0.01}),
     (
-        {"kind": "adam", "lr": 0.01, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.01,
-         "amsgrad": True},
+        {
+            "kind": "adam",
+            "lr": 0.01,
+            "betas": [0.8, 0.99],
+            "eps": 1e-6,
+            "weight_decay": 0.01,
+            "amsgrad": True,
+        },
         "Adam",
         {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.01, "amsgrad": True},
     ),  # fmt: skip
@@ -58,8 +75,14 @@ CASES = [
     ),
     ({"kind": "rmsprop", "lr": 0.01}, "RMSprop", {"lr": 0.01}),
     (
-        {"kind": "rmsprop", "lr": 0.005, "alpha": 0.9, "momentum": 0.5, "centered": True,
-         "weight_decay": 0.01},
+        {
+            "kind": "rmsprop",
+            "lr": 0.005,
+            "alpha": 0.9,
+            "momentum": 0.5,
+            "centered": True,
+            "weight_decay": 0.01,
+        },
         "RMSprop",
         {"lr": 0.005, "alpha": 0.9, "momentum": 0.5, "centered": True, "weight_decay": 0.01},
     ),  # fmt: skip

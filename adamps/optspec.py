@@ -239,3 +239,18 @@ def state_ranges(opt: Optimizer, shards: list[tuple[int, int]]) -> list[tuple[in
         out[i] = (at, at + size)
         at += size
     return out
+
+
+def spec_of(
+    kind: str, lr: float, adagrad_initial: float = 0.0, args: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """A client's definition of its tensors' optimizer (adamps train, adamps.torch): `kind` at
+    `lr` with `args` (torch's names), Adagrad's initial accumulator from `adagrad_initial`
+    (``initial_accumulator_value`` of ``adagrad``; ``initial_accumulator`` of
+    ``adagrad_legacy``). Checked here (OptimError), so a bad one fails before any create."""
+    d: dict[str, Any] = {"kind": kind, "lr": lr, **dict(args or {})}
+    if kind == "adagrad":
+        d.setdefault("initial_accumulator_value", adagrad_initial)
+    elif kind == "adagrad_legacy":
+        d.setdefault("initial_accumulator", adagrad_initial)
+    return Optimizer.from_dict(d).to_dict()
