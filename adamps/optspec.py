@@ -125,7 +125,8 @@ class Optimizer:
         for name in ("eps", "weight_decay", "lr_decay", "initial_accumulator_value"):
             if name in p and p[name] < 0:
                 raise OptimError(f"{k} {name} must be >= 0, got {p[name]}")
-        if k in ("adagrad_legacy", "rowwise_adagrad") and p["eps"] <= 0:
+        if "eps" in p and p["eps"] <= 0 and not (k == "adagrad" and p["initial_accumulator_value"]):
+            # a zero eps divides 0 by 0 (a zero gradient at the first step): NaN in a shard
             raise OptimError(f"{k} eps must be > 0, got {p['eps']}")
         if k == "adagrad_legacy" and p["initial_accumulator"] < 0:
             raise OptimError("adagrad_legacy initial_accumulator must be >= 0")
@@ -134,8 +135,10 @@ class Optimizer:
                 raise OptimError(f"{k} {name} must be in [0, 1], got {p[name]}")
         if k == "sgd" and p["nesterov"] and (p["momentum"] <= 0 or p["dampening"] != 0):
             raise OptimError("sgd nesterov needs a momentum > 0 and dampening 0 (as torch.optim)")
-        if k == "adagrad" and p["eps"] <= 0 and p["initial_accumulator_value"] <= 0:
-            raise OptimError("adagrad eps must be > 0 (the first step divides by sqrt(0) + eps)")
+        if k == "rmsprop" and p["alpha"] >= 1:
+            raise OptimError(
+                f"rmsprop alpha must be < 1 (1 never learns square_avg), got {p['alpha']}"
+            )
 
     def __getattr__(self, name: str) -> Any:  # opt.eps, opt.momentum, ...
         try:

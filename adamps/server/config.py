@@ -87,7 +87,7 @@ class PsConfig:
     max_server_elems: int = field(
         1 << 28,
         help="most float32 elements of all tensors' shards held here, checked at create (1 GiB; "
-        "Adagrad doubles the memory)",
+        "an optimizer's state adds 1x (Adagrad) to 3x (Adam with amsgrad) the memory)",
     )
     max_shards_per_request: int = field(
         4096, help="most shard ids (after removing duplicates) or tensors in one pull or push"

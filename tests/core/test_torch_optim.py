@@ -255,6 +255,8 @@ def test_old_adagrad_definitions_keep_the_old_rule() -> None:
         ({"kind": "rmsprop", "centered": 1}, "centered must be true or false"),
         ({"kind": "adagrad", "lr": 0}, "adagrad lr must be > 0"),
         ({"kind": "adam", "eps": float("nan")}, "eps must be a finite number"),
+        ({"kind": "adam", "eps": 0}, "adam eps must be > 0"),
+        ({"kind": "rmsprop", "alpha": 1.0}, "rmsprop alpha must be < 1"),
     ],
 )
 def test_bad_definitions_name_the_field(d: dict, words: str) -> None:
