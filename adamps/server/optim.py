@@ -1,4 +1,7 @@
-"""Server-side optimizers applied in place to one shard: plain SGD and Adagrad (DistBelief 4.1).
+"""Server-side optimizers applied in place to one shard: plain SGD (BLAS), the legacy Adagrad
+(DistBelief 4.1, ``adagrad_legacy``) and, through :mod:`adamps.server.torchoptim`, torch.optim's
+rules (``sgd`` with momentum or weight decay, ``adagrad``, ``adam``, ``adamw``, ``rmsprop``). The
+definitions and the layout of their state: :mod:`adamps.optspec`.
 
 Pure numpy/BLAS, no threads and no IO: the store's owner thread calls :func:`apply_batch` with the
 shard's arrays and the ordered list of updates queued for it. The result is a deterministic
@@ -10,10 +13,12 @@ Conventions (docs/protocol-ps.md repeats them):
 - a dense delta ``d`` is a gradient: ``w -= lr * d``; ``lr = -1`` therefore adds ``d`` exactly;
 - a fully connected push carries activations ``a`` (k x N) and errors ``e`` (k x M) of a layer
   ``y = W @ x`` with W of M x N; the gradient is ``e.T @ a`` and the update ``W -= lr * e.T @ a``;
-- Adagrad: ``acc += g * g; w -= lr * g / sqrt(acc + eps)`` per element, one step per push (a batch
+- the legacy Adagrad: ``acc += g * g; w -= lr * g / sqrt(acc + eps)`` per element, one step per
+  push; every optimizer takes one step per push, in order (a batch
   only amortises the queueing and keeps the shard hot in cache; it does not change the result).
 - a compressed push (Strom 2.5, :class:`Signs`) is the sparse gradient ``g`` that is ``+tau`` or
-  ``-tau`` on the sent elements and 0 elsewhere. Both optimizers apply exactly what they would
+  ``-tau`` on the sent elements and 0 elsewhere. torch's rules take it dense (:func:`signs_dense`,
+  as torch would see it). Plain SGD and the legacy Adagrad apply exactly what they would
   apply to that dense ``g``, touching only the sent elements (unique indices: a gather, the
   arithmetic, a scatter; no ``np.add.at``): SGD ``w[i] -= lr * (+-tau)``; Adagrad accumulates
   ``tau**2`` on the sent elements only (``acc[i] += tau**2; w[i] -= lr * (+-tau) / sqrt(acc[i] +
@@ -34,8 +39,8 @@ from typing import Any
 import numpy as np
 from scipy.linalg import blas
 
-from adamps.server import kernels, torchoptim
 from adamps.optspec import KINDS, OptimError, Optimizer
+from adamps.server import kernels, torchoptim
 
 __all__ = ["KINDS", "OptimError", "Optimizer"]
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from adamps.server import kernels
 from adamps.optspec import STEP_SLOTS, Optimizer
+from adamps.server import kernels
 
 F32 = np.float32
 
