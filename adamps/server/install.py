@@ -21,12 +21,16 @@ class Install:
     value: np.ndarray
     accum: np.ndarray | None
 
-    def apply(self, w: np.ndarray, acc: np.ndarray | None) -> None:
+    def apply(self, w: np.ndarray, acc: np.ndarray | None, opt: Any = None) -> None:
         np.copyto(w, self.value.reshape(w.shape))
         if acc is not None:
-            # A checkpoint of an SGD tensor restored under Adagrad starts the accumulator at 0.
             if self.accum is None:
+                # A checkpoint without optimizer state (an SGD tensor's) restored under an
+                # optimizer that keeps one: its fresh state (Adagrad's initial accumulator,
+                # step 0), as a create would give
                 acc.fill(0.0)
+                if opt is not None:
+                    acc.reshape(-1)[: w.size] = opt.initial_state
             else:
                 np.copyto(acc, self.accum.reshape(acc.shape))
 

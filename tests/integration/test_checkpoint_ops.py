@@ -82,6 +82,12 @@ async def test_read_then_install_onto_an_empty_server_is_bit_identical(tmp_path:
         ({"shards": {"w/0": {"v": np.zeros(7, np.float32)}}}, "bad_shape", "float32 of"),
         ({"shards": {"w/0": {"v": np.zeros(1000, np.float64)}}}, "bad_shape", "float32"),
         ({"shards": {"nope/0": {"v": np.zeros(1000, np.float32)}}}, "unknown", "nope"),
+        # torch's Adagrad keeps its accumulator and a step count (2 float32) per shard
+        (
+            {"shards": {"w/0": {"v": np.zeros(1000, np.float32), "a": np.zeros(1000, np.float32)}}},
+            "bad_shape",
+            "accumulator must be float32 of 1002 elements",
+        ),
         ({"rows": {"emb#rows/0": {"b": b"garbage!"}}}, "bad_request", "not a row block"),
         ({}, "bad_request", "needs 'shards' or 'rows'"),
     ],
