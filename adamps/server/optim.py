@@ -232,7 +232,14 @@ def apply_batch(
             raise ValueError(f"{opt.kind}: the shard and its state must be C-contiguous")
         wf, gb, tf = w.reshape(-1), g_buf.reshape(-1), tmp.reshape(-1)
         state = np.empty(0, np.float32) if acc is None else acc.reshape(-1)
+        sparse_ok = opt.kind == "adagrad" and opt.params["weight_decay"] == 0
         for u in updates:
+            if isinstance(u, Signs) and sparse_ok:  # only the sent elements move
+                idx = (u.words >> np.uint32(1)).astype(np.intp)
+                t = np.float32(u.tau)
+                sg = np.where((u.words & np.uint32(1)).astype(bool), -t, t)
+                torchoptim.sparse_adagrad(opt, wf, state, idx, sg)
+                continue
             if isinstance(u, Signs):
                 g = signs_dense(u, gb)
             elif isinstance(u, Dense):

@@ -147,6 +147,22 @@ def dense_step(
         raise ValueError(f"optimizer {kind!r} has no dense step")
 
 
+def sparse_adagrad(
+    opt: Optimizer, w: np.ndarray, state: np.ndarray, idx: np.ndarray, g: np.ndarray
+) -> None:
+    """torch's Adagrad step (no weight decay) with a gradient that is `g` at the unique flat
+    indices `idx` and 0 elsewhere (a compressed push), touching only those elements: a zero
+    gradient leaves an element's sum and value as they are, so this is the dense step, bit for
+    bit, in one gather and one scatter instead of a pass over the shard."""
+    n = w.size
+    step = _next_step(state)
+    clr = F32(opt.lr / (1.0 + (step - 1) * opt.params["lr_decay"]))
+    acc = state[:n]
+    a = acc[idx] + g * g
+    acc[idx] = a
+    w[idx] = w[idx] - (g / (np.sqrt(a) + F32(opt.params["eps"]))) * clr
+
+
 def row_step(opt: Optimizer, w: np.ndarray, acc: np.ndarray | None, g: np.ndarray) -> None:
     """One step on gathered rows: w (k x dim), their state acc (k x width) and gradients g,
     all updated in place (the caller scatters them back)."""

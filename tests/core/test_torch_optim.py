@@ -272,3 +272,22 @@ def test_tables_and_tensors_refuse_the_other_kinds() -> None:
         Optimizer.from_dict({"kind": "adagrad", "lr_decay": 0.1}).check_for_table()
     with pytest.raises(OptimError, match="rowwise_adagrad is for tables"):
         Optimizer.from_dict({"kind": "rowwise_adagrad"}).check_for_tensor()
+
+
+def test_torch_adagrad_applies_a_compressed_push_sparsely_bit_for_bit() -> None:
+    """A compressed push under torch's Adagrad touches only its elements (gather, scatter), and
+    ends bit-identical to the dense step of its gradient (+-tau there, 0 elsewhere)."""
+    rng = np.random.default_rng(8)
+    opt = Optimizer.from_dict({"kind": "adagrad", "lr": 0.05, "lr_decay": 0.01})
+    w1 = rng.normal(size=500).astype(np.float32)
+    w2, s1, s2 = w1.copy(), optim.initial_state(opt, 500), optim.initial_state(opt, 500)
+    scratch = Scratch(500)
+    for _ in range(20):
+        idx = np.sort(rng.choice(500, size=40, replace=False)).astype(np.uint32)
+        u = Signs(idx << np.uint32(1) | rng.integers(0, 2, 40).astype(np.uint32), 0.3)
+        optim.apply_batch(opt, w1, s1, [u], scratch)
+        optim.apply_batch(
+            opt, w2, s2, [Dense(optim.signs_dense(u, np.empty(500, np.float32)))], scratch
+        )
+    assert w1.tobytes() == w2.tobytes() and s1.tobytes() == s2.tobytes()
+    assert torchoptim.step_count(s1) == 20
