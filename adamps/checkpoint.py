@@ -45,6 +45,7 @@ from adamps.client import retry
 from adamps.client.ps import ControllerRouting, PSClient, Routing, retryable
 from adamps.client.rpc import RpcError, SyncRpc
 from adamps.layout import Layout, TensorSpec
+from adamps.optspec import Optimizer, state_ranges
 
 #: buckets read at once by a save
 READERS = 4
@@ -438,10 +439,15 @@ def install(
         flat = arrays[name].reshape(-1)
         acc = arrays.get(f"{name}/accum")
         accf = None if acc is None else acc.reshape(-1)
-        for s in layout.shards_of[name]:
+        shards = layout.shards_of[name]
+        where = [(s.start, s.stop) for s in shards]
+        if accf is not None and d.get("optimizer"):
+            # each shard's part of the tensor's whole optimizer state (ckpt_format._assemble)
+            where = state_ranges(Optimizer.from_dict(d["optimizer"]), where)
+        for s, (lo, hi) in zip(shards, where, strict=True):
             rec: dict[str, Any] = {"v": np.ascontiguousarray(flat[s.start : s.stop])}
             if accf is not None:
-                rec["a"] = np.ascontiguousarray(accf[s.start : s.stop])
+                rec["a"] = np.ascontiguousarray(accf[lo:hi])
             per_bucket.setdefault(layout.bucket_of[s.id], []).append((s.id, rec))
     row_bucket: dict[int, dict[str, Any]] = {}
     for sid, a in rows.items():

@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save
 
+from adamps.optspec import OptimError, Optimizer, state_ranges
+
 FORMAT = 2
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
@@ -191,20 +193,31 @@ def _assemble(
         name, shape = d["name"], tuple(d["shape"])
         size = int(np.prod(shape, dtype=np.int64))
         value = np.empty(size, np.float32)
-        accum = np.zeros(size, np.float32) if _has_accum(d) else None
+        opt = _optimizer(d, mpath)
+        mine = [(sid, rec) for sid, rec in shards.items() if rec.get("tensor") == name]
+        spans = [(int(rec["start"]), int(rec["stop"])) for _sid, rec in mine]
+        where = state_ranges(opt, spans) if opt is not None and opt.has_accumulator else None
+        accum = None
+        if where is not None:
+            accum = np.zeros(max((hi for _lo, hi in where), default=0), np.float32)
         covered = 0
-        for sid, rec in shards.items():
-            if rec.get("tensor") != name:
-                continue
-            start, stop = int(rec["start"]), int(rec["stop"])
+        for k, (sid, rec) in enumerate(mine):
+            start, stop = spans[k]
             v = piece(sid, rec, sid)
             if v.size != stop - start or not 0 <= start < stop <= size:
                 raise CheckpointError(
                     f"{mpath}: shard {sid!r}: {v.size} values for [{start}, {stop})"
                 )
             value[start:stop] = v.reshape(-1)
-            if accum is not None and rec.get("accum"):
-                accum[start:stop] = piece(sid, rec, f"{sid}/accum").reshape(-1)
+            if accum is not None and where is not None and rec.get("accum"):
+                lo, hi = where[k]
+                a = piece(sid, rec, f"{sid}/accum").reshape(-1)
+                if a.size != hi - lo:
+                    raise CheckpointError(
+                        f"{mpath}: shard {sid!r}: an optimizer state of {a.size} elements, "
+                        f"{opt.kind if opt else '?'} keeps {hi - lo}"
+                    )
+                accum[lo:hi] = a
             covered += stop - start
         if covered != size:
             raise CheckpointError(
@@ -212,13 +225,22 @@ def _assemble(
             )
         arrays[name] = value.reshape(shape)
         if accum is not None:
-            arrays[f"{name}/accum"] = accum.reshape(shape)
+            # the legacy Adagrad's accumulator is shaped like the tensor; the torch kinds'
+            # states are flat (optspec.state_ranges)
+            arrays[f"{name}/accum"] = accum.reshape(shape) if accum.size == size else accum
     rows = {sid: piece(sid, rec, sid) for sid, rec in manifest.get("row_shards", {}).items()}
     return arrays, rows
 
 
-def _has_accum(d: dict[str, Any]) -> bool:
-    return d.get("optimizer", {}).get("kind") == "adagrad"
+def _optimizer(d: dict[str, Any], mpath: Path) -> Optimizer | None:
+    """A tensor definition's optimizer (a definition written before the torch kinds reads as
+    the legacy Adagrad, optspec.py); None without one."""
+    if not d.get("optimizer"):
+        return None
+    try:
+        return Optimizer.from_dict(d["optimizer"])
+    except OptimError as exc:
+        raise CheckpointError(f"{mpath}: tensor {d.get('name')!r}: {exc}") from None
 
 
 def referenced(src: Path) -> set[Path]:

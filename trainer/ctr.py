@@ -78,9 +78,9 @@ def create_model(client: PSClient, spec: CtrSpec, cfg: CtrConfig) -> None:
         TABLE,
         cfg.dim,
         init={"kind": "normal", "std": 0.05, "seed": 1},
-        optimizer={"kind": "adagrad", "lr": cfg.row_lr, "initial_accumulator": 1e-4},
+        optimizer={"kind": "adagrad", "lr": cfg.row_lr, "initial_accumulator_value": 1e-4},
     )
-    opt = {"kind": "adagrad", "lr": cfg.mlp_lr, "initial_accumulator": 1e-4}
+    opt = {"kind": "adagrad", "lr": cfg.mlp_lr, "initial_accumulator_value": 1e-4}
     for t in mlp_specs(spec, cfg):
         init = {"kind": "xavier", "seed": 2} if t.name == "ctr.w1" else {"kind": "zeros"}
         if t.name == "ctr.w2":

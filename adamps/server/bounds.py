@@ -61,8 +61,10 @@ def _too_big(what: str, value: float, limit: float) -> ProtocolError:
 def check_optimizer(opt: Optimizer) -> None:
     if abs(opt.lr) > MAX_LR:
         raise _too_big("optimizer lr of magnitude", abs(opt.lr), MAX_LR)
-    for name in ("eps", "initial_accumulator"):
-        v = abs(getattr(opt, name))
+    for name in ("eps", "initial_accumulator", "initial_accumulator_value", "weight_decay"):
+        if name not in opt.params:
+            continue
+        v = abs(opt.params[name])
         if v > MAX_VALUE:
             raise _too_big(f"optimizer {name} of magnitude", v, MAX_VALUE)
 

@@ -77,7 +77,7 @@ def _bucket_shards(store: Store, b: int) -> list[Any]:
 def _buffers(states: list[Any]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
     """Empty value and accumulator buffers for a read of `states`."""
     outs = [np.empty(st.shard.shape, np.float32) for st in states]
-    accs = [np.empty(st.shard.shape, np.float32) if st.accum is not None else None for st in states]
+    accs = [np.empty(st.accum.shape, np.float32) if st.accum is not None else None for st in states]
     return outs, accs
 
 

@@ -106,6 +106,7 @@ class TensorCatalog:
         spec = TensorSpec(name, shape)
         init_in = require(msg, "init", dict, default={"kind": "zeros"})
         opt = Optimizer.from_dict(require(msg, "optimizer", dict, default={"kind": "sgd"}))
+        opt.check_for_tensor()
         bounds.check_optimizer(opt)
         init = normalize_init(init_in, spec.shape)
         bounds.check_init(init, init_in.get("values"))

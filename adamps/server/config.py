@@ -87,8 +87,8 @@ class PsConfig:
     max_server_elems: int = field(
         1 << 28,
         help="most float32 elements of all tensors' shards held here, and 4-byte counters of "
-        "tables' frequency filters, checked at create and create_table (1 GiB; Adagrad "
-        "doubles the tensors' memory)",
+        "tables' frequency filters, checked at create and create_table (1 GiB; an optimizer's "
+        "state adds 1x (Adagrad) to 3x (Adam with amsgrad) the memory)",
     )
     max_shards_per_request: int = field(
         4096, help="most shard ids (after removing duplicates) or tensors in one pull or push"

@@ -21,12 +21,16 @@ class Install:
     value: np.ndarray
     accum: np.ndarray | None
 
-    def apply(self, w: np.ndarray, acc: np.ndarray | None) -> None:
+    def apply(self, w: np.ndarray, acc: np.ndarray | None, opt: Any = None) -> None:
         np.copyto(w, self.value.reshape(w.shape))
         if acc is not None:
-            # A checkpoint of an SGD tensor restored under Adagrad starts the accumulator at 0.
             if self.accum is None:
+                # A checkpoint without optimizer state (an SGD tensor's) restored under an
+                # optimizer that keeps one: its fresh state (Adagrad's initial accumulator,
+                # step 0), as a create would give
                 acc.fill(0.0)
+                if opt is not None:
+                    acc.reshape(-1)[: w.size] = opt.initial_state
             else:
                 np.copyto(acc, self.accum.reshape(acc.shape))
 
@@ -42,12 +46,13 @@ def install_of(u: dict[str, Any], st: Any) -> Install:
     """The checked store form of an install update: float32 arrays of the shard's size, and
     an accumulator exactly when given (a peer's batch is checked like a client's request)."""
     arrays = [u.get("v"), u.get("a")]
-    for name, a in zip(("values", "accumulator"), arrays, strict=True):
+    # the optimizer's state (adamps/optspec.py) may be larger than the shard: slots and a step count
+    sizes = [st.shard.size, st.shard.size if st.accum is None else st.accum.size]
+    for name, a, size in zip(("values", "accumulator"), arrays, sizes, strict=True):
         if a is None and name == "accumulator":
             continue
-        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.size != st.shard.size:
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.size != size:
             raise ProtocolError(
-                "bad_shape",
-                f"install of shard {st.id}: {name} must be float32 of {st.shard.size} elements",
+                "bad_shape", f"install of shard {st.id}: {name} must be float32 of {size} elements"
             )
     return Install(arrays[0], arrays[1])

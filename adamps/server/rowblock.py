@@ -15,8 +15,9 @@ A push (`RowPush`) is applied in this order, by every copy alike:
    it gets a row, if the bucket's share of ``max_rows`` has room (new ids in increasing id order
    take the room left; the others' gradients are dropped, counted);
 4. new rows start from `initial_rows(init, id)` (and the optimizer's initial accumulator);
-5. SGD ``w -= lr * g`` or Adagrad ``acc += g * g; w -= lr * g / sqrt(acc + eps)`` per row, in
-   float32, one step per push (as for shards: optim.py);
+5. the table's optimizer per row (torchoptim.row_step: SGD, torch's Adagrad per element, the
+   row-wise Adagrad with one accumulator per row, or the legacy Adagrad), in float32, one step
+   per push (as for shards: optim.py);
 6. the rows' last push time becomes the push's time.
 """
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adamps.server import torchoptim
 from adamps.server.freqsketch import DEPTH, FrequencySketch
 from adamps.server.optim import Optimizer
 from adamps.server.rowdelta import RowDelta
@@ -107,8 +109,10 @@ class RowBlock:
     def __post_init__(self) -> None:
         if self.values is None:
             self.values = np.empty((0, self.dim), np.float32)
-        if self.accum is None and self.optimizer.has_accumulator:
-            self.accum = np.empty((0, self.dim), np.float32)
+        #: the optimizer's state per row (Adagrad: dim; row-wise Adagrad: 1; SGD: 0)
+        self.acc_width = self.optimizer.row_state_width(self.dim)
+        if self.accum is None and self.acc_width:
+            self.accum = np.empty((0, self.acc_width), np.float32)
         if len(self.dirty) < len(self.values):
             self.dirty = np.zeros(len(self.values), bool)
         # The frequency sketch is made at the first sighting (`_admit`, the owner thread): a
@@ -226,7 +230,7 @@ class RowBlock:
         slots = np.arange(self.n, self.n + k)
         self.values[slots] = initial_rows(self.init, ids, self.dim)
         if self.accum is not None:
-            self.accum[slots] = self.optimizer.initial_accumulator
+            self.accum[slots] = self.optimizer.initial_state
         self.ids[slots] = ids
         self.seen[slots] = 0.0
         self.dirty[slots] = True
@@ -236,15 +240,10 @@ class RowBlock:
 
     def _step(self, s: np.ndarray, g: np.ndarray) -> None:
         assert self.values is not None
-        opt = self.optimizer
-        lr = np.float32(opt.lr)
         w = self.values[s]
-        if self.accum is None:
-            w -= lr * g
-        else:
-            acc = self.accum[s]
-            acc += g * g
-            w -= lr * g / np.sqrt(acc + np.float32(opt.eps))
+        acc = None if self.accum is None else self.accum[s]
+        torchoptim.row_step(self.optimizer, w, acc, g)
+        if acc is not None:
             self.accum[s] = acc
         self.values[s] = w
 
@@ -351,8 +350,8 @@ class RowBlock:
         n = len(ids)
         self.n = n
         self.ids, self.seen, self.values = ids, seen, values
-        if self.optimizer.has_accumulator:
-            self.accum = accum if accum is not None else np.zeros((n, dim), np.float32)
+        if self.acc_width:
+            self.accum = accum if accum is not None else np.zeros((n, self.acc_width), np.float32)
         self.dirty = np.zeros(n, bool)
         self.removed = []
         self.full = False
@@ -364,7 +363,7 @@ class RowBlock:
     @property
     def flush_nbytes(self) -> int:
         """About what the next flush writes of this block (a racy read: the chunk plan)."""
-        per = 64 + self.dim * 4 * (2 if self.accum is not None else 1)
+        per = 64 + (self.dim + self.acc_width) * 4
         rows = self.n if self.full else int(np.count_nonzero(self.dirty[: self.n]))
         return rows * per + (0 if self.sketch is None else self.sketch.nbytes) + 64
 
@@ -384,14 +383,15 @@ class RowBlock:
         ids = take("<i8", n)
         seen = take("<f8", n)
         values = take("<f4", n * dim).reshape(n, dim)
-        accum = take("<f4", n * dim).reshape(n, dim) if has_acc else None
+        aw = self.acc_width
+        accum = take("<f4", n * aw).reshape(n, aw) if has_acc and aw else None
         sketch, off = self._parse_filter(ver, data, off, n_pend)
         if off != len(data):
             raise ValueError(f"row block of {len(data)} bytes, expected {off}")
         self.n = n
         self.ids, self.seen, self.values = ids, seen, values
-        if self.optimizer.has_accumulator:
-            self.accum = accum if accum is not None else np.zeros((n, dim), np.float32)
+        if self.acc_width:
+            self.accum = accum if accum is not None else np.zeros((n, self.acc_width), np.float32)
         self.index = RowIndex()
         self.index.rebuild(ids)
         self.sketch = sketch
@@ -414,5 +414,5 @@ class RowBlock:
 
     @property
     def nbytes(self) -> int:
-        per = self.dim * 4 * (2 if self.accum is not None else 1) + 16
+        per = (self.dim + self.acc_width) * 4 + 16
         return self.n * per

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 from adamps.layout import MAX_SHARD_ELEMS, Layout, Shard, TensorSpec, stable_bucket
 from adamps.server import optim, shardrecord, vecapply
 from adamps.server.initial import initial_values
-from adamps.server.optim import Fc, Optimizer, Scratch, Signs
+from adamps.server.optim import Fc, Optimizer, Scratch, Signs, initial_state, state_array
 from adamps.server.rowtables import RowShardState, RowTables
 from adamps.server.shards import ShardState, Snapshot, StoreError, TensorState
 from adamps.server.tickets import Ticket
@@ -105,9 +105,8 @@ class Store:
         saved: Mapping[str, tuple[int, np.ndarray, np.ndarray | None]] | None = None,
         own: bool = False,
     ) -> TensorState:
-        """Adds a tensor; its held shards get `saved` state (shard id -> (version, value, accum))
-        or else the initial values. The caller checked that the name is new. `own`: the saved
-        arrays are taken, not copied (made off the event loop, catalog.py)."""
+        """Adds a new tensor; its held shards get `saved` state (shard id -> (version, value,
+        accum)) or else the initial values. `own`: saved arrays are taken uncopied (catalog.py)."""
         self.layout = self.layout.with_tensor(spec)
         t = TensorState(spec, optimizer, init, layout_shards=self.layout.shards_of[spec.name])
         saved = saved or {}
@@ -125,15 +124,16 @@ class Store:
         return t
 
     def _materialize(self, t: TensorState, s: Shard, *state: Any, own: bool = False) -> ShardState:
-        version, value, accum = state  # (int, values, accumulators or None)
-        if accum is None and t.optimizer.has_accumulator:
-            accum = np.full(s.shape, t.optimizer.initial_accumulator, dtype=np.float32)
+        version, value, accum = state  # (int, values, optimizer state or None)
+        opt = t.optimizer
+        if accum is None and opt.has_accumulator:
+            accum = initial_state(opt, s.size)
         take = np.asarray if own else np.array
         st = ShardState(
             s,
             owner=stable_bucket(s.id, len(self._queues)),
             value=take(value, dtype=np.float32, order="C").reshape(s.shape),
-            accum=None if accum is None else take(accum, dtype=np.float32).reshape(s.shape),
+            accum=None if accum is None else state_array(opt, s, accum),
             version=version,
         )
         t.shards[s.index] = st

@@ -6,6 +6,7 @@ in LMDB beside the tensors' (its record has a ``table`` field) and its row shard
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,7 @@ class TableCatalog:
     def check(self, msg: dict[str, Any]) -> TableSpec:
         try:
             opt = Optimizer.from_dict(require(msg, "optimizer", dict, default={"kind": "sgd"}))
+            opt.check_for_table()
             bounds.check_optimizer(opt)
             return TableSpec(
                 require(msg, "name", str),
@@ -161,6 +163,10 @@ class TableCatalog:
         """A saved table at start: its definition and the saved row shards of held buckets
         (their headers in `shards`, their row records in `rows`: persist.SavedTensor)."""
         spec = TableSpec.from_dict(meta["table"])
+        # a definition saved before the torch kinds names the old Adagrad as "adagrad" (with
+        # initial_accumulator): its canonical form, so that a create repeating it still matches
+        opt = Optimizer.from_dict(spec.optimizer).to_dict()
+        spec = dataclasses.replace(spec, optimizer=opt)
         self.tables.define(spec, self._held(), shards, rows)
 
     def ensure(self, d: dict[str, Any]) -> bool:

@@ -22,7 +22,7 @@ and are trained by its own forward passes; ``state_dict()`` of replica 0 is what
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,7 +51,8 @@ class Connection:
         token: str | None = None,
         lr: float = 0.01,
         optimizer: str = "sgd",
-        adagrad_initial: float = 0.1,
+        adagrad_initial: float = 0.0,
+        optimizer_args: Mapping[str, Any] | None = None,
         create: bool = True,
         act_err: bool = True,
         http_only: bool = False,
@@ -67,7 +68,7 @@ class Connection:
         # local token, which the roles started on this machine without a token use too
         reached = [tokens.host_of(a) for a in (*controllers, *ps)]
         token = tokens.resolve(token or default_token(), reached, "adamps.torch")
-        self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial)
+        self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial, optimizer_args)
         self.remote = RemoteModel(
             self.params, controllers=list(controllers), ps=list(ps), token=token,
             http_only=http_only,
@@ -130,7 +131,9 @@ class Connection:
 
 class DownpourOptimizer:
     """``zero_grad()``, ``step()`` and ``state_dict()`` of a Downpour replica (one worker: the
-    caller's thread). Server optimizer `optimizer` at rate `lr`; local steps at `local_lr`
+    caller's thread). Server optimizer `optimizer` at rate `lr` (torch.optim's names: sgd,
+    adagrad, adam, adamw, rmsprop; its other hyperparameters in `optimizer_args`, torch's names
+    and defaults; docs/training.md, "Optimizers"); local steps at `local_lr`
     (default `lr`). `compress`: Strom's compression (True, or Compressor options)."""
 
     def __init__(
@@ -149,12 +152,14 @@ class DownpourOptimizer:
         compress: Any = False,
         create: bool = True,
         act_err: bool = True,
-        adagrad_initial: float = 0.1,
+        adagrad_initial: float = 0.0,
+        optimizer_args: Mapping[str, Any] | None = None,
         http_only: bool = False,
     ) -> None:
         self.conn = Connection(
             model, controllers=controllers, ps=ps, run=run, token=token, lr=lr,
-            optimizer=optimizer, adagrad_initial=adagrad_initial, create=create,
+            optimizer=optimizer, adagrad_initial=adagrad_initial,
+            optimizer_args=optimizer_args, create=create,
             act_err=act_err, http_only=http_only,
         )  # fmt: skip
         self.model = model

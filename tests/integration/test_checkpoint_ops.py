@@ -82,6 +82,12 @@ async def test_read_then_install_onto_an_empty_server_is_bit_identical(tmp_path:
         ({"shards": {"w/0": {"v": np.zeros(7, np.float32)}}}, "bad_shape", "float32 of"),
         ({"shards": {"w/0": {"v": np.zeros(1000, np.float64)}}}, "bad_shape", "float32"),
         ({"shards": {"nope/0": {"v": np.zeros(1000, np.float32)}}}, "unknown", "nope"),
+        # torch's Adagrad keeps its accumulator and a step count (2 float32) per shard
+        (
+            {"shards": {"w/0": {"v": np.zeros(1000, np.float32), "a": np.zeros(1000, np.float32)}}},
+            "bad_shape",
+            "accumulator must be float32 of 1002 elements",
+        ),
         ({"rows": {"emb#rows/0": {"b": b"garbage!"}}}, "bad_request", "not a row block"),
         ({}, "bad_request", "needs 'shards' or 'rows'"),
     ],
@@ -213,11 +219,14 @@ async def test_a_hold_refuses_writes_with_a_retryable_503_until_released_or_expi
 
 
 async def test_install_through_a_static_routing_carries_the_accumulators(tmp_path: Path) -> None:
-    """adamps.checkpoint.install (what a warm start uses to carry Adagrad accumulators) on a
-    standalone server found through a static routing: values and accumulators bit-identical."""
+    """adamps.checkpoint.install (what a warm start uses to carry the optimizer's state) on a
+    standalone server found through a static routing: values and state bit-identical. The
+    state of torch's Adagrad is each shard's accumulator and step count, one shard's after the
+    other (adamps.optspec.state_ranges)."""
     from adamps.checkpoint import Cluster, install
     from adamps.client import StaticRouting
     from adamps.layout import Layout, TensorSpec
+    from adamps.optspec import Optimizer, state_ranges
 
     server, runner, a = await start(tmp_path / "a")
     try:
@@ -226,20 +235,26 @@ async def test_install_through_a_static_routing_carries_the_accumulators(tmp_pat
         url = f"http://127.0.0.1:{server.cfg.port}"
         layout = Layout([TensorSpec("w", (2000,))], n_buckets=n_buckets, max_shard_elems=1000)
         values = np.linspace(0, 1, 2000, dtype=np.float32)
-        accum = np.linspace(1, 2, 2000, dtype=np.float32)
+        accum = np.linspace(1, 2, 2 * (1000 + 2), dtype=np.float32)
+        accum[1000:1002] = accum[-2:] = np.array([7], "<u8").view(np.float32)  # 7 steps each
         cluster = Cluster([], TOKEN, source=StaticRouting([url], n_buckets))
+        defs = [{"name": "w", "optimizer": ADA["optimizer"]}]
         try:
             n = await asyncio.to_thread(
-                install, cluster, layout, [{"name": "w"}], {"w": values, "w/accum": accum}
+                install, cluster, layout, defs, {"w": values, "w/accum": accum}
             )
         finally:
             cluster.close()
         assert n == 2
-        for s in layout.shards_of["w"]:
+        shards = layout.shards_of["w"]
+        where = state_ranges(
+            Optimizer.from_dict(ADA["optimizer"]), [(s.start, s.stop) for s in shards]
+        )
+        for s, (lo, hi) in zip(shards, where, strict=True):
             snap = await a.call("ckpt_read", bucket=layout.bucket_of[s.id])
             rec = snap["shards"][s.id]
             assert rec["v"].tobytes() == values[s.start : s.stop].tobytes()
-            assert rec["a"].tobytes() == accum[s.start : s.stop].tobytes()
+            assert rec["a"].tobytes() == accum[lo:hi].tobytes()
     finally:
         await a.close()
         await runner.cleanup()
