@@ -95,10 +95,11 @@ def check_quotas(raw: Any) -> dict[str, float | int]:
     return out
 
 
-def tensor_cost(n_elems: int, has_accumulator: bool) -> dict[str, int]:
+def tensor_cost(n_elems: int, state_elems: int) -> dict[str, int]:
     """What a tensor of `n_elems` float32 elements holds on each server with a copy: its
-    values and, with Adagrad, as many accumulators."""
-    return {"param_elems": n_elems, "memory_bytes": 4 * n_elems * (2 if has_accumulator else 1)}
+    values and its optimizer's `state_elems` float32 (Optimizer.state_size: none for SGD,
+    as many for Adagrad, three times as many for Adam with amsgrad)."""
+    return {"param_elems": n_elems, "memory_bytes": 4 * (n_elems + state_elems)}
 
 
 #: bytes a table row holds besides its values and accumulators: its id and last push time
@@ -110,16 +111,17 @@ SKETCH_BYTES_PER_WIDTH = 16
 def table_cost(
     max_rows: int | None,
     dim: int,
-    has_accumulator: bool,
+    state_width: int,
     filter_width: int | None,
     n_buckets: int,
 ) -> dict[str, int] | None:
     """What a table holds at most on a server with a copy of every bucket: `max_rows` rows
-    (values, accumulators, id and time) and, with a frequency filter (`filter_width`, None
+    (values, the optimizer's `state_width` float32 per row (Optimizer.row_state_width), id and
+    time) and, with a frequency filter (`filter_width`, None
     without), one sketch per bucket. None: unbounded (no max_rows)."""
     if max_rows is None:
         return None
-    per_row = 4 * dim * (2 if has_accumulator else 1) + ROW_OVERHEAD
+    per_row = 4 * (dim + state_width) + ROW_OVERHEAD
     sketch = 0 if filter_width is None else n_buckets * SKETCH_BYTES_PER_WIDTH * filter_width
     return {"table_rows": max_rows, "memory_bytes": max_rows * per_row + sketch}
 

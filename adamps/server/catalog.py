@@ -17,7 +17,7 @@ from adamps.protocol import ProtocolError, require
 from adamps.server import bounds
 from adamps.server.config import PsConfig
 from adamps.server.initial import INIT_KINDS, initial_values, normalize_init
-from adamps.server.optim import Optimizer
+from adamps.server.optim import Optimizer, initial_state
 from adamps.server.persist import Persister
 from adamps.server.shards import TensorState
 from adamps.server.store import Store
@@ -155,11 +155,7 @@ class TensorCatalog:
         for s in split_tensor(spec, self.store.layout.max_shard_elems):
             if not self.store.holds_id(s.id):  # (a racy read: Store.define fills the rest)
                 continue
-            acc = (
-                np.full(s.shape, opt.initial_accumulator, np.float32)
-                if opt.has_accumulator
-                else None
-            )
+            acc = initial_state(opt, s.size) if opt.has_accumulator else None
             out[s.id] = (0, whole[s.start : s.stop].copy().reshape(s.shape), acc)
         recs = [(sid, v, val, a) for sid, (v, val, a) in out.items()]
         if not self.persister.write_tensor(meta, recs, only_new=True):

@@ -341,14 +341,14 @@ class Tenancy:
             opt = Optimizer.from_dict(msg.get("optimizer") or {"kind": "sgd"})
             if op == "create":
                 n = _elems(msg.get("shape"))
-                return runs.tensor_cost(n, opt.has_accumulator) if n else None
+                return runs.tensor_cost(n, opt.state_size(n)) if n else None
             adm = Admission.from_dict(msg.get("admission") or {})
             dim = msg.get("dim")
             if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
                 return None
             width = adm.filter_width if adm.admit_after > 1 else None
             n_buckets = self.store.layout.n_buckets
-            return runs.table_cost(adm.max_rows, dim, opt.has_accumulator, width, n_buckets)
+            return runs.table_cost(adm.max_rows, dim, opt.row_state_width(dim), width, n_buckets)
         except (OptimError, TableError, TypeError, ValueError):
             return None
 

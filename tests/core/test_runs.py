@@ -186,7 +186,7 @@ def test_a_runs_size_quotas_count_its_definitions_across_servers() -> None:
     new use; at another size it is refused."""
     m = model()
     created(m, "r", param_elems=1000, memory_bytes=20_000)
-    a = runs.tensor_cost(1000, False)
+    a = runs.tensor_cost(1000, 0)
     assert a == {"param_elems": 1000, "memory_bytes": 4000}
     assert m.write_tenancy("usage", "r", {"name": "r..a", "cost": a}, 11.0)["recorded"]
     again = m.write_tenancy("usage", "r", {"name": "r..a", "cost": a}, 11.0)
@@ -194,16 +194,16 @@ def test_a_runs_size_quotas_count_its_definitions_across_servers() -> None:
     over = m.write_tenancy("usage", "r", {"name": "r..b", "cost": a}, 12.0)
     assert not over["ok"] and over["error"] == "quota_exceeded" and over["quota"] == "param_elems"
     assert over["asked"] == 2000 and over["limit"] == 1000
-    other = m.write_tenancy("usage", "r", {"name": "r..a", "cost": runs.tensor_cost(10, False)}, 13)
+    other = m.write_tenancy("usage", "r", {"name": "r..a", "cost": runs.tensor_cost(10, 0)}, 13)
     assert not other["ok"] and other["error"] == "exists"
     # A table: max_rows rows (values, accumulators, id and time) and a sketch per bucket.
-    t = runs.table_cost(10, 4, True, 64, 8)
+    t = runs.table_cost(10, 4, 4, 64, 8)
     assert t == {"table_rows": 10, "memory_bytes": 10 * (32 + 16) + 8 * 16 * 64}
     assert m.write_tenancy("usage", "r", {"name": "r..t", "cost": t}, 14.0)["ok"]
-    wide = runs.table_cost(10, 4, True, 4096, 8)  # 512 KiB of sketches
+    wide = runs.table_cost(10, 4, 4, 4096, 8)  # 512 KiB of sketches
     over = m.write_tenancy("usage", "r", {"name": "r..u", "cost": wide}, 15.0)
     assert not over["ok"] and over["quota"] == "memory_bytes"
-    assert runs.table_cost(None, 4, False, None, 8) is None  # no max_rows: unbounded
+    assert runs.table_cost(None, 4, 0, None, 8) is None  # no max_rows: unbounded
     assert m.run_view("r")["usage"] == {
         "param_elems": 1000, "table_rows": 10, "memory_bytes": 4000 + t["memory_bytes"]
     }  # fmt: skip
