@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -55,6 +56,8 @@ HOLD_SECONDS = 5.0
 CUT_ATTEMPTS = 3
 #: bytes of shards per ckpt_install request (under the servers' max_body)
 INSTALL_CHUNK = 32 << 20
+#: the files a save writes before its manifest: what a failed save's directory may hold
+_SAVE_FILE_RE = re.compile(r"\.?bucket-\d{4,}\.safetensors(\.tmp)?|\.manifest\.json\.tmp")
 
 
 class Cluster:
@@ -122,7 +125,8 @@ class Cluster:
 
 
 def _claim(to: Path) -> None:
-    """Makes `to` the new checkpoint's directory: new, empty, or a failed save's (no manifest).
+    """Makes `to` the new checkpoint's directory: new, empty, or a failed save's (no manifest,
+    only the data files a save writes).
     A complete checkpoint there is refused, never overwritten: a mistyped --to would otherwise
     replace an older backup (and a save that then failed left neither)."""
     if (to / MANIFEST).exists():
@@ -132,6 +136,19 @@ def _claim(to: Path) -> None:
         )
     if to.exists() and not to.is_dir():
         raise CheckpointError(f"{to} is a file, not a directory")
+    # Anything else in a non-empty directory is someone's data: a save would mix its files in
+    # (and a later series prune could delete them).
+    try:
+        foreign = sorted(p.name for p in to.iterdir() if not _SAVE_FILE_RE.fullmatch(p.name))
+    except FileNotFoundError:
+        foreign = []
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {to}: {exc.strerror or exc}") from None
+    if foreign:
+        raise CheckpointError(
+            f"{to} is not empty and not a checkpoint (it holds {foreign[:3]}"
+            f"{' ...' if len(foreign) > 3 else ''}): save into a new or empty directory"
+        )
     try:
         to.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
