@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import struct
 import sys
 import threading
 import time
@@ -46,6 +47,9 @@ from adamps.client import retry
 from adamps.client.ps import ControllerRouting, PSClient, Routing, retryable
 from adamps.client.rpc import RpcError, SyncRpc
 from adamps.layout import Layout, TensorSpec
+from adamps.protocol import ProtocolError
+from adamps.server import bounds
+from adamps.server.rowblock import RowBlock
 
 #: buckets read at once by a save
 READERS = 4
@@ -395,6 +399,7 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     bucket on each primary (which replicates it)."""
     t0 = time.perf_counter()
     manifest, arrays, rows = load(src)
+    _check_state(src, arrays, rows)
     statuses = cluster.server_status()
     if not statuses:
         raise CheckpointError("the cluster has no parameter server to restore onto")
@@ -434,6 +439,26 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
         client.close()
     installed = install(cluster, layout, manifest["tensors"], arrays, rows, force)
     return {"installed": installed, "seconds": time.perf_counter() - t0}
+
+
+def _check_state(src: Path, arrays: dict[str, np.ndarray], rows: dict[str, np.ndarray]) -> None:
+    """Every value and accumulator of the checkpoint is one a server installs (finite and
+    bounded, bounds.check_state; each server checks its part again): checked before the first
+    write, so a NaN in bucket 7 cannot leave buckets 0-6 restored."""
+    try:
+        for name, a in arrays.items():
+            if name.endswith("/accum"):
+                bounds.check_state(f"tensor {name[: -len('/accum')]!r}", a[:0], a)
+            else:
+                bounds.check_state(f"tensor {name!r}", a)
+        for sid, block in rows.items():
+            try:
+                values, accum = RowBlock.state_of(block.tobytes())
+            except (ValueError, struct.error) as exc:
+                raise CheckpointError(f"{src}: row shard {sid}: not a row block: {exc}") from None
+            bounds.check_state(f"row shard {sid!r}", values, accum)
+    except ProtocolError as exc:
+        raise CheckpointError(f"{src}: {exc.message}: nothing restored") from None
 
 
 def install(

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 
@@ -146,3 +147,25 @@ def test_a_failed_saves_directory_is_taken_again(tmp_path: Path) -> None:
     out = save(d)
     assert out.returncode == 1 and "not a checkpoint" not in out.stderr, out.stderr
     assert "cluster error" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("arrays", "named"),
+    [
+        ({"w": np.array([1.0, np.nan, 2.0], np.float32)}, "tensor 'w'"),
+        ({"w": np.array([1.0, 3e38, 2.0], np.float32)}, "tensor 'w'"),
+        ({"w": np.zeros(3, np.float32), "w/accum": np.array([0, -1, 0], np.float32)}, "negative"),
+    ],
+)
+def test_a_checkpoint_holding_non_finite_values_is_refused_before_any_write(
+    tmp_path: Path, arrays: dict, named: str
+) -> None:
+    """Issue 39 #7: a checkpoint whose data is NaN, huge or a negative accumulator (its
+    checksums consistent) is refused from the files alone, naming the tensor: no server is
+    asked anything (the controller address is a closed port)."""
+    from adamps.checkpoint import write
+
+    d = tmp_path / "c"
+    write(d, arrays, {}, {"n_buckets": 4, "tables": [],
+                          "tensors": [{"name": "w", "shape": [3]}]})  # fmt: skip
+    _one_line_error(restore(d), named, "nothing restored")
