@@ -9,7 +9,8 @@ token (an operator's call, not a peer's: the replication ops are peer-only):
   is unchanged, and lists them under ``unchanged``.
 - ``ckpt_install``: shards and row shards of one bucket restored whole. It is an update (wire
   kinds ``i`` and ``j``, install.py) through the one write path, so every replica gets it by
-  the same two-phase commit as a push. Its data is checked like a push's (bounds.check_state:
+  the same two-phase commit as a push; ``n`` (optional) is the version the shard had in the
+  checkpoint, which it then reports (install.version_after). Its data is checked like a push's (bounds.check_state:
   finite, bounded; issue 39), all of it before anything is queued. Refused (``conflict``) for a
   shard that already took an update, unless ``force``.
 """
@@ -22,7 +23,7 @@ from typing import Any
 
 from adamps.protocol import ProtocolError, require
 from adamps.server import bounds
-from adamps.server.install import RowInstall, install_of
+from adamps.server.install import RowInstall, install_of, version_of
 from adamps.server.repl_wire import install_update, row_install_update
 from adamps.server.replicate import Replicator
 from adamps.server.rowtables import RowShardState
@@ -210,7 +211,7 @@ class CheckpointOps:
             st = self.store.shard(sid)
             if self.store.layout.bucket_of[sid] != b:
                 raise ProtocolError("bad_request", f"shard {sid} is not in bucket {b}")
-            upd = install_update(sid, rec.get("v"), rec.get("a"))
+            upd = install_update(sid, rec.get("v"), rec.get("a"), version_of(rec))
             inst = install_of(upd, st)
             bounds.check_state(f"shard {sid}", inst.value, inst.accum)  # as a push's data is
             if st.version > 0:
@@ -227,9 +228,10 @@ class CheckpointOps:
             _check_block(st, sid, data)
             if st.version > 0 or st.value.n > 0:
                 busy.append(sid)
-            upd = row_install_update(sid, data)
+            version = version_of(rec)
+            upd = row_install_update(sid, data, version)
             wire.append(([st], lambda sts, u=upd: u))
-            parts.append((st, RowInstall(data)))
+            parts.append((st, RowInstall(data, version)))
         if busy and not force:
             raise ProtocolError(
                 "conflict",

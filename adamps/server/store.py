@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 from adamps.layout import MAX_SHARD_ELEMS, Layout, Shard, TensorSpec, stable_bucket
 from adamps.server import optim, shardrecord, vecapply
 from adamps.server.initial import initial_values
+from adamps.server.install import has_install, version_after
 from adamps.server.optim import Fc, Optimizer, Scratch, Signs
 from adamps.server.rowtables import RowShardState, RowTables
 from adamps.server.shards import ShardState, Snapshot, StoreError, TensorState
@@ -549,7 +550,10 @@ class Store:
                 )
                 error = exc
             else:
-                st.version += len(group)
+                if has_install(group):  # a checkpoint's version (install.py)
+                    st.version = version_after(st.version, [u for u, _ in group])
+                else:
+                    st.version += len(group)
                 if st.dirty_since is None:
                     st.dirty_since = now
                 dirty.add(st)

@@ -264,3 +264,35 @@ async def test_install_through_a_static_routing_carries_the_accumulators(tmp_pat
     finally:
         await a.close()
         await runner.cleanup()
+
+
+async def test_an_install_carries_its_version_and_never_lowers_one(tmp_path: Path) -> None:
+    """Issue 39 #17: ckpt_install with `n` (the checkpoint's version): a fresh shard takes it;
+    a shard already past it (a rollback) takes one more than its own, so an equal version is
+    still equal data for an incremental checkpoint. A bad `n` is a 400, nothing applied."""
+    _s, r, c = await _filled(tmp_path)
+    try:
+        n_buckets = (await c.get_json("/status"))["n_buckets"]
+        b = stable_bucket("w/0", n_buckets)
+        v0 = (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"]
+        vals = np.zeros(1000, np.float32)
+        await c.call("ckpt_install", bucket=b, force=True, shards={"w/0": {"v": vals, "n": 40}})
+        assert (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"] == 40
+        await c.call("ckpt_install", bucket=b, force=True, shards={"w/0": {"v": vals, "n": 5}})
+        assert (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"] == 41
+        await c.call("ckpt_install", bucket=b, force=True, shards={"w/0": {"v": vals}})
+        assert (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"] == 42 > v0
+        for bad in (-1, "7", 1.5):
+            with pytest.raises(RpcError) as err:
+                await c.call("ckpt_install", bucket=b, force=True,
+                             shards={"w/0": {"v": vals + 1, "n": bad}})  # fmt: skip
+            assert err.value.code == "bad_request" and "version" in err.value.message
+        snap = await c.call("ckpt_read", bucket=b)
+        assert snap["shards"]["w/0"]["version"] == 42 and not snap["shards"]["w/0"]["v"].any()
+        rb = next(iter(snap["rows"]))
+        await c.call("ckpt_install", bucket=b, force=True,
+                     rows={rb: {"b": snap["rows"][rb]["b"], "n": 77}})  # fmt: skip
+        assert (await c.call("ckpt_read", bucket=b))["rows"][rb]["version"] == 77
+    finally:
+        await c.close()
+        await r.cleanup()
