@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from adamps.limits import MAX_DIMS
+
 #: a manifest larger than this is refused unread (a model of a million shards writes ~200 MB)
 MAX_MANIFEST_BYTES = 256 << 20
 #: what a manifest's file entry may name: a file here, or one of a sibling checkpoint's
@@ -92,6 +94,8 @@ def check(m: Any) -> None:
             raise SchemaError(f"tensor {name!r} is listed twice")
         names.add(name)
         shape = _kind(d.get("shape"), list, f"tensor {name!r}: shape")
+        if not 1 <= len(shape) <= MAX_DIMS:
+            raise SchemaError(f"tensor {name!r}: shape must have 1..{MAX_DIMS} dimensions")
         for k, n in enumerate(shape):
             _int(n, f"tensor {name!r}: shape[{k}]", 1)
         _kind(d.get("optimizer", {}), dict, f"tensor {name!r}: optimizer")

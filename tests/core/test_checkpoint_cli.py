@@ -102,6 +102,7 @@ def test_an_oversized_manifest_is_refused_unread(tmp_path: Path) -> None:
         ({"tensors": [{"name": "w", "shape": ["4"]}]}, "shape[0]"),
         ({"tensors": [{"name": "w", "shape": [-4]}]}, "shape[0]"),
         ({"tensors": {"w": [4]}}, "'tensors'"),
+        ({"tensors": [{"name": "w", "shape": []}]}, "1..8 dimensions"),
         ({"tensors": [{"name": "w", "shape": [4], "optimizer": "sgd"}]}, "optimizer"),
         ({"n_buckets": "4"}, "'n_buckets'"),
         ({"tables": [{"name": "e"}]}, "dim"),
