@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -34,14 +33,15 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save
 
+from adamps import ckpt_schema
 from adamps.optspec import OptimError, Optimizer, state_ranges
 
 FORMAT = 2
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 ROWS = "rows.safetensors"
-#: what a manifest's file entry may name: a file here, or one of a sibling checkpoint's
-_FILE_RE = re.compile(r"(\.\./[A-Za-z0-9_.-]+/)?[A-Za-z0-9_.-]+\.safetensors")  # fullmatch
+#: what a manifest's file entry may name: a file here, or one of a sibling checkpoint's (fullmatch)
+_FILE_RE = ckpt_schema.FILE_RE
 
 
 class CheckpointError(Exception):
@@ -119,9 +119,11 @@ def read_manifest(src: Path) -> dict[str, Any]:
     if not mpath.is_file():
         raise CheckpointError(f"{mpath}: no manifest (not a checkpoint, or a save that failed)")
     try:
-        manifest = json.loads(mpath.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{mpath}: not valid JSON: {exc}") from None
+        manifest = ckpt_schema.parse(mpath)
+    except ckpt_schema.SchemaError as exc:
+        raise CheckpointError(f"{mpath}: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{mpath}: cannot read: {exc.strerror or exc}") from None
     fmt = manifest.get("format") if isinstance(manifest, dict) else None
     if not isinstance(fmt, int) or fmt < 1:
         raise CheckpointError(f"{mpath}: field 'format' must be a positive int, got {fmt!r}")
@@ -130,8 +132,10 @@ def read_manifest(src: Path) -> dict[str, Any]:
             f"{mpath}: format version {fmt} is newer than this adamps reads ({FORMAT}); "
             "upgrade adamps"
         )
-    if not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{mpath}: field 'files' must be an object")
+    try:
+        ckpt_schema.check(manifest)
+    except ckpt_schema.SchemaError as exc:
+        raise CheckpointError(f"{mpath}: {exc}") from None
     return manifest
 
 

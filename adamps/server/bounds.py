@@ -34,6 +34,8 @@ from adamps.server.optim import Optimizer
 
 MAX_VALUE = 1e24
 MAX_LR = 1e12
+#: the magnitude a checkpoint's installed value or accumulator may have (check_state)
+MAX_STATE = 1e36
 #: normal init: samples beyond mean +- 64 std never occur (numpy's ziggurat tops out near 14)
 NORMAL_SIGMAS = 64.0
 
@@ -105,6 +107,23 @@ def within(delta: np.ndarray) -> bool:
     lo, hi = float(delta.min()), float(delta.max())
     # NaN fails both comparisons; +-inf fails the bound
     return -MAX_GRAD <= lo and hi <= MAX_GRAD
+
+
+def check_state(what: str, values: np.ndarray, accum: np.ndarray | None = None) -> None:
+    """A checkpoint's state for one shard (``ckpt_install``, issue 39): finite, magnitude at
+    most ``MAX_STATE``, an Adagrad accumulator non-negative (its square root is taken). Trained
+    state may have left ``MAX_VALUE`` behind (each update moves it by up to 1e24), so the bound
+    is wider, yet from it an element still needs over 3e14 updates to reach float32's 3.4e38.
+    `what` names the shard in the error (``non_finite`` or ``bad_request``)."""
+    m = max_abs(f"{what}: values", values)
+    if m > MAX_STATE:
+        raise _too_big(f"{what}: a value of magnitude", m, MAX_STATE)
+    if accum is not None and accum.size:
+        m = max_abs(f"{what}: accumulator", accum)
+        if m > MAX_STATE:
+            raise _too_big(f"{what}: an accumulator of magnitude", m, MAX_STATE)
+        if float(accum.min()) < 0:
+            raise ProtocolError("bad_request", f"{what}: an Adagrad accumulator is negative")
 
 
 def check_fc(a: np.ndarray, e: np.ndarray) -> None:

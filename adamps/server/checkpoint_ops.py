@@ -9,8 +9,10 @@ token (an operator's call, not a peer's: the replication ops are peer-only):
   is unchanged, and lists them under ``unchanged``.
 - ``ckpt_install``: shards and row shards of one bucket restored whole. It is an update (wire
   kinds ``i`` and ``j``, install.py) through the one write path, so every replica gets it by
-  the same two-phase commit as a push. Refused (``conflict``) for a shard that already took an
-  update, unless ``force``.
+  the same two-phase commit as a push; ``n`` (optional) is the version the shard had in the
+  checkpoint, which it then reports (install.version_after). Its data is checked like a push's (bounds.check_state:
+  finite, bounded; issue 39), all of it before anything is queued. Refused (``conflict``) for a
+  shard that already took an update, unless ``force``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import time
 from typing import Any
 
 from adamps.protocol import ProtocolError, require
-from adamps.server.install import RowInstall, install_of
+from adamps.server import bounds
+from adamps.server.install import RowInstall, install_of, version_of
 from adamps.server.repl_wire import install_update, row_install_update
 from adamps.server.replicate import Replicator
 from adamps.server.rowtables import RowShardState
@@ -204,8 +207,9 @@ class CheckpointOps:
             st = self.store.shard(sid)
             if self.store.layout.bucket_of[sid] != b:
                 raise ProtocolError("bad_request", f"shard {sid} is not in bucket {b}")
-            upd = install_update(sid, rec.get("v"), rec.get("a"))
+            upd = install_update(sid, rec.get("v"), rec.get("a"), version_of(rec))
             inst = install_of(upd, st)
+            bounds.check_state(f"shard {sid}", inst.value, inst.accum)  # as a push's data is
             if st.version > 0:
                 busy.append(sid)
             wire.append(([st], lambda sts, u=upd: u))
@@ -220,9 +224,10 @@ class CheckpointOps:
             _check_block(st, sid, data)
             if st.version > 0 or st.value.n > 0:
                 busy.append(sid)
-            upd = row_install_update(sid, data)
+            version = version_of(rec)
+            upd = row_install_update(sid, data, version)
             wire.append(([st], lambda sts, u=upd: u))
-            parts.append((st, RowInstall(data)))
+            parts.append((st, RowInstall(data, version)))
         if busy and not force:
             raise ProtocolError(
                 "conflict",
@@ -240,6 +245,9 @@ def _check_block(st: RowShardState, sid: str, data: bytes) -> None:
         probe.load_bytes(data)
     except Exception as exc:  # struct.error, ValueError: a damaged or foreign record
         raise ProtocolError("bad_request", f"row shard {sid}: not a row block: {exc}") from None
+    n = probe.n
+    acc = None if probe.accum is None else probe.accum[:n]
+    bounds.check_state(f"row shard {sid}", probe.values[:n], acc)
 
 
 def _since_versions(msg: dict[str, Any]) -> dict[str, int]:

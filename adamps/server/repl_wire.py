@@ -19,7 +19,7 @@ from adamps.core.replication import Assignment, Batch, BucketReplica, Reject
 from adamps.protocol import ProtocolError, require
 from adamps.server import checksum, vecwire
 from adamps.server.compressed import signs_of_wire
-from adamps.server.install import RowInstall, install_of
+from adamps.server.install import RowInstall, install_of, version_of
 from adamps.server.optim import Dense
 from adamps.server.rowblock import RowPush
 from adamps.server.shards import ShardState, StoreError, fc_parts
@@ -111,16 +111,24 @@ def sign_update(sid: str, tau: float, encoded: dict[str, Any]) -> dict[str, Any]
     return {"k": "c", "s": sid, "t": tau, **encoded}
 
 
-def install_update(sid: str, value: np.ndarray, accum: np.ndarray | None) -> dict[str, Any]:
-    """A checkpoint's shard restored whole (values and accumulator)."""
+def install_update(
+    sid: str, value: np.ndarray, accum: np.ndarray | None, version: int | None = None
+) -> dict[str, Any]:
+    """A checkpoint's shard restored whole (values and accumulator; ``n``: the version it had
+    in the checkpoint, install.version_after)."""
     u: dict[str, Any] = {"k": "i", "s": sid, "v": value}
     if accum is not None:
         u["a"] = accum
+    if version is not None:
+        u["n"] = version
     return u
 
 
-def row_install_update(sid: str, data: bytes) -> dict[str, Any]:
-    return {"k": "j", "s": sid, "b": data}
+def row_install_update(sid: str, data: bytes, version: int | None = None) -> dict[str, Any]:
+    u: dict[str, Any] = {"k": "j", "s": sid, "b": data}
+    if version is not None:
+        u["n"] = version
+    return u
 
 
 #: str(dtype).encode() by dtype: numpy's dtype.__str__ is Python code, and took a third of the
@@ -317,7 +325,7 @@ def update_parts(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, Any]
         data = u["b"]
         if not isinstance(data, bytes):
             raise ProtocolError("bad_request", "a row install needs bytes 'b'")
-        return [(store.tables.shard(u["s"]), RowInstall(data))]
+        return [(store.tables.shard(u["s"]), RowInstall(data, version_of(u)))]
     if kind == "v":  # a vector operation (Sandblaster, vecwire.py)
         return vecwire.parts_of(store, u)
     raise ProtocolError("bad_request", f"unknown update kind {kind!r}")

@@ -367,6 +367,18 @@ class RowBlock:
         rows = self.n if self.full else int(np.count_nonzero(self.dirty[: self.n]))
         return rows * per + (0 if self.sketch is None else self.sketch.nbytes) + 64
 
+    @staticmethod
+    def state_of(data: bytes) -> tuple[np.ndarray, np.ndarray | None]:
+        """The (values, accumulators or None) of `to_bytes` output, as views, without a table
+        (a checkpoint's restore checks them before it sends any; ValueError on a bad record)."""
+        _m, _v, n, dim, has_acc, _p, _s = _HEAD.unpack_from(data)
+        off = _HEAD.size + 16 * n  # past ids (int64) and last seen (float64)
+        if off + 4 * n * dim * (2 if has_acc else 1) > len(data):
+            raise ValueError(f"row block of {len(data)} bytes is too short for {n} rows")
+        values = np.frombuffer(data, "<f4", n * dim, off)
+        accum = np.frombuffer(data, "<f4", n * dim, off + 4 * n * dim) if has_acc else None
+        return values, accum
+
     def load_bytes(self, data: bytes) -> None:
         """Replaces the whole state by `to_bytes` output (raises ValueError on a bad record)."""
         magic, ver, n, dim, has_acc, n_pend, next_sweep = _HEAD.unpack_from(data)

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 from adamps.layout import MAX_SHARD_ELEMS, Layout, Shard, TensorSpec, stable_bucket
 from adamps.server import optim, shardrecord, vecapply
 from adamps.server.initial import initial_values
+from adamps.server.install import version_after
 from adamps.server.optim import Fc, Optimizer, Scratch, Signs, initial_state, state_array
 from adamps.server.rowtables import RowShardState, RowTables
 from adamps.server.shards import ShardState, Snapshot, StoreError, TensorState
@@ -82,8 +83,7 @@ class Store:
             threading.Thread(target=self._run, args=(i,), name=f"adamps-owner-{i}", daemon=True)
             for i in range(owner_threads)
         ]
-        #: per owner: [dense, fc, compressed] updates applied (each list written by its owner
-        #: thread only)
+        #: per owner: [dense, fc, compressed] updates applied (each written by its owner only)
         self._applied = [[0, 0, 0] for _ in range(owner_threads)]
         for t in self._threads:
             t.start()
@@ -553,7 +553,7 @@ class Store:
                 )
                 error = exc
             else:
-                st.version += len(group)
+                st.version = version_after(st.version, group)  # one per update, or an install's
                 if st.dirty_since is None:
                     st.dirty_since = now
                 dirty.add(st)

@@ -5,6 +5,7 @@ path; bad installs get a 4xx naming the problem and change nothing."""
 from __future__ import annotations
 
 import asyncio
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,27 @@ async def test_read_then_install_onto_an_empty_server_is_bit_identical(tmp_path:
         ),
         ({"rows": {"emb#rows/0": {"b": b"garbage!"}}}, "bad_request", "not a row block"),
         ({}, "bad_request", "needs 'shards' or 'rows'"),
+        # issue 39 #7: an install's data is checked like a push's (finite, bounded)
+        ({"shards": {"w/0": {"v": np.full(1000, np.nan, np.float32)}}}, "non_finite", "w/0"),
+        ({"shards": {"w/0": {"v": np.full(1000, 3e38, np.float32)}}}, "bad_request", "w/0"),
+        (
+            {
+                "shards": {
+                    "w/0": {"v": np.zeros(1000, np.float32), "a": np.full(1000, np.inf, np.float32)}
+                }
+            },
+            "non_finite",
+            "accum",
+        ),
+        (
+            {
+                "shards": {
+                    "w/0": {"v": np.zeros(1000, np.float32), "a": np.full(1000, -1.0, np.float32)}
+                }
+            },
+            "bad_request",
+            "negative",
+        ),
     ],
 )
 async def test_a_bad_install_is_a_4xx_and_changes_nothing(
@@ -112,6 +134,33 @@ async def test_a_bad_install_is_a_4xx_and_changes_nothing(
         for sid, rec in before["rows"].items():
             assert after["rows"][sid]["b"] == rec["b"]
         assert (await c.call("list")) is not None  # still serving
+    finally:
+        await c.close()
+        await r.cleanup()
+
+
+async def test_a_row_block_holding_nan_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """Issue 39 #7: a well-formed row block whose values hold a NaN is a 4xx naming the row
+    shard; the rows stay as they were."""
+    _s, r, c = await _filled(tmp_path)
+    try:
+        head = struct.Struct("<4sIQIIQd")  # rowblock.py's header: magic, ver, n, dim, ...
+        b = 0
+        while True:  # a bucket that holds some of the 50 rows
+            before = await c.call("ckpt_read", bucket=b)
+            sid, rec = next(iter(before["rows"].items()))
+            data = bytearray(rec["b"])
+            n = head.unpack_from(data)[2]
+            if n:
+                break
+            b += 1
+        at = head.size + 16 * n  # the first row's first value, past the ids and last-seen times
+        data[at : at + 4] = np.float32(np.nan).tobytes()
+        with pytest.raises(RpcError) as err:
+            await c.call("ckpt_install", bucket=b, force=True, rows={sid: {"b": bytes(data)}})
+        assert err.value.code == "non_finite" and sid in err.value.message, err.value
+        after = await c.call("ckpt_read", bucket=b)
+        assert after["rows"][sid]["b"] == rec["b"]
     finally:
         await c.close()
         await r.cleanup()
@@ -258,3 +307,35 @@ async def test_install_through_a_static_routing_carries_the_accumulators(tmp_pat
     finally:
         await a.close()
         await runner.cleanup()
+
+
+async def test_an_install_carries_its_version_and_never_lowers_one(tmp_path: Path) -> None:
+    """Issue 39 #17: ckpt_install with `n` (the checkpoint's version): a fresh shard takes it;
+    a shard already past it (a rollback) takes one more than its own, so an equal version is
+    still equal data for an incremental checkpoint. A bad `n` is a 400, nothing applied."""
+    _s, r, c = await _filled(tmp_path)
+    try:
+        n_buckets = (await c.get_json("/status"))["n_buckets"]
+        b = stable_bucket("w/0", n_buckets)
+        v0 = (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"]
+        vals = np.zeros(1000, np.float32)
+        await c.call("ckpt_install", bucket=b, force=True, shards={"w/0": {"v": vals, "n": 40}})
+        assert (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"] == 40
+        await c.call("ckpt_install", bucket=b, force=True, shards={"w/0": {"v": vals, "n": 5}})
+        assert (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"] == 41
+        await c.call("ckpt_install", bucket=b, force=True, shards={"w/0": {"v": vals}})
+        assert (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"] == 42 > v0
+        for bad in (-1, "7", 1.5):
+            with pytest.raises(RpcError) as err:
+                await c.call("ckpt_install", bucket=b, force=True,
+                             shards={"w/0": {"v": vals + 1, "n": bad}})  # fmt: skip
+            assert err.value.code == "bad_request" and "version" in err.value.message
+        snap = await c.call("ckpt_read", bucket=b)
+        assert snap["shards"]["w/0"]["version"] == 42 and not snap["shards"]["w/0"]["v"].any()
+        rb = next(iter(snap["rows"]))
+        await c.call("ckpt_install", bucket=b, force=True,
+                     rows={rb: {"b": snap["rows"][rb]["b"], "n": 77}})  # fmt: skip
+        assert (await c.call("ckpt_read", bucket=b))["rows"][rb]["version"] == 77
+    finally:
+        await c.close()
+        await r.cleanup()
