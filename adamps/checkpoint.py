@@ -44,7 +44,6 @@ from adamps.ckpt_format import (  # noqa: F401 (re-exported: the format's names 
 from adamps.ckpt_restore import install, restore  # noqa: F401 (re-exported)
 from adamps.client.rpc import RpcError
 from adamps.layout import Layout, TensorSpec
-from adamps.optspec import Optimizer, state_ranges
 
 #: buckets read at once by a save
 READERS = 4

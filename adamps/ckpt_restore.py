@@ -20,7 +20,7 @@ from adamps.ckpt_cluster import Cluster
 from adamps.ckpt_format import MANIFEST, CheckpointError, load
 from adamps.client.ps import PSClient
 from adamps.layout import Layout, TensorSpec
-from adamps.optspec import Optimizer, state_ranges
+from adamps.optspec import OptimError, Optimizer, state_ranges
 from adamps.protocol import ProtocolError
 from adamps.server import bounds
 from adamps.server.rowblock import RowBlock
@@ -36,7 +36,7 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     bucket on each primary (which replicates it)."""
     t0 = time.perf_counter()
     manifest, arrays, rows = load(src)
-    damaged = _check_state(src, arrays, rows)
+    damaged = _check_state(src, arrays, rows, _signed(manifest))
     statuses = cluster.server_status()
     if not statuses:
         raise CheckpointError("the cluster has no parameter server to restore onto")
@@ -98,8 +98,20 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     return {"installed": installed, "seconds": time.perf_counter() - t0}
 
 
+def _signed(manifest: dict[str, Any]) -> set[str]:
+    """The tensors whose optimizer state may hold negative values (Optimizer.signed_state)."""
+    out = set()
+    for d in manifest.get("tensors", []):
+        try:
+            if d.get("optimizer") and Optimizer.from_dict(d["optimizer"]).signed_state:
+                out.add(d["name"])
+        except (OptimError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"tensor {d.get('name')!r}: bad optimizer: {exc}") from None
+    return out
+
+
 def _check_state(
-    src: Path, arrays: dict[str, np.ndarray], rows: dict[str, np.ndarray]
+    src: Path, arrays: dict[str, np.ndarray], rows: dict[str, np.ndarray], signed: set[str]
 ) -> list[tuple[str, str]]:
     """Every value and accumulator of the checkpoint is one a server installs (finite and
     bounded, bounds.check_state; each server checks its part again), checked from the files
@@ -110,7 +122,8 @@ def _check_state(
     try:
         for name, a in arrays.items():
             if name.endswith("/accum"):
-                bounds.check_state(f"tensor {name[: -len('/accum')]!r}", a[:0], a)
+                t = name[: -len("/accum")]
+                bounds.check_state(f"tensor {t!r}", a[:0], a, t in signed)
             else:
                 bounds.check_state(f"tensor {name!r}", a)
         for sid, block in rows.items():

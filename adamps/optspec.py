@@ -179,6 +179,12 @@ class Optimizer:
         return n if self.legacy_layout else self.slots * n + STEP_SLOTS
 
     @property
+    def signed_state(self) -> bool:
+        """Whether the state may hold negative values (Adam's first moment, momentum buffers,
+        RMSprop's centered average): only Adagrad's accumulators are sums of squares."""
+        return self.kind not in ("adagrad", "adagrad_legacy", "rowwise_adagrad")
+
+    @property
     def initial_state(self) -> float:
         """The starting value of the first state array (Adagrad's accumulator)."""
         if self.kind == "adagrad":

@@ -109,12 +109,16 @@ def within(delta: np.ndarray) -> bool:
     return -MAX_GRAD <= lo and hi <= MAX_GRAD
 
 
-def check_state(what: str, values: np.ndarray, accum: np.ndarray | None = None) -> None:
-    """A checkpoint's state for one shard (``ckpt_install``, issue 39): finite, magnitude at
-    most ``MAX_STATE``, an Adagrad accumulator non-negative (its square root is taken). Trained
-    state may have left ``MAX_VALUE`` behind (each update moves it by up to 1e24), so the bound
-    is wider, yet from it an element still needs over 3e14 updates to reach float32's 3.4e38.
-    `what` names the shard in the error (``non_finite`` or ``bad_request``)."""
+def check_state(
+    what: str, values: np.ndarray, accum: np.ndarray | None = None, signed: bool = False
+) -> None:
+    """A checkpoint's state for one shard (``ckpt_install``): finite, magnitude at most
+    ``MAX_STATE``, and unless `signed` (an optimizer whose state holds signed moments or
+    momentum buffers: Optimizer.signed_state) the accumulator non-negative (Adagrad's square
+    root is taken of it). Trained state may have left ``MAX_VALUE`` behind (each update moves it
+    by up to 1e24), so the bound is wider, yet from it an element still needs over 3e14 updates
+    to reach float32's 3.4e38. `what` names the shard in the error (``non_finite`` or
+    ``bad_request``)."""
     m = max_abs(f"{what}: values", values)
     if m > MAX_STATE:
         raise _too_big(f"{what}: a value of magnitude", m, MAX_STATE)
@@ -122,7 +126,7 @@ def check_state(what: str, values: np.ndarray, accum: np.ndarray | None = None) 
         m = max_abs(f"{what}: accumulator", accum)
         if m > MAX_STATE:
             raise _too_big(f"{what}: an accumulator of magnitude", m, MAX_STATE)
-        if float(accum.min()) < 0:
+        if not signed and float(accum.min()) < 0:
             raise ProtocolError("bad_request", f"{what}: an Adagrad accumulator is negative")
 
 

@@ -209,7 +209,8 @@ class CheckpointOps:
                 raise ProtocolError("bad_request", f"shard {sid} is not in bucket {b}")
             upd = install_update(sid, rec.get("v"), rec.get("a"), version_of(rec))
             inst = install_of(upd, st)
-            bounds.check_state(f"shard {sid}", inst.value, inst.accum)  # as a push's data is
+            signed = self.store.tensor(sid.rsplit("/", 1)[0]).optimizer.signed_state
+            bounds.check_state(f"shard {sid}", inst.value, inst.accum, signed)  # as a push's is
             if st.version > 0:
                 busy.append(sid)
             wire.append(([st], lambda sts, u=upd: u))

@@ -14,6 +14,7 @@ import pytest
 from adamps import web as aweb
 from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.layout import stable_bucket
+from adamps.optspec import Optimizer
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.up.procs import free_port
@@ -34,6 +35,9 @@ async def start(tmp: Path) -> tuple[ParameterServer, aweb.web.AppRunner, AsyncRp
 ADA = {"name": "w", "shape": [2000], "init": {"kind": "normal", "std": 0.1, "seed": 1},
        "optimizer": {"kind": "adagrad", "lr": 0.1}}  # fmt: skip
 TABLE = {"name": "emb", "dim": 3, "optimizer": {"kind": "adagrad", "lr": 0.1}}
+#: float32 elements of the optimizer state of w's first shard (1000 values; torch's Adagrad keeps
+#: an accumulator per element and a step count)
+ACC = Optimizer.from_dict(ADA["optimizer"]).state_size(1000)
 
 
 async def _filled(tmp: Path):
@@ -97,7 +101,7 @@ async def test_read_then_install_onto_an_empty_server_is_bit_identical(tmp_path:
         (
             {
                 "shards": {
-                    "w/0": {"v": np.zeros(1000, np.float32), "a": np.full(1000, np.inf, np.float32)}
+                    "w/0": {"v": np.zeros(1000, np.float32), "a": np.full(ACC, np.inf, np.float32)}
                 }
             },
             "non_finite",
@@ -106,7 +110,7 @@ async def test_read_then_install_onto_an_empty_server_is_bit_identical(tmp_path:
         (
             {
                 "shards": {
-                    "w/0": {"v": np.zeros(1000, np.float32), "a": np.full(1000, -1.0, np.float32)}
+                    "w/0": {"v": np.zeros(1000, np.float32), "a": np.full(ACC, -1.0, np.float32)}
                 }
             },
             "bad_request",
