@@ -24,6 +24,7 @@ from adamps.optspec import OptimError, Optimizer, state_ranges
 from adamps.protocol import ProtocolError
 from adamps.server import bounds
 from adamps.server.rowblock import RowBlock
+from adamps.tables import ROWS_SEP
 
 #: buckets installed at once
 READERS = 4
@@ -36,7 +37,7 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     bucket on each primary (which replicates it)."""
     t0 = time.perf_counter()
     manifest, arrays, rows = load(src)
-    damaged = _check_state(src, arrays, rows, _signed(manifest))
+    damaged = _check_state(src, arrays, rows, _signed(manifest), _row_widths(manifest))
     statuses = cluster.server_status()
     if not statuses:
         raise CheckpointError("the cluster has no parameter server to restore onto")
@@ -110,8 +111,24 @@ def _signed(manifest: dict[str, Any]) -> set[str]:
     return out
 
 
+def _row_widths(manifest: dict[str, Any]) -> dict[str, int]:
+    """Each table's optimizer state per row (float32), as its row blocks hold it."""
+    out = {}
+    for t in manifest.get("tables", []):
+        try:
+            opt = Optimizer.from_dict(t.get("optimizer") or {"kind": "sgd"})
+            out[t["name"]] = opt.row_state_width(int(t["dim"]))
+        except (OptimError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"table {t.get('name')!r}: bad optimizer: {exc}") from None
+    return out
+
+
 def _check_state(
-    src: Path, arrays: dict[str, np.ndarray], rows: dict[str, np.ndarray], signed: set[str]
+    src: Path,
+    arrays: dict[str, np.ndarray],
+    rows: dict[str, np.ndarray],
+    signed: set[str],
+    widths: dict[str, int],
 ) -> list[tuple[str, str]]:
     """Every value and accumulator of the checkpoint is one a server installs (finite and
     bounded, bounds.check_state; each server checks its part again), checked from the files
@@ -128,7 +145,8 @@ def _check_state(
                 bounds.check_state(f"tensor {name!r}", a)
         for sid, block in rows.items():
             try:
-                values, accum = RowBlock.state_of(block.tobytes())
+                table = sid.split(ROWS_SEP, 1)[0]
+                values, accum = RowBlock.state_of(block.tobytes(), widths.get(table, 0))
             except (ValueError, struct.error) as exc:
                 damaged.append((sid, str(exc)))
                 continue

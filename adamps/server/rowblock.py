@@ -368,15 +368,17 @@ class RowBlock:
         return rows * per + (0 if self.sketch is None else self.sketch.nbytes) + 64
 
     @staticmethod
-    def state_of(data: bytes) -> tuple[np.ndarray, np.ndarray | None]:
-        """The (values, accumulators or None) of `to_bytes` output, as views, without a table
-        (a checkpoint's restore checks them before it sends any; ValueError on a bad record)."""
+    def state_of(data: bytes, acc_width: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The (values, optimizer state or None) of `to_bytes` output, as views, without a table
+        (a checkpoint's restore checks them before it sends any). `acc_width`: the table's
+        optimizer's state per row (Optimizer.row_state_width). ValueError on a bad record."""
         _m, _v, n, dim, has_acc, _p, _s = _HEAD.unpack_from(data)
+        aw = acc_width if has_acc else 0
         off = _HEAD.size + 16 * n  # past ids (int64) and last seen (float64)
-        if off + 4 * n * dim * (2 if has_acc else 1) > len(data):
+        if off + 4 * n * (dim + aw) > len(data):
             raise ValueError(f"row block of {len(data)} bytes is too short for {n} rows")
         values = np.frombuffer(data, "<f4", n * dim, off)
-        accum = np.frombuffer(data, "<f4", n * dim, off + 4 * n * dim) if has_acc else None
+        accum = np.frombuffer(data, "<f4", n * aw, off + 4 * n * dim) if aw else None
         return values, accum
 
     def load_bytes(self, data: bytes) -> None:
