@@ -126,12 +126,13 @@ class ParameterServer:
                 on_corrupt=lambda where: self.m.corrupt.labels(where).inc(),
             )
             self.flusher.cut = self._cut
-        #: verifies LMDB records in the background at cfg.scrub_rate bytes/s
+        #: verifies LMDB records in the background (cfg.scrub_rate bytes/s, cfg.scrub_cpu)
         self.scrubber = Scrubber(
             self.persister,
             cfg.scrub_rate,
             on_failure=self._scrub_found,
             on_bytes=self.m.scrubbed_bytes.inc,
+            cpu=cfg.scrub_cpu,
         )
         self.scrubber.start()
         #: the event loop serving this server and its thread (set at startup)

@@ -69,7 +69,13 @@ class PsConfig:
     scrub_rate: int = field(
         4 << 20,
         help="bytes per second of LMDB records the background scrub verifies against their "
-        "checksums (0: no scrub)",
+        "checksums at most (0: no scrub)",
+    )
+    scrub_cpu: float = field(
+        0.005,
+        help="fraction of one core the background scrub uses at most, measured as its thread's "
+        "CPU time (0.005: 0.5%); with scrub_rate, whichever bound is tighter sets how long a "
+        "pass takes (docs/operations.md, Storage faults)",
     )
     map_size: int = field(
         1 << 30, help="initial LMDB map size in bytes (grown by doubling when full)"
@@ -245,6 +251,10 @@ class PsConfig:
             )
         if self.scrub_rate < 0:
             raise ValueError("scrub_rate must be >= 0 (0: no scrub)")
+        if not 0 < self.scrub_cpu <= 1:
+            raise ValueError(
+                f"scrub_cpu must be a fraction of one core in (0, 1], not {self.scrub_cpu}"
+            )
         for name in ("max_tensor_elems", "max_server_elems", "max_shards_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -414,7 +414,7 @@ class Persister:
         try:
             payload = unseal(value)
             if db == "shards":
-                _unpack(payload)
+                _check_lengths(payload)  # the values' copies _unpack makes are not needed here
             elif db == "rows":
                 pass  # its length is its table's: checked when loaded
             elif db == "prepared":
@@ -565,10 +565,17 @@ class Persister:
         return list(out.values())
 
 
-def _unpack(rec: bytes | memoryview) -> tuple[int, np.ndarray, np.ndarray | None]:
+def _check_lengths(rec: bytes | memoryview) -> tuple[int, int, int]:
+    """(version, value bytes, accumulator bytes) of a shard record's payload, whose lengths must
+    add up to the record's."""
     version, nv, na = HEADER.unpack_from(rec)
     if HEADER.size + nv + na != len(rec) or nv % 4 or na % 4:
         raise ValueError(f"shard record of {len(rec)} bytes does not hold {nv} + {na} bytes")
+    return version, nv, na
+
+
+def _unpack(rec: bytes | memoryview) -> tuple[int, np.ndarray, np.ndarray | None]:
+    version, nv, na = _check_lengths(rec)
     off = HEADER.size
     # A copy (bytes -> new array): the values become mutable state of the store.
     value = np.frombuffer(rec, dtype="<f4", count=nv // 4, offset=off).copy()
