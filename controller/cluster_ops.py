@@ -11,7 +11,14 @@ from typing import Any
 
 from adamps.core import lease as leases
 from adamps.core.lease import Lease
-from controller.cluster_rules import DEAD, DRAINING, LIVE, PROGRESS_EPOCHS, refusal
+from controller.cluster_rules import (
+    DEAD,
+    DRAINING,
+    LIVE,
+    PROGRESS_EPOCHS,
+    refusal,
+    shared_storage_fault,
+)
 
 log = logging.getLogger("controller.state")
 
@@ -431,7 +438,14 @@ class Operations:
                 log.warning("server %s can persist again", sid)
             else:
                 rec["not_durable"] = reason
-                log.error("server %s cannot persist (%s): its buckets move", sid, reason)
+                live = [r for r in self.servers.values() if r["state"] == LIVE]
+                durable = sum(1 for r in live if not r.get("not_durable"))
+                if shared_storage_fault(len(live), durable):
+                    log.error("server %s cannot persist (%s), nor can %d of %d live servers: a "
+                              "shared cause, no bucket moves for it", sid, reason,
+                              len(live) - durable, len(live))  # fmt: skip
+                else:
+                    log.error("server %s cannot persist (%s): its buckets move", sid, reason)
             self._replan(now)
         return {"ok": True, "server": sid, "not_durable": reason}
 

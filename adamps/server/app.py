@@ -108,6 +108,7 @@ class ParameterServer:
         self.m.dirty.set_function(lambda: self.store.dirty_count())
         self.m.loss_window.set_function(lambda: self.flusher.loss_window())
         self.m.durable.set_function(lambda: 0 if self.flusher.not_durable() else 1)
+        self.m.flush_starved.set_function(lambda: 1 if self.flusher.starved_now() else 0)
         self.m.flush_age.set_function(lambda: self.flusher.last_flush_age() or 0.0)
         self.m.flush_failures.set_function(lambda: self.flusher.failures)
         self.m.queue_depth.set_function(lambda: sum(self.store.queue_depths()))
@@ -451,6 +452,7 @@ class ParameterServer:
             },
             "durable": self.flusher.not_durable() is None,
             "not_durable": self.flusher.not_durable(),
+            "flush_starved": self.flusher.starved_now(),
             "applied": dict(self.store.applied),
             "clients": len(self.writes.clients),
             "runs": self.tenancy.status(),

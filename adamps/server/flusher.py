@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable, Container
 from typing import Any
 
+from adamps.core import flush_stall
+from adamps.core.flush_stall import FlushInterval, ThreadTimes
 from adamps.server import memtrim
 from adamps.server.persist import Persister, Position
 from adamps.server.shards import Snapshot
@@ -41,6 +43,16 @@ log = logging.getLogger("adamps.server.persist")
 
 #: how long a durability verdict is reused (it scans the dirty shards; pushes ask often)
 VERDICT_TTL = 0.05
+
+
+def thread_times(tid: int) -> ThreadTimes | None:
+    """Thread `tid`'s CPU time and run-queue wait so far (Linux schedstat), or None where the
+    kernel does not count them."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return flush_stall.parse_schedstat(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def describe_failure(exc: BaseException, path: str, needed: int) -> str:
@@ -108,6 +120,16 @@ class Flusher:
         self.writing_since: float | None = None
         #: (monotonic time, verdict) of the last `not_durable` answer
         self._verdict: tuple[float, str | None] = (-math.inf, None)
+        #: the flushing thread, and its times, when the running flush's write began (issue 39:
+        #: a slow write is told a stalled disk or a starved process by them)
+        self._writer: tuple[int, ThreadTimes | None] | None = None
+        #: the last flush's interval (wall time and the flushing thread's times over it)
+        self._last_interval: FlushInterval | None = None
+        #: why the loss window is past max_unflushed without this server being not durable
+        #: (the flush is starved of CPU, not stalled on the disk: issue 39), or None
+        self.starved: str | None = None
+        #: slow intervals classified starved (each verdict that kept this server durable)
+        self.starved_verdicts = 0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="adamps-flusher", daemon=True)
@@ -153,6 +175,8 @@ class Flusher:
         seconds, chunks}."""
         with self._flush_lock:
             t0 = self.clock()
+            tid = threading.get_native_id()
+            times0 = thread_times(tid)
             shards = nbytes = 0
             chunks = self.plan()
             for buckets in chunks:
@@ -163,6 +187,10 @@ class Flusher:
             if nbytes:
                 memtrim.trim()  # the chunks' records and LMDB's dirty pages are free now
             seconds = self.clock() - t0
+            times1 = thread_times(tid)
+            self._last_interval = FlushInterval(
+                seconds, None if times0 is None or times1 is None else times1.minus(times0)
+            )
             self.last_flush = {
                 "time": time.time(),
                 "monotonic": self.clock(),
@@ -235,6 +263,8 @@ class Flusher:
             else {b: p for b, p in self._pending_positions.items() if mine(b)}
         )
         self.writing_since = self.clock()
+        tid = threading.get_native_id()
+        self._writer = (tid, thread_times(tid))
         try:
             nbytes = (
                 self.persister.write_snapshots(snaps, chunk_positions, held)
@@ -248,6 +278,7 @@ class Flusher:
             raise
         finally:
             self.writing_since = None
+            self._writer = None
         for s in snaps:
             if self._pending.get(s.shard_id) is s:
                 del self._pending[s.shard_id]
@@ -265,28 +296,62 @@ class Flusher:
 
     def not_durable(self) -> str | None:
         """Why this server must not acknowledge a push now, or None: the oldest update not yet
-        committed to LMDB is older than max_unflushed (flushes failing or stalled). Reused for
-        VERDICT_TTL seconds (it scans the dirty shards)."""
+        committed to LMDB is older than max_unflushed (flushes failing or stalled). A window
+        that is past it because the flush is starved of CPU, not stalled on the disk, keeps
+        the server durable (`starved` says why; issue 39). Reused for VERDICT_TTL seconds (it
+        scans the dirty shards)."""
         now = self.clock()
         at, verdict = self._verdict
         if now - at < VERDICT_TTL:
             return verdict
         window = self.loss_window()
-        verdict = None
+        verdict = starved = None
         if window > self.max_unflushed:
             since = self.writing_since
+            slow = self._slow_interval(now)
+            kind = flush_stall.STALLED if slow is None else flush_stall.classify(slow)
+            detail = "" if slow is None else f"; the flush's last {slow.describe()}"
             if self.last_error is not None:
                 why = f"flushes fail: {self.last_error}"
-            elif since is not None:
-                why = f"a flush has been writing for {now - since:.1f} s (the disk stalls)"
+            elif kind == flush_stall.STARVED:
+                starved = (
+                    f"updates unflushed for {window:.1f} s, beyond max_unflushed "
+                    f"{self.max_unflushed:g} s, because the flush is starved of CPU, not "
+                    f"stalled on the disk{detail}"
+                )
+            elif since is not None and kind == flush_stall.STALLED:
+                why = f"a flush has been writing for {now - since:.1f} s (the disk stalls{detail})"
             else:
-                why = "flushes do not keep up"
-            verdict = (
-                f"updates unflushed for {window:.1f} s, beyond max_unflushed "
-                f"{self.max_unflushed:g} s: {why}"
-            )
+                why = f"flushes do not keep up{detail}"
+            if starved is None:
+                verdict = (
+                    f"updates unflushed for {window:.1f} s, beyond max_unflushed "
+                    f"{self.max_unflushed:g} s: {why}"
+                )
+        if starved is not None and self.starved is None:
+            log.warning("%s: this server stays durable, its buckets stay", starved)
+            self.starved_verdicts += 1
+        self.starved = starved
         self._verdict = (now, verdict)
         return verdict
+
+    def starved_now(self) -> str | None:
+        """Why the loss window is past max_unflushed with this server durable (its flush is
+        starved of CPU), or None."""
+        self.not_durable()
+        return self.starved
+
+    def _slow_interval(self, now: float) -> FlushInterval | None:
+        """The interval that makes the loss window long, with the flushing thread's times over
+        it: the write in progress, or the last flush while that one lasted longer (a write
+        that just began says little); None if no flush ran yet."""
+        writer, since, last = self._writer, self.writing_since, self._last_interval
+        if writer is not None and since is not None and (last is None or now - since >= last.wall):
+            tid, times0 = writer
+            times1 = thread_times(tid)
+            times = None if times0 is None or times1 is None else times1.minus(times0)
+            return FlushInterval(now - since, times)
+        return last
 
     def last_flush_age(self) -> float | None:
         """Seconds since the last successful flush ended (None: none yet in this process)."""

@@ -1,0 +1,178 @@
+"""A slow flush told a stalled disk from a process starved of CPU (issue 39, finding 4): the pure
+rule (adamps/core/flush_stall.py), then a real Flusher whose writing thread sleeps in its write
+(a disk that does not answer), burns a CPU (a state too big), or burns it inside a cgroup whose
+CPU quota throttles that one thread (starved: real kernel accounting, no mock of it)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adamps.core.flush_stall import (
+    BUSY,
+    STALLED,
+    STARVED,
+    FlushInterval,
+    ThreadTimes,
+    classify,
+    parse_schedstat,
+)
+from adamps.server.flusher import Flusher, thread_times
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_asleep_in_the_write_is_the_disk() -> None:
+    """A thread in a hung fsync or on a frozen file system is off every CPU."""
+    assert classify(FlushInterval(5.0, ThreadTimes(0.05, 0.01))) == STALLED
+    # asleep more than on and waiting for a CPU together, on a loaded machine too
+    assert classify(FlushInterval(5.0, ThreadTimes(0.5, 1.5))) == STALLED
+
+
+def test_waiting_for_a_cpu_is_starvation_not_the_disk() -> None:
+    """The testers' case: 4.7 s of a write, most of it runnable but waiting for a CPU."""
+    assert classify(FlushInterval(4.7, ThreadTimes(0.3, 4.2))) == STARVED
+    # partly asleep (the GIL, the disk's own latency) and mostly waiting: still starved
+    assert classify(FlushInterval(4.7, ThreadTimes(0.7, 2.0))) == STARVED
+
+
+def test_on_a_cpu_most_of_the_time_is_a_flush_too_big_for_the_window() -> None:
+    assert classify(FlushInterval(6.0, ThreadTimes(5.5, 0.3))) == BUSY
+    # waited more than it ran, but a negligible part of the interval: not starved
+    assert classify(FlushInterval(6.0, ThreadTimes(0.2, 0.3))) == STALLED
+    assert classify(FlushInterval(6.0, ThreadTimes(2.0, 2.5))) == STARVED
+    assert classify(FlushInterval(6.0, ThreadTimes(3.5, 2.5))) == BUSY
+
+
+def test_without_scheduler_statistics_a_slow_flush_is_a_stall_as_before() -> None:
+    assert classify(FlushInterval(6.0, None)) == STALLED
+
+
+def test_schedstat_is_read_as_seconds() -> None:
+    assert parse_schedstat("1500000000 250000000 17\n") == ThreadTimes(1.5, 0.25)
+    mine = thread_times(threading.get_native_id())
+    if mine is None:
+        pytest.skip("no /proc/self/task/TID/schedstat here")
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.05:
+        pass
+    later = thread_times(threading.get_native_id())
+    assert later is not None and later.minus(mine).run >= 0.04
+
+
+# -- a real Flusher --------------------------------------------------------------------------
+
+
+class SlowDisk:
+    """A persister whose write holds the flushing thread as `how` says, then succeeds."""
+
+    path = "/nonexistent"
+
+    def __init__(self, how: Any) -> None:
+        self.how = how
+        self.entered = threading.Event()
+
+    def write_snapshots(self, snaps: list, positions: Any, held: Any) -> int:
+        self.entered.set()
+        self.how()
+        return 1
+
+
+class OneDirty:
+    """A store with one update unflushed since the test began."""
+
+    def __init__(self) -> None:
+        self.since = time.monotonic()
+
+    def dirty_bytes(self) -> dict[int, int]:
+        return {}
+
+    def oldest_dirty(self) -> float:
+        return self.since
+
+    def begin_snapshot(self, buckets: Any) -> Any:
+        return lambda _timeout: []
+
+
+def verdict_during(how: Any, max_unflushed: float = 0.5, wait: float = 1.5) -> tuple:
+    """(not_durable, starved) of a Flusher `wait` s into a write that does `how`."""
+    disk = SlowDisk(how)
+    flusher = Flusher(OneDirty(), disk, interval=3600, max_unflushed=max_unflushed)  # type: ignore[arg-type]
+    flusher.cut = lambda buckets: ([], {}, None)  # a position to write: the write runs
+    t = threading.Thread(target=flusher.flush, daemon=True)
+    t.start()
+    assert disk.entered.wait(10)
+    time.sleep(wait)
+    out = (flusher.not_durable(), flusher.starved_now())
+    t.join(60)
+    return out
+
+
+def burn(cpu_seconds: float) -> None:
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < cpu_seconds:
+        pass
+
+
+def test_a_write_asleep_on_the_disk_makes_the_server_not_durable() -> None:
+    if thread_times(threading.get_native_id()) is None:
+        pytest.skip("no schedstat")
+    why, starved = verdict_during(lambda: time.sleep(2.5))
+    assert why is not None and "the disk stalls" in why and "off CPU" in why, why
+    assert starved is None
+
+
+V1_CPU = Path("/sys/fs/cgroup/cpu")
+
+
+def throttled_cgroup() -> Path:
+    """A cgroup v1 'cpu' group with 5% of one CPU (a thread written to its `tasks` alone is
+    throttled), or a skip where there is none to make (not root, cgroup v2 only)."""
+    if os.geteuid() != 0 or not (V1_CPU / "tasks").exists():
+        pytest.skip("needs root and the cgroup v1 cpu controller (per-thread quota)")
+    group = V1_CPU / f"adamps-starve-{os.getpid()}"
+    group.mkdir(exist_ok=True)
+    (group / "cpu.cfs_period_us").write_text("100000")
+    (group / "cpu.cfs_quota_us").write_text("5000")
+    return group
+
+
+def test_a_write_starved_of_cpu_keeps_the_server_durable() -> None:
+    """The flushing thread alone in a cgroup throttled to 5% of a CPU, its write burning 0.15 s
+    of CPU: about 3 s of wall time, almost all of it waiting for a CPU. Its loss window passes
+    max_unflushed, yet the server stays durable and says it is starved (on main: 'the disk
+    stalls', not durable)."""
+    group = throttled_cgroup()
+    try:
+
+        def starved_write() -> None:
+            (group / "tasks").write_text(str(threading.get_native_id()))
+            burn(0.15)
+            (V1_CPU / "tasks").write_text(str(threading.get_native_id()))
+
+        why, starved = verdict_during(starved_write, wait=1.5)
+        assert why is None, why
+        assert starved is not None and "starved of CPU" in starved, starved
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_a_write_on_a_cpu_the_whole_time_is_flushes_not_keeping_up() -> None:
+    if thread_times(threading.get_native_id()) is None:
+        pytest.skip("no schedstat")
+    why, starved = verdict_during(lambda: burn(1.2), max_unflushed=0.3, wait=0.8)
+    if why is not None and "starved" in why:  # the test machine itself is overloaded
+        pytest.skip(f"this machine starved the burning thread: {why}")
+    assert starved is None or "starved" in starved
+    if starved is None:
+        assert why is not None and "do not keep up" in why, why
