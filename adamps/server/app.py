@@ -145,6 +145,11 @@ class ParameterServer:
             rep = self.replicator  # its controller client exists once it started
             self.tenancy.fetch = lambda: rep.calls.ctl.runs_auth()
             self.replicator.on_heartbeat = self.tenancy.on_heartbeat
+            self.replicator.calls.on_fatal = self.stop_for
+        #: why this server stopped itself (a fault no retry cures), else None
+        self.fatal: str | None = None
+        #: set to stop serving (`adamps ps` waits for it beside SIGTERM and SIGINT)
+        self.stop_serving = asyncio.Event()
         self.addressing = Addressing(cfg, self.store, self.replicator)
         self.reads = Reads(self.store, self.addressing)
         #: the one way pushes change shards (HTTP and the data plane both use it)
@@ -284,6 +289,13 @@ class ParameterServer:
         self.m.flushed_shards.inc(shards)
         self.m.flushed_bytes.inc(nbytes)
         self.m.flush_seconds.observe(seconds)
+
+    def stop_for(self, why: str) -> None:
+        """Stops serving for a reason no retry can cure (issue 39, finding 18: the controllers
+        use another n_buckets): logged, and `adamps ps` exits non-zero."""
+        log.critical("stopping: %s", why)
+        self.fatal = why
+        self.stop_serving.set()
 
     def close(self) -> None:
         if self._closed:
