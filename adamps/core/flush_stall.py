@@ -9,27 +9,34 @@ with 2-3% I/O pressure), so every server would give up its buckets at the same t
 cause that moving them cannot cure.
 
 The kernel tells them apart per thread (``/proc/self/task/TID/schedstat``: nanoseconds on a
-CPU, nanoseconds runnable but waiting on a run queue). Over the slow interval of the thread
-that flushes, its wall time splits into
+CPU, nanoseconds runnable but waiting on a run queue). Over the loss window, the wall time of
+the thread that flushes splits into
 
 * ``run``: on a CPU (checksums, copies into LMDB's pages: a big flush is CPU work);
 * ``wait``: runnable, waiting for a CPU: starved (an overloaded machine, a cgroup's CPU quota
-  throttling the process);
-* ``off`` = wall - run - wait: asleep, which inside LMDB's write is the disk (a write or fsync
-  that does not return, a frozen file system: the thread sits in uninterruptible sleep).
+  throttling the process; a wake-up from its pause between flushes delayed counts here too);
+* ``paused``: asleep by its own choice, between flushes (``flush_interval``);
+* ``threads``: asleep waiting for the server's own threads: to copy the dirty shards (the event
+  loop and the owner threads), or to release the store's lock (the scrub, a reader), for as
+  long as the thread it waited for was running or waiting for a CPU (when they are starved, so
+  is the flush; while the lock's holder was itself asleep, that stays the disk's);
+* ``off``, the rest: asleep in the write, which is the disk (a write or fsync that does not
+  return, a frozen file system: the thread sits in uninterruptible sleep).
 
 A thread waiting for the GIL while its holder is starved is woken every switch interval (5 ms)
 and then waits for a CPU too, so process-wide starvation shows in the flusher's own ``wait``.
 
 The verdict, over one interval (see `classify`):
 
-* ``stalled`` when the thread was asleep longer than it ran and waited together: the disk holds
-  the flush. Only this counts as a disk stall (the server stops acknowledging, its buckets move);
-* ``starved`` otherwise when it waited for a CPU at least as long as it ran, and the wait is a
-  real part of the interval (``STARVED_SHARE``): more CPU, not another disk, would have finished
-  it. The server keeps acknowledging and says so; its buckets stay;
+* ``stalled`` when the thread was asleep on the disk longer than it ran, waited for a CPU and
+  for the server's threads together: the disk holds the flush. Only this counts as a disk
+  stall (the server stops acknowledging, its buckets move);
+* ``starved`` otherwise when it waited (for a CPU, or for the server's threads) at least as long
+  as it ran, and the waits are a real part of its active time (``STARVED_SHARE``): more CPU,
+  not another disk, would have finished it. The server keeps acknowledging and says so; its
+  buckets stay;
 * ``busy`` otherwise: the flush ran on a CPU most of the time, a state too large for the
-  interval (flushes do not keep up), counted as before.
+  window (flushes do not keep up), counted as before.
 
 Without the kernel's counters (not Linux, no schedstat) nothing is known: ``stalled``, the rule
 before this module.
@@ -59,38 +66,47 @@ class ThreadTimes:
 
 @dataclass(frozen=True)
 class FlushInterval:
-    """A slow interval of the flushing thread: its wall time and what it spent of it."""
+    """The flushing thread over a slow interval (the loss window): its wall time and how it
+    spent it."""
 
-    #: seconds the interval lasted (the write in progress, or the last flush)
+    #: seconds the interval lasted
     wall: float
-    #: the thread's CPU and run-queue wait over it (None: not measurable here)
+    #: the thread's CPU time and run-queue wait over it (None: not measurable here)
     times: ThreadTimes | None
+    #: seconds asleep in its pauses between flushes
+    paused: float = 0.0
+    #: seconds asleep waiting for the server's threads (the cut; the lock, while its holder ran
+    #: or waited for a CPU)
+    threads: float = 0.0
 
     @property
     def off(self) -> float:
-        """Seconds asleep (neither on a CPU nor waiting for one): the disk, inside a write."""
+        """Seconds asleep otherwise: in the write, on the disk."""
         if self.times is None:
-            return self.wall
-        return max(0.0, self.wall - self.times.run - self.times.wait)
+            return max(0.0, self.wall - self.paused - self.threads)
+        return max(0.0, self.wall - self.times.run - self.times.wait - self.paused - self.threads)
 
     def describe(self) -> str:
         if self.times is None:
             return f"{self.wall:.1f} s (no scheduler statistics here)"
         t = self.times
         return (
-            f"{self.wall:.1f} s: {self.off:.1f} s off CPU (the disk), {t.run:.1f} s on a CPU, "
-            f"{t.wait:.1f} s waiting for a CPU"
+            f"{self.wall:.1f} s: {self.off:.1f} s asleep in the write (the disk), {t.run:.1f} s "
+            f"on a CPU, {t.wait:.1f} s waiting for a CPU, {self.threads:.1f} s waiting for the "
+            f"server's threads, {self.paused:.1f} s paused between flushes"
         )
 
 
 def classify(interval: FlushInterval) -> str:
-    """STALLED, STARVED or BUSY for a slow flush interval (see the module's docstring)."""
+    """STALLED, STARVED or BUSY for a slow interval (see the module's docstring)."""
     t = interval.times
     if t is None:
         return STALLED
-    if interval.off > t.run + t.wait:
+    waited = t.wait + interval.threads
+    if interval.off > t.run + waited:
         return STALLED
-    if t.wait >= t.run and t.wait >= STARVED_SHARE * interval.wall:
+    active = interval.wall - interval.paused
+    if waited >= t.run and waited >= STARVED_SHARE * active:
         return STARVED
     return BUSY
 

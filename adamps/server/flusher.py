@@ -33,8 +33,8 @@ from collections.abc import Callable, Container
 from typing import Any
 
 from adamps.core import flush_stall
-from adamps.core.flush_stall import FlushInterval, ThreadTimes
 from adamps.server import memtrim
+from adamps.server.flush_times import FlushTimes
 from adamps.server.persist import Persister, Position
 from adamps.server.shards import Snapshot
 from adamps.server.store import Store
@@ -43,16 +43,6 @@ log = logging.getLogger("adamps.server.persist")
 
 #: how long a durability verdict is reused (it scans the dirty shards; pushes ask often)
 VERDICT_TTL = 0.05
-
-
-def thread_times(tid: int) -> ThreadTimes | None:
-    """Thread `tid`'s CPU time and run-queue wait so far (Linux schedstat), or None where the
-    kernel does not count them."""
-    try:
-        with open(f"/proc/self/task/{tid}/schedstat") as f:
-            return flush_stall.parse_schedstat(f.read())
-    except (OSError, ValueError):
-        return None
 
 
 def describe_failure(exc: BaseException, path: str, needed: int) -> str:
@@ -120,11 +110,10 @@ class Flusher:
         self.writing_since: float | None = None
         #: (monotonic time, verdict) of the last `not_durable` answer
         self._verdict: tuple[float, str | None] = (-math.inf, None)
-        #: the flushing thread, and its times, when the running flush's write began (issue 39:
-        #: a slow write is told a stalled disk or a starved process by them)
-        self._writer: tuple[int, ThreadTimes | None] | None = None
-        #: the last flush's interval (wall time and the flushing thread's times over it)
-        self._last_interval: FlushInterval | None = None
+        #: how the flush thread spends its time (issue 39: a slow flush is told a stalled
+        #: disk or a starved process by it)
+        self.times = FlushTimes(clock)
+        persister.waiting_for = self.times.waiting_for
         #: why the loss window is past max_unflushed without this server being not durable
         #: (the flush is starved of CPU, not stalled on the disk: issue 39), or None
         self.starved: str | None = None
@@ -143,7 +132,11 @@ class Flusher:
             self.flush()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        self.times.attach()
+        while True:
+            with self.times.phase("paused"):
+                if self._stop.wait(self.interval):
+                    return
             try:
                 self.flush()
             except Exception:  # logged; the snapshots stay pending and are retried next round
@@ -175,8 +168,6 @@ class Flusher:
         seconds, chunks}."""
         with self._flush_lock:
             t0 = self.clock()
-            tid = threading.get_native_id()
-            times0 = thread_times(tid)
             shards = nbytes = 0
             chunks = self.plan()
             for buckets in chunks:
@@ -187,10 +178,6 @@ class Flusher:
             if nbytes:
                 memtrim.trim()  # the chunks' records and LMDB's dirty pages are free now
             seconds = self.clock() - t0
-            times1 = thread_times(tid)
-            self._last_interval = FlushInterval(
-                seconds, None if times0 is None or times1 is None else times1.minus(times0)
-            )
             self.last_flush = {
                 "time": time.time(),
                 "monotonic": self.clock(),
@@ -234,7 +221,8 @@ class Flusher:
     def _flush_chunk(self, buckets: Container[int] | None) -> tuple[int, int]:
         """Cuts and writes one chunk (its buckets' shards and positions, one transaction), with
         what a failed write of the same buckets left pending. Returns (shards, bytes)."""
-        dirty, positions, held = self.cut(buckets)
+        with self.times.phase("threads"):
+            dirty, positions, held = self.cut(buckets)
         mine = (lambda b: True) if buckets is None else buckets.__contains__
         if positions is not None:
             for b, p in positions.items():
@@ -263,8 +251,6 @@ class Flusher:
             else {b: p for b, p in self._pending_positions.items() if mine(b)}
         )
         self.writing_since = self.clock()
-        tid = threading.get_native_id()
-        self._writer = (tid, thread_times(tid))
         try:
             nbytes = (
                 self.persister.write_snapshots(snaps, chunk_positions, held)
@@ -278,7 +264,6 @@ class Flusher:
             raise
         finally:
             self.writing_since = None
-            self._writer = None
         for s in snaps:
             if self._pending.get(s.shard_id) is s:
                 del self._pending[s.shard_id]
@@ -308,9 +293,9 @@ class Flusher:
         verdict = starved = None
         if window > self.max_unflushed:
             since = self.writing_since
-            slow = self._slow_interval(now)
+            slow = self.times.over(now - window)
             kind = flush_stall.STALLED if slow is None else flush_stall.classify(slow)
-            detail = "" if slow is None else f"; the flush's last {slow.describe()}"
+            detail = "" if slow is None else f"; the flush thread's last {slow.describe()}"
             if self.last_error is not None:
                 why = f"flushes fail: {self.last_error}"
             elif kind == flush_stall.STARVED:
@@ -340,18 +325,6 @@ class Flusher:
         starved of CPU), or None."""
         self.not_durable()
         return self.starved
-
-    def _slow_interval(self, now: float) -> FlushInterval | None:
-        """The interval that makes the loss window long, with the flushing thread's times over
-        it: the write in progress, or the last flush while that one lasted longer (a write
-        that just began says little); None if no flush ran yet."""
-        writer, since, last = self._writer, self.writing_since, self._last_interval
-        if writer is not None and since is not None and (last is None or now - since >= last.wall):
-            tid, times0 = writer
-            times1 = thread_times(tid)
-            times = None if times0 is None or times1 is None else times1.minus(times0)
-            return FlushInterval(now - since, times)
-        return last
 
     def last_flush_age(self) -> float | None:
         """Seconds since the last successful flush ended (None: none yet in this process)."""

@@ -22,7 +22,8 @@ from adamps.core.flush_stall import (
     classify,
     parse_schedstat,
 )
-from adamps.server.flusher import Flusher, thread_times
+from adamps.server.flush_times import thread_times
+from adamps.server.flusher import Flusher
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,6 +48,19 @@ def test_on_a_cpu_most_of_the_time_is_a_flush_too_big_for_the_window() -> None:
     assert classify(FlushInterval(6.0, ThreadTimes(0.2, 0.3))) == STALLED
     assert classify(FlushInterval(6.0, ThreadTimes(2.0, 2.5))) == STARVED
     assert classify(FlushInterval(6.0, ThreadTimes(3.5, 2.5))) == BUSY
+
+
+def test_pauses_between_flushes_are_not_the_disk_and_a_slow_cut_is_starvation() -> None:
+    """Over a loss window the flush thread also sleeps by choice between flushes, and waits for
+    the server's threads (event loop, owner threads) to copy the dirty shards: neither is the
+    disk. A window made long by a cut the starved server's threads were slow to make is
+    starvation; the pauses alone make nothing long."""
+    paused = FlushInterval(6.0, ThreadTimes(0.2, 0.05), paused=5.7)
+    assert paused.off == pytest.approx(0.05) and classify(paused) == BUSY
+    assert classify(FlushInterval(6.0, ThreadTimes(0.2, 0.3), paused=1.0, threads=4.4)) == STARVED
+    # a write asleep 4 s after a pause of 1 s: the disk
+    assert classify(FlushInterval(6.0, ThreadTimes(0.5, 0.3), paused=1.0, threads=0.2)) == STALLED
+    assert FlushInterval(6.0, ThreadTimes(0.5, 0.3), paused=1.0, threads=0.2).off == pytest.approx(4.0)
 
 
 def test_without_scheduler_statistics_a_slow_flush_is_a_stall_as_before() -> None:
@@ -100,17 +114,17 @@ class OneDirty:
 
 
 def verdict_during(how: Any, max_unflushed: float = 0.5, wait: float = 1.5) -> tuple:
-    """(not_durable, starved) of a Flusher `wait` s into a write that does `how`."""
+    """(not_durable, starved) of a started Flusher `wait` s into a write that does `how`."""
     disk = SlowDisk(how)
-    flusher = Flusher(OneDirty(), disk, interval=3600, max_unflushed=max_unflushed)  # type: ignore[arg-type]
+    flusher = Flusher(OneDirty(), disk, interval=0.01, max_unflushed=max_unflushed)  # type: ignore[arg-type]
     flusher.cut = lambda buckets: ([], {}, None)  # a position to write: the write runs
-    t = threading.Thread(target=flusher.flush, daemon=True)
-    t.start()
-    assert disk.entered.wait(10)
-    time.sleep(wait)
-    out = (flusher.not_durable(), flusher.starved_now())
-    t.join(60)
-    return out
+    flusher.start()
+    try:
+        assert disk.entered.wait(10)
+        time.sleep(wait)
+        return flusher.not_durable(), flusher.starved_now()
+    finally:
+        flusher.stop(final_flush=False)
 
 
 def burn(cpu_seconds: float) -> None:
@@ -123,7 +137,7 @@ def test_a_write_asleep_on_the_disk_makes_the_server_not_durable() -> None:
     if thread_times(threading.get_native_id()) is None:
         pytest.skip("no schedstat")
     why, starved = verdict_during(lambda: time.sleep(2.5))
-    assert why is not None and "the disk stalls" in why and "off CPU" in why, why
+    assert why is not None and "the disk stalls" in why and "asleep in the write" in why, why
     assert starved is None
 
 
