@@ -16,12 +16,13 @@ the thread that flushes splits into
 * ``wait``: runnable, waiting for a CPU: starved (an overloaded machine, a cgroup's CPU quota
   throttling the process; a wake-up from its pause between flushes delayed counts here too);
 * ``paused``: asleep by its own choice, between flushes (``flush_interval``);
-* ``threads``: asleep waiting for the server's own threads: to copy the dirty shards (the event
-  loop and the owner threads), or to release the store's lock (the scrub, a reader), for as
-  long as the thread it waited for was running or waiting for a CPU (when they are starved, so
-  is the flush; while the lock's holder was itself asleep, that stays the disk's);
-* ``off``, the rest: asleep in the write, which is the disk (a write or fsync that does not
-  return, a frozen file system: the thread sits in uninterruptible sleep).
+* ``threads``: asleep outside the write: waiting for the server's own threads (the cut of the
+  dirty shards on the event loop and owner threads, a Python lock, the GIL), or for the
+  store's lock for as long as its holder (the scrub, a reader, a forced flush) was running or
+  waiting for a CPU: when they are starved, so is the flush;
+* ``off``, the rest: asleep in the write (or waiting for a lock whose holder was asleep), which
+  is the disk (a write or fsync that does not return, a frozen file system: the thread sits in
+  uninterruptible sleep).
 
 A thread waiting for the GIL while its holder is starved is woken every switch interval (5 ms)
 and then waits for a CPU too, so process-wide starvation shows in the flusher's own ``wait``.
@@ -29,7 +30,9 @@ and then waits for a CPU too, so process-wide starvation shows in the flusher's 
 The verdict, over one interval (see `classify`):
 
 * ``stalled`` when the thread was asleep on the disk longer than it ran, waited for a CPU and
-  for the server's threads together: the disk holds the flush. Only this counts as a disk
+  for the server's threads together, and sleeps on the disk now (uninterruptible sleep, state
+  D; a sleep in the write on the GIL or a lock whose holder is starved is interruptible): the
+  disk holds the flush. Only this counts as a disk
   stall (the server stops acknowledging, its buckets move);
 * ``starved`` otherwise when it waited (for a CPU, or for the server's threads) at least as long
   as it ran, and the waits are a real part of its active time (``STARVED_SHARE``): more CPU,
@@ -97,14 +100,17 @@ class FlushInterval:
         )
 
 
-def classify(interval: FlushInterval) -> str:
-    """STALLED, STARVED or BUSY for a slow interval (see the module's docstring)."""
+def classify(interval: FlushInterval, on_disk: bool | None = None) -> str:
+    """STALLED, STARVED or BUSY for a slow interval (see the module's docstring). `on_disk`:
+    whether the flush thread sleeps in the kernel's uninterruptible sleep now (state D: a
+    write, an fsync, a frozen file system), None if unknown. A thread asleep otherwise now (on
+    the GIL or a lock whose holder is starved: its sleep is not the disk's) is not stalled."""
     t = interval.times
     if t is None:
         return STALLED
     waited = t.wait + interval.threads
     if interval.off > t.run + waited:
-        return STALLED
+        return STARVED if on_disk is False else STALLED
     active = interval.wall - interval.paused
     if waited >= t.run and waited >= STARVED_SHARE * active:
         return STARVED

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 from adamps.core import flush_stall
@@ -27,12 +27,43 @@ SAMPLES = 512
 
 def thread_times(tid: int) -> ThreadTimes | None:
     """Thread `tid`'s CPU time and run-queue wait so far (Linux schedstat), or None where the
-    kernel does not count them."""
+    kernel does not count them. A wait in progress is counted too (`_waiting_for`)."""
     try:
         with open(f"/proc/self/task/{tid}/schedstat") as f:
-            return flush_stall.parse_schedstat(f.read())
+            times = flush_stall.parse_schedstat(f.read())
     except (OSError, ValueError):
         return None
+    pending = _waiting_for(tid)
+    return times if pending <= 0 else ThreadTimes(times.run, times.wait + pending)
+
+
+def _exec_start(task: str) -> float | None:
+    """When `task` last ran (ms of the scheduler's clock: /proc/.../sched), or None."""
+    try:
+        with open(f"/proc/{task}/sched") as f:
+            for line in f:
+                if line.startswith("se.exec_start"):
+                    return float(line.split(":")[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _waiting_for(tid: int) -> float:
+    """Seconds thread `tid` has been runnable but off every CPU, if it is now: the kernel adds a
+    wait to schedstat only when the thread gets a CPU again, so a thread throttled for a whole
+    CPU quota period (up to 1 s) shows none of it until then. Measured on the scheduler's
+    clock, from when it last ran to now (this thread's last run: it runs now); 0 when it is
+    asleep or where /proc/.../sched is missing."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return 0.0
+    if stat[stat.rindex(")") + 2 : stat.rindex(")") + 3] != "R":
+        return 0.0
+    theirs, now = _exec_start(f"self/task/{tid}"), _exec_start("thread-self")
+    return 0.0 if theirs is None or now is None else max(0.0, (now - theirs) / 1000.0)
 
 
 @dataclass(frozen=True)
@@ -44,6 +75,18 @@ class _Sample:
     threads: float
 
 
+@dataclass(frozen=True)
+class _Phase:
+    kind: str
+    #: when its account was last taken, and the flush thread's times then
+    since: float
+    times: ThreadTimes
+    #: for kind "lock": the lock waited for, its holder then and the holder's times then
+    lock: OwnedLock | None = None
+    holder: int | None = None
+    theirs: ThreadTimes | None = None
+
+
 class OwnedLock:
     """A lock that knows which thread holds it (its kernel id), so that a wait for it can be
     charged to what the holder was doing."""
@@ -53,9 +96,11 @@ class OwnedLock:
         #: the holder's kernel thread id (None: free)
         self.holder: int | None = None
 
-    def acquire(self) -> None:
-        self._lock.acquire()
+    def acquire(self, timeout: float = -1) -> bool:
+        if not self._lock.acquire(timeout=timeout):
+            return False
         self.holder = threading.get_native_id()
+        return True
 
     def release(self) -> None:
         self.holder = None
@@ -70,7 +115,12 @@ class OwnedLock:
 
 
 class FlushTimes:
-    """The flush thread's account. Written by that thread (`attach`, `phase`), read by any."""
+    """The flush thread's account. Written by that thread (`attach`, `phase`), read by any.
+
+    The flush thread is always in one phase: "write" (asleep there is the disk's), "paused"
+    (between flushes), "lock" (waiting for an `OwnedLock`: its holder's time) or, by default,
+    "threads" (anything else it sleeps on, a Python lock or the cut, is the server's threads,
+    not the disk)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
@@ -79,73 +129,94 @@ class FlushTimes:
         self._tid: int | None = None
         self._paused = 0.0
         self._threads = 0.0
-        #: the phase in progress: (kind, when it began, the thread's times then)
-        self._open: tuple[str, float, ThreadTimes] | None = None
+        #: the phase in progress, since its account was last taken (None: not attached)
+        self._open: _Phase | None = None
         self._samples: deque[_Sample] = deque(maxlen=SAMPLES)
 
     def attach(self) -> None:
         """Called by the flush thread as it starts: it is the thread accounted."""
         tid = threading.get_native_id()
-        if thread_times(tid) is not None:
+        times = thread_times(tid)
+        if times is not None:
             self._tid = tid
+            with self._lock:
+                self._open = _Phase("threads", self.clock(), times)
             self._sample()
 
     @contextmanager
-    def phase(self, kind: str) -> Iterator[None]:
-        """Around a pause ("paused") or a wait for the server's threads ("threads") of the
-        flush thread (any other thread: nothing is accounted)."""
+    def phase(self, kind: str, lock: OwnedLock | None = None) -> Iterator[None]:
+        """Around a write ("write"), a pause ("paused"), or a wait for `lock` ("lock") of the
+        flush thread; the phase it was in resumes after (any other thread: nothing is
+        accounted)."""
         tid = self._tid
         if tid is None or threading.get_native_id() != tid:
             yield
             return
-        t0, times0 = self.clock(), thread_times(tid)
-        if times0 is None:
-            yield
-            return
-        with self._lock:
-            self._open = (kind, t0, times0)
+        before = self._switch(kind, lock)
         try:
             yield
         finally:
-            with self._lock:
-                self._close(self.clock(), thread_times(tid))
-                self._open = None
+            self._switch(before, None)
             self._sample()
 
-    @contextmanager
-    def waiting_for(self, lock: OwnedLock) -> Iterator[None]:
-        """Around the flush thread's wait for `lock`: the time it slept there counts as
-        waiting for the server's threads for the share of it its holder spent running or
-        waiting for a CPU; the rest (the holder asleep: on the disk) stays the disk's."""
-        tid, holder = self._tid, lock.holder
-        if tid is None or holder is None or threading.get_native_id() != tid:
-            yield
-            return
-        t0, mine0, theirs0 = self.clock(), thread_times(tid), thread_times(holder)
-        try:
-            yield
-        finally:
-            mine1, theirs1 = thread_times(tid), thread_times(holder)
-            spent = self.clock() - t0
-            if None not in (mine0, mine1, theirs0, theirs1) and spent > 0:
-                me = mine1.minus(mine0)  # type: ignore[union-attr]
-                them = theirs1.minus(theirs0)  # type: ignore[union-attr]
-                busy = min(1.0, (them.run + them.wait) / spent)
-                with self._lock:
-                    self._threads += max(0.0, spent - me.run - me.wait) * busy
+    def _switch(self, kind: str, lock: OwnedLock | None) -> str:
+        """Closes the account of the phase in progress and opens `kind`'s; returns the kind
+        it left."""
+        tid = self._tid
+        times = None if tid is None else thread_times(tid)
+        with self._lock:
+            p = self._open
+            if p is None or times is None:
+                return "threads"
+            now = self.clock()
+            self._close(now, times)
+            holder = None if lock is None else lock.holder
+            theirs = None if holder is None else thread_times(holder)
+            self._open = _Phase(kind, now, times, lock, holder, theirs)
+            return p.kind
 
-    def _close(self, now: float, times: ThreadTimes | None) -> None:
-        """Adds the open phase's time asleep to its kind's total (under the lock)."""
-        if self._open is None or times is None:
+    def on_disk_now(self) -> bool | None:
+        """Whether the flush thread is in uninterruptible sleep now (state D: the disk), None
+        where that cannot be read."""
+        tid = self._tid
+        if tid is None:
+            return None
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            return None
+        return stat[stat.rindex(")") + 2 : stat.rindex(")") + 3] == "D"
+
+    def waiting_for(self, lock: OwnedLock) -> AbstractContextManager[None]:
+        """Around the flush thread's wait for `lock`: the time it sleeps there counts as
+        waiting for the server's threads for the share of it its holder spends running or
+        waiting for a CPU; the rest (the holder asleep: on the disk) is the disk's."""
+        return self.phase("lock", lock)
+
+    def _close(self, now: float, times: ThreadTimes) -> None:
+        """Adds the open phase's time asleep so far to its kind's total and restarts its
+        account at `now` (under the lock)."""
+        p = self._open
+        if p is None:
             return
-        kind, t0, times0 = self._open
-        spent = times.minus(times0)
-        asleep = max(0.0, now - t0 - spent.run - spent.wait)
-        if kind == "paused":
+        spent = times.minus(p.times)
+        asleep = max(0.0, now - p.since - spent.run - spent.wait)
+        old = None if p.holder is None else thread_times(p.holder)
+        if p.kind == "paused":
             self._paused += asleep
+        elif p.kind == "write":
+            pass  # the disk's: what `FlushInterval.off` leaves
+        elif p.kind == "lock" and old is not None and p.theirs is not None and now > p.since:
+            them = old.minus(p.theirs)  # the holder's time is the wait's
+            self._threads += asleep * min(1.0, (them.run + them.wait) / (now - p.since))
         else:
+            # the server's threads; or a lock taken but not yet marked: a thread on its way in
+            # (waiting for the GIL or a CPU), not on the disk
             self._threads += asleep
-        self._open = (kind, now, times)
+        holder = None if p.lock is None else p.lock.holder
+        theirs = None if holder is None else thread_times(holder)
+        self._open = _Phase(p.kind, now, times, p.lock, holder, theirs)
 
     def _now(self) -> _Sample | None:
         tid = self._tid

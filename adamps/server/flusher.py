@@ -34,7 +34,7 @@ from typing import Any
 
 from adamps.core import flush_stall
 from adamps.server import memtrim
-from adamps.server.flush_times import FlushTimes
+from adamps.server.flush_times import FlushTimes, OwnedLock
 from adamps.server.persist import Persister, Position
 from adamps.server.shards import Snapshot
 from adamps.server.store import Store
@@ -94,7 +94,9 @@ class Flusher:
         self.interval = interval
         self.clock = clock
         self._on_flush = on_flush
-        self._flush_lock = threading.Lock()
+        #: held by the flush in progress (its holder known: a forced flush stuck on the disk
+        #: is the disk's time for the background flush that waits for it)
+        self._flush_lock = OwnedLock()
         #: snapshots taken but not yet committed (a failed write keeps them for the next round)
         self._pending: dict[str, Snapshot] = {}
         self._stop = threading.Event()
@@ -119,6 +121,8 @@ class Flusher:
         self.starved: str | None = None
         #: slow intervals classified starved (each verdict that kept this server durable)
         self.starved_verdicts = 0
+        #: the last verdict found the disk stalled
+        self._stalled = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="adamps-flusher", daemon=True)
@@ -166,7 +170,9 @@ class Flusher:
     def flush(self) -> dict[str, Any]:
         """Writes every dirty shard now (blocking), chunk by chunk. Returns {shards, bytes,
         seconds, chunks}."""
-        with self._flush_lock:
+        with self.times.waiting_for(self._flush_lock):
+            self._flush_lock.acquire()
+        try:
             t0 = self.clock()
             shards = nbytes = 0
             chunks = self.plan()
@@ -189,6 +195,8 @@ class Flusher:
             if self._on_flush is not None:
                 self._on_flush(shards, nbytes, seconds)
             return dict(self.last_flush)
+        finally:
+            self._flush_lock.release()
 
     def flush_buckets(self, buckets: set[int], timeout: float | None = None) -> int:
         """Writes the dirty shards and positions of `buckets` now, in one transaction (blocking;
@@ -221,8 +229,7 @@ class Flusher:
     def _flush_chunk(self, buckets: Container[int] | None) -> tuple[int, int]:
         """Cuts and writes one chunk (its buckets' shards and positions, one transaction), with
         what a failed write of the same buckets left pending. Returns (shards, bytes)."""
-        with self.times.phase("threads"):
-            dirty, positions, held = self.cut(buckets)
+        dirty, positions, held = self.cut(buckets)
         mine = (lambda b: True) if buckets is None else buckets.__contains__
         if positions is not None:
             for b, p in positions.items():
@@ -252,11 +259,12 @@ class Flusher:
         )
         self.writing_since = self.clock()
         try:
-            nbytes = (
-                self.persister.write_snapshots(snaps, chunk_positions, held)
-                if snaps or chunk_positions is not None
-                else 0
-            )
+            with self.times.phase("write"):
+                nbytes = (
+                    self.persister.write_snapshots(snaps, chunk_positions, held)
+                    if snaps or chunk_positions is not None
+                    else 0
+                )
         except Exception as exc:
             self.failures += 1
             needed = sum(len(s.record) for s in self._pending.values())
@@ -291,10 +299,16 @@ class Flusher:
             return verdict
         window = self.loss_window()
         verdict = starved = None
-        if window > self.max_unflushed:
+        if window <= self.max_unflushed:
+            self._stalled = False
+        else:
             since = self.writing_since
             slow = self.times.over(now - window)
-            kind = flush_stall.STALLED if slow is None else flush_stall.classify(slow)
+            # once stalled, stalled while the account says so: a disk that answers now and
+            # then does not make the verdict flap (each change is an entry of the controllers)
+            on_disk = None if self._stalled else self.times.on_disk_now()
+            kind = flush_stall.STALLED if slow is None else flush_stall.classify(slow, on_disk)
+            self._stalled = kind == flush_stall.STALLED
             detail = "" if slow is None else f"; the flush thread's last {slow.describe()}"
             if self.last_error is not None:
                 why = f"flushes fail: {self.last_error}"

@@ -22,7 +22,7 @@ from adamps.core.flush_stall import (
     classify,
     parse_schedstat,
 )
-from adamps.server.flush_times import thread_times
+from adamps.server.flush_times import FlushTimes, OwnedLock, thread_times
 from adamps.server.flusher import Flusher
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,7 +60,9 @@ def test_pauses_between_flushes_are_not_the_disk_and_a_slow_cut_is_starvation() 
     assert classify(FlushInterval(6.0, ThreadTimes(0.2, 0.3), paused=1.0, threads=4.4)) == STARVED
     # a write asleep 4 s after a pause of 1 s: the disk
     assert classify(FlushInterval(6.0, ThreadTimes(0.5, 0.3), paused=1.0, threads=0.2)) == STALLED
-    assert FlushInterval(6.0, ThreadTimes(0.5, 0.3), paused=1.0, threads=0.2).off == pytest.approx(4.0)
+    assert FlushInterval(6.0, ThreadTimes(0.5, 0.3), paused=1.0, threads=0.2).off == pytest.approx(
+        4.0
+    )
 
 
 def test_without_scheduler_statistics_a_slow_flush_is_a_stall_as_before() -> None:
@@ -133,12 +135,24 @@ def burn(cpu_seconds: float) -> None:
         pass
 
 
-def test_a_write_asleep_on_the_disk_makes_the_server_not_durable() -> None:
+def test_a_write_asleep_but_not_on_the_disk_is_no_stall() -> None:
+    """A write whose thread sleeps interruptibly (state S: here time.sleep; in a server the GIL
+    or a lock whose holder is starved) is not on the disk, whatever its account says: a disk
+    that holds a write holds it in uninterruptible sleep (state D; fsfreeze in
+    tests/chaos/test_storage_faults.py::test_a_stalled_disk_stops_acknowledgements_until_it_moves_on
+    checks that one)."""
     if thread_times(threading.get_native_id()) is None:
         pytest.skip("no schedstat")
     why, starved = verdict_during(lambda: time.sleep(2.5))
-    assert why is not None and "the disk stalls" in why and "asleep in the write" in why, why
-    assert starved is None
+    assert why is None, why
+    assert starved is not None and "asleep in the write" in starved, starved
+
+
+def test_asleep_on_the_disk_now_is_a_stall_and_asleep_otherwise_is_not() -> None:
+    slept = FlushInterval(5.0, ThreadTimes(0.05, 0.01))
+    assert classify(slept, on_disk=True) == STALLED
+    assert classify(slept, on_disk=None) == STALLED  # not known: as before
+    assert classify(slept, on_disk=False) == STARVED
 
 
 V1_CPU = Path("/sys/fs/cgroup/cpu")
@@ -190,3 +204,46 @@ def test_a_write_on_a_cpu_the_whole_time_is_flushes_not_keeping_up() -> None:
     assert starved is None or "starved" in starved
     if starved is None:
         assert why is not None and "do not keep up" in why, why
+
+
+def lock_wait_account(hold: Any, look_after: float = 0.6) -> FlushInterval:
+    """The flush thread's account `look_after` s into its wait for an OwnedLock that another
+    thread holds while it does `hold` (taken mid-wait, as a push's verdict would)."""
+    times = FlushTimes(time.monotonic)
+    lock = OwnedLock()
+    held, done = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            hold()
+
+    def flush_thread() -> None:
+        times.attach()
+        held.wait(10)
+        with times.waiting_for(lock):
+            lock.acquire()
+        lock.release()
+        done.set()
+
+    threading.Thread(target=holder, daemon=True).start()
+    t = threading.Thread(target=flush_thread, daemon=True)
+    start = time.monotonic()
+    t.start()
+    time.sleep(look_after)
+    account = times.over(start)
+    t.join(30)
+    assert done.is_set() and account is not None
+    return account
+
+
+def test_a_wait_for_the_stores_lock_is_its_holders_time() -> None:
+    """The store's lock (the scrub, a reader): a flush waiting for it while its holder runs is
+    waiting for the server's threads, not asleep on the disk; while the holder sleeps (in a
+    hung read, say) it stays the disk's. Counted while the wait lasts, not only at its end."""
+    if thread_times(threading.get_native_id()) is None:
+        pytest.skip("no schedstat")
+    busy = lock_wait_account(lambda: burn(1.0))
+    assert busy.threads > 0.5 and busy.off < 0.3, busy.describe()
+    asleep = lock_wait_account(lambda: time.sleep(1.0))
+    assert asleep.off > 0.5 and asleep.threads < 0.2, asleep.describe()
