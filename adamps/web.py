@@ -502,11 +502,13 @@ async def run_app(
     port: int,
     *,
     on_ready: Callable[[], Awaitable[None] | None] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serves `app` until SIGTERM or SIGINT, then cleans up (the app's on_cleanup hooks run)."""
+    """Serves `app` until SIGTERM or SIGINT (or `stop` is set), then cleans up (the app's
+    on_cleanup hooks run)."""
     runner = await serve(app, host, port)
     log.info("listening on %s://%s:%d", tls.scheme(), host, port)
-    stop = asyncio.Event()
+    stop = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

@@ -19,6 +19,7 @@ from controller.cluster_rules import (
     PROGRESS_REPLICAS,
     PROGRESS_REPLICAS_PER_RUN,
     refusal,
+    shared_storage_fault,
 )
 
 log = logging.getLogger("controller.state")
@@ -439,7 +440,14 @@ class Operations:
                 log.warning("server %s can persist again", sid)
             else:
                 rec["not_durable"] = reason
-                log.error("server %s cannot persist (%s): its buckets move", sid, reason)
+                live = [r for r in self.servers.values() if r["state"] == LIVE]
+                durable = sum(1 for r in live if not r.get("not_durable"))
+                if shared_storage_fault(len(live), durable):
+                    log.error("server %s cannot persist (%s), nor can %d of %d live servers: a "
+                              "shared cause, no bucket moves for it", sid, reason,
+                              len(live) - durable, len(live))  # fmt: skip
+                else:
+                    log.error("server %s cannot persist (%s): its buckets move", sid, reason)
             self._replan(now)
         return {"ok": True, "server": sid, "not_durable": reason}
 

@@ -147,6 +147,7 @@ class ControllerService:
         async def run() -> dict[str, Any]:
             body = await aweb.read_json(request)
             address = fields.address(body)
+            self._check_layout(body)
             self._check_register(sid, address)
             copies = fields.positions(body.get("copies") or {}, self.cfg.n_buckets, "copies")
             rack = fields.rack(body)
@@ -163,6 +164,24 @@ class ControllerService:
             }
 
         return await self._server_write(request, sid, run)
+
+    def _check_layout(self, body: dict[str, Any]) -> None:
+        """Refuses a server whose number of buckets is not the cluster's (issue 39, finding 18):
+        it could serve none of them. `n_buckets` is optional (servers of an earlier release
+        check the reply's instead); the refusal names both values and registers nothing."""
+        n = body.get("n_buckets")
+        if n is None:
+            return
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ProtocolError("bad_request", "n_buckets must be an integer")
+        if n != self.cfg.n_buckets:
+            raise ProtocolError(
+                "conflict",
+                f"this server uses n_buckets={n}, the controllers n_buckets="
+                f"{self.cfg.n_buckets}: start it with --n-buckets {self.cfg.n_buckets}",
+                reason="n_buckets",
+                n_buckets=self.cfg.n_buckets,
+            )
 
     def _check_register(self, sid: str, address: str) -> None:
         """Refuses, before proposing, a registration that would hijack a live server's routes

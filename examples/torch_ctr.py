@@ -170,11 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     args = {k: v for k, v in vars(a).items() if k not in ("local", "controllers")}
     args["token"] = a.token or os.environ.get("ADAMPS_TOKEN") or ("torch-ctr" if a.local else None)
     if a.local:
-        from adamps.up.cluster import FAST_CONTROLLER_OPTS, LocalCluster
+        from adamps.up.cluster import LocalCluster
 
         c = LocalCluster(
             Path(tempfile.mkdtemp(prefix="adamps-torch-ctr-")), token=args["token"], n_servers=3,
-            n_buckets=64, controller_opts=FAST_CONTROLLER_OPTS, ps_opts={"log-level": "WARNING"},
+            n_buckets=64, ps_opts={"log-level": "WARNING"},
         )  # fmt: skip
         c.start(timeout=60)
         try:

@@ -237,12 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.local and not args.controllers:
         ap.error("give --controllers or --local")
     if args.local:
-        from adamps.up.cluster import FAST_CONTROLLER_OPTS, LocalCluster
+        from adamps.up.cluster import LocalCluster
 
         root = Path(tempfile.mkdtemp(prefix="adamps-ctr-"))
         c = LocalCluster(
             root, token=token, n_servers=args.servers, n_buckets=args.n_buckets,
-            controller_opts={**FAST_CONTROLLER_OPTS, "replication": args.replication},
+            controller_opts={"replication": args.replication},
             ps_opts={"log-level": "WARNING"},
         )  # fmt: skip
         c.start(timeout=60)

@@ -108,6 +108,7 @@ class ParameterServer:
         self.m.dirty.set_function(lambda: self.store.dirty_count())
         self.m.loss_window.set_function(lambda: self.flusher.loss_window())
         self.m.durable.set_function(lambda: 0 if self.flusher.not_durable() else 1)
+        self.m.flush_starved.set_function(lambda: 1 if self.flusher.starved_now() else 0)
         self.m.flush_age.set_function(lambda: self.flusher.last_flush_age() or 0.0)
         self.m.flush_failures.set_function(lambda: self.flusher.failures)
         self.m.queue_depth.set_function(lambda: sum(self.store.queue_depths()))
@@ -146,6 +147,11 @@ class ParameterServer:
             self.tenancy.fetch = lambda: rep.calls.ctl.runs_auth()
             self.tenancy.use = lambda run, name, cost: rep.calls.ctl.run_usage(run, name, cost)
             self.replicator.on_heartbeat = self.tenancy.on_heartbeat
+            self.replicator.calls.on_fatal = self.stop_for
+        #: why this server stopped itself (a fault no retry cures), else None
+        self.fatal: str | None = None
+        #: set to stop serving (`adamps ps` waits for it beside SIGTERM and SIGINT)
+        self.stop_serving = asyncio.Event()
         self.addressing = Addressing(cfg, self.store, self.replicator)
         self.reads = Reads(self.store, self.addressing)
         #: the one way pushes change shards (HTTP and the data plane both use it)
@@ -287,6 +293,13 @@ class ParameterServer:
         self.m.flushed_shards.inc(shards)
         self.m.flushed_bytes.inc(nbytes)
         self.m.flush_seconds.observe(seconds)
+
+    def stop_for(self, why: str) -> None:
+        """Stops serving for a reason no retry can cure (issue 39, finding 18: the controllers
+        use another n_buckets): logged, and `adamps ps` exits non-zero."""
+        log.critical("stopping: %s", why)
+        self.fatal = why
+        self.stop_serving.set()
 
     def close(self) -> None:
         if self._closed:
@@ -466,6 +479,7 @@ class ParameterServer:
             },
             "durable": self.flusher.not_durable() is None,
             "not_durable": self.flusher.not_durable(),
+            "flush_starved": self.flusher.starved_now(),
             "applied": dict(self.store.applied),
             "clients": len(self.writes.clients),
             "runs": self.tenancy.status(),

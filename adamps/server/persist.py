@@ -42,11 +42,12 @@ process, which holds because every transaction goes through ``_lock``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import struct
-import threading
 from collections.abc import Callable, Collection, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ from adamps.config import ConfigError
 from adamps.layout import stable_bucket
 from adamps.server import memtrim, shardrecord
 from adamps.server.checksum import CorruptRecord, seal, unseal
+from adamps.server.flush_times import OwnedLock
 from adamps.server.rowdelta import RowDelta, id_keys, id_of_key, row_prefix, sid_of_key
 from adamps.server.shardrecord import HEADER
 from adamps.server.shards import Snapshot
@@ -127,7 +129,12 @@ class Persister:
     ) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         self.path = str(path)
-        self._lock = threading.Lock()
+        #: every transaction of this process (see above), with who holds it
+        self._lock = OwnedLock()
+        #: around the flush's wait for `_lock` (the Flusher's account of whom it waited for)
+        self.waiting_for: Callable[[OwnedLock], AbstractContextManager[None]] = lambda lock: (
+            contextlib.nullcontext()
+        )
         self.env = lmdb.open(
             self.path,
             map_size=map_size,
@@ -171,7 +178,9 @@ class Persister:
     # -- writing ------------------------------------------------------------------------------
 
     def _write(self, fn: Callable[[lmdb.Transaction], None]) -> None:
-        with self._lock:
+        with self.waiting_for(self._lock):
+            self._lock.acquire()
+        try:
             while True:
                 try:
                     with self.env.begin(write=True) as txn:
@@ -183,6 +192,8 @@ class Persister:
                     log.warning("LMDB map full; growing it to %d MiB", size >> 20)
                     self.env.set_mapsize(size)
                     self.map_grows += 1
+        finally:
+            self._lock.release()
 
     def write_tensor(
         self,
