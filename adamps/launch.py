@@ -146,8 +146,9 @@ def supervise(replicas: list[Replica], max_restarts: int, stop_timeout: float) -
               f"{'' if n == 1 else 's'})", flush=True)  # fmt: skip
         return 0
     stop_all(replicas, stop_timeout)
-    print(f"adamps launch: replica {failed.rank} failed with exit code {failed.code} after "
-          f"{failed.restarts} restarts; stopped the others", file=sys.stderr, flush=True)  # fmt: skip
+    n = failed.restarts
+    print(f"adamps launch: replica {failed.rank} failed with exit code {failed.code} after {n} "
+          f"restart{'' if n == 1 else 's'}; stopped the others", file=sys.stderr, flush=True)  # fmt: skip
     return int(failed.code or 1) if (failed.code or 0) > 0 else 128 - int(failed.code or 0)
 
 
