@@ -70,6 +70,9 @@ def test_launch_two_replicas_against_a_detached_cluster(tmp_path: Path) -> None:
         pids = [e["pid"] for e in info["pids"].values()]
         assert len(pids) == 3 and not any(gone(p) for p in pids)  # they outlived `adamps up`
 
+        # an operator's run with a quota (its name: the script's), before the replicas start
+        made = adamps(env, tmp_path, "run", "create", "train", "--param-elems", "1000")
+        assert made.returncode == 0, made.stderr
         (tmp_path / "train.py").write_text(example())
         run = adamps(env, tmp_path, "launch", "-n", "2", "train.py", timeout=400)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -91,7 +94,7 @@ def test_launch_two_replicas_against_a_detached_cluster(tmp_path: Path) -> None:
         one = adamps(env, tmp_path, "status", "--run", "train")
         assert one.returncode == 0, one.stderr
         assert re.search(r"train\.\.0\.weight\s+32x16\s+1 \(\d+\)\s+ps[01]", one.stdout), one.stdout
-        assert "parameter elements 610 (no quota)" in one.stdout, one.stdout
+        assert "parameter elements 610 (61% of the quota 1000)" in one.stdout, one.stdout
 
         out = tmp_path / "model.pt"
         ex = adamps(
