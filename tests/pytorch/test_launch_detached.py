@@ -69,6 +69,11 @@ def test_launch_two_replicas_against_a_detached_cluster(tmp_path: Path) -> None:
         assert info["token_file"] == str(tmp_path / "run" / "token")
         pids = [e["pid"] for e in info["pids"].values()]
         assert len(pids) == 3 and not any(gone(p) for p in pids)  # they outlived `adamps up`
+        again = adamps(env, tmp_path, "up", "--detach", "--run-dir", str(tmp_path / "run2"))
+        assert again.returncode == 2 and "cluster 'local' is running" in again.stderr, again.stderr
+        assert not (tmp_path / "run2").exists()  # refused before anything started
+        bad = adamps(env, tmp_path, "up", "--detach", "--name", "../x")
+        assert bad.returncode == 2 and "--name: cluster name '../x'" in bad.stderr, bad.stderr
 
         # an operator's run with a quota (its name: the script's), before the replicas start
         made = adamps(env, tmp_path, "run", "create", "train", "--param-elems", "1000")
