@@ -26,6 +26,29 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+EMB = """
+import torch
+from torch import nn
+import adamps.torch as at
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = at.Embedding(None, 4, table="items")
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+model = Net()
+opt = at.DownpourOptimizer(model, lr=0.1)
+opt.zero_grad()
+model(torch.arange(20)).pow(2).mean().backward()
+opt.step()
+opt.close()
+"""
+
+
 def example() -> str:
     text = (ROOT / "docs" / "training.md").read_text()
     section = text.split("## Launching replicas", 1)[1].split("\n## ", 1)[0]
@@ -100,6 +123,14 @@ def test_launch_two_replicas_against_a_detached_cluster(tmp_path: Path) -> None:
         assert one.returncode == 0, one.stderr
         assert re.search(r"train\.\.0\.weight\s+32x16\s+1 \(\d+\)\s+ps[01]", one.stdout), one.stdout
         assert "parameter elements 610 (61% of the quota 1000)" in one.stdout, one.stdout
+
+        # a run with a table: `status --run` lists it with the buckets its primaries hold
+        (tmp_path / "emb.py").write_text(EMB)
+        emb = adamps(env, tmp_path, "launch", "-n", "1", "--run", "emb", "emb.py", timeout=200)
+        assert emb.returncode == 0, emb.stderr[-3000:]
+        tab = adamps(env, tmp_path, "status", "--run", "emb")
+        assert re.search(r"emb\.\.items\s+4\s+20\s+\d+ \(", tab.stdout), tab.stdout
+        assert "emb..head.weight" in tab.stdout
 
         out = tmp_path / "model.pt"
         ex = adamps(
