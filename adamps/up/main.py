@@ -2,6 +2,7 @@
 
     adamps up                      # 3 controllers, 3 parameter servers, 1 data server, 2 trainers
     adamps up --epochs 3 --target-accuracy 0.9 --run-dir /tmp/run --no-progress
+    adamps up --detach             # no trainers: leave the cluster running (adamps.up.detach)
 
 Every role is started the way a user starts it (`adamps controller|ps|dataserver|train`, through
 adamps.up.cluster), each with its log and data under the run directory. While the trainers
