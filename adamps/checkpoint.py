@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps import tls
+from adamps import clusters, tls
 from adamps.ckpt_cluster import WAIT, Cluster
 from adamps.ckpt_format import (  # noqa: F401 (re-exported: the format's names live there)
     FORMAT,
@@ -347,8 +347,7 @@ def main(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="action", required=True)
     for name, help_ in (("save", "save a running cluster's state"), ("restore", "restore it")):
         s = sub.add_parser(name, help=help_)
-        s.add_argument("--controllers", required=True, help="comma-separated controller URLs")
-        s.add_argument("--token", default=None, help="cluster token (default: $ADAMPS_TOKEN)")
+        clusters.add_arguments(s)
         s.add_argument(
             "--wait",
             type=_seconds,
@@ -376,10 +375,12 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         tls.install_from(args)  # a cluster with TLS on (docs/operations.md, "Security")
-    except ValueError as exc:
+        who = f"adamps checkpoint {args.action}"
+        target = clusters.resolve(args.controllers, args.token, args.cluster, who)
+    except ValueError as exc:  # TLS files, no such cluster, no token
         print(f"adamps checkpoint {args.action}: {exc}", file=sys.stderr)
         return 2
-    cluster = Cluster([c for c in args.controllers.split(",") if c], args.token, args.wait)
+    cluster = Cluster(target.controllers, target.token, args.wait)
     try:
         if args.action == "save":
             m = save(cluster, args.to, consistent=args.consistent)
@@ -392,7 +393,8 @@ def main(argv: list[str]) -> int:
         print(f"adamps checkpoint {args.action}: {exc}", file=sys.stderr)
         return 1
     except (RpcError, ConnectionError, TimeoutError) as exc:
-        print(f"adamps checkpoint {args.action}: cluster error: {exc}", file=sys.stderr)
+        msg = clusters.explain(exc, target)
+        print(f"adamps checkpoint {args.action}: cluster error: {msg}", file=sys.stderr)
         return 1
     finally:
         cluster.close()

@@ -11,12 +11,10 @@ import sys
 import time
 from typing import Any
 
-from adamps import runs, tls
+from adamps import clusters, runs, tls
 from adamps import token as tokens
 from adamps.client.controller import ControllerClient
 from adamps.client.rpc import RpcError
-from adamps.config import default_token
-from adamps.token import host_of
 from controller.status import table
 
 ACTIONS = ("create", "list", "show", "delete")
@@ -30,14 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("action", choices=ACTIONS, help="what to do")
     parser.add_argument("name", nargs="?", help="the run's name (create, show, delete)")
-    parser.add_argument(
-        "--controllers",
-        default="127.0.0.1:7000",
-        help="comma-separated HTTP addresses (host:port) of controllers; any of them answers",
-    )
-    parser.add_argument(
-        "--token", default="", help="cluster token (default: $ADAMPS_TOKEN, or the local token)"
-    )
+    clusters.add_arguments(parser)
     parser.add_argument("--param-elems", type=int, help="quota: parameter elements of the run")
     parser.add_argument("--table-rows", type=int, help="quota: rows of the run's tables")
     parser.add_argument(
@@ -155,10 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "create":
             _quotas(args)
             runs.check_consistency(args.consistency)
-        addrs = [a.strip() for a in args.controllers.split(",") if a.strip()]
-        if not addrs:
-            raise ValueError("--controllers names no address (expected host:port,...)")
-        token = tokens.resolve(args.token or default_token(), map(host_of, addrs), "adamps run")
+        target = clusters.resolve(args.controllers, args.token, args.cluster, "adamps run")
+        addrs, token = target.controllers, target.token
         tls.install_from(args)
         args.token_fd = None
         if args.action == "create" and args.token_file:
@@ -170,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         reply, text = _act(client, args)
     except RpcError as exc:
-        print(f"adamps run {args.action}: {exc}", file=sys.stderr)  # names its code
+        msg = clusters.explain(exc, target)
+        print(f"adamps run {args.action}: {msg}", file=sys.stderr)  # names its code
         return 1
     except (ConnectionError, TimeoutError, OSError) as exc:
-        print(f"adamps run: no controller answered at {args.controllers}: {exc}", file=sys.stderr)
+        print(f"adamps run: no controller answered at {', '.join(addrs)}: {exc}", file=sys.stderr)
         return 1
     finally:
         client.close()

@@ -4,10 +4,12 @@
 - :class:`DownpourOptimizer`: ``loss.backward(); opt.step()`` in your own loop;
 - :class:`Replica`: ``Replica(model, loss_fn, ...).fit(loader)`` with Hogwild worker threads;
 - :class:`Embedding`, :class:`EmbeddingBag`: rows in a server table, pulled and pushed per batch;
+- :func:`rank`, :func:`world_size`: this replica's place under ``adamps launch`` (or torchrun);
 - :func:`tensor_name`: the server tensor of a parameter in a run (``RUN..PARAM``).
 """
 
 from adamps.torch.embedding import Embedding, EmbeddingBag
+from adamps.torch.launch_env import rank, world_size
 from adamps.torch.optimizer import Connection, DownpourOptimizer
 from adamps.torch.params import ModelError, tensor_name
 from adamps.torch.replica import Replica
@@ -19,5 +21,7 @@ __all__ = [
     "EmbeddingBag",
     "ModelError",
     "Replica",
+    "rank",
     "tensor_name",
+    "world_size",
 ]

@@ -29,8 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from adamps import token as tokens
-from adamps.config import default_token
+from adamps.torch import launch_env
 from adamps.torch.downpour import PushCounts, WorkerDownpour
 from adamps.torch.embedding import bind_tables, row_tables
 from adamps.torch.hooks import ActErrCapture
@@ -58,16 +57,14 @@ class Connection:
         http_only: bool = False,
         named_parameters: Iterable[tuple[str, Any]] | None = None,
     ) -> None:
+        # not given: from `adamps launch`'s environment or the cluster file (launch_env.py)
+        controllers, run, token = launch_env.connection_defaults(controllers, ps, run, token)
         self.model = model
         #: the model's adamps Embedding / EmbeddingBag modules (rows on the servers' tables)
         self.tables = row_tables(model)
         self.params: list[Param] = model_params(
             model, run, named_parameters, allow_empty=bool(self.tables)
         )
-        # as every role: the given token, else $ADAMPS_TOKEN, else (loopback only) this user's
-        # local token, which the roles started on this machine without a token use too
-        reached = [tokens.host_of(a) for a in (*controllers, *ps)]
-        token = tokens.resolve(token or default_token(), reached, "adamps.torch")
         self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial, optimizer_args)
         self.remote = RemoteModel(
             self.params, controllers=list(controllers), ps=list(ps), token=token,
@@ -76,6 +73,8 @@ class Connection:
         self.created: list[str] = []
         try:
             if create:
+                if controllers:  # GET /layout and `adamps status --run` show the run
+                    launch_env.publish_layout(controllers, token, self.remote.layout, run)
                 self.created = self.remote.create(self.optimizer)
             else:
                 self.remote.check()
