@@ -148,13 +148,14 @@ def test_segments_cover_every_byte_once() -> None:
 
 
 def test_a_batch_is_digested_once_for_all_its_peers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
     from adamps.core.repl_types import Batch
     from adamps.server import repl_wire
 
     calls = []
     real = repl_wire.updates_digest
     monkeypatch.setattr(repl_wire, "updates_digest", lambda u: calls.append(1) or real(u))
-    monkeypatch.setattr(repl_wire, "WIRE_CACHE", 2)
     updates = (({"k": "d", "s": "w/0", "d": np.ones(3, np.float32)},),)
     b = Batch(1, 1, updates, (("c", 1),))
     first = repl_wire.batch_to_wire(b)
@@ -162,7 +163,41 @@ def test_a_batch_is_digested_once_for_all_its_peers(monkeypatch: pytest.MonkeyPa
     # an equal batch that is another object is digested on its own
     assert repl_wire.batch_to_wire(Batch(1, 1, updates, (("c", 1),))) == first
     assert len(calls) == 2
-    for seq in range(2, 6):  # bounded: the oldest goes
-        repl_wire.batch_to_wire(Batch(seq, 1, updates, (None,)))
-    assert len(repl_wire._WIRE) <= 2
+    # kept exactly as long as its batch lives: the others' wire forms went with them
+    others = [Batch(seq, 1, updates, (None,)) for seq in range(2, 6)]
+    for o in others:
+        repl_wire.batch_to_wire(o)
+    assert id(others[0]) in repl_wire._WIRE
+    del others, o
+    gc.collect()
+    assert set(repl_wire._WIRE) == {id(b)}
     assert repl_wire.batch_from_wire(first) == b
+
+
+def test_a_batch_is_not_digested_again_however_many_other_batches_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 36: the flush cut persists a prepared batch of every bucket (64 and more) and the
+    sends go on meanwhile; a bounded cache of the last 64 batches was thrashed, so every cut
+    and send digested the batches again (a tenth of a server's event loop in an RF 3
+    push_rows profile). A batch a secondary received and verified is not digested again when
+    it persists or (as a new primary) resends it."""
+    from adamps.core.repl_types import Batch
+    from adamps.server import repl_wire
+
+    calls = []
+    real = repl_wire.updates_digest
+    monkeypatch.setattr(repl_wire, "updates_digest", lambda u: calls.append(1) or real(u))
+    held = [
+        Batch(seq, 1, (({"k": "d", "s": f"w/{seq}", "d": np.ones(3, np.float32)},),), (None,))
+        for seq in range(200)
+    ]
+    wires = [repl_wire.batch_to_wire(b) for b in held]
+    for _cut in range(3):  # flush cuts and resends of every held batch
+        assert [repl_wire.batch_to_wire(b) for b in held] == wires
+    assert len(calls) == len(held)
+    # the copy that receives it verifies the digest once, and reuses it
+    got = [repl_wire.batch_from_wire(protocol.decode(protocol.encode(w))) for w in wires]
+    assert len(calls) == 2 * len(held)
+    assert [repl_wire.batch_to_wire(b)["x"] for b in got] == [w["x"] for w in wires]
+    assert len(calls) == 2 * len(held)
