@@ -22,6 +22,7 @@ from adamps.server.compressed import signs_of_wire
 from adamps.server.install import RowInstall, install_of
 from adamps.server.optim import Dense
 from adamps.server.rowblock import RowPush
+from adamps.server.rowtables import RowShardState
 from adamps.server.shards import ShardState, StoreError, fc_parts
 from adamps.server.store import Store
 
@@ -304,8 +305,38 @@ def store_parts(store: Store, updates: Iterable[Any]) -> list[tuple[ShardState, 
     return parts
 
 
+class Checked(dict):
+    """An update as the primary validated it, holding the store parts it was validated into:
+    applied as they are when its round commits here. Issue 36: the primary validated a push
+    into store parts, dropped them, and rebuilt them from the map at commit (a compressed
+    update decoded twice). On the wire and on disk it is the plain map it is; every other copy
+    builds the parts from that map (after repl_check.py's checks)."""
+
+    __slots__ = ("parts",)
+
+
+def checked(u: dict[str, Any], parts: list[tuple[ShardState, Any]]) -> Checked:
+    c = Checked(u)
+    c.parts = parts
+    return c
+
+
+def _current(store: Store, st: ShardState) -> bool:
+    """`st` is still the state this store holds under its id (not a deleted run's, not one
+    released and held again since the push was validated)."""
+    held = store.tables.shards if isinstance(st, RowShardState) else store.shards
+    return held.get(st.id) is st
+
+
 def update_parts(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, Any]]:
     """The (shard, update) parts of one update; unknown shards and kinds raise."""
+    parts = getattr(u, "parts", None)
+    if parts is not None:
+        # Applied once, at commit: not held on in the replication log (a resend or a flush
+        # uses the map), so the log keeps no second, expanded form of its updates.
+        u.parts = None  # type: ignore[attr-defined]
+        if all(_current(store, st) for st, _ in parts):
+            return parts  # validated by this primary: nothing rebuilt
     kind = u["k"]
     if kind == "d":
         return [(store.shard(u["s"]), Dense(u["d"]))]
