@@ -50,6 +50,7 @@ from adamps.client.dataplane import (
     REQUEST,
     VERSION,
     frame_header,
+    frame_writes,
 )
 from adamps.layout import Shard
 from adamps.protocol import ProtocolError
@@ -464,14 +465,13 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if self.transport is None or self.transport.is_closing():
             return
         m = protocol.encode(meta)
-        n = 0 if payload is None else payload.nbytes
-        self.transport.write(frame_header(kind, len(m), n) + m)
+        view = memoryview(b"" if payload is None else payload).cast("B")
+        step = self.plane.write_step or len(view) or 1
+        parts = [view[i : i + step] for i in range(0, len(view), step)]
+        for chunk in frame_writes(frame_header(kind, len(m), len(view)) + m, parts):
+            self.transport.write(chunk)  # a small reply in one write (one send call)
         if payload is not None:
-            view = memoryview(payload).cast("B")
-            step = self.plane.write_step or len(view) or 1
-            for i in range(0, len(view), step):
-                self.transport.write(view[i : i + step])
-            self.plane.m.bytes_out.inc(n)
+            self.plane.m.bytes_out.inc(len(view))
 
     def _fatal(self, exc: ProtocolError) -> None:
         """An error that leaves the stream unusable: answer after the earlier replies, then close."""

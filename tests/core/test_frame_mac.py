@@ -201,3 +201,22 @@ def test_a_batch_is_not_digested_again_however_many_other_batches_pass(
     assert len(calls) == 2 * len(held)
     assert [repl_wire.batch_to_wire(b)["x"] for b in got] == [w["x"] for w in wires]
     assert len(calls) == 2 * len(held)
+
+
+def test_a_frame_of_many_small_arrays_is_one_write_and_large_arrays_go_as_they_are() -> None:
+    """Issue 36: a replication frame of one push_rows (21 buckets' ids and grads) was written
+    part by part, ~45 send calls, each doing the receiver's TCP work too on loopback."""
+    from adamps.client.dataplane import JOIN_BELOW, frame_writes
+
+    head = b"H" * 20
+    small = [np.full(100, i, np.float32) for i in range(42)]
+    parts = [memoryview(a).cast("B") for a in small]
+    writes = frame_writes(head, parts)
+    assert len(writes) == 1 and writes[0] == head + b"".join(bytes(p) for p in parts)
+    big = memoryview(np.ones(JOIN_BELOW // 4, np.float32)).cast("B")
+    writes = frame_writes(head, [parts[0], big, parts[1], parts[2]])
+    assert len(writes) == 3 and writes[1] is big  # from the array's memory, not copied
+    assert b"".join(bytes(w) for w in writes) == head + bytes(parts[0]) + bytes(big) + bytes(
+        parts[1]
+    ) + bytes(parts[2])
+    assert frame_writes(head, []) == [head]
