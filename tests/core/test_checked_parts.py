@@ -77,10 +77,7 @@ def test_the_primary_applies_the_parts_it_validated_and_rebuilds_nothing(
     assert protocol.decode(protocol.encode({"u": c}))["u"].keys() == u.keys()
     before = value(store, "keep/0").copy()
 
-    async def commit() -> None:
-        await bucket_copy.apply_batches(store, [Batch(1, 1, ((c,),), (("c", 1),))])
-
-    asyncio.run(commit())
+    bucket_copy.apply_batches(store, [Batch(1, 1, ((c,),), (("c", 1),))])  # read after it
     assert decodes == [], "the commit decoded the update the push had decoded already"
     moved = value(store, "keep/0") - before
     assert moved[0] == pytest.approx(0.5) and moved[5] == pytest.approx(-0.5)
@@ -126,3 +123,15 @@ def test_a_secondary_checks_a_batch_without_building_its_parts_twice(
     wire = protocol.decode(protocol.encode({"u": u}))["u"]  # as a secondary receives it
     repl_check.check_batches(store, [Batch(1, 1, ((wire,),), (None,))])
     assert decodes == [1]
+
+
+def test_a_committed_batch_is_applied_without_a_round_trip_through_the_event_loop(
+    store: Store,
+) -> None:
+    """Issue 36: every committed batch on every copy made a future, a cross-thread wakeup of
+    the event loop and a gather, for a result no one awaited. It is queued to the owner
+    threads alone now: no running loop is needed, and work queued after it sees it."""
+    u, _parts = validated(store, "keep/0")
+    before = value(store, "keep/0").copy()
+    bucket_copy.apply_batches(store, [Batch(1, 1, ((u,),), (None,))])  # no event loop here
+    assert (value(store, "keep/0") - before)[0] == pytest.approx(0.5)
