@@ -292,6 +292,18 @@ class ReplCore(ControllerSide, JoiningCopy, Pings):
             )
         return rep
 
+    def check_primaries(
+        self, buckets: Iterable[int], now: float, read: bool = False
+    ) -> Reject | None:
+        """check_primary of every bucket a request names, as one input: the first refusal
+        (naming its bucket), or None. One step of the shell for a request of many buckets (a
+        push_rows names most of them), not one step and drain per bucket."""
+        for b in buckets:
+            rep = self.check_primary(b, now, read)
+            if isinstance(rep, Reject):
+                return dataclasses.replace(rep, bucket=b)
+        return None
+
     def submit(
         self,
         updates: Mapping[int, Any],

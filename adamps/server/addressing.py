@@ -4,6 +4,7 @@ Shared by the read path (``reads.py``) and the write path (``writepath.py``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from adamps.layout import Shard, stable_bucket
@@ -65,8 +66,18 @@ class Addressing:
         """Under replication, a shard this server is not the primary for is not_primary (even if
         the server does not know its tensor yet): the bucket follows from the id alone."""
         if self.replicator is not None:
-            for b in {stable_bucket(i, self.cfg.n_buckets) for i in ids if isinstance(i, str)}:
-                self.replicator.check_primary(b)
+            self.check_buckets(
+                {stable_bucket(i, self.cfg.n_buckets) for i in ids if isinstance(i, str)}
+            )
+
+    def check_buckets(self, buckets: Iterable[int], read: bool = False) -> None:
+        """Under replication, this server must be the primary of every bucket, with its lease
+        (a `read`: with every acknowledged push applied), else not_primary naming the first
+        refused: one step of the replication core for all of them (issue 36: a push_rows
+        names most buckets, and a step per bucket drained the core's Ready each time)."""
+        r = self.replicator
+        if r is not None:
+            r.step(-1, r.core.check_primaries, buckets, read=read)
 
     def stream_shards(self, meta: dict[str, Any]) -> list[Shard]:
         """The shards a data-plane frame names, in payload order: every shard of `tensor` (which
@@ -91,5 +102,4 @@ class Addressing:
     def check_serving(self, states: list[ShardState]) -> None:
         """Under replication, only the primary of a bucket with a live lease serves it."""
         if self.replicator is not None:
-            for b in {self.store.layout.bucket_of[st.id] for st in states}:
-                self.replicator.check_primary(b, read=True)
+            self.check_buckets({self.store.layout.bucket_of[st.id] for st in states}, read=True)

@@ -9,6 +9,7 @@ replicas bit-identical. Store IO only, kept apart from the replication shell
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 from collections.abc import Iterable
@@ -31,18 +32,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("adamps.server.replicate")
 
 
-def apply_batches(store: Store, batches: Iterable[Batch]) -> asyncio.Future:
+def apply_batches(store: Store, batches: Iterable[Batch]) -> None:
     """Enqueues the batches, each as one group per shard, in order, so that every copy applies
-    the same groups and the copies end bit-identical; a future for completion. Raises nothing:
-    it runs inside the shell's drain, whose other actions (answers, messages) must all be
-    carried out, so an update that cannot be applied is refused alone (issue 39)."""
-    futs = []
+    the same groups and the copies end bit-identical. Raises nothing: it runs inside the shell's
+    drain, whose other actions (answers, messages) must all be carried out, so an update that
+    cannot be applied is refused alone (issue 39). Nothing comes back to the event loop (a
+    failure is logged by the owner thread): issue 36's profile of an RF 3 push_rows run had a
+    future, a cross-thread wakeup of the loop and a gather per committed batch on every copy,
+    for a result no one awaited. Work queued to the same owner threads later (a read, a flush's
+    copy) runs after it."""
     for batch in batches:
-        parts = _committed_parts(store, batch)
-        fut = owner_future(lambda cb, parts=parts: store.push_group(parts, cb))
-        fut.add_done_callback(_log_apply_error)
-        futs.append(fut)
-    return asyncio.gather(*futs)
+        store.push_group(
+            _committed_parts(store, batch), functools.partial(_log_apply_error, batch.seq)
+        )
 
 
 def _committed_parts(store: Store, batch: Batch) -> list[Any]:
@@ -63,9 +65,10 @@ def _committed_parts(store: Store, batch: Batch) -> list[Any]:
     return parts
 
 
-def _log_apply_error(fut: asyncio.Future) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.error("applying a committed batch failed: %r", fut.exception())
+def _log_apply_error(seq: int, _versions: object, error: BaseException | None) -> None:
+    """Owner thread: a committed batch's groups are applied (or failed)."""
+    if error is not None:
+        log.error("applying committed batch %d failed: %r", seq, error)
 
 
 def _bucket_shards(store: Store, b: int) -> list[Any]:

@@ -50,6 +50,7 @@ from adamps.client.dataplane import (
     REQUEST,
     VERSION,
     frame_header,
+    frame_writes,
 )
 from adamps.layout import Shard
 from adamps.protocol import ProtocolError
@@ -463,18 +464,17 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     def _send(self, kind: int, meta: dict[str, Any], payload: np.ndarray | None) -> None:
         if self.transport is None or self.transport.is_closing():
             return
-        # A meta's arrays (pull_rows' rows) are written from their own memory (issue 39)
-        parts, meta_len = protocol.encode_parts(meta)
-        n = 0 if payload is None else payload.nbytes
-        self.transport.write(frame_header(kind, meta_len, n) + bytes(parts[0]))
-        for part in parts[1:]:
-            self.transport.write(part)
+        # A meta's arrays (pull_rows' rows) are written from their own memory; small pieces of a
+        # reply go out joined, in one send call (frame_writes)
+        meta_parts, meta_len = protocol.encode_parts(meta)
+        view = memoryview(b"" if payload is None else payload).cast("B")
+        step = self.plane.write_step or len(view) or 1
+        chunks = [view[i : i + step] for i in range(0, len(view), step)]
+        head = frame_header(kind, meta_len, len(view)) + bytes(meta_parts[0])
+        for chunk in frame_writes(head, [*meta_parts[1:], *chunks]):
+            self.transport.write(chunk)
         if payload is not None:
-            view = memoryview(payload).cast("B")
-            step = self.plane.write_step or len(view) or 1
-            for i in range(0, len(view), step):
-                self.transport.write(view[i : i + step])
-            self.plane.m.bytes_out.inc(n)
+            self.plane.m.bytes_out.inc(len(view))
 
     def _fatal(self, exc: ProtocolError) -> None:
         """An error that leaves the stream unusable: answer after the earlier replies, then close."""

@@ -8,7 +8,8 @@ finiteness, the bounds of adamps/server/bounds.py), whoever sent it. A batch tha
 refused as a whole (ProtocolError, a 4xx) before the replica state machine sees it.
 
 The cost is one min/max pass over each array a secondary receives (what the primary paid on the
-push); the batch is then turned into store parts as before (repl_wire.store_parts).
+push); the store parts are built when the batch is applied (a vector op's also here: its shards
+are looked up only then).
 """
 
 from __future__ import annotations
@@ -177,5 +178,9 @@ def check_batches(store: Store, batches: Sequence[Batch]) -> None:
                     # batch is applied (repl_wire.store_parts), never the whole batch.
                     if not gone_with_run(store, u, exc):
                         raise
-    for b in batches:
-        store_parts(store, b.updates)
+    # Only a vector op's parts can fail where its check passed (vecwire.parts_of looks up its
+    # shards); every other kind's check built or looked up all its parts need (issue 36: a
+    # secondary built every batch's parts here, dropped them and built them again at commit,
+    # decoding a compressed update three times).
+    vector_ops = [[u for u in push if u.get("k") == "v"] for b in batches for push in b.updates]
+    store_parts(store, [p for p in vector_ops if p])

@@ -26,6 +26,7 @@ from adamps.client.dataplane import (
     REPLY,
     REQUEST,
     frame_header,
+    frame_writes,
 )
 from adamps.client.rpc import AsyncRpc, RpcError, rpc_request
 from adamps.core.repl_ready import Fetch, Send
@@ -155,9 +156,8 @@ class PeerStream:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._conn = (r, w)
         r, w = self._conn
-        w.write(frame_header(REQUEST, len(meta), n) + meta)
-        for part in parts:  # straight from the arrays' memory (the kernel copies)
-            w.write(part)
+        for chunk in frame_writes(frame_header(REQUEST, len(meta), n) + meta, parts):
+            w.write(chunk)  # large arrays straight from their memory (the kernel copies)
         await w.drain()
         magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(await r.readexactly(HEADER.size))
         if magic != MAGIC or kind not in (REPLY, ERROR) or meta_len > MAX_META or payload_len:

@@ -7,7 +7,7 @@ every replica turns them into the same per-shard parts, so replicas end bit-iden
 from __future__ import annotations
 
 import asyncio
-import threading
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
@@ -22,6 +22,7 @@ from adamps.server.compressed import signs_of_wire
 from adamps.server.install import RowInstall, install_of, version_of
 from adamps.server.optim import Dense
 from adamps.server.rowblock import RowPush
+from adamps.server.rowtables import RowShardState
 from adamps.server.shards import ShardState, StoreError, fc_parts
 from adamps.server.store import Store
 
@@ -168,24 +169,29 @@ def updates_digest(updates: Iterable[Any]) -> int:
     return checksum.digest(*parts)
 
 
-#: the wire form of the batches sent last, by id (the batch held, so its id is not reused): a
-#: round's batch goes to every secondary, and its digest was computed once per peer
-_WIRE: dict[int, tuple[Batch, dict[str, Any]]] = {}
-#: batches whose wire form is kept (a round's PREPARE goes to its peers within a few rounds; the
-#: replica state machine keeps `replication_log`, 64, batches per bucket anyway)
-WIRE_CACHE = 64
-#: several servers' loops may share this process (the in-process tests)
-_WIRE_LOCK = threading.Lock()
+#: the wire form of every batch sent, received or persisted, by id, for as long as the batch
+#: lives (a finalizer drops it with the batch, so an id is never reused meanwhile). A batch is
+#: digested once: its PREPARE to every secondary, its resends and every flush cut that persists
+#: it while prepared (repl_persist.positions) reuse that digest. Issue 36's profile of an RF 3
+#: push_rows run: a cache of the last 64 batches was thrashed by the flush cut, which persists a
+#: prepared batch of each of the 64 buckets, and the digest was recomputed on every send and
+#: every cut (a tenth of a server's event loop); a secondary re-digested what it had just verified.
+_WIRE: dict[int, dict[str, Any]] = {}
+
+
+def _keep(b: Batch, wire: dict[str, Any]) -> None:
+    _WIRE[id(b)] = wire
+    weakref.finalize(b, _WIRE.pop, id(b), None)
 
 
 def batch_to_wire(b: Batch) -> dict[str, Any]:
     """The wire form of a batch (shared: not to be changed by the caller). Its digest is
-    computed once, when the batch is first sent: a batch changed in memory afterwards is then
-    caught by the copies it is sent to next, not sent with a new digest of the damage."""
-    with _WIRE_LOCK:
-        hit = _WIRE.get(id(b))
-    if hit is not None and hit[0] is b:
-        return hit[1]
+    computed once, when the batch is first sent (or verified when it was received): a batch
+    changed in memory afterwards is then caught by the copies it is sent to next, not sent with
+    a new digest of the damage."""
+    wire = _WIRE.get(id(b))
+    if wire is not None:
+        return wire
     wire = {
         "seq": b.seq,
         "epoch": b.epoch,
@@ -193,10 +199,7 @@ def batch_to_wire(b: Batch) -> dict[str, Any]:
         "clients": [None if c is None else [c[0], c[1]] for c in b.clients],
         "x": updates_digest(b.updates),
     }
-    with _WIRE_LOCK:
-        _WIRE[id(b)] = (b, wire)
-        if len(_WIRE) > WIRE_CACHE:
-            del _WIRE[next(iter(_WIRE))]
+    _keep(b, wire)
     return wire
 
 
@@ -217,7 +220,12 @@ def batch_from_wire(d: dict[str, Any]) -> Batch:
             "bad_request",
             f"batch {seq} of epoch {epoch} fails its checksum: damaged in memory or on the wire",
         )
-    return Batch(seq, epoch, tuple(tuple(u) for u in updates), keys)
+    batch = Batch(seq, epoch, tuple(tuple(u) for u in updates), keys)
+    if want is not None:  # verified: its wire form when this copy sends or persists it
+        _keep(
+            batch, {"seq": seq, "epoch": epoch, "updates": updates, "clients": clients, "x": want}
+        )
+    return batch
 
 
 def message_from_wire(op: str, msg: dict[str, Any]) -> dict[str, Any]:
@@ -305,8 +313,38 @@ def store_parts(store: Store, updates: Iterable[Any]) -> list[tuple[ShardState, 
     return parts
 
 
+class Checked(dict):
+    """An update as the primary validated it, holding the store parts it was validated into:
+    applied as they are when its round commits here. Issue 36: the primary validated a push
+    into store parts, dropped them, and rebuilt them from the map at commit (a compressed
+    update decoded twice). On the wire and on disk it is the plain map it is; every other copy
+    builds the parts from that map (after repl_check.py's checks)."""
+
+    __slots__ = ("parts",)
+
+
+def checked(u: dict[str, Any], parts: list[tuple[ShardState, Any]]) -> Checked:
+    c = Checked(u)
+    c.parts = parts
+    return c
+
+
+def _current(store: Store, st: ShardState) -> bool:
+    """`st` is still the state this store holds under its id (not a deleted run's, not one
+    released and held again since the push was validated)."""
+    held = store.tables.shards if isinstance(st, RowShardState) else store.shards
+    return held.get(st.id) is st
+
+
 def update_parts(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, Any]]:
     """The (shard, update) parts of one update; unknown shards and kinds raise."""
+    parts = getattr(u, "parts", None)
+    if parts is not None:
+        # Applied once, at commit: not held on in the replication log (a resend or a flush
+        # uses the map), so the log keeps no second, expanded form of its updates.
+        u.parts = None  # type: ignore[attr-defined]
+        if all(_current(store, st) for st, _ in parts):
+            return parts  # validated by this primary: nothing rebuilt
     kind = u["k"]
     if kind == "d":
         return [(store.shard(u["s"]), Dense(u["d"]))]

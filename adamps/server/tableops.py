@@ -91,9 +91,7 @@ class TableOps:
         # until a state transfer: its 404 unknown_table to a client with an old routing table
         # was a definite refusal of a push that the new primary had committed (the nemesis,
         # CI of session 9: "failed pushes applied").
-        if self.replicator is not None:
-            for b in parts:
-                self.replicator.check_primary(b, read=op == "pull_rows")
+        self.writes.addressing.check_buckets(parts, read=op == "pull_rows")
         t = self.tables.table(name)
         dim = t.spec.dim
         if "dim" in msg and require(msg, "dim", int) != dim:

@@ -33,7 +33,7 @@ from adamps.server.addressing import Addressing
 from adamps.server.compressed import wire_form, words_of
 from adamps.server.config import PsConfig
 from adamps.server.optim import Dense, Signs
-from adamps.server.repl_wire import dense_update, fc_update, sign_update
+from adamps.server.repl_wire import checked, dense_update, fc_update, sign_update
 from adamps.server.replicate import Replicator
 from adamps.server.rowtables import RowShardState
 from adamps.server.shards import ShardState, fc_parts
@@ -349,7 +349,7 @@ class WritePath:
             return owner_future(lambda cb: self.store.push(parts, cb)), reply
         # Replicator.push submits to every bucket before its first await, and tasks start in
         # the order created: the pushes of one connection enter their rounds in the order sent.
-        task = asyncio.ensure_future(self._replicate(meta, self._dense_wire(parts)))
+        task = asyncio.ensure_future(self._replicate(meta, self._dense_wire(parts), parts))
         return task, lambda _r: reply({})
 
     # -- replicate or apply -------------------------------------------------------------------------
@@ -371,10 +371,12 @@ class WritePath:
     ) -> dict[str, Any]:
         """A validated push: through the replication rounds of its buckets on a replicated
         server (`wire`: shards and the builder of their compact update), else applied here
-        (`parts`: the store's form, built only then)."""
+        (`parts`: the store's form). Replicated, the parts are built now and ride with the
+        compact updates (repl_wire.Checked): this server applies them when the rounds commit,
+        nothing rebuilt."""
         self.check_durable()
         if self.replicator is not None:
-            return await self._replicate(msg, wire)
+            return await self._replicate(msg, wire, parts())
         self._record_client(msg)
         versions = await owner_future(lambda cb: self.store.push(parts(), cb))
         return {"versions": versions}
@@ -389,7 +391,10 @@ class WritePath:
         """`_replicate_or_apply` for other writers (Sandblaster's vector ops, vecops.py); with
         `group` a standalone server applies the parts as one group per shard, alone (a barrier:
         no update queued later is applied before it)."""
-        if not group or self.replicator is not None:
+        if self.replicator is not None and group:  # vector ops: built from the map at commit
+            self.check_durable()
+            return await self._replicate(msg, wire, None)
+        if not group:
             return await self._replicate_or_apply(msg, wire, parts)
         self.check_durable()
         self._record_client(msg)
@@ -400,16 +405,19 @@ class WritePath:
         self,
         msg: dict[str, Any],
         updates: list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]],
+        parts: list[tuple[ShardState, Any]] | None,
     ) -> dict[str, Any]:
         """A checked push through the replication rounds of its buckets: (shards, compact
-        update) pairs, grouped by bucket, each bucket's part a single deduplicated entry."""
+        update) pairs, grouped by bucket, each bucket's part a single deduplicated entry;
+        `parts`: the store parts it was validated into, which this server applies when the
+        rounds commit (repl_wire.Checked), or None (built from the compact form then)."""
         assert self.replicator is not None
         # Admitted here, before the first await (a data-plane push's task may start after a
         # hold began): a push is either refused by a hold or counted until it is decided.
         self._check_hold()
         self.hold.admitted()
         try:
-            return await self._replicate_admitted(msg, updates)
+            return await self._replicate_admitted(msg, updates, parts)
         finally:
             self.hold.decided()
 
@@ -417,8 +425,10 @@ class WritePath:
         self,
         msg: dict[str, Any],
         updates: list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]],
+        parts: list[tuple[ShardState, Any]] | None,
     ) -> dict[str, Any]:
         assert self.replicator is not None
+        of_state = _parts_by_state(updates, parts)
         by_bucket: dict[int, list[Any]] = {}
         for states, make in updates:
             per_bucket: dict[int, list[ShardState]] = {}
@@ -430,7 +440,10 @@ class WritePath:
                 )
                 per_bucket.setdefault(b, []).append(st)
             for b, sts in per_bucket.items():
-                by_bucket.setdefault(b, []).append(make(sts))
+                u = make(sts)
+                if of_state is not None:
+                    u = checked(u, [p for st in sts for p in of_state[id(st)]])
+                by_bucket.setdefault(b, []).append(u)
         await self.replicator.push(by_bucket, self._record_client(msg))
         self._refuse_deleted(st for states, _make in updates for st in states)
         return {"versions": {}}
@@ -450,3 +463,20 @@ class WritePath:
                     f"{name!r} was deleted with its run {runs.run_of(name)!r} while this push was "
                     "in flight: its updates to it are not applied (those to other names are)",
                 )
+
+
+def _parts_by_state(
+    updates: list[tuple[list[ShardState], Any]], parts: list[tuple[ShardState, Any]] | None
+) -> dict[int, list[tuple[ShardState, Any]]] | None:
+    """A validated push's store parts by shard state (id), in order, for the compact updates
+    that name those shards; None (built again at commit) when there are none, or when a shard
+    is named by two updates or has no part (no store part is applied twice or dropped)."""
+    if parts is None:
+        return None
+    named = [id(st) for states, _make in updates for st in states]
+    out: dict[int, list[tuple[ShardState, Any]]] = {}
+    for st, upd in parts:
+        out.setdefault(id(st), []).append((st, upd))
+    if len(set(named)) != len(named) or set(named) != set(out):
+        return None
+    return out

@@ -107,10 +107,9 @@ def test_a_deleted_runs_updates_are_refused_alone_at_the_primarys_commit(store: 
     b = batch(store)
     delete_run_f(store)
 
-    async def commit() -> None:  # the primary's (and a secondary's) apply at commit
-        await bucket_copy.apply_batches(store, [b])
-
-    asyncio.run(commit())  # raised StoreError("no shard 'F..w/0' on this server") before
+    # the primary's (and a secondary's) apply at commit; raised StoreError("no shard
+    # 'F..w/0' on this server") before
+    bucket_copy.apply_batches(store, [b])
     # The operator's three pushes of the same batch applied (sgd with lr -1: +1 each).
     np.testing.assert_array_equal(keep_value(store), np.full(5, 3.0, np.float32))
 
@@ -146,9 +145,6 @@ def test_a_committed_update_that_cannot_be_applied_never_raises_out_of_the_drain
     keep = dense_update("keep/0", np.full(5, 1.0, np.float32))
     b = Batch(1, 1, ((dense_update("nowhere/0", np.ones(3, np.float32)),), (keep,)), (None, None))
 
-    async def commit() -> None:
-        await bucket_copy.apply_batches(store, [b])
-
-    asyncio.run(commit())
+    bucket_copy.apply_batches(store, [b])
     np.testing.assert_array_equal(keep_value(store), np.full(5, 1.0, np.float32))
     assert "cannot be applied" in caplog.text

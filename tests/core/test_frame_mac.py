@@ -148,13 +148,14 @@ def test_segments_cover_every_byte_once() -> None:
 
 
 def test_a_batch_is_digested_once_for_all_its_peers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
     from adamps.core.repl_types import Batch
     from adamps.server import repl_wire
 
     calls = []
     real = repl_wire.updates_digest
     monkeypatch.setattr(repl_wire, "updates_digest", lambda u: calls.append(1) or real(u))
-    monkeypatch.setattr(repl_wire, "WIRE_CACHE", 2)
     updates = (({"k": "d", "s": "w/0", "d": np.ones(3, np.float32)},),)
     b = Batch(1, 1, updates, (("c", 1),))
     first = repl_wire.batch_to_wire(b)
@@ -162,7 +163,60 @@ def test_a_batch_is_digested_once_for_all_its_peers(monkeypatch: pytest.MonkeyPa
     # an equal batch that is another object is digested on its own
     assert repl_wire.batch_to_wire(Batch(1, 1, updates, (("c", 1),))) == first
     assert len(calls) == 2
-    for seq in range(2, 6):  # bounded: the oldest goes
-        repl_wire.batch_to_wire(Batch(seq, 1, updates, (None,)))
-    assert len(repl_wire._WIRE) <= 2
+    # kept exactly as long as its batch lives: the others' wire forms went with them
+    others = [Batch(seq, 1, updates, (None,)) for seq in range(2, 6)]
+    for o in others:
+        repl_wire.batch_to_wire(o)
+    assert id(others[0]) in repl_wire._WIRE
+    del others, o
+    gc.collect()
+    assert set(repl_wire._WIRE) == {id(b)}
     assert repl_wire.batch_from_wire(first) == b
+
+
+def test_a_batch_is_not_digested_again_however_many_other_batches_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 36: the flush cut persists a prepared batch of every bucket (64 and more) and the
+    sends go on meanwhile; a bounded cache of the last 64 batches was thrashed, so every cut
+    and send digested the batches again (a tenth of a server's event loop in an RF 3
+    push_rows profile). A batch a secondary received and verified is not digested again when
+    it persists or (as a new primary) resends it."""
+    from adamps.core.repl_types import Batch
+    from adamps.server import repl_wire
+
+    calls = []
+    real = repl_wire.updates_digest
+    monkeypatch.setattr(repl_wire, "updates_digest", lambda u: calls.append(1) or real(u))
+    held = [
+        Batch(seq, 1, (({"k": "d", "s": f"w/{seq}", "d": np.ones(3, np.float32)},),), (None,))
+        for seq in range(200)
+    ]
+    wires = [repl_wire.batch_to_wire(b) for b in held]
+    for _cut in range(3):  # flush cuts and resends of every held batch
+        assert [repl_wire.batch_to_wire(b) for b in held] == wires
+    assert len(calls) == len(held)
+    # the copy that receives it verifies the digest once, and reuses it
+    got = [repl_wire.batch_from_wire(protocol.decode(protocol.encode(w))) for w in wires]
+    assert len(calls) == 2 * len(held)
+    assert [repl_wire.batch_to_wire(b)["x"] for b in got] == [w["x"] for w in wires]
+    assert len(calls) == 2 * len(held)
+
+
+def test_a_frame_of_many_small_arrays_is_one_write_and_large_arrays_go_as_they_are() -> None:
+    """Issue 36: a replication frame of one push_rows (21 buckets' ids and grads) was written
+    part by part, ~45 send calls, each doing the receiver's TCP work too on loopback."""
+    from adamps.client.dataplane import JOIN_BELOW, frame_writes
+
+    head = b"H" * 20
+    small = [np.full(100, i, np.float32) for i in range(42)]
+    parts = [memoryview(a).cast("B") for a in small]
+    writes = frame_writes(head, parts)
+    assert len(writes) == 1 and writes[0] == head + b"".join(bytes(p) for p in parts)
+    big = memoryview(np.ones(JOIN_BELOW // 4, np.float32)).cast("B")
+    writes = frame_writes(head, [parts[0], big, parts[1], parts[2]])
+    assert len(writes) == 3 and writes[1] is big  # from the array's memory, not copied
+    assert b"".join(bytes(w) for w in writes) == head + bytes(parts[0]) + bytes(big) + bytes(
+        parts[1]
+    ) + bytes(parts[2])
+    assert frame_writes(head, []) == [head]

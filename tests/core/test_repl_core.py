@@ -193,6 +193,25 @@ def test_a_push_is_refused_without_the_lease_or_the_role() -> None:
     assert take(a).heartbeat, "a lapsed lease asks the controllers at once"
 
 
+def test_the_role_and_lease_of_every_bucket_of_a_request_are_checked_in_one_input() -> None:
+    """Issue 36: a push_rows names most buckets; the shell stepped the core (and drained its
+    Ready) once per bucket. check_primaries checks them all in one input and names the first
+    refused bucket, as check_primary does for one."""
+    cl = Cluster()
+    a, b = cl.cores["a"], cl.cores["b"]
+    assert a.check_primaries([0], 0.1) is None
+    assert a.check_primaries([0], 0.1, read=True) is None
+    res = a.check_primaries([0, 7], 0.1)  # bucket 7 is no copy of a's
+    assert isinstance(res, Reject) and (res.code, res.bucket) == ("not_primary", 7)
+    res = b.check_primaries(iter([0]), 0.1, read=True)
+    assert isinstance(res, Reject) and (res.code, res.bucket) == ("not_primary", 0)
+    take(a)
+    late = a.leases.deadline(0) + 1.0  # type: ignore[operator]
+    res = a.check_primaries({0}, late)
+    assert isinstance(res, Reject) and (res.code, res.bucket) == ("not_primary", 0)
+    assert take(a).heartbeat, "a lapsed lease asks the controllers at once"
+
+
 def test_an_unresponsive_member_is_reported_only_after_member_timeout() -> None:
     """Reference: Project Adam 3.3.3; a member that does not answer is dropped by a committed
     controller entry, never by the primary alone: the round waits for the new record."""
