@@ -16,6 +16,7 @@ import pytest
 
 from adamps import web as aweb
 from adamps.client import PSClient, StaticRouting
+from adamps.client.prefetch import RowPipeline
 from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.layout import Layout, TensorSpec
 from adamps.server.app import ParameterServer
@@ -206,3 +207,56 @@ async def test_a_bad_round_is_refused_whole_and_changes_nothing(tmp_path: Path) 
         pc.close()
     finally:
         await stop(servers, runners)
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+async def test_pipelined_rows_are_never_older_than_the_bound(tmp_path: Path, depth: int) -> None:
+    """RowPipeline (adamps/client/prefetch.py; docs/training.md, "Pipelined rows"): each round
+    adds +1 (SGD, lr -1) to the rows of the same 64 ids on both servers and fetches them for the
+    batch depth + 1 ahead. The rows batch t computes with then count the rounds they saw: at
+    least t - depth (they lack at most `depth` of this replica's own rounds), at most t; with
+    depth 0, exactly t (ZPushPull: round t - 1's answer includes its own writes)."""
+    servers, runners, urls = await start_two(tmp_path)
+    try:
+
+        def run() -> list[tuple[int, float, int]]:
+
+            pc = PSClient(StaticRouting(urls, N_BUCKETS), Layout([], N_BUCKETS), TOKEN)
+            sgd = {"kind": "sgd", "lr": -1.0}
+            pc.create_table("t", 1, init={"kind": "zeros"}, optimizer=sgd)
+            ids = np.arange(64)
+            ones = np.ones((64, 1), np.float32)
+            seen = []
+            with RowPipeline(pc, depth) as pipe:
+                for _ in range(depth + 1):
+                    pipe.prime({"t": ids})
+                for t in range(12):
+                    missing = pipe.staleness()
+                    rows = pipe.next()["t"]
+                    assert (rows == rows[0]).all()  # one read of every bucket after a round
+                    seen.append((t, float(rows[0, 0]), missing))
+                    time.sleep(0.01)  # the batch's compute, while the round is in flight
+                    pipe.round(rows={"t": (ids, ones)}, fetch_rows={"t": ids})
+                pipe.flush()
+                assert pipe.staleness() == 0
+            final = pc.pull_rows("t", ids)
+            assert (final == 12).all()  # every round applied exactly once
+            pc.close()
+            return seen
+
+        seen = await asyncio.to_thread(run)
+        for t, value, missing in seen:
+            assert t - depth <= value <= t, (t, value)
+            assert value == t - missing, (t, value, missing)  # the pipeline's own account
+            if depth == 0:
+                assert value == t
+            elif t >= 1:
+                assert value == t - 1  # the fetch rode round t - 2: it lacks round t - 1 alone
+    finally:
+        await stop(servers, runners)
+
+
+async def test_the_pipeline_refuses_a_depth_beyond_its_bound(tmp_path: Path) -> None:
+
+    with pytest.raises(ValueError, match="depth must be 0 or 1"):
+        RowPipeline(object(), depth=2)
