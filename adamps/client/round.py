@@ -97,9 +97,9 @@ class RoundClient:
         size += sum(a.nbytes + e.nbytes for a, e in vecs.values()) + PER_SHARD * len(shards)
         size += sum(i.nbytes + g.nbytes for i, g in pushed.values())
         size += sum(i.nbytes + 4 * i.size * self.tables.get(t, 0) for t, i in wanted.items())
-        limits = Limits.tightest(self._limits(u) for u in self.routing().servers())
-        if size > limits.budget() or len(shards) > limits.max_shards:
-            return self._round_in_parts(vecs, by_id, pushed, wanted, seq, out)
+        #: whether the round is too large for one request per server (decided once, before
+        #: anything is sent, from the limits of the primaries it goes to)
+        in_parts: bool | None = None
 
         buckets: dict[int, _Bucket] = {}
         for s in shards:
@@ -180,6 +180,12 @@ class RoundClient:
                     if route is None:
                         raise RpcError("unavailable", f"bucket {b} has no primary in the table")
                     groups.setdefault(route.primary, []).append(b)
+            nonlocal in_parts
+            if in_parts is None:
+                limits = Limits.tightest(self._limits(u) for u in groups)
+                in_parts = size > limits.budget() or len(shards) > limits.max_shards
+            if in_parts:
+                return
             sent_to.update((b, url) for url, g in groups.items() for b in g if b in writes)
             plans = {url: request(g) for url, g in groups.items()}
 
@@ -203,6 +209,8 @@ class RoundClient:
             if partial is None:
                 raise
             raise partial from exc
+        if in_parts:
+            return self._round_in_parts(vecs, by_id, pushed, wanted, seq, out)
         return out
 
     def _round_in_parts(

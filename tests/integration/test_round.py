@@ -32,7 +32,9 @@ INIT = {"kind": "normal", "std": 0.1, "seed": 3}
 TENSORS = [TensorSpec("fc.w", (600, 500)), TensorSpec("fc.b", (600,)), TensorSpec("c.w", (40, 25))]
 
 
-async def start_two(tmp_path: Path) -> tuple[list[ParameterServer], list, list[str]]:
+async def start_two(
+    tmp_path: Path, **overrides: object
+) -> tuple[list[ParameterServer], list, list[str]]:
     servers, runners, urls = [], [], []
     halves = [list(range(0, N_BUCKETS // 2)), list(range(N_BUCKETS // 2, N_BUCKETS))]
     for i, buckets in enumerate(halves):
@@ -40,7 +42,7 @@ async def start_two(tmp_path: Path) -> tuple[list[ParameterServer], list, list[s
         cfg = PsConfig(
             port=port, data_port=free_port(), token=TOKEN, data_dir=str(tmp_path / f"ps{i}"),
             owner_threads=2, flush_interval=3600, n_buckets=N_BUCKETS, buckets=buckets,
-            max_shard_elems=50_000,
+            max_shard_elems=50_000, **overrides,
         )  # fmt: skip
         ps = ParameterServer(cfg)
         runners.append(await aweb.serve(ps.make_app(), "127.0.0.1", port))
@@ -260,3 +262,35 @@ async def test_the_pipeline_refuses_a_depth_beyond_its_bound(tmp_path: Path) -> 
 
     with pytest.raises(ValueError, match="depth must be 0 or 1"):
         RowPipeline(object(), depth=2)
+
+
+async def test_a_round_over_the_servers_limits_goes_in_parts_with_the_same_result(
+    tmp_path: Path,
+) -> None:
+    """max_body 256 KiB: a round of a 1.2 MB dense delta is sent as push_fc parts, push_rows
+    and pull_rows (more than one request per server), with the separate pushes' values."""
+    servers, runners, urls = await start_two(tmp_path, max_body=256 << 10)
+    try:
+
+        def run() -> None:
+            layout = twins()
+            with PSClient(StaticRouting(urls, N_BUCKETS), layout, TOKEN) as pc:
+                define(pc)
+                rng = np.random.default_rng(2)
+                w = rng.standard_normal((600, 500), np.float32)
+                ids = rng.integers(0, 1000, 64)
+                g = rng.standard_normal((64, 4), np.float32)
+                before = pc.dp_requests + pc.http_requests
+                got = pc.round(
+                    dense={"r.fc.w": w}, rows={"r.emb": (ids, g)}, fetch_rows={"r.emb": ids}
+                )
+                assert pc.dp_requests + pc.http_requests - before > 2
+                pc.push_dense_many({"s.fc.w": w})
+                pc.push_rows("s.emb", ids, g)
+                np.testing.assert_array_equal(got["r.emb"], pc.pull_rows("s.emb", ids))
+                vals, _ = pc.pull(["r.fc.w", "s.fc.w"])
+                np.testing.assert_array_equal(vals["r.fc.w"], vals["s.fc.w"])
+
+        await asyncio.to_thread(run)
+    finally:
+        await stop(servers, runners)
