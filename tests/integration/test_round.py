@@ -294,3 +294,18 @@ async def test_a_round_over_the_servers_limits_goes_in_parts_with_the_same_resul
         await asyncio.to_thread(run)
     finally:
         await stop(servers, runners)
+
+
+def test_a_rounds_tables_are_named_to_the_run_check() -> None:
+    """A run's token may only name its own tables: a round names them inside `rows` and
+    `fetch_rows`, so the tenancy check must see them (else a run could push another's rows)."""
+    from adamps.server.tenancy import RUN_OPS, _names
+
+    msg = {
+        "op": "round",
+        "layers": {"a..w": {"shards": ["a..w/0"]}},
+        "rows": [{"table": "b..emb", "ids": None}],
+        "fetch_rows": [{"table": "c..emb"}],
+    }
+    assert {"a..w", "a..w/0", "b..emb", "c..emb"} <= set(_names(msg))
+    assert "round" in RUN_OPS
