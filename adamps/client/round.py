@@ -3,7 +3,8 @@ request per server (the ``round`` op, docs/protocol-ps.md), and its answer carri
 replica fetches next (ps-lite's ZPushPull shape).
 
 A round carries everything the replica sends (fully connected layers' activation and error
-vectors, dense deltas of other tensors, embedding tables' row gradients) and names the rows it
+vectors, dense deltas of other tensors, Strom's compressed updates, embedding tables' row
+gradients) and names the rows it
 fetches. Everything is checked whole before anything is sent (push_checks). Each bucket's writes
 ride the request to its primary under the round's one (client id, seq); on a retryable error the
 routing table is refreshed and only what was not answered is sent again, under the same pair, so
@@ -11,11 +12,12 @@ every bucket applies its part exactly once, rows included, also across a failove
 writes were acknowledged but whose fetch was not answered is asked again for its fetch alone.
 
 A round larger than the servers' request limits (``max_body``, ``max_shards_per_request``) is
-sent the older way, in parts (``_push_round_parts``, ``push_rows``, ``pull_rows``), each exactly
-once under its own pair.
+sent the older way, in parts (``_push_round_parts``, ``push_compressed``, ``push_rows``,
+``pull_rows``), each exactly once under its own pair.
 
-``RowPrefetch`` pipelines tables' rows (PERSIA, Monolith): the rows of batch t + 1 are fetched by
-the round that pushes batch t - 1's gradients... see its docstring for the staleness bound.
+``adamps.client.prefetch.RowPipeline`` pipelines tables' rows over rounds (PERSIA, Monolith):
+the next batch's rows are fetched while the current batch computes, with a bound on their
+staleness (its docstring, docs/training.md "Pipelined rows").
 
 ``use_act_err`` is the one rule, for both engines, for when a fully connected layer's update
 travels as vectors.
@@ -44,6 +46,14 @@ def use_act_err(k: int, m: int, n: int) -> bool:
     return k * (m + n) < m * n
 
 
+def _nbytes(update: Mapping[str, Any]) -> int:
+    """A compressed update's payload bytes (its words or Rice stream)."""
+    return sum(
+        len(v) if isinstance(v, bytes | bytearray) else int(getattr(v, "nbytes", 8))
+        for v in update.values()
+    )
+
+
 class _Bucket:
     """What one round sends to (and asks of) one bucket."""
 
@@ -68,14 +78,19 @@ class RoundClient:
         rows: Mapping[str, tuple[Any, np.ndarray]] | None = None,
         fetch_rows: Mapping[str, Any] | None = None,
         seq: int | None = None,
+        compressed: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> dict[str, np.ndarray]:
         """One round: `fc` (layer -> (a [k, N], e [k, M])), `dense` (tensor -> delta), `rows`
-        (table -> (ids, grads), duplicate ids summed) applied exactly once under one (client id,
+        (table -> (ids, grads), duplicate ids summed) and `compressed` (shard id -> Strom
+        update, as push_compressed's) applied exactly once under one (client id,
         seq); returns the rows of `fetch_rows` (table -> ids) read after this round's writes
         (table -> [len(ids), dim] float32). One request per server when it fits the servers'
         limits."""
         vecs = {n: checks.fc(self.layout, n, a, e) for n, (a, e) in (fc or {}).items()}
         by_id = self._dense_by_shard(dense or {})
+        signs = dict(compressed or {})
+        if signs:
+            checks.compressed(self.layout, signs)
         pushed: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for t, (ids, grads) in (rows or {}).items():
             ids = as_ids(ids)
@@ -87,13 +102,18 @@ class RoundClient:
             if not len(ids):
                 out[t] = np.empty((0, self.tables.get(t, 0)), np.float32)
                 del wanted[t]
-        if not (vecs or by_id or pushed or wanted):
+        if not (vecs or by_id or signs or pushed or wanted):
             return out
         seq = self.next_seq() if seq is None else seq
         layer_of = {s.id: n for n in vecs for s in self.layout.shards_of[n]}
+        twice = sorted(set(signs) & (set(by_id) | set(layer_of)) | (set(by_id) & set(layer_of)))
+        if twice:
+            raise ValueError(f"a round names shards twice (one update each): {twice[:5]}")
         shards = [s for n in vecs for s in self.layout.shards_of[n]]
         shards += [self.layout.shards[sid] for sid in by_id]
+        shards += [self.layout.shards[sid] for sid in signs]
         size = sum(int(by_id[s.id].nbytes) if s.id in by_id else 0 for s in shards)
+        size += sum(_nbytes(u) for u in signs.values())
         size += sum(a.nbytes + e.nbytes for a, e in vecs.values()) + PER_SHARD * len(shards)
         size += sum(i.nbytes + g.nbytes for i, g in pushed.values())
         size += sum(i.nbytes + 4 * i.size * self.tables.get(t, 0) for t, i in wanted.items())
@@ -123,12 +143,16 @@ class RoundClient:
             """The round's fields for `group` (its buckets), and each fetch's positions."""
             layers: dict[str, dict[str, Any]] = {}
             ids_: list[str] = []
+            comp: dict[str, dict[str, Any]] = {}
             row_pos: dict[str, list[np.ndarray]] = {}
             fetch_pos: dict[str, list[np.ndarray]] = {}
             for b in group:
                 u = buckets[b]
                 if b not in written:
                     for s in u.shards:
+                        if s.id in signs:
+                            comp[s.id] = dict(signs[s.id])
+                            continue
                         name = layer_of.get(s.id)
                         if name is None:
                             ids_.append(s.id)
@@ -147,6 +171,8 @@ class RoundClient:
             if ids_:  # one array for all: the server decodes and bounds it once
                 f["dense_shards"] = ids_
                 f["dense"] = np.concatenate([by_id[i].reshape(-1) for i in ids_])
+            if comp:
+                f["compressed"] = comp
             if row_pos:
                 f["rows"] = []
                 for t, ps in row_pos.items():
@@ -210,22 +236,26 @@ class RoundClient:
                 raise
             raise partial from exc
         if in_parts:
-            return self._round_in_parts(vecs, by_id, pushed, wanted, seq, out)
+            return self._round_in_parts(vecs, by_id, signs, pushed, wanted, seq, out)
         return out
 
     def _round_in_parts(
         self,
         vecs: Mapping[str, tuple[np.ndarray, np.ndarray]],
         by_id: Mapping[str, np.ndarray],
+        signs: Mapping[str, Mapping[str, Any]],
         pushed: Mapping[str, tuple[np.ndarray, np.ndarray]],
         wanted: Mapping[str, np.ndarray],
         seq: int,
         out: dict[str, np.ndarray],
     ) -> dict[str, np.ndarray]:
         """A round too large for one request per server: the dense half in parts under `seq`
-        (push_fc rounds), each table's rows in a push_rows, then the fetches."""
+        (push_fc rounds), the compressed updates in a push_compressed, each table's rows in a
+        push_rows, then the fetches."""
         if vecs or by_id:
             self._push_round_parts(vecs, by_id, seq)
+        if signs:
+            self.push_compressed(signs)
         for t, (ids, grads) in pushed.items():
             self.push_rows(t, ids, grads)
         for t, ids in wanted.items():

@@ -2,7 +2,8 @@
 next, in one request (ps-lite's ZPushPull shape; issue 36 item 2).
 
 A round names, all optional (at least one): ``layers``, ``dense_shards`` + ``dense`` (as a
-``push_fc`` round), ``rows`` (a list of ``{"table", "ids", "grads"}``, each as a
+``push_fc`` round), ``compressed`` (shard -> Strom update, as ``push_compressed``'s
+``shards``), ``rows`` (a list of ``{"table", "ids", "grads"}``, each as a
 ``push_rows``) and ``fetch_rows`` (a list of ``{"table", "ids"}``, each as a ``pull_rows``).
 Nothing here decides how a write is applied: the dense half decodes into the parts push_fc
 produces (``WritePath.decode_round``), each table's rows into the parts push_rows produces
@@ -18,11 +19,12 @@ writes is a read only (nothing is replicated).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from adamps.protocol import ProtocolError
 from adamps.server.tableops import TableOps
-from adamps.server.writepath import WritePath
+from adamps.server.writepath import WritePath, compressed_wire
 
 #: most tables one round may push or fetch (each entry is checked and cut on its own)
 MAX_TABLES = 64
@@ -53,6 +55,14 @@ class RoundOp:
         row_pushes = _entries(msg, "rows")
         fetches = _entries(msg, "fetch_rows")
         wire, dense_parts = self.writes.decode_round(msg, empty_ok=True)
+        signs: list[tuple[Any, Any, Any]] = []
+        if "compressed" in msg:  # Strom's updates of other shards, as push_compressed's
+            decode, large = self.writes.compressed_decoder({"shards": msg["compressed"]})
+            signs = await asyncio.to_thread(decode) if large else decode()
+            named = {st.id for _wire_states, _ in wire for st in _wire_states}
+            if any(st.id in named for st, _u, _d in signs):
+                raise ProtocolError("bad_request", "round names a shard twice")
+            wire += compressed_wire(signs)
         row_parts = []
         n_rows = 0
         for entry in row_pushes:
@@ -65,12 +75,12 @@ class RoundOp:
         checked = [await self.rows.check_pull(entry) for entry in fetches]
         if not wire and not checked:
             raise ProtocolError(
-                "bad_request", "round needs 'layers', 'dense', 'rows' or 'fetch_rows'"
+                "bad_request", "round needs 'layers', 'dense', 'compressed', 'rows' or 'fetch_rows'"
             )
         if wire:
 
             def parts() -> list[tuple[Any, Any]]:
-                out = dense_parts()
+                out = dense_parts() + [(st, u) for st, u, _d in signs]
                 for p in row_parts:
                     out += p()
                 return out

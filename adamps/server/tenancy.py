@@ -60,7 +60,7 @@ def _names(msg: dict[str, Any]) -> list[str]:
         v = msg.get(f)
         if v is not None:
             out.append(v)
-    for f in ("tensors", "shards", "layers", "dense_shards"):
+    for f in ("tensors", "shards", "layers", "dense_shards", "compressed"):
         v = msg.get(f)
         if isinstance(v, dict):
             out += list(v)

@@ -63,6 +63,14 @@ def compressed_codes(updates: dict[Any, Any]) -> int:
     return total
 
 
+def compressed_wire(
+    parts: list[tuple[ShardState, Signs, Any]],
+) -> list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]]:
+    """The compact (replication) form of a decoded push_compressed: its compressed form."""
+    return [([st], lambda sts, u=u, d=d: sign_update(sts[0].id, u.tau, wire_form(d)))
+            for st, u, d in parts]  # fmt: skip
+
+
 class WritePath:
     """Pushes (event-loop thread)."""
 
@@ -300,11 +308,8 @@ class WritePath:
             decode, large = self.compressed_decoder(msg)
             parts = await asyncio.to_thread(decode) if large else decode()
         return await self._replicate_or_apply(
-            msg,
-            [([st], lambda sts, u=u, d=d: sign_update(sts[0].id, u.tau, wire_form(d)))
-             for st, u, d in parts],
-            lambda: [(st, u) for st, u, _ in parts],
-        )  # fmt: skip
+            msg, compressed_wire(parts), lambda: [(st, u) for st, u, _ in parts]
+        )
 
     # -- the data plane ---------------------------------------------------------------------------
 

@@ -309,3 +309,61 @@ def test_a_rounds_tables_are_named_to_the_run_check() -> None:
     }
     assert {"a..w", "a..w/0", "b..emb", "c..emb"} <= set(_names(msg))
     assert "round" in RUN_OPS
+
+
+async def test_compressed_updates_ride_the_round(tmp_path: Path) -> None:
+    """Strom's updates of some shards (``compressed``, as push_compressed's) in the same round
+    as dense deltas and rows: one request per server, the separate pushes' values bit for bit;
+    a shard named twice (dense and compressed) is refused by the client and by the server."""
+    servers, runners, urls = await start_two(tmp_path)
+    try:
+        layout = twins()
+        sgd = {"kind": "sgd", "lr": 0.5}
+
+        def run() -> None:
+            with PSClient(StaticRouting(urls, N_BUCKETS), layout, TOKEN) as pc:
+                for spec in layout.tensors.values():
+                    pc.create(spec, init=INIT, optimizer=sgd)
+                pc.create_table("r.emb", 4, init=INIT, optimizer=sgd)
+                pc.create_table("s.emb", 4, init=INIT, optimizer=sgd)
+                idx = np.array([1, 7, 900, 4_000, 49_999], np.uint32)
+                words = (idx << 1) | np.array([0, 1, 0, 1, 1], np.uint32)
+
+                def comp(p: str) -> dict:
+                    return {
+                        s.id: {"tau": 0.25, "words": words} for s in layout.shards_of[p + "fc.w"]
+                    }
+
+                d = {"fc.b": np.ones(600, np.float32)}
+                ids = np.arange(0, 100, 3)
+                g = np.ones((len(ids), 4), np.float32)
+                before = pc.dp_requests + pc.http_requests
+                pc.round(
+                    dense={"r.fc.b": d["fc.b"]}, compressed=comp("r."), rows={"r.emb": (ids, g)}
+                )
+                assert pc.dp_requests + pc.http_requests - before == 2
+                pc.push_dense_many({"s.fc.b": d["fc.b"]})
+                pc.push_compressed(comp("s."))
+                pc.push_rows("s.emb", ids, g)
+                vals, _ = pc.pull(["r.fc.w", "s.fc.w", "r.fc.b", "s.fc.b"])
+                np.testing.assert_array_equal(vals["r.fc.w"], vals["s.fc.w"])
+                np.testing.assert_array_equal(vals["r.fc.b"], vals["s.fc.b"])
+                np.testing.assert_array_equal(
+                    pc.pull_rows("r.emb", ids), pc.pull_rows("s.emb", ids)
+                )
+                with pytest.raises(ValueError, match="twice"):
+                    pc.round(dense={"r.fc.w": vals["r.fc.w"]}, compressed=comp("r."))
+
+        await asyncio.to_thread(run)
+        c = AsyncRpc(urls[0], TOKEN)
+        sid = next(s.id for s in layout.shards_of["r.c.w"] if layout.bucket_of[s.id] < 4)
+        words = np.array([2], np.uint32)
+        with pytest.raises(RpcError) as info:
+            await c.call(
+                "round", client="c", seq=1, dense_shards=[sid],
+                dense=np.ones(1000, np.float32), compressed={sid: {"tau": 0.1, "words": words}},
+            )  # fmt: skip
+        assert info.value.code == "bad_request" and "twice" in str(info.value)
+        await c.close()
+    finally:
+        await stop(servers, runners)
