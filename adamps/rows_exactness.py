@@ -78,7 +78,7 @@ class RowsExactnessLoad(ExactnessLoad):
             with self.out.lock:
                 self.sent_at.update(dict.fromkeys(ids, sent))
             try:
-                self.client.push_rows(self.table, np.array(ids, np.int64), ones)
+                self.push(np.array(ids, np.int64), ones)
             except PartialPushError as exc:
                 self._partly(ids, exc)
                 continue
@@ -100,6 +100,10 @@ class RowsExactnessLoad(ExactnessLoad):
                 self.out.ack_times += [(now, i) for i in ids]
             if self.pause:
                 self._stop.wait(self.pause)
+
+    def push(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        """One push of the load (a subclass may send it another way: a ``round``)."""
+        self.client.push_rows(self.table, ids, grads)
 
     def _partly(self, ids: list[int], exc: PartialPushError) -> None:
         """A push whose buckets answered apart (issue 39): the ids of the buckets that applied

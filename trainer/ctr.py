@@ -31,9 +31,10 @@ from typing import Any
 import numpy as np
 
 from adamps.client import ControllerRouting, PSClient, push_checks
+from adamps.client.prefetch import DEPTH, RowPipeline
 from adamps.layout import Layout, TensorSpec
 from trainer.ctr_data import CtrData, CtrSpec, auc
-from trainer.embedding import Embedding
+from trainer.embedding import lookup, row_grads
 
 TABLE = "ctr_emb"
 N_BUCKETS = 64
@@ -53,6 +54,9 @@ class CtrConfig:
     seed: int = 1
     #: the cluster's bucket count (a client routes ids and shards by it)
     n_buckets: int = N_BUCKETS
+    #: rounds in flight while a batch computes (adamps.client.prefetch: the rows a batch uses
+    #: lack at most this many of the replica's own rounds; 0: none, no overlap)
+    depth: int = DEPTH
 
     def n_steps(self) -> int:
         return max(1, self.examples // self.batch)
@@ -121,29 +125,50 @@ def train_replica(
     names = [t.name for t in mlp_specs(spec, cfg)]
     t0, c0 = time.perf_counter(), time.process_time()
     losses = []
-    with client_for(controllers, token, spec, cfg) as client:
-        client.tables[TABLE] = cfg.dim
-        emb = Embedding(client, TABLE, cfg.dim)
-        dense_bytes = 0
-        for step in range(cfg.n_steps()):
+    cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Batch `step`'s (ids, labels), drawn once (its ids are fetched ahead of it)."""
+        if step not in cache:
             ids, y, _ = data.examples(cfg.batch, cfg.seed + r * 1_000_000 + step)
-            x = emb.forward(ids).reshape(len(y), -1)
+            cache[step] = (ids, y)
+        return cache[step]
+
+    row_bytes = 0
+    n = cfg.n_steps()
+    with (
+        client_for(controllers, token, spec, cfg) as client,
+        RowPipeline(client, cfg.depth) as pipe,
+    ):
+        client.tables[TABLE] = cfg.dim
+        dense_bytes = 0
+        for step in range(min(n, cfg.depth + 1)):
+            pipe.prime({TABLE: lookup(batch(step)[0])[0]})
+        for step in range(n):
+            ids, y = cache.pop(step)
+            uniq, inv = lookup(ids)
+            x = pipe.next()[TABLE][inv].reshape(len(y), -1)
             params, _ = client.pull(names)
             loss, grads, dx = gradients(x, y, params)
             # the step whole first (issue 39): a NaN in the MLP's gradients must not follow rows
             # already pushed
             for name, g in {"dx": dx, **grads}.items():
                 push_checks.bounded(name, g)
-            emb.backward(dx.reshape(len(y), spec.n_fields, cfg.dim))
-            client.push_dense_many(grads)
+            g_rows = row_grads(inv, dx.reshape(len(y), spec.n_fields, cfg.dim), len(uniq))
+            ahead = step + 1 + cfg.depth
+            fetch = {TABLE: lookup(batch(ahead)[0])[0]} if ahead < n else None
+            # one round per step: rows and the MLP's gradients pushed, rows fetched ahead
+            pipe.round(dense=grads, rows={TABLE: (uniq, g_rows)}, fetch_rows=fetch)
+            row_bytes += 2 * uniq.nbytes + 2 * g_rows.nbytes
             dense_bytes += 2 * sum(v.nbytes for v in grads.values())
             losses.append(loss)
+        pipe.flush()  # the last rounds' acknowledgements (and errors)
     return {
         "replica": r,
         "examples": cfg.n_steps() * cfg.batch,
         "seconds": time.perf_counter() - t0,
         "cpu_seconds": time.process_time() - c0,
-        "row_bytes_per_step": emb.bytes_moved / cfg.n_steps(),
+        "row_bytes_per_step": row_bytes / cfg.n_steps(),
         "dense_bytes_per_step": dense_bytes / cfg.n_steps(),
         "first_loss": float(np.mean(losses[:20])),
         "last_loss": float(np.mean(losses[-20:])),

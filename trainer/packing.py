@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from adamps.client.round import use_act_err
 from trainer.layers import Dense
 from trainer.model import Model
 
-
-def use_vectors(k: int, m: int, n: int) -> bool:
-    """Send k activation/error vector pairs instead of the M x N delta (Adam 3.2.6)?"""
-    return k * (m + n) < m * n
+#: send k activation/error vector pairs instead of the M x N delta (Adam 3.2.6)? The one rule of
+#: both engines, the round client's
+use_vectors = use_act_err
 
 
 # -- what a round produces, and the coalescing push queue -------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps.client import PSClient, push_checks
+from adamps.client import PSClient
 from trainer.metrics import TrainerMetrics
 from trainer.packing import PushItem, push_parts
 from trainer.push_queue import PushQueue
@@ -64,8 +64,8 @@ class Pusher:
                 self.m.queue.set(len(self.queue))
 
     def push(self, item: PushItem) -> None:
-        """One item: its fc vectors and dense deltas in one request per server
-        (``PSClient.push_round``), its compressed updates (with --compress) in another."""
+        """One item: its fc vectors, dense deltas and compressed updates (with --compress) in
+        one round, one request per server (``PSClient.round``)."""
         client = self.client
         dense: dict[str, np.ndarray] = {}
         fc: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -89,17 +89,13 @@ class Pusher:
             nbytes = sum(x.nbytes for x in arrays)
             self.m.bytes_pushed.labels(kind).inc(nbytes)
             self.bytes_pushed += nbytes
-        if compressed and (fc or dense):
-            # the whole item checked before its round is sent (issue 39): a bad compressed
-            # update must not follow a round already applied
-            push_checks.compressed(client.layout, compressed)
-        if fc or dense:
-            client.push_round(fc, dense)
+        if fc or dense or compressed:
+            # one round, one request per server (adamps/client/round.py), checked whole first
+            client.round(fc, dense, compressed=compressed)
             if dense:
                 self.m.pushes.labels("dense").inc()
-        if compressed:
-            client.push_compressed(compressed)
-            self.m.pushes.labels("compressed").inc()
+            if compressed:
+                self.m.pushes.labels("compressed").inc()
 
     def _count_compression(self, st: Any) -> None:
         assert self.compressor is not None

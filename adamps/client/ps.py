@@ -44,6 +44,7 @@ from adamps.client.partial import PartialPushError, partial_of  # noqa: F401 - r
 from adamps.client.parts import HEADROOM, PER_SHARD, Limits, Unit, chunk, pack, plan_push
 from adamps.client.pool import DataPlanePool
 from adamps.client.retry import RetryPolicy
+from adamps.client.round import RoundClient
 from adamps.client.routing import (  # noqa: F401 - re-exported: where they were before
     ControllerRouting,
     Route,
@@ -119,7 +120,7 @@ def retryable(exc: BaseException) -> bool:
     return isinstance(exc, ConnectionError | TimeoutError)
 
 
-class PSClient(RowsClient):
+class PSClient(RoundClient, RowsClient):
     """Pull and push whole tensors of a model held by the parameter servers, and rows of its
     embedding tables (rows_client.py)."""
 
@@ -392,41 +393,10 @@ class PSClient(RowsClient):
         dense: Mapping[str, np.ndarray],
         seq: int | None = None,
     ) -> None:
-        """A trainer's round in one request per server: the (a, e) vectors of fully connected
-        weights (as `push_fc`) and the dense deltas of other whole tensors (as
-        `push_dense_many`), applied exactly once under one (client id, seq). One request
-        instead of one per layer plus a push_dense: each request costs a server's event loop
-        and this client's thread more than the arithmetic it carries (issue 27)."""
-        vecs = {n: checks.fc(self.layout, n, a, e) for n, (a, e) in fc.items()}
-        by_id = self._dense_by_shard(dense)
-        layer_of = {s.id: n for n in vecs for s in self.layout.shards_of[n]}
-        shards = [s for n in vecs for s in self.layout.shards_of[n]]
-        shards += [self.layout.shards[sid] for sid in by_id]
-
-        def fields(group: list[Shard]) -> dict[str, Any]:
-            layers: dict[str, dict[str, Any]] = {}
-            ids = []
-            for s in group:
-                name = layer_of.get(s.id)
-                if name is None:
-                    ids.append(s.id)
-                    continue
-                a, e = vecs[name]
-                layers.setdefault(name, {"a": a, "e": e, "shards": []})["shards"].append(s.id)
-            out: dict[str, Any] = {"layers": layers}
-            if ids:  # one array for all: the server decodes and bounds it once
-                out["dense_shards"] = ids
-                out["dense"] = np.concatenate([by_id[i].reshape(-1) for i in ids])
-            return out
-
-        self._push(
-            "push_fc",
-            shards,
-            fields,
-            seq,
-            size_of=lambda s: int(by_id[s.id].nbytes) if s.id in by_id else 0,
-            fixed=sum(a.nbytes + e.nbytes for a, e in vecs.values()),  # every part carries them
-        )
+        """A trainer's round of fc vectors (as `push_fc`) and dense deltas (as
+        `push_dense_many`): `round` (adamps/client/round.py) without rows or fetches, one
+        request per server, applied exactly once under one (client id, seq)."""
+        self.round(fc, dense, seq=seq)
 
     def _push(
         self,

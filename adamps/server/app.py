@@ -43,6 +43,7 @@ from adamps.server.persist import Persister, Position
 from adamps.server.psmetrics import PsMetrics
 from adamps.server.reads import Reads
 from adamps.server.replicate import Replicator
+from adamps.server.roundop import RoundOp
 from adamps.server.rowdelta import sid_of_key
 from adamps.server.scrub import Scrubber
 from adamps.server.shards import Snapshot, StoreError
@@ -168,8 +169,12 @@ class ParameterServer:
         self.vectors = VectorOps(self.store, self.addressing, self.writes)
         #: embedding tables' rows (tableops.py), on /rpc and the data plane
         self.rows = TableOps(cfg, self.store, self.writes, self.replicator)
+        #: a replica's whole round in one request per server (roundop.py)
+        self.round = RoundOp(self.writes, self.rows)
         self.data_plane.messages.update(
-            pull_rows=self.rows.op_pull_rows, push_rows=self.rows.op_push_rows
+            pull_rows=self.rows.op_pull_rows,
+            push_rows=self.rows.op_push_rows,
+            round=self.round.op_round,
         )
         self._closed = False
         #: "METHOD /path" of every HTTP route (set by make_app)
@@ -196,6 +201,7 @@ class ParameterServer:
             "list_tables": self.catalog.tables.op_list_tables,
             "pull_rows": self.rows.op_pull_rows,
             "push_rows": self.rows.op_push_rows,
+            "round": self.round.op_round,
             "ckpt_read": self.checkpoints.op_ckpt_read,
             "ckpt_install": self.checkpoints.op_ckpt_install,
             "ckpt_hold": self.checkpoints.op_ckpt_hold,

@@ -109,7 +109,22 @@ class TableOps:
         return t, ids, states, parts
 
     async def op_pull_rows(self, msg: dict[str, Any]) -> dict[str, Any]:
-        t, ids, states, parts = await self._request(msg, "pull_rows")
+        return {"rows": await self.gather(*await self._request(msg, "pull_rows"))}
+
+    async def check_pull(self, msg: dict[str, Any]) -> Any:
+        """A pull's checks (role, table, held buckets), done now; `gather` it later (a
+        ``round``'s fetch, checked before its writes and read after them)."""
+        return await self._request(msg, "pull_rows")
+
+    async def gather(
+        self,
+        t: TableState,
+        ids: np.ndarray,
+        states: dict[int, RowShardState],
+        parts: dict[int, np.ndarray],
+    ) -> np.ndarray:
+        """The rows of a checked pull, read on the row shards' owner threads (after every
+        update queued to them before)."""
         out = np.empty((len(ids), t.spec.dim), np.float32)
 
         def gather(st: RowShardState) -> int:
@@ -121,9 +136,16 @@ class TableOps:
 
         sts = list(states.values())
         await owner_future(lambda cb: self.store.call(sts, gather, cb))
-        return {"rows": out}
+        return out
 
     async def op_push_rows(self, msg: dict[str, Any]) -> dict[str, Any]:
+        n, wire, parts = await self.decode_push(msg)
+        await self.writes.replicate_or_apply(msg, wire, parts)
+        return {"rows": n, "versions": {}}
+
+    async def decode_push(self, msg: dict[str, Any]) -> tuple[int, Any, Any]:
+        """A push_rows' fields checked whole and cut by bucket: (ids, wire, parts), what
+        `replicate_or_apply` takes (also one table's rows of a ``round``, roundop.py)."""
         t, ids, states, parts = await self._request(msg, "push_rows")
         if not len(ids):
             raise ProtocolError("bad_request", "push_rows needs at least one id")
@@ -156,7 +178,4 @@ class TableOps:
             ([st], lambda _sts, st=st, i=i, g=g: row_update(st.id, i, g, now))
             for st, i, g in pieces
         ]
-        await self.writes.replicate_or_apply(
-            msg, wire, lambda: [(st, RowPush(i, g, now)) for st, i, g in pieces]
-        )
-        return {"rows": len(ids), "versions": {}}
+        return len(ids), wire, lambda: [(st, RowPush(i, g, now)) for st, i, g in pieces]

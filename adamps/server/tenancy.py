@@ -44,10 +44,11 @@ RUN_OPS = frozenset(
     {
         "create", "pull", "push_dense", "push_fc", "push_compressed", "describe", "list",
         "create_table", "list_tables", "pull_rows", "push_rows", "vec", "vec_dot", "clock",
+        "round",
     }
 )  # fmt: skip
 #: ops whose bytes count against push_bytes_per_s
-PUSH_OPS = frozenset({"push_dense", "push_fc", "push_compressed", "push_rows", "vec"})
+PUSH_OPS = frozenset({"push_dense", "push_fc", "push_compressed", "push_rows", "vec", "round"})
 #: fewest seconds between two fetches caused by an unknown token
 MISS_INTERVAL = 0.5
 
@@ -59,7 +60,7 @@ def _names(msg: dict[str, Any]) -> list[str]:
         v = msg.get(f)
         if v is not None:
             out.append(v)
-    for f in ("tensors", "shards", "layers", "dense_shards"):
+    for f in ("tensors", "shards", "layers", "dense_shards", "compressed"):
         v = msg.get(f)
         if isinstance(v, dict):
             out += list(v)
@@ -75,6 +76,10 @@ def _names(msg: dict[str, Any]) -> list[str]:
                 out += shards
             elif shards is not None:
                 out.append(shards)
+    for f in ("rows", "fetch_rows"):  # a round's tables (roundop.py)
+        entries = msg.get(f)
+        if isinstance(entries, list):
+            out += [x.get("table") for x in entries if isinstance(x, dict)]
     return out
 
 

@@ -63,6 +63,14 @@ def compressed_codes(updates: dict[Any, Any]) -> int:
     return total
 
 
+def compressed_wire(
+    parts: list[tuple[ShardState, Signs, Any]],
+) -> list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]]:
+    """The compact (replication) form of a decoded push_compressed: its compressed form."""
+    return [([st], lambda sts, u=u, d=d: sign_update(sts[0].id, u.tau, wire_form(d)))
+            for st, u, d in parts]  # fmt: skip
+
+
 class WritePath:
     """Pushes (event-loop thread)."""
 
@@ -164,6 +172,17 @@ class WritePath:
         request: validated whole before anything is queued, applied under one (client, seq).
         One request instead of one per layer plus a push_dense: issue 27's profile found the
         server's event loop spending more per request than the owner threads per update."""
+        wire, parts = self.decode_round(msg)
+        return await self._replicate_or_apply(msg, wire, parts)
+
+    def decode_round(
+        self, msg: dict[str, Any], empty_ok: bool = False
+    ) -> tuple[
+        list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]],
+        Callable[[], list[tuple[ShardState, Any]]],
+    ]:
+        """push_fc's fields checked whole: (wire, parts), what `replicate_or_apply` takes. Also
+        the dense half of a ``round`` (roundop.py; `empty_ok`: a round may carry rows alone)."""
         fc: list[tuple[str, Any, np.ndarray, np.ndarray, list[ShardState]]] = []
         if "layers" in msg:
             layers = require(msg, "layers", dict)
@@ -173,10 +192,10 @@ class WritePath:
                         "bad_request", "field 'layers' must map tensor names to {a, e, shards}"
                     )
                 fc.append(self._fc_layer(name, layer))
-        elif "dense" not in msg or "tensor" in msg:
+        elif "tensor" in msg or ("dense" not in msg and not empty_ok):
             fc.append(self._fc_layer(require(msg, "tensor", str), msg))
         dense = self._dense_round(msg) if "dense" in msg else []
-        if not fc and not dense:
+        if not fc and not dense and not empty_ok:
             raise ProtocolError("bad_request", "push_fc needs 'tensor', or 'layers' or 'dense'")
         if len(fc) + len(dense) > 1:
             named = [st.id for *_, sts in fc for st in sts] + [st.id for st, _ in dense]
@@ -194,7 +213,7 @@ class WritePath:
                 out += fc_parts(t, a, e, states)
             return out + dense
 
-        return await self._replicate_or_apply(msg, wire, parts)
+        return wire, parts
 
     def _dense_round(self, msg: dict[str, Any]) -> list[tuple[ShardState, Dense]]:
         """A round's dense deltas: `dense_shards` (ids) and `dense`, their values one after the
@@ -289,11 +308,8 @@ class WritePath:
             decode, large = self.compressed_decoder(msg)
             parts = await asyncio.to_thread(decode) if large else decode()
         return await self._replicate_or_apply(
-            msg,
-            [([st], lambda sts, u=u, d=d: sign_update(sts[0].id, u.tau, wire_form(d)))
-             for st, u, d in parts],
-            lambda: [(st, u) for st, u, _ in parts],
-        )  # fmt: skip
+            msg, compressed_wire(parts), lambda: [(st, u) for st, u, _ in parts]
+        )
 
     # -- the data plane ---------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from adamps.client import push_checks
+from adamps.client.round import use_act_err
 from adamps.torch.hooks import ActErrCapture
 from adamps.torch.params import Param
 from adamps.torch.remote import RemoteModel, flat_view, server_shape
@@ -65,12 +66,6 @@ class PushCounts:
     fc_dense_bytes: int = 0
     forms: dict[str, int] = field(default_factory=lambda: {"fc": 0, "dense": 0, "compressed": 0})
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def use_act_err(k: int, shape: Sequence[int]) -> bool:
-    """Adam 3.2.6: k activation and error vectors are smaller than the M x N gradient."""
-    m, n = shape
-    return k * (m + n) < m * n
 
 
 class WorkerDownpour:
@@ -119,8 +114,9 @@ class WorkerDownpour:
         rows = self.capture.take() if self.capture is not None else {}
         table_grads = [(t, t.take_grads()) for t in self.tables]
         self._check(grads, rows, table_grads)
-        for t, tg in table_grads:
-            t.push_grads(tg)
+        #: the tables' row gradients of this step (server table -> (ids, grads)): they ride
+        #: this step's round, every step (the next forward pulls the rows they update)
+        row_grads = dict(got for t, tg in table_grads if (got := t.round_rows(tg)) is not None)
         with torch.no_grad():
             for p in self.params:
                 g = grads.get(p.tensor)
@@ -137,8 +133,15 @@ class WorkerDownpour:
                 else:
                     acc += gn
         self.steps += 1
+        if row_grads and self._q is not None:
+            # Asynchronous pushes stay behind: the rows go now, alone, so that the next
+            # forward reads them (as before: a table's rows are never pushed late).
+            self.remote.push([], row_grads)
+            row_grads = {}
         if self.steps % self.n_push == 0:
-            self.push()
+            self.push(row_grads)
+        elif row_grads:
+            self._do(("push", [], row_grads))
         if self.steps % self.n_fetch == 0:
             self.fetch()
 
@@ -172,7 +175,7 @@ class WorkerDownpour:
             dense_bytes = 4 * shape[0] * shape[1]
             with c.lock:
                 c.fc_dense_bytes += dense_bytes
-            if use_act_err(a.shape[0], shape):
+            if use_act_err(a.shape[0], *shape):  # the round client's rule, both engines'
                 parts.append(("fc", tensor, np.ascontiguousarray(a), np.ascontiguousarray(e)))
             else:
                 parts.append(("dense", tensor, e.T @ a))
@@ -182,11 +185,12 @@ class WorkerDownpour:
         self._dense = {}
         return parts
 
-    def push(self) -> None:
-        """Sends what accumulated since the last push (nothing if nothing did)."""
+    def push(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+        """Sends what accumulated since the last push (nothing if nothing did), and `rows`
+        (table -> (ids, grads)) in the same round."""
         parts = self.parts()
-        if parts:
-            self._do(("push", parts))
+        if parts or rows:
+            self._do(("push", parts, rows or {}))
 
     def fetch(self) -> None:
         """The servers' values into the shared parameters, plus this worker's unsent residuals."""
@@ -246,18 +250,20 @@ class WorkerDownpour:
 
     def _carry(self, item: tuple[Any, ...]) -> None:
         if item[0] == "push":
-            self._send(item[1])
+            self._send(item[1], item[2])
         else:
             self._fetch_queued = False
             self._pull()
 
-    def _send(self, parts: list[tuple[Any, ...]]) -> None:
-        if self.compressor is not None:
+    def _send(
+        self, parts: list[tuple[Any, ...]], rows: Mapping[str, tuple[np.ndarray, np.ndarray]]
+    ) -> None:
+        if self.compressor is not None and parts:
             parts, _ = self.compressor.compress(parts)
-        nbytes = self.remote.push(parts)
+        nbytes = self.remote.push(parts, rows)
         c = self.counts
         with c.lock:
-            c.pushes += 1
+            c.pushes += bool(parts)  # (a round of rows alone is not a push of the model's)
             c.bytes_pushed += nbytes
             for kind, name, *arrays in parts:
                 c.forms[kind] = c.forms.get(kind, 0) + 1

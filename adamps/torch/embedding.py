@@ -229,16 +229,26 @@ class _RowTable(nn.Module):
 
     def push_grads(self, grads: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """Pushes row gradients (ids, grads) in one push_rows (duplicate ids are summed)."""
+        got = self.round_rows(grads)
+        if got is not None:
+            self._binding.client.push_rows(got[0], *got[1])
+
+    def round_rows(
+        self, grads: list[tuple[np.ndarray, np.ndarray]]
+    ) -> tuple[str, tuple[np.ndarray, np.ndarray]] | None:
+        """Row gradients (ids, grads) as one entry of a round's rows (server table, (ids,
+        grads)), counted as moved; None when no id has one."""
         grads = [(u, g) for u, g in grads if len(u)]  # a batch without ids has no row to push
         if not grads:
-            return
+            return None
         b = self._binding
         if len(grads) == 1:
             u, g = grads[0]
         else:
             u, g = np.concatenate([x[0] for x in grads]), np.concatenate([x[1] for x in grads])
-        b.client.push_rows(b.table, u, g)
         self.bytes_moved += u.nbytes + g.nbytes
+        assert b.table is not None
+        return b.table, (u, g)
 
     def take_leaf(self) -> torch.Tensor | None:
         """This thread's last forward's rows leaf (None if none), forgotten here: the input

@@ -23,7 +23,6 @@ from adamps.client import (
     ControllerRouting,
     PSClient,
     StaticRouting,
-    push_checks,
     routing_from_table,
 )
 from adamps.client.rpc import RpcError, SyncRpc, get_json
@@ -171,11 +170,15 @@ class RemoteModel:
         got, _ = self.client.pull([p.tensor for p in self.params])
         return {p.name: got[p.tensor].reshape(p.shape) for p in self.params}
 
-    def push(self, parts: Sequence[tuple[Any, ...]]) -> int:
+    def push(
+        self,
+        parts: Sequence[tuple[Any, ...]],
+        rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> int:
         """Sends a push's parts in gradient units: ``("fc", t, a, e)``, ``("dense", t, g)``,
-        ``("compressed", t, Encoded)`` (trainer/compress.py's forms): the fc vectors and dense
-        gradients in one exactly-once request per server (``PSClient.push_round``), the
-        compressed updates in another. Every part is checked before any is sent (issue 39: a
+        ``("compressed", t, Encoded)`` (trainer/compress.py's forms), and embedding tables'
+        `rows` (server table -> (ids, grads)): the fc vectors, dense gradients, compressed
+        updates and rows in one exactly-once round, one request per server (``PSClient.round``). Every part is checked before any is sent (issue 39: a
         NaN anywhere refuses the whole push, nothing applied). Returns the array payload bytes
         sent."""
         fc: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -193,15 +196,8 @@ class RemoteModel:
                 g = arrays[0].reshape(self.layout.tensors[name].shape)
                 dense[name] = g
                 nbytes += g.nbytes
-        if compressed and (fc or dense):
-            # checked before the round is sent (push_compressed checks it again: it is small)
-            push_checks.compressed(self.layout, compressed)
-        if fc:
-            self.client.push_round(fc, dense)
-        elif dense:
-            self.client.push_dense_many(dense)
-        if compressed:
-            self.client.push_compressed(compressed)
+        if fc or dense or rows or compressed:  # one request per server (adamps/client/round.py)
+            self.client.round(fc, dense, rows=rows, compressed=compressed)
         return nbytes
 
     def close(self) -> None:

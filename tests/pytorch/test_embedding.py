@@ -213,3 +213,24 @@ def test_a_modules_admission_reaches_the_servers_table(ps_url: str, token: str) 
         client.close()
     with pytest.raises(at.ModelError, match="admission"):
         at.Embedding(None, DIM, table="t", admission=50)
+
+
+@pytest.mark.timeout(120)
+def test_a_step_with_rows_is_one_request_per_server(ps_url: str, token: str) -> None:
+    """Issue 36: DownpourOptimizer.step() sends the rows' gradients in the step's round with the
+    head's gradients (PSClient.round): one request to the one server, not a push_rows beside
+    the dense push (two, before). The forward's pull_rows and the fetch are their own."""
+    data = bags()[:5]
+    emb = at.Embedding(None, DIM, table="items", lr=LR, init=INIT)
+    model = Net(emb)
+    dp = at.DownpourOptimizer(model, ps=[ps_url], lr=LR, run="emb-round", token=token, n_fetch=1000)
+    client = dp.conn.remote.client
+    sent = []
+    for ids, y in data:
+        dp.zero_grad()
+        nn.functional.mse_loss(model(ids), y).backward()
+        before = client.dp_requests + client.http_requests
+        dp.step()
+        sent.append(client.dp_requests + client.http_requests - before)
+    dp.close()
+    assert sent == [1] * len(data), sent

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="adamps.torch needs torch")
 from torch import nn  # noqa: E402
 
-from adamps.torch.downpour import use_act_err  # noqa: E402
+from adamps.client.round import use_act_err  # noqa: E402
 from adamps.torch.hooks import ActErrCapture  # noqa: E402
 from adamps.torch.params import linear_weights, model_params  # noqa: E402
 
@@ -67,6 +67,15 @@ def test_rows_give_the_weight_gradient() -> None:
 
 
 def test_act_err_rule() -> None:
-    assert use_act_err(64, (128, 512))  # 64 * 640 < 65,536
-    assert not use_act_err(103, (128, 512))
-    assert not use_act_err(32, (10, 128))  # the head: 32 * 138 > 1,280
+    assert use_act_err(64, 128, 512)  # 64 * 640 < 65,536
+    assert not use_act_err(103, 128, 512)
+    assert not use_act_err(32, 10, 128)  # the head: 32 * 138 > 1,280
+
+
+def test_both_engines_share_the_round_clients_act_err_rule() -> None:
+    """Issue 36: the rule exists once, in adamps/client/round.py, for both engines."""
+    import adamps.torch.downpour as torch_downpour
+    import trainer.packing as packing
+
+    assert packing.use_vectors is use_act_err
+    assert torch_downpour.use_act_err is use_act_err

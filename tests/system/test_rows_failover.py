@@ -164,3 +164,57 @@ def test_a_server_restarted_without_its_data_answers_row_and_fc_requests_not_pri
             assert (client.pull(["w"])[0]["w"] == 1.0).all()  # e.T @ a, with lr -1
         finally:
             client.close()
+
+
+class RoundLoad(RowsExactnessLoad):
+    """The rows load sent as rounds (adamps/client/round.py): each pushes its two ids' +1 and
+    fetches the same ids, which must read 1.0 (its own write, applied once) in the answer."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        #: (ids, values fetched) of every round whose answer was not all 1.0
+        self.bad_fetches: list[tuple[list[int], list[float]]] = []
+
+    def push(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        got = self.client.round(rows={self.table: (ids, grads)}, fetch_rows={self.table: ids})
+        vals = got[self.table][:, 0]
+        if not (vals == 1.0).all():
+            self.bad_fetches.append((ids.tolist(), vals.tolist()))
+
+
+def test_primary_sigkill_under_rounds_applies_each_exactly_once(tmp_path: Path) -> None:
+    """Issue 36 item 2: a round refused by a server (its primary SIGKILLed: a lost connection,
+    then not_primary or unavailable until the controllers promote a secondary) is sent again
+    under the same (client, seq) to the new primary, and every bucket applies it exactly once:
+    acknowledged ids read exactly 1, failed ones 0, unknown ones 0 or 1; and each round's fetch,
+    answered with its writes, reads its own +1 once."""
+    with running_cluster(tmp_path, n_servers=4) as c:
+        client = PSClient(
+            ControllerRouting(c.controllers), Layout([], N_BUCKETS), TOKEN, timeout=10.0
+        )
+        load = RoundLoad(client, threads=4, retry_for=20.0)
+        load.create()
+        load.start()
+        try:
+            time.sleep(1.5)
+            view = c.cluster()
+            victim = max(
+                c.server_ids,
+                key=lambda s: sum(1 for b in view["buckets"] if b["primary"] == s),
+            )
+            before = load.acked_count()
+            requests = client.dp_requests + client.http_requests
+            c.kill(victim)
+            time.sleep(2 * LEASE + 3)
+            load.stop()
+            values = load.read()
+            counts = load.check(values)
+            print(f"outcomes: {counts}; killed {victim} after {before} acknowledged")
+            assert counts["acked"] > before + 50, "too few rounds acknowledged after the kill"
+            assert client.retries > 0, "no round was retried: the kill did not hit one"
+            assert client.dp_requests + client.http_requests > requests
+            assert load.bad_fetches == [], load.bad_fetches[:5]
+            digests_agree(c)
+        finally:
+            load.stop(timeout=30)
+            client.close()
