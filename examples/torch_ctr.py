@@ -7,6 +7,13 @@ held-out examples beside the planted truth's.
     python examples/torch_ctr.py --local --replicas 2 --examples 200000   # starts a cluster
     python examples/torch_ctr.py --controllers 127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103
 
+or through the command line, with the data sets of ``task()`` instead of the data servers:
+
+    adamps up --torch examples.torch_ctr:task --target-accuracy 0.6 --epochs 2 \
+        --train-arg batch_size=256 --train-arg lr=0.02 --train-arg optimizer=adagrad
+
+(the held-out "accuracy" the views and --target-accuracy read is then the task's metric: AUC).
+
 The model is ``CtrNet`` (also usable in a loop of one's own). Human-readable lines, then one JSON
 object of the figures as the last line.
 """
@@ -50,6 +57,27 @@ class CtrNet(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.emb(ids).reshape(len(ids), -1)).squeeze(1)
+
+
+def ctr_auc(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """The Task's held-out metric: AUC of the logits."""
+    return auc(targets.numpy(), outputs.numpy())
+
+
+def task(examples: int = 100_000, test: int = 20_000, seed: int = 1) -> at.Task:
+    """``adamps up --torch examples.torch_ctr:task``: CtrNet, its loss (binary cross-entropy on
+    the logit), its own data sets (the planted-truth workload) and AUC as the held-out metric."""
+    data = CtrData(CtrSpec())
+    ids, y, _ = data.examples(examples, seed)
+    tids, ty, _ = data.examples(test, -1 % (1 << 32))
+    TD = torch.utils.data.TensorDataset
+    return at.Task(
+        model=CtrNet(CtrSpec().n_fields),
+        loss=nn.BCEWithLogitsLoss(),
+        train=TD(torch.from_numpy(ids), torch.from_numpy(y)),
+        test=TD(torch.from_numpy(tids), torch.from_numpy(ty)),
+        metric=ctr_auc,
+    )
 
 
 def make_model(args: Any) -> CtrNet:

@@ -219,7 +219,8 @@ class Run:
         alloc = c.port_alloc
         common = [
             "train", "--controllers", ",".join(c.controllers),
-            "--dataservers", ",".join(f"http://{d}" for d in c.dataservers),
+            *(["--dataservers", ",".join(f"http://{d}" for d in c.dataservers)]
+              if c.dataservers else []),
             "--n-replicas", str(a.trainers), "--epochs", str(a.epochs),
             "--workers", str(a.workers), "--partitions", str(a.partitions),
         ]  # fmt: skip
@@ -410,6 +411,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         check_args(args)
+        if args.torch:  # the factory and one batch, before any process starts or file is made
+            from adamps.up.torch_check import check_torch
+
+            if check_torch(args):  # the task brings its data sets: no data server
+                args.dataservers = 0
     except UsageError as exc:
         print(f"adamps up: error: {exc}", file=sys.stderr)
         return 2
