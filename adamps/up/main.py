@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from adamps import tls
+from adamps.extras import MissingExtra
 from adamps.progress import LOG_INTERVAL, Progress
 from adamps.up.cluster import LocalCluster
 from adamps.up.flags import UsageError, build_parser, check_args
@@ -322,8 +323,6 @@ class Run:
 
     def finish(self) -> tuple[float | None, str]:
         """Prints the figures and the plot's path; (held-out accuracy, summary line)."""
-        from adamps.plot import plot_iterations, plot_run
-
         a = self.a
         sums = [trainer_summary(p) for _n, p, _ in self.trainers]
         history = read_history(self.history_path)
@@ -342,16 +341,10 @@ class Run:
             f"adamps up: {a.torch or 'adam-mnist'}, {a.trainers} replicas x {a.workers} worker(s), "
             f"{a.servers} PS, {after}"
         )
-        if sandblaster:
-            plot = plot_iterations(
-                self.run / "training.png", read_history(self.iterations_path), title=title,
-                target=a.target_accuracy,
-            )  # fmt: skip
-        else:
-            plot = plot_run(
-                self.run / "training.png", history, self.samples, t0=self.t_train, title=title,
-                target=a.target_accuracy,
-            )  # fmt: skip
+        try:
+            plot = self._plot(title, history)
+        except MissingExtra as exc:  # the run's figures stand without it
+            plot = f"none ({exc})"
         wall = time.time() - self.t_start
         acc_s = "unknown" if acc is None else f"{acc * 100:.2f}%"
         self.say(f"held-out accuracy: {acc_s} after {after} (1,000 held-out images)")
@@ -377,6 +370,21 @@ class Run:
         }  # fmt: skip
         (self.run / "result.json").write_text(json.dumps(result, indent=1) + "\n")
         return acc, acc_s
+
+    def _plot(self, title: str, history: list[dict[str, Any]]) -> Any:
+        from adamps.plot import plot_iterations, plot_run
+
+        a = self.a
+        if a.algorithm == "sandblaster":
+            return plot_iterations(
+                self.run / "training.png", read_history(self.iterations_path), title=title,
+                target=a.target_accuracy,
+            )  # fmt: skip
+        else:
+            return plot_run(
+                self.run / "training.png", history, self.samples, t0=self.t_train, title=title,
+                target=a.target_accuracy,
+            )  # fmt: skip
 
     def stop(self) -> None:
         """Stops every child: trainers first, then data and parameter servers, controllers last
