@@ -23,7 +23,9 @@ BUILTIN_CLASSES = 10
 
 def images(x: np.ndarray) -> torch.Tensor:
     """uint8 images [b, h, w] or [b, h, w, c] -> float32 [b, c, h, w] in [0, 1]."""
-    t = torch.from_numpy(np.ascontiguousarray(x)).to(torch.float32).div_(255.0)
+    # converted in numpy: a new, writable array (the data servers' arrays are read-only views of
+    # the received bytes, and torch warns about every tensor made from a read-only array)
+    t = torch.from_numpy(np.array(x, dtype=np.float32)).div_(255.0)  # always a copy
     if t.dim() == 3:
         return t.unsqueeze(1)
     if t.dim() == 4:
@@ -34,7 +36,7 @@ def images(x: np.ndarray) -> torch.Tensor:
 def dataserver_batches(batches: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, labels) of a data-server epoch iterator (``DataClient.epoch(...)``)."""
     for b in batches:
-        yield images(b.x), torch.from_numpy(np.asarray(b.y, dtype=np.int64))
+        yield images(b.x), torch.from_numpy(np.array(b.y, dtype=np.int64))  # a writable copy
 
 
 def heldout(data: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -153,8 +153,14 @@ class TorchTrainer:
 
         window: list[tuple[float, int]] = []  #: (time, images so far) of recent minibatches
 
+        failovers = rep.conn.remote.client.failovers
+        seen = {"failovers": 0}
+
         def on_batch(n: int, loss: float) -> None:
             with lock:
+                if failovers.count > seen["failovers"]:  # each one is logged by the client
+                    self.m.failovers.inc(failovers.count - seen["failovers"])
+                    seen["failovers"] = failovers.count
                 self.step += 1
                 self.result.images += n
                 self.m.images.inc(n)
@@ -208,6 +214,7 @@ class TorchTrainer:
                 "pushes": c.pushes, "fetches": c.fetches,
                 "bytes_pushed": c.bytes_pushed, "linear_bytes": c.fc_bytes,
                 "linear_dense_bytes": c.fc_dense_bytes, "forms": c.forms,
+                "failovers": failovers.count,
             }))  # fmt: skip
         return self.result
 
