@@ -24,6 +24,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -57,6 +58,10 @@ class CtrNet(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.emb(ids).reshape(len(ids), -1)).squeeze(1)
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)  # progress while it runs (the replicas are processes of their own)
 
 
 def ctr_auc(outputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -102,6 +107,7 @@ def train_replica(args: dict[str, Any], r: int) -> dict[str, Any]:
     loss_fn = nn.BCEWithLogitsLoss()
     t0, c0, losses = time.perf_counter(), time.process_time(), []
     steps = args["examples"] // args["batch"]
+    every = max(1, steps // 10)  # about ten progress lines per replica
     for step in range(steps):
         ids, y, _ = data.examples(args["batch"], args["seed"] + r * 1_000_000 + step)
         opt.zero_grad()
@@ -109,6 +115,9 @@ def train_replica(args: dict[str, Any], r: int) -> dict[str, Any]:
         loss.backward()  # pushes the rows' gradients (one push_rows)
         opt.step()  # pushes the MLP's
         losses.append(float(loss.detach()))
+        if (step + 1) % every == 0 or step + 1 == steps:
+            say(f"  replica {r}: step {step + 1}/{steps}, loss {np.mean(losses[-every:]):.4f}, "
+                f"{(step + 1) * args['batch'] / (time.perf_counter() - t0):.0f} examples/s")  # fmt: skip
     opt.close()
     return {
         "examples": steps * args["batch"],
@@ -142,7 +151,9 @@ def evaluate(args: dict[str, Any]) -> dict[str, float]:
 
 def run(args: dict[str, Any]) -> dict[str, Any]:
     """Creates the run's tensors and table (replica 0's values), trains the replicas, evaluates."""
+    say("creating the run's tensors and table ...")
     connect(make_model(args), args, create=True).close()
+    say(f"training {args['replicas']} replicas, {args['examples']} examples each ...")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [
@@ -158,6 +169,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise RuntimeError(f"a replica failed: {errors[0]}")
+    say(f"evaluating on {args['test']} held-out examples ...")
     ev = evaluate(args)
     examples = sum(r["examples"] for r in results)
     return {
@@ -198,17 +210,25 @@ def main(argv: list[str] | None = None) -> int:
     args = {k: v for k, v in vars(a).items() if k not in ("local", "controllers")}
     args["token"] = a.token or os.environ.get("ADAMPS_TOKEN") or ("torch-ctr" if a.local else None)
     if a.local:
-        from adamps.up.cluster import FAST_CONTROLLER_OPTS, LocalCluster
+        from adamps.up.cluster import LocalCluster
 
-        c = LocalCluster(
-            Path(tempfile.mkdtemp(prefix="adamps-torch-ctr-")), token=args["token"], n_servers=3,
-            n_buckets=64, controller_opts=FAST_CONTROLLER_OPTS, ps_opts={"log-level": "WARNING"},
-        )  # fmt: skip
-        c.start(timeout=60)
+        # the controllers' documented default timeouts (a busy machine must not look dead), and
+        # the cluster's directory removed at the end
+        root = Path(tempfile.mkdtemp(prefix="adamps-torch-ctr-"))
         try:
-            res = run({**args, "controllers": c.controllers})
+            say(f"starting a local cluster (3 controllers, 3 parameter servers) in {root} ...")
+            c = LocalCluster(
+                root, token=args["token"], n_servers=3, n_buckets=64,
+                ps_opts={"log-level": "WARNING"},
+            )  # fmt: skip
+            try:
+                c.start(timeout=120)
+                say("cluster ready")
+                res = run({**args, "controllers": c.controllers})
+            finally:
+                c.stop()
         finally:
-            c.stop()
+            shutil.rmtree(root, ignore_errors=True)
     else:
         res = run({**args, "controllers": a.controllers.split(",")})
     print(
