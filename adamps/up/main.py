@@ -347,7 +347,10 @@ class Run:
             plot = f"none ({exc})"
         wall = time.time() - self.t_start
         acc_s = "unknown" if acc is None else f"{acc * 100:.2f}%"
-        self.say(f"held-out accuracy: {acc_s} after {after} (1,000 held-out images)")
+        if a.torch and a.dataservers == 0:  # an adamps.torch.Task's own test set and metric
+            self.say(f"held-out metric (the task's): {acc_s} after {after}")
+        else:
+            self.say(f"held-out accuracy: {acc_s} after {after} (1,000 held-out images)")
         self.say(
             f"throughput: {rate:,.0f} images/s ({images:,} training images by {len(good)} "
             f"replica{'' if len(good) == 1 else 's'} in {secs:.1f} s)"

@@ -105,6 +105,7 @@ def test_up_torch_ctr_task_with_its_own_datasets(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((run / "result.json").read_text())
     assert result["heldout_accuracy"] >= 0.6, result  # AUC (planted truth: ~0.8)
+    assert "held-out metric (the task's): " in out.stdout, out.stdout[-2000:]
     assert result["images"] == 2 * 6_000, result  # each epoch: every example once, 2 replicas
     history = [json.loads(x) for x in (run / "history.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in history] == [1, 2]
