@@ -11,25 +11,25 @@ incremental save (``base``) writes only what changed since an earlier checkpoint
 The manifest is written last, after every file is complete and synced: a directory without
 one is not a checkpoint. ``restore`` checks everything (format version, every file's size and
 checksum, the layout against the target cluster, the target's emptiness) before its first
-write; its writes go through the servers' one write path (``ckpt_install``)."""
+write; its writes go through the servers' one write path (``ckpt_install``; adamps/ckpt_restore.py)."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import os
+import re
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from adamps import tls
+from adamps import clusters, tls
+from adamps.ckpt_cluster import WAIT, Cluster
 from adamps.ckpt_format import (  # noqa: F401 (re-exported: the format's names live there)
     FORMAT,
     MANIFEST,
@@ -41,9 +41,8 @@ from adamps.ckpt_format import (  # noqa: F401 (re-exported: the format's names 
     write_file,
     write_manifest,
 )
-from adamps.client import retry
-from adamps.client.ps import ControllerRouting, PSClient, Routing, retryable
-from adamps.client.rpc import RpcError, SyncRpc
+from adamps.ckpt_restore import install, restore  # noqa: F401 (re-exported)
+from adamps.client.rpc import RpcError
 from adamps.layout import Layout, TensorSpec
 
 #: buckets read at once by a save
@@ -51,78 +50,18 @@ READERS = 4
 #: seconds a consistent cut's write hold lasts at most (it is released as soon as every
 #: server copied its buckets; the expiry is for a save tool that dies meanwhile)
 HOLD_SECONDS = 5.0
-#: attempts at a consistent cut before the save fails
+#: attempts at a consistent cut before the save fails (at least; more within WAIT)
 CUT_ATTEMPTS = 3
-#: bytes of shards per ckpt_install request (under the servers' max_body)
-INSTALL_CHUNK = 32 << 20
-
-
-class Cluster:
-    """The controllers' routing and one connection per server (the operator's side)."""
-
-    def __init__(
-        self,
-        controllers: list[str],
-        token: str | None,
-        retry_for: float = 60.0,
-        source: Any = None,
-    ):
-        self.controllers = controllers
-        self.token = token if token is not None else os.environ.get("ADAMPS_TOKEN")
-        #: where the routing table comes from (the controllers, or a client's static routing)
-        self.source = source if source is not None else ControllerRouting(controllers)
-        self.retry_for = retry_for
-        #: one connection per server and thread (a SyncRpc is one keep-alive connection)
-        self._local = threading.local()
-        self._all: list[SyncRpc] = []
-        self._lock = threading.Lock()
-
-    def rpc(self, url: str) -> SyncRpc:
-        rpcs = getattr(self._local, "rpcs", None)
-        if rpcs is None:
-            rpcs = self._local.rpcs = {}
-        if url not in rpcs:
-            rpcs[url] = SyncRpc(url, self.token, 60.0)
-            with self._lock:
-                self._all.append(rpcs[url])
-        return rpcs[url]
-
-    def routing(self) -> Routing:
-        return self.source.fetch(self.rpc)
-
-    def on_primary(self, b: int, fn: Callable[[SyncRpc, int], Any]) -> Any:
-        """fn(rpc of bucket b's primary, attempt number), again on a fresh routing table after
-        a failover."""
-
-        def attempt(n: int) -> Any:
-            route = self.routing().routes.get(b)
-            if route is None:
-                raise RpcError("unavailable", f"bucket {b} has no primary")
-            return fn(self.rpc(route.primary), n)
-
-        return retry.call(retry.RetryPolicy(self.retry_for), attempt, retryable)
-
-    def server_status(self) -> list[dict[str, Any]]:
-        return [self.rpc(u).get_json("/status") for u in self.routing().servers()]
-
-    def controller_json(self, path: str) -> Any:
-        for url in self.controllers:
-            try:
-                return self.rpc(url).get_json(path)
-            except (RpcError, ConnectionError, TimeoutError, OSError):
-                continue
-        return None
-
-    def close(self) -> None:
-        for r in self._all:
-            r.close()
+#: the files a save writes before its manifest: what a failed save's directory may hold
+_SAVE_FILE_RE = re.compile(r"\.?bucket-\d{4,}\.safetensors(\.tmp)?|\.manifest\.json\.tmp")
 
 
 # -- save ----------------------------------------------------------------------------------------
 
 
 def _claim(to: Path) -> None:
-    """Makes `to` the new checkpoint's directory: new, empty, or a failed save's (no manifest).
+    """Makes `to` the new checkpoint's directory: new, empty, or a failed save's (no manifest,
+    only the data files a save writes).
     A complete checkpoint there is refused, never overwritten: a mistyped --to would otherwise
     replace an older backup (and a save that then failed left neither)."""
     if (to / MANIFEST).exists():
@@ -132,6 +71,19 @@ def _claim(to: Path) -> None:
         )
     if to.exists() and not to.is_dir():
         raise CheckpointError(f"{to} is a file, not a directory")
+    # Anything else in a non-empty directory is someone's data: a save would mix its files in
+    # (and a later series prune could delete them).
+    try:
+        foreign = sorted(p.name for p in to.iterdir() if not _SAVE_FILE_RE.fullmatch(p.name))
+    except FileNotFoundError:
+        foreign = []
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {to}: {exc.strerror or exc}") from None
+    if foreign:
+        raise CheckpointError(
+            f"{to} is not empty and not a checkpoint (it holds {foreign[:3]}"
+            f"{' ...' if len(foreign) > 3 else ''}): save into a new or empty directory"
+        )
     try:
         to.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -171,14 +123,18 @@ def save(
         return {"versions": versions}
 
     held = None
-    for attempt in range(1, CUT_ATTEMPTS + 1) if consistent else ():
-        # A cut that met a failover (a bucket without a primary) is taken again, a few times.
+    until = time.monotonic() + cluster.retry_for
+    for attempt in itertools.count(1) if consistent else ():
+        # A cut that met a failover (a bucket without a primary, a crashed server not declared
+        # dead yet) is taken again, at least CUT_ATTEMPTS times and until the deadline.
         try:
             held = _hold_all(cluster, n_buckets, hold_seconds)
             break
-        except CheckpointError:
-            if attempt == CUT_ATTEMPTS:
-                raise
+        except CheckpointError as exc:
+            if attempt >= CUT_ATTEMPTS and time.monotonic() + 1.0 > until:
+                raise CheckpointError(
+                    f"{exc} (still after {attempt} attempts in {cluster.retry_for:g} s, --wait)"
+                ) from None
             time.sleep(1.0)
 
     def read_bucket(b: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -289,7 +245,8 @@ def _hold_all(cluster: Cluster, n_buckets: int, seconds: float) -> dict[str, Any
     copy is (server URL, [epoch, seq]) and how long writes were held, as this side saw it
     (from the first hold sent to the last release answered: the longest stall a push saw)."""
     cut = uuid.uuid4().hex
-    servers = cluster.routing().servers()
+    # A crashed server is left out: its buckets are then missing from the cut (tried again)
+    servers = [url for url, _rpc in cluster.live_servers()]
     t0 = time.perf_counter()
     try:
         with ThreadPoolExecutor(len(servers)) as pool:
@@ -370,124 +327,17 @@ def _relative(name: str, base: Path | None) -> str:
     return name if name.startswith("../") else f"../{base.name}/{name}"
 
 
-# -- restore ---------------------------------------------------------------------------------------
-
-
-def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
-    """The checkpoint in `src` onto the cluster: checked whole first, then installed bucket by
-    bucket on each primary (which replicates it)."""
-    t0 = time.perf_counter()
-    manifest, arrays, rows = load(src)
-    statuses = cluster.server_status()
-    if not statuses:
-        raise CheckpointError("the cluster has no parameter server to restore onto")
-    n_buckets = int(statuses[0]["n_buckets"])
-    max_shard = int(statuses[0]["config"]["max_shard_elems"])
-    if rows and n_buckets != manifest["n_buckets"]:
-        raise CheckpointError(
-            f"{src / MANIFEST}: layout mismatch: the checkpoint's embedding rows are hashed "
-            f"into {manifest['n_buckets']} buckets, the cluster has {n_buckets}"
-        )
-    held = sorted({n for s in statuses for n in s.get("tensors", {})})
-    if held and not force:
-        raise CheckpointError(
-            f"the cluster already holds tensors {held[:5]}: restore onto an empty cluster, "
-            "or pass --force to overwrite"
-        )
-    for s in statuses:
-        for name, shape in s.get("tensors", {}).items():
-            mine = next((d for d in manifest["tensors"] if d["name"] == name), None)
-            if mine is not None and list(mine["shape"]) != list(shape):
-                raise CheckpointError(
-                    f"{src / MANIFEST}: layout mismatch: tensor {name!r} is {mine['shape']} "
-                    f"in the checkpoint, {shape} on the cluster"
-                )
-    specs = [TensorSpec(d["name"], tuple(d["shape"])) for d in manifest["tensors"]]
-    layout = Layout(specs, n_buckets=n_buckets, max_shard_elems=max_shard)
-    client = PSClient(cluster.source, layout, cluster.token, retry_for=cluster.retry_for)
-    try:
-        for d, spec in zip(manifest["tensors"], specs, strict=True):
-            client.create(spec, init={"kind": "zeros"}, optimizer=d["optimizer"])
-        for t in manifest["tables"]:
-            client.create_table(
-                t["name"], t["dim"], init=t.get("init"), optimizer=t.get("optimizer"),
-                admission=t.get("admission"),
-            )  # fmt: skip
-    finally:
-        client.close()
-    installed = install(cluster, layout, manifest["tensors"], arrays, rows, force)
-    return {"installed": installed, "seconds": time.perf_counter() - t0}
-
-
-def install(
-    cluster: Cluster,
-    layout: Layout,
-    tensors: list[dict[str, Any]],
-    arrays: dict[str, np.ndarray],
-    rows: dict[str, np.ndarray] | None = None,
-    force: bool = False,
-) -> int:
-    """Installs the values (and ``<name>/accum`` accumulators) of `tensors` (definitions with
-    a ``name``) and the row shards `rows` bucket by bucket on each primary with
-    ``ckpt_install``, through the one write path; returns the shards installed. The tensors
-    exist already (created with any values: an install overwrites them)."""
-    rows = rows or {}
-    per_bucket: dict[int, list[tuple[int, dict[str, Any]]]] = {}
-    for d in tensors:
-        name = d["name"]
-        flat = arrays[name].reshape(-1)
-        acc = arrays.get(f"{name}/accum")
-        accf = None if acc is None else acc.reshape(-1)
-        for s in layout.shards_of[name]:
-            rec: dict[str, Any] = {"v": np.ascontiguousarray(flat[s.start : s.stop])}
-            if accf is not None:
-                rec["a"] = np.ascontiguousarray(accf[s.start : s.stop])
-            per_bucket.setdefault(layout.bucket_of[s.id], []).append((s.id, rec))
-    row_bucket: dict[int, dict[str, Any]] = {}
-    for sid, a in rows.items():
-        b = int(sid.rsplit("/", 1)[1])
-        row_bucket.setdefault(b, {})[sid] = {"b": a.tobytes()}
-
-    def install_bucket(b: int) -> int:
-        chunks: list[dict[str, Any]] = []
-        size, cur = 0, {}
-        for sid, rec in per_bucket.get(b, []):
-            if cur and size + rec["v"].nbytes * 2 > INSTALL_CHUNK:
-                chunks.append(cur)
-                cur, size = {}, 0
-            cur[sid] = rec
-            size += rec["v"].nbytes * 2
-        if cur:
-            chunks.append(cur)
-        n = 0
-        # A retried install may find its own first attempt applied (the outcome of a timed-out
-        # or failed-over request is unknown): a retry overwrites with the same data, so it
-        # forces; a first attempt on a shard that took updates is refused by the server.
-        for chunk in chunks:
-            cluster.on_primary(
-                b,
-                lambda r, k, c=chunk: r.call(
-                    "ckpt_install", bucket=b, shards=c, force=force or k > 1
-                ),
-            )
-            n += len(chunk)
-        if b in row_bucket:
-            cluster.on_primary(
-                b,
-                lambda r, k: r.call(
-                    "ckpt_install", bucket=b, rows=row_bucket[b], force=force or k > 1
-                ),
-            )
-            n += len(row_bucket[b])
-        return n
-
-    # Buckets installed in parallel: their primaries and replication rounds are independent.
-    with ThreadPoolExecutor(READERS) as pool:
-        installed = sum(pool.map(install_bucket, range(layout.n_buckets)))
-    return installed
-
-
 # -- the command -----------------------------------------------------------------------------------
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 < v <= 3600:
+        raise argparse.ArgumentTypeError(f"must be seconds in (0, 3600], got {text!r}")
+    return v
 
 
 def main(argv: list[str]) -> int:
@@ -497,8 +347,14 @@ def main(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="action", required=True)
     for name, help_ in (("save", "save a running cluster's state"), ("restore", "restore it")):
         s = sub.add_parser(name, help=help_)
-        s.add_argument("--controllers", required=True, help="comma-separated controller URLs")
-        s.add_argument("--token", default=None, help="cluster token (default: $ADAMPS_TOKEN)")
+        clusters.add_arguments(s)
+        s.add_argument(
+            "--wait",
+            type=_seconds,
+            default=WAIT,
+            help=f"seconds to wait for a bucket's primary (a failover under way) before the "
+            f"command fails (default {WAIT:g})",
+        )
         tls.add_arguments(s)
         if name == "save":
             s.add_argument("--to", required=True, type=Path, help="directory to write")
@@ -519,10 +375,12 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         tls.install_from(args)  # a cluster with TLS on (docs/operations.md, "Security")
-    except ValueError as exc:
+        who = f"adamps checkpoint {args.action}"
+        target = clusters.resolve(args.controllers, args.token, args.cluster, who)
+    except ValueError as exc:  # TLS files, no such cluster, no token
         print(f"adamps checkpoint {args.action}: {exc}", file=sys.stderr)
         return 2
-    cluster = Cluster([c for c in args.controllers.split(",") if c], args.token)
+    cluster = Cluster(target.controllers, target.token, args.wait)
     try:
         if args.action == "save":
             m = save(cluster, args.to, consistent=args.consistent)
@@ -535,7 +393,8 @@ def main(argv: list[str]) -> int:
         print(f"adamps checkpoint {args.action}: {exc}", file=sys.stderr)
         return 1
     except (RpcError, ConnectionError, TimeoutError) as exc:
-        print(f"adamps checkpoint {args.action}: cluster error: {exc}", file=sys.stderr)
+        msg = clusters.explain(exc, target)
+        print(f"adamps checkpoint {args.action}: cluster error: {msg}", file=sys.stderr)
         return 1
     finally:
         cluster.close()

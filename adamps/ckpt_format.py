@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -34,12 +33,15 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save
 
+from adamps import ckpt_schema
+from adamps.optspec import OptimError, Optimizer, state_ranges
+
 FORMAT = 2
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 ROWS = "rows.safetensors"
-#: what a manifest's file entry may name: a file here, or one of a sibling checkpoint's
-_FILE_RE = re.compile(r"^(\.\./[A-Za-z0-9_.-]+/)?[A-Za-z0-9_.-]+\.safetensors$")
+#: what a manifest's file entry may name: a file here, or one of a sibling checkpoint's (fullmatch)
+_FILE_RE = ckpt_schema.FILE_RE
 
 
 class CheckpointError(Exception):
@@ -117,9 +119,11 @@ def read_manifest(src: Path) -> dict[str, Any]:
     if not mpath.is_file():
         raise CheckpointError(f"{mpath}: no manifest (not a checkpoint, or a save that failed)")
     try:
-        manifest = json.loads(mpath.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{mpath}: not valid JSON: {exc}") from None
+        manifest = ckpt_schema.parse(mpath)
+    except ckpt_schema.SchemaError as exc:
+        raise CheckpointError(f"{mpath}: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{mpath}: cannot read: {exc.strerror or exc}") from None
     fmt = manifest.get("format") if isinstance(manifest, dict) else None
     if not isinstance(fmt, int) or fmt < 1:
         raise CheckpointError(f"{mpath}: field 'format' must be a positive int, got {fmt!r}")
@@ -128,14 +132,16 @@ def read_manifest(src: Path) -> dict[str, Any]:
             f"{mpath}: format version {fmt} is newer than this adamps reads ({FORMAT}); "
             "upgrade adamps"
         )
-    if not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{mpath}: field 'files' must be an object")
+    try:
+        ckpt_schema.check(manifest)
+    except ckpt_schema.SchemaError as exc:
+        raise CheckpointError(f"{mpath}: {exc}") from None
     return manifest
 
 
 def checked_file(src: Path, name: str, want: Any) -> Path:
     """The path of file `name` of checkpoint `src`, its size and checksum those of `want`."""
-    if not isinstance(name, str) or not _FILE_RE.match(name):
+    if not isinstance(name, str) or not _FILE_RE.fullmatch(name):
         raise CheckpointError(f"{src / MANIFEST}: file name {name!r} is not a checkpoint file")
     if not isinstance(want, dict) or not {"bytes", "sha256"} <= set(want):
         raise CheckpointError(f"{src / MANIFEST}: file {name}: needs 'bytes' and 'sha256'")
@@ -191,20 +197,31 @@ def _assemble(
         name, shape = d["name"], tuple(d["shape"])
         size = int(np.prod(shape, dtype=np.int64))
         value = np.empty(size, np.float32)
-        accum = np.zeros(size, np.float32) if _has_accum(d) else None
+        opt = _optimizer(d, mpath)
+        mine = [(sid, rec) for sid, rec in shards.items() if rec.get("tensor") == name]
+        spans = [(int(rec["start"]), int(rec["stop"])) for _sid, rec in mine]
+        where = state_ranges(opt, spans) if opt is not None and opt.has_accumulator else None
+        accum = None
+        if where is not None:
+            accum = np.zeros(max((hi for _lo, hi in where), default=0), np.float32)
         covered = 0
-        for sid, rec in shards.items():
-            if rec.get("tensor") != name:
-                continue
-            start, stop = int(rec["start"]), int(rec["stop"])
+        for k, (sid, rec) in enumerate(mine):
+            start, stop = spans[k]
             v = piece(sid, rec, sid)
             if v.size != stop - start or not 0 <= start < stop <= size:
                 raise CheckpointError(
                     f"{mpath}: shard {sid!r}: {v.size} values for [{start}, {stop})"
                 )
             value[start:stop] = v.reshape(-1)
-            if accum is not None and rec.get("accum"):
-                accum[start:stop] = piece(sid, rec, f"{sid}/accum").reshape(-1)
+            if accum is not None and where is not None and rec.get("accum"):
+                lo, hi = where[k]
+                a = piece(sid, rec, f"{sid}/accum").reshape(-1)
+                if a.size != hi - lo:
+                    raise CheckpointError(
+                        f"{mpath}: shard {sid!r}: an optimizer state of {a.size} elements, "
+                        f"{opt.kind if opt else '?'} keeps {hi - lo}"
+                    )
+                accum[lo:hi] = a
             covered += stop - start
         if covered != size:
             raise CheckpointError(
@@ -212,13 +229,22 @@ def _assemble(
             )
         arrays[name] = value.reshape(shape)
         if accum is not None:
-            arrays[f"{name}/accum"] = accum.reshape(shape)
+            # the legacy Adagrad's accumulator is shaped like the tensor; the torch kinds'
+            # states are flat (optspec.state_ranges)
+            arrays[f"{name}/accum"] = accum.reshape(shape) if accum.size == size else accum
     rows = {sid: piece(sid, rec, sid) for sid, rec in manifest.get("row_shards", {}).items()}
     return arrays, rows
 
 
-def _has_accum(d: dict[str, Any]) -> bool:
-    return d.get("optimizer", {}).get("kind") == "adagrad"
+def _optimizer(d: dict[str, Any], mpath: Path) -> Optimizer | None:
+    """A tensor definition's optimizer (a definition written before the torch kinds reads as
+    the legacy Adagrad, optspec.py); None without one."""
+    if not d.get("optimizer"):
+        return None
+    try:
+        return Optimizer.from_dict(d["optimizer"])
+    except OptimError as exc:
+        raise CheckpointError(f"{mpath}: tensor {d.get('name')!r}: {exc}") from None
 
 
 def referenced(src: Path) -> set[Path]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from adamps.ckpt_format import MANIFEST, read_manifest, referenced
 
-_NAME_RE = re.compile(r"^ckpt-(\d{6})-t(\d+)$")
+_NAME_RE = re.compile(r"ckpt-([0-9]{6})-t([0-9]+)")  # fullmatch: "$" lets a final "\n" in
 
 
 def name_of(number: int, term: int) -> str:
@@ -27,7 +27,7 @@ def name_of(number: int, term: int) -> str:
 
 def order(p: Path) -> tuple[int, int]:
     """(number, term) of a series directory: the order they were taken in."""
-    m = _NAME_RE.match(p.name)
+    m = _NAME_RE.fullmatch(p.name)
     return (int(m[1]), int(m[2])) if m else (-1, -1)
 
 
@@ -35,7 +35,7 @@ def taken(root: Path) -> list[Path]:
     """The series' directories (complete or not), oldest first."""
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if _NAME_RE.match(p.name)), key=order)
+    return sorted((p for p in root.iterdir() if _NAME_RE.fullmatch(p.name)), key=order)
 
 
 def complete(root: Path) -> list[Path]:

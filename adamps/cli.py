@@ -12,6 +12,11 @@ import sys
 #: subcommand -> (module with main(argv), or "module:function", one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("adamps.up.main", "run the whole cluster as local processes and train adam-mnist"),
+    "down": ("adamps.up.detach:down_main", "stop a cluster started by `adamps up --detach`"),
+    "launch": (
+        "adamps.launch",
+        "start N replicas of a training script against a cluster (RANK, WORLD_SIZE, as torchrun)",
+    ),
     "ps": ("adamps.server.main", "run a parameter server"),
     "controller": ("controller.main", "run one controller node (Raft)"),
     "status": ("controller.status", "print the cluster's servers, buckets, leases and progress"),

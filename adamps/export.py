@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from adamps import tls
+from adamps import clusters, tls
 from adamps.checkpoint import CheckpointError, Cluster, load, save
 from adamps.client.rpc import RpcError
 
@@ -59,10 +59,9 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="adamps export", description=__doc__.split("\n\n")[0].replace("\n", " ")
     )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--from", dest="src", type=Path, help="checkpoint directory")
-    src.add_argument("--controllers", help="comma-separated controller URLs of a running cluster")
-    p.add_argument("--token", default=None, help="cluster token (default: $ADAMPS_TOKEN)")
+    p.add_argument("--from", dest="src", type=Path, help="checkpoint directory (default: the "
+                   "running cluster found as `adamps status` finds it)")  # fmt: skip
+    clusters.add_arguments(p)
     p.add_argument("--format", default="npz", help="npz, safetensors or torch (a state_dict)")
     p.add_argument("--run", default=None, help="--format torch: the run whose tensors to write")
     p.add_argument("--out", required=True, type=Path, help="file to write")
@@ -73,17 +72,22 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"adamps export: {exc}", file=sys.stderr)
         return 2
+    if args.src is not None and (args.controllers or args.cluster):
+        print("adamps export: give --from (a checkpoint) or a cluster, not both", file=sys.stderr)
+        return 2
     if args.format not in FORMATS:
         print(
             f"adamps export: --format {args.format!r}: expected one of {', '.join(FORMATS)}",
             file=sys.stderr,
         )
         return 2
+    target = None
     try:
         if args.src is not None:
             names = export(args.src, args.out, args.format, args.run)
         else:
-            cluster = Cluster([c for c in args.controllers.split(",") if c], args.token)
+            target = clusters.resolve(args.controllers, args.token, args.cluster, "adamps export")
+            cluster = Cluster(target.controllers, target.token)
             try:
                 with tempfile.TemporaryDirectory(prefix="adamps-export-") as tmp:
                     save(cluster, Path(tmp))
@@ -94,8 +98,11 @@ def main(argv: list[str]) -> int:
         print(f"adamps export: {exc}", file=sys.stderr)
         return 1
     except (RpcError, ConnectionError, TimeoutError) as exc:
-        print(f"adamps export: cluster error: {exc}", file=sys.stderr)
+        print(f"adamps export: cluster error: {clusters.explain(exc, target)}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # no such cluster, no token (clusters.ClusterError, TokenError)
+        print(f"adamps export: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:  # --out in a directory that does not exist or cannot be written
         print(f"adamps export: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 1

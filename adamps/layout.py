@@ -26,7 +26,7 @@ import numpy as np
 MAX_SHARD_ELEMS = 262_144  # 1 MB of float32 (Adam 3.3.1)
 DEFAULT_BUCKETS = 64
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}(@[A-Za-z0-9_.\-]{1,64})?$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}(@[A-Za-z0-9_.\-]{1,64})?")  # fullmatch, not "$"
 #: separates a tensor's name from the name of a vector stored beside it: tensor "w@g" is vector
 #: "g" of tensor "w" (Sandblaster, adamps/server/vecops.py), placed shard by shard with "w"
 VECTOR_SEP = "@"
@@ -43,7 +43,7 @@ class TensorSpec:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
             raise LayoutError(
                 f"tensor name {self.name!r} must be 1-128 characters of letters, digits, '_', '.', '-'"
             )
@@ -111,7 +111,7 @@ def parse_shard_id(sid: str) -> tuple[str, int]:
 
 
 #: a shard of partition k of K of a model (trainer/partition.py names its tensors so)
-_PARTITION_RE = re.compile(r"-p(\d+)of(\d+)\.[^/]*/\d+$")
+_PARTITION_RE = re.compile(r"-p([0-9]+)of([0-9]+)\.[^/]*/[0-9]+\Z")
 
 
 def placement_key(sid: str) -> str:

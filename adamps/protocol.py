@@ -322,6 +322,42 @@ def encode(msg: Mapping[str, Any]) -> bytes:
     return msgpack.packb(msg, default=_pack_default, use_bin_type=True)
 
 
+def encode_parts(msg: Mapping[str, Any]) -> tuple[list[bytes | memoryview], int]:
+    """The bytes of `encode(msg)` as pieces, each array's data its own memory (not copied),
+    and their total length: a large reply is written piece by piece instead of being copied
+    whole on the event loop (issue 39). Each array is packed with a unique placeholder as its
+    data, which is then replaced by a bin header and the array's memory."""
+    marker = os.urandom(16)
+    datas: list[memoryview] = []
+
+    def default(obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            d = array_to_wire(obj)
+            datas.append(d["data"])
+            d["data"] = marker + len(datas).to_bytes(4, "little")
+            return d
+        return _pack_default(obj)
+
+    packed = msgpack.packb(msg, default=default, use_bin_type=True)
+    parts: list[bytes | memoryview] = []
+    pos = 0
+    for i, data in enumerate(datas, 1):
+        tag = b"\xc4\x14" + marker + i.to_bytes(4, "little")
+        at = packed.index(tag, pos)
+        n = len(data)
+        head = (
+            b"\xc4" + n.to_bytes(1, "big")
+            if n < 1 << 8
+            else b"\xc5" + n.to_bytes(2, "big")
+            if n < 1 << 16
+            else b"\xc6" + n.to_bytes(4, "big")
+        )
+        parts += [packed[pos:at], head, data]
+        pos = at + len(tag)
+    parts.append(packed[pos:])
+    return parts, sum(len(p) for p in parts)
+
+
 def decode(
     body: bytes | bytearray | memoryview,
     payload: bytes | bytearray | memoryview | None = None,

@@ -27,7 +27,11 @@ SEP = ".."
 #: a run's name: no '.', so that one namespace never starts another's
 NAME_RE = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 #: the quotas a run may have; None (or absent): no limit
-QUOTAS = ("param_elems", "table_rows", "push_bytes_per_s")
+QUOTAS = ("param_elems", "table_rows", "memory_bytes", "push_bytes_per_s")
+#: the quotas on what a run's definitions hold: counted by the controllers across servers
+SIZE_QUOTAS = ("param_elems", "table_rows", "memory_bytes")
+#: most tensors and tables one run may define (a bound on its usage record in the Raft state)
+MAX_RUN_NAMES = 4096
 #: consistency modes a run may name (the elastic helper's servers enforce them)
 CONSISTENCY_RE = re.compile(r"async|sync|ssp:[0-9]{1,6}")
 #: most runs the controllers keep (a bound on the Raft state and on every server's table)
@@ -89,6 +93,52 @@ def check_quotas(raw: Any) -> dict[str, float | int]:
             raise RunError(f"quota {k} must be {kind} in (0, 2^50], got {v!r}")
         out[k] = int(v) if integral else float(v)
     return out
+
+
+def tensor_cost(n_elems: int, state_elems: int) -> dict[str, int]:
+    """What a tensor of `n_elems` float32 elements holds on each server with a copy: its
+    values and its optimizer's `state_elems` float32 (Optimizer.state_size: none for SGD,
+    as many for Adagrad, three times as many for Adam with amsgrad)."""
+    return {"param_elems": n_elems, "memory_bytes": 4 * (n_elems + state_elems)}
+
+
+#: bytes a table row holds besides its values and accumulators: its id and last push time
+ROW_OVERHEAD = 16
+#: bytes per bucket of a frequency sketch, per unit of filter_width (4 rows of uint32)
+SKETCH_BYTES_PER_WIDTH = 16
+
+
+def table_cost(
+    max_rows: int | None,
+    dim: int,
+    state_width: int,
+    filter_width: int | None,
+    n_buckets: int,
+) -> dict[str, int] | None:
+    """What a table holds at most on a server with a copy of every bucket: `max_rows` rows
+    (values, the optimizer's `state_width` float32 per row (Optimizer.row_state_width), id and
+    time) and, with a frequency filter (`filter_width`, None
+    without), one sketch per bucket. None: unbounded (no max_rows)."""
+    if max_rows is None:
+        return None
+    per_row = 4 * (dim + state_width) + ROW_OVERHEAD
+    sketch = 0 if filter_width is None else n_buckets * SKETCH_BYTES_PER_WIDTH * filter_width
+    return {"table_rows": max_rows, "memory_bytes": max_rows * per_row + sketch}
+
+
+def over_quota(
+    usage: dict[str, dict[str, int]], name: str, cost: dict[str, int], quotas: dict[str, Any]
+) -> tuple[str, int, int] | None:
+    """(quota, limit, total asked) of the first size quota that `name` at `cost` would exceed,
+    beside the run's other definitions in `usage` (name -> cost); None if it fits."""
+    for q in SIZE_QUOTAS:
+        limit = quotas.get(q)
+        if limit is None:
+            continue
+        total = cost.get(q, 0) + sum(c.get(q, 0) for n, c in usage.items() if n != name)
+        if total > limit:
+            return q, int(limit), total
+    return None
 
 
 def check_consistency(mode: Any) -> str:

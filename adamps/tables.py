@@ -35,12 +35,15 @@ import numpy as np
 ROWS_SEP = "#rows/"
 #: widest row a table may have (float32 elements)
 MAX_DIM = 4096
+#: widest frequency sketch (counters per hash row): 16 * this bytes per bucket, 16 MiB (was
+#: 2^24, 256 MiB per bucket: issue 39)
+MAX_FILTER_WIDTH = 1 << 20
 #: init kinds of a table's rows
 ROW_INIT_KINDS = ("zeros", "constant", "uniform", "normal")
 #: what a push that would create rows beyond the limit gets (docs/protocol-ps.md, "Tables")
 ON_FULL = ("reject", "drop")
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")  # fullmatch: "$" lets a final "\n" in
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -186,8 +189,11 @@ class Admission:
         ):
             raise TableError(f"admit_after must be an int in [1, 2^20], got {self.admit_after!r}")
         w = self.filter_width
-        if isinstance(w, bool) or not isinstance(w, int) or not 64 <= w <= 1 << 24:
-            raise TableError(f"filter_width must be an int in [64, 2^24], got {w!r}")
+        if isinstance(w, bool) or not isinstance(w, int) or not 64 <= w <= MAX_FILTER_WIDTH:
+            raise TableError(
+                f"filter_width must be an int in [64, 2^{MAX_FILTER_WIDTH.bit_length() - 1}], "
+                f"got {w!r}"
+            )
         e = self.expire_after
         if e is not None and (
             isinstance(e, bool) or not isinstance(e, int | float) or not 0 < e < 1e9
@@ -229,7 +235,7 @@ class TableSpec:
     admission: Admission = field(default_factory=Admission)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
             raise TableError(
                 f"table name {self.name!r} must be 1-128 characters of letters, digits, '_', '.', '-'"
             )

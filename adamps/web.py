@@ -1,6 +1,7 @@
 """The aiohttp shell every role's HTTP service is built on.
 
 What it gives every process: ``GET /healthz`` and ``GET /metrics`` (open), ``GET /status`` (JSON),
+the event-loop probe (``adamps_event_loop_lag_seconds``, adamps/looplag.py),
 an error middleware that turns every failure into a JSON body naming the problem (4xx for bad
 input, a logged 500 for a bug; the process keeps serving), a bounded request body (also when sent
 chunked), and the cluster-token check for mutating calls.
@@ -21,14 +22,18 @@ import logging
 import math
 import resource
 import signal
+import time
+import weakref
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry
 
 from adamps import metrics, protocol, tls
+from adamps.looplag import LoopLag
 from adamps.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -39,6 +44,9 @@ STATUS_KEY = web.AppKey("status", object)
 HEALTH_KEY = web.AppKey("health", object)
 RID_KEY = web.RequestKey("rid", str)
 MAX_BODY_KEY = web.AppKey("max_body", int)
+#: the event-loop probe of the app's process (adamps/looplag.py)
+LOOP_LAG_KEY = web.AppKey("loop_lag", LoopLag)
+_probes: weakref.WeakKeyDictionary[CollectorRegistry, LoopLag] = weakref.WeakKeyDictionary()
 
 LIMITS_KEY = web.AppKey("http_limits", object)
 
@@ -106,6 +114,17 @@ async def error_middleware(
         return _error(exc.status, code, exc.reason or code, _rid_of(request))
     except asyncio.CancelledError:
         raise
+    except ConnectionError as exc:
+        # The client went away (mid-body, or before its answer): nobody to answer, nothing
+        # wrong here. One line, no traceback (issue 39); the 499 below is never delivered.
+        log.warning(
+            "client %s went away during %s %s: %s",
+            request.remote,
+            request.method,
+            request.path[:200],
+            exc or type(exc).__name__,
+        )
+        return _error(499, "client_closed", "the client closed the connection", _rid_of(request))
     except Exception:
         log.exception("unexpected error in %s %s", request.method, request.path)
         return _error(500, "internal", "unexpected server error (logged)", _rid_of(request))
@@ -214,6 +233,34 @@ def message_response(msg: dict[str, Any], status: int = 200) -> web.Response:
     return web.Response(status=status, body=protocol.encode(msg), content_type=MSGPACK)
 
 
+#: a reply of at least this many bytes is written in pieces of this size (send_message)
+STREAM_PIECE = 1 << 20
+
+
+async def send_message(request: web.Request, msg: dict[str, Any]) -> tuple[web.StreamResponse, int]:
+    """Answers `msg` (status 200) and returns the response and its size. A large reply (a pull
+    of a big tensor) is not encoded into one buffer and copied twice more on the event loop,
+    which held it for a fraction of a second (issue 39): its arrays are written from their own
+    memory, a piece of STREAM_PIECE bytes at a time, waiting for the socket between pieces."""
+    parts, total = protocol.encode_parts(msg)
+    if total < STREAM_PIECE:
+        body = b"".join(parts)
+        return web.Response(body=body, content_type=MSGPACK), len(body)
+    resp = web.StreamResponse()
+    resp.content_type = MSGPACK
+    resp.content_length = total
+    await resp.prepare(request)
+    try:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for i in range(0, len(view), STREAM_PIECE):
+                await resp.write(view[i : i + STREAM_PIECE])
+        await resp.write_eof()
+    except ConnectionError as exc:  # the client went away: nobody to answer
+        log.warning("client %s went away during its reply: %s", request.remote, exc)
+    return resp, total
+
+
 def json_response(obj: Any, status: int = 200) -> web.Response:
     """A standard-JSON reply: never NaN/Infinity tokens (issue 12). Inputs are validated, so
     stored state holds none; a non-finite reading in a status (a diverged loss) becomes null."""
@@ -293,6 +340,19 @@ def make_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/status", _status)
+    probe = _probes.get(registry)
+    if probe is None:  # one per registry (an app made twice shares it)
+        probe = _probes[registry] = LoopLag(registry)
+    app[LOOP_LAG_KEY] = probe
+
+    async def start_probe(_app: web.Application) -> None:
+        probe.start()
+
+    async def stop_probe(_app: web.Application) -> None:
+        await probe.stop()
+
+    app.on_startup.append(start_probe)
+    app.on_cleanup.append(stop_probe)
     return app
 
 
@@ -348,6 +408,39 @@ class _GuardedServer(web.Server):
         super().connection_lost(handler, exc)
 
 
+class _ServerLog:
+    """The logger aiohttp's connection handler writes to (``aiohttp.server``), quieter: a request
+    aiohttp could not parse (a 10 kB request line, a bad header, non-HTTP bytes) or a
+    connection lost under it is the client's problem, answered 400 by aiohttp already. It was
+    an ERROR with a traceback per request (issue 39); here it is one warning line, at most one
+    per `QUIET_INTERVAL` (the others at debug: a flood must not flood the log). Anything else
+    keeps its traceback."""
+
+    #: seconds between two warnings about bad requests (the rest go to debug)
+    QUIET_INTERVAL = 10.0
+
+    def __init__(self) -> None:
+        self._log = logging.getLogger("aiohttp.server")
+        self._warned = -1e9
+
+    def exception(self, msg: str, *args: Any, exc_info: Any = True, **kw: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else None
+        if isinstance(exc, HttpProcessingError | ConnectionError):
+            text = str(exc).strip().replace("\n", " ")[:200]
+            line = (msg % args if args else msg) + f": {type(exc).__name__}: {text}"
+            now = time.monotonic()
+            if now - self._warned >= self.QUIET_INTERVAL:
+                self._warned = now
+                self._log.warning("%s", line)
+            else:
+                self._log.debug("%s", line)
+            return
+        self._log.exception(msg, *args, exc_info=exc_info, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._log, name)
+
+
 #: seconds a stopping process lets requests in flight finish
 SHUTDOWN_GRACE = 3.0
 
@@ -364,6 +457,7 @@ async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
         handle_signals=False,
         keepalive_timeout=limits.idle_timeout,
         shutdown_timeout=SHUTDOWN_GRACE,
+        logger=_ServerLog(),
     )
     await runner.setup()
     server = runner.server
@@ -408,11 +502,13 @@ async def run_app(
     port: int,
     *,
     on_ready: Callable[[], Awaitable[None] | None] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serves `app` until SIGTERM or SIGINT, then cleans up (the app's on_cleanup hooks run)."""
+    """Serves `app` until SIGTERM or SIGINT (or `stop` is set), then cleans up (the app's
+    on_cleanup hooks run)."""
     runner = await serve(app, host, port)
     log.info("listening on %s://%s:%d", tls.scheme(), host, port)
-    stop = asyncio.Event()
+    stop = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

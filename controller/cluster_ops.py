@@ -11,7 +11,16 @@ from typing import Any
 
 from adamps.core import lease as leases
 from adamps.core.lease import Lease
-from controller.cluster_rules import DEAD, DRAINING, LIVE, PROGRESS_EPOCHS, refusal
+from controller.cluster_rules import (
+    DEAD,
+    DRAINING,
+    LIVE,
+    PROGRESS_EPOCHS,
+    PROGRESS_REPLICAS,
+    PROGRESS_REPLICAS_PER_RUN,
+    refusal,
+    shared_storage_fault,
+)
 
 log = logging.getLogger("controller.state")
 
@@ -431,7 +440,14 @@ class Operations:
                 log.warning("server %s can persist again", sid)
             else:
                 rec["not_durable"] = reason
-                log.error("server %s cannot persist (%s): its buckets move", sid, reason)
+                live = [r for r in self.servers.values() if r["state"] == LIVE]
+                durable = sum(1 for r in live if not r.get("not_durable"))
+                if shared_storage_fault(len(live), durable):
+                    log.error("server %s cannot persist (%s), nor can %d of %d live servers: a "
+                              "shared cause, no bucket moves for it", sid, reason,
+                              len(live) - durable, len(live))  # fmt: skip
+                else:
+                    log.error("server %s cannot persist (%s): its buckets move", sid, reason)
             self._replan(now)
         return {"ok": True, "server": sid, "not_durable": reason}
 
@@ -456,7 +472,20 @@ class Operations:
         self, epoch: int, replica: str, progress: float, done: bool, now: float
     ) -> dict[str, Any]:
         now = self._tick(now)
-        per = self.progress.setdefault(str(epoch), {})
+        per = self.progress.get(str(epoch), {})
+        if replica not in per:
+            run = replica.partition("/")[0] if "/" in replica else ""
+            mine = sum(1 for r in per if (r.partition("/")[0] if "/" in r else "") == run)
+            if mine >= PROGRESS_REPLICAS_PER_RUN or len(per) >= PROGRESS_REPLICAS:
+                who = f"run {run!r}" if run else "the operator's replicas"
+                return refusal(
+                    "too_large",
+                    f"epoch {epoch} holds the progress of {mine} replicas of {who} and "
+                    f"{len(per)} in all: the board keeps at most {PROGRESS_REPLICAS_PER_RUN} "
+                    f"per run and {PROGRESS_REPLICAS} per epoch",
+                    limit=PROGRESS_REPLICAS_PER_RUN,
+                )
+        per = self.progress.setdefault(str(epoch), per)
         per[replica] = {"progress": progress, "done": bool(done), "at": now}
         if len(self.progress) > PROGRESS_EPOCHS:
             for key in sorted(self.progress, key=int)[: len(self.progress) - PROGRESS_EPOCHS]:

@@ -21,6 +21,25 @@ WAVE = 1.0
 HISTORY_LIMIT = 4096
 #: Trainer epochs whose progress is kept.
 PROGRESS_EPOCHS = 32
+#: Replicas of one run (the part of a replica's name before '/'; the operator's names have
+#: none) whose progress one epoch keeps, and of all runs (issue 39: the board took any number,
+#: 1,500 posted were 255 KB of Raft state). A new replica past either is refused (413).
+PROGRESS_REPLICAS_PER_RUN = 256
+PROGRESS_REPLICAS = 1024
+
+
+def shared_storage_fault(live: int, durable: int) -> bool:
+    """Whether servers that cannot persist are a strict majority of the `live` ones (`durable`
+    of them can): a cause they share, which moves no bucket.
+
+    Most live servers unable to persist at once is not one server's disk but something under
+    them all (an overloaded machine, one volume): moving every bucket onto the few left cures
+    nothing, leaves each bucket copies short, and moves them all again as servers recover
+    (issue 39: three servers starved of CPU reported "the disk stalls" together, their buckets
+    moved, and one stayed without a primary for a minute). Each server then keeps its buckets
+    (refusing pushes while it cannot persist); with a durable majority, those of the others
+    move to it, as before (issue 29)."""
+    return 2 * (live - durable) > live
 
 
 def refusal(code: str, message: str, **extra: Any) -> dict[str, Any]:
@@ -113,11 +132,12 @@ class BucketRules:
         return {s: rec["rack"] for s, rec in self.servers.items() if rec.get("rack")}
 
     def eligible(self) -> list[str]:
-        """Servers that may receive buckets: live and not draining, and, unless none is left
-        then, able to persist (issue 29: a server whose flushes fail or stall is drained)."""
+        """Servers that may receive buckets: live and not draining, and able to persist (issue
+        29: a server whose flushes fail or stall is drained) unless most of them cannot
+        (`shared_storage_fault`: then nothing moves for storage)."""
         live = sorted(s for s, rec in self.servers.items() if rec["state"] == LIVE)
         durable = [s for s in live if not self.servers[s].get("not_durable")]
-        return durable or live
+        return live if shared_storage_fault(len(live), len(durable)) else durable
 
     def _grant(self, b: int, holder: str, now: float) -> Lease:
         bucket = self.buckets[b]

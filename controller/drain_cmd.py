@@ -7,12 +7,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from adamps import tls
+from adamps import clusters, tls
 from adamps import token as tokens
 from adamps.client.controller import ControllerClient
 from adamps.client.rpc import RpcError
-from adamps.config import default_token
-from adamps.token import host_of
 
 WHAT = {
     "drain": "move every bucket copy off SERVER; stop it once `adamps status` shows it drained",
@@ -23,14 +21,7 @@ WHAT = {
 def build_parser(op: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"adamps {op}", description=WHAT[op])
     parser.add_argument("server", help="the parameter server's id (as `adamps status` lists it)")
-    parser.add_argument(
-        "--controllers",
-        default="127.0.0.1:7000",
-        help="comma-separated HTTP addresses (host:port) of controllers; any of them answers",
-    )
-    parser.add_argument(
-        "--token", default="", help="cluster token (default: $ADAMPS_TOKEN, or the local token)"
-    )
+    clusters.add_arguments(parser)
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
     tls.add_arguments(parser)
     return parser
@@ -39,10 +30,8 @@ def build_parser(op: str) -> argparse.ArgumentParser:
 def run(op: str, argv: list[str]) -> int:
     args = build_parser(op).parse_args(argv)
     try:
-        addrs = [a.strip() for a in args.controllers.split(",") if a.strip()]
-        if not addrs:
-            raise ValueError("--controllers names no address (expected host:port,...)")
-        token = tokens.resolve(args.token or default_token(), map(host_of, addrs), f"adamps {op}")
+        target = clusters.resolve(args.controllers, args.token, args.cluster, f"adamps {op}")
+        addrs, token = target.controllers, target.token
         tls.install_from(args)
     except (ValueError, tokens.TokenError) as exc:
         print(f"adamps {op}: {exc}", file=sys.stderr)
@@ -51,10 +40,11 @@ def run(op: str, argv: list[str]) -> int:
     try:
         reply = client.drain(args.server) if op == "drain" else client.undrain(args.server)
     except RpcError as exc:
-        print(f"adamps {op}: {args.server}: {exc}", file=sys.stderr)  # names its code
+        msg = clusters.explain(exc, target)
+        print(f"adamps {op}: {args.server}: {msg}", file=sys.stderr)  # names its code
         return 1
     except (ConnectionError, TimeoutError, OSError) as exc:
-        print(f"adamps {op}: no controller answered at {args.controllers}: {exc}", file=sys.stderr)
+        print(f"adamps {op}: no controller answered at {', '.join(addrs)}: {exc}", file=sys.stderr)
         return 1
     finally:
         client.close()

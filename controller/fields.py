@@ -48,7 +48,11 @@ def positions(raw: Any, n_buckets: int, name: str) -> dict[int, list[Any]]:
 
 def server_id(request: web.Request) -> str:
     sid = request.match_info["id"]
-    if not sid or len(sid) > 128 or not all(c.isalnum() or c in "-_." for c in sid):
+    if (
+        not sid
+        or len(sid) > 128
+        or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in sid)
+    ):
         raise ProtocolError("bad_request", "server id must be 1-128 characters of [A-Za-z0-9._-]")
     return sid
 
@@ -75,8 +79,17 @@ def address(body: dict[str, Any]) -> str:
     v = str_field(body, "address")
     host, sep, port = v.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    ok_host = bool(host) and len(host) <= 253 and all(c.isalnum() or c in "-._:" for c in host)
-    if not sep or not ok_host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    ok_host = (
+        bool(host)
+        and len(host) <= 253
+        and all(c.isascii() and (c.isalnum() or c in "-._:") for c in host)
+    )
+    if (
+        not sep
+        or not ok_host
+        or not (port.isascii() and port.isdigit())
+        or not 1 <= int(port) <= 65535
+    ):
         raise ProtocolError("bad_request", f"field 'address' must be host:port, got {v[:100]!r}")
     return v
 

@@ -154,7 +154,7 @@ class Forwarder:
                 f"the leader {target} did not answer ({type(exc).__name__}); retry",
                 leader=target,
             ) from None
-        if applied is not None and applied.isdigit():
+        if applied is not None and applied.isascii() and applied.isdigit():
             # Read-your-writes through this controller: wait until it applied the write too.
             deadline = time.monotonic() + self.cfg.commit_timeout
             while self.raft.last_applied < int(applied) and time.monotonic() < deadline:

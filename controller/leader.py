@@ -19,6 +19,10 @@ from controller.state import DEAD, ClusterModel, ReplicatedCluster
 
 log = logging.getLogger("controller.service")
 
+#: seconds between two updates of the gauges (idle costs little, issue 36: they read the whole
+#: record; a scrape comes every few seconds at most, and the step's own decisions need none)
+METRICS_EVERY = 1.0
+
 
 class LeaderDuties:
     """The leader loop and its soft state. Event-loop thread only."""
@@ -54,16 +58,19 @@ class LeaderDuties:
         return self.reports.get(b, {})
 
     async def run(self) -> None:
+        metrics_due = 0.0
         while True:
             try:
                 await self._leader_step()
-                self.m.update(
-                    self.raft.is_leader(),
-                    self.raft.term,
-                    self.raft.commit_index,
-                    self.cluster,
-                    self.raft.journal(),
-                )
+                if time.monotonic() >= metrics_due:
+                    metrics_due = time.monotonic() + METRICS_EVERY
+                    self.m.update(
+                        self.raft.is_leader(),
+                        self.raft.term,
+                        self.raft.commit_index,
+                        self.cluster,
+                        self.raft.journal(),
+                    )
             except asyncio.CancelledError:
                 raise
             except ProtocolError as exc:

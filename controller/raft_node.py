@@ -220,6 +220,12 @@ def raft_conf(
     Timings: a follower starts an election 0.3-0.9 s after the last append from the leader, so a
     new leader is normally in place within ~1-2 s of a crash; a leader that hears from no
     majority for 1 s steps down (the default 30 s would let a cut-off leader believe it leads).
+
+    Idle costs little (issue 36): the tick thread waits for a message, a command or its next
+    tick, the leader's appends (Raft's heartbeats, every ``appendEntriesPeriod``) being what
+    falls due; so it ticks once per append period, not every 20 ms. A command does not wait for
+    the tick: unbatched, it wakes the thread through pysyncobj's pipe and is appended and sent at
+    once, and its commit is sent on at once too.
     """
     if not password:
         raise ValueError("pysyncobj needs a password: its port carries pickled data")
@@ -242,7 +248,8 @@ def raft_conf(
             connectionTimeout=1.5,
             connectionRetryTime=0.3,
             leaderFallbackTimeout=1.0,
-            autoTickPeriod=0.02,
+            autoTickPeriod=0.05,
+            appendEntriesUseBatch=False,
         )
     opts.update(overrides)
     return SyncObjConf(**opts)

@@ -11,12 +11,10 @@ import sys
 import time
 from typing import Any
 
-from adamps import runs, tls
+from adamps import clusters, runs, tls
 from adamps import token as tokens
 from adamps.client.controller import ControllerClient
 from adamps.client.rpc import RpcError
-from adamps.config import default_token
-from adamps.token import host_of
 from controller.status import table
 
 ACTIONS = ("create", "list", "show", "delete")
@@ -30,16 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("action", choices=ACTIONS, help="what to do")
     parser.add_argument("name", nargs="?", help="the run's name (create, show, delete)")
-    parser.add_argument(
-        "--controllers",
-        default="127.0.0.1:7000",
-        help="comma-separated HTTP addresses (host:port) of controllers; any of them answers",
-    )
-    parser.add_argument(
-        "--token", default="", help="cluster token (default: $ADAMPS_TOKEN, or the local token)"
-    )
+    clusters.add_arguments(parser)
     parser.add_argument("--param-elems", type=int, help="quota: parameter elements of the run")
     parser.add_argument("--table-rows", type=int, help="quota: rows of the run's tables")
+    parser.add_argument(
+        "--memory-bytes",
+        type=int,
+        help="quota: bytes the run's tensors and tables hold per copy (values, optimizer "
+        "state, rows at max_rows, frequency filters), summed across the servers",
+    )
     parser.add_argument(
         "--push-bytes-per-s", type=float, help="quota: push bytes per second, on each server"
     )
@@ -64,6 +61,7 @@ def _quotas(args: argparse.Namespace) -> dict[str, Any]:
     raw = {
         "param_elems": args.param_elems,
         "table_rows": args.table_rows,
+        "memory_bytes": args.memory_bytes,
         "push_bytes_per_s": args.push_bytes_per_s,
     }
     return runs.check_quotas({k: v for k, v in raw.items() if v is not None})
@@ -95,6 +93,8 @@ def _show(view: dict[str, Any]) -> str:
             f"{view['bytes']} bytes)",
             "  quotas       "
             + (", ".join(f"{k} = {v:g}" for k, v in sorted(quotas.items())) or "none"),
+            "  usage        "
+            + ", ".join(f"{k} = {v}" for k, v in sorted((view.get("usage") or {}).items())),
         ]
     )
 
@@ -146,10 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "create":
             _quotas(args)
             runs.check_consistency(args.consistency)
-        addrs = [a.strip() for a in args.controllers.split(",") if a.strip()]
-        if not addrs:
-            raise ValueError("--controllers names no address (expected host:port,...)")
-        token = tokens.resolve(args.token or default_token(), map(host_of, addrs), "adamps run")
+        target = clusters.resolve(args.controllers, args.token, args.cluster, "adamps run")
+        addrs, token = target.controllers, target.token
         tls.install_from(args)
         args.token_fd = None
         if args.action == "create" and args.token_file:
@@ -161,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         reply, text = _act(client, args)
     except RpcError as exc:
-        print(f"adamps run {args.action}: {exc}", file=sys.stderr)  # names its code
+        msg = clusters.explain(exc, target)
+        print(f"adamps run {args.action}: {msg}", file=sys.stderr)  # names its code
         return 1
     except (ConnectionError, TimeoutError, OSError) as exc:
-        print(f"adamps run: no controller answered at {args.controllers}: {exc}", file=sys.stderr)
+        print(f"adamps run: no controller answered at {', '.join(addrs)}: {exc}", file=sys.stderr)
         return 1
     finally:
         client.close()

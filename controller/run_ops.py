@@ -5,8 +5,10 @@ clock, no IO, never raises on bad input (it answers a refusal). Every change is 
 entry, ``write_tenancy(op, name, fields, now)``: one method for all three operations, because a
 new replicated method must sort last by name (tests/core/test_raft_method_ids.py).
 
-The record of a run: ``{"token_hash", "quotas", "consistency", "created"}``; the token itself is
-never here (adamps/runs.py). ``runs_version`` grows with every change: the servers' heartbeat
+The record of a run: ``{"token_hash", "quotas", "consistency", "created", "usage"}``; the token
+itself is never here (adamps/runs.py). ``usage`` maps each tensor and table the run created to
+what it holds per copy (``op == "usage"``, asked by a server before it creates one): the run's
+size quotas are held against its total across every server (issue 39), not per server. ``runs_version`` grows with every change: the servers' heartbeat
 replies carry it, and a server whose copy is older fetches the table again.
 
 The layout is the cluster's one layout: a run sets only the tensors of its namespace in it
@@ -64,7 +66,49 @@ class RunOps:
             return self._delete_run(table, name, now)
         if op == "layout":
             return self._set_run_layout(rec, name, fields.get("layout") or {}, now)
+        if op == "usage":
+            return self._use(rec, name, fields.get("name"), fields.get("cost"))
         return refusal("bad_request", f"no run operation {op!r}")
+
+    def _use(self, rec: dict[str, Any], run: str, name: Any, cost: Any) -> dict[str, Any]:
+        """Records what tensor or table `name` of run `run` holds per copy (issue 39): a
+        server asks before it creates one for a run with size quotas, so the run's total over
+        every server is held against its quotas here. The same name at the same cost again
+        (the client creates on every server) changes nothing."""
+        if not isinstance(name, str) or not runs.in_namespace(name, run):
+            return refusal("forbidden", f"{name!r} is outside run {run!r}'s namespace")
+        if not isinstance(cost, dict) or any(
+            k not in runs.SIZE_QUOTAS or isinstance(v, bool) or not isinstance(v, int) or v < 0
+            for k, v in cost.items()
+        ):
+            return refusal("bad_request", f"a cost maps {list(runs.SIZE_QUOTAS)} to ints >= 0")
+        usage = rec.setdefault("usage", {})
+        if name in usage:
+            if usage[name] == cost:
+                return {"ok": True, "run": run, "name": name, "recorded": False}
+            return refusal(
+                "exists",
+                f"{name!r} of run {run!r} is defined with another size ({usage[name]}) "
+                "elsewhere in the cluster",
+                existing=usage[name],
+            )
+        if len(usage) >= runs.MAX_RUN_NAMES:
+            return refusal(
+                "too_large", f"run {run!r} defines {runs.MAX_RUN_NAMES} names, the most a run may"
+            )
+        over = runs.over_quota(usage, name, cost, rec["quotas"])
+        if over is not None:
+            quota, limit, total = over
+            return refusal(
+                "quota_exceeded",
+                f"run {run!r} would hold {total} {quota} across the cluster with {name!r} "
+                f"(its quota {quota} is {limit})",
+                quota=quota,
+                limit=limit,
+                asked=total,
+            )
+        usage[name] = dict(cost)
+        return {"ok": True, "run": run, "name": name, "recorded": True}
 
     def _create_run(
         self, table: dict[str, dict[str, Any]], name: str, fields: dict[str, Any], now: float
@@ -165,6 +209,10 @@ class RunOps:
             "tensors": len(tensors),
             "param_elems": elems,
             "bytes": 4 * elems,
+            # what its tensors and tables hold per copy, counted at their creates (issue 39)
+            "usage": {
+                q: sum(c.get(q, 0) for c in rec.get("usage", {}).values()) for q in runs.SIZE_QUOTAS
+            },
         }
 
     def runs_auth(self) -> dict[str, Any]:

@@ -8,6 +8,9 @@
   servers, which learn it) its shards in memory and in LMDB.
 - ``GET /auth/runs`` (operator: the servers call it with the cluster token): each run's token
   hash and quotas, the recent deletions.
+- ``POST /runs/{name}/usage`` (operator: a server, before it creates a tensor or table of a run
+  with size quotas): records what it holds per copy; refused past the run's quotas, summed
+  across the cluster (issue 39).
 
 Who calls: the cluster token is the operator; a run's token (looked up by its hash in the
 applied state) may call only the writes that allow it (`Forwarder.write(runs_allowed=True)`:
@@ -110,6 +113,28 @@ class RunsApi:
 
         return await self.svc.forwarder.write(request, run)
 
+    async def h_usage(self, request: web.Request) -> web.Response:
+        """A server asks to create `name` at `cost` for run `{name}` (issue 39): refused when
+        the run's total across the cluster would pass a size quota. A name already recorded
+        at that cost answers at once, without a Raft entry (the client creates on every
+        server: only the first asks for one)."""
+        run = request.match_info["name"]
+
+        async def go() -> dict[str, Any]:
+            body = await aweb.read_json(request)
+            name, cost = body.get("name"), body.get("cost")
+            same = self.svc.cluster.read(
+                lambda m: (m.runs_table().get(run) or {}).get("usage", {}).get(name) == cost
+            )
+            if same and cost is not None:
+                return {"ok": True, "run": run, "name": name, "recorded": False}
+            fields = {"name": name, "cost": cost}
+            return ok_or_raise(
+                await self.svc.commit("write_tenancy", "usage", run, fields, time.time())
+            )
+
+        return await self.svc.forwarder.write(request, go)
+
     async def h_list(self, request: web.Request) -> web.Response:
         self.applied()
         listed = self.svc.cluster.read(
@@ -129,7 +154,7 @@ class RunsApi:
         return aweb.json_response(view)
 
     async def h_auth(self, request: web.Request) -> web.Response:
-        aweb.check_token(request)
+        self.authenticate(request, runs_allowed=False)  # a run's token: 403; unknown: 401
         self.applied()
         return aweb.json_response(self.svc.cluster.read(lambda m: m.runs_auth()))
 
@@ -160,4 +185,5 @@ class RunsApi:
         r.add_get("/runs", self.h_list)
         r.add_get("/runs/{name}", self.h_show)
         r.add_delete("/runs/{name}", self.h_delete)
+        r.add_post("/runs/{name}/usage", self.h_usage)
         r.add_get("/auth/runs", self.h_auth)

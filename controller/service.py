@@ -147,6 +147,7 @@ class ControllerService:
         async def run() -> dict[str, Any]:
             body = await aweb.read_json(request)
             address = fields.address(body)
+            self._check_layout(body)
             self._check_register(sid, address)
             copies = fields.positions(body.get("copies") or {}, self.cfg.n_buckets, "copies")
             rack = fields.rack(body)
@@ -163,6 +164,24 @@ class ControllerService:
             }
 
         return await self._server_write(request, sid, run)
+
+    def _check_layout(self, body: dict[str, Any]) -> None:
+        """Refuses a server whose number of buckets is not the cluster's (issue 39, finding 18):
+        it could serve none of them. `n_buckets` is optional (servers of an earlier release
+        check the reply's instead); the refusal names both values and registers nothing."""
+        n = body.get("n_buckets")
+        if n is None:
+            return
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ProtocolError("bad_request", "n_buckets must be an integer")
+        if n != self.cfg.n_buckets:
+            raise ProtocolError(
+                "conflict",
+                f"this server uses n_buckets={n}, the controllers n_buckets="
+                f"{self.cfg.n_buckets}: start it with --n-buckets {self.cfg.n_buckets}",
+                reason="n_buckets",
+                n_buckets=self.cfg.n_buckets,
+            )
 
     def _check_register(self, sid: str, address: str) -> None:
         """Refuses, before proposing, a registration that would hijack a live server's routes
@@ -276,7 +295,7 @@ class ControllerService:
         it holds its own key. Any controller answers (a derivation from the peer token: no Raft
         entry); nobody else can, and a trainer (the cluster token only) gets 403."""
         try:
-            aweb.check_token(request)
+            self.runs.authenticate(request, runs_allowed=False)  # a run's token: 403
             sid = fields.server_id(request)
             if not self.cfg.peer_token:
                 raise ProtocolError("not_found", "peer identity is off (no peer_token set)")
@@ -460,7 +479,9 @@ class ControllerService:
         epoch = request.query.get("epoch")
         progress = self.cluster.read(lambda m: {k: dict(v) for k, v in m.progress.items()})
         if epoch is not None:
-            if not (epoch.isdigit() and len(epoch) <= 10 and int(epoch) <= MAX_EPOCH):
+            if not (
+                epoch.isascii() and epoch.isdigit() and len(epoch) <= 10 and int(epoch) <= MAX_EPOCH
+            ):
                 raise ProtocolError("bad_request", f"epoch must be an integer in 0..{MAX_EPOCH}")
             return aweb.json_response(
                 {"epoch": int(epoch), "replicas": progress.get(str(int(epoch)), {})}

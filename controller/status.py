@@ -8,33 +8,30 @@ import sys
 import time
 from typing import Any
 
-from adamps import tls
+from adamps import clusters, tls
+from adamps import runs as run_names
 from adamps.client.rpc import get_json
 from adamps.config import ConfigError
+from controller import run_view
+from controller.text_table import table  # noqa: F401 (run_cmd uses it from here)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="adamps status", description="Print the cluster as seen by the controllers."
     )
+    clusters.add_arguments(parser)
     parser.add_argument(
-        "--controllers",
-        default="127.0.0.1:7000",
-        help="comma-separated HTTP addresses (host:port) of controllers; the first that answers is used",
+        "--run",
+        default=None,
+        help="show this run only: its tensors and tables, their buckets and primaries, its quota "
+        "use (tables are listed with the cluster token)",
     )
     parser.add_argument("--buckets", action="store_true", help="also list every bucket")
     parser.add_argument("--json", action="store_true", help="print the raw /cluster JSON instead")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds per request")
     tls.add_arguments(parser)
     return parser
-
-
-def table(rows: list[list[Any]], header: list[str]) -> str:
-    cells = [header, *[[("-" if c is None else str(c)) for c in r] for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def flush_cells(st: dict[str, Any] | None) -> list[Any]:
@@ -193,10 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         tls.install_from(args)
-    except ConfigError as exc:
+        addrs, _info = clusters.find(args.controllers, args.cluster)
+        if args.run is not None:
+            run_names.check_name(args.run)
+    except (ConfigError, ValueError) as exc:
         print(f"adamps status: {exc}", file=sys.stderr)
         return 2
-    addrs = [a.strip() for a in args.controllers.split(",") if a.strip()]
+    if args.run is not None:
+        return show_run(args, addrs)
     controllers = []
     view = progress = None
     runs: list[dict[str, Any]] = []
@@ -238,6 +239,23 @@ def main(argv: list[str] | None = None) -> int:
             servers[sid] = None
     print(render(view, controllers, progress or {}, args.buckets, servers, runs))
     return 0
+
+
+def show_run(args: argparse.Namespace, addrs: list[str]) -> int:
+    """`adamps status --run NAME` (controller/run_view.py), from the first controller answering."""
+    try:  # the token only lists tables: without one, the rest is shown
+        token = clusters.resolve(",".join(addrs), args.token, args.cluster, "adamps status").token
+    except ValueError:
+        token = None
+    for addr in addrs:
+        try:
+            view = run_view.collect(addr, args.run, token, args.timeout)
+        except (OSError, ValueError, KeyError):
+            continue
+        print(json.dumps(view, default=sorted) if args.json else run_view.render(view))
+        return 0
+    print(f"adamps status: no controller answered at {', '.join(addrs)}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

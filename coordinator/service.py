@@ -21,7 +21,7 @@ from coordinator.engine import Engine
 
 #: portions a trainer may report in one call at most
 MAX_DONE = 4096
-_TRAINER_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+_TRAINER_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")  # fullmatch: "$" lets a final "\n" in
 
 
 def make_app(engine: Engine, registry: Any) -> web.Application:
@@ -44,7 +44,7 @@ def make_app(engine: Engine, registry: Any) -> web.Application:
         aweb.check_token(request)
         body = await aweb.read_json(request)
         trainer = body.get("trainer")
-        if not isinstance(trainer, str) or not _TRAINER_RE.match(trainer):
+        if not isinstance(trainer, str) or not _TRAINER_RE.fullmatch(trainer):
             raise ProtocolError(
                 "bad_request",
                 f"field 'trainer' must be 1-128 letters, digits, '_.:-', got {trainer!r}",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from adamps import token as tokens
 from adamps.config import default_token, field
+from adamps.optspec import OptimError, Optimizer, spec_of
 
 
 @dataclass
@@ -77,13 +80,21 @@ class TrainConfig:
         "(so the replica pushes every n_push * workers steps)",
     )
     optimizer: str = field(
-        "adagrad", help="server-side optimizer of every tensor: 'adagrad' (DistBelief) or 'sgd'"
+        "adagrad",
+        help="server-side optimizer of every tensor, torch.optim's names and rules: 'adagrad', "
+        "'sgd', 'adam', 'adamw', 'rmsprop'; or 'adagrad_legacy' (adamps' Adagrad before torch's "
+        "rule); docs/training.md, 'Optimizers'",
     )
     lr: float = field(0.01, help="server-side learning rate (of the optimizer above)")
     adagrad_initial: float = field(
-        0.1,
-        help="Adagrad's initial accumulator: early steps are then about lr / sqrt(this) * gradient "
-        "instead of lr * sign(gradient)",
+        0.0,
+        help="Adagrad's initial accumulator (torch's initial_accumulator_value, default 0: the "
+        "first step is then lr * sign(gradient))",
+    )
+    optimizer_args: str = field(
+        "",
+        help="the optimizer's other hyperparameters as a JSON object with torch.optim's names, "
+        'e.g. \'{"momentum": 0.9, "nesterov": true}\' or \'{"betas": [0.9, 0.99]}\'',
     )
     local_lr: float = field(
         0.03, help="learning rate of the plain SGD steps on the replica's local copy"
@@ -193,9 +204,30 @@ class TrainConfig:
     def server_lr(self) -> float:
         """The learning rate the tensors are created with (``lr``, scaled for compressed
         training with Adagrad)."""
-        if self.compress and self.optimizer == "adagrad":
+        if self.compress and self.optimizer in ("adagrad", "adagrad_legacy"):
             return self.lr * self.compress_lr_scale
         return self.lr
+
+    @property
+    def optimizer_params(self) -> dict[str, Any]:
+        """--optimizer-args parsed (OptimError when it is not a JSON object)."""
+        if not self.optimizer_args.strip():
+            return {}
+        try:
+            got = json.loads(self.optimizer_args)
+        except ValueError as exc:
+            raise OptimError(
+                f"optimizer_args is not JSON ({exc}): {self.optimizer_args!r}"
+            ) from None
+        if not isinstance(got, dict):
+            raise OptimError(f"optimizer_args must be a JSON object, got {self.optimizer_args!r}")
+        return got
+
+    def optimizer_spec(self) -> dict[str, Any]:
+        """The optimizer every tensor is created with (checked: OptimError names the problem)."""
+        spec = spec_of(self.optimizer, self.server_lr, self.adagrad_initial, self.optimizer_params)
+        Optimizer.from_dict(spec).check_for_tensor()
+        return spec
 
     def check_mode(self) -> None:
         """The consistency mode (given, or read from the run's record) fits this trainer."""
@@ -247,8 +279,10 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "workers", "n_fetch", "n_push", "push_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.optimizer not in ("adagrad", "sgd"):
-            raise ValueError(f"optimizer must be 'adagrad' or 'sgd', got {self.optimizer!r}")
+        try:
+            self.optimizer_spec()
+        except OptimError as exc:  # names the bad kind or field and what is expected
+            raise ValueError(f"optimizer: {exc}") from None
         if self.worker_mode not in ("process", "thread"):
             raise ValueError(f"worker_mode must be 'process' or 'thread', got {self.worker_mode!r}")
         if not 0.0 < self.epoch_fraction <= 1.0:

@@ -78,9 +78,9 @@ def create_model(client: PSClient, spec: CtrSpec, cfg: CtrConfig) -> None:
         TABLE,
         cfg.dim,
         init={"kind": "normal", "std": 0.05, "seed": 1},
-        optimizer={"kind": "adagrad", "lr": cfg.row_lr, "initial_accumulator": 1e-4},
+        optimizer={"kind": "adagrad", "lr": cfg.row_lr, "initial_accumulator_value": 1e-4},
     )
-    opt = {"kind": "adagrad", "lr": cfg.mlp_lr, "initial_accumulator": 1e-4}
+    opt = {"kind": "adagrad", "lr": cfg.mlp_lr, "initial_accumulator_value": 1e-4}
     for t in mlp_specs(spec, cfg):
         init = {"kind": "xavier", "seed": 2} if t.name == "ctr.w1" else {"kind": "zeros"}
         if t.name == "ctr.w2":
@@ -237,12 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.local and not args.controllers:
         ap.error("give --controllers or --local")
     if args.local:
-        from adamps.up.cluster import FAST_CONTROLLER_OPTS, LocalCluster
+        from adamps.up.cluster import LocalCluster
 
         root = Path(tempfile.mkdtemp(prefix="adamps-ctr-"))
         c = LocalCluster(
             root, token=token, n_servers=args.servers, n_buckets=args.n_buckets,
-            controller_opts={**FAST_CONTROLLER_OPTS, "replication": args.replication},
+            controller_opts={"replication": args.replication},
             ps_opts={"log-level": "WARNING"},
         )  # fmt: skip
         c.start(timeout=60)

@@ -569,7 +569,7 @@ class Replica:
             meta = {
                 "epochs": cfg.epochs,
                 "replicas": cfg.n_replicas,
-                "optimizer": {"kind": cfg.optimizer, "lr": cfg.server_lr},
+                "optimizer": cfg.optimizer_spec(),
                 "heldout_accuracy": self.result.accuracy.get(cfg.epochs),
             }
             self.result.out = str(export.save(cfg.out, self.spec, views, meta))

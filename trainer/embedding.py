@@ -64,7 +64,8 @@ class Embedding:
         g = row_grads(self._inv, grad, len(self._uniq))
         if scale != 1.0:
             g *= np.float32(scale)
-        self.client.push_rows(self.table, self._uniq, g)
+        if len(self._uniq):  # a batch without ids has no row to push (an empty push is refused)
+            self.client.push_rows(self.table, self._uniq, g)
         self.bytes_moved += self._uniq.nbytes + g.nbytes
 
 

@@ -273,9 +273,7 @@ class PartitionMember:
         init = Model(self.spec)
         init.init_params(self.cfg.seed)
         values = slice_params(init, self.cfg.partition, self.cfg.partitions)
-        optimizer: dict[str, Any] = {"kind": self.cfg.optimizer, "lr": self.cfg.server_lr}
-        if self.cfg.optimizer == "adagrad":
-            optimizer["initial_accumulator"] = self.cfg.adagrad_initial
+        optimizer = self.cfg.optimizer_spec()
         for t in self.tensors:
             self.client.create(  # type: ignore[attr-defined]
                 t, init={"kind": "values", "values": values[t.name]}, optimizer=optimizer

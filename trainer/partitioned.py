@@ -209,7 +209,7 @@ class PartitionLeader(PartitionMember, Replica):
                 "epochs": cfg.epochs,
                 "replicas": cfg.n_replicas,
                 "partitions": cfg.partitions,
-                "optimizer": {"kind": cfg.optimizer, "lr": cfg.server_lr},
+                "optimizer": cfg.optimizer_spec(),
                 "heldout_accuracy": self.result.accuracy.get(cfg.epochs),
             }
             self.result.out = str(export.save(cfg.out, self.spec, views, meta))

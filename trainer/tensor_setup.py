@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from adamps.layout import Layout, TensorSpec
+from adamps.optspec import Optimizer
 from trainer.config import TrainConfig
 from trainer.model import Model
 
@@ -53,30 +54,41 @@ def create_tensors(cfg: TrainConfig, spec: Any, tensors: list[TensorSpec], clien
         warm, accums = initial_state(cfg.init, {t.name: t.shape for t in tensors})
         for name, values in warm.items():
             init.param(name)[...] = values
-    optimizer: dict[str, Any] = {"kind": cfg.optimizer, "lr": cfg.server_lr}
-    if cfg.optimizer == "adagrad":
-        optimizer["initial_accumulator"] = cfg.adagrad_initial
+    optimizer = cfg.optimizer_spec()
     for t in tensors:
         client.create(t, init={"kind": "values", "values": init.param(t.name)}, optimizer=optimizer)
-    if accums and cfg.optimizer == "adagrad":
-        install_accumulators(cfg, client, init, accums)
+    if accums and Optimizer.from_dict(optimizer).has_accumulator:
+        install_accumulators(cfg, client, init, accums, optimizer)
 
 
 def install_accumulators(
-    cfg: TrainConfig, client: Any, init: Model, accums: dict[str, Any]
+    cfg: TrainConfig, client: Any, init: Model, accums: dict[str, Any], optimizer: dict[str, Any]
 ) -> None:
-    """The checkpoint's Adagrad accumulators, installed (with the same values) through the
-    servers' one write path: the run goes on from the checkpoint's learning rates, not from
-    fresh accumulators (issue 24)."""
+    """The checkpoint's optimizer state (Adagrad's accumulators, Adam's moments...), installed
+    (with the same values) through the servers' one write path: the run goes on from the
+    checkpoint's learning rates, not from fresh state (issue 24). A tensor whose saved state is
+    another optimizer's (its size differs) starts from fresh state, logged."""
     from adamps.checkpoint import Cluster, install
 
+    opt = Optimizer.from_dict(optimizer)
+    fits = {}
+    for n, a in accums.items():
+        want = sum(opt.state_size(s.size) for s in client.layout.shards_of[n])
+        if a.size == want:
+            fits[n] = a
+        else:
+            log.warning("warm start: %s's saved optimizer state (%d elements) is not %s's (%d): "
+                        "its %s state starts fresh", n, a.size, opt.kind, want, opt.kind)  # fmt: skip
+    accums = fits
+    if not accums:
+        return
     arrays = {n: init.param(n) for n in accums}
     arrays.update({f"{n}/accum": a for n, a in accums.items()})
-    defs = [{"name": n} for n in accums]
+    defs = [{"name": n, "optimizer": optimizer} for n in accums]
     cluster = Cluster(list(cfg.controllers), cfg.token, source=client.source)
     try:
         n = install(cluster, client.layout, defs, arrays)
     finally:
         cluster.close()
-    log.info("warm start: Adagrad accumulators of %d tensors (%d shards) from %s",
+    log.info("warm start: optimizer state of %d tensors (%d shards) from %s",
              len(accums), n, cfg.init)  # fmt: skip

@@ -70,12 +70,51 @@ class Call:
     then: Callable[[Any], Any] = _same
     #: the result when the controllers answer `not_found` (None: raise it)
     if_not_found: Callable[[], Any] | None = None
+    #: sees a refusal first, and may raise another error for it
+    refused: Callable[[RpcError], None] | None = None
 
     def settle(self, exc: RpcError) -> Any:
         """The result of a call whose retries ended in `exc`, or `exc` raised again."""
+        if self.refused is not None:
+            self.refused(exc)
         if self.if_not_found is not None and exc.code == "not_found":
             return self.if_not_found()
         raise exc
+
+
+class LayoutMismatch(Exception):
+    """A parameter server's `n_buckets` is not the controllers': it can serve none of their
+    buckets, and no retry changes that (issue 39, finding 18). Not an `RpcError`: a server
+    stops on it, it does not retry."""
+
+    def __init__(self, mine: int, theirs: Any) -> None:
+        super().__init__(
+            f"this server uses n_buckets={mine}, the controllers n_buckets={theirs}: every role "
+            f"of a cluster must use the same number of buckets (start it with --n-buckets "
+            f"{theirs}, or ADAMPS_N_BUCKETS)"
+        )
+        self.mine = mine
+        self.theirs = theirs
+
+
+def _checks_layout(
+    n_buckets: int | None,
+) -> tuple[Callable[[Any], Any], Callable[[RpcError], None]]:
+    """(then, refused) of a registration by a server of `n_buckets`: LayoutMismatch when the
+    controllers refuse it for its n_buckets, or (controllers of an earlier release, which do
+    not check) answer with another one."""
+
+    def then(reply: Any) -> Any:
+        theirs = reply.get("n_buckets") if isinstance(reply, dict) else None
+        if n_buckets is not None and theirs is not None and theirs != n_buckets:
+            raise LayoutMismatch(n_buckets, theirs)
+        return reply
+
+    def refused(exc: RpcError) -> None:
+        if n_buckets is not None and exc.extra.get("reason") == "n_buckets":
+            raise LayoutMismatch(n_buckets, exc.extra.get("n_buckets")) from exc
+
+    return then, refused
 
 
 class ControllerRing:
@@ -142,11 +181,17 @@ class ControllerOps:
     def _run(self, call: Call) -> Any:
         raise NotImplementedError
 
-    def _post(self, path: str, body: Any, then: Callable[[Any], Any] = _same) -> Any:
+    def _post(
+        self,
+        path: str,
+        body: Any,
+        then: Callable[[Any], Any] = _same,
+        refused: Callable[[RpcError], None] | None = None,
+    ) -> Any:
         req = json_request("POST", path, body)
         if self.signer is not None and req.body is not None:
             req = dataclasses.replace(req, extra_headers=self.signer("POST", path, req.body))
-        return self._run(Call(req, then))
+        return self._run(Call(req, then, refused=refused))
 
     def _get(self, path: str, if_not_found: Callable[[], Any] | None = None) -> Any:
         return self._run(Call(json_request("GET", path), if_not_found=if_not_found))
@@ -159,14 +204,19 @@ class ControllerOps:
         address: str,
         copies: dict[int, Sequence[int]] | None = None,
         rack: str | None = None,
+        n_buckets: int | None = None,
     ) -> Any:
         """A registration: the server's address, the copies it offers (bucket -> [epoch, seq])
-        and its rack (default: the client's `rack`)."""
+        and its rack (default: the client's `rack`). With `n_buckets` (the server's), a cluster
+        of another number of buckets raises `LayoutMismatch`, and registers nothing."""
         body: dict[str, Any] = {"address": address, "copies": _reports(copies)}
         rack = rack if rack is not None else self.rack
         if rack:
             body["rack"] = rack
-        return self._post(f"/servers/{server}/register", body)
+        if n_buckets is not None:
+            body["n_buckets"] = n_buckets
+        then, refused = _checks_layout(n_buckets)
+        return self._post(f"/servers/{server}/register", body, then, refused)
 
     def heartbeat(
         self,
@@ -279,6 +329,11 @@ class ControllerOps:
 
     def delete_run(self, name: str) -> Any:
         return self._run(Call(json_request("DELETE", f"/runs/{name}")))
+
+    def run_usage(self, run: str, name: str, cost: dict[str, int]) -> Any:
+        """Asks the controllers to count `name` at `cost` against run `run`'s size quotas
+        (a server, before it creates it; 403 quota_exceeded when past them)."""
+        return self._post(f"/runs/{run}/usage", {"name": name, "cost": cost})
 
     def runs_auth(self) -> Any:
         """The runs' token hashes and quotas (the servers', with the cluster token)."""

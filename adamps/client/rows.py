@@ -114,8 +114,14 @@ class RowsClient:
         """Row gradients (``grads[k]`` for ``ids[k]``; duplicate ids are summed) applied by the
         servers' per-row optimizer, exactly once. Checked whole before any server is sent its
         part (push_checks: a NaN row refuses the push everywhere); a push that fails after some
-        buckets applied their rows raises PartialPushError naming them."""
+        buckets applied their rows raises PartialPushError naming them. At least one id: an empty
+        push is a ValueError here, as the servers refuse it (400 bad_request)."""
         ids = as_ids(ids)
+        if not len(ids):
+            raise ValueError(
+                f"push_rows of table {table!r} needs at least one id, got none: with nothing to "
+                "push, do not call it"
+            )
         grads = checks.rows(ids, grads, self.tables.get(table))
         seq = self.next_seq() if seq is None else seq
         pair = {"client": self.client_id, "seq": seq}
@@ -145,8 +151,6 @@ class RowsClient:
                 by_http,
             )
 
-        if not len(ids):
-            return
         try:
             self._with_retry(go)
         except Exception as exc:

@@ -58,6 +58,15 @@ class ControllerLink:
                 return HEARTBEAT
         return None
 
+    def next_due(self) -> float:
+        """When ``tick`` next has a call to make: -inf (at once), a time, or inf (only after the
+        call in flight is answered, an input of its own)."""
+        if self.state == "unregistered":
+            return self._due
+        if self.state == "registered" and not self._heartbeat_in_flight:
+            return float("-inf") if self._wanted else self._due
+        return float("inf")
+
     def want_record(self) -> None:
         """Heartbeat now, or as soon as the one in flight is answered."""
         self._wanted = True

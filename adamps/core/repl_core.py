@@ -229,12 +229,8 @@ class ReplCore(ControllerSide, JoiningCopy, Pings):
             elif role == "joining" and rep.learning:
                 if now - self.last_heard.get(b, 0.0) > fa:
                     rep.learning = False  # the primary forgot this learner: transfer again
-            elif role == "primary":
-                rs = self._rounds.get(b)
-                # Retries, delayed COMMITs, lagging replicas, pushes waiting for the lease; an
-                # idle bucket costs nothing per tick.
-                if rs is None or rs.retry_at or rep.pending or rep.lagging():
-                    self.pump(b, now)
+            elif role == "primary" and self._pumping(b, rep):
+                self.pump(b, now)
         for key, (at, req) in list(self._report_again.items()):
             if now >= at:
                 del self._report_again[key]
@@ -242,6 +238,30 @@ class ReplCore(ControllerSide, JoiningCopy, Pings):
         self._joins_tick(now)
         self._pings_tick(now)
         self._link_tick(now)
+
+    def _pumping(self, b: int, rep: BucketReplica) -> bool:
+        """A primary bucket every tick pumps: retries, delayed COMMITs, lagging replicas, pushes
+        waiting for the lease (an idle bucket costs nothing per tick)."""
+        rs = self._rounds.get(b)
+        return rs is None or bool(rs.retry_at) or bool(rep.pending) or bool(rep.lagging())
+
+    def next_deadline(self, now: float) -> float:
+        """When ``tick`` next has something to do: ``now`` or earlier (at once), a time, or inf.
+        A tick before then changes nothing, so a shell may sleep until then, feeding every other
+        input at once (they may bring it earlier: ask again after them). The pings, the
+        heartbeats and every watchdog keep their periods; a primary's busy bucket (retries,
+        COMMITs, lagging replicas) is due at once, as every tick pumps it."""
+        fa = self.settings.failover_after
+        due = min(self.link.next_due(), self._pings_due(), self._joins_due(now))
+        for b, role in self.roles.items():
+            rep = self.buckets[b]
+            if role == "secondary" and b in self.last_heard:
+                due = min(due, max(self.last_heard[b] + fa, self.role_change_after.get(b, 0.0)))
+            elif role == "joining" and rep.learning:
+                due = min(due, self.last_heard.get(b, 0.0) + fa)
+            elif role == "primary" and self._pumping(b, rep):
+                return now
+        return min([due, *(at for at, _req in self._report_again.values())])
 
     # -- primary: pushes, rounds, acknowledgements ---------------------------------------------
 

@@ -40,11 +40,8 @@ class JoiningCopy:
     def _joins_tick(self, now: float) -> None:
         """Asks for a snapshot for every joining copy that holds none, fetches none and installs
         none, once its wait is over."""
-        for b in self.roles:
-            target = self.join_target(b)
-            if target is None or b in self._fetching or b in self.installing:
-                continue
-            if self.buckets[b].learning or now < self._fetch_after.get(b, now):
+        for b, target, at in self._joins_waiting(now):
+            if now < at:
                 continue
             primary, epoch, join = target
             if self.persist_blocked is not None:
@@ -56,6 +53,22 @@ class JoiningCopy:
                 self._next_fid += 1
                 self._fetching[b] = f = Fetch(b, primary, epoch, join, self._next_fid)
                 self._ready.fetches.append(f)
+
+    def _joins_waiting(self, now: float) -> list[tuple[int, tuple[str | None, int, int], float]]:
+        """(bucket, join target, when its snapshot may be asked for) of every joining copy that
+        holds none, fetches none and installs none."""
+        out = []
+        for b in self.roles:
+            target = self.join_target(b)
+            if target is None or b in self._fetching or b in self.installing:
+                continue
+            if not self.buckets[b].learning:
+                out.append((b, target, self._fetch_after.get(b, now)))
+        return out
+
+    def _joins_due(self, now: float) -> float:
+        """When ``_joins_tick`` next asks for a snapshot (inf: no copy waits for one)."""
+        return min((at for _b, _t, at in self._joins_waiting(now)), default=float("inf"))
 
     def _stop_join(self, b: int) -> None:
         self._fetching.pop(b, None)

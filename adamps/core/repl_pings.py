@@ -32,6 +32,10 @@ class Pings:
             self._next_ping = now + self.settings.ping_interval
             self._ready.pings = self.pings()
 
+    def _pings_due(self) -> float:
+        """When the next pings are due (``_pings_tick``)."""
+        return self._next_ping
+
     def pings(self) -> dict[str, dict[str, int]]:
         """Member -> {bucket: epoch} of the buckets this server is primary of: one ping each."""
         by_member: dict[str, dict[str, int]] = {}

@@ -108,6 +108,7 @@ class ParameterServer:
         self.m.dirty.set_function(lambda: self.store.dirty_count())
         self.m.loss_window.set_function(lambda: self.flusher.loss_window())
         self.m.durable.set_function(lambda: 0 if self.flusher.not_durable() else 1)
+        self.m.flush_starved.set_function(lambda: 1 if self.flusher.starved_now() else 0)
         self.m.flush_age.set_function(lambda: self.flusher.last_flush_age() or 0.0)
         self.m.flush_failures.set_function(lambda: self.flusher.failures)
         self.m.queue_depth.set_function(lambda: sum(self.store.queue_depths()))
@@ -126,12 +127,13 @@ class ParameterServer:
                 on_corrupt=lambda where: self.m.corrupt.labels(where).inc(),
             )
             self.flusher.cut = self._cut
-        #: verifies LMDB records in the background at cfg.scrub_rate bytes/s
+        #: verifies LMDB records in the background (cfg.scrub_rate bytes/s, cfg.scrub_cpu)
         self.scrubber = Scrubber(
             self.persister,
             cfg.scrub_rate,
             on_failure=self._scrub_found,
             on_bytes=self.m.scrubbed_bytes.inc,
+            cpu=cfg.scrub_cpu,
         )
         self.scrubber.start()
         #: the event loop serving this server and its thread (set at startup)
@@ -143,7 +145,13 @@ class ParameterServer:
         if self.replicator is not None:
             rep = self.replicator  # its controller client exists once it started
             self.tenancy.fetch = lambda: rep.calls.ctl.runs_auth()
+            self.tenancy.use = lambda run, name, cost: rep.calls.ctl.run_usage(run, name, cost)
             self.replicator.on_heartbeat = self.tenancy.on_heartbeat
+            self.replicator.calls.on_fatal = self.stop_for
+        #: why this server stopped itself (a fault no retry cures), else None
+        self.fatal: str | None = None
+        #: set to stop serving (`adamps ps` waits for it beside SIGTERM and SIGINT)
+        self.stop_serving = asyncio.Event()
         self.addressing = Addressing(cfg, self.store, self.replicator)
         self.reads = Reads(self.store, self.addressing)
         #: the one way pushes change shards (HTTP and the data plane both use it)
@@ -164,6 +172,8 @@ class ParameterServer:
             pull_rows=self.rows.op_pull_rows, push_rows=self.rows.op_push_rows
         )
         self._closed = False
+        #: "METHOD /path" of every HTTP route (set by make_app)
+        self._routes: set[str] = set()
         #: a checkpoint's read and restore of a bucket (checkpoint_ops.py)
         self.checkpoints = CheckpointOps(self.store, self.catalog, self.writes, self.replicator)
         #: runs' step clocks and their consistency modes (issue 25, clockops.py)
@@ -284,6 +294,13 @@ class ParameterServer:
         self.m.flushed_bytes.inc(nbytes)
         self.m.flush_seconds.observe(seconds)
 
+    def stop_for(self, why: str) -> None:
+        """Stops serving for a reason no retry can cure (issue 39, finding 18: the controllers
+        use another n_buckets): logged, and `adamps ps` exits non-zero."""
+        log.critical("stopping: %s", why)
+        self.fatal = why
+        self.stop_serving.set()
+
     def close(self) -> None:
         if self._closed:
             return
@@ -309,6 +326,9 @@ class ParameterServer:
         app[PS_KEY] = self
         app.router.add_post("/rpc", self.handle_rpc)
         app.router.add_post("/flush", self.handle_flush)
+        self._routes = {
+            f"{r.method} {r.resource.canonical}" for r in app.router.routes() if r.method != "HEAD"
+        }
 
         async def start_data_plane(_app: web.Application) -> None:
             self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
@@ -359,6 +379,12 @@ class ParameterServer:
                 )
                 handler = functools.partial(self.replicator.ops.op_from_peer, op, peer=peer)
             try:
+                if who.run is not None and op in ("create", "create_table"):
+                    # checked whole first: the controllers count only a definition that is
+                    # created once it fits (its run's size quotas, across the cluster)
+                    checker = self.catalog if op == "create" else self.catalog.tables
+                    checker.check(msg)
+                    await self.tenancy.reserve(who, op, msg)
                 reply = await handler(msg)
             except StoreError as exc:
                 raise ProtocolError(exc.code, exc.message) from None
@@ -371,8 +397,8 @@ class ParameterServer:
             self.m.requests.labels(op, "internal").inc()
             raise
         reply = self.tenancy.filter_reply(who, op, reply)
-        resp = aweb.message_response({"rid": msg.get("rid"), **reply})
-        self.m.bytes_out.inc(len(resp.body))  # type: ignore[arg-type]
+        resp, size = await aweb.send_message(request, {"rid": msg.get("rid"), **reply})
+        self.m.bytes_out.inc(size)
         self.m.requests.labels(op, "ok").inc()
         self.m.latency.labels(op).observe(time.perf_counter() - t0)
         return resp
@@ -408,7 +434,9 @@ class ParameterServer:
         return view
 
     async def handle_flush(self, request: web.Request) -> web.Response:
-        aweb.check_token(request)
+        # The operator's: a run's token is 403 forbidden (as op flush on /rpc), unknown 401.
+        who = await self.tenancy.authenticate(request.headers.get("Authorization"))
+        self.tenancy.check(who, "flush", {}, 0)
         return aweb.json_response(await self._flush())
 
     async def _flush(self) -> dict[str, Any]:
@@ -451,8 +479,22 @@ class ParameterServer:
             },
             "durable": self.flusher.not_durable() is None,
             "not_durable": self.flusher.not_durable(),
+            "flush_starved": self.flusher.starved_now(),
             "applied": dict(self.store.applied),
             "clients": len(self.writes.clients),
             "runs": self.tenancy.status(),
             "clocks": self.clocks.status(),
+            "served": self.served(),
+        }
+
+    def served(self) -> dict[str, list[str]]:
+        """Every kind of request this server answers: /rpc ops, HTTP routes, data-plane frames
+        (tests/system/test_loop_lag.py probes each; a new op cannot escape it)."""
+        frames = ["push_dense", "pull", *self.data_plane.messages]
+        if self.data_plane.peer_frame is not None:
+            frames.append("repl_multi")
+        return {
+            "rpc": sorted(self._ops),
+            "routes": sorted(self._routes),
+            "data_plane": sorted(frames) if self.cfg.data_port else [],
         }

@@ -34,6 +34,8 @@ from adamps.server.optim import Optimizer
 
 MAX_VALUE = 1e24
 MAX_LR = 1e12
+#: the magnitude a checkpoint's installed value or accumulator may have (check_state)
+MAX_STATE = 1e36
 #: normal init: samples beyond mean +- 64 std never occur (numpy's ziggurat tops out near 14)
 NORMAL_SIGMAS = 64.0
 
@@ -61,8 +63,10 @@ def _too_big(what: str, value: float, limit: float) -> ProtocolError:
 def check_optimizer(opt: Optimizer) -> None:
     if abs(opt.lr) > MAX_LR:
         raise _too_big("optimizer lr of magnitude", abs(opt.lr), MAX_LR)
-    for name in ("eps", "initial_accumulator"):
-        v = abs(getattr(opt, name))
+    for name in ("eps", "initial_accumulator", "initial_accumulator_value", "weight_decay"):
+        if name not in opt.params:
+            continue
+        v = abs(opt.params[name])
         if v > MAX_VALUE:
             raise _too_big(f"optimizer {name} of magnitude", v, MAX_VALUE)
 
@@ -103,6 +107,27 @@ def within(delta: np.ndarray) -> bool:
     lo, hi = float(delta.min()), float(delta.max())
     # NaN fails both comparisons; +-inf fails the bound
     return -MAX_GRAD <= lo and hi <= MAX_GRAD
+
+
+def check_state(
+    what: str, values: np.ndarray, accum: np.ndarray | None = None, signed: bool = False
+) -> None:
+    """A checkpoint's state for one shard (``ckpt_install``): finite, magnitude at most
+    ``MAX_STATE``, and unless `signed` (an optimizer whose state holds signed moments or
+    momentum buffers: Optimizer.signed_state) the accumulator non-negative (Adagrad's square
+    root is taken of it). Trained state may have left ``MAX_VALUE`` behind (each update moves it
+    by up to 1e24), so the bound is wider, yet from it an element still needs over 3e14 updates
+    to reach float32's 3.4e38. `what` names the shard in the error (``non_finite`` or
+    ``bad_request``)."""
+    m = max_abs(f"{what}: values", values)
+    if m > MAX_STATE:
+        raise _too_big(f"{what}: a value of magnitude", m, MAX_STATE)
+    if accum is not None and accum.size:
+        m = max_abs(f"{what}: accumulator", accum)
+        if m > MAX_STATE:
+            raise _too_big(f"{what}: an accumulator of magnitude", m, MAX_STATE)
+        if not signed and float(accum.min()) < 0:
+            raise ProtocolError("bad_request", f"{what}: an Adagrad accumulator is negative")
 
 
 def check_fc(a: np.ndarray, e: np.ndarray) -> None:

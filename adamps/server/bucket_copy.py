@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from adamps import runs
 from adamps.core.repl_types import Batch
+from adamps.protocol import ProtocolError
 from adamps.server import checksum
-from adamps.server.repl_wire import store_parts
+from adamps.server.repl_wire import deleted_run_of, gone_with_run, update_parts
+from adamps.server.shards import StoreError
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
 
@@ -30,14 +33,34 @@ log = logging.getLogger("adamps.server.replicate")
 
 def apply_batches(store: Store, batches: Iterable[Batch]) -> asyncio.Future:
     """Enqueues the batches, each as one group per shard, in order, so that every copy applies
-    the same groups and the copies end bit-identical; a future for completion."""
+    the same groups and the copies end bit-identical; a future for completion. Raises nothing:
+    it runs inside the shell's drain, whose other actions (answers, messages) must all be
+    carried out, so an update that cannot be applied is refused alone (issue 39)."""
     futs = []
     for batch in batches:
-        parts = store_parts(store, batch.updates)
+        parts = _committed_parts(store, batch)
         fut = owner_future(lambda cb, parts=parts: store.push_group(parts, cb))
         fut.add_done_callback(_log_apply_error)
         futs.append(fut)
     return asyncio.gather(*futs)
+
+
+def _committed_parts(store: Store, batch: Batch) -> list[Any]:
+    """A committed batch's store parts, update by update: one that names a deleted run's tensor
+    or table (gone since the round began) is skipped; anything else unknown here is a bug,
+    logged, and skipped too rather than stopping the bucket's rounds."""
+    parts: list[Any] = []
+    for push in batch.updates:
+        for u in push:
+            try:
+                parts += update_parts(store, u)
+            except (StoreError, ProtocolError) as exc:
+                if gone_with_run(store, u, exc):
+                    log.info("batch %d: an update of deleted run %r refused: %s",
+                             batch.seq, deleted_run_of(store, u), exc)  # fmt: skip
+                else:
+                    log.error("batch %d: an update cannot be applied here: %r", batch.seq, exc)
+    return parts
 
 
 def _log_apply_error(fut: asyncio.Future) -> None:
@@ -54,7 +77,7 @@ def _bucket_shards(store: Store, b: int) -> list[Any]:
 def _buffers(states: list[Any]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
     """Empty value and accumulator buffers for a read of `states`."""
     outs = [np.empty(st.shard.shape, np.float32) for st in states]
-    accs = [np.empty(st.shard.shape, np.float32) if st.accum is not None else None for st in states]
+    accs = [np.empty(st.accum.shape, np.float32) if st.accum is not None else None for st in states]
     return outs, accs
 
 
@@ -111,11 +134,16 @@ def install(
         if want is not None and shard_digest(rec["value"], rec.get("accum")) != want:
             on_corrupt("transfer")
             raise ValueError(f"shard {sid} of the snapshot of bucket {b} fails its checksum")
+    # What a deleted run left on a primary that has not learned of the deletion yet is not
+    # created again here (its updates in flight are refused alone: repl_wire.store_parts).
+    dead = store.deleted_runs
     for d in snap["tensors"]:
-        catalog.ensure(d)
+        if runs.run_of(str(d.get("name"))) not in dead:
+            catalog.ensure(d)
     for d in snap.get("tables", []):
-        catalog.tables.ensure(d)
-    rows = {sid: store.tables.shard(sid) for sid in snap.get("rows", {})}
+        if runs.run_of(str(d.get("name"))) not in dead:
+            catalog.tables.ensure(d)
+    rows = {sid: store.tables.shard(sid) for sid in snap.get("rows", {}) if _live(sid, dead)}
 
     def put_rows(st: Any) -> int:
         rec = snap["rows"][st.id]
@@ -125,6 +153,8 @@ def install(
     rows_done = owner_future(lambda cb: store.replace(list(rows.values()), put_rows, cb))
     states, values, accums, versions = [], [], [], []
     for sid, rec in snap["shards"].items():
+        if not _live(sid, dead):
+            continue
         st = store.shard(sid)
         states.append(st)
         values.append(rec["value"])
@@ -132,6 +162,10 @@ def install(
         versions.append(int(rec["version"]))
     done = owner_future(lambda cb: store.overwrite(states, values, accums, versions, cb))
     return [done, rows_done]
+
+
+def _live(sid: str, dead: frozenset[str]) -> bool:
+    return runs.run_of(sid) not in dead
 
 
 async def offers(

@@ -4,6 +4,7 @@ between replicas of a bucket (``definition``, ``ensure``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -15,8 +16,8 @@ from adamps.layout import TensorSpec, split_tensor
 from adamps.protocol import ProtocolError, require
 from adamps.server import bounds
 from adamps.server.config import PsConfig
-from adamps.server.initial import INIT_KINDS, normalize_init
-from adamps.server.optim import Optimizer
+from adamps.server.initial import INIT_KINDS, initial_values, normalize_init
+from adamps.server.optim import Optimizer, initial_state
 from adamps.server.persist import Persister
 from adamps.server.shards import TensorState
 from adamps.server.store import Store
@@ -36,6 +37,8 @@ class TensorCatalog:
         self._seq = 0
         #: the embedding tables' definitions (tablecatalog.py), numbered by the same counter
         self.tables = TableCatalog(cfg, store, persister, self.next_seq)
+        #: one create's allocation at a time (op_create)
+        self._creating = asyncio.Lock()
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -92,7 +95,10 @@ class TensorCatalog:
 
     # -- ops ----------------------------------------------------------------------------------------
 
-    async def op_create(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def check(
+        self, msg: dict[str, Any]
+    ) -> tuple[TensorSpec, Optimizer, dict[str, Any], np.ndarray | None]:
+        """A create's definition, checked whole (raises the 4xx naming the problem)."""
         name = require(msg, "name", str)
         # Sizes by arithmetic before anything is allocated (issue 12: [2^32] with Adagrad asked
         # for 32 GiB); a create that only repeats an existing definition allocates nothing.
@@ -100,17 +106,65 @@ class TensorCatalog:
         spec = TensorSpec(name, shape)
         init_in = require(msg, "init", dict, default={"kind": "zeros"})
         opt = Optimizer.from_dict(require(msg, "optimizer", dict, default={"kind": "sgd"}))
+        opt.check_for_tensor()
         bounds.check_optimizer(opt)
         init = normalize_init(init_in, spec.shape)
         bounds.check_init(init, init_in.get("values"))
-        if name not in self.store.tensors:
-            self._check_server_room(spec)
-        created, t = self._define(spec, opt, init, init_in.get("values"))
+        return spec, opt, init, init_in.get("values")
+
+    async def op_create(self, msg: dict[str, Any]) -> dict[str, Any]:
+        spec, opt, init, values = self.check(msg)
+        name = spec.name
+        # One create at a time draws, allocates and writes its values, on a worker thread: a
+        # tensor of max_tensor_elems with Adagrad is 512 MiB, which held the event loop for
+        # seconds (issue 39); the lock admits them one by one against max_server_elems.
+        async with self._creating:
+            if name not in self.store.tensors:
+                self._check_server_room(spec)
+                meta = self._meta(spec, opt, init)
+                own = await asyncio.to_thread(self._prepare, spec, opt, init, values, meta)
+                if own is not None and name not in self.store.tensors:
+                    created, t = self._define(spec, opt, init, values, own)
+                    return {"created": created, "tensor": self._describe(t)}
+            created, t = self._define(spec, opt, init, values)
         return {"created": created, "tensor": self._describe(t)}
+
+    def _meta(self, spec: TensorSpec, opt: Optimizer, init: dict[str, Any]) -> dict[str, Any]:
+        """A new definition's LMDB record (it takes the next sequence number)."""
+        return {
+            "spec": spec.to_dict(),
+            "optimizer": opt.to_dict(),
+            "init": init,
+            "seq": self.next_seq(),
+            "max_shard_elems": self.cfg.max_shard_elems,
+        }
+
+    def _prepare(
+        self,
+        spec: TensorSpec,
+        opt: Optimizer,
+        init: dict[str, Any],
+        values: np.ndarray | None,
+        meta: dict[str, Any],
+    ) -> dict[str, tuple[int, np.ndarray, np.ndarray | None]] | None:
+        """A worker thread: the initial values and accumulators of the shards held now, written
+        to LMDB with the definition before the tensor exists in memory (so no push or flush of
+        it can come first). Returns them for `Store.define(own=True)`."""
+        whole = initial_values(spec.shape, init, values).reshape(-1)
+        out: dict[str, tuple[int, np.ndarray, np.ndarray | None]] = {}
+        for s in split_tensor(spec, self.store.layout.max_shard_elems):
+            if not self.store.holds_id(s.id):  # (a racy read: Store.define fills the rest)
+                continue
+            acc = initial_state(opt, s.size) if opt.has_accumulator else None
+            out[s.id] = (0, whole[s.start : s.stop].copy().reshape(s.shape), acc)
+        recs = [(sid, v, val, a) for sid, (v, val, a) in out.items()]
+        if not self.persister.write_tensor(meta, recs, only_new=True):
+            return None  # a peer's definition came first (ensure): op_create compares with it
+        return out
 
     def _check_server_room(self, spec: TensorSpec) -> None:
         """The shards of `spec` this server would hold fit in max_server_elems."""
-        held = sum(st.shard.size for st in self.store.shards.values())
+        held = sum(st.shard.size for st in self.store.shards.values()) + self.tables.sketch_cells()
         if limits.shard_count(spec.shape, self.store.layout.max_shard_elems) > (1 << 20):
             raise ProtocolError("too_large", f"tensor {spec.name!r} would have too many shards")
         new = sum(
@@ -127,10 +181,16 @@ class TensorCatalog:
             )
 
     def _define(
-        self, spec: TensorSpec, opt: Optimizer, init: dict[str, Any], values: np.ndarray | None
+        self,
+        spec: TensorSpec,
+        opt: Optimizer,
+        init: dict[str, Any],
+        values: np.ndarray | None,
+        prepared: dict[str, tuple[int, np.ndarray, np.ndarray | None]] | None = None,
     ) -> tuple[bool, TensorState]:
         """Defines a tensor unless an identical one exists (then False); a different one with the
-        same name is `exists`. Persists the definition and initial state before returning."""
+        same name is `exists`. Persists the definition and initial state before returning
+        (`prepared`: `_prepare` made and persisted them, off the loop)."""
         name = spec.name
         existing = self.store.tensors.get(name)
         wanted = {
@@ -148,20 +208,23 @@ class TensorCatalog:
                 f"tensor {name!r} exists with a different definition",
                 existing=existing.describe(),
             )
-        t = self.store.define(spec, opt, init, values)
-        meta = {
-            "spec": spec.to_dict(),
-            "optimizer": opt.to_dict(),
-            "init": init,
-            "seq": self._seq,
-            "max_shard_elems": self.cfg.max_shard_elems,
-        }
-        self._seq += 1
-        # Written before the caller yields, so no push to the new shards is queued yet and no
-        # later flush can be overtaken by this version-0 write. Create is rare; the loop blocks briefly.
-        self.persister.write_tensor(
-            meta, [(st.id, st.version, st.value, st.accum) for st in t.shards.values()]
-        )
+        if prepared is not None:
+            t = self.store.define(spec, opt, init, values, prepared, own=True)
+            late = [st for st in t.shards.values() if st.id not in prepared]
+            if late:  # a bucket held since _prepare read the holdings (rare)
+                self.persister.write_tensor(
+                    self._meta(spec, opt, init),
+                    [(st.id, st.version, st.value, st.accum) for st in t.shards.values()],
+                )
+        else:
+            t = self.store.define(spec, opt, init, values)
+            # Written before the caller yields, so no push to the new shards is queued yet and
+            # no later flush can be overtaken by this version-0 write. (A peer's definition,
+            # state transfer: `ensure`.)
+            self.persister.write_tensor(
+                self._meta(spec, opt, init),
+                [(st.id, st.version, st.value, st.accum) for st in t.shards.values()],
+            )
         log.info(
             "created tensor %s %s (%d held shards, %s)",
             name,

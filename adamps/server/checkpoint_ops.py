@@ -9,8 +9,10 @@ token (an operator's call, not a peer's: the replication ops are peer-only):
   is unchanged, and lists them under ``unchanged``.
 - ``ckpt_install``: shards and row shards of one bucket restored whole. It is an update (wire
   kinds ``i`` and ``j``, install.py) through the one write path, so every replica gets it by
-  the same two-phase commit as a push. Refused (``conflict``) for a shard that already took an
-  update, unless ``force``.
+  the same two-phase commit as a push; ``n`` (optional) is the version the shard had in the
+  checkpoint, which it then reports (install.version_after). Its data is checked like a push's (bounds.check_state:
+  finite, bounded; issue 39), all of it before anything is queued. Refused (``conflict``) for a
+  shard that already took an update, unless ``force``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import time
 from typing import Any
 
 from adamps.protocol import ProtocolError, require
-from adamps.server.install import RowInstall, install_of
+from adamps.server import bounds
+from adamps.server.install import RowInstall, install_of, version_of
 from adamps.server.repl_wire import install_update, row_install_update
 from adamps.server.replicate import Replicator
 from adamps.server.rowtables import RowShardState
@@ -131,9 +134,9 @@ class CheckpointOps:
             if not snaps:
                 self.cuts.pop(cut, None)
             return snap
-        return await self._read(b, require(msg, "since", dict, default={}))
+        return await self._read(b, _since_versions(msg))
 
-    async def _read(self, b: int, since: dict[str, Any]) -> dict[str, Any]:
+    async def _read(self, b: int, known: dict[str, int]) -> dict[str, Any]:
         epoch, seq = 0, None
         if self.replicator is not None:
             # not_primary (also while in doubt) / unavailable: the caller retries
@@ -146,10 +149,6 @@ class CheckpointOps:
         # copy applies the same committed batches, so an equal version is equal data, also on
         # another copy after a failover. (A bucket an operator declared lost restarts its
         # history: the caller then saves everything, adamps/checkpoint.py.)
-        versions = since.get("versions")
-        known: dict[str, int] = {}
-        if isinstance(versions, dict):
-            known = {k: v for k, v in versions.items() if isinstance(v, int)}
 
         def dense(st: Any) -> tuple[int, Any, Any]:
             if known.get(st.id) == st.version:
@@ -208,8 +207,10 @@ class CheckpointOps:
             st = self.store.shard(sid)
             if self.store.layout.bucket_of[sid] != b:
                 raise ProtocolError("bad_request", f"shard {sid} is not in bucket {b}")
-            upd = install_update(sid, rec.get("v"), rec.get("a"))
+            upd = install_update(sid, rec.get("v"), rec.get("a"), version_of(rec))
             inst = install_of(upd, st)
+            signed = self.store.tensor(sid.rsplit("/", 1)[0]).optimizer.signed_state
+            bounds.check_state(f"shard {sid}", inst.value, inst.accum, signed)  # as a push's is
             if st.version > 0:
                 busy.append(sid)
             wire.append(([st], lambda sts, u=upd: u))
@@ -224,9 +225,10 @@ class CheckpointOps:
             _check_block(st, sid, data)
             if st.version > 0 or st.value.n > 0:
                 busy.append(sid)
-            upd = row_install_update(sid, data)
+            version = version_of(rec)
+            upd = row_install_update(sid, data, version)
             wire.append(([st], lambda sts, u=upd: u))
-            parts.append((st, RowInstall(data)))
+            parts.append((st, RowInstall(data, version)))
         if busy and not force:
             raise ProtocolError(
                 "conflict",
@@ -244,3 +246,24 @@ def _check_block(st: RowShardState, sid: str, data: bytes) -> None:
         probe.load_bytes(data)
     except Exception as exc:  # struct.error, ValueError: a damaged or foreign record
         raise ProtocolError("bad_request", f"row shard {sid}: not a row block: {exc}") from None
+    n = probe.n
+    acc = None if probe.accum is None else probe.accum[:n]
+    bounds.check_state(f"row shard {sid}", probe.values[:n], acc)
+
+
+def _since_versions(msg: dict[str, Any]) -> dict[str, int]:
+    """ckpt_read's `since: {versions: {shard or row shard id: version}}`, checked whole: a
+    malformed one was ignored, and the read then silently saved everything (issue 39 #15)."""
+    since = require(msg, "since", dict, default={})
+    extra = sorted(str(k) for k in since if k != "versions")
+    if extra:
+        raise ProtocolError("bad_request", f"field 'since' takes only 'versions', got {extra}")
+    versions = since.get("versions", {})
+    if not isinstance(versions, dict) or not all(
+        isinstance(k, str) and type(v) is int for k, v in versions.items()
+    ):
+        raise ProtocolError(
+            "bad_request",
+            "field 'since.versions' must map shard or row shard ids to versions (ints)",
+        )
+    return versions

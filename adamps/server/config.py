@@ -69,7 +69,13 @@ class PsConfig:
     scrub_rate: int = field(
         4 << 20,
         help="bytes per second of LMDB records the background scrub verifies against their "
-        "checksums (0: no scrub)",
+        "checksums at most (0: no scrub)",
+    )
+    scrub_cpu: float = field(
+        0.005,
+        help="fraction of one core the background scrub uses at most, measured as its thread's "
+        "CPU time (0.005: 0.5%); with scrub_rate, whichever bound is tighter sets how long a "
+        "pass takes (docs/operations.md, Storage faults)",
     )
     map_size: int = field(
         1 << 30, help="initial LMDB map size in bytes (grown by doubling when full)"
@@ -86,8 +92,9 @@ class PsConfig:
     )
     max_server_elems: int = field(
         1 << 28,
-        help="most float32 elements of all tensors' shards held here, checked at create (1 GiB; "
-        "Adagrad doubles the memory)",
+        help="most float32 elements of all tensors' shards held here, and 4-byte counters of "
+        "tables' frequency filters, checked at create and create_table (1 GiB; an optimizer's "
+        "state adds 1x (Adagrad) to 3x (Adam with amsgrad) the memory)",
     )
     max_shards_per_request: int = field(
         4096, help="most shard ids (after removing duplicates) or tensors in one pull or push"
@@ -244,6 +251,10 @@ class PsConfig:
             )
         if self.scrub_rate < 0:
             raise ValueError("scrub_rate must be >= 0 (0: no scrub)")
+        if not 0 < self.scrub_cpu <= 1:
+            raise ValueError(
+                f"scrub_cpu must be a fraction of one core in (0, 1], not {self.scrub_cpu}"
+            )
         for name in ("max_tensor_elems", "max_server_elems", "max_shards_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

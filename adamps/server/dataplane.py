@@ -463,9 +463,12 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     def _send(self, kind: int, meta: dict[str, Any], payload: np.ndarray | None) -> None:
         if self.transport is None or self.transport.is_closing():
             return
-        m = protocol.encode(meta)
+        # A meta's arrays (pull_rows' rows) are written from their own memory (issue 39)
+        parts, meta_len = protocol.encode_parts(meta)
         n = 0 if payload is None else payload.nbytes
-        self.transport.write(frame_header(kind, len(m), n) + m)
+        self.transport.write(frame_header(kind, meta_len, n) + bytes(parts[0]))
+        for part in parts[1:]:
+            self.transport.write(part)
         if payload is not None:
             view = memoryview(payload).cast("B")
             step = self.plane.write_step or len(view) or 1

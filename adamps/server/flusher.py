@@ -32,7 +32,9 @@ import time
 from collections.abc import Callable, Container
 from typing import Any
 
+from adamps.core import flush_stall
 from adamps.server import memtrim
+from adamps.server.flush_times import FlushTimes, OwnedLock
 from adamps.server.persist import Persister, Position
 from adamps.server.shards import Snapshot
 from adamps.server.store import Store
@@ -92,7 +94,9 @@ class Flusher:
         self.interval = interval
         self.clock = clock
         self._on_flush = on_flush
-        self._flush_lock = threading.Lock()
+        #: held by the flush in progress (its holder known: a forced flush stuck on the disk
+        #: is the disk's time for the background flush that waits for it)
+        self._flush_lock = OwnedLock()
         #: snapshots taken but not yet committed (a failed write keeps them for the next round)
         self._pending: dict[str, Snapshot] = {}
         self._stop = threading.Event()
@@ -108,6 +112,17 @@ class Flusher:
         self.writing_since: float | None = None
         #: (monotonic time, verdict) of the last `not_durable` answer
         self._verdict: tuple[float, str | None] = (-math.inf, None)
+        #: how the flush thread spends its time (issue 39: a slow flush is told a stalled
+        #: disk or a starved process by it)
+        self.times = FlushTimes(clock)
+        persister.waiting_for = self.times.waiting_for
+        #: why the loss window is past max_unflushed without this server being not durable
+        #: (the flush is starved of CPU, not stalled on the disk: issue 39), or None
+        self.starved: str | None = None
+        #: slow intervals classified starved (each verdict that kept this server durable)
+        self.starved_verdicts = 0
+        #: the last verdict found the disk stalled
+        self._stalled = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="adamps-flusher", daemon=True)
@@ -121,7 +136,11 @@ class Flusher:
             self.flush()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        self.times.attach()
+        while True:
+            with self.times.phase("paused"):
+                if self._stop.wait(self.interval):
+                    return
             try:
                 self.flush()
             except Exception:  # logged; the snapshots stay pending and are retried next round
@@ -151,7 +170,9 @@ class Flusher:
     def flush(self) -> dict[str, Any]:
         """Writes every dirty shard now (blocking), chunk by chunk. Returns {shards, bytes,
         seconds, chunks}."""
-        with self._flush_lock:
+        with self.times.waiting_for(self._flush_lock):
+            self._flush_lock.acquire()
+        try:
             t0 = self.clock()
             shards = nbytes = 0
             chunks = self.plan()
@@ -174,6 +195,8 @@ class Flusher:
             if self._on_flush is not None:
                 self._on_flush(shards, nbytes, seconds)
             return dict(self.last_flush)
+        finally:
+            self._flush_lock.release()
 
     def flush_buckets(self, buckets: set[int], timeout: float | None = None) -> int:
         """Writes the dirty shards and positions of `buckets` now, in one transaction (blocking;
@@ -236,11 +259,12 @@ class Flusher:
         )
         self.writing_since = self.clock()
         try:
-            nbytes = (
-                self.persister.write_snapshots(snaps, chunk_positions, held)
-                if snaps or chunk_positions is not None
-                else 0
-            )
+            with self.times.phase("write"):
+                nbytes = (
+                    self.persister.write_snapshots(snaps, chunk_positions, held)
+                    if snaps or chunk_positions is not None
+                    else 0
+                )
         except Exception as exc:
             self.failures += 1
             needed = sum(len(s.record) for s in self._pending.values())
@@ -265,28 +289,56 @@ class Flusher:
 
     def not_durable(self) -> str | None:
         """Why this server must not acknowledge a push now, or None: the oldest update not yet
-        committed to LMDB is older than max_unflushed (flushes failing or stalled). Reused for
-        VERDICT_TTL seconds (it scans the dirty shards)."""
+        committed to LMDB is older than max_unflushed (flushes failing or stalled). A window
+        that is past it because the flush is starved of CPU, not stalled on the disk, keeps
+        the server durable (`starved` says why; issue 39). Reused for VERDICT_TTL seconds (it
+        scans the dirty shards)."""
         now = self.clock()
         at, verdict = self._verdict
         if now - at < VERDICT_TTL:
             return verdict
         window = self.loss_window()
-        verdict = None
-        if window > self.max_unflushed:
+        verdict = starved = None
+        if window <= self.max_unflushed:
+            self._stalled = False
+        else:
             since = self.writing_since
+            slow = self.times.over(now - window)
+            # once stalled, stalled while the account says so: a disk that answers now and
+            # then does not make the verdict flap (each change is an entry of the controllers)
+            on_disk = None if self._stalled else self.times.on_disk_now()
+            kind = flush_stall.STALLED if slow is None else flush_stall.classify(slow, on_disk)
+            self._stalled = kind == flush_stall.STALLED
+            detail = "" if slow is None else f"; the flush thread's last {slow.describe()}"
             if self.last_error is not None:
                 why = f"flushes fail: {self.last_error}"
-            elif since is not None:
-                why = f"a flush has been writing for {now - since:.1f} s (the disk stalls)"
+            elif kind == flush_stall.STARVED:
+                starved = (
+                    f"updates unflushed for {window:.1f} s, beyond max_unflushed "
+                    f"{self.max_unflushed:g} s, because the flush is starved of CPU, not "
+                    f"stalled on the disk{detail}"
+                )
+            elif since is not None and kind == flush_stall.STALLED:
+                why = f"a flush has been writing for {now - since:.1f} s (the disk stalls{detail})"
             else:
-                why = "flushes do not keep up"
-            verdict = (
-                f"updates unflushed for {window:.1f} s, beyond max_unflushed "
-                f"{self.max_unflushed:g} s: {why}"
-            )
+                why = f"flushes do not keep up{detail}"
+            if starved is None:
+                verdict = (
+                    f"updates unflushed for {window:.1f} s, beyond max_unflushed "
+                    f"{self.max_unflushed:g} s: {why}"
+                )
+        if starved is not None and self.starved is None:
+            log.warning("%s: this server stays durable, its buckets stay", starved)
+            self.starved_verdicts += 1
+        self.starved = starved
         self._verdict = (now, verdict)
         return verdict
+
+    def starved_now(self) -> str | None:
+        """Why the loss window is past max_unflushed with this server durable (its flush is
+        starved of CPU), or None."""
+        self.not_durable()
+        return self.starved
 
     def last_flush_age(self) -> float | None:
         """Seconds since the last successful flush ended (None: none yet in this process)."""

@@ -73,6 +73,20 @@ def adagrad_numpy(
     np.subtract(w, tmp, out=w)
 
 
+def adagrad_torch_numpy(
+    w: np.ndarray, acc: np.ndarray, g: np.ndarray, clr: float, eps: float, tmp: np.ndarray
+) -> None:
+    """torch.optim.Adagrad's step (eps outside the square root), float32, in place:
+    acc += g*g; w -= (g / (sqrt(acc) + eps)) * clr. The reference of the fused kernel."""
+    np.multiply(g, g, out=tmp)
+    np.add(acc, tmp, out=acc)
+    np.sqrt(acc, out=tmp)
+    np.add(tmp, np.float32(eps), out=tmp)
+    np.divide(g, tmp, out=tmp)
+    np.multiply(tmp, np.float32(clr), out=tmp)
+    np.subtract(w, tmp, out=w)
+
+
 def _compile_numba(cache: bool = True):  # type: ignore[no-untyped-def]
     import numba
 
@@ -99,7 +113,21 @@ def _compile_numba(cache: bool = True):  # type: ignore[no-untyped-def]
             acc[i] = a
             w[i] = w[i] - lr * (gi / np.sqrt(a + eps))
 
-    return adagrad_fused
+    @numba.njit(
+        [numba.void(rw, rw, ro, f32, f32)],
+        cache=cache,
+        nogil=True,
+        error_model="numpy",
+        boundscheck=False,
+    )
+    def adagrad_torch_fused(w, acc, g, clr, eps):  # type: ignore[no-untyped-def]
+        for i in range(w.shape[0]):
+            gi = g[i]
+            a = acc[i] + gi * gi
+            acc[i] = a
+            w[i] = w[i] - (gi / (np.sqrt(a) + eps)) * clr
+
+    return adagrad_fused, adagrad_torch_fused
 
 
 def _load_numba():  # type: ignore[no-untyped-def]
@@ -113,7 +141,7 @@ def _load_numba():  # type: ignore[no-untyped-def]
         return _compile_numba(cache=False)
 
 
-_adagrad_fused = _load_numba() if SELECTED == "numba" else None
+_adagrad_fused, _adagrad_torch_fused = _load_numba() if SELECTED == "numba" else (None, None)
 
 
 def _fusable(*arrays: np.ndarray) -> bool:
@@ -135,3 +163,14 @@ def adagrad(
         _adagrad_fused(wf, af, gf, np.float32(lr), np.float32(eps))
         return
     adagrad_numpy(wf, af, gf, lr, eps, tmp.reshape(-1)[: wf.size])
+
+
+def adagrad_torch(
+    w: np.ndarray, acc: np.ndarray, g: np.ndarray, clr: float, eps: float, tmp: np.ndarray
+) -> None:
+    """One step of torch's Adagrad in place with the selected kernel: flat float32 arrays of one
+    length (acc is the shard's accumulator, the state's first slot), tmp scratch of that size."""
+    if _adagrad_torch_fused is not None and _fusable(w, acc, g):
+        _adagrad_torch_fused(w, acc, g, np.float32(clr), np.float32(eps))
+        return
+    adagrad_torch_numpy(w, acc, g, clr, eps, tmp)

@@ -82,10 +82,13 @@ def serve(cfg: PsConfig) -> int:
             cfg.buckets or "all",
             cfg.data_dir,
         )
-        asyncio.run(web.run_app(app, cfg.host, cfg.port))
+        asyncio.run(web.run_app(app, cfg.host, cfg.port, stop=ps.stop_serving))
     finally:
         ps.close()
         limits.restore_original_limits()
+    if ps.fatal is not None:
+        log.error("parameter server stopped: %s", ps.fatal)
+        return 2
     return 0
 
 

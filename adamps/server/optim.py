@@ -1,4 +1,7 @@
-"""Server-side optimizers applied in place to one shard: plain SGD and Adagrad (DistBelief 4.1).
+"""Server-side optimizers applied in place to one shard: plain SGD (BLAS), the legacy Adagrad
+(DistBelief 4.1, ``adagrad_legacy``) and, through :mod:`adamps.server.torchoptim`, torch.optim's
+rules (``sgd`` with momentum or weight decay, ``adagrad``, ``adam``, ``adamw``, ``rmsprop``). The
+definitions and the layout of their state: :mod:`adamps.optspec`.
 
 Pure numpy/BLAS, no threads and no IO: the store's owner thread calls :func:`apply_batch` with the
 shard's arrays and the ordered list of updates queued for it. The result is a deterministic
@@ -10,10 +13,12 @@ Conventions (docs/protocol-ps.md repeats them):
 - a dense delta ``d`` is a gradient: ``w -= lr * d``; ``lr = -1`` therefore adds ``d`` exactly;
 - a fully connected push carries activations ``a`` (k x N) and errors ``e`` (k x M) of a layer
   ``y = W @ x`` with W of M x N; the gradient is ``e.T @ a`` and the update ``W -= lr * e.T @ a``;
-- Adagrad: ``acc += g * g; w -= lr * g / sqrt(acc + eps)`` per element, one step per push (a batch
+- the legacy Adagrad: ``acc += g * g; w -= lr * g / sqrt(acc + eps)`` per element, one step per
+  push; every optimizer takes one step per push, in order (a batch
   only amortises the queueing and keeps the shard hot in cache; it does not change the result).
 - a compressed push (Strom 2.5, :class:`Signs`) is the sparse gradient ``g`` that is ``+tau`` or
-  ``-tau`` on the sent elements and 0 elsewhere. Both optimizers apply exactly what they would
+  ``-tau`` on the sent elements and 0 elsewhere. torch's rules take it dense (:func:`signs_dense`,
+  as torch would see it). Plain SGD and the legacy Adagrad apply exactly what they would
   apply to that dense ``g``, touching only the sent elements (unique indices: a gather, the
   arithmetic, a scatter; no ``np.add.at``): SGD ``w[i] -= lr * (+-tau)``; Adagrad accumulates
   ``tau**2`` on the sent elements only (``acc[i] += tau**2; w[i] -= lr * (+-tau) / sqrt(acc[i] +
@@ -27,68 +32,17 @@ with k1 + k2 + ... rows. Dense SGD uses BLAS saxpy (``y = a*x + y`` in one pass,
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from adamps import blas
-from adamps.server import kernels
+from adamps.optspec import KINDS, OptimError, Optimizer
+from adamps.server import kernels, torchoptim
 
-KINDS = ("sgd", "adagrad")
-
-
-class OptimError(ValueError):
-    """An invalid optimizer description."""
-
-
-@dataclass(frozen=True)
-class Optimizer:
-    """How a tensor's shards are updated; fixed when the tensor is created."""
-
-    kind: str = "sgd"
-    #: learning rate; any finite value for SGD (negative adds), > 0 for Adagrad
-    lr: float = 0.01
-    #: Adagrad: added under the square root, keeps the first steps finite
-    eps: float = 1e-8
-    #: Adagrad: starting value of every accumulator element
-    initial_accumulator: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise OptimError(f"optimizer must be one of {list(KINDS)}, got {self.kind!r}")
-        for name in ("lr", "eps", "initial_accumulator"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise OptimError(f"optimizer {name} must be a finite number, got {v!r}")
-            object.__setattr__(self, name, float(v))
-        if self.kind == "adagrad":
-            if self.lr <= 0:
-                raise OptimError(f"adagrad lr must be > 0, got {self.lr}")
-            if self.eps <= 0:
-                raise OptimError(f"adagrad eps must be > 0, got {self.eps}")
-            if self.initial_accumulator < 0:
-                raise OptimError("adagrad initial_accumulator must be >= 0")
-
-    @property
-    def has_accumulator(self) -> bool:
-        return self.kind == "adagrad"
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"kind": self.kind, "lr": self.lr}
-        if self.kind == "adagrad":
-            d.update(eps=self.eps, initial_accumulator=self.initial_accumulator)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Optimizer:
-        if not isinstance(d, Mapping):
-            raise OptimError(f"optimizer must be a map, got {type(d).__name__}")
-        unknown = set(d) - {"kind", "lr", "eps", "initial_accumulator"}
-        if unknown:
-            raise OptimError(f"unknown optimizer field(s) {sorted(unknown)}")
-        return cls(**dict(d))
+__all__ = ["KINDS", "OptimError", "Optimizer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +86,32 @@ class Scratch:
             self.t1 = np.empty(n, dtype=np.float32)
             self.t2 = np.empty(n, dtype=np.float32)
         return self.t1[:n].reshape(shape), self.t2[:n].reshape(shape)
+
+
+def state_shape(opt: Optimizer, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the state array of a shard of `shape`: the shard's own for the legacy
+    Adagrad (its records are unchanged), else flat (adamps/optspec.py: arrays, then the step count)."""
+    if opt.legacy_layout:
+        return shape
+    return (opt.state_size(math.prod(shape)),)
+
+
+def initial_state(opt: Optimizer, n: int) -> np.ndarray:
+    """A new shard's state (flat): the first array at the kind's initial value, the rest and
+    the step count 0."""
+    st = np.zeros(opt.state_size(n), np.float32)
+    st[:n] = opt.initial_state
+    return st
+
+
+def state_array(opt: Optimizer, shard: Any, a: np.ndarray) -> np.ndarray:
+    """`a` (a saved or sent state) as the C-contiguous float32 state of `shard`, or ValueError."""
+    want = opt.state_size(shard.size)
+    if a.size != want:
+        raise ValueError(
+            f"shard {shard.id}: a {opt.kind} state of {a.size} elements, expected {want}"
+        )
+    return np.array(a, dtype=np.float32, order="C").reshape(state_shape(opt, shard.shape))
 
 
 # -- kernels ----------------------------------------------------------------------------------
@@ -179,7 +159,7 @@ def sparse_step(opt: Optimizer, w: np.ndarray, acc: np.ndarray | None, u: Signs)
     g = np.where((words & np.uint32(1)).astype(bool), -t, t)
     flat = w.reshape(-1)
     lr = np.float32(opt.lr)
-    if opt.kind == "sgd":
+    if opt.kind == "sgd":  # plain SGD (apply_batch sends the other kinds a dense gradient)
         flat[idx] = flat[idx] - lr * g
         return
     assert acc is not None
@@ -192,6 +172,11 @@ def sparse_step(opt: Optimizer, w: np.ndarray, acc: np.ndarray | None, u: Signs)
 # -- batches ----------------------------------------------------------------------------------
 
 
+def plain_sgd(opt: Optimizer) -> bool:
+    """SGD without momentum or weight decay: linear, stateless, applied with BLAS."""
+    return opt.kind == "sgd" and opt.slots == 0 and opt.params["weight_decay"] == 0
+
+
 def apply_batch(
     opt: Optimizer,
     w: np.ndarray,
@@ -200,7 +185,7 @@ def apply_batch(
     scratch: Scratch,
 ) -> None:
     """Applies the ordered updates of one shard, in place. Deterministic in (w, acc, updates)."""
-    if opt.kind == "sgd":
+    if plain_sgd(opt):
         i = 0
         n = len(updates)
         while i < n:
@@ -226,8 +211,33 @@ def apply_batch(
             sgd_fc(w, a, e, opt.lr)
             i = j
         return
-    assert acc is not None
     g_buf, tmp = scratch.views(w.shape)
+    if not opt.legacy_layout:
+        # torch.optim's rules: every push is one step of the dense gradient (a compressed push
+        # is the dense gradient that is +-tau on its elements and 0 elsewhere, as torch sees it)
+        if not w.flags.c_contiguous or (acc is not None and not acc.flags.c_contiguous):
+            raise ValueError(f"{opt.kind}: the shard and its state must be C-contiguous")
+        wf, gb, tf = w.reshape(-1), g_buf.reshape(-1), tmp.reshape(-1)
+        state = np.empty(0, np.float32) if acc is None else acc.reshape(-1)
+        sparse_ok = opt.kind == "adagrad" and opt.params["weight_decay"] == 0
+        for u in updates:
+            if isinstance(u, Signs) and sparse_ok:  # only the sent elements move
+                idx = (u.words >> np.uint32(1)).astype(np.intp)
+                t = np.float32(u.tau)
+                sg = np.where((u.words & np.uint32(1)).astype(bool), -t, t)
+                torchoptim.sparse_adagrad(opt, wf, state, idx, sg)
+                continue
+            if isinstance(u, Signs):
+                g = signs_dense(u, gb)
+            elif isinstance(u, Dense):
+                g = u.delta.reshape(-1)
+                if g.size != wf.size:
+                    raise ValueError(f"gradient of {g.size} elements for a shard of {wf.size}")
+            else:
+                g = fc_grad(u.a, u.e, g_buf).reshape(-1)
+            torchoptim.dense_step(opt, wf, state, g, gb, tf)
+        return
+    assert acc is not None
     for u in updates:
         if isinstance(u, Signs):
             sparse_step(opt, w, acc, u)
@@ -237,6 +247,17 @@ def apply_batch(
         else:
             g = fc_grad(u.a, u.e, g_buf)
         adagrad(w, acc, g, opt.lr, opt.eps, tmp)
+
+
+def signs_dense(u: Signs, out: np.ndarray) -> np.ndarray:
+    """out (flat) = the dense gradient of a compressed push: +-tau on its elements, 0 elsewhere."""
+    out.fill(0.0)
+    words = u.words
+    if words.size:
+        idx = (words >> np.uint32(1)).astype(np.intp)
+        t = np.float32(u.tau)
+        out[idx] = np.where((words & np.uint32(1)).astype(bool), -t, t)
+    return out
 
 
 def reference_apply(opt: Optimizer, w: np.ndarray, acc: np.ndarray | None, g: np.ndarray) -> None:

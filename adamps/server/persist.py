@@ -42,11 +42,12 @@ process, which holds because every transaction goes through ``_lock``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import struct
-import threading
 from collections.abc import Callable, Collection, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ from adamps.config import ConfigError
 from adamps.layout import stable_bucket
 from adamps.server import memtrim, shardrecord
 from adamps.server.checksum import CorruptRecord, seal, unseal
+from adamps.server.flush_times import OwnedLock
 from adamps.server.rowdelta import RowDelta, id_keys, id_of_key, row_prefix, sid_of_key
 from adamps.server.shardrecord import HEADER
 from adamps.server.shards import Snapshot
@@ -127,7 +129,12 @@ class Persister:
     ) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         self.path = str(path)
-        self._lock = threading.Lock()
+        #: every transaction of this process (see above), with who holds it
+        self._lock = OwnedLock()
+        #: around the flush's wait for `_lock` (the Flusher's account of whom it waited for)
+        self.waiting_for: Callable[[OwnedLock], AbstractContextManager[None]] = lambda lock: (
+            contextlib.nullcontext()
+        )
         self.env = lmdb.open(
             self.path,
             map_size=map_size,
@@ -171,7 +178,9 @@ class Persister:
     # -- writing ------------------------------------------------------------------------------
 
     def _write(self, fn: Callable[[lmdb.Transaction], None]) -> None:
-        with self._lock:
+        with self.waiting_for(self._lock):
+            self._lock.acquire()
+        try:
             while True:
                 try:
                     with self.env.begin(write=True) as txn:
@@ -183,23 +192,35 @@ class Persister:
                     log.warning("LMDB map full; growing it to %d MiB", size >> 20)
                     self.env.set_mapsize(size)
                     self.map_grows += 1
+        finally:
+            self._lock.release()
 
     def write_tensor(
-        self, meta: dict[str, Any], shards: Iterable[tuple[str, int, np.ndarray, np.ndarray | None]]
-    ) -> None:
-        """A new tensor's definition and its held shards' initial state, in one transaction."""
+        self,
+        meta: dict[str, Any],
+        shards: Iterable[tuple[str, int, np.ndarray, np.ndarray | None]],
+        only_new: bool = False,
+    ) -> bool:
+        """A new tensor's definition and its held shards' initial state, in one transaction.
+        `only_new` (a create written off the event loop): nothing is written if a definition
+        of that name exists already (a peer's, written meanwhile, then transferred state and
+        flushed: this older initial state must not overwrite it). Returns whether it wrote."""
         shards = list(shards)
-        self._forgotten.discard(meta["spec"]["name"])
+        key = meta["spec"]["name"].encode()
+        wrote = [True]
 
         def fn(txn: lmdb.Transaction) -> None:
-            txn.put(
-                meta["spec"]["name"].encode(), seal(json.dumps(meta).encode()), db=self._tensors
-            )
+            if only_new and txn.get(key, db=self._tensors) is not None:
+                wrote[0] = False
+                return
+            txn.put(key, seal(json.dumps(meta).encode()), db=self._tensors)
             for sid, version, value, accum in shards:
                 txn.put(sid.encode(), shardrecord.pack(version, value, accum), db=self._shards)
 
+        self._forgotten.discard(meta["spec"]["name"])
         self._write(fn)
         memtrim.trim()  # the records and LMDB's dirty pages of a big tensor are free now
+        return wrote[0]
 
     def write_snapshots(
         self,
@@ -404,7 +425,7 @@ class Persister:
         try:
             payload = unseal(value)
             if db == "shards":
-                _unpack(payload)
+                _check_lengths(payload)  # the values' copies _unpack makes are not needed here
             elif db == "rows":
                 pass  # its length is its table's: checked when loaded
             elif db == "prepared":
@@ -555,10 +576,17 @@ class Persister:
         return list(out.values())
 
 
-def _unpack(rec: bytes | memoryview) -> tuple[int, np.ndarray, np.ndarray | None]:
+def _check_lengths(rec: bytes | memoryview) -> tuple[int, int, int]:
+    """(version, value bytes, accumulator bytes) of a shard record's payload, whose lengths must
+    add up to the record's."""
     version, nv, na = HEADER.unpack_from(rec)
     if HEADER.size + nv + na != len(rec) or nv % 4 or na % 4:
         raise ValueError(f"shard record of {len(rec)} bytes does not hold {nv} + {na} bytes")
+    return version, nv, na
+
+
+def _unpack(rec: bytes | memoryview) -> tuple[int, np.ndarray, np.ndarray | None]:
+    version, nv, na = _check_lengths(rec)
     off = HEADER.size
     # A copy (bytes -> new array): the values become mutable state of the store.
     value = np.frombuffer(rec, dtype="<f4", count=nv // 4, offset=off).copy()

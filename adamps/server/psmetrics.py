@@ -76,6 +76,13 @@ class PsMetrics:
             "max_unflushed (flushes failing or stalled): pushes get 503 not_durable",
             registry=registry,
         )
+        self.flush_starved = Gauge(
+            "adamps_ps_flush_starved",
+            "1 while updates stayed unflushed past max_unflushed because the flush is starved of "
+            "CPU, not stalled on the disk (issue 39): the server stays durable and keeps its "
+            "buckets",
+            registry=registry,
+        )
         self.flush_age = Gauge(
             "adamps_ps_last_flush_age_seconds",
             "seconds since the last successful flush ended (0 before the first)",

@@ -24,7 +24,8 @@ from adamps.protocol import ProtocolError
 from adamps.server import bounds
 from adamps.server.compressed import signs_of_wire
 from adamps.server.install import install_of
-from adamps.server.repl_wire import store_parts
+from adamps.server.repl_wire import gone_with_run, store_parts
+from adamps.server.shards import StoreError
 from adamps.server.store import Store
 from adamps.server.vecapply import KINDS
 
@@ -162,12 +163,19 @@ def _check_vec(u: dict[str, Any]) -> None:
 def check_batches(store: Store, batches: Sequence[Batch]) -> None:
     """Every update of every push of every batch (see check_update), then their store parts
     built as the owner threads will apply them (what the store cannot take raises here, before
-    the replica state machine sees the batch)."""
+    the replica state machine sees the batch). An update naming a deleted run's tensor or table
+    that is gone here passes: it is refused alone at apply, as the primary refuses it."""
     for b in batches:
         for push in b.updates:
             if not isinstance(push, tuple | list):
                 raise _bad("a push must be a list of updates")
             for u in push:
-                check_update(store, u)
+                try:
+                    check_update(store, u)
+                except (ProtocolError, StoreError) as exc:
+                    # A deleted run's update, in flight: gone here, refused alone when the
+                    # batch is applied (repl_wire.store_parts), never the whole batch.
+                    if not gone_with_run(store, u, exc):
+                        raise
     for b in batches:
         store_parts(store, b.updates)

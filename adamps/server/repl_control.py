@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from adamps.client.controller import AsyncControllerClient
+from adamps.client.controller import AsyncControllerClient, LayoutMismatch
 from adamps.client.rpc import RpcError
 from adamps.core.repl_ready import ControllerAnswer, ControllerRequest
 from adamps.server import bucket_copy
@@ -27,6 +27,8 @@ class ControllerCalls:
     def __init__(self, r: Any) -> None:
         self.r = r
         self.ctl: Any = None
+        #: stops the server, with its reason: no retry can cure it (another n_buckets)
+        self.on_fatal: Any = lambda why: log.critical("%s", why)
 
     def open(self, session: aiohttp.ClientSession) -> None:
         """The controllers' client, signing this server's calls when it has a key."""
@@ -39,11 +41,7 @@ class ControllerCalls:
     async def _register(self, body: dict[str, Any]) -> dict[str, Any]:
         r = self.r
         offered = await bucket_copy.offers(r.store, body["copies"], body["committed"])
-        reply = await self.ctl.register(r.server_id, r.address, offered)
-        if int(reply.get("n_buckets", r.cfg.n_buckets)) != r.cfg.n_buckets:
-            raise RuntimeError(
-                f"the controllers use n_buckets={reply['n_buckets']}, this server {r.cfg.n_buckets}"
-            )
+        reply = await self.ctl.register(r.server_id, r.address, offered, n_buckets=r.cfg.n_buckets)
         log.info("registered as %s at %s, offering %d copies (lease %s)",
                  r.server_id, r.address, len(offered), reply.get("lease"))  # fmt: skip
         return reply
@@ -74,6 +72,8 @@ class ControllerCalls:
             if req.kind == "heartbeat":
                 reply, asked_at = reply
             ans = ControllerAnswer(reply or {}, asked_at=asked_at)
+        except LayoutMismatch as exc:  # not retried: the server stops, saying why
+            return self.on_fatal(str(exc))
         except RpcError as exc:
             ans, why = ControllerAnswer(None, exc.code, exc.extra.get("retry_after")), exc
         except Exception as exc:  # no answer: the outcome is unknown (the core decides)

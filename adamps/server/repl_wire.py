@@ -13,12 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from adamps import runs
 from adamps.core.repl_ready import Answer
 from adamps.core.replication import Assignment, Batch, BucketReplica, Reject
 from adamps.protocol import ProtocolError, require
 from adamps.server import checksum, vecwire
 from adamps.server.compressed import signs_of_wire
-from adamps.server.install import RowInstall, install_of
+from adamps.server.install import RowInstall, install_of, version_of
 from adamps.server.optim import Dense
 from adamps.server.rowblock import RowPush
 from adamps.server.shards import ShardState, StoreError, fc_parts
@@ -110,16 +111,24 @@ def sign_update(sid: str, tau: float, encoded: dict[str, Any]) -> dict[str, Any]
     return {"k": "c", "s": sid, "t": tau, **encoded}
 
 
-def install_update(sid: str, value: np.ndarray, accum: np.ndarray | None) -> dict[str, Any]:
-    """A checkpoint's shard restored whole (values and accumulator)."""
+def install_update(
+    sid: str, value: np.ndarray, accum: np.ndarray | None, version: int | None = None
+) -> dict[str, Any]:
+    """A checkpoint's shard restored whole (values and accumulator; ``n``: the version it had
+    in the checkpoint, install.version_after)."""
     u: dict[str, Any] = {"k": "i", "s": sid, "v": value}
     if accum is not None:
         u["a"] = accum
+    if version is not None:
+        u["n"] = version
     return u
 
 
-def row_install_update(sid: str, data: bytes) -> dict[str, Any]:
-    return {"k": "j", "s": sid, "b": data}
+def row_install_update(sid: str, data: bytes, version: int | None = None) -> dict[str, Any]:
+    u: dict[str, Any] = {"k": "j", "s": sid, "b": data}
+    if version is not None:
+        u["n"] = version
+    return u
 
 
 #: str(dtype).encode() by dtype: numpy's dtype.__str__ is Python code, and took a third of the
@@ -255,32 +264,68 @@ def _client_key(c: Any) -> tuple[str, int] | None:
     return (c[0], c[1])
 
 
+#: the codes saying that an update names a tensor, shard or table this server does not hold
+UNKNOWN = frozenset({"unknown_tensor", "unknown_shard", "unknown_table"})
+
+
+def deleted_run_of(store: Store, u: Any) -> str | None:
+    """The deleted run (``Store.deleted_runs``) whose tensor or table update `u` names, if any."""
+    if not store.deleted_runs or not isinstance(u, dict):
+        return None
+    s = u.get("s")
+    names = [s] if isinstance(s, str) else list(s) if isinstance(s, list) else []
+    if u.get("k") == "f":  # an fc update also names its tensor ("t" is tau or time elsewhere)
+        names.append(u.get("t"))
+    for name in names:
+        if isinstance(name, str) and (run := runs.run_of(name)) in store.deleted_runs:
+            return run
+    return None
+
+
+def gone_with_run(store: Store, u: Any, exc: Exception) -> bool:
+    """`exc`, raised by update `u`, says that `u` names what a deleted run took away: `u` is
+    then refused alone (issue 39: such an update in a round in flight wedged the bucket)."""
+    return getattr(exc, "code", None) in UNKNOWN and deleted_run_of(store, u) is not None
+
+
 def store_parts(store: Store, updates: Iterable[Any]) -> list[tuple[ShardState, Any]]:
-    """The (shard, update) parts of a batch's pushes, in order; unknown shards and kinds raise."""
+    """The (shard, update) parts of a batch's pushes, in order; unknown shards and kinds raise,
+    except that an update naming a deleted run's tensor or table, gone here, is refused alone
+    (skipped): the round goes on for the bucket's other updates. Copies that learn of the
+    deletion at different times therefore differ only in the deleted run's values, which every
+    copy drops; every other update is applied by every copy."""
     parts: list[tuple[ShardState, Any]] = []
     for push in updates:
         for u in push:
-            kind = u["k"]
-            if kind == "d":
-                parts.append((store.shard(u["s"]), Dense(u["d"])))
-            elif kind == "f":
-                t = store.tensor(u["t"])
-                parts += fc_parts(t, u["a"], u["e"], [store.shard(s) for s in u["s"]])
-            elif kind == "c":
-                st = store.shard(u["s"])
-                parts.append((st, signs_of_wire(u, st.shard.size)))
-            elif kind == "r":  # an embedding table's rows of one bucket (tableops.py)
-                parts.append((store.tables.shard(u["s"]), RowPush(u["i"], u["g"], float(u["t"]))))
-            elif kind == "i":  # a checkpoint's shard, whole (install.py)
-                st = store.shard(u["s"])
-                parts.append((st, install_of(u, st)))
-            elif kind == "j":  # a checkpoint's row shard, whole (install.py)
-                data = u["b"]
-                if not isinstance(data, bytes):
-                    raise ProtocolError("bad_request", "a row install needs bytes 'b'")
-                parts.append((store.tables.shard(u["s"]), RowInstall(data)))
-            elif kind == "v":  # a vector operation (Sandblaster, vecwire.py)
-                parts += vecwire.parts_of(store, u)
-            else:
-                raise ProtocolError("bad_request", f"unknown update kind {kind!r}")
+            try:
+                parts += update_parts(store, u)
+            except (StoreError, ProtocolError) as exc:
+                if not gone_with_run(store, u, exc):
+                    raise
     return parts
+
+
+def update_parts(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, Any]]:
+    """The (shard, update) parts of one update; unknown shards and kinds raise."""
+    kind = u["k"]
+    if kind == "d":
+        return [(store.shard(u["s"]), Dense(u["d"]))]
+    if kind == "f":
+        t = store.tensor(u["t"])
+        return fc_parts(t, u["a"], u["e"], [store.shard(s) for s in u["s"]])
+    if kind == "c":
+        st = store.shard(u["s"])
+        return [(st, signs_of_wire(u, st.shard.size))]
+    if kind == "r":  # an embedding table's rows of one bucket (tableops.py)
+        return [(store.tables.shard(u["s"]), RowPush(u["i"], u["g"], float(u["t"])))]
+    if kind == "i":  # a checkpoint's shard, whole (install.py)
+        st = store.shard(u["s"])
+        return [(st, install_of(u, st))]
+    if kind == "j":  # a checkpoint's row shard, whole (install.py)
+        data = u["b"]
+        if not isinstance(data, bytes):
+            raise ProtocolError("bad_request", "a row install needs bytes 'b'")
+        return [(store.tables.shard(u["s"]), RowInstall(data, version_of(u)))]
+    if kind == "v":  # a vector operation (Sandblaster, vecwire.py)
+        return vecwire.parts_of(store, u)
+    raise ProtocolError("bad_request", f"unknown update kind {kind!r}")

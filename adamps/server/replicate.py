@@ -6,10 +6,10 @@ pings, state transfers, when to call the controllers); this shell only carries t
 etcd-io/raft's users do. Every event goes in through one entry, ``step`` (the core's input with
 the clock's reading, its ``Ready`` carried out in the same loop step, a refusal raised): the
 peers' messages (``repl_ops``), the answers to the core's messages and calls, client pushes, a
-joining copy's snapshot, and the clock (a tick every ``TICK`` s). ``drain`` carries out the
-``Ready``: batches to the owner threads, pushes answered, messages and pings through the
-transport (``repl_peers.Peers``), calls to the controllers (``repl_control``), snapshots fetched,
-installed (``bucket_copy``) and persisted (``repl_persist``).
+joining copy's snapshot, and the clock (``repl_clock``: at the core's deadlines). ``drain``
+carries out the ``Ready``: batches to the owner threads, pushes answered, messages and pings
+through the transport (``repl_peers.Peers``), calls to the controllers (``repl_control``),
+snapshots fetched, installed (``bucket_copy``) and persisted (``repl_persist``).
 
 Updates travel in their compact form (dense delta of one shard, or activation and error vectors),
 never as an expanded M x N delta, and every replica applies each batch as one group per shard on
@@ -36,6 +36,7 @@ from adamps.protocol import ProtocolError
 from adamps.server import bucket_copy, repl_persist
 from adamps.server.config import PsConfig
 from adamps.server.peer_keys import PeerKeys
+from adamps.server.repl_clock import CoreClock
 from adamps.server.repl_control import ControllerCalls
 from adamps.server.repl_metrics import ReplMetrics
 from adamps.server.repl_ops import PeerOps
@@ -47,9 +48,6 @@ if TYPE_CHECKING:
     from adamps.server.catalog import TensorCatalog
 
 log = logging.getLogger(__name__)
-
-#: seconds between two ticks of the core (retries of failed messages, delayed COMMITs, timers)
-TICK = 0.02
 
 
 class Replicator:
@@ -87,6 +85,8 @@ class Replicator:
         self.closing = False
         #: what replication asks of this server's disk (set by the server: its flusher)
         self.disk = repl_persist.Disk()
+        #: ticks the core at its deadlines (its timers and the controller link's)
+        self.clock = CoreClock(self.core, self._tick)
         #: sees every heartbeat reply (the runs' table version, adamps/server/tenancy.py)
         self.on_heartbeat: Callable[[dict[str, Any]], None] = lambda reply: None
 
@@ -96,10 +96,11 @@ class Replicator:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.peers.session = self._session
         self.calls.open(self._session)
-        self._spawn(self._clock(), "ps-clock")
+        self.clock.start()
 
     async def stop(self) -> None:
         self.closing = True
+        self.clock.stop()
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
@@ -157,6 +158,7 @@ class Replicator:
         it names)."""
         res = event(*args, time.monotonic(), **kw)
         self.drain()
+        self.clock.poke()
         if isinstance(res, Reject):
             b = b if res.bucket is None else res.bucket
             raise refusal(res, self.core.buckets.get(b), b, self.addresses)
@@ -173,12 +175,9 @@ class Replicator:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _clock(self) -> None:
-        """The core's clock: a tick every TICK seconds (its timers and the controller link's)."""
-        while not self.closing:
-            await asyncio.sleep(TICK)
-            repl_persist.tell_blocked(self.core, self.disk.can_persist)
-            self.step(-1, self.core.tick)
+    def _tick(self) -> None:
+        repl_persist.tell_blocked(self.core, self.disk.can_persist)
+        self.step(-1, self.core.tick)
 
     # -- pushes -------------------------------------------------------------------------------------
 

@@ -15,8 +15,9 @@ A push (`RowPush`) is applied in this order, by every copy alike:
    it gets a row, if the bucket's share of ``max_rows`` has room (new ids in increasing id order
    take the room left; the others' gradients are dropped, counted);
 4. new rows start from `initial_rows(init, id)` (and the optimizer's initial accumulator);
-5. SGD ``w -= lr * g`` or Adagrad ``acc += g * g; w -= lr * g / sqrt(acc + eps)`` per row, in
-   float32, one step per push (as for shards: optim.py);
+5. the table's optimizer per row (torchoptim.row_step: SGD, torch's Adagrad per element, the
+   row-wise Adagrad with one accumulator per row, or the legacy Adagrad), in float32, one step
+   per push (as for shards: optim.py);
 6. the rows' last push time becomes the push's time.
 """
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adamps.server import torchoptim
 from adamps.server.freqsketch import DEPTH, FrequencySketch
 from adamps.server.optim import Optimizer
 from adamps.server.rowdelta import RowDelta
@@ -93,7 +95,7 @@ class RowBlock:
     seen: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
     index: RowIndex = field(default_factory=RowIndex)
     #: sightings of ids without a row (the frequency filter, when admit_after > 1): bounded
-    #: memory (freqsketch.py)
+    #: memory (freqsketch.py), made at the first sighting (None before: no counts)
     sketch: FrequencySketch | None = None
     #: time of the next expiry sweep
     next_sweep: float = 0.0
@@ -107,12 +109,14 @@ class RowBlock:
     def __post_init__(self) -> None:
         if self.values is None:
             self.values = np.empty((0, self.dim), np.float32)
-        if self.accum is None and self.optimizer.has_accumulator:
-            self.accum = np.empty((0, self.dim), np.float32)
+        #: the optimizer's state per row (Adagrad: dim; row-wise Adagrad: 1; SGD: 0)
+        self.acc_width = self.optimizer.row_state_width(self.dim)
+        if self.accum is None and self.acc_width:
+            self.accum = np.empty((0, self.acc_width), np.float32)
         if len(self.dirty) < len(self.values):
             self.dirty = np.zeros(len(self.values), bool)
-        if self.sketch is None and self.admission.admit_after > 1:
-            self.sketch = FrequencySketch(self.admission.filter_width)
+        # The frequency sketch is made at the first sighting (`_admit`, the owner thread): a
+        # create allocates nothing per bucket on the event loop (issue 39).
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -207,7 +211,9 @@ class RowBlock:
     def _admit(self, ids: np.ndarray, new: np.ndarray, stats: ApplyStats) -> np.ndarray:
         """The positions in `new` (ids without a row, increasing) that get a row now."""
         after = self.admission.admit_after
-        if after > 1 and self.sketch is not None:
+        if after > 1:
+            if self.sketch is None:
+                self.sketch = FrequencySketch(self.admission.filter_width)
             ok = self.sketch.see(ids[new]) >= after
             stats.filtered += len(new) - int(ok.sum())
             new = new[ok]
@@ -224,7 +230,7 @@ class RowBlock:
         slots = np.arange(self.n, self.n + k)
         self.values[slots] = initial_rows(self.init, ids, self.dim)
         if self.accum is not None:
-            self.accum[slots] = self.optimizer.initial_accumulator
+            self.accum[slots] = self.optimizer.initial_state
         self.ids[slots] = ids
         self.seen[slots] = 0.0
         self.dirty[slots] = True
@@ -234,15 +240,10 @@ class RowBlock:
 
     def _step(self, s: np.ndarray, g: np.ndarray) -> None:
         assert self.values is not None
-        opt = self.optimizer
-        lr = np.float32(opt.lr)
         w = self.values[s]
-        if self.accum is None:
-            w -= lr * g
-        else:
-            acc = self.accum[s]
-            acc += g * g
-            w -= lr * g / np.sqrt(acc + np.float32(opt.eps))
+        acc = None if self.accum is None else self.accum[s]
+        torchoptim.row_step(self.optimizer, w, acc, g)
+        if acc is not None:
             self.accum[s] = acc
         self.values[s] = w
 
@@ -271,17 +272,19 @@ class RowBlock:
         """The frequency filter's state at `off` of `data`, and the offset after it. Version 1
         held exact (id, count) pairs: they become the sketch's counts."""
         width = self.admission.filter_width
-        sketch = FrequencySketch(width) if self.admission.admit_after > 1 else None
+        filtered = self.admission.admit_after > 1
+        sketch = None  # none yet: made at the first sighting
         if ver == 1:
             pend = np.frombuffer(data, "<i8", 2 * count, off).reshape(-1, 2)
-            if sketch is not None and len(pend):
+            if filtered and len(pend):
+                sketch = FrequencySketch(width)
                 sketch.raise_to(pend[:, 0].copy(), pend[:, 1])
             return sketch, off + pend.nbytes
         if count:
             if count != DEPTH * width:
                 raise ValueError(f"a filter of {count} counters, expected {DEPTH * width}")
             got = FrequencySketch.from_bytes(width, memoryview(data)[off : off + 4 * count])
-            sketch = got if sketch is not None else None
+            sketch = got if filtered else None
         return sketch, off + 4 * count
 
     def take_delta(self) -> RowDelta:
@@ -347,8 +350,8 @@ class RowBlock:
         n = len(ids)
         self.n = n
         self.ids, self.seen, self.values = ids, seen, values
-        if self.optimizer.has_accumulator:
-            self.accum = accum if accum is not None else np.zeros((n, dim), np.float32)
+        if self.acc_width:
+            self.accum = accum if accum is not None else np.zeros((n, self.acc_width), np.float32)
         self.dirty = np.zeros(n, bool)
         self.removed = []
         self.full = False
@@ -360,9 +363,23 @@ class RowBlock:
     @property
     def flush_nbytes(self) -> int:
         """About what the next flush writes of this block (a racy read: the chunk plan)."""
-        per = 64 + self.dim * 4 * (2 if self.accum is not None else 1)
+        per = 64 + (self.dim + self.acc_width) * 4
         rows = self.n if self.full else int(np.count_nonzero(self.dirty[: self.n]))
         return rows * per + (0 if self.sketch is None else self.sketch.nbytes) + 64
+
+    @staticmethod
+    def state_of(data: bytes, acc_width: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The (values, optimizer state or None) of `to_bytes` output, as views, without a table
+        (a checkpoint's restore checks them before it sends any). `acc_width`: the table's
+        optimizer's state per row (Optimizer.row_state_width). ValueError on a bad record."""
+        _m, _v, n, dim, has_acc, _p, _s = _HEAD.unpack_from(data)
+        aw = acc_width if has_acc else 0
+        off = _HEAD.size + 16 * n  # past ids (int64) and last seen (float64)
+        if off + 4 * n * (dim + aw) > len(data):
+            raise ValueError(f"row block of {len(data)} bytes is too short for {n} rows")
+        values = np.frombuffer(data, "<f4", n * dim, off)
+        accum = np.frombuffer(data, "<f4", n * aw, off + 4 * n * dim) if aw else None
+        return values, accum
 
     def load_bytes(self, data: bytes) -> None:
         """Replaces the whole state by `to_bytes` output (raises ValueError on a bad record)."""
@@ -380,14 +397,15 @@ class RowBlock:
         ids = take("<i8", n)
         seen = take("<f8", n)
         values = take("<f4", n * dim).reshape(n, dim)
-        accum = take("<f4", n * dim).reshape(n, dim) if has_acc else None
+        aw = self.acc_width
+        accum = take("<f4", n * aw).reshape(n, aw) if has_acc and aw else None
         sketch, off = self._parse_filter(ver, data, off, n_pend)
         if off != len(data):
             raise ValueError(f"row block of {len(data)} bytes, expected {off}")
         self.n = n
         self.ids, self.seen, self.values = ids, seen, values
-        if self.optimizer.has_accumulator:
-            self.accum = accum if accum is not None else np.zeros((n, dim), np.float32)
+        if self.acc_width:
+            self.accum = accum if accum is not None else np.zeros((n, self.acc_width), np.float32)
         self.index = RowIndex()
         self.index.rebuild(ids)
         self.sketch = sketch
@@ -410,5 +428,5 @@ class RowBlock:
 
     @property
     def nbytes(self) -> int:
-        per = self.dim * 4 * (2 if self.accum is not None else 1) + 16
+        per = (self.dim + self.acc_width) * 4 + 16
         return self.n * per

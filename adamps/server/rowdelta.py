@@ -61,7 +61,8 @@ class RowDelta:
             np.ascontiguousarray(self.values, "<f4").view(np.uint8).reshape(k, row),
         ]
         if self.accum is not None:
-            parts.append(np.ascontiguousarray(self.accum, "<f4").view(np.uint8).reshape(k, row))
+            aw = self.accum.shape[1] * 4  # the optimizer's state per row (1 for row-wise Adagrad)
+            parts.append(np.ascontiguousarray(self.accum, "<f4").view(np.uint8).reshape(k, aw))
         return np.concatenate(parts, axis=1)
 
     def records(self, sid: str) -> list[tuple[memoryview, memoryview]]:
@@ -101,7 +102,12 @@ class RowDelta:
     @property
     def nbytes(self) -> int:
         """About what writing it costs (the flush's chunk plan)."""
-        per = 8 + 16 + 40 + self.values.shape[1] * 4 * (1 if self.accum is None else 2)
+        per = (
+            8
+            + 16
+            + 40
+            + (self.values.shape[1] + (0 if self.accum is None else self.accum.shape[1])) * 4
+        )
         return len(self.ids) * per + len(self.removed) * 48
 
 
@@ -130,10 +136,11 @@ def sid_of_key(key: bytes) -> str:
 
 
 def parse_rows(
-    ids: list[int], payloads: list[bytes | memoryview], dim: int, has_accum: bool
+    ids: list[int], payloads: list[bytes | memoryview], dim: int, acc_width: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """(ids, seen, values, accum) of row records' payloads (raises ValueError on a bad size)."""
-    width = 8 + dim * 4 * (2 if has_accum else 1)
+    """(ids, seen, values, accum) of row records' payloads (raises ValueError on a bad size);
+    `acc_width` is the optimizer's state per row (adamps.optspec.Optimizer.row_state_width), 0: none."""
+    width = 8 + (dim + acc_width) * 4
     k = len(ids)
     raw = np.frombuffer(b"".join(payloads), np.uint8)
     if raw.size != k * width:
@@ -142,6 +149,6 @@ def parse_rows(
     seen = raw[:, :8].copy().view("<f8").reshape(k).astype(np.float64)
     values = raw[:, 8 : 8 + dim * 4].copy().view("<f4").reshape(k, dim).astype(np.float32)
     accum = None
-    if has_accum:
-        accum = raw[:, 8 + dim * 4 :].copy().view("<f4").reshape(k, dim).astype(np.float32)
+    if acc_width:
+        accum = raw[:, 8 + dim * 4 :].copy().view("<f4").reshape(k, acc_width).astype(np.float32)
     return np.array(ids, np.int64), seen, values, accum

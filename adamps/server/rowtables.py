@@ -141,9 +141,7 @@ class RowTables:
                 blk = st.value
                 got = rows.get(st.id)
                 parsed = (
-                    None
-                    if got is None
-                    else parse_rows(got[0], got[1], spec.dim, blk.accum is not None)
+                    None if got is None else parse_rows(got[0], got[1], spec.dim, blk.acc_width)
                 )
                 blk.load_flushed(np.ascontiguousarray(rec[1]).tobytes(), parsed)
         return t

@@ -30,7 +30,8 @@ from prometheus_client import CollectorRegistry
 from adamps.layout import MAX_SHARD_ELEMS, Layout, Shard, TensorSpec, stable_bucket
 from adamps.server import optim, shardrecord, vecapply
 from adamps.server.initial import initial_values
-from adamps.server.optim import Fc, Optimizer, Scratch, Signs
+from adamps.server.install import version_after
+from adamps.server.optim import Fc, Optimizer, Scratch, Signs, initial_state, state_array
 from adamps.server.rowtables import RowShardState, RowTables
 from adamps.server.shards import ShardState, Snapshot, StoreError, TensorState
 from adamps.server.tickets import Ticket
@@ -72,6 +73,8 @@ class Store:
         self.clock = clock
         #: embedding tables: their row shards of the held buckets (rowtables.py)
         self.tables = RowTables(n_buckets, owner_threads, registry)
+        #: runs deleted at the controllers (tenancy.py): their updates in flight are refused alone
+        self.deleted_runs: frozenset[str] = frozenset()
         self._on_applied = on_applied
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(owner_threads)]
         #: per owner: shards with updates not yet taken by a snapshot (owner thread only)
@@ -80,8 +83,7 @@ class Store:
             threading.Thread(target=self._run, args=(i,), name=f"adamps-owner-{i}", daemon=True)
             for i in range(owner_threads)
         ]
-        #: per owner: [dense, fc, compressed] updates applied (each list written by its owner
-        #: thread only)
+        #: per owner: [dense, fc, compressed] updates applied (each written by its owner only)
         self._applied = [[0, 0, 0] for _ in range(owner_threads)]
         for t in self._threads:
             t.start()
@@ -101,9 +103,10 @@ class Store:
         init: dict[str, Any],
         values: np.ndarray | None,
         saved: Mapping[str, tuple[int, np.ndarray, np.ndarray | None]] | None = None,
+        own: bool = False,
     ) -> TensorState:
-        """Adds a tensor; its held shards get `saved` state (shard id -> (version, value, accum))
-        or else the initial values. The caller checked that the name is new."""
+        """Adds a new tensor; its held shards get `saved` state (shard id -> (version, value,
+        accum)) or else the initial values. `own`: saved arrays are taken uncopied (catalog.py)."""
         self.layout = self.layout.with_tensor(spec)
         t = TensorState(spec, optimizer, init, layout_shards=self.layout.shards_of[spec.name])
         saved = saved or {}
@@ -112,7 +115,7 @@ class Store:
             if not self.holds(s):
                 continue
             if s.id in saved:
-                self._materialize(t, s, *saved[s.id])
+                self._materialize(t, s, *saved[s.id], own=own)
             else:
                 if whole is None:
                     whole = initial_values(spec.shape, init, values).reshape(-1)
@@ -120,16 +123,17 @@ class Store:
         self.tensors[spec.name] = t
         return t
 
-    def _materialize(
-        self, t: TensorState, s: Shard, version: int, value: np.ndarray, accum: np.ndarray | None
-    ) -> ShardState:
-        if accum is None and t.optimizer.has_accumulator:
-            accum = np.full(s.shape, t.optimizer.initial_accumulator, dtype=np.float32)
+    def _materialize(self, t: TensorState, s: Shard, *state: Any, own: bool = False) -> ShardState:
+        version, value, accum = state  # (int, values, optimizer state or None)
+        opt = t.optimizer
+        if accum is None and opt.has_accumulator:
+            accum = initial_state(opt, s.size)
+        take = np.asarray if own else np.array
         st = ShardState(
             s,
             owner=stable_bucket(s.id, len(self._queues)),
-            value=np.array(value, dtype=np.float32, order="C").reshape(s.shape),
-            accum=None if accum is None else np.array(accum, dtype=np.float32).reshape(s.shape),
+            value=take(value, dtype=np.float32, order="C").reshape(s.shape),
+            accum=None if accum is None else state_array(opt, s, accum),
             version=version,
         )
         t.shards[s.index] = st
@@ -549,7 +553,7 @@ class Store:
                 )
                 error = exc
             else:
-                st.version += len(group)
+                st.version = version_after(st.version, group)  # one per update, or an install's
                 if st.dirty_since is None:
                     st.dirty_since = now
                 dirty.add(st)

@@ -12,8 +12,10 @@ push with its wall-clock time, which every copy uses for expiry.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -30,6 +32,18 @@ from adamps.tables import split_by_bucket
 
 #: most ids in one pull_rows or push_rows (a larger request is too_large)
 MAX_IDS = 262_144
+#: a row request naming this many ids or more is cut by bucket on a worker thread
+OFF_LOOP_IDS = 16_384
+
+T = TypeVar("T")
+
+
+async def off_loop(n_ids: int, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), on a worker thread when the request names OFF_LOOP_IDS ids or more: cutting
+    a push of MAX_IDS rows by bucket copies 16+ MiB, which held the event loop (issue 39)."""
+    if n_ids < OFF_LOOP_IDS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def row_update(sid: str, ids: np.ndarray, grads: np.ndarray, now: float) -> dict[str, Any]:
@@ -59,7 +73,7 @@ class TableOps:
 
     # -- rows ------------------------------------------------------------------------------------
 
-    def _request(
+    async def _request(
         self, msg: dict[str, Any], op: str
     ) -> tuple[TableState, np.ndarray, dict[int, RowShardState], dict[int, np.ndarray]]:
         """The table, ids and per-bucket (row shard, positions) of a row request: checked whole,
@@ -70,7 +84,7 @@ class TableOps:
             raise ProtocolError(
                 "too_large", f"{op} names {len(ids)} ids; the limit is {MAX_IDS}", limit=MAX_IDS
             )
-        parts = split_by_bucket(ids, self.cfg.n_buckets)
+        parts = await off_loop(len(ids), split_by_bucket, ids, self.cfg.n_buckets)
         # The role first, from the ids alone, as for shard ids (Addressing.check_ids): a server
         # that leads none of the buckets answers not_primary (the client retries elsewhere) even
         # when it does not know the table. A restarted server whose disk was lost knows no table
@@ -97,7 +111,7 @@ class TableOps:
         return t, ids, states, parts
 
     async def op_pull_rows(self, msg: dict[str, Any]) -> dict[str, Any]:
-        t, ids, states, parts = self._request(msg, "pull_rows")
+        t, ids, states, parts = await self._request(msg, "pull_rows")
         out = np.empty((len(ids), t.spec.dim), np.float32)
 
         def gather(st: RowShardState) -> int:
@@ -112,7 +126,7 @@ class TableOps:
         return {"rows": out}
 
     async def op_push_rows(self, msg: dict[str, Any]) -> dict[str, Any]:
-        t, ids, states, parts = self._request(msg, "push_rows")
+        t, ids, states, parts = await self._request(msg, "push_rows")
         if not len(ids):
             raise ProtocolError("bad_request", "push_rows needs at least one id")
         grads = require_array(msg, "grads", shape=(len(ids), t.spec.dim), finite=False)
@@ -131,11 +145,15 @@ class TableOps:
                         bucket=b,
                         limit=t.limit,
                     )
+
+        def cut() -> list[tuple[RowShardState, np.ndarray, np.ndarray]]:
+            return [
+                (states[b], np.ascontiguousarray(ids[pos]), np.ascontiguousarray(grads[pos]))
+                for b, pos in parts.items()
+            ]
+
+        pieces = await off_loop(len(ids), cut)
         now = time.time()
-        pieces = [
-            (states[b], np.ascontiguousarray(ids[pos]), np.ascontiguousarray(grads[pos]))
-            for b, pos in parts.items()
-        ]
         wire = [
             ([st], lambda _sts, st=st, i=i, g=g: row_update(st.id, i, g, now))
             for st, i, g in pieces

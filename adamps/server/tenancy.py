@@ -8,9 +8,10 @@ cluster token nor a known run's makes the server fetch once more (at most every
 
 What a run's token may do: the ops of `RUN_OPS`, on names in its namespace only (403
 ``forbidden`` naming the namespace); everything else (replication, flush, checkpoints) is the
-operator's. Quotas: parameter elements and table rows at create (403 ``quota_exceeded``, from
-the definitions every server holds: creates go to every server), push bytes per second on each
-server (429 ``rate_limited`` with Retry-After; nothing is applied, the client retries).
+operator's. Quotas: parameter elements, table rows and memory bytes at create (403
+``quota_exceeded``): checked first against the definitions this server holds, then counted by
+the controllers across every server (`reserve`, issue 39); push bytes per second on each server
+(429 ``rate_limited`` with Retry-After; nothing is applied, the client retries).
 
 Deleting a run drops its tensors here (memory and LMDB records), once the server learns of it.
 A standalone server (no controllers) knows no runs: the cluster token only.
@@ -31,9 +32,10 @@ from prometheus_client.registry import Collector
 
 from adamps import runs
 from adamps.protocol import ProtocolError
+from adamps.server.optim import OptimError, Optimizer
 from adamps.server.persist import Persister
 from adamps.server.store import Store
-from adamps.tables import ROWS_SEP
+from adamps.tables import ROWS_SEP, Admission, TableError
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,9 @@ class Tenancy:
         self.version: int | None = None
         #: fetches GET /auth/runs (set by a server under controllers)
         self.fetch: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        #: asks the controllers to count a new definition against its run's size quotas
+        #: (run, name, cost; set by a server under controllers)
+        self.use: Callable[[str, str, dict[str, int]], Awaitable[Any]] | None = None
         self._fetching: asyncio.Task | None = None
         self._last_miss = -1e9
         #: run -> bytes of its pushes admitted here (for `adamps status`)
@@ -166,10 +171,14 @@ class Tenancy:
             for q in runs.QUOTAS:
                 if q in r["quotas"]:
                     self.m_quota.labels(n, q).set(r["quotas"][q])
+        dead = set()
         for name, version in table.get("deleted") or []:
             rec = self.runs.get(name)
             if rec is None or int(rec.get("version", 0)) < int(version):
+                dead.add(name)
                 gone += self.drop_run(name)
+        # Before the next loop step: an update of theirs in a round in flight is refused alone.
+        self.store.deleted_runs = frozenset(dead)
         self.version = int(table.get("runs_version", 0))
         return gone
 
@@ -285,6 +294,63 @@ class Tenancy:
             self._check_rows(run, msg, quotas["table_rows"])
         if op in PUSH_OPS:
             self.check_rate(run, nbytes, quotas)
+
+    async def reserve(self, who: runs.Principal, op: str, msg: dict[str, Any]) -> None:
+        """Before a run's new tensor or table is created here: the controllers count what it
+        holds per copy against the run's size quotas, summed over every server (issue 39: each
+        server checked only its own definitions, so a run could hold its quota on each)."""
+        run = who.run
+        if run is None or op not in ("create", "create_table") or self.use is None:
+            return
+        quotas = self.runs.get(run, {}).get("quotas", {})
+        if not any(q in quotas for q in runs.SIZE_QUOTAS):
+            return
+        name = msg.get("name")
+        defined = self.store.tensors if op == "create" else self.store.tables.tables
+        if not isinstance(name, str) or name in defined:
+            return  # a repeated create allocates nothing; a bad name is the create's to refuse
+        cost = self._cost(op, msg)
+        if cost is None:
+            if op == "create_table" and "memory_bytes" in quotas:
+                self._refuse(run, "memory_bytes")
+                raise ProtocolError(
+                    "quota_exceeded",
+                    f"run {run!r} has a memory_bytes quota: a table needs admission.max_rows",
+                    quota="memory_bytes",
+                    limit=quotas["memory_bytes"],
+                    run=run,
+                )
+            return  # the create's own checks refuse it
+        try:
+            await self.use(run, name, cost)
+        except ProtocolError as exc:
+            if exc.code == "quota_exceeded":
+                self._refuse(run, str(exc.extra.get("quota", "quota")))
+            raise
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            raise ProtocolError(
+                "unavailable",
+                f"the controllers did not answer ({exc}): run {run!r}'s quotas cannot be "
+                "checked; retry",
+            ) from None
+
+    def _cost(self, op: str, msg: dict[str, Any]) -> dict[str, int] | None:
+        """What the definition in `msg` holds per copy (runs.tensor_cost, runs.table_cost);
+        None when it is malformed (the create refuses it with the reason) or unbounded."""
+        try:
+            opt = Optimizer.from_dict(msg.get("optimizer") or {"kind": "sgd"})
+            if op == "create":
+                n = _elems(msg.get("shape"))
+                return runs.tensor_cost(n, opt.state_size(n)) if n else None
+            adm = Admission.from_dict(msg.get("admission") or {})
+            dim = msg.get("dim")
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+                return None
+            width = adm.filter_width if adm.admit_after > 1 else None
+            n_buckets = self.store.layout.n_buckets
+            return runs.table_cost(adm.max_rows, dim, opt.row_state_width(dim), width, n_buckets)
+        except (OptimError, TableError, TypeError, ValueError):
+            return None
 
     def _check_elems(self, run: str, msg: dict[str, Any], quota: int) -> None:
         if msg.get("name") in self.store.tensors:

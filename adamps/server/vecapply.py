@@ -69,8 +69,8 @@ def apply_batch(
             if run:
                 optim.apply_batch(opt, w, acc, run, scratch)
                 run = []
-            if isinstance(u, Install):  # a checkpoint's restore: values and accumulator
-                u.apply(w, acc)
+            if isinstance(u, Install):  # a checkpoint's restore: values and optimizer state
+                u.apply(w, acc, opt)
             else:
                 u.apply(w)
         else:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
+from adamps import runs
 from adamps.layout import Shard
 from adamps.protocol import MAX_FC_K, ProtocolError, require, require_array
 from adamps.server import bounds
@@ -431,4 +432,21 @@ class WritePath:
             for b, sts in per_bucket.items():
                 by_bucket.setdefault(b, []).append(make(sts))
         await self.replicator.push(by_bucket, self._record_client(msg))
+        self._refuse_deleted(st for states, _make in updates for st in states)
         return {"versions": {}}
+
+    def _refuse_deleted(self, states: Iterable[ShardState]) -> None:
+        """A push decided while its run was deleted (docs/protocol-ps.md): its updates to the
+        run's tensors or tables were refused where the deletion was known (repl_wire.store_parts)
+        or dropped with them, so the client gets unknown_tensor (unknown_table), not ok."""
+        for st in states:
+            if isinstance(st, RowShardState):
+                name, code, known = st.table.spec.name, "unknown_table", self.store.tables.tables
+            else:
+                name, code, known = st.shard.tensor, "unknown_tensor", self.store.tensors
+            if name not in known and runs.run_of(name) in self.store.deleted_runs:
+                raise ProtocolError(
+                    code,
+                    f"{name!r} was deleted with its run {runs.run_of(name)!r} while this push was "
+                    "in flight: its updates to it are not applied (those to other names are)",
+                )

@@ -6,10 +6,12 @@
 - :class:`Embedding`, :class:`EmbeddingBag`: rows in a server table, pulled and pushed per batch;
 - :class:`Task`: what a ``--torch`` factory may return: a model, its loss, its own datasets, a
   held-out metric (adamps/torch/task.py);
+- :func:`rank`, :func:`world_size`: this replica's place under ``adamps launch`` (or torchrun);
 - :func:`tensor_name`: the server tensor of a parameter in a run (``RUN..PARAM``).
 """
 
 from adamps.torch.embedding import Embedding, EmbeddingBag
+from adamps.torch.launch_env import rank, world_size
 from adamps.torch.optimizer import Connection, DownpourOptimizer
 from adamps.torch.params import ModelError, tensor_name
 from adamps.torch.replica import Replica
@@ -23,5 +25,7 @@ __all__ = [
     "ModelError",
     "Replica",
     "Task",
+    "rank",
     "tensor_name",
+    "world_size",
 ]

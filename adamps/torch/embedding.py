@@ -22,14 +22,15 @@ gradient of each distinct row with duplicates already summed, and a hook on it p
 backpropagated again; a forward that is never backpropagated (evaluation) pushes nothing.
 
 Bound by a ``DownpourOptimizer`` or a ``Replica`` (``defer``), the hook keeps the gradient and
-the optimizer's ``step()`` pushes it, after checking every gradient of the step (issue 39: a NaN
-anywhere, rows or dense, refuses the whole step before any server applies anything);
-``zero_grad()`` drops what was kept, as it drops ``.grad``. Bound by ``.bind(client)`` alone
-there is no step: the hook pushes, and a NaN row gradient refuses that push whole.
+the optimizer's ``step()`` pushes it, after checking every gradient of the step (a NaN anywhere,
+rows or dense, refuses the whole step before any server applies anything); ``zero_grad()``
+drops what was kept, as it drops ``.grad``. Bound by ``.bind(client)`` alone there is no step:
+the hook pushes, and a NaN row gradient refuses that push whole.
 
-The servers apply their table's per-row optimizer (SGD or Adagrad, ``optimizer`` and ``lr``
-here): there is no local step, so the next forward pulls the updated rows. What cannot apply to a
-table of the servers and is refused: ``padding_idx``, ``max_norm``, ``scale_grad_by_freq``,
+The servers apply their table's per-row optimizer (``optimizer`` and ``lr`` here: ``sgd``,
+torch's ``adagrad`` per element, ``rowwise_adagrad`` with one accumulator per row as TorchRec's,
+or ``adagrad_legacy``; docs/training.md, "Optimizers"): there is no local step, so the next
+forward pulls the updated rows. What cannot apply to a table of the servers and is refused: ``padding_idx``, ``max_norm``, ``scale_grad_by_freq``,
 ``_weight`` / ``_freeze`` and devices other than the CPU (``sparse`` is accepted and ignored: the
 updates are always sparse).
 """
@@ -78,7 +79,8 @@ class _RowTable(nn.Module):
         table: str,
         optimizer: str = "sgd",
         lr: float = 0.01,
-        adagrad_initial: float = 0.1,
+        adagrad_initial: float = 0.0,
+        optimizer_args: Mapping[str, Any] | None = None,
         init: Mapping[str, Any] | None = None,
         admission: Mapping[str, Any] | None = None,
         client: Any = None,
@@ -128,7 +130,7 @@ class _RowTable(nn.Module):
         self.sparse = True
         #: the table's name in its run (the servers' table is RUN..TABLE, adamps.torch.params)
         self.table = table
-        self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial)
+        self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial, optimizer_args, table=True)
         # torch's nn.Embedding starts from N(0, 1); the seed is the table's, so that every
         # replica (and every copy of a bucket) creates a row with the same value
         self.init = dict(init) if init is not None else {"kind": "normal", "std": 1.0, "seed": 0}
@@ -227,6 +229,7 @@ class _RowTable(nn.Module):
 
     def push_grads(self, grads: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """Pushes row gradients (ids, grads) in one push_rows (duplicate ids are summed)."""
+        grads = [(u, g) for u, g in grads if len(u)]  # a batch without ids has no row to push
         if not grads:
             return
         b = self._binding

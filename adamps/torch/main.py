@@ -136,7 +136,7 @@ class TorchTrainer:
         conn = Connection(
             self.model, controllers=cfg.controllers, ps=cfg.ps, run=cfg.run or None,
             token=cfg.token, lr=lr, optimizer=cfg.optimizer, adagrad_initial=cfg.adagrad_initial,
-            create=cfg.replica == 0, http_only=cfg.http_only,
+            optimizer_args=cfg.optimizer_params, create=cfg.replica == 0, http_only=cfg.http_only,
         )  # fmt: skip
         compress: Any = False
         if cfg.compress:

@@ -22,15 +22,14 @@ and are trained by its own forward passes; ``state_dict()`` of replica 0 is what
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from adamps import token as tokens
-from adamps.config import default_token
+from adamps.torch import launch_env
 from adamps.torch.downpour import PushCounts, WorkerDownpour, replica_stats
 from adamps.torch.embedding import bind_tables, row_tables
 from adamps.torch.hooks import ActErrCapture
@@ -51,23 +50,22 @@ class Connection:
         token: str | None = None,
         lr: float = 0.01,
         optimizer: str = "sgd",
-        adagrad_initial: float = 0.1,
+        adagrad_initial: float = 0.0,
+        optimizer_args: Mapping[str, Any] | None = None,
         create: bool = True,
         act_err: bool = True,
         http_only: bool = False,
         named_parameters: Iterable[tuple[str, Any]] | None = None,
     ) -> None:
+        # not given: from `adamps launch`'s environment or the cluster file (launch_env.py)
+        controllers, run, token = launch_env.connection_defaults(controllers, ps, run, token)
         self.model = model
         #: the model's adamps Embedding / EmbeddingBag modules (rows on the servers' tables)
         self.tables = row_tables(model)
         self.params: list[Param] = model_params(
             model, run, named_parameters, allow_empty=bool(self.tables)
         )
-        # as every role: the given token, else $ADAMPS_TOKEN, else (loopback only) this user's
-        # local token, which the roles started on this machine without a token use too
-        reached = [tokens.host_of(a) for a in (*controllers, *ps)]
-        token = tokens.resolve(token or default_token(), reached, "adamps.torch")
-        self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial)
+        self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial, optimizer_args)
         self.remote = RemoteModel(
             self.params, controllers=list(controllers), ps=list(ps), token=token,
             http_only=http_only,
@@ -75,6 +73,8 @@ class Connection:
         self.created: list[str] = []
         try:
             if create:
+                if controllers:  # GET /layout and `adamps status --run` show the run
+                    launch_env.publish_layout(controllers, token, self.remote.layout, run)
                 self.created = self.remote.create(self.optimizer)
             else:
                 self.remote.check()
@@ -130,7 +130,9 @@ class Connection:
 
 class DownpourOptimizer:
     """``zero_grad()``, ``step()`` and ``state_dict()`` of a Downpour replica (one worker: the
-    caller's thread). Server optimizer `optimizer` at rate `lr`; local steps at `local_lr`
+    caller's thread). Server optimizer `optimizer` at rate `lr` (torch.optim's names: sgd,
+    adagrad, adam, adamw, rmsprop; its other hyperparameters in `optimizer_args`, torch's names
+    and defaults; docs/training.md, "Optimizers"); local steps at `local_lr`
     (default `lr`). `compress`: Strom's compression (True, or Compressor options)."""
 
     def __init__(
@@ -149,12 +151,14 @@ class DownpourOptimizer:
         compress: Any = False,
         create: bool = True,
         act_err: bool = True,
-        adagrad_initial: float = 0.1,
+        adagrad_initial: float = 0.0,
+        optimizer_args: Mapping[str, Any] | None = None,
         http_only: bool = False,
     ) -> None:
         self.conn = Connection(
             model, controllers=controllers, ps=ps, run=run, token=token, lr=lr,
-            optimizer=optimizer, adagrad_initial=adagrad_initial, create=create,
+            optimizer=optimizer, adagrad_initial=adagrad_initial,
+            optimizer_args=optimizer_args, create=create,
             act_err=act_err, http_only=http_only,
         )  # fmt: skip
         self.model = model

@@ -28,11 +28,13 @@ from adamps.client import (
 )
 from adamps.client.rpc import RpcError, SyncRpc, get_json
 from adamps.layout import Layout
+from adamps.optspec import KINDS, OptimError, Optimizer, spec_of
 from adamps.torch.params import ModelError, Param
 
 log = logging.getLogger(__name__)
 
-OPTIMIZERS = ("sgd", "adagrad")
+#: the servers' optimizers (adamps.optspec: torch.optim's names, and the old Adagrad)
+OPTIMIZERS = KINDS
 
 
 def server_shape(p: Param) -> tuple[int, ...]:
@@ -45,12 +47,23 @@ def flat_view(p: Param) -> np.ndarray:
     return p.param.detach().numpy().reshape(server_shape(p))
 
 
-def optimizer_spec(kind: str, lr: float, adagrad_initial: float = 0.1) -> dict[str, Any]:
-    if kind not in OPTIMIZERS:
-        raise ModelError(f"optimizer must be one of {list(OPTIMIZERS)}, got {kind!r}")
-    spec: dict[str, Any] = {"kind": kind, "lr": float(lr)}
-    if kind == "adagrad":
-        spec["initial_accumulator"] = float(adagrad_initial)
+def optimizer_spec(
+    kind: str,
+    lr: float,
+    adagrad_initial: float = 0.0,
+    args: Mapping[str, Any] | None = None,
+    table: bool = False,
+) -> dict[str, Any]:
+    """The servers' optimizer definition for a model's tensors (or a table's rows): `kind`
+    (torch.optim's name: sgd, adagrad, adam, adamw, rmsprop; rowwise_adagrad for tables;
+    adagrad_legacy) at `lr`, its other hyperparameters in `args` (torch's names and defaults).
+    A bad one is a ModelError naming it, before anything is created."""
+    try:
+        spec = spec_of(kind, float(lr), float(adagrad_initial), args)
+        opt = Optimizer.from_dict(spec)
+        opt.check_for_table() if table else opt.check_for_tensor()
+    except OptimError as exc:
+        raise ModelError(str(exc)) from None
     return spec
 
 

@@ -189,6 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=60,
         help="with --algorithm sandblaster: L-BFGS iterations (default: %(default)s)",
     )
+    p.add_argument(
+        "--detach",
+        action="store_true",
+        help="start the controllers, parameter servers and data servers (no trainers), write the "
+        "cluster file $XDG_CONFIG_HOME/adamps/clusters/NAME.json (default ~/.config/...) and "
+        "return, leaving them running for `adamps launch`, `adamps status` and the rest; "
+        "`adamps down` stops them",
+    )
+    p.add_argument(
+        "--name",
+        default="local",
+        help="with --detach: the cluster's name, for --cluster NAME or $ADAMPS_CLUSTER "
+        "(default: %(default)s, which every command uses when given no cluster)",
+    )
     return p
 
 
@@ -202,7 +216,7 @@ def check_args(a: argparse.Namespace) -> None:
     for flag, value in (
         ("--controllers", a.controllers),
         ("--servers", a.servers),
-        ("--dataservers", a.dataservers),
+        ("--dataservers", a.dataservers or (1 if a.detach else 0)),  # --detach: none is fine
         ("--trainers", a.trainers),
         ("--workers", a.workers),
         ("--partitions", a.partitions),
@@ -228,6 +242,13 @@ def check_args(a: argparse.Namespace) -> None:
         need(re.fullmatch(r"[a-z][a-z0-9_-]*=.*", arg) is not None, "--train-arg", arg,
              "FLAG=VALUE, e.g. optimizer=sgd")  # fmt: skip
         _check_train_arg(arg)
+    if a.detach:
+        from adamps.clusters import ClusterError, check_name
+
+        try:
+            check_name(a.name)
+        except ClusterError as exc:
+            raise UsageError(f"--name: {exc}") from None
     need(a.controllers <= 9, "--controllers", a.controllers, "at most 9 (3 or 5 are usual)")
     need(a.iterations >= 1, "--iterations", a.iterations, "an integer >= 1")
     if a.target_accuracy is None:  # Sandblaster's 60 full-batch iterations reach less

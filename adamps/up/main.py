@@ -2,6 +2,7 @@
 
     adamps up                      # 3 controllers, 3 parameter servers, 1 data server, 2 trainers
     adamps up --epochs 3 --target-accuracy 0.9 --run-dir /tmp/run --no-progress
+    adamps up --detach             # no trainers: leave the cluster running (adamps.up.detach)
 
 Every role is started the way a user starts it (`adamps controller|ps|dataserver|train`, through
 adamps.up.cluster), each with its log and data under the run directory. While the trainers
@@ -32,11 +33,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from adamps import tls
+from adamps.clusters import ClusterError
 from adamps.extras import MissingExtra
 from adamps.progress import LOG_INTERVAL, Progress
+from adamps.up import detach
 from adamps.up.cluster import LocalCluster
 from adamps.up.flags import UsageError, build_parser, check_args
-from adamps.up.procs import Proc
+from adamps.up.procs import PARENT_ENV, Proc
 from adamps.up.view import Reading, read_cluster, read_history, trainer_summary
 
 
@@ -157,6 +160,8 @@ class Run:
             n_buckets=args.buckets, data_plane=not args.http_only, tls=args.tls, **extra,
             # three copies of every bucket, fewer only when there are fewer servers
             controller_opts={"replication": min(3, args.servers)},
+            # detached: no parent-death signal, the processes outlive this command
+            env={PARENT_ENV: ""} if args.detach else None,
         )  # fmt: skip
         self.trainers: list[tuple[str, Proc, str]] = []  #: (name, process, metrics host:port)
         self.coordinator = ""  #: Sandblaster's coordinator (host:port), if any
@@ -434,13 +439,23 @@ def main(argv: list[str] | None = None) -> int:
     guard.install()
     run: Run | None = None
     code = 1
+    detached = False
     try:
         try:
+            if args.detach:
+                detach.check_free(args.name)
             run = Run(args, sys.stdout, guard)
-        except UsageError as exc:
+        except (UsageError, ClusterError) as exc:
             print(f"adamps up: error: {exc}", file=sys.stderr)
             return 2
         run.start_cluster()
+        if args.detach:
+            with guard.deferred():  # the file names every process, or `adamps down` misses one
+                path = detach.write_cluster_file(run, args.name)
+                detached = True
+            for line in detach.usage_lines(args.name, path, run):
+                run.say(line)
+            return 0
         run.start_trainers()
         run.print_endpoints()
         if run.watch():
@@ -463,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         guard.hold()
-        if run is not None:
+        if run is not None and not detached:
             run.stop()
             run.write_pids()
             if code >= 128:

@@ -27,6 +27,33 @@ def test_an_unknown_model_is_named() -> None:
 
 
 @pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"optimizer": "adamx"}, "optimizer must be one of ['sgd', 'adagrad', 'adam'"),
+        ({"optimizer": "adam", "optimizer_args": '{"momentum": 0.9}'},
+         "unknown field(s) ['momentum'] for optimizer 'adam'"),
+        ({"optimizer": "sgd", "optimizer_args": "[1]"}, "optimizer_args must be a JSON object"),
+        ({"optimizer": "rowwise_adagrad"}, "rowwise_adagrad is for tables"),
+    ],
+)  # fmt: skip
+def test_a_bad_optimizer_is_named_before_anything_starts(fields: dict, named: str) -> None:
+    with pytest.raises(ValueError) as e:
+        TrainConfig(ps=["http://127.0.0.1:1"], token="t" * 32, **fields)
+    assert named in str(e.value)
+
+
+def test_the_default_optimizer_is_torchs_adagrad() -> None:
+    cfg = TrainConfig(ps=["http://127.0.0.1:1"], token="t" * 32)
+    spec = cfg.optimizer_spec()
+    assert spec["kind"] == "adagrad" and spec["initial_accumulator_value"] == 0.0
+    assert spec["eps"] == 1e-10 and "initial_accumulator" not in spec
+    args = '{"momentum": 0.9, "nesterov": true}'
+    sgd = TrainConfig(ps=["http://127.0.0.1:1"], token="t" * 32, optimizer="sgd",
+                      optimizer_args=args).optimizer_spec()  # fmt: skip
+    assert sgd["momentum"] == 0.9 and sgd["nesterov"] is True
+
+
+@pytest.mark.parametrize(
     "arg, named",
     [("nosuch=1", "has no flag --nosuch"), ("lr=abc", "bad value 'abc'; expected float")],
 )

@@ -30,7 +30,7 @@ def sparse_update(size: int, n: int, tau: float, seed: int) -> Signs:
     [
         Optimizer("sgd", 0.1),
         Optimizer("sgd", -1.0),
-        Optimizer("adagrad", 0.05, eps=1e-8, initial_accumulator=0.1),
+        Optimizer("adagrad_legacy", 0.05, {"eps": 1e-8, "initial_accumulator": 0.1}),
     ],
 )
 def test_sparse_apply_equals_dense_apply_of_the_decoded_delta(opt: Optimizer) -> None:
@@ -53,7 +53,7 @@ def test_sparse_apply_equals_dense_apply_of_the_decoded_delta(opt: Optimizer) ->
 
 
 def test_adagrad_on_sparse_updates_touches_only_the_sent_elements() -> None:
-    opt = Optimizer("adagrad", 0.1, initial_accumulator=0.1)
+    opt = Optimizer("adagrad_legacy", 0.1, {"initial_accumulator": 0.1})
     w = np.ones(10, np.float32)
     acc = np.full(10, 0.1, np.float32)
     u = Signs(codec.pack_words(np.array([2, 7]), np.array([False, True])), 0.5)
@@ -66,7 +66,10 @@ def test_adagrad_on_sparse_updates_touches_only_the_sent_elements() -> None:
 
 def test_a_batch_mixing_kinds_equals_applying_them_in_order() -> None:
     rng = np.random.default_rng(3)
-    for opt in (Optimizer("sgd", 0.1), Optimizer("adagrad", 0.1, initial_accumulator=0.1)):
+    for opt in (
+        Optimizer("sgd", 0.1),
+        Optimizer("adagrad_legacy", 0.1, {"initial_accumulator": 0.1}),
+    ):
         w = rng.standard_normal((20, 10)).astype(np.float32)
         acc = np.full_like(w, 0.1) if opt.has_accumulator else None
         a = rng.standard_normal((3, 10)).astype(np.float32)

@@ -509,6 +509,51 @@ def test_a_server_that_cannot_persist_is_drained_until_it_can_again() -> None:
     validate(m)
 
 
+def test_a_storage_fault_most_servers_share_moves_no_bucket() -> None:
+    """Issue 39: every server starved of CPU reported "the disk stalls" within seconds; the
+    controllers moved the buckets onto the one still durable, and a bucket stayed without a
+    primary for a minute. One server of three that cannot persist is its own fault: its
+    buckets move (issue 29). A second one makes it a cause most servers share: from then on
+    nothing moves for it (on main every bucket went to the last durable server, alone). Every
+    bucket keeps its primary and members through the reports and the reconciles after them,
+    none is ever unavailable, and every bucket is whole again once they recover."""
+    m = cluster(3, n_buckets=16)
+    m.reconcile(100.0 + WAIT)
+    stall = "a flush has been writing for 4.7 s (the disk stalls)"
+    t = 101.0 + WAIT
+    m.write_storage("ps1", stall, t)  # one server's own fault: it drains
+    assert m.eligible() == ["ps0", "ps2"]
+    assert all("ps1" not in bk["want"] for bk in m.buckets)
+    for _ in range(3):
+        t += WAIT
+        m.reconcile(t)
+    assert all(m.primary_of(b) != "ps1" and m.holder_live(b) for b in range(16))
+    m.write_storage("ps2", stall, t)  # a second: most servers share the cause
+    assert m.eligible() == ["ps0", "ps1", "ps2"]
+    before = {b: (m.primary_of(b), sorted(m.live_members(b))) for b in range(16)}
+    assert all(len(members) == 2 for _, members in before.values()), before
+    m.write_storage("ps0", stall, t + 0.5)  # and the third
+    for _ in range(5):
+        t += WAIT
+        m.reconcile(t)
+        assert m.eligible() == ["ps0", "ps1", "ps2"]
+        assert [b for b in range(16) if m.unavailable(b)] == []
+        after = {b: (m.primary_of(b), sorted(m.live_members(b))) for b in range(16)}
+        assert after == before, "no primary moved, no member left"
+    for s in ("ps0", "ps1", "ps2"):
+        m.write_storage(s, None, t)
+    for _ in range(3):
+        t += WAIT
+        m.reconcile(t)
+        for b in range(16):  # the copies that were asked to join catch up
+            for s in list(m.buckets[b]["joining"]):
+                epoch = m.buckets[b]["lease"].epoch
+                m.verified_caught_up(b, m.primary_of(b), epoch, s, t, m.buckets[b]["join_ids"][s])
+    assert [b for b in range(16) if m.unavailable(b)] == []
+    assert all(m.holder_live(b) and len(m.live_members(b)) == 3 for b in range(16))
+    validate(m)
+
+
 def test_a_primary_back_within_the_server_timeout_keeps_its_secondaries_members() -> None:
     """Issue 29, every disk full, then every server SIGKILLed and restarted (CI saw it): the
     first server back was a primary and came back before the controllers declared the others

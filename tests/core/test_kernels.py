@@ -36,6 +36,24 @@ def test_the_fused_kernel_is_the_default() -> None:
 
 
 @pytest.mark.parametrize("n", [1, 7, 64, 1000, 262_147])
+def test_fused_torch_adagrad_is_bit_identical_to_numpy(n: int) -> None:
+    """torch's Adagrad (eps outside the square root, the accumulator from 0): fused = numpy."""
+    assert kernels._adagrad_torch_fused is not None
+    w1, a1, grads = _state(n, seed=n + 1)
+    a1[::3] = 0.0  # torch's default start, where the first step divides by |g| + eps
+    w2, a2 = w1.copy(), a1.copy()
+    tmp = np.empty(n, np.float32)
+    for clr, eps, g in zip(
+        (0.1, 0.01, 3.0, 1e-4, 0.5, 1.0), (1e-10, 1e-6, 0.1, 1e-10, 1.0, 1e-3), grads, strict=True
+    ):
+        g_ro = np.frombuffer(g.tobytes(), np.float32)
+        kernels.adagrad_torch(w1, a1, g_ro, clr, eps, tmp)
+        kernels.adagrad_torch_numpy(w2, a2, g_ro, clr, eps, tmp)
+        assert np.array_equal(a1, a2)
+        assert w1.tobytes() == w2.tobytes()
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 1000, 262_147])
 def test_fused_adagrad_is_bit_identical_to_numpy(n: int) -> None:
     w1, a1, grads = _state(n, seed=n)
     w2, a2 = w1.copy(), a1.copy()
@@ -51,7 +69,7 @@ def test_fused_adagrad_is_bit_identical_to_numpy(n: int) -> None:
 
 
 def test_fused_adagrad_in_apply_batch_matches_numpy_on_a_2d_shard() -> None:
-    opt = Optimizer("adagrad", lr=0.05, eps=1e-7, initial_accumulator=0.01)
+    opt = Optimizer("adagrad_legacy", 0.05, {"eps": 1e-7, "initial_accumulator": 0.01})
     w1, a1, grads = _state(128 * 96, seed=3)
     w1, a1 = w1.reshape(128, 96), a1.reshape(128, 96)
     w2, a2 = w1.copy(), a1.copy()
@@ -65,7 +83,7 @@ def test_fused_adagrad_in_apply_batch_matches_numpy_on_a_2d_shard() -> None:
 
 
 def test_the_numpy_path_keeps_the_float64_reference_within_float32_rounding() -> None:
-    opt = Optimizer("adagrad", lr=0.1, eps=1e-6)
+    opt = Optimizer("adagrad_legacy", 0.1, {"eps": 1e-6})
     w, acc, grads = _state(5000, seed=9)
     w64, acc64 = w.copy(), acc.copy()
     tmp = np.empty(w.size, np.float32)

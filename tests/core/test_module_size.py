@@ -39,7 +39,8 @@ def test_no_module_outside_tests_and_benchmarks_is_over_600_lines() -> None:
 #: once each and answered back as they are (repl_control.py), and the peer ops' dispatch into
 #: the core (repl_ops.py). Every decision is the core's (adamps/core/repl_*.py: also when to
 #: register and heartbeat, what each controller answer means, the copies offered, the leases
-#: given back at stop). The transport (repl_peers.py: messages, pings, snapshot fetches), the
+#: given back at stop). The core's clock (repl_clock.py: a tick at its deadlines), the
+#: transport (repl_peers.py: messages, pings, snapshot fetches), the
 #: wire (repl_wire.py: also a repl_multi request's results and a push's outcome), the re-checks
 #: (repl_check.py), peer identity (peer_keys.py), what an operator sees (repl_metrics.py:
 #: metrics and /status), a bucket's copy in the store (bucket_copy.py: batches applied,

@@ -140,6 +140,51 @@ def test_the_scrub_finds_a_damaged_record_at_a_bounded_rate(tmp_path: Path) -> N
     p.close()
 
 
+def test_the_scrubs_cpu_budget_sets_its_sleep() -> None:
+    """Issue 36: the scrub uses at most its budget of one core, measured as its thread's CPU
+    time: a step and the sleep after it last cpu / budget together."""
+    from adamps.server.scrub import budget_wait
+
+    assert budget_wait(0.001, 0.001, 0.005) == pytest.approx(0.199), "1 ms of CPU: 200 ms in all"
+    assert budget_wait(0.001, 0.5, 0.005) == 0.0, "a step that waited on the disk sleeps no more"
+    assert budget_wait(0.0, 0.01, 0.005) == 0.0
+    assert budget_wait(0.01, 0.01, 1.0) == 0.0, "a whole core: no sleep"
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="fraction of one core"):
+            budget_wait(0.001, 0.001, bad)
+
+
+def test_the_scrub_thread_keeps_within_its_cpu_budget(tmp_path: Path) -> None:
+    """A scrub whose records cost much CPU (the real check, plus 2 ms of the thread's CPU per
+    record): with a budget of 5% of a core, steps of one record, no byte bound to speak of and
+    passes back to back, its thread uses about 5% of a core while it runs, and no more."""
+    import time
+
+    from adamps.server.scrub import Scrubber
+
+    fill(tmp_path / "db").close()
+    p = Persister(tmp_path / "db", map_size=1 << 22)
+    check = p.check_record
+
+    def costly(db: str, key: bytes, value: bytes | memoryview) -> Exception | None:
+        t = time.thread_time()
+        while time.thread_time() - t < 0.002:
+            pass
+        return check(db, key, value)
+
+    p.check_record = costly  # type: ignore[method-assign]
+    s = Scrubber(p, rate=1 << 30, on_failure=lambda *a: None, step=1e-9, cpu=0.05, min_pass=0)
+    s.start()
+    t0 = time.monotonic()
+    time.sleep(1.0)
+    s.stop()
+    elapsed = time.monotonic() - t0
+    assert s._thread is not None and not s._thread.is_alive()
+    assert s.cpu_used <= 0.05 * elapsed + 0.01, (s.cpu_used, elapsed)
+    assert s.cpu_used >= 0.02 * elapsed, ("it scrubs at its budget", s.cpu_used, s.passes)
+    p.close()
+
+
 def test_status_shows_each_servers_last_flush_its_age_and_durability() -> None:
     from controller.status import render
 
@@ -180,3 +225,27 @@ def test_an_environment_of_an_unknown_format_is_refused_with_a_clear_message(
     env.close()
     with pytest.raises(ConfigError, match="LMDB format b'9' is not this version's b'2'"):
         Persister(tmp_path / "db", map_size=1 << 22)
+
+
+def test_a_create_written_off_the_loop_never_overwrites_a_definition_written_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """Issue 39: a create writes its definition and initial values on a worker thread
+    (catalog.py). A peer's definition of the same tensor (state transfer, `ensure`) may be
+    written in the meantime, and flushed values after it: the create's older initial state
+    must then not replace them (`only_new`)."""
+    p = Persister(tmp_path / "lmdb", 1 << 24, sync=False)
+    try:
+        meta = {"spec": {"name": "w", "shape": [4]}, "init": {"kind": "zeros"}, "seq": 0}
+        newer = np.full(4, 7.0, np.float32)
+        assert p.write_tensor({**meta, "seq": 1}, [("w/0", 5, newer, None)])
+        zeros = np.zeros(4, np.float32)
+        assert not p.write_tensor(meta, [("w/0", 0, zeros, None)], only_new=True)
+        (saved,) = list(p.load())
+        assert saved.meta["seq"] == 1
+        version, value, _acc = saved.shards["w/0"]
+        assert version == 5 and np.array_equal(np.asarray(value).reshape(-1), newer)
+        assert p.write_tensor({**meta, "spec": {"name": "v", "shape": [4]}},
+                              [("v/0", 0, zeros, None)], only_new=True)  # fmt: skip
+    finally:
+        p.close()

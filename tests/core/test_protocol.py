@@ -91,3 +91,17 @@ def test_error_body_round_trip() -> None:
     assert protocol.error_from_body(502, b"<html>").code == "internal"
     with pytest.raises(ValueError):
         ProtocolError("no_such_code", "x")
+
+
+def test_encode_parts_is_encode_in_pieces_with_arrays_uncopied() -> None:
+    """A large reply is written piece by piece (adamps.web.send_message, issue 39): the pieces
+    join into exactly `encode`'s bytes, and each array's piece is the array's own memory."""
+    big = np.arange(70_000, dtype=np.int64)
+    msg = {"a": 1, "x": np.ones(3, np.float32), "y": [np.zeros(0, np.float32), big],
+           "z": {"q": np.ones((2, 300), np.float32)}, "s": "text"}  # fmt: skip
+    parts, total = protocol.encode_parts(msg)
+    joined = b"".join(bytes(p) for p in parts)
+    assert joined == protocol.encode(msg) and total == len(joined)
+    assert any(isinstance(p, memoryview) and p.obj is not None and len(p) == big.nbytes
+               and np.shares_memory(np.frombuffer(p, np.int64), big) for p in parts)  # fmt: skip
+    assert protocol.encode_parts({"a": 1})[0] == [protocol.encode({"a": 1})]

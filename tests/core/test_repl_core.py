@@ -14,7 +14,7 @@ import pytest
 from adamps.core import repl_copies
 from adamps.core.lease import LeaseTerms
 from adamps.core.repl_core import ReplCore
-from adamps.core.repl_ready import ControllerAnswer, Ready
+from adamps.core.repl_ready import ControllerAnswer, ControllerRequest, Ready
 from adamps.core.repl_settings import ReplSettings
 from adamps.core.repl_types import Reject
 
@@ -277,6 +277,72 @@ def test_the_watchdog_proposes_a_role_change_once_per_failover_after() -> None:
     assert take(c).requests == [], "retry_after is respected"
     c.tick(14.4)
     assert [r.kind for r in take(c).requests] == ["role_change"]
+
+
+def test_the_next_deadline_is_the_watchdogs_the_pings_and_the_heartbeats() -> None:
+    """Issue 36 (idle costs nothing): the shell sleeps until ``next_deadline``, so a tick before
+    it must change nothing, and every timer (the watchdog, the pings, the heartbeat) must be
+    in it: a secondary's deadline is when its primary has been silent failover_after."""
+    b = core("b", ping_interval=0.3)
+    b.on_roles({"version": 1, "roles": [role(0, 1, "a", ["b", "c"])]}, 0.0, 0.0)
+    b.tick(0.0)  # the first pings (to nobody: a secondary)
+    take(b)
+    assert b.next_deadline(0.0) == pytest.approx(0.3), "the next pings"
+    b.step("a", {"op": "repl_ping", "sender": "a", "buckets": {0: 1}}, 1.0)
+    for t in (0.3, 0.6, 0.9, 1.2, 1.5, 1.8, 2.1, 2.4, 2.7, 3.0, 3.3, 3.6, 3.9):
+        assert b.next_deadline(t) == pytest.approx(t), "pings due at once"
+        b.tick(t)
+        assert take(b).requests == []
+    assert b.next_deadline(3.95) == pytest.approx(4.0), "the watchdog's: heard at 1.0, fa 3.0"
+    b.tick(4.0 + 1e-9)
+    (req,) = take(b).requests
+    assert req.kind == "role_change"
+    # No pings due for long (a huge interval): the watchdog's next proposal is the deadline.
+    c = core("c", ping_interval=1e9)
+    c.tick(0.0)
+    take(c)
+    c.on_roles({"version": 1, "roles": [role(0, 1, "a", ["c"])]}, 0.5, 0.5)
+    take(c)
+    assert c.next_deadline(0.6) == pytest.approx(3.5), "last heard at the roles (0.5) + fa"
+    c.tick(3.4)
+    assert take(c).requests == [], "nothing before the deadline"
+    c.tick(3.6)
+    assert [r.kind for r in take(c).requests] == ["role_change"]
+    assert c.next_deadline(3.7) == pytest.approx(6.6), "proposed again only fa later"
+    # The heartbeat in flight is answered: the next one is the deadline, interval after.
+    hb = core("h", ping_interval=1e9)
+    hb.tick(0.0)
+    take(hb)
+    assert hb.next_deadline(0.0) == 1e9, "a heartbeat in flight: only the (far) pings"
+    req = ControllerRequest("heartbeat", -1, 0, body={})  # what core() left in flight
+    hb.controller_answer(req, ControllerAnswer({"version": 1, "roles": []}), 5.0)
+    assert hb.next_deadline(5.0) == pytest.approx(6.0), "heartbeat_interval (1.0) later"
+    hb.tick(5.99)
+    assert take(hb).requests == []
+    hb.tick(6.0)
+    assert [r.kind for r in take(hb).requests] == ["heartbeat"]
+
+
+def test_a_busy_primary_is_due_at_once_and_an_idle_one_not() -> None:
+    """A primary's bucket with a round to commit, a retry or a lagging replica is pumped by every
+    tick: its deadline is now. Once every replica holds everything, only the pings remain."""
+    cl = Cluster()
+    a = cl.cores["a"]
+    a.tick(0.0)
+    take(a)
+    a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.1)
+    cl.collect()
+    cl.deliver(0.1)
+    assert a.next_deadline(0.1) == 0.1, "the COMMIT is due (after COMMIT_DELAY)"
+    a.tick(0.2)
+    cl.collect()
+    cl.deliver(0.2)
+    idle = a.next_deadline(0.2)
+    assert idle == pytest.approx(a.settings.ping_interval), "idle: only the next pings"
+    cl.cores["a"].submit({0: "u2"}, ("cl", 2), {0: "w2"}, 0.25)
+    cl.collect()
+    cl.deliver(0.25, drop={"c"})  # c fails: retried every tick until member_timeout
+    assert a.next_deadline(0.26) == 0.26
 
 
 def test_a_primary_pings_each_replica_once_per_ping_interval() -> None:

@@ -250,6 +250,8 @@ class Server:
         self.rounds_seen: set[tuple[int, int, int]] = set()
         self.crashed = False
         self.paused_until: float | None = None
+        #: when the core's next deadline is due (its first tick at once)
+        self.tick_at = float("-inf")
         # A cut that fails its checksum (issue 29) is dropped at the reload, as
         # Persister.verify + discard do: the copy offers nothing and rejoins by state transfer.
         for b in corrupt:
@@ -373,6 +375,8 @@ class Server:
                 ok = lambda r: self.core.on_ping_reply(r["stale"], self.local())  # noqa: E731
                 self.call(m, "repl_ping", {"buckets": {int(k): e for k, e in buckets.items()}},
                           ok, lambda _e: None)  # fmt: skip
+        # An input may bring a timer earlier (the shell's clock asks after each: CoreClock.poke).
+        self.tick_at = min(self.tick_at, core.next_deadline(self.local()))
         # Invariant 1 for every round the core started (only while the lease holds).
         for b in core.buckets:
             rep = core.buckets[b]
@@ -436,8 +440,12 @@ class Server:
         if self.registered and now >= self.next_flush:
             self.next_flush = now + FLUSH
             self.flush()
-        self.core.tick(now)  # with the controller link's: the registration and heartbeats
-        self.drain()
+        # The core is ticked only once its next deadline is due, as the shell's clock does
+        # (adamps.server.repl_clock): every other input asks for the deadline again (drain).
+        if now >= self.tick_at:
+            self.core.tick(now)  # with the controller link's: the registration and heartbeats
+            self.drain()
+            self.tick_at = self.core.next_deadline(now)
 
     def flush(self) -> None:
         """The flusher's cut: every held copy's values and position at one instant; positions of

@@ -69,7 +69,7 @@ def reference(opt: Optimizer, pushes: list[tuple[np.ndarray, np.ndarray]], dim: 
         for i, g in summed.items():
             if i not in w:
                 w[i] = initial_rows(NORMAL, np.array([i]), dim)[0]
-                acc[i] = np.full(dim, opt.initial_accumulator, np.float32)
+                acc[i] = np.full(dim, opt.initial_state, np.float32)
             if opt.kind == "sgd":
                 w[i] = w[i] - np.float32(opt.lr) * g
             else:

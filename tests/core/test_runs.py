@@ -177,3 +177,65 @@ def test_a_round_push_names_every_layer_and_shard_for_the_namespace_check() -> N
     }
     assert set(_names(msg)) == {"a..f1.w", "a..f2.w", "b..f2.w/0", "c..conv.w/0"}
     assert runs.Principal("a").outside(_names(msg)) in ("b..f2.w/0", "c..conv.w/0")
+
+
+def test_a_runs_size_quotas_count_its_definitions_across_servers() -> None:
+    """Issue 39, finding 8: the controllers count what each tensor and table of a run holds
+    per copy (asked by the server that creates it), so a run cannot hold its quota on each
+    server. The same name at the same size again (the client creates on every server) is no
+    new use; at another size it is refused."""
+    m = model()
+    created(m, "r", param_elems=1000, memory_bytes=20_000)
+    a = runs.tensor_cost(1000, 0)
+    assert a == {"param_elems": 1000, "memory_bytes": 4000}
+    assert m.write_tenancy("usage", "r", {"name": "r..a", "cost": a}, 11.0)["recorded"]
+    again = m.write_tenancy("usage", "r", {"name": "r..a", "cost": a}, 11.0)
+    assert again["ok"] and not again["recorded"]
+    over = m.write_tenancy("usage", "r", {"name": "r..b", "cost": a}, 12.0)
+    assert not over["ok"] and over["error"] == "quota_exceeded" and over["quota"] == "param_elems"
+    assert over["asked"] == 2000 and over["limit"] == 1000
+    other = m.write_tenancy("usage", "r", {"name": "r..a", "cost": runs.tensor_cost(10, 0)}, 13)
+    assert not other["ok"] and other["error"] == "exists"
+    # A table: max_rows rows (values, accumulators, id and time) and a sketch per bucket.
+    t = runs.table_cost(10, 4, 4, 64, 8)
+    assert t == {"table_rows": 10, "memory_bytes": 10 * (32 + 16) + 8 * 16 * 64}
+    assert m.write_tenancy("usage", "r", {"name": "r..t", "cost": t}, 14.0)["ok"]
+    wide = runs.table_cost(10, 4, 4, 4096, 8)  # 512 KiB of sketches
+    over = m.write_tenancy("usage", "r", {"name": "r..u", "cost": wide}, 15.0)
+    assert not over["ok"] and over["quota"] == "memory_bytes"
+    assert runs.table_cost(None, 4, 0, None, 8) is None  # no max_rows: unbounded
+    assert m.run_view("r")["usage"] == {
+        "param_elems": 1000, "table_rows": 10, "memory_bytes": 4000 + t["memory_bytes"]
+    }  # fmt: skip
+    # Bad asks change nothing; another run's name is forbidden.
+    for fields in ({"name": "s..x", "cost": a}, {"name": "r..x", "cost": {"elems": 1}},
+                   {"name": "r..x", "cost": {"param_elems": -1}}, {"name": 3, "cost": a}):  # fmt: skip
+        assert not m.write_tenancy("usage", "r", fields, 16.0)["ok"]
+    assert m.run_view("r")["usage"]["param_elems"] == 1000
+    # Deleting the run frees its use with it.
+    m.write_tenancy("delete", "r", {}, 17.0)
+    created(m, "r", param_elems=1000)
+    assert m.write_tenancy("usage", "r", {"name": "r..b", "cost": a}, 18.0)["recorded"]
+
+
+def test_the_progress_board_keeps_a_bounded_number_of_replicas_per_epoch() -> None:
+    """Issue 39, finding 8: the board took any number of replicas per epoch (1,500 posted were
+    255 KB of Raft state). A new replica past the per-run or per-epoch cap is refused (413
+    too_large); the replicas already there still report, and other epochs are not affected."""
+    from controller.cluster_rules import PROGRESS_REPLICAS, PROGRESS_REPLICAS_PER_RUN
+
+    m = model()
+    for i in range(PROGRESS_REPLICAS_PER_RUN):
+        assert m.report_progress(0, f"a/{i}", 0.5, False, 1.0)["ok"]
+    over = m.report_progress(0, f"a/{PROGRESS_REPLICAS_PER_RUN}", 0.5, False, 2.0)
+    assert not over["ok"] and over["error"] == "too_large" and "a" in over["message"]
+    assert f"a/{PROGRESS_REPLICAS_PER_RUN}" not in m.progress["0"]
+    assert m.report_progress(0, "a/0", 1.0, True, 3.0)["ok"]  # a known replica still reports
+    assert m.report_progress(1, f"a/{PROGRESS_REPLICAS_PER_RUN}", 0.1, False, 4.0)["ok"]
+    runs_needed = PROGRESS_REPLICAS // PROGRESS_REPLICAS_PER_RUN
+    for r in range(1, runs_needed):
+        for i in range(PROGRESS_REPLICAS_PER_RUN):
+            assert m.report_progress(0, f"r{r}/{i}", 0.5, False, 5.0)["ok"]
+    full = m.report_progress(0, "late/0", 0.5, False, 6.0)
+    assert not full["ok"] and full["error"] == "too_large"
+    assert len(m.progress["0"]) == PROGRESS_REPLICAS

@@ -350,7 +350,7 @@ def test_push_group_is_one_batch_per_shard_and_replicas_end_identical() -> None:
 
 
 def test_read_with_accumulators_and_overwrite(store: Store) -> None:
-    t = define(store, "o", (500,), Optimizer("adagrad", 0.1))
+    t = define(store, "o", (500,), Optimizer("adagrad_legacy", 0.1))
     st = t.shards[0]
     push_dense(store, "o", np.full(500, 2.0, np.float32))
     out, acc = np.empty(500, np.float32), np.empty(500, np.float32)

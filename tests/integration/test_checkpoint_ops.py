@@ -5,6 +5,7 @@ path; bad installs get a 4xx naming the problem and change nothing."""
 from __future__ import annotations
 
 import asyncio
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from adamps import web as aweb
 from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.layout import stable_bucket
+from adamps.optspec import Optimizer
 from adamps.server.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.up.procs import free_port
@@ -33,6 +35,9 @@ async def start(tmp: Path) -> tuple[ParameterServer, aweb.web.AppRunner, AsyncRp
 ADA = {"name": "w", "shape": [2000], "init": {"kind": "normal", "std": 0.1, "seed": 1},
        "optimizer": {"kind": "adagrad", "lr": 0.1}}  # fmt: skip
 TABLE = {"name": "emb", "dim": 3, "optimizer": {"kind": "adagrad", "lr": 0.1}}
+#: float32 elements of the optimizer state of w's first shard (1000 values; torch's Adagrad keeps
+#: an accumulator per element and a step count)
+ACC = Optimizer.from_dict(ADA["optimizer"]).state_size(1000)
 
 
 async def _filled(tmp: Path):
@@ -82,8 +87,35 @@ async def test_read_then_install_onto_an_empty_server_is_bit_identical(tmp_path:
         ({"shards": {"w/0": {"v": np.zeros(7, np.float32)}}}, "bad_shape", "float32 of"),
         ({"shards": {"w/0": {"v": np.zeros(1000, np.float64)}}}, "bad_shape", "float32"),
         ({"shards": {"nope/0": {"v": np.zeros(1000, np.float32)}}}, "unknown", "nope"),
+        # torch's Adagrad keeps its accumulator and a step count (2 float32) per shard
+        (
+            {"shards": {"w/0": {"v": np.zeros(1000, np.float32), "a": np.zeros(1000, np.float32)}}},
+            "bad_shape",
+            "accumulator must be float32 of 1002 elements",
+        ),
         ({"rows": {"emb#rows/0": {"b": b"garbage!"}}}, "bad_request", "not a row block"),
         ({}, "bad_request", "needs 'shards' or 'rows'"),
+        # issue 39 #7: an install's data is checked like a push's (finite, bounded)
+        ({"shards": {"w/0": {"v": np.full(1000, np.nan, np.float32)}}}, "non_finite", "w/0"),
+        ({"shards": {"w/0": {"v": np.full(1000, 3e38, np.float32)}}}, "bad_request", "w/0"),
+        (
+            {
+                "shards": {
+                    "w/0": {"v": np.zeros(1000, np.float32), "a": np.full(ACC, np.inf, np.float32)}
+                }
+            },
+            "non_finite",
+            "accum",
+        ),
+        (
+            {
+                "shards": {
+                    "w/0": {"v": np.zeros(1000, np.float32), "a": np.full(ACC, -1.0, np.float32)}
+                }
+            },
+            "bad_request",
+            "negative",
+        ),
     ],
 )
 async def test_a_bad_install_is_a_4xx_and_changes_nothing(
@@ -106,6 +138,33 @@ async def test_a_bad_install_is_a_4xx_and_changes_nothing(
         for sid, rec in before["rows"].items():
             assert after["rows"][sid]["b"] == rec["b"]
         assert (await c.call("list")) is not None  # still serving
+    finally:
+        await c.close()
+        await r.cleanup()
+
+
+async def test_a_row_block_holding_nan_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """Issue 39 #7: a well-formed row block whose values hold a NaN is a 4xx naming the row
+    shard; the rows stay as they were."""
+    _s, r, c = await _filled(tmp_path)
+    try:
+        head = struct.Struct("<4sIQIIQd")  # rowblock.py's header: magic, ver, n, dim, ...
+        b = 0
+        while True:  # a bucket that holds some of the 50 rows
+            before = await c.call("ckpt_read", bucket=b)
+            sid, rec = next(iter(before["rows"].items()))
+            data = bytearray(rec["b"])
+            n = head.unpack_from(data)[2]
+            if n:
+                break
+            b += 1
+        at = head.size + 16 * n  # the first row's first value, past the ids and last-seen times
+        data[at : at + 4] = np.float32(np.nan).tobytes()
+        with pytest.raises(RpcError) as err:
+            await c.call("ckpt_install", bucket=b, force=True, rows={sid: {"b": bytes(data)}})
+        assert err.value.code == "non_finite" and sid in err.value.message, err.value
+        after = await c.call("ckpt_read", bucket=b)
+        assert after["rows"][sid]["b"] == rec["b"]
     finally:
         await c.close()
         await r.cleanup()
@@ -150,6 +209,34 @@ async def test_an_incremental_read_leaves_out_what_did_not_change(tmp_path: Path
         await runner.cleanup()
 
 
+@pytest.mark.parametrize(
+    "since",
+    [
+        "versions",
+        [1, 2],
+        {"versions": [1, 2]},
+        {"versions": {"w/0": "3"}},
+        {"versions": {"w/0": True}},
+        {"versions": {"w/0": 1.0}},
+        {"verisons": {"w/0": 1}},
+    ],
+)
+async def test_a_malformed_since_is_a_400_naming_it(tmp_path: Path, since: object) -> None:
+    """Issue 39 #15: a malformed `since` was ignored (the read then saved everything, silently)."""
+    _s, runner, a = await _filled(tmp_path / "a")
+    try:
+        n_buckets = (await a.get_json("/status"))["n_buckets"]
+        bucket = stable_bucket("w/0", n_buckets)
+        with pytest.raises(RpcError) as bad:
+            await a.call("ckpt_read", bucket=bucket, since=since)
+        assert bad.value.code == "bad_request" and bad.value.http_status == 400
+        assert "since" in str(bad.value)
+        await a.call("ckpt_read", bucket=bucket, since={"versions": {}})  # still serving
+    finally:
+        await a.close()
+        await runner.cleanup()
+
+
 async def test_a_hold_refuses_writes_with_a_retryable_503_until_released_or_expired(
     tmp_path: Path,
 ) -> None:
@@ -185,11 +272,14 @@ async def test_a_hold_refuses_writes_with_a_retryable_503_until_released_or_expi
 
 
 async def test_install_through_a_static_routing_carries_the_accumulators(tmp_path: Path) -> None:
-    """adamps.checkpoint.install (what a warm start uses to carry Adagrad accumulators) on a
-    standalone server found through a static routing: values and accumulators bit-identical."""
+    """adamps.checkpoint.install (what a warm start uses to carry the optimizer's state) on a
+    standalone server found through a static routing: values and state bit-identical. The
+    state of torch's Adagrad is each shard's accumulator and step count, one shard's after the
+    other (adamps.optspec.state_ranges)."""
     from adamps.checkpoint import Cluster, install
     from adamps.client import StaticRouting
     from adamps.layout import Layout, TensorSpec
+    from adamps.optspec import Optimizer, state_ranges
 
     server, runner, a = await start(tmp_path / "a")
     try:
@@ -198,20 +288,58 @@ async def test_install_through_a_static_routing_carries_the_accumulators(tmp_pat
         url = f"http://127.0.0.1:{server.cfg.port}"
         layout = Layout([TensorSpec("w", (2000,))], n_buckets=n_buckets, max_shard_elems=1000)
         values = np.linspace(0, 1, 2000, dtype=np.float32)
-        accum = np.linspace(1, 2, 2000, dtype=np.float32)
+        accum = np.linspace(1, 2, 2 * (1000 + 2), dtype=np.float32)
+        accum[1000:1002] = accum[-2:] = np.array([7], "<u8").view(np.float32)  # 7 steps each
         cluster = Cluster([], TOKEN, source=StaticRouting([url], n_buckets))
+        defs = [{"name": "w", "optimizer": ADA["optimizer"]}]
         try:
             n = await asyncio.to_thread(
-                install, cluster, layout, [{"name": "w"}], {"w": values, "w/accum": accum}
+                install, cluster, layout, defs, {"w": values, "w/accum": accum}
             )
         finally:
             cluster.close()
         assert n == 2
-        for s in layout.shards_of["w"]:
+        shards = layout.shards_of["w"]
+        where = state_ranges(
+            Optimizer.from_dict(ADA["optimizer"]), [(s.start, s.stop) for s in shards]
+        )
+        for s, (lo, hi) in zip(shards, where, strict=True):
             snap = await a.call("ckpt_read", bucket=layout.bucket_of[s.id])
             rec = snap["shards"][s.id]
             assert rec["v"].tobytes() == values[s.start : s.stop].tobytes()
-            assert rec["a"].tobytes() == accum[s.start : s.stop].tobytes()
+            assert rec["a"].tobytes() == accum[lo:hi].tobytes()
     finally:
         await a.close()
         await runner.cleanup()
+
+
+async def test_an_install_carries_its_version_and_never_lowers_one(tmp_path: Path) -> None:
+    """Issue 39 #17: ckpt_install with `n` (the checkpoint's version): a fresh shard takes it;
+    a shard already past it (a rollback) takes one more than its own, so an equal version is
+    still equal data for an incremental checkpoint. A bad `n` is a 400, nothing applied."""
+    _s, r, c = await _filled(tmp_path)
+    try:
+        n_buckets = (await c.get_json("/status"))["n_buckets"]
+        b = stable_bucket("w/0", n_buckets)
+        v0 = (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"]
+        vals = np.zeros(1000, np.float32)
+        await c.call("ckpt_install", bucket=b, force=True, shards={"w/0": {"v": vals, "n": 40}})
+        assert (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"] == 40
+        await c.call("ckpt_install", bucket=b, force=True, shards={"w/0": {"v": vals, "n": 5}})
+        assert (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"] == 41
+        await c.call("ckpt_install", bucket=b, force=True, shards={"w/0": {"v": vals}})
+        assert (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"] == 42 > v0
+        for bad in (-1, "7", 1.5):
+            with pytest.raises(RpcError) as err:
+                await c.call("ckpt_install", bucket=b, force=True,
+                             shards={"w/0": {"v": vals + 1, "n": bad}})  # fmt: skip
+            assert err.value.code == "bad_request" and "version" in err.value.message
+        snap = await c.call("ckpt_read", bucket=b)
+        assert snap["shards"]["w/0"]["version"] == 42 and not snap["shards"]["w/0"]["v"].any()
+        rb = next(iter(snap["rows"]))
+        await c.call("ckpt_install", bucket=b, force=True,
+                     rows={rb: {"b": snap["rows"][rb]["b"], "n": 77}})  # fmt: skip
+        assert (await c.call("ckpt_read", bucket=b))["rows"][rb]["version"] == 77
+    finally:
+        await c.close()
+        await r.cleanup()

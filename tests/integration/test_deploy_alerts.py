@@ -64,6 +64,11 @@ FIRES = {
         "1 1 0 0 0 0 0 0",
         {"instance": "c-1"},
     ),
+    "AdampsPsFlushStarved": (
+        'adamps_ps_flush_starved{instance="ps-1"}',
+        "0 0 1 1 1 1 1 1",
+        {"instance": "ps-1"},
+    ),
     # age grows by a minute a minute past an interval of 60 s: over 3 intervals at 4 min
     "AdampsCheckpointStale": (
         [

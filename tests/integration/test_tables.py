@@ -295,3 +295,87 @@ async def test_rows_unseen_for_expire_after_are_removed_and_counted(tmp_path: Pa
     finally:
         await c.close()
         await runner.cleanup()
+
+
+async def test_an_empty_push_rows_is_a_value_error_in_the_client_and_a_400_from_the_server(
+    tmp_path: Path,
+) -> None:
+    """Issue 39 #16: PSClient.push_rows with no id returned as if it had pushed. It now raises
+    a ValueError naming the table, before sending anything; the server answers an empty
+    push_rows that reaches it (a hand-made request) with 400 bad_request, nothing applied."""
+    import aiohttp
+
+    from adamps import protocol
+
+    ps, runner, c, url = await start(tmp_path)
+    try:
+        await c.call("create_table", name="t", dim=4, init=INIT)
+
+        def client_push() -> None:
+            with PSClient(StaticRouting([url], 8), Layout([], 8), TOKEN, retry_for=0) as pc:
+                with pytest.raises(ValueError, match="'t' needs at least one id"):
+                    pc.push_rows("t", np.empty(0, np.int64), np.empty((0, 4), np.float32))
+                with pytest.raises(ValueError, match="at least one id"):
+                    pc.push_rows("t", [], np.empty((0, 4), np.float32))
+
+        await asyncio.to_thread(client_push)
+        # The same request by hand (the arrays' wire maps written out: empty data)
+        body = protocol.encode(
+            {"op": "push_rows", "v": 1, "rid": 1, "table": "t",
+             "ids": {"dtype": "int64", "shape": [0], "data": b""},
+             "grads": {"dtype": "float32", "shape": [0, 4], "data": b""}}
+        )  # fmt: skip
+        hdrs = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/msgpack"}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{url}/rpc", data=body, headers=hdrs) as resp:
+                assert resp.status == 400
+                err = (await resp.json())["error"]
+        assert err["code"] == "bad_request" and "at least one id" in err["message"], err
+        assert ps.store.tables.table("t").rows() == 0
+        assert (await c.call("list_tables"))["tables"][0]["rows_held"] == 0  # still serving
+    finally:
+        await c.close()
+        await runner.cleanup()
+
+
+async def test_filters_are_made_at_first_sight_and_admitted_against_the_servers_memory(
+    tmp_path: Path,
+) -> None:
+    """Issue 39, finding 2: a table's frequency filters (16 x filter_width bytes per bucket)
+    were allocated at create_table, on the event loop, for every held bucket, at widths up to
+    2^24, counted nowhere. Now the widest is 2^20, a bucket's sketch is made at the first push
+    naming an id without a row, and the filters count in max_server_elems (4-byte cells) beside
+    the tensors' elements: past it, create_table and create are 413 too_large."""
+    ps, runner, c, _url = await start(tmp_path, max_server_elems=1 << 20)
+    try:
+        with pytest.raises(RpcError) as err:
+            await c.call("create_table", name="x", dim=4,
+                         admission={"admit_after": 2, "filter_width": (1 << 20) + 1})  # fmt: skip
+        assert err.value.code == "bad_request" and "2^20" in err.value.message
+        wide = {"admit_after": 2, "filter_width": 1 << 16}  # 4 x 2^16 x 8 buckets = 2^21 cells
+        with pytest.raises(RpcError) as err:
+            await c.call("create_table", name="wide", dim=4, admission=wide)
+        assert err.value.code == "too_large" and err.value.http_status == 413
+        assert (await c.call("list_tables"))["tables"] == []
+        ok = {"admit_after": 2, "filter_width": 1 << 14}  # 2^19 cells
+        await c.call("create_table", name="ok", dim=4, admission=ok)
+        blocks = {b: st.value for b, st in ps.store.tables.tables["ok"].shards.items()}
+        assert len(blocks) == 8 and all(blk.sketch is None for blk in blocks.values())
+        with pytest.raises(RpcError) as err:  # 2^19 + 2^19 + 1 > 2^20
+            await c.call("create", name="t", shape=[(1 << 19) + 1])
+        assert err.value.code == "too_large"
+        await c.call("create", name="t", shape=[1 << 18])
+        ids = np.array([3], np.int64)
+        await c.call("push_rows", table="ok", ids=ids, grads=np.ones((1, 4), np.float32))
+        made = [b for b, blk in blocks.items() if blk.sketch is not None]
+        assert made == [stable_bucket_of(ids, 8)]
+    finally:
+        await c.close()
+        await runner.cleanup()
+
+
+def stable_bucket_of(ids: np.ndarray, n_buckets: int) -> int:
+    from adamps.tables import split_by_bucket
+
+    (b,) = split_by_bucket(ids, n_buckets)
+    return int(b)

@@ -128,3 +128,40 @@ def test_one_off_requests_report_the_status_of_a_text_body(tmp_path) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+async def test_bad_request_line_and_client_gone_mid_body_log_one_line(
+    server: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 39, finding 11: a 10 kB request line, and a client that disconnects in the middle
+    of its body, each leave one warning line without a traceback (they were ERRORs with one),
+    and the server keeps serving. Every role serves through `aweb.serve`, so this covers the
+    controllers', the servers' and the data servers' HTTP ports alike."""
+    import asyncio
+    import logging
+
+    port = int(server.rsplit(":", 1)[1])
+    caplog.set_level(logging.DEBUG)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    assert (await reader.read(64)).startswith(b"HTTP/1.0 400")
+    writer.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = f"POST /rpc HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+    writer.write(head.encode() + b"Content-Length: 60000\r\n\r\n" + b"\0" * 1000)
+    await writer.drain()
+    await asyncio.sleep(0.2)  # the handler is reading the body
+    writer.transport.abort()
+    for _ in range(100):
+        if any("went away" in r.getMessage() for r in caplog.records):
+            break
+        await asyncio.sleep(0.02)
+    async with aiohttp.ClientSession() as s, s.get(server + "/healthz") as r:
+        assert r.status == 200
+    noisy = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not noisy, [(r.name, r.levelname, r.getMessage()[:120]) for r in noisy]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("LineTooLong" in m for m in warned), warned
+    assert any("went away during POST /rpc" in m for m in warned), warned
+    assert all("\n" not in m for m in warned)

@@ -66,9 +66,8 @@ class Counting:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 def test_embedding_bag_equals_torch_sparse(ps_url: str, token: str, optimizer: str) -> None:
-    """Own loop, no Downpour: the rows equal torch's EmbeddingBag(sparse=True) + SGD/Adagrad.
-    torch's Adagrad divides by sqrt(acc) + eps, the servers' by sqrt(acc + eps): with the
-    accumulators starting at 0.1 the two differ by ~1e-8 relative, inside the tolerance."""
+    """Own loop, no Downpour: the rows equal torch's EmbeddingBag(sparse=True) + SGD/Adagrad
+    (the servers' adagrad is torch's rule, per element of each pushed row)."""
     data = bags()
     proj = torch.randn(DIM, 2, generator=torch.Generator().manual_seed(5))
     ref = nn.EmbeddingBag(N_IDS, DIM, mode="sum", sparse=True)

@@ -58,13 +58,15 @@ TABLE = "emb"
 
 
 def _populate(c: LocalCluster):
-    """TENSOR (exactness load target), an Adagrad tensor and an embedding table with rows."""
+    """TENSOR (exactness load target), an Adam tensor (amsgrad: 3 state arrays and a step count
+    per shard, all checkpointed) and an embedding table with rows (row-wise Adagrad: one
+    accumulator per row)."""
     client, layout = make_client(c)
     client.create(ADA, init={"kind": "normal", "std": 0.1, "seed": 3},
-                  optimizer={"kind": "adagrad", "lr": 0.1})  # fmt: skip
+                  optimizer={"kind": "adam", "lr": 0.01, "amsgrad": True})  # fmt: skip
     layout = layout.with_tensor(ADA)
     client.layout = layout
-    client.create_table(TABLE, 4, optimizer={"kind": "adagrad", "lr": 0.05})
+    client.create_table(TABLE, 4, optimizer={"kind": "rowwise_adagrad", "lr": 0.05})
     rng = np.random.default_rng(0)
     for _ in range(3):
         client.push_dense("w", rng.standard_normal(ADA.shape).astype(np.float32))
@@ -107,6 +109,8 @@ def _restored_matches(c: LocalCluster, ckpt: Path, tmp: Path) -> np.ndarray | No
     save(cl, again)
     cl.close()
     _m, re, re_rows = load_ckpt(again)
+    if "w" in names:  # Adam's state: 3 arrays of 5,000 and a step count (2) per shard
+        assert want["w/accum"].size == 3 * ADA.shape[0] + 2 * len(layout.shards_of["w"])
     assert sorted(re) == sorted(want)
     for k in want:
         assert re[k].tobytes() == want[k].tobytes(), k

@@ -167,6 +167,8 @@ def test_two_runs_with_the_same_layer_names_train_apart(tmp_path: Path) -> None:
             # a replication op or a flush is the operator's
             status, _, body = rpc(addr, ta, "flush")
             assert status == 403 and body["code"] == "forbidden"
+            status, _, body = http(addr, "POST", "/flush", ta)  # was 401 (issue 39 #14)
+            assert status == 403 and body["code"] == "forbidden" and "'alpha'" in str(body)
             # an unknown token is no run's
             status, _, body = rpc(addr, ta + "x", "pull", tensors=["alpha..fc1.w"])
             assert status == 401
@@ -189,6 +191,7 @@ def test_two_runs_with_the_same_layer_names_train_apart(tmp_path: Path) -> None:
             ("POST", "/rebalance", b"{}"),
             ("POST", "/runs", json.dumps({"name": "gamma"}).encode()),
             ("DELETE", "/runs/beta", b""),
+            ("GET", "/auth/runs", b""),  # was 401 "wrong cluster token" (issue 39 #14)
         ]:
             status, _, reply = http(ctl, method, path, ta, body)
             assert status == 403, (path, reply)
@@ -340,3 +343,42 @@ def test_quotas_refuse_with_their_code_and_delete_frees_the_run(tmp_path: Path) 
             p.close()
         assert not [n for n in left if n.startswith("q..")], left
         assert not [k for k in shards if k.startswith(b"q..")], shards
+
+
+@pytest.mark.timeout(300)
+def test_size_quotas_hold_across_the_servers(tmp_path: Path) -> None:
+    """Issue 39, finding 8: a run with a 1,000-element quota created a different 1,000-element
+    tensor on each of 3 servers (each checked only its own definitions). Now the server asks
+    the controllers before it creates a run's tensor or table, and they hold the run's total
+    across the cluster against its quotas; the same definition on every server is one use. A
+    table's frequency sketches count in memory_bytes (16 x filter_width per bucket)."""
+    c = cluster(tmp_path / "cluster")
+    try:
+        tz = create_run(c, "z", tmp_path, "--param-elems", "1000", "--memory-bytes", "100000")
+        first, second, third = c.servers
+        status, _, reply = rpc(first, tz, "create", name="z..a", shape=[1000])
+        assert status == 200, reply
+        for addr in (second, third):  # another tensor elsewhere: past the run's quota
+            status, _, reply = rpc(addr, tz, "create", name="z..b", shape=[1000])
+            assert status == 403 and reply["code"] == "quota_exceeded", reply
+            assert reply["quota"] == "param_elems" and "across the cluster" in reply["message"]
+        for addr in c.servers:  # the same definition on every server is one use
+            status, _, reply = rpc(addr, tz, "create", name="z..a", shape=[1000])
+            assert status == 200, reply
+        wide = {"max_rows": 50, "admit_after": 2, "filter_width": 4096}  # 512 KiB of sketches
+        status, _, reply = rpc(second, tz, "create_table", name="z..t", dim=4, admission=wide)
+        assert status == 403 and reply["quota"] == "memory_bytes", reply
+        status, _, reply = rpc(second, tz, "create_table", name="z..u", dim=4,
+                               admission={"max_rows": 50})  # fmt: skip
+        assert status == 200, reply
+        status, _, reply = rpc(third, tz, "list")
+        assert [t["name"] for t in reply["tensors"]] == ["z..a"]  # z..b exists nowhere
+        status, _, reply = rpc(third, tz, "create_table", name="z..v", dim=4,
+                               admission={"max_rows": 10}, init={"kind": "bogus"})  # fmt: skip
+        assert status == 400 and reply["code"] == "bad_request", reply  # and not counted:
+        show = adamps_run(c, "show", "z", "--json")
+        assert show.returncode == 0, show.stderr
+        usage = json.loads(show.stdout)["usage"]
+        assert usage == {"param_elems": 1000, "table_rows": 50, "memory_bytes": 4000 + 50 * 32}
+    finally:
+        c.stop()

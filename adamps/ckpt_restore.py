@@ -1,0 +1,267 @@
+"""``adamps checkpoint restore``: a checkpoint onto a cluster of any size (issue 24), checked
+whole before the first write, then installed bucket by bucket on each primary with
+``ckpt_install`` (the servers' one write path).
+
+Onto a cluster that holds some of the checkpoint's tensors (``--force``: a rollback of a live
+run) those tensors keep their definitions (init, optimizer: their trainers created them) and
+take the checkpoint's values; only their shape and dtype must match (issue 39)."""
+
+from __future__ import annotations
+
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adamps.ckpt_cluster import Cluster
+from adamps.ckpt_format import MANIFEST, CheckpointError, load
+from adamps.client.ps import PSClient
+from adamps.layout import Layout, TensorSpec
+from adamps.optspec import OptimError, Optimizer, state_ranges
+from adamps.protocol import ProtocolError
+from adamps.server import bounds
+from adamps.server.rowblock import RowBlock
+from adamps.tables import ROWS_SEP
+
+#: buckets installed at once
+READERS = 4
+#: bytes of shards per ckpt_install request (under the servers' max_body)
+INSTALL_CHUNK = 32 << 20
+
+
+def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
+    """The checkpoint in `src` onto the cluster: checked whole first, then installed bucket by
+    bucket on each primary (which replicates it)."""
+    t0 = time.perf_counter()
+    manifest, arrays, rows = load(src)
+    damaged = _check_state(src, arrays, rows, _signed(manifest), _row_widths(manifest))
+    statuses = cluster.server_status()
+    if not statuses:
+        raise CheckpointError("the cluster has no parameter server to restore onto")
+    n_buckets = int(statuses[0]["n_buckets"])
+    max_shard = int(statuses[0]["config"]["max_shard_elems"])
+    if rows and n_buckets != manifest.get("n_buckets"):
+        raise CheckpointError(
+            f"{src / MANIFEST}: layout mismatch: the checkpoint's embedding rows are hashed "
+            f"into {manifest.get('n_buckets')} buckets, the cluster has {n_buckets}"
+        )
+    held = sorted({n for s in statuses for n in s.get("tensors", {})})
+    if held and not force:
+        raise CheckpointError(
+            f"the cluster already holds tensors {held[:5]}: restore onto an empty cluster, "
+            "or pass --force to overwrite"
+        )
+    tensors_held, tables_held = _definitions(cluster)
+    # A tensor or table the cluster holds keeps its definition (init, optimizer, admission:
+    # its trainers created it, and a create with the checkpoint's would be `exists`); only
+    # what decides where the values go must match, checked before the first write.
+    for d in manifest["tensors"]:
+        have = tensors_held.get(d["name"])
+        if have is None:
+            continue
+        for key, mine in (("shape", list(d["shape"])), ("dtype", d.get("dtype", "float32"))):
+            if have.get(key) != mine:
+                what = "" if key == "shape" else "of dtype "
+                raise CheckpointError(
+                    f"{src / MANIFEST}: layout mismatch: tensor {d['name']!r} is {what}{mine} in "
+                    f"the checkpoint, {what}{have.get(key)} on the cluster: nothing restored"
+                )
+    for t in manifest["tables"]:
+        have = tables_held.get(t["name"])
+        if have is not None and have.get("dim") != t["dim"]:
+            raise CheckpointError(
+                f"{src / MANIFEST}: layout mismatch: table {t['name']!r} has dim {t['dim']} in "
+                f"the checkpoint, {have.get('dim')} on the cluster: nothing restored"
+            )
+    if damaged:
+        sid, why = damaged[0]
+        raise CheckpointError(f"{src}: row shard {sid}: not a row block: {why}: nothing restored")
+    specs = [TensorSpec(d["name"], tuple(d["shape"])) for d in manifest["tensors"]]
+    layout = Layout(specs, n_buckets=n_buckets, max_shard_elems=max_shard)
+    client = PSClient(cluster.source, layout, cluster.token, retry_for=cluster.retry_for)
+    try:
+        for d, spec in zip(manifest["tensors"], specs, strict=True):
+            if d["name"] not in tensors_held:
+                client.create(spec, init={"kind": "zeros"}, optimizer=d.get("optimizer"))
+        for t in manifest["tables"]:
+            if t["name"] not in tables_held:
+                client.create_table(
+                    t["name"], t["dim"], init=t.get("init"), optimizer=t.get("optimizer"),
+                    admission=t.get("admission"),
+                )  # fmt: skip
+    finally:
+        client.close()
+    versions = _versions(manifest, layout)
+    installed = install(cluster, layout, manifest["tensors"], arrays, rows, force, versions)
+    return {"installed": installed, "seconds": time.perf_counter() - t0}
+
+
+def _signed(manifest: dict[str, Any]) -> set[str]:
+    """The tensors whose optimizer state may hold negative values (Optimizer.signed_state)."""
+    out = set()
+    for d in manifest.get("tensors", []):
+        try:
+            if d.get("optimizer") and Optimizer.from_dict(d["optimizer"]).signed_state:
+                out.add(d["name"])
+        except (OptimError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"tensor {d.get('name')!r}: bad optimizer: {exc}") from None
+    return out
+
+
+def _row_widths(manifest: dict[str, Any]) -> dict[str, int]:
+    """Each table's optimizer state per row (float32), as its row blocks hold it."""
+    out = {}
+    for t in manifest.get("tables", []):
+        try:
+            opt = Optimizer.from_dict(t.get("optimizer") or {"kind": "sgd"})
+            out[t["name"]] = opt.row_state_width(int(t["dim"]))
+        except (OptimError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"table {t.get('name')!r}: bad optimizer: {exc}") from None
+    return out
+
+
+def _check_state(
+    src: Path,
+    arrays: dict[str, np.ndarray],
+    rows: dict[str, np.ndarray],
+    signed: set[str],
+    widths: dict[str, int],
+) -> list[tuple[str, str]]:
+    """Every value and accumulator of the checkpoint is one a server installs (finite and
+    bounded, bounds.check_state; each server checks its part again), checked from the files
+    alone before any request, so a NaN in bucket 7 cannot leave buckets 0-6 restored. Returns
+    the row shards whose blocks do not parse (refused after the layout checks, which name a
+    foreign checkpoint's real problem first)."""
+    damaged = []
+    try:
+        for name, a in arrays.items():
+            if name.endswith("/accum"):
+                t = name[: -len("/accum")]
+                bounds.check_state(f"tensor {t!r}", a[:0], a, t in signed)
+            else:
+                bounds.check_state(f"tensor {name!r}", a)
+        for sid, block in rows.items():
+            try:
+                table = sid.split(ROWS_SEP, 1)[0]
+                values, accum = RowBlock.state_of(block.tobytes(), widths.get(table, 0))
+            except (ValueError, struct.error) as exc:
+                damaged.append((sid, str(exc)))
+                continue
+            bounds.check_state(f"row shard {sid!r}", values, accum)
+    except ProtocolError as exc:
+        raise CheckpointError(f"{src}: {exc.message}: nothing restored") from None
+    return damaged
+
+
+def _versions(manifest: dict[str, Any], layout: Layout) -> dict[str, int]:
+    """The version each shard of the target layout takes: the checkpoint's, for a shard the
+    checkpoint holds with the same range (a target of another max_shard_elems cuts other
+    shards, which count afresh); every row shard's (n_buckets is the checkpoint's)."""
+    out: dict[str, int] = {}
+    saved = manifest.get("shards", {})
+    for name, shards in layout.shards_of.items():
+        for s in shards:
+            rec = saved.get(s.id)
+            if rec and (rec.get("tensor"), rec.get("start"), rec.get("stop")) == (
+                name, s.start, s.stop
+            ) and "version" in rec:  # fmt: skip
+                out[s.id] = rec["version"]
+    for sid, rec in manifest.get("row_shards", {}).items():
+        if "version" in rec:
+            out[sid] = rec["version"]
+    return out
+
+
+def _definitions(cluster: Cluster) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tensor and table definitions the cluster's servers hold, by name."""
+    tensors: dict[str, Any] = {}
+    tables: dict[str, Any] = {}
+    for _url, rpc in cluster.live_servers():
+        for d in rpc.call("list")["tensors"]:
+            tensors.setdefault(d["name"], d)
+        for t in rpc.call("list_tables")["tables"]:
+            tables.setdefault(t["name"], t)
+    return tensors, tables
+
+
+def install(
+    cluster: Cluster,
+    layout: Layout,
+    tensors: list[dict[str, Any]],
+    arrays: dict[str, np.ndarray],
+    rows: dict[str, np.ndarray] | None = None,
+    force: bool = False,
+    versions: dict[str, int] | None = None,
+) -> int:
+    """Installs the values (and ``<name>/accum`` accumulators) of `tensors` (definitions with
+    a ``name``) and the row shards `rows` bucket by bucket on each primary with
+    ``ckpt_install``, through the one write path; returns the shards installed. The tensors
+    exist already (created with any values: an install overwrites them). A shard named in
+    `versions` takes that version (the checkpoint's) unless its own is already higher."""
+    rows = rows or {}
+    versions = versions or {}
+    per_bucket: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for d in tensors:
+        name = d["name"]
+        flat = arrays[name].reshape(-1)
+        acc = arrays.get(f"{name}/accum")
+        accf = None if acc is None else acc.reshape(-1)
+        shards = layout.shards_of[name]
+        where = [(s.start, s.stop) for s in shards]
+        if accf is not None and d.get("optimizer"):
+            # each shard's part of the tensor's whole optimizer state (ckpt_format._assemble)
+            where = state_ranges(Optimizer.from_dict(d["optimizer"]), where)
+        for s, (lo, hi) in zip(shards, where, strict=True):
+            rec: dict[str, Any] = {"v": np.ascontiguousarray(flat[s.start : s.stop])}
+            if accf is not None:
+                rec["a"] = np.ascontiguousarray(accf[lo:hi])
+            if s.id in versions:
+                rec["n"] = versions[s.id]
+            per_bucket.setdefault(layout.bucket_of[s.id], []).append((s.id, rec))
+    row_bucket: dict[int, dict[str, Any]] = {}
+    for sid, a in rows.items():
+        b = int(sid.rsplit("/", 1)[1])
+        row_bucket.setdefault(b, {})[sid] = {"b": a.tobytes()}
+        if sid in versions:
+            row_bucket[b][sid]["n"] = versions[sid]
+
+    def install_bucket(b: int) -> int:
+        chunks: list[dict[str, Any]] = []
+        size, cur = 0, {}
+        for sid, rec in per_bucket.get(b, []):
+            if cur and size + rec["v"].nbytes * 2 > INSTALL_CHUNK:
+                chunks.append(cur)
+                cur, size = {}, 0
+            cur[sid] = rec
+            size += rec["v"].nbytes * 2
+        if cur:
+            chunks.append(cur)
+        n = 0
+        # A retried install may find its own first attempt applied (the outcome of a timed-out
+        # or failed-over request is unknown): a retry overwrites with the same data, so it
+        # forces; a first attempt on a shard that took updates is refused by the server.
+        for chunk in chunks:
+            cluster.on_primary(
+                b,
+                lambda r, k, c=chunk: r.call(
+                    "ckpt_install", bucket=b, shards=c, force=force or k > 1
+                ),
+            )
+            n += len(chunk)
+        if b in row_bucket:
+            cluster.on_primary(
+                b,
+                lambda r, k: r.call(
+                    "ckpt_install", bucket=b, rows=row_bucket[b], force=force or k > 1
+                ),
+            )
+            n += len(row_bucket[b])
+        return n
+
+    # Buckets installed in parallel: their primaries and replication rounds are independent.
+    with ThreadPoolExecutor(READERS) as pool:
+        installed = sum(pool.map(install_bucket, range(layout.n_buckets)))
+    return installed

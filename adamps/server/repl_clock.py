@@ -1,0 +1,81 @@
+"""The replication core's clock (issue 36: idle costs nothing): the core is ticked when its next
+deadline is due (``ReplCore.next_deadline``: the pings, the heartbeats, the watchdog, a busy
+primary's retries and COMMITs), not every few milliseconds. An idle server with the default
+``ping_interval`` ticks about three times a second, each tick doing what is due.
+
+Every other input goes into the core at once (``Replicator.step``) and then ``poke``s the clock:
+an input may bring a deadline earlier (a push starts a round, an answer schedules a retry, a
+heartbeat's answer the next heartbeat), so unless a tick is already due within ``TICK`` the
+deadline is asked again. Ticks stay at least ``TICK`` apart, so a busy server ticks as often as it
+did when the clock ticked every ``TICK`` and no more; ``MAX_SLEEP`` bounds a sleep all the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from adamps.core.repl_core import ReplCore
+
+#: seconds between two ticks at least (a busy primary's retries and delayed COMMITs)
+TICK = 0.02
+#: seconds a sleep lasts at most (the pings are due sooner with every ping_interval allowed)
+MAX_SLEEP = 1.0
+
+
+class CoreClock:
+    """Owned by the Replicator; lives on its event loop. `tick` feeds the core its tick."""
+
+    def __init__(self, core: ReplCore, tick: Callable[[], None]) -> None:
+        self.core = core
+        self._tick = tick
+        self._handle: asyncio.TimerHandle | None = None
+        #: when the planned tick runs (time.monotonic(), the core's clock)
+        self._at = float("inf")
+        #: when the last tick ran
+        self._last = float("-inf")
+        self._stopped = False
+        #: ticks run (for the tests and /status)
+        self.ticks = 0
+
+    def start(self) -> None:
+        self._plan(time.monotonic())  # the first tick at once (the registration is due)
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def poke(self) -> None:
+        """After an input: tick sooner if it brought the core's next deadline earlier."""
+        if self._handle is None:
+            return  # stopped, or inside the tick (it plans the next one itself)
+        now = time.monotonic()
+        if self._at > now + TICK:
+            at = max(self.core.next_deadline(now), self._last + TICK)
+            if at < self._at:
+                self._schedule(at, now)
+
+    def _plan(self, now: float) -> None:
+        at = max(self.core.next_deadline(now), self._last + TICK)
+        self._schedule(min(at, now + MAX_SLEEP), now)
+
+    def _schedule(self, at: float, now: float) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._at = at
+        self._handle = asyncio.get_running_loop().call_later(max(0.0, at - now), self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        if self._stopped:
+            return
+        self._last = time.monotonic()
+        self.ticks += 1
+        try:
+            self._tick()
+        finally:
+            if not self._stopped:
+                self._plan(time.monotonic())

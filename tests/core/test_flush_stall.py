@@ -1,0 +1,249 @@
+"""A slow flush told a stalled disk from a process starved of CPU (issue 39, finding 4): the pure
+rule (adamps/core/flush_stall.py), then a real Flusher whose writing thread sleeps in its write
+(a disk that does not answer), burns a CPU (a state too big), or burns it inside a cgroup whose
+CPU quota throttles that one thread (starved: real kernel accounting, no mock of it)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adamps.core.flush_stall import (
+    BUSY,
+    STALLED,
+    STARVED,
+    FlushInterval,
+    ThreadTimes,
+    classify,
+    parse_schedstat,
+)
+from adamps.server.flush_times import FlushTimes, OwnedLock, thread_times
+from adamps.server.flusher import Flusher
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_asleep_in_the_write_is_the_disk() -> None:
+    """A thread in a hung fsync or on a frozen file system is off every CPU."""
+    assert classify(FlushInterval(5.0, ThreadTimes(0.05, 0.01))) == STALLED
+    # asleep more than on and waiting for a CPU together, on a loaded machine too
+    assert classify(FlushInterval(5.0, ThreadTimes(0.5, 1.5))) == STALLED
+
+
+def test_waiting_for_a_cpu_is_starvation_not_the_disk() -> None:
+    """The testers' case: 4.7 s of a write, most of it runnable but waiting for a CPU."""
+    assert classify(FlushInterval(4.7, ThreadTimes(0.3, 4.2))) == STARVED
+    # partly asleep (the GIL, the disk's own latency) and mostly waiting: still starved
+    assert classify(FlushInterval(4.7, ThreadTimes(0.7, 2.0))) == STARVED
+
+
+def test_on_a_cpu_most_of_the_time_is_a_flush_too_big_for_the_window() -> None:
+    assert classify(FlushInterval(6.0, ThreadTimes(5.5, 0.3))) == BUSY
+    # waited more than it ran, but a negligible part of the interval: not starved
+    assert classify(FlushInterval(6.0, ThreadTimes(0.2, 0.3))) == STALLED
+    assert classify(FlushInterval(6.0, ThreadTimes(2.0, 2.5))) == STARVED
+    assert classify(FlushInterval(6.0, ThreadTimes(3.5, 2.5))) == BUSY
+
+
+def test_pauses_between_flushes_are_not_the_disk_and_a_slow_cut_is_starvation() -> None:
+    """Over a loss window the flush thread also sleeps by choice between flushes, and waits for
+    the server's threads (event loop, owner threads) to copy the dirty shards: neither is the
+    disk. A window made long by a cut the starved server's threads were slow to make is
+    starvation; the pauses alone make nothing long."""
+    paused = FlushInterval(6.0, ThreadTimes(0.2, 0.05), paused=5.7)
+    assert paused.off == pytest.approx(0.05) and classify(paused) == BUSY
+    assert classify(FlushInterval(6.0, ThreadTimes(0.2, 0.3), paused=1.0, threads=4.4)) == STARVED
+    # a write asleep 4 s after a pause of 1 s: the disk
+    assert classify(FlushInterval(6.0, ThreadTimes(0.5, 0.3), paused=1.0, threads=0.2)) == STALLED
+    assert FlushInterval(6.0, ThreadTimes(0.5, 0.3), paused=1.0, threads=0.2).off == pytest.approx(
+        4.0
+    )
+
+
+def test_without_scheduler_statistics_a_slow_flush_is_a_stall_as_before() -> None:
+    assert classify(FlushInterval(6.0, None)) == STALLED
+
+
+def test_schedstat_is_read_as_seconds() -> None:
+    assert parse_schedstat("1500000000 250000000 17\n") == ThreadTimes(1.5, 0.25)
+    mine = thread_times(threading.get_native_id())
+    if mine is None:
+        pytest.skip("no /proc/self/task/TID/schedstat here")
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.05:
+        pass
+    later = thread_times(threading.get_native_id())
+    assert later is not None and later.minus(mine).run >= 0.04
+
+
+# -- a real Flusher --------------------------------------------------------------------------
+
+
+class SlowDisk:
+    """A persister whose write holds the flushing thread as `how` says, then succeeds."""
+
+    path = "/nonexistent"
+
+    def __init__(self, how: Any) -> None:
+        self.how = how
+        self.entered = threading.Event()
+
+    def write_snapshots(self, snaps: list, positions: Any, held: Any) -> int:
+        self.entered.set()
+        self.how()
+        return 1
+
+
+class OneDirty:
+    """A store with one update unflushed since the test began."""
+
+    def __init__(self) -> None:
+        self.since = time.monotonic()
+
+    def dirty_bytes(self) -> dict[int, int]:
+        return {}
+
+    def oldest_dirty(self) -> float:
+        return self.since
+
+    def begin_snapshot(self, buckets: Any) -> Any:
+        return lambda _timeout: []
+
+
+def verdict_during(how: Any, max_unflushed: float = 0.5, wait: float = 1.5) -> tuple:
+    """(not_durable, starved) of a started Flusher `wait` s into a write that does `how`."""
+    disk = SlowDisk(how)
+    flusher = Flusher(OneDirty(), disk, interval=0.01, max_unflushed=max_unflushed)  # type: ignore[arg-type]
+    flusher.cut = lambda buckets: ([], {}, None)  # a position to write: the write runs
+    flusher.start()
+    try:
+        assert disk.entered.wait(10)
+        time.sleep(wait)
+        return flusher.not_durable(), flusher.starved_now()
+    finally:
+        flusher.stop(final_flush=False)
+
+
+def burn(cpu_seconds: float) -> None:
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < cpu_seconds:
+        pass
+
+
+def test_a_write_asleep_but_not_on_the_disk_is_no_stall() -> None:
+    """A write whose thread sleeps interruptibly (state S: here time.sleep; in a server the GIL
+    or a lock whose holder is starved) is not on the disk, whatever its account says: a disk
+    that holds a write holds it in uninterruptible sleep (state D; fsfreeze in
+    tests/chaos/test_storage_faults.py::test_a_stalled_disk_stops_acknowledgements_until_it_moves_on
+    checks that one)."""
+    if thread_times(threading.get_native_id()) is None:
+        pytest.skip("no schedstat")
+    why, starved = verdict_during(lambda: time.sleep(2.5))
+    assert why is None, why
+    assert starved is not None and "asleep in the write" in starved, starved
+
+
+def test_asleep_on_the_disk_now_is_a_stall_and_asleep_otherwise_is_not() -> None:
+    slept = FlushInterval(5.0, ThreadTimes(0.05, 0.01))
+    assert classify(slept, on_disk=True) == STALLED
+    assert classify(slept, on_disk=None) == STALLED  # not known: as before
+    assert classify(slept, on_disk=False) == STARVED
+
+
+V1_CPU = Path("/sys/fs/cgroup/cpu")
+
+
+def throttled_cgroup() -> Path:
+    """A cgroup v1 'cpu' group with 5% of one CPU (a thread written to its `tasks` alone is
+    throttled), or a skip where there is none to make (not root, cgroup v2 only)."""
+    if os.geteuid() != 0 or not (V1_CPU / "tasks").exists():
+        pytest.skip("needs root and the cgroup v1 cpu controller (per-thread quota)")
+    group = V1_CPU / f"adamps-starve-{os.getpid()}"
+    group.mkdir(exist_ok=True)
+    (group / "cpu.cfs_period_us").write_text("100000")
+    (group / "cpu.cfs_quota_us").write_text("5000")
+    return group
+
+
+def test_a_write_starved_of_cpu_keeps_the_server_durable() -> None:
+    """The flushing thread alone in a cgroup throttled to 5% of a CPU, its write burning 0.15 s
+    of CPU: about 3 s of wall time, almost all of it waiting for a CPU. Its loss window passes
+    max_unflushed, yet the server stays durable and says it is starved (on main: 'the disk
+    stalls', not durable)."""
+    group = throttled_cgroup()
+    try:
+
+        def starved_write() -> None:
+            (group / "tasks").write_text(str(threading.get_native_id()))
+            burn(0.15)
+            (V1_CPU / "tasks").write_text(str(threading.get_native_id()))
+
+        why, starved = verdict_during(starved_write, wait=1.5)
+        assert why is None, why
+        assert starved is not None and "starved of CPU" in starved, starved
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_a_write_on_a_cpu_the_whole_time_is_flushes_not_keeping_up() -> None:
+    if thread_times(threading.get_native_id()) is None:
+        pytest.skip("no schedstat")
+    why, starved = verdict_during(lambda: burn(1.2), max_unflushed=0.3, wait=0.8)
+    if why is not None and "starved" in why:  # the test machine itself is overloaded
+        pytest.skip(f"this machine starved the burning thread: {why}")
+    assert starved is None or "starved" in starved
+    if starved is None:
+        assert why is not None and "do not keep up" in why, why
+
+
+def lock_wait_account(hold: Any, look_after: float = 0.6) -> FlushInterval:
+    """The flush thread's account `look_after` s into its wait for an OwnedLock that another
+    thread holds while it does `hold` (taken mid-wait, as a push's verdict would)."""
+    times = FlushTimes(time.monotonic)
+    lock = OwnedLock()
+    held, done = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            hold()
+
+    def flush_thread() -> None:
+        times.attach()
+        held.wait(10)
+        with times.waiting_for(lock):
+            lock.acquire()
+        lock.release()
+        done.set()
+
+    threading.Thread(target=holder, daemon=True).start()
+    t = threading.Thread(target=flush_thread, daemon=True)
+    start = time.monotonic()
+    t.start()
+    time.sleep(look_after)
+    account = times.over(start)
+    t.join(30)
+    assert done.is_set() and account is not None
+    return account
+
+
+def test_a_wait_for_the_stores_lock_is_its_holders_time() -> None:
+    """The store's lock (the scrub, a reader): a flush waiting for it while its holder runs is
+    waiting for the server's threads, not asleep on the disk; while the holder sleeps (in a
+    hung read, say) it stays the disk's. Counted while the wait lasts, not only at its end."""
+    if thread_times(threading.get_native_id()) is None:
+        pytest.skip("no schedstat")
+    busy = lock_wait_account(lambda: burn(1.0))
+    assert busy.threads > 0.5 and busy.off < 0.3, busy.describe()
+    asleep = lock_wait_account(lambda: time.sleep(1.0))
+    assert asleep.off > 0.5 and asleep.threads < 0.2, asleep.describe()

@@ -1,0 +1,50 @@
+"""The replication core's clock (adamps.server.repl_clock, issue 36: idle costs nothing): an idle
+core is ticked at its deadlines only, and an input that brings a deadline earlier is seen at once,
+not after the sleep. The production ReplCore and CoreClock on a real event loop; the inputs are
+fed the way Replicator.step feeds them (the input, then a poke)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from adamps.core.lease import LeaseTerms
+from adamps.core.repl_core import ReplCore
+from adamps.core.repl_ready import ControllerAnswer, ControllerRequest
+from adamps.core.repl_settings import ReplSettings
+from adamps.server.repl_clock import MAX_SLEEP, TICK, CoreClock
+
+
+async def test_an_idle_core_sleeps_and_an_input_wakes_its_clock_at_once() -> None:
+    core = ReplCore(ReplSettings("s", ping_interval=100.0, lease=LeaseTerms()))
+    requests: list[tuple[float, str]] = []
+
+    def tick() -> None:
+        core.tick(time.monotonic())
+        requests.extend((time.monotonic(), r.kind) for r in core.ready().requests)
+        core.advance()
+
+    clock = CoreClock(core, tick)
+    clock.start()
+    await asyncio.sleep(0.05)
+    assert [k for _t, k in requests] == ["register"], "the first tick at once registers"
+    (reg_at, _) = requests[0]
+    # The registration is in flight and the pings are 100 s away: the clock sleeps (MAX_SLEEP).
+    await asyncio.sleep(0.3)
+    assert clock.ticks == 1, f"an idle core is not ticked every {TICK} s"
+    # The controllers answer (an input): the first heartbeat is due now, and goes at once.
+    reg = ControllerRequest("register", -1, 0, body={})
+    answer = {"lease": LeaseTerms().to_dict(), "heartbeat_interval": 1.0}
+    t0 = time.monotonic()
+    core.controller_answer(reg, ControllerAnswer(answer), t0)
+    clock.poke()
+    await asyncio.sleep(0.1)
+    assert [k for _t, k in requests] == ["register", "heartbeat"]
+    assert requests[1][0] - t0 < 0.1 < MAX_SLEEP, "woken by the input, not after the sleep"
+    assert requests[1][0] - reg_at >= TICK
+    ticks = clock.ticks
+    await asyncio.sleep(0.3)  # the heartbeat in flight: nothing is due
+    assert clock.ticks == ticks
+    clock.stop()
+    await asyncio.sleep(MAX_SLEEP + 0.1)
+    assert clock.ticks == ticks, "stopped"
