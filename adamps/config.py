@@ -27,13 +27,20 @@ class ConfigError(ValueError):
     """A bad configuration value: the message names the value, its source and what is expected."""
 
 
-def field(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors argparse
-    """A dataclass field with its help text. Mutable defaults (lists) are copied per instance."""
+def field(
+    default: Any,
+    help: str,  # noqa: A002 - mirrors argparse
+    flags: tuple[str, ...] = (),
+    **kwargs: Any,
+) -> Any:
+    """A dataclass field with its help text. Mutable defaults (lists) are copied per instance.
+    `flags`: its command-line flags when not only ``--field-name`` (the first one is shown)."""
+    meta: dict[str, Any] = {"help": help, **({"flags": flags} if flags else {})}
     if isinstance(default, list | dict):
         return dataclasses.field(
-            default_factory=lambda: type(default)(default), metadata={"help": help}, **kwargs
+            default_factory=lambda: type(default)(default), metadata=meta, **kwargs
         )
-    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+    return dataclasses.field(default=default, metadata=meta, **kwargs)
 
 
 def default_token() -> str:
@@ -114,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """One `--field-name` flag per field of config dataclass `cls` (default None = not given)."""
     parser.add_argument("--config", metavar="FILE", help="TOML file with a table per role")
     for name, (f, tp) in _fields(cls).items():
-        flag = "--" + name.replace("_", "-")
+        flags = tuple(f.metadata.get("flags", ())) or ("--" + name.replace("_", "-"),)
         help_text = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         if name == "token":
@@ -129,10 +136,13 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = help_text.replace("%", "%%")
         if _base_type(tp) is bool:
             parser.add_argument(
-                flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=help_text
-            )
+                *flags, dest=name, default=None, action=argparse.BooleanOptionalAction,
+                help=help_text,
+            )  # fmt: skip
         else:
-            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
+            parser.add_argument(
+                *flags, dest=name, default=None, metavar=name.upper(), help=help_text
+            )
 
 
 def load(

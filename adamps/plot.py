@@ -12,6 +12,14 @@ from pathlib import Path
 from typing import Any
 
 
+def _matplotlib() -> tuple[Any, Any]:
+    """(FigureCanvasAgg, Figure), or MissingExtra naming the extra (adamps[demo])."""
+    from adamps.extras import require
+
+    agg = require("matplotlib.backends.backend_agg", "the plot of adamps up")
+    return agg.FigureCanvasAgg, require("matplotlib.figure", "the plot of adamps up").Figure
+
+
 def plot_run(
     path: str | Path,
     history: Sequence[dict[str, Any]],
@@ -28,8 +36,7 @@ def plot_run(
     {replica: value}, images_per_s}); t0: the run's start (time.time()), the x axis' zero;
     target: the accuracy the run must reach (a dashed line; 0 = none).
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    FigureCanvasAgg, Figure = _matplotlib()
 
     fig = Figure(figsize=(8, 6.5), dpi=100)
     FigureCanvasAgg(fig)
@@ -92,8 +99,7 @@ def iteration_figure(
     """The figure of a Sandblaster run: training loss f and held-out accuracy per L-BFGS
     iteration (records: the coordinator's history lines {iteration, loss, heldout_accuracy};
     see coordinator/heldout.py). Returned unsaved, so that tests read the plotted data."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    FigureCanvasAgg, Figure = _matplotlib()
 
     fig = Figure(figsize=(8, 6.5), dpi=100)
     FigureCanvasAgg(fig)

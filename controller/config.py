@@ -17,7 +17,12 @@ class ControllerConfig:
         help="every controller of the cluster as HOST:RAFT_PORT:HTTP_PORT, the same list on every node",
     )
     member: int = field(0, help="index of this node in --members")
-    bind_host: str = field("", help="interface to bind (HTTP and Raft); empty = the member's host")
+    bind_host: str = field(
+        "",
+        help="interface to listen on (HTTP and Raft; --bind-host is the same flag); empty = the "
+        "member's host",
+        flags=("--host", "--bind-host"),
+    )
     data_dir: str = field(
         "",
         help="directory of the Raft journal and full dump (one per node); empty = run/controller-MEMBER",
@@ -105,7 +110,7 @@ class ControllerConfig:
     )
     checkpoint_interval: float = field(
         0.0,
-        help="seconds between periodic checkpoints taken by the leader (issue 24); 0 = none",
+        help="seconds between periodic checkpoints taken by the leader; 0 = none",
     )
     checkpoint_keep: int = field(
         3, help="periodic checkpoints kept (older ones are pruned, files still named are kept)"

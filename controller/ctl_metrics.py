@@ -65,13 +65,13 @@ class ControllerMetrics:
         self.digest_conflicts = Gauge(
             "adamps_controller_digest_conflicts",
             "times candidates of a bucket at the same (epoch, seq) offered copies whose values' "
-            "digests disagreed (issue 29), in the replicated record: resolved by majority or "
+            "digests disagreed, in the replicated record: resolved by majority or "
             "left unavailable, never silently",
             registry=r,
         )
         self.rack_shared = Gauge(
             "adamps_controller_rack_shared_buckets",
-            "buckets with two caught-up copies in one rack (issue 26): a failure of that rack "
+            "buckets with two caught-up copies in one rack: a failure of that rack "
             "takes both; 0 while the eligible servers span at least replication racks",
             registry=r,
         )

@@ -47,7 +47,10 @@ def augment_images(images: np.ndarray, transforms: np.ndarray) -> np.ndarray:
 
     images: uint8 [n, H, W] or [n, H, W, C]; transforms: [n, 4] from epoch_transforms.
     """
-    from scipy import ndimage  # imported here: worker processes are the only hot users
+    from adamps.extras import require
+
+    # imported here: worker processes are the only hot users
+    ndimage = require("scipy.ndimage", "augmenting images (--augment)")
 
     out = np.empty_like(images)
     h, w = images.shape[1:3]

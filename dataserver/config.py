@@ -17,7 +17,7 @@ class DataServerConfig:
     controllers: list[str] = field(
         [],
         help="controllers (host:port, comma separated) whose runs' tokens may stream too "
-        "(issue 25); none: the cluster token only",
+        "('adamps run create'); none: the cluster token only",
     )
     source: str = field(
         "builtin",

@@ -30,6 +30,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(cfg: DataServerConfig) -> int:
+    if cfg.augment:  # the augmentation workers need scipy: say so now, not in a worker later
+        from adamps.extras import MissingExtra, require
+
+        try:
+            require(
+                "scipy.ndimage", "augmenting images (--augment; --no-augment serves them as is)"
+            )
+        except MissingExtra as exc:
+            print(f"adamps dataserver: {exc}", file=sys.stderr)
+            return 2
     try:
         dataset = load_source(cfg.source, holdout=cfg.holdout, seed=cfg.seed, color=cfg.color)
     except SourceError as exc:

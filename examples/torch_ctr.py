@@ -7,6 +7,13 @@ held-out examples beside the planted truth's.
     python examples/torch_ctr.py --local --replicas 2 --examples 200000   # starts a cluster
     python examples/torch_ctr.py --controllers 127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103
 
+or through the command line, with the data sets of ``task()`` instead of the data servers:
+
+    adamps up --torch examples.torch_ctr:task --target-accuracy 0.6 --epochs 2 \
+        --train-arg batch_size=256 --train-arg lr=0.02 --train-arg optimizer=adagrad
+
+(the held-out "accuracy" the views and --target-accuracy read is then the task's metric: AUC).
+
 The model is ``CtrNet`` (also usable in a loop of one's own). Human-readable lines, then one JSON
 object of the figures as the last line.
 """
@@ -17,6 +24,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -52,6 +60,31 @@ class CtrNet(nn.Module):
         return self.mlp(self.emb(ids).reshape(len(ids), -1)).squeeze(1)
 
 
+def say(msg: str) -> None:
+    print(msg, flush=True)  # progress while it runs (the replicas are processes of their own)
+
+
+def ctr_auc(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """The Task's held-out metric: AUC of the logits."""
+    return auc(targets.numpy(), outputs.numpy())
+
+
+def task(examples: int = 100_000, test: int = 20_000, seed: int = 1) -> at.Task:
+    """``adamps up --torch examples.torch_ctr:task``: CtrNet, its loss (binary cross-entropy on
+    the logit), its own data sets (the planted-truth workload) and AUC as the held-out metric."""
+    data = CtrData(CtrSpec())
+    ids, y, _ = data.examples(examples, seed)
+    tids, ty, _ = data.examples(test, -1 % (1 << 32))
+    TD = torch.utils.data.TensorDataset
+    return at.Task(
+        model=CtrNet(CtrSpec().n_fields),
+        loss=nn.BCEWithLogitsLoss(),
+        train=TD(torch.from_numpy(ids), torch.from_numpy(y)),
+        test=TD(torch.from_numpy(tids), torch.from_numpy(ty)),
+        metric=ctr_auc,
+    )
+
+
 def make_model(args: Any) -> CtrNet:
     torch.manual_seed(0)  # every replica builds the same MLP: replica 0's values are created
     return CtrNet(CtrSpec().n_fields, args["dim"], args["hidden"], args["row_lr"])
@@ -74,6 +107,7 @@ def train_replica(args: dict[str, Any], r: int) -> dict[str, Any]:
     loss_fn = nn.BCEWithLogitsLoss()
     t0, c0, losses = time.perf_counter(), time.process_time(), []
     steps = args["examples"] // args["batch"]
+    every = max(1, steps // 10)  # about ten progress lines per replica
     for step in range(steps):
         ids, y, _ = data.examples(args["batch"], args["seed"] + r * 1_000_000 + step)
         opt.zero_grad()
@@ -81,6 +115,9 @@ def train_replica(args: dict[str, Any], r: int) -> dict[str, Any]:
         loss.backward()  # pushes the rows' gradients (one push_rows)
         opt.step()  # pushes the MLP's
         losses.append(float(loss.detach()))
+        if (step + 1) % every == 0 or step + 1 == steps:
+            say(f"  replica {r}: step {step + 1}/{steps}, loss {np.mean(losses[-every:]):.4f}, "
+                f"{(step + 1) * args['batch'] / (time.perf_counter() - t0):.0f} examples/s")  # fmt: skip
     opt.close()
     return {
         "examples": steps * args["batch"],
@@ -114,7 +151,9 @@ def evaluate(args: dict[str, Any]) -> dict[str, float]:
 
 def run(args: dict[str, Any]) -> dict[str, Any]:
     """Creates the run's tensors and table (replica 0's values), trains the replicas, evaluates."""
+    say("creating the run's tensors and table ...")
     connect(make_model(args), args, create=True).close()
+    say(f"training {args['replicas']} replicas, {args['examples']} examples each ...")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [
@@ -130,6 +169,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise RuntimeError(f"a replica failed: {errors[0]}")
+    say(f"evaluating on {args['test']} held-out examples ...")
     ev = evaluate(args)
     examples = sum(r["examples"] for r in results)
     return {
@@ -172,15 +212,23 @@ def main(argv: list[str] | None = None) -> int:
     if a.local:
         from adamps.up.cluster import LocalCluster
 
-        c = LocalCluster(
-            Path(tempfile.mkdtemp(prefix="adamps-torch-ctr-")), token=args["token"], n_servers=3,
-            n_buckets=64, ps_opts={"log-level": "WARNING"},
-        )  # fmt: skip
-        c.start(timeout=60)
+        # the controllers' documented default timeouts (a busy machine must not look dead), and
+        # the cluster's directory removed at the end
+        root = Path(tempfile.mkdtemp(prefix="adamps-torch-ctr-"))
         try:
-            res = run({**args, "controllers": c.controllers})
+            say(f"starting a local cluster (3 controllers, 3 parameter servers) in {root} ...")
+            c = LocalCluster(
+                root, token=args["token"], n_servers=3, n_buckets=64,
+                ps_opts={"log-level": "WARNING"},
+            )  # fmt: skip
+            try:
+                c.start(timeout=120)
+                say("cluster ready")
+                res = run({**args, "controllers": c.controllers})
+            finally:
+                c.stop()
         finally:
-            c.stop()
+            shutil.rmtree(root, ignore_errors=True)
     else:
         res = run({**args, "controllers": a.controllers.split(",")})
     print(

@@ -38,6 +38,11 @@ class TrainerMetrics:
         self.fetches = Counter(
             "adamps_trainer_fetches", "parameter fetches installed", registry=registry
         )
+        self.failovers = Counter(
+            "adamps_trainer_failovers",
+            "primaries that changed under this replica's calls (each logged once)",
+            registry=registry,
+        )
         self.merged = Counter(
             "adamps_trainer_pushes_merged",
             "rounds merged into a queued push (network behind)",

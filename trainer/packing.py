@@ -88,15 +88,11 @@ def add_outer(w: np.ndarray, a: np.ndarray, e: np.ndarray) -> None:
     them runs a server kernel (issue 27). scipy's BLAS is imported here, on first use, for the
     same reason: only the replica's main thread installs fetches; the workers never do.
     """
-    from scipy.linalg import blas
+    from adamps import blas
 
     a = np.ascontiguousarray(a, np.float32)
     e = np.ascontiguousarray(e, np.float32)
-    out = blas.sgemm(1.0, a.T, e.T, beta=1.0, c=w.T, trans_b=1, overwrite_c=1)
-    # f2py writes into its output argument only when that is contiguous float32 in the order
-    # BLAS wants; otherwise it silently works on a copy and the update would be lost.
-    if out.__array_interface__["data"][0] != w.__array_interface__["data"][0]:
-        raise RuntimeError("BLAS did not write in place (non-contiguous or non-float32 target)")
+    blas.outer_acc(w, a, e, 1.0)
 
 
 def add_pending(

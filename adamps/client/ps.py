@@ -30,6 +30,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -40,6 +41,7 @@ from adamps.client import push_checks as checks
 from adamps.client import retry
 from adamps.client.dataplane import DataPlaneClient
 from adamps.client.exchange import Counts, exchange
+from adamps.client.failovers import FailoverLog
 from adamps.client.partial import PartialPushError, partial_of  # noqa: F401 - re-exported
 from adamps.client.parts import HEADROOM, PER_SHARD, Limits, Unit, chunk, pack, plan_push
 from adamps.client.pool import DataPlanePool
@@ -150,6 +152,8 @@ class PSClient(RoundClient, RowsClient):
         #: every connection of every thread, so that close() can close them all
         self._all_rpcs: list[SyncRpc] = []
         self.retries = 0
+        #: primaries that changed under this client's calls (logged once each, counted)
+        self.failovers = FailoverLog()
         #: pulls and dense pushes over the servers' data ports where offered (else HTTP)
         self.data_plane = data_plane
         #: payload bytes of a push's data-plane frame (FRAME_BYTES; pulls: PULL_FRAME_BYTES)
@@ -201,12 +205,19 @@ class PSClient(RoundClient, RowsClient):
     def _with_retry(self, fn: Any) -> Any:
         """Runs fn(routing) until it succeeds (adamps.client.retry's policy within `retry_for`),
         re-reading the routing table before every attempt after a retryable error."""
-        return retry.call(
+        before, t0 = self._routing, time.monotonic()
+        out = retry.call(
             RetryPolicy(self.retry_for),
             lambda n: fn(self.routing(refresh=n > 1)),
             retryable,
             on_retry=self._on_retry,
         )
+        after = self._routing
+        if before is not None and after is not None and after is not before:
+            # the buckets this client reads and writes: its tensors', every one with tables
+            used = None if self.tables else set(self.layout.bucket_of.values())
+            self.failovers.observe(before, after, time.monotonic() - t0, used)
+        return out
 
     def _on_retry(self, exc: BaseException, _attempt: int) -> None:
         self.retries += 1

@@ -8,10 +8,11 @@ once.
 Two implementations of the same arithmetic, selected by ``ADAMPS_KERNELS`` (read once, when this
 module is imported):
 
-- ``numba`` (default): compiled with ``cache=True`` (the machine code is stored next to this file,
+- ``numba`` (the default when numba is installed: ``pip install 'adamps[fast]'``): compiled with ``cache=True`` (the machine code is stored next to this file,
   or in numba's per-user cache where that is read-only, so a process after the first does not
   compile again) and an explicit signature, so it compiles at import and never on the update path;
-- ``numpy``: the reference, in-place ufuncs over preallocated scratch.
+- ``numpy`` (the default without numba): the reference, in-place ufuncs over preallocated
+  scratch.
 
 Both do the same IEEE float32 operations in the same order (no fastmath, so LLVM neither fuses a
 multiply-add nor reassociates), and are bit-identical; tests/core/test_kernels.py checks that. A
@@ -29,10 +30,26 @@ KERNELS_ENV = "ADAMPS_KERNELS"
 CHOICES = ("numba", "numpy")
 
 
+def _have_numba() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("numba") is not None
+    except (ImportError, ValueError):  # ValueError: a module without a spec in sys.modules
+        return False
+
+
 def _choice() -> str:
-    v = os.environ.get(KERNELS_ENV, "numba").strip().lower() or "numba"
+    """ADAMPS_KERNELS, else numba when it is installed (``pip install 'adamps[fast]'``), else
+    numpy: the same float32 arithmetic, one pass instead of five."""
+    default = "numba" if _have_numba() else "numpy"
+    v = os.environ.get(KERNELS_ENV, default).strip().lower() or default
     if v not in CHOICES:
         raise ValueError(f"{KERNELS_ENV} must be one of {list(CHOICES)}, got {v!r}")
+    if v == "numba" and not _have_numba():
+        raise ValueError(
+            f"{KERNELS_ENV}=numba needs numba: pip install 'adamps[fast]' (or {KERNELS_ENV}=numpy)"
+        )
     return v
 
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.linalg import blas
 
+from adamps import blas
 from adamps.optspec import KINDS, OptimError, Optimizer
 from adamps.server import kernels, torchoptim
 
@@ -117,19 +117,9 @@ def state_array(opt: Optimizer, shard: Any, a: np.ndarray) -> np.ndarray:
 # -- kernels ----------------------------------------------------------------------------------
 
 
-def _check_in_place(result: np.ndarray, target: np.ndarray) -> None:
-    # f2py writes into its output argument only when that is contiguous float32 in the order
-    # BLAS wants; otherwise it silently works on a copy and the update would be lost.
-    if result.__array_interface__["data"][0] != target.__array_interface__["data"][0]:
-        raise RuntimeError("BLAS did not write in place (non-contiguous or non-float32 target)")
-
-
 def sgd_dense(w: np.ndarray, d: np.ndarray, lr: float) -> None:
-    """w -= lr * d in place, one pass (BLAS saxpy)."""
-    if d.size != w.size:  # saxpy would silently update only the first d.size elements
-        raise ValueError(f"delta of {d.size} elements for a shard of {w.size}")
-    out = blas.saxpy(d.reshape(-1), w.reshape(-1), a=-lr)
-    _check_in_place(out, w)
+    """w -= lr * d in place, one pass (BLAS saxpy; adamps/blas.py)."""
+    blas.axpy(w, d, -lr)
 
 
 def sgd_fc(w: np.ndarray, a: np.ndarray, e: np.ndarray, lr: float) -> None:
@@ -139,15 +129,12 @@ def sgd_fc(w: np.ndarray, a: np.ndarray, e: np.ndarray, lr: float) -> None:
     W.T += (-lr) * a.T @ e writing straight into W's memory. a (k x N) and e (k x rows) are
     C-contiguous, so a.T and e.T are F-contiguous and reach BLAS without a copy.
     """
-    out = blas.sgemm(-lr, a.T, e.T, beta=1.0, c=w.T, trans_b=1, overwrite_c=1)
-    _check_in_place(out, w)
+    blas.outer_acc(w, a, e, -lr)
 
 
 def fc_grad(a: np.ndarray, e: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out (rows x N, C order) = e.T @ a, written in place."""
-    res = blas.sgemm(1.0, a.T, e.T, beta=0.0, c=out.T, trans_b=1, overwrite_c=1)
-    _check_in_place(res, out)
-    return out
+    return blas.outer(out, a, e)
 
 
 def adagrad(

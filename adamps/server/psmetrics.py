@@ -79,7 +79,7 @@ class PsMetrics:
         self.flush_starved = Gauge(
             "adamps_ps_flush_starved",
             "1 while updates stayed unflushed past max_unflushed because the flush is starved of "
-            "CPU, not stalled on the disk (issue 39): the server stays durable and keeps its "
+            "CPU, not stalled on the disk: the server stays durable and keeps its "
             "buckets",
             registry=registry,
         )

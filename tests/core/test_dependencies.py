@@ -38,3 +38,24 @@ def test_raft_password_encryption_is_installed() -> None:
 @pytest.mark.parametrize("dist", ["cryptography", "setuptools", "wheel", "deptry", "pyyaml"])
 def test_lazily_used_distributions_are_installed(dist: str) -> None:
     importlib.metadata.version(dist)  # raises PackageNotFoundError when not installed
+
+
+def test_lazy_extras_are_declared_in_their_extra() -> None:
+    """adamps/extras.py names, for each optional package, the extra that installs it; that
+    extra lists it in pyproject.toml, and the roles' own dependencies do not (issue 37)."""
+    import tomllib
+
+    from adamps.extras import DIST, EXTRA
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def names(reqs: list[str]) -> set[str]:
+        import re
+
+        return {re.split(r"[<>=!~; \[]", r, maxsplit=1)[0].lower() for r in reqs}
+
+    core = names(project["dependencies"])
+    for module, extra in EXTRA.items():
+        dist = DIST.get(module, module).lower()
+        assert dist in names(project["optional-dependencies"][extra]), (module, extra)
+        assert dist not in core, f"{dist} is a core dependency: the roles must not need it"

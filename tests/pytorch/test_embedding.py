@@ -195,6 +195,10 @@ def test_torch_ctr_example_runs(tmp_path) -> None:  # type: ignore[no-untyped-de
     assert res["examples"] == 2 * 16384
     assert res["loss_last"] < res["loss_first"]
     assert res["auc"] > 0.68, res  # chance is 0.5; 0.73 after 20,000 examples per replica
+    # progress while it runs (issue 37: nothing was printed until the end), and its cluster's
+    # directory (60-117 MB) removed at the end
+    assert "cluster ready" in out.stdout and "replica 1: step 32/32" in out.stdout, out.stdout
+    assert not list(tmp_path.glob("adamps-torch-ctr-*")), list(tmp_path.iterdir())
 
 
 @pytest.mark.timeout(120)

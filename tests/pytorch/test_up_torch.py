@@ -81,3 +81,34 @@ def test_up_torch_bad_factory(tmp_path: Path) -> None:
     out = up(tmp_path / "bad", "--torch", "examples.torch_mnist", timeout=60)
     assert out.returncode == 2
     assert "--torch examples.torch_mnist: expected PKG.MODULE:FACTORY" in out.stdout + out.stderr
+
+
+@pytest.mark.timeout(420)
+def test_up_torch_ctr_task_with_its_own_datasets(tmp_path: Path) -> None:
+    """examples/torch_ctr.py's task(): a click-through model (a server table, an MLP), its loss
+    (BCE on the logit), its own data sets and AUC as the held-out metric, trained by `adamps up
+    --torch` without any data server (issue 37); small sizes."""
+    (tmp_path / "ctr_small.py").write_text(
+        "from examples.torch_ctr import task as ctr_task\n\n\n"
+        "def task():\n    return ctr_task(examples=6_000, test=3_000)\n"
+    )
+    run = tmp_path / "run"
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}  # fmt: skip
+    env.pop("ADAMPS_TOKEN", None)
+    out = subprocess.run(
+        adamps_argv("up", "--run-dir", str(run), "--no-progress", "--torch", "ctr_small:task",
+                    "--epochs", "2", "--target-accuracy", "0.6", "--train-arg", "batch_size=64",
+                    "--train-arg", "lr=0.05", "--train-arg", "optimizer=adagrad"),
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((run / "result.json").read_text())
+    assert result["heldout_accuracy"] >= 0.6, result  # AUC (planted truth: ~0.8)
+    assert "held-out metric (the task's): " in out.stdout, out.stdout[-2000:]
+    assert result["images"] == 2 * 6_000, result  # each epoch: every example once, 2 replicas
+    history = [json.loads(x) for x in (run / "history.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in history] == [1, 2]
+    assert not list((run / "logs").glob("dataserver*")), "the task's data replaces the servers'"
+    state = torch.load(run / "model.pt")
+    assert {"mlp.0.weight", "mlp.2.bias"} <= set(state), sorted(state)
