@@ -10,8 +10,11 @@ less that wait (``adamps_event_loop_blocked_seconds``): the time the loop itself
 waited for IO. The tests' bound ("no request holds the loop for more than 100 ms",
 tests/system/test_loop_lag.py) is on the blocked time, which a busy machine does not inflate.
 
-Every role's HTTP app starts one (adamps/web.py). It costs one timer every `PERIOD` seconds: a
-few microseconds of CPU per wake-up.
+Every role's HTTP app starts one (adamps/web.py). It costs one timer every `PERIOD` seconds,
+``$ADAMPS_LOOP_PROBE_PERIOD`` (default 0.25 s): at 10 ms a wake-up's few tens of microseconds came
+to 1.3% of a core per process, most of what an idle cluster spent (issue 36: idle costs
+nothing). A block of B seconds is seen as at least B - PERIOD, so a test that bounds holds at
+100 ms (tests/system/test_loop_lag.py) sets 0.01.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from prometheus_client import CollectorRegistry, Histogram
 log = logging.getLogger(__name__)
 
 #: seconds between two wake-ups (a block of B seconds is seen as at least B - PERIOD)
-PERIOD = 0.01
+PERIOD = float(os.environ.get("ADAMPS_LOOP_PROBE_PERIOD") or 0.25)
 #: the histograms' buckets (seconds)
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 #: a lag above this is logged (at most once per `WARN_INTERVAL`)

@@ -53,7 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
                        "--data-dir", str(tmp / "lmdb"), "--n-buckets", str(N_BUCKETS),
                        "--max-tensor-elems", str(MAX_ELEMS), "--flush-interval", "0.5",
                        "--max-unflushed", "120")  # fmt: skip
-    proc = Proc(argv, tmp / "ps.log", env={"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1", "ADAMPS_LOOP_STACKS": "0.1"},
+    proc = Proc(argv, tmp / "ps.log", env={"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1", "ADAMPS_LOOP_STACKS": "0.1", "ADAMPS_LOOP_PROBE_PERIOD": "0.01"},
                 name="ps")  # fmt: skip
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/healthz", timeout=60)
