@@ -192,13 +192,17 @@ class RunOps:
 
     # -- views -------------------------------------------------------------------------------------
 
-    def run_view(self, name: str) -> dict[str, Any] | None:
-        """A run's record as shown (no token, no hash), with its part of the layout."""
+    def run_view(
+        self, name: str, tensors: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any] | None:
+        """A run's record as shown (no token, no hash), with its part of the layout (`tensors`:
+        that part, when the caller already picked it out)."""
         rec = self.runs_table().get(name)
         if rec is None:
             return None
-        layout = self.layout or {"tensors": []}  # type: ignore[attr-defined]
-        tensors = [t for t in layout["tensors"] if runs.run_of(t["name"]) == name]
+        if tensors is None:
+            layout = self.layout or {"tensors": []}  # type: ignore[attr-defined]
+            tensors = [t for t in layout["tensors"] if runs.run_of(t["name"]) == name]
         elems = sum(_elems(t["shape"]) for t in tensors)
         return {
             "name": name,
@@ -214,6 +218,14 @@ class RunOps:
                 q: sum(c.get(q, 0) for c in rec.get("usage", {}).values()) for q in runs.SIZE_QUOTAS
             },
         }
+
+    def run_views(self) -> list[dict[str, Any]]:
+        """Every run's view, the layout grouped by run once: a scan of the whole layout per run
+        (4096 tensors, 128 runs) held a controller's event loop 0.1-0.14 s (issue 39)."""
+        by_run: dict[str | None, list[dict[str, Any]]] = {}
+        for t in (self.layout or {"tensors": []})["tensors"]:  # type: ignore[attr-defined]
+            by_run.setdefault(runs.run_of(t["name"]), []).append(t)
+        return [self.run_view(n, by_run.get(n, [])) for n in sorted(self.runs_table())]  # type: ignore[misc]
 
     def runs_auth(self) -> dict[str, Any]:
         """What the servers need: each run's token hash and quotas, and the recent deletions."""

@@ -139,7 +139,7 @@ class RunsApi:
         self.applied()
         listed = self.svc.cluster.read(
             lambda m: {
-                "runs": [m.run_view(n) for n in sorted(m.runs_table())],
+                "runs": m.run_views(),
                 "runs_version": m.runs_version,
             }
         )

@@ -142,6 +142,9 @@ class DataServer:
             )
         self._inflight: dict[int, asyncio.Task[np.ndarray]] = {}  #: epoch -> its augmentation
         self._streams_open = 0  #: /stream responses being sent
+        #: "METHOD /path" of every HTTP route (set by make_app; tests/system/test_loop_lag_roles.py
+        #: probes each, so a route added without a probe fails that test)
+        self._routes: set[str] = set()
         #: elastic replicas' leased slices of the training set, per run
         self.elastic = ElasticRuns(
             len(self.train_y), cfg.slice_size, cfg.slice_lease, self.registry
@@ -404,6 +407,7 @@ class DataServer:
             "skipped_files": self.dataset.skipped,
             "streams_open": self._streams_open,
             "runs": self.elastic.status(),
+            "served": {"routes": sorted(self._routes)},
             "config": adamps_config.to_dict(self.cfg),
         }
 
@@ -417,4 +421,7 @@ class DataServer:
         )
         app.router.add_post("/stream", self.handle_stream)
         self.elastic.add_routes(app)
+        self._routes = {
+            f"{r.method} {r.resource.canonical}" for r in app.router.routes() if r.method != "HEAD"
+        }
         return app

@@ -17,7 +17,6 @@ controllers' role changes) are not listed by it and need a cluster (not probed h
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,12 +29,12 @@ from adamps.client.dataplane import DataPlaneClient
 from adamps.client.rpc import SyncRpc
 from adamps.server.tableops import MAX_IDS
 from adamps.up.procs import Proc, adamps_argv, free_port
+from tests import looplag_probe
+from tests.looplag_probe import BOUND
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "lag-token"
-#: the bound on one request's hold of the loop (the issue's)
-BOUND = 0.1
 #: the server's largest tensor (its --max-tensor-elems): 64 MiB of float32
 MAX_ELEMS = 1 << 24
 N_BUCKETS = 8
@@ -53,7 +52,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
                        "--data-dir", str(tmp / "lmdb"), "--n-buckets", str(N_BUCKETS),
                        "--max-tensor-elems", str(MAX_ELEMS), "--flush-interval", "0.5",
                        "--max-unflushed", "120")  # fmt: skip
-    proc = Proc(argv, tmp / "ps.log", env={"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1", "ADAMPS_LOOP_STACKS": "0.1", "ADAMPS_LOOP_PROBE_PERIOD": "0.01"},
+    proc = Proc(argv, tmp / "ps.log", env={"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1", **looplag_probe.ENV},
                 name="ps")  # fmt: skip
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/healthz", timeout=60)
@@ -63,24 +62,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         proc.stop()
 
 
-def blocked(rpc: SyncRpc) -> dict[float, int]:
-    """The server's blocked-time histogram: upper bound (seconds) -> observations at most it."""
-    import http.client
-
-    conn = http.client.HTTPConnection(rpc.base_url.split("//")[1], timeout=30)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    conn.close()
-    got = re.findall(r'adamps_event_loop_blocked_seconds_bucket\{le="([^"]+)"\} (\S+)', text)
-    assert got, "the server exposes no adamps_event_loop_blocked_seconds"
-    return {float(le): int(float(n)) for le, n in got}
-
-
 def over_bound(rpc: SyncRpc) -> dict[float, int]:
-    """Observations above BOUND so far, by the bucket they fell in (its upper bound)."""
-    h = blocked(rpc)
-    bounds = sorted(h)
-    return {hi: h[hi] - h[lo] for lo, hi in zip(bounds, bounds[1:], strict=False) if lo >= BOUND}
+    return looplag_probe.over_bound(rpc.base_url.split("//")[1])
 
 
 def rows_ids(n: int) -> np.ndarray:
@@ -191,21 +174,7 @@ def test_no_request_holds_the_event_loop_past_100ms(server) -> None:
     rpc, dport, proc = server
     table = requests(rpc, dport)
     time.sleep(0.5)
-    slow: dict[str, dict[str, int]] = {}
-    for kind, call in table.items():
-        # A request that holds the loop does so each time; a machine loaded by other work may
-        # delay the loop's thread once (the GIL's hand-overs to busy owner threads are not
-        # counted as waiting for a CPU): a kind fails when two tries in a row exceed the bound.
-        for again in range(2):
-            before = over_bound(rpc)
-            call(again) if kind in ("rpc:create", "rpc:create_table") else call()
-            time.sleep(0.6)  # the probe's next ticks, and a flush of what the request changed
-            after = over_bound(rpc)
-            new = {f"<= {hi:g} s": after[hi] - before[hi] for hi in after if after[hi] > before[hi]}
-            if not new:
-                slow.pop(kind, None)
-                break
-            slow[kind] = new
+    slow = looplag_probe.probe(table, [rpc.base_url.split("//")[1]])
     assert not slow, f"requests that held the loop over {BOUND * 1000:g} ms: {slow}"
     served = rpc.get_json("/status")["served"]
     kinds = (

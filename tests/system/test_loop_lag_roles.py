@@ -1,0 +1,281 @@
+"""No single request holds a controller's or a data server's event loop for more than 100 ms
+(issue 39: "the loop-lag probe covers every request kind"; test_loop_lag.py covers a parameter
+server's).
+
+Reference: docs/operations.md, "The event loop"; adamps/looplag.py; tests/looplag_probe.py.
+
+Controllers: a real cluster of 3 controllers and one parameter server (LocalCluster, peer
+identity on). Every HTTP route a controller lists in its /status (``served``) must have an
+entry in `controller_requests`, each sent at the largest size the controllers accept (a layout
+of 4096 tensors and 2^20 shards, 4096 peer keys, reports of every bucket) on a state filled with
+runs and a full progress board, and every controller's blocked-time histogram is read around
+each request (a follower forwards writes: both loops count).
+
+Data server: `adamps dataserver` on the builtin dataset with its default augmentation worker:
+every route it lists is probed (a stream of the largest batch it allows, the whole training
+set; a lease of the most epochs; /runs with the most runs it keeps).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from adamps import peer_auth, protocol
+from adamps import runs as run_names
+from adamps.up.cluster import LocalCluster
+from adamps.up.procs import Proc, adamps_argv, free_port
+from controller.cluster_rules import PROGRESS_REPLICAS_PER_RUN
+from controller.service import MAX_PEER_KEYS
+from dataserver.elastic import MAX_EPOCHS, MAX_RUNS
+from tests import looplag_probe
+from tests.looplag_probe import BOUND, request
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "lag-token"
+N_BUCKETS = 64
+#: the largest layout a controller accepts (its defaults): max_layout_tensors tensors cut into
+#: max_layout_shards shards (256 one-element shards each)
+LAYOUT_TENSORS = 4096
+LAYOUT_SHARDS = 1 << 20
+#: runs kept by the controllers while probing (GET /runs, a run token's lookup)
+N_RUNS = 128
+FAKE = "lagps"  #: a server id the test registers (no process behind it)
+
+
+def _json(addr: str, method: str, path: str, body: Any = None, headers: Any = None,
+          ok: tuple[int, ...] = (200,)) -> Any:  # fmt: skip
+    raw = None if body is None else json.dumps(body).encode()
+    hdr = {
+        "Authorization": f"Bearer {TOKEN}",
+        "Content-Type": "application/json",
+        **(headers or {}),
+    }
+    code, got = request(addr, method, path, raw, hdr)
+    assert code in ok, f"{method} {path}: {code} {got[:300]!r}"
+    return got
+
+
+def layout(prefix: str = "") -> dict[str, Any]:
+    per = LAYOUT_SHARDS // LAYOUT_TENSORS
+    tensors = [{"name": f"{prefix}layer{i:04d}.weight", "shape": [per], "dtype": "float32"}
+               for i in range(LAYOUT_TENSORS)]  # fmt: skip
+    return {"n_buckets": N_BUCKETS, "max_shard_elems": 1, "tensors": tensors}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    c = LocalCluster(tmp_path_factory.mktemp("lagctl"), token=TOKEN, n_controllers=3,
+                     n_servers=1, n_buckets=N_BUCKETS, env=looplag_probe.ENV,
+                     controller_opts={"replication": 1})  # fmt: skip
+    try:
+        c.start(timeout=90)
+        yield c
+    finally:
+        c.stop()
+
+
+def server_call(c: LocalCluster, sid: str, path: str, body: Any, ok=(200,)) -> Any:
+    """A write only a server makes, with server `sid`'s proof of its own key (peer identity)."""
+    raw = json.dumps(body).encode()
+    key = peer_auth.server_key(c.peer_token, sid)
+    proof = peer_auth.server_call_header(key, sid, int(time.time()), "POST", path, raw)
+    hdr = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json",
+           peer_auth.SERVER_HEADER: proof}  # fmt: skip
+    code, got = request(c.controllers[0], "POST", path, raw, hdr)
+    assert code in ok, f"POST {path}: {code} {got[:300]!r}"
+    return got
+
+
+def fill(c: LocalCluster) -> None:
+    """The state a busy cluster holds: N_RUNS runs, a full progress board for one epoch."""
+    addr = c.controllers[0]
+    with ThreadPoolExecutor(8) as pool:
+        list(
+            pool.map(lambda i: _json(addr, "POST", "/runs", {"name": f"lagrun{i}"}), range(N_RUNS))
+        )
+        list(pool.map(lambda i: _json(addr, "POST", "/progress", {"epoch": 1, "replica": f"r{i}",
+                                      "progress": 0.5}), range(PROGRESS_REPLICAS_PER_RUN - 1)))  # fmt: skip
+
+
+def controller_requests(c: LocalCluster) -> dict[str, Callable[[], Any]]:
+    """Route ("METHOD /canonical") -> a call of it at its largest."""
+    addr = c.controllers[0]
+    reports = {str(b): [1, 1000] for b in range(N_BUCKETS)}
+    key = peer_auth.server_key(c.peer_token, FAKE)
+    big = layout()
+    run_part = layout(prefix=run_names.namespace("lagrun0"))
+    cost = run_names.tensor_cost(1 << 20, 1 << 20)
+
+    def get(path: str) -> Callable[[], Any]:
+        return lambda: _json(addr, "GET", path)
+
+    def peer_keys() -> Any:
+        when = int(time.time())
+        body = {"time": when, "proof": peer_auth.proof(key, FAKE, when),
+                "peers": [f"ps{i}" for i in range(MAX_PEER_KEYS)]}  # fmt: skip
+        return _json(addr, "POST", f"/servers/{FAKE}/peer-keys", body)
+
+    return {
+        "GET /healthz": get("/healthz"),
+        "GET /status": get("/status"),
+        "GET /metrics": get("/metrics"),
+        "PUT /layout": lambda: _json(addr, "PUT", "/layout", big),
+        "POST /layout": lambda: _json(
+            addr, "POST", "/layout", {"layout": run_part, "run": "lagrun0"}
+        ),
+        "GET /layout": get("/layout"),
+        "GET /routing": get("/routing"),
+        "GET /cluster": get("/cluster"),
+        "GET /leases": get("/leases"),
+        "GET /state/digest": get("/state/digest"),
+        "POST /progress": lambda: _json(
+            addr, "POST", "/progress", {"epoch": 1, "replica": "lag", "progress": 1.0, "done": True}
+        ),  # fmt: skip
+        "GET /progress": get("/progress"),
+        "POST /servers/{id}/register": lambda: server_call(
+            c,
+            FAKE,
+            f"/servers/{FAKE}/register",
+            {"address": "127.0.0.1:9", "copies": reports, "n_buckets": N_BUCKETS},
+        ),  # fmt: skip
+        "POST /servers/{id}/heartbeat": lambda: server_call(
+            c,
+            FAKE,
+            f"/servers/{FAKE}/heartbeat",
+            {"known_version": 0, "reports": reports, "not_durable": None},
+            ok=(200, 409),
+        ),  # fmt: skip
+        "GET /servers/{id}": get(f"/servers/{FAKE}"),
+        "POST /servers/{id}/peer-keys": peer_keys,
+        "POST /servers/{id}/drain": lambda: _json(
+            addr, "POST", f"/servers/{FAKE}/drain", {}, ok=(200, 409)
+        ),  # fmt: skip
+        "POST /servers/{id}/undrain": lambda: _json(
+            addr, "POST", f"/servers/{FAKE}/undrain", {}, ok=(200, 409)
+        ),  # fmt: skip
+        "POST /rebalance": lambda: _json(addr, "POST", "/rebalance", {}, ok=(200, 409)),
+        # A server's role change (refused: a stale epoch) and an operator's declare-lost
+        # (refused: the bucket has a primary); both run the handler and the dry run.
+        "POST /buckets/{bucket}/{op}": lambda: (
+            server_call(
+                c,
+                FAKE,
+                "/buckets/0/role-change",
+                {"server": FAKE, "prev_epoch": 0, "reports": reports},
+                ok=(409,),
+            ),
+            _json(addr, "POST", "/buckets/0/declare-lost", {}, ok=(409,)),
+        ),  # fmt: skip
+        "POST /runs": lambda again=0: _json(
+            addr,
+            "POST",
+            "/runs",
+            {
+                "name": f"lagnew{again}",
+                "consistency": "ssp:3",
+                "quotas": {"param_elems": 1 << 30, "table_rows": 1 << 24},
+            },
+        ),  # fmt: skip
+        "GET /runs": get("/runs"),
+        "GET /runs/{name}": get("/runs/lagrun0"),
+        "POST /runs/{name}/usage": lambda again=0: _json(
+            addr,
+            "POST",
+            "/runs/lagrun1/usage",
+            {"name": f"{run_names.namespace('lagrun1')}t{again}", "cost": cost},
+        ),  # fmt: skip
+        "DELETE /runs/{name}": lambda again=0: _json(addr, "DELETE", f"/runs/lagnew{again}"),
+        "GET /auth/runs": get("/auth/runs"),
+    }
+
+
+@pytest.mark.timeout(600)
+def test_no_controller_request_holds_the_event_loop_past_100ms(cluster: LocalCluster) -> None:
+    fill(cluster)
+    table = controller_requests(cluster)
+    time.sleep(0.5)
+    slow = looplag_probe.probe(table, cluster.controllers, settle=0.8)
+    assert not slow, f"controller requests that held a loop over {BOUND * 1000:g} ms: {slow}"
+    for addr in cluster.controllers:
+        routes = json.loads(_json(addr, "GET", "/status"))["served"]["routes"]
+        assert set(routes) - set(table) == set(), "controller routes this test does not probe"
+
+
+@pytest.fixture(scope="module")
+def dataserver(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("lagds")
+    port = free_port()
+    proc = Proc(adamps_argv("dataserver", "--host", "127.0.0.1", "--port", str(port),
+                            "--source", "builtin"), tmp / "ds.log",
+                env={"ADAMPS_TOKEN": TOKEN, "OPENBLAS_NUM_THREADS": "1", **looplag_probe.ENV},
+                name="dataserver")  # fmt: skip
+    try:
+        proc.wait_http(f"http://127.0.0.1:{port}/healthz", timeout=90)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+def _msg(addr: str, path: str, op: str, ok: tuple[int, ...] = (200,), **fields: Any) -> bytes:
+    body = protocol.encode(protocol.request(op, **fields))
+    hdr = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/msgpack"}
+    code, got = request(addr, "POST", path, body, hdr)
+    assert code in ok, f"POST {path}: {code} {got[:300]!r}"
+    return got
+
+
+def dataserver_requests(addr: str) -> dict[str, Callable[[], Any]]:
+    status = json.loads(_json(addr, "GET", "/status"))
+    n_train, max_batch = status["n_train"], status["config"]["max_batch"]
+    assert max_batch >= n_train  # one batch: the whole training set
+
+    def stream(split: str, epoch: int) -> Any:
+        got = _msg(addr, "/stream", "stream", replica=0, n_replicas=1, epoch=epoch,
+                   batch_size=max_batch, split=split)  # fmt: skip
+        assert len(got) > (n_train if split == "train" else 1) * 28 * 28, len(got)
+        return got
+
+    def lease(run: str, replica: str = "a") -> dict[str, Any]:
+        return protocol.decode(_msg(addr, "/lease", "lease", run=run, replica=replica,
+                                    epochs=MAX_EPOCHS))  # fmt: skip
+
+    held: dict[str, Any] = {}
+
+    def complete() -> Any:
+        g = held.get("grant") or lease("lag")
+        held["grant"] = lease("lag")
+        return _msg(addr, "/complete", "complete", run="lag", replica="a", epoch=g["epoch"],
+                    slice=g["slice"])  # fmt: skip
+
+    return {
+        "GET /healthz": lambda: _json(addr, "GET", "/healthz"),
+        "GET /status": lambda: _json(addr, "GET", "/status"),
+        "GET /metrics": lambda: _json(addr, "GET", "/metrics"),
+        # epoch 0 is augmented ahead at start; epoch 5's augmentation starts with the request
+        "POST /stream": lambda again=0: (stream("train", 5 + again), stream("test", again)),
+        "POST /lease": lambda: lease("lag"),
+        "POST /complete": complete,
+        "POST /heartbeat": lambda: _msg(addr, "/heartbeat", "heartbeat", run="lag", replica="a"),
+        "GET /runs": lambda: _json(addr, "GET", "/runs"),
+    }
+
+
+@pytest.mark.timeout(600)
+def test_no_dataserver_request_holds_the_event_loop_past_100ms(dataserver: str) -> None:
+    addr = dataserver
+    with ThreadPoolExecutor(8) as pool:  # the most runs it keeps, each with a replica's lease
+        list(pool.map(lambda i: _msg(addr, "/lease", "lease", run=f"r{i}", replica="a",
+                                     epochs=MAX_EPOCHS), range(MAX_RUNS - 1)))  # fmt: skip
+    table = dataserver_requests(addr)
+    time.sleep(0.5)
+    slow = looplag_probe.probe(table, [addr], settle=0.8)
+    assert not slow, f"data server requests that held the loop over {BOUND * 1000:g} ms: {slow}"
+    routes = json.loads(_json(addr, "GET", "/status"))["served"]["routes"]
+    assert set(routes) - set(table) == set(), "data server routes this test does not probe"
