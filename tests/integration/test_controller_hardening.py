@@ -256,6 +256,8 @@ async def test_raft_port_closes_idle_unauthenticated_connections_and_caps_them(
         ({"n_buckets": 64, "tensors": [{"name": "w", "shape": [True, 2]}]}, "bad_shape"),
         ({"n_buckets": 64.0, "tensors": []}, "bad_request"),
         ({"n_buckets": 64, "tensors": [{"name": "w", "shape": [2], "x": 1}]}, "bad_request"),
+        # checked without cutting the layout into shards (issue 39's loop-lag probe)
+        ({"n_buckets": 64, "tensors": [{"name": "w", "shape": [2]}] * 2}, "bad_request"),
     ],
 )
 async def test_layout_beyond_the_limits_is_refused_before_any_proposal(
