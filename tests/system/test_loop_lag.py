@@ -122,6 +122,11 @@ def requests(rpc: SyncRpc, dport: int) -> dict[str, Callable[[], Any]]:
     def get(path: str) -> Callable[[], Any]:
         return lambda: rpc.get_json(path) if path != "/metrics" else over_bound(rpc)
 
+    # a replica's whole round: an fc layer of "big", the largest row push and fetch
+    round_ = {"layers": {"big": {"a": fc_a, "e": fc_e}},
+              "rows": [{"table": "emb", "ids": ids, "grads": grads}],
+              "fetch_rows": [{"table": "emb", "ids": ids}]}  # fmt: skip
+
     return {
         # a create is probed again under a new name (a repeated create allocates nothing)
         "rpc:create": lambda again=0: rpc.call(
@@ -149,6 +154,7 @@ def requests(rpc: SyncRpc, dport: int) -> dict[str, Callable[[], Any]]:
         ),  # fmt: skip
         "rpc:push_rows": lambda: rpc.call("push_rows", table="emb", ids=ids, grads=grads),
         "rpc:pull_rows": lambda: rpc.call("pull_rows", table="emb", ids=ids),
+        "rpc:round": lambda: rpc.call("round", **round_),
         "rpc:flush": lambda: rpc.call("flush"),
         "rpc:clock": lambda: rpc.call("clock", run="r", replica="a", mode="async", step=1),
         "rpc:ckpt_hold": ckpt_hold,
@@ -166,6 +172,7 @@ def requests(rpc: SyncRpc, dport: int) -> dict[str, Callable[[], Any]]:
         "dp:push_compressed": lambda: dp_message("push_compressed", shards=comp),
         "dp:push_rows": lambda: dp_message("push_rows", table="emb", ids=ids, grads=grads),
         "dp:pull_rows": lambda: dp_message("pull_rows", table="emb", ids=ids),
+        "dp:round": lambda: dp_message("round", **round_),
     }
 
 
