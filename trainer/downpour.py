@@ -560,6 +560,9 @@ class Replica:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"epoch {cfg.epochs} did not complete in time")
             time.sleep(0.1)
+        # the epochs this replica skipped or moved on from before it evaluated them (the board
+        # reported them complete between two rounds, or before an epoch's first round)
+        self._evaluate_completed(test_x, test_y)
         if cfg.epochs in self.result.accuracy:  # evaluated early: pull what the servers hold now
             self.client.pull([t.name for t in self.tensors], out=self._views(self.model.params))
         else:
