@@ -238,3 +238,61 @@ def test_a_step_with_rows_is_one_request_per_server(ps_url: str, token: str) -> 
         sent.append(client.dp_requests + client.http_requests - before)
     dp.close()
     assert sent == [1] * len(data), sent
+
+
+class FM(nn.Module):
+    """A factorization machine over two tables that see the same ids: per-id weights (an
+    EmbeddingBag summing them) and factors (an Embedding), the click-through model of
+    benchmarks/practitioner.py."""
+
+    def __init__(self, w: nn.Module, v: nn.Module) -> None:
+        super().__init__()
+        self.w, self.v = w, v
+        self.bias = nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        v = self.v(ids)
+        s = v.sum(1)
+        return self.bias + self.w(ids).squeeze(1) + 0.5 * ((s * s).sum(1) - (v * v).sum((1, 2)))
+
+
+@pytest.mark.timeout(120)
+def test_two_tables_of_one_step_equal_torchs_sparse_adagrad(ps_url: str, token: str) -> None:
+    """Both tables of a step ride its one round (and the bias too): after the steps, each
+    table's rows and the bias equal torch.optim.Adagrad's on nn.EmbeddingBag/nn.Embedding with
+    sparse gradients."""
+    data = [(ids, (y[:, 0] > 0).float()) for ids, y in bags(40)]
+    w_init = {"kind": "zeros"}
+    ref = FM(
+        nn.EmbeddingBag(N_IDS, 1, mode="sum", sparse=True), nn.Embedding(N_IDS, DIM, sparse=True)
+    )
+    with torch.no_grad():
+        ref.w.weight.zero_()
+        ref.v.weight.copy_(init_weight())
+    opt = torch.optim.Adagrad(ref.parameters(), lr=LR)
+    with torch.sparse.check_sparse_tensor_invariants(enable=False):  # torch's sparse Adagrad
+        for ids, y in data:
+            opt.zero_grad()
+            nn.functional.binary_cross_entropy_with_logits(ref(ids), y).backward()
+            opt.step()
+
+    kw = {"optimizer": "adagrad", "lr": LR}
+    model = FM(
+        at.EmbeddingBag(None, 1, mode="sum", table="w", init=w_init, **kw),
+        at.Embedding(None, DIM, table="v", init=INIT, **kw),
+    )
+    dp = at.DownpourOptimizer(model, ps=[ps_url], run="fm", token=token, **kw)
+    for ids, y in data:
+        dp.zero_grad()
+        nn.functional.binary_cross_entropy_with_logits(model(ids), y).backward()
+        dp.step()
+    server = dp.state_dict()
+    dp.close()
+    client = client_for(ps_url, token)
+    client.tables.update({"fm..w": 1, "fm..v": DIM})
+    got_w = torch.from_numpy(client.pull_rows("fm..w", np.arange(N_IDS)))
+    got_v = torch.from_numpy(client.pull_rows("fm..v", np.arange(N_IDS)))
+    client.close()
+    assert (got_w - ref.w.weight.detach()).abs().max() <= 1e-5
+    assert (got_v - ref.v.weight.detach()).abs().max() <= 1e-5
+    assert (server["bias"] - ref.bias.detach()).abs().max() <= 1e-5
