@@ -61,14 +61,7 @@ class Cluster:
                 raise RpcError("unavailable", f"bucket {b} has no primary")
             return fn(self.rpc(route.primary), n)
 
-        try:
-            return retry.call(retry.RetryPolicy(self.retry_for), attempt, retryable)
-        except (RpcError, ConnectionError, TimeoutError) as exc:
-            if not retryable(exc):
-                raise
-            raise CheckpointError(
-                f"bucket {b}: no live primary answered within {self.retry_for:g} s (--wait): {exc}"
-            ) from None
+        return self._within_wait(attempt, f"bucket {b}: no live primary")
 
     def live_servers(self) -> list[tuple[str, SyncRpc]]:
         """The servers of the routing table that answer, each with its connection. A server
@@ -96,13 +89,18 @@ class Cluster:
                 raise last or RpcError("unavailable", "the routing table lists no server")
             return live
 
+        return self._within_wait(attempt, "no parameter server")
+
+    def _within_wait(self, attempt: Callable[[int], Any], what: str) -> Any:
+        """attempt(n) retried while it fails retryably, up to the deadline (--wait); past it,
+        one CheckpointError saying `what` answered within it."""
         try:
             return retry.call(retry.RetryPolicy(self.retry_for), attempt, retryable)
         except (RpcError, ConnectionError, TimeoutError) as exc:
             if not retryable(exc):
                 raise
             raise CheckpointError(
-                f"no parameter server answered within {self.retry_for:g} s (--wait): {exc}"
+                f"{what} answered within {self.retry_for:g} s (--wait): {exc}"
             ) from None
 
     def server_status(self) -> list[dict[str, Any]]:
