@@ -51,10 +51,6 @@ def row_update(sid: str, ids: np.ndarray, grads: np.ndarray, now: float) -> dict
     return {"k": "r", "s": sid, "i": ids, "g": grads, "t": now}
 
 
-def row_push_of_wire(u: dict[str, Any]) -> RowPush:
-    return RowPush(u["i"], u["g"], float(u["t"]))
-
-
 class TableOps:
     """Row pulls and pushes (event-loop thread)."""
 
