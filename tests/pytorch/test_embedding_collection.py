@@ -343,3 +343,25 @@ def test_per_sample_weights_equal_torchs(ps_url, token, how) -> None:  # type: i
         assert np.abs(got - w0.numpy()).max() > 1e-3
     finally:
         client.close()
+
+
+@pytest.mark.timeout(240)
+def test_the_docs_example_runs(ps_url, token, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """docs/training.md's EmbeddingBagCollection example, verbatim, against a real server:
+    it trains (the loss of its two examples falls)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    section = text.split("### EmbeddingBagCollection", 1)[1].split("\n### ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    (tmp_path / "ebc.py").write_text(code)
+    env = {**os.environ, "ADAMPS_PS": ps_url, "ADAMPS_TOKEN": token, "OPENBLAS_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(tmp_path / "ebc.py")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=220)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"step \d+: loss (\S+)", out.stdout)]
+    assert len(losses) == 2 and losses[1] < losses[0] - 0.1, out.stdout
