@@ -365,3 +365,29 @@ def test_the_docs_example_runs(ps_url, token, tmp_path) -> None:  # type: ignore
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"step \d+: loss (\S+)", out.stdout)]
     assert len(losses) == 2 and losses[1] < losses[0] - 0.1, out.stdout
+
+
+def test_a_collection_under_replica_trains_as_under_downpour(ps_url, token) -> None:  # type: ignore[no-untyped-def]
+    """Replica.fit computes the gradients with torch.autograd.grad of the collection's one rows
+    leaf (every table's): the rows after its steps equal DownpourOptimizer's on the batches."""
+    data = [(kjt, (kjt.lengths()[:B] % 2).float()) for kjt in batches(10, seed=9)]
+    loss = nn.functional.binary_cross_entropy_with_logits
+    kw = {"ps": [ps_url], "lr": LR, "token": token}
+    rep = at.Replica(CollectionNet(), loss, run="rep", **kw)
+    opt = at.DownpourOptimizer(dp_model := CollectionNet(), run="dp", **kw)
+    try:
+        rep.fit(data)
+        for kjt, y in data:
+            opt.zero_grad()
+            loss(dp_model(kjt), y).backward()
+            opt.step()
+        client = opt.conn.remote.client
+        for table, dim, seed in (("user", 4, 1), ("item", 6, 2)):
+            client.tables[f"rep..{table}"] = dim
+            got = client.pull_rows(f"rep..{table}", np.arange(N_IDS))
+            want = client.pull_rows(f"dp..{table}", np.arange(N_IDS))
+            assert np.abs(got - want).max() <= 1e-5, table
+            assert np.abs(got - init_weight(seed, dim).numpy()).max() > 1e-3, table
+    finally:
+        rep.close()
+        opt.close()

@@ -109,3 +109,28 @@ def test_a_collections_configuration_is_checked() -> None:
     full = at.KeyedJaggedTensor(["f", "g", "h"], torch.tensor([1]), lengths=torch.tensor([1, 0, 0]))
     with pytest.raises(RuntimeError, match="not bound"):
         ebc(full)
+
+
+def test_the_one_batch_check_runs_a_collection() -> None:
+    """`adamps up --torch`'s one-batch check (no server) runs a model with a collection: its
+    stand-in tables answer the collection's round, and it leaves the tables unbound."""
+    from torch import nn
+
+    from adamps.torch.task import Task, check_task
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = at.EmbeddingBagCollection([C(None, 4, "t", ["f", "g"])])
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, kjt: at.KeyedJaggedTensor) -> torch.Tensor:
+            return self.head(self.ebc(kjt).values()).squeeze(1)
+
+    model = Net()
+    kjt = at.KeyedJaggedTensor(
+        ["f", "g"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 0, 1])
+    )
+    loss = nn.functional.binary_cross_entropy_with_logits
+    check_task(Task(model, loss=loss), "test:net", (kjt, torch.tensor([1.0, 0.0])), None)
+    assert model.ebc.embedding_bags["t"].server_table is None
