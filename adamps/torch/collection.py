@@ -84,7 +84,8 @@ class EmbeddingBagCollection(nn.Module):
         if not tables:
             raise ModelError("an EmbeddingBagCollection needs at least one table config")
         client = options.pop("client", None)
-        self.is_weighted = bool(is_weighted)
+        self._is_weighted = bool(is_weighted)
+        self._configs = list(tables)
         bags: dict[str, EmbeddingBag] = {}
         #: feature -> its table's name, in the output's order (the configs', then their features')
         self.feature_table: dict[str, str] = {}
@@ -96,7 +97,7 @@ class EmbeddingBagCollection(nn.Module):
             if not feats:
                 raise ModelError(f"table {name!r} has no feature_names")
             pooling = _pooling(getattr(c, "pooling", "sum"))
-            if self.is_weighted and pooling != "sum":
+            if self._is_weighted and pooling != "sum":
                 raise ModelError(
                     f"table {name!r}: weighted features are pooled by sum (torch's "
                     f"per_sample_weights), not {pooling!r}"
@@ -132,6 +133,14 @@ class EmbeddingBagCollection(nn.Module):
     def feature_names(self) -> list[str]:
         return list(self.feature_table)
 
+    def is_weighted(self) -> bool:
+        """Whether the batch's weights are pooled (torchrec's method)."""
+        return self._is_weighted
+
+    def embedding_bag_configs(self) -> list[Any]:
+        """The table configs, as given (torchrec's method)."""
+        return list(self._configs)
+
     def forward(self, features_: Any) -> KeyedTensor:
         feats = features(features_, list(self.feature_table))
         bs = {len(n) for _, n, _ in feats.values()}
@@ -164,7 +173,7 @@ class EmbeddingBagCollection(nn.Module):
                 index = lk.index[start : start + len(ids)]
                 start += len(ids)
                 psw = None
-                if self.is_weighted:
+                if self._is_weighted:
                     if w is None:
                         raise ValueError(f"is_weighted, but the batch has no weights for {f!r}")
                     psw = w.to(torch.float32)

@@ -100,7 +100,8 @@ def test_a_collections_configuration_is_checked() -> None:
     ebc = at.EmbeddingBagCollection(
         [C(None, 4, "t", ["f", "g"], pooling=PoolingType()), C(10, 2, "u", ["h"], padding_idx=0)]
     )
-    assert ebc.feature_names() == ["f", "g", "h"]
+    assert ebc.feature_names() == ["f", "g", "h"] and not ebc.is_weighted()
+    assert [c.name for c in ebc.embedding_bag_configs()] == ["t", "u"]
     assert ebc.embedding_bags["t"].mode == "mean"
     assert ebc.embedding_bags["u"].padding_idx == 0
     kjt = at.KeyedJaggedTensor(["f", "g"], torch.tensor([1]), lengths=torch.tensor([1, 0]))
