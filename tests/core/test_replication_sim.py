@@ -262,7 +262,7 @@ class Server:
             disk.pop(b, None)
         if not wiped:
             for b, cut in disk.items():
-                repl_copies.restore(self.core, b, cut.seq, cut.epoch, cut.dedup, cut.prepared)
+                self.core.reloaded(b, cut.seq, cut.epoch, cut.dedup, cut.prepared)
                 self.store[b] = list(cut.values)
                 self.restored[b] = cut.at
         else:
