@@ -235,7 +235,7 @@ class ParameterServer:
         rep, loop = self.replicator, self._loop
         if rep is not None and b is not None and loop is not None:
             # The copy's next cut is written fresh: its position and whole exactly-once table.
-            loop.call_soon_threadsafe(rep.core.persisted.pop, b, None)
+            loop.call_soon_threadsafe(rep.core.rewrite_copy, b)
 
     def _refuse_or_drop_corrupt(self) -> None:
         """A standalone server has no other copy to recover from: it refuses to start. A
