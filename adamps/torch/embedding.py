@@ -29,7 +29,7 @@ the hook pushes, and a NaN row gradient refuses that push whole.
 
 The servers apply their table's per-row optimizer (``optimizer`` and ``lr`` here: ``sgd``,
 torch's ``adagrad`` per element, ``rowwise_adagrad`` with one accumulator per row as TorchRec's,
-or ``adagrad_legacy``; docs/training.md, "Optimizers"): there is no local step, so the next
+``sparse_adam`` as torch's SparseAdam, or ``adagrad_legacy``; docs/training.md, "Optimizers"): there is no local step, so the next
 forward pulls the updated rows. What cannot apply to a table of the servers and is refused: ``padding_idx``, ``max_norm``, ``scale_grad_by_freq``,
 ``_weight`` / ``_freeze`` and devices other than the CPU (``sparse`` is accepted and ignored: the
 updates are always sparse).
