@@ -148,19 +148,23 @@ class RowBlock:
         cap = len(self.values)
         if need <= cap:
             return
-        new = max(need, 2 * cap, 64)
+        self._resize(max(need, 2 * cap, 64))
 
-        def grown(a: np.ndarray) -> np.ndarray:
+    def _resize(self, new: int) -> None:
+        """The arrays at capacity `new` (>= n): the rows copied, the old arrays freed."""
+
+        def moved(a: np.ndarray) -> np.ndarray:
             b = np.empty((new, *a.shape[1:]), a.dtype)
             b[: self.n] = a[: self.n]
             return b
 
-        self.values = grown(self.values)
+        assert self.values is not None
+        self.values = moved(self.values)
         if self.accum is not None:
-            self.accum = grown(self.accum)
-        self.ids = grown(self.ids)
-        self.seen = grown(self.seen)
-        self.dirty = grown(self.dirty)
+            self.accum = moved(self.accum)
+        self.ids = moved(self.ids)
+        self.seen = moved(self.seen)
+        self.dirty = moved(self.dirty)
 
     def expire(self, now: float) -> int:
         """Removes rows last pushed more than expire_after before `now`; returns how many. The
@@ -183,6 +187,10 @@ class RowBlock:
             self.accum[:k] = self.accum[: self.n][keep]
         self.n = k
         self.index.rebuild(self.ids[:k])
+        if len(self.values) > 64 and k < len(self.values) // 4:
+            # expired rows give their memory back (a quarter used: half the capacity stays
+            # free for growth, so a bucket hovering at a size does not resize each sweep)
+            self._resize(max(2 * k, 64))
         return gone
 
     def apply(self, push: RowPush, stats: ApplyStats) -> None:
