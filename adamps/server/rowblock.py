@@ -52,6 +52,8 @@ class RowPush:
     ids: np.ndarray
     grads: np.ndarray
     time: float
+    #: put_rows (a bulk load): `grads` are the rows' values themselves, the ids distinct
+    assign: bool = False
 
 
 @dataclass
@@ -193,8 +195,36 @@ class RowBlock:
             self._resize(max(2 * k, 64))
         return gone
 
+    def assign(self, push: RowPush, stats: ApplyStats) -> None:
+        """put_rows: the rows of `push.ids` (distinct) take the pushed values, their optimizer
+        state its initial value (a loaded row starts its optimizer afresh) and the push's time.
+        Rows are created without the frequency filter (a load is not a sighting), within the
+        bucket's share of max_rows (the ids past it are dropped, counted as a push's are)."""
+        ids, v = push.ids, push.grads
+        s = self.slots(ids)
+        new = np.flatnonzero(s < 0)
+        if self.limit is not None and self.n + len(new) > self.limit:
+            room = max(0, self.limit - self.n)
+            stats.dropped_full += len(new) - room
+            new = new[:room]
+        if len(new):
+            self._create(ids[new], s, new)
+            stats.created += len(new)
+        keep = s >= 0
+        if not keep.all():
+            s, v = s[keep], v[keep]
+        assert self.values is not None
+        self.values[s] = v
+        if self.accum is not None:
+            self.accum[s] = self.optimizer.initial_state
+        self.seen[s] = push.time
+        self.dirty[s] = True
+
     def apply(self, push: RowPush, stats: ApplyStats) -> None:
-        """One push (module docstring, steps 1-6)."""
+        """One push (module docstring, steps 1-6); a put_rows' values: `assign`."""
+        if push.assign:
+            self.assign(push, stats)
+            return
         ids, g = sum_duplicates(push.ids, push.grads)
         ttl = self.admission.expire_after
         if ttl is not None and push.time >= self.next_sweep:
