@@ -174,6 +174,7 @@ class ParameterServer:
         self.data_plane.messages.update(
             pull_rows=self.rows.op_pull_rows,
             push_rows=self.rows.op_push_rows,
+            put_rows=self.rows.op_put_rows,
             round=self.round.op_round,
         )
         self._closed = False
@@ -201,6 +202,7 @@ class ParameterServer:
             "list_tables": self.catalog.tables.op_list_tables,
             "pull_rows": self.rows.op_pull_rows,
             "push_rows": self.rows.op_push_rows,
+            "put_rows": self.rows.op_put_rows,
             "round": self.round.op_round,
             "ckpt_read": self.checkpoints.op_ckpt_read,
             "ckpt_install": self.checkpoints.op_ckpt_install,

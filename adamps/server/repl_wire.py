@@ -353,7 +353,8 @@ def update_parts(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, Any]
         st = store.shard(u["s"])
         return [(st, signs_of_wire(u, st.shard.size))]
     if kind == "r":  # an embedding table's rows of one bucket (tableops.py)
-        return [(store.tables.shard(u["s"]), RowPush(u["i"], u["g"], float(u["t"])))]
+        push = RowPush(u["i"], u["g"], float(u["t"]), bool(u.get("a", False)))
+        return [(store.tables.shard(u["s"]), push)]
     if kind == "i":  # a checkpoint's shard, whole (install.py)
         st = store.shard(u["s"])
         return [(st, install_of(u, st))]

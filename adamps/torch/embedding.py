@@ -29,7 +29,8 @@ the hook pushes, and a NaN row gradient refuses that push whole.
 
 The servers apply their table's per-row optimizer (``optimizer`` and ``lr`` here: ``sgd``,
 torch's ``adagrad`` per element, ``rowwise_adagrad`` with one accumulator per row as TorchRec's,
-or ``adagrad_legacy``; docs/training.md, "Optimizers"): there is no local step, so the next
+``sparse_adam`` as torch's SparseAdam, or ``adagrad_legacy``;
+docs/training.md, "Optimizers"): there is no local step, so the next
 forward pulls the updated rows.
 
 ``padding_idx`` is torch's: that id's row reads as zeros (the value torch gives it), is left out
