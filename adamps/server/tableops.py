@@ -160,13 +160,17 @@ class TableOps:
         assign = op == "put_rows"
         field = "values" if assign else "grads"
         grads = require_array(msg, field, shape=(len(ids), t.spec.dim), finite=False)
-        bounds.check_dense(field, grads)  # finite, and small enough to stay finite
-        if assign:
-            uniq, counts = np.unique(ids, return_counts=True)
-            if len(uniq) != len(ids):
-                raise ProtocolError(
-                    "bad_request", f"put_rows names id {int(uniq[counts > 1][0])} more than once"
-                )
+
+        def check() -> None:
+            bounds.check_dense(field, grads)  # finite, and small enough to stay finite
+            if assign:
+                uniq, counts = np.unique(ids, return_counts=True)
+                if len(uniq) != len(ids):
+                    dup = int(uniq[counts > 1][0])
+                    raise ProtocolError("bad_request", f"put_rows names id {dup} more than once")
+
+        # a pass over every value and a sort of the ids: off the loop for a large request
+        await off_loop(len(ids), check)
         adm = t.spec.admission
         if t.limit is not None and adm.on_full == "reject" and adm.admit_after == 1:
             for b, st in states.items():
