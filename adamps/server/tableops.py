@@ -139,18 +139,38 @@ class TableOps:
         return out
 
     async def op_push_rows(self, msg: dict[str, Any]) -> dict[str, Any]:
-        n, wire, parts = await self.decode_push(msg)
+        return await self.apply_push(await self.prepare_push(msg))
+
+    async def prepare_push(self, msg: dict[str, Any]) -> tuple[dict[str, Any], int, Any, Any]:
+        """A push_rows checked and cut, nothing queued yet (the data plane queues it with
+        `apply_push` before it reads the connection's next frame)."""
+        return (msg, *await self.decode_push(msg))
+
+    async def apply_push(self, prepared: tuple[dict[str, Any], int, Any, Any]) -> dict[str, Any]:
+        """A prepared push_rows through the one write path (queued in this call's first step)."""
+        msg, n, wire, parts = prepared
         await self.writes.replicate_or_apply(msg, wire, parts)
         return {"rows": n, "versions": {}}
 
-    async def decode_push(self, msg: dict[str, Any]) -> tuple[int, Any, Any]:
+    async def decode_push(
+        self, msg: dict[str, Any], later: list[tuple[int, Callable[[], None]]] | None = None
+    ) -> tuple[int, Any, Any]:
         """A push_rows' fields checked whole and cut by bucket: (ids, wire, parts), what
-        `replicate_or_apply` takes (also one table's rows of a ``round``, roundop.py)."""
+        `replicate_or_apply` takes (also one table's rows of a ``round``, roundop.py, which
+        passes `later`: the grads' finite bounds are appended there as (bytes, check), to be
+        run before anything is queued, as WritePath.decode_round's)."""
         t, ids, states, parts = await self._request(msg, "push_rows")
         if not len(ids):
             raise ProtocolError("bad_request", "push_rows needs at least one id")
         grads = require_array(msg, "grads", shape=(len(ids), t.spec.dim), finite=False)
-        bounds.check_dense("grads", grads)  # finite, and small enough to stay finite
+
+        def check() -> None:  # finite, and small enough to stay finite
+            bounds.check_dense("grads", grads)
+
+        if later is None:
+            check()
+        else:
+            later.append((grads.nbytes, check))
         adm = t.spec.admission
         if t.limit is not None and adm.on_full == "reject" and adm.admit_after == 1:
             for b, st in states.items():
