@@ -14,6 +14,9 @@ each request (a follower forwards writes: both loops count).
 Data server: `adamps dataserver` on the builtin dataset with its default augmentation worker:
 every route it lists is probed (a stream of the largest batch it allows, the whole training
 set; a lease of the most epochs; /runs with the most runs it keeps).
+
+Trainer: its metrics port (/healthz, /status, /metrics on a loop in a thread of its own) read
+all along while it trains.
 """
 
 from __future__ import annotations
