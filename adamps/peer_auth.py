@@ -82,6 +82,11 @@ def mac_ok(key: bytes, parts: Iterable[bytes | bytearray | memoryview], got: byt
 # a secondary still hashes every payload byte it receives once. Forging a frame then needs an
 # HMAC-SHA256 forgery or a SHA-256 second preimage: the same guarantee as the MAC of the bytes.
 
+#: bytes from which a server hashes a frame (its segments' digests, a MAC of its bytes) on a
+#: worker thread: SHA-256 runs at 0.5-2 GB/s, so a 64 MiB replication frame held the event loop
+#: 30-140 ms on each side (issue 39); below, the hop to a thread costs more than the hashing
+HASH_OFF_LOOP = 1 << 20
+
 #: what a data-plane frame's meta names in "mac" when its MAC is the segmented one (`frame_mac`);
 #: also the MAC's domain separator, so no MAC of one form can pass for the other
 FRAME_MAC = "sha256-segments"

@@ -15,6 +15,7 @@ not done here: it is the callers' (``adamps.client.retry``), who know what is sa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -32,6 +33,9 @@ from adamps.protocol import ProtocolError
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
+#: reply bytes from which AsyncRpc decodes on a worker thread: msgpack copies each array's bytes,
+#: and a server reading a peer's snapshot of a large bucket held its event loop (issue 39)
+DECODE_OFF_LOOP = 1 << 20
 
 
 class RpcError(ProtocolError):
@@ -288,12 +292,27 @@ class AsyncRpc(_Verbs):
                 timeout=self.timeout,
                 ssl=self._ssl if self._ssl is not None else True,
             ) as resp:
-                return resp.status, await resp.read()
+                n = resp.content_length
+                if n is None or n < DECODE_OFF_LOOP:
+                    return resp.status, await resp.read()
+                # A large body (a replica's snapshot) into one buffer as it arrives: read()
+                # joins its chunks in one copy on the event loop (issue 39)
+                body = bytearray(n)
+                pos = 0
+                async for chunk in resp.content.iter_any():
+                    body[pos : pos + len(chunk)] = chunk
+                    pos += len(chunk)
+                if pos != n:
+                    raise ConnectionError(f"{self.base_url}{req.path}: {pos} of {n} bytes")
+                return resp.status, body  # type: ignore[return-value]
         except aiohttp.ClientError as exc:
             raise ConnectionError(f"{self.base_url}{req.path}: {exc}") from exc
 
     async def send(self, req: Request) -> Any:
-        return read_reply(req, *await self.exchange(req))
+        status, data = await self.exchange(req)
+        if len(data) >= DECODE_OFF_LOOP:  # a replica's snapshot: its bins copied, off the loop
+            return await asyncio.to_thread(read_reply, req, status, data)
+        return read_reply(req, status, data)
 
     async def close(self) -> None:
         if self._own_session and self._session is not None:

@@ -177,6 +177,10 @@ class ParameterServer:
             put_rows=self.rows.op_put_rows,
             round=self.round.op_round,
         )
+        self.data_plane.staged.update(
+            push_rows=(self.rows.prepare_push, self.rows.apply_push),
+            round=(self.round.prepare, self.round.apply),
+        )
         self._closed = False
         #: "METHOD /path" of every HTTP route (set by make_app)
         self._routes: set[str] = set()

@@ -107,6 +107,9 @@ async def read_snapshot(
         lambda cb: store.call(rows, lambda st: (st.version, st.value.tobytes()), cb)
     )
     versions = await read
+    xs = await _hashed(
+        lambda: [shard_digest(o, a) for o, a in zip(outs, accs, strict=True)], _nbytes(outs, accs)
+    )
     tensors = {st.shard.tensor for st in states}
     return {
         "bucket": b,
@@ -119,26 +122,73 @@ async def read_snapshot(
                 "value": out,
                 "accum": acc,
                 "version": versions[st.id],
-                "x": shard_digest(out, acc),
+                "x": x,
             }
-            for st, out, acc in zip(states, outs, accs, strict=True)
+            for st, out, acc, x in zip(states, outs, accs, xs, strict=True)
         },
     }
+
+
+#: bytes of shards from which a snapshot's checksums are computed on a worker thread (xxh3 of
+#: a bucket of 1 GiB: a tenth of a second or more, on the event loop of both copies, issue 39)
+HASH_OFF_LOOP = 4 << 20
+#: the key `verified` sets in a fetched snapshot: the first shard failing its checksum, or None
+_CHECKED = "_corrupt_shard"
+_UNCHECKED = object()
+
+
+def _nbytes(values: Iterable[Any], accums: Iterable[Any]) -> int:
+    return sum(int(getattr(v, "nbytes", 0)) for v in [*values, *accums] if v is not None)
+
+
+async def _hashed(fn: Any, nbytes: int) -> Any:
+    return await asyncio.to_thread(fn) if nbytes >= HASH_OFF_LOOP else fn()
+
+
+def _first_corrupt(snap: dict[str, Any]) -> str | None:
+    for sid, rec in snap["shards"].items():
+        want = rec.get("x")  # every shard of a snapshot carries its digest
+        if not isinstance(want, int) or shard_digest(rec["value"], rec.get("accum")) != want:
+            return str(sid)
+    return None
+
+
+async def verified(
+    snap: dict[str, Any] | None, store: Store, catalog: TensorCatalog
+) -> dict[str, Any] | None:
+    """A fetched snapshot with its shards' checksums checked (on a worker thread when large):
+    `install` refuses it then without hashing it again on the event loop. Its tensors are
+    defined here (their values allocated and written on a worker thread). A snapshot this
+    cannot read is left for `install`'s own checks."""
+    if snap is None:
+        return None
+    try:
+        for d in snap["tensors"]:
+            if runs.run_of(str(d.get("name"))) not in store.deleted_runs:
+                await catalog.ensure_off_loop(d)
+    except Exception:  # malformed, or a definition that differs: install's checks name it
+        pass
+    try:
+        recs = list(snap["shards"].values())
+        size = _nbytes([r.get("value") for r in recs], [r.get("accum") for r in recs])
+        snap[_CHECKED] = await _hashed(lambda: _first_corrupt(snap), size)
+    except Exception:  # malformed: install's check names it
+        snap.pop(_CHECKED, None)
+    return snap
 
 
 def install(
     store: Store, catalog: TensorCatalog, b: int, snap: dict[str, Any], on_corrupt: Any
 ) -> list[asyncio.Future]:
-    """Queues a snapshot's values to the owner threads (after checking every shard's checksum:
-    ValueError, nothing installed, if one fails). The caller moves the copy's position in the
-    same loop step, then awaits the futures."""
-    for sid, rec in snap["shards"].items():  # before anything changes here
-        want = rec.get("x")  # every shard of a snapshot carries its digest
-        if not isinstance(want, int):
-            raise ValueError(f"shard {sid} of the snapshot of bucket {b} carries no digest")
-        if shard_digest(rec["value"], rec.get("accum")) != want:
-            on_corrupt("transfer")
-            raise ValueError(f"shard {sid} of the snapshot of bucket {b} fails its checksum")
+    """Queues a snapshot's values to the owner threads (after checking every shard's checksum,
+    unless `verified` did: ValueError, nothing installed, if one fails). The caller moves the
+    copy's position in the same loop step, then awaits the futures."""
+    bad = snap.pop(_CHECKED, _UNCHECKED)
+    if bad is _UNCHECKED:
+        bad = _first_corrupt(snap)  # before anything changes here
+    if bad is not None:
+        on_corrupt("transfer")
+        raise ValueError(f"shard {bad} of the snapshot of bucket {b} fails its checksum")
     # What a deleted run left on a primary that has not learned of the deletion yet is not
     # created again here (its updates in flight are refused alone: repl_wire.store_parts).
     dead = store.deleted_runs
@@ -192,15 +242,19 @@ async def offers(
         accs_all += accs
     if states_all:
         await owner_future(lambda cb: store.read(states_all, outs_all, cb, accums=accs_all))
-    out: dict[int, list[Any]] = {}
-    for b, committed, states, outs, accs in plan:
-        parts: list[bytes | memoryview] = []
-        for st, value, acc in zip(states, outs, accs, strict=True):
-            parts += [st.id.encode(), memoryview(value).cast("B")]
-            if acc is not None:
-                parts.append(memoryview(acc).cast("B"))
-        out[b] = [*copies[b], committed, f"{checksum.digest(*parts):016x}"]
-    return out
+
+    def digests() -> dict[int, list[Any]]:
+        out: dict[int, list[Any]] = {}
+        for b, committed, states, outs, accs in plan:
+            parts: list[bytes | memoryview] = []
+            for st, value, acc in zip(states, outs, accs, strict=True):
+                parts += [st.id.encode(), memoryview(value).cast("B")]
+                if acc is not None:
+                    parts.append(memoryview(acc).cast("B"))
+            out[b] = [*copies[b], committed, f"{checksum.digest(*parts):016x}"]
+        return out
+
+    return await _hashed(digests, _nbytes(outs_all, accs_all))
 
 
 async def digest(store: Store, b: int) -> str:

@@ -242,6 +242,24 @@ class TensorCatalog:
         """Defines a tensor from a peer's definition (definition) unless it exists here;
         True if it was created. A definition of kind `values` carries only the digest: such a
         tensor starts at zeros here, for the state transfer that follows to overwrite."""
+        return self._define(*self._peer_definition(d))[0]
+
+    async def ensure_off_loop(self, d: dict[str, Any]) -> bool:
+        """`ensure`, a new tensor's values drawn, allocated and written on a worker thread, as
+        a create's: a joining copy defines the tensors of the snapshot it fetched before it
+        installs it (a 128 MiB tensor held its event loop, issue 39)."""
+        spec, opt, init, values = self._peer_definition(d)
+        async with self._creating:
+            if spec.name not in self.store.tensors:
+                meta = self._meta(spec, opt, init)
+                own = await asyncio.to_thread(self._prepare, spec, opt, init, values, meta)
+                if own is not None and spec.name not in self.store.tensors:
+                    return self._define(spec, opt, init, values, own)[0]
+        return self.ensure(d)
+
+    def _peer_definition(
+        self, d: dict[str, Any]
+    ) -> tuple[TensorSpec, Optimizer, dict[str, Any], np.ndarray | None]:
         # A peer's definition passed the same limit at its create: a larger one is not ours.
         shape = limits.check_shape(require(d, "shape", list), self.cfg.max_tensor_elems)
         spec = TensorSpec(require(d, "name", str), shape)
@@ -250,7 +268,7 @@ class TensorCatalog:
         if init.get("kind") not in INIT_KINDS:
             raise ProtocolError("bad_request", f"unknown init kind {init.get('kind')!r}")
         values = np.zeros(spec.shape, np.float32) if init["kind"] == "values" else None
-        return self._define(spec, opt, init, values)[0]
+        return spec, opt, init, values
 
     async def op_list(self, msg: dict[str, Any]) -> dict[str, Any]:
         return {"tensors": [t.describe() for t in self.store.tensors.values()]}

@@ -24,8 +24,8 @@ closed after ``idle_timeout``, and their number is capped (the HTTP limits of th
 full, the connection longest part-way through a header is closed first, then the longest idle);
 meta and payload lengths are bounded (64 KiB, ``max_body``) before anything is allocated; tensor,
 length and finiteness are checked before the update is queued. An error found before the payload
-was read is answered and the connection closed (the stream cannot be resynced);
-an error found after (NaN, Inf) is answered and the connection stays usable.
+was read is answered and the connection closed (the stream cannot be resynced); an error found
+after (NaN, Inf) is answered and the connection stays usable.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.inflight = 0
         self.inflight_bytes = 0
         self.paused = False
-        #: large compressed pushes being decoded off the event loop (reading stays paused)
+        #: writes being prepared (decoded, checked) before they are queued: reading stays paused
         self.decoding = 0
         #: resolved once the reply of the latest request is written: the next one waits for it
         self.tail: asyncio.Future | None = None
@@ -375,25 +375,21 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if handler is not None:  # the /rpc handler of the op, on the message with its arrays
             msg = protocol.decode(self.meta_raw, b"" if payload is None else payload)
             self.plane.m.bytes_in.inc(0 if payload is None else payload.size)
-            if meta["op"] == "push_compressed":
-                decode, large = self.plane.writes.compressed_decoder(msg)
-                if large:  # reading pauses from now until it is queued (_dispatch)
-                    self.decoding += 1
-                    return asyncio.ensure_future(self._decode_off_loop(decode, msg)), (
-                        lambda r: (r, None)
-                    )
+            staged = self.plane.staged.get(meta["op"])
+            if staged is not None:  # reading pauses from now until it is queued (_dispatch)
+                self.decoding += 1
+                handler = lambda m: self._prepare_then_queue(*staged, m)  # noqa: E731
             return asyncio.ensure_future(handler(msg)), lambda r: (r, None)
         return self.plane.reads.start_stream_pull(meta)
 
-    async def _decode_off_loop(self, decode: Callable[[], Any], msg: dict[str, Any]) -> Any:
-        """A large compressed push, decoded on a worker thread (issue 28: the event loop, and
-        every other connection with it, stays responsive). The connection reads no further
-        frame meanwhile (`decoding` keeps it paused), so the requests behind this one are
-        still queued after it: pushes on one connection are applied in the order sent."""
+    async def _prepare_then_queue(self, prepare: Any, apply: Any, msg: dict[str, Any]) -> Any:
+        """A write checked and decoded (a large one on a worker thread, issues 28 and 39), then
+        queued. The connection reads no further frame meanwhile (`decoding` keeps it paused):
+        the requests behind it are queued after it, and a pull sees it."""
         try:
-            parts = await asyncio.to_thread(decode)
+            prepared = await prepare(msg)
             # queued (its first step runs) before any later frame of this connection is read
-            fut = asyncio.ensure_future(self.plane.writes.op_push_compressed(msg, parts))
+            fut = asyncio.ensure_future(apply(prepared))
         finally:
             self.decoding -= 1
             self._resume_if_room()
@@ -534,6 +530,10 @@ class DataPlane:
             "push_fc": writes.op_push_fc,
             "push_compressed": writes.op_push_compressed,
         }
+        #: write ops whose decoding may wait for a thread: op -> (prepare, apply), with the
+        #: connection's reading paused between them (the order of one connection's requests)
+        self.staged: dict[str, tuple[Any, Any]] = {}
+        self.staged["push_compressed"] = (writes.prepare_compressed, writes.apply_compressed)
         #: a peer's repl_multi frame (meta, meta bytes, payload): the replicator's, which checks
         #: the frame's MAC before it decodes it (on a replicated server only)
         self.peer_frame = peer

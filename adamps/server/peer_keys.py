@@ -109,9 +109,12 @@ class PeerKeys:
         """The header that proves `body` comes from this server (none when identity is off)."""
         if not self.enabled:
             return ()
-        return (
-            (peer_auth.PEER_HEADER, peer_auth.header(self.server_id, await self.key(peer), body)),
-        )
+        key = await self.key(peer)
+        if len(body) >= peer_auth.HASH_OFF_LOOP:  # a batch sent over HTTP: off the event loop
+            value = await asyncio.to_thread(peer_auth.header, self.server_id, key, body)
+        else:
+            value = peer_auth.header(self.server_id, key, body)
+        return ((peer_auth.PEER_HEADER, value),)
 
     async def prover(
         self,
@@ -138,7 +141,12 @@ class PeerKeys:
                 "unavailable",
                 f"cannot get the pair key of {claimed!r} from the controllers now: {exc}",
             ) from None
-        want = parts(key) if callable(parts) else peer_auth.mac(key, parts)
+        if callable(parts):
+            want = parts(key)
+        elif sum(memoryview(p).nbytes for p in parts) >= peer_auth.HASH_OFF_LOOP:
+            want = await asyncio.to_thread(peer_auth.mac, key, parts)  # off the event loop
+        else:
+            want = peer_auth.mac(key, parts)
         if not hmac.compare_digest(want, bytes(got)):
             raise forbidden(op, f"the MAC does not prove server {claimed!r}")
         return claimed
@@ -173,7 +181,11 @@ class PeerKeys:
             msg = protocol.decode(meta_raw, payload, offsets)
         except ProtocolError as exc:
             raise forbidden(op, f"the frame cannot be verified: {exc.message}") from None
-        digests = peer_auth.segment_digests(memoryview(payload), offsets)
+        view = memoryview(payload)
+        if len(view) >= peer_auth.HASH_OFF_LOOP:  # every byte hashed: off the event loop
+            digests = await asyncio.to_thread(peer_auth.segment_digests, view, offsets)
+        else:
+            digests = peer_auth.segment_digests(view, offsets)
         peer = await self.prover(
             op, lambda key: peer_auth.frame_mac(key, meta_raw, digests), name, got
         )

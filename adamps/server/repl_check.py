@@ -14,8 +14,9 @@ are looked up only then).
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from adamps.protocol import ProtocolError
 from adamps.server import bounds
 from adamps.server.compressed import signs_of_wire
 from adamps.server.install import install_of
-from adamps.server.repl_wire import gone_with_run, store_parts
+from adamps.server.repl_wire import gone_with_run, message_from_wire, store_parts
 from adamps.server.shards import StoreError
 from adamps.server.store import Store
 from adamps.server.vecapply import KINDS
@@ -186,3 +187,43 @@ def check_batches(store: Store, batches: Sequence[Batch]) -> None:
     # decoding a compressed update three times).
     vector_ops = [[u for u in push if u.get("k") == "v"] for b in batches for push in b.updates]
     store_parts(store, [p for p in vector_ops if p])
+
+
+#: array bytes of a PREPARE from which it is checked on a worker thread: its digest (xxh3 of
+#: every byte) and the finite bounds of its arrays (a min and a max pass) held a secondary's
+#: event loop 20-100 ms for a 64 MiB batch (issue 39); below, the hop costs more than the work
+CHECK_OFF_LOOP = 4 << 20
+
+
+def _array_bytes(msg: dict[str, Any]) -> int:
+    """The bytes of the arrays a PREPARE's batches carry (an estimate: their updates' fields);
+    0 for anything malformed (checked on the loop then, and refused there)."""
+    total = 0
+    try:
+        for e in msg.get("entries") or ():
+            for push in e.get("updates") or ():
+                for u in push:
+                    total += sum(v.nbytes for v in u.values() if isinstance(v, np.ndarray))
+    except (AttributeError, TypeError):
+        return 0
+    return total
+
+
+def _checked(store: Store, buckets: Container[int], op: str, msg: dict[str, Any]) -> Any:
+    m = message_from_wire(op, msg)
+    if op == "repl_prepare" and m["bucket"] in buckets:
+        # Every copy re-checks what it will apply (shapes, finiteness, bounds), whoever sent
+        # it: nothing is kept of a batch the primary itself would have refused as a push.
+        check_batches(store, m["entries"])
+    return m
+
+
+async def checked_message(
+    store: Store, buckets: Container[int], op: str, msg: dict[str, Any]
+) -> dict[str, Any]:
+    """A peer's replication message decoded (repl_wire.message_from_wire, its batches'
+    checksums verified) and, for a PREPARE of a bucket this server holds, every update checked
+    (check_batches): on a worker thread when its arrays are large. Only reads the store."""
+    if op == "repl_prepare" and _array_bytes(msg) >= CHECK_OFF_LOOP:
+        return await asyncio.to_thread(_checked, store, buckets, op, msg)
+    return _checked(store, buckets, op, msg)

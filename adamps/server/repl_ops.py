@@ -14,8 +14,8 @@ import numpy as np
 from adamps.core import repl_copies
 from adamps.protocol import require
 from adamps.server import bucket_copy
-from adamps.server.repl_check import check_batches
-from adamps.server.repl_wire import MULTI_OPS, REPL_OPS, message_from_wire, multi_results
+from adamps.server.repl_check import checked_message
+from adamps.server.repl_wire import MULTI_OPS, REPL_OPS, multi_results
 
 
 class PeerOps:
@@ -48,13 +48,9 @@ class PeerOps:
         return await self.op_from_peer("repl_multi", msg, peer)
 
     async def _step(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
-        m = message_from_wire(op, msg)
-        b = m.get("bucket", -1)
-        if op == "repl_prepare" and b in self.repl.core.buckets:
-            # Every copy re-checks what it will apply (shapes, finiteness, bounds), whoever sent
-            # it: nothing is kept of a batch the primary itself would have refused as a push.
-            check_batches(self.repl.store, m["entries"])
-        return self.repl.step(b, self.repl.core.step, m["sender"], m)
+        # Every copy re-checks what it will apply (repl_check.checked_message), whoever sent it.
+        m = await checked_message(self.repl.store, self.repl.core.buckets, op, msg)
+        return self.repl.step(m.get("bucket", -1), self.repl.core.step, m["sender"], m)
 
     async def op_repl_multi(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Several replication messages from one peer, handled in order; one result each."""

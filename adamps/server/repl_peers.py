@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +42,8 @@ LOOKUP_EVERY = 2.0
 #: bytes per second a live peer takes at least: a message gets member_timeout plus its size at
 #: this rate (a 21 MB batch of a 64 MiB push is no sign of a dead peer if it takes 0.6 s)
 RATE_FLOOR = 32e6
+#: bytes of a frame to a peer written at a time (PeerStream._exchange)
+WRITE_STEP = 1 << 20
 
 
 class SegmentDigests:
@@ -55,11 +59,14 @@ class SegmentDigests:
         self.size = size
         #: digests computed and reused (tests, and the benchmark's reading of a profile)
         self.computed = self.reused = 0
+        self._lock = threading.Lock()
 
     def of(self, parts: list[memoryview], starts: list[int]) -> list[bytes]:
         """The digests of the segments of a frame's payload: `parts` as protocol.encode_oob
         returned them, `starts` the indices of the parts where its arrays start. Empty segments
-        (arrays of no bytes) have none, as on the receiving side."""
+        (arrays of no bytes) have none, as on the receiving side. Thread-safe: a large frame is
+        signed on a worker thread, and the frames of one batch to two peers may be signed at
+        once (each may hash an array the other is hashing: the same digest)."""
         out = []
         bounds = [*starts, len(parts)]
         for i, j in zip(bounds, bounds[1:], strict=False):
@@ -68,16 +75,18 @@ class SegmentDigests:
             if not length:
                 continue
             obj = seg[0].obj
-            hit = self._cache.get(id(obj))
+            with self._lock:  # the cache only: the hashing runs outside it
+                hit = self._cache.get(id(obj))
             if hit is not None and hit[0] is obj and hit[1] == length:
                 out.append(hit[2])
                 self.reused += 1
                 continue
             d = peer_auth.segment_digest(seg)
-            self.computed += 1
-            self._cache[id(obj)] = (obj, length, d)
-            if len(self._cache) > self.size:
-                del self._cache[next(iter(self._cache))]
+            with self._lock:
+                self.computed += 1
+                self._cache[id(obj)] = (obj, length, d)
+                while len(self._cache) > self.size:
+                    del self._cache[next(iter(self._cache))]
             out.append(d)
         return out
 
@@ -113,6 +122,26 @@ class PeerStream:
         With a pair key, the meta names the sender and the payload ends with the MAC that the
         peer checks before it reads a field (adamps.peer_auth): the segmented frame MAC (each
         array hashed once for all peers)."""
+        encoded = self.encode(msg, sender, key)
+        return None if encoded is None else self.sign(encoded, key)
+
+    async def fits_async(
+        self, msg: dict[str, Any], sender: str, key: bytes | None
+    ) -> tuple[bytes, list[memoryview], int, str] | None:
+        """`fits`, with a large frame hashed on a worker thread (issue 39: the event loop held
+        while a 64 MiB batch was hashed)."""
+        encoded = self.encode(msg, sender, key)
+        if encoded is None:
+            return None
+        if key is not None and encoded[2] >= peer_auth.HASH_OFF_LOOP:
+            return await asyncio.to_thread(self.sign, encoded, key)
+        return self.sign(encoded, key)
+
+    def encode(
+        self, msg: dict[str, Any], sender: str, key: bytes | None
+    ) -> tuple[bytes, list[memoryview], int, str, list[int]] | None:
+        """The request's meta and payload parts (no array copied), unsigned; None when its meta
+        exceeds a frame's."""
         extra: dict[str, Any] = {}
         if key is not None:
             extra["peer"] = sender
@@ -122,11 +151,19 @@ class PeerStream:
         meta, parts, n = protocol.encode_oob(req, starts)
         if len(meta) > MAX_META:
             return None
+        return meta, parts, n, req["rid"], starts
+
+    def sign(
+        self, encoded: tuple[bytes, list[memoryview], int, str, list[int]], key: bytes | None
+    ) -> tuple[bytes, list[memoryview], int, str]:
+        """An encoded request with its MAC appended (with a pair key): hashes every payload
+        byte not hashed before (SegmentDigests), so a large one runs on a worker thread."""
+        meta, parts, n, rid, starts = encoded
         if key is not None:
             tag = peer_auth.frame_mac(key, meta, self.digests.of(parts, starts))
             parts = [*parts, memoryview(tag)]
             n += peer_auth.MAC_SIZE
-        return meta, parts, n, req["rid"]
+        return meta, parts, n, rid
 
     async def call(self, encoded: tuple[bytes, list[memoryview], int, str]) -> dict[str, Any]:
         try:
@@ -152,7 +189,14 @@ class PeerStream:
             self._conn = (r, w)
         r, w = self._conn
         for chunk in frame_writes(frame_header(REQUEST, len(meta), n) + meta, parts):
-            w.write(chunk)  # large arrays straight from their memory (the kernel copies)
+            # large arrays straight from their memory (the kernel copies), a MiB at a time: what
+            # the socket does not take at once is copied into the transport's buffer on the
+            # event loop (a 64 MiB batch in one write held it, issue 39)
+            view = memoryview(chunk).cast("B")
+            for i in range(0, len(view), WRITE_STEP):
+                w.write(view[i : i + WRITE_STEP])
+                if len(view) > WRITE_STEP:
+                    await w.drain()
         await w.drain()
         magic, _v, kind, _z, meta_len, payload_len = HEADER.unpack(await r.readexactly(HEADER.size))
         if magic != MAGIC or kind not in (REPLY, ERROR) or meta_len > MAX_META or payload_len:
@@ -227,7 +271,7 @@ class PeerChannel:
     async def _send(self, msg: dict[str, Any]) -> dict[str, Any]:
         stream = await self._stream()
         key = await self.keys.key(self.member) if self.keys.enabled else None
-        encoded = None if stream is None else stream.fits(msg, self.keys.server_id, key)
+        encoded = None if stream is None else await stream.fits_async(msg, self.keys.server_id, key)
         if stream is None or encoded is None:
             return await self._http(msg)
         try:
@@ -274,7 +318,9 @@ async def signed_call(
     rpc: AsyncRpc, keys: PeerKeys, member: str, op: str, fields: dict[str, Any]
 ) -> dict[str, Any]:
     """`op` on the peer's /rpc, with the MAC of its body when peer identity is on."""
-    req = rpc_request(op, **fields)
+    # Encoded on a worker thread: msgpack copies every array into the body (a batch over
+    # HTTP, when the peer's data port is unknown or its meta too large, held the loop, issue 39)
+    req = await asyncio.to_thread(functools.partial(rpc_request, op, **fields))
     assert req.body is not None
     hdrs = await keys.sign(member, req.body)
     return await rpc.send(dataclasses.replace(req, extra_headers=hdrs) if hdrs else req)

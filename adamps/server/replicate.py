@@ -202,7 +202,7 @@ class Replicator:
     async def _transfer(self, f: Fetch) -> None:
         """Fetches, installs and persists the snapshot the core asked for (repl_join.py)."""
         b, core = f.bucket, self.core
-        snap = await self.peers.snapshot(f)
+        snap = await bucket_copy.verified(await self.peers.snapshot(f), self.store, self.catalog)
         fits = self.step(b, core.snapshot_fetched, f, None if snap is None else int(snap["epoch"]))
         if not fits or snap is None:
             return

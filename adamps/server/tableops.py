@@ -140,20 +140,36 @@ class TableOps:
         return out
 
     async def op_push_rows(self, msg: dict[str, Any]) -> dict[str, Any]:
-        n, wire, parts = await self.decode_push(msg)
+        return await self.apply_push(await self.prepare_push(msg))
+
+    async def prepare_push(
+        self, msg: dict[str, Any], op: str = "push_rows"
+    ) -> tuple[dict[str, Any], int, Any, Any]:
+        """A push_rows (or put_rows) checked and cut, nothing queued yet (the data plane queues
+        it with `apply_push` before it reads the connection's next frame)."""
+        return (msg, *await self.decode_push(msg, op=op))
+
+    async def apply_push(self, prepared: tuple[dict[str, Any], int, Any, Any]) -> dict[str, Any]:
+        """A prepared push_rows through the one write path (queued in this call's first step)."""
+        msg, n, wire, parts = prepared
         await self.writes.replicate_or_apply(msg, wire, parts)
         return {"rows": n, "versions": {}}
 
     async def op_put_rows(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Rows' values themselves (a bulk load, ``adamps table load``): the push path, each
         bucket's part one update applied by RowBlock.assign."""
-        n, wire, parts = await self.decode_push(msg, "put_rows")
-        await self.writes.replicate_or_apply(msg, wire, parts)
-        return {"rows": n, "versions": {}}
+        return await self.apply_push(await self.prepare_push(msg, "put_rows"))
 
-    async def decode_push(self, msg: dict[str, Any], op: str = "push_rows") -> tuple[int, Any, Any]:
+    async def decode_push(
+        self,
+        msg: dict[str, Any],
+        later: list[tuple[int, Callable[[], None]]] | None = None,
+        op: str = "push_rows",
+    ) -> tuple[int, Any, Any]:
         """A push_rows' (or put_rows') fields checked whole and cut by bucket: (ids, wire,
-        parts), what `replicate_or_apply` takes (also one table's rows of a ``round``)."""
+        parts), what `replicate_or_apply` takes (also one table's rows of a ``round``,
+        roundop.py, which passes `later`: the grads' finite bounds are appended there as
+        (bytes, check), to be run before anything is queued, as WritePath.decode_round's)."""
         t, ids, states, parts = await self._request(msg, op)
         if not len(ids):
             raise ProtocolError("bad_request", f"{op} needs at least one id")
@@ -169,8 +185,10 @@ class TableOps:
                     dup = int(uniq[counts > 1][0])
                     raise ProtocolError("bad_request", f"put_rows names id {dup} more than once")
 
-        # a pass over every value and a sort of the ids: off the loop for a large request
-        await off_loop(len(ids), check)
+        if later is None:  # a pass over every value (and a sort): off the loop when large
+            await off_loop(len(ids), check)
+        else:
+            later.append((grads.nbytes, check))
         adm = t.spec.admission
         if t.limit is not None and adm.on_full == "reject" and adm.admit_after == 1:
             for b, st in states.items():

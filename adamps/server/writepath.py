@@ -176,13 +176,19 @@ class WritePath:
         return await self._replicate_or_apply(msg, wire, parts)
 
     def decode_round(
-        self, msg: dict[str, Any], empty_ok: bool = False
+        self,
+        msg: dict[str, Any],
+        empty_ok: bool = False,
+        later: list[tuple[int, Callable[[], None]]] | None = None,
     ) -> tuple[
         list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]],
         Callable[[], list[tuple[ShardState, Any]]],
     ]:
         """push_fc's fields checked whole: (wire, parts), what `replicate_or_apply` takes. Also
-        the dense half of a ``round`` (roundop.py; `empty_ok`: a round may carry rows alone)."""
+        the dense half of a ``round`` (roundop.py; `empty_ok`: a round may carry rows alone;
+        `later`: the finite bounds' passes over the arrays, proportional to their bytes, are
+        appended there as (bytes, check) instead of run now: the round runs them before it
+        queues anything, on a worker thread when they are large)."""
         fc: list[tuple[str, Any, np.ndarray, np.ndarray, list[ShardState]]] = []
         if "layers" in msg:
             layers = require(msg, "layers", dict)
@@ -191,10 +197,10 @@ class WritePath:
                     raise ProtocolError(
                         "bad_request", "field 'layers' must map tensor names to {a, e, shards}"
                     )
-                fc.append(self._fc_layer(name, layer))
+                fc.append(self._fc_layer(name, layer, later))
         elif "tensor" in msg or ("dense" not in msg and not empty_ok):
-            fc.append(self._fc_layer(require(msg, "tensor", str), msg))
-        dense = self._dense_round(msg) if "dense" in msg else []
+            fc.append(self._fc_layer(require(msg, "tensor", str), msg, later))
+        dense = self._dense_round(msg, later) if "dense" in msg else []
         if not fc and not dense and not empty_ok:
             raise ProtocolError("bad_request", "push_fc needs 'tensor', or 'layers' or 'dense'")
         if len(fc) + len(dense) > 1:
@@ -215,7 +221,9 @@ class WritePath:
 
         return wire, parts
 
-    def _dense_round(self, msg: dict[str, Any]) -> list[tuple[ShardState, Dense]]:
+    def _dense_round(
+        self, msg: dict[str, Any], later: list[tuple[int, Callable[[], None]]] | None = None
+    ) -> list[tuple[ShardState, Dense]]:
         """A round's dense deltas: `dense_shards` (ids) and `dense`, their values one after the
         other in one float32 array (one array to decode and bound, not one per shard)."""
         states = self.addressing.shard_ids(msg, "dense_shards", twice_ok=False)
@@ -229,11 +237,15 @@ class WritePath:
         for st in states:
             deltas[st.id] = values[pos : pos + st.shard.size].reshape(st.shard.shape)
             pos += st.shard.size
-        bounds.check_dense("dense", values)  # the bound of every shard's part at once
+        # the bound of every shard's part at once
+        _check(later, values.nbytes, lambda: bounds.check_dense("dense", values))
         return self._dense_shard_parts(deltas, arrays=False, checked=True) if deltas else []
 
     def _fc_layer(
-        self, name: str, fields: dict[str, Any]
+        self,
+        name: str,
+        fields: dict[str, Any],
+        later: list[tuple[int, Callable[[], None]]] | None = None,
     ) -> tuple[str, Any, np.ndarray, np.ndarray, list[ShardState]]:
         """The checks of one layer's vectors: a 2-D tensor cut on whole rows, a (k x N) and e
         (k x M) within the bounds, `shards` (optional) unique shards of that tensor."""
@@ -257,7 +269,7 @@ class WritePath:
                 "bad_shape",
                 f"a and e need the same number of rows k, 1 <= k <= {MAX_FC_K}; got {a.shape[0]} and {e.shape[0]}",
             )
-        bounds.check_fc(a, e)
+        _check(later, a.nbytes + e.nbytes, lambda: bounds.check_fc(a, e))
         if "shards" in fields:
             states = self.addressing.shard_ids(fields, "shards", twice_ok=False)
             wrong = [st.id for st in states if st.shard.tensor != name]
@@ -293,6 +305,20 @@ class WritePath:
 
         return decode, compressed_codes(updates) > DECODE_OFF_LOOP
 
+    async def prepare_compressed(
+        self, msg: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[tuple[ShardState, Signs, Any]]]:
+        """A push_compressed checked and decoded (on a worker thread when large), nothing
+        queued yet: the data plane queues it (`op_push_compressed` with the parts) before it
+        reads the connection's next frame."""
+        decode, large = self.compressed_decoder(msg)
+        return msg, (await asyncio.to_thread(decode) if large else decode())
+
+    async def apply_compressed(
+        self, prepared: tuple[dict[str, Any], list[tuple[ShardState, Signs, Any]]]
+    ) -> dict[str, Any]:
+        return await self.op_push_compressed(*prepared)
+
     async def op_push_compressed(
         self,
         msg: dict[str, Any],
@@ -305,8 +331,7 @@ class WritePath:
         for a second, and /healthz with it); `parts`: already decoded (the data plane decodes
         off the loop itself, holding the connection's later frames so that they stay behind)."""
         if parts is None:
-            decode, large = self.compressed_decoder(msg)
-            parts = await asyncio.to_thread(decode) if large else decode()
+            msg, parts = await self.prepare_compressed(msg)
         return await self._replicate_or_apply(
             msg, compressed_wire(parts), lambda: [(st, u) for st, u, _ in parts]
         )
@@ -479,6 +504,16 @@ class WritePath:
                     f"{name!r} was deleted with its run {runs.run_of(name)!r} while this push was "
                     "in flight: its updates to it are not applied (those to other names are)",
                 )
+
+
+def _check(
+    later: list[tuple[int, Callable[[], None]]] | None, nbytes: int, check: Callable[[], None]
+) -> None:
+    """Runs a bounds check now, or appends it to `later` (with the bytes it reads)."""
+    if later is None:
+        check()
+    else:
+        later.append((nbytes, check))
 
 
 def _parts_by_state(

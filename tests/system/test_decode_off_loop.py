@@ -1,11 +1,16 @@
-"""A large valid compressed push does not block the server's event loop (issue 28).
+"""A large valid compressed push does not block the server's event loop (issues 28 and 39).
 
-Reference: docs/protocol-ps.md, push_compressed; docs/operations.md, "Security". A push of many
-full shards in Golomb-Rice form expands millions of codes; decoded on the event loop it held every
-connection of the server for a second or more (the PS missed heartbeats and its buckets failed
-over). Now it is decoded on a worker thread, over HTTP and over the data plane: /healthz answers
-within 100 ms all along, and the push is applied exactly (every element moved by tau once); on
-the data port a pull pipelined behind such a push still sees it (the order of one connection).
+Reference: docs/protocol-ps.md, push_compressed and round; docs/operations.md, "Security" and
+"The event loop". A push of many full shards in Golomb-Rice form expands millions of codes;
+decoded on the event loop it held every connection of the server for a second or more (the PS
+missed heartbeats and its buckets failed over). Now it is decoded on a worker thread, over HTTP
+and over the data plane, alone (push_compressed) or inside a replica's ``round``: the server's
+event loop is never held past 100 ms (its own probe, adamps/looplag.py, which does not count the
+time its thread waited for a CPU: a loaded machine does not fail this test, a blocked loop
+does), /healthz answers all along, and the push is applied exactly (every element moved by tau
+once). On the data port a pull pipelined behind such a push or round still sees it (the order
+of one connection), and a round's other large work (the finite bounds of its dense deltas) is
+off the loop too.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import pytest
 
 from adamps import codec
 from adamps.client import PSClient, StaticRouting
-from adamps.client.dataplane import DataPlaneClient
+from adamps.client.dataplane import DataPlaneClient, DataPlaneError
 from adamps.client.rpc import SyncRpc
 from adamps.layout import Layout, TensorSpec
+from adamps.server import bounds
 from adamps.up.procs import Proc, adamps_argv, free_port
+from tests import looplag_probe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -44,9 +51,10 @@ def server(tmp_path: Path):
     port, dport = free_port(), free_port()
     argv = adamps_argv("ps", "--port", str(port), "--data-port", str(dport),
                        "--data-dir", str(tmp_path / "lmdb"), "--flush-interval", "30",
-                       "--max-tensor-elems", str(MAX_SHARDS * SHARD))  # fmt: skip
+                       "--max-tensor-elems", str(MAX_SHARDS * SHARD),
+                       "--max-body", str(1 << 30))  # fmt: skip
     proc = Proc(argv, tmp_path / "ps.log", env={"ADAMPS_TOKEN": TOKEN,
-                "OPENBLAS_NUM_THREADS": "1"}, name="ps")  # fmt: skip
+                "OPENBLAS_NUM_THREADS": "1", **looplag_probe.ENV}, name="ps")  # fmt: skip
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30)
         yield port, proc
@@ -79,23 +87,13 @@ def shards_to_decode_for(seconds: float) -> int:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    "data_plane",
-    [
-        False,
-        pytest.param(
-            True,
-            # Known, open: since the round client carries compressed updates in a `round`
-            # frame, one fresh-clone CI run of 2 saw /healthz held 0.25 s while a 0.39 s push
-            # decoded over the data port (3 of 3 local runs: 0.006 s); not yet found which part
-            # of the round's decode runs on the loop. Not strict: it passes most runs.
-            marks=pytest.mark.xfail(
-                reason="a round frame's decode may hold the loop", strict=False
-            ),
-        ),
-    ],
-    ids=["http", "data-plane"],
+    ("data_plane", "op"),
+    [(False, "push_compressed"), (True, "push_compressed"), (True, "round")],
+    ids=["http", "data-plane", "data-plane-round"],
 )
-def test_healthz_answers_while_a_large_compressed_push_decodes(server, data_plane: bool) -> None:
+def test_healthz_answers_while_a_large_compressed_push_decodes(
+    server, data_plane: bool, op: str
+) -> None:
     port, proc = server
     base = f"http://127.0.0.1:{port}"
     n_shards = shards_to_decode_for(3 * HEALTH_BOUND)
@@ -120,6 +118,8 @@ def test_healthz_answers_while_a_large_compressed_push_decodes(server, data_plan
 
     worst = [0.0]
     stop = threading.Event()
+    addr = f"127.0.0.1:{port}"
+    before = looplag_probe.over_bound(addr)
 
     def probe() -> None:
         with SyncRpc(base, TOKEN, timeout=10) as rpc:
@@ -134,17 +134,36 @@ def test_healthz_answers_while_a_large_compressed_push_decodes(server, data_plan
     try:
         time.sleep(0.2)
         t_push = time.perf_counter()
-        client.push_compressed(updates)
+        if op == "round":  # as a replica's round carries them (adamps/client/round.py)
+            client.round(compressed=updates)
+        else:
+            client.push_compressed(updates)
         push_s = time.perf_counter() - t_push
+        time.sleep(0.1)  # the probe's next ticks
     finally:
         stop.set()
         th.join(10)
+    held = {
+        hi: n - before.get(hi, 0)
+        for hi, n in looplag_probe.over_bound(addr).items()
+        if n > before.get(hi, 0)
+    }
     values, _ = client.pull(["g"])
     client.close()
-    print(f"decode alone {decode_s:.3f} s, push {push_s:.3f} s, worst /healthz {worst[0]:.3f} s")
+    print(f"decode alone {decode_s:.3f} s, push {push_s:.3f} s, worst /healthz {worst[0]:.3f} s"
+          f", loop held past {HEALTH_BOUND} s: {held}")  # fmt: skip
     np.testing.assert_array_equal(values["g"], np.full(n_shards * SHARD, 0.5, np.float32))
     assert decode_s > HEALTH_BOUND, "the push is too small to show a blocked loop here"
-    assert worst[0] < HEALTH_BOUND, (
+    # The server's own measure of how long its loop was held (less the time its thread waited
+    # for a CPU): /healthz's answer time, taken in this process beside the pushing client, also
+    # counts this process's and the server's waits for a CPU on a loaded machine (one CI run
+    # saw 0.25 s with no hold on the server's loop). /healthz must still answer within the
+    # time a decode on the loop would hold it.
+    assert not held, (
+        f"the server's event loop was held past {HEALTH_BOUND} s while the push decoded "
+        f"({decode_s:.3f} s of decoding): observations by bucket {held}"
+    )
+    assert worst[0] < max(decode_s, 2 * HEALTH_BOUND), (
         f"/healthz took {worst[0]:.3f} s while the push decoded ({decode_s:.3f} s of decoding)"
     )
     assert proc.alive
@@ -175,3 +194,82 @@ def test_a_pull_pipelined_behind_a_large_compressed_push_sees_it(server) -> None
             dp.read_pull_reply(outs)
             for o in outs:
                 np.testing.assert_array_equal(o, np.full(SHARD, 0.5 * round_, np.float32))
+
+
+@pytest.mark.timeout(120)
+def test_a_pull_pipelined_behind_a_large_round_sees_it(server) -> None:
+    """docs/protocol-ps.md, ``round``: on one data-plane connection requests are applied in
+    the order sent. A round's large compressed updates are decoded on a worker thread; the
+    connection reads no later frame until the round's writes are queued, so a pull sent right
+    behind it (in the same write, before any reply) sees every element moved. Before, only
+    push_compressed held the connection: the pull overtook the round and read old values."""
+    port, _proc = server
+    base = f"http://127.0.0.1:{port}"
+    spec = TensorSpec("g", (N_SHARDS * SHARD,))
+    layout = Layout([spec], n_buckets=64, max_shard_elems=SHARD)
+    client = PSClient(StaticRouting([base], 64), layout, TOKEN, data_plane=False)
+    client.create(spec, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": -1.0})
+    client.close()
+    with SyncRpc(base, TOKEN) as rpc:
+        dport = int(rpc.get_json("/status")["data_port"])
+    ids = [s.id for s in layout.shards_of["g"]]
+    outs = [np.empty(SHARD, np.float32) for _ in ids]
+    with DataPlaneClient("127.0.0.1", dport, TOKEN, timeout=60) as dp:
+        for round_ in (1, 2):
+            comp = every_element(layout, 0.5)
+            assert dp.send_message("round", compressed=comp, client="c", seq=round_)
+            dp.send_pull_shards(ids)  # sent before the round's reply: pipelined behind it
+            dp.read_message_reply()
+            dp.read_pull_reply(outs)
+            for o in outs:
+                np.testing.assert_array_equal(o, np.full(SHARD, 0.5 * round_, np.float32))
+
+
+#: shards of the dense round below: 512 MiB of float32, within the server's max_body
+DENSE_SHARDS = 512
+
+
+@pytest.mark.timeout(240)
+def test_a_rounds_large_dense_deltas_are_bounded_off_the_loop(server) -> None:
+    """A round's dense deltas are checked against the finite bounds (a min and a max pass over
+    every value, bounds.check_dense) before anything is queued: for a round of 512 MiB that
+    is a tenth of a second or more, run on a worker thread, not on the event loop. The
+    server's loop is never held past the bound, the round is applied, and a NaN among a
+    round's deltas still refuses it whole."""
+    port, proc = server
+    base = f"http://127.0.0.1:{port}"
+    addr = f"127.0.0.1:{port}"
+    n = DENSE_SHARDS * SHARD
+    spec = TensorSpec("d", (n,))
+    layout = Layout([spec], n_buckets=64, max_shard_elems=SHARD)
+    client = PSClient(StaticRouting([base], 64), layout, TOKEN, data_plane=True, timeout=120)
+    client.create(spec, init={"kind": "zeros"}, optimizer={"kind": "sgd", "lr": -1.0})
+    delta = np.full(n, 0.25, np.float32)
+    t0 = time.perf_counter()  # what the checks alone cost here: the hold if run on the loop
+    bounds.check_dense("dense", delta)
+    check_s = time.perf_counter() - t0
+    with SyncRpc(base, TOKEN) as rpc:
+        dport = int(rpc.get_json("/status")["data_port"])
+    ids = [s.id for s in layout.shards_of["d"]]
+    before = looplag_probe.over_bound(addr)
+    with DataPlaneClient("127.0.0.1", dport, TOKEN, timeout=120) as dp:
+        assert dp.send_message("round", dense_shards=ids, dense=delta, client="d", seq=1)
+        dp.read_message_reply()
+    time.sleep(0.2)  # the probe's next ticks
+    held = {hi: k - before.get(hi, 0) for hi, k in looplag_probe.over_bound(addr).items()
+            if k > before.get(hi, 0)}  # fmt: skip
+    del delta
+    bad = np.full(SHARD, 0.25, np.float32)
+    bad[7] = np.nan
+    with DataPlaneClient("127.0.0.1", dport, TOKEN, timeout=60) as dp:
+        assert dp.send_message("round", dense_shards=ids[:1], dense=bad, client="d", seq=2)
+        with pytest.raises(DataPlaneError) as err:
+            dp.read_message_reply()
+    assert err.value.code == "non_finite"
+    values, _ = client.pull(["d"])
+    client.close()
+    print(f"bounds alone {check_s:.3f} s; loop held past {HEALTH_BOUND} s: {held}")
+    np.testing.assert_array_equal(values["d"], np.full(n, 0.25, np.float32))
+    assert check_s > HEALTH_BOUND, "the round is too small to show a blocked loop here"
+    assert not held, f"the server's event loop was held past {HEALTH_BOUND} s: {held}"
+    assert proc.alive

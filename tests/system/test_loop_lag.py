@@ -11,8 +11,8 @@ Every kind of request the server answers is probed: the table below must name ea
 HTTP route and data-plane frame the server lists in its /status (``served``), so an op added
 without an entry here fails this test. Sizes are the largest the server accepts (its
 ``max_tensor_elems``, ``MAX_IDS`` rows, the widest filter), on a server of 8 buckets. A
-standalone server is probed: a replicated server's peer ops (2PC, state transfer, the
-controllers' role changes) are not listed by it and need a cluster (not probed here yet).
+standalone server is probed: a replicated server's peer ops (2PC, state transfer) are not
+listed by it and need a cluster: tests/system/test_loop_lag_peers.py.
 """
 
 from __future__ import annotations
