@@ -223,7 +223,7 @@ def test_an_environment_of_an_unknown_format_is_refused_with_a_clear_message(
     with env.begin(write=True) as txn:
         txn.put(b"format", b"9", db=env.open_db(b"meta", txn=txn))
     env.close()
-    with pytest.raises(ConfigError, match="LMDB format b'9' is not this version's b'2'"):
+    with pytest.raises(ConfigError, match="LMDB format b'9' is not this version's b'3'"):
         Persister(tmp_path / "db", map_size=1 << 22)
 
 

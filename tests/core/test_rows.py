@@ -239,7 +239,7 @@ def test_row_index_agrees_with_a_dict_across_merges() -> None:
             [rng.choice(np.fromiter(ref, np.int64), 500), rng.integers(0, 9, 50)]
         )
         assert idx.lookup(probe).tolist() == [ref.get(i, -1) for i in probe.tolist()]
-    assert len(idx.recent) < len(idx.keys) and len(idx) == len(ref) and sorted(idx) == sorted(ref)
+    assert len(idx.recent[0]) < len(idx.keys) and len(idx) == len(ref) and sorted(idx) == sorted(ref)
 
 
 def test_rows_checker_counts_a_push_in_a_loss_window_from_its_first_send() -> None:
