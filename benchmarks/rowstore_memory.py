@@ -5,6 +5,9 @@ the raw bytes (values + optimizer state) per row.
 
     python benchmarks/rowstore_memory.py [--rows 1000000] [--dim 8] [--batch 100000] [--top 15]
 
+Then the same server restarted in a fresh process on the same directory: its RSS per row
+after the start's load (`reload_rss_bytes_per_row`).
+
 Human-readable lines, then one JSON object as the last line.
 """
 
@@ -14,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import tracemalloc
@@ -63,6 +67,11 @@ async def run(args: argparse.Namespace, root: Path) -> dict:
     c = AsyncRpc(f"http://127.0.0.1:{port}", TOKEN)
     aw = dim  # Adagrad: one accumulator per element
     try:
+        if args.reload:
+            await c.call("flush")
+            now = rss()
+            return {"reload_rss_bytes_per_row": (now["VmRSS"] - base["VmRSS"]) / n,
+                    "reload_rss_anon_bytes_per_row": (now["RssAnon"] - base["RssAnon"]) / n}  # fmt: skip
         await c.call("create_table", name="t", dim=dim, init={"kind": "normal", "std": 0.01,
                      "seed": 1}, optimizer={"kind": "adagrad", "lr": 0.1})  # fmt: skip
         for s in range(0, n, args.batch):
@@ -108,9 +117,20 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--no-trace", dest="trace", action="store_false",
                     help="RSS without tracemalloc's own overhead")  # fmt: skip
+    ap.add_argument("--reload", help=argparse.SUPPRESS)  # the restarted server's directory
     args = ap.parse_args()
+    if args.reload:
+        args.trace = False
+        print(json.dumps(asyncio.run(run(args, Path(args.reload)))))
+        return 0
     with tempfile.TemporaryDirectory(prefix="adamps-rowmem-") as d:
         out = asyncio.run(run(args, Path(d)))
+        again = subprocess.run(
+            [sys.executable, __file__, "--rows", str(args.rows), "--dim", str(args.dim),
+             "--reload", d],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        out.update(json.loads(again.stdout.strip().splitlines()[-1]))
     for k, v in out.items():
         print(f"{k}: {v:,.1f}" if isinstance(v, float) else f"{k}: {v}")
     print(json.dumps(out))

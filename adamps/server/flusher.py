@@ -186,6 +186,7 @@ class Flusher:
             self.last_error = None
             if nbytes:
                 memtrim.trim()  # the chunks' records and LMDB's dirty pages are free now
+                self.persister.drop_file_view()  # and the file pages its B-tree walk read
             seconds = self.clock() - t0
             self.last_flush = {
                 "time": time.time(),

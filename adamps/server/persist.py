@@ -178,6 +178,12 @@ class Persister:
         with self._lock:
             self.env.close()
 
+    def drop_file_view(self) -> bool:
+        """Unmaps the file pages reads touched (memtrim.drop_file_view: LMDB's map is read-only
+        here, no ``writemap``); they stay in the page cache."""
+        with self._lock:
+            return memtrim.drop_file_view(str(Path(self.path, "data.mdb").resolve()))
+
     # -- writing ------------------------------------------------------------------------------
 
     def _write(self, fn: Callable[[lmdb.Transaction], None]) -> None:
@@ -552,6 +558,7 @@ class Persister:
                 txn, self._rowpages, self._rows, lambda sid: sid.rpartition("/")[0] in out
             ).items():
                 out[sid.rpartition("/")[0]].rows[sid] = rows
+        self.drop_file_view()  # every record was read (copied) once: the map's pages may go
         return list(out.values())
 
 

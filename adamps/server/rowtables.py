@@ -139,7 +139,9 @@ class RowTables:
             if rec is not None:
                 st.version = int(rec[0])
                 blk = st.value
-                got = rows.get(st.id)
+                # popped: each shard's records are freed once parsed, so a start holds the
+                # records and the arrays of one shard at a time beside the rest's records
+                got = rows.pop(st.id, None) if isinstance(rows, dict) else rows.get(st.id)
                 parsed = None if got is None else got.parse(spec.dim, blk.acc_width, blk.page_rows)
                 blk.load_flushed(np.ascontiguousarray(rec[1]).tobytes(), parsed)
         return t
