@@ -221,9 +221,7 @@ class RowBlock:
             s, g = s[keep], g[keep]
         if len(s):
             self._step(s, g)
-            if self.has_seen:
-                self.seen[s] = push.time
-            self.dirty[s // self.page_rows] = True
+            self._touch(s, push.time)
 
     def _admit(self, ids: np.ndarray, new: np.ndarray, stats: ApplyStats) -> np.ndarray:
         """The positions in `new` (ids without a row, increasing) that get a row now."""
@@ -249,12 +247,17 @@ class RowBlock:
         if self.accum is not None:
             self.accum[slots] = self.optimizer.initial_state
         self.ids[slots] = ids
-        if self.has_seen:
-            self.seen[slots] = 0.0
-        self.dirty[slots // self.page_rows] = True
+        self._touch(slots, 0.0)
         self.index.add(ids, slots)
         self.n += k
         s[new] = slots
+
+    def _touch(self, s: np.ndarray, time: float) -> None:
+        """Slots `s` were written at `time`: their last push time (where expiry reads it) and
+        their pages' dirty flags."""
+        if self.has_seen:
+            self.seen[s] = time
+        self.dirty[s // self.page_rows] = True
 
     def _step(self, s: np.ndarray, g: np.ndarray) -> None:
         assert self.values is not None
