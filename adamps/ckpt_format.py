@@ -50,9 +50,10 @@ class CheckpointError(Exception):
 
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
+    buf = memoryview(bytearray(1 << 20))  # one buffer, reused: no allocation per chunk
+    with path.open("rb", buffering=0) as f:
+        while k := f.readinto(buf):
+            h.update(buf[:k])
     return h.hexdigest()
 
 

@@ -100,9 +100,11 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
 
 
 def _signed(manifest: dict[str, Any]) -> set[str]:
-    """The tensors whose optimizer state may hold negative values (Optimizer.signed_state)."""
+    """The tensors, and the tables as ``<table>#rows/``, whose optimizer state may hold negative
+    values (Optimizer.signed_state: Adam's first moments, sparse_adam's on rows)."""
     out = set()
-    for d in manifest.get("tensors", []):
+    tables = [{**t, "name": t.get("name", "") + ROWS_SEP} for t in manifest.get("tables", [])]
+    for d in [*manifest.get("tensors", []), *tables]:
         try:
             if d.get("optimizer") and Optimizer.from_dict(d["optimizer"]).signed_state:
                 out.add(d["name"])
@@ -150,7 +152,8 @@ def _check_state(
             except (ValueError, struct.error) as exc:
                 damaged.append((sid, str(exc)))
                 continue
-            bounds.check_state(f"row shard {sid!r}", values, accum)
+            signed_rows = table + ROWS_SEP in signed
+            bounds.check_state(f"row shard {sid!r}", values, accum, signed_rows)
     except ProtocolError as exc:
         raise CheckpointError(f"{src}: {exc.message}: nothing restored") from None
     return damaged

@@ -40,7 +40,10 @@ def parse(path: Path) -> Any:
             f"{size} bytes, more than a manifest may have ({MAX_MANIFEST_BYTES}): not a checkpoint"
         )
     with path.open("rb") as f:
-        raw = f.read(MAX_MANIFEST_BYTES + 1)
+        # read(n) allocates n bytes first: the file's size (bounded above), not the bound
+        raw = f.read(size + 1)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise SchemaError(f"more than a manifest may have ({MAX_MANIFEST_BYTES} bytes)")
     try:
         return json.loads(raw)
     except RecursionError:

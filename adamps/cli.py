@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("trainer.main", "run one model replica (trainer)"),
     "checkpoint": ("adamps.checkpoint", "save a running cluster's state, or restore it"),
     "export": ("adamps.export", "write a checkpoint's or a cluster's values as npz or safetensors"),
+    "table": (
+        "adamps.table_cmd",
+        "load an embedding table's rows from .npy, .safetensors or a checkpoint",
+    ),
     "coordinator": ("coordinator.main", "run the Sandblaster L-BFGS coordinator"),
 }
 

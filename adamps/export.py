@@ -3,6 +3,10 @@ a running cluster (through a checkpoint save into a temporary directory).
 
     adamps export --from DIR --format npz|safetensors|torch --out model.npz
     adamps export --controllers URL,... --format safetensors --out model.safetensors
+    adamps export --table NAME --format safetensors|npy --out emb.safetensors
+
+With ``--table`` it writes one embedding table's ids and rows in id order for serving, streamed
+bucket by bucket (adamps/table_files.py: never the whole table in memory).
 
 The file holds each tensor's float32 values under its name (accumulators and embedding rows
 stay in the checkpoint): what ``adamps train --init`` and ``numpy.load`` /
@@ -22,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from adamps import clusters, tls
+from adamps import clusters, table_files, tls
 from adamps.checkpoint import CheckpointError, Cluster, load, save
 from adamps.client.rpc import RpcError
 
@@ -62,7 +66,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--from", dest="src", type=Path, help="checkpoint directory (default: the "
                    "running cluster found as `adamps status` finds it)")  # fmt: skip
     clusters.add_arguments(p)
-    p.add_argument("--format", default="npz", help="npz, safetensors or torch (a state_dict)")
+    p.add_argument("--format", default=None, help="npz (the default), safetensors or torch (a "
+                   "state_dict); with --table: safetensors (the default) or npy")  # fmt: skip
+    p.add_argument("--table", default=None, help="write this embedding table's ids and rows "
+                   "in id order instead of the tensors")  # fmt: skip
     p.add_argument("--run", default=None, help="--format torch: the run whose tensors to write")
     p.add_argument("--out", required=True, type=Path, help="file to write")
     tls.add_arguments(p)
@@ -75,26 +82,38 @@ def main(argv: list[str]) -> int:
     if args.src is not None and (args.controllers or args.cluster):
         print("adamps export: give --from (a checkpoint) or a cluster, not both", file=sys.stderr)
         return 2
-    if args.format not in FORMATS:
+    formats = table_files.FORMATS if args.table else FORMATS
+    if args.format is None:
+        args.format = formats[0] if args.table else "npz"
+    if args.format not in formats:
+        what = "a table (--table) exports as" if args.table else "expected one of"
+        hint = " (npy is a table's format: --table)" if args.format == "npy" else ""
         print(
-            f"adamps export: --format {args.format!r}: expected one of {', '.join(FORMATS)}",
+            f"adamps export: --format {args.format!r}: {what} {', '.join(formats)}{hint}",
             file=sys.stderr,
         )
         return 2
+
+    def write(src: Path) -> list[str]:
+        if args.table:
+            n = table_files.export_table(src, args.table, args.out, args.format)
+            return [f"{n} rows of table {args.table!r}"]
+        return export(src, args.out, args.format, args.run)
+
     target = None
     try:
         if args.src is not None:
-            names = export(args.src, args.out, args.format, args.run)
+            names = write(args.src)
         else:
             target = clusters.resolve(args.controllers, args.token, args.cluster, "adamps export")
             cluster = Cluster(target.controllers, target.token)
             try:
                 with tempfile.TemporaryDirectory(prefix="adamps-export-") as tmp:
                     save(cluster, Path(tmp))
-                    names = export(Path(tmp), args.out, args.format, args.run)
+                    names = write(Path(tmp))
             finally:
                 cluster.close()
-    except CheckpointError as exc:
+    except (CheckpointError, table_files.TableFileError) as exc:
         print(f"adamps export: {exc}", file=sys.stderr)
         return 1
     except (RpcError, ConnectionError, TimeoutError) as exc:
@@ -106,5 +125,9 @@ def main(argv: list[str]) -> int:
     except OSError as exc:  # --out in a directory that does not exist or cannot be written
         print(f"adamps export: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
+    if args.table:
+        extra = f" (ids in {table_files.ids_path(args.out)})" if args.format == "npy" else ""
+        print(f"wrote {names[0]} to {args.out}{extra}")
+        return 0
     print(f"wrote {len(names)} tensors to {args.out}")
     return 0

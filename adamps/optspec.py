@@ -11,6 +11,10 @@ ports unchanged (docs/training.md, "Optimizers"):
 - ``rmsprop`` (alpha, eps, weight_decay, momentum, centered);
 - ``rowwise_adagrad`` (tables only: one accumulator per row, the mean of the squared gradient over
   the row, as TorchRec's and FBGEMM's row-wise Adagrad);
+- ``sparse_adam`` (tables only: torch.optim.SparseAdam's lazy Adam, betas, eps; a row's first and
+  second moments move only when the row is pushed; the bias correction counts the row's own
+  pushes, kept per row, where torch counts the table's steps: the same when every step touches
+  the row, see docs/training.md);
 - ``adagrad_legacy``: adamps' Adagrad before torch's rule (``acc += g*g; w -= lr * g / sqrt(acc +
   eps)``, fields ``eps`` and ``initial_accumulator``). A definition of kind ``adagrad`` that names
   ``initial_accumulator`` (every definition written before the torch kinds, in LMDB or a
@@ -57,11 +61,14 @@ FIELDS: dict[str, dict[str, Any]] = {
         "centered": False,
     },
     "rowwise_adagrad": {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0},
+    "sparse_adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8},
     "adagrad_legacy": {"lr": 0.01, "eps": 1e-8, "initial_accumulator": 0.0},
 }
 KINDS = tuple(FIELDS)
 #: the kinds an embedding table's rows take (per row: no step count is kept)
-TABLE_KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adagrad_legacy")
+TABLE_KINDS = ("sgd", "adagrad", "rowwise_adagrad", "sparse_adam", "adagrad_legacy")
+#: the kinds only tables take (their state is per row)
+ROW_ONLY_KINDS = ("rowwise_adagrad", "sparse_adam")
 #: float32 elements after the per-element arrays that hold the step count (uint64)
 STEP_SLOTS = 2
 _BOOLS = ("nesterov", "amsgrad", "centered")
@@ -160,7 +167,7 @@ class Optimizer:
             return 3 if p["amsgrad"] else 2
         if k == "rmsprop":
             return 1 + (p["momentum"] > 0) + p["centered"]
-        return 0  # rowwise_adagrad: rows only
+        return 0  # rowwise_adagrad, sparse_adam: rows only
 
     @property
     def has_accumulator(self) -> bool:
@@ -194,9 +201,13 @@ class Optimizer:
         return 0.0
 
     def row_state_width(self, dim: int) -> int:
-        """float32 state elements per row of a table of `dim` (no step count on rows)."""
+        """float32 state elements per row of a table of `dim`: Adagrad's accumulator (dim, or 1
+        row-wise); sparse_adam's exp_avg and exp_avg_sq (dim each) and the row's step count (1,
+        its value: exact to 2^24 steps, after which its bias correction is 1 anyway)."""
         if self.kind in ("adagrad", "adagrad_legacy"):
             return dim
+        if self.kind == "sparse_adam":
+            return 2 * dim + 1
         return 1 if self.kind == "rowwise_adagrad" else 0
 
     def check_for_table(self) -> None:
@@ -211,6 +222,8 @@ class Optimizer:
     def check_for_tensor(self) -> None:
         if self.kind == "rowwise_adagrad":
             raise OptimError("rowwise_adagrad is for tables; a dense tensor takes 'adagrad'")
+        if self.kind == "sparse_adam":
+            raise OptimError("sparse_adam is for tables; a dense tensor takes 'adam'")
 
     # -- wire -------------------------------------------------------------------------------------
 

@@ -102,12 +102,29 @@ def signed(rpc: SyncRpc, c: LocalCluster, sender: str, receiver: str, op: str, /
     return rpc.send(dataclasses.replace(req, extra_headers=hdr))
 
 
+def _arrays(x: Any) -> list[dict[str, Any]]:
+    """The out-of-band array descriptors ({dtype, shape, at}) anywhere in `x`."""
+    if isinstance(x, dict):
+        if "at" in x and "dtype" in x:
+            return [x]
+        return [a for v in x.values() for a in _arrays(v)]
+    if isinstance(x, list | tuple):
+        return [a for v in x for a in _arrays(v)]
+    return []
+
+
 def signed_frame(
     c: LocalCluster, sender: str, receiver: str, items: list[Any], payload: bytes = b""
 ) -> bytes:
-    """A repl_multi frame for `receiver`'s data port as server `sender` sends it: its id in the
-    meta, the MAC of the meta and payload appended to the payload."""
-    meta = protocol.encode(protocol.request("repl_multi", token=TOKEN, peer=sender, items=items))
+    """A repl_multi frame for `receiver`'s data port as server `sender` sends it: its id and the
+    MAC's form in the meta, the segmented frame MAC appended to the payload (the payload as one
+    segment: the meta's arrays, if any, are where a test put them)."""
+    req = protocol.request(
+        "repl_multi", token=TOKEN, peer=sender, mac=peer_auth.FRAME_MAC, items=items
+    )
+    meta = protocol.encode(req)
     key = peer_auth.pair_key(c.peer_token, sender, receiver)
-    mac = peer_auth.mac(key, [meta, payload])
+    offsets = [int(a["at"]) for a in _arrays(items)]
+    segments = peer_auth.segment_digests(memoryview(payload), offsets)
+    mac = peer_auth.frame_mac(key, meta, segments)
     return frame_header(REQUEST, len(meta), len(payload) + len(mac)) + meta + payload + mac

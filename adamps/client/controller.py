@@ -264,9 +264,6 @@ class ControllerOps:
             body["join"] = join
         return self._post(f"/buckets/{bucket}/caught-up", body)
 
-    def declare_lost(self, bucket: int) -> Any:
-        return self._post(f"/buckets/{bucket}/declare-lost", {})
-
     def release(self, bucket: int, server: str, epoch: int) -> Any:
         return self._post(f"/buckets/{bucket}/release", {"server": server, "epoch": epoch})
 

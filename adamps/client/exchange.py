@@ -171,16 +171,6 @@ class _Exchange:
         try:
             self.read(lane.dp, group)
         except DataPlaneError as exc:
-            if exc.code == "unknown_op":
-                # A server of an older version that takes no message ops there: refused before
-                # anything was applied, and it closed the connection, so this request and the
-                # ones behind it (never applied) go over HTTP, the same messages.
-                if self.pool is not None:
-                    self.pool.drop(lane.url)
-                lane.dp = None
-                lane.pending.extendleft(reversed(lane.inflight))
-                lane.inflight.clear()
-                return
             self._fail(lane, as_rpc_error(exc))
             return
         except OSError as exc:

@@ -44,13 +44,16 @@ class Limits:
 
     @classmethod
     def of_status(cls, status: Mapping[str, Any]) -> Limits:
-        """From a server's `GET /status` (defaults where it says nothing: an older server)."""
-        cfg = status.get("config") or {}
-        default = cls()
-        return cls(
-            int(cfg.get("max_body") or default.max_body),
-            int(cfg.get("max_shards_per_request") or default.max_shards),
-        )
+        """From a server's `GET /status`, which names both (`config.max_body`,
+        `config.max_shards_per_request`); ValueError naming what is missing otherwise."""
+        cfg = status.get("config")
+        try:
+            return cls(int(cfg["max_body"]), int(cfg["max_shards_per_request"]))  # type: ignore[index]
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ValueError(
+                "the server's /status names no config.max_body and "
+                f"config.max_shards_per_request ({exc!r}): not a parameter server of this version"
+            ) from None
 
     @classmethod
     def tightest(cls, limits: Iterable[Limits]) -> Limits:

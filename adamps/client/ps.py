@@ -110,10 +110,6 @@ def _flat(rounds: Mapping[str, Sequence[T]]) -> Iterator[tuple[str, T]]:
             yield url, req
 
 
-class PushOutcomeUnknown(Exception):
-    """A push that could not be confirmed before the deadline: it may or may not be applied."""
-
-
 def retryable(exc: BaseException) -> bool:
     """Whether a refreshed routing table may lead to success after `exc`: every failure to get
     an answer (the outcome is unknown: the same (client, seq) settles it), and the codes above."""

@@ -1,5 +1,5 @@
-"""The embedding-table half of ``PSClient`` (issue 23): ``create_table``, ``pull_rows`` and
-``push_rows``, routed by the bucket of each id (``adamps.tables.buckets_of``), one request per
+"""The embedding-table half of ``PSClient`` (issue 23): ``create_table``, ``pull_rows``,
+``push_rows`` and ``put_rows`` (values: a bulk load), routed by the bucket of each id (``adamps.tables.buckets_of``), one request per
 primary, over the data plane as message frames where offered, else over HTTP.
 
 A push follows the dense pushes' client contract: one (client id, seq) for every part; on a
@@ -123,6 +123,24 @@ class RowsClient:
                 "push, do not call it"
             )
         grads = checks.rows(ids, grads, self.tables.get(table))
+        self._send_rows("push_rows", "grads", table, ids, grads, seq)
+
+    def put_rows(self, table: str, ids: Any, values: np.ndarray, seq: int | None = None) -> None:
+        """Sets the rows of `ids` (distinct) to `values` ([len(ids), dim] float32), their
+        optimizer state to its initial value (a bulk load: ``adamps table load``), exactly once,
+        through the push path (the same retries: a ``not_durable`` refusal is retried for
+        ``retry_for``, only the buckets not applied; after it PartialPushError names them)."""
+        ids = as_ids(ids)
+        if not len(ids):
+            raise ValueError(f"put_rows of table {table!r} needs at least one id, got none")
+        if len(np.unique(ids)) != len(ids):
+            raise ValueError(f"put_rows of table {table!r}: an id appears more than once")
+        values = checks.rows(ids, values, self.tables.get(table))
+        self._send_rows("put_rows", "values", table, ids, values, seq)
+
+    def _send_rows(
+        self, op: str, field: str, table: str, ids: np.ndarray, arr: np.ndarray, seq: int | None
+    ) -> None:
         seq = self.next_seq() if seq is None else seq
         pair = {"client": self.client_id, "seq": seq}
         done: set[int] = set()
@@ -131,10 +149,10 @@ class RowsClient:
 
         def fields(group: list[tuple[int, np.ndarray]]) -> dict[str, Any]:
             pos = np.concatenate([p for _, p in group])
-            return {"table": table, "ids": ids[pos], "grads": grads[pos]}
+            return {"table": table, "ids": ids[pos], field: arr[pos]}
 
         def by_http(url: str, group: list[tuple[int, np.ndarray]]) -> None:
-            self._rpc(url).call("push_rows", **fields(group), **pair)
+            self._rpc(url).call(op, **fields(group), **pair)
             done.update(b for b, _ in group)
 
         def read(dp: DataPlaneClient, group: list[tuple[int, np.ndarray]]) -> None:
@@ -146,7 +164,7 @@ class RowsClient:
             sent_to.update((b, url) for url, group in groups for b, _ in group)
             self._exchange(
                 groups,
-                lambda dp, group: dp.send_message("push_rows", **fields(group), **pair),
+                lambda dp, group: dp.send_message(op, **fields(group), **pair),
                 read,
                 by_http,
             )
@@ -155,7 +173,7 @@ class RowsClient:
             self._with_retry(go)
         except Exception as exc:
             buckets = split_by_bucket(ids, self.layout.n_buckets)
-            partial = partial_of(exc, "push_rows", self.client_id, seq, sent_to, done, buckets)
+            partial = partial_of(exc, op, self.client_id, seq, sent_to, done, buckets)
             if partial is None:
                 raise
             raise partial from exc

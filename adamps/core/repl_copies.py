@@ -1,10 +1,12 @@
 """What a server's copies are, as its replication core holds them: the copies offered to the
-controllers, the cut a flush persists, a copy reloaded from disk, the status page and the
-digest op's position. Pure functions of a ``ReplCore`` (no IO, no clock: time comes in)."""
+controllers, the cut a flush persists, the status page and the digest op's position. Functions
+of a ``ReplCore`` (no IO, no clock: time comes in) that only read it, except ``positions``,
+which takes a flush's cut and tells the core so through its input ``cut_taken`` (a copy
+reloaded from disk is the core's input ``reloaded``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container
 from typing import Any
 
 from adamps.core.repl_core import ReplCore
@@ -47,23 +49,8 @@ def positions(
         else:
             dedup, fresh = rep.dedup.entries_after(last, dedup_per_flush), False
         out[b] = make(rep.committed_epoch, rep.committed, dedup, fresh, rep.held_prepared())
-        core.persisted[b] = rep.committed
+        core.cut_taken(b)
     return out
-
-
-def restore(
-    core: ReplCore,
-    b: int,
-    seq: int,
-    epoch: int,
-    dedup: Iterable[Sequence[Any]],
-    prepared: Iterable[Batch],
-) -> None:
-    """A copy reloaded from disk at start: held as standby until the controllers decide."""
-    rep = core.buckets[b] = core.new_replica(b)
-    rep.restore(seq, epoch, dedup, prepared)
-    core.roles[b] = "standby"
-    core.persisted[b] = seq
 
 
 def position(core: ReplCore, b: int) -> dict[str, Any]:

@@ -23,7 +23,13 @@ The shell (adamps.server.replicate, or the simulation) feeds events in and carri
   epoch; the client's retry is answered exactly once by whoever has the batch);
 - ``unresponsive(...)``: a member that did not answer within ``member_timeout``;
 - the joining copy's snapshot (``snapshot_fetched``, ``installed``, ``install_persisted``:
-  repl_join.py).
+  repl_join.py);
+- the disk (repl_disk.py): a copy reloaded at start (``reloaded``), a flush's cut
+  (``cut_taken``), damaged records (``rewrite_copy``), whether a copy can be persisted now
+  (``cannot_persist``).
+
+Nothing outside the core writes its attributes: every change comes through these inputs
+(tests/core/test_core_inputs.py scans the code for writes).
 
 Per bucket, the two-phase-commit state machine is ``BucketReplica`` (adamps.core.replication);
 this object holds one per copy, and the per-server state around them: roles, leases, when each
@@ -39,6 +45,7 @@ from typing import Any
 from adamps.core.controller_link import ControllerLink
 from adamps.core.lease import HolderLeases
 from adamps.core.repl_controllers import ControllerSide
+from adamps.core.repl_disk import DiskSide
 from adamps.core.repl_join import JoiningCopy
 from adamps.core.repl_pings import Pings
 from adamps.core.repl_ready import Answer, ControllerRequest, Fetch, Ready, Send
@@ -48,7 +55,7 @@ from adamps.core.repl_types import Apply, Assignment, Batch, Reject
 from adamps.core.replication import BucketReplica
 
 
-class ReplCore(ControllerSide, JoiningCopy, Pings):
+class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
     """Replication state of one server. Mutated only through its methods, by one shell."""
 
     def __init__(self, settings: ReplSettings) -> None:

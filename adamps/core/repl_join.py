@@ -27,9 +27,9 @@ class JoiningCopy:
     installing: dict[int, tuple[str | None, int]]
     settings: ReplSettings
     _ready: Ready
-    #: why this server cannot persist a copy now, or None (set by the shell from its flusher):
-    #: no transfer is asked for meanwhile, it would only hold the primary's rounds for a
-    #: learner that cannot become a durable member (issue 29)
+    #: why this server cannot persist a copy now, or None (``cannot_persist``, repl_disk.py,
+    #: from the shell's flusher): no transfer is asked for meanwhile, it would only hold the primary's rounds for
+    #: a learner that cannot become a durable member (issue 29)
     persist_blocked: str | None = None
     #: bucket -> the fetch in flight (the shell answers it with ``snapshot_fetched``)
     _fetching: dict[int, Fetch]

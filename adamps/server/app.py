@@ -174,6 +174,7 @@ class ParameterServer:
         self.data_plane.messages.update(
             pull_rows=self.rows.op_pull_rows,
             push_rows=self.rows.op_push_rows,
+            put_rows=self.rows.op_put_rows,
             round=self.round.op_round,
         )
         self._closed = False
@@ -201,6 +202,7 @@ class ParameterServer:
             "list_tables": self.catalog.tables.op_list_tables,
             "pull_rows": self.rows.op_pull_rows,
             "push_rows": self.rows.op_push_rows,
+            "put_rows": self.rows.op_put_rows,
             "round": self.round.op_round,
             "ckpt_read": self.checkpoints.op_ckpt_read,
             "ckpt_install": self.checkpoints.op_ckpt_install,
@@ -235,7 +237,7 @@ class ParameterServer:
         rep, loop = self.replicator, self._loop
         if rep is not None and b is not None and loop is not None:
             # The copy's next cut is written fresh: its position and whole exactly-once table.
-            loop.call_soon_threadsafe(rep.core.persisted.pop, b, None)
+            loop.call_soon_threadsafe(rep.core.rewrite_copy, b)
 
     def _refuse_or_drop_corrupt(self) -> None:
         """A standalone server has no other copy to recover from: it refuses to start. A

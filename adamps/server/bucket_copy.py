@@ -133,8 +133,10 @@ def install(
     ValueError, nothing installed, if one fails). The caller moves the copy's position in the
     same loop step, then awaits the futures."""
     for sid, rec in snap["shards"].items():  # before anything changes here
-        want = rec.get("x")  # absent from a primary of the previous version
-        if want is not None and shard_digest(rec["value"], rec.get("accum")) != want:
+        want = rec.get("x")  # every shard of a snapshot carries its digest
+        if not isinstance(want, int):
+            raise ValueError(f"shard {sid} of the snapshot of bucket {b} carries no digest")
+        if shard_digest(rec["value"], rec.get("accum")) != want:
             on_corrupt("transfer")
             raise ValueError(f"shard {sid} of the snapshot of bucket {b} fails its checksum")
     # What a deleted run left on a primary that has not learned of the deletion yet is not

@@ -248,7 +248,8 @@ def _check_block(st: RowShardState, sid: str, data: bytes) -> None:
         raise ProtocolError("bad_request", f"row shard {sid}: not a row block: {exc}") from None
     n = probe.n
     acc = None if probe.accum is None else probe.accum[:n]
-    bounds.check_state(f"row shard {sid}", probe.values[:n], acc)
+    signed = st.table.optimizer.signed_state  # sparse_adam's first moments are signed
+    bounds.check_state(f"row shard {sid}", probe.values[:n], acc, signed)
 
 
 def _since_versions(msg: dict[str, Any]) -> dict[str, int]:

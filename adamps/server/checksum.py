@@ -42,14 +42,11 @@ def is_sealed(rec: bytes | memoryview) -> bool:
     return bytes(rec[: len(MAGIC)]) == MAGIC
 
 
-def unseal(rec: bytes | memoryview, legacy_ok: bool = False) -> memoryview:
-    """The payload of a sealed record, verified; raises CorruptRecord when it does not verify.
-    A record without the magic is returned whole when `legacy_ok` (an environment written by the
-    previous version), else it is corrupt."""
+def unseal(rec: bytes | memoryview) -> memoryview:
+    """The payload of a sealed record, verified; raises CorruptRecord when it does not verify
+    (a record without the magic included)."""
     view = memoryview(rec)
     if not is_sealed(view):
-        if legacy_ok:
-            return view
         raise CorruptRecord("record has no checksum header (damaged, or not written by adamps)")
     if len(view) < _HEAD:
         raise CorruptRecord("record shorter than its checksum header")

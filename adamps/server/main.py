@@ -86,8 +86,7 @@ def serve(cfg: PsConfig) -> int:
     finally:
         ps.close()
         limits.restore_original_limits()
-    if ps.fatal is not None:
-        log.error("parameter server stopped: %s", ps.fatal)
+    if ps.fatal is not None:  # its reason was logged once, when it stopped (stop_for)
         return 2
     return 0
 

@@ -149,12 +149,11 @@ class PeerKeys:
         """A data-plane repl_multi frame, authenticated, then decoded: (the server whose MAC it
         carries, or None when identity is off or the frame names no sender; the message).
 
-        The MAC is the payload's last MAC_SIZE bytes. With ``"mac": FRAME_MAC`` in the meta it
-        is ``peer_auth.frame_mac`` of the meta and the digests of the payload's segments, cut
-        where the meta's out-of-band arrays start (so the message is decoded first: bounded, and
-        only views; a frame that cannot be decoded cannot be verified, and is forbidden).
-        Without it, the HMAC of the meta and the payload's bytes (a peer of the previous
-        version)."""
+        The MAC is the payload's last MAC_SIZE bytes: ``peer_auth.frame_mac`` of the meta and the
+        digests of the payload's segments, cut where the meta's out-of-band arrays start (so the
+        message is decoded first: bounded, and only views; a frame that cannot be decoded cannot
+        be verified, and is forbidden). The meta names that form (``"mac": FRAME_MAC``); a
+        frame that names none or another is forbidden."""
         op = "repl_multi"
         claimed = meta.get("peer")
         if claimed is None:
@@ -167,9 +166,6 @@ class PeerKeys:
             return None, protocol.decode(meta_raw, payload)
         name = claimed if isinstance(claimed, str) else None
         form = meta.get("mac")
-        if form is None:
-            peer = await self.prover(op, [meta_raw, payload], name, got)
-            return peer, protocol.decode(meta_raw, payload)
         if form != peer_auth.FRAME_MAC:
             raise forbidden(op, f"unknown frame MAC {form!r}")
         offsets: list[int] = []

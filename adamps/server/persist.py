@@ -32,10 +32,10 @@ LMDB layout (one Environment per process, five named databases):
 Every record is sealed with a checksum (``adamps.server.checksum``) in the transaction that writes
 it, and verified wherever it is read: at start (``verify``, before a copy is offered), by the
 background scrub, and by ``load``. A database ``meta`` holds the format stamp (``format`` ->
-``3``; a ``2`` is restamped: its rows load and are rewritten as pages by the next flush); an
-environment without it was written by the version before those, whose
-records have no checksum: it is read once unverified (logged), every record is resealed in one
-transaction, and the stamp is written, so from then on a record without a checksum is corrupt.
+``3``), written when the environment is created; a ``2`` (rows in a record each, ``rows``) is
+restamped: its rows load and are rewritten as pages by the next flush. An environment that holds
+records but no stamp was not written by this version (no released version wrote one) and is
+refused with a message naming it, as is a stamp of another format.
 
 ``sync`` stays on (no ``writemap``): a committed flush survives a crash of the process or machine.
 MapFullError grows the map (doubling) and retries; ``set_mapsize`` needs no transaction open in this
@@ -321,39 +321,28 @@ class Persister:
     # -- format ----------------------------------------------------------------------------------
 
     def _stamp_or_migrate(self) -> None:
-        """Stamps a new environment with FORMAT; reseals an environment of the previous version
-        (no stamp, records without checksums) in one transaction. A stamp other than FORMAT is
-        refused: this version cannot tell what such records mean."""
+        """Stamps a new environment with FORMAT. An environment stamped otherwise, or holding
+        records without a stamp, is refused: this version cannot tell what its records mean."""
         with self._lock, self.env.begin() as txn:
             stamp = txn.get(b"format", db=self._meta)
             n = txn.stat(self._tensors)["entries"] + txn.stat(self._positions)["entries"]
         if stamp == b"2":  # format 2: rows in records of their own, which load as they are
             self._write(lambda txn: txn.put(b"format", FORMAT, db=self._meta))
-        elif stamp is not None:
-            if bytes(stamp) != FORMAT:
-                self.env.close()
-                raise ConfigError(
-                    f"{self.path}: LMDB format {bytes(stamp)!r} is not this version's "
-                    f"{FORMAT!r} (written by a newer adamps?): run that version, or move the "
-                    "directory aside"
-                )
             return
-        if n:
-            log.warning(
-                "%s was written by a previous version without checksums: its records are read "
-                "UNVERIFIED once and resealed with checksums now",
-                self.path,
+        if stamp is not None and bytes(stamp) == FORMAT:
+            return
+        if stamp is not None or n:
+            self.env.close()
+            shown = repr(bytes(stamp)) if stamp is not None else "none (records without checksums)"
+            raise ConfigError(
+                f"{self.path}: LMDB format {shown} is not this version's {FORMAT!r} (written by "
+                "another adamps?): run that version, or move the directory aside"
             )
 
-        def reseal(txn: lmdb.Transaction) -> None:
-            for name in _SEALED_DBS:
-                db = getattr(self, "_" + name)
-                recs = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db)]
-                for k, v in recs:
-                    txn.put(k, seal(unseal(v, legacy_ok=True)), db=db)
+        def stamp_new(txn: lmdb.Transaction) -> None:
             txn.put(b"format", FORMAT, db=self._meta)
 
-        self._write(reseal)
+        self._write(stamp_new)
 
     def report_corrupt(self, where: str, db: str, key: bytes, exc: Exception) -> str:
         """Counts, reports and logs a record that failed its checksum; returns why."""

@@ -136,6 +136,8 @@ def _check_rows(store: Store, u: dict[str, Any]) -> None:
     bounds.check_dense(st.id, grads)
     if isinstance(when, bool) or not isinstance(when, int | float) or not math.isfinite(when):
         raise _bad("a row update's time 't' must be a finite number")
+    if not isinstance(u.get("a", False), bool):
+        raise _bad("a row update's 'a' (put_rows: values, not gradients) must be a bool")
 
 
 def _check_vec(u: dict[str, Any]) -> None:

@@ -97,13 +97,12 @@ class PeerStream:
         port: int,
         token: str,
         timeout: float,
-        digests: SegmentDigests | None = None,
+        digests: SegmentDigests,
     ) -> None:
         self.host, self.port = host, port
         self.token = token
         self.timeout = timeout
-        #: the segments' digests shared by every peer's stream (None: the peer is of a version
-        #: that checks only the MAC of the frame's bytes, peer_auth.mac)
+        #: the segments' digests shared by every peer's stream
         self.digests = digests
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
@@ -112,23 +111,19 @@ class PeerStream:
     ) -> tuple[bytes, list[memoryview], int, str] | None:
         """The encoded request, or None when its meta exceeds a frame's (send it over HTTP).
         With a pair key, the meta names the sender and the payload ends with the MAC that the
-        peer checks before it reads a field (adamps.peer_auth): the segmented frame MAC when the
-        peer takes it (each array hashed once for all peers), else the MAC of the bytes."""
+        peer checks before it reads a field (adamps.peer_auth): the segmented frame MAC (each
+        array hashed once for all peers)."""
         extra: dict[str, Any] = {}
         if key is not None:
             extra["peer"] = sender
-            if self.digests is not None:
-                extra["mac"] = peer_auth.FRAME_MAC
+            extra["mac"] = peer_auth.FRAME_MAC
         req = protocol.request("repl_multi", token=self.token, **extra, **msg)
         starts: list[int] = []
         meta, parts, n = protocol.encode_oob(req, starts)
         if len(meta) > MAX_META:
             return None
         if key is not None:
-            if self.digests is not None:
-                tag = peer_auth.frame_mac(key, meta, self.digests.of(parts, starts))
-            else:
-                tag = peer_auth.mac(key, [meta, *parts])
+            tag = peer_auth.frame_mac(key, meta, self.digests.of(parts, starts))
             parts = [*parts, memoryview(tag)]
             n += peer_auth.MAC_SIZE
         return meta, parts, n, req["rid"]
@@ -209,8 +204,6 @@ class PeerChannel:
         #: the peer's data plane (None: HTTP), and when it was last looked up
         self.stream: PeerStream | None = None
         self._looked_up = -1e9
-        #: messages the peer's data port refused as unknown (an older version): sent over HTTP
-        self.http_fallbacks = 0
 
     async def _stream(self) -> PeerStream | None:
         """The peer's data plane, as its GET /status advertises it (looked up again now and then
@@ -225,11 +218,7 @@ class PeerChannel:
             return None
         if port:
             host = urlsplit(self.rpc.base_url).hostname or "127.0.0.1"
-            # The segmented frame MAC only to a peer that says it checks it (a peer of the
-            # previous version would refuse it as forbidden).
-            takes = status.get("peer_frame_mac") == peer_auth.FRAME_MAC
-            digests = self.digests if takes else None
-            self.stream = PeerStream(host, port, self.token, self.timeout, digests)
+            self.stream = PeerStream(host, port, self.token, self.timeout, self.digests)
         return self.stream
 
     async def _http(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -243,16 +232,6 @@ class PeerChannel:
             return await self._http(msg)
         try:
             return await stream.call(encoded)
-        except RpcError as exc:
-            if exc.code != "unknown_op":
-                raise
-            # A peer of an older version, whose data plane takes no repl_multi (refused before
-            # anything was handled): HTTP for this message, and for the next ones until the
-            # port is looked up again.
-            self.stream = None
-            self._looked_up = time.monotonic() + 60.0  # not again within a minute
-            self.http_fallbacks += 1
-            return await self._http(msg)
         except (ConnectionError, OSError):
             self.stream = None  # look the port up again before the next message
             raise

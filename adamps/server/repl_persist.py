@@ -46,7 +46,7 @@ def restore(core: ReplCore, positions: dict[int, Position]) -> None:
     """Copies reloaded from LMDB at start: held as standby until the controllers decide."""
     for b, p in positions.items():
         prepared = map(batch_from_wire, p.prepared)
-        repl_copies.restore(core, b, p.seq, p.epoch, p.dedup, prepared)
+        core.reloaded(b, p.seq, p.epoch, p.dedup, prepared)
     log.info("reloaded %d copies: %s", len(positions), repl_copies.copies(core))
 
 
@@ -100,4 +100,4 @@ def tell_blocked(core: ReplCore, can_persist: Callable[[], str | None]) -> None:
     blocked = can_persist() if "joining" in core.roles.values() else None
     if blocked is not None and core.persist_blocked is None:
         log.info("no state transfer is asked for while this server cannot persist: %s", blocked)
-    core.persist_blocked = blocked
+    core.cannot_persist(blocked)

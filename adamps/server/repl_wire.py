@@ -214,17 +214,15 @@ def batch_from_wire(d: dict[str, Any]) -> Batch:
     for u in updates:
         if not isinstance(u, list | tuple):
             raise ProtocolError("bad_request", "a batch's updates must be lists of updates")
-    want = d.get("x")  # absent from a peer of the previous version
-    if want is not None and updates_digest(updates) != want:
+    want = require(d, "x", int)  # the updates' digest: every batch carries one
+    if updates_digest(updates) != want:
         raise ProtocolError(
             "bad_request",
             f"batch {seq} of epoch {epoch} fails its checksum: damaged in memory or on the wire",
         )
     batch = Batch(seq, epoch, tuple(tuple(u) for u in updates), keys)
-    if want is not None:  # verified: its wire form when this copy sends or persists it
-        _keep(
-            batch, {"seq": seq, "epoch": epoch, "updates": updates, "clients": clients, "x": want}
-        )
+    # verified: its wire form when this copy sends or persists it
+    _keep(batch, {"seq": seq, "epoch": epoch, "updates": updates, "clients": clients, "x": want})
     return batch
 
 
@@ -355,7 +353,8 @@ def update_parts(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, Any]
         st = store.shard(u["s"])
         return [(st, signs_of_wire(u, st.shard.size))]
     if kind == "r":  # an embedding table's rows of one bucket (tableops.py)
-        return [(store.tables.shard(u["s"]), RowPush(u["i"], u["g"], float(u["t"])))]
+        push = RowPush(u["i"], u["g"], float(u["t"]), bool(u.get("a", False)))
+        return [(store.tables.shard(u["s"]), push)]
     if kind == "i":  # a checkpoint's shard, whole (install.py)
         st = store.shard(u["s"])
         return [(st, install_of(u, st))]

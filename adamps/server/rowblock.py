@@ -55,6 +55,8 @@ class RowPush:
     ids: np.ndarray
     grads: np.ndarray
     time: float
+    #: put_rows (a bulk load): `grads` are the rows' values themselves, the ids distinct
+    assign: bool = False
 
 
 @dataclass
@@ -155,22 +157,27 @@ class RowBlock:
         # by an eighth: amortised O(1) per row still (each row copied ~8 times as the block
         # grows), with ~1/16 spare room on average, where doubling kept up to 1/2 (and a
         # reloaded block's first new row doubled it)
-        new = max(need, cap + cap // 8, 64)
+        self._resize(max(need, cap + cap // 8, 64))
 
-        def grown(a: np.ndarray) -> np.ndarray:
+    def _resize(self, new: int) -> None:
+        """The arrays at capacity `new` (>= n): the rows copied, the old arrays freed."""
+
+        def moved(a: np.ndarray) -> np.ndarray:
             b = np.empty((new, *a.shape[1:]), a.dtype)
             b[: self.n] = a[: self.n]
             return b
 
-        self.values = grown(self.values)
+        assert self.values is not None
+        self.values = moved(self.values)
         if self.accum is not None:
-            self.accum = grown(self.accum)
-        self.ids = grown(self.ids)
+            self.accum = moved(self.accum)
+        self.ids = moved(self.ids)
         if self.has_seen:
-            self.seen = grown(self.seen)
+            self.seen = moved(self.seen)
         self._size_dirty()
 
     def _size_dirty(self) -> None:
+        """One dirty flag per page of the capacity (and one more); a shrink keeps the flags."""
         assert self.values is not None
         pages = -(-len(self.values) // self.page_rows) + 1
         if len(self.dirty) < pages:
@@ -199,10 +206,41 @@ class RowBlock:
             self.accum[:k] = self.accum[: self.n][keep]
         self.n = k
         self.index.rebuild(self.ids[:k])
+        if len(self.values) > 64 and k < len(self.values) // 4:
+            # expired rows give their memory back (a quarter used: half the capacity stays
+            # free for growth, so a bucket hovering at a size does not resize each sweep)
+            self._resize(max(2 * k, 64))
         return gone
 
+    def assign(self, push: RowPush, stats: ApplyStats) -> None:
+        """put_rows: the rows of `push.ids` (distinct) take the pushed values, their optimizer
+        state its initial value (a loaded row starts its optimizer afresh) and the push's time.
+        Rows are created without the frequency filter (a load is not a sighting), within the
+        bucket's share of max_rows (the ids past it are dropped, counted as a push's are)."""
+        ids, v = push.ids, push.grads
+        s = self.slots(ids)
+        new = np.flatnonzero(s < 0)
+        if self.limit is not None and self.n + len(new) > self.limit:
+            room = max(0, self.limit - self.n)
+            stats.dropped_full += len(new) - room
+            new = new[:room]
+        if len(new):
+            self._create(ids[new], s, new)
+            stats.created += len(new)
+        keep = s >= 0
+        if not keep.all():
+            s, v = s[keep], v[keep]
+        assert self.values is not None
+        self.values[s] = v
+        if self.accum is not None:
+            self.accum[s] = self.optimizer.initial_state
+        self._touch(s, push.time)
+
     def apply(self, push: RowPush, stats: ApplyStats) -> None:
-        """One push (module docstring, steps 1-6)."""
+        """One push (module docstring, steps 1-6); a put_rows' values: `assign`."""
+        if push.assign:
+            self.assign(push, stats)
+            return
         ids, g = sum_duplicates(push.ids, push.grads)
         ttl = self.admission.expire_after
         if ttl is not None and push.time >= self.next_sweep:

@@ -1,5 +1,5 @@
-"""The row ops of a parameter server: ``pull_rows`` and ``push_rows`` (``POST /rpc``, and
-data-plane message frames); the definitions are tablecatalog.py's.
+"""The row ops of a parameter server: ``pull_rows``, ``push_rows`` and ``put_rows`` (values, a
+bulk load) (``POST /rpc``, and data-plane message frames); the definitions are tablecatalog.py's.
 
 Every request is checked whole before anything is queued (ids int64 and 1-D, at most
 ``MAX_IDS`` of them, grads float32 ``[len(ids), dim]``, finite and bounded, the table's dim,
@@ -46,13 +46,14 @@ async def off_loop(n_ids: int, fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(fn, *args)
 
 
-def row_update(sid: str, ids: np.ndarray, grads: np.ndarray, now: float) -> dict[str, Any]:
-    """A push's part for one row shard, in a replication batch."""
-    return {"k": "r", "s": sid, "i": ids, "g": grads, "t": now}
-
-
-def row_push_of_wire(u: dict[str, Any]) -> RowPush:
-    return RowPush(u["i"], u["g"], float(u["t"]))
+def row_update(
+    sid: str, ids: np.ndarray, grads: np.ndarray, now: float, assign: bool = False
+) -> dict[str, Any]:
+    """A push's part for one row shard, in a replication batch (``a``: put_rows' values)."""
+    u = {"k": "r", "s": sid, "i": ids, "g": grads, "t": now}
+    if assign:
+        u["a"] = True
+    return u
 
 
 class TableOps:
@@ -143,14 +144,33 @@ class TableOps:
         await self.writes.replicate_or_apply(msg, wire, parts)
         return {"rows": n, "versions": {}}
 
-    async def decode_push(self, msg: dict[str, Any]) -> tuple[int, Any, Any]:
-        """A push_rows' fields checked whole and cut by bucket: (ids, wire, parts), what
-        `replicate_or_apply` takes (also one table's rows of a ``round``, roundop.py)."""
-        t, ids, states, parts = await self._request(msg, "push_rows")
+    async def op_put_rows(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Rows' values themselves (a bulk load, ``adamps table load``): the push path, each
+        bucket's part one update applied by RowBlock.assign."""
+        n, wire, parts = await self.decode_push(msg, "put_rows")
+        await self.writes.replicate_or_apply(msg, wire, parts)
+        return {"rows": n, "versions": {}}
+
+    async def decode_push(self, msg: dict[str, Any], op: str = "push_rows") -> tuple[int, Any, Any]:
+        """A push_rows' (or put_rows') fields checked whole and cut by bucket: (ids, wire,
+        parts), what `replicate_or_apply` takes (also one table's rows of a ``round``)."""
+        t, ids, states, parts = await self._request(msg, op)
         if not len(ids):
-            raise ProtocolError("bad_request", "push_rows needs at least one id")
-        grads = require_array(msg, "grads", shape=(len(ids), t.spec.dim), finite=False)
-        bounds.check_dense("grads", grads)  # finite, and small enough to stay finite
+            raise ProtocolError("bad_request", f"{op} needs at least one id")
+        assign = op == "put_rows"
+        field = "values" if assign else "grads"
+        grads = require_array(msg, field, shape=(len(ids), t.spec.dim), finite=False)
+
+        def check() -> None:
+            bounds.check_dense(field, grads)  # finite, and small enough to stay finite
+            if assign:
+                uniq, counts = np.unique(ids, return_counts=True)
+                if len(uniq) != len(ids):
+                    dup = int(uniq[counts > 1][0])
+                    raise ProtocolError("bad_request", f"put_rows names id {dup} more than once")
+
+        # a pass over every value and a sort of the ids: off the loop for a large request
+        await off_loop(len(ids), check)
         adm = t.spec.admission
         if t.limit is not None and adm.on_full == "reject" and adm.admit_after == 1:
             for b, st in states.items():
@@ -175,7 +195,7 @@ class TableOps:
         pieces = await off_loop(len(ids), cut)
         now = time.time()
         wire = [
-            ([st], lambda _sts, st=st, i=i, g=g: row_update(st.id, i, g, now))
+            ([st], lambda _sts, st=st, i=i, g=g: row_update(st.id, i, g, now, assign))
             for st, i, g in pieces
         ]
-        return len(ids), wire, lambda: [(st, RowPush(i, g, now)) for st, i, g in pieces]
+        return len(ids), wire, lambda: [(st, RowPush(i, g, now, assign)) for st, i, g in pieces]

@@ -43,12 +43,14 @@ log = logging.getLogger(__name__)
 RUN_OPS = frozenset(
     {
         "create", "pull", "push_dense", "push_fc", "push_compressed", "describe", "list",
-        "create_table", "list_tables", "pull_rows", "push_rows", "vec", "vec_dot", "clock",
-        "round",
+        "create_table", "list_tables", "pull_rows", "push_rows", "put_rows", "vec", "vec_dot",
+        "clock", "round",
     }
 )  # fmt: skip
 #: ops whose bytes count against push_bytes_per_s
-PUSH_OPS = frozenset({"push_dense", "push_fc", "push_compressed", "push_rows", "vec", "round"})
+PUSH_OPS = frozenset(
+    {"push_dense", "push_fc", "push_compressed", "push_rows", "put_rows", "vec", "round"}
+)
 #: fewest seconds between two fetches caused by an unknown token
 MISS_INTERVAL = 0.5
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from adamps.optspec import STEP_SLOTS, Optimizer
-from adamps.server import kernels
+from adamps.server import kernels, rowoptim
 
 F32 = np.float32
 
@@ -172,6 +172,9 @@ def row_step(opt: Optimizer, w: np.ndarray, acc: np.ndarray | None, g: np.ndarra
         w -= lr * g
         return
     assert acc is not None
+    if kind == "sparse_adam":
+        rowoptim.sparse_adam(opt, w, acc, g)
+        return
     eps = F32(opt.params["eps"])
     if kind == "adagrad_legacy":
         acc += g * g

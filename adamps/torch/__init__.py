@@ -4,13 +4,17 @@
 - :class:`DownpourOptimizer`: ``loss.backward(); opt.step()`` in your own loop;
 - :class:`Replica`: ``Replica(model, loss_fn, ...).fit(loader)`` with Hogwild worker threads;
 - :class:`Embedding`, :class:`EmbeddingBag`: rows in a server table, pulled and pushed per batch;
+- :class:`EmbeddingBagCollection`: every sparse feature of a keyed jagged batch
+  (:class:`KeyedJaggedTensor`, or torchrec's) in one lookup, one request per server;
 - :class:`Task`: what a ``--torch`` factory may return: a model, its loss, its own datasets, a
   held-out metric (adamps/torch/task.py);
 - :func:`rank`, :func:`world_size`: this replica's place under ``adamps launch`` (or torchrun);
 - :func:`tensor_name`: the server tensor of a parameter in a run (``RUN..PARAM``).
 """
 
+from adamps.torch.collection import EmbeddingBagCollection, EmbeddingBagConfig
 from adamps.torch.embedding import Embedding, EmbeddingBag
+from adamps.torch.jagged import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from adamps.torch.launch_env import rank, world_size
 from adamps.torch.optimizer import Connection, DownpourOptimizer
 from adamps.torch.params import ModelError, tensor_name
@@ -22,6 +26,11 @@ __all__ = [
     "DownpourOptimizer",
     "Embedding",
     "EmbeddingBag",
+    "EmbeddingBagCollection",
+    "EmbeddingBagConfig",
+    "JaggedTensor",
+    "KeyedJaggedTensor",
+    "KeyedTensor",
     "ModelError",
     "Replica",
     "Task",

@@ -29,16 +29,29 @@ the hook pushes, and a NaN row gradient refuses that push whole.
 
 The servers apply their table's per-row optimizer (``optimizer`` and ``lr`` here: ``sgd``,
 torch's ``adagrad`` per element, ``rowwise_adagrad`` with one accumulator per row as TorchRec's,
-or ``adagrad_legacy``; docs/training.md, "Optimizers"): there is no local step, so the next
-forward pulls the updated rows. What cannot apply to a table of the servers and is refused: ``padding_idx``, ``max_norm``, ``scale_grad_by_freq``,
+``sparse_adam`` as torch's SparseAdam, or ``adagrad_legacy``;
+docs/training.md, "Optimizers"): there is no local step, so the next
+forward pulls the updated rows.
+
+``padding_idx`` is torch's: that id's row reads as zeros (the value torch gives it), is left out
+of an EmbeddingBag's reduction, and is neither pulled nor pushed, so the servers never update it.
+``max_norm`` (with ``norm_type``) renormalizes the pulled rows as ``F.embedding`` does
+(``torch.embedding_renorm_``), so a forward and its row gradients are torch's; torch also writes
+the renormalized rows back into its weight, and here the servers' rows keep their norm: the next
+step's optimizer starts from the stored row, not the renormalized one (docs/training.md).
+Refused, as nothing but the servers' optimizer writes a row: ``scale_grad_by_freq``,
 ``_weight`` / ``_freeze`` and devices other than the CPU (``sparse`` is accepted and ignored: the
 updates are always sparse).
+
+``row_leaves`` is the one place a forward's pulled rows become a leaf whose gradient is pushed:
+``EmbeddingBagCollection`` (adamps/torch/collection.py) gives it the rows of all its tables at
+once, so their gradients travel in one ``round`` (one request per server).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,6 +81,33 @@ class _Binding:
         return self
 
 
+class Lookup:
+    """One table's part of a forward: the distinct ids to pull (the padding id left out) and
+    each id's index into the rows ``weight`` gives (the padding id's: a zero row after them)."""
+
+    def __init__(self, ids: torch.Tensor, padding_idx: int | None) -> None:
+        uniq, inv = torch.unique(ids.reshape(-1), return_inverse=True)
+        #: the padding row's local index (the last row of ``weight``), None if not in the batch
+        self.pad: int | None = None
+        if padding_idx is not None:
+            hit = (uniq == padding_idx).nonzero()
+            if len(hit):
+                k = int(hit[0, 0])
+                uniq = torch.cat([uniq[:k], uniq[k + 1 :]])
+                self.pad = len(uniq)
+                inv = torch.where(inv == k, self.pad, inv - (inv > k).long())
+        #: the distinct ids whose rows are pulled (and pushed), int64
+        self.ids: np.ndarray = uniq.numpy().astype(np.int64, copy=False)
+        #: every id's index into ``weight(rows)``, in the shape of the ids
+        self.index = inv.reshape(ids.shape)
+
+    def weight(self, rows: torch.Tensor) -> torch.Tensor:
+        """The pulled rows, with the padding id's zero row after them if the batch has it."""
+        if self.pad is None:
+            return rows
+        return torch.cat([rows, rows.new_zeros((1, rows.shape[1]))])
+
+
 class _RowTable(nn.Module):
     """What Embedding and EmbeddingBag share: the table, the binding, pull and push."""
 
@@ -86,6 +126,7 @@ class _RowTable(nn.Module):
         client: Any = None,
         padding_idx: int | None = None,
         max_norm: float | None = None,
+        norm_type: float = 2.0,
         scale_grad_by_freq: bool = False,
         sparse: bool = True,
         _weight: Any = None,
@@ -95,8 +136,6 @@ class _RowTable(nn.Module):
     ) -> None:
         super().__init__()
         refused = {
-            "padding_idx": padding_idx is not None,
-            "max_norm": max_norm is not None,
             "scale_grad_by_freq": bool(scale_grad_by_freq),
             "_weight": _weight is not None,
             "_freeze": bool(_freeze),
@@ -127,6 +166,17 @@ class _RowTable(nn.Module):
             raise ModelError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
+        #: the id whose row reads as zeros and is never pulled nor pushed (torch's, made >= 0)
+        self.padding_idx = _padding(padding_idx, num_embeddings)
+        if max_norm is not None and (
+            isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or max_norm <= 0
+        ):
+            raise ModelError(f"max_norm must be a positive number or None, got {max_norm!r}")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, int | float) or norm_type <= 0:
+            raise ModelError(f"norm_type must be a positive number, got {norm_type!r}")
+        #: pulled rows longer than this (in the norm_type norm) are scaled down to it
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.norm_type = float(norm_type)
         self.sparse = True
         #: the table's name in its run (the servers' table is RUN..TABLE, adamps.torch.params)
         self.table = table
@@ -172,6 +222,15 @@ class _RowTable(nn.Module):
         """The servers' name of the table (None until bound)."""
         return self._binding.table
 
+    def client(self) -> Any:
+        """The client this module is bound to; RuntimeError naming the table when unbound."""
+        if self._binding.client is None:
+            raise RuntimeError(
+                f"{type(self).__name__} {self.table!r} is not bound to servers: give it to a "
+                "DownpourOptimizer or Replica, or call .bind(client)"
+            )
+        return self._binding.client
+
     def _ids(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int64, torch.int32):
             raise TypeError(
@@ -186,39 +245,38 @@ class _RowTable(nn.Module):
                 )
         return input
 
-    def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the distinct ids' rows as a leaf that pushes its gradient, local index per id)."""
-        b = self._binding
-        if b.client is None:
-            raise RuntimeError(
-                f"{type(self).__name__} {self.table!r} is not bound to servers: give it to a "
-                "DownpourOptimizer or Replica, or call .bind(client)"
-            )
-        uniq, inv = torch.unique(ids.reshape(-1), return_inverse=True)
-        u = uniq.numpy().astype(np.int64, copy=False)
-        rows = torch.from_numpy(b.client.pull_rows(b.table, u))
-        self.bytes_moved += u.nbytes + rows.numel() * 4
-        if not torch.is_grad_enabled():
-            return rows, inv.reshape(ids.shape)
-        rows.requires_grad_(True)
-        state = {"pushed": False}
+    def lookup(self, ids: torch.Tensor) -> Lookup:
+        """The distinct ids of `ids` to pull (checked as torch checks them) and their indices."""
+        return Lookup(self._ids(ids), self.padding_idx)
 
-        def push(grad: torch.Tensor) -> None:
-            if state["pushed"]:  # backward run again on a retained graph: pushed already
-                return
-            state["pushed"] = True
-            g = grad.detach().numpy()
-            if b.defer:
-                pending = getattr(b.last, "pending", None)
-                if pending is None:
-                    pending = b.last.pending = []
-                pending.append((u, g))
-                return
-            self.push_grads([(u, g)])
+    def pulled(self, ids: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+        """The rows pulled for `ids` (None: nothing pulled, no id), counted as moved and
+        renormalized to ``max_norm`` as ``F.embedding`` renormalizes its weight's."""
+        if rows is None:
+            return np.empty((0, self.embedding_dim), np.float32)
+        self.bytes_moved += ids.nbytes + rows.nbytes
+        if self.max_norm is not None and len(ids):
+            with torch.no_grad():
+                idx = torch.arange(len(ids))
+                torch.embedding_renorm_(torch.from_numpy(rows), idx, self.max_norm, self.norm_type)
+        return rows
 
-        rows.register_hook(push)
-        self._binding.last.leaf = rows
-        return rows, inv.reshape(ids.shape)
+    def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, Lookup]:
+        """(the batch's rows as a leaf that pushes its gradient, with the padding row; the
+        lookup)."""
+        lk = self.lookup(ids)
+        client = self.client()
+        got = client.pull_rows(self._binding.table, lk.ids) if len(lk.ids) else None
+        [rows] = row_leaves([self], [lk.ids], [self.pulled(lk.ids, got)])
+        return lk.weight(rows), lk
+
+    def keep(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        """Keeps a row gradient for this thread's step (``take_grads``)."""
+        last = self._binding.last
+        pending = getattr(last, "pending", None)
+        if pending is None:
+            pending = last.pending = []
+        pending.append((ids, grads))
 
     def take_grads(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """This thread's row gradients kept for the step (ids, grads), forgotten here."""
@@ -259,22 +317,118 @@ class _RowTable(nn.Module):
         return leaf
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
+        extra = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        extra += f", max_norm={self.max_norm}" if self.max_norm is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}{extra}"
+
+
+def _padding(padding_idx: Any, num_embeddings: int | None) -> int | None:
+    """torch's rule: an id in ``[-num_embeddings, num_embeddings)``, a negative one counted from
+    the end (so it needs ``num_embeddings``); None: no padding id."""
+    if padding_idx is None:
+        return None
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+        raise ModelError(f"padding_idx must be an int or None, got {padding_idx!r}")
+    if num_embeddings is None:
+        if padding_idx < 0:
+            raise ModelError(
+                f"padding_idx {padding_idx} counts from the end of the table: give "
+                "num_embeddings, or a padding_idx >= 0"
+            )
+        return padding_idx
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ModelError(
+            f"padding_idx {padding_idx} must be within num_embeddings ({num_embeddings})"
+        )
+    return padding_idx % num_embeddings
+
+
+def row_leaves(
+    tables: Sequence[_RowTable], ids: Sequence[np.ndarray], rows: Sequence[np.ndarray]
+) -> list[torch.Tensor]:
+    """The pulled `rows` of each of `tables` (for its distinct `ids`) as views of ONE leaf that
+    requires grad (under no_grad: plain tensors). Its gradient is each distinct row's, duplicates
+    summed; a hook hands it over once, as soon as backward computes it: kept for the step
+    (bound with ``defer``), else pushed, in one push_rows for one table and in one ``round`` (one
+    request per server) for several. The leaf is the first table's ``take_leaf`` (Replica's
+    ``torch.autograd.grad`` input)."""
+    ts = [torch.from_numpy(r) for r in rows]
+    if not torch.is_grad_enabled():
+        return ts
+    if len(ts) == 1:
+        leaf = ts[0]
+    else:
+        leaf = torch.cat([t.reshape(-1) for t in ts])
+    leaf.requires_grad_(True)
+    sizes = [r.size for r in rows]
+    if len(ts) == 1:
+        views = [leaf]
+    else:
+        views = [v.view(r.shape) for v, r in zip(leaf.split(sizes), rows, strict=True)]
+    state = {"pushed": False}
+
+    def push(grad: torch.Tensor) -> None:
+        if state["pushed"]:  # backward run again on a retained graph: pushed already
+            return
+        state["pushed"] = True
+        flat = grad.detach().numpy().reshape(-1)
+        parts = []
+        for t, u, g in zip(tables, ids, np.split(flat, np.cumsum(sizes)[:-1]), strict=True):
+            if len(u):  # a table without ids in this batch has no row to push
+                parts.append((t, u, g.reshape(len(u), t.embedding_dim)))
+        if not parts:
+            return
+        if tables[0]._binding.defer:
+            for t, u, g in parts:
+                t.keep(u, g)
+        elif len(parts) == 1:
+            t, u, g = parts[0]
+            t.push_grads([(u, g)])
+        else:
+            entries = [t.round_rows([(u, g)]) for t, u, g in parts]
+            tables[0].client().round(rows=dict(e for e in entries if e is not None))
+
+    leaf.register_hook(push)
+    for i, t in enumerate(tables):
+        t._binding.last.leaf = leaf if i == 0 else None
+    return views
 
 
 class Embedding(_RowTable):
     """``ids [*] -> rows [*, embedding_dim]`` (torch.nn.Embedding's signature, plus ``table``,
     ``optimizer``, ``lr``, ``init`` and ``client``)."""
 
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = True,
+        _weight: Any = None,
+        _freeze: bool = False,
+        device: Any = None,
+        dtype: Any = None,
+        **table: Any,
+    ) -> None:
+        super().__init__(
+            num_embeddings, embedding_dim, padding_idx=padding_idx, max_norm=max_norm,
+            norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse,
+            _weight=_weight, _freeze=_freeze, device=device, dtype=dtype, **table,
+        )  # fmt: skip
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        rows, inv = self._rows(self._ids(input))
-        return F.embedding(inv, rows)
+        weight, lk = self._rows(input)
+        return F.embedding(lk.index, weight)
 
 
 class EmbeddingBag(_RowTable):
     """``ids [B, N]`` or ``ids [n] + offsets [B]`` -> pooled rows ``[B, embedding_dim]``
     (torch.nn.EmbeddingBag's signature: ``mode`` "sum", "mean" or "max", ``per_sample_weights``,
-    ``include_last_offset``; plus ``table``, ``optimizer``, ``lr``, ``init``, ``client``)."""
+    ``include_last_offset``, ``padding_idx``, ``max_norm``; plus ``table``, ``optimizer``,
+    ``lr``, ``init``, ``client``)."""
 
     def __init__(
         self,
@@ -295,9 +449,9 @@ class EmbeddingBag(_RowTable):
         if mode not in ("sum", "mean", "max"):
             raise ModelError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         super().__init__(
-            num_embeddings, embedding_dim, max_norm=max_norm, scale_grad_by_freq=scale_grad_by_freq,
-            sparse=sparse, _weight=_weight, padding_idx=padding_idx, device=device, dtype=dtype,
-            **table,
+            num_embeddings, embedding_dim, max_norm=max_norm, norm_type=norm_type,
+            scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, _weight=_weight,
+            padding_idx=padding_idx, device=device, dtype=dtype, **table,
         )  # fmt: skip
         self.mode = mode
         self.include_last_offset = include_last_offset
@@ -308,10 +462,24 @@ class EmbeddingBag(_RowTable):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        rows, inv = self._rows(self._ids(input))
+        weight, lk = self._rows(input)
+        return self.pool(lk.index, lk.pad, weight, offsets, per_sample_weights,
+                         self.include_last_offset)  # fmt: skip
+
+    def pool(
+        self,
+        index: torch.Tensor,
+        pad: int | None,
+        weight: torch.Tensor,
+        offsets: torch.Tensor | None,
+        per_sample_weights: torch.Tensor | None,
+        include_last_offset: bool,
+    ) -> torch.Tensor:
+        """torch's ``F.embedding_bag`` of a lookup's indices over its rows (`pad`: the padding
+        row's index, left out of the reduction as torch leaves it)."""
         return F.embedding_bag(
-            inv, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
-            include_last_offset=self.include_last_offset,
+            index, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
+            include_last_offset=include_last_offset, padding_idx=pad,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

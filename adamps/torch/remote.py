@@ -54,7 +54,7 @@ def optimizer_spec(
     table: bool = False,
 ) -> dict[str, Any]:
     """The servers' optimizer definition for a model's tensors (or a table's rows): `kind`
-    (torch.optim's name: sgd, adagrad, adam, adamw, rmsprop; rowwise_adagrad for tables;
+    (torch.optim's name: sgd, adagrad, adam, adamw, rmsprop; rowwise_adagrad and sparse_adam for tables;
     adagrad_legacy) at `lr`, its other hyperparameters in `args` (torch's names and defaults).
     A bad one is a ModelError naming it, before anything is created."""
     try:

@@ -163,6 +163,10 @@ class _LocalRows:
     def push_rows(self, *_: Any, **__: Any) -> None:
         pass
 
+    def round(self, *_: Any, fetch_rows: Any = None, **__: Any) -> dict[str, np.ndarray]:
+        """An EmbeddingBagCollection's fetch (its pushes dropped)."""
+        return {t: self.pull_rows(t, ids) for t, ids in (fetch_rows or {}).items()}
+
 
 def _shape(t: Any) -> str:
     return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__

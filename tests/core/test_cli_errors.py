@@ -1,5 +1,5 @@
 """Bad values a user types get a message naming the value and what is expected, never a
-traceback (README, "Configuration"; an outside tester found these five): a port out of range,
+traceback (docs/running.md, "Configuration"; an outside tester found these five): a port out of range,
 a data directory that cannot be made, an unknown model, and `adamps up --train-arg` flags that
 `adamps train` does not have or values of the wrong type (found before the cluster starts)."""
 

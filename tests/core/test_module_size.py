@@ -47,8 +47,8 @@ def test_no_module_outside_tests_and_benchmarks_is_over_600_lines() -> None:
 #: snapshots read and installed, digests), the copies as LMDB holds them (repl_persist.py:
 #: reload, the flush's positions, a transferred copy persisted, the disk's answers) and the
 #: core's settings from the server's config (config.py) are modules of their own concepts,
-#: which the shell calls; they touch the core only where their concept meets it (the cut reads
-#: positions, a reload and the can-persist check write the core's copies and persist_blocked).
+#: which the shell calls; they touch the core only where their concept meets it, and only
+#: through its inputs (the cut reads positions; a reload and the can-persist check are inputs).
 SHELL = ("replicate.py", "repl_control.py", "repl_ops.py")
 #: issue 26: under 400 lines
 SHELL_LIMIT = 399

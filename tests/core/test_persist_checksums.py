@@ -1,7 +1,6 @@
 """Checksums on everything persisted (issue 29): a record whose bytes changed on disk is found by
 ``verify`` (at start), by ``scan`` (the scrub) and skipped by ``load``; a record without a
-checksum in an environment stamped with the checksummed format is corrupt, not "legacy"; an
-environment of the previous version is resealed once."""
+checksum is corrupt; an environment without this version's format stamp is refused."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import lmdb
 import numpy as np
 import pytest
 
+from adamps.config import ConfigError
 from adamps.layout import stable_bucket
 from adamps.server import checksum
 from adamps.server.persist import Persister, Position
@@ -51,7 +51,6 @@ def test_seal_and_unseal() -> None:
         checksum.unseal(bytes(bad))
     with pytest.raises(checksum.CorruptRecord, match="no checksum header"):
         checksum.unseal(b"[1, 2]")
-    assert bytes(checksum.unseal(b"[1, 2]", legacy_ok=True)) == b"[1, 2]"
 
 
 def test_a_flipped_bit_in_a_shard_marks_its_bucket_and_only_it(tmp_path: Path) -> None:
@@ -93,8 +92,9 @@ def test_a_damaged_tensor_definition_distrusts_every_copy(tmp_path: Path) -> Non
     p.close()
 
 
-def test_an_environment_of_the_previous_version_is_resealed_once(tmp_path: Path) -> None:
-    """Records without checksums and no format stamp: read unverified, resealed, stamped."""
+def test_an_environment_without_a_format_stamp_is_refused(tmp_path: Path) -> None:
+    """Records without checksums and no format stamp (as an unreleased version wrote them): no
+    migration guesses what they mean; the server refuses the directory, naming it."""
     env = lmdb.open(str(tmp_path / "db"), max_dbs=5, map_size=1 << 22)
     value = np.arange(10, dtype=np.float32)
     with env.begin(write=True) as txn:
@@ -102,20 +102,13 @@ def test_an_environment_of_the_previous_version_is_resealed_once(tmp_path: Path)
         txn.put(b"w", json.dumps(meta).encode(), db=env.open_db(b"tensors", txn=txn))
         rec = struct.pack("<QQQ", 5, 40, 0) + value.tobytes()
         txn.put(b"w/0", rec, db=env.open_db(b"shards", txn=txn))
-        txn.put(b"%08d" % 3, b"[2, 11]", db=env.open_db(b"positions", txn=txn))
     env.close()
-    p = Persister(tmp_path / "db", map_size=1 << 22)
-    found = p.verify(N_BUCKETS)
-    assert not found.buckets and found.everything is None and found.records == 3
-    (saved,) = p.load()
-    version, loaded, _ = saved.shards["w/0"]
-    assert version == 5 and np.array_equal(loaded, value)
-    assert p.load_positions()[3].seq == 11
-    p.close()
-    flip_in_record(tmp_path / "db", b"shards", b"w/0")
-    p = Persister(tmp_path / "db", map_size=1 << 22)
-    assert stable_bucket("w/0", N_BUCKETS) in p.verify(N_BUCKETS).buckets, "verified from now on"
-    p.close()
+    with pytest.raises(ConfigError, match=r"LMDB format none .* is not this version's b'3'"):
+        Persister(tmp_path / "db", map_size=1 << 22)
+    # an empty environment is new: stamped, and opened again as this version's
+    (tmp_path / "new").mkdir()
+    Persister(tmp_path / "new", map_size=1 << 22).close()
+    Persister(tmp_path / "new", map_size=1 << 22).close()
 
 
 def test_the_scrub_finds_a_damaged_record_at_a_bounded_rate(tmp_path: Path) -> None:
@@ -216,7 +209,6 @@ def test_status_shows_each_servers_last_flush_its_age_and_durability() -> None:
 def test_an_environment_of_an_unknown_format_is_refused_with_a_clear_message(
     tmp_path: Path,
 ) -> None:
-    from adamps.config import ConfigError
 
     fill(tmp_path / "db").close()
     env = lmdb.open(str(tmp_path / "db"), max_dbs=6, lock=False)

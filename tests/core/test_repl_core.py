@@ -449,10 +449,10 @@ def test_the_state_transfer_is_asked_again_as_the_core_decides() -> None:
     c.on_roles({"version": 2, "roles": [role(0, 1, "a", [], ["b"], join=7)]}, 0.1, 0.1)
     c.tick(0.2)
     assert take(c).fetches == [], "asked again only after join_retry"
-    c.persist_blocked = "flushes fail: disk full"
+    c.cannot_persist("flushes fail: disk full")
     c.tick(0.35)
     assert take(c).fetches == [], "no transfer is asked for while the copy cannot be persisted"
-    c.persist_blocked = None
+    c.cannot_persist(None)
     c.tick(1.0)
     assert take(c).fetches == [], "the gate is looked at again after persist_retry"
     c.tick(1.36)
@@ -498,6 +498,23 @@ def test_the_state_transfer_is_asked_again_as_the_core_decides() -> None:
 
 def repl_copies_of(c: ReplCore) -> dict[int, list[int]]:
     return repl_copies.copies(c)
+
+
+def test_the_disk_is_an_input_a_reload_a_cut_and_a_damaged_copy() -> None:
+    """A copy reloaded at start is standby and offered; a flush's cut writes the exactly-once
+    pairs recorded after the last cut; after the scrub found its records damaged the next cut is
+    written fresh, whole table and position (the core's inputs, not writes from the shell)."""
+    c = core("b")
+    c.reloaded(0, 5, 2, [["cl", 1, 5]], ())
+    assert c.roles == {0: "standby"} and repl_copies.copies(c) == {0: [2, 5]}
+
+    def cut(e: int, s: int, d: Any, fresh: bool, _p: Any) -> Any:
+        return e, s, d, fresh
+
+    assert repl_copies.positions(c, None, 100, cut) == {0: (2, 5, [], False)}
+    c.rewrite_copy(0)
+    assert repl_copies.positions(c, None, 100, cut) == {0: (2, 5, [["cl", 1, 5]], True)}
+    assert repl_copies.positions(c, None, 100, cut) == {0: (2, 5, [], False)}, "cut taken"
 
 
 def test_a_deposed_primary_answers_its_waiters_unknown() -> None:

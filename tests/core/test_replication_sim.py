@@ -39,6 +39,7 @@ every seed in one mode).
 
 On failure the seed and the last events are printed. ``ADAMPS_SIM_SEEDS=N`` runs N seeds (default
 200); ``ADAMPS_SIM_STEPS`` sets the steps per seed (default 300); ``ADAMPS_SIM_SEED=S`` runs one.
+Seeds outside that range which once failed (``REGRESSION_SEEDS``) run every time.
 
 Bugs the simulation found in earlier shapes of the code, each fixed and kept as a minimal
 reproduction at the end of this file: a learner counted caught up before it installed its snapshot
@@ -248,6 +249,9 @@ class Server:
         self.restored: dict[int, int] = {}
         #: (bucket, epoch, seq) of the rounds seen started (each checked under the lease once)
         self.rounds_seen: set[tuple[int, int, int]] = set()
+        #: bucket -> (assignment, lease deadline) as the last input left them, so as the next
+        #: input finds them (nothing changes the core between two inputs)
+        self.found: dict[int, tuple[Assignment, float]] = {}
         self.crashed = False
         self.paused_until: float | None = None
         #: when the core's next deadline is due (its first tick at once)
@@ -258,7 +262,7 @@ class Server:
             disk.pop(b, None)
         if not wiped:
             for b, cut in disk.items():
-                repl_copies.restore(self.core, b, cut.seq, cut.epoch, cut.dedup, cut.prepared)
+                self.core.reloaded(b, cut.seq, cut.epoch, cut.dedup, cut.prepared)
                 self.store[b] = list(cut.values)
                 self.restored[b] = cut.at
         else:
@@ -334,19 +338,25 @@ class Server:
     def registered(self) -> bool:
         return self.core.link.registered
 
-    def serve(self, b: int, what: str) -> None:
-        """Records an act as primary under the lease (invariant 1)."""
-        rep = self.core.buckets[b]
-        deadline = self.core.leases.deadline(b)
-        if deadline is None:
+    def lease(self, b: int) -> tuple[Assignment, float] | None:
+        """The copy's assignment and its primary lease's deadline (this server's clock) as the
+        core holds them now; None without a lease."""
+        rep, deadline = self.core.buckets.get(b), self.core.leases.deadline(b)
+        return None if rep is None or deadline is None else (rep.assignment, deadline)
+
+    def serve(self, b: int, what: str, lease: tuple[Assignment, float] | None = None) -> None:
+        """Records an act as primary under `lease` (default: the one held now) (invariant 1)."""
+        lease = lease or self.lease(b)
+        if lease is None:
             raise Violation(f"{self.sid} acts as primary of b{b} ({what}) holding no lease")
-        self.sim.served(self.sid, b, rep.assignment.epoch, self.to_true(deadline), what)
+        self.sim.served(self.sid, b, lease[0].epoch, self.to_true(lease[1]), what)
 
     # -- the Ready ---------------------------------------------------------------------------
 
     def drain(self) -> None:
         """Carries out the core's Ready as Replicator.drain does, in the same order."""
         core = self.core
+        found = self.found  # the leases as the input carried out here found them
         while core.has_ready():
             rd = core.ready()
             core.advance()
@@ -362,7 +372,7 @@ class Server:
                 for batch in action.batches:
                     self.store[b].extend(batch.updates)
             for ans in rd.answers:
-                self.answer(ans)
+                self.answer(ans, found)
             for msg in rd.messages:
                 self.transport.send(msg)
             for f in rd.fetches:
@@ -385,18 +395,27 @@ class Server:
                 if key not in self.rounds_seen:
                     self.rounds_seen.add(key)
                     self.serve(b, f"round {key[2]}")
+        self.found = {b: lease for b in core.buckets if (lease := self.lease(b)) is not None}
 
-    def answer(self, ans: Answer) -> None:
+    def answer(self, ans: Answer, found: dict[int, tuple[Assignment, float]]) -> None:
+        """A push's outcome. An acknowledgement is judged under the lease the core decided it
+        under: the one held now, else the one held when the input began. ``release`` acks
+        only while the lease holds, but the same input may end it afterwards (a tick whose
+        pump acknowledges, then whose controller link registers again: ``unregistered``
+        drops every lease and resets the assignment; seeds 300565, 300996): the shell then
+        sends an acknowledgement decided under a lease the core no longer holds, as the server's
+        Replicator.drain does, and the members it was decided with are those of that lease."""
         w: Waiter = ans.waiter
         if ans.outcome != "ok":
             self.sim.net.send(
                 self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "unknown"}
             )
             return
-        self.serve(w.b, f"ack u{w.uid}")
-        rep = self.core.buckets[w.b]
+        lease = self.lease(w.b) or found.get(w.b)
+        self.serve(w.b, f"ack u{w.uid}", lease)
+        assert lease is not None
         # the promotable holders: primary and members (a learner's copy is no member's)
-        self.sim.acked(w.b, w.uid, self.sid, (self.sid, *rep.assignment.secondaries))
+        self.sim.acked(w.b, w.uid, self.sid, (self.sid, *lease[0].secondaries))
         self.sim.net.send(self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "ack"})
 
     def request(self, req: ControllerRequest) -> None:
@@ -1170,6 +1189,14 @@ def run(seed: int, steps: int = STEPS) -> Sim:
 
 
 SEED_LIST = [int(ONE_SEED)] if ONE_SEED else list(range(SEEDS))
+#: seeds outside the CI range that once failed, run whatever ADAMPS_SIM_SEEDS says
+REGRESSION_SEEDS = [
+    # The checker judged an acknowledgement against the lease after the input that decided it
+    # had dropped it (a tick acknowledged, then registered again): a false alarm of the
+    # simulation, not of the core (Server.answer).
+    300565,
+    300996,
+]
 
 
 def test_the_simulation_exercises_the_faults() -> None:
@@ -1186,6 +1213,11 @@ def test_the_simulation_exercises_the_faults() -> None:
 
 @pytest.mark.parametrize("seed", SEED_LIST)
 def test_replication_sim(seed: int) -> None:
+    run(seed)
+
+
+@pytest.mark.parametrize("seed", REGRESSION_SEEDS)
+def test_replication_sim_regression(seed: int) -> None:
     run(seed)
 
 

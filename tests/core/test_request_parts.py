@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from adamps.client.parts import HEADROOM, PER_SHARD, Limits, chunk, pack, plan_push
 from adamps.layout import Layout, TensorSpec
 
@@ -18,7 +20,9 @@ def size(s) -> int:
 def test_limits_from_a_servers_status() -> None:
     status = {"config": {"max_body": 65536, "max_shards_per_request": 4}}
     assert Limits.of_status(status) == Limits(65536, 4)
-    assert Limits.of_status({}) == Limits(256 << 20, 4096), "an older server: the defaults"
+    for bad in ({}, {"config": {"max_body": 65536}}, {"config": None}):
+        with pytest.raises(ValueError, match="config.max_body"):
+            Limits.of_status(bad)  # no defaults guessed for a server of another version
     assert Limits.tightest([Limits(10_000, 9), Limits(20_000, 3)]) == Limits(10_000, 3)
     assert Limits(65536, 4).budget() == 65536 - HEADROOM
     assert Limits(1024, 4).budget() == 768, "headroom at most a quarter of a small body"

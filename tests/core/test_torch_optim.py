@@ -291,3 +291,78 @@ def test_torch_adagrad_applies_a_compressed_push_sparsely_bit_for_bit() -> None:
         )
     assert w1.tobytes() == w2.tobytes() and s1.tobytes() == s2.tobytes()
     assert torchoptim.step_count(s1) == 20
+
+
+def _sparse_adam_torch(w0: np.ndarray, steps, lr: float, betas, eps: float) -> np.ndarray:
+    """torch.optim.SparseAdam on an nn.Embedding(sparse=True) from `w0`, one step per
+    (ids, grads): the gradient reaches the table through the embedding's own backward (its
+    duplicate ids summed by torch's coalesce)."""
+    emb = torch.nn.Embedding(*w0.shape, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.from_numpy(w0))
+    o = torch.optim.SparseAdam(emb.parameters(), lr=lr, betas=betas, eps=eps)
+    for ids, g in steps:
+        o.zero_grad()
+        out = emb(torch.from_numpy(ids))
+        out.backward(torch.from_numpy(g))  # d(sum(out * g))/d rows = g, summed per id
+        o.step()
+    return emb.weight.detach().numpy()
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.5, 0.9)])
+def test_sparse_adam_matches_torch_sparse_adam_step_for_step(betas) -> None:
+    """sparse_adam against torch.optim.SparseAdam on an nn.Embedding(sparse=True): every push
+    names every row (in a shuffled order, some ids twice), so the rows' own step counts are
+    torch's table step count and the two must agree step for step, moments included."""
+    rng = np.random.default_rng(21)
+    n_ids, dim, lr, eps = 9, 6, 0.01, 1e-8
+    opt = Optimizer.from_dict({"kind": "sparse_adam", "lr": lr, "betas": list(betas)})
+    blk = RowBlock(dim, NORMAL, opt, Admission(), None)
+    assert blk.acc_width == 2 * dim + 1
+    w0 = initial_rows(NORMAL, np.arange(n_ids), dim)
+    steps = []
+    for t in range(STEPS):
+        ids = np.concatenate([rng.permutation(n_ids), rng.choice(n_ids, 3)]).astype(np.int64)
+        g = rng.normal(size=(len(ids), dim)).astype(np.float32)
+        steps.append((ids, g))
+        blk.apply(RowPush(ids, g, float(t)), ApplyStats())
+        if t in (0, 1, STEPS - 1):
+            want = _sparse_adam_torch(w0, steps, lr, betas, eps)
+            got = blk.values[blk.slots(np.arange(n_ids))]
+            np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+    s = blk.slots(np.arange(n_ids))
+    assert (blk.accum[s, 2 * dim] == STEPS).all()  # each row's step count
+    copy = RowBlock(dim, NORMAL, opt, Admission(), None)
+    copy.load_bytes(blk.tobytes())
+    assert copy.digest() == blk.digest() and copy.accum.shape == (n_ids, 2 * dim + 1)
+
+
+def test_sparse_adam_counts_each_rows_own_steps() -> None:
+    """Pushes naming a few rows each: a row's moments move only when it is pushed (lazy, as
+    SparseAdam) and its bias correction counts its own pushes: each row is what torch's
+    SparseAdam makes of a one-row nn.Embedding stepped at that row's pushes only."""
+    rng = np.random.default_rng(22)
+    n_ids, dim, lr = 10, 4, 0.02
+    opt = Optimizer.from_dict({"kind": "sparse_adam", "lr": lr})
+    blk = RowBlock(dim, NORMAL, opt, Admission(), None)
+    pushes = _pushes(rng, n_ids, dim)
+    for t, (ids, g) in enumerate(pushes):
+        blk.apply(RowPush(ids, g, float(t)), ApplyStats())
+    w0 = initial_rows(NORMAL, np.arange(n_ids), dim)
+    for i in range(n_ids):
+        mine = [(np.zeros(1, np.int64), g[ids == i]) for ids, g in pushes if (ids == i).any()]
+        want = _sparse_adam_torch(w0[i : i + 1], mine, lr, (0.9, 0.999), 1e-8)
+        s = blk.slots(np.array([i]))
+        if not mine:
+            assert s[0] < 0
+            continue
+        np.testing.assert_allclose(blk.values[s], want, rtol=TOL, atol=TOL)
+        assert blk.accum[s[0], 2 * dim] == len(mine)
+
+
+def test_sparse_adam_is_for_tables_only() -> None:
+    with pytest.raises(OptimError, match="sparse_adam is for tables"):
+        Optimizer.from_dict({"kind": "sparse_adam"}).check_for_tensor()
+    Optimizer.from_dict({"kind": "sparse_adam"}).check_for_table()
+    with pytest.raises(OptimError, match="unknown field"):
+        Optimizer.from_dict({"kind": "sparse_adam", "weight_decay": 0.1})

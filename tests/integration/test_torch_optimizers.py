@@ -2,7 +2,8 @@
 loopback, its LMDB on disk): 100 gradients pushed over /rpc, the values pulled and compared with
 torch.optim applying the same gradients (within 1e-6), with a restart from LMDB half way, so the
 optimizer state (its arrays and step count) is flushed and reloaded on the way; the same for
-table rows (torch's Adagrad per element, the row-wise Adagrad per row); bad definitions are 4xx."""
+table rows (torch's Adagrad per element, the row-wise Adagrad per row, sparse_adam against
+torch's SparseAdam per row); bad definitions are 4xx."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def row_pushes(n_ids: int, dim: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("kind", ["adagrad", "rowwise_adagrad", "sparse_adam"])
 async def test_table_rows_match_their_reference_across_a_restart(tmp_path: Path, kind: str) -> None:
     """adagrad: torch.optim.Adagrad, one step per push on the rows it carries; rowwise_adagrad:
     a per-row numpy reference (acc += mean(g*g) over the row; w -= lr * g / (sqrt(acc) + eps))."""
@@ -137,6 +138,18 @@ async def test_table_rows_match_their_reference_across_a_restart(tmp_path: Path,
             o.step()
             want[ids] = p.detach().numpy()
             acc[ids] = o.state[p]["sum"].numpy()
+    elif kind == "sparse_adam":  # torch's SparseAdam on each row's own pushes (rowoptim.py)
+        for i in range(n_ids):
+            emb = torch.nn.Embedding(1, dim, sparse=True)
+            with torch.no_grad():
+                emb.weight.copy_(torch.from_numpy(want[i : i + 1]))
+            o = torch.optim.SparseAdam(emb.parameters(), lr=lr)
+            for ids, g in pushes:
+                if (ids == i).any():
+                    o.zero_grad()
+                    emb(torch.zeros(1, dtype=torch.long)).backward(torch.from_numpy(g[ids == i]))
+                    o.step()
+            want[i] = emb.weight.detach().numpy()[0]
     else:
         w, acc64 = want.astype(np.float64), np.zeros(n_ids)
         for ids, g in pushes:

@@ -160,8 +160,15 @@ def test_embedding_in_downpour_equals_torch(ps_url: str, token: str, how: str) -
 
 
 def test_refused_arguments() -> None:
-    with pytest.raises(at.ModelError, match="padding_idx"):
-        at.Embedding(10, 4, table="t", padding_idx=0)
+    with pytest.raises(at.ModelError, match="scale_grad_by_freq"):
+        at.Embedding(10, 4, table="t", scale_grad_by_freq=True)
+    with pytest.raises(at.ModelError, match="padding_idx 10 must be within"):
+        at.Embedding(10, 4, table="t", padding_idx=10)
+    with pytest.raises(at.ModelError, match="give num_embeddings"):
+        at.EmbeddingBag(None, 4, table="t", padding_idx=-1)
+    with pytest.raises(at.ModelError, match="max_norm"):
+        at.Embedding(10, 4, table="t", max_norm=0)
+    assert at.Embedding(10, 4, -1, table="t").padding_idx == 9  # torch's: from the end
     with pytest.raises(at.ModelError, match="mode"):
         at.EmbeddingBag(10, 4, mode="median", table="t")
     emb = at.Embedding(10, 4, table="t")

@@ -74,3 +74,47 @@ def test_downpour_equals_plain_sgd(ps_url: str, act_err: bool, token: str) -> No
     assert f"{run}..2.weight" in names and f"{run}..0.bias" in names
     # and moved: SGD on the server, not a stale copy
     assert not torch.allclose(server["2.weight"], make_model().state_dict()["2.weight"])
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_whose_vectors_are_larger_sends_autograds_own_gradient(
+    ps_url: str, token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A linear layer over a sequence sees k = batch x length rows a step: 4 x 16 = 64 rows of
+    8 + 8 values, larger than its 8 x 8 weight, so it goes dense. Its update is autograd's
+    ``W.grad`` (which is ``e.T @ a``): no second product of the same rows in the trainer (that
+    product, on numpy's BLAS threads beside torch's, was most of a transformer replica's CPU),
+    and the run still equals plain SGD step for step."""
+    from adamps.torch import downpour
+
+    def no_second_product(*_a: object) -> None:
+        raise AssertionError("the rows' product was computed again in the trainer")
+
+    monkeypatch.setattr(downpour, "_outer", no_second_product)
+
+    def seq_model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Flatten(), nn.Linear(128, 3))
+
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(BATCH, 16, 8, generator=g), torch.randint(0, 3, (BATCH,), generator=g))
+            for _ in range(30)]  # fmt: skip
+    plain = seq_model()
+    popt = torch.optim.SGD(plain.parameters(), lr=LR)
+    for x, y in data:
+        popt.zero_grad()
+        nn.functional.cross_entropy(plain(x), y).backward()
+        popt.step()
+    model = seq_model()
+    opt = at.DownpourOptimizer(model, ps=[ps_url], lr=LR, optimizer="sgd", run="eq-seq",
+                               token=token)  # fmt: skip
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    server = opt.state_dict()
+    opt.close()
+    assert opt.counts.forms.get("fc", 0) == 0, opt.counts.forms  # both layers larger as vectors
+    assert opt.counts.fc_dense_bytes == 30 * 4 * (8 * 8 + 128 * 3)
+    for k, v in plain.state_dict().items():
+        assert torch.allclose(server[k], v, atol=1e-5, rtol=0), (k, (server[k] - v).abs().max())

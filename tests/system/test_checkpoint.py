@@ -55,6 +55,7 @@ def cluster_of(root: Path, n: int) -> Iterator[LocalCluster]:
 
 ADA = TensorSpec("w", (5_000,))
 TABLE = "emb"
+ADAM_TABLE = "emb_adam"
 
 
 def _populate(c: LocalCluster):
@@ -67,11 +68,14 @@ def _populate(c: LocalCluster):
     layout = layout.with_tensor(ADA)
     client.layout = layout
     client.create_table(TABLE, 4, optimizer={"kind": "rowwise_adagrad", "lr": 0.05})
+    # row Adam: signed first moments and a step count per row, checkpointed with the rows
+    client.create_table(ADAM_TABLE, 3, optimizer={"kind": "sparse_adam", "lr": 0.05})
     rng = np.random.default_rng(0)
     for _ in range(3):
         client.push_dense("w", rng.standard_normal(ADA.shape).astype(np.float32))
         ids = rng.integers(0, 10_000, 200)
         client.push_rows(TABLE, ids, rng.standard_normal((200, 4)).astype(np.float32))
+        client.push_rows(ADAM_TABLE, ids, rng.standard_normal((200, 3)).astype(np.float32))
     return client, layout
 
 
@@ -115,6 +119,8 @@ def _restored_matches(c: LocalCluster, ckpt: Path, tmp: Path) -> np.ndarray | No
     for k in want:
         assert re[k].tobytes() == want[k].tobytes(), k
     assert re_rows.keys() == want_rows.keys()
+    for k in want_rows:  # the rows and their optimizer state (sparse_adam's too) bit for bit
+        assert re_rows[k].tobytes() == want_rows[k].tobytes(), k
     digests_agree(c)
     return rows
 

@@ -79,9 +79,16 @@ ADAM = TensorSpec("adam", (16_000,))
 ADAM_OPT = {"kind": "adam", "lr": 0.01, "amsgrad": True, "weight_decay": 0.01}
 
 
+#: a table under sparse_adam (per row: two moments and a step count) whose rows every step
+#: pushes, so that torch.optim.SparseAdam on an nn.Embedding(sparse=True) is its reference
+ROWS, ROW_IDS, ROW_DIM = "adam_rows", np.arange(0, 3_000, 7, dtype=np.int64), 4
+ROW_OPT = {"kind": "sparse_adam", "lr": 0.01, "betas": [0.8, 0.99]}
+
+
 class AdamProbe:
     """Pushes half its gradients before a fault and half after; `check` compares the pulled
-    values with torch.optim.Adam given the same gradients (1 replica, one push per step)."""
+    values with torch.optim.Adam given the same gradients (1 replica, one push per step), and
+    the table's rows with torch.optim.SparseAdam."""
 
     STEPS = 40
 
@@ -89,19 +96,26 @@ class AdamProbe:
         layout = Layout([TENSOR, ADAM], n_buckets=N_BUCKETS, max_shard_elems=SHARD)
         self.client = PSClient(ControllerRouting(c.controllers), layout, TOKEN, retry_for=30.0)
         self.client.create(ADAM, init={"kind": "normal", "std": 0.5, "seed": 2}, optimizer=ADAM_OPT)
+        init = {"kind": "normal", "std": 0.5, "seed": 5}
+        self.client.create_table(ROWS, ROW_DIM, init=init, optimizer=ROW_OPT)
         self.w0 = self.client.pull(["adam"])[0]["adam"].copy()
+        self.r0 = self.client.pull_rows(ROWS, ROW_IDS).copy()
         rng = np.random.default_rng(4)
         self.grads = [rng.normal(size=ADAM.shape).astype(np.float32) for _ in range(self.STEPS)]
-        self._push(self.grads[: self.STEPS // 2])
+        shape = (len(ROW_IDS), ROW_DIM)
+        self.row_grads = [rng.normal(size=shape).astype(np.float32) for _ in range(self.STEPS)]
+        self._push(0, self.STEPS // 2)
 
-    def _push(self, grads: list[np.ndarray]) -> None:
-        for g in grads:
-            self.client.push_dense("adam", g)
+    def _push(self, lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            self.client.push_dense("adam", self.grads[i])
+            self.client.push_rows(ROWS, ROW_IDS, self.row_grads[i])
 
     def check(self) -> None:
         torch = pytest.importorskip("torch")
-        self._push(self.grads[self.STEPS // 2 :])
+        self._push(self.STEPS // 2, self.STEPS)
         got = self.client.pull(["adam"])[0]["adam"]
+        rows = self.client.pull_rows(ROWS, ROW_IDS)
         p = torch.nn.Parameter(torch.from_numpy(self.w0.copy()))
         kw = {k: v for k, v in ADAM_OPT.items() if k != "kind"}
         opt = torch.optim.Adam([p], foreach=False, **kw)
@@ -110,6 +124,15 @@ class AdamProbe:
             opt.step()
         self.client.close()
         np.testing.assert_allclose(got, p.detach().numpy(), rtol=1e-6, atol=1e-6)
+        emb = torch.nn.Embedding(*self.r0.shape, sparse=True)
+        with torch.no_grad():
+            emb.weight.copy_(torch.from_numpy(self.r0))
+        sparse = torch.optim.SparseAdam(emb.parameters(), lr=0.01, betas=(0.8, 0.99))
+        for g in self.row_grads:
+            sparse.zero_grad()
+            emb(torch.arange(len(ROW_IDS))).backward(torch.from_numpy(g))
+            sparse.step()
+        np.testing.assert_allclose(rows, emb.weight.detach().numpy(), rtol=1e-6, atol=1e-6)
 
 
 def primaries_of(view: dict, sid: str) -> list[int]:

@@ -32,6 +32,7 @@ from adamps import peer_auth, protocol
 from adamps.client.dataplane import ERROR, REQUEST, frame_header
 from adamps.client.rpc import RpcError, SyncRpc, json_request, rpc_request
 from adamps.server.repl_peers import PeerStream, SegmentDigests
+from adamps.server.repl_wire import updates_digest
 from adamps.up.cluster import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -88,11 +89,14 @@ def _target(c: LocalCluster, layout: Any) -> dict[str, Any]:
 
 def _forged_prepare(t: dict[str, Any], delta: np.ndarray) -> dict[str, Any]:
     seq = t["committed"] + 1
+    updates = [[{"k": "d", "s": t["sid"], "d": delta}]]
+    # a well-formed batch, its digest included: what refuses it is who sent it
     batch = {
         "seq": seq,
         "epoch": t["epoch"],
-        "updates": [[{"k": "d", "s": t["sid"], "d": delta}]],
+        "updates": updates,
         "clients": [None],
+        "x": updates_digest(updates),
     }
     return {"bucket": 0, "sender": t["primary"], "epoch": t["epoch"], "entries": [batch]}
 

@@ -154,6 +154,7 @@ def requests(rpc: SyncRpc, dport: int) -> dict[str, Callable[[], Any]]:
         ),  # fmt: skip
         "rpc:push_rows": lambda: rpc.call("push_rows", table="emb", ids=ids, grads=grads),
         "rpc:pull_rows": lambda: rpc.call("pull_rows", table="emb", ids=ids),
+        "rpc:put_rows": lambda: rpc.call("put_rows", table="emb", ids=ids, values=grads),
         "rpc:flush": lambda: rpc.call("flush"),
         "rpc:clock": lambda: rpc.call("clock", run="r", replica="a", mode="async", step=1),
         "rpc:ckpt_hold": ckpt_hold,
@@ -171,6 +172,7 @@ def requests(rpc: SyncRpc, dport: int) -> dict[str, Callable[[], Any]]:
         "dp:push_compressed": lambda: dp_message("push_compressed", shards=comp),
         "dp:push_rows": lambda: dp_message("push_rows", table="emb", ids=ids, grads=grads),
         "dp:pull_rows": lambda: dp_message("pull_rows", table="emb", ids=ids),
+        "dp:put_rows": lambda: dp_message("put_rows", table="emb", ids=ids, values=grads),
         # last: a round's holds (KNOWN_SLOW) overlapped the next requests' probes
         "rpc:round": lambda: rpc.call("round", **round_),
         "dp:round": lambda: dp_message("round", **round_),
