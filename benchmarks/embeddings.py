@@ -18,8 +18,15 @@
    (``adamps.torch.Embedding`` + the MLP under ``DownpourOptimizer``) and ``trainer.ctr``'s (the
    numpy engine), in the same run (``--ctr-side``).
 
+4. A bulk load (issue 38): --rows rows of --dim (Adagrad) pushed in pushes of 100,000 ids
+   into a cluster of 3 servers at replication factor 3 with the default flush settings: rows
+   per second, pushes refused (``not_durable``), and per server, flushed, the RSS and the LMDB
+   bytes per row against the raw bytes (values + optimizer state: 2 x dim x 4). Goals: RSS
+   <= 1.5 x raw + 64 bytes per row + 256 MiB; LMDB <= 1.5 x raw.
+
     python benchmarks/embeddings.py [--seconds 5] [--examples 300000] [--skip-auc]
-        [--ctr-side torch|numpy|both] [--batch 512] [--mlp-every 1]
+        [--ctr-side torch|numpy|both] [--batch 512] [--mlp-every 1] [--rows 1000000] [--dim 8]
+        [--only-load]
 
 Human-readable lines, then one JSON object of the figures as the last line.
 """
@@ -135,6 +142,58 @@ def cluster_cpu(c: Any) -> float:
     return sum(cpu_seconds(p.pid) for p in c.procs.values() if p.alive)
 
 
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def bulk_load(root: Path, rows: int, dim: int, push: int = 100_000) -> dict[str, float]:
+    """Item 4 of the module docstring."""
+    import re
+    import urllib.request
+
+    c = start_cluster(str(root / "rf3"), 3, 262_144)
+    try:
+        pids = {n: p.popen.pid for n, p in c.procs.items() if n.startswith("ps")}
+        rss0 = {n: rss_bytes(pid) for n, pid in pids.items()}
+        layout = Layout([], n_buckets=N_BUCKETS)
+        with PSClient(ControllerRouting(c.controllers), layout, TOKEN, timeout=120.0) as client:
+            client.create_table("load", dim, init={"kind": "normal", "std": 0.01, "seed": 1},
+                                optimizer={"kind": "adagrad", "lr": 0.1})  # fmt: skip
+            ids = np.random.default_rng(0).permutation(rows).astype(np.int64) * 7919 + 13
+            grads = np.full((push, dim), 1e-3, np.float32)
+            t0 = time.perf_counter()
+            for s in range(0, rows, push):
+                client.push_rows("load", ids[s : s + push], grads[: len(ids[s : s + push])])
+            took = time.perf_counter() - t0
+        refused = 0.0
+        for i, addr in enumerate(c.servers):
+            c.flush_server(i, timeout=300)
+            txt = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+            pat = r'adamps_ps_requests_total\{op="[^"]*",outcome="not_durable"\} (\S+)'
+            refused += sum(float(x) for x in re.findall(pat, txt))
+        rss = max((rss_bytes(pid) - rss0[n]) / rows for n, pid in pids.items())
+        disk = (
+            max(
+                sum(f.stat().st_blocks * 512 for f in (root / "rf3" / n).rglob("*") if f.is_file())
+                for n in pids
+            )
+            / rows
+        )
+    finally:
+        c.stop()
+    raw = 2 * dim * 4
+    return {
+        "bulk_load_rows": rows, "bulk_load_dim": dim, "bulk_load_rows_per_s": rows / took,
+        "bulk_load_refused": refused, "raw_bytes_per_row": raw, "rss_bytes_per_row": rss,
+        "rss_bytes_per_row_over_raw": rss / raw,
+        "rss_goal_bytes_per_row": 1.5 * raw + 64 + (256 << 20) / rows,
+        "lmdb_bytes_per_row": disk, "lmdb_bytes_per_row_over_raw": disk / raw,
+    }  # fmt: skip
+
+
 def torch_ctr(spec: CtrSpec, cfg: CtrConfig, replicas: int) -> dict[str, float]:
     """One PyTorch process, the same model, batches and optimizers (per-row Adagrad)."""
     import torch
@@ -222,10 +281,26 @@ def main() -> int:
         help="the adamps replicas of the CTR run: adamps.torch.Embedding (examples/torch_ctr.py), "
         "the numpy engine (trainer.ctr), or both",
     )  # fmt: skip
+    ap.add_argument("--rows", type=int, default=1_000_000, help="rows of the bulk load")
+    ap.add_argument("--dim", type=int, default=8, help="dim of the bulk load's table")
+    ap.add_argument("--only-load", action="store_true", help="the bulk load alone (item 4)")
     args = ap.parse_args()
     batches = zipf_batches(40, N_IDS)
     out: dict[str, Any] = {"batch": BATCH, "n_ids": N_IDS}
     root = Path(tempfile.mkdtemp(prefix="adamps-bench-emb-"))
+    load = bulk_load(root, args.rows, args.dim)
+    out.update(load)
+    print(
+        f"bulk load of {args.rows:,} rows of dim {args.dim} (Adagrad) at RF 3: "
+        f"{load['bulk_load_rows_per_s']:,.0f} rows/s, {load['bulk_load_refused']:.0f} refused; "
+        f"per server and row: RSS {load['rss_bytes_per_row']:.0f} B "
+        f"({load['rss_bytes_per_row_over_raw']:.2f} x raw; goal <= "
+        f"{load['rss_goal_bytes_per_row']:.0f} B), LMDB {load['lmdb_bytes_per_row']:.0f} B "
+        f"({load['lmdb_bytes_per_row_over_raw']:.2f} x raw; goal <= 1.5)"
+    )
+    if args.only_load:
+        print(json.dumps(out))
+        return 0
     c = start_cluster(str(root / "rf1"), 1, 262_144)
     try:
         for dim in (16, 64):

@@ -14,7 +14,7 @@ from adamps import limits
 from adamps.config import ConfigError
 from adamps.layout import TensorSpec, split_tensor
 from adamps.protocol import ProtocolError, require
-from adamps.server import bounds
+from adamps.server import bounds, memtrim
 from adamps.server.config import PsConfig
 from adamps.server.initial import INIT_KINDS, initial_values, normalize_init
 from adamps.server.optim import Optimizer, initial_state
@@ -89,6 +89,7 @@ class TensorCatalog:
                 len(self.store.shards),
                 self.persister.path,
             )
+        memtrim.trim()  # the records read are parsed into the arrays: their heap goes back
 
     def _shards_of(self, spec: TensorSpec) -> list[str]:
         return [s.id for s in split_tensor(spec, self.store.layout.max_shard_elems)]

@@ -43,6 +43,9 @@ log = logging.getLogger("adamps.server.persist")
 
 #: how long a durability verdict is reused (it scans the dirty shards; pushes ask often)
 VERDICT_TTL = 0.05
+#: a state transfer's persist waits for a slow flush (this server durable) up to this many
+#: times max_unflushed (`flush_buckets`)
+SLOW_FLUSH_WAITS = 12
 
 
 def describe_failure(exc: BaseException, path: str, needed: int) -> str:
@@ -183,6 +186,7 @@ class Flusher:
             self.last_error = None
             if nbytes:
                 memtrim.trim()  # the chunks' records and LMDB's dirty pages are free now
+                self.persister.drop_file_view()  # and the file pages its B-tree walk read
             seconds = self.clock() - t0
             self.last_flush = {
                 "time": time.time(),
@@ -201,15 +205,25 @@ class Flusher:
     def flush_buckets(self, buckets: set[int], timeout: float | None = None) -> int:
         """Writes the dirty shards and positions of `buckets` now, in one transaction (blocking;
         a state transfer's installed copy before it may count as a member). Raises if the
-        write fails, or if a flush holds the disk longer than `timeout` (default max_unflushed,
-        past which this server would not be durable anyway: a stalled disk): the copy is then
-        not durable here. Returns the bytes written."""
+        write fails, or if a flush holds the disk longer than `timeout` (default max_unflushed)
+        on a stalled or failing disk, or longer than SLOW_FLUSH_WAITS x `timeout` in all: the
+        copy is then not durable here. A flush that is merely slow (a large one on a CPU, or
+        one starved of CPU) is waited for: giving up made the primary send the whole bucket
+        again, and a server slow to flush re-copied buckets in a loop (issue 38). Returns the
+        bytes written."""
         if timeout is None:
             timeout = self.max_unflushed if math.isfinite(self.max_unflushed) else 60.0
-        if not self._flush_lock.acquire(timeout=timeout):
-            raise TimeoutError(
-                f"a flush has been writing for more than {timeout:g} s (the disk stalls)"
-            )
+        start = self.clock()
+        while not self._flush_lock.acquire(timeout=min(0.5, timeout)):
+            waited = self.clock() - start
+            if waited < timeout:
+                continue
+            why = self.not_durable()  # classifies the flush in progress (self._stalled)
+            if self.last_error is not None or self._stalled or waited >= SLOW_FLUSH_WAITS * timeout:
+                raise TimeoutError(
+                    f"a flush has been writing for more than {waited:.1f} s (the disk stalls"
+                    f"{': ' + why if why else ''})"
+                )
         try:
             return self._flush_chunk(buckets)[1]
         except Exception:

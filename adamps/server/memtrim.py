@@ -34,3 +34,43 @@ _TRIM = _load()
 def trim() -> bool:
     """Returns free heap memory of every arena to the system; False where unavailable."""
     return _TRIM is not None and _TRIM() == 1
+
+
+def _load_madvise() -> Callable[[int, int], int] | None:
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        fn = ctypes.CDLL(name, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lambda addr, length: int(fn(addr, length, _MADV_DONTNEED))
+
+
+#: Linux's MADV_DONTNEED
+_MADV_DONTNEED = 4
+_MADVISE = _load_madvise()
+
+
+def drop_file_view(path: str) -> bool:
+    """Unmaps from this process the pages of `path`'s read-only shared maps (LMDB's, opened
+    without ``writemap``: ``r--s`` in /proc/self/maps) that reads touched: they stay in the
+    kernel's page cache, and the next read maps them again (a minor fault). RSS then counts what
+    the process holds, not the file pages a start's load or a flush's B-tree walk read once
+    (issue 38: a reloaded table's RSS was half page cache). A writable or private map is never
+    touched: that would drop data. False where unavailable (not Linux, not glibc)."""
+    if _MADVISE is None:
+        return False
+    try:
+        with open("/proc/self/maps") as f:
+            lines = [ln.split() for ln in f if ln.rstrip().endswith(path)]
+    except OSError:
+        return False
+    done = False
+    for parts in lines:
+        if len(parts) >= 6 and parts[1] == "r--s" and parts[5] == path:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            done = _MADVISE(lo, hi - lo) == 0 or done
+    return done

@@ -18,11 +18,12 @@ LMDB layout (one Environment per process, five named databases):
   copy held prepared (not yet applied) at the cut, written in the same transaction: with
   ``ack = "prepared"`` a push is acknowledged once every member holds its batch prepared, so a
   copy reloaded from disk must still hold what it had prepared when its cut was taken;
-- ``rows``: ``<row shard id>/<id, 8 bytes big-endian>`` -> one row of an embedding table (its last
-  push time, values, accumulator: ``adamps.server.rowdelta``), written by the flush that follows
-  its push, in the same transaction as its row shard's record in ``shards`` (the block's header)
-  and its bucket's position: a flush writes the rows touched since the previous one, not the
-  bucket's whole row block;
+- ``rowpages``: ``<row shard id>/<page, 4 bytes big-endian>`` -> a page of an embedding table's
+  rows (ids, values, optimizer state: ``adamps.server.rowdelta``), written by the flush that
+  follows a push to one of its rows, in the same transaction as its row shard's record in
+  ``shards`` (the block's header) and its bucket's position: a flush writes the pages touched
+  since the previous one, not the bucket's whole row block (``rows``, one record per row, is
+  the format 2 layout: read, then rewritten as pages: ``adamps.server.rowpages``);
 - ``dedup``: ``%08d/%020d`` (bucket, seq) -> JSON ``[[client, client_seq, batch_seq], ...]``: the
   exactly-once pairs of the batches applied since the previous flush; the newest
   ``DEDUP_CHUNKS`` chunks of a bucket are kept, so a client's retry of a push is recognized after
@@ -30,10 +31,11 @@ LMDB layout (one Environment per process, five named databases):
 
 Every record is sealed with a checksum (``adamps.server.checksum``) in the transaction that writes
 it, and verified wherever it is read: at start (``verify``, before a copy is offered), by the
-background scrub, and by ``load``. A sixth database, ``meta``, holds the format stamp
-(``format`` -> ``2``), written when the environment is created; an environment that holds records
-but no stamp was not written by this version (no released version wrote one) and is refused with
-a message naming it, as is a stamp of another format.
+background scrub, and by ``load``. A database ``meta`` holds the format stamp (``format`` ->
+``3``), written when the environment is created; a ``2`` (rows in a record each, ``rows``) is
+restamped: its rows load and are rewritten as pages by the next flush. An environment that holds
+records but no stamp was not written by this version (no released version wrote one) and is
+refused with a message naming it, as is a stamp of another format.
 
 ``sync`` stays on (no ``writemap``): a committed flush survives a crash of the process or machine.
 MapFullError grows the map (doubling) and retries; ``set_mapsize`` needs no transaction open in this
@@ -58,10 +60,10 @@ import numpy as np
 from adamps import protocol
 from adamps.config import ConfigError
 from adamps.layout import stable_bucket
-from adamps.server import memtrim, shardrecord
+from adamps.server import memtrim, rowpages, shardrecord
 from adamps.server.checksum import CorruptRecord, seal, unseal
 from adamps.server.flush_times import OwnedLock
-from adamps.server.rowdelta import RowDelta, id_keys, id_of_key, row_prefix, sid_of_key
+from adamps.server.rowdelta import sid_of_key
 from adamps.server.shardrecord import HEADER
 from adamps.server.shards import Snapshot
 from adamps.tables import parse_row_shard_id
@@ -73,9 +75,9 @@ DEDUP_CHUNKS = 64
 #: pairs persisted per bucket and flush at most (a flush covers far fewer in practice)
 DEDUP_PER_FLUSH = 65_536
 #: the on-disk format this version writes (records sealed with checksums)
-FORMAT = b"2"
+FORMAT = b"3"
 #: the named databases whose records are sealed
-_SEALED_DBS = ("tensors", "shards", "positions", "dedup", "prepared", "rows")
+_SEALED_DBS = ("tensors", "shards", "positions", "dedup", "prepared", "rows", "rowpages")
 
 
 @dataclass
@@ -113,8 +115,8 @@ class SavedTensor:
     meta: dict[str, Any]
     #: shard id -> (version, values, accumulator or None), float32 1-D arrays
     shards: dict[str, tuple[int, np.ndarray, np.ndarray | None]]
-    #: an embedding table's row shard id -> (ids, row record payloads) (rowdelta.parse_rows)
-    rows: dict[str, tuple[list[int], list[bytes]]] = field(default_factory=dict)
+    #: an embedding table's row shard id -> its row records (rowpages.SavedRows)
+    rows: dict[str, rowpages.SavedRows] = field(default_factory=dict)
 
 
 class Persister:
@@ -138,7 +140,7 @@ class Persister:
         self.env = lmdb.open(
             self.path,
             map_size=map_size,
-            max_dbs=7,
+            max_dbs=8,
             sync=sync,
             metasync=sync,
             writemap=False,
@@ -158,6 +160,7 @@ class Persister:
         self._prepared = self.env.open_db(b"prepared")
         self._meta = self.env.open_db(b"meta")
         self._rows = self.env.open_db(b"rows")
+        self._rowpages = self.env.open_db(b"rowpages")
         #: called with where ("load", "scrub") for every record that fails its checksum
         self.on_corrupt = on_corrupt or (lambda where: None)
         #: records that failed their checksum, by where they were found
@@ -174,6 +177,12 @@ class Persister:
     def close(self) -> None:
         with self._lock:
             self.env.close()
+
+    def drop_file_view(self) -> bool:
+        """Unmaps the file pages reads touched (memtrim.drop_file_view: LMDB's map is read-only
+        here, no ``writemap``); they stay in the page cache."""
+        with self._lock:
+            return memtrim.drop_file_view(str(Path(self.path, "data.mdb").resolve()))
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -250,7 +259,7 @@ class Persister:
                 txn.put(s.shard_id.encode(), s.record, db=self._shards)
                 nbytes += len(s.record)
                 if s.rows is not None:
-                    nbytes += self._write_rows(txn, s.shard_id, s.rows)
+                    nbytes += rowpages.write(txn, self._rowpages, self._rows, s.shard_id, s.rows)
             if positions is None or self._written is None:
                 return
             for b in [b for b in self._written if b not in keep]:
@@ -292,22 +301,6 @@ class Persister:
             self._prepared_on_disk = on_disk
         return nbytes
 
-    def _write_rows(self, txn: lmdb.Transaction, sid: str, delta: RowDelta) -> int:
-        """A row shard's rows of one cut (rowdelta.py); returns the bytes written."""
-        prefix = row_prefix(sid)
-        if delta.full:  # replaced whole: no row of an earlier state may survive
-            cur = txn.cursor(db=self._rows)
-            if cur.set_range(prefix):
-                while bytes(cur.key()).startswith(prefix):
-                    if not cur.delete():
-                        break
-        for k in id_keys(delta.removed):
-            txn.delete(prefix + k, db=self._rows)
-        recs = delta.records(sid)
-        if recs:
-            txn.cursor(db=self._rows).putmulti(recs)
-        return sum(len(k) + len(v) for k, v in recs) + 8 * len(delta.removed)
-
     def _delete_chunks(self, txn: lmdb.Transaction, b: int, keep: int) -> None:
         self._delete_prefix(txn, self._dedup, b, keep)
 
@@ -333,6 +326,9 @@ class Persister:
         with self._lock, self.env.begin() as txn:
             stamp = txn.get(b"format", db=self._meta)
             n = txn.stat(self._tensors)["entries"] + txn.stat(self._positions)["entries"]
+        if stamp == b"2":  # format 2: rows in records of their own, which load as they are
+            self._write(lambda txn: txn.put(b"format", FORMAT, db=self._meta))
+            return
         if stamp is not None and bytes(stamp) == FORMAT:
             return
         if stamp is not None or n:
@@ -400,8 +396,8 @@ class Persister:
 
     def bucket_of_record(self, db: str, key: bytes, n_buckets: int) -> int | None:
         """The bucket a record belongs to (None: a tensor definition, which is every bucket's)."""
-        if db in ("shards", "rows"):
-            sid = sid_of_key(key) if db == "rows" else key.decode(errors="replace")
+        if db in ("shards", "rows", "rowpages"):
+            sid = key.decode(errors="replace") if db == "shards" else sid_of_key(key, db)
             row = parse_row_shard_id(sid)  # a row shard names its bucket
             return row[1] if row is not None else stable_bucket(sid, n_buckets)
         if db == "tensors":
@@ -414,7 +410,7 @@ class Persister:
             payload = unseal(value)
             if db == "shards":
                 _check_lengths(payload)  # the values' copies _unpack makes are not needed here
-            elif db == "rows":
+            elif db in ("rows", "rowpages"):
                 pass  # its length is its table's: checked when loaded
             elif db == "prepared":
                 protocol.decode(bytes(payload))
@@ -547,20 +543,11 @@ class Persister:
                         out[tensor].shards[sid] = _unpack(unseal(v))
                     except (CorruptRecord, ValueError, struct.error) as exc:
                         log.error("shard %s does not verify (%s): not loaded", sid, exc)
-            for k, v in txn.cursor(db=self._rows):
-                key = bytes(k)
-                sid = sid_of_key(key)
-                saved = out.get(sid.rpartition("/")[0])
-                if saved is None:
-                    continue
-                try:
-                    payload = bytes(unseal(v))
-                except CorruptRecord as exc:
-                    log.error("row record %r does not verify (%s): not loaded", key, exc)
-                    continue
-                ids, pays = saved.rows.setdefault(sid, ([], []))
-                ids.append(id_of_key(key))
-                pays.append(payload)
+            for sid, rows in rowpages.load(
+                txn, self._rowpages, self._rows, lambda sid: sid.rpartition("/")[0] in out
+            ).items():
+                out[sid.rpartition("/")[0]].rows[sid] = rows
+        self.drop_file_view()  # every record was read (copied) once: the map's pages may go
         return list(out.values())
 
 

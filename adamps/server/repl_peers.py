@@ -326,6 +326,11 @@ async def signed_call(
     return await rpc.send(dataclasses.replace(req, extra_headers=hdrs) if hdrs else req)
 
 
+def snapshot_timeout(member_timeout: float) -> float:
+    """Seconds a joiner waits for a snapshot: 10 member timeouts, at least 10 s."""
+    return max(10.0, 10 * member_timeout)
+
+
 class Peers:
     """Server id -> address, and the clients to reach them. Lives on the PS's event loop."""
 
@@ -340,6 +345,8 @@ class Peers:
         #: the HTTP session of every peer client (opened at start)
         self.session: aiohttp.ClientSession | None = None
         self._rpcs: dict[str, AsyncRpc] = {}
+        #: the clients of snapshot fetches (`snapshot`): their own, longer timeout
+        self._snap_rpcs: dict[str, AsyncRpc] = {}
         self._channels: dict[str, PeerChannel] = {}
         #: the arrays' digests of the data-plane frames, shared by every peer's channel: a
         #: batch sent to two secondaries is hashed once (peer_auth.frame_mac)
@@ -361,9 +368,16 @@ class Peers:
         signed; None when it failed (the core asks again)."""
         fields = {"bucket": f.bucket, "joiner": self.keys.server_id, "join": f.join}
         try:
-            return await signed_call(
-                self.rpc(f.primary), self.keys, f.primary, "repl_snapshot", fields
-            )
+            rpc = self.rpc(f.primary)
+            # A snapshot carries the whole bucket (an embedding table's: megabytes of rows):
+            # timed out at the member timeout, a loaded primary's answer came too late each
+            # time, and the joiner asked for the bucket again and again (issue 38).
+            snap = self._snap_rpcs.get(rpc.base_url)
+            if snap is None:
+                snap = self._snap_rpcs[rpc.base_url] = AsyncRpc(
+                    rpc.base_url, self.token, self.session, snapshot_timeout(self.timeout)
+                )
+            return await signed_call(snap, self.keys, f.primary, "repl_snapshot", fields)
         except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
             log.info("bucket %d: snapshot from %s failed: %s; again", f.bucket, f.primary, exc)
             return None

@@ -1,8 +1,11 @@
 """One bucket's rows of one embedding table, and the per-row optimizer: pure numpy, no IO, no
 clock (a push's time comes in the update, stamped by the primary, so every copy decides the same).
 
-Rows live in growable arrays (values, Adagrad accumulators, last push time, id) with an index
-id -> slot (rowindex.py); expiry compacts the arrays, so they stay dense. Every step is a deterministic function of (state, ordered updates): copies of a bucket
+Rows live in growable arrays (values, the optimizer's state, last push time, id) with an index
+id -> slot (rowindex.py); expiry compacts the arrays, so they stay dense. The arrays grow by an
+eighth (not double), and nothing is kept per row in Python objects: a row costs its bytes, the
+index's 12 and ~1/16 of spare room (issue 38). A flush writes the pages of `page_rows` slots
+that hold a touched row (rowdelta.py): `dirty` is one flag per page, not per row. Every step is a deterministic function of (state, ordered updates): copies of a bucket
 that apply the same batches end bit-identical, and `to_bytes` / `from_bytes` carry the whole
 state (LMDB flushes, state transfer).
 
@@ -32,7 +35,7 @@ import numpy as np
 from adamps.server import torchoptim
 from adamps.server.freqsketch import DEPTH, FrequencySketch
 from adamps.server.optim import Optimizer
-from adamps.server.rowdelta import RowDelta
+from adamps.server.rowdelta import RowDelta, page_rows
 from adamps.server.rowindex import RowIndex
 from adamps.tables import Admission, initial_rows
 
@@ -93,7 +96,8 @@ class RowBlock:
     ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     values: np.ndarray | None = None
     accum: np.ndarray | None = None
-    #: wall-clock time (the primary's) of each row's last push
+    #: wall-clock time (the primary's) of each row's last push: kept only for a table with
+    #: expire_after, the one reader (else empty: 8 bytes a row saved)
     seen: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
     index: RowIndex = field(default_factory=RowIndex)
     #: sightings of ids without a row (the frequency filter, when admit_after > 1): bounded
@@ -101,10 +105,8 @@ class RowBlock:
     sketch: FrequencySketch | None = None
     #: time of the next expiry sweep
     next_sweep: float = 0.0
-    #: per slot: pushed since the last flush's cut (`take_delta`)
+    #: per page of `page_rows` slots: a row of it pushed (or moved) since the last flush's cut
     dirty: np.ndarray = field(default_factory=lambda: np.empty(0, bool))
-    #: ids removed (expired) since the last cut
-    removed: list[np.ndarray] = field(default_factory=list)
     #: the next flush writes every row (the state was replaced whole, or never flushed)
     full: bool = True
 
@@ -115,8 +117,10 @@ class RowBlock:
         self.acc_width = self.optimizer.row_state_width(self.dim)
         if self.accum is None and self.acc_width:
             self.accum = np.empty((0, self.acc_width), np.float32)
-        if len(self.dirty) < len(self.values):
-            self.dirty = np.zeros(len(self.values), bool)
+        #: rows per page of the flushed form (last push times only where expiry reads them)
+        self.has_seen = self.admission.expire_after is not None
+        self.page_rows = page_rows(self.dim, self.acc_width, self.has_seen)
+        self._size_dirty()
         # The frequency sketch is made at the first sighting (`_admit`, the owner thread): a
         # create allocates nothing per bucket on the event loop (issue 39).
 
@@ -150,7 +154,10 @@ class RowBlock:
         cap = len(self.values)
         if need <= cap:
             return
-        self._resize(max(need, 2 * cap, 64))
+        # by an eighth: amortised O(1) per row still (each row copied ~8 times as the block
+        # grows), with ~1/16 spare room on average, where doubling kept up to 1/2 (and a
+        # reloaded block's first new row doubled it)
+        self._resize(max(need, cap + cap // 8, 64))
 
     def _resize(self, new: int) -> None:
         """The arrays at capacity `new` (>= n): the rows copied, the old arrays freed."""
@@ -165,8 +172,18 @@ class RowBlock:
         if self.accum is not None:
             self.accum = moved(self.accum)
         self.ids = moved(self.ids)
-        self.seen = moved(self.seen)
-        self.dirty = moved(self.dirty)
+        if self.has_seen:
+            self.seen = moved(self.seen)
+        self._size_dirty()
+
+    def _size_dirty(self) -> None:
+        """One dirty flag per page of the capacity (and one more); a shrink keeps the flags."""
+        assert self.values is not None
+        pages = -(-len(self.values) // self.page_rows) + 1
+        if len(self.dirty) < pages:
+            d = np.zeros(pages, bool)
+            d[: len(self.dirty)] = self.dirty
+            self.dirty = d
 
     def expire(self, now: float) -> int:
         """Removes rows last pushed more than expire_after before `now`; returns how many. The
@@ -180,10 +197,10 @@ class RowBlock:
             return 0
         assert self.values is not None
         gone = self.n - k
-        self.removed.append(self.ids[: self.n][~keep].copy())
+        # every page from the first removed row on holds moved rows: rewritten
+        self.dirty[int(np.argmin(keep)) // self.page_rows :] = True
         self.ids[:k] = self.ids[: self.n][keep]
         self.seen[:k] = self.seen[: self.n][keep]
-        self.dirty[:k] = self.dirty[: self.n][keep]
         self.values[:k] = self.values[: self.n][keep]
         if self.accum is not None:
             self.accum[:k] = self.accum[: self.n][keep]
@@ -217,8 +234,7 @@ class RowBlock:
         self.values[s] = v
         if self.accum is not None:
             self.accum[s] = self.optimizer.initial_state
-        self.seen[s] = push.time
-        self.dirty[s] = True
+        self._touch(s, push.time)
 
     def apply(self, push: RowPush, stats: ApplyStats) -> None:
         """One push (module docstring, steps 1-6); a put_rows' values: `assign`."""
@@ -243,8 +259,7 @@ class RowBlock:
             s, g = s[keep], g[keep]
         if len(s):
             self._step(s, g)
-            self.seen[s] = push.time
-            self.dirty[s] = True
+            self._touch(s, push.time)
 
     def _admit(self, ids: np.ndarray, new: np.ndarray, stats: ApplyStats) -> np.ndarray:
         """The positions in `new` (ids without a row, increasing) that get a row now."""
@@ -270,11 +285,17 @@ class RowBlock:
         if self.accum is not None:
             self.accum[slots] = self.optimizer.initial_state
         self.ids[slots] = ids
-        self.seen[slots] = 0.0
-        self.dirty[slots] = True
+        self._touch(slots, 0.0)
         self.index.add(ids, slots)
         self.n += k
         s[new] = slots
+
+    def _touch(self, s: np.ndarray, time: float) -> None:
+        """Slots `s` were written at `time`: their last push time (where expiry reads it) and
+        their pages' dirty flags."""
+        if self.has_seen:
+            self.seen[s] = time
+        self.dirty[s // self.page_rows] = True
 
     def _step(self, s: np.ndarray, g: np.ndarray) -> None:
         assert self.values is not None
@@ -297,7 +318,7 @@ class RowBlock:
                 _MAGIC, 2, n, self.dim, self.accum is not None, len(sk) // 4, self.next_sweep
             ),
             self.ids[:n].astype("<i8").tobytes(),
-            self.seen[:n].astype("<f8").tobytes(),
+            self.seen[:n].astype("<f8").tobytes() if self.has_seen else bytes(8 * n),
             self.values[:n].astype("<f4").tobytes(),
             b"" if self.accum is None else self.accum[:n].astype("<f4").tobytes(),
             sk,
@@ -326,28 +347,30 @@ class RowBlock:
         return sketch, off + 4 * count
 
     def take_delta(self) -> RowDelta:
-        """Owner thread, a flush's cut: copies of the rows pushed since the previous cut (every
-        row after a whole replacement) and the ids removed since; the next cut starts empty."""
+        """Owner thread, a flush's cut: copies of the pages holding a row pushed (or moved)
+        since the previous cut (every page after a whole replacement); the next cut starts
+        empty."""
         assert self.values is not None
-        n = self.n
-        s = np.arange(n) if self.full else np.flatnonzero(self.dirty[:n])
-        removed = (
-            np.concatenate(self.removed)
-            if self.removed and not self.full
-            else np.empty(0, np.int64)
-        )
-        if len(removed):
-            removed = np.setdiff1d(removed, self.ids[s])  # expired, then created again
+        n, per = self.n, self.page_rows
+        n_pages = -(-n // per)
+        pages = np.arange(n_pages) if self.full else np.flatnonzero(self.dirty[:n_pages])
+        lo = pages * per
+        hi = np.minimum(lo + per, n)
+        starts = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
+        # the slots of those pages, in order: each page's run lo .. hi - 1
+        s = np.arange(int(starts[-1]), dtype=np.int64) + np.repeat(lo - starts[:-1], hi - lo)
         delta = RowDelta(
             self.full,
+            per,
+            n_pages,
+            pages.astype(np.int64),
+            starts,
             self.ids[s],
-            self.seen[s],
+            self.seen[s] if self.has_seen else None,
             self.values[s],
             None if self.accum is None else self.accum[s],
-            removed,
         )
-        self.dirty[:n] = False
-        self.removed = []
+        self.dirty[:] = False
         self.full = False
         return delta
 
@@ -364,11 +387,11 @@ class RowBlock:
     def load_flushed(
         self,
         header: bytes,
-        rows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None,
+        rows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, bool] | None,
     ) -> None:
-        """The state a flush left: `header_bytes` and the row records' (ids, seen, values,
-        accum); or an older format's whole block (`tobytes`), rewritten whole by the next
-        flush."""
+        """The state a flush left: `header_bytes` and the rows' (ids, seen, values, accum,
+        intact: rowpages.SavedRows.parse); or an older format's whole block (`tobytes`). The
+        next flush rewrites every page unless the pages read were intact."""
         magic = bytes(header[:4])
         if magic == _MAGIC:
             self.load_bytes(header)
@@ -379,20 +402,22 @@ class RowBlock:
         sketch, end = self._parse_filter(2, header, _HEAD.size, n_pend)
         if end != len(header):
             raise ValueError(f"row block header of {len(header)} bytes")
-        ids, seen, values, accum = rows or (
+        ids, seen, values, accum, intact = rows or (
             np.empty(0, np.int64),
             np.empty(0),
             np.empty((0, dim), np.float32),
             None,
+            True,
         )
         n = len(ids)
         self.n = n
-        self.ids, self.seen, self.values = ids, seen, values
+        self.ids, self.values = ids, values
+        self.seen = seen if self.has_seen else np.empty(0, np.float64)
         if self.acc_width:
             self.accum = accum if accum is not None else np.zeros((n, self.acc_width), np.float32)
-        self.dirty = np.zeros(n, bool)
-        self.removed = []
-        self.full = False
+        self.dirty = np.zeros(0, bool)
+        self._size_dirty()
+        self.full = not intact
         self.index = RowIndex()
         self.index.rebuild(ids)
         self.sketch = sketch
@@ -401,8 +426,8 @@ class RowBlock:
     @property
     def flush_nbytes(self) -> int:
         """About what the next flush writes of this block (a racy read: the chunk plan)."""
-        per = 64 + (self.dim + self.acc_width) * 4
-        rows = self.n if self.full else int(np.count_nonzero(self.dirty[: self.n]))
+        per = 16 + (self.dim + self.acc_width) * 4
+        rows = self.n if self.full else int(np.count_nonzero(self.dirty)) * self.page_rows
         return rows * per + (0 if self.sketch is None else self.sketch.nbytes) + 64
 
     @staticmethod
@@ -441,7 +466,8 @@ class RowBlock:
         if off != len(data):
             raise ValueError(f"row block of {len(data)} bytes, expected {off}")
         self.n = n
-        self.ids, self.seen, self.values = ids, seen, values
+        self.ids, self.values = ids, values
+        self.seen = seen if self.has_seen else np.empty(0, np.float64)
         if self.acc_width:
             self.accum = accum if accum is not None else np.zeros((n, self.acc_width), np.float32)
         self.index = RowIndex()
@@ -449,8 +475,8 @@ class RowBlock:
         self.sketch = sketch
         self.next_sweep = next_sweep
         # replaced whole: the next flush rewrites every row (and deletes the others on disk)
-        self.dirty = np.zeros(n, bool)
-        self.removed = []
+        self.dirty = np.zeros(0, bool)
+        self._size_dirty()
         self.full = True
 
     def digest(self) -> bytes:
@@ -468,3 +494,9 @@ class RowBlock:
     def nbytes(self) -> int:
         per = (self.dim + self.acc_width) * 4 + 16
         return self.n * per
+
+    @property
+    def held_bytes(self) -> int:
+        """What the block's arrays and index take (their spare room included)."""
+        arrays = (self.values, self.accum, self.ids, self.seen, self.dirty)
+        return sum(a.nbytes for a in arrays if a is not None) + self.index.nbytes

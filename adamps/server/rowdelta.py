@@ -1,145 +1,198 @@
-"""What a flush writes of a row shard (issue 23): the rows touched since the previous flush and
-the ids removed since (expiry), or every row when the shard's state was replaced whole (a state
-transfer, a checkpoint's restore, a block loaded from an older format). So a flush after k rows
-were pushed writes O(k) bytes, not the bucket's whole row block.
+"""What a flush writes of a row shard (issues 23, 38): its rows in pages, one LMDB record per
+page of ``page_rows`` consecutive slots, and only the pages holding a row touched since the
+previous flush; every page when the shard's state was replaced whole (a state transfer, a
+checkpoint's restore, a block loaded from an older format).
 
-In LMDB (adamps/server/persist.py) a row is one record of the ``rows`` database, keyed
-``<row shard id>/<id: 8 bytes big-endian>``, sealed with a checksum like every record:
-``seen`` (float64, the primary's time of its last push) + values (float32 x dim) + the Adagrad
-accumulator (float32 x dim, when the optimizer has one). The block's own small state (the
-frequency counts, the next expiry sweep) stays the row shard's record in ``shards``, in the
-same transaction.
+In LMDB (adamps/server/persist.py) a page is one record of the ``rowpages`` database, keyed
+``<row shard id>/<page number: 4 bytes big-endian>``, sealed with one checksum like every record
+(the scrub verifies it): a `_PAGE` header, then the page's ids (int64), their last push times
+(float64, only for a table with ``expire_after``: nothing else reads them), values (float32 x
+dim) and optimizer state (float32 x the optimizer's width). ``page_rows`` is chosen so that a
+record fills its run of LMDB overflow pages: on disk a row costs its bytes and ~1% more, where
+the older format's record per row (``rows``: key, checksum and B-tree node per row) cost ~3.4x
+its values (docs/benchmarks.md, issue 38). The block's own small state (the frequency counts,
+the next expiry sweep) stays the row shard's record in ``shards``, in the same transaction.
+
+Slots move only at expiry (the block compacts): every page from the first removed slot on is
+then rewritten, and the records of pages past the shard's last are deleted.
 
 Pure: no IO, no clock.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
-from adamps.server.checksum import MAGIC
+from adamps.server.checksum import MAGIC, seal
 
-
-@dataclass
-class RowDelta:
-    """The rows a flush writes of one row shard (copies, taken on its owner thread)."""
-
-    #: every row of the shard is here: the flush deletes the shard's other row records
-    full: bool
-    ids: np.ndarray  #: int64 [k]
-    seen: np.ndarray  #: float64 [k]
-    values: np.ndarray  #: float32 [k, dim]
-    accum: np.ndarray | None  #: float32 [k, dim] or None
-    #: ids whose rows were removed (expired) and not created again since
-    removed: np.ndarray
-
-    def after(self, older: RowDelta) -> RowDelta:
-        """This delta applied on top of an `older` one not written yet (a failed flush's): one
-        delta with the same effect."""
-        if self.full:
-            return self
-        keep = ~np.isin(older.ids, np.concatenate([self.ids, self.removed]))
-        removed = np.union1d(older.removed[~np.isin(older.removed, self.ids)], self.removed)
-        return RowDelta(
-            older.full,
-            np.concatenate([older.ids[keep], self.ids]),
-            np.concatenate([older.seen[keep], self.seen]),
-            np.concatenate([older.values[keep], self.values]),
-            None if self.accum is None else np.concatenate([older.accum[keep], self.accum]),  # type: ignore[index]
-            removed.astype(np.int64),
-        )
-
-    def payloads(self) -> np.ndarray:
-        """[k, row record payload bytes] uint8: seen, values, accumulator of each row."""
-        k = len(self.ids)
-        row = self.values.shape[1] * 4
-        parts = [
-            np.ascontiguousarray(self.seen, "<f8").view(np.uint8).reshape(k, 8),
-            np.ascontiguousarray(self.values, "<f4").view(np.uint8).reshape(k, row),
-        ]
-        if self.accum is not None:
-            aw = self.accum.shape[1] * 4  # the optimizer's state per row (1 for row-wise Adagrad)
-            parts.append(np.ascontiguousarray(self.accum, "<f4").view(np.uint8).reshape(k, aw))
-        return np.concatenate(parts, axis=1)
-
-    def records(self, sid: str) -> list[tuple[memoryview, memoryview]]:
-        """(key, sealed record) of every row, in key order within the shard: views into two
-        buffers built in a few vectorised passes (a row's only Python-level work is its
-        checksum), so a flush of k rows costs about a microsecond per row."""
-        k = len(self.ids)
-        if not k:
-            return []
-        prefix = row_prefix(sid)
-        kw = len(prefix) + 8
-        keys = np.empty((k, kw), np.uint8)
-        keys[:, : len(prefix)] = np.frombuffer(prefix, np.uint8)
-        keys[:, len(prefix) :] = (
-            np.ascontiguousarray(self.ids, np.int64).astype(">i8").view(np.uint8).reshape(k, 8)
-        )
-        pay = self.payloads()
-        w = pay.shape[1]
-        recs = np.empty((k, SEAL_BYTES + w), np.uint8)
-        recs[:, : len(MAGIC)] = np.frombuffer(MAGIC, np.uint8)
-        recs[:, SEAL_BYTES:] = pay
-        pv = memoryview(recs).cast("B")
-        h = xxhash.xxh3_64_intdigest
-        sums = np.fromiter(
-            (
-                h(pv[i * (SEAL_BYTES + w) + SEAL_BYTES : (i + 1) * (SEAL_BYTES + w)])
-                for i in range(k)
-            ),
-            np.uint64,
-            k,
-        )
-        recs[:, len(MAGIC) : SEAL_BYTES] = sums.astype("<u8").view(np.uint8).reshape(k, 8)
-        kv = memoryview(keys).cast("B")
-        rw = SEAL_BYTES + w
-        return [(kv[i * kw : (i + 1) * kw], pv[i * rw : (i + 1) * rw]) for i in range(k)]
-
-    @property
-    def nbytes(self) -> int:
-        """About what writing it costs (the flush's chunk plan)."""
-        per = (
-            8
-            + 16
-            + 40
-            + (self.values.shape[1] + (0 if self.accum is None else self.accum.shape[1])) * 4
-        )
-        return len(self.ids) * per + len(self.removed) * 48
-
-
+#: magic, rows, dim, optimizer state width, flags (1: last push times present)
+_PAGE = struct.Struct("<4sIIII")
+_PAGE_MAGIC = b"RPG1"
+_HAS_SEEN = 1
+#: LMDB's page size, and the header of a run of overflow pages (a value > ~2 KiB is one run)
+LMDB_PAGE = 4096
+_OVERFLOW_HEAD = 16
 #: a sealed record's head: MAGIC and the xxh3-64 of the payload (adamps.server.checksum)
 SEAL_BYTES = len(MAGIC) + 8
 
 
+def row_bytes(dim: int, acc_width: int, seen: bool) -> int:
+    return 8 + (8 if seen else 0) + 4 * (dim + acc_width)
+
+
+def page_rows(dim: int, acc_width: int, seen: bool) -> int:
+    """Rows per page record: the count that best fills a run of 4 to 16 LMDB pages (within 2%
+    of full at the smallest such run), so few bytes of the disk are padding, and a flush
+    rewrites at most ~16 KiB around a touched row."""
+    row = row_bytes(dim, acc_width, seen)
+    head = SEAL_BYTES + _PAGE.size + _OVERFLOW_HEAD
+    best: tuple[float, int] | None = None
+    for k in range(4, 17):
+        p = (k * LMDB_PAGE - head) // row
+        if p < 1:
+            continue
+        waste = (k * LMDB_PAGE - head - p * row) / (k * LMDB_PAGE)
+        if best is None or waste < best[0]:
+            best = (waste, p)
+        if waste < 0.02:
+            break
+    return 1 if best is None else best[1]
+
+
+@dataclass
+class RowDelta:
+    """The pages a flush writes of one row shard (copies, taken on its owner thread)."""
+
+    #: every page of the shard is here: the flush deletes its other records (older formats too)
+    full: bool
+    page_rows: int
+    #: the shard's pages now: records of later pages are deleted
+    n_pages: int
+    pages: np.ndarray  #: int64 [m], increasing
+    #: row offsets of each page in the arrays below: page pages[i] is rows starts[i]:starts[i+1]
+    starts: np.ndarray  #: int64 [m + 1]
+    ids: np.ndarray  #: int64 [k]
+    seen: np.ndarray | None  #: float64 [k] (tables with expire_after) or None
+    values: np.ndarray  #: float32 [k, dim]
+    accum: np.ndarray | None  #: float32 [k, width] or None
+
+    def after(self, older: RowDelta) -> RowDelta:
+        """This delta applied on top of an `older` one not written yet (a failed flush's): one
+        delta with the same effect (a page holds its rows whole: the newer copy of a page wins,
+        and pages past the newer end are gone)."""
+        if self.full:
+            return self
+        mine = set(self.pages.tolist())
+        parts = [(int(p), older, i) for i, p in enumerate(older.pages.tolist())
+                 if p not in mine and p < self.n_pages]  # fmt: skip
+        parts += [(int(p), self, i) for i, p in enumerate(self.pages.tolist())]
+        parts.sort(key=lambda x: x[0])
+        sl = [slice(int(d.starts[i]), int(d.starts[i + 1])) for _, d, i in parts]
+        lens = [s.stop - s.start for s in sl]
+
+        def cat(get: str) -> np.ndarray | None:
+            arrs = [getattr(d, get) for _, d, _ in parts]
+            if not parts or arrs[0] is None:
+                return getattr(self, get)[:0] if getattr(self, get) is not None else None
+            return np.concatenate([a[s] for a, s in zip(arrs, sl, strict=True)])
+
+        return RowDelta(
+            older.full,
+            self.page_rows,
+            self.n_pages,
+            np.array([p for p, _, _ in parts], np.int64),
+            np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]).astype(np.int64),
+            cat("ids"),  # type: ignore[arg-type]
+            cat("seen"),
+            cat("values"),  # type: ignore[arg-type]
+            cat("accum"),
+        )
+
+    def records(self, sid: str) -> list[tuple[bytes, bytes]]:
+        """(key, sealed record) of every page, in key order: one checksum per page."""
+        prefix = row_prefix(sid)
+        dim = self.values.shape[1]
+        aw = 0 if self.accum is None else self.accum.shape[1]
+        flags = _HAS_SEEN if self.seen is not None else 0
+        out = []
+        for i, p in enumerate(self.pages.tolist()):
+            a, b = int(self.starts[i]), int(self.starts[i + 1])
+            parts = [
+                _PAGE.pack(_PAGE_MAGIC, b - a, dim, aw, flags),
+                np.ascontiguousarray(self.ids[a:b], "<i8").tobytes(),
+            ]
+            if self.seen is not None:
+                parts.append(np.ascontiguousarray(self.seen[a:b], "<f8").tobytes())
+            parts.append(np.ascontiguousarray(self.values[a:b], "<f4").tobytes())
+            if self.accum is not None:
+                parts.append(np.ascontiguousarray(self.accum[a:b], "<f4").tobytes())
+            out.append((prefix + page_key(p), seal(*parts)))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """About what writing it costs (the flush's chunk plan)."""
+        aw = 0 if self.accum is None else self.accum.shape[1]
+        per = row_bytes(self.values.shape[1], aw, self.seen is not None)
+        return len(self.ids) * per + len(self.pages) * 64
+
+
+def page_key(page: int) -> bytes:
+    return struct.pack(">I", page)
+
+
+def parse_page(
+    payload: bytes | memoryview, dim: int, acc_width: int
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """(ids, seen or None, values, accum or None) of a page record's payload (views); raises
+    ValueError on a record that does not fit the table."""
+    magic, k, d, aw, flags = _PAGE.unpack_from(payload)
+    if magic != _PAGE_MAGIC or d != dim or aw != acc_width:
+        raise ValueError(
+            f"row page {magic!r} of dim {d}, state width {aw}: the table has {dim}, {acc_width}"
+        )
+    seen = bool(flags & _HAS_SEEN)
+    off = _PAGE.size
+    if off + k * row_bytes(dim, aw, seen) != len(payload):
+        raise ValueError(f"row page of {len(payload)} bytes does not hold {k} rows")
+    ids = np.frombuffer(payload, "<i8", k, off)
+    off += 8 * k
+    s = None
+    if seen:
+        s = np.frombuffer(payload, "<f8", k, off)
+        off += 8 * k
+    values = np.frombuffer(payload, "<f4", k * dim, off).reshape(k, dim)
+    off += 4 * k * dim
+    accum = np.frombuffer(payload, "<f4", k * aw, off).reshape(k, aw) if aw else None
+    return ids, s, values, accum
+
+
+# -- keys of both formats (the older one: one record per row, in the ``rows`` database) ---------
+
+
 def row_prefix(sid: str) -> bytes:
-    """The key prefix of a row shard's row records."""
+    """The key prefix of a row shard's records (pages, or an older format's rows)."""
     return sid.encode() + b"/"
 
 
-def id_keys(ids: np.ndarray) -> list[bytes]:
-    """The 8-byte key suffix of each id."""
-    raw = np.ascontiguousarray(ids, np.int64).astype(">i8").tobytes()
-    return [raw[i : i + 8] for i in range(0, len(raw), 8)]
+def sid_of_key(key: bytes, db: str = "rows") -> str:
+    """The row shard id of a page's (``rowpages``) or an older row record's (``rows``) key (its
+    suffix may hold any byte: cut by length)."""
+    return key[: -5 if db == "rowpages" else -9].decode(errors="replace")
 
 
 def id_of_key(key: bytes) -> int:
     return int.from_bytes(key[-8:], "big", signed=True)
 
 
-def sid_of_key(key: bytes) -> str:
-    """The row shard id of a row record's key (its id may hold any byte: cut by length)."""
-    return key[:-9].decode(errors="replace")
-
-
 def parse_rows(
     ids: list[int], payloads: list[bytes | memoryview], dim: int, acc_width: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """(ids, seen, values, accum) of row records' payloads (raises ValueError on a bad size);
-    `acc_width` is the optimizer's state per row (adamps.optspec.Optimizer.row_state_width), 0: none."""
+    """(ids, seen, values, accum) of the older format's row records' payloads (raises
+    ValueError on a bad size); `acc_width` is the optimizer's state per row, 0: none."""
     width = 8 + (dim + acc_width) * 4
     k = len(ids)
     raw = np.frombuffer(b"".join(payloads), np.uint8)

@@ -22,7 +22,7 @@ from adamps.layout import Shard, stable_bucket
 from adamps.server.install import RowInstall
 from adamps.server.optim import Optimizer
 from adamps.server.rowblock import ApplyStats, RowBlock, RowPush
-from adamps.server.rowdelta import parse_rows
+from adamps.server.rowpages import SavedRows
 from adamps.server.shards import ShardState, StoreError
 from adamps.tables import ROWS_SEP, TableSpec, row_shard_id
 
@@ -123,11 +123,11 @@ class RowTables:
         spec: TableSpec,
         buckets: Iterable[int],
         saved: Mapping[str, tuple[int, np.ndarray, Any]] | None = None,
-        rows: Mapping[str, tuple[list[int], list[bytes]]] | None = None,
+        rows: Mapping[str, SavedRows] | None = None,
     ) -> TableState:
         """Adds a table with empty row shards for `buckets`, or their `saved` state (row shard
         id -> (version, the block's header or whole bytes as float32, unused), and its `rows`:
-        row shard id -> (ids, row record payloads), rowdelta.py). The caller checked the
+        row shard id -> its records read from LMDB, rowpages.py). The caller checked the
         name."""
         t = TableState(spec, self.n_buckets, self.m)
         self.tables[spec.name] = t
@@ -139,10 +139,10 @@ class RowTables:
             if rec is not None:
                 st.version = int(rec[0])
                 blk = st.value
-                got = rows.get(st.id)
-                parsed = (
-                    None if got is None else parse_rows(got[0], got[1], spec.dim, blk.acc_width)
-                )
+                # popped: each shard's records are freed once parsed, so a start holds the
+                # records and the arrays of one shard at a time beside the rest's records
+                got = rows.pop(st.id, None) if isinstance(rows, dict) else rows.get(st.id)
+                parsed = None if got is None else got.parse(spec.dim, blk.acc_width, blk.page_rows)
                 blk.load_flushed(np.ascontiguousarray(rec[1]).tobytes(), parsed)
         return t
 

@@ -167,7 +167,12 @@ class TableCatalog:
         # initial_accumulator): its canonical form, so that a create repeating it still matches
         opt = Optimizer.from_dict(spec.optimizer).to_dict()
         spec = dataclasses.replace(spec, optimizer=opt)
-        self.tables.define(spec, self._held(), shards, rows)
+        t = self.tables.define(spec, self._held(), shards, rows)
+        # rows read in an older format (or pages not intact): rewritten as pages by the next
+        # flush, not left as they are until a push touches each block (issue 38)
+        stale = [st for st in t.shards.values() if st.value.full and st.value.n]
+        if stale:
+            self.store.mark_dirty(stale, lambda _r, _e: None)
 
     def ensure(self, d: dict[str, Any]) -> bool:
         """Defines a table from a peer's definition (state transfer) unless it exists here."""

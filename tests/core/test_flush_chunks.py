@@ -149,3 +149,32 @@ def test_flush_buckets_writes_those_buckets_now_and_refuses_while_a_flush_holds_
     finally:
         p.close()
         store.close()
+
+
+def test_the_file_pages_a_read_touched_leave_the_rss_and_read_back_the_same(
+    tmp_path: Path,
+) -> None:
+    """Issue 38: LMDB's read-only map counted in RSS every file page a start's load or a
+    flush's B-tree walk read (a reloaded table's RSS was half page cache). `drop_file_view`
+    unmaps them (they stay in the kernel's cache); the next read maps them again."""
+
+    def rss_file() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("RssFile")) * 1024
+
+    p = Persister(tmp_path / "db", map_size=1 << 27)
+    try:
+        p._write(lambda txn: [txn.put(b"%08d" % i, bytes([i % 251]) * 2000, db=p._shards)
+                              for i in range(16_000)])  # fmt: skip
+
+        def read() -> int:
+            with p.env.begin() as txn:
+                return sum(v[0] for _, v in txn.cursor(db=p._shards))
+
+        want = read()
+        before = rss_file()
+        assert p.drop_file_view()
+        assert rss_file() < before - 24_000_000  # ~32 MB of records read
+        assert read() == want
+    finally:
+        p.close()

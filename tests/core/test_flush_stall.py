@@ -247,3 +247,29 @@ def test_a_wait_for_the_stores_lock_is_its_holders_time() -> None:
     assert busy.threads > 0.5 and busy.off < 0.3, busy.describe()
     asleep = lock_wait_account(lambda: time.sleep(1.0))
     assert asleep.off > 0.5 and asleep.threads < 0.2, asleep.describe()
+
+
+def test_a_transferred_copy_waits_for_a_slow_flush_and_gives_up_on_a_stalled_one() -> None:
+    """Issue 38: a state transfer's install persists the copy with `flush_buckets`, which
+    waited for a running flush at most max_unflushed and then gave up: the primary sent the
+    whole bucket again, and a server merely slow to flush (a bulk load's large flush, on a CPU)
+    re-copied buckets in a loop. Now a flush that runs is waited for; one whose disk stalls is
+    still given up on (the copy does not join: tests/core/test_flush_chunks.py)."""
+    calls = []
+
+    def first_burns() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            burn(0.8)  # on a CPU: BUSY, "flushes do not keep up", not a stall
+
+    disk = SlowDisk(first_burns)
+    flusher = Flusher(OneDirty(), disk, interval=0.01, max_unflushed=0.5)  # type: ignore[arg-type]
+    flusher.cut = lambda buckets: ([], {}, None)
+    flusher.start()
+    try:
+        assert disk.entered.wait(10)
+        t0 = time.monotonic()
+        flusher.flush_buckets({0})  # main: TimeoutError after 0.5 s
+        assert time.monotonic() - t0 >= 0.5 and len(calls) >= 2
+    finally:
+        flusher.stop(final_flush=False)

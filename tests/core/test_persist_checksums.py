@@ -103,7 +103,7 @@ def test_an_environment_without_a_format_stamp_is_refused(tmp_path: Path) -> Non
         rec = struct.pack("<QQQ", 5, 40, 0) + value.tobytes()
         txn.put(b"w/0", rec, db=env.open_db(b"shards", txn=txn))
     env.close()
-    with pytest.raises(ConfigError, match=r"LMDB format none .* is not this version's b'2'"):
+    with pytest.raises(ConfigError, match=r"LMDB format none .* is not this version's b'3'"):
         Persister(tmp_path / "db", map_size=1 << 22)
     # an empty environment is new: stamped, and opened again as this version's
     (tmp_path / "new").mkdir()
@@ -215,7 +215,7 @@ def test_an_environment_of_an_unknown_format_is_refused_with_a_clear_message(
     with env.begin(write=True) as txn:
         txn.put(b"format", b"9", db=env.open_db(b"meta", txn=txn))
     env.close()
-    with pytest.raises(ConfigError, match="LMDB format b'9' is not this version's b'2'"):
+    with pytest.raises(ConfigError, match="LMDB format b'9' is not this version's b'3'"):
         Persister(tmp_path / "db", map_size=1 << 22)
 
 
