@@ -24,7 +24,7 @@ from typing import Any
 
 from adamps.protocol import ProtocolError
 from adamps.server.tableops import TableOps
-from adamps.server.writepath import WritePath, compressed_wire
+from adamps.server.writepath import WritePath, compressed_wire, signs_with_hyper
 
 #: most tables one round may push or fetch (each entry is checked and cut on its own)
 MAX_TABLES = 64
@@ -59,6 +59,7 @@ class RoundOp:
         if "compressed" in msg:  # Strom's updates of other shards, as push_compressed's
             decode, large = self.writes.compressed_decoder({"shards": msg["compressed"]})
             signs = await asyncio.to_thread(decode) if large else decode()
+            signs = signs_with_hyper(signs, msg, self.writes.store.tensors)
             named = {st.id for _wire_states, _ in wire for st in _wire_states}
             if any(st.id in named for st, _u, _d in signs):
                 raise ProtocolError("bad_request", "round names a shard twice")
