@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="adamps.torch needs torch")
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.slow  # a real `adamps ps` process
 from torch import nn  # noqa: E402
 
 import adamps.torch as at  # noqa: E402
-from adamps.client.rpc import SyncRpc  # noqa: E402
+from adamps.client.rpc import RpcError, SyncRpc  # noqa: E402
 
 BATCH = 8
 
@@ -232,5 +233,21 @@ def test_a_group_may_not_change_its_state_layout(ps_url: str, token: str) -> Non
             opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
         with pytest.raises(TypeError, match="unknown hyperparameter"):
             at.SGD(model, ps=[ps_url], token=token, run="layout", betas=(0.9, 0.99))
+        # the server refuses the same change from any client, naming it; nothing applied
+        client = opt.conn.remote.client
+        before, _ = client.pull(["layout..2.bias"])
+        for hyper, message in (({"momentum": 0.5}, "changes momentum"),
+                               ({"lr": float("inf")}, "finite number"),
+                               ({"kind": "adam"}, "names optimizer 'adam'")):  # fmt: skip
+            with pytest.raises(RpcError, match=message) as exc:
+                client.round(dense={"layout..2.bias": np.ones(3, np.float32)},
+                             hyper={"layout..2.bias": hyper})  # fmt: skip
+            assert exc.value.code == "bad_request" and "layout..2.bias" in str(exc.value)
+        after, _ = client.pull(["layout..2.bias"])
+        assert np.array_equal(before["layout..2.bias"], after["layout..2.bias"])
+        client.round(dense={"layout..2.bias": np.ones(3, np.float32)},
+                     hyper={"layout..2.bias": {"lr": 0.5}})  # fmt: skip
+        moved, _ = client.pull(["layout..2.bias"])
+        assert np.allclose(moved["layout..2.bias"], before["layout..2.bias"] - 0.5)
     finally:
         opt.close()
