@@ -264,7 +264,7 @@ def _replica(s: Setting, r: int, conn: dict[str, Any], barrier: Any) -> dict[str
         barrier.wait(timeout=1800)  # every replica's pushes are in before replica 0 evaluates
     if r == 0:
         if not plain:
-            model.load_state_dict(opt.state_dict())  # the servers' parameters
+            model.load_state_dict(opt.model_state_dict())  # the servers' parameters
         res["metric"] = evaluate(s, model)
     if not plain:
         opt.close()

@@ -55,7 +55,7 @@ def main() -> None:
         with torch.no_grad():
             acc = (model(test_x).argmax(1) == test_y).float().mean().item()
         print(f"epoch {epoch}: held-out accuracy {acc:.4f}")
-    torch.save(opt.state_dict(), "mnist.pt")
+    torch.save(opt.model_state_dict(), "mnist.pt")  # the servers' values
     opt.close()
 
 

@@ -365,16 +365,28 @@ class PSClient(RoundClient, RowsClient):
         )
 
     def push_compressed(
-        self, updates: Mapping[str, Mapping[str, Any]], seq: int | None = None
+        self,
+        updates: Mapping[str, Mapping[str, Any]],
+        seq: int | None = None,
+        hyper: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         """Compressed updates of individual shards (Strom; shard id -> ``{"tau", "words"}`` or
         ``{"tau", "n", "k", "rice"}``, see docs/protocol-ps.md ``push_compressed``), grouped
-        into one request per server under one (client id, seq): applied exactly once."""
+        into one request per server under one (client id, seq): applied exactly once; with
+        the `hyper` (tensor -> hyperparameters) of their tensors."""
         checks.compressed(self.layout, updates)
+
+        def fields(group: Sequence[Shard]) -> dict[str, Any]:
+            f: dict[str, Any] = {"shards": {s.id: dict(updates[s.id]) for s in group}}
+            named = {s.tensor for s in group} & (hyper or {}).keys()
+            if named:
+                f["hyper"] = {t: dict(hyper[t]) for t in sorted(named)}  # type: ignore[index]
+            return f
+
         self._push(
             "push_compressed",
             [self.layout.shards[sid] for sid in updates],
-            lambda group: {"shards": {s.id: dict(updates[s.id]) for s in group}},
+            fields,
             seq,
             size_of=lambda s: sum(
                 len(v) if isinstance(v, bytes | bytearray) else int(getattr(v, "nbytes", 8))

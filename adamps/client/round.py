@@ -79,13 +79,17 @@ class RoundClient:
         fetch_rows: Mapping[str, Any] | None = None,
         seq: int | None = None,
         compressed: Mapping[str, Mapping[str, Any]] | None = None,
+        hyper: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> dict[str, np.ndarray]:
         """One round: `fc` (layer -> (a [k, N], e [k, M])), `dense` (tensor -> delta), `rows`
         (table -> (ids, grads), duplicate ids summed) and `compressed` (shard id -> Strom
         update, as push_compressed's) applied exactly once under one (client id,
         seq); returns the rows of `fetch_rows` (table -> ids) read after this round's writes
         (table -> [len(ids), dim] float32). One request per server when it fits the servers'
-        limits."""
+        limits. `hyper` (tensor -> optimizer hyperparameters, torch's names): the updates of
+        those tensors are applied with them (docs/protocol-ps.md, "hyper": a scheduler's lr);
+        each request carries the entries of the tensors it updates."""
+        hyper = dict(hyper or {})
         vecs = {n: checks.fc(self.layout, n, a, e) for n, (a, e) in (fc or {}).items()}
         by_id = self._dense_by_shard(dense or {})
         signs = dict(compressed or {})
@@ -173,6 +177,9 @@ class RoundClient:
                 f["dense"] = np.concatenate([by_id[i].reshape(-1) for i in ids_])
             if comp:
                 f["compressed"] = comp
+            named = {s.tensor for b in group if b not in written for s in buckets[b].shards}
+            if hyper and named & hyper.keys():
+                f["hyper"] = {t: dict(hyper[t]) for t in sorted(named & hyper.keys())}
             if row_pos:
                 f["rows"] = []
                 for t, ps in row_pos.items():
@@ -236,7 +243,7 @@ class RoundClient:
                 raise
             raise partial from exc
         if in_parts:
-            return self._round_in_parts(vecs, by_id, signs, pushed, wanted, seq, out)
+            return self._round_in_parts(vecs, by_id, signs, pushed, wanted, seq, out, hyper)
         return out
 
     def _round_in_parts(
@@ -248,14 +255,15 @@ class RoundClient:
         wanted: Mapping[str, np.ndarray],
         seq: int,
         out: dict[str, np.ndarray],
+        hyper: Mapping[str, Mapping[str, Any]],
     ) -> dict[str, np.ndarray]:
         """A round too large for one request per server: the dense half in parts under `seq`
         (push_fc rounds), the compressed updates in a push_compressed, each table's rows in a
         push_rows, then the fetches."""
         if vecs or by_id:
-            self._push_round_parts(vecs, by_id, seq)
+            self._push_round_parts(vecs, by_id, seq, hyper)
         if signs:
-            self.push_compressed(signs)
+            self.push_compressed(signs, hyper=hyper)
         for t, (ids, grads) in pushed.items():
             self.push_rows(t, ids, grads)
         for t, ids in wanted.items():
@@ -267,9 +275,10 @@ class RoundClient:
         vecs: Mapping[str, tuple[np.ndarray, np.ndarray]],
         by_id: Mapping[str, np.ndarray],
         seq: int | None,
+        hyper: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         """fc vectors and dense shards as ``push_fc`` rounds, cut into parts within the
-        servers' limits (PSClient._push), under one seq."""
+        servers' limits (PSClient._push), under one seq; each with the `hyper` of its tensors."""
         layer_of = {s.id: n for n in vecs for s in self.layout.shards_of[n]}
         shards = [s for n in vecs for s in self.layout.shards_of[n]]
         shards += [self.layout.shards[sid] for sid in by_id]
@@ -288,6 +297,9 @@ class RoundClient:
             if ids:
                 f["dense_shards"] = ids
                 f["dense"] = np.concatenate([by_id[i].reshape(-1) for i in ids])
+            named = {s.tensor for s in group} & (hyper or {}).keys()
+            if named:
+                f["hyper"] = {t: dict(hyper[t]) for t in sorted(named)}  # type: ignore[index]
             return f
 
         self._push(

@@ -286,7 +286,15 @@ class TensorCatalog:
                 "rows": [s.row_start, s.row_stop],
                 "held": s.index in t.shards,
                 "version": t.shards[s.index].version if s.index in t.shards else None,
+                # the optimizer of the last update applied here (a scheduler's lr shows here)
+                "applied": _applied(t.shards.get(s.index)),
             }
             for s in t.layout_shards
         ]
         return d
+
+
+def _applied(st: Any) -> dict[str, Any] | None:
+    """A held shard's last applied optimizer as data (a racy read of an immutable object)."""
+    opt = None if st is None else st.applied
+    return None if opt is None else opt.to_dict()

@@ -50,6 +50,8 @@ class Dense:
     """A dense delta for a whole shard (any shape with the shard's element count, float32)."""
 
     delta: np.ndarray
+    #: the optimizer its push named (hyper.py: a scheduler's lr); None: the tensor's own
+    opt: Optimizer | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,7 @@ class Fc:
 
     a: np.ndarray
     e: np.ndarray
+    opt: Optimizer | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,7 @@ class Signs:
 
     words: np.ndarray
     tau: float
+    opt: Optimizer | None = None
 
 
 Update = Dense | Fc | Signs
@@ -183,8 +187,31 @@ def apply_batch(
     acc: np.ndarray | None,
     updates: Sequence[Update],
     scratch: Scratch,
+) -> Optimizer:
+    """Applies the ordered updates of one shard, in place, each with the optimizer its push
+    named (``u.opt``) or else `opt`, the tensor's; returns the last one used. Deterministic in
+    (w, acc, updates)."""
+    if all(u.opt is None for u in updates):
+        _apply_run(opt, w, acc, updates, scratch)
+        return opt
+    i, n = 0, len(updates)
+    while i < n:  # runs of consecutive updates under one rule (a batch of pushes stays one)
+        o = updates[i].opt or opt
+        j = i + 1
+        while j < n and (updates[j].opt or opt) == o:
+            j += 1
+        _apply_run(o, w, acc, updates[i:j], scratch)
+        i = j
+    return o
+
+
+def _apply_run(
+    opt: Optimizer,
+    w: np.ndarray,
+    acc: np.ndarray | None,
+    updates: Sequence[Update],
+    scratch: Scratch,
 ) -> None:
-    """Applies the ordered updates of one shard, in place. Deterministic in (w, acc, updates)."""
     if plain_sgd(opt):
         i = 0
         n = len(updates)

@@ -26,7 +26,7 @@ from adamps.protocol import ProtocolError
 from adamps.server import bounds
 from adamps.server.compressed import signs_of_wire
 from adamps.server.install import install_of
-from adamps.server.repl_wire import gone_with_run, message_from_wire, store_parts
+from adamps.server.repl_wire import gone_with_run, message_from_wire, named_optimizer, store_parts
 from adamps.server.shards import StoreError
 from adamps.server.store import Store
 from adamps.server.vecapply import KINDS
@@ -110,6 +110,9 @@ def check_update(store: Store, u: Any) -> None:
         _check_vec(u)
     else:
         raise _bad(f"unknown update kind {kind!r}")
+    if kind in ("d", "f", "c") and "o" in u:  # the hyperparameters its push named (hyper.py)
+        tensor = u["t"] if kind == "f" else store.shard(u["s"]).shard.tensor
+        named_optimizer(store, u, tensor)
 
 
 def _check_rows(store: Store, u: dict[str, Any]) -> None:

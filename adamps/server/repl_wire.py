@@ -19,8 +19,9 @@ from adamps.core.replication import Assignment, Batch, BucketReplica, Reject
 from adamps.protocol import ProtocolError, require
 from adamps.server import checksum, vecwire
 from adamps.server.compressed import signs_of_wire
+from adamps.server.hyper import of_update
 from adamps.server.install import RowInstall, install_of, version_of
-from adamps.server.optim import Dense
+from adamps.server.optim import Dense, Signs
 from adamps.server.rowblock import RowPush
 from adamps.server.rowtables import RowShardState
 from adamps.server.shards import ShardState, StoreError, fc_parts
@@ -98,18 +99,37 @@ def settle(ans: Answer, rep: BucketReplica | None, addresses: dict[str, str]) ->
 # -- updates on the wire ---------------------------------------------------------------------------
 
 
-def dense_update(sid: str, delta: np.ndarray) -> dict[str, Any]:
-    return {"k": "d", "s": sid, "d": delta}
+# A dense, fc or compressed update applied with the hyperparameters its push named (hyper.py)
+# carries them as "o" (the optimizer's map): every copy applies it with the same rule.
 
 
-def fc_update(tensor: str, sids: Sequence[str], a: np.ndarray, e: np.ndarray) -> dict[str, Any]:
-    return {"k": "f", "t": tensor, "s": list(sids), "a": a, "e": e}
+def _with_o(u: dict[str, Any], o: dict[str, Any] | None) -> dict[str, Any]:
+    if o is not None:
+        u["o"] = o
+    return u
 
 
-def sign_update(sid: str, tau: float, encoded: dict[str, Any]) -> dict[str, Any]:
+def dense_update(sid: str, delta: np.ndarray, o: dict[str, Any] | None = None) -> dict[str, Any]:
+    return _with_o({"k": "d", "s": sid, "d": delta}, o)
+
+
+def fc_update(
+    tensor: str, sids: Sequence[str], a: np.ndarray, e: np.ndarray, o: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return _with_o({"k": "f", "t": tensor, "s": list(sids), "a": a, "e": e}, o)
+
+
+def sign_update(
+    sid: str, tau: float, encoded: dict[str, Any], o: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """A compressed update of one shard (Strom), replicated in its compressed form: ``encoded``
     is ``{"w": uint32 words}`` or ``{"r": Golomb-Rice bytes, "n": count, "b": Rice k}``."""
-    return {"k": "c", "s": sid, "t": tau, **encoded}
+    return _with_o({"k": "c", "s": sid, "t": tau, **encoded}, o)
+
+
+def named_optimizer(store: Store, u: dict[str, Any], tensor: str) -> Any:
+    """The optimizer update `u` names (``"o"``) for `tensor`, checked; None: the tensor's."""
+    return None if "o" not in u else of_update(store.tensor(tensor).optimizer, u, tensor)
 
 
 def install_update(
@@ -345,13 +365,17 @@ def update_parts(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, Any]
             return parts  # validated by this primary: nothing rebuilt
     kind = u["k"]
     if kind == "d":
-        return [(store.shard(u["s"]), Dense(u["d"]))]
+        st = store.shard(u["s"])
+        return [(st, Dense(u["d"], named_optimizer(store, u, st.shard.tensor)))]
     if kind == "f":
         t = store.tensor(u["t"])
-        return fc_parts(t, u["a"], u["e"], [store.shard(s) for s in u["s"]])
+        opt = named_optimizer(store, u, u["t"])
+        return fc_parts(t, u["a"], u["e"], [store.shard(s) for s in u["s"]], opt)
     if kind == "c":
         st = store.shard(u["s"])
-        return [(st, signs_of_wire(u, st.shard.size))]
+        sg = signs_of_wire(u, st.shard.size)
+        opt = named_optimizer(store, u, st.shard.tensor)
+        return [(st, sg if opt is None else Signs(sg.words, sg.tau, opt))]
     if kind == "r":  # an embedding table's rows of one bucket (tableops.py)
         push = RowPush(u["i"], u["g"], float(u["t"]), bool(u.get("a", False)))
         return [(store.tables.shard(u["s"]), push)]

@@ -33,7 +33,13 @@ from typing import Any
 
 from adamps.protocol import ProtocolError
 from adamps.server.tableops import TableOps
-from adamps.server.writepath import DECODE_OFF_LOOP, WritePath, compressed_codes, compressed_wire
+from adamps.server.writepath import (
+    DECODE_OFF_LOOP,
+    WritePath,
+    compressed_codes,
+    compressed_wire,
+    signs_with_hyper,
+)
 
 #: most tables one round may push or fetch (each entry is checked and cut on its own)
 MAX_TABLES = 64
@@ -110,6 +116,7 @@ class RoundOp:
 
         large = codes > DECODE_OFF_LOOP or sum(n for n, _ in later) >= CHECK_OFF_LOOP
         signs = await asyncio.to_thread(work) if large else work()
+        signs = signs_with_hyper(signs, msg, self.writes.store.tensors)
         if signs:
             named = {st.id for _wire_states, _ in wire for st in _wire_states}
             if any(st.id in named for st, _u, _d in signs):

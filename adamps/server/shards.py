@@ -38,6 +38,9 @@ class ShardState:
     version: int = 0
     #: monotonic time of the first update not yet taken by a flush snapshot (None: clean)
     dirty_since: float | None = None
+    #: the optimizer of the last update applied here (a push's ``hyper`` or the tensor's own;
+    #: None: none since this server started): what ``describe`` shows, for operators and tests
+    applied: Optimizer | None = None
 
     @property
     def id(self) -> str:
@@ -85,12 +88,17 @@ class Snapshot:
 
 
 def fc_parts(
-    t: TensorState, a: np.ndarray, e: np.ndarray, states: Sequence[ShardState]
+    t: TensorState,
+    a: np.ndarray,
+    e: np.ndarray,
+    states: Sequence[ShardState],
+    opt: Optimizer | None = None,
 ) -> list[tuple[ShardState, Fc]]:
-    """Splits activation/error vectors of a whole M x N layer into per-shard updates (row blocks)."""
+    """Splits activation/error vectors of a whole M x N layer into per-shard updates (row
+    blocks), applied with `opt` (a push's hyper; None: the tensor's optimizer)."""
     parts = []
     for st in states:
         s = st.shard
         # e's columns for this row block; a small k x rows copy so BLAS gets contiguous input.
-        parts.append((st, Fc(a, np.ascontiguousarray(e[:, s.row_start : s.row_stop]))))
+        parts.append((st, Fc(a, np.ascontiguousarray(e[:, s.row_start : s.row_stop]), opt)))
     return parts

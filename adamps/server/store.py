@@ -545,8 +545,8 @@ class Store:
                 if isinstance(st, RowShardState):  # an embedding table's rows (rowblock.py)
                     st.apply_rows([u for u, _ in group])
                 else:
-                    t = self.tensors_by_shard(st)
-                    vecapply.apply_batch(t, st.value, st.accum, [u for u, _ in group], scratch)
+                    opt, ups = self.tensors_by_shard(st), [u for u, _ in group]
+                    st.applied = vecapply.apply_batch(opt, st.value, st.accum, ups, scratch)
             except BaseException as exc:  # a logged failure of this batch, not of the thread
                 log.exception(
                     "owner thread %d: applying %d updates to %s failed", owner, len(group), st.id

@@ -58,16 +58,17 @@ def apply_batch(
     acc: np.ndarray | None,
     updates: Sequence[Any],
     scratch: optim.Scratch,
-) -> None:
-    """``optim.apply_batch`` that also takes VecOps and Installs (install.py), applied in their place in the order."""
+) -> optim.Optimizer:
+    """``optim.apply_batch`` that also takes VecOps and Installs (install.py), applied in their
+    place in the order; returns the optimizer of the last push applied (`opt` if none named one)."""
     if not any(isinstance(u, VecOp | Install) for u in updates):
-        optim.apply_batch(opt, w, acc, updates, scratch)
-        return
+        return optim.apply_batch(opt, w, acc, updates, scratch)
     run: list[Any] = []
+    last = opt
     for u in updates:
         if isinstance(u, VecOp | Install):
             if run:
-                optim.apply_batch(opt, w, acc, run, scratch)
+                last = optim.apply_batch(opt, w, acc, run, scratch)
                 run = []
             if isinstance(u, Install):  # a checkpoint's restore: values and optimizer state
                 u.apply(w, acc, opt)
@@ -76,4 +77,5 @@ def apply_batch(
         else:
             run.append(u)
     if run:
-        optim.apply_batch(opt, w, acc, run, scratch)
+        last = optim.apply_batch(opt, w, acc, run, scratch)
+    return last

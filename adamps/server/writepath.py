@@ -32,6 +32,7 @@ from adamps.server import bounds
 from adamps.server.addressing import Addressing
 from adamps.server.compressed import wire_form, words_of
 from adamps.server.config import PsConfig
+from adamps.server.hyper import push_hyper
 from adamps.server.optim import Dense, Signs
 from adamps.server.repl_wire import checked, dense_update, fc_update, sign_update
 from adamps.server.replicate import Replicator
@@ -66,9 +67,28 @@ def compressed_codes(updates: dict[Any, Any]) -> int:
 def compressed_wire(
     parts: list[tuple[ShardState, Signs, Any]],
 ) -> list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]]:
-    """The compact (replication) form of a decoded push_compressed: its compressed form."""
-    return [([st], lambda sts, u=u, d=d: sign_update(sts[0].id, u.tau, wire_form(d)))
+    """The compact (replication) form of a decoded push_compressed: its compressed form (and
+    the hyperparameters its push named, `Signs.opt`)."""
+    return [([st], lambda sts, u=u, d=d: sign_update(sts[0].id, u.tau, wire_form(d), _o(u)))
             for st, u, d in parts]  # fmt: skip
+
+
+def _o(u: Any) -> dict[str, Any] | None:
+    """The wire form of the optimizer a push named for update `u` (None: the tensor's own)."""
+    return None if u.opt is None else u.opt.to_dict()
+
+
+def signs_with_hyper(
+    parts: list[tuple[ShardState, Signs, Any]], msg: dict[str, Any], tensors: Any
+) -> list[tuple[ShardState, Signs, Any]]:
+    """Decoded compressed updates with the hyperparameters `msg` names for their tensors."""
+    hyper = push_hyper(msg, tensors)
+    if not hyper:
+        return parts
+    return [
+        (st, Signs(u.words, u.tau, hyper[st.shard.tensor][0]) if st.shard.tensor in hyper else u, d)
+        for st, u, d in parts
+    ]
 
 
 class WritePath:
@@ -120,9 +140,11 @@ class WritePath:
             )
             bounds.check_dense("delta", delta)  # finite, and small enough to stay finite
             flat = delta.reshape(-1)
-            parts = [(st, Dense(flat[st.shard.start : st.shard.stop])) for st in sts]
+            opt = push_hyper(msg, self.store.tensors).get(name, (None,))[0]
+            parts = [(st, Dense(flat[st.shard.start : st.shard.stop], opt)) for st in sts]
         else:
             parts = self._dense_shard_parts(require(msg, "shards", dict), arrays=True)
+            parts = _dense_with_hyper(parts, push_hyper(msg, self.store.tensors))
         return await self._replicate_or_apply(msg, self._dense_wire(parts), lambda: parts)
 
     def _dense_shard_parts(
@@ -163,8 +185,9 @@ class WritePath:
     def _dense_wire(
         self, parts: list[tuple[ShardState, Dense]]
     ) -> list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]]:
-        """The compact (replication) form of a checked push_dense."""
-        return [([st], lambda sts, d=upd.delta: dense_update(sts[0].id, d)) for st, upd in parts]
+        """The compact (replication) form of a checked push_dense (and of a push's hyper)."""
+        return [([st], lambda sts, u=upd: dense_update(sts[0].id, u.delta, _o(u)))
+                for st, upd in parts]  # fmt: skip
 
     async def op_push_fc(self, msg: dict[str, Any]) -> dict[str, Any]:
         """One layer's vectors (`tensor`, `a`, `e`, optional `shards`), or a trainer's whole
@@ -188,7 +211,8 @@ class WritePath:
         the dense half of a ``round`` (roundop.py; `empty_ok`: a round may carry rows alone;
         `later`: the finite bounds' passes over the arrays, proportional to their bytes, are
         appended there as (bytes, check) instead of run now: the round runs them before it
-        queues anything, on a worker thread when they are large)."""
+        queues anything, on a worker thread when they are large), each update with the
+        hyperparameters the push names for its tensor (`hyper`)."""
         fc: list[tuple[str, Any, np.ndarray, np.ndarray, list[ShardState]]] = []
         if "layers" in msg:
             layers = require(msg, "layers", dict)
@@ -201,6 +225,10 @@ class WritePath:
         elif "tensor" in msg or ("dense" not in msg and not empty_ok):
             fc.append(self._fc_layer(require(msg, "tensor", str), msg, later))
         dense = self._dense_round(msg, later) if "dense" in msg else []
+        # after the role checks of the shards named (a server without its data yet knows no
+        # tensor: its unknown_tensor must not refuse a push the primary may take)
+        hyper = push_hyper(msg, self.store.tensors)
+        dense = _dense_with_hyper(dense, hyper)
         if not fc and not dense and not empty_ok:
             raise ProtocolError("bad_request", "push_fc needs 'tensor', or 'layers' or 'dense'")
         if len(fc) + len(dense) > 1:
@@ -208,15 +236,16 @@ class WritePath:
             if len(set(named)) != len(named):
                 raise ProtocolError("bad_request", "push_fc names a shard twice")
         wire: list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]] = [
-            (states, lambda sts, name=name, a=a, e=e: fc_update(name, [st.id for st in sts], a, e))
+            (states, lambda sts, name=name, a=a, e=e: fc_update(
+                name, [st.id for st in sts], a, e, hyper.get(name, (None, None))[1]))
             for name, _t, a, e, states in fc
-        ]
+        ]  # fmt: skip
         wire += self._dense_wire(dense)
 
         def parts() -> list[tuple[ShardState, Any]]:
             out: list[tuple[ShardState, Any]] = []
             for _name, t, a, e, states in fc:
-                out += fc_parts(t, a, e, states)
+                out += fc_parts(t, a, e, states, hyper.get(_name, (None,))[0])
             return out + dense
 
         return wire, parts
@@ -332,6 +361,7 @@ class WritePath:
         off the loop itself, holding the connection's later frames so that they stay behind)."""
         if parts is None:
             msg, parts = await self.prepare_compressed(msg)
+        parts = signs_with_hyper(parts, msg, self.store.tensors)
         return await self._replicate_or_apply(
             msg, compressed_wire(parts), lambda: [(st, u) for st, u, _ in parts]
         )
@@ -514,6 +544,18 @@ def _check(
         check()
     else:
         later.append((nbytes, check))
+
+
+def _dense_with_hyper(
+    parts: list[tuple[ShardState, Dense]], hyper: dict[str, Any]
+) -> list[tuple[ShardState, Dense]]:
+    """Dense parts with the hyperparameters their push named for their tensors."""
+    if not hyper:
+        return parts
+    return [
+        (st, Dense(u.delta, hyper[st.shard.tensor][0]) if st.shard.tensor in hyper else u)
+        for st, u in parts
+    ]
 
 
 def _parts_by_state(

@@ -1,12 +1,6 @@
-"""``DownpourOptimizer``: a ``torch.optim``-shaped handle on a model trained by the servers.
-
-    model = Net()
-    opt = adamps.torch.DownpourOptimizer(model, controllers=["127.0.0.1:7101"], lr=0.05)
-    for x, y in loader:
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()          # local step, push every n_push, fetch every n_fetch
-    opt.close()             # pushes what is left
+"""``Connection``: a model, its server tensors and the act/err hooks, which every optimizer of
+adamps.torch (server_optim.py: ``DownpourOptimizer``, ``AdamW``, ...) and every Hogwild worker
+of a ``Replica`` share.
 
 Construction checks the model (adamps/torch/params.py), the servers' tensors of the run (a
 tensor of another shape: an error naming it, nothing created), creates the missing ones from the
@@ -17,7 +11,8 @@ gradient of the loss, so give ``act_err=False`` when the loop changes gradients 
 ``step()`` (clipping, weight decay added to ``.grad``); every other parameter pushes ``.grad``.
 
 Buffers (BatchNorm's running statistics) are not parameters: they stay in each replica's model
-and are trained by its own forward passes; ``state_dict()`` of replica 0 is what the CLI exports.
+and are trained by its own forward passes; ``server_state_dict()`` of replica 0 is what the CLI
+exports.
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ import torch
 from torch import nn
 
 from adamps.torch import launch_env
-from adamps.torch.downpour import PushCounts, WorkerDownpour, replica_stats
+from adamps.torch.downpour import PushCounts, WorkerDownpour
 from adamps.torch.embedding import bind_tables, row_tables
 from adamps.torch.hooks import ActErrCapture
 from adamps.torch.params import Param, linear_weights, model_params
@@ -56,6 +51,7 @@ class Connection:
         act_err: bool = True,
         http_only: bool = False,
         named_parameters: Iterable[tuple[str, Any]] | None = None,
+        specs: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         # not given: from `adamps launch`'s environment or the cluster file (launch_env.py)
         controllers, run, token = launch_env.connection_defaults(controllers, ps, run, token)
@@ -75,7 +71,9 @@ class Connection:
             if create:
                 if controllers:  # GET /layout and `adamps status --run` show the run
                     launch_env.publish_layout(controllers, token, self.remote.layout, run)
-                self.created = self.remote.create(self.optimizer)
+                # `specs`: parameter name -> its param group's optimizer (server_optim.py)
+                per = {p.tensor: specs[p.name] for p in self.params} if specs else None
+                self.created = self.remote.create(self.optimizer, per)
             else:
                 self.remote.check()
             # tables are created like tensors (idempotent): replica 0 creates, others check
@@ -126,89 +124,3 @@ class Connection:
         if self.capture is not None:
             self.capture.remove()
         self.remote.close()
-
-
-class DownpourOptimizer:
-    """``zero_grad()``, ``step()`` and ``state_dict()`` of a Downpour replica (one worker: the
-    caller's thread). Server optimizer `optimizer` at rate `lr` (torch.optim's names: sgd,
-    adagrad, adam, adamw, rmsprop; its other hyperparameters in `optimizer_args`, torch's names
-    and defaults; docs/training.md, "Optimizers"); local steps at `local_lr`
-    (default `lr`). `compress`: Strom's compression (True, or Compressor options)."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        controllers: Sequence[str] = (),
-        ps: Sequence[str] = (),
-        lr: float = 0.01,
-        optimizer: str = "sgd",
-        local_lr: float | None = None,
-        n_push: int = 1,
-        n_fetch: int = 1,
-        run: str | None = None,
-        token: str | None = None,
-        compress: Any = False,
-        create: bool = True,
-        act_err: bool = True,
-        adagrad_initial: float = 0.0,
-        optimizer_args: Mapping[str, Any] | None = None,
-        http_only: bool = False,
-    ) -> None:
-        self.conn = Connection(
-            model, controllers=controllers, ps=ps, run=run, token=token, lr=lr,
-            optimizer=optimizer, adagrad_initial=adagrad_initial,
-            optimizer_args=optimizer_args, create=create,
-            act_err=act_err, http_only=http_only,
-        )  # fmt: skip
-        self.model = model
-        self.worker = self.conn.worker(
-            local_lr=lr if local_lr is None else local_lr, n_push=n_push, n_fetch=n_fetch,
-            compress=compress,
-        )  # fmt: skip
-        # torch.optim's shape, for code that reads it (schedulers are not supported)
-        self.param_groups = [{"params": [p.param for p in self.conn.params], "lr": lr}]
-
-    @property
-    def counts(self) -> PushCounts:
-        return self.conn.counts
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad(set_to_none=set_to_none)
-        for t in self.conn.tables:  # the embedding rows' gradients kept for the step
-            t.take_grads()
-
-    def step(self) -> None:
-        """Checks every gradient (parameters, linear layers' rows, embedding rows), then pushes
-        the rows, steps locally and pushes on schedule; a NaN or Inf anywhere raises
-        ``RpcError("non_finite")`` with nothing changed, locally or on the servers."""
-        self.worker.step({p.tensor: p.param.grad for p in self.conn.params})
-
-    def flush(self) -> None:
-        """Pushes what accumulated since the last push and fetches the servers' values."""
-        self.worker.flush()
-        self.worker.fetch()
-        self.worker.flush()
-
-    def stats(self) -> dict[str, Any]:
-        """Pushes, fetches, bytes pushed, the client's retries and the failovers it rode through
-        (``failovers``: how many; ``last_failover``: bucket, old and new primary, seconds
-        stalled; each is also logged once, as a warning of the logger ``adamps.client``)."""
-        return replica_stats(self.conn.counts, self.conn.remote.client)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state_dict at the servers' parameter values (buffers: this replica's)."""
-        return self.conn.server_state_dict()
-
-    def close(self) -> None:
-        """Pushes what is left (waiting for the acknowledgement) and closes the connections."""
-        try:
-            self.worker.close()
-        finally:
-            self.conn.close()
-
-    def __enter__(self) -> DownpourOptimizer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -103,6 +103,9 @@ class RemoteModel:
         self.client = PSClient(
             routing, layout, token, retry_for=retry_for, data_plane=not http_only
         )
+        #: tensor -> the optimizer hyperparameters its pushes name (a torch optimizer's param
+        #: groups, as a scheduler leaves them: server_optim.py); absent: the tensor's own
+        self.hyper: dict[str, dict[str, Any]] = {}
 
     # -- definition ------------------------------------------------------------------------------
 
@@ -136,9 +139,14 @@ class RemoteModel:
             )
         return found
 
-    def create(self, optimizer: Mapping[str, Any]) -> list[str]:
-        """Creates the tensors the servers do not hold yet, with the model's current values;
-        returns their names. Checks every tensor first: a conflict creates nothing."""
+    def create(
+        self,
+        optimizer: Mapping[str, Any],
+        per_tensor: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> list[str]:
+        """Creates the tensors the servers do not hold yet, with the model's current values and
+        `optimizer` (or the tensor's own in `per_tensor`: a param group's); returns their names.
+        Checks every tensor first: a conflict creates nothing."""
         found = self.check()
         made = []
         for p in self.params:
@@ -148,7 +156,7 @@ class RemoteModel:
             self.client.create(
                 p.spec().__class__(p.tensor, server_shape(p)),
                 init={"kind": "values", "values": values},
-                optimizer=dict(optimizer),
+                optimizer=dict((per_tensor or {}).get(p.tensor, optimizer)),
             )
             made.append(p.tensor)
         if found:
@@ -197,7 +205,7 @@ class RemoteModel:
                 dense[name] = g
                 nbytes += g.nbytes
         if fc or dense or rows or compressed:  # one request per server (adamps/client/round.py)
-            self.client.round(fc, dense, rows=rows, compressed=compressed)
+            self.client.round(fc, dense, rows=rows, compressed=compressed, hyper=self.hyper)
         return nbytes
 
     def close(self) -> None:

@@ -141,7 +141,7 @@ def test_embedding_in_downpour_equals_torch(ps_url: str, token: str, how: str) -
             dp.zero_grad()
             nn.functional.mse_loss(model(ids), y).backward()
             dp.step()
-        server = dp.state_dict()
+        server = dp.model_state_dict()
         dp.close()
     else:
         rep = at.Replica(model, nn.functional.mse_loss, ps=[ps_url], lr=LR, run=run, token=token)
@@ -293,7 +293,7 @@ def test_two_tables_of_one_step_equal_torchs_sparse_adagrad(ps_url: str, token: 
         dp.zero_grad()
         nn.functional.binary_cross_entropy_with_logits(model(ids), y).backward()
         dp.step()
-    server = dp.state_dict()
+    server = dp.model_state_dict()
     dp.close()
     client = client_for(ps_url, token)
     client.tables.update({"fm..w": 1, "fm..v": DIM})

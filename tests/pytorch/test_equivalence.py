@@ -56,7 +56,7 @@ def test_downpour_equals_plain_sgd(ps_url: str, act_err: bool, token: str) -> No
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    server = opt.state_dict()
+    server = opt.model_state_dict()
     opt.close()
     forms = opt.counts.forms
     if act_err:  # two linear weights went as vectors every step; 64 x 3 is smaller dense

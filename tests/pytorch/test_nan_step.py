@@ -63,7 +63,7 @@ class Net(nn.Module):
 
 def server_state(opt, model) -> tuple[np.ndarray, dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
     client = opt.conn.remote.client
-    return client.pull_rows(model.emb.server_table, IDS.numpy()), opt.state_dict()
+    return client.pull_rows(model.emb.server_table, IDS.numpy()), opt.model_state_dict()
 
 
 @pytest.mark.parametrize(
