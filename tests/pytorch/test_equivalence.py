@@ -112,7 +112,7 @@ def test_a_layer_whose_vectors_are_larger_sends_autograds_own_gradient(
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    server = opt.state_dict()
+    server = opt.model_state_dict()
     opt.close()
     assert opt.counts.forms.get("fc", 0) == 0, opt.counts.forms  # both layers larger as vectors
     assert opt.counts.fc_dense_bytes == 30 * 4 * (8 * 8 + 128 * 3)
