@@ -102,3 +102,72 @@ def test_dlrm_through_adamps_up_matches_plain_pytorch(tmp_path: Path) -> None:
     assert reference > 0.8, reference  # the planted truth is learnt at all
     assert abs(adamps_auc - reference) <= 0.005, (adamps_auc, reference)
     assert np.isfinite(adamps_auc)
+
+
+def criteo_tsv(path: Path, rows: int) -> Path:
+    """A small Criteo-format TSV, some fields empty: a click is likely (0.8) when field 0 holds
+    one of its first 30 values, unlikely (0.15) otherwise."""
+    rng = np.random.default_rng(11)
+    lines = []
+    for _ in range(rows):
+        dense = [str(v) if v < 30 else "" for v in rng.integers(0, 33, 13)]
+        cats = [f"{v:08x}" if v < 60 else "" for v in rng.integers(0, 64, 26)]
+        label = int(rng.random() < (0.8 if cats[0] and int(cats[0], 16) < 30 else 0.15))
+        lines.append("\t".join([str(label), *dense, *cats]) + "\n")
+    path.write_text("".join(lines))
+    return path
+
+
+def test_a_task_names_a_source_the_data_servers_know() -> None:
+    from adamps.torch import Task
+    from adamps.torch.params import ModelError
+    from adamps.torch.task import as_task
+
+    model = torch.nn.Linear(2, 1)
+    for bad in ("csv:clicks.csv", "ctr:", "images"):
+        with pytest.raises(ModelError, match=f"Task.source is {bad!r}, expected 'builtin', 'ctr'"):
+            as_task(Task(model=model, source=bad), "m:f")
+    assert as_task(Task(model=model, source="ctr:/data/day_0.tsv"), "m:f").source.endswith("tsv")
+
+
+def test_preflight_checks_a_click_model_on_its_sources_first_rows(tmp_path, monkeypatch) -> None:
+    """adamps up --torch's check before anything starts: the DLRM runs forward and backward on
+    the generator's rows, and the 26-field one on a TSV's; a click log without rows is refused
+    naming the file."""
+    from adamps.torch.data import preflight
+    from adamps.torch.params import ModelError
+
+    assert preflight("examples.torch_dlrm:task", 0, 16).source == "ctr"
+    monkeypatch.setenv("ADAMPS_CTR_FILE", str(criteo_tsv(tmp_path / "day.tsv", 40)))
+    task = preflight("examples.torch_dlrm:criteo", 0, 16)
+    assert task.source == f"ctr:{tmp_path / 'day.tsv'}" and len(task.model.fields) == 26
+    (tmp_path / "empty.tsv").write_text("not a row\n")
+    monkeypatch.setenv("ADAMPS_CTR_FILE", str(tmp_path / "empty.tsv"))
+    with pytest.raises(ModelError, match=rf"click log {tmp_path / 'empty.tsv'} has no row"):
+        preflight("examples.torch_dlrm:criteo", 0, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dlrm_trains_on_a_criteo_tsv_through_adamps_up(tmp_path: Path) -> None:
+    """`--source ctr:FILE` chosen by the Task: adamps up starts the data server on the file (26
+    fields) and the DLRM trains on it to a held-out AUC."""
+    path = criteo_tsv(tmp_path / "day_0.tsv", 2000)
+    run = tmp_path / "run"
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "ADAMPS_CTR_FILE": str(path)}
+    env.pop("ADAMPS_TOKEN", None)
+    args = [a for kv in ["batch_size=64", *TRAIN_ARGS[1:]] for a in ("--train-arg", kv)]
+    out = subprocess.run(
+        adamps_argv("up", "--run-dir", str(run), "--no-progress", "--torch",
+                    "examples.torch_dlrm:criteo", "--epochs", "2", "--trainers", "1",
+                    "--controllers", "1", "--servers", "1", "--buckets", "8",
+                    "--target-accuracy", "0.6", *args),
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=280,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ds_log = (run / "logs" / "dataserver0.log").read_text()
+    assert (
+        f"source ctr:{path}: 1600 training / 400 held-out rows of 13 dense features and 26 ids"
+        in ds_log
+    )
+    assert json.loads((run / "result.json").read_text())["heldout_accuracy"] >= 0.6
