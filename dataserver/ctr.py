@@ -26,6 +26,7 @@ import functools
 import gzip
 import hashlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,9 @@ MISSING_ID = 0  #: the id of an empty categorical value, in every field
 ROW_BYTES = N_DENSE * 4 + N_CATEGORICAL * 8 + 8
 BLOCK = 8192  #: rows parsed into Python lists before they become one numpy block
 MAX_LOGGED = 10  #: bad lines logged (and listed in /status) per file; the rest are counted
+#: characters of a line read at once: a row is about 300; a longer line (a binary file without
+#: line breaks) is not a row and is dropped a piece at a time, never held whole
+MAX_LINE = 1 << 16
 
 
 class CtrFormatError(ValueError):
@@ -79,53 +83,69 @@ def parse_line(line: str, where: str, id_space: int) -> tuple[int, list[float], 
     return int(parts[0]), dense, ids
 
 
+Row = tuple[int, list[float], list[int]]  #: (label, dense values, ids) of one line
+
+
+def rows_of(path: Path, id_space: int) -> Iterator[tuple[int, Row | CtrFormatError]]:
+    """(line number, its row or the CtrFormatError saying why it is not one) of each non-blank
+    line of `path`, read a line at a time; a line longer than MAX_LINE characters is not a row
+    (and is never held whole). SourceError when the file cannot be read."""
+    try:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8", errors="replace", newline="") as f:
+            lineno = 0
+            while line := f.readline(MAX_LINE):
+                lineno += 1
+                where = f"{path}:{lineno}"
+                if len(line) >= MAX_LINE and not line.endswith("\n"):
+                    while (rest := f.readline(MAX_LINE)) and not rest.endswith("\n"):
+                        pass  # the rest of the line, dropped a piece at a time
+                    yield lineno, CtrFormatError(f"{where}: longer than {MAX_LINE} characters")
+                elif line.strip():
+                    try:
+                        yield lineno, parse_line(line, where, id_space)
+                    except CtrFormatError as exc:
+                        yield lineno, exc
+    except (OSError, EOFError, UnicodeError) as exc:
+        raise SourceError(f"cannot read click log {path}: {exc}") from exc
+
+
 def read_tsv(
     path: Path, id_space: int, max_bytes: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], int]:
     """(dense float32 [N, 13], ids int64 [N, 26], labels int64 [N], first bad lines' messages,
-    bad lines) of a Criteo-format TSV, read line by line."""
+    bad lines) of a Criteo-format TSV, read line by line into blocks of BLOCK rows."""
     if id_space < 2:
         raise SourceError(f"ctr_id_space must be >= 2 (id 0 is the missing value), got {id_space}")
     blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    labels: list[int] = []
-    dense: list[list[float]] = []
-    ids: list[list[int]] = []
+    block: list[Row] = []
     rows, bad, errors = 0, 0, []
 
     def flush() -> None:
-        if labels:
-            blocks.append(
-                (np.array(dense, np.float32), np.array(ids, np.int64), np.array(labels, np.int64))
-            )
-            labels.clear(), dense.clear(), ids.clear()
+        if block:
+            blocks.append((
+                np.array([r[1] for r in block], np.float32),
+                np.array([r[2] for r in block], np.int64),
+                np.array([r[0] for r in block], np.int64),
+            ))  # fmt: skip
+            block.clear()
 
-    try:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8", errors="replace", newline="") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    y, d, i = parse_line(line, f"{path}:{lineno}", id_space)
-                except CtrFormatError as exc:
-                    bad += 1
-                    if len(errors) < MAX_LOGGED:
-                        errors.append(str(exc))
-                        log.warning("skipping a line that is not a row: %s", exc)
-                    continue
-                rows += 1
-                if rows * ROW_BYTES > max_bytes:
-                    raise SourceError(
-                        f"{path}:{lineno}: the rows so far ({rows}, {ROW_BYTES} bytes each) exceed "
-                        f"cache_bytes={max_bytes}; raise it or split the file across data servers"
-                    )
-                labels.append(y)
-                dense.append(d)
-                ids.append(i)
-                if len(labels) >= BLOCK:
-                    flush()
-    except (OSError, EOFError, UnicodeError) as exc:
-        raise SourceError(f"cannot read click log {path}: {exc}") from exc
+    for lineno, row in rows_of(path, id_space):
+        if isinstance(row, CtrFormatError):
+            bad += 1
+            if len(errors) < MAX_LOGGED:
+                errors.append(str(row))
+                log.warning("skipping a line that is not a row: %s", row)
+            continue
+        rows += 1
+        if rows * ROW_BYTES > max_bytes:
+            raise SourceError(
+                f"{path}:{lineno}: the rows so far ({rows}, {ROW_BYTES} bytes each) exceed "
+                f"cache_bytes={max_bytes}; raise it or split the file across data servers"
+            )
+        block.append(row)
+        if len(block) >= BLOCK:
+            flush()
     flush()
     if not blocks:
         first = f": {errors[0]}" if errors else ""
@@ -182,23 +202,14 @@ def sample(source: str, n: int, *, id_space: int = 1 << 20) -> tuple[np.ndarray,
     _, _, arg = source.partition(":")
     if not arg:
         return generator_rows(max(2, n), 0)
-    path = Path(arg)
-    rows: list[tuple[int, list[float], list[int]]] = []
-    try:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8", errors="replace", newline="") as f:
-            for lineno, line in enumerate(f, 1):
-                if len(rows) >= n:
-                    break
-                if line.strip():
-                    try:
-                        rows.append(parse_line(line, f"{path}:{lineno}", id_space))
-                    except CtrFormatError:
-                        continue  # the data server skips it too
-    except OSError as exc:
-        raise SourceError(f"cannot read click log {path}: {exc}") from exc
+    rows: list[Row] = []
+    for _, row in rows_of(Path(arg), id_space):
+        if len(rows) >= n:
+            break
+        if not isinstance(row, CtrFormatError):  # the data server skips it too
+            rows.append(row)
     if not rows:
-        raise SourceError(f"click log {path} has no row")
+        raise SourceError(f"click log {arg} has no row")
     return (
         np.array([r[1] for r in rows], np.float32),
         np.array([r[2] for r in rows], np.int64),

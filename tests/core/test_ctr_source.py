@@ -129,3 +129,14 @@ def test_generator_source_is_deterministic_with_per_field_ids() -> None:
     assert 0.05 < a.train_y.mean() < 0.6 and (a.train_x >= 0).all()
     with pytest.raises(SourceError, match="ctr_examples must be >= 2"):
         load_source("ctr", ctr_examples=1000, max_bytes=100 * ROW_BYTES)
+
+
+def test_a_line_without_breaks_is_not_held_whole(tmp_path: Path) -> None:
+    """A binary file (or one huge line) is dropped a piece at a time, named by its line."""
+    from dataserver.ctr import MAX_LINE
+
+    path = tmp_path / "mixed.tsv"
+    path.write_text(line("1") + "x" * (3 * MAX_LINE + 5) + "\n" + line("0") + "y" * MAX_LINE)
+    dense, ids, y, errors, bad = read_tsv(path, 1 << 20, 1 << 20)
+    assert y.tolist() == [1, 0] and bad == 2
+    assert errors == [f"{path}:{n}: longer than {MAX_LINE} characters" for n in (2, 4)]
