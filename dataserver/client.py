@@ -200,6 +200,7 @@ class _SliceStream:
 
     def _accept(self, msg: dict[str, Any]) -> Batch:
         x, y, index, pos = msg.get("x"), msg.get("y"), msg.get("index"), msg.get("position")
+        ids = msg.get("ids")  # click logs' categorical ids
         if pos != self.position:
             raise DataServerError(
                 f"batch at position {pos}, expected {self.position}: server out of step"
@@ -209,9 +210,11 @@ class _SliceStream:
             or not len(x) == len(y) == len(index) > 0
         ):
             raise DataServerError("batch frame lacks x/y/index arrays of one length")
+        if ids is not None and (getattr(ids, "ndim", 0) != 2 or len(ids) != len(y)):
+            raise DataServerError("batch frame's ids are not [batch, fields]")
         self.position += len(y)
         self._stalled = 0
-        return Batch(pos, x, y, index)
+        return Batch(pos, x, y, index, ids)
 
     def _lost(self, exc: BaseException) -> None:
         url = self.urls[self._current]

@@ -21,7 +21,16 @@ class DataServerConfig:
     )
     source: str = field(
         "builtin",
-        help="dataset: builtin | mnist:DIR | folder:DIR | npz:FILE | a path (kind guessed)",
+        help="dataset: builtin | mnist:DIR | folder:DIR | npz:FILE | a path (kind guessed) | "
+        "ctr (click logs of the planted-truth generator) | ctr:FILE (a Criteo-format TSV)",
+    )
+    ctr_examples: int = field(
+        100_000, help="click logs: rows the 'ctr' generator draws (held-out ones included)"
+    )
+    ctr_id_space: int = field(
+        1 << 20,
+        help="click logs: a TSV's categorical values hash into ids 1 .. ctr_id_space-1 of their "
+        "field (0: a missing value)",
     )
     holdout: float = field(
         0.2, help="held-out fraction per class for sources without their own test split"
@@ -45,7 +54,9 @@ class DataServerConfig:
     ahead: int = field(2, help="augmented epochs kept computed ahead of the newest requested one")
     chunk: int = field(1024, help="images per augmentation job")
     cache_bytes: int = field(
-        1 << 30, help="memory bound of the image cache (decoded images + augmented epochs), bytes"
+        1 << 30,
+        help="memory bound of the image cache (decoded images + augmented epochs), or of a "
+        "click log's rows, bytes",
     )
     heartbeat: float = field(
         1.0, help="seconds between 'wait' frames while a stream waits for its epoch's augmentation"

@@ -21,9 +21,12 @@ CONTENT_TYPE = "application/x-adamps-frames"
 @dataclass
 class Batch:
     position: int  #: stream position of the first image
-    x: np.ndarray  #: uint8 [b, H, W] (or [b, H, W, C])
+    x: np.ndarray  #: uint8 [b, H, W] (or [b, H, W, C]); click logs: float32 [b, dense]
     y: np.ndarray  #: int64 [b]
     index: np.ndarray  #: int64 [b] global dataset indices (for exactly-once checks)
+    #: click logs (dataserver/ctr.py): int64 [b, fields] categorical ids; x is then float32
+    #: [b, dense] features
+    ids: np.ndarray | None = None
 
 
 def frame(msg: dict[str, Any]) -> bytes:

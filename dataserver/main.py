@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(cfg: DataServerConfig) -> int:
-    if cfg.augment:  # the augmentation workers need scipy: say so now, not in a worker later
+    ctr = cfg.source.partition(":")[0] == "ctr"  # click logs' rows are never augmented
+    if (
+        cfg.augment and not ctr
+    ):  # the augmentation workers need scipy: say so now, not in a worker later
         from adamps.extras import MissingExtra, require
 
         try:
@@ -41,18 +44,27 @@ def serve(cfg: DataServerConfig) -> int:
             print(f"adamps dataserver: {exc}", file=sys.stderr)
             return 2
     try:
-        dataset = load_source(cfg.source, holdout=cfg.holdout, seed=cfg.seed, color=cfg.color)
+        dataset = load_source(
+            cfg.source, holdout=cfg.holdout, seed=cfg.seed, color=cfg.color,
+            ctr_examples=cfg.ctr_examples, ctr_id_space=cfg.ctr_id_space,
+            max_bytes=cfg.cache_bytes,
+        )  # fmt: skip
     except SourceError as exc:
         print(f"adamps dataserver: {exc}", file=sys.stderr)
         return 2
-    log.info(
-        "source %s: %d training / %d held-out images of shape %s, %d file(s) skipped",
-        cfg.source,
-        len(dataset.train_y),
-        len(dataset.test_y),
-        dataset.image_shape,
-        dataset.skipped,
-    )
+    if dataset.kind == "ctr":
+        log.info(
+            "source %s: %d training / %d held-out rows of %d dense features and %d ids, "
+            "%d line(s) skipped",
+            cfg.source, len(dataset.train_y), len(dataset.test_y), dataset.train_x.shape[1],
+            dataset.train_ids.shape[1], dataset.skipped,
+        )  # fmt: skip
+    else:
+        log.info(
+            "source %s: %d training / %d held-out images of shape %s, %d file(s) skipped",
+            cfg.source, len(dataset.train_y), len(dataset.test_y), dataset.image_shape,
+            dataset.skipped,
+        )  # fmt: skip
     try:
         server = DataServer(cfg, dataset)
     except CacheTooSmall as exc:

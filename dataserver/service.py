@@ -124,12 +124,20 @@ class DataServer:
         self.train_y = np.ascontiguousarray(dataset.train_y[self.train_index])
         self.test_x = np.ascontiguousarray(dataset.test_x[self.test_index])
         self.test_y = np.ascontiguousarray(dataset.test_y[self.test_index])
-        base = sum(a.nbytes for a in (self.train_x, self.train_y, self.test_x, self.test_y))
-        self.cache = EpochCache(cfg.cache_bytes, base, self.train_x.nbytes if cfg.augment else 0)
+        #: click logs' categorical ids (int64 [n, fields]) beside their dense x; None for images
+        self.train_ids = self.test_ids = None
+        if dataset.train_ids is not None and dataset.test_ids is not None:
+            self.train_ids = np.ascontiguousarray(dataset.train_ids[self.train_index])
+            self.test_ids = np.ascontiguousarray(dataset.test_ids[self.test_index])
+        #: images are augmented; click logs' rows never are
+        augment = cfg.augment and self.train_ids is None
+        held = (self.train_x, self.train_y, self.test_x, self.test_y, self.train_ids, self.test_ids)
+        base = sum(a.nbytes for a in held if a is not None)
+        self.cache = EpochCache(cfg.cache_bytes, base, self.train_x.nbytes if augment else 0)
         self.fingerprint = self._fingerprint()
         self.metrics.skipped.inc(dataset.skipped)
         self.augmenter: Augmenter | None = None
-        if cfg.augment:
+        if augment:
             self.augmenter = Augmenter(
                 self.train_x,
                 self.train_index,
@@ -173,7 +181,8 @@ class DataServer:
     def _fingerprint(self) -> str:
         """Identifies (dataset slice, seed): servers of one failover group must agree on it."""
         h = hashlib.sha256()
-        for a in (self.train_x, self.train_y, self.test_x, self.test_y):
+        held = (self.train_x, self.train_y, self.test_x, self.test_y, self.train_ids, self.test_ids)
+        for a in (a for a in held if a is not None):
             h.update(str(a.shape).encode())
             h.update(a.tobytes())
         h.update(f"{self.cfg.seed}/{self.cfg.slice_index}/{self.cfg.n_slices}".encode())
@@ -248,10 +257,13 @@ class DataServer:
         )
         if images is None:
             images = await self.epoch_images(req.split, req.epoch)
+        ids = self.train_ids if train else self.test_ids
         end = self.stream_length(req)
         for pos in range(req.start, end, req.batch_size):
             sel = positions[pos : min(end, pos + req.batch_size)]
-            yield Batch(pos, images[sel], labels[sel], index[sel])
+            yield Batch(
+                pos, images[sel], labels[sel], index[sel], None if ids is None else ids[sel]
+            )
 
     def parse_stream(self, msg: dict[str, Any]) -> StreamRequest:
         """Validates a stream request; every problem is a bad_request naming the field."""
@@ -312,6 +324,17 @@ class DataServer:
             "total": self.stream_length(req),
             "image_shape": list(self.train_x.shape[1:]),
             "augmented": bool(self.augmenter is not None and req.split == "train"),
+            **self._kind(),
+        }
+
+    def _kind(self) -> dict[str, Any]:
+        """What a batch holds: images, or click logs' rows (their dense and categorical widths)."""
+        if self.train_ids is None:
+            return {"kind": "images"}
+        return {
+            "kind": "ctr",
+            "n_dense": self.train_x.shape[1],
+            "n_fields": self.train_ids.shape[1],
         }
 
     async def _images_with_heartbeat(
@@ -358,9 +381,16 @@ class DataServer:
             run: list[bytes] = []  # frames not written yet (the same bytes, fewer writes)
             size = 0
             async for b in self.batches(req, images):
-                f = frame(
-                    {"type": "batch", "position": b.position, "x": b.x, "y": b.y, "index": b.index}
-                )
+                msg = {
+                    "type": "batch",
+                    "position": b.position,
+                    "x": b.x,
+                    "y": b.y,
+                    "index": b.index,
+                }
+                if b.ids is not None:
+                    msg["ids"] = b.ids
+                f = frame(msg)
                 run.append(f)
                 size += len(f)
                 served.inc(len(b.y))
@@ -404,7 +434,9 @@ class DataServer:
             "augment_backlog": self.augmenter.backlog if self.augmenter else 0,
             "cache_bytes": self.cache.nbytes,
             "cache_bound": self.cache.bound,
-            "skipped_files": self.dataset.skipped,
+            "skipped_files": self.dataset.skipped,  # click logs: lines that are not rows
+            "source_errors": self.dataset.errors,
+            **self._kind(),
             "streams_open": self._streams_open,
             "runs": self.elastic.status(),
             "served": {"routes": sorted(self._routes)},

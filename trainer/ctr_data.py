@@ -78,6 +78,22 @@ class CtrData:
         labels = (rng.random(n) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
         return ids, labels, logit
 
+    def dense_examples(
+        self, n: int, seed: int, n_dense: int = 13
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(ids [n, fields] int64, dense [n, n_dense] float32, labels [n] float32, true logits)
+        of draw `seed`: `examples`' ids, and integer counts as Criteo's dense features (each
+        Poisson with a log-normal rate) whose ``log1p`` adds ``v_j * (log1p(x_j) - 1)`` to the
+        planted logit, ``v_j ~ N(0, 0.5)`` fixed by the truth seed (the data servers' ``ctr``
+        source, issue 38)."""
+        ids, _, logit = self.examples(n, seed)
+        rng = np.random.default_rng([self.spec.truth_seed, seed, 13])
+        dense = rng.poisson(np.exp(rng.normal(1.0, 1.0, (n, n_dense)))).astype(np.float32)
+        v = np.random.default_rng([self.spec.truth_seed, 13]).normal(0.0, 0.5, n_dense)
+        logit = logit + (np.log1p(dense.astype(np.float64)) - 1.0) @ v
+        labels = (rng.random(n) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+        return ids, dense, labels, logit
+
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     """Area under the ROC curve (Mann-Whitney, ties counted half)."""

@@ -33,19 +33,42 @@ def images(x: np.ndarray) -> torch.Tensor:
     return t
 
 
-def dataserver_batches(batches: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(inputs, labels) of a data-server epoch iterator (``DataClient.epoch(...)``)."""
+def clicks(dense: np.ndarray, ids: np.ndarray, y: np.ndarray) -> tuple[Any, torch.Tensor]:
+    """A click-log batch (the data servers' ``ctr`` source) as a model sees it:
+    ``((dense float32 [b, n_dense], ids int64 [b, fields]), labels float32 [b])`` (writable
+    copies; labels as floats for ``BCEWithLogitsLoss``)."""
+    x = (
+        torch.from_numpy(np.array(dense, dtype=np.float32)),
+        torch.from_numpy(np.array(ids, dtype=np.int64)),
+    )
+    return x, torch.from_numpy(np.array(y, dtype=np.float32))
+
+
+def dataserver_batches(batches: Any) -> Iterator[tuple[Any, torch.Tensor]]:
+    """(inputs, labels) of a data-server epoch iterator (``DataClient.epoch(...)``): images, or
+    click logs' rows (see `clicks`)."""
     for b in batches:
-        yield images(b.x), torch.from_numpy(np.array(b.y, dtype=np.int64))  # a writable copy
+        ids = getattr(b, "ids", None)  # any batch with x and y: a click log's has ids too
+        if ids is not None:
+            yield clicks(b.x, ids, b.y)
+        else:
+            yield images(b.x), torch.from_numpy(np.array(b.y, dtype=np.int64))  # a writable copy
 
 
-def heldout(data: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole held-out split of the data servers (``DataClient``), as two tensors."""
+def _cat(parts: list[Any]) -> Any:
+    """Batches' inputs joined: tensors, or tuples of tensors element by element."""
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(p) for p in zip(*parts, strict=True))
+    return torch.cat(parts)
+
+
+def heldout(data: Any) -> tuple[Any, torch.Tensor]:
+    """The whole held-out split of the data servers (``DataClient``), as one batch."""
     xs, ys = [], []
     for x, y in dataserver_batches(data.epoch(0, 1, 0, batch_size=1000, split="test")):
         xs.append(x)
         ys.append(y)
-    return torch.cat(xs), torch.cat(ys)
+    return _cat(xs), torch.cat(ys)
 
 
 def load_factory(spec: str) -> Any:
@@ -101,6 +124,17 @@ def preflight(spec: str, seed: int, batch_size: int) -> Task:
     """`adamps up --torch`, before any process starts: the factory imported and called, and one
     batch forward and backward (its own data, else a batch shaped as the built-in images)."""
     task = build_task(spec, seed)
-    sample = None if task.own_data else builtin_batch(batch_size)
-    check(task, spec, seed, batch_size, sample, None if task.own_data else BUILTIN_CLASSES)
+    if task.own_data:
+        check(task, spec, seed, batch_size)
+    elif task.source.partition(":")[0] == "ctr":  # the click logs' first rows
+        from dataserver.ctr import sample as ctr_sample
+        from dataserver.sources import SourceError
+
+        try:
+            rows = ctr_sample(task.source, batch_size)
+        except SourceError as exc:
+            raise ModelError(f"--torch {spec}: Task.source {task.source!r}: {exc}") from None
+        check(task, spec, seed, batch_size, clicks(*rows))
+    else:
+        check(task, spec, seed, batch_size, builtin_batch(batch_size), BUILTIN_CLASSES)
     return task

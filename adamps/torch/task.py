@@ -47,7 +47,13 @@ class Task:
       from the data servers;
     - ``metric``: ``metric(outputs, targets) -> float`` over the whole held-out set, higher is
       better (default: accuracy); it is what the views, the history and ``--target-accuracy``
-      read as the held-out accuracy.
+      read as the held-out accuracy;
+    - ``source``: without ``train``, the data servers' source ``adamps up`` starts them with:
+      ``"builtin"`` (MNIST images), ``"ctr"`` (click logs of the planted-truth generator) or
+      ``"ctr:FILE"`` (a Criteo-format TSV); a click-log batch reaches the model as
+      ``(dense, ids)`` with float labels (adamps.torch.data.clicks);
+    - ``source_args``: further ``adamps dataserver`` flags for that source, e.g.
+      ``("--ctr-examples", "20000")``.
     """
 
     model: nn.Module
@@ -55,6 +61,8 @@ class Task:
     train: Dataset[Any] | None = None
     test: Dataset[Any] | None = None
     metric: Callable[[torch.Tensor, torch.Tensor], float] | None = None
+    source: str = "builtin"
+    source_args: tuple[str, ...] = ()
 
     @property
     def loss_fn(self) -> Callable[[Any, Any], torch.Tensor]:
@@ -93,6 +101,12 @@ def as_task(obj: Any, spec: str) -> Task:
             )
     if obj.train is not None and (obj.test is None or len(obj.test) == 0):
         raise ModelError(f"--torch {spec!r}: a Task with train data needs a non-empty test set")
+    kind, _, arg = str(obj.source).partition(":")
+    if obj.source not in ("builtin", "ctr") and not (kind == "ctr" and arg):
+        raise ModelError(
+            f"--torch {spec!r}: Task.source is {obj.source!r}, expected 'builtin', 'ctr' or "
+            "'ctr:FILE'"
+        )
     if obj.train is not None and len(obj.train) == 0:
         raise ModelError(f"--torch {spec!r}: Task.train is empty")
     return obj

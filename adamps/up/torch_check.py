@@ -6,12 +6,15 @@ with no process started and no run directory made."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from adamps.up.flags import UsageError
 
 
 def check_torch(a: argparse.Namespace) -> bool:
-    """True when the factory's Task brings its own data sets (no data server is started)."""
+    """True when the factory's Task brings its own data sets (no data server is started).
+    Sets ``a.source`` and ``a.source_args``: what the data servers serve (the Task's source, a
+    click log's path made absolute)."""
     from adamps import config
     from trainer.config import TrainConfig
 
@@ -35,4 +38,7 @@ def check_torch(a: argparse.Namespace) -> bool:
         task = preflight(a.torch, value("seed"), value("batch_size"))
     except ModelError as exc:  # its message names --torch and the problem
         raise UsageError(str(exc)) from None
+    kind, _, arg = task.source.partition(":")
+    a.source = f"{kind}:{Path(arg).resolve()}" if arg else kind
+    a.source_args = list(task.source_args)
     return task.own_data
