@@ -30,9 +30,14 @@ the hook pushes, and a NaN row gradient refuses that push whole.
 The servers apply their table's per-row optimizer (``optimizer`` and ``lr`` here: ``sgd``,
 torch's ``adagrad`` per element, ``rowwise_adagrad`` with one accumulator per row as TorchRec's,
 or ``adagrad_legacy``; docs/training.md, "Optimizers"): there is no local step, so the next
-forward pulls the updated rows. What cannot apply to a table of the servers and is refused: ``padding_idx``, ``max_norm``, ``scale_grad_by_freq``,
-``_weight`` / ``_freeze`` and devices other than the CPU (``sparse`` is accepted and ignored: the
-updates are always sparse).
+forward pulls the updated rows. What cannot apply to a table of the servers and is refused:
+``padding_idx``, ``max_norm``, ``scale_grad_by_freq``, ``_weight`` / ``_freeze`` (``sparse`` is
+accepted and ignored: the updates are always sparse).
+
+Devices: the ids may be on any device; their distinct ids go to the host for the pull, and the
+rows come back to ``device`` (default: the ids' device) as ``dtype`` (float32, bfloat16 or
+float16; default float32) through a reused pinned buffer (adamps/torch/staging.py). The row
+gradients stay on the device until the optimizer's step copies them with the others.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from torch import nn
 
 from adamps.torch.params import ModelError, tensor_name
 from adamps.torch.remote import optimizer_spec
+from adamps.torch.staging import PARAM_DTYPES, HostStage
 
 
 class _Binding:
@@ -107,10 +113,11 @@ class _RowTable(nn.Module):
                 f"{type(self).__name__}: {', '.join(bad)} cannot apply to a parameter server's "
                 "table (its rows are updated only by the servers' optimizer)"
             )
-        if device is not None and torch.device(device).type != "cpu":
-            raise ModelError(f"{type(self).__name__}: adamps.torch trains on the CPU, not {device}")
-        if dtype is not None and dtype != torch.float32:
-            raise ModelError(f"{type(self).__name__}: the servers hold float32 rows, not {dtype}")
+        if dtype is not None and dtype not in PARAM_DTYPES:
+            raise ModelError(
+                f"{type(self).__name__}: the servers hold float32 rows; the module's rows may "
+                f"be float32, bfloat16 or float16, not {dtype}"
+            )
         if num_embeddings is not None and (
             isinstance(num_embeddings, bool)
             or not isinstance(num_embeddings, int)
@@ -128,6 +135,11 @@ class _RowTable(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.sparse = True
+        #: where the rows go (None: the device of the ids) and their dtype (float32 by default)
+        self.device = torch.device(device) if device is not None else None
+        self.dtype = dtype if dtype is not None else torch.float32
+        #: the host buffers the rows reach the device through (adamps/torch/staging.py)
+        self._stage = HostStage()
         #: the table's name in its run (the servers' table is RUN..TABLE, adamps.torch.params)
         self.table = table
         self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial, optimizer_args, table=True)
@@ -195,9 +207,12 @@ class _RowTable(nn.Module):
                 "DownpourOptimizer or Replica, or call .bind(client)"
             )
         uniq, inv = torch.unique(ids.reshape(-1), return_inverse=True)
-        u = uniq.numpy().astype(np.int64, copy=False)
-        rows = torch.from_numpy(b.client.pull_rows(b.table, u))
-        self.bytes_moved += u.nbytes + rows.numel() * 4
+        # the ids to the host (a device's ids wait for their copy: the pull needs them), the
+        # rows back through a reused (pinned) buffer
+        u = uniq.to("cpu", torch.int64).numpy()
+        pulled = b.client.pull_rows(b.table, u)
+        rows = self._stage.rows_to_device("rows", pulled, self.device or ids.device, self.dtype)
+        self.bytes_moved += u.nbytes + pulled.nbytes
         if not torch.is_grad_enabled():
             return rows, inv.reshape(ids.shape)
         rows.requires_grad_(True)
@@ -207,21 +222,21 @@ class _RowTable(nn.Module):
             if state["pushed"]:  # backward run again on a retained graph: pushed already
                 return
             state["pushed"] = True
-            g = grad.detach().numpy()
-            if b.defer:
+            if b.defer:  # kept on its device: the step copies it with the other gradients
                 pending = getattr(b.last, "pending", None)
                 if pending is None:
                     pending = b.last.pending = []
-                pending.append((u, g))
+                pending.append((u, grad.detach()))
                 return
-            self.push_grads([(u, g)])
+            self.push_grads([(u, grad.detach().to("cpu", torch.float32).numpy())])
 
         rows.register_hook(push)
         self._binding.last.leaf = rows
         return rows, inv.reshape(ids.shape)
 
-    def take_grads(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """This thread's row gradients kept for the step (ids, grads), forgotten here."""
+    def take_grads(self) -> list[tuple[np.ndarray, torch.Tensor]]:
+        """This thread's row gradients kept for the step (host ids, gradients on the rows'
+        device), forgotten here."""
         last = self._binding.last
         pending = getattr(last, "pending", None) or []
         last.pending = None
