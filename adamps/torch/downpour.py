@@ -131,8 +131,8 @@ class WorkerDownpour:
         self._fetch_queued = False
         #: host buffers of the gradients going up (this worker's thread) and of the values
         #: coming down (the thread that fetches): adamps/torch/staging.py
-        self._up = HostStage()
-        self._down = HostStage()
+        self.stage_up = HostStage()
+        self.stage_down = HostStage()
 
     def step(self, grads: Mapping[str, torch.Tensor | None]) -> None:
         """One minibatch's gradients (server tensor -> gradient; None: no gradient)."""
@@ -189,7 +189,7 @@ class WorkerDownpour:
         (adamps/torch/staging.py): views of float32 CPU tensors, else copies enqueued into
         this worker's reused host buffers and waited for once. The arrays are valid until the
         next step."""
-        up = self._up
+        up = self.stage_up
         host = {t: up.to_host(("grad", t), g) for t, g in grads.items() if g is not None}
         host_rows = {
             t: (up.to_host(("act", t), a), up.to_host(("err", t), e)) for t, (a, e) in rows.items()
@@ -342,6 +342,6 @@ class WorkerDownpour:
                 tc = self.compressor.tensors.get(p.tensor)
                 if tc is not None:
                     residuals[p.tensor] = np.float32(-self.local_lr) * tc.residual
-        self.remote.pull(self.params, self._down, residuals)
+        self.remote.pull(self.params, self.stage_down, residuals)
         with self.counts.lock:
             self.counts.fetches += 1

@@ -176,7 +176,7 @@ class RemoteModel:
             self.client.pull([p.tensor for p in params], out=out)
             for tensor, r in (residuals or {}).items():
                 out[tensor].reshape(-1)[:] += r
-            stage.to_device(params, out)
+            stage.to_device(params)
 
     def values(self) -> dict[str, np.ndarray]:
         """The servers' values, by parameter name (not written into the model)."""

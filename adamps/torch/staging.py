@@ -9,8 +9,8 @@ float32, bfloat16 or float16. Two directions:
   the copy is a real asynchronous DMA). ``wait()`` then synchronizes each device that has copies
   in flight **once**: one synchronize per step, not one per tensor. Only after ``wait()`` may the
   arrays be read.
-- **to the device** (the servers' values): ``value_buffers`` hands the pull host buffers to
-  fill (after waiting for the previous step's copies out of them: a pinned buffer must not be
+- **to the device** (the servers' values): ``value_buffers`` hands out the host buffers to
+  pull into (after waiting for the previous step's copies out of them: a pinned buffer must not be
   rewritten while the device still reads it), ``to_device`` enqueues the ``non_blocking`` copies
   into the parameters and records one event that the next ``value_buffers`` waits for.
 
@@ -27,7 +27,7 @@ caller that keeps one longer copies it. One stage belongs to one thread.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 import numpy as np
@@ -120,16 +120,18 @@ class HostStage:
             out[p.tensor] = buf.numpy().reshape(shape)
         return out
 
-    def to_device(self, params: Iterable[Any], values: Mapping[str, np.ndarray]) -> None:
-        """Copies the filled value buffers into the parameters (in place), ``non_blocking`` on
-        CUDA, and records the event the next ``value_buffers`` waits for."""
+    def to_device(self, params: Iterable[Any]) -> None:
+        """Copies the value buffers (filled since ``value_buffers``) into the parameters (in
+        place), ``non_blocking`` on CUDA, and records the event the next ``value_buffers``
+        waits for."""
         enqueued: set[torch.device] = set()
         with torch.no_grad():
             for p in params:
                 if direct(p.param):
                     continue  # pulled in place
                 dev = p.param.device
-                src = torch.from_numpy(values[p.tensor]).reshape(p.param.shape)
+                # the buffer itself (pinned on CUDA) rather than a tensor over its numpy view
+                src = self._bufs[("value", p.tensor)][: p.param.numel()].reshape(p.param.shape)
                 if dev.type != "cpu" and p.param.dtype != torch.float32:
                     src = src.to(dev, non_blocking=_async(dev))  # float32 there, then converted
                 p.param.copy_(src, non_blocking=_async(dev))

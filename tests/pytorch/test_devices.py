@@ -71,7 +71,7 @@ def test_values_reach_a_bfloat16_parameter_rounded() -> None:
         out = stage.value_buffers([p])
         out["r..w"][:] = np.arange(6, dtype=np.float32).reshape(2, 3) / 3 + k
         bufs.append(out["r..w"].ctypes.data)
-        stage.to_device([p], out)
+        stage.to_device([p])
         want = (torch.arange(6.0).reshape(2, 3) / 3 + k).to(torch.bfloat16)
         assert p.param.dtype == torch.bfloat16 and torch.equal(p.param.detach(), want)
     assert len(set(bufs)) == 1 and stage.allocations == 1
@@ -128,7 +128,7 @@ def test_a_model_on_a_device_trains_like_plain_sgd(
     model = make_model(device, dtype)
     run = f"dev-{device}-{str(dtype).split('.')[1]}"
     opt = at.DownpourOptimizer(model, ps=[ps_url], lr=LR, optimizer="sgd", run=run, token=token)
-    up, down = opt.worker._up, opt.worker._down
+    up, down = opt.worker.stage_up, opt.worker.stage_down
     allocated = None
     for step, (x, y) in enumerate(batches(device, dtype)):
         opt.zero_grad()
