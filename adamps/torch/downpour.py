@@ -151,10 +151,7 @@ class WorkerDownpour:
                     continue
                 p.param.add_(g, alpha=-self.local_lr)  # Hogwild: no lock
                 if p.tensor in self.fc and p.tensor in rows:
-                    a, e = rows[p.tensor]
-                    if not direct(rows_t[p.tensor][0]):  # views of the stage's buffers: kept
-                        a, e = a.copy(), e.copy()
-                    self._rows.setdefault(p.tensor, []).append((a, e))
+                    self._rows.setdefault(p.tensor, []).append(rows[p.tensor])
                     continue
                 gn = host[p.tensor].reshape(server_shape(p))
                 acc = self._dense.get(p.tensor)
@@ -187,8 +184,8 @@ class WorkerDownpour:
     ]:
         """The step's gradients, act/err rows and table row gradients as float32 host arrays
         (adamps/torch/staging.py): views of float32 CPU tensors, else copies enqueued into
-        this worker's reused host buffers and waited for once. The arrays are valid until the
-        next step."""
+        this worker's reused host buffers and waited for once. The gradients' arrays are valid
+        until the next step; the act/err rows' are the step's own (they wait for the push)."""
         up = self.stage_up
         host = {t: up.to_host(("grad", t), g) for t, g in grads.items() if g is not None}
         host_rows = {
@@ -201,6 +198,8 @@ class WorkerDownpour:
         up.wait()
         for t, (a, e) in rows.items():
             ha, he = host_rows[t]
+            if not direct(a):  # views of the stage's buffers, but kept until the push: copied
+                ha, he = ha.copy(), he.copy()
             host_rows[t] = (ha.reshape(a.shape), he.reshape(e.shape))
         host_tables = [
             (m, [(u, h.reshape(g.shape)) for (u, h), (_, g) in zip(htg, tg, strict=True)])
