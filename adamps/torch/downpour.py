@@ -134,6 +134,41 @@ class WorkerDownpour:
         self.stage_up = HostStage()
         self.stage_down = HostStage()
 
+    def _to_host(
+        self,
+        grads: Mapping[str, torch.Tensor | None],
+        rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        tables: Sequence[tuple[Any, list[tuple[np.ndarray, torch.Tensor]]]],
+    ) -> tuple[
+        dict[str, np.ndarray],
+        dict[str, tuple[np.ndarray, np.ndarray]],
+        list[tuple[Any, list[tuple[np.ndarray, np.ndarray]]]],
+    ]:
+        """The step's gradients, act/err rows and table row gradients as float32 host arrays
+        (adamps/torch/staging.py): views of float32 CPU tensors, else copies enqueued into
+        this worker's reused host buffers and waited for once. The gradients' arrays are valid
+        until the next step; the act/err rows' are the step's own (they wait for the push)."""
+        up = self.stage_up
+        host = {t: up.to_host(("grad", t), g) for t, g in grads.items() if g is not None}
+        host_rows = {
+            t: (up.to_host(("act", t), a), up.to_host(("err", t), e)) for t, (a, e) in rows.items()
+        }
+        host_tables = [
+            (m, [(u, up.to_host(("rows", m.table, i), g)) for i, (u, g) in enumerate(tg)])
+            for m, tg in tables
+        ]
+        up.wait()
+        for t, (a, e) in rows.items():
+            ha, he = host_rows[t]
+            if not direct(a):  # views of the stage's buffers, but kept until the push: copied
+                ha, he = ha.copy(), he.copy()
+            host_rows[t] = (ha.reshape(a.shape), he.reshape(e.shape))
+        host_tables = [
+            (m, [(u, h.reshape(g.shape)) for (u, h), (_, g) in zip(htg, tg, strict=True)])
+            for (m, htg), (_, tg) in zip(host_tables, tables, strict=True)
+        ]
+        return host, host_rows, host_tables
+
     def step(self, grads: Mapping[str, torch.Tensor | None]) -> None:
         """One minibatch's gradients (server tensor -> gradient; None: no gradient)."""
         rows_t = self.capture.take_tensors() if self.capture is not None else {}
@@ -171,41 +206,6 @@ class WorkerDownpour:
             self._do(("push", [], row_grads))
         if self.steps % self.n_fetch == 0:
             self.fetch()
-
-    def _to_host(
-        self,
-        grads: Mapping[str, torch.Tensor | None],
-        rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-        tables: Sequence[tuple[Any, list[tuple[np.ndarray, torch.Tensor]]]],
-    ) -> tuple[
-        dict[str, np.ndarray],
-        dict[str, tuple[np.ndarray, np.ndarray]],
-        list[tuple[Any, list[tuple[np.ndarray, np.ndarray]]]],
-    ]:
-        """The step's gradients, act/err rows and table row gradients as float32 host arrays
-        (adamps/torch/staging.py): views of float32 CPU tensors, else copies enqueued into
-        this worker's reused host buffers and waited for once. The gradients' arrays are valid
-        until the next step; the act/err rows' are the step's own (they wait for the push)."""
-        up = self.stage_up
-        host = {t: up.to_host(("grad", t), g) for t, g in grads.items() if g is not None}
-        host_rows = {
-            t: (up.to_host(("act", t), a), up.to_host(("err", t), e)) for t, (a, e) in rows.items()
-        }
-        host_tables = [
-            (m, [(u, up.to_host(("rows", m.table, i), g)) for i, (u, g) in enumerate(tg)])
-            for m, tg in tables
-        ]
-        up.wait()
-        for t, (a, e) in rows.items():
-            ha, he = host_rows[t]
-            if not direct(a):  # views of the stage's buffers, but kept until the push: copied
-                ha, he = ha.copy(), he.copy()
-            host_rows[t] = (ha.reshape(a.shape), he.reshape(e.shape))
-        host_tables = [
-            (m, [(u, h.reshape(g.shape)) for (u, h), (_, g) in zip(htg, tg, strict=True)])
-            for (m, htg), (_, tg) in zip(host_tables, tables, strict=True)
-        ]
-        return host, host_rows, host_tables
 
     def _check(
         self,
