@@ -78,8 +78,11 @@ class HostStage:
 
     # -- device -> host -----------------------------------------------------------------------
 
-    def to_host(self, key: Hashable, t: torch.Tensor) -> np.ndarray:
-        """`t` as a flat float32 array on the host; read it only after ``wait()``."""
+    def to_host(self, key: Hashable, t: torch.Tensor | np.ndarray) -> np.ndarray:
+        """`t` as a flat float32 array on the host; read it only after ``wait()``. (A numpy
+        array, already on the host, is returned as it is, flat.)"""
+        if isinstance(t, np.ndarray):
+            return np.asarray(t, np.float32).reshape(-1)
         t = t.detach()
         if direct(t):
             return t.reshape(-1).numpy()

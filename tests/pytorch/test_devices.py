@@ -58,6 +58,8 @@ def test_float32_on_the_cpu_is_not_copied() -> None:
     assert direct(t)
     host = stage.to_host("w", t)
     assert np.shares_memory(host, t.numpy()) and stage.allocations == 0
+    a = np.ones((2, 2), np.float32)  # (already on the host: as it is)
+    assert np.shares_memory(stage.to_host("a", a), a)
     p = Param("w", "r..w", nn.Parameter(t))
     out = stage.value_buffers([p])
     assert np.shares_memory(out["r..w"], t.numpy())  # pulled straight into the parameter
