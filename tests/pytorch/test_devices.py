@@ -108,11 +108,13 @@ def batches(device: str, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.T
     return [(x.to(device, dtype), y.to(device)) for x, y in data]
 
 
-def plain_sgd(device: str, start: torch.dtype) -> dict[str, torch.Tensor]:
-    """torch.optim.SGD in float32, from the initial values in `start` (rounded to it)."""
-    model = make_model(device, start).float()
+def plain_sgd(
+    device: str, start: torch.dtype, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """torch.optim.SGD in `dtype`, from the initial values in `start` (rounded to it)."""
+    model = make_model(device, start).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for x, y in batches(device, torch.float32):
+    for x, y in batches(device, dtype):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
@@ -155,14 +157,18 @@ def test_a_model_on_a_device_trains_like_plain_sgd(
         assert torch.equal(local, got), k  # the model holds the servers' values (rounded)
         if dtype == torch.float32:  # exactly plain SGD's (its own kernels on the device)
             assert torch.allclose(got.cpu(), v, atol=1e-4, rtol=0), (k, (got.cpu() - v).abs().max())
-    # bfloat16: the same training within its rounding (8 bits of mantissa: each step's
-    # gradients come from the servers' float32 values rounded): the servers' float32 values
-    # against plain SGD's, measured against how far SGD went
+    # bfloat16: the same training within its rounding (8 bits of mantissa): the servers'
+    # float32 values are at least as close to float32 SGD's as plain torch's own training in
+    # bfloat16 is (the servers keep float32 values; only the gradients are bfloat16's)
     flat = lambda sd: torch.cat([sd[k].float().cpu().reshape(-1) for k in sorted(want)])  # noqa: E731
     moved = (flat(want) - flat(init)).norm()
     off = (flat(exact) - flat(want)).norm()
     assert moved > 0.1, moved  # it trained
-    assert off < (1e-5 if dtype == torch.float32 else 0.08) * moved, (float(off), float(moved))
+    if dtype == torch.float32:
+        assert off < 1e-5 * moved, (float(off), float(moved))
+    else:
+        bound = (flat(plain_sgd(device, dtype, dtype)) - flat(want)).norm()
+        assert off < bound, (float(off), float(bound), float(moved))
 
 
 @pytest.mark.slow  # a real `adamps ps` process
