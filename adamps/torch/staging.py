@@ -66,6 +66,9 @@ class HostStage:
     def __deepcopy__(self, memo: dict[int, Any]) -> HostStage:
         return HostStage()  # a copied module (a Hogwild twin) gets buffers of its own
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (HostStage, ())  # a pickled module (torch.save) carries no buffers nor events
+
     def buffer(self, key: Hashable, n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         """`n` elements of the buffer `key` (flat), allocated only when it is too small."""
         buf = self._bufs.get(key)

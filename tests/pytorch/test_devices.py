@@ -12,6 +12,9 @@ CUDA one), and on CUDA where there is one.
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 
@@ -77,6 +80,9 @@ def test_values_reach_a_bfloat16_parameter_rounded() -> None:
         want = (torch.arange(6.0).reshape(2, 3) / 3 + k).to(torch.bfloat16)
         assert p.param.dtype == torch.bfloat16 and torch.equal(p.param.detach(), want)
     assert len(set(bufs)) == 1 and stage.allocations == 1
+    # a module holding a stage copies and pickles without its buffers
+    assert copy.deepcopy(stage).allocations == 0
+    assert pickle.loads(pickle.dumps(stage)).allocations == 0
 
 
 def test_which_dtypes_and_devices_a_model_may_have() -> None:
