@@ -163,7 +163,7 @@ class EmbeddingBagCollection(nn.Module):
         rows = [
             m.pulled(lk.ids, got.get(m.server_table)) for m, lk in zip(mods, looks, strict=True)
         ]
-        leaves = row_leaves(mods, [lk.ids for lk in looks], rows)
+        leaves = row_leaves(mods, [lk.ids for lk in looks], rows, looks[0].device)
         pooled: dict[str, torch.Tensor] = {}
         for m, lk, leaf in zip(mods, looks, leaves, strict=True):
             weight = lk.weight(leaf)

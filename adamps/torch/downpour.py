@@ -51,7 +51,8 @@ from adamps.client import push_checks
 from adamps.client.round import use_act_err
 from adamps.torch.hooks import ActErrCapture
 from adamps.torch.params import Param
-from adamps.torch.remote import RemoteModel, flat_view, server_shape
+from adamps.torch.remote import RemoteModel, server_shape
+from adamps.torch.staging import HostStage, direct
 
 
 @dataclass
@@ -128,12 +129,53 @@ class WorkerDownpour:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._fetch_queued = False
+        #: host buffers of the gradients going up (this worker's thread) and of the values
+        #: coming down (the thread that fetches): adamps/torch/staging.py
+        self.stage_up = HostStage()
+        self.stage_down = HostStage()
+
+    def _to_host(
+        self,
+        grads: Mapping[str, torch.Tensor | None],
+        rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        tables: Sequence[tuple[Any, list[tuple[np.ndarray, torch.Tensor]]]],
+    ) -> tuple[
+        dict[str, np.ndarray],
+        dict[str, tuple[np.ndarray, np.ndarray]],
+        list[tuple[Any, list[tuple[np.ndarray, np.ndarray]]]],
+    ]:
+        """The step's gradients, act/err rows and table row gradients as float32 host arrays
+        (adamps/torch/staging.py): views of float32 CPU tensors, else copies enqueued into
+        this worker's reused host buffers and waited for once. The gradients' arrays are valid
+        until the next step; the act/err rows' are the step's own (they wait for the push)."""
+        up = self.stage_up
+        host = {t: up.to_host(("grad", t), g) for t, g in grads.items() if g is not None}
+        host_rows = {
+            t: (up.to_host(("act", t), a), up.to_host(("err", t), e)) for t, (a, e) in rows.items()
+        }
+        host_tables = [
+            (m, [(u, up.to_host(("rows", m.table, i), g)) for i, (u, g) in enumerate(tg)])
+            for m, tg in tables
+        ]
+        up.wait()
+        for t, (a, e) in rows.items():
+            ha, he = host_rows[t]
+            if not direct(a):  # views of the stage's buffers, but kept until the push: copied
+                ha, he = ha.copy(), he.copy()
+            host_rows[t] = (ha.reshape(a.shape), he.reshape(e.shape))
+        host_tables = [
+            (m, [(u, h.reshape(g.shape)) for (u, h), (_, g) in zip(htg, tg, strict=True)])
+            for (m, htg), (_, tg) in zip(host_tables, tables, strict=True)
+        ]
+        return host, host_rows, host_tables
 
     def step(self, grads: Mapping[str, torch.Tensor | None]) -> None:
         """One minibatch's gradients (server tensor -> gradient; None: no gradient)."""
-        rows = self.capture.take() if self.capture is not None else {}
-        table_grads = [(t, t.take_grads()) for t in self.tables]
-        self._check(grads, rows, table_grads)
+        rows_t = self.capture.take_tensors() if self.capture is not None else {}
+        tables_t = [(t, t.take_grads()) for t in self.tables]
+        # every gradient of the step to the host (on a device: one synchronize for them all)
+        host, rows, table_grads = self._to_host(grads, rows_t, tables_t)
+        self._check(host, rows, table_grads)
         #: the tables' row gradients of this step (server table -> (ids, grads)): they ride
         #: this step's round, every step (the next forward pulls the rows they update)
         row_grads = dict(got for t, tg in table_grads if (got := t.round_rows(tg)) is not None)
@@ -145,7 +187,7 @@ class WorkerDownpour:
                 p.param.add_(g, alpha=-self.local_lr)  # Hogwild: no lock
                 if p.tensor in self.fc and p.tensor in rows and self._keep_rows(p, rows):
                     continue
-                gn = g.detach().numpy().reshape(server_shape(p))
+                gn = host[p.tensor].reshape(server_shape(p))
                 acc = self._dense.get(p.tensor)
                 if acc is None:
                     self._dense[p.tensor] = gn.astype(np.float32, copy=True)
@@ -182,7 +224,7 @@ class WorkerDownpour:
 
     def _check(
         self,
-        grads: Mapping[str, torch.Tensor | None],
+        grads: Mapping[str, np.ndarray],
         rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
         table_grads: Sequence[tuple[Any, list[tuple[np.ndarray, np.ndarray]]]],
     ) -> None:
@@ -191,7 +233,7 @@ class WorkerDownpour:
         for p in self.params:
             g = grads.get(p.tensor)
             if g is not None:
-                push_checks.bounded(f"the gradient of {p.name!r}", g.detach().numpy())
+                push_checks.bounded(f"the gradient of {p.name!r}", g)
         for tensor, (a, e) in rows.items():
             push_checks.bounded(f"the activations into {tensor!r}", a)
             push_checks.bounded(f"the errors out of {tensor!r}", e)
@@ -312,14 +354,13 @@ class WorkerDownpour:
                     )
 
     def _pull(self) -> None:
-        self.remote.pull(self.params)
+        residuals = {}
         if self.compressor is not None:
-            with torch.no_grad():
-                for p in self.params:
-                    tc = self.compressor.tensors.get(p.tensor)
-                    if tc is not None:
-                        view = flat_view(p).reshape(-1)
-                        view += np.float32(-self.local_lr) * tc.residual
+            for p in self.params:
+                tc = self.compressor.tensors.get(p.tensor)
+                if tc is not None:
+                    residuals[p.tensor] = np.float32(-self.local_lr) * tc.residual
+        self.remote.pull(self.params, self.stage_down, residuals)
         with self.counts.lock:
             self.counts.fetches += 1
 

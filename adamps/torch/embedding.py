@@ -40,8 +40,12 @@ of an EmbeddingBag's reduction, and is neither pulled nor pushed, so the servers
 the renormalized rows back into its weight, and here the servers' rows keep their norm: the next
 step's optimizer starts from the stored row, not the renormalized one (docs/training.md).
 Refused, as nothing but the servers' optimizer writes a row: ``scale_grad_by_freq``,
-``_weight`` / ``_freeze`` and devices other than the CPU (``sparse`` is accepted and ignored: the
-updates are always sparse).
+``_weight`` / ``_freeze`` (``sparse`` is accepted and ignored: the updates are always sparse).
+
+Devices: the ids may be on any device; their distinct ids go to the host for the pull, and the
+rows come back to ``device`` (default: the ids' device) as ``dtype`` (float32, bfloat16 or
+float16; default float32) through a reused pinned buffer (adamps/torch/staging.py). The row
+gradients stay on the device until the optimizer's step copies them with the others.
 
 ``row_leaves`` is the one place a forward's pulled rows become a leaf whose gradient is pushed:
 ``EmbeddingBagCollection`` (adamps/torch/collection.py) gives it the rows of all its tables at
@@ -61,6 +65,7 @@ from torch import nn
 
 from adamps.torch.params import ModelError, tensor_name
 from adamps.torch.remote import optimizer_spec
+from adamps.torch.staging import PARAM_DTYPES, HostStage
 
 
 class _Binding:
@@ -96,8 +101,10 @@ class Lookup:
                 uniq = torch.cat([uniq[:k], uniq[k + 1 :]])
                 self.pad = len(uniq)
                 inv = torch.where(inv == k, self.pad, inv - (inv > k).long())
-        #: the distinct ids whose rows are pulled (and pushed), int64
-        self.ids: np.ndarray = uniq.numpy().astype(np.int64, copy=False)
+        #: the ids' device: where the rows go unless the module names one
+        self.device = ids.device
+        #: the distinct ids whose rows are pulled (and pushed), int64, on the host
+        self.ids: np.ndarray = uniq.to("cpu", torch.int64).numpy()
         #: every id's index into ``weight(rows)``, in the shape of the ids
         self.index = inv.reshape(ids.shape)
 
@@ -146,10 +153,11 @@ class _RowTable(nn.Module):
                 f"{type(self).__name__}: {', '.join(bad)} cannot apply to a parameter server's "
                 "table (its rows are updated only by the servers' optimizer)"
             )
-        if device is not None and torch.device(device).type != "cpu":
-            raise ModelError(f"{type(self).__name__}: adamps.torch trains on the CPU, not {device}")
-        if dtype is not None and dtype != torch.float32:
-            raise ModelError(f"{type(self).__name__}: the servers hold float32 rows, not {dtype}")
+        if dtype is not None and dtype not in PARAM_DTYPES:
+            raise ModelError(
+                f"{type(self).__name__}: the servers hold float32 rows; the module's rows may "
+                f"be float32, bfloat16 or float16, not {dtype}"
+            )
         if num_embeddings is not None and (
             isinstance(num_embeddings, bool)
             or not isinstance(num_embeddings, int)
@@ -178,6 +186,11 @@ class _RowTable(nn.Module):
         self.max_norm = None if max_norm is None else float(max_norm)
         self.norm_type = float(norm_type)
         self.sparse = True
+        #: where the rows go (None: the device of the ids) and their dtype (float32 by default)
+        self.device = torch.device(device) if device is not None else None
+        self.dtype = dtype if dtype is not None else torch.float32
+        #: the host buffers the rows reach the device through (adamps/torch/staging.py)
+        self._stage = HostStage()
         #: the table's name in its run (the servers' table is RUN..TABLE, adamps.torch.params)
         self.table = table
         self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial, optimizer_args, table=True)
@@ -267,10 +280,10 @@ class _RowTable(nn.Module):
         lk = self.lookup(ids)
         client = self.client()
         got = client.pull_rows(self._binding.table, lk.ids) if len(lk.ids) else None
-        [rows] = row_leaves([self], [lk.ids], [self.pulled(lk.ids, got)])
+        [rows] = row_leaves([self], [lk.ids], [self.pulled(lk.ids, got)], lk.device)
         return lk.weight(rows), lk
 
-    def keep(self, ids: np.ndarray, grads: np.ndarray) -> None:
+    def keep(self, ids: np.ndarray, grads: torch.Tensor) -> None:
         """Keeps a row gradient for this thread's step (``take_grads``)."""
         last = self._binding.last
         pending = getattr(last, "pending", None)
@@ -278,8 +291,9 @@ class _RowTable(nn.Module):
             pending = last.pending = []
         pending.append((ids, grads))
 
-    def take_grads(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """This thread's row gradients kept for the step (ids, grads), forgotten here."""
+    def take_grads(self) -> list[tuple[np.ndarray, torch.Tensor]]:
+        """This thread's row gradients kept for the step (host ids, gradients on the rows'
+        device), forgotten here."""
         last = self._binding.last
         pending = getattr(last, "pending", None) or []
         last.pending = None
@@ -344,15 +358,23 @@ def _padding(padding_idx: Any, num_embeddings: int | None) -> int | None:
 
 
 def row_leaves(
-    tables: Sequence[_RowTable], ids: Sequence[np.ndarray], rows: Sequence[np.ndarray]
+    tables: Sequence[_RowTable],
+    ids: Sequence[np.ndarray],
+    rows: Sequence[np.ndarray],
+    device: torch.device | None = None,
 ) -> list[torch.Tensor]:
     """The pulled `rows` of each of `tables` (for its distinct `ids`) as views of ONE leaf that
     requires grad (under no_grad: plain tensors). Its gradient is each distinct row's, duplicates
     summed; a hook hands it over once, as soon as backward computes it: kept for the step
     (bound with ``defer``), else pushed, in one push_rows for one table and in one ``round`` (one
     request per server) for several. The leaf is the first table's ``take_leaf`` (Replica's
-    ``torch.autograd.grad`` input)."""
-    ts = [torch.from_numpy(r) for r in rows]
+    ``torch.autograd.grad`` input). The rows go to each table's ``device`` (else `device`, the
+    ids', else the CPU) in its ``dtype``."""
+    cpu = torch.device("cpu")
+    ts = [
+        t._stage.rows_to_device("rows", r, t.device or device or cpu, t.dtype)
+        for t, r in zip(tables, rows, strict=True)
+    ]
     if not torch.is_grad_enabled():
         return ts
     if len(ts) == 1:
@@ -371,17 +393,19 @@ def row_leaves(
         if state["pushed"]:  # backward run again on a retained graph: pushed already
             return
         state["pushed"] = True
-        flat = grad.detach().numpy().reshape(-1)
+        flat = grad.detach().reshape(-1)
         parts = []
-        for t, u, g in zip(tables, ids, np.split(flat, np.cumsum(sizes)[:-1]), strict=True):
+        for t, u, g in zip(tables, ids, flat.split(sizes), strict=True):
             if len(u):  # a table without ids in this batch has no row to push
                 parts.append((t, u, g.reshape(len(u), t.embedding_dim)))
         if not parts:
             return
-        if tables[0]._binding.defer:
+        if tables[0]._binding.defer:  # kept on the device: the step copies them with the rest
             for t, u, g in parts:
                 t.keep(u, g)
-        elif len(parts) == 1:
+            return
+        parts = [(t, u, g.to("cpu", torch.float32).numpy()) for t, u, g in parts]
+        if len(parts) == 1:
             t, u, g = parts[0]
             t.push_grads([(u, g)])
         else:

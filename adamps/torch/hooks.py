@@ -60,17 +60,27 @@ class ActErrCapture:
         return forward_hook
 
     def take(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """This thread's rows since the last take: tensor -> (a k x N, e k x M), float32."""
+        """This thread's rows since the last take: tensor -> (a k x N, e k x M), float32 numpy
+        (of a model on the CPU; see ``take_tensors``)."""
+        return {
+            t: (a.to("cpu", torch.float32).numpy(), e.to("cpu", torch.float32).numpy())
+            for t, (a, e) in self.take_tensors().items()
+        }
+
+    def take_tensors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """This thread's rows since the last take as tensors on the model's device, in its
+        dtype: tensor -> (a k x N, e k x M). The caller copies them to the host
+        (adamps/torch/staging.py), with the step's other gradients."""
         recs = self._records()
         self._local.records = {}
-        out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for tensor, rows in recs.items():
             done = [r for r in rows if r[1] is not None]
             if not done:
                 continue
-            a = torch.cat([r[0] for r in done]).to(torch.float32).numpy()
-            e = torch.cat([r[1] for r in done]).to(torch.float32).numpy()
-            out[tensor] = (a, e)
+            # a copy even of one record: `a` may be a view of the caller's input, kept past
+            # this step until the push (n_push > 1)
+            out[tensor] = (torch.cat([r[0] for r in done]), torch.cat([r[1] for r in done]))
         return out
 
     def discard(self) -> None:

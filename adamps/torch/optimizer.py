@@ -115,8 +115,10 @@ class Connection:
         values = self.remote.values()
         out = {}
         for k, v in self.model.state_dict().items():
-            out[k] = (
-                torch.from_numpy(np.array(values[k])).reshape(v.shape) if k in values else v.clone()
+            out[k] = (  # the servers' float32 values in the parameter's dtype, on its device
+                torch.from_numpy(np.array(values[k])).reshape(v.shape).to(v.device, v.dtype)
+                if k in values
+                else v.clone()
             )
         return out
 

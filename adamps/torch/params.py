@@ -6,8 +6,10 @@ runs on the same servers never share a tensor by accident. The separator ``..`` 
 PyTorch parameter name (its parts are non-empty module and attribute names joined by single
 dots), so the name splits back unambiguously at its last ``..`` whatever the run's name.
 
-Every problem is found here, before anything is created on the servers: a parameter that is not
-float32 (the servers hold float32), two parameters under one name, a name the layout refuses.
+Every problem is found here, before anything is created on the servers: a parameter whose dtype
+float32 does not hold exactly (the servers hold float32: float32, bfloat16 and float16 train), one
+on the meta device (no values), two parameters under one name, a name the layout refuses. Any
+real device trains (adamps/torch/staging.py copies to and from it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from adamps.layout import LayoutError, TensorSpec
+from adamps.torch.staging import PARAM_DTYPES
 
 SEP = ".."
 DEFAULT_RUN = "default"
@@ -92,13 +95,16 @@ def model_params(
                 f"parameter {name!r} has dtype {p.dtype}: only floating-point parameters can "
                 "be trained (make it a buffer, or a float32 parameter)"
             )
-        if p.dtype != torch.float32:
+        if p.dtype not in PARAM_DTYPES:
             raise ModelError(
-                f"parameter {name!r} has dtype {p.dtype}: the servers hold float32 "
-                "(call model.float() first)"
+                f"parameter {name!r} has dtype {p.dtype}: the servers hold float32, so a "
+                "parameter is float32, bfloat16 or float16 (call model.float() first)"
             )
-        if p.device.type != "cpu":
-            raise ModelError(f"parameter {name!r} is on {p.device}: adamps.torch trains on the CPU")
+        if p.device.type == "meta":
+            raise ModelError(
+                f"parameter {name!r} is on the meta device (no values): move the model to a "
+                "real device (model.to_empty(device=...) and initialise it) first"
+            )
         t = tensor_name(run, name)
         if t in seen:
             raise ModelError(f"two parameters are named {name!r}: names must be unique")

@@ -29,6 +29,7 @@ from adamps.client.rpc import RpcError, SyncRpc, get_json
 from adamps.layout import Layout
 from adamps.optspec import KINDS, OptimError, Optimizer, spec_of
 from adamps.torch.params import ModelError, Param
+from adamps.torch.staging import HostStage
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,10 @@ def server_shape(p: Param) -> tuple[int, ...]:
     return p.shape or (1,)
 
 
-def flat_view(p: Param) -> np.ndarray:
-    """The parameter's memory as a float32 array of its server shape (no copy)."""
-    return p.param.detach().numpy().reshape(server_shape(p))
+def host_values(p: Param) -> np.ndarray:
+    """A float32 host copy of the parameter's values, in its server shape (from any device)."""
+    t = p.param.detach().to("cpu", torch.float32).reshape(server_shape(p))
+    return np.array(t.numpy(), dtype=np.float32, copy=True)
 
 
 def optimizer_spec(
@@ -152,7 +154,7 @@ class RemoteModel:
         for p in self.params:
             if p.tensor in found:
                 continue
-            values = np.array(flat_view(p), dtype=np.float32, copy=True)
+            values = host_values(p)
             self.client.create(
                 p.spec().__class__(p.tensor, server_shape(p)),
                 init={"kind": "values", "values": values},
@@ -165,13 +167,24 @@ class RemoteModel:
 
     # -- values ------------------------------------------------------------------------------------
 
-    def pull(self, params: Sequence[Param] | None = None) -> None:
-        """Copies the servers' values into the parameters (in place, no allocation)."""
+    def pull(
+        self,
+        params: Sequence[Param] | None = None,
+        stage: HostStage | None = None,
+        residuals: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        """Copies the servers' values into the parameters (in place): straight into a float32
+        CPU parameter's memory, else through `stage`'s host buffers (adamps/torch/staging.py)
+        and one ``non_blocking`` copy per parameter. `residuals` (server tensor -> flat float32
+        array) are added to the values on the host before they reach the parameters."""
         params = self.params if params is None else params
+        stage = stage if stage is not None else HostStage()
         with torch.no_grad():
-            self.client.pull(
-                [p.tensor for p in params], out={p.tensor: flat_view(p) for p in params}
-            )
+            out = stage.value_buffers(params)
+            self.client.pull([p.tensor for p in params], out=out)
+            for tensor, r in (residuals or {}).items():
+                out[tensor].reshape(-1)[:] += r
+            stage.to_device(params)
 
     def values(self) -> dict[str, np.ndarray]:
         """The servers' values, by parameter name (not written into the model)."""
