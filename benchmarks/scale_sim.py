@@ -205,7 +205,7 @@ class Sim:
             # The answer's reads (roles when the version moved, unavailable buckets): timed on a
             # sample of the servers and counted for all of them.
             t0 = time.process_time()
-            view = m.heartbeat_view(sid, self.known.get(sid))
+            view = m.heartbeat_view(sid, self.known.get(sid), deltas=True)
             self.charge("heartbeat_reads", (time.process_time() - t0) * self.sample)
             self.known[sid] = view["version"]
 

@@ -94,6 +94,7 @@ class Operations:
         the buckets the indexes name for `sid` (see `register`)."""
         for b in sorted(set(self.leased_to(sid)) | set(self.touching(sid))):
             bk = self.buckets[b]
+            self._mark(b)
             member = (self.primary_of(b) == sid and self.holder_live(b)) or sid in bk["holders"]
             if member and not self.live_members(b, exclude=sid):
                 cands = bk.setdefault("candidates", [])
@@ -175,7 +176,7 @@ class Operations:
         # servers whose hold passed; plus the buckets with offered copies (stale offers go).
         # Every other bucket's record is as the entry that last changed it settled it
         # (issue 26's scale simulation: settling 100,000 buckets took seconds per reconcile).
-        due = {b for b in range(self.n_buckets) if self._grant_target(b, now, reports.get(b))}
+        due = {b for b in self.unsettled() if self._grant_target(b, now, reports.get(b))}
         for s in self.holds_due(now):
             due |= set(self.leased_to(s)) | set(self.touching(s))
         due |= set(offers)
@@ -304,6 +305,7 @@ class Operations:
         ):
             return refusal("stale_epoch", f"{primary!r} does not hold epoch {epoch} of bucket {b}")
         changed = False
+        self._mark(b)
         for key in ("holders", "joining"):
             if sid in bk[key]:
                 bk[key].remove(sid)

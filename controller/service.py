@@ -244,7 +244,9 @@ class ControllerService:
             # Committed when durability flips, not when the reason's figures change.
             if bool(rec.get("not_durable")) != bool(not_durable):
                 await self.commit("write_storage", sid, not_durable, time.time())
-            view = self.cluster.read(lambda m: m.heartbeat_view(sid, known))
+            # A server that applies deltas says so (issue 40); one that does not gets full lists.
+            deltas = body.get("deltas") is True
+            view = self.cluster.read(lambda m: m.heartbeat_view(sid, known, deltas))
             reply: dict[str, Any] = {
                 "server": sid,
                 "state": view["state"],
@@ -258,6 +260,9 @@ class ControllerService:
             }
             if view["roles"] is not None:
                 reply["roles"] = view["roles"]
+            if "roles_since" in view:  # a delta: the roles changed since, and buckets to drop
+                reply["roles_since"] = view["roles_since"]
+                reply["removed"] = view["removed"]
             return reply
 
         return await self._server_write(request, sid, run)

@@ -70,7 +70,19 @@ log = logging.getLogger(__name__)
 
 
 #: attributes of the model derived from its state (indexes, caches): never dumped or copied
-DERIVED = frozenset({"_leased", "_touching", "_unavailable", "_unavail"})
+DERIVED = frozenset(
+    {
+        "_leased",
+        "_touching",
+        "_unavailable",
+        "_unavail",
+        "_dirty",
+        "_unsettled",
+        "_stamps",
+        "_floor",
+        "_gone",
+    }
+)
 
 
 # The class keeps its name and module: pysyncobj's full dump pickles the model, and a dump written
