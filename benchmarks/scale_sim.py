@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from adamps.core.lease import HolderLeases, LeaseTerms, check_history
-from controller import cluster_rules
+from controller import cluster_rules, cluster_wants
 from controller.config import ControllerConfig
 from controller.leader import expired_dead
 from controller.state import DEAD, ClusterModel, dry_run
@@ -320,18 +320,29 @@ def pysyncobj_dump(data: Any) -> bytes:
 
 
 def timed_place(sim: Sim) -> None:
-    """Times every call of the production placement (the module's own function, called)."""
+    """Times every placement decision of the production code (the modules' own functions,
+    called): the whole re-placement and, after a death, that of the dead server's buckets."""
     real = cluster_rules.placement.place
+    real_lost = cluster_wants.placement_loss.place_lost
 
-    def place(*args: Any, **kw: Any) -> Any:
-        t0 = time.process_time()
-        try:
-            return real(*args, **kw)
-        finally:
-            sim.placements.append(time.process_time() - t0)
+    def timed(fn: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            t0 = time.process_time()
+            try:
+                return fn(*args, **kw)
+            finally:
+                sim.placements.append(time.process_time() - t0)
 
-    cluster_rules.placement.place = place  # type: ignore[assignment]
-    sim.restore_place = lambda: setattr(cluster_rules.placement, "place", real)  # type: ignore[attr-defined]
+        return call
+
+    cluster_rules.placement.place = timed(real)  # type: ignore[assignment]
+    cluster_wants.placement_loss.place_lost = timed(real_lost)  # type: ignore[assignment]
+
+    def restore() -> None:
+        cluster_rules.placement.place = real  # type: ignore[assignment]
+        cluster_wants.placement_loss.place_lost = real_lost  # type: ignore[assignment]
+
+    sim.restore_place = restore  # type: ignore[attr-defined]
 
 
 def window(sim: Sim, t0: float, t1: float) -> dict[str, Any]:

@@ -131,7 +131,7 @@ class Operations:
         self._leave(sid, now)
         rec["state"] = DEAD
         rec["since"] = now
-        self._replan(now, reports, touched=near)
+        self._replan_lost(now, reports, near)  # its buckets only (issue 40)
         return {"ok": True, "server": sid, "state": DEAD, "changed": True}
 
     def renew(self, sid: str, now: float) -> dict[str, Any]:
@@ -214,11 +214,7 @@ class Operations:
         if chosen is None:
             return refusal("conflict", f"bucket {b} has no live caught-up secondary")
         new = self._grant(b, chosen, now)
-        want = bk["want"]
-        if chosen in want:
-            want.remove(chosen)
-        want.insert(0, chosen)
-        del want[self.replication :]
+        self._set_want(b, [chosen, *(s for s in bk["want"] if s != chosen)][: self.replication])
         self._settle(b, now)
         return {"ok": True, "bucket": b, "primary": chosen, "epoch": new.epoch}
 
@@ -360,10 +356,7 @@ class Operations:
         bk["left"] = {}
         bk["holders"], bk["joining"] = [], []
         self._grant(b, target, now)
-        if target in bk["want"]:
-            bk["want"].remove(target)
-        bk["want"].insert(0, target)
-        del bk["want"][self.replication :]
+        self._set_want(b, [target, *(s for s in bk["want"] if s != target)][: self.replication])
         bk["lost"] = True
         self.declared_lost = getattr(self, "declared_lost", 0) + 1
         log.warning(

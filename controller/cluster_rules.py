@@ -235,8 +235,8 @@ class BucketRules:
             bucket["candidates"] = []
             bucket["left"] = {}
             if target != want[0] and target in want:
-                want.remove(target)
-                want.insert(0, target)
+                self._set_want(b, [target, *(s for s in want if s != target)])
+                want = bucket["want"]
             self._add_copies(b)  # a bucket served again: the wanted copies join now
         # Members outside `want` leave once every wanted live copy is in the replica set; a
         # draining member only once the drain no longer needs its copy (`_drain_keeps`). The
@@ -562,6 +562,7 @@ class BucketRules:
             self.n_buckets, current, eligible, self.replication, racks=self.racks()
         )
         offers = self._offers_by_bucket()
+        self.__dict__.pop("_wanted", None)  # every target may move: counted again when read
         for b, bk in enumerate(self.buckets):
             new = list(target[b])
             if touched is None or new != bk["want"] or b in touched or b in offers:

@@ -64,6 +64,7 @@ from controller.cluster_rules import (  # noqa: F401 (server states: the model's
     refusal,
 )
 from controller.cluster_views import Views
+from controller.cluster_wants import WantCounts
 from controller.run_ops import RunOps
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ DERIVED = frozenset(
 
 # The class keeps its name and module: pysyncobj's full dump pickles the model, and a dump written
 # by an earlier release names controller.state.ClusterModel. Its methods live in the mixins.
-class ClusterModel(Operations, Views, CheckpointRecord, BucketRules, RunOps):
+class ClusterModel(Operations, Views, CheckpointRecord, BucketRules, WantCounts, RunOps):
     """The cluster configuration. Mutated only by the Raft apply thread, through its methods."""
 
     def __init__(
