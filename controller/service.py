@@ -29,6 +29,7 @@ from controller.ctl_metrics import ControllerMetrics
 from controller.forwarding import BUCKET_OPS, Forwarder
 from controller.leader import LeaderDuties
 from controller.raft_node import RaftNode, ok_or_raise
+from controller.renewals import RenewalRounds
 from controller.runs_http import PRINCIPAL_KEY, RunsApi
 from controller.state import DEAD, ClusterModel, ReplicatedCluster, state_digest
 
@@ -55,6 +56,7 @@ class ControllerService:
         #: the pysyncobj node (tests and tools wait on its readiness)
         self.node = self.raft.node
         self.leader = LeaderDuties(cfg, self.cluster, self.raft, self.m)
+        self.renewals = RenewalRounds(self.raft)
         self.forwarder = Forwarder(cfg, self.raft, self.m)
         #: runs (issue 25): their endpoints, and the token check of every write
         self.runs = RunsApi(self, self._applied)
@@ -236,8 +238,8 @@ class ControllerService:
                     self.leader.record_report(bi, sid, [epoch, seq])
             holds = self.cluster.read(lambda m: m.holds_lease(sid))
             renewed: dict[str, Any] = {"renewed": [], "at": None}
-            if holds:
-                renewed = ok_or_raise(await self.commit("renew", sid, time.time()))
+            if holds:  # in the next renewal round, one entry for every server in it
+                renewed = ok_or_raise(await self.renewals.renew(sid))
             not_durable = body.get("not_durable")
             if not_durable is not None and not isinstance(not_durable, str):
                 raise ProtocolError("bad_request", "not_durable must be a string or null")

@@ -144,7 +144,8 @@ class ClusterModel(Operations, Views, CheckpointRecord, BucketRules, WantCounts,
     # Derived indexes (`leased_to`, `touching`, `unavailable_buckets`) are no replicated state: they are
     # left out of pysyncobj's dump and of copies, and rebuilt from the state on first use.
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in DERIVED}
+        # dict(): one step under the GIL, while a reader may add a derived index meanwhile
+        return {k: v for k, v in dict(self.__dict__).items() if k not in DERIVED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -216,9 +217,13 @@ class ReplicatedCluster(SyncObjConsumer):
         self._model = model
 
     # pysyncobj dumps what _serialize returns at log compaction and restores it on restart.
+    # No copy (issue 40: a deepcopy of 100,000 buckets was seconds of the Raft thread): the
+    # dump is taken on the Raft thread, which is also the only thread that applies entries,
+    # so the replicated state cannot change under it; with the forked dump (raft_node.py) the
+    # child pickles the state as it was at the fork. Readers on other threads change only
+    # the derived indexes, which the dump leaves out (`ClusterModel.__getstate__`).
     def _serialize(self) -> dict[str, Any]:
-        with self._lock:
-            return {"model": copy.deepcopy(self._model)}
+        return {"model": self._model}
 
     def _deserialize(self, data: dict[str, Any]) -> None:
         with self._lock:
@@ -337,3 +342,8 @@ class ReplicatedCluster(SyncObjConsumer):
     @replicated
     def x_checkpoint(self, action: str, fields: dict, now: float) -> dict[str, Any]:
         return self._apply("x_checkpoint", action, fields, now)
+
+    # Issue 40's renewal round (controller/renewals.py): its name sorts after "x_checkpoint".
+    @replicated
+    def x_renew_round(self, sids: list, now: float) -> dict[str, Any]:
+        return self._apply("renew_round", sids, now)
