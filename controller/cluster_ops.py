@@ -67,6 +67,10 @@ class Operations:
             for b, p in (copies or {}).items()
             if 0 <= int(b) < self.n_buckets and len(p) >= 4
         }
+        for b in (rec or {}).get("copies", {}):  # the old incarnation's offers are replaced
+            self._offer(sid, b, False)
+        for b in offered:
+            self._offer(sid, b, True)
         self.servers[sid] = {
             "address": address,
             "state": state,
@@ -506,6 +510,8 @@ class Operations:
             return {"ok": True, "server": sid, "forgotten": False}
         if self.refers_to(sid):
             return {"ok": True, "server": sid, "forgotten": False}
+        for b in rec.get("copies", {}):
+            self._offer(sid, b, False)
         del self.servers[sid]
         self.version += 1
         return {"ok": True, "server": sid, "forgotten": True}

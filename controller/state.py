@@ -82,6 +82,8 @@ DERIVED = frozenset(
         "_stamps",
         "_floor",
         "_gone",
+        "_wanted",
+        "_offers",
     }
 )
 
@@ -173,10 +175,12 @@ def dry_run(model: ClusterModel, op: str, args: tuple) -> dict[str, Any]:
         return getattr(copy.deepcopy(model), op)(*copy.deepcopy(args))
     trial = copy.copy(model)  # shallow; __getstate__ leaves the derived indexes out
     trial.buckets = OneBucket(model.buckets, b, copy.deepcopy(model.buckets[b]))
-    trial.servers = {
-        s: {**rec, "copies": dict(rec["copies"])} if b in rec.get("copies", {}) else rec
-        for s, rec in model.servers.items()
-    }
+    trial.servers = dict(model.servers)
+    for s in model.offering(b):  # their offer of b may be voided: copied
+        rec = model.servers[s]
+        trial.servers[s] = {**rec, "copies": dict(rec["copies"])}
+    # Only bucket b's offers are read by an operation about b (`offering(b)`).
+    trial._offers = {b: set(model.offering(b))}
     trial.history = list(model.history)
     return getattr(trial, op)(*copy.deepcopy(args))
 

@@ -11,7 +11,7 @@ import pytest
 
 from adamps.core.lease import LeaseTerms
 from controller.placement import domain
-from controller.state import ClusterModel
+from controller.state import ClusterModel, dry_run
 
 TERMS = LeaseTerms()
 
@@ -87,7 +87,8 @@ def test_a_primary_lost_goes_to_a_caught_up_copy_and_the_leases_stay_safe() -> N
 @pytest.mark.parametrize("seed", range(4))
 def test_counts_follow_every_entry(seed: int) -> None:
     """The counts kept beside the state equal a recount after every entry of a random history
-    (deaths, restarts, role changes, write-offs, drains, rebalances)."""
+    (deaths, restarts, role changes, write-offs, drains, rebalances) and the leader's dry runs
+    (which once shared the counts with the model), as does the index of offers by bucket."""
     from tests.core.test_controller_deltas import NAMES, step
 
     rng = random.Random(seed)
@@ -96,6 +97,14 @@ def test_counts_follow_every_entry(seed: int) -> None:
     for _ in range(250):
         real += rng.choice([0.1, 0.5, 1.0, 2.0, 4.0])
         step(m, rng, real)
+        # The leader's dry runs of bucket operations change neither the model nor its counts.
+        b = rng.randrange(32)
+        lease, holders = m.buckets[b]["lease"], m.buckets[b]["holders"]
+        if holders:
+            epoch = lease.epoch if lease else 0
+            dry_run(m, "role_change", (b, holders[0], epoch, {}, real + 60))
+        dry_run(m, "write_off", (b, real + 60))
         copies, prims = m.wanted_counts()
         assert (+copies, +prims) == recount(m)
+        assert m.offering(b) == sorted(s for s, r in m.servers.items() if b in r["copies"])
     assert NAMES
