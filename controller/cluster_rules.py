@@ -294,30 +294,6 @@ class BucketRules:
                 dropped = True
         return dropped
 
-    def offering(self, b: int) -> list[str]:
-        """The servers that offered a copy of bucket `b` (and still do). From an index beside
-        the state (never dumped, rebuilt on first use, kept by `_offer`): a caught-up report's
-        apply and dry run looked at every server's offers (issue 40's scale simulation: 15,000
-        reports after a rack of 50 failed, over 1,000 servers each). A dry run's copy of the
-        model holds the index of its one bucket (`controller.state.dry_run`)."""
-        index = self.__dict__.get("_offers")
-        if index is None:
-            index = self._offers = {}
-            for s, rec in self.servers.items():
-                for c in rec.get("copies", {}):
-                    index.setdefault(c, set()).add(s)
-        return sorted(index.get(b, ()))
-
-    def _offer(self, sid: str, b: int, on: bool) -> None:
-        """`sid`'s offer of a copy of `b` appears (`on`) or goes: the index follows."""
-        index = self.__dict__.get("_offers")
-        if index is None:
-            return
-        if on:
-            index.setdefault(b, set()).add(sid)
-        else:
-            index.get(b, set()).discard(sid)
-
     def _offers_by_bucket(self) -> dict[int, list[str]]:
         """bucket -> the servers that offered a copy of it. A pass over every bucket settles
         each with this index: scanning every server per bucket cost servers x buckets per

@@ -180,7 +180,7 @@ def dry_run(model: ClusterModel, op: str, args: tuple) -> dict[str, Any]:
         rec = model.servers[s]
         trial.servers[s] = {**rec, "copies": dict(rec["copies"])}
     # Only bucket b's offers are read by an operation about b (`offering(b)`).
-    trial._offers = {b: set(model.offering(b))}
+    trial.offers_only(b, model.offering(b))
     trial.history = list(model.history)
     return getattr(trial, op)(*copy.deepcopy(args))
 
