@@ -3,11 +3,11 @@
 One process, simulated time (an event queue; no sleeps, no sockets), running the production code:
 
 * the controllers' replicated state machine, `controller.state.ClusterModel`, through the entries
-  Raft would apply on every controller (`register`, `renew`, `declare_dead`, `reconcile`,
+  Raft would apply on every controller (`register`, `renew_round`, `declare_dead`, `reconcile`,
   `verified_caught_up`), each with the leader's clock passed in as `now`;
 * the leader's duties as `controller/leader.py` and `service.py` carry them out: silence past
   `server_timeout` -> `declare_dead` with the reported positions; `grants_due`/`holds_due` ->
-  `reconcile`; a heartbeat of a lease holder -> `renew`;
+  `reconcile`; the heartbeats of lease holders -> one `renew_round` per commit window;
 * on the server side a thin adapter: registration, heartbeats every `heartbeat_interval`,
   positions reported, the lease core `adamps.core.lease.HolderLeases` timing each confirmed
   grant on the holder's clock, and state transfers (a joining copy asks its primary; the
@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from adamps.core.lease import HolderLeases, LeaseTerms, check_history
-from controller import cluster_rules
+from controller import cluster_rules, cluster_wants
 from controller.config import ControllerConfig
 from controller.leader import expired_dead
 from controller.state import DEAD, ClusterModel, dry_run
@@ -86,6 +86,9 @@ class Settings:
     steady: float = 10.0
     #: give up this many simulated seconds after the failure
     horizon: float = 300.0
+    #: simulated seconds from a renewal round's first heartbeat to its commit (a round
+    #: renews every heartbeat that arrived meanwhile: controller/renewals.py)
+    round_s: float = 0.01
 
 
 class Sim:
@@ -118,6 +121,8 @@ class Sim:
         self.known: dict[str, int] = {}  # the routing version each server last saw
         self.sample = max(1, cfg.servers // 50)
         self._reports_bytes: int | None = None
+        #: heartbeats waiting for the next renewal round: server -> when it asked
+        self.round: dict[str, float] = {}
 
     def rack_of(self, sid: str) -> str | None:
         """The rack `sid` registers in: servers i // rack (the failing rack is rack 0)."""
@@ -191,23 +196,32 @@ class Sim:
         if m.servers[sid]["state"] == DEAD:  # declared dead while alive: a new incarnation
             self.apply("register", sid, m.servers[sid]["address"], now, {}, self.rack_of(sid))
         self.last_seen[sid] = now
-        # service.h_heartbeat: a server holding a live lease gets its leases renewed by one entry
+        # service.h_heartbeat: a server holding a live lease waits for the next renewal round
+        # (controller/renewals.py: one entry for the heartbeats that arrived meanwhile)
         t0 = time.process_time()
         holds = m.holds_lease(sid)
         self.charge("heartbeat_reads", time.process_time() - t0)
         if holds:
-            res = self.apply("renew", sid, now)
-            for b, epoch in res.get("renewed", []):
-                # asked_at = when the heartbeat was sent: the lease core's rule
-                self.holder[sid].on_granted(b, epoch, now)
-                self.granted[sid].add(b)
+            if not self.round:
+                self.at(now + self.cfg.round_s, "round")
+            self.round[sid] = now  # asked_at = when the heartbeat was sent
         if self.index[sid] % self.sample == 0:
             # The answer's reads (roles when the version moved, unavailable buckets): timed on a
             # sample of the servers and counted for all of them.
             t0 = time.process_time()
-            view = m.heartbeat_view(sid, self.known.get(sid))
+            view = m.heartbeat_view(sid, self.known.get(sid), deltas=True)
             self.charge("heartbeat_reads", (time.process_time() - t0) * self.sample)
             self.known[sid] = view["version"]
+
+    def _on_round(self, _: Any) -> None:
+        """A renewal round commits: one entry renewing every server whose heartbeat came
+        since the last round was proposed, its clock read after all of them arrived."""
+        batch, self.round = self.round, {}
+        res = self.apply("renew_round", sorted(batch), self.now)
+        for sid, ans in res["servers"].items():
+            for b, epoch in ans.get("renewed", []):
+                self.holder[sid].on_granted(b, epoch, batch[sid])  # the lease core's rule
+                self.granted[sid].add(b)
 
     def _on_transfer(self, job: tuple) -> None:
         b, primary, epoch, sid, join = job
@@ -319,19 +333,56 @@ def pysyncobj_dump(data: Any) -> bytes:
         return buf.getvalue()
 
 
+def forked_dump(model: ClusterModel) -> tuple[float, float, int]:
+    """The controllers' dump as pysyncobj takes it (controller/raft_node.py: useFork), through
+    pysyncobj's own Serializer and `ReplicatedCluster._serialize`: (CPU seconds of the Raft
+    thread, which forks and goes on; wall seconds until the child wrote the file; its bytes).
+    """
+    import os
+
+    from pysyncobj.config import SERIALIZER_STATE
+    from pysyncobj.serializer import Serializer
+
+    from controller.state import ReplicatedCluster
+
+    path = str(Path(tempfile.mkdtemp(prefix="scale-sim-dump-")) / "raft.dump")
+    ser = Serializer(path, 2**16, True, None, None, None)
+    cluster = ReplicatedCluster(model)
+    t0, w0 = time.process_time(), time.perf_counter()
+    ser.serialize(([{}, cluster._serialize()], None, None, None), 1)
+    raft_thread_s = time.process_time() - t0
+    while ser.checkSerializing()[0] == SERIALIZER_STATE.SERIALIZING:
+        time.sleep(0.01)
+    child_s = time.perf_counter() - w0
+    size = os.path.getsize(path)
+    os.remove(path)
+    return raft_thread_s, child_s, size
+
+
 def timed_place(sim: Sim) -> None:
-    """Times every call of the production placement (the module's own function, called)."""
+    """Times every placement decision of the production code (the modules' own functions,
+    called): the whole re-placement and, after a death, that of the dead server's buckets."""
     real = cluster_rules.placement.place
+    real_lost = cluster_wants.placement_loss.place_lost
 
-    def place(*args: Any, **kw: Any) -> Any:
-        t0 = time.process_time()
-        try:
-            return real(*args, **kw)
-        finally:
-            sim.placements.append(time.process_time() - t0)
+    def timed(fn: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            t0 = time.process_time()
+            try:
+                return fn(*args, **kw)
+            finally:
+                sim.placements.append(time.process_time() - t0)
 
-    cluster_rules.placement.place = place  # type: ignore[assignment]
-    sim.restore_place = lambda: setattr(cluster_rules.placement, "place", real)  # type: ignore[attr-defined]
+        return call
+
+    cluster_rules.placement.place = timed(real)  # type: ignore[assignment]
+    cluster_wants.placement_loss.place_lost = timed(real_lost)  # type: ignore[assignment]
+
+    def restore() -> None:
+        cluster_rules.placement.place = real  # type: ignore[assignment]
+        cluster_wants.placement_loss.place_lost = real_lost  # type: ignore[assignment]
+
+    sim.restore_place = restore  # type: ignore[attr-defined]
 
 
 def window(sim: Sim, t0: float, t1: float) -> dict[str, Any]:
@@ -376,9 +427,10 @@ def simulate(cfg: Settings, progress: bool = False) -> dict[str, Any]:
         deepcopy_s = time.process_time() - t0  # what every dry run cost before issue 26
         state_bytes = len(pickle.dumps({"model": clone}))
         t1 = time.process_time()
-        dump_bytes = len(pysyncobj_dump({"model": clone}))  # ReplicatedCluster._serialize's
-        snapshot_s = deepcopy_s + time.process_time() - t1  # CPU seconds, like every figure
+        pysyncobj_dump({"model": clone})  # pickle + gzip: the whole dump's work
+        whole_s = deepcopy_s + time.process_time() - t1  # in-thread, before issue 40
         del clone
+        snapshot_s, child_s, dump_bytes = forked_dump(sim.model)
         fail_at = sim.now
         rack_shared_before = sim.model.rack_shared()
         n_before = len(sim.placements)
@@ -422,6 +474,8 @@ def simulate(cfg: Settings, progress: bool = False) -> dict[str, Any]:
             "state_bytes": state_bytes,
             "dump_bytes": dump_bytes,
             "snapshot_s": round(snapshot_s, 3),
+            "dump_child_s": round(child_s, 3),
+            "whole_dump_s": round(whole_s, 3),
             "steady": steady,
             "failure": failure,
             "initial_place_cpu_s": round(sum(initial_place), 3),
@@ -533,10 +587,12 @@ def report(out: dict[str, Any], raft: dict[str, float], lease_s: float) -> None:
     )
     print(
         f"  replicated state {out['state_bytes'] / 1e6:.1f} MB pickled,"
-        f" {out['dump_bytes'] / 1e6:.1f} MB dumped (gzip), dump {out['snapshot_s']} s"
-        f" (a whole-state deepcopy, each dry run before issue 26: {out['full_deepcopy_s']} s)"
+        f" {out['dump_bytes'] / 1e6:.1f} MB dumped (gzip); dump on the Raft thread"
+        f" {out['snapshot_s']} s (fork), in the child {out['dump_child_s']} s wall (in-thread"
+        f" before issue 40: {out['whole_dump_s']} s; a whole-state deepcopy, each dry run"
+        f" before issue 26: {out['full_deepcopy_s']} s)"
     )
-    # pysyncobj dumps the whole state (fork-free: on its own thread, under the model's lock)
+    # pysyncobj dumps the whole state (forked: the Raft thread forks, the child pickles)
     # every `compaction_entries` entries: the share of that thread the dumps take.
     every = _default("compaction_entries") / max(s["entries_per_s"], 1e-9)
     every = min(every, _default("compaction_seconds"))

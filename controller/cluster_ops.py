@@ -67,6 +67,10 @@ class Operations:
             for b, p in (copies or {}).items()
             if 0 <= int(b) < self.n_buckets and len(p) >= 4
         }
+        for b in (rec or {}).get("copies", {}):  # the old incarnation's offers are replaced
+            self._offer(sid, b, False)
+        for b in offered:
+            self._offer(sid, b, True)
         self.servers[sid] = {
             "address": address,
             "state": state,
@@ -94,6 +98,7 @@ class Operations:
         the buckets the indexes name for `sid` (see `register`)."""
         for b in sorted(set(self.leased_to(sid)) | set(self.touching(sid))):
             bk = self.buckets[b]
+            self._mark(b)
             member = (self.primary_of(b) == sid and self.holder_live(b)) or sid in bk["holders"]
             if member and not self.live_members(b, exclude=sid):
                 cands = bk.setdefault("candidates", [])
@@ -130,7 +135,7 @@ class Operations:
         self._leave(sid, now)
         rec["state"] = DEAD
         rec["since"] = now
-        self._replan(now, reports, touched=near)
+        self._replan_lost(now, reports, near)  # its buckets only (issue 40)
         return {"ok": True, "server": sid, "state": DEAD, "changed": True}
 
     def renew(self, sid: str, now: float) -> dict[str, Any]:
@@ -148,12 +153,13 @@ class Operations:
                 "conflict", f"server {sid!r} was declared dead; register again", state=DEAD
             )
         renewed = []
+        inc, buckets = rec["incarnation"], self.buckets
         for b in self.leased_to(sid):
-            bk = self.buckets[b]
+            bk = buckets[b]
             lease: Lease | None = bk["lease"]
             if lease is None or lease.holder != sid or lease.released_at is not None:
                 continue
-            if bk["holder_inc"] != rec["incarnation"]:
+            if bk["holder_inc"] != inc:
                 continue  # granted to an earlier incarnation: it runs out
             want = bk["want"]
             if want and want[0] != sid and want[0] in bk["holders"]:
@@ -161,6 +167,15 @@ class Operations:
             bk["lease"] = leases.renew(lease, sid, lease.epoch, now)
             renewed.append([b, lease.epoch])
         return {"ok": True, "renewed": renewed, "at": now}
+
+    def renew_round(self, sids: list[str], now: float) -> dict[str, Any]:
+        """One renewal round: the leases of every server in `sids`, as `renew` renews them,
+        in one entry (issue 40: 1,000 servers heartbeating every second were 1,000 entries a
+        second). `servers`: each server's own answer (a refusal for one dead or unknown)."""
+        now = self._tick(now)
+        out = {sid: self.renew(sid, now) for sid in dict.fromkeys(str(s) for s in sids or [])}
+        self.applied -= len(out)  # one entry, counted once
+        return {"ok": True, "servers": out, "at": now}
 
     def reconcile(
         self, now: float, reports: dict[int, dict[str, Any]] | None = None
@@ -175,7 +190,7 @@ class Operations:
         # servers whose hold passed; plus the buckets with offered copies (stale offers go).
         # Every other bucket's record is as the entry that last changed it settled it
         # (issue 26's scale simulation: settling 100,000 buckets took seconds per reconcile).
-        due = {b for b in range(self.n_buckets) if self._grant_target(b, now, reports.get(b))}
+        due = {b for b in self.unsettled() if self._grant_target(b, now, reports.get(b))}
         for s in self.holds_due(now):
             due |= set(self.leased_to(s)) | set(self.touching(s))
         due |= set(offers)
@@ -213,11 +228,7 @@ class Operations:
         if chosen is None:
             return refusal("conflict", f"bucket {b} has no live caught-up secondary")
         new = self._grant(b, chosen, now)
-        want = bk["want"]
-        if chosen in want:
-            want.remove(chosen)
-        want.insert(0, chosen)
-        del want[self.replication :]
+        self._set_want(b, [chosen, *(s for s in bk["want"] if s != chosen)][: self.replication])
         self._settle(b, now)
         return {"ok": True, "bucket": b, "primary": chosen, "epoch": new.epoch}
 
@@ -304,6 +315,7 @@ class Operations:
         ):
             return refusal("stale_epoch", f"{primary!r} does not hold epoch {epoch} of bucket {b}")
         changed = False
+        self._mark(b)
         for key in ("holders", "joining"):
             if sid in bk[key]:
                 bk[key].remove(sid)
@@ -358,10 +370,7 @@ class Operations:
         bk["left"] = {}
         bk["holders"], bk["joining"] = [], []
         self._grant(b, target, now)
-        if target in bk["want"]:
-            bk["want"].remove(target)
-        bk["want"].insert(0, target)
-        del bk["want"][self.replication :]
+        self._set_want(b, [target, *(s for s in bk["want"] if s != target)][: self.replication])
         bk["lost"] = True
         self.declared_lost = getattr(self, "declared_lost", 0) + 1
         log.warning(
@@ -501,6 +510,8 @@ class Operations:
             return {"ok": True, "server": sid, "forgotten": False}
         if self.refers_to(sid):
             return {"ok": True, "server": sid, "forgotten": False}
+        for b in rec.get("copies", {}):
+            self._offer(sid, b, False)
         del self.servers[sid]
         self.version += 1
         return {"ok": True, "server": sid, "forgotten": True}

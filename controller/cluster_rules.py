@@ -105,6 +105,16 @@ class BucketRules:
         if index is not None:
             index.add(b)
 
+    def _mark(self, b: int) -> None:
+        """Bucket `b`'s record changes in this entry: the heartbeat answers' deltas
+        (`Views.changed_since`) and the leader's `grants_due` look at it again. Derived indexes
+        beside the state, like `leased_to`: a no-op until they are first read."""
+        d = self.__dict__
+        if "_dirty" in d:
+            d["_dirty"].add(b)
+        if "_unsettled" in d:
+            d["_unsettled"].add(b)
+
     def _touch(self, sid: str, b: int) -> None:
         """`sid` enters a list of bucket `b` that `touching` covers."""
         index = self.__dict__.get("_touching")
@@ -143,6 +153,7 @@ class BucketRules:
         bucket = self.buckets[b]
         prev: Lease | None = bucket["lease"]
         new = leases.grant(prev, holder, now, self.terms)  # raises if prev may be in use
+        self._mark(b)
         if prev is not None:
             self.history.append({"bucket": b, **prev.to_dict()})
             if len(self.history) > HISTORY_LIMIT:
@@ -168,6 +179,8 @@ class BucketRules:
             if prev is not None:
                 index.get(prev.holder, set()).discard(b)
             index.setdefault(holder, set()).add(b)
+        if prev is not None and prev.holder != holder:
+            self._touch(prev.holder, b)  # the old primary's next delta tells it its new role
         bucket["holder_inc"] = self.servers[holder]["incarnation"]
         self.version += 1
         return new
@@ -182,7 +195,11 @@ class BucketRules:
         """Carries bucket `b` as far toward its `want` as the rules allow at `now`. `offers`
         (`_offers_by_bucket`) spares a pass over every bucket a scan of every server per bucket."""
         bucket = self.buckets[b]
-        before = (list(bucket["holders"]), list(bucket["joining"]))
+        self._mark(b)
+        # The lists a server's role reads (`Views._role_view`): a change of any moves the
+        # version, so that a heartbeat's answer carries it (issue 40: a member that left
+        # dropping out of `left`, or a stale offer voided, changed a role without it).
+        before = (list(bucket["holders"]), list(bucket["joining"]), list(bucket.get("left", {})))
         bucket["holders"] = [s for s in bucket["holders"] if self._live(s)]
         bucket["joining"] = [s for s in bucket["joining"] if self._live(s)]
         left = bucket.get("left")
@@ -192,7 +209,7 @@ class BucketRules:
             }
         want = bucket["want"]
         self._add_copies(b)
-        self._drop_stale_offers(b, None if offers is None else offers.get(b, []))
+        dropped = self._drop_stale_offers(b, None if offers is None else offers.get(b, []))
         target = self._grant_target(b, now, reports)
         self._note_digest_conflict(b, target)
         if target is not None:
@@ -218,8 +235,8 @@ class BucketRules:
             bucket["candidates"] = []
             bucket["left"] = {}
             if target != want[0] and target in want:
-                want.remove(target)
-                want.insert(0, target)
+                self._set_want(b, [target, *(s for s in want if s != target)])
+                want = bucket["want"]
             self._add_copies(b)  # a bucket served again: the wanted copies join now
         # Members outside `want` leave once every wanted live copy is in the replica set; a
         # draining member only once the drain no longer needs its copy (`_drain_keeps`). The
@@ -236,7 +253,11 @@ class BucketRules:
                 s for s in bucket["holders"] if s in want or self._drain_keeps(b, s, now)
             ]
             bucket["joining"] = [s for s in bucket["joining"] if s in want]
-        if before != (bucket["holders"], bucket["joining"]):
+        if dropped or before != (
+            bucket["holders"],
+            bucket["joining"],
+            list(bucket.get("left", {})),
+        ):
             self.version += 1
 
     def _drain_keeps(self, b: int, sid: str, now: float) -> bool:
@@ -252,19 +273,26 @@ class BucketRules:
         kept = [s for s in self.live_members(b, exclude=sid) if s in want]
         return len(kept) < rec.get("drain_floor", 0)
 
-    def _drop_stale_offers(self, b: int, offering: list[str] | None = None) -> None:
+    def _drop_stale_offers(self, b: int, offering: list[str] | None = None) -> bool:
         """A live server holding no role in a served bucket lets its copy go (roles_of lists it
         nowhere): its offer is void from then on. `offering`: the servers that offered a copy of
-        `b` (None: look at every server)."""
+        `b` (None: look at every server). True if an offer went."""
         if self.unavailable(b):
-            return
+            return False
+        dropped = False
         bk = self.buckets[b]
         keep = set(self.live_members(b)) | set(bk["joining"]) | set(bk.get("candidates", []))
         keep |= set(bk.get("left", {}))  # it may become a candidate with the last member
-        for s in self.servers if offering is None else offering:
+        if offering is None:
+            offering = self.offering(b)
+        for s in offering:
             rec = self.servers[s]
             if s not in keep and b in rec.get("copies", {}):
                 del rec["copies"][b]
+                self._offer(s, b, False)
+                self._touch(s, b)  # its next answer's delta tells it to drop the copy
+                dropped = True
+        return dropped
 
     def _offers_by_bucket(self) -> dict[int, list[str]]:
         """bucket -> the servers that offered a copy of it. A pass over every bucket settles
@@ -278,6 +306,7 @@ class BucketRules:
 
     def _start_join(self, b: int, sid: str) -> None:
         bk = self.buckets[b]
+        self._mark(b)
         self.joins = getattr(self, "joins", 0) + 1
         bk["joining"].append(sid)
         self._touch(sid, b)
@@ -457,7 +486,35 @@ class BucketRules:
 
     def grants_due(self, now: float) -> list[int]:
         """Buckets whose lease `reconcile(now)` would grant (the leader asks before proposing)."""
-        return [b for b in range(self.n_buckets) if self._grant_target(b, now) is not None]
+        return [b for b in self.unsettled() if self._grant_target(b, now) is not None]
+
+    def unsettled(self) -> list[int]:
+        """The buckets whose lease some time may let be granted, ascending: a superset of those
+        `_grant_target` names at any `now`. A bucket is *settled* while it is placed nowhere
+        or its lease is held, unreleased, by its live wanted primary: then no time grants it
+        (it renews), until an entry changes its record (`_mark` adds it back) or its holder's
+        liveness (a registration or death, which settles the holder's buckets). The leader
+        asked `_grant_target` of every bucket four times a second (issue 40's scale
+        simulation: 0.32 CPU s/s at 100,000 buckets in steady state); `reconcile` reads it
+        too. Derived beside the state (never dumped), rebuilt by one pass on first use."""
+        index = self.__dict__.get("_unsettled")
+        if index is None:
+            index = self._unsettled = set(range(self.n_buckets))
+        for b in [b for b in index if self._settled(b)]:
+            index.discard(b)
+        return sorted(index)
+
+    def _settled(self, b: int) -> bool:
+        bk = self.buckets[b]
+        want, lease = bk["want"], bk["lease"]
+        if not want:
+            return True
+        return (
+            lease is not None
+            and lease.released_at is None
+            and lease.holder == want[0]
+            and self.holder_live(b)
+        )
 
     def holds_due(self, now: float) -> list[str]:
         """Draining servers whose hold passed by `now` and that no reconcile has seen since:
@@ -508,6 +565,7 @@ class BucketRules:
             self.n_buckets, current, eligible, self.replication, racks=self.racks()
         )
         offers = self._offers_by_bucket()
+        self.__dict__.pop("_wanted", None)  # every target may move: counted again when read
         for b, bk in enumerate(self.buckets):
             new = list(target[b])
             if touched is None or new != bk["want"] or b in touched or b in offers:

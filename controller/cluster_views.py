@@ -99,16 +99,79 @@ class Views:
             self._unavailable = cached
         return list(cached[1])
 
-    def heartbeat_view(self, sid: str, known: Any) -> dict[str, Any]:
+    def heartbeat_view(self, sid: str, known: Any, deltas: bool = False) -> dict[str, Any]:
         """What the answer to a heartbeat of `sid` reads: the version, the server's state, the
         unavailable buckets, and its roles only when its `known` version is not the current
-        one (it holds them otherwise; a roles list is a pass over every bucket)."""
-        return {
+        one (it holds them otherwise). With `deltas` (a server that applies them, issue 40),
+        the roles are those of the buckets whose record changed since `known`, `removed` the
+        changed buckets where it has no role any more, and `roles_since` is `known`; a full
+        list (no `roles_since`) when `known` is older than what this controller tracked."""
+        out: dict[str, Any] = {
             "version": self.version,
             "state": self.servers[sid]["state"],
             "unavailable": self.unavailable_buckets(),
-            "roles": None if known == self.version else self.roles_of(sid),
+            "roles": None,
         }
+        if known == self.version:
+            return out
+        stamps = self.changed_since(known) if deltas else None
+        if stamps is None:
+            out["roles"] = self.roles_of(sid)
+            return out
+        offered = self.servers.get(sid, {}).get("copies", {})
+        self._prune(sid, known, stamps)
+        near = self.touching(sid) | set(offered) | set(self.leased_to(sid))
+        roles, removed = [], []
+        for b in sorted(x for x in near if stamps.get(x, -1) > known):
+            view = self._role_view(sid, b, offered)
+            if view is None:
+                removed.append(b)
+            else:
+                roles.append(view)
+        if removed:
+            self._gone.setdefault(sid, set()).update(removed)
+        out.update(roles=roles, removed=removed, roles_since=known)
+        return out
+
+    def _prune(self, sid: str, known: int, stamps: dict[int, int]) -> None:
+        """Forgets, from `touching(sid)`, the buckets an answer told `sid` to drop once `sid`
+        says it applied them (`known` is at or after their last change) and it is still in
+        none of their lists. Not earlier: an answer may be lost, and the next delta from the
+        older version must still name them."""
+        gone = self.__dict__.setdefault("_gone", {}).get(sid)
+        if not gone:
+            return
+        near = self.touching(sid)
+        for b in [b for b in gone if stamps.get(b, self._floor) <= known]:
+            gone.discard(b)
+            bk = self.buckets[b]
+            lists = (bk["holders"], bk["joining"], bk.get("candidates", []), bk.get("left", {}))
+            if not any(sid in x for x in lists):
+                near.discard(b)
+
+    def changed_since(self, known: Any) -> dict[int, int] | None:
+        """bucket -> the version its record last changed at (changes tracked on this node
+        since `_floor`), or None when `known` is no version this node can answer a delta
+        from (None, older than the tracking, newer than the state: a full answer then).
+
+        A change is marked (`_mark`) while an entry applies, and stamped here with the
+        version of the state read: every role change moves the version (the full answer's
+        rule too), so a bucket stamped later than a server's `known` is one whose record
+        changed after the state it knows. Derived beside the state, never dumped: a new
+        leader or a restarted controller starts tracking at its current version, and
+        answers older versions in full."""
+        d = self.__dict__
+        if "_stamps" not in d:
+            self._stamps, self._dirty, self._floor = {}, set(), self.version
+            return None
+        stamps = d["_stamps"]
+        for b in d["_dirty"]:
+            stamps[b] = self.version
+        d["_dirty"].clear()
+        ok = isinstance(known, int) and not isinstance(known, bool)
+        if not ok or known < self._floor or known > self.version:
+            return None
+        return stamps
 
     def roles_of(self, sid: str) -> list[dict[str, Any]]:
         out = []
@@ -116,34 +179,47 @@ class Views:
         near = self.touching(sid)
         # Only the buckets where `sid` may have a role (the indexes are supersets), ascending.
         for b in sorted(near | set(offered) | set(self.leased_to(sid))):
-            bk = self.buckets[b]
-            if self.primary_of(b) == sid and self.holder_live(b):
-                role = "primary"
-            elif sid in bk["holders"]:
-                role = "secondary"
-            elif sid in bk.get("candidates", []) or (b in offered and self.unavailable(b)):
-                # Keep the copy, serve nothing: it may be the freshest one there is (a
-                # candidate), or what an operator's declare-lost (write_off) picks.
-                role = "standby"
-            elif sid in bk["joining"]:
-                role = "joining"
-            elif b in offered and sid in bk.get("left", {}):
-                role = "standby"  # left shortly before: a candidate if the last member leaves
-            else:
-                lists = (bk["holders"], bk["joining"], bk.get("candidates", []), bk.get("left", {}))
-                if not any(sid in x for x in lists):
-                    near.discard(b)  # in none of them any more: pruned from the index
+            view = self._role_view(sid, b, offered)
+            if view is not None:
+                out.append(view)
                 continue
-            view = self.bucket_view(b)
-            view["role"] = role
-            view["secondary_addresses"] = {
-                s: self.servers.get(s, {}).get("address")
-                for s in view["secondaries"] + view["joining"]
-            }
-            if role == "joining":
-                view["join"] = bk.get("join_ids", {}).get(sid, 0)
-            out.append(view)
+            if "_stamps" in self.__dict__:
+                # Deltas are tracked: a server whose answer is lost asks again from its older
+                # version, and the delta must still find this bucket; it is pruned once the
+                # server says it applied this state (`_prune`).
+                self.__dict__.setdefault("_gone", {}).setdefault(sid, set()).add(b)
+                continue
+            bk = self.buckets[b]
+            lists = (bk["holders"], bk["joining"], bk.get("candidates", []), bk.get("left", {}))
+            if not any(sid in x for x in lists):
+                near.discard(b)  # in none of them any more: pruned from the index
         return out
+
+    def _role_view(self, sid: str, b: int, offered: Any) -> dict[str, Any] | None:
+        """The view of bucket `b` with `sid`'s role in it, or None: no role (drop the copy)."""
+        bk = self.buckets[b]
+        if self.primary_of(b) == sid and self.holder_live(b):
+            role = "primary"
+        elif sid in bk["holders"]:
+            role = "secondary"
+        elif sid in bk.get("candidates", []) or (b in offered and self.unavailable(b)):
+            # Keep the copy, serve nothing: it may be the freshest one there is (a
+            # candidate), or what an operator's declare-lost (write_off) picks.
+            role = "standby"
+        elif sid in bk["joining"]:
+            role = "joining"
+        elif b in offered and sid in bk.get("left", {}):
+            role = "standby"  # left shortly before: a candidate if the last member leaves
+        else:
+            return None
+        view = self.bucket_view(b)
+        view["role"] = role
+        view["secondary_addresses"] = {
+            s: self.servers.get(s, {}).get("address") for s in view["secondaries"] + view["joining"]
+        }
+        if role == "joining":
+            view["join"] = bk.get("join_ids", {}).get(sid, 0)
+        return view
 
     def lease_records(self) -> list[dict[str, Any]]:
         """Every lease in the record (closed ones, then the current ones)."""

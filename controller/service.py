@@ -29,6 +29,7 @@ from controller.ctl_metrics import ControllerMetrics
 from controller.forwarding import BUCKET_OPS, Forwarder
 from controller.leader import LeaderDuties
 from controller.raft_node import RaftNode, ok_or_raise
+from controller.renewals import RenewalRounds
 from controller.runs_http import PRINCIPAL_KEY, RunsApi
 from controller.state import DEAD, ClusterModel, ReplicatedCluster, state_digest
 
@@ -55,6 +56,7 @@ class ControllerService:
         #: the pysyncobj node (tests and tools wait on its readiness)
         self.node = self.raft.node
         self.leader = LeaderDuties(cfg, self.cluster, self.raft, self.m)
+        self.renewals = RenewalRounds(self.raft)
         self.forwarder = Forwarder(cfg, self.raft, self.m)
         #: runs (issue 25): their endpoints, and the token check of every write
         self.runs = RunsApi(self, self._applied)
@@ -236,15 +238,17 @@ class ControllerService:
                     self.leader.record_report(bi, sid, [epoch, seq])
             holds = self.cluster.read(lambda m: m.holds_lease(sid))
             renewed: dict[str, Any] = {"renewed": [], "at": None}
-            if holds:
-                renewed = ok_or_raise(await self.commit("renew", sid, time.time()))
+            if holds:  # in the next renewal round, one entry for every server in it
+                renewed = ok_or_raise(await self.renewals.renew(sid))
             not_durable = body.get("not_durable")
             if not_durable is not None and not isinstance(not_durable, str):
                 raise ProtocolError("bad_request", "not_durable must be a string or null")
             # Committed when durability flips, not when the reason's figures change.
             if bool(rec.get("not_durable")) != bool(not_durable):
                 await self.commit("write_storage", sid, not_durable, time.time())
-            view = self.cluster.read(lambda m: m.heartbeat_view(sid, known))
+            # A server that applies deltas says so (issue 40); one that does not gets full lists.
+            deltas = body.get("deltas") is True
+            view = self.cluster.read(lambda m: m.heartbeat_view(sid, known, deltas))
             reply: dict[str, Any] = {
                 "server": sid,
                 "state": view["state"],
@@ -258,6 +262,9 @@ class ControllerService:
             }
             if view["roles"] is not None:
                 reply["roles"] = view["roles"]
+            if "roles_since" in view:  # a delta: the roles changed since, and buckets to drop
+                reply["roles_since"] = view["roles_since"]
+                reply["removed"] = view["removed"]
             return reply
 
         return await self._server_write(request, sid, run)

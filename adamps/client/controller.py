@@ -224,11 +224,15 @@ class ControllerOps:
         known_version: int | None = None,
         reports: dict[int, Sequence[int]] | None = None,
         not_durable: str | None = None,
+        deltas: bool | None = False,
     ) -> Any:
         """(reply, asked_at): asked_at is time.monotonic() before the request was sent.
-        `not_durable`: why the server cannot persist now (issue 29), or None."""
+        `not_durable`: why the server cannot persist now (issue 29), or None. `deltas`: the
+        caller applies an answer's roles as a delta from `known_version` (issue 40)."""
         asked_at = time.monotonic()
         body: dict[str, Any] = {"known_version": known_version}
+        if deltas:
+            body["deltas"] = True
         if not_durable is not None:
             body["not_durable"] = not_durable
         if reports:

@@ -4,7 +4,8 @@ does. Part of ``ReplCore`` (adamps.core.repl_core), which holds the state these 
 
 Every call is a ``ControllerRequest`` in the ``Ready``: ``register`` (this server's copies and
 their positions, read after it stopped acting on every role, so they are final), ``heartbeat``
-(the record version it knows and, per copy, its epoch and prepared seq), and the calls the
+(the record version it knows, that it applies the roles changed since as a delta, and, per copy,
+its epoch and prepared seq), and the calls the
 protocol asks for (``role_change``, ``drop_secondary``, ``caught_up``), and at stop the primary
 leases given back (``release``, ``stopping``). The transport makes each
 call once and feeds its answer back, whatever it is (``controller_answer``): the reply, or the
@@ -57,7 +58,12 @@ class ControllerSide:
             body = {"copies": self.offered(), "committed": committed}
             self._ready.requests.append(ControllerRequest(REGISTER, -1, 0, body=body))
         elif call == HEARTBEAT:
-            body = {"known": self.table_version, "reports": self.heartbeat_reports()}
+            # deltas: the answer's roles may be those changed since `known` (issue 40)
+            body = {
+                "known": self.table_version,
+                "reports": self.heartbeat_reports(),
+                "deltas": True,
+            }
             self._ready.requests.append(ControllerRequest(HEARTBEAT, -1, 0, body=body))
 
     def want_record(self, now: float) -> None:

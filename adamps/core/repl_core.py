@@ -122,15 +122,32 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
     def on_roles(self, reply: Mapping[str, Any], asked_at: float, now: float) -> None:
         """A heartbeat's answer, asked at `asked_at` (this server's clock)."""
         self.unavailable = frozenset(int(b) for b in reply.get("unavailable", []))
-        if "roles" in reply:
+        if "roles_since" in reply:
+            # A delta (issue 40): the buckets whose record changed since the version this
+            # server applied, and those it has no role in any more. From another version than
+            # the one held (a reply overtaken by another), it cannot be applied: the next
+            # heartbeat, knowing no version, gets the full list.
+            if reply["roles_since"] != self.table_version:
+                self.table_version = None
+            else:
+                removed = [int(b) for b in reply.get("removed", [])]
+                self._apply_roles(reply["roles"], int(reply["version"]), asked_at, now, removed)
+        elif "roles" in reply:
             self._apply_roles(reply["roles"], int(reply["version"]), asked_at, now)
         for b, epoch in reply.get("renewed", []):
             self.leases.on_granted(int(b), int(epoch), asked_at)
             self.pump(int(b), now)
 
     def _apply_roles(
-        self, roles: Iterable[Mapping[str, Any]], version: int, asked_at: float, now: float
+        self,
+        roles: Iterable[Mapping[str, Any]],
+        version: int,
+        asked_at: float,
+        now: float,
+        removed: Iterable[int] | None = None,
     ) -> None:
+        """`roles`: every bucket this server has a role in (`removed` None: the others are
+        dropped), or a delta: the buckets whose role changed, and `removed` those to drop."""
         seen = set()
         for r in roles:
             b = int(r["bucket"])
@@ -189,8 +206,11 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
             else:
                 self.leases.drop(b)
                 self.last_heard.setdefault(b, now)
-        for b in [b for b in self.buckets if b not in seen]:
-            self._forget(b)
+        if removed is None:
+            removed = [b for b in self.buckets if b not in seen]
+        for b in removed:
+            if b in self.buckets and b not in seen:
+                self._forget(b)
         self.table_version = version
 
     def _forget(self, b: int) -> None:

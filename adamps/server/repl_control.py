@@ -49,7 +49,7 @@ class ControllerCalls:
     async def _heartbeat(self, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
         r = self.r
         reply, asked_at = await self.ctl.heartbeat(
-            r.server_id, body["known"], body["reports"], r.disk.not_durable()
+            r.server_id, body["known"], body["reports"], r.disk.not_durable(), body.get("deltas")
         )
         r.peers.learn(reply.get("roles", []))  # the address book, before the roles act
         r.on_heartbeat(reply)  # the runs' table version (adamps/server/tenancy.py)

@@ -22,6 +22,7 @@ APPENDED = [
     "write_storage_v0",
     "write_tenancy_v0",
     "x_checkpoint_v0",
+    "x_renew_round_v0",
 ]
 
 

@@ -257,7 +257,10 @@ def test_the_core_calls_the_controllers_when_its_link_says_and_takes_every_answe
     assert c.leases.terms.duration == 3.0, "the lease terms announced at registration"
     c.tick(10.8)
     (hb,) = take(c).requests
-    assert (hb.kind, dict(hb.body)) == ("heartbeat", {"known": None, "reports": {}})
+    assert (hb.kind, dict(hb.body)) == (
+        "heartbeat",
+        {"known": None, "reports": {}, "deltas": True},
+    )
     c.want_record(10.9)
     assert take(c).requests == [], "one heartbeat in flight at a time"
     roles = {"version": 4, "roles": [role(0, 1, "a", ["b"])], "renewed": [[0, 1]]}

@@ -47,7 +47,8 @@ def test_rack_failure_recovers_every_bucket_at_rf_with_one_primary_per_epoch() -
     assert out["rf_again_s"] is not None and out["rf_again_s"] < 30
     assert out["state_bytes"] > 2000 * 50
     steady, failure = out["steady"], out["failure"]
-    assert steady["by_op"] == {"renew": 60 * 2}  # one renewal per server per heartbeat
+    # one renewal round per commit window (controller/renewals.py), at most one per heartbeat
+    assert set(steady["by_op"]) == {"renew_round"} and steady["by_op"]["renew_round"] <= 60 * 2
     assert failure["by_op"]["declare_dead"] == 5
     # every copy the rack held re-created by a verified state transfer (and the odd move more
     # of the rebalancing)
