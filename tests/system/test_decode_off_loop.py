@@ -248,6 +248,9 @@ def test_a_rounds_large_dense_deltas_are_bounded_off_the_loop(server) -> None:
     t0 = time.perf_counter()  # what the checks alone cost here: the hold if run on the loop
     bounds.check_dense("dense", delta)
     check_s = time.perf_counter() - t0
+    if check_s <= HEALTH_BOUND:  # a round within max_body cannot be made larger here
+        pytest.skip(f"this machine checks 512 MiB in {check_s:.3f} s, within the {HEALTH_BOUND} s "
+                    "bound: a hold on the loop could not be told from none")  # fmt: skip
     with SyncRpc(base, TOKEN) as rpc:
         dport = int(rpc.get_json("/status")["data_port"])
     ids = [s.id for s in layout.shards_of["d"]]
@@ -270,6 +273,5 @@ def test_a_rounds_large_dense_deltas_are_bounded_off_the_loop(server) -> None:
     client.close()
     print(f"bounds alone {check_s:.3f} s; loop held past {HEALTH_BOUND} s: {held}")
     np.testing.assert_array_equal(values["d"], np.full(n, 0.25, np.float32))
-    assert check_s > HEALTH_BOUND, "the round is too small to show a blocked loop here"
     assert not held, f"the server's event loop was held past {HEALTH_BOUND} s: {held}"
     assert proc.alive
