@@ -85,9 +85,13 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     layout = Layout(specs, n_buckets=n_buckets, max_shard_elems=max_shard)
     client = PSClient(cluster.source, layout, cluster.token, retry_for=cluster.retry_for)
     try:
-        for d, spec in zip(manifest["tensors"], specs, strict=True):
-            if d["name"] not in tensors_held:
-                client.create(spec, init={"kind": "zeros"}, optimizer=d.get("optimizer"))
+        # Zeros: a definition the servers write without a pass over the values (catalog.py);
+        # the install fills them. Side by side: each server takes one create at a time.
+        todo = [(d, s) for d, s in zip(manifest["tensors"], specs, strict=True)
+                if d["name"] not in tensors_held]  # fmt: skip
+        with ThreadPoolExecutor(max(1, min(8, len(todo)))) as pool:
+            list(pool.map(lambda ds: client.create(ds[1], init={"kind": "zeros"},
+                                                   optimizer=ds[0].get("optimizer")), todo))  # fmt: skip
         for t in manifest["tables"]:
             if t["name"] not in tables_held:
                 client.create_table(

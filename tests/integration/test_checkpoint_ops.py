@@ -390,3 +390,44 @@ async def test_an_install_travels_on_the_data_plane_and_is_checked_like_a_push(
     finally:
         await a.close()
         await runner.cleanup()
+
+
+async def test_a_create_of_zeros_writes_no_values_and_a_restart_derives_them(
+    tmp_path: Path,
+) -> None:
+    """A restore creates its tensors as zeros and installs the checkpoint over them (issue 38
+    item 7): the create writes the definition alone, not a pass of zeros over the model, and a
+    restart derives the same zero shards and fresh optimizer state (version 0); a tensor of
+    another init keeps its written values; a pushed shard is flushed as before."""
+    s1, r1, c = await start(tmp_path)
+    try:
+        await c.call("create", **{**ADA, "init": {"kind": "zeros"}})
+        await c.call("create", **{**ADA, "name": "n"})
+        nb = (await c.get_json("/status"))["n_buckets"]
+        fresh = await c.call("ckpt_read", bucket=stable_bucket("w/0", nb))
+        saved = {sd.meta["spec"]["name"]: sd for sd in s1.catalog.persister.load()}
+        assert set(saved) >= {"w", "n"}
+        assert not saved["w"].shards  # the definition alone
+        assert sorted(saved["n"].shards) == ["n/0", "n/1"]
+        await c.call("push_dense", tensor="w", delta=np.full(2000, 0.5, np.float32))
+        pushed = await c.call("pull", tensors=["w"])
+    finally:
+        await c.close()
+        await r1.cleanup()  # closes the server (its final flush)
+    _s2, r2, c = await start(tmp_path)
+    try:
+        again = await c.call("pull", tensors=["w"])
+        assert again["tensors"]["w"].tobytes() == pushed["tensors"]["w"].tobytes()
+        await c.call("create", **{**ADA, "name": "z", "init": {"kind": "zeros"}})
+    finally:
+        await c.close()
+        await r2.cleanup()  # closes the server (its final flush)
+    _s3, r3, c = await start(tmp_path)
+    try:
+        snap = await c.call("ckpt_read", bucket=stable_bucket("z/0", nb))
+        rec, ref = snap["shards"]["z/0"], fresh["shards"]["w/0"]
+        assert rec["version"] == 0 and not rec["v"].any()
+        assert rec["a"].tobytes() == ref["a"].tobytes()  # fresh optimizer state
+    finally:
+        await c.close()
+        await r3.cleanup()  # closes the server (its final flush)
