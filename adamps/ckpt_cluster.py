@@ -11,6 +11,8 @@ from typing import Any
 
 from adamps.ckpt_format import CheckpointError
 from adamps.client import retry
+from adamps.client.dataplane import DataPlaneError
+from adamps.client.pool import DataPlanePool, as_rpc_error
 from adamps.client.ps import ControllerRouting, Routing, retryable
 from adamps.client.rpc import RpcError, SyncRpc
 
@@ -37,6 +39,8 @@ class Cluster:
         self._local = threading.local()
         self._all: list[SyncRpc] = []
         self._lock = threading.Lock()
+        #: one data-plane connection per server and thread (message ops: arrays out of band)
+        self._dp = DataPlanePool(self.token, 60.0, lambda url: self.rpc(url).get_json("/status"))
 
     def rpc(self, url: str) -> SyncRpc:
         rpcs = getattr(self._local, "rpcs", None)
@@ -47,6 +51,27 @@ class Cluster:
             with self._lock:
                 self._all.append(rpcs[url])
         return rpcs[url]
+
+    def message(self, rpc: SyncRpc, op: str, **fields: Any) -> Any:
+        """`op` on `rpc`'s server over its data plane, the message's arrays as raw payloads
+        after it (protocol.encode_oob: no msgpack copy of the values), or over HTTP where the
+        server offers no data port or the meta alone exceeds a frame's. Errors as RpcError
+        (the same codes), ConnectionError when the outcome is unknown."""
+        url = rpc.base_url
+        conn = self._dp.get(url)
+        if conn is None:
+            return rpc.call(op, **fields)
+        try:
+            if not conn.send_message(op, **fields):
+                return rpc.call(op, **fields)
+            return conn.read_message_reply()
+        except DataPlaneError as exc:
+            self._dp.drop(url)  # its stream may hold the rest of a refused payload
+            raise as_rpc_error(exc) from None
+        except OSError as exc:  # the connection broke (a server crash): outcome unknown
+            self._dp.drop(url)
+            self._dp.forget_port(url)
+            raise ConnectionError(f"data plane of {url}: {exc}") from exc
 
     def routing(self) -> Routing:
         return self.source.fetch(self.rpc)
@@ -121,5 +146,6 @@ class Cluster:
         return None
 
     def close(self) -> None:
+        self._dp.close()
         for r in self._all:
             r.close()

@@ -26,10 +26,12 @@ from adamps.server import bounds
 from adamps.server.rowblock import RowBlock
 from adamps.tables import ROWS_SEP
 
-#: buckets installed at once
-READERS = 4
-#: bytes of shards per ckpt_install request (under the servers' max_body)
-INSTALL_CHUNK = 32 << 20
+#: buckets installed at once per server (their primaries and replication rounds are
+#: independent; each worker thread has its own data-plane connection to each server)
+PER_SERVER = 3
+#: most bytes of shards per ckpt_install request (and half the servers' max_body at most): a
+#: bucket of a 1 GB model on 16 buckets (64 MB) is one request, one two-phase commit round
+INSTALL_CHUNK = 128 << 20
 
 
 def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
@@ -83,9 +85,13 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     layout = Layout(specs, n_buckets=n_buckets, max_shard_elems=max_shard)
     client = PSClient(cluster.source, layout, cluster.token, retry_for=cluster.retry_for)
     try:
-        for d, spec in zip(manifest["tensors"], specs, strict=True):
-            if d["name"] not in tensors_held:
-                client.create(spec, init={"kind": "zeros"}, optimizer=d.get("optimizer"))
+        # Zeros: a definition the servers write without a pass over the values (catalog.py);
+        # the install fills them. Side by side: each server takes one create at a time.
+        todo = [(d, s) for d, s in zip(manifest["tensors"], specs, strict=True)
+                if d["name"] not in tensors_held]  # fmt: skip
+        with ThreadPoolExecutor(max(1, min(8, len(todo)))) as pool:
+            list(pool.map(lambda ds: client.create(ds[1], init={"kind": "zeros"},
+                                                   optimizer=ds[0].get("optimizer")), todo))  # fmt: skip
         for t in manifest["tables"]:
             if t["name"] not in tables_held:
                 client.create_table(
@@ -95,7 +101,11 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     finally:
         client.close()
     versions = _versions(manifest, layout)
-    installed = install(cluster, layout, manifest["tensors"], arrays, rows, force, versions)
+    chunk = min(INSTALL_CHUNK, int(statuses[0]["config"].get("max_body", 256 << 20)) // 2)
+    workers = PER_SERVER * len(statuses)
+    installed = install(
+        cluster, layout, manifest["tensors"], arrays, rows, force, versions, chunk, workers
+    )
     return {"installed": installed, "seconds": time.perf_counter() - t0}
 
 
@@ -198,10 +208,13 @@ def install(
     rows: dict[str, np.ndarray] | None = None,
     force: bool = False,
     versions: dict[str, int] | None = None,
+    chunk: int = INSTALL_CHUNK,
+    workers: int = 4,
 ) -> int:
     """Installs the values (and ``<name>/accum`` accumulators) of `tensors` (definitions with
     a ``name``) and the row shards `rows` bucket by bucket on each primary with
-    ``ckpt_install``, through the one write path; returns the shards installed. The tensors
+    ``ckpt_install`` over the servers' data planes (the arrays as raw payloads), through the
+    one write path; returns the shards installed. The tensors
     exist already (created with any values: an install overwrites them). A shard named in
     `versions` takes that version (the checkpoint's) unless its own is already higher."""
     rows = rows or {}
@@ -235,25 +248,26 @@ def install(
         chunks: list[dict[str, Any]] = []
         size, cur = 0, {}
         for sid, rec in per_bucket.get(b, []):
-            if cur and size + rec["v"].nbytes * 2 > INSTALL_CHUNK:
+            nbytes = rec["v"].nbytes + (rec["a"].nbytes if "a" in rec else 0)
+            if cur and size + nbytes > chunk:
                 chunks.append(cur)
                 cur, size = {}, 0
             cur[sid] = rec
-            size += rec["v"].nbytes * 2
+            size += nbytes
         if cur:
             chunks.append(cur)
         n = 0
         # A retried install may find its own first attempt applied (the outcome of a timed-out
         # or failed-over request is unknown): a retry overwrites with the same data, so it
         # forces; a first attempt on a shard that took updates is refused by the server.
-        for chunk in chunks:
+        for part in chunks:
             cluster.on_primary(
                 b,
-                lambda r, k, c=chunk: r.call(
-                    "ckpt_install", bucket=b, shards=c, force=force or k > 1
+                lambda r, k, c=part: cluster.message(
+                    r, "ckpt_install", bucket=b, shards=c, force=force or k > 1
                 ),
             )
-            n += len(chunk)
+            n += len(part)
         if b in row_bucket:
             cluster.on_primary(
                 b,
@@ -265,6 +279,6 @@ def install(
         return n
 
     # Buckets installed in parallel: their primaries and replication rounds are independent.
-    with ThreadPoolExecutor(READERS) as pool:
+    with ThreadPoolExecutor(max(1, min(workers, layout.n_buckets))) as pool:
         installed = sum(pool.map(install_bucket, range(layout.n_buckets)))
     return installed

@@ -186,6 +186,9 @@ class ParameterServer:
         self._routes: set[str] = set()
         #: a checkpoint's read and restore of a bucket (checkpoint_ops.py)
         self.checkpoints = CheckpointOps(self.store, self.catalog, self.writes, self.replicator)
+        # A restore's shards travel as raw payloads (the arrays out of band): no msgpack copy of
+        # the values (issue 38 item 7); the operator's token only (tenancy: not a run op).
+        self.data_plane.messages["ckpt_install"] = self.checkpoints.op_ckpt_install
         #: runs' step clocks and their consistency modes (issue 25, clockops.py)
         self.clocks = ClockOps(cfg.clock_lease, cfg.clock_wait, self.registry)
         #: op -> handler of POST /rpc

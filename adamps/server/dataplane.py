@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 #: ops whose frame carries a whole /rpc message, its arrays out of band in the payload
 #: (protocol.encode_oob), handled by the op's /rpc handler
 MESSAGE_OPS = ("push_fc", "push_compressed", "repl_multi", "pull_rows", "push_rows", "round",
-               "put_rows")  # fmt: skip
+               "put_rows", "ckpt_install")  # fmt: skip
 OPS = ("push_dense", "pull", *MESSAGE_OPS)
 
 _HEADER, _META, _PAYLOAD, _CLOSED = range(4)

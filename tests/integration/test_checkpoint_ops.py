@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from adamps import web as aweb
-from adamps.client.rpc import AsyncRpc, RpcError
+from adamps.client.rpc import AsyncRpc, RpcError, get_text
 from adamps.layout import stable_bucket
 from adamps.optspec import Optimizer
 from adamps.server.app import ParameterServer
@@ -22,11 +22,11 @@ from adamps.up.procs import free_port
 TOKEN = "ckpt-test-token"
 
 
-async def start(tmp: Path) -> tuple[ParameterServer, aweb.web.AppRunner, AsyncRpc]:
+async def start(tmp: Path, **opts: object) -> tuple[ParameterServer, aweb.web.AppRunner, AsyncRpc]:
     """A standalone server on loopback (every bucket), as test_ps_app.py starts one."""
     port = free_port()
     cfg = PsConfig(port=port, token=TOKEN, data_dir=str(tmp / "ps"), owner_threads=2,
-                   flush_interval=3600, max_shard_elems=1000)  # fmt: skip
+                   flush_interval=3600, max_shard_elems=1000, **opts)  # fmt: skip
     ps = ParameterServer(cfg)
     runner = await aweb.serve(ps.make_app(), "127.0.0.1", port)
     return ps, runner, AsyncRpc(f"http://127.0.0.1:{port}", TOKEN)
@@ -343,3 +343,91 @@ async def test_an_install_carries_its_version_and_never_lowers_one(tmp_path: Pat
     finally:
         await c.close()
         await r.cleanup()
+
+
+async def test_an_install_travels_on_the_data_plane_and_is_checked_like_a_push(
+    tmp_path: Path,
+) -> None:
+    """A restore's shards go to a server's data port as raw out-of-band payloads (issue 38
+    item 7: no msgpack copy of the values), through the same checks: bit-identical values and
+    optimizer state, and a NaN refused with a 4xx that changes nothing."""
+    from adamps.checkpoint import Cluster, install
+    from adamps.client import StaticRouting
+    from adamps.layout import Layout, TensorSpec
+
+    server, runner, a = await start(tmp_path / "a", data_port=free_port())
+    try:
+        await a.call("create", **{**ADA, "init": {"kind": "zeros"}})
+        n_buckets = (await a.get_json("/status"))["n_buckets"]
+        url = f"http://127.0.0.1:{server.cfg.port}"
+        layout = Layout([TensorSpec("w", (2000,))], n_buckets=n_buckets, max_shard_elems=1000)
+        values = np.linspace(0, 1, 2000, dtype=np.float32)
+        accum = np.linspace(1, 2, 2 * ACC, dtype=np.float32)
+        accum[1000:1002] = accum[-2:] = np.array([7], "<u8").view(np.float32)
+        defs = [{"name": "w", "optimizer": ADA["optimizer"]}]
+        cluster = Cluster([], TOKEN, source=StaticRouting([url], n_buckets))
+        try:
+            n = await asyncio.to_thread(
+                install, cluster, layout, defs, {"w": values, "w/accum": accum}
+            )
+            bad = values.copy()
+            bad[1500] = np.nan
+            with pytest.raises(RpcError) as err:
+                await asyncio.to_thread(
+                    install, cluster, layout, defs, {"w": bad, "w/accum": accum}, None, True
+                )
+        finally:
+            cluster.close()
+        assert n == 2
+        assert err.value.code == "non_finite" and "NaN/Inf" in err.value.message
+        for s in layout.shards_of["w"]:
+            snap = await a.call("ckpt_read", bucket=layout.bucket_of[s.id])
+            assert snap["shards"][s.id]["v"].tobytes() == values[s.start : s.stop].tobytes()
+        text = await asyncio.to_thread(get_text, url, "/metrics")
+        ok = [ln for ln in text.splitlines() if "dp_ckpt_install" in ln and '"ok"' in ln]
+        assert ok and float(ok[0].rsplit(" ", 1)[1]) >= 2, ok  # both shards on the data plane
+        assert (await a.call("list")) is not None  # still serving
+    finally:
+        await a.close()
+        await runner.cleanup()
+
+
+async def test_a_create_of_zeros_writes_no_values_and_a_restart_derives_them(
+    tmp_path: Path,
+) -> None:
+    """A restore creates its tensors as zeros and installs the checkpoint over them (issue 38
+    item 7): the create writes the definition alone, not a pass of zeros over the model, and a
+    restart derives the same zero shards and fresh optimizer state (version 0); a tensor of
+    another init keeps its written values; a pushed shard is flushed as before."""
+    s1, r1, c = await start(tmp_path)
+    try:
+        await c.call("create", **{**ADA, "init": {"kind": "zeros"}})
+        await c.call("create", **{**ADA, "name": "n"})
+        nb = (await c.get_json("/status"))["n_buckets"]
+        fresh = await c.call("ckpt_read", bucket=stable_bucket("w/0", nb))
+        saved = {sd.meta["spec"]["name"]: sd for sd in s1.catalog.persister.load()}
+        assert set(saved) >= {"w", "n"}
+        assert not saved["w"].shards  # the definition alone
+        assert sorted(saved["n"].shards) == ["n/0", "n/1"]
+        await c.call("push_dense", tensor="w", delta=np.full(2000, 0.5, np.float32))
+        pushed = await c.call("pull", tensors=["w"])
+    finally:
+        await c.close()
+        await r1.cleanup()  # closes the server (its final flush)
+    _s2, r2, c = await start(tmp_path)
+    try:
+        again = await c.call("pull", tensors=["w"])
+        assert again["tensors"]["w"].tobytes() == pushed["tensors"]["w"].tobytes()
+        await c.call("create", **{**ADA, "name": "z", "init": {"kind": "zeros"}})
+    finally:
+        await c.close()
+        await r2.cleanup()  # closes the server (its final flush)
+    _s3, r3, c = await start(tmp_path)
+    try:
+        snap = await c.call("ckpt_read", bucket=stable_bucket("z/0", nb))
+        rec, ref = snap["shards"]["z/0"], fresh["shards"]["w/0"]
+        assert rec["version"] == 0 and not rec["v"].any()
+        assert rec["a"].tobytes() == ref["a"].tobytes()  # fresh optimizer state
+    finally:
+        await c.close()
+        await r3.cleanup()  # closes the server (its final flush)

@@ -115,9 +115,9 @@ def requests(rpc: SyncRpc, dport: int) -> dict[str, Callable[[], Any]]:
         held["snap"] = rpc.call("ckpt_read", bucket=0)
         return held["snap"]
 
-    def ckpt_install() -> Any:
+    def ckpt_install(send: Callable[..., Any] = rpc.call) -> Any:
         shards = {sid: {"v": s["v"]} for sid, s in held["snap"]["shards"].items()}
-        return rpc.call("ckpt_install", bucket=0, shards=shards, force=True)
+        return send("ckpt_install", bucket=0, shards=shards, force=True)
 
     def get(path: str) -> Callable[[], Any]:
         return lambda: rpc.get_json(path) if path != "/metrics" else over_bound(rpc)
@@ -161,6 +161,7 @@ def requests(rpc: SyncRpc, dport: int) -> dict[str, Callable[[], Any]]:
         "rpc:ckpt_release": lambda: rpc.call("ckpt_release", cut=held["cut"]),
         "rpc:ckpt_read": ckpt_read,
         "rpc:ckpt_install": ckpt_install,
+        "dp:ckpt_install": lambda: ckpt_install(dp_message),
         "http:POST /rpc": lambda: rpc.call("list"),
         "http:POST /flush": lambda: rpc.post_json("/flush"),
         "http:GET /healthz": get("/healthz"),
