@@ -45,8 +45,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# First, even when PYTHONPATH names it too: sys.path[0] is benchmarks/, whose trainer.py would
+# shadow the trainer package in the replica processes.
+sys.path.insert(0, str(ROOT))
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

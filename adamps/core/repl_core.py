@@ -49,7 +49,7 @@ from adamps.core.repl_disk import DiskSide
 from adamps.core.repl_join import JoiningCopy
 from adamps.core.repl_pings import Pings
 from adamps.core.repl_ready import Answer, ControllerRequest, Fetch, Ready, Send
-from adamps.core.repl_rounds import COMMIT_DELAY, MAX_GAPS, Rounds
+from adamps.core.repl_rounds import MAX_GAPS, Rounds
 from adamps.core.repl_settings import ReplSettings
 from adamps.core.repl_types import Apply, Assignment, Batch, Reject
 from adamps.core.replication import BucketReplica
@@ -277,7 +277,8 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
         A tick before then changes nothing, so a shell may sleep until then, feeding every other
         input at once (they may bring it earlier: ask again after them). The pings, the
         heartbeats and every watchdog keep their periods; a primary's busy bucket (retries,
-        COMMITs, lagging replicas) is due at once, as every tick pumps it."""
+        rounds, lagging replicas) is due at once, as every tick pumps it, one whose delayed
+        COMMIT is all it waits for at the COMMIT's time."""
         fa = self.settings.failover_after
         due = min(self.link.next_due(), self._pings_due(), self._joins_due(now))
         for b, role in self.roles.items():
@@ -287,7 +288,11 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
             elif role == "joining" and rep.learning:
                 due = min(due, self.last_heard.get(b, 0.0) + fa)
             elif role == "primary" and self._pumping(b, rep):
-                return now
+                rs = self._rounds.get(b)
+                at = now if rs is None else rs.commit_due(rep, now)
+                if at <= now:
+                    return now
+                due = min(due, at)
         return min([due, *(at for at, _req in self._report_again.values())])
 
     # -- primary: pushes, rounds, acknowledgements ---------------------------------------------
@@ -375,7 +380,7 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
                     break
                 if rep.next_round() is None:
                     break
-                rs.began, rs.pushes = now, len(rep.inflight[1])  # type: ignore[index]
+                rs.started(now, len(rep.inflight[1]))  # type: ignore[index]
             if not rep.round_prepared():
                 break
             self._decide(b, rep, rs, now)
@@ -402,7 +407,7 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
         self._ready.rounds.append((now - rs.began, rs.pushes))
         if self.settings.ack == "prepared":
             self.release(b, rep.release_decided(), now)
-            rs.commit_after = now + COMMIT_DELAY
+            rs.decided(now)
 
     def answer(
         self, rid: int, reply: Mapping[str, Any] | None, error: str | None, now: float

@@ -8,8 +8,13 @@ At most one message per replica is in flight for a bucket. Each replica gets, in
   without a separate COMMIT, and says so in its reply);
 - else, when it has not confirmed everything committed: the batches it lacks from the log with the
   committed seq riding along (a replica that answered "gap"), or COMMIT(committed). With
-  ``ack = "prepared"`` a COMMIT waits ``COMMIT_DELAY`` first: the next round's PREPARE usually
-  carries it (one message per replica per round instead of two).
+  ``ack = "prepared"`` a COMMIT waits first for the next round's PREPARE to carry it (one message
+  per replica per round instead of two): ``COMMIT_DELAY``, or, when the bucket's rounds come at a
+  steady pace (a trainer's steps), ``COMMIT_GAPS`` times the time between its last two rounds, at
+  most ``COMMIT_WAIT_MAX`` (issue 36, session 13: at a fixed 2 ms, ~20 ms with the clock's
+  ``TICK``, every training step sent each bucket's COMMIT alone, a second frame to each peer
+  per step). The acknowledgement never waits for it; only a secondary's applying of a bucket's
+  last batch before a pause does.
 
 A failed message is retried after ``RETRY_EVERY``; a replica that has failed since a message sent
 more than ``member_timeout`` ago is unresponsive (``ReplCore.unresponsive`` decides what follows).
@@ -25,6 +30,11 @@ from adamps.core.replication import BucketReplica
 
 #: seconds a decided round's COMMIT waits (ack = "prepared") for the next PREPARE to carry it
 COMMIT_DELAY = 0.002
+#: the bucket's last gaps between two rounds a COMMIT waits for the next PREPARE to carry it
+COMMIT_GAPS = 1.5
+#: seconds a COMMIT waits at most (well inside ``failover_after``: a promoted secondary's
+#: in-doubt rounds stay few)
+COMMIT_WAIT_MAX = 1.0
 #: seconds between two tries of a message to a replica that failed
 RETRY_EVERY = 0.02
 #: "gap" answers in a row after which a replica counts as failing (its position keeps moving)
@@ -58,6 +68,27 @@ class Rounds:
     #: when the round in flight started, and how many pushes it carries (for the metrics)
     began: float = 0.0
     pushes: int = 0
+    #: seconds between the starts of the last two rounds (how long a COMMIT waits, COMMIT_GAPS)
+    gap: float = 0.0
+
+    def started(self, now: float, pushes: int) -> None:
+        """A round starts now, carrying `pushes` pushes."""
+        if self.began:
+            self.gap = now - self.began
+        self.began, self.pushes = now, pushes
+
+    def decided(self, now: float) -> None:
+        """The round in flight is decided (ack = "prepared"): its COMMIT waits for the next
+        round's PREPARE as long as the rounds' pace says one is coming."""
+        self.commit_after = now + min(COMMIT_WAIT_MAX, max(COMMIT_DELAY, COMMIT_GAPS * self.gap))
+
+    def commit_due(self, rep: BucketReplica, now: float) -> float:
+        """When this bucket next has a message to send, `now` meaning at once: the delayed COMMIT's
+        time when that is all it waits for (no round, retry, push or answer waiting), so that the
+        clock sleeps until then instead of pumping the bucket every tick."""
+        if rep.inflight is not None or rep.pending or self.retry_at or self.out:
+            return now
+        return max(now, self.commit_after)
 
     def forget_gone(self, replicas: tuple[str, ...]) -> None:
         """Replicas that left the set: nothing more is retried or timed for them, and the answer

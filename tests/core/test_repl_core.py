@@ -15,6 +15,7 @@ from adamps.core import repl_copies
 from adamps.core.lease import LeaseTerms
 from adamps.core.repl_core import ReplCore
 from adamps.core.repl_ready import ControllerAnswer, ControllerRequest, Ready
+from adamps.core.repl_rounds import COMMIT_DELAY, COMMIT_GAPS, COMMIT_WAIT_MAX
 from adamps.core.repl_settings import ReplSettings
 from adamps.core.repl_types import Reject
 
@@ -123,6 +124,49 @@ def test_the_commit_rides_on_the_next_prepare() -> None:
     cl.deliver(0.1)
     assert cl.applied["b"] == ["u1"], "b applied batch 1 from the commit riding on PREPARE 2"
     assert cl.cores["a"].buckets[0].acked_commit["b"] == 1
+
+
+def test_at_a_steady_pace_of_rounds_every_commit_rides_on_the_next_prepare() -> None:
+    """Issue 36, session 13: a trainer pushes a bucket once per step, a step being far longer
+    than COMMIT_DELAY; each round's COMMIT went alone, a second message to every replica per
+    step. The COMMIT now waits COMMIT_GAPS times the rounds' pace: no COMMIT goes alone while the
+    pushes keep coming, the clock sleeps until it is due, and once they stop it goes alone by
+    COMMIT_WAIT_MAX."""
+    cl = Cluster()
+    a = cl.cores["a"]
+    step = 0.3
+    for i in range(1, 6):
+        t = i * step
+        a.tick(t)
+        cl.collect()
+        alone = [m.op for _s, m in cl.out]
+        # The first round sets no pace: its COMMIT went alone after COMMIT_DELAY.
+        assert alone == (["repl_commit", "repl_commit"] if i == 2 else []), f"step {i}: {alone}"
+        cl.deliver(t)
+        a.submit({0: f"u{i}"}, ("cl", i), {0: f"w{i}"}, t)
+        cl.collect()
+        ops = [m.op for _s, m in cl.out]
+        assert ops == ["repl_prepare", "repl_prepare"], f"step {i}: {ops}"
+        cl.deliver(t)
+        assert [x.waiter for x in cl.answers][-1] == f"w{i}", "acknowledged at the decision point"
+        if i > 1:
+            assert a.next_deadline(t) > t, "a delayed COMMIT only: the clock sleeps"
+            mid = t + step * 0.9
+            a.tick(mid)
+            cl.collect()
+            assert cl.out == [], f"step {i}: the COMMIT waits for the next step's PREPARE"
+            assert cl.applied["b"] == [f"u{j}" for j in range(1, i)], "it rode on each PREPARE"
+    last = 5 * step
+    wait = min(COMMIT_WAIT_MAX, COMMIT_GAPS * step)
+    a.tick(last + wait - 0.01)
+    cl.collect()
+    assert [m.op for _s, m in cl.out if m.op == "repl_commit"] == [], "not before its time"
+    cl.out.clear()
+    a.tick(last + wait + 0.001)
+    cl.collect()
+    assert [m.op for _s, m in cl.out] == ["repl_commit", "repl_commit"], "the pushes stopped"
+    cl.deliver(last + wait + 0.001)
+    assert cl.applied["b"] == cl.applied["c"] == [f"u{j}" for j in range(1, 6)]
 
 
 def test_a_new_primary_serves_no_read_before_it_applied_its_in_doubt_rounds() -> None:
@@ -346,8 +390,9 @@ def test_the_next_deadline_is_the_watchdogs_the_pings_and_the_heartbeats() -> No
 
 
 def test_a_busy_primary_is_due_at_once_and_an_idle_one_not() -> None:
-    """A primary's bucket with a round to commit, a retry or a lagging replica is pumped by every
-    tick: its deadline is now. Once every replica holds everything, only the pings remain."""
+    """A primary's bucket with a round in flight, a retry or a lagging replica is pumped by every
+    tick: its deadline is now; one whose delayed COMMIT is all it waits for is due at the COMMIT's
+    time. Once every replica holds everything, only the pings remain."""
     cl = Cluster()
     a = cl.cores["a"]
     a.tick(0.0)
@@ -355,7 +400,8 @@ def test_a_busy_primary_is_due_at_once_and_an_idle_one_not() -> None:
     a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.1)
     cl.collect()
     cl.deliver(0.1)
-    assert a.next_deadline(0.1) == 0.1, "the COMMIT is due (after COMMIT_DELAY)"
+    assert a.next_deadline(0.1) == pytest.approx(0.1 + COMMIT_DELAY), "the COMMIT's time"
+    assert a.next_deadline(0.2) == 0.2, "the COMMIT is due"
     a.tick(0.2)
     cl.collect()
     cl.deliver(0.2)
