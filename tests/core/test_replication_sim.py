@@ -1177,7 +1177,9 @@ def run(seed: int, steps: int = STEPS) -> Sim:
         for _ in range(steps):
             sim.step()
         sim.heal_all()
-        for _ in range(120):
+        # settle: long enough for the retries in flight and for the last COMMIT of a bucket
+        # that no later PREPARE carries (due up to 1 s after its round was decided)
+        for _ in range(160):
             sim.step(faults=False, new_pushes=False)
         sim.final_check()
     except Exception as exc:
