@@ -34,6 +34,13 @@ The verdict, over one interval (see `classify`):
   D; a sleep in the write on the GIL or a lock whose holder is starved is interruptible): the
   disk holds the flush. Only this counts as a disk
   stall (the server stops acknowledging, its buckets move);
+* ``starved`` when the process's CPU quota (its cgroup's ``cpu.max``) held it off the CPUs for a
+  real part of the interval (``STARVED_SHARE``) and the thread itself waited for a CPU (or the
+  server's threads) as long, however long it slept in the write: a task
+  throttled inside the kernel keeps what it holds (a journal handle, a page lock, the inode's
+  lock), and every other writer of that file system then sleeps in the write behind it, in
+  state D, as on a disk that does not answer (CFS bandwidth control's priority inversion; a CI
+  run saw a starved flush spend 0.8 s asleep in the write and 0.7 s waiting for a CPU);
 * ``starved`` otherwise when it waited (for a CPU, or for the server's threads) at least as long
   as it ran, and the waits are a real part of its active time (``STARVED_SHARE``): more CPU,
   not another disk, would have finished it. The server keeps acknowledging and says so; its
@@ -81,6 +88,8 @@ class FlushInterval:
     #: seconds asleep waiting for the server's threads (the cut; the lock, while its holder ran
     #: or waited for a CPU)
     threads: float = 0.0
+    #: seconds the process's cgroup was throttled by its CPU quota over the interval
+    throttled: float = 0.0
 
     @property
     def off(self) -> float:
@@ -97,6 +106,11 @@ class FlushInterval:
             f"{self.wall:.1f} s: {self.off:.1f} s asleep in the write (the disk), {t.run:.1f} s "
             f"on a CPU, {t.wait:.1f} s waiting for a CPU, {self.threads:.1f} s waiting for the "
             f"server's threads, {self.paused:.1f} s paused between flushes"
+            + (
+                f", the process throttled by its CPU quota {self.throttled:.1f} s"
+                if self.throttled
+                else ""
+            )
         )
 
 
@@ -109,9 +123,11 @@ def classify(interval: FlushInterval, on_disk: bool | None = None) -> str:
     if t is None:
         return STALLED
     waited = t.wait + interval.threads
+    active = interval.wall - interval.paused
+    if interval.throttled >= STARVED_SHARE * active > 0 and waited >= STARVED_SHARE * active:
+        return STARVED  # a frozen disk under a busy quota: the thread sleeps, it does not wait
     if interval.off > t.run + waited:
         return STARVED if on_disk is False else STALLED
-    active = interval.wall - interval.paused
     if waited >= t.run and waited >= STARVED_SHARE * active:
         return STARVED
     return BUSY

@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from adamps.core import flush_stall
 from adamps.core.flush_stall import FlushInterval, ThreadTimes
@@ -35,6 +35,35 @@ def thread_times(tid: int) -> ThreadTimes | None:
         return None
     pending = _waiting_for(tid)
     return times if pending <= 0 else ThreadTimes(times.run, times.wait + pending)
+
+
+def cgroup_throttled() -> float:
+    """Seconds this process's cgroup has been throttled by its CPU quota so far (cgroup v2
+    ``cpu.stat`` throttled_usec, v1 throttled_time), 0 where there is no quota or no such file.
+    The group is read again each time: a process may be moved into one while it runs."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return 0.0
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            stat, key, unit = f"/sys/fs/cgroup{path}/cpu.stat", "throttled_usec", 1e6
+        elif "cpu" in controllers.split(","):
+            base = "/sys/fs/cgroup/" + controllers
+            stat, key, unit = f"{base}{path}/cpu.stat", "throttled_time", 1e9
+        else:
+            continue
+        try:
+            with open(stat) as f:
+                for row in f:
+                    name, _, value = row.partition(" ")
+                    if name == key:
+                        return int(value) / unit
+        except (OSError, ValueError):
+            continue
+    return 0.0
 
 
 def _exec_start(task: str) -> float | None:
@@ -73,6 +102,8 @@ class _Sample:
     #: cumulative seconds asleep in pauses, and waiting for the server's threads, up to `at`
     paused: float
     threads: float
+    #: cumulative seconds the process's cgroup was throttled by its CPU quota, up to `at`
+    throttled: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -226,7 +257,8 @@ class FlushTimes:
         with self._lock:
             now = self.clock()
             self._close(now, times)
-            return _Sample(now, times, self._paused, self._threads)
+            sample = _Sample(now, times, self._paused, self._threads)
+        return replace(sample, throttled=cgroup_throttled())
 
     def _sample(self) -> None:
         s = self._now()
@@ -252,4 +284,5 @@ class FlushTimes:
             end.times.minus(first.times),
             paused=end.paused - first.paused,
             threads=end.threads - first.threads,
+            throttled=max(0.0, end.throttled - first.throttled),
         )

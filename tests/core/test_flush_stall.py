@@ -22,7 +22,7 @@ from adamps.core.flush_stall import (
     classify,
     parse_schedstat,
 )
-from adamps.server.flush_times import FlushTimes, OwnedLock, thread_times
+from adamps.server.flush_times import FlushTimes, OwnedLock, cgroup_throttled, thread_times
 from adamps.server.flusher import Flusher
 
 pytestmark = pytest.mark.timeout(60)
@@ -155,6 +155,23 @@ def test_asleep_on_the_disk_now_is_a_stall_and_asleep_otherwise_is_not() -> None
     assert classify(slept, on_disk=False) == STARVED
 
 
+def test_asleep_in_the_write_under_a_throttled_cpu_quota_is_starvation() -> None:
+    """A fresh-clone CI run (every server in a cgroup of 30 ms per s): the flush thread's last
+    1.8 s were 0.8 s asleep in the write, 0.7 s waiting for a CPU, and it sat in the write
+    (state D) when asked: read as a stalled disk, the server stopped acknowledging. A task
+    throttled inside the kernel holds the file system's journal or a page lock, so the write
+    sleeps behind a starved thread, not a disk. With the process's quota throttled for a real
+    part of the interval and the thread waiting as long, it is starvation."""
+    ci = FlushInterval(1.8, ThreadTimes(0.0, 0.7), paused=0.3)
+    assert classify(ci, on_disk=True) == STALLED  # what the CI run's server concluded
+    throttled = FlushInterval(1.8, ThreadTimes(0.0, 0.7), paused=0.3, throttled=1.2)
+    assert classify(throttled, on_disk=True) == STARVED
+    assert "throttled by its CPU quota 1.2 s" in throttled.describe()
+    # a frozen disk under a busy quota: the thread sleeps in the write and barely waits
+    frozen = FlushInterval(5.0, ThreadTimes(0.05, 0.1), throttled=2.0)
+    assert classify(frozen, on_disk=True) == STALLED
+
+
 V1_CPU = Path("/sys/fs/cgroup/cpu")
 
 
@@ -193,6 +210,28 @@ def test_a_write_starved_of_cpu_keeps_the_server_durable() -> None:
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def test_the_processs_cgroup_throttling_is_read_where_it_runs_now() -> None:
+    """`cgroup_throttled` reads the group this process is in at the time of the call (the
+    starvation test moves running servers into one): moved into a group of 5% of a CPU and made
+    to burn, the count grows; back in the root group, reading it again is harmless."""
+    group = throttled_cgroup()
+    before = cgroup_throttled()
+    try:
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        inside = cgroup_throttled()
+        burn(0.1)
+        assert cgroup_throttled() > inside, (inside, cgroup_throttled())
+    finally:
+        (V1_CPU / "cgroup.procs").write_text(str(os.getpid()))
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+    assert cgroup_throttled() >= 0.0 and before >= 0.0
 
 
 def test_a_write_on_a_cpu_the_whole_time_is_flushes_not_keeping_up() -> None:
