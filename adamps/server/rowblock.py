@@ -20,7 +20,8 @@ A push (`RowPush`) is applied in this order, by every copy alike:
 4. new rows start from `initial_rows(init, id)` (and the optimizer's initial accumulator);
 5. the table's optimizer per row (torchoptim.row_step: SGD, torch's Adagrad per element, the
    row-wise Adagrad with one accumulator per row, or the legacy Adagrad), in float32, one step
-   per push (as for shards: optim.py);
+   per push (as for shards: optim.py); a 16-bit table (``dtype``, rowdtype.py) widens its rows
+   to float32 for the step and rounds them back after it;
 6. the rows' last push time becomes the push's time.
 """
 
@@ -148,7 +149,9 @@ class RowBlock:
                 out[:] = rowdtype.decode(np.take(self.values, s, axis=0), self.dtype)
             return
         out[have] = rowdtype.decode(self.values[s[have]], self.dtype)
-        out[~have] = initial_rows(self.init, ids[~have], self.dim)
+        # as it would be created: a 16-bit table's initial value is rounded to 16 bits
+        fresh = initial_rows(self.init, ids[~have], self.dim)
+        out[~have] = rowdtype.decode(rowdtype.encode(fresh, self.dtype), self.dtype)
 
     def missing(self, ids: np.ndarray) -> int:
         """How many distinct `ids` have no row (a racy read from the event loop is fine: the

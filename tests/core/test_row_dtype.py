@@ -130,3 +130,15 @@ def test_a_table_dtype_is_checked_and_part_of_its_definition() -> None:
     assert TableSpec("t", 4) != spec
     with pytest.raises(TableError, match=r"dtype must be one of \['float32', 'float16', 'bfl"):
         TableSpec("t", 4, dtype="int8")
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_a_row_not_created_reads_as_the_16_bit_value_it_will_have(name: str) -> None:
+    b = block(name, 8, {"kind": "sgd", "lr": 0.1})
+    ids = np.arange(50, dtype=np.int64)
+    before = np.empty((50, 8), np.float32)
+    b.gather(ids, before)
+    b.apply(RowPush(ids, np.zeros((50, 8), np.float32), 0.0), ApplyStats())
+    after = np.empty_like(before)
+    b.gather(ids, after)
+    assert before.tobytes() == after.tobytes()
