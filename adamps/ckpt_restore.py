@@ -96,7 +96,7 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
             if t["name"] not in tables_held:
                 client.create_table(
                     t["name"], t["dim"], init=t.get("init"), optimizer=t.get("optimizer"),
-                    admission=t.get("admission"),
+                    admission=t.get("admission"), dtype=t.get("dtype"),
                 )  # fmt: skip
     finally:
         client.close()

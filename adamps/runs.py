@@ -114,14 +114,16 @@ def table_cost(
     state_width: int,
     filter_width: int | None,
     n_buckets: int,
+    value_bytes: int = 4,
 ) -> dict[str, int] | None:
     """What a table holds at most on a server with a copy of every bucket: `max_rows` rows
     (values, the optimizer's `state_width` float32 per row (Optimizer.row_state_width), id and
     time) and, with a frequency filter (`filter_width`, None
-    without), one sketch per bucket. None: unbounded (no max_rows)."""
+    without), one sketch per bucket. `value_bytes`: 2 for a 16-bit table's values (its ``dtype``,
+    adamps/rowdtype.py). None: unbounded (no max_rows)."""
     if max_rows is None:
         return None
-    per_row = 4 * (dim + state_width) + ROW_OVERHEAD
+    per_row = value_bytes * dim + 4 * state_width + ROW_OVERHEAD
     sketch = 0 if filter_width is None else n_buckets * SKETCH_BYTES_PER_WIDTH * filter_width
     return {"table_rows": max_rows, "memory_bytes": max_rows * per_row + sketch}
 

@@ -69,7 +69,7 @@ def load(
                     '(e.g. \'{"kind": "rowwise_adagrad", "lr": 0.05}\') to create it'
                 )
             client.create_table(table, dim, init=d.get("init"), optimizer=d.get("optimizer"),
-                                admission=d.get("admission"))  # fmt: skip
+                                admission=d.get("admission"), dtype=d.get("dtype"))  # fmt: skip
         elif int(have["dim"]) != dim:
             raise table_files.TableFileError(
                 f"{src}: rows of dim {dim}, table {table!r} on the cluster has dim {have['dim']}"

@@ -97,14 +97,14 @@ def checkpoint_buckets(
                 checked.add(name)
             with safe_open(str(src / name), framework="numpy") as f:
                 data = f.get_tensor(sid).tobytes()
-            blk = RowBlock(spec.dim, spec.init, opt, Admission(), None)
+            blk = RowBlock(spec.dim, spec.init, opt, Admission(), None, dtype=spec.dtype)
             try:
                 blk.load_bytes(data)
             except (ValueError, struct.error) as exc:
                 raise TableFileError(f"{src / name}: row shard {sid}: {exc}") from None
             del data
             assert blk.values is not None
-            yield blk.ids[: blk.n], blk.values[: blk.n]
+            yield blk.ids[: blk.n], blk.values_f32(0, blk.n)
 
     return spec.dim, blocks()
 

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from adamps import rowdtype
+
 #: separates a table's name from its bucket in a row shard id
 ROWS_SEP = "#rows/"
 #: widest row a table may have (float32 elements)
@@ -233,6 +235,8 @@ class TableSpec:
     #: the optimizer description (adamps.server.optim.Optimizer.to_dict)
     optimizer: dict[str, Any] = field(default_factory=lambda: {"kind": "sgd", "lr": 0.01})
     admission: Admission = field(default_factory=Admission)
+    #: how the rows' values are stored (rowdtype.py): float32, float16 or bfloat16
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
@@ -247,6 +251,10 @@ class TableSpec:
             raise TableError(
                 f"table {self.name!r}: dim must be an int in [1, {MAX_DIM}], got {self.dim!r}"
             )
+        try:
+            rowdtype.check(self.dtype)
+        except ValueError as exc:
+            raise TableError(f"table {self.name!r}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -255,6 +263,7 @@ class TableSpec:
             "init": dict(self.init),
             "optimizer": dict(self.optimizer),
             "admission": self.admission.to_dict(),
+            "dtype": self.dtype,
         }
 
     @classmethod
@@ -266,6 +275,7 @@ class TableSpec:
                 normalize_row_init(d.get("init", {"kind": "zeros"})),
                 dict(d.get("optimizer", {"kind": "sgd", "lr": 0.01})),
                 Admission.from_dict(d.get("admission", {})),
+                d.get("dtype", "float32"),
             )
         except (KeyError, TypeError) as exc:
             raise TableError(f"bad table description: {exc}") from None

@@ -149,8 +149,16 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def bulk_load(root: Path, rows: int, dim: int, push: int = 100_000) -> dict[str, float]:
-    """Item 4 of the module docstring."""
+def bulk_load(
+    root: Path,
+    rows: int,
+    dim: int,
+    push: int = 100_000,
+    dtype: str = "float32",
+    optimizer: str = "adagrad",
+) -> dict[str, float]:
+    """Item 4 of the module docstring; `dtype` the table's value type (issue 38: 16 bits halve
+    the values, not the optimizer's float32 state: compare with ``rowwise_adagrad`` or sgd)."""
     import re
     import urllib.request
 
@@ -161,7 +169,7 @@ def bulk_load(root: Path, rows: int, dim: int, push: int = 100_000) -> dict[str,
         layout = Layout([], n_buckets=N_BUCKETS)
         with PSClient(ControllerRouting(c.controllers), layout, TOKEN, timeout=120.0) as client:
             client.create_table("load", dim, init={"kind": "normal", "std": 0.01, "seed": 1},
-                                optimizer={"kind": "adagrad", "lr": 0.1})  # fmt: skip
+                                optimizer={"kind": optimizer, "lr": 0.1}, dtype=dtype)  # fmt: skip
             ids = np.random.default_rng(0).permutation(rows).astype(np.int64) * 7919 + 13
             grads = np.full((push, dim), 1e-3, np.float32)
             t0 = time.perf_counter()
@@ -184,8 +192,10 @@ def bulk_load(root: Path, rows: int, dim: int, push: int = 100_000) -> dict[str,
         )
     finally:
         c.stop()
-    raw = 2 * dim * 4
+    state = {"adagrad": dim, "rowwise_adagrad": 1, "sgd": 0}[optimizer]
+    raw = dim * (2 if dtype != "float32" else 4) + 4 * state
     return {
+        "bulk_load_dtype": dtype, "bulk_load_optimizer": optimizer,  # type: ignore[dict-item]
         "bulk_load_rows": rows, "bulk_load_dim": dim, "bulk_load_rows_per_s": rows / took,
         "bulk_load_refused": refused, "raw_bytes_per_row": raw, "rss_bytes_per_row": rss,
         "rss_bytes_per_row_over_raw": rss / raw,
@@ -284,14 +294,19 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=1_000_000, help="rows of the bulk load")
     ap.add_argument("--dim", type=int, default=8, help="dim of the bulk load's table")
     ap.add_argument("--only-load", action="store_true", help="the bulk load alone (item 4)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                    help="the bulk load's table's value type")  # fmt: skip
+    ap.add_argument("--optimizer", default="adagrad", choices=["adagrad", "rowwise_adagrad", "sgd"],
+                    help="the bulk load's table's optimizer")  # fmt: skip
     args = ap.parse_args()
     batches = zipf_batches(40, N_IDS)
     out: dict[str, Any] = {"batch": BATCH, "n_ids": N_IDS}
     root = Path(tempfile.mkdtemp(prefix="adamps-bench-emb-"))
-    load = bulk_load(root, args.rows, args.dim)
+    load = bulk_load(root, args.rows, args.dim, dtype=args.dtype, optimizer=args.optimizer)
     out.update(load)
     print(
-        f"bulk load of {args.rows:,} rows of dim {args.dim} (Adagrad) at RF 3: "
+        f"bulk load of {args.rows:,} rows of dim {args.dim} ({args.optimizer}, {args.dtype}) "
+        "at RF 3: "
         f"{load['bulk_load_rows_per_s']:,.0f} rows/s, {load['bulk_load_refused']:.0f} refused; "
         f"per server and row: RSS {load['rss_bytes_per_row']:.0f} B "
         f"({load['rss_bytes_per_row_over_raw']:.2f} x raw; goal <= "

@@ -4,6 +4,7 @@ top allocations by line (tracemalloc), RSS (anonymous and file) and LMDB bytes p
 the raw bytes (values + optimizer state) per row.
 
     python benchmarks/rowstore_memory.py [--rows 1000000] [--dim 8] [--batch 100000] [--top 15]
+        [--dtype float32|float16|bfloat16] [--optimizer adagrad|rowwise_adagrad|sgd]
 
 Then the same server restarted in a fresh process on the same directory: its RSS per row
 after the start's load (`reload_rss_bytes_per_row`).
@@ -65,7 +66,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict:
     ps = ParameterServer(cfg)
     runner = await aweb.serve(ps.make_app(), "127.0.0.1", port)
     c = AsyncRpc(f"http://127.0.0.1:{port}", TOKEN)
-    aw = dim  # Adagrad: one accumulator per element
+    aw = {"adagrad": dim, "rowwise_adagrad": 1, "sgd": 0}[args.optimizer]
     try:
         if args.reload:
             await c.call("flush")
@@ -73,7 +74,8 @@ async def run(args: argparse.Namespace, root: Path) -> dict:
             return {"reload_rss_bytes_per_row": (now["VmRSS"] - base["VmRSS"]) / n,
                     "reload_rss_anon_bytes_per_row": (now["RssAnon"] - base["RssAnon"]) / n}  # fmt: skip
         await c.call("create_table", name="t", dim=dim, init={"kind": "normal", "std": 0.01,
-                     "seed": 1}, optimizer={"kind": "adagrad", "lr": 0.1})  # fmt: skip
+                     "seed": 1}, optimizer={"kind": args.optimizer, "lr": 0.1},
+                     dtype=args.dtype)  # fmt: skip
         for s in range(0, n, args.batch):
             ids = ids_all[s : s + args.batch]
             await c.call("push_rows", table="t", ids=ids, grads=grads[: len(ids)])
@@ -82,13 +84,14 @@ async def run(args: argparse.Namespace, root: Path) -> dict:
         await c.call("flush")
         snap = tracemalloc.take_snapshot() if args.trace else None
         now = rss()
-        raw = (dim + aw) * 4
+        raw = dim * (4 if args.dtype == "float32" else 2) + aw * 4
         out = {
             "rows": n, "dim": dim, "raw_bytes_per_row": raw,
             "rss_bytes_per_row": (now["VmRSS"] - base["VmRSS"]) / n,
             "rss_anon_bytes_per_row": (now["RssAnon"] - base["RssAnon"]) / n,
             "rss_file_bytes_per_row": (now["RssFile"] - base["RssFile"]) / n,
             "lmdb_bytes_per_row": lmdb_bytes(root / "ps") / n,
+            "store_bytes_per_row": (await c.call("list_tables"))["tables"][0]["bytes_held"] / n,
         }  # fmt: skip
         out["rss_bytes_per_row_over_raw"] = out["rss_bytes_per_row"] / raw
         out["lmdb_bytes_per_row_over_raw"] = out["lmdb_bytes_per_row"] / raw
@@ -115,6 +118,8 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=8)
     ap.add_argument("--batch", type=int, default=100_000)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--optimizer", default="adagrad", choices=["adagrad", "rowwise_adagrad", "sgd"])
     ap.add_argument("--no-trace", dest="trace", action="store_false",
                     help="RSS without tracemalloc's own overhead")  # fmt: skip
     ap.add_argument("--reload", help=argparse.SUPPRESS)  # the restarted server's directory
@@ -127,7 +132,7 @@ def main() -> int:
         out = asyncio.run(run(args, Path(d)))
         again = subprocess.run(
             [sys.executable, __file__, "--rows", str(args.rows), "--dim", str(args.dim),
-             "--reload", d],
+             "--dtype", args.dtype, "--optimizer", args.optimizer, "--reload", d],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         out.update(json.loads(again.stdout.strip().splitlines()[-1]))

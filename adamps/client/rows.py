@@ -43,9 +43,14 @@ class RowsClient:
         init: Mapping[str, Any] | None = None,
         optimizer: Mapping[str, Any] | None = None,
         admission: Mapping[str, Any] | None = None,
+        dtype: str | None = None,
     ) -> None:
-        """Defines the table on every server (idempotent, as `create`)."""
+        """Defines the table on every server (idempotent, as `create`). `dtype`: how the servers
+        store its values, "float32" (None: the default), "float16" or "bfloat16" (the rows
+        still travel as float32; the optimizer's state stays float32)."""
         fields: dict[str, Any] = {"name": name, "dim": dim}
+        if dtype is not None:
+            fields["dtype"] = dtype
         for k, v in (("init", init), ("optimizer", optimizer), ("admission", admission)):
             if v is not None:
                 fields[k] = dict(v)

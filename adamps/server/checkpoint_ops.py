@@ -249,7 +249,7 @@ def _check_block(st: RowShardState, sid: str, data: bytes) -> None:
     n = probe.n
     acc = None if probe.accum is None else probe.accum[:n]
     signed = st.table.optimizer.signed_state  # sparse_adam's first moments are signed
-    bounds.check_state(f"row shard {sid}", probe.values[:n], acc, signed)
+    bounds.check_state(f"row shard {sid}", probe.values_f32(0, n), acc, signed)
 
 
 def _since_versions(msg: dict[str, Any]) -> dict[str, int]:

@@ -20,7 +20,8 @@ A push (`RowPush`) is applied in this order, by every copy alike:
 4. new rows start from `initial_rows(init, id)` (and the optimizer's initial accumulator);
 5. the table's optimizer per row (torchoptim.row_step: SGD, torch's Adagrad per element, the
    row-wise Adagrad with one accumulator per row, or the legacy Adagrad), in float32, one step
-   per push (as for shards: optim.py);
+   per push (as for shards: optim.py); a 16-bit table (``dtype``, rowdtype.py) widens its rows
+   to float32 for the step and rounds them back after it;
 6. the rows' last push time becomes the push's time.
 """
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adamps import rowdtype
 from adamps.server import torchoptim
 from adamps.server.freqsketch import DEPTH, FrequencySketch
 from adamps.server.optim import Optimizer
@@ -109,17 +111,21 @@ class RowBlock:
     dirty: np.ndarray = field(default_factory=lambda: np.empty(0, bool))
     #: the next flush writes every row (the state was replaced whole, or never flushed)
     full: bool = True
+    #: how `values` are stored (rowdtype.py): 16-bit tables round each update back to 16 bits;
+    #: `tobytes` / `load_bytes` (state transfers, checkpoints) carry them as float32
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        self.vtype = rowdtype.storage(self.dtype)
         if self.values is None:
-            self.values = np.empty((0, self.dim), np.float32)
+            self.values = np.empty((0, self.dim), self.vtype)
         #: the optimizer's state per row (Adagrad: dim; row-wise Adagrad: 1; SGD: 0)
         self.acc_width = self.optimizer.row_state_width(self.dim)
         if self.accum is None and self.acc_width:
             self.accum = np.empty((0, self.acc_width), np.float32)
         #: rows per page of the flushed form (last push times only where expiry reads them)
         self.has_seen = self.admission.expire_after is not None
-        self.page_rows = page_rows(self.dim, self.acc_width, self.has_seen)
+        self.page_rows = page_rows(self.dim, self.acc_width, self.has_seen, self.vtype.itemsize)
         self._size_dirty()
         # The frequency sketch is made at the first sighting (`_admit`, the owner thread): a
         # create allocates nothing per bucket on the event loop (issue 39).
@@ -137,10 +143,15 @@ class RowBlock:
         have = s >= 0
         assert self.values is not None
         if have.all():
-            np.take(self.values, s, axis=0, out=out)
+            if self.dtype == "float32":
+                np.take(self.values, s, axis=0, out=out)
+            else:
+                out[:] = rowdtype.decode(np.take(self.values, s, axis=0), self.dtype)
             return
-        out[have] = self.values[s[have]]
-        out[~have] = initial_rows(self.init, ids[~have], self.dim)
+        out[have] = rowdtype.decode(self.values[s[have]], self.dtype)
+        # as it would be created: a 16-bit table's initial value is rounded to 16 bits
+        fresh = initial_rows(self.init, ids[~have], self.dim)
+        out[~have] = rowdtype.decode(rowdtype.encode(fresh, self.dtype), self.dtype)
 
     def missing(self, ids: np.ndarray) -> int:
         """How many distinct `ids` have no row (a racy read from the event loop is fine: the
@@ -231,7 +242,7 @@ class RowBlock:
         if not keep.all():
             s, v = s[keep], v[keep]
         assert self.values is not None
-        self.values[s] = v
+        self.values[s] = rowdtype.encode(v, self.dtype)
         if self.accum is not None:
             self.accum[s] = self.optimizer.initial_state
         self._touch(s, push.time)
@@ -281,7 +292,7 @@ class RowBlock:
         k = len(ids)
         self._grow(self.n + k)
         slots = np.arange(self.n, self.n + k)
-        self.values[slots] = initial_rows(self.init, ids, self.dim)
+        self.values[slots] = rowdtype.encode(initial_rows(self.init, ids, self.dim), self.dtype)
         if self.accum is not None:
             self.accum[slots] = self.optimizer.initial_state
         self.ids[slots] = ids
@@ -299,12 +310,13 @@ class RowBlock:
 
     def _step(self, s: np.ndarray, g: np.ndarray) -> None:
         assert self.values is not None
-        w = self.values[s]
+        # a 16-bit table's rows widen to float32 for the step and round back once after it
+        w = rowdtype.decode(self.values[s], self.dtype)
         acc = None if self.accum is None else self.accum[s]
         torchoptim.row_step(self.optimizer, w, acc, g)
         if acc is not None:
             self.accum[s] = acc
-        self.values[s] = w
+        self.values[s] = rowdtype.encode(w, self.dtype)
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -319,7 +331,7 @@ class RowBlock:
             ),
             self.ids[:n].astype("<i8").tobytes(),
             self.seen[:n].astype("<f8").tobytes() if self.has_seen else bytes(8 * n),
-            self.values[:n].astype("<f4").tobytes(),
+            self.values_f32(0, n).astype("<f4").tobytes(),
             b"" if self.accum is None else self.accum[:n].astype("<f4").tobytes(),
             sk,
         ]
@@ -405,13 +417,13 @@ class RowBlock:
         ids, seen, values, accum, intact = rows or (
             np.empty(0, np.int64),
             np.empty(0),
-            np.empty((0, dim), np.float32),
+            np.empty((0, dim), self.vtype),
             None,
             True,
         )
         n = len(ids)
         self.n = n
-        self.ids, self.values = ids, values
+        self.ids, self.values = ids, values.astype(self.vtype, copy=False)
         self.seen = seen if self.has_seen else np.empty(0, np.float64)
         if self.acc_width:
             self.accum = accum if accum is not None else np.zeros((n, self.acc_width), np.float32)
@@ -426,7 +438,7 @@ class RowBlock:
     @property
     def flush_nbytes(self) -> int:
         """About what the next flush writes of this block (a racy read: the chunk plan)."""
-        per = 16 + (self.dim + self.acc_width) * 4
+        per = 16 + self.dim * self.vtype.itemsize + self.acc_width * 4
         rows = self.n if self.full else int(np.count_nonzero(self.dirty)) * self.page_rows
         return rows * per + (0 if self.sketch is None else self.sketch.nbytes) + 64
 
@@ -466,7 +478,7 @@ class RowBlock:
         if off != len(data):
             raise ValueError(f"row block of {len(data)} bytes, expected {off}")
         self.n = n
-        self.ids, self.values = ids, values
+        self.ids, self.values = ids, rowdtype.encode(values, self.dtype)
         self.seen = seen if self.has_seen else np.empty(0, np.float64)
         if self.acc_width:
             self.accum = accum if accum is not None else np.zeros((n, self.acc_width), np.float32)
@@ -492,8 +504,13 @@ class RowBlock:
 
     @property
     def nbytes(self) -> int:
-        per = (self.dim + self.acc_width) * 4 + 16
+        per = self.dim * self.vtype.itemsize + self.acc_width * 4 + 16
         return self.n * per
+
+    def values_f32(self, lo: int, hi: int) -> np.ndarray:
+        """Rows `lo` .. `hi` - 1's values as float32 (a view for a float32 table)."""
+        assert self.values is not None
+        return rowdtype.decode(self.values[lo:hi], self.dtype)
 
     @property
     def held_bytes(self) -> int:

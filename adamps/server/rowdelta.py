@@ -7,7 +7,7 @@ In LMDB (adamps/server/persist.py) a page is one record of the ``rowpages`` data
 ``<row shard id>/<page number: 4 bytes big-endian>``, sealed with one checksum like every record
 (the scrub verifies it): a `_PAGE` header, then the page's ids (int64), their last push times
 (float64, only for a table with ``expire_after``: nothing else reads them), values (float32 x
-dim) and optimizer state (float32 x the optimizer's width). ``page_rows`` is chosen so that a
+dim, or 16 bits for a float16 / bfloat16 table: a flag says which) and optimizer state (float32 x the optimizer's width). ``page_rows`` is chosen so that a
 record fills its run of LMDB overflow pages: on disk a row costs its bytes and ~1% more, where
 the older format's record per row (``rows``: key, checksum and B-tree node per row) cost ~3.4x
 its values (docs/benchmarks.md, issue 38). The block's own small state (the frequency counts,
@@ -26,12 +26,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from adamps import rowdtype
 from adamps.server.checksum import MAGIC, seal
 
 #: magic, rows, dim, optimizer state width, flags (1: last push times present)
 _PAGE = struct.Struct("<4sIIII")
 _PAGE_MAGIC = b"RPG1"
 _HAS_SEEN = 1
+#: flags of the values' type (none: float32)
+_DTYPE_FLAGS = {"float32": 0, "float16": 2, "bfloat16": 4}
+_DTYPE_MASK = 6
 #: LMDB's page size, and the header of a run of overflow pages (a value > ~2 KiB is one run)
 LMDB_PAGE = 4096
 _OVERFLOW_HEAD = 16
@@ -39,15 +43,16 @@ _OVERFLOW_HEAD = 16
 SEAL_BYTES = len(MAGIC) + 8
 
 
-def row_bytes(dim: int, acc_width: int, seen: bool) -> int:
-    return 8 + (8 if seen else 0) + 4 * (dim + acc_width)
+def row_bytes(dim: int, acc_width: int, seen: bool, vbytes: int = 4) -> int:
+    """A row's bytes in a page: id, last push time, values (`vbytes` each), optimizer state."""
+    return 8 + (8 if seen else 0) + vbytes * dim + 4 * acc_width
 
 
-def page_rows(dim: int, acc_width: int, seen: bool) -> int:
+def page_rows(dim: int, acc_width: int, seen: bool, vbytes: int = 4) -> int:
     """Rows per page record: the count that best fills a run of 4 to 16 LMDB pages (within 2%
     of full at the smallest such run), so few bytes of the disk are padding, and a flush
     rewrites at most ~16 KiB around a touched row."""
-    row = row_bytes(dim, acc_width, seen)
+    row = row_bytes(dim, acc_width, seen, vbytes)
     head = SEAL_BYTES + _PAGE.size + _OVERFLOW_HEAD
     best: tuple[float, int] | None = None
     for k in range(4, 17):
@@ -76,7 +81,7 @@ class RowDelta:
     starts: np.ndarray  #: int64 [m + 1]
     ids: np.ndarray  #: int64 [k]
     seen: np.ndarray | None  #: float64 [k] (tables with expire_after) or None
-    values: np.ndarray  #: float32 [k, dim]
+    values: np.ndarray  #: [k, dim] as the table stores them (rowdtype.storage)
     accum: np.ndarray | None  #: float32 [k, width] or None
 
     def after(self, older: RowDelta) -> RowDelta:
@@ -116,7 +121,7 @@ class RowDelta:
         prefix = row_prefix(sid)
         dim = self.values.shape[1]
         aw = 0 if self.accum is None else self.accum.shape[1]
-        flags = _HAS_SEEN if self.seen is not None else 0
+        flags = (_HAS_SEEN if self.seen is not None else 0) | _flag_of(self.values.dtype)
         out = []
         for i, p in enumerate(self.pages.tolist()):
             a, b = int(self.starts[i]), int(self.starts[i + 1])
@@ -126,7 +131,7 @@ class RowDelta:
             ]
             if self.seen is not None:
                 parts.append(np.ascontiguousarray(self.seen[a:b], "<f8").tobytes())
-            parts.append(np.ascontiguousarray(self.values[a:b], "<f4").tobytes())
+            parts.append(np.ascontiguousarray(self.values[a:b]).tobytes())
             if self.accum is not None:
                 parts.append(np.ascontiguousarray(self.accum[a:b], "<f4").tobytes())
             out.append((prefix + page_key(p), seal(*parts)))
@@ -136,7 +141,7 @@ class RowDelta:
     def nbytes(self) -> int:
         """About what writing it costs (the flush's chunk plan)."""
         aw = 0 if self.accum is None else self.accum.shape[1]
-        per = row_bytes(self.values.shape[1], aw, self.seen is not None)
+        per = row_bytes(self.values.shape[1], aw, self.seen is not None, self.values.itemsize)
         return len(self.ids) * per + len(self.pages) * 64
 
 
@@ -144,19 +149,31 @@ def page_key(page: int) -> bytes:
     return struct.pack(">I", page)
 
 
+def _flag_of(dt: np.dtype) -> int:
+    """The page flag of values stored as `dt` (float16; uint16 is bfloat16's storage)."""
+    if dt == np.float16:
+        return _DTYPE_FLAGS["float16"]
+    return _DTYPE_FLAGS["bfloat16"] if dt == np.uint16 else 0
+
+
 def parse_page(
-    payload: bytes | memoryview, dim: int, acc_width: int
+    payload: bytes | memoryview, dim: int, acc_width: int, dtype: str = "float32"
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
-    """(ids, seen or None, values, accum or None) of a page record's payload (views); raises
-    ValueError on a record that does not fit the table."""
+    """(ids, seen or None, values, accum or None) of a page record's payload (views), the values
+    as a table of value type `dtype` stores them (converted if the page holds another type);
+    raises ValueError on a record that does not fit the table."""
     magic, k, d, aw, flags = _PAGE.unpack_from(payload)
     if magic != _PAGE_MAGIC or d != dim or aw != acc_width:
         raise ValueError(
             f"row page {magic!r} of dim {d}, state width {aw}: the table has {dim}, {acc_width}"
         )
     seen = bool(flags & _HAS_SEEN)
+    stored = {v: n for n, v in _DTYPE_FLAGS.items()}.get(flags & _DTYPE_MASK)
+    if stored is None:
+        raise ValueError(f"row page with flags {flags:#x}: no such value type")
+    vt = rowdtype.storage(stored)
     off = _PAGE.size
-    if off + k * row_bytes(dim, aw, seen) != len(payload):
+    if off + k * row_bytes(dim, aw, seen, vt.itemsize) != len(payload):
         raise ValueError(f"row page of {len(payload)} bytes does not hold {k} rows")
     ids = np.frombuffer(payload, "<i8", k, off)
     off += 8 * k
@@ -164,8 +181,10 @@ def parse_page(
     if seen:
         s = np.frombuffer(payload, "<f8", k, off)
         off += 8 * k
-    values = np.frombuffer(payload, "<f4", k * dim, off).reshape(k, dim)
-    off += 4 * k * dim
+    values = np.frombuffer(payload, vt.newbyteorder("<"), k * dim, off).reshape(k, dim)
+    off += vt.itemsize * k * dim
+    if stored != dtype:
+        values = rowdtype.encode(rowdtype.decode(values, stored).astype(np.float32), dtype)
     accum = np.frombuffer(payload, "<f4", k * aw, off).reshape(k, aw) if aw else None
     return ids, s, values, accum
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import lmdb
 import numpy as np
 
+from adamps import rowdtype
 from adamps.server.checksum import CorruptRecord, unseal
 from adamps.server.rowdelta import (
     RowDelta,
@@ -41,15 +42,15 @@ class SavedRows:
     damaged: bool = False
 
     def parse(
-        self, dim: int, acc_width: int, page_rows: int
+        self, dim: int, acc_width: int, page_rows: int, dtype: str = "float32"
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, bool]:
         """(ids, seen, values, accum, intact): `intact` when the pages are 0, 1, ... with
         `page_rows` rows each but the last, so the slots on disk are the slots in memory and the
         next flush may write only the touched pages (else the block is rewritten whole)."""
         if self.legacy and not self.pages:
             ids, seen, values, accum = parse_rows(self.legacy_ids, self.legacy, dim, acc_width)
-            return ids, seen, values, accum, False
-        got = [parse_page(p, dim, acc_width) for _, p in self.pages]
+            return ids, seen, rowdtype.encode(values, dtype), accum, False
+        got = [parse_page(p, dim, acc_width, dtype) for _, p in self.pages]
         nums = [n for n, _ in self.pages]
         sizes = [len(g[0]) for g in got]
         intact = nums == list(range(len(nums))) and all(s == page_rows for s in sizes[:-1])
@@ -66,9 +67,9 @@ class SavedRows:
             if got and got[0][1] is not None
             else np.zeros(n, np.float64)
         )
-        values = (
-            np.concatenate([g[2] for g in got]) if got else np.empty((0, dim), np.float32)
-        ).astype(np.float32)
+        vt = rowdtype.storage(dtype)
+        values = np.concatenate([g[2] for g in got]) if got else np.empty((0, dim), vt)
+        values = values.astype(vt, copy=False)
         accum = None
         if acc_width:
             accum = np.concatenate([g[3] for g in got]) if got else np.empty((0, acc_width))

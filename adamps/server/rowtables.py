@@ -57,7 +57,7 @@ class TableState:
 
     def new_block(self) -> RowBlock:
         s = self.spec
-        return RowBlock(s.dim, s.init, self.optimizer, s.admission, self.limit)
+        return RowBlock(s.dim, s.init, self.optimizer, s.admission, self.limit, dtype=s.dtype)
 
     def count(self, st: ApplyStats) -> None:
         name = self.spec.name
@@ -70,6 +70,10 @@ class TableState:
             m.dropped.labels(name, "filtered").inc(st.filtered)
         if st.expired:
             m.expired.labels(name).inc(st.expired)
+
+    def held_bytes(self) -> int:
+        """Bytes the blocks' arrays and indexes take (RowBlock.held_bytes; a racy read)."""
+        return sum(st.value.held_bytes for st in list(self.shards.values()))
 
     def rows(self) -> int:
         """Rows held here (a racy read of the owner threads' counts; for status and metrics)."""
@@ -142,7 +146,11 @@ class RowTables:
                 # popped: each shard's records are freed once parsed, so a start holds the
                 # records and the arrays of one shard at a time beside the rest's records
                 got = rows.pop(st.id, None) if isinstance(rows, dict) else rows.get(st.id)
-                parsed = None if got is None else got.parse(spec.dim, blk.acc_width, blk.page_rows)
+                parsed = (
+                    None
+                    if got is None
+                    else got.parse(spec.dim, blk.acc_width, blk.page_rows, spec.dtype)
+                )
                 blk.load_flushed(np.ascontiguousarray(rec[1]).tobytes(), parsed)
         return t
 

@@ -72,6 +72,7 @@ class TableCatalog:
                 normalize_row_init(require(msg, "init", dict, default=DEFAULT_INIT)),
                 opt.to_dict(),
                 Admission.from_dict(require(msg, "admission", dict, default={})),
+                require(msg, "dtype", str, default="float32"),
             )
         except (TableError, OptimError) as exc:
             raise ProtocolError("bad_request", str(exc)) from None
@@ -182,7 +183,13 @@ class TableCatalog:
         return [self.tables.table(n).spec.to_dict() for n in names]
 
     def _describe(self, t: TableState) -> dict[str, Any]:
-        return {**t.spec.to_dict(), "rows_held": t.rows(), "buckets_held": sorted(t.shards)}
+        return {
+            **t.spec.to_dict(),
+            "rows_held": t.rows(),
+            "buckets_held": sorted(t.shards),
+            # the row arrays' and index's bytes here (spare room included): a racy read
+            "bytes_held": t.held_bytes(),
+        }
 
     async def op_list_tables(self, msg: dict[str, Any]) -> dict[str, Any]:
         return {"tables": [self._describe(t) for t in self.tables.tables.values()]}

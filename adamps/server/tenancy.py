@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from adamps import runs
+from adamps import rowdtype, runs
 from adamps.protocol import ProtocolError
 from adamps.server.optim import OptimError, Optimizer
 from adamps.server.persist import Persister
@@ -355,7 +355,10 @@ class Tenancy:
                 return None
             width = adm.filter_width if adm.admit_after > 1 else None
             n_buckets = self.store.layout.n_buckets
-            return runs.table_cost(adm.max_rows, dim, opt.row_state_width(dim), width, n_buckets)
+            vb = rowdtype.itemsize(rowdtype.check(msg.get("dtype") or "float32"))
+            return runs.table_cost(
+                adm.max_rows, dim, opt.row_state_width(dim), width, n_buckets, value_bytes=vb
+            )
         except (OptimError, TableError, TypeError, ValueError):
             return None
 

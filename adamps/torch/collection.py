@@ -57,6 +57,9 @@ class EmbeddingBagConfig:
     norm_type: float = 2.0
     init: Mapping[str, Any] | None = None
     admission: Mapping[str, Any] | None = None
+    #: how the servers store the table's rows (torchrec's field): "float32" / DataType.FP32,
+    #: "float16" / FP16, "bfloat16" / BF16; None: the collection's ``row_dtype`` (float32)
+    data_type: Any = None
 
 
 def _pooling(p: Any) -> str:
@@ -70,8 +73,9 @@ def _pooling(p: Any) -> str:
 class EmbeddingBagCollection(nn.Module):
     """``KeyedJaggedTensor -> KeyedTensor`` over the tables of `tables` (configs: this
     module's ``EmbeddingBagConfig`` or torchrec's). Keyword arguments (``optimizer``, ``lr``,
-    ``adagrad_initial``, ``optimizer_args``, ``init``, ``admission``, ``client``) go to every
-    table's ``adamps.torch.EmbeddingBag``; a config's ``init`` / ``admission`` win."""
+    ``adagrad_initial``, ``optimizer_args``, ``init``, ``admission``, ``row_dtype``, ``client``)
+    go to every table's ``adamps.torch.EmbeddingBag``; a config's ``init`` / ``admission`` /
+    ``data_type`` win."""
 
     def __init__(
         self,
@@ -106,6 +110,8 @@ class EmbeddingBagCollection(nn.Module):
             for k in ("init", "admission"):
                 if getattr(c, k, None) is not None:
                     kw[k] = getattr(c, k)
+            if getattr(c, "data_type", None) is not None:
+                kw["row_dtype"] = c.data_type
             bags[name] = EmbeddingBag(
                 c.num_embeddings, c.embedding_dim, mode=pooling, table=name, device=device,
                 padding_idx=getattr(c, "padding_idx", None), max_norm=getattr(c, "max_norm", None),

@@ -47,6 +47,11 @@ rows come back to ``device`` (default: the ids' device) as ``dtype`` (float32, b
 float16; default float32) through a reused pinned buffer (adamps/torch/staging.py). The row
 gradients stay on the device until the optimizer's step copies them with the others.
 
+``row_dtype`` ("float16" or "bfloat16", a torch dtype, or torchrec's ``DataType``; default
+float32) is how the servers store the table's values: half the memory and disk per value, each
+update computed in float32 and rounded back; the optimizer's state stays float32 (use
+``rowwise_adagrad`` for one accumulator per row). Rows still travel as float32.
+
 ``row_leaves`` is the one place a forward's pulled rows become a leaf whose gradient is pushed:
 ``EmbeddingBagCollection`` (adamps/torch/collection.py) gives it the rows of all its tables at
 once, so their gradients travel in one ``round`` (one request per server).
@@ -115,6 +120,32 @@ class Lookup:
         return torch.cat([rows, rows.new_zeros((1, rows.shape[1]))])
 
 
+#: torch's and torchrec's (DataType) names of the value types a table may store its rows in
+_ROW_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    "fp32": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+}
+
+
+def row_dtype_name(d: Any) -> str:
+    """The servers' name ("float32", "float16", "bfloat16") of a table's row storage given as
+    that name, a torch dtype, or torchrec's ``DataType`` (FP32, FP16, BF16); None: float32."""
+    if d is None:
+        return "float32"
+    key = d if isinstance(d, torch.dtype) else str(getattr(d, "value", d)).lower()
+    name = key if key in ("float32", "float16", "bfloat16") else _ROW_DTYPE_NAMES.get(key)
+    if name is None:
+        raise ModelError(
+            f"row_dtype must be float32, float16 or bfloat16 (a name, a torch dtype or "
+            f"torchrec's DataType), got {d!r}"
+        )
+    return name
+
+
 class _RowTable(nn.Module):
     """What Embedding and EmbeddingBag share: the table, the binding, pull and push."""
 
@@ -140,6 +171,7 @@ class _RowTable(nn.Module):
         _freeze: bool = False,
         device: Any = None,
         dtype: Any = None,
+        row_dtype: Any = None,
     ) -> None:
         super().__init__()
         refused = {
@@ -155,8 +187,8 @@ class _RowTable(nn.Module):
             )
         if dtype is not None and dtype not in PARAM_DTYPES:
             raise ModelError(
-                f"{type(self).__name__}: the servers hold float32 rows; the module's rows may "
-                f"be float32, bfloat16 or float16, not {dtype}"
+                f"{type(self).__name__}: the module's rows may be float32, bfloat16 or "
+                f"float16, not {dtype} (row_dtype= sets how the servers store them)"
             )
         if num_embeddings is not None and (
             isinstance(num_embeddings, bool)
@@ -202,6 +234,8 @@ class _RowTable(nn.Module):
         #: the table's admission (row limit, frequency filter, expiry; docs/protocol-ps.md): a
         #: run with a table_rows quota needs its max_rows
         self.admission = dict(admission) if admission is not None else None
+        #: how the servers store the rows: "float32", "float16" or "bfloat16" (rowdtype.py)
+        self.row_dtype = row_dtype_name(row_dtype)
         self._binding = _Binding()
         #: bytes of ids, rows and row gradients moved by this module's pulls and pushes
         self.bytes_moved = 0
@@ -223,6 +257,7 @@ class _RowTable(nn.Module):
                 init=self.init,
                 optimizer=self.optimizer,
                 admission=self.admission,
+                dtype=None if self.row_dtype == "float32" else self.row_dtype,
             )
         else:
             client.tables[name] = self.embedding_dim

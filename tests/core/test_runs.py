@@ -204,6 +204,9 @@ def test_a_runs_size_quotas_count_its_definitions_across_servers() -> None:
     over = m.write_tenancy("usage", "r", {"name": "r..u", "cost": wide}, 15.0)
     assert not over["ok"] and over["quota"] == "memory_bytes"
     assert runs.table_cost(None, 4, 0, None, 8) is None  # no max_rows: unbounded
+    # a 16-bit table's values take 2 bytes each (issue 38): its memory_bytes counts that
+    half = runs.table_cost(10, 4, 4, 64, 8, value_bytes=2)
+    assert half is not None and half["memory_bytes"] == t["memory_bytes"] - 10 * 4 * 2
     assert m.run_view("r")["usage"] == {
         "param_elems": 1000, "table_rows": 10, "memory_bytes": 4000 + t["memory_bytes"]
     }  # fmt: skip

@@ -303,3 +303,44 @@ def test_two_tables_of_one_step_equal_torchs_sparse_adagrad(ps_url: str, token: 
     assert (got_w - ref.w.weight.detach()).abs().max() <= 1e-5
     assert (got_v - ref.v.weight.detach()).abs().max() <= 1e-5
     assert (server["bias"] - ref.bias.detach()).abs().max() <= 1e-5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("row_dtype", [torch.float16, "bfloat16"])
+def test_a_16_bit_table_trains_as_torch_rounding_its_weight_each_step(
+    ps_url: str, token: str, row_dtype: object
+) -> None:
+    """``row_dtype`` (issue 38): the servers store the rows in 16 bits; each step is float32,
+    rounded back. Equal, within the type's precision, to torch's EmbeddingBag + SGD whose
+    weight is rounded to that type after every step; the module's output stays float32."""
+    t16 = torch.float16 if row_dtype is torch.float16 else torch.bfloat16
+    data = bags(30)
+    proj = torch.randn(DIM, 2, generator=torch.Generator().manual_seed(5))
+    ref = nn.EmbeddingBag(N_IDS, DIM, mode="sum", sparse=True)
+    with torch.no_grad():
+        ref.weight.copy_(init_weight().to(t16).float())
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for ids, y in data:
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(ids) @ proj, y).backward()
+        opt.step()
+        with torch.no_grad():
+            ref.weight.copy_(ref.weight.to(t16).float())
+    client = client_for(ps_url, token)
+    emb = at.EmbeddingBag(None, DIM, mode="sum", table=f"half-{t16}", lr=LR, init=INIT,
+                          row_dtype=row_dtype, client=client)  # fmt: skip
+    for ids, y in data:
+        out = emb(ids)
+        assert out.dtype == torch.float32
+        nn.functional.mse_loss(out @ proj, y).backward()
+    got = torch.from_numpy(client.pull_rows(emb.server_table, np.arange(N_IDS)))
+    mine = [t for t in client._rpc(ps_url).call("list_tables")["tables"]
+            if t["name"] == emb.server_table]  # fmt: skip
+    client.close()
+    assert mine[0]["dtype"] == str(t16).removeprefix("torch.")
+    assert torch.equal(got, got.to(t16).float())  # every value is a 16-bit one
+    tol = 2.0**-8 if t16 is torch.bfloat16 else 2.0**-11
+    diff = (got - ref.weight.detach()).abs().max()
+    assert diff <= 8 * tol * ref.weight.abs().max(), diff
+    with pytest.raises(at.ModelError, match="row_dtype must be float32, float16 or bfloat16"):
+        at.Embedding(None, DIM, table="t", row_dtype="int8")

@@ -391,3 +391,26 @@ def test_a_collection_under_replica_trains_as_under_downpour(ps_url, token) -> N
     finally:
         rep.close()
         opt.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_configs_data_type_is_its_tables_row_storage(ps_url, token) -> None:  # type: ignore[no-untyped-def]
+    """torchrec's ``data_type`` (issue 38): FP16 / "bfloat16" per table, else the collection's
+    ``row_dtype``; the servers' tables say so, and a lookup reads 16-bit values as float32."""
+    n = int(get_json(ps_url, "/status")["n_buckets"])
+    client = PSClient(StaticRouting([ps_url], n), Layout([], n_buckets=n), token)
+    fp16 = type("DataType", (), {"value": "FP16"})()  # as torchrec's enum: its value is read
+    ebc = at.EmbeddingBagCollection(
+        [C(N_IDS, 4, "dt_a", ["uid"], data_type=fp16), C(N_IDS, 6, "dt_b", ["item"]),
+         C(N_IDS, 6, "dt_c", ["seen"], data_type="float32")],
+        row_dtype="bfloat16", client=client,
+    )  # fmt: skip
+    try:
+        held = {t["name"]: t["dtype"] for t in client._rpc(ps_url).call("list_tables")["tables"]}
+        tables = {k: held[m.server_table] for k, m in ebc.embedding_bags.items()}
+        assert tables["dt_a"] == "float16" and tables["dt_b"] == "bfloat16", tables
+        assert tables["dt_c"] == "float32"
+        out = ebc(batches(1)[0]).values()
+        assert out.dtype == torch.float32 and out.shape == (B, 16)
+    finally:
+        client.close()

@@ -167,3 +167,44 @@ def test_bad_files_are_cli_errors_naming_the_file_and_what_is_expected(
     ]
     assert export_main(argv) == 2
     assert "a table (--table) exports as safetensors, npy" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_16_bit_table_survives_a_checkpoint_round_trip_and_exports(tmp_path: Path) -> None:
+    """A float16 table (issue 38): its checkpoint restores onto a new cluster as a float16
+    table with the same rows, bit for bit, and its export holds those rows (float32 values that
+    are each a float16)."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "half.safetensors"
+    n = 5_000
+    ids = np.random.default_rng(5).choice(1 << 40, n, replace=False).astype(np.int64)
+    order = np.sort(ids)
+    with running_cluster(tmp_path / "a", n_servers=3, n_buckets=8) as a:
+        client = PSClient(
+            ControllerRouting(a.controllers), Layout([], n_buckets=8), TOKEN, retry_for=60
+        )
+        client.create_table("half", DIM, init={"kind": "normal", "std": 0.1, "seed": 2},
+                            optimizer=OPT, dtype="float16")  # fmt: skip
+        g = np.random.default_rng(6).normal(size=(n, DIM)).astype(np.float32)
+        client.push_rows("half", ids, g)
+        want = client.pull_rows("half", order)
+        assert want.tobytes() == want.astype(np.float16).astype(np.float32).tobytes()
+        client.close()
+        r = cli(a, "checkpoint", "save", "--to", str(ckpt))
+        assert r.returncode == 0, r.stderr
+        r = cli(a, "export", "--table", "half", "--out", str(out))
+        assert r.returncode == 0, r.stderr
+    st = load_file(str(out))
+    assert st["ids"].tobytes() == order.tobytes() and st["rows"].tobytes() == want.tobytes()
+    with running_cluster(tmp_path / "b", n_servers=3, n_buckets=8) as b:
+        r = cli(b, "checkpoint", "restore", "--from", str(ckpt))
+        assert r.returncode == 0, r.stderr
+        client = PSClient(
+            ControllerRouting(b.controllers), Layout([], n_buckets=8), TOKEN, retry_for=60
+        )
+        try:
+            tables = client._rpc(f"http://{b.servers[0]}").call("list_tables")["tables"]
+            assert [t["dtype"] for t in tables if t["name"] == "half"] == ["float16"], tables
+            client.tables["half"] = DIM
+            assert client.pull_rows("half", order).tobytes() == want.tobytes()
+        finally:
+            client.close()
