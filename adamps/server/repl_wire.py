@@ -108,7 +108,9 @@ def updates_digest(updates: Iterable[Any]) -> int:
     def walk(x: Any) -> None:
         if isinstance(x, np.ndarray):
             parts.append(_dtype_name(x.dtype))
-            parts.append(memoryview(np.ascontiguousarray(x)).cast("B"))
+            if x.size:  # an empty array has no bytes (and numpy's (0, n) view cannot be cast:
+                # a PREPARE holding one raised TypeError, a 500, before its checks refused it)
+                parts.append(memoryview(np.ascontiguousarray(x)).cast("B"))
         elif isinstance(x, dict):
             for k in sorted(x, key=str):  # a hostile map may mix key types
                 parts.append(str(k).encode())
