@@ -3,8 +3,9 @@
 validate -> durability and lease check -> replicate or apply. Every push, from ``POST /rpc`` (``app.py``) or the
 binary data plane (``dataplane.py``), comes here and nowhere else:
 
-1. validate: every field (shard ids, dtypes, shapes, finite bounds) before anything is queued, so a
-   bad request changes nothing;
+1. validate: the role of every shard named, then every field (dtypes, shapes, finite bounds) by
+   the update kind's decoder (adamps/server/decode/, the one every copy runs on the replicated
+   update), before anything is queued, so a bad request changes nothing;
 2. on a replicated server, ``Replicator.push`` checks that this server is the primary of every
    bucket named, with a lease it still holds (``not_primary``, ``bucket_unavailable``), recognizes
    a retried ``(client, seq)`` (exactly once), and returns once its rounds are decided;
