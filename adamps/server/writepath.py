@@ -291,11 +291,9 @@ class WritePath:
     ) -> dict[str, Any]:
         """`_replicate_or_apply` for other writers (Sandblaster's vector ops, vecops.py); with
         `group` a standalone server applies the parts as one group per shard, alone (a barrier:
-        no update queued later is applied before it)."""
-        if self.replicator is not None and group:  # vector ops: built from the map at commit
-            self.check_durable()
-            return await self._replicate(msg, wire, None)
-        if not group:
+        no update queued later is applied before it; replicated, every batch is applied so).
+        Replicated, the parts decoded here ride with their maps to the commit, as a push's."""
+        if self.replicator is not None or not group:
             return await self._replicate_or_apply(msg, wire, parts)
         self.check_durable()
         self._record_client(msg)

@@ -76,11 +76,12 @@ def checked(u: dict[str, Any], parts: list[tuple[ShardState, Any]]) -> Checked:
     return c
 
 
-def _current(store: Store, st: ShardState) -> bool:
-    """`st` is still the state this store holds under its id (not a deleted run's, not one
-    released and held again since the update was decoded)."""
+def _current(store: Store, st: ShardState, part: Any) -> bool:
+    """`st` (and the source vector a vector op reads) is still the state this store holds under
+    its id (not a deleted run's, not one released and held again since it was decoded)."""
     held = store.tables.shards if isinstance(st, RowShardState) else store.shards
-    return held.get(st.id) is st
+    src = getattr(part, "src", None)
+    return held.get(st.id) is st and (src is None or store.shards.get(src.id) is src)
 
 
 def update_parts(store: Store, u: Any) -> list[tuple[ShardState, Any]]:
@@ -92,7 +93,7 @@ def update_parts(store: Store, u: Any) -> list[tuple[ShardState, Any]]:
         # Applied once, at commit: not held on in the replication log (a resend or a flush
         # uses the map), so the log keeps no second, expanded form of its updates.
         u.parts = None
-        if all(_current(store, st) for st, _ in parts):
+        if all(_current(store, st, p) for st, p in parts):
             return parts
     return replicated(store, u)
 
