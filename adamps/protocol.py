@@ -181,8 +181,9 @@ def array_to_wire(arr: np.ndarray) -> dict[str, Any]:
         if name not in ALLOWED_DTYPES:
             raise TypeError(f"dtype {name} is not allowed on the wire")
         arr = arr.astype(ALLOWED_DTYPES[name])
-    # A C-contiguous array is sent from its own memory (msgpack takes the buffer): no copy.
-    data = memoryview(np.ascontiguousarray(arr)).cast("B")
+    # A C-contiguous array is sent from its own memory (msgpack takes the buffer): no copy. An
+    # empty one has no bytes (numpy's view of a (0, n) array cannot be cast: TypeError).
+    data = memoryview(np.ascontiguousarray(arr)).cast("B") if arr.size else memoryview(b"")
     return {"dtype": name, "shape": list(arr.shape), "data": data}
 
 

@@ -21,7 +21,7 @@ from adamps import runs
 from adamps.core.repl_types import Batch
 from adamps.protocol import ProtocolError
 from adamps.server import checksum
-from adamps.server.repl_wire import deleted_run_of, gone_with_run, update_parts
+from adamps.server.decode import deleted_run_of, gone_with_run, update_parts
 from adamps.server.shards import StoreError
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
@@ -190,7 +190,7 @@ def install(
         on_corrupt("transfer")
         raise ValueError(f"shard {bad} of the snapshot of bucket {b} fails its checksum")
     # What a deleted run left on a primary that has not learned of the deletion yet is not
-    # created again here (its updates in flight are refused alone: repl_wire.store_parts).
+    # created again here (its updates in flight are refused alone: decode.store_parts).
     dead = store.deleted_runs
     for d in snap["tensors"]:
         if runs.run_of(str(d.get("name"))) not in dead:

@@ -10,8 +10,9 @@ token (an operator's call, not a peer's: the replication ops are peer-only):
 - ``ckpt_install``: shards and row shards of one bucket restored whole. It is an update (wire
   kinds ``i`` and ``j``, install.py) through the one write path, so every replica gets it by
   the same two-phase commit as a push; ``n`` (optional) is the version the shard had in the
-  checkpoint, which it then reports (install.version_after). Its data is checked like a push's (bounds.check_state:
-  finite, bounded; issue 39), all of it before anything is queued. Refused (``conflict``) for a
+  checkpoint, which it then reports (install.version_after). Its data is decoded like a push's
+  (adamps/server/decode/install.py: finite, bounded; issue 39), all of it before anything is
+  queued, and every copy decodes the replicated update with the same checks. Refused (``conflict``) for a
   shard that already took an update, unless ``force``.
 """
 
@@ -22,9 +23,7 @@ import time
 from typing import Any
 
 from adamps.protocol import ProtocolError, require
-from adamps.server import bounds
-from adamps.server.install import RowInstall, install_of, version_of
-from adamps.server.repl_wire import install_update, row_install_update
+from adamps.server.decode import install
 from adamps.server.replicate import Replicator
 from adamps.server.rowtables import RowShardState
 from adamps.server.store import Store
@@ -207,10 +206,8 @@ class CheckpointOps:
             st = self.store.shard(sid)
             if self.store.layout.bucket_of[sid] != b:
                 raise ProtocolError("bad_request", f"shard {sid} is not in bucket {b}")
-            upd = install_update(sid, rec.get("v"), rec.get("a"), version_of(rec))
-            inst = install_of(upd, st)
-            signed = self.store.tensor(sid.rsplit("/", 1)[0]).optimizer.signed_state
-            bounds.check_state(f"shard {sid}", inst.value, inst.accum, signed)  # as a push's is
+            upd = install.update(sid, rec.get("v"), rec.get("a"), install.version_of(rec))
+            inst = install.shard(self.store, st, upd)  # what every copy checks of `upd`
             if st.version > 0:
                 busy.append(sid)
             wire.append(([st], lambda sts, u=upd: u))
@@ -222,13 +219,13 @@ class CheckpointOps:
             st = self.store.tables.shard(sid)
             if not isinstance(st, RowShardState) or st.bucket != b:
                 raise ProtocolError("bad_request", f"row shard {sid} is not in bucket {b}")
-            _check_block(st, sid, data)
+            version = install.version_of(rec)
+            row = install.row_shard(st, data, version)  # what every copy checks
             if st.version > 0 or st.value.n > 0:
                 busy.append(sid)
-            version = version_of(rec)
-            upd = row_install_update(sid, data, version)
+            upd = install.row_update(sid, data, version)
             wire.append(([st], lambda sts, u=upd: u))
-            parts.append((st, RowInstall(data, version)))
+            parts.append((st, row))
         if busy and not force:
             raise ProtocolError(
                 "conflict",
@@ -237,19 +234,6 @@ class CheckpointOps:
             )
         await self.writes.replicate_or_apply(msg, wire, lambda: parts)
         return {"bucket": b, "installed": len(parts)}
-
-
-def _check_block(st: RowShardState, sid: str, data: bytes) -> None:
-    """A row block's bytes load into a scratch block of the table's shape, or a 4xx."""
-    probe = st.table.new_block()
-    try:
-        probe.load_bytes(data)
-    except Exception as exc:  # struct.error, ValueError: a damaged or foreign record
-        raise ProtocolError("bad_request", f"row shard {sid}: not a row block: {exc}") from None
-    n = probe.n
-    acc = None if probe.accum is None else probe.accum[:n]
-    signed = st.table.optimizer.signed_state  # sparse_adam's first moments are signed
-    bounds.check_state(f"row shard {sid}", probe.values_f32(0, n), acc, signed)
 
 
 def _since_versions(msg: dict[str, Any]) -> dict[str, int]:

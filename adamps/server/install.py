@@ -2,7 +2,8 @@
 optimizer accumulators), ``RowInstall`` replaces a row shard's whole block. They travel in a
 replication batch like any push (wire kinds ``"i"`` and ``"j"``, repl_wire.py), so a restore
 takes the one write path: validate -> lease -> replicate -> apply, and every replica ends
-bit-identical to the checkpoint."""
+bit-identical to the checkpoint. Their decoding (the checks of a request and of a replicated
+update) is adamps/server/decode/install.py's."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from adamps.protocol import ProtocolError
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,14 +44,6 @@ class RowInstall:
     version: int | None = None
 
 
-def version_of(u: dict[str, Any]) -> int | None:
-    """An install update's ``n``: the version the checkpoint read the shard at, or None."""
-    n = u.get("n")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
-        raise ProtocolError("bad_request", f"an install's version must be an int >= 0, got {n!r}")
-    return n
-
-
 def has_install(group: Any) -> bool:
     """Whether a shard's batch of (update, ticket) holds an install (rare: a restore)."""
     return any(type(u) in _INSTALLS for u, _t in group)
@@ -70,22 +61,6 @@ def version_after(version: int, group: Any) -> int:
         n = getattr(u, "version", None) if isinstance(u, Install | RowInstall) else None
         version = version + 1 if n is None else max(version + 1, n)
     return version
-
-
-def install_of(u: dict[str, Any], st: Any) -> Install:
-    """The checked store form of an install update: float32 arrays of the shard's size, and
-    an accumulator exactly when given (a peer's batch is checked like a client's request)."""
-    arrays = [u.get("v"), u.get("a")]
-    # the optimizer's state (adamps/optspec.py) may be larger than the shard: slots and a step count
-    sizes = [st.shard.size, st.shard.size if st.accum is None else st.accum.size]
-    for name, a, size in zip(("values", "accumulator"), arrays, sizes, strict=True):
-        if a is None and name == "accumulator":
-            continue
-        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.size != size:
-            raise ProtocolError(
-                "bad_shape", f"install of shard {st.id}: {name} must be float32 of {size} elements"
-            )
-    return Install(arrays[0], arrays[1], version_of(u))
 
 
 _INSTALLS = (Install, RowInstall)

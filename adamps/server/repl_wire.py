@@ -1,31 +1,23 @@
 """What replication sends between servers: the ops peers use on ``/rpc``, updates in their
 compact form (a dense delta of one shard, activation and error vectors, a compressed update),
 batches of a round, a ``repl_multi`` request's results (one per message), the ``not_primary``
-answer and a push's outcome. Also the store form of a batch's updates:
-every replica turns them into the same per-shard parts, so replicas end bit-identical."""
+answer and a push's outcome. The updates themselves are built and decoded by
+adamps/server/decode/ (one decoder per update kind); here they are opaque maps."""
 
 from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-from adamps import runs
 from adamps.core.repl_ready import Answer
 from adamps.core.replication import Assignment, Batch, BucketReplica, Reject
 from adamps.protocol import ProtocolError, require
-from adamps.server import checksum, vecwire
-from adamps.server.compressed import signs_of_wire
-from adamps.server.hyper import of_update
-from adamps.server.install import RowInstall, install_of, version_of
-from adamps.server.optim import Dense, Signs
-from adamps.server.rowblock import RowPush
-from adamps.server.rowtables import RowShardState
-from adamps.server.shards import ShardState, StoreError, fc_parts
-from adamps.server.store import Store
+from adamps.server import checksum
+from adamps.server.shards import StoreError
 
 #: replication ops served on /rpc (peer traffic: cluster token required like every mutating call)
 REPL_OPS = ("repl_prepare", "repl_commit", "repl_ping", "repl_multi", "repl_snapshot", "digest")
@@ -96,62 +88,6 @@ def settle(ans: Answer, rep: BucketReplica | None, addresses: dict[str, str]) ->
         fut.set_exception(not_primary(rep, ans.bucket, addresses, ans.why, "primary_changed"))
 
 
-# -- updates on the wire ---------------------------------------------------------------------------
-
-
-# A dense, fc or compressed update applied with the hyperparameters its push named (hyper.py)
-# carries them as "o" (the optimizer's map): every copy applies it with the same rule.
-
-
-def _with_o(u: dict[str, Any], o: dict[str, Any] | None) -> dict[str, Any]:
-    if o is not None:
-        u["o"] = o
-    return u
-
-
-def dense_update(sid: str, delta: np.ndarray, o: dict[str, Any] | None = None) -> dict[str, Any]:
-    return _with_o({"k": "d", "s": sid, "d": delta}, o)
-
-
-def fc_update(
-    tensor: str, sids: Sequence[str], a: np.ndarray, e: np.ndarray, o: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    return _with_o({"k": "f", "t": tensor, "s": list(sids), "a": a, "e": e}, o)
-
-
-def sign_update(
-    sid: str, tau: float, encoded: dict[str, Any], o: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """A compressed update of one shard (Strom), replicated in its compressed form: ``encoded``
-    is ``{"w": uint32 words}`` or ``{"r": Golomb-Rice bytes, "n": count, "b": Rice k}``."""
-    return _with_o({"k": "c", "s": sid, "t": tau, **encoded}, o)
-
-
-def named_optimizer(store: Store, u: dict[str, Any], tensor: str) -> Any:
-    """The optimizer update `u` names (``"o"``) for `tensor`, checked; None: the tensor's."""
-    return None if "o" not in u else of_update(store.tensor(tensor).optimizer, u, tensor)
-
-
-def install_update(
-    sid: str, value: np.ndarray, accum: np.ndarray | None, version: int | None = None
-) -> dict[str, Any]:
-    """A checkpoint's shard restored whole (values and accumulator; ``n``: the version it had
-    in the checkpoint, install.version_after)."""
-    u: dict[str, Any] = {"k": "i", "s": sid, "v": value}
-    if accum is not None:
-        u["a"] = accum
-    if version is not None:
-        u["n"] = version
-    return u
-
-
-def row_install_update(sid: str, data: bytes, version: int | None = None) -> dict[str, Any]:
-    u: dict[str, Any] = {"k": "j", "s": sid, "b": data}
-    if version is not None:
-        u["n"] = version
-    return u
-
-
 #: str(dtype).encode() by dtype: numpy's dtype.__str__ is Python code, and took a third of the
 #: digest's time over a 256 KiB delta (issue 27's profile of an RF 3 push)
 _DTYPE_NAMES: dict[np.dtype, bytes] = {}
@@ -172,7 +108,9 @@ def updates_digest(updates: Iterable[Any]) -> int:
     def walk(x: Any) -> None:
         if isinstance(x, np.ndarray):
             parts.append(_dtype_name(x.dtype))
-            parts.append(memoryview(np.ascontiguousarray(x)).cast("B"))
+            if x.size:  # an empty array has no bytes (and numpy's (0, n) view cannot be cast:
+                # a PREPARE holding one raised TypeError, a 500, before its checks refused it)
+                parts.append(memoryview(np.ascontiguousarray(x)).cast("B"))
         elif isinstance(x, dict):
             for k in sorted(x, key=str):  # a hostile map may mix key types
                 parts.append(str(k).encode())
@@ -223,7 +161,10 @@ def batch_to_wire(b: Batch) -> dict[str, Any]:
     return wire
 
 
-def batch_from_wire(d: dict[str, Any]) -> Batch:
+def batch_from_wire(d: dict[str, Any], decode: Callable[[Any], Any] | None = None) -> Batch:
+    """A batch received or read back, its digest verified; with `decode`, each of its updates
+    replaced by what `decode` makes of it (a copy's decoded updates, adamps/server/decode/),
+    after the digest: the wire form kept for resends and flushes is the one received."""
     seq = require(d, "seq", int)
     epoch = require(d, "epoch", int)
     updates = require(d, "updates", list)
@@ -240,15 +181,19 @@ def batch_from_wire(d: dict[str, Any]) -> Batch:
             "bad_request",
             f"batch {seq} of epoch {epoch} fails its checksum: damaged in memory or on the wire",
         )
-    batch = Batch(seq, epoch, tuple(tuple(u) for u in updates), keys)
+    pushes = updates if decode is None else [[decode(u) for u in push] for push in updates]
+    batch = Batch(seq, epoch, tuple(tuple(u) for u in pushes), keys)
     # verified: its wire form when this copy sends or persists it
     _keep(batch, {"seq": seq, "epoch": epoch, "updates": updates, "clients": clients, "x": want})
     return batch
 
 
-def message_from_wire(op: str, msg: dict[str, Any]) -> dict[str, Any]:
+def message_from_wire(
+    op: str, msg: dict[str, Any], decode: Callable[[int], Callable[[Any], Any] | None] | None = None
+) -> dict[str, Any]:
     """A peer's repl_prepare, repl_commit or repl_ping as the replication core steps it: every
-    field checked (ProtocolError bad_request), a PREPARE's batches decoded."""
+    field checked (ProtocolError bad_request), a PREPARE's batches decoded (`decode(bucket)`:
+    the decoder of that bucket's updates, or None to keep them as maps)."""
     if op == "repl_ping":
         sender = require(msg, "sender", str)
         pinged = require(msg, "buckets", dict)
@@ -267,7 +212,8 @@ def message_from_wire(op: str, msg: dict[str, Any]) -> dict[str, Any]:
     raw = require(msg, "entries", list)
     if not all(isinstance(e, dict) for e in raw):
         raise ProtocolError("bad_request", "field 'entries' must be a list of batches")
-    entries = [batch_from_wire(e) for e in raw]
+    dec = None if decode is None else decode(b)
+    entries = [batch_from_wire(e, dec) for e in raw]
     sender, epoch = require(msg, "sender", str), require(msg, "epoch", int)
     commit = require(msg, "commit", int, default=0)
     return {"op": op, "bucket": b, "sender": sender, "epoch": epoch, "entries": entries,
@@ -288,105 +234,3 @@ def _client_key(c: Any) -> tuple[str, int] | None:
     ):
         raise ProtocolError("bad_request", "a batch's clients must be null or [client id, seq]")
     return (c[0], c[1])
-
-
-#: the codes saying that an update names a tensor, shard or table this server does not hold
-UNKNOWN = frozenset({"unknown_tensor", "unknown_shard", "unknown_table"})
-
-
-def deleted_run_of(store: Store, u: Any) -> str | None:
-    """The deleted run (``Store.deleted_runs``) whose tensor or table update `u` names, if any."""
-    if not store.deleted_runs or not isinstance(u, dict):
-        return None
-    s = u.get("s")
-    names = [s] if isinstance(s, str) else list(s) if isinstance(s, list) else []
-    if u.get("k") == "f":  # an fc update also names its tensor ("t" is tau or time elsewhere)
-        names.append(u.get("t"))
-    for name in names:
-        if isinstance(name, str) and (run := runs.run_of(name)) in store.deleted_runs:
-            return run
-    return None
-
-
-def gone_with_run(store: Store, u: Any, exc: Exception) -> bool:
-    """`exc`, raised by update `u`, says that `u` names what a deleted run took away: `u` is
-    then refused alone (issue 39: such an update in a round in flight wedged the bucket)."""
-    return getattr(exc, "code", None) in UNKNOWN and deleted_run_of(store, u) is not None
-
-
-def store_parts(store: Store, updates: Iterable[Any]) -> list[tuple[ShardState, Any]]:
-    """The (shard, update) parts of a batch's pushes, in order; unknown shards and kinds raise,
-    except that an update naming a deleted run's tensor or table, gone here, is refused alone
-    (skipped): the round goes on for the bucket's other updates. Copies that learn of the
-    deletion at different times therefore differ only in the deleted run's values, which every
-    copy drops; every other update is applied by every copy."""
-    parts: list[tuple[ShardState, Any]] = []
-    for push in updates:
-        for u in push:
-            try:
-                parts += update_parts(store, u)
-            except (StoreError, ProtocolError) as exc:
-                if not gone_with_run(store, u, exc):
-                    raise
-    return parts
-
-
-class Checked(dict):
-    """An update as the primary validated it, holding the store parts it was validated into:
-    applied as they are when its round commits here. Issue 36: the primary validated a push
-    into store parts, dropped them, and rebuilt them from the map at commit (a compressed
-    update decoded twice). On the wire and on disk it is the plain map it is; every other copy
-    builds the parts from that map (after repl_check.py's checks)."""
-
-    __slots__ = ("parts",)
-
-
-def checked(u: dict[str, Any], parts: list[tuple[ShardState, Any]]) -> Checked:
-    c = Checked(u)
-    c.parts = parts
-    return c
-
-
-def _current(store: Store, st: ShardState) -> bool:
-    """`st` is still the state this store holds under its id (not a deleted run's, not one
-    released and held again since the push was validated)."""
-    held = store.tables.shards if isinstance(st, RowShardState) else store.shards
-    return held.get(st.id) is st
-
-
-def update_parts(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, Any]]:
-    """The (shard, update) parts of one update; unknown shards and kinds raise."""
-    parts = getattr(u, "parts", None)
-    if parts is not None:
-        # Applied once, at commit: not held on in the replication log (a resend or a flush
-        # uses the map), so the log keeps no second, expanded form of its updates.
-        u.parts = None  # type: ignore[attr-defined]
-        if all(_current(store, st) for st, _ in parts):
-            return parts  # validated by this primary: nothing rebuilt
-    kind = u["k"]
-    if kind == "d":
-        st = store.shard(u["s"])
-        return [(st, Dense(u["d"], named_optimizer(store, u, st.shard.tensor)))]
-    if kind == "f":
-        t = store.tensor(u["t"])
-        opt = named_optimizer(store, u, u["t"])
-        return fc_parts(t, u["a"], u["e"], [store.shard(s) for s in u["s"]], opt)
-    if kind == "c":
-        st = store.shard(u["s"])
-        sg = signs_of_wire(u, st.shard.size)
-        opt = named_optimizer(store, u, st.shard.tensor)
-        return [(st, sg if opt is None else Signs(sg.words, sg.tau, opt))]
-    if kind == "r":  # an embedding table's rows of one bucket (tableops.py)
-        push = RowPush(u["i"], u["g"], float(u["t"]), bool(u.get("a", False)))
-        return [(store.tables.shard(u["s"]), push)]
-    if kind == "i":  # a checkpoint's shard, whole (install.py)
-        st = store.shard(u["s"])
-        return [(st, install_of(u, st))]
-    if kind == "j":  # a checkpoint's row shard, whole (install.py)
-        data = u["b"]
-        if not isinstance(data, bytes):
-            raise ProtocolError("bad_request", "a row install needs bytes 'b'")
-        return [(store.tables.shard(u["s"]), RowInstall(data, version_of(u)))]
-    if kind == "v":  # a vector operation (Sandblaster, vecwire.py)
-        return vecwire.parts_of(store, u)
-    raise ProtocolError("bad_request", f"unknown update kind {kind!r}")

@@ -5,9 +5,10 @@ A round names, all optional (at least one): ``layers``, ``dense_shards`` + ``den
 ``push_fc`` round), ``compressed`` (shard -> Strom update, as ``push_compressed``'s
 ``shards``), ``rows`` (a list of ``{"table", "ids", "grads"}``, each as a
 ``push_rows``) and ``fetch_rows`` (a list of ``{"table", "ids"}``, each as a ``pull_rows``).
-Nothing here decides how a write is applied: the dense half decodes into the parts push_fc
-produces (``WritePath.decode_round``), each table's rows into the parts push_rows produces
-(``TableOps.decode_push``), and the round's writes then take the one write path once, under
+Nothing here decides how a write is applied: each part is decoded by its kind's decoder
+(adamps/server/decode/): the dense half into the parts push_fc produces
+(``WritePath.decode_round``), each table's rows into the parts push_rows produces
+(``TableOps.decode_push``), the compressed updates into push_compressed's, and the round's writes then take the one write path once, under
 the round's (client, seq): one deduplicated entry per bucket holding its dense and row updates,
 so a retried round is applied exactly once per bucket, rows included.
 
@@ -32,14 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from adamps.protocol import ProtocolError
+from adamps.server.decode import compressed
 from adamps.server.tableops import TableOps
-from adamps.server.writepath import (
-    DECODE_OFF_LOOP,
-    WritePath,
-    compressed_codes,
-    compressed_wire,
-    signs_with_hyper,
-)
+from adamps.server.writepath import WritePath
 
 #: most tables one round may push or fetch (each entry is checked and cut on its own)
 MAX_TABLES = 64
@@ -96,8 +92,9 @@ class RoundOp:
         decode: Callable[[], list[Any]] = list
         codes = 0
         if "compressed" in msg:  # Strom's updates of other shards, as push_compressed's
-            decode, _large = self.writes.compressed_decoder({"shards": msg["compressed"]})
-            codes = compressed_codes(msg["compressed"])
+            shards = {"shards": msg["compressed"]}
+            decode, _large = compressed.decoder(self.writes.store, self.writes.addressing, shards)
+            codes = compressed.codes(msg["compressed"])
         row_parts = []
         n_rows = 0
         for entry in row_pushes:
@@ -114,14 +111,14 @@ class RoundOp:
                 check()
             return decode()
 
-        large = codes > DECODE_OFF_LOOP or sum(n for n, _ in later) >= CHECK_OFF_LOOP
+        large = codes > compressed.DECODE_OFF_LOOP or sum(n for n, _ in later) >= CHECK_OFF_LOOP
         signs = await asyncio.to_thread(work) if large else work()
-        signs = signs_with_hyper(signs, msg, self.writes.store.tensors)
+        signs = compressed.with_hyper(signs, msg, self.writes.store.tensors)
         if signs:
             named = {st.id for _wire_states, _ in wire for st in _wire_states}
             if any(st.id in named for st, _u, _d in signs):
                 raise ProtocolError("bad_request", "round names a shard twice")
-            wire += compressed_wire(signs)
+            wire += compressed.wire(signs)
         if not wire and not checked:
             raise ProtocolError(
                 "bad_request", "round needs 'layers', 'dense', 'compressed', 'rows' or 'fetch_rows'"

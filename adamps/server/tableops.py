@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from adamps.protocol import ProtocolError, require, require_array
-from adamps.server import bounds
 from adamps.server.config import PsConfig
+from adamps.server.decode import rows
 from adamps.server.replicate import Replicator
 from adamps.server.rowblock import RowPush
 from adamps.server.rowtables import RowShardState, TableState
@@ -44,16 +44,6 @@ async def off_loop(n_ids: int, fn: Callable[..., T], *args: Any) -> T:
     if n_ids < OFF_LOOP_IDS:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
-
-
-def row_update(
-    sid: str, ids: np.ndarray, grads: np.ndarray, now: float, assign: bool = False
-) -> dict[str, Any]:
-    """A push's part for one row shard, in a replication batch (``a``: put_rows' values)."""
-    u = {"k": "r", "s": sid, "i": ids, "g": grads, "t": now}
-    if assign:
-        u["a"] = True
-    return u
 
 
 class TableOps:
@@ -177,13 +167,8 @@ class TableOps:
         field = "values" if assign else "grads"
         grads = require_array(msg, field, shape=(len(ids), t.spec.dim), finite=False)
 
-        def check() -> None:
-            bounds.check_dense(field, grads)  # finite, and small enough to stay finite
-            if assign:
-                uniq, counts = np.unique(ids, return_counts=True)
-                if len(uniq) != len(ids):
-                    dup = int(uniq[counts > 1][0])
-                    raise ProtocolError("bad_request", f"put_rows names id {dup} more than once")
+        def check() -> None:  # what every copy checks of the replicated update (decode/rows.py)
+            rows.check_values(field, ids, grads, assign)
 
         if later is None:  # a pass over every value (and a sort): off the loop when large
             await off_loop(len(ids), check)
@@ -213,7 +198,7 @@ class TableOps:
         pieces = await off_loop(len(ids), cut)
         now = time.time()
         wire = [
-            ([st], lambda _sts, st=st, i=i, g=g: row_update(st.id, i, g, now, assign))
+            ([st], lambda _sts, st=st, i=i, g=g: rows.update(st.id, i, g, now, assign))
             for st, i, g in pieces
         ]
         return len(ids), wire, lambda: [(st, RowPush(i, g, now, assign)) for st, i, g in pieces]

@@ -21,7 +21,6 @@ docs/protocol-ps.md specifies both ops.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -29,12 +28,11 @@ import numpy as np
 from adamps.layout import VECTOR_SEP, parse_shard_id
 from adamps.protocol import ProtocolError, require, require_array
 from adamps.server.addressing import Addressing
-from adamps.server.bounds import MAX_LR, MAX_VALUE
+from adamps.server.decode import vector
 from adamps.server.shards import ShardState
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
 from adamps.server.vecapply import KINDS
-from adamps.server.vecwire import parts_of, resolve
 from adamps.server.writepath import WritePath
 
 # -- names ---------------------------------------------------------------------------------------
@@ -47,15 +45,6 @@ def _vector_name(msg: dict[str, Any], field: str) -> str:
             "bad_request", f"field {field!r}: a vector name without '@' or '/', got {name!r}"
         )
     return name
-
-
-def _alpha(msg: dict[str, Any]) -> float:
-    a = msg.get("alpha")
-    if isinstance(a, bool) or not isinstance(a, int | float) or not math.isfinite(a):
-        raise ProtocolError("bad_request", f"field 'alpha' must be a finite number, got {a!r}")
-    if abs(a) > MAX_LR:
-        raise ProtocolError("bad_request", f"|alpha| must be <= {MAX_LR:g}, got {a!r}")
-    return float(a)
 
 
 class VectorOps:
@@ -90,19 +79,15 @@ class VectorOps:
         takes_x, takes_alpha = KINDS[kind]
         y = _vector_name(msg, "y")
         x = _vector_name(msg, "x") if takes_x else ""
-        alpha = _alpha(msg) if takes_alpha else 0.0
+        alpha = vector.alpha(msg.get("alpha")) if takes_alpha else 0.0
         bases = self._base_ids(msg)
         wire: dict[str, Any] = {"k": "v", "o": kind, "y": y, "x": x, "a": alpha}
         if kind == "set":
-            values = require_array(msg, "values", shape=(None,))
-            if values.size and float(np.abs(values).max()) > MAX_VALUE:
-                raise ProtocolError(
-                    "bad_request", f"set: values must be at most {MAX_VALUE:g} in magnitude"
-                )
+            values = vector.set_values(require_array(msg, "values", shape=(None,)))
             wire["v"], wire["f"] = values, require(msg, "offset", int, default=0)
         for base in bases:  # everything resolved before anything is queued
             self.store.shard(base)
-        parts = parts_of(self.store, {**wire, "s": bases})
+        parts = vector.parts_of(self.store, {**wire, "s": bases})
         by_id = {dst.id: base for base, (dst, _) in zip(bases, parts, strict=True)}
         # One group per shard, alone (a barrier): later updates never overtake the op's reads.
         return await self.writes.replicate_or_apply(
@@ -116,7 +101,9 @@ class VectorOps:
         """x . y per named base shard, in float64, after every update acknowledged before."""
         x, y = _vector_name(msg, "x"), _vector_name(msg, "y")
         bases = self._base_ids(msg)
-        pairs = [(resolve(self.store, b, x), resolve(self.store, b, y)) for b in bases]
+        pairs = [
+            (vector.resolve(self.store, b, x), vector.resolve(self.store, b, y)) for b in bases
+        ]
         for b, (xs, ys) in zip(bases, pairs, strict=True):
             # A vector created with another shape than its base (issue 28: np.dot raised, a 500)
             if xs.value.shape != ys.value.shape:

@@ -3,8 +3,9 @@
 validate -> durability and lease check -> replicate or apply. Every push, from ``POST /rpc`` (``app.py``) or the
 binary data plane (``dataplane.py``), comes here and nowhere else:
 
-1. validate: every field (shard ids, dtypes, shapes, finite bounds) before anything is queued, so a
-   bad request changes nothing;
+1. validate: the role of every shard named, then every field (dtypes, shapes, finite bounds) by
+   the update kind's decoder (adamps/server/decode/, the one every copy runs on the replicated
+   update), before anything is queued, so a bad request changes nothing;
 2. on a replicated server, ``Replicator.push`` checks that this server is the primary of every
    bucket named, with a lease it still holds (``not_primary``, ``bucket_unavailable``), recognizes
    a retried ``(client, seq)`` (exactly once), and returns once its rounds are decided;
@@ -27,68 +28,19 @@ import numpy as np
 
 from adamps import runs
 from adamps.layout import Shard
-from adamps.protocol import MAX_FC_K, ProtocolError, require, require_array
-from adamps.server import bounds
+from adamps.protocol import ProtocolError, require
 from adamps.server.addressing import Addressing
-from adamps.server.compressed import wire_form, words_of
 from adamps.server.config import PsConfig
+from adamps.server.decode import checked, compressed, dense, fc
+from adamps.server.decode.fields import Later
 from adamps.server.hyper import push_hyper
-from adamps.server.optim import Dense, Signs
-from adamps.server.repl_wire import checked, dense_update, fc_update, sign_update
+from adamps.server.optim import Signs
 from adamps.server.replicate import Replicator
 from adamps.server.rowtables import RowShardState
 from adamps.server.shards import ShardState, fc_parts
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
 from adamps.server.write_hold import WriteHold
-
-#: codes (elements sent) of one compressed push above which it is decoded off the event loop:
-#: expanding a full 1 MB shard (262,144 codes) takes about 17 ms here, and a push may name many
-#: shards; below this the thread hop would cost more than the decoding (about 4 ms at most)
-DECODE_OFF_LOOP = 1 << 16
-
-
-def compressed_codes(updates: dict[Any, Any]) -> int:
-    """The codes a push_compressed's shards declare (Rice ``n``, or the words' count): what
-    decoding it costs. A stream that lies about its ``n`` is refused by the decoder's bound
-    check before it expands (adamps.codec.rice_decode)."""
-    total = 0
-    for d in updates.values():
-        if not isinstance(d, dict):
-            continue
-        n, words = d.get("n"), d.get("words")
-        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            total += n
-        if isinstance(words, np.ndarray):
-            total += words.size
-    return total
-
-
-def compressed_wire(
-    parts: list[tuple[ShardState, Signs, Any]],
-) -> list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]]:
-    """The compact (replication) form of a decoded push_compressed: its compressed form (and
-    the hyperparameters its push named, `Signs.opt`)."""
-    return [([st], lambda sts, u=u, d=d: sign_update(sts[0].id, u.tau, wire_form(d), _o(u)))
-            for st, u, d in parts]  # fmt: skip
-
-
-def _o(u: Any) -> dict[str, Any] | None:
-    """The wire form of the optimizer a push named for update `u` (None: the tensor's own)."""
-    return None if u.opt is None else u.opt.to_dict()
-
-
-def signs_with_hyper(
-    parts: list[tuple[ShardState, Signs, Any]], msg: dict[str, Any], tensors: Any
-) -> list[tuple[ShardState, Signs, Any]]:
-    """Decoded compressed updates with the hyperparameters `msg` names for their tensors."""
-    hyper = push_hyper(msg, tensors)
-    if not hyper:
-        return parts
-    return [
-        (st, Signs(u.words, u.tau, hyper[st.shard.tensor][0]) if st.shard.tensor in hyper else u, d)
-        for st, u, d in parts
-    ]
 
 
 class WritePath:
@@ -131,63 +83,18 @@ class WritePath:
     # -- POST /rpc ----------------------------------------------------------------------------------
 
     async def op_push_dense(self, msg: dict[str, Any]) -> dict[str, Any]:
-        parts: list[tuple[ShardState, Dense]] = []
         if "tensor" in msg:
-            name = require(msg, "tensor", str)
-            sts = self.addressing.held(name)
-            delta = require_array(
-                msg, "delta", shape=self.store.tensors[name].spec.shape, finite=False
-            )
-            bounds.check_dense("delta", delta)  # finite, and small enough to stay finite
-            flat = delta.reshape(-1)
-            opt = push_hyper(msg, self.store.tensors).get(name, (None,))[0]
-            parts = [(st, Dense(flat[st.shard.start : st.shard.stop], opt)) for st in sts]
+            parts = dense.of_tensor(self.store, self.addressing, msg)
         else:
-            parts = self._dense_shard_parts(require(msg, "shards", dict), arrays=True)
-            parts = _dense_with_hyper(parts, push_hyper(msg, self.store.tensors))
-        return await self._replicate_or_apply(msg, self._dense_wire(parts), lambda: parts)
+            deltas = require(msg, "shards", dict)
+            parts = dense.of_shards(self.store, self.addressing, deltas, self._limit, arrays=True)
+            parts = dense.with_hyper(parts, push_hyper(msg, self.store.tensors))
+        return await self._replicate_or_apply(msg, dense.wire(parts), lambda: parts)
 
-    def _dense_shard_parts(
-        self, deltas: dict[str, Any], arrays: bool, checked: bool = False
-    ) -> list[tuple[ShardState, Dense]]:
-        """The checks of a push_dense by shard, from /rpc (`arrays`: wire arrays, checked for
-        dtype and shape) or the data plane (float32 views cut to each shard's shape already):
-        the shard count, the primary role of every bucket named, every shard held here, the
-        finite bounds (`checked`: already found within them over the whole payload,
-        bounds.within). Raises before anything is queued."""
-        if len(deltas) > self.cfg.max_shards_per_request:
-            raise ProtocolError(
-                "too_large",
-                f"push_dense names {len(deltas)} shards; the limit is "
-                f"{self.cfg.max_shards_per_request}",
-            )
-        self.addressing.check_ids(deltas)
-        parts: list[tuple[ShardState, Dense]] = []
-        for sid in deltas:
-            if not isinstance(sid, str):
-                raise ProtocolError("bad_request", "field 'shards' must map shard ids to arrays")
-            st = self.store.shard(sid)
-            if arrays:
-                d = require_array(deltas, sid, shape=st.shard.shape, finite=False)
-            else:
-                d = deltas[sid]
-                if d.shape != st.shard.shape:  # cut by the layout the meta was checked against
-                    raise ProtocolError("bad_shape", f"shard {sid!r} changed shape meanwhile")
-            if not checked:
-                bounds.check_dense(sid, d)
-            parts.append((st, Dense(d)))
-        if not parts:
-            raise ProtocolError(
-                "bad_request", "push_dense needs 'tensor' + 'delta' or a non-empty 'shards'"
-            )
-        return parts
-
-    def _dense_wire(
-        self, parts: list[tuple[ShardState, Dense]]
-    ) -> list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]]:
-        """The compact (replication) form of a checked push_dense (and of a push's hyper)."""
-        return [([st], lambda sts, u=upd: dense_update(sts[0].id, u.delta, _o(u)))
-                for st, upd in parts]  # fmt: skip
+    @property
+    def _limit(self) -> int:
+        """Most shards one push may name (PsConfig.max_shards_per_request)."""
+        return self.cfg.max_shards_per_request
 
     async def op_push_fc(self, msg: dict[str, Any]) -> dict[str, Any]:
         """One layer's vectors (`tensor`, `a`, `e`, optional `shards`), or a trainer's whole
@@ -202,7 +109,7 @@ class WritePath:
         self,
         msg: dict[str, Any],
         empty_ok: bool = False,
-        later: list[tuple[int, Callable[[], None]]] | None = None,
+        later: Later | None = None,
     ) -> tuple[
         list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]],
         Callable[[], list[tuple[ShardState, Any]]],
@@ -213,7 +120,7 @@ class WritePath:
         appended there as (bytes, check) instead of run now: the round runs them before it
         queues anything, on a worker thread when they are large), each update with the
         hyperparameters the push names for its tensor (`hyper`)."""
-        fc: list[tuple[str, Any, np.ndarray, np.ndarray, list[ShardState]]] = []
+        layers_: list[fc.Layer] = []
         if "layers" in msg:
             layers = require(msg, "layers", dict)
             for name, layer in layers.items():
@@ -221,118 +128,39 @@ class WritePath:
                     raise ProtocolError(
                         "bad_request", "field 'layers' must map tensor names to {a, e, shards}"
                     )
-                fc.append(self._fc_layer(name, layer, later))
+                layers_.append(fc.layer(self.store, self.addressing, name, layer, later))
         elif "tensor" in msg or ("dense" not in msg and not empty_ok):
-            fc.append(self._fc_layer(require(msg, "tensor", str), msg, later))
-        dense = self._dense_round(msg, later) if "dense" in msg else []
+            name = require(msg, "tensor", str)
+            layers_.append(fc.layer(self.store, self.addressing, name, msg, later))
+        deltas = (
+            dense.of_round(self.store, self.addressing, msg, self._limit, later)
+            if "dense" in msg
+            else []
+        )
         # after the role checks of the shards named (a server without its data yet knows no
         # tensor: its unknown_tensor must not refuse a push the primary may take)
         hyper = push_hyper(msg, self.store.tensors)
-        dense = _dense_with_hyper(dense, hyper)
-        if not fc and not dense and not empty_ok:
+        deltas = dense.with_hyper(deltas, hyper)
+        if not layers_ and not deltas and not empty_ok:
             raise ProtocolError("bad_request", "push_fc needs 'tensor', or 'layers' or 'dense'")
-        if len(fc) + len(dense) > 1:
-            named = [st.id for *_, sts in fc for st in sts] + [st.id for st, _ in dense]
+        if len(layers_) + len(deltas) > 1:
+            named = [st.id for *_, sts in layers_ for st in sts] + [st.id for st, _ in deltas]
             if len(set(named)) != len(named):
                 raise ProtocolError("bad_request", "push_fc names a shard twice")
         wire: list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]] = [
-            (states, lambda sts, name=name, a=a, e=e: fc_update(
+            (states, lambda sts, name=name, a=a, e=e: fc.update(
                 name, [st.id for st in sts], a, e, hyper.get(name, (None, None))[1]))
-            for name, _t, a, e, states in fc
+            for name, _t, a, e, states in layers_
         ]  # fmt: skip
-        wire += self._dense_wire(dense)
+        wire += dense.wire(deltas)
 
         def parts() -> list[tuple[ShardState, Any]]:
             out: list[tuple[ShardState, Any]] = []
-            for _name, t, a, e, states in fc:
+            for _name, t, a, e, states in layers_:
                 out += fc_parts(t, a, e, states, hyper.get(_name, (None,))[0])
-            return out + dense
+            return out + deltas
 
         return wire, parts
-
-    def _dense_round(
-        self, msg: dict[str, Any], later: list[tuple[int, Callable[[], None]]] | None = None
-    ) -> list[tuple[ShardState, Dense]]:
-        """A round's dense deltas: `dense_shards` (ids) and `dense`, their values one after the
-        other in one float32 array (one array to decode and bound, not one per shard)."""
-        states = self.addressing.shard_ids(msg, "dense_shards", twice_ok=False)
-        values = require_array(msg, "dense", shape=(None,), finite=False)
-        want = sum(st.shard.size for st in states)
-        if values.size != want:
-            raise ProtocolError(
-                "bad_shape", f"field 'dense' needs {want} values for its shards, got {values.size}"
-            )
-        deltas, pos = {}, 0
-        for st in states:
-            deltas[st.id] = values[pos : pos + st.shard.size].reshape(st.shard.shape)
-            pos += st.shard.size
-        # the bound of every shard's part at once
-        _check(later, values.nbytes, lambda: bounds.check_dense("dense", values))
-        return self._dense_shard_parts(deltas, arrays=False, checked=True) if deltas else []
-
-    def _fc_layer(
-        self,
-        name: str,
-        fields: dict[str, Any],
-        later: list[tuple[int, Callable[[], None]]] | None = None,
-    ) -> tuple[str, Any, np.ndarray, np.ndarray, list[ShardState]]:
-        """The checks of one layer's vectors: a 2-D tensor cut on whole rows, a (k x N) and e
-        (k x M) within the bounds, `shards` (optional) unique shards of that tensor."""
-        if isinstance(fields.get("shards"), list):
-            # The role first, as for every op naming shard ids: a server restarted without its
-            # data knows no tensor until a state transfer, and its 404 unknown_tensor to a client
-            # with an old routing table would refuse for good a push the new primary may hold.
-            self.addressing.check_ids(fields["shards"])
-        t = self.store.tensor(name)
-        if len(t.spec.shape) != 2 or not all(s.rows_aligned for s in t.layout_shards):
-            raise ProtocolError(
-                "bad_request",
-                f"push_fc needs a 2-D tensor cut on whole rows; {name!r} has shape {list(t.spec.shape)}",
-            )
-        m, n = t.spec.shape
-        a = require_array(fields, "a", shape=(None, n), finite=False)
-        e = require_array(fields, "e", shape=(None, m), finite=False)
-        k = a.shape[0]
-        if not 1 <= k <= MAX_FC_K or e.shape[0] != k:
-            raise ProtocolError(
-                "bad_shape",
-                f"a and e need the same number of rows k, 1 <= k <= {MAX_FC_K}; got {a.shape[0]} and {e.shape[0]}",
-            )
-        _check(later, a.nbytes + e.nbytes, lambda: bounds.check_fc(a, e))
-        if "shards" in fields:
-            states = self.addressing.shard_ids(fields, "shards", twice_ok=False)
-            wrong = [st.id for st in states if st.shard.tensor != name]
-            if wrong:
-                raise ProtocolError("bad_request", f"shards {wrong} are not shards of {name!r}")
-        else:
-            states = self.addressing.held(name)
-        return name, t, a, e, states
-
-    def compressed_decoder(
-        self, msg: dict[str, Any]
-    ) -> tuple[Callable[[], list[tuple[ShardState, Signs, Any]]], bool]:
-        """The checks of a push_compressed that need the server's state (ids, held shards),
-        done now, on the event loop; returns the rest, the decoding of each shard's words or
-        Rice stream (pure: safe on a worker thread), and whether that decoding is large enough
-        to run off the event loop (more than DECODE_OFF_LOOP codes)."""
-        updates = require(msg, "shards", dict)
-        if not updates:
-            raise ProtocolError("bad_request", "push_compressed needs a non-empty 'shards' map")
-        self.addressing.check_ids(updates)
-        shards: list[tuple[str, ShardState, Any]] = []
-        for sid, d in updates.items():
-            if not isinstance(sid, str):
-                raise ProtocolError("bad_request", "field 'shards' must map shard ids to updates")
-            shards.append((sid, self.store.shard(sid), d))
-
-        def decode() -> list[tuple[ShardState, Signs, Any]]:
-            parts = []
-            for sid, st, d in shards:
-                words, tau = words_of(d, st.shard.size, f"shard {sid!r}")
-                parts.append((st, Signs(words, tau), d))
-            return parts
-
-        return decode, compressed_codes(updates) > DECODE_OFF_LOOP
 
     async def prepare_compressed(
         self, msg: dict[str, Any]
@@ -340,7 +168,7 @@ class WritePath:
         """A push_compressed checked and decoded (on a worker thread when large), nothing
         queued yet: the data plane queues it (`op_push_compressed` with the parts) before it
         reads the connection's next frame."""
-        decode, large = self.compressed_decoder(msg)
+        decode, large = compressed.decoder(self.store, self.addressing, msg)
         return msg, (await asyncio.to_thread(decode) if large else decode())
 
     async def apply_compressed(
@@ -361,9 +189,9 @@ class WritePath:
         off the loop itself, holding the connection's later frames so that they stay behind)."""
         if parts is None:
             msg, parts = await self.prepare_compressed(msg)
-        parts = signs_with_hyper(parts, msg, self.store.tensors)
+        parts = compressed.with_hyper(parts, msg, self.store.tensors)
         return await self._replicate_or_apply(
-            msg, compressed_wire(parts), lambda: [(st, u) for st, u, _ in parts]
+            msg, compressed.wire(parts), lambda: [(st, u) for st, u, _ in parts]
         )
 
     # -- the data plane ---------------------------------------------------------------------------
@@ -407,7 +235,9 @@ class WritePath:
             pos += s.size
         if pos != delta.size:
             raise ProtocolError("bad_length", "the payload does not match the shards it names")
-        parts = self._dense_shard_parts(deltas, arrays=False, checked=checked)
+        parts = dense.of_shards(
+            self.store, self.addressing, deltas, self._limit, arrays=False, checked=checked
+        )
         self.check_durable()
 
         def reply(versions: dict[str, int]) -> tuple[dict[str, Any], None]:
@@ -420,7 +250,7 @@ class WritePath:
             return owner_future(lambda cb: self.store.push(parts, cb)), reply
         # Replicator.push submits to every bucket before its first await, and tasks start in
         # the order created: the pushes of one connection enter their rounds in the order sent.
-        task = asyncio.ensure_future(self._replicate(meta, self._dense_wire(parts), parts))
+        task = asyncio.ensure_future(self._replicate(meta, dense.wire(parts), parts))
         return task, lambda _r: reply({})
 
     # -- replicate or apply -------------------------------------------------------------------------
@@ -443,7 +273,7 @@ class WritePath:
         """A validated push: through the replication rounds of its buckets on a replicated
         server (`wire`: shards and the builder of their compact update), else applied here
         (`parts`: the store's form). Replicated, the parts are built now and ride with the
-        compact updates (repl_wire.Checked): this server applies them when the rounds commit,
+        compact updates (decode.Checked): this server applies them when the rounds commit,
         nothing rebuilt."""
         self.check_durable()
         if self.replicator is not None:
@@ -461,11 +291,9 @@ class WritePath:
     ) -> dict[str, Any]:
         """`_replicate_or_apply` for other writers (Sandblaster's vector ops, vecops.py); with
         `group` a standalone server applies the parts as one group per shard, alone (a barrier:
-        no update queued later is applied before it)."""
-        if self.replicator is not None and group:  # vector ops: built from the map at commit
-            self.check_durable()
-            return await self._replicate(msg, wire, None)
-        if not group:
+        no update queued later is applied before it; replicated, every batch is applied so).
+        Replicated, the parts decoded here ride with their maps to the commit, as a push's."""
+        if self.replicator is not None or not group:
             return await self._replicate_or_apply(msg, wire, parts)
         self.check_durable()
         self._record_client(msg)
@@ -481,7 +309,7 @@ class WritePath:
         """A checked push through the replication rounds of its buckets: (shards, compact
         update) pairs, grouped by bucket, each bucket's part a single deduplicated entry;
         `parts`: the store parts it was validated into, which this server applies when the
-        rounds commit (repl_wire.Checked), or None (built from the compact form then)."""
+        rounds commit (decode.Checked), or None (built from the compact form then)."""
         assert self.replicator is not None
         # Admitted here, before the first await (a data-plane push's task may start after a
         # hold began): a push is either refused by a hold or counted until it is decided.
@@ -521,7 +349,7 @@ class WritePath:
 
     def _refuse_deleted(self, states: Iterable[ShardState]) -> None:
         """A push decided while its run was deleted (docs/protocol-ps.md): its updates to the
-        run's tensors or tables were refused where the deletion was known (repl_wire.store_parts)
+        run's tensors or tables were refused where the deletion was known (decode.store_parts)
         or dropped with them, so the client gets unknown_tensor (unknown_table), not ok."""
         for st in states:
             if isinstance(st, RowShardState):
@@ -534,28 +362,6 @@ class WritePath:
                     f"{name!r} was deleted with its run {runs.run_of(name)!r} while this push was "
                     "in flight: its updates to it are not applied (those to other names are)",
                 )
-
-
-def _check(
-    later: list[tuple[int, Callable[[], None]]] | None, nbytes: int, check: Callable[[], None]
-) -> None:
-    """Runs a bounds check now, or appends it to `later` (with the bytes it reads)."""
-    if later is None:
-        check()
-    else:
-        later.append((nbytes, check))
-
-
-def _dense_with_hyper(
-    parts: list[tuple[ShardState, Dense]], hyper: dict[str, Any]
-) -> list[tuple[ShardState, Dense]]:
-    """Dense parts with the hyperparameters their push named for their tensors."""
-    if not hyper:
-        return parts
-    return [
-        (st, Dense(u.delta, hyper[st.shard.tensor][0]) if st.shard.tensor in hyper else u)
-        for st, u in parts
-    ]
 
 
 def _parts_by_state(

@@ -2,7 +2,7 @@
 
 The primary validated a push into store parts (a compressed update decoded, fc vectors cut per
 shard, row pushes), dropped them, encoded the compact maps, and rebuilt the parts from the maps
-when the round committed. Now the parts ride with the maps (``repl_wire.Checked``) and are
+when the round committed. Now the parts ride with the maps (``decode.Checked``) and are
 applied as they are, once; the map alone goes on the wire and to disk, and is what every later
 use (a resend, a flush, a state that changed meanwhile) builds from.
 
@@ -20,10 +20,11 @@ import pytest
 from adamps import codec, protocol
 from adamps.core.repl_types import Batch
 from adamps.layout import TensorSpec
-from adamps.server import bucket_copy, repl_wire
+from adamps.server import bucket_copy, repl_check
+from adamps.server.decode import checked, compressed, store_parts
 from adamps.server.initial import normalize_init
 from adamps.server.optim import Optimizer, Signs
-from adamps.server.repl_wire import checked, sign_update, store_parts
+from adamps.server.repl_wire import batch_to_wire
 from adamps.server.store import Store
 from adamps.server.tickets import owner_future
 from adamps.server.writepath import _parts_by_state
@@ -45,15 +46,15 @@ def store() -> Iterator[Store]:
 def validated(store: Store, sid: str) -> tuple[dict, list]:
     """A compressed update of shard `sid` as the primary validates it: decoded once."""
     words = codec.pack_words(np.array([0, 5]), np.array([False, True]))
-    u = sign_update(sid, 0.5, {"w": words})
+    u = compressed.update(sid, 0.5, {"w": words})
     st = store.shard(sid)
     return u, [(st, Signs(words, 0.5))]
 
 
 def count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
-    real = repl_wire.signs_of_wire
-    monkeypatch.setattr(repl_wire, "signs_of_wire", lambda u, n: calls.append(1) or real(u, n))
+    real = compressed.words_of
+    monkeypatch.setattr(compressed, "words_of", lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -109,20 +110,23 @@ def test_no_part_is_kept_when_a_shard_is_named_twice_or_has_none(store: Store) -
     assert _parts_by_state([([st], None)], None) is None
 
 
-def test_a_secondary_checks_a_batch_without_building_its_parts_twice(
+def test_a_secondary_decodes_a_batch_once_from_its_prepare_to_its_commit(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its PREPARE's check decoded a compressed update, then built the parts (decoding it
-    again) and dropped them; the commit built them a third time."""
-    from adamps.server import repl_check
-
+    """Its PREPARE's check decoded a compressed update and dropped the result; the commit
+    decoded it again (issue 41, item 2). Now the PREPARE's decoding is what the commit
+    applies."""
     decodes = count_decodes(monkeypatch)
-    real = repl_check.signs_of_wire
-    monkeypatch.setattr(repl_check, "signs_of_wire", lambda u, n: decodes.append(1) or real(u, n))
     u, _parts = validated(store, "keep/0")
-    wire = protocol.decode(protocol.encode({"u": u}))["u"]  # as a secondary receives it
-    repl_check.check_batches(store, [Batch(1, 1, ((wire,),), (None,))])
+    prepare = {"bucket": 0, "sender": "ps0", "epoch": 1, "commit": 0,
+               "entries": [batch_to_wire(Batch(1, 1, ((u,),), (None,)))]}  # fmt: skip
+    msg = protocol.decode(protocol.encode(prepare))  # as a secondary receives it
+    m = asyncio.run(repl_check.checked_message(store, {0}, "repl_prepare", msg))
     assert decodes == [1]
+    before = value(store, "keep/0").copy()
+    bucket_copy.apply_batches(store, m["entries"])
+    assert decodes == [1], "the commit decoded the update the PREPARE had decoded already"
+    assert (value(store, "keep/0") - before)[0] == pytest.approx(0.5)
 
 
 def test_a_committed_batch_is_applied_without_a_round_trip_through_the_event_loop(

@@ -11,9 +11,11 @@ from adamps import codec
 from adamps.codec import parse_taus
 from adamps.layout import Layout, TensorSpec
 from adamps.server import optim
-from adamps.server.compressed import signs_of_wire, words_of
+from adamps.server.decode import compressed
+from adamps.server.decode.compressed import words_of
+from adamps.server.initial import normalize_init
 from adamps.server.optim import Dense, Fc, Optimizer, Scratch, Signs
-from adamps.server.repl_wire import sign_update
+from adamps.server.store import Store
 from trainer.compress import Compressor, Encoded, TensorCompressor
 
 # -- server: sparse apply == dense apply of the decoded delta ----------------------------------
@@ -97,9 +99,16 @@ def test_replicated_form_decodes_to_the_same_update_as_the_client_form() -> None
         got, tau = words_of(client, 100, "s")
         assert got.tolist() == words.tolist() and tau == 0.5
         form = {"w": words} if "words" in client else {"r": rice, "n": 3, "b": k}
-        entry = sign_update("x/0", tau, form)
+        entry = compressed.update("x/0", tau, form)
         assert entry["k"] == "c"
-        assert signs_of_wire(entry, 100).words.tolist() == words.tolist()
+        store = Store(n_buckets=1, owner_threads=1)
+        try:
+            opt = Optimizer("sgd", 0.1)
+            store.define(TensorSpec("x", (100,)), opt, normalize_init(None, (100,)), None)
+            [(_st, signs)] = compressed.replicated(store, entry)
+        finally:
+            store.close()
+        assert signs.words.tolist() == words.tolist()
 
 
 @pytest.mark.parametrize(

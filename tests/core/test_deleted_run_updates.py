@@ -7,7 +7,8 @@ client): the batch's other updates are checked (a secondary's PREPARE) and appli
 on the primary and on the secondaries) as before, for every update kind. Before, building the
 store's parts raised StoreError inside the shell's drain, and the bucket took no push again.
 
-Real store (owner threads), the real check and apply of repl_check and bucket_copy; no sockets.
+Real store (owner threads), the real decoders (adamps/server/decode/) and the apply of
+bucket_copy; no sockets.
 """
 
 from __future__ import annotations
@@ -22,20 +23,17 @@ from adamps import codec
 from adamps.core.repl_types import Batch
 from adamps.layout import TensorSpec
 from adamps.protocol import ProtocolError
-from adamps.server import bucket_copy
+from adamps.server import bucket_copy, decode
+from adamps.server.decode import store_parts
+from adamps.server.decode.compressed import update as sign_update
+from adamps.server.decode.dense import update as dense_update
+from adamps.server.decode.fc import update as fc_update
+from adamps.server.decode.install import update as install_update
+from adamps.server.decode.rows import update as row_update
 from adamps.server.initial import normalize_init
 from adamps.server.optim import Optimizer
-from adamps.server.repl_check import check_batches
-from adamps.server.repl_wire import (
-    dense_update,
-    fc_update,
-    install_update,
-    sign_update,
-    store_parts,
-)
 from adamps.server.shards import StoreError
 from adamps.server.store import Store
-from adamps.server.tableops import row_update
 from adamps.tables import TableSpec, row_shard_id
 
 #: every part in bucket 0
@@ -76,6 +74,14 @@ def batch(store: Store) -> Batch:
     keep = dense_update("keep/0", np.full(5, 1.0, np.float32))
     pushes = [(keep,)] + [(u,) for u in f_updates()] + [(keep,), (f_updates()[0], keep)]
     return Batch(1, 1, tuple(pushes), tuple(("c", i) for i in range(len(pushes))))
+
+
+def check_batches(store: Store, batches: list[Batch]) -> None:
+    """A secondary's PREPARE: every update decoded (repl_check.decoder)."""
+    for b in batches:
+        for push in b.updates:
+            for u in push:
+                decode.decoded(store, u)
 
 
 def delete_run_f(store: Store) -> None:

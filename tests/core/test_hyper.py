@@ -15,11 +15,13 @@ import pytest
 from adamps.layout import TensorSpec
 from adamps.protocol import ProtocolError
 from adamps.server import optim
+from adamps.server.decode import replicated as check_update
+from adamps.server.decode import update_parts
+from adamps.server.decode.dense import update as dense_update
+from adamps.server.decode.fc import update as fc_update
 from adamps.server.hyper import push_hyper, with_hyper
 from adamps.server.initial import normalize_init
 from adamps.server.optim import Dense, Fc, Optimizer, Scratch
-from adamps.server.repl_check import check_update
-from adamps.server.repl_wire import dense_update, fc_update, update_parts
 from adamps.server.store import Store
 
 ADAMW = Optimizer.from_dict({"kind": "adamw", "lr": 1e-3, "weight_decay": 0.01})

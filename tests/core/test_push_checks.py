@@ -11,7 +11,8 @@ from adamps.client import PartialPushError, push_checks
 from adamps.client.partial import NOT_SENT, partial_of
 from adamps.client.rpc import RpcError
 from adamps.layout import Layout, TensorSpec
-from adamps.server import bounds, repl_check, writepath
+from adamps.server import bounds
+from adamps.server.decode import fc
 
 LAYOUT = Layout([TensorSpec("w", (6, 4)), TensorSpec("v", (10,))], n_buckets=4, max_shard_elems=8)
 
@@ -26,7 +27,7 @@ def refused(code: str, fn, *args):  # type: ignore[no-untyped-def]
 
 def test_the_client_checks_against_the_servers_bounds() -> None:
     assert push_checks.MAX_GRAD == bounds.MAX_GRAD == protocol.MAX_GRAD
-    assert push_checks.MAX_FC_K == writepath.MAX_FC_K == repl_check.MAX_FC_K
+    assert push_checks.MAX_FC_K == protocol.MAX_FC_K == fc.MAX_FC_K
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

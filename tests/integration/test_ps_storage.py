@@ -14,7 +14,8 @@ from adamps import protocol
 from adamps.config import ConfigError
 from adamps.core.replication import Batch
 from adamps.protocol import ProtocolError
-from adamps.server.repl_wire import batch_from_wire, batch_to_wire, dense_update
+from adamps.server.decode.dense import update as dense_update
+from adamps.server.repl_wire import batch_from_wire, batch_to_wire
 from tests.integration.test_ps_app import start
 
 

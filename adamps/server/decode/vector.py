@@ -1,16 +1,21 @@
-"""Sandblaster's vector operations on the wire: a ``vec`` update in a replication batch
-(``{"k": "v", "o": kind, "s": [base shard ids], "y", "x", "a"[, "v", "f"]}``) turned into the
-store's (destination shard, VecOp) parts, on the primary before it queues and on a secondary
-when a batch arrives. adamps/server/vecops.py serves the requests; vecapply.py applies."""
+"""Sandblaster's vector operations (``vec``; replicated kind ``"v"``: ``{"k": "v", "o": kind,
+"s": [base shard ids], "y", "x", "a"[, "v", "f"]}``) decoded into the store's (destination
+shard, VecOp) parts, on the primary before it queues and on every copy when a batch arrives:
+the same checks (the kind, alpha finite and bounded, set's values bounded and fitting the
+shard, both vectors present beside every base shard). adamps/server/vecops.py serves the
+requests; vecapply.py applies."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from adamps.layout import VECTOR_SEP, parse_shard_id, shard_id
 from adamps.protocol import ProtocolError
+from adamps.server import bounds
+from adamps.server.decode.fields import f32, string, strings
 from adamps.server.shards import ShardState
 from adamps.server.store import Store
 from adamps.server.vecapply import KINDS, VecOp
@@ -38,10 +43,44 @@ def resolve(store: Store, base: str, vector: str) -> ShardState:
     return st
 
 
+def alpha(a: Any) -> float:
+    """A vector op's alpha: a finite number within the learning rate's bound."""
+    if isinstance(a, bool) or not isinstance(a, int | float) or not math.isfinite(a):
+        raise ProtocolError("bad_request", f"field 'alpha' must be a finite number, got {a!r}")
+    if abs(a) > bounds.MAX_LR:
+        raise ProtocolError("bad_request", f"|alpha| must be <= {bounds.MAX_LR:g}, got {a!r}")
+    return float(a)
+
+
+def set_values(values: np.ndarray) -> np.ndarray:
+    """The values a ``set`` writes: bounded like initial values."""
+    if values.size and bounds.max_abs("values", values) > bounds.MAX_VALUE:
+        raise ProtocolError(
+            "bad_request", f"set: values must be at most {bounds.MAX_VALUE:g} in magnitude"
+        )
+    return values
+
+
+def replicated(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, VecOp]]:
+    """A copy's decoding of a ``"v"`` update: what the vec request checked."""
+    if u.get("o") not in KINDS:
+        raise ProtocolError("bad_request", f"unknown vector op {u.get('o')!r}")
+    strings(u, "s", "a vector update")
+    string(u, "y")
+    if KINDS[u["o"]][0]:
+        string(u, "x")
+    alpha(u.get("a", 0.0))
+    if u["o"] == "set":
+        set_values(f32(u, "v", 1))
+        if isinstance(u.get("f"), bool) or not isinstance(u.get("f"), int):
+            raise ProtocolError("bad_request", "replicated batch: set: offset 'f' must be an int")
+    return parts_of(store, u)
+
+
 def parts_of(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, VecOp]]:
-    """The (destination shard, VecOp) pairs of a wire update ``{"k": "v", "o": kind, "s": base
-    shard ids, "y": dst vector, "x": src vector, "a": alpha}``: on the primary before it queues,
-    on a secondary when a batch arrives (which validates shard ids and kinds)."""
+    """The (destination shard, VecOp) pairs of a checked vec update ``{"k": "v", "o": kind,
+    "s": base shard ids, "y": dst vector, "x": src vector, "a": alpha}`` (the request's
+    fields, or `replicated`'s)."""
     kind = u.get("o")
     if kind not in KINDS:
         raise ProtocolError("bad_request", f"unknown vector op {kind!r}")
