@@ -76,7 +76,7 @@ def _phase(addrs: list[str], action: Callable[[], set[str]]) -> dict[str, int]:
 @pytest.mark.xfail(
     strict=False,
     reason="a known, open hold (issue 39): replicating a 128 MiB push held a server's loop 0.1-0.5 s "
-    "in both tries in 1 CI run and in 2 of 6 runs at load 30-45 on 2 cores (4 passed); the "
+    "in both tries in 1 CI run and in 3 of 7 runs at load 30-45 on 2 cores (4 passed); the "
     "loop's stacks (ADAMPS_LOOP_STACKS) show it waiting at idle points (select, a small "
     "np.empty) while worker threads ran msgpack packb/unpackb of the 64 MiB batch (msgpack "
     "copies bins holding the GIL), and it copying 1 MiB writes into the transport's buffer "
