@@ -4,7 +4,13 @@ A record is a sealed (``adamps.server.checksum``) ``<QQQ`` header (version, valu
 accumulator bytes) + values + accumulator. ``pack`` copies the shard's arrays once, straight into
 the final record, on the shard's owner thread (that copy is the flush's consistent snapshot), and
 seals it in place: no ``tobytes`` copy, no ``bytes.join`` copy. A flush therefore holds one copy of
-what it writes, not three; LMDB's ``put`` takes the bytearray as it is.
+what it writes, not three; LMDB's ``put`` takes the record's buffer as it is.
+
+The record is a numpy uint8 array, not a ``bytearray``: ``bytearray(n)`` zero-fills its n bytes
+(and takes their page faults) holding the GIL, and the copy into it then writes them again.
+``np.empty`` touches nothing, and numpy's copy, which takes the page faults, and xxh3 run
+without the GIL: a flush of 16 MiB row-block headers on the owner threads held the event
+loop's thread off the GIL for tens of milliseconds per record on a loaded machine (issue 39).
 
 Pure: no IO, no clock.
 """
@@ -32,7 +38,7 @@ def record_bytes(value: Any, accum: np.ndarray | None) -> int:
     return _SEAL + HEADER.size + _nbytes(value) + (0 if accum is None else accum.nbytes)
 
 
-def pack(version: int, value: Any, accum: np.ndarray | None) -> bytearray:
+def pack(version: int, value: Any, accum: np.ndarray | None) -> np.ndarray:
     """The sealed record of (version, value, accum): one allocation, one copy of the arrays.
     A value that is not an array (an embedding table's row block) is serialized by its own
     ``tobytes`` first."""
@@ -40,20 +46,21 @@ def pack(version: int, value: Any, accum: np.ndarray | None) -> bytearray:
         value = np.frombuffer(value.tobytes(), np.uint8)
     nv = value.nbytes
     na = 0 if accum is None else accum.nbytes
-    rec = bytearray(_SEAL + HEADER.size + nv + na)
-    view = memoryview(rec)
+    rec = np.empty(_SEAL + HEADER.size + nv + na, np.uint8)
     HEADER.pack_into(rec, _SEAL, version, nv, na)
     off = _SEAL + HEADER.size
-    np.frombuffer(view, np.uint8, nv, off)[:] = value.view(np.uint8).reshape(-1)
+    rec[off : off + nv] = value.view(np.uint8).reshape(-1)
     if accum is not None:
-        np.frombuffer(view, np.uint8, na, off + nv)[:] = accum.view(np.uint8).reshape(-1)
-    view[: len(MAGIC)] = MAGIC
-    view[len(MAGIC) : _SEAL] = digest(view[_SEAL:]).to_bytes(8, "little")
+        rec[off + nv :] = accum.view(np.uint8).reshape(-1)
+    rec[: len(MAGIC)] = np.frombuffer(MAGIC, np.uint8)
+    rec[len(MAGIC) : _SEAL] = np.frombuffer(digest(rec[_SEAL:]).to_bytes(8, "little"), np.uint8)
     return rec
 
 
-def pack_bytes(version: int, value: bytes | memoryview, accum: bytes | None) -> bytearray:
-    """`pack` of raw little-endian float32 bytes (a tensor's initial state, a migration)."""
+def pack_bytes(
+    version: int, value: bytes | memoryview | np.ndarray, accum: bytes | None
+) -> np.ndarray:
+    """`pack` of raw bytes (a tensor's initial state, a migration, a row block's header)."""
     v = np.frombuffer(value, np.uint8)
     a = None if not accum else np.frombuffer(accum, np.uint8)
     return pack(version, v, a)

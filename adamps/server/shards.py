@@ -78,8 +78,8 @@ class Snapshot:
 
     shard_id: str
     version: int
-    #: the shard's sealed LMDB record (adamps.server.shardrecord): values and accumulator
-    record: bytearray
+    #: the shard's sealed LMDB record (adamps.server.shardrecord: uint8): values and accumulator
+    record: np.ndarray
     dirty_since: float
     #: the bucket the shard belongs to (a flush chunk is made of whole buckets)
     bucket: int = -1

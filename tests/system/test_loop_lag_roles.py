@@ -22,15 +22,21 @@ all along while it trains.
 from __future__ import annotations
 
 import json
+import re
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pytest
 
 from adamps import peer_auth, protocol
 from adamps import runs as run_names
+from adamps.client import ControllerRouting, PSClient
+from adamps.exactness import ExactnessLoad
+from adamps.layout import Layout, TensorSpec
 from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
 from adamps.up.procs import Proc, adamps_argv, free_port
 from controller.cluster_rules import PROGRESS_REPLICAS_PER_RUN
@@ -335,3 +341,119 @@ def test_a_trainers_metrics_port_answers_promptly_while_it_trains(tmp_path) -> N
         assert steps > 0, "the trainer was not probed while it trained"
     finally:
         c.stop()
+
+
+#: the role changes the controllers commit (``adamps_controller_writes_total``'s op) and what
+#: makes the cluster ask for each here; their routes are POST /buckets/{bucket}/{op}, whose
+#: refusals alone `controller_requests` probes (declare-lost's success needs a bucket whose
+#: every copy is gone: refused there, and not repeated here)
+ROLE_CHANGES = {
+    "release": "a server stopped in order hands its primary leases back",
+    "verified_caught_up": "a drain's and a restart's copies join",
+    "role_change": "a stopped (SIGSTOP) server's buckets fail over",
+    "drop_secondary": "a primary drops a stopped secondary from a push's rounds",
+}
+
+
+def committed(addrs: list[str]) -> dict[str, int]:
+    """Writes each controller of `addrs` committed as leader, by op (summed)."""
+    out: dict[str, int] = {}
+    for addr in addrs:
+        text = looplag_probe.request(addr, "GET", "/metrics")[1].decode()
+        for op, n in re.findall(
+            r'adamps_controller_writes_total\{op="([^"]+)",result="ok"\} (\S+)', text
+        ):
+            out[op] = out.get(op, 0) + int(float(n))
+    return out
+
+
+def new_holds(addrs: list[str], before: dict[str, dict[float, int]]) -> dict[str, int]:
+    return {
+        f"{a} <= {hi:g} s": n - before[a][hi]
+        for a in addrs
+        for hi, n in looplag_probe.over_bound(a).items()
+        if n > before[a][hi]
+    }
+
+
+@pytest.mark.timeout(600)
+def test_role_changes_and_a_leader_change_do_not_hold_a_controllers_loop(tmp_path) -> None:
+    """The controllers' role-change routes at work, not refused (issue 39): under a push load,
+    a drain (copies joining), a server stopped (SIGSTOP: dropped by the primaries of its
+    secondaries, its primaries failed over) then resumed, a server stopped in order (its leases
+    released) and started again, and the Raft leader killed (a new election; the servers' heartbeats and role changes go to the new leader).
+    Every controller's blocked-time histogram, read before and after (the killed leader's
+    before it is killed), gains no observation above BOUND, and each role change was
+    committed at least once."""
+    c = LocalCluster(tmp_path, token=TOKEN, n_controllers=3, n_servers=3, n_buckets=16,
+                     controller_opts={**FAST_CONTROLLER_OPTS, "replication": 2},
+                     ps_opts={**FAST_PS_OPTS, "max-shard-elems": 1024},
+                     env=looplag_probe.ENV)  # fmt: skip
+    try:
+        c.start(timeout=90)
+        lay = Layout([TensorSpec("x", (16 * 1024,))], n_buckets=16, max_shard_elems=1024)
+        client = PSClient(ControllerRouting(c.controllers), lay, TOKEN, retry_for=30.0)
+        client.create(lay.tensors["x"], init={"kind": "zeros"},
+                      optimizer={"kind": "sgd", "lr": -1.0})  # fmt: skip
+        load = ExactnessLoad(client, lay, "x", threads=2)
+        load.start()
+        ctl = list(c.controllers)
+        time.sleep(1.0)
+        before = {a: looplag_probe.over_bound(a) for a in ctl}
+        ops0 = committed(ctl)
+        view = c.cluster()
+        assert view is not None
+        by_primary = sorted(
+            c.server_ids, key=lambda s: sum(b["primary"] == s for b in view["buckets"])
+        )
+        drained, stopped = by_primary[0], by_primary[-1]
+        code, reply = c.drain(drained)
+        assert code == 200, reply
+        c.wait_drained(drained, timeout=60)
+        assert c.undrain(drained)[0] == 200
+        c.wait_for(lambda v: v["under_replicated"] == 0, "copies back after the undrain", 60)
+        # Stopped (SIGSTOP): the live primaries drop it from the rounds of a push to every
+        # bucket, then its own buckets fail over; resumed, its copies join again.
+        c.pause(stopped)
+        pusher = threading.Thread(
+            target=client.push_dense, args=("x", np.ones(16 * 1024, np.float32)), daemon=True
+        )
+        pusher.start()
+        time.sleep(3.0)  # past the primaries' member timeout and the controllers' server timeout
+        c.resume(stopped)
+        pusher.join(60)
+        c.wait_placed(timeout=60)
+        # Stopped in order (SIGTERM): it releases its primary leases; started again, it joins.
+        view = c.cluster()
+        assert view is not None
+        ended = max(c.server_ids, key=lambda s: sum(b["primary"] == s for b in view["buckets"]))
+        c.stop_process(ended)
+        c.wait_for(
+            lambda v: all(b["primary"] not in (None, ended) for b in v["buckets"]),
+            f"{ended}'s buckets on other primaries",
+            60,
+        )
+        c.start_server(c.index_of(ended))
+        c.wait_placed(timeout=60)
+        # every controller's holds and commits up to the leader's kill (its histogram goes with it)
+        held = new_holds(ctl, before)
+        done = committed(ctl)
+        leader = c.kill_leader()
+        assert leader is not None, "no controller leader to kill"
+        survivors = [a for i, a in enumerate(ctl) if i != leader]
+        before = {a: looplag_probe.over_bound(a) for a in survivors}
+        deadline = time.monotonic() + 30
+        while c.controller_leader() is None:
+            assert time.monotonic() < deadline, "no new leader within 30 s"
+            time.sleep(0.2)
+        c.wait_placed(timeout=60)
+        time.sleep(1.0)
+        load.stop()
+        assert load.acked_count() > 0
+        client.close()
+        held.update(new_holds(survivors, before))
+    finally:
+        c.stop()
+    missing = [op for op in ROLE_CHANGES if done.get(op, 0) <= ops0.get(op, 0)]
+    assert not missing, f"role changes not exercised: {[(op, ROLE_CHANGES[op]) for op in missing]}"
+    assert not held, f"role changes held a controller's loop over {BOUND * 1000:g} ms: {held}"
