@@ -53,6 +53,8 @@ from pysyncobj.journal import (
 from pysyncobj.monotonic import monotonic
 from pysyncobj.pickle import dumps, loads, to_bytes
 
+from controller import raft_timing
+
 log = logging.getLogger("controller.raft")
 
 #: bytes kept allocated beyond the journal's end: what a leader accepted before it noticed it
@@ -62,6 +64,7 @@ RESERVE = 1 << 20
 NEEDS_JOURNAL = frozenset({"append_entries", "request_vote", "timeout_now"})
 #: pysyncobj's state of a follower (getStatus()["state"]: 0 follower, 1 candidate, 2 leader)
 RAFT_FOLLOWER = 0
+RAFT_LEADER = 2
 #: seconds between probes of an unwritable journal
 PROBE_EVERY = 1.0
 _REC = struct.Struct("<I")
@@ -325,6 +328,8 @@ class GuardedSyncObj(SyncObj):
     def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802 - pysyncobj's name
         if self.journal_error() is not None:
             self._stand_aside()
+        # Waits until this node's next deadline, at most timeToWait (controller/raft_timing.py)
+        timeToWait = self._tick_wait(timeToWait)  # noqa: N806
         try:
             super()._onTick(timeToWait)
         except OSError:
@@ -334,6 +339,18 @@ class GuardedSyncObj(SyncObj):
             # relied on it was sent. Forget a term or vote that was not recorded.
             self._forget_unrecorded()
             time.sleep(timeToWait)
+
+    def _tick_wait(self, longest: float) -> float:
+        conf = self.conf
+        return raft_timing.tick_wait(
+            monotonic(),
+            leader=self._SyncObj__raftState == RAFT_LEADER,  # type: ignore[attr-defined]
+            next_append=self._SyncObj__newAppendEntriesTime,  # type: ignore[attr-defined]
+            period=conf.appendEntriesPeriod,
+            election_deadline=self._SyncObj__raftElectionDeadline,  # type: ignore[attr-defined]
+            election_min=conf.raftMinTimeout,
+            longest=longest,
+        )
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
         kind = message.get("type") if isinstance(message, dict) else None

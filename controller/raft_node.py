@@ -20,6 +20,7 @@ from adamps.protocol import ProtocolError
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
 from controller.raft_journal import GuardedSyncObj, make_guarded_node
+from controller.raft_timing import append_period
 from controller.raft_transport import RaftLimits, transport_class
 from controller.state import ReplicatedCluster, dry_run
 
@@ -223,11 +224,13 @@ def raft_conf(
     new leader is normally in place within ~1-2 s of a crash; a leader that hears from no
     majority for 1 s steps down (the default 30 s would let a cut-off leader believe it leads).
 
-    Idle costs little (issue 36): the tick thread waits for a message, a command or its next
-    tick, the leader's appends (Raft's heartbeats, every ``appendEntriesPeriod``) being what
-    falls due; so it ticks once per append period, not every 20 ms. A command does not wait for
-    the tick: unbatched, it wakes the thread through pysyncobj's pipe and is appended and sent at
-    once, and its commit is sent on at once too.
+    Idle costs little (issue 36): the tick thread waits for a message, a command or this node's
+    next deadline (controller/raft_timing.py): a leader's next append (Raft's heartbeats, four
+    per shortest election timeout: ``appendEntriesPeriod`` is derived from ``raftMinTimeout``
+    unless given), a follower's election deadline, and at most ``autoTickPeriod`` (pysyncobj's
+    reconnections, every ``connectionRetryTime``). A command does not wait for the tick:
+    unbatched, it wakes the thread through pysyncobj's pipe and is appended and sent at once,
+    and its commit is sent on at once too.
     """
     if not password:
         raise ValueError("pysyncobj needs a password: its port carries pickled data")
@@ -250,14 +253,16 @@ def raft_conf(
         opts.update(
             raftMinTimeout=0.3,
             raftMaxTimeout=0.9,
-            appendEntriesPeriod=0.05,
             connectionTimeout=1.5,
             connectionRetryTime=0.3,
             leaderFallbackTimeout=1.0,
-            autoTickPeriod=0.05,
+            # the longest wait of the tick thread (a shorter one when a deadline is sooner)
+            autoTickPeriod=0.3,
             appendEntriesUseBatch=False,
         )
     opts.update(overrides)
+    if "appendEntriesPeriod" not in opts and "raftMinTimeout" in opts:
+        opts["appendEntriesPeriod"] = append_period(opts["raftMinTimeout"])
     return SyncObjConf(**opts)
 
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from adamps.core.lease import LeaseTerms
 from adamps.core.replication import DEFAULT_LOG_LIMIT
 
+#: a server's default ping_interval is failover_after / this (adamps.server.config)
+PINGS_PER_FAILOVER = 4
+
 
 @dataclass(frozen=True)
 class ReplSettings:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from adamps import peer_auth
 from adamps import token as tokens
 from adamps.config import default_token, field
-from adamps.core.repl_settings import ReplSettings
+from adamps.core.repl_settings import PINGS_PER_FAILOVER, ReplSettings
 from adamps.layout import DEFAULT_BUCKETS, MAX_SHARD_ELEMS
 from adamps.web import HttpLimits
 
@@ -133,7 +133,9 @@ class PsConfig:
         "asks the controllers to drop it from the replica set",
     )
     ping_interval: float = field(
-        0.3, help="seconds between the primary's heartbeats to the secondaries of its buckets"
+        0.0,
+        help="seconds between the primary's heartbeats to the secondaries of its buckets "
+        f"(0: failover_after / {PINGS_PER_FAILOVER}, as many as the failure detection needs)",
     )
     failover_after: float = field(
         3.0,
@@ -224,9 +226,18 @@ class PsConfig:
                     "server_key must be 64 hex digits (HMAC-SHA256 of the peer token and the "
                     "server id), got something else"
                 ) from None
-        for name in ("member_timeout", "ping_interval", "failover_after", "push_timeout"):
+        for name in ("member_timeout", "failover_after", "push_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.ping_interval < 0 or self.ping_interval >= self.failover_after:
+            raise ValueError(
+                f"ping_interval must be in [0, failover_after = {self.failover_after}) "
+                f"(0: derived), got {self.ping_interval}"
+            )
+        if self.ping_interval == 0:
+            # A secondary proposes a role change after failover_after without a ping: four
+            # pings per window tolerate three lost or late ones; more only cost idle CPU.
+            self.ping_interval = self.failover_after / PINGS_PER_FAILOVER
         if self.ack not in ("prepared", "committed"):
             raise ValueError(f"ack must be 'prepared' or 'committed', not {self.ack!r}")
         if self.replication_log < 1:

@@ -1,7 +1,9 @@
 """The replication core's clock (issue 36: idle costs nothing): the core is ticked when its next
 deadline is due (``ReplCore.next_deadline``: the pings, the heartbeats, the watchdog, a busy
 primary's retries and COMMITs), not every few milliseconds. An idle server with the default
-``ping_interval`` ticks about three times a second, each tick doing what is due.
+``ping_interval`` (0.75 s) and heartbeats (1 s) ticks about twice a second, each tick doing what
+is due. An input that brings no deadline before a bound (a ping: its watchdog, failover_after
+away) leaves a plan due by then as it is, without asking the core (a walk over every bucket).
 
 Every other input goes into the core at once (``Replicator.step``) and then ``poke``s the clock:
 an input may bring a deadline earlier (a push starts a round, an answer schedules a retry, a
@@ -48,12 +50,14 @@ class CoreClock:
             self._handle.cancel()
             self._handle = None
 
-    def poke(self) -> None:
-        """After an input: tick sooner if it brought the core's next deadline earlier."""
+    def poke(self, not_before: float = 0.0) -> None:
+        """After an input: tick sooner if it brought the core's next deadline earlier.
+        `not_before`: the input brought no deadline before then (a ping: its watchdog), so a
+        tick planned by then stands without asking the core (every bucket) again."""
         if self._handle is None:
             return  # stopped, or inside the tick (it plans the next one itself)
         now = time.monotonic()
-        if self._at > now + TICK:
+        if self._at > max(now + TICK, not_before):
             at = max(self.core.next_deadline(now), self._last + TICK)
             if at < self._at:
                 self._schedule(at, now)

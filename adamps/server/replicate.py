@@ -145,20 +145,24 @@ class Replicator:
         if rd.heartbeat:
             self.step(-1, core.want_record)
         if rd.pings is not None:
-            stale = functools.partial(self.step, -1, core.on_ping_reply)
+            stale = functools.partial(self.step, -1, core.on_ping_reply, ahead=float("inf"))
             for member, buckets in rd.pings.items():
                 self.peers.ping(member, buckets, stale)
             self.m.observe(core)
 
-    def step(self, b: int, event: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    def step(
+        self, b: int, event: Callable[..., Any], *args: Any, ahead: float = 0.0, **kw: Any
+    ) -> Any:
         """The one way an event enters the core: `event` (one of ReplCore's inputs) gets the
         clock's reading after `args`; the Ready it leaves is carried out in the same loop step
         (its batches reach the owner threads before anything else runs, before a peer's reply
         goes out), and a refusal is raised as the protocol's error about bucket `b` (or the one
-        it names)."""
-        res = event(*args, time.monotonic(), **kw)
+        it names). `ahead`: it brings no deadline sooner (a ping: failover_after; its answer:
+        none), so a tick planned by then stands without asking every bucket (issue 36)."""
+        now = time.monotonic()
+        res = event(*args, now, **kw)
         self.drain()
-        self.clock.poke()
+        self.clock.poke(now + ahead)
         if isinstance(res, Reject):
             b = b if res.bucket is None else res.bucket
             raise refusal(res, self.core.buckets.get(b), b, self.addresses)

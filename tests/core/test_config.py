@@ -88,3 +88,19 @@ def test_the_peer_secrets_come_from_their_env_names_and_never_show_in_status() -
         assert "p" * 32 not in repr(shown) and key not in repr(shown)
     with pytest.raises(ValueError, match="server_key must be 64 hex digits"):
         PsConfig(token="t" * 32, server_key="nothex")
+
+
+def test_a_servers_pings_are_derived_from_its_failover_timeout() -> None:
+    """Issue 36 (idle costs nothing): by default a primary pings four times per failover_after,
+    what the secondaries' watchdog needs, not every 0.3 s whatever the timeout; an explicit
+    interval is kept, and one the watchdog would fire between is refused, naming the bound."""
+    from adamps.server.config import PsConfig
+
+    tok = {"token": "t" * 32}
+    assert PsConfig(**tok).ping_interval == pytest.approx(3.0 / 4)
+    assert PsConfig(**tok).repl_settings.ping_interval == pytest.approx(0.75)
+    assert PsConfig(**tok, failover_after=1.0).ping_interval == pytest.approx(0.25)
+    assert PsConfig(**tok, ping_interval=0.2, failover_after=1.5).ping_interval == 0.2
+    for bad in (-1.0, 3.0, 5.0):
+        with pytest.raises(ValueError, match=r"ping_interval must be in \[0, failover_after"):
+            PsConfig(**tok, ping_interval=bad)

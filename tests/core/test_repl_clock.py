@@ -48,3 +48,34 @@ async def test_an_idle_core_sleeps_and_an_input_wakes_its_clock_at_once() -> Non
     clock.stop()
     await asyncio.sleep(MAX_SLEEP + 0.1)
     assert clock.ticks == ticks, "stopped"
+
+
+async def test_an_input_that_brings_no_deadline_sooner_does_not_ask_every_bucket() -> None:
+    """A ping only moves its buckets' watchdog later (failover_after from now): poked with that
+    bound, a clock already planned to tick by then keeps its plan without asking the core's
+    next deadline (a walk over every bucket) again; any other input still asks."""
+    core = ReplCore(ReplSettings("s", ping_interval=100.0, lease=LeaseTerms()))
+    asked: list[float] = []
+    next_deadline = core.next_deadline
+
+    def counted(now: float) -> float:
+        asked.append(now)
+        return next_deadline(now)
+
+    core.next_deadline = counted  # type: ignore[method-assign]
+    clock = CoreClock(core, lambda: None)
+    now = time.monotonic()
+    clock._schedule(now + MAX_SLEEP, now)  # a tick planned within the second, as an idle clock's
+    try:
+        clock.poke(time.monotonic() + 3.0)  # a ping: its watchdog is due 3 s from now at least
+        assert asked == [], "a tick is planned before anything the ping brought"
+        clock.poke(float("inf"))  # a ping's answer: no deadline at all
+        assert asked == []
+        clock.poke(time.monotonic() + 0.5 * MAX_SLEEP)  # a deadline may precede the plan: ask
+        assert len(asked) == 1
+        now = time.monotonic()
+        clock._schedule(now + MAX_SLEEP, now)  # (that ask found the registration due: replan)
+        clock.poke()
+        assert len(asked) == 2, "any other input asks the core again"
+    finally:
+        clock.stop()
