@@ -48,7 +48,7 @@ from adamps.layout import Layout, TensorSpec
 #: buckets read at once by a save
 READERS = 4
 #: seconds a consistent cut's write hold lasts at most (it is released as soon as every
-#: server copied its buckets; the expiry is for a save tool that dies meanwhile)
+#: server marked its buckets; the expiry is for a save tool that dies meanwhile)
 HOLD_SECONDS = 5.0
 #: attempts at a consistent cut before the save fails (at least; more within WAIT)
 CUT_ATTEMPTS = 3
@@ -102,7 +102,7 @@ def save(
     With `base` (an earlier checkpoint in the same parent directory) the save is incremental:
     a shard unchanged since `base` (same version) is not written again, and the manifest names
     the file of `base` that holds it. With `consistent`, every bucket is cut at one instant:
-    every server holds new writes while it copies its buckets (``ckpt_hold``), and the
+    every server holds new writes while it marks its buckets (``ckpt_hold``), and the
     manifest records how long the writes were held (``hold_ms``)."""
     t0 = time.perf_counter()
     _claim(to)  # before any request: a refused --to is refused whatever the cluster's state
@@ -240,8 +240,9 @@ def save(
 
 
 def _hold_all(cluster: Cluster, n_buckets: int, seconds: float) -> dict[str, Any]:
-    """One cut of every bucket: every server holds writes and copies the buckets it is primary
-    of (in parallel), then every hold is released. Returns the cut's id, where each bucket's
+    """One cut of every bucket: every server holds writes and marks the shards of the buckets
+    it is primary of for the cut (in parallel; copied on write, adamps/server/cut_copies.py),
+    then every hold is released. Returns the cut's id, where each bucket's
     copy is (server URL, [epoch, seq]) and how long writes were held, as this side saw it
     (from the first hold sent to the last release answered: the longest stall a push saw)."""
     cut = uuid.uuid4().hex

@@ -27,11 +27,12 @@ import hashlib
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load_file, save
+from safetensors.numpy import save
 
 from adamps import ckpt_schema
 from adamps.optspec import OptimError, Optimizer, state_ranges
@@ -140,13 +141,18 @@ def read_manifest(src: Path) -> dict[str, Any]:
     return manifest
 
 
-def checked_file(src: Path, name: str, want: Any) -> Path:
-    """The path of file `name` of checkpoint `src`, its size and checksum those of `want`."""
+def checked_name(src: Path, name: str, want: Any) -> Path:
+    """The path of file `name` of checkpoint `src`, `name` and its entry `want` well formed."""
     if not isinstance(name, str) or not _FILE_RE.fullmatch(name):
         raise CheckpointError(f"{src / MANIFEST}: file name {name!r} is not a checkpoint file")
     if not isinstance(want, dict) or not {"bytes", "sha256"} <= set(want):
         raise CheckpointError(f"{src / MANIFEST}: file {name}: needs 'bytes' and 'sha256'")
-    path = src / name
+    return src / name
+
+
+def checked_file(src: Path, name: str, want: Any) -> Path:
+    """The path of file `name` of checkpoint `src`, its size and checksum those of `want`."""
+    path = checked_name(src, name, want)
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
     size = path.stat().st_size
@@ -163,14 +169,14 @@ def load(src: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np
     """The manifest and arrays of a checkpoint (``{tensor: values, "<tensor>/accum": ...}``,
     ``{row shard id: uint8 block}``), every file checked against the manifest first."""
     manifest = read_manifest(src)
+    files = read_files(src, manifest)
     if manifest["format"] == 1:
         for fname in (TENSORS, ROWS):
             if fname not in manifest["files"]:
                 raise CheckpointError(f"{src / MANIFEST}: lists no file {fname}")
-        content = {f: load_file(str(checked_file(src, f, w))) for f, w in manifest["files"].items()}
-        arrays, rows = content[TENSORS], content.get(ROWS, {})
+        arrays, rows = files[TENSORS], files.get(ROWS, {})
     else:
-        arrays, rows = _assemble(src, manifest)
+        arrays, rows = assemble(src, manifest, files)
     for d in manifest.get("tensors", []):
         a = arrays.get(d["name"])
         if a is None or list(a.shape) != list(d["shape"]) or a.dtype != np.float32:
@@ -178,19 +184,90 @@ def load(src: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np
     return manifest, arrays, rows
 
 
-def _assemble(
-    src: Path, manifest: dict[str, Any]
+#: files read and checked at once (sha256 and the reads release the GIL)
+READERS = 4
+#: safetensors dtypes a checkpoint's files hold
+DTYPES = {"F32": np.dtype("<f4"), "U8": np.dtype("u1")}
+
+
+def read_files(src: Path, manifest: dict[str, Any]) -> dict[str, dict[str, np.ndarray]]:
+    """Every file the manifest lists, read once into memory and checked (size, sha256), side by
+    side: file name -> its arrays, views of the bytes read (no copy; issue 38 item 7: reading
+    with safetensors' ``load_file`` copied every array, and hashing read each file again)."""
+    names = list(manifest["files"].items())
+    with ThreadPoolExecutor(max(1, min(READERS, len(names)))) as pool:
+        got = list(pool.map(lambda nw: _read_checked(src, *nw), names))
+    return {name: arrays for (name, _w), arrays in zip(names, got, strict=True)}
+
+
+def _read_checked(src: Path, name: str, want: Any) -> dict[str, np.ndarray]:
+    path = checked_name(src, name, want)
+    try:
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(
+                f"{path}: truncated or altered: {size} bytes, the manifest says {want['bytes']}"
+            )
+        buf = np.empty(size, np.uint8)  # no zero-filling: the read overwrites it
+        with path.open("rb", buffering=0) as f:
+            view, got = memoryview(buf), 0
+            while got < size and (k := f.readinto(view[got:])):
+                got += k
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if got != size:
+        raise CheckpointError(f"{path}: truncated while read ({got} of {size} bytes)")
+    if hashlib.sha256(buf).hexdigest() != want["sha256"]:
+        raise CheckpointError(f"{path}: checksum mismatch (sha256 differs from the manifest)")
+    return safetensors_views(buf, path)
+
+
+def safetensors_views(buf: np.ndarray, path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a safetensors file's bytes `buf`, as views of them (the format: a u64
+    header length, a JSON header naming each array's dtype, shape and byte range, the data)."""
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: not a safetensors file: {why}")
+
+    if buf.size < 8:
+        raise bad("shorter than its header length")
+    n = int(buf[:8].view("<u8")[0])
+    if n > buf.size - 8:
+        raise bad(f"a header of {n} bytes in a file of {buf.size}")
+    try:
+        header = json.loads(buf[8 : 8 + n].tobytes())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise bad(f"its header: {exc}") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a map")
+    data = buf[8 + n :]
+    out: dict[str, np.ndarray] = {}
+    for key, rec in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[rec["dtype"]]
+            shape = tuple(int(x) for x in rec["shape"])
+            lo, hi = (int(x) for x in rec["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise bad(f"entry {key!r}: {exc!r}") from None
+        count = int(np.prod(shape, dtype=np.int64))
+        if not 0 <= lo <= hi <= data.size or hi - lo != count * dtype.itemsize:
+            raise bad(f"entry {key!r}: bytes [{lo}, {hi}) for {count} x {dtype}")
+        out[key] = data[lo:hi].view(dtype).reshape(shape)
+    return out
+
+
+def assemble(
+    src: Path, manifest: dict[str, Any], files: dict[str, dict[str, np.ndarray]]
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Version 2: every listed file checked, then each tensor put together from its shards."""
-    files = {name: load_file(str(checked_file(src, name, want)))
-             for name, want in manifest["files"].items()}  # fmt: skip
+    """Version 2: each tensor put together from its shards in the checked `files`."""
     mpath = src / MANIFEST
 
     def piece(sid: str, rec: Any, key: str) -> np.ndarray:
-        content = files.get(rec.get("file")) if isinstance(rec, dict) else None
-        if content is None or key not in content:
-            raise CheckpointError(f"{mpath}: shard {sid!r}: {key!r} is in no listed file")
-        return content[key]
+        return shard_piece(mpath, files, sid, rec, key)
 
     arrays: dict[str, np.ndarray] = {}
     shards = manifest.get("shards", {})
@@ -235,6 +312,16 @@ def _assemble(
             arrays[f"{name}/accum"] = accum.reshape(shape) if accum.size == size else accum
     rows = {sid: piece(sid, rec, sid) for sid, rec in manifest.get("row_shards", {}).items()}
     return arrays, rows
+
+
+def shard_piece(
+    mpath: Path, files: dict[str, dict[str, np.ndarray]], sid: str, rec: Any, key: str
+) -> np.ndarray:
+    """Array `key` of shard `sid` (its manifest record `rec`) from the file it names."""
+    content = files.get(rec.get("file")) if isinstance(rec, dict) else None
+    if content is None or key not in content:
+        raise CheckpointError(f"{mpath}: shard {sid!r}: {key!r} is in no listed file")
+    return content[key]
 
 
 def _optimizer(d: dict[str, Any], mpath: Path) -> Optimizer | None:

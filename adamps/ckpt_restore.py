@@ -17,7 +17,16 @@ from typing import Any
 import numpy as np
 
 from adamps.ckpt_cluster import Cluster
-from adamps.ckpt_format import MANIFEST, CheckpointError, load
+from adamps.ckpt_format import (
+    MANIFEST,
+    ROWS,
+    TENSORS,
+    CheckpointError,
+    assemble,
+    read_files,
+    read_manifest,
+)
+from adamps.ckpt_stream import Piece, Stream
 from adamps.client.ps import PSClient
 from adamps.layout import Layout, TensorSpec
 from adamps.optspec import OptimError, Optimizer, state_ranges
@@ -38,8 +47,18 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     """The checkpoint in `src` onto the cluster: checked whole first, then installed bucket by
     bucket on each primary (which replicates it)."""
     t0 = time.perf_counter()
-    manifest, arrays, rows = load(src)
-    damaged = _check_state(src, arrays, rows, _signed(manifest), _row_widths(manifest))
+    manifest = read_manifest(src)
+    signed, widths = _signed(manifest), _row_widths(manifest)
+    arrays: dict[str, np.ndarray] | None = None
+    stream: Stream | None = None
+    if manifest["format"] == 1:
+        arrays, rows = _v1(src, manifest, read_files(src, manifest))
+        damaged = _check_state(src, arrays, rows, signed, widths)
+    else:
+        # every file hashed and every value bounded before the first write, in blocks
+        stream = Stream(src, manifest)
+        refs, rows = _check_stream(src, manifest, stream, signed)
+        damaged = _check_state(src, {}, rows, signed, widths)
     statuses = cluster.server_status()
     if not statuses:
         raise CheckpointError("the cluster has no parameter server to restore onto")
@@ -100,13 +119,140 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
                 )  # fmt: skip
     finally:
         client.close()
-    versions = _versions(manifest, layout)
     chunk = min(INSTALL_CHUNK, int(statuses[0]["config"].get("max_body", 256 << 20)) // 2)
     workers = PER_SERVER * len(statuses)
+    direct = None if stream is None else _direct(manifest, refs, layout)
+    if direct is not None:
+        # The checkpoint's shards are the cluster's: each request's shards are read from their
+        # files into the sending thread's buffer and sent as raw payloads (issue 38 item 7),
+        # nothing put together or copied.
+        installed = send(cluster, layout.n_buckets, direct, _row_records(rows, manifest),
+                         force, chunk, workers, stream)  # fmt: skip
+        return {"installed": installed, "seconds": time.perf_counter() - t0, "direct": True}
+    if arrays is None:  # another shard size or bucket count: the tensors whole, then cut anew
+        arrays, rows = assemble(src, manifest, read_files(src, manifest))
+        _check_shapes(src, manifest, arrays)
+    versions = _versions(manifest, layout)
     installed = install(
         cluster, layout, manifest["tensors"], arrays, rows, force, versions, chunk, workers
     )
-    return {"installed": installed, "seconds": time.perf_counter() - t0}
+    return {"installed": installed, "seconds": time.perf_counter() - t0, "direct": False}
+
+
+def _v1(
+    src: Path, manifest: dict[str, Any], files: dict[str, dict[str, np.ndarray]]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A version-1 checkpoint's whole tensors and rows (one file each)."""
+    for fname in (TENSORS, ROWS):
+        if fname not in manifest["files"]:
+            raise CheckpointError(f"{src / MANIFEST}: lists no file {fname}")
+    arrays, rows = files[TENSORS], files.get(ROWS, {})
+    _check_shapes(src, manifest, arrays)
+    return arrays, rows
+
+
+def _check_shapes(src: Path, manifest: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    for d in manifest.get("tensors", []):
+        a = arrays.get(d["name"])
+        if a is None or list(a.shape) != list(d["shape"]) or a.dtype != np.float32:
+            raise CheckpointError(f"{src}: tensor {d['name']!r} missing or misshapen")
+
+
+def _check_stream(
+    src: Path, manifest: dict[str, Any], stream: Stream, signed: set[str]
+) -> tuple[dict[str, tuple[Piece, Piece | None]], dict[str, np.ndarray]]:
+    """Pass 1 over a version-2 checkpoint's files (ckpt_stream.Stream.check): every value and
+    optimizer state the manifest names is bounded (the checks and messages of _check_state),
+    every shard's arrays are where the manifest says and of its size. Returns per dense shard
+    its (values, state or None) pieces, and the row shards' blocks (read whole)."""
+    mpath = src / MANIFEST
+    shards = manifest.get("shards", {})
+    what: dict[tuple[Any, str], tuple[str, bool]] = {}
+    for sid, rec in shards.items():
+        what[(rec.get("file"), sid)] = (str(rec.get("tensor")), False)
+        if rec.get("accum"):
+            what[(rec.get("file"), f"{sid}/accum")] = (str(rec.get("tensor")), True)
+
+    def part(name: str, key: str, a: np.ndarray) -> None:
+        t, accum = what.get((name, key), (None, False))
+        if t is None:
+            return  # an array no shard of this checkpoint takes (a base's, since replaced)
+        if accum:
+            bounds.check_state(f"tensor {t!r}", a[:0], a, t in signed)
+        else:
+            bounds.check_state(f"tensor {t!r}", a)
+
+    try:
+        stream.check(part)
+    except ProtocolError as exc:
+        raise CheckpointError(f"{src}: {exc.message}: nothing restored") from None
+    refs: dict[str, tuple[Piece, Piece | None]] = {}
+    for sid, rec in shards.items():
+        v = stream.piece(rec.get("file"), sid, f"shard {sid!r}")
+        start, stop = int(rec["start"]), int(rec["stop"])
+        if v.size != stop - start:
+            raise CheckpointError(f"{mpath}: shard {sid!r}: {v.size} values for [{start}, {stop})")
+        a = (
+            stream.piece(rec["file"], f"{sid}/accum", f"shard {sid!r}")
+            if rec.get("accum")
+            else None
+        )
+        refs[sid] = (v, a)
+    rows = {}
+    for sid, rec in manifest.get("row_shards", {}).items():
+        (block,) = stream.read([stream.piece(rec.get("file"), sid, f"row shard {sid!r}")])
+        rows[sid] = block.copy()  # the buffer is reused
+    return refs, rows
+
+
+def _direct(
+    manifest: dict[str, Any], refs: dict[str, tuple[Piece, Piece | None]], layout: Layout
+) -> dict[int, list[tuple[str, dict[str, Any]]]] | None:
+    """Per bucket of `layout`, its shards' install records (pieces of the files, read when
+    sent), when the checkpoint's shards are the layout's (same ids and ranges: the same bucket
+    count and shard size) and each tensor's shards all carry the optimizer's state or none
+    does (with none its state would be zeros, as put together); else None."""
+    saved = manifest.get("shards", {})
+    defs = {d["name"]: d for d in manifest["tensors"]}
+    out: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+    for name, shards in layout.shards_of.items():
+        recs = [saved.get(s.id) for s in shards]
+        if any(not isinstance(r, dict) or (r.get("tensor"), r.get("start"), r.get("stop"))
+               != (name, s.start, s.stop) for r, s in zip(recs, shards, strict=True)):  # fmt: skip
+            return None
+        d = defs[name]
+        opt = Optimizer.from_dict(d["optimizer"]) if d.get("optimizer") else None
+        keeps = opt is not None and opt.has_accumulator
+        if any((refs[s.id][1] is not None) != keeps for s in shards):
+            return None
+        spans = [(s.start, s.stop) for s in shards]
+        where = state_ranges(opt, spans) if keeps and opt is not None else spans
+        for s, r, (lo, hi) in zip(shards, recs, where, strict=True):
+            v, a = refs[s.id]
+            rec: dict[str, Any] = {"v": v}
+            if a is not None:
+                if a.size != hi - lo:
+                    raise CheckpointError(
+                        f"{MANIFEST}: shard {s.id!r}: an optimizer state of {a.size} elements, "
+                        f"{opt.kind if opt else '?'} keeps {hi - lo}"
+                    )
+                rec["a"] = a
+            if "version" in r:
+                rec["n"] = r["version"]
+            out.setdefault(layout.bucket_of[s.id], []).append((s.id, rec))
+    return out
+
+
+def _row_records(rows: dict[str, np.ndarray], manifest: dict[str, Any]) -> dict[int, Any]:
+    """Per bucket its row shards' install records (the block's bytes, the saved version)."""
+    saved = manifest.get("row_shards", {})
+    out: dict[int, dict[str, Any]] = {}
+    for sid, a in rows.items():
+        rec: dict[str, Any] = {"b": a.tobytes()}
+        if "version" in saved.get(sid, {}):
+            rec["n"] = saved[sid]["version"]
+        out.setdefault(int(sid.rsplit("/", 1)[1]), {})[sid] = rec
+    return out
 
 
 def _signed(manifest: dict[str, Any]) -> set[str]:
@@ -243,6 +389,33 @@ def install(
         row_bucket.setdefault(b, {})[sid] = {"b": a.tobytes()}
         if sid in versions:
             row_bucket[b][sid]["n"] = versions[sid]
+    return send(cluster, layout.n_buckets, per_bucket, row_bucket, force, chunk, workers)
+
+
+def _read_part(stream: Stream, part: dict[str, Any]) -> dict[str, Any]:
+    """A request's records with their pieces read (views of this thread's buffer)."""
+    keys = [(sid, k) for sid, rec in part.items() for k in ("v", "a") if k in rec]
+    arrays = stream.read([part[sid][k] for sid, k in keys])
+    out = {sid: dict(rec) for sid, rec in part.items()}
+    for (sid, k), arr in zip(keys, arrays, strict=True):
+        out[sid][k] = arr.reshape(-1)
+    return out
+
+
+def send(
+    cluster: Cluster,
+    n_buckets: int,
+    per_bucket: dict[int, list[tuple[str, dict[str, Any]]]],
+    row_bucket: dict[int, dict[str, Any]],
+    force: bool,
+    chunk: int,
+    workers: int,
+    stream: Stream | None = None,
+) -> int:
+    """The install records of each bucket (dense shards ``{v, a, n}``, row shards ``{b, n}``)
+    to its primary with ``ckpt_install``, in requests of up to `chunk` bytes, buckets side by
+    side; returns the shards installed. With `stream`, ``v`` and ``a`` are pieces of its files,
+    read into the sending thread's buffer just before their request."""
 
     def install_bucket(b: int) -> int:
         chunks: list[dict[str, Any]] = []
@@ -261,6 +434,8 @@ def install(
         # or failed-over request is unknown): a retry overwrites with the same data, so it
         # forces; a first attempt on a shard that took updates is refused by the server.
         for part in chunks:
+            if stream is not None:
+                part = _read_part(stream, part)
             cluster.on_primary(
                 b,
                 lambda r, k, c=part: cluster.message(
@@ -279,6 +454,6 @@ def install(
         return n
 
     # Buckets installed in parallel: their primaries and replication rounds are independent.
-    with ThreadPoolExecutor(max(1, min(workers, layout.n_buckets))) as pool:
-        installed = sum(pool.map(install_bucket, range(layout.n_buckets)))
+    with ThreadPoolExecutor(max(1, min(workers, n_buckets))) as pool:
+        installed = sum(pool.map(install_bucket, range(n_buckets)))
     return installed

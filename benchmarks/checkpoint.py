@@ -15,7 +15,7 @@ A real cluster on loopback (3 controllers, 3 parameter servers, replication 3) h
   the same cluster measures both), against the same load with none. Goal >= 0.9.
 - consistent stall: ``adamps checkpoint save --consistent`` under the same push load, 3 times:
   how long writes were held (``hold_ms``, from the first hold sent to the last release
-  answered) and the longest drain + copy of one server (``hold_server_ms``), in ms.
+  answered) and the longest drain + marking of one server (``hold_server_ms``), in ms.
 
     python benchmarks/checkpoint.py [--gb 1.0] [--tensors 16] [--seconds 30] [--interval 10]
 
@@ -181,7 +181,7 @@ def main() -> None:
         th.join()
         hms = [h for h, _ in holds]
         print(f"consistent: writes held {', '.join(f'{h:.0f}' for h in hms)} ms "
-              f"(servers' drain + copy {', '.join(f'{s:.0f}' for _, s in holds)} ms) under "
+              f"(servers' drain + mark {', '.join(f'{s:.0f}' for _, s in holds)} ms) under "
               f"{under:.1f} pushes/s")  # fmt: skip
         figures |= {"consistent_stall_ms": max(hms) if hms else None,
                     "consistent_stall_ms_all": hms,

@@ -189,6 +189,11 @@ class ParameterServer:
         # A restore's shards travel as raw payloads (the arrays out of band): no msgpack copy of
         # the values (issue 38 item 7); the operator's token only (tenancy: not a run op).
         self.data_plane.messages["ckpt_install"] = self.checkpoints.op_ckpt_install
+        # checked (its bounds off the loop), then queued before the connection's next frame
+        self.data_plane.staged["ckpt_install"] = (
+            self.checkpoints.prepare_install,
+            self.checkpoints.apply_install,
+        )
         #: runs' step clocks and their consistency modes (issue 25, clockops.py)
         self.clocks = ClockOps(cfg.clock_lease, cfg.clock_wait, self.registry)
         #: op -> handler of POST /rpc

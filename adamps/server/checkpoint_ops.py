@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from adamps.protocol import ProtocolError, require
+from adamps.server.cut_copies import Cut
+from adamps.server.cut_copies import copy_of as cut_copy
 from adamps.server.decode import install
 from adamps.server.replicate import Replicator
 from adamps.server.rowtables import RowShardState
@@ -34,6 +37,9 @@ from adamps.server.writepath import WritePath
 MAX_HOLD = 30.0
 #: seconds a cut's copies are kept for their reader
 CUT_TTL = 600.0
+#: bytes of an install from which its values are bounded on a worker thread, not the loop
+#: (min and max over 1 MiB: about 0.5 ms here; a 128 MiB request held the loop ~100 ms)
+CHECK_OFF_LOOP = 1 << 20
 
 
 class CheckpointOps:
@@ -47,9 +53,9 @@ class CheckpointOps:
         self.writes = writes
         #: None on a standalone server: its cut has no (epoch, seq), only shard versions
         self.replicator = replicator
-        #: cut id -> (monotonic time taken, bucket -> its ckpt_read reply) of a consistent
-        #: checkpoint, until read
-        self.cuts: dict[str, tuple[float, dict[int, dict[str, Any]]]] = {}
+        #: cut id -> (monotonic time taken, its marks and copies, bucket -> (its position, its
+        #: dense and row shards)) of a consistent checkpoint, until read
+        self.cuts: dict[str, tuple[float, Cut, dict[int, Any]]] = {}
 
     def _bucket_shards(self, b: int) -> list[Any]:
         bucket_of = self.store.layout.bucket_of
@@ -60,10 +66,11 @@ class CheckpointOps:
 
     async def op_ckpt_hold(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Holds new writes (``held``, retryable), waits for the admitted ones to be decided,
-        then copies every bucket this server is primary of (values, accumulators, rows) into
-        memory under the cut's id: one instant for all of them. The caller releases the hold
-        as soon as every server answered and reads the copies at leisure (``ckpt_read`` with
-        ``cut``): the writes stall for the copy, not for the transfer."""
+        then marks every shard of the buckets this server is primary of (values, accumulators,
+        rows) for the cut on its owner thread: one instant for all of them. Nothing is copied
+        under the hold: a shard is copied before its first write after the cut, or when read
+        (cut_copies.py). The caller releases the hold as soon as every server answered and
+        reads the cut at leisure (``ckpt_read`` with ``cut``)."""
         cut = require(msg, "cut", str)
         seconds = require(msg, "seconds", float, default=5.0)
         if not 0 < seconds <= MAX_HOLD:
@@ -72,22 +79,27 @@ class CheckpointOps:
         self._expire(t0)
         hold = self.writes.hold
         hold.hold(cut, t0, seconds)
+        marks = Cut(cut)
         try:
             while hold.inflight > 0:
                 if time.monotonic() - t0 > seconds:
                     raise ProtocolError("timeout", f"pushes under way did not end in {seconds}s")
                 await asyncio.sleep(0.001)
             drained = time.monotonic() - t0
-            snaps = {}
-            for b in self._primary_buckets():
-                snaps[b] = await self._read(b, {})
+            # Every bucket's position read and its marks queued in this one loop step (no
+            # await between): the owner threads mark each shard after the batches up to that
+            # position and before any later one.
+            buckets = {b: self._position(b) for b in self._primary_buckets()}
+            states = [st for _pos, sts, rows in buckets.values() for st in (*sts, *rows)]
+            await owner_future(lambda cb: self.store.call(states, marks.mark, cb))
         except BaseException:
             hold.release(cut)
+            marks.dropped = True
             raise
-        self.cuts[cut] = (time.monotonic(), snaps)
+        self.cuts[cut] = (time.monotonic(), marks, buckets)
         return {
             "cut": cut,
-            "positions": {str(b): [sn["epoch"], sn["seq"]] for b, sn in snaps.items()},
+            "positions": {str(b): list(pos) for b, (pos, _s, _r) in buckets.items()},
             "drain_ms": drained * 1e3,
             "copy_ms": (time.monotonic() - t0 - drained) * 1e3,
         }
@@ -97,7 +109,9 @@ class CheckpointOps:
         drop = require(msg, "drop", bool, default=False)
         released = self.writes.hold.release(cut)
         if drop:
-            self.cuts.pop(cut, None)
+            held = self.cuts.pop(cut, None)
+            if held is not None:
+                held[1].dropped = True  # its marks left on shards copy nothing now
         return {"cut": cut, "released": released}
 
     def _primary_buckets(self) -> list[int]:
@@ -116,26 +130,13 @@ class CheckpointOps:
 
     def _expire(self, now: float) -> None:
         """Forgets cuts nobody read within CUT_TTL (a save tool that died)."""
-        for cut, (at, _snaps) in list(self.cuts.items()):
+        for cut, (at, marks, _b) in list(self.cuts.items()):
             if now - at > CUT_TTL:
+                marks.dropped = True
                 del self.cuts[cut]
 
-    async def op_ckpt_read(self, msg: dict[str, Any]) -> dict[str, Any]:
-        b = require(msg, "bucket", int)
-        cut = require(msg, "cut", str, default="")
-        if cut:
-            snaps = self.cuts.get(cut, (0.0, {}))[1]
-            if b not in snaps:
-                raise ProtocolError(
-                    "not_found", f"no copy of bucket {b} in cut {cut} on this server"
-                )
-            snap = snaps.pop(b)
-            if not snaps:
-                self.cuts.pop(cut, None)
-            return snap
-        return await self._read(b, _since_versions(msg))
-
-    async def _read(self, b: int, known: dict[str, int]) -> dict[str, Any]:
+    def _position(self, b: int) -> tuple[tuple[int, int | None], list[Any], list[Any]]:
+        """Bucket b's (epoch, seq) now and its dense and row shards (not_primary: raised)."""
         epoch, seq = 0, None
         if self.replicator is not None:
             # not_primary (also while in doubt) / unavailable: the caller retries
@@ -143,33 +144,50 @@ class CheckpointOps:
             epoch, seq = rep.assignment.epoch, rep.committed
         elif self.store.buckets is not None and b not in self.store.buckets:
             raise ProtocolError("not_primary", f"bucket {b} is not held here")
+        rows = sorted(self.store.tables.in_bucket(b), key=lambda s: s.id)
+        return (epoch, seq), self._bucket_shards(b), rows
+
+    async def op_ckpt_read(self, msg: dict[str, Any]) -> dict[str, Any]:
+        b = require(msg, "bucket", int)
+        cut = require(msg, "cut", str, default="")
+        if not cut:
+            return await self._read(b, _since_versions(msg))
+        _at, marks, buckets = self.cuts.get(cut, (0.0, None, {}))
+        if b not in buckets:
+            raise ProtocolError("not_found", f"no copy of bucket {b} in cut {cut} on this server")
+        (epoch, seq), states, rows = buckets.pop(b)
+        if not buckets:
+            self.cuts.pop(cut, None)
+        got = await owner_future(lambda cb: self.store.call([*states, *rows], marks.take, cb))
+        return self._reply(b, epoch, seq, states, rows, got)
+
+    async def _read(self, b: int, known: dict[str, int]) -> dict[str, Any]:
         # An incremental read skips a shard whose version is the one the previous checkpoint
         # read. A version counts the updates applied to the shard since its creation, and every
         # copy applies the same committed batches, so an equal version is equal data, also on
         # another copy after a failover. (A bucket an operator declared lost restarts its
         # history: the caller then saves everything, adamps/checkpoint.py.)
 
-        def dense(st: Any) -> tuple[int, Any, Any]:
+        def read(st: Any) -> tuple[int, Any, Any]:
             if known.get(st.id) == st.version:
                 return st.version, None, None
-            acc = None if st.accum is None else st.accum.reshape(-1).copy()
-            return st.version, st.value.reshape(-1).copy(), acc
+            return cut_copy(st)
 
-        def row(st: Any) -> tuple[int, bytes | None]:
-            if known.get(st.id) == st.version:
-                return st.version, None
-            return st.version, st.value.tobytes()
-
-        # No await from the position above to the reads queued below: every owner thread takes
+        # No await from the position to the reads queued below: every owner thread takes
         # them after the batches up to `seq` and before any later one, so the values are of
         # exactly that position (and so is the version an unchanged shard is judged by).
-        states = self._bucket_shards(b)
-        read = owner_future(lambda cb: self.store.call(states, dense, cb))
-        rows = sorted(self.store.tables.in_bucket(b), key=lambda s: s.id)
-        row_read = owner_future(lambda cb: self.store.call(rows, row, cb))
-        got = await read
-        row_states = await row_read
+        (epoch, seq), states, rows = self._position(b)
+        got = owner_future(lambda cb: self.store.call([*states, *rows], read, cb))
+        return self._reply(b, epoch, seq, states, rows, await got)
+
+    def _reply(
+        self, b: int, epoch: int, seq: int | None, states: list[Any], rows: list[Any],
+        got: dict[str, tuple[int, Any, Any]],
+    ) -> dict[str, Any]:  # fmt: skip
+        """A bucket's ckpt_read reply from its shards' (version, values, state) read (values
+        None: unchanged since the versions the caller named)."""
         tensors = sorted({st.shard.tensor for st in states})
+        row_ids = {st.id for st in rows}
         return {
             "bucket": b,
             "epoch": epoch,
@@ -179,17 +197,23 @@ class CheckpointOps:
             "shards": {
                 sid: {"v": v, "a": a, "version": ver}
                 for sid, (ver, v, a) in got.items()
-                if v is not None
-            },
-            "rows": {
-                sid: {"version": v, "b": d} for sid, (v, d) in row_states.items() if d is not None
-            },
-            "unchanged": {
-                sid: ver for sid, (ver, v, *_r) in {**got, **row_states}.items() if v is None
+                if v is not None and sid not in row_ids
             },  # fmt: skip
+            "rows": {
+                sid: {"version": ver, "b": v}
+                for sid, (ver, v, _a) in got.items()
+                if v is not None and sid in row_ids
+            },  # fmt: skip
+            "unchanged": {sid: ver for sid, (ver, v, _a) in got.items() if v is None},
         }
 
     async def op_ckpt_install(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return await self.apply_install(await self.prepare_install(msg))
+
+    async def prepare_install(self, msg: dict[str, Any]) -> tuple[Any, ...]:
+        """A ckpt_install checked whole, nothing queued yet: its fields on the loop, its values'
+        bounds (a pass over up to 128 MiB) on a worker thread (the data plane queues it with
+        `apply_install` before it reads the connection's next frame)."""
         b = require(msg, "bucket", int)
         shards = require(msg, "shards", dict, default={})
         rows = require(msg, "rows", dict, default={})
@@ -199,6 +223,10 @@ class CheckpointOps:
         wire: list[Any] = []
         parts: list[Any] = []
         busy: list[str] = []
+        #: each part's decoding (install.shard / row_shard: what every copy checks of it),
+        #: run once every field is known good; its bounds are a pass over up to 128 MiB
+        decodes: list[Callable[[], Any]] = []
+        size = 0
         # Every field checked before anything is queued: a bad install changes nothing.
         for sid, rec in shards.items():
             if not isinstance(sid, str) or not isinstance(rec, dict):
@@ -207,11 +235,11 @@ class CheckpointOps:
             if self.store.layout.bucket_of[sid] != b:
                 raise ProtocolError("bad_request", f"shard {sid} is not in bucket {b}")
             upd = install.update(sid, rec.get("v"), rec.get("a"), install.version_of(rec))
-            inst = install.shard(self.store, st, upd)  # what every copy checks of `upd`
+            decodes.append(lambda st=st, u=upd: (st, install.shard(self.store, st, u)))
+            size += getattr(upd["v"], "nbytes", 0)
             if st.version > 0:
                 busy.append(sid)
             wire.append(([st], lambda sts, u=upd: u))
-            parts.append((st, inst))
         for sid, rec in rows.items():
             data = rec.get("b") if isinstance(rec, dict) else None
             if not isinstance(sid, str) or not isinstance(data, bytes):
@@ -220,18 +248,27 @@ class CheckpointOps:
             if not isinstance(st, RowShardState) or st.bucket != b:
                 raise ProtocolError("bad_request", f"row shard {sid} is not in bucket {b}")
             version = install.version_of(rec)
-            row = install.row_shard(st, data, version)  # what every copy checks
+            decodes.append(lambda st=st, d=data, v=version: (st, install.row_shard(st, d, v)))
+            size += len(data)
             if st.version > 0 or st.value.n > 0:
                 busy.append(sid)
             upd = install.row_update(sid, data, version)
             wire.append(([st], lambda sts, u=upd: u))
-            parts.append((st, row))
         if busy and not force:
             raise ProtocolError(
                 "conflict",
                 f"bucket {b} already holds data in {sorted(busy)[:5]} "
                 f"({len(busy)} shards); restore with force to overwrite",
             )
+        if size >= CHECK_OFF_LOOP:
+            parts = await asyncio.to_thread(lambda: [decode() for decode in decodes])
+        else:
+            parts = [decode() for decode in decodes]
+        return msg, b, wire, parts
+
+    async def apply_install(self, prepared: tuple[Any, ...]) -> dict[str, Any]:
+        """A prepared install through the one write path (queued in this call's first step)."""
+        msg, b, wire, parts = prepared
         await self.writes.replicate_or_apply(msg, wire, lambda: parts)
         return {"bucket": b, "installed": len(parts)}
 

@@ -41,6 +41,9 @@ class ShardState:
     #: the optimizer of the last update applied here (a push's ``hyper`` or the tensor's own;
     #: None: none since this server started): what ``describe`` shows, for operators and tests
     applied: Optimizer | None = None
+    #: consistent checkpoints' cuts that want this shard as it is now: copied before the next
+    #: write (adamps/server/cut_copies.py), then None
+    cuts: tuple[Any, ...] | None = None
 
     @property
     def id(self) -> str:

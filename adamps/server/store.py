@@ -9,10 +9,9 @@ Who may mutate what:
 - Reads (pulls, flush snapshots) are work items on the owner's queue too, so a reader always sees a
   whole batch applied or not at all, with the matching version, never a torn shard.
 
-An owner thread blocks on its queue, drains everything queued, groups the updates per shard in
-arrival order, and applies each shard's group as one batch (``optim.apply_batch``) before moving to
-the next shard: updates for one 1 MB shard are applied while it is hot in cache. A read or snapshot
-item is a barrier: the updates queued before it are applied first.
+An owner thread drains its queue, groups the updates per shard in arrival order, and applies each
+shard's group as one batch (``optim.apply_batch``): a 1 MB shard's updates while it is hot in
+cache. A read or snapshot item is a barrier: the updates queued before it are applied first.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from adamps.layout import MAX_SHARD_ELEMS, Layout, Shard, TensorSpec, stable_bucket
 from adamps.server import optim, shardrecord, vecapply
+from adamps.server.cut_copies import keep
 from adamps.server.initial import initial_values
 from adamps.server.install import version_after
 from adamps.server.optim import Fc, Optimizer, Scratch, Signs, initial_state, state_array
@@ -461,11 +461,8 @@ class Store:
     @property
     def applied(self) -> dict[str, int]:
         """Updates applied so far, by kind."""
-        return {
-            "dense": sum(c[0] for c in self._applied),
-            "fc": sum(c[1] for c in self._applied),
-            "compressed": sum(c[2] for c in self._applied),
-        }
+        kinds = ("dense", "fc", "compressed")
+        return {k: sum(c[i] for c in self._applied) for i, k in enumerate(kinds)}
 
     def dirty_count(self) -> int:
         return sum(len(s) for s in self._dirty)
@@ -541,6 +538,8 @@ class Store:
         dirty = self._dirty[owner]
         for st, group in pending.items():
             error: BaseException | None = None
+            if st.cuts is not None:  # a consistent cut wants it as it is: copied first
+                keep(st)
             try:
                 if isinstance(st, RowShardState):  # an embedding table's rows (rowblock.py)
                     st.apply_rows([u for u, _ in group])

@@ -271,6 +271,52 @@ async def test_a_hold_refuses_writes_with_a_retryable_503_until_released_or_expi
         await runner.cleanup()
 
 
+async def test_a_cut_copies_only_the_shards_written_after_it(tmp_path: Path) -> None:
+    """A consistent cut by copy-on-write (issue 38 item 7): the hold only marks the shards; a
+    shard written after the cut is copied before that write, the others are read as they are,
+    and the cut reads every one of them (dense and rows) as it was at the cut."""
+    server, runner, a = await _filled(tmp_path / "a")
+    try:
+        n_buckets = (await a.get_json("/status"))["n_buckets"]
+        before = (await a.call("pull", tensors=["w"]))["tensors"]["w"]
+        ids = np.arange(50, dtype=np.int64)
+        rows_before = (await a.call("pull_rows", table="emb", ids=ids))["rows"]
+        await a.call("ckpt_hold", cut="c", seconds=5.0)
+        _at, marks, buckets = server.checkpoints.cuts["c"]
+        assert marks.copies == {}  # nothing copied under the hold
+        assert stable_bucket("w/0", n_buckets) in buckets
+        await a.call("ckpt_release", cut="c")
+        await a.call("push_dense", shards={"w/0": np.ones(1000, np.float32)})  # w/0 only
+        await a.call("push_rows", table="emb", ids=ids, grads=np.ones((50, 3), np.float32))
+        assert "w/0" in marks.copies and "w/1" not in marks.copies
+        assert any("#rows/" in sid for sid in marks.copies)
+        got_w: dict[str, np.ndarray] = {}
+        blocks = {}
+        for b in sorted(set(buckets)):
+            snap = await a.call("ckpt_read", bucket=b, cut="c")
+            got_w.update({sid: r["v"] for sid, r in snap["shards"].items()})
+            blocks.update({sid: r["b"] for sid, r in snap["rows"].items()})
+        assert got_w["w/0"].tobytes() == before[:1000].tobytes()
+        assert got_w["w/1"].tobytes() == before[1000:].tobytes()
+        assert (await a.call("pull", tensors=["w"]))["tensors"]["w"][0] != before[0]
+        # the rows as they were: install the cut's blocks onto a fresh server and pull them
+        _s2, r2, b2 = await start(tmp_path / "b")
+        try:
+            await b2.call("create_table", **TABLE)
+            for sid, block in blocks.items():
+                bucket = int(sid.rsplit("/", 1)[1])
+                await b2.call("ckpt_install", bucket=bucket, rows={sid: {"b": block}})
+            restored = (await b2.call("pull_rows", table="emb", ids=ids))["rows"]
+            assert restored.tobytes() == rows_before.tobytes()
+        finally:
+            await b2.close()
+            await r2.cleanup()
+        assert "c" not in server.checkpoints.cuts and not marks.copies  # all read: forgotten
+    finally:
+        await a.close()
+        await runner.cleanup()
+
+
 async def test_install_through_a_static_routing_carries_the_accumulators(tmp_path: Path) -> None:
     """adamps.checkpoint.install (what a warm start uses to carry the optimizer's state) on a
     standalone server found through a static routing: values and state bit-identical. The
