@@ -48,3 +48,31 @@ async def test_an_idle_core_sleeps_and_an_input_wakes_its_clock_at_once() -> Non
     clock.stop()
     await asyncio.sleep(MAX_SLEEP + 0.1)
     assert clock.ticks == ticks, "stopped"
+
+
+async def test_the_inputs_of_one_loop_step_ask_the_core_deadline_once() -> None:
+    """Issue 36 (helper perf36's profile of a click-through step at RF 3): a frame of a peer's
+    PREPAREs for 21 buckets is 21 inputs in one loop step, and each one's poke asked the core's
+    next deadline, a walk over every bucket. The pokes of one loop step ask it once."""
+    core = ReplCore(ReplSettings("s", ping_interval=100.0, lease=LeaseTerms()))
+
+    def tick() -> None:
+        core.tick(time.monotonic())
+        core.ready()
+        core.advance()
+
+    clock = CoreClock(core, tick)
+    clock.start()
+    await asyncio.sleep(0.05)  # registered; the clock sleeps (nothing due for MAX_SLEEP)
+    asked: list[float] = []
+    real = core.next_deadline
+    core.next_deadline = lambda now: (asked.append(now), real(now))[1]  # type: ignore[method-assign]
+    for _ in range(21):
+        clock.poke()
+    await asyncio.sleep(0.01)
+    assert len(asked) == 1, f"{len(asked)} deadline queries for the pokes of one loop step"
+    for _ in range(3):  # a later loop step asks again
+        clock.poke()
+    await asyncio.sleep(0.01)
+    assert len(asked) == 2
+    clock.stop()
