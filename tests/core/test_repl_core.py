@@ -171,10 +171,10 @@ def test_at_a_steady_pace_of_rounds_every_commit_rides_on_the_next_prepare() -> 
 
 def test_a_tick_pumps_no_bucket_whose_delayed_commit_is_all_it_waits_for() -> None:
     """Issue 36 (helper perf36's profile of a click-through step at RF 3): between two steps
-    every bucket the trainer pushed waits for its delayed COMMIT, and every tick of the clock
-    (every TICK while other buckets' messages are in flight) pumped each of them for nothing:
-    about a tenth of a server's event loop. A tick pumps such a bucket only once its COMMIT is
-    due; what is sent, and when, is unchanged."""
+    every bucket the trainer pushed waits for its delayed COMMIT or for its PREPARE's answers,
+    and every tick of the clock (every TICK while messages are in flight) pumped each of them
+    for nothing: about a tenth of a server's event loop. A tick pumps such a bucket only once
+    its COMMIT is due; an answer pumps it at once; what is sent, and when, is unchanged."""
     cl = Cluster()
     a = cl.cores["a"]
     pumped: list[int] = []
@@ -188,6 +188,9 @@ def test_a_tick_pumps_no_bucket_whose_delayed_commit_is_all_it_waits_for() -> No
         cl.deliver(t)
         a.submit({0: f"u{i}"}, ("cl", i), {0: f"w{i}"}, t)
         cl.collect()
+        pumped.clear()
+        a.tick(t + 0.01)
+        assert pumped == [], f"step {i}: its PREPAREs await their answers: nothing to pump"
         cl.deliver(t)
     pumped.clear()
     a.tick(t + step / 2)
