@@ -257,7 +257,8 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
                 if now - self.last_heard.get(b, 0.0) > fa:
                     rep.learning = False  # the primary forgot this learner: transfer again
             elif role == "primary" and self._pumping(b, rep):
-                self.pump(b, now)
+                if (rs := self._rounds.get(b)) is None or rs.pump_due(rep, now):
+                    self.pump(b, now)
         for key, (at, req) in list(self._report_again.items()):
             if now >= at:
                 del self._report_again[key]

@@ -58,7 +58,9 @@ class JoiningCopy:
         """(bucket, join target, when its snapshot may be asked for) of every joining copy that
         holds none, fetches none and installs none."""
         out = []
-        for b in self.roles:
+        for b, role in self.roles.items():
+            if role != "joining":  # (join_target's test first: most buckets are not joining)
+                continue
             target = self.join_target(b)
             if target is None or b in self._fetching or b in self.installing:
                 continue

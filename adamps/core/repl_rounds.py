@@ -90,6 +90,22 @@ class Rounds:
             return now
         return max(now, self.commit_after)
 
+    def pump_due(self, rep: BucketReplica, now: float) -> bool:
+        """Whether a tick's pump of this busy bucket can do anything. Not while its delayed
+        COMMIT is all it waits for (before the COMMIT's time its pump sends nothing), nor while
+        it waits only for answers: every replica has a message in flight, no retry is planned
+        and no round can start (one is in flight, or no push waits). Each answer (the transport
+        gives every message one), push and role change pumps the bucket at once all the same. A
+        primary pushed at a steady pace has most of its buckets in one of these states at any
+        tick, and every tick pumped each of them (a tenth of a server's event loop in issue 36's
+        profile at RF 3)."""
+        if rep.needs_recovery or self.retry_at:
+            return True
+        if self.commit_due(rep, now) > now:
+            return False
+        waiting = bool(self.out) and all(m in self.out for m in rep.replicas)
+        return not (waiting and (rep.inflight is not None or not rep.pending))
+
     def forget_gone(self, replicas: tuple[str, ...]) -> None:
         """Replicas that left the set: nothing more is retried or timed for them, and the answer
         to a message still in flight to one of them is ignored (it may come back as a learner)."""

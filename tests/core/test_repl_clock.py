@@ -68,14 +68,48 @@ async def test_an_input_that_brings_no_deadline_sooner_does_not_ask_every_bucket
     clock._schedule(now + MAX_SLEEP, now)  # a tick planned within the second, as an idle clock's
     try:
         clock.poke(time.monotonic() + 3.0)  # a ping: its watchdog is due 3 s from now at least
+        await asyncio.sleep(0.01)  # (a loop step's pokes are asked once, after it)
         assert asked == [], "a tick is planned before anything the ping brought"
         clock.poke(float("inf"))  # a ping's answer: no deadline at all
+        await asyncio.sleep(0.01)
         assert asked == []
         clock.poke(time.monotonic() + 0.5 * MAX_SLEEP)  # a deadline may precede the plan: ask
-        assert len(asked) == 1
+        await asyncio.sleep(0.01)
+        assert asked, "a deadline before the plan is asked for"
         now = time.monotonic()
         clock._schedule(now + MAX_SLEEP, now)  # (that ask found the registration due: replan)
-        clock.poke()
-        assert len(asked) == 2, "any other input asks the core again"
+        asked.clear()
+        clock.poke(time.monotonic() + 3.0)
+        clock.poke()  # a ping and another input in one loop step: the earliest bound counts
+        await asyncio.sleep(0.01)
+        assert asked, "any other input asks the core again"
     finally:
         clock.stop()
+
+
+async def test_the_inputs_of_one_loop_step_ask_the_core_deadline_once() -> None:
+    """Issue 36 (helper perf36's profile of a click-through step at RF 3): a frame of a peer's
+    PREPAREs for 21 buckets is 21 inputs in one loop step, and each one's poke asked the core's
+    next deadline, a walk over every bucket. The pokes of one loop step ask it once."""
+    core = ReplCore(ReplSettings("s", ping_interval=100.0, lease=LeaseTerms()))
+
+    def tick() -> None:
+        core.tick(time.monotonic())
+        core.ready()
+        core.advance()
+
+    clock = CoreClock(core, tick)
+    clock.start()
+    await asyncio.sleep(0.05)  # registered; the clock sleeps (nothing due for MAX_SLEEP)
+    asked: list[float] = []
+    real = core.next_deadline
+    core.next_deadline = lambda now: (asked.append(now), real(now))[1]  # type: ignore[method-assign]
+    for _ in range(21):
+        clock.poke()
+    await asyncio.sleep(0.01)
+    assert len(asked) == 1, f"{len(asked)} deadline queries for the pokes of one loop step"
+    for _ in range(3):  # a later loop step asks again
+        clock.poke()
+    await asyncio.sleep(0.01)
+    assert len(asked) == 2
+    clock.stop()

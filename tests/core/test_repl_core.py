@@ -169,6 +169,42 @@ def test_at_a_steady_pace_of_rounds_every_commit_rides_on_the_next_prepare() -> 
     assert cl.applied["b"] == cl.applied["c"] == [f"u{j}" for j in range(1, 6)]
 
 
+def test_a_tick_pumps_no_bucket_whose_delayed_commit_is_all_it_waits_for() -> None:
+    """Issue 36 (helper perf36's profile of a click-through step at RF 3): between two steps
+    every bucket the trainer pushed waits for its delayed COMMIT or for its PREPARE's answers,
+    and every tick of the clock (every TICK while messages are in flight) pumped each of them
+    for nothing: about a tenth of a server's event loop. A tick pumps such a bucket only once
+    its COMMIT is due; an answer pumps it at once; what is sent, and when, is unchanged."""
+    cl = Cluster()
+    a = cl.cores["a"]
+    pumped: list[int] = []
+    real = a.pump
+    a.pump = lambda b, now: (pumped.append(b), real(b, now))[1]  # type: ignore[method-assign]
+    step = 0.3
+    for i in range(1, 4):
+        t = i * step
+        a.tick(t)
+        cl.collect()
+        cl.deliver(t)
+        a.submit({0: f"u{i}"}, ("cl", i), {0: f"w{i}"}, t)
+        cl.collect()
+        pumped.clear()
+        a.tick(t + 0.01)
+        assert pumped == [], f"step {i}: its PREPAREs await their answers: nothing to pump"
+        cl.deliver(t)
+    pumped.clear()
+    a.tick(t + step / 2)
+    cl.collect()
+    assert pumped == [] and cl.out == [], "nothing due: not pumped, nothing sent"
+    wait = min(COMMIT_WAIT_MAX, COMMIT_GAPS * step)
+    a.tick(t + wait + 0.001)
+    cl.collect()
+    assert pumped == [0], "pumped once its COMMIT is due"
+    assert [m.op for _s, m in cl.out] == ["repl_commit", "repl_commit"]
+    cl.deliver(t + wait + 0.001)
+    assert cl.applied["b"] == cl.applied["c"] == ["u1", "u2", "u3"]
+
+
 def test_a_new_primary_serves_no_read_before_it_applied_its_in_doubt_rounds() -> None:
     """Found by tests/system/test_racks.py (1 run in 5): a's push was acknowledged once b and c
     held it prepared; a died before any COMMIT. The promoted b held it prepared, not applied,

@@ -1,0 +1,47 @@
+"""The replication core's transport (adamps.server.repl_peers.Peers.send), on a real event loop
+against a peer whose port refuses connections: every message gets exactly one answer, from a
+later loop step, and the messages of one drain travel without a task each (issue 36, helper
+perf36's profile: ~46 messages per server per click-through step at RF 3, each its own task)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+
+from adamps.core.repl_ready import Send
+from adamps.server.peer_keys import PeerKeys
+from adamps.server.repl_peers import Peers
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_each_message_is_answered_once_later_and_a_drain_starts_no_task_per_message() -> None:
+    keys = PeerKeys("a", None, lambda: None, lambda _s: True)
+    peers = Peers("token", 2.0, keys)
+    async with aiohttp.ClientSession() as session:
+        peers.session = session
+        peers.addresses["b"] = f"127.0.0.1:{_closed_port()}"
+        answers: list[tuple[int, object, object]] = []
+        before = len(asyncio.all_tasks())
+        for rid in range(21):  # one drain: 21 buckets' COMMITs to one peer, one to an unknown one
+            fields = {"bucket": rid, "epoch": 1, "sender": "a", "seq": 3}
+            peers.send(
+                Send(rid, "b", "repl_commit", fields),
+                lambda r, e, rid=rid: answers.append((rid, r, e)),
+            )
+        peers.send(Send(99, "nobody", "repl_commit", {}), lambda r, e: answers.append((99, r, e)))
+        assert answers == [], "no answer inside the caller's loop step"
+        assert len(asyncio.all_tasks()) - before <= 1, "one task: the peer channel's"
+        for _ in range(200):
+            if len(answers) == 22:
+                break
+            await asyncio.sleep(0.05)
+        peers.close()
+    assert sorted(rid for rid, _r, _e in answers) == [*range(21), 99], "each answered once"
+    assert {(r, e) for _rid, r, e in answers} == {(None, "connection")}
