@@ -80,7 +80,24 @@ def port() -> int:
     return free_port()
 
 
+@pytest.fixture(autouse=True)
+def _core_invariants_held(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every server a test starts checks its replication core's invariants after each input
+    (ADAMPS_DEBUG_CORE=1, set below; adamps/core/repl_invariants.py): a breach its log shows
+    in the test's run directory fails the test, even one a failover hid."""
+    yield
+    root = request.node.funcargs.get("tmp_path")
+    for log in Path(root).rglob("*.log") if root is not None else ():
+        text = log.read_text(errors="replace")
+        if "InvariantViolation" in text:
+            line = next(x for x in text.splitlines() if "InvariantViolation" in x)
+            pytest.fail(f"{log}: {line}")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    # The replication core's invariants checked after every input in every server the tests
+    # start (a debugging aid: adamps.server.replicate.DEBUG_CORE).
+    os.environ.setdefault("ADAMPS_DEBUG_CORE", "1")
     # Child processes and BLAS in the test process: one thread each, so tests behave the same on
     # 2 cores as on 64 and do not oversubscribe the CI machine.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

@@ -46,6 +46,7 @@ from adamps.core.controller_link import ControllerLink
 from adamps.core.lease import HolderLeases
 from adamps.core.repl_controllers import ControllerSide
 from adamps.core.repl_disk import DiskSide
+from adamps.core.repl_invariants import check as _check_invariants
 from adamps.core.repl_join import JoiningCopy
 from adamps.core.repl_pings import Pings
 from adamps.core.repl_ready import Answer, ControllerRequest, Fetch, Ready, Send
@@ -97,6 +98,8 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
         self._ready = Ready()
         #: when to register and heartbeat (repl_controllers.py)
         self.link = ControllerLink(retry=settings.link_retry)
+
+    validate = _check_invariants  # raises InvariantViolation naming bucket and rule
 
     # -- Ready ------------------------------------------------------------------------------------
 

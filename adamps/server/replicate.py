@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from adamps.server.catalog import TensorCatalog
 
 log = logging.getLogger(__name__)
+#: a debugging aid (tests set it): the core's invariants checked after every input
+DEBUG_CORE = os.environ.get("ADAMPS_DEBUG_CORE") == "1"
 
 
 class Replicator:
@@ -162,6 +165,8 @@ class Replicator:
         now = time.monotonic()
         res = event(*args, now, **kw)
         self.drain()
+        if DEBUG_CORE:
+            self.core.validate()  # raised where the input came from (logged there)
         self.clock.poke(now + ahead)
         if isinstance(res, Reject):
             b = b if res.bucket is None else res.bucket

@@ -385,6 +385,7 @@ class Server:
                 ok = lambda r: self.core.on_ping_reply(r["stale"], self.local())  # noqa: E731
                 self.call(m, "repl_ping", {"buckets": {int(k): e for k, e in buckets.items()}},
                           ok, lambda _e: None)  # fmt: skip
+        core.validate()  # the core's invariants after every input (repl_invariants.py)
         # An input may bring a timer earlier (the shell's clock asks after each: CoreClock.poke).
         self.tick_at = min(self.tick_at, core.next_deadline(self.local()))
         # Invariant 1 for every round the core started (only while the lease holds).
