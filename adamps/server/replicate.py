@@ -4,16 +4,13 @@ Project Adam 3.3.3, end to end. Every decision and all per-bucket state are the 
 (``adamps.core.repl_core.ReplCore``: roles, leases, rounds of two-phase commit, the watchdog,
 pings, state transfers, when to call the controllers); this shell only carries them out, as
 etcd-io/raft's users do. Every event goes in through one entry, ``step`` (the core's input with
-the clock's reading, its ``Ready`` carried out in the same loop step, a refusal raised): the
-peers' messages (``repl_ops``), the answers to the core's messages and calls, client pushes, a
-joining copy's snapshot, and the clock (``repl_clock``: at the core's deadlines). ``drain``
-carries out the ``Ready``: batches to the owner threads, pushes answered, messages and pings
-through the transport (``repl_peers.Peers``), calls to the controllers (``repl_control``),
-snapshots fetched, installed (``bucket_copy``) and persisted (``repl_persist``).
-
-Updates travel in their compact form (dense delta of one shard, or activation and error vectors),
-never as an expanded M x N delta, and every replica applies each batch as one group per shard on
-the shard's owner thread, so replicas end bit-identical (``digest`` checks it).
+the clock's reading, its ``Ready`` carried out in the same loop step, a refusal raised): peers'
+messages (``repl_ops``), answers to the core's messages and calls, client pushes, a joining
+copy's snapshot, the clock (``repl_clock``). ``drain`` carries out the ``Ready``: batches to the
+owner threads, pushes answered, messages and pings through ``repl_peers.Peers``, calls to the
+controllers (``repl_control``), snapshots fetched, installed (``bucket_copy``) and persisted
+(``repl_persist``). Updates travel compact (a shard's dense delta, act/err vectors), and every
+replica applies each batch as one group per shard on its owner thread: bit-identical copies.
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ if TYPE_CHECKING:
     from adamps.server.catalog import TensorCatalog
 
 log = logging.getLogger(__name__)
-#: a debugging aid (tests set it): the core's invariants checked after every input
-DEBUG_CORE = os.environ.get("ADAMPS_DEBUG_CORE") == "1"
+DEBUG_CORE = os.environ.get("ADAMPS_DEBUG_CORE") == "1"  # tests: invariants after each input
 
 
 class Replicator:
@@ -160,8 +156,7 @@ class Replicator:
         clock's reading after `args`; the Ready it leaves is carried out in the same loop step
         (its batches reach the owner threads before anything else runs, before a peer's reply
         goes out), and a refusal is raised as the protocol's error about bucket `b` (or the one
-        it names). `ahead`: it brings no deadline sooner (a ping: failover_after; its answer:
-        none), so a tick planned by then stands without asking every bucket (issue 36)."""
+        it names). `ahead`: it brings no deadline sooner (a ping: failover_after; an answer: none)."""
         now = time.monotonic()
         res = event(*args, now, **kw)
         self.drain()
