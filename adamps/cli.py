@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("adamps.up.main", "run the whole cluster as local processes and train adam-mnist"),
     "down": ("adamps.up.detach:down_main", "stop a cluster started by `adamps up --detach`"),
     "launch": (
-        "adamps.launch",
+        "adamps.up.launch",
         "start N replicas of a training script against a cluster (RANK, WORLD_SIZE, as torchrun)",
     ),
     "ps": ("adamps.server.main", "run a parameter server"),
@@ -31,10 +31,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "dataserver": ("dataserver.main", "run a data server"),
     "train": ("trainer.main", "run one model replica (trainer)"),
-    "checkpoint": ("adamps.checkpoint", "save a running cluster's state, or restore it"),
-    "export": ("adamps.export", "write a checkpoint's or a cluster's values as npz or safetensors"),
+    "checkpoint": (
+        "adamps.checkpoint.save_restore",
+        "save a running cluster's state, or restore it",
+    ),
+    "export": (
+        "adamps.checkpoint.export",
+        "write a checkpoint's or a cluster's values as npz or safetensors",
+    ),
     "table": (
-        "adamps.table_cmd",
+        "adamps.checkpoint.table_load",
         "load an embedding table's rows from .npy, .safetensors or a checkpoint",
     ),
     "coordinator": ("coordinator.main", "run the Sandblaster L-BFGS coordinator"),

@@ -9,7 +9,7 @@ Addresses: ``--controllers``, else ``$ADAMPS_CONTROLLERS``, else the cluster nam
 ``--cluster`` or ``$ADAMPS_CLUSTER``, else the cluster "local" if its file exists, else
 127.0.0.1:7000. Token: ``--token``, else ``$ADAMPS_TOKEN``, else the file ``$ADAMPS_TOKEN_FILE``,
 else the token file of the cluster whose controllers these are, else (loopback only) this
-user's local token (adamps.token).
+user's local token (adamps.security.token).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adamps import token as tokens
+from adamps.security import token as tokens
 
 #: the cluster used when none is named (`adamps up --detach` without --name)
 DEFAULT_NAME = "local"
@@ -163,7 +163,7 @@ def resolve(
     who: str = "adamps",
 ) -> Target:
     """The controllers and token a client uses (the rule in this module's docstring). Raises
-    ClusterError or adamps.token.TokenError with a message naming what is missing."""
+    ClusterError or adamps.security.token.TokenError with a message naming what is missing."""
     addrs, info = find(controllers, cluster)
     if token:
         return Target(addrs, token, "--token", info)

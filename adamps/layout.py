@@ -28,7 +28,7 @@ DEFAULT_BUCKETS = 64
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}(@[A-Za-z0-9_.\-]{1,64})?")  # fullmatch, not "$"
 #: separates a tensor's name from the name of a vector stored beside it: tensor "w@g" is vector
-#: "g" of tensor "w" (Sandblaster, adamps/server/vecops.py), placed shard by shard with "w"
+#: "g" of tensor "w" (Sandblaster, adamps/server/api/vecops.py), placed shard by shard with "w"
 VECTOR_SEP = "@"
 
 

@@ -10,7 +10,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from adamps import config, tls, web
+from adamps import config
+from adamps.security import tls
+from adamps.wire import web
 
 C = TypeVar("C")
 

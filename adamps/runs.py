@@ -11,7 +11,7 @@ namespace (``a..x`` cannot belong to run ``a.``, which cannot exist).
 
 Who may do what: the cluster token is the operator's (everything); a run's token reads and writes
 names in its namespace only, and calls no admin endpoint. The helpers here decide; the shells
-(``adamps/server/tenancy.py``, ``controller/runs_http.py``) answer.
+(``adamps/server/api/tenancy.py``, ``controller/runs_http.py``) answer.
 """
 
 from __future__ import annotations

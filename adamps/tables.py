@@ -171,7 +171,7 @@ class Admission:
     admit_after: int = 1
     #: rows not pushed for this many seconds are removed (None: never)
     expire_after: float | None = None
-    #: counters per row of each bucket's frequency sketch (adamps/server/freqsketch.py: 4 rows,
+    #: counters per row of each bucket's frequency sketch (adamps/server/store/tables/freqsketch.py: 4 rows,
     #: 16 * filter_width bytes per bucket, only with admit_after > 1)
     filter_width: int = 4096
 
@@ -232,7 +232,7 @@ class TableSpec:
     dim: int
     #: canonical row init (normalize_row_init)
     init: dict[str, Any] = field(default_factory=lambda: {"kind": "zeros"})
-    #: the optimizer description (adamps.server.optim.Optimizer.to_dict)
+    #: the optimizer description (adamps.server.updates.optim.Optimizer.to_dict)
     optimizer: dict[str, Any] = field(default_factory=lambda: {"kind": "sgd", "lr": 0.01})
     admission: Admission = field(default_factory=Admission)
     #: how the rows' values are stored (rowdtype.py): float32, float16 or bfloat16

@@ -4,7 +4,7 @@
 A real cluster on loopback (3 controllers, 3 parameter servers, replication 3) holds a model of
 ``--gb`` GB of float32 values (``--tensors`` tensors, SGD). Figures:
 
-- save: ``adamps checkpoint save`` (adamps.checkpoint.save) of the whole model, in GB/s of
+- save: ``adamps checkpoint save`` (adamps.checkpoint.save_restore.save) of the whole model, in GB/s of
   values written, against the limit: a plain ``np.save`` of the same arrays to the same disk
   (each file fsynced, as the checkpoint's are), in the same run. Goal >= 0.5.
 - restore: ``adamps checkpoint restore`` onto a second, empty cluster of 3 servers, against
@@ -35,8 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from adamps import ckpt_series
-from adamps.checkpoint import Cluster, restore, save
+from adamps.checkpoint import restore
+from adamps.checkpoint import series as ckpt_series
+from adamps.checkpoint.save_restore import Cluster, save
 from adamps.client import ControllerRouting, PSClient
 from adamps.layout import Layout, TensorSpec
 from adamps.up.cluster import LocalCluster

@@ -51,12 +51,12 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from adamps import codec  # noqa: E402
+from adamps.compression import codec  # noqa: E402
+from adamps.compression.error_feedback import Encoded, TensorCompressor  # noqa: E402
 from adamps.layout import Layout, TensorSpec  # noqa: E402
-from adamps.server import optim  # noqa: E402
-from adamps.server.optim import Dense, Optimizer, Scratch, Signs  # noqa: E402
+from adamps.server.updates import optim  # noqa: E402
+from adamps.server.updates.optim import Dense, Optimizer, Scratch, Signs  # noqa: E402
 from adamps.up.procs import Proc, adamps_argv, free_port  # noqa: E402
-from trainer.compress import Encoded, TensorCompressor  # noqa: E402
 from trainer.local import builtin_data  # noqa: E402
 from trainer.model import Model, resolve_spec  # noqa: E402
 

@@ -10,7 +10,7 @@ Every replica steps once per minibatch (--workers 1 --n-push 1; async also fetch
 step, --n-fetch 1), with server-side Adagrad. The limit each mode is compared against is
 measured in the same run: async (Downpour), the mode that never waits. Printed per mode: the
 accuracy per epoch, the training wall time, steps per second, and its ratio to async's; the
-last line is one JSON object. The PNG is drawn with matplotlib's object API (as adamps/plot.py).
+last line is one JSON object. The PNG is drawn with matplotlib's object API (as adamps/up/plot.py).
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-from adamps import protocol  # noqa: E402
 from adamps.up.procs import Proc, adamps_argv, free_port  # noqa: E402
+from adamps.wire import protocol  # noqa: E402
 from dataserver.augment import AugmentParams, augment_images, epoch_transforms  # noqa: E402
 from dataserver.client import DataClient  # noqa: E402
 from dataserver.config import DataServerConfig  # noqa: E402

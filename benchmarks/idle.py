@@ -122,7 +122,7 @@ def scrub_cost(mb: float) -> dict[str, float]:
     """CPU seconds per GiB of the scrub's verification of shard records, and a pass's seconds
     per GiB at the default scrub_rate and scrub_cpu (the longer bound wins)."""
     from adamps.server.config import PsConfig
-    from adamps.server.persist import Persister
+    from adamps.server.storage.persist import Persister
 
     n = max(1, int(mb // 2))
     p = Persister(tempfile.mkdtemp(prefix="adamps-scrub-"), map_size=4 * n << 20)

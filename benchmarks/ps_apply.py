@@ -36,17 +36,17 @@ import numpy as np
 from scipy.linalg import blas
 from threadpoolctl import threadpool_limits
 
-from adamps import tls, tls_certs
 from adamps.client import PSClient, StaticRouting
 from adamps.client.dataplane import DataPlaneClient
 from adamps.client.rpc import SyncRpc
 from adamps.layout import Layout, TensorSpec
-from adamps.server import kernels
-from adamps.server.initial import normalize_init
+from adamps.security import tls, tls_certs
 from adamps.server.main import tune_malloc
-from adamps.server.optim import Dense, Optimizer
-from adamps.server.shards import fc_parts
-from adamps.server.store import Store
+from adamps.server.store.initial import normalize_init
+from adamps.server.store.shards import fc_parts
+from adamps.server.store.store import Store
+from adamps.server.updates import kernels
+from adamps.server.updates.optim import Dense, Optimizer
 from adamps.up.procs import Proc, adamps_argv, free_port
 
 MiB = 1 << 20
@@ -299,7 +299,7 @@ def _aiohttp_sink(port: int) -> None:
     """The HTTP framework's own ceiling: an aiohttp app that reads the body and discards it."""
     from aiohttp import web
 
-    from adamps import protocol
+    from adamps.wire import protocol
 
     tune_malloc()
 

@@ -35,8 +35,8 @@ import urllib.request
 import numpy as np
 
 from adamps.client import ControllerRouting, PSClient
-from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
+from adamps.testing.exactness import ExactnessLoad
 from adamps.up.cluster import LocalCluster
 
 TOKEN = "bench-token"
@@ -333,7 +333,7 @@ def main() -> None:
         results["hmac_sha256_GB_per_s"] = round(mac_gbs, 3)
         results["blake2b_keyed_GB_per_s"] = round(blake_gbs, 3)
         # each push's shard is hashed once by the primary for both secondaries (the segmented
-        # frame MAC, adamps.peer_auth.frame_mac) and once by each secondary
+        # frame MAC, adamps.security.peer_auth.frame_mac) and once by each secondary
         mac_ms = 3 * shard_elems * 4 / (mac_gbs * 1e9) * 1e3
         results["hmac_ms_per_push_rf3"] = round(mac_ms, 3)
         print(

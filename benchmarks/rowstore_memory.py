@@ -29,11 +29,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from adamps import web as aweb  # noqa: E402
 from adamps.client.rpc import AsyncRpc  # noqa: E402
-from adamps.server.app import ParameterServer  # noqa: E402
+from adamps.server.api.app import ParameterServer  # noqa: E402
 from adamps.server.config import PsConfig  # noqa: E402
 from adamps.up.procs import free_port  # noqa: E402
+from adamps.wire import web as aweb  # noqa: E402
 
 TOKEN = "rowstore-memory-token"
 

@@ -61,9 +61,9 @@ def check_cost(tmp: Path, elems: int, n: int = 20_000) -> float:
     import asyncio
 
     from adamps import metrics, runs
-    from adamps.server.persist import Persister
-    from adamps.server.store import Store
-    from adamps.server.tenancy import Tenancy
+    from adamps.server.api.tenancy import Tenancy
+    from adamps.server.storage.persist import Persister
+    from adamps.server.store.store import Store
 
     store = Store(n_buckets=8)
     persister = Persister(tmp / "check-cost", 1 << 24, sync=False)

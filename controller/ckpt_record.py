@@ -4,14 +4,14 @@ The schedule lives in the Raft state, not in a leader's memory: when the last ch
 finished, how many there were, which one a leader began. Whichever node leads next reads it
 and knows whether one is due, so a leader killed in the middle of a checkpoint delays the
 schedule by one leader election, not by an interval; its half-written directory has no
-manifest and is never used (adamps/ckpt_series.py).
+manifest and is never used (adamps/checkpoint/series.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-#: summary fields a completed checkpoint records (adamps.ckpt_series.summary) and their types
+#: summary fields a completed checkpoint records (adamps.checkpoint.series.summary) and their types
 DONE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "name": str,
     "bytes": int,

@@ -2,7 +2,7 @@
 
 Every controller runs this loop; only the leader acts. When the replicated record says one is
 due (controller/ckpt_record.py), the leader commits ``begin``, takes an incremental checkpoint
-of the cluster into ``checkpoint_dir`` through its own HTTP API (adamps/checkpoint.py: each
+of the cluster into ``checkpoint_dir`` through its own HTTP API (adamps/checkpoint/save_restore.py: each
 bucket cut on its primary, only shards changed since the newest complete checkpoint written),
 prunes to ``checkpoint_keep`` and commits ``done`` with its size and duration. The save runs in
 a worker thread: the leader's other duties (heartbeats, leases) go on meanwhile. A leader that
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from adamps import ckpt_series
-from adamps.checkpoint import Cluster, save
+from adamps.checkpoint import series as ckpt_series
+from adamps.checkpoint.save_restore import Cluster, save
 from controller import ckpt_record
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from adamps import token as tokens
 from adamps.config import ConfigError, default_token, field
-from adamps.web import HttpLimits
+from adamps.security import token as tokens
+from adamps.wire.web import HttpLimits
 from controller.raft_transport import RaftLimits
 
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from adamps import clusters, tls
-from adamps import token as tokens
+from adamps import clusters
 from adamps.client.controller import ControllerClient
 from adamps.client.rpc import RpcError
+from adamps.security import tls
+from adamps.security import token as tokens
 
 WHAT = {
     "drain": "move every bucket copy off SERVER; stop it once `adamps status` shows it drained",

@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from adamps.protocol import ProtocolError
+from adamps.wire.protocol import ProtocolError
 
 
 def positions(raw: Any, n_buckets: int, name: str) -> dict[int, list[Any]]:

@@ -13,9 +13,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from adamps import peer_auth, tls
-from adamps import web as aweb
-from adamps.protocol import ProtocolError
+from adamps.security import peer_auth, tls
+from adamps.wire import web as aweb
+from adamps.wire.protocol import ProtocolError
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
 from controller.raft_node import NotLeader, RaftNode

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 
-from adamps.protocol import ProtocolError
+from adamps.wire.protocol import ProtocolError
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
 from controller.raft_node import NotLeader, RaftNode

@@ -7,8 +7,8 @@ import asyncio
 import logging
 import sys
 
-from adamps import web as aweb
 from adamps.role import role_parser, run_role
+from adamps.wire import web as aweb
 from controller.config import ControllerConfig
 from controller.service import ControllerService
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from pysyncobj import FAIL_REASON, SyncObjConf
 
-from adamps.protocol import ProtocolError
+from adamps.wire.protocol import ProtocolError
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
 from controller.raft_journal import GuardedSyncObj, make_guarded_node

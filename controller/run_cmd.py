@@ -11,10 +11,11 @@ import sys
 import time
 from typing import Any
 
-from adamps import clusters, runs, tls
-from adamps import token as tokens
+from adamps import clusters, runs
 from adamps.client.controller import ControllerClient
 from adamps.client.rpc import RpcError
+from adamps.security import tls
+from adamps.security import token as tokens
 from controller.status import table
 
 ACTIONS = ("create", "list", "show", "delete")

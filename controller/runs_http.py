@@ -28,8 +28,8 @@ from typing import Any
 from aiohttp import web
 
 from adamps import runs
-from adamps import web as aweb
-from adamps.protocol import ProtocolError
+from adamps.wire import web as aweb
+from adamps.wire.protocol import ProtocolError
 from controller.raft_node import ok_or_raise
 
 #: who made a request: set by `RunsApi.authenticate` for the handlers

@@ -17,11 +17,13 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from adamps import limits, metrics, peer_auth
-from adamps import web as aweb
+from adamps import metrics
 from adamps.config import to_dict as config_to_dict
 from adamps.core.lease import LeaseTerms
-from adamps.protocol import ProtocolError
+from adamps.security import peer_auth
+from adamps.wire import limits
+from adamps.wire import web as aweb
+from adamps.wire.protocol import ProtocolError
 from controller import fields
 from controller.ckpt_schedule import CheckpointSchedule
 from controller.config import ControllerConfig
@@ -271,7 +273,7 @@ class ControllerService:
 
     async def _check_server(self, request: web.Request, server: str) -> None:
         """With a peer token: refused (403) unless the call carries server `server`'s proof of
-        its own key over this very request (adamps.peer_auth.SERVER_HEADER): the calls only a
+        its own key over this very request (adamps.security.peer_auth.SERVER_HEADER): the calls only a
         server makes (register, heartbeat, role changes, caught-up, release, drop-secondary)
         cannot be made by a holder of the cluster token alone (issue 28)."""
         if not self.cfg.peer_token:
@@ -301,7 +303,7 @@ class ControllerService:
         return await self.forwarder.write(request, run)
 
     async def h_peer_keys(self, request: web.Request) -> web.Response:
-        """A server's pairwise keys (adamps.peer_auth), for the servers it names, once it proved
+        """A server's pairwise keys (adamps.security.peer_auth), for the servers it names, once it proved
         it holds its own key. Any controller answers (a derivation from the peer token: no Raft
         entry); nobody else can, and a trainer (the cluster token only) gets 403."""
         try:

@@ -8,10 +8,11 @@ import sys
 import time
 from typing import Any
 
-from adamps import clusters, tls
+from adamps import clusters
 from adamps import runs as run_names
 from adamps.client.rpc import get_json
 from adamps.config import ConfigError
+from adamps.security import tls
 from controller import run_view
 from controller.text_table import table  # noqa: F401 (run_cmd uses it from here)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from adamps import token as tokens
 from adamps.config import default_token, field
 from adamps.layout import DEFAULT_BUCKETS, MAX_SHARD_ELEMS
-from adamps.web import HttpLimits
+from adamps.security import token as tokens
+from adamps.wire.web import HttpLimits
 
 
 @dataclass

@@ -18,9 +18,9 @@ import sys
 import threading
 
 from adamps import metrics as am
-from adamps import tls
-from adamps import web as aweb
 from adamps.role import role_parser, run_role
+from adamps.security import tls
+from adamps.wire import web as aweb
 from coordinator.config import CoordinatorConfig
 
 log = logging.getLogger("coordinator")

@@ -1,5 +1,5 @@
 """The coordinator's vectors on the parameter servers: :class:`coordinator.lbfgs.VectorOps`
-through the ``vec`` and ``vec_dot`` ops (adamps/server/vecops.py, docs/protocol-ps.md).
+through the ``vec`` and ``vec_dot`` ops (adamps/server/api/vecops.py, docs/protocol-ps.md).
 
 A vector named ``v`` of the model is, for each parameter tensor ``w``, the tensor ``w@v`` beside
 it; the vector ``param`` is the parameter tensors themselves. Each operation is one request per

@@ -15,8 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
-from adamps import web as aweb
-from adamps.protocol import ProtocolError
+from adamps.wire import web as aweb
+from adamps.wire.protocol import ProtocolError
 from coordinator.engine import Engine
 
 #: portions a trainer may report in one call at most

@@ -25,7 +25,7 @@ from typing import Any
 from adamps.client import retry
 from adamps.client.retry import RetryPolicy
 from adamps.client.rpc import RpcError, Stream, SyncRpc, get_json, rpc_request
-from adamps.protocol import ProtocolError
+from adamps.wire.protocol import ProtocolError
 from dataserver.framing import Batch, read_frame
 
 log = logging.getLogger(__name__)

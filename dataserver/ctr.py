@@ -1,6 +1,6 @@
 """Click logs as a data source (issue 38): rows of (label, dense features, categorical ids).
 
-    ctr           the planted-truth generator (trainer/ctr_data.py): ``ctr_examples`` rows of 13
+    ctr           the planted-truth generator (dataserver/ctr_data.py): ``ctr_examples`` rows of 13
                   dense counts and one id per field (4 fields; column f holds field f's own ids,
                   0 .. sizes[f] - 1), labelled by the planted logistic model
     ctr:FILE      a Criteo-format TSV (``.gz`` read compressed): per line a label (0 or 1), 13
@@ -156,7 +156,7 @@ def read_tsv(
 
 def generator_rows(examples: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dense, per-field ids, labels int64) of the planted-truth generator's draw `seed`."""
-    from trainer.ctr_data import CtrData, CtrSpec
+    from dataserver.ctr_data import CtrData, CtrSpec
 
     spec = CtrSpec()
     ids, dense, y, _ = CtrData(spec).dense_examples(examples, seed)

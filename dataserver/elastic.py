@@ -26,9 +26,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from adamps import protocol
-from adamps import web as adamps_web
-from adamps.protocol import ProtocolError
+from adamps.wire import protocol
+from adamps.wire import web as adamps_web
+from adamps.wire.protocol import ProtocolError
 from dataserver.slices import Grant, SliceTable
 
 RUN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")

@@ -1,5 +1,5 @@
 """Stream framing: a stream is a sequence of frames, each a 4-byte big-endian length and a msgpack
-map encoded by adamps.protocol (see docs/protocol-dataserver.md)."""
+map encoded by adamps.wire.protocol (see docs/protocol-dataserver.md)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from adamps import protocol
-from adamps.protocol import ProtocolError
+from adamps.wire import protocol
+from adamps.wire.protocol import ProtocolError
 
 LENGTH = struct.Struct(">I")
 MAX_FRAME = 256 << 20  #: a client refuses longer frames (a corrupt length would ask for gigabytes)

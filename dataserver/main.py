@@ -7,8 +7,8 @@ import asyncio
 import logging
 import sys
 
-from adamps import web as adamps_web
 from adamps.role import role_parser, run_role
+from adamps.wire import web as adamps_web
 from dataserver.cache import CacheTooSmall
 from dataserver.config import DataServerConfig
 from dataserver.service import DataServer

@@ -5,7 +5,7 @@ worker processes, streamed to trainers over HTTP as length-prefixed msgpack fram
                             start, stop?, batch_size, split, fingerprint?}  -> chunked frames
                             (header, batch..., end); see docs/protocol-dataserver.md
     POST /lease /complete /heartbeat, GET /runs: elastic replicas' slices (dataserver/elastic.py)
-    GET  /healthz /status /metrics   (from adamps.web)
+    GET  /healthz /status /metrics   (from adamps.wire.web)
 
 Only the event-loop thread touches the server's state; augmentation runs in the worker pool.
 """
@@ -24,11 +24,12 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from adamps import config as adamps_config
-from adamps import metrics, protocol
-from adamps import web as adamps_web
+from adamps import metrics
 from adamps.client.controller import AsyncControllerClient
-from adamps.protocol import ProtocolError
-from adamps.run_tokens import RunTokens
+from adamps.security.run_tokens import RunTokens
+from adamps.wire import protocol
+from adamps.wire import web as adamps_web
+from adamps.wire.protocol import ProtocolError
 from dataserver.augment import Augmenter, AugmentParams
 from dataserver.cache import EpochCache
 from dataserver.config import DataServerConfig

@@ -83,7 +83,7 @@ def port() -> int:
 @pytest.fixture(autouse=True)
 def _core_invariants_held(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every server a test starts checks its replication core's invariants after each input
-    (ADAMPS_DEBUG_CORE=1, set below; adamps/core/repl_invariants.py): a breach its log shows
+    (ADAMPS_DEBUG_CORE=1, set below; adamps/core/replication/invariants.py): a breach its log shows
     in the test's run directory fails the test, even one a failover hid."""
     yield
     root = request.node.funcargs.get("tmp_path")
@@ -96,7 +96,7 @@ def _core_invariants_held(request: pytest.FixtureRequest) -> Iterator[None]:
 
 def pytest_configure(config: pytest.Config) -> None:
     # The replication core's invariants checked after every input in every server the tests
-    # start (a debugging aid: adamps.server.replicate.DEBUG_CORE).
+    # start (a debugging aid: adamps.server.replication.shell.DEBUG_CORE).
     os.environ.setdefault("ADAMPS_DEBUG_CORE", "1")
     # Child processes and BLAS in the test process: one thread each, so tests behave the same on
     # 2 cores as on 64 and do not oversubscribe the CI machine.

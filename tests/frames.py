@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from adamps import protocol
 from adamps.client.dataplane import HEADER
+from adamps.wire import protocol
 
 
 def recv_exact(s: socket.socket, n: int) -> bytes:

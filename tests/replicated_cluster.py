@@ -13,12 +13,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from adamps import peer_auth, protocol
 from adamps.client import ControllerRouting, PSClient
 from adamps.client.dataplane import REQUEST, frame_header
 from adamps.client.rpc import RpcError, SyncRpc, rpc_request
 from adamps.layout import Layout, TensorSpec
+from adamps.security import peer_auth
 from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_LEASE, FAST_PS_OPTS, LocalCluster
+from adamps.wire import protocol
 
 TOKEN = "test-token"
 LEASE = FAST_LEASE
@@ -94,7 +95,7 @@ def digests_agree(c: LocalCluster, timeout: float = 20.0) -> None:
 
 def signed(rpc: SyncRpc, c: LocalCluster, sender: str, receiver: str, op: str, /, **fields: Any):
     """`op` on `receiver`'s /rpc as server `sender` sends it: with the MAC of the body under
-    their pair key (adamps.peer_auth; the test holds the cluster's peer token)."""
+    their pair key (adamps.security.peer_auth; the test holds the cluster's peer token)."""
     req = rpc_request(op, **fields)
     assert req.body is not None
     key = peer_auth.pair_key(c.peer_token, sender, receiver)

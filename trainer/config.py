@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from adamps import token as tokens
 from adamps.config import default_token, field
 from adamps.optspec import OptimError, Optimizer, spec_of
+from adamps.security import token as tokens
 
 
 @dataclass
@@ -311,7 +311,7 @@ class TrainConfig:
             raise ValueError(
                 f"compress_coding must be 'words' or 'rice', got {self.compress_coding!r}"
             )
-        from adamps.codec import parse_taus
+        from adamps.compression.codec import parse_taus
 
         parse_taus(self.compress_tau)
         if not self.slowdown >= 1.0:

@@ -1,5 +1,5 @@
 """A replica's side of the consistency modes (issue 25; adamps/core/stepclock.py has the rule,
-adamps/server/clockops.py the servers' side).
+adamps/server/api/clockops.py the servers' side).
 
 ``--consistency async`` (the default) is Downpour as it was: nothing here runs. Under ``sync``
 and ``ssp:S`` the replica works in lock step with the servers' clocks: after each round (one

@@ -13,7 +13,7 @@ background threads, so compute never waits on the network:
   queue is bounded: when the network falls behind, a new round is merged into the last queued
   push (deltas added, vectors stacked) instead of blocking the workers;
 - with ``--compress`` the push thread sends Strom's threshold-quantized updates instead
-  (trainer/compress.py: a residual per tensor with error feedback, +-tau per sent element),
+  (adamps/compression/error_feedback.py: a residual per tensor with error feedback, +-tau per sent element),
   whichever of vectors, compressed and dense is smallest per tensor;
 - the **fetch thread** pulls the current parameters every ``n_fetch`` minibatches per worker;
   the main thread installs them between two rounds, plus the pushes still queued and the
@@ -191,7 +191,7 @@ class Replica:
             routing, self.layout, cfg.token, retry_for=60.0, data_plane=not cfg.http_only
         )
         if cfg.compress:
-            from trainer.compress import Compressor
+            from adamps.compression.error_feedback import Compressor
 
             self.compressor = Compressor(
                 self.layout.shards_of,

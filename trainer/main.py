@@ -22,8 +22,8 @@ from typing import Any
 
 from adamps import config as aconfig
 from adamps import metrics as am
-from adamps import tls
 from adamps.role import role_parser, run_role
+from adamps.security import tls
 from trainer.config import TrainConfig
 from trainer.metrics_server import MetricsServer
 
@@ -89,7 +89,7 @@ def serve(cfg: TrainConfig) -> int:
     bad_model: tuple[type[Exception], ...] = ()
     if cfg.torch:  # a user's PyTorch model (adamps.torch; torch is imported only then)
         try:
-            from adamps.torch.main import make_torch_replica
+            from trainer.torch_main import make_torch_replica
         except ImportError as exc:
             log.error("--torch needs PyTorch: pip install 'adamps[torch]' (%s)", exc)
             return 2

@@ -8,7 +8,7 @@ import asyncio
 import threading
 from typing import Any
 
-from adamps import web as aweb
+from adamps.wire import web as aweb
 
 
 class MetricsServer:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from adamps import protocol
+from adamps.wire import protocol
 from trainer.config import TrainConfig
 from trainer.exchange import Exchange, PeerLost, connect_mesh, parse_addr
 from trainer.hogwild import Hogwild

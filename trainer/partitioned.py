@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from adamps import protocol
+from adamps.wire import protocol
 from trainer.config import TrainConfig
 from trainer.downpour import Replica
 from trainer.exchange import PeerLost, parse_addr, token_digest

@@ -2,7 +2,7 @@
 
 Per tensor it sends what ``push_parts`` (trainer/packing.py) chose: fc vectors or the dense
 delta, rescaled from the workers' units (``-local_lr * gradient``) to gradients; with
-``--compress`` the compressor (trainer/compress.py) may replace any part by Strom's threshold-
+``--compress`` the compressor (adamps/compression/error_feedback.py) may replace any part by Strom's threshold-
 quantized update. Markers in the queue (callables) run here in order, so a marker runs once
 every push queued before it is acknowledged.
 """

@@ -68,7 +68,7 @@ def install_accumulators(
     (with the same values) through the servers' one write path: the run goes on from the
     checkpoint's learning rates, not from fresh state (issue 24). A tensor whose saved state is
     another optimizer's (its size differs) starts from fresh state, logged."""
-    from adamps.checkpoint import Cluster, install
+    from adamps.checkpoint.save_restore import Cluster, install
 
     opt = Optimizer.from_dict(optimizer)
     fits = {}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adamps.checkpoint import CheckpointError, load
+from adamps.checkpoint.save_restore import CheckpointError, load
 
 
 class InitError(ValueError):

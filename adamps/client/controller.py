@@ -171,7 +171,7 @@ class ControllerOps:
     """Every operation of the controllers' API, built once over `_run` (a value in the blocking
     client, an awaitable in the asyncio one). See docs/protocol-controller.md."""
 
-    #: signs a POST (method, path, body) as a server (adamps.peer_auth.server_call_header);
+    #: signs a POST (method, path, body) as a server (adamps.security.peer_auth.server_call_header);
     #: set by a parameter server that has its own key
     signer: Callable[[str, str, bytes], tuple[tuple[str, str], ...]] | None = None
     #: the rack a parameter server registers in (issue 26: placement keeps a bucket's copies on
@@ -241,7 +241,7 @@ class ControllerOps:
 
     def peer_keys(self, server: str, peers: Sequence[str], when: int, proof: str) -> Any:
         """{"keys": {peer: hex K_server,peer}}: the pairwise keys of `server`, which proves its
-        own key with `proof` (adamps.peer_auth.proof at unix time `when`)."""
+        own key with `proof` (adamps.security.peer_auth.proof at unix time `when`)."""
         body = {"peers": list(peers), "time": when, "proof": proof}
         return self._post(f"/servers/{server}/peer-keys", body)
 

@@ -1,4 +1,4 @@
-"""The client side of a parameter server's binary data plane (``adamps.server.dataplane``): the
+"""The client side of a parameter server's binary data plane (``adamps.server.api.dataplane``): the
 frame format both sides share, and a blocking client of one server's data port.
 
 Frame (both directions): a 20-byte header ``<4s B B H I Q`` = magic ``b"ADPS"``, version 1,
@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from adamps import protocol, tls
-from adamps.protocol import ProtocolError
+from adamps.security import tls
+from adamps.wire import protocol
+from adamps.wire.protocol import ProtocolError
 
 MAGIC = b"ADPS"
 VERSION = 1

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from adamps import protocol
 from adamps.client.dataplane import DataPlaneClient, DataPlaneError
 from adamps.client.rpc import RpcError
+from adamps.wire import protocol
 
 
 def as_rpc_error(exc: DataPlaneError) -> RpcError:

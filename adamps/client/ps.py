@@ -15,7 +15,7 @@ a bad one is refused with nothing applied anywhere. One that fails after some bu
 acknowledged their parts raises ``PartialPushError`` (``partial``) naming them (issue 39).
 
 Pulls and dense pushes go over a server's binary data plane when it offers one (``data_port`` in
-its ``GET /status``; ``adamps.server.dataplane``), else over HTTP: the same operations, checks,
+its ``GET /status``; ``adamps.server.api.dataplane``), else over HTTP: the same operations, checks,
 error codes and exactly-once (client id, seq) whichever transport (docs/protocol-ps.md, "Binary
 data plane"). ``push_fc`` and ``push_compressed`` travel there as message frames (their arrays out
 of band). ``data_plane=False`` forces HTTP.

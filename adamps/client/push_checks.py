@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from adamps import codec
 from adamps.client.rpc import RpcError
+from adamps.compression import codec
 from adamps.layout import Layout
-from adamps.protocol import ERRORS, MAX_FC_K, MAX_GRAD
+from adamps.wire.protocol import ERRORS, MAX_FC_K, MAX_GRAD
 
 
 def refused(code: str, message: str) -> RpcError:

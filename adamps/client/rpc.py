@@ -29,8 +29,9 @@ from urllib.parse import urlsplit
 import aiohttp
 import numpy as np
 
-from adamps import protocol, tls
-from adamps.protocol import ProtocolError
+from adamps.security import tls
+from adamps.wire import protocol
+from adamps.wire.protocol import ProtocolError
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
@@ -67,7 +68,7 @@ class Request:
     content_type: str = JSON
     #: reads a 200 answer's body
     decode: Callable[[bytes], Any] = json.loads
-    #: further headers (a peer's MAC of the body, adamps.peer_auth)
+    #: further headers (a peer's MAC of the body, adamps.security.peer_auth)
     extra_headers: tuple[tuple[str, str], ...] = ()
 
 

@@ -2,7 +2,7 @@
 replica's fetch of its next step. Pure: time enters as ``now``; no IO, no clock.
 
 A replica's *clock* is the last step whose push every server acknowledged; it reports it to
-every parameter server after that push (op ``clock``, adamps/server/clockops.py) and fetches the
+every parameter server after that push (op ``clock``, adamps/server/api/clockops.py) and fetches the
 parameters for step ``c + 1`` once its server releases it. Clocks are kept in *ticks*, two per
 step: ``2t`` once step t's push is acknowledged ("pushed"), ``2t + 1`` once the parameters for
 step t + 1 are fetched ("fetched"; only sync reports it, see below).

@@ -8,11 +8,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from adamps.layout import Shard, stable_bucket
-from adamps.protocol import ProtocolError, require
 from adamps.server.config import PsConfig
-from adamps.server.replicate import Replicator
-from adamps.server.shards import ShardState
-from adamps.server.store import Store
+from adamps.server.replication.shell import Replicator
+from adamps.server.store.shards import ShardState
+from adamps.server.store.store import Store
+from adamps.wire.protocol import ProtocolError, require
 
 
 class Addressing:

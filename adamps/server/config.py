@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from adamps import peer_auth
-from adamps import token as tokens
 from adamps.config import default_token, field
-from adamps.core.repl_settings import PINGS_PER_FAILOVER, ReplSettings
+from adamps.core.replication.settings import PINGS_PER_FAILOVER, ReplSettings
 from adamps.layout import DEFAULT_BUCKETS, MAX_SHARD_ELEMS
-from adamps.web import HttpLimits
+from adamps.security import peer_auth
+from adamps.security import token as tokens
+from adamps.wire.web import HttpLimits
 
 
 @dataclass
@@ -172,7 +172,7 @@ class PsConfig:
     )
 
     def own_key(self) -> bytes | None:
-        """S_X (adamps.peer_auth.server_key): from server_key, else derived from peer_token;
+        """S_X (adamps.security.peer_auth.server_key): from server_key, else derived from peer_token;
         None = peer identity off."""
         if self.server_key:
             return bytes.fromhex(self.server_key)
@@ -182,7 +182,7 @@ class PsConfig:
 
     @property
     def repl_settings(self) -> ReplSettings:
-        """The replication core's settings (adamps.core.repl_settings) from these fields."""
+        """The replication core's settings (adamps.core.replication.settings) from these fields."""
         return ReplSettings(
             self.server_id,
             member_timeout=self.member_timeout,

@@ -9,9 +9,10 @@ import ctypes.util
 import logging
 import sys
 
-from adamps import config, web
+from adamps import config
 from adamps.role import role_parser, run_role
 from adamps.server.config import PsConfig
+from adamps.wire import web
 
 log = logging.getLogger("adamps.ps")
 
@@ -64,7 +65,7 @@ def serve(cfg: PsConfig) -> int:
 
     from threadpoolctl import threadpool_limits
 
-    from adamps.server.app import ParameterServer
+    from adamps.server.api.app import ParameterServer
 
     # Owner threads are the parallelism; BLAS threads inside each would only oversubscribe the cores.
     limits = threadpool_limits(limits=cfg.blas_threads)

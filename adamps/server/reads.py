@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from adamps.protocol import ProtocolError
 from adamps.server.addressing import Addressing
-from adamps.server.shards import ShardState
-from adamps.server.store import Store
-from adamps.server.tickets import owner_future
+from adamps.server.store.shards import ShardState
+from adamps.server.store.store import Store
+from adamps.server.store.tickets import owner_future
+from adamps.wire.protocol import ProtocolError
 
 
 class Reads:

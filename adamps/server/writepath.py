@@ -1,7 +1,7 @@
 """The write path of a parameter server: the one way a push changes its shards.
 
-validate -> durability and lease check -> replicate or apply. Every push, from ``POST /rpc`` (``app.py``) or the
-binary data plane (``dataplane.py``), comes here and nowhere else:
+validate -> durability and lease check -> replicate or apply. Every push, from ``POST /rpc`` (``adamps/server/api/app.py``) or the
+binary data plane (``adamps/server/api/dataplane.py``), comes here and nowhere else:
 
 1. validate: the role of every shard named, then every field (dtypes, shapes, finite bounds) by
    the update kind's decoder (adamps/server/decode/, the one every copy runs on the replicated
@@ -28,19 +28,19 @@ import numpy as np
 
 from adamps import runs
 from adamps.layout import Shard
-from adamps.protocol import ProtocolError, require
 from adamps.server.addressing import Addressing
 from adamps.server.config import PsConfig
 from adamps.server.decode import checked, compressed, dense, fc
 from adamps.server.decode.fields import Later
-from adamps.server.hyper import push_hyper
-from adamps.server.optim import Signs
-from adamps.server.replicate import Replicator
-from adamps.server.rowtables import RowShardState
-from adamps.server.shards import ShardState, fc_parts
-from adamps.server.store import Store
-from adamps.server.tickets import owner_future
+from adamps.server.replication.shell import Replicator
+from adamps.server.store.shards import ShardState, fc_parts
+from adamps.server.store.store import Store
+from adamps.server.store.tables.rowtables import RowShardState
+from adamps.server.store.tickets import owner_future
+from adamps.server.updates.hyper import push_hyper
+from adamps.server.updates.optim import Signs
 from adamps.server.write_hold import WriteHold
+from adamps.wire.protocol import ProtocolError, require
 
 
 class WritePath:
@@ -63,7 +63,7 @@ class WritePath:
         #: why this server must not acknowledge now (flushes failing or stalled past
         #: max_unflushed), or None: the durability check of every push (set by the server)
         self.not_durable: Callable[[], str | None] = lambda: None
-        #: a consistent checkpoint's hold of new writes (checkpoint_ops.py)
+        #: a consistent checkpoint's hold of new writes (adamps/server/api/checkpoint_ops.py)
         self.hold = WriteHold()
 
     def check_durable(self) -> None:
@@ -115,7 +115,7 @@ class WritePath:
         Callable[[], list[tuple[ShardState, Any]]],
     ]:
         """push_fc's fields checked whole: (wire, parts), what `replicate_or_apply` takes. Also
-        the dense half of a ``round`` (roundop.py; `empty_ok`: a round may carry rows alone;
+        the dense half of a ``round`` (adamps/server/api/roundop.py; `empty_ok`: a round may carry rows alone;
         `later`: the finite bounds' passes over the arrays, proportional to their bytes, are
         appended there as (bytes, check) instead of run now: the round runs them before it
         queues anything, on a worker thread when they are large), each update with the
@@ -289,7 +289,7 @@ class WritePath:
         parts: Callable[[], list[tuple[ShardState, Any]]],
         group: bool = False,
     ) -> dict[str, Any]:
-        """`_replicate_or_apply` for other writers (Sandblaster's vector ops, vecops.py); with
+        """`_replicate_or_apply` for other writers (Sandblaster's vector ops, adamps/server/api/vecops.py); with
         `group` a standalone server applies the parts as one group per shard, alone (a barrier:
         no update queued later is applied before it; replicated, every batch is applied so).
         Replicated, the parts decoded here ride with their maps to the commit, as a push's."""

@@ -10,12 +10,12 @@ Each step a worker brings the gradient of every parameter (dense, from ``p.grad`
 3. every ``n_push`` steps pushes, per tensor, the smaller form: a linear weight's k activation
    and error rows when ``k * (M + N) < M * N`` (the server computes ``e.T @ a``), else the dense
    sum (for a linear weight ``e.T @ a`` computed here, which is its gradient); with a compressor,
-   Strom's threshold-quantized update when that is smaller (trainer/compress.py);
+   Strom's threshold-quantized update when that is smaller (adamps/compression/error_feedback.py);
 4. every ``n_fetch`` steps replaces the parameters by the servers' values, plus the gradient it
    has not sent yet (the compressor's residuals): local progress the servers do not have.
 
 Units: the servers apply ``w -= lr * g`` (SGD) to a pushed gradient ``g``, and ``W -= lr *
-e.T @ a`` to act/err rows (adamps/server/optim.py): both are gradients here, never deltas. So
+e.T @ a`` to act/err rows (adamps/server/updates/optim.py): both are gradients here, never deltas. So
 with one worker, SGD at the local rate, ``n_fetch = n_push = 1`` and no compression, the
 parameters after each step equal ``torch.optim.SGD``'s on the same batches.
 

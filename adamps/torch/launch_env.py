@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from adamps import clusters
-from adamps import token as tokens
 from adamps.client.controller import ControllerClient
+from adamps.security import token as tokens
 
 
 def rank() -> int:

@@ -100,7 +100,7 @@ class Connection:
         `params` (default: the model's; a Hogwild worker's own tensors on the same memory)."""
         comp = None
         if compress:
-            from trainer.compress import Compressor
+            from adamps.compression.error_feedback import Compressor
 
             opts = compress if isinstance(compress, dict) else {}
             comp = Compressor(self.remote.layout.shards_of, **opts)

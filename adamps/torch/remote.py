@@ -197,7 +197,7 @@ class RemoteModel:
         rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> int:
         """Sends a push's parts in gradient units: ``("fc", t, a, e)``, ``("dense", t, g)``,
-        ``("compressed", t, Encoded)`` (trainer/compress.py's forms), and embedding tables'
+        ``("compressed", t, Encoded)`` (adamps/compression/error_feedback.py's forms), and embedding tables'
         `rows` (server table -> (ids, grads)): the fc vectors, dense gradients, compressed
         updates and rows in one exactly-once round, one request per server (``PSClient.round``). Every part is checked before any is sent (issue 39: a
         NaN anywhere refuses the whole push, nothing applied). Returns the array payload bytes

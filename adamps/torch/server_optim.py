@@ -23,7 +23,7 @@ original entry point, model first). ``model=`` names the parameters (the server 
 
 One rule per param group, applied on the servers. Each tensor is created with its group's
 optimizer (kind and hyperparameters). Every push then names its tensors' hyperparameters as the
-groups hold them at that step (``hyper`` of the round: adamps/server/hyper.py), so whatever
+groups hold them at that step (``hyper`` of the round: adamps/server/updates/hyper.py), so whatever
 changes ``group["lr"]`` (an LR scheduler; OneCycleLR's betas or momentum too; a hand-written
 decay) changes the servers' rule from the next step's updates, with no extra request: the
 hyperparameters are part of the replicated, deduplicated write. What fixes the layout of the
@@ -59,7 +59,7 @@ from adamps.torch.optimizer import Connection
 from adamps.torch.params import ModelError
 from adamps.torch.remote import optimizer_spec
 
-#: the fields that fix the layout of the servers' optimizer state (adamps/server/hyper.py)
+#: the fields that fix the layout of the servers' optimizer state (adamps/server/updates/hyper.py)
 LAYOUT = ("amsgrad", "centered", "nesterov")
 
 

@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from adamps import peer_auth, tls_certs
-from adamps import tls as tls_mod
 from adamps.client.rpc import http_json  # noqa: F401  (re-exported: the tests use it from here)
+from adamps.security import peer_auth, tls_certs
+from adamps.security import tls as tls_mod
 from adamps.up.procs import Proc, adamps_argv, free_port, stop_together
 
 #: Timings of the fault tests and benchmarks: 2 s leases, a silent server declared dead after
@@ -69,13 +69,13 @@ class LocalCluster:
         #: process name, argv -> the argv that starts it (e.g. inside its namespace)
         self.wrap = wrap or (lambda _name, argv: argv)
         self.token = token
-        #: the controllers' peer secret (adamps.peer_auth): generated per cluster unless given;
+        #: the controllers' peer secret (adamps.security.peer_auth): generated per cluster unless given;
         #: "" = peer identity off. Only controllers get it; each server gets its own key;
         #: trainers (start_process) get neither.
         self.peer_token = secrets.token_hex(32) if peer_token is None else peer_token
         self.n_buckets = n_buckets
         self.env = {"ADAMPS_TOKEN": token, "OPENBLAS_NUM_THREADS": "1", **(env or {})}
-        #: the cluster's throwaway CA and certificate (adamps.tls_certs) when TLS is on: every
+        #: the cluster's throwaway CA and certificate (adamps.security.tls_certs) when TLS is on: every
         #: process gets them through $ADAMPS_TLS_*, and this process (which probes and drives
         #: the cluster, and builds the tests' clients) speaks TLS until stop()
         self.tls_files: tls_certs.CertFiles | None = None

@@ -227,7 +227,7 @@ def check_args(a: argparse.Namespace) -> None:
     need(0.0 < a.compress_fraction <= 1.0, "--compress-fraction", a.compress_fraction,
          "a fraction in (0, 1]")  # fmt: skip
     if a.compress_tau:
-        from adamps.codec import parse_taus
+        from adamps.compression.codec import parse_taus
 
         try:
             parse_taus(a.compress_tau.split(","))

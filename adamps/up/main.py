@@ -32,10 +32,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from adamps import tls
 from adamps.clusters import ClusterError
 from adamps.extras import MissingExtra
 from adamps.progress import LOG_INTERVAL, Progress
+from adamps.security import tls
 from adamps.up import detach
 from adamps.up.cluster import LocalCluster
 from adamps.up.flags import UsageError, build_parser, check_args
@@ -384,7 +384,7 @@ class Run:
         return acc, acc_s
 
     def _plot(self, title: str, history: list[dict[str, Any]]) -> Any:
-        from adamps.plot import plot_iterations, plot_run
+        from adamps.up.plot import plot_iterations, plot_run
 
         a = self.a
         if a.algorithm == "sandblaster":

@@ -48,9 +48,9 @@ import numpy as np
 
 from adamps.client import ControllerRouting, PSClient
 from adamps.client.rpc import RpcError, SyncRpc
-from adamps.exactness import ExactnessLoad, read_shards
 from adamps.layout import Layout, Shard, TensorSpec
-from adamps.rows_exactness import RowsExactnessLoad
+from adamps.testing.exactness import ExactnessLoad, read_shards
+from adamps.testing.rows_exactness import RowsExactnessLoad
 from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_LEASE, FAST_PS_OPTS, LocalCluster
 from tests.chaos import disks
 

@@ -20,8 +20,8 @@ import pytest
 from adamps.client import ControllerRouting, PSClient
 from adamps.client.rpc import RpcError, SyncRpc
 from adamps.core.lease import LeaseTerms, check_history
-from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
+from adamps.testing.exactness import ExactnessLoad
 from adamps.up.cluster import (
     FAST_LEASE,
     LocalCluster,

@@ -33,8 +33,8 @@ import numpy as np
 import pytest
 
 from adamps.client.rpc import RpcError, SyncRpc
-from adamps.exactness import read_shards
 from adamps.layout import TensorSpec
+from adamps.testing.exactness import read_shards
 from adamps.up.cluster import LocalCluster
 from tests.chaos.nemesis import (
     CONTROLLER_OPTS,

@@ -15,9 +15,9 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from adamps import protocol
 from adamps.up.cluster import LocalCluster
 from adamps.up.procs import free_port
+from adamps.wire import protocol
 from tests.chaos.nemesis import CONTROLLER_OPTS, N_BUCKETS, PS_OPTS, TOKEN
 
 ONE = b"\x00\x00\x80\x3f"  # float32 1.0, little-endian

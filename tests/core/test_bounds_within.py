@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adamps.protocol import ProtocolError
-from adamps.server import bounds
+from adamps.server.updates import bounds
+from adamps.wire.protocol import ProtocolError
 
 SHARD = 1000
 

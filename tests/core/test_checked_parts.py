@@ -17,17 +17,19 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from adamps import codec, protocol
-from adamps.core.repl_types import Batch
+from adamps.compression import codec
+from adamps.core.replication.values import Batch
 from adamps.layout import TensorSpec
-from adamps.server import bucket_copy, repl_check
 from adamps.server.decode import checked, compressed, store_parts
-from adamps.server.initial import normalize_init
-from adamps.server.optim import Optimizer, Signs
-from adamps.server.repl_wire import batch_to_wire
-from adamps.server.store import Store
-from adamps.server.tickets import owner_future
+from adamps.server.replication import bucket_copy
+from adamps.server.replication import check as repl_check
+from adamps.server.replication.wire import batch_to_wire
+from adamps.server.store.initial import normalize_init
+from adamps.server.store.store import Store
+from adamps.server.store.tickets import owner_future
+from adamps.server.updates.optim import Optimizer, Signs
 from adamps.server.writepath import _parts_by_state
+from adamps.wire import protocol
 
 
 @pytest.fixture

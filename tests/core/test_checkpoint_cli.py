@@ -87,7 +87,7 @@ def test_deeply_nested_json_is_a_message(tmp_path: Path) -> None:
 
 
 def test_an_oversized_manifest_is_refused_unread(tmp_path: Path) -> None:
-    from adamps import ckpt_schema
+    from adamps.checkpoint import schema as ckpt_schema
 
     d = tmp_path / "c"
     d.mkdir()
@@ -164,7 +164,7 @@ def test_a_checkpoint_holding_non_finite_values_is_refused_before_any_write(
     """Issue 39 #7: a checkpoint whose data is NaN, huge or a negative accumulator (its
     checksums consistent) is refused from the files alone, naming the tensor: no server is
     asked anything (the controller address is a closed port)."""
-    from adamps.checkpoint import write
+    from adamps.checkpoint.save_restore import write
 
     d = tmp_path / "c"
     write(d, arrays, {}, {"n_buckets": 4, "tables": [],

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from adamps.checkpoint import FORMAT, CheckpointError, load, write
+from adamps.checkpoint.save_restore import FORMAT, CheckpointError, load, write
 
 
 def _ckpt(d: Path) -> Path:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from adamps import ckpt_series
-from adamps.ckpt_format import load, write_file, write_manifest
+from adamps.checkpoint import series as ckpt_series
+from adamps.checkpoint.format import load, write_file, write_manifest
 from controller import ckpt_record
 from controller.state import ClusterModel
 
@@ -93,7 +93,7 @@ def test_prune_never_deletes_a_file_a_kept_checkpoint_names(tmp_path: Path) -> N
 def test_a_damaged_file_of_the_base_is_named_by_the_incremental_checkpoint(tmp_path: Path) -> None:
     import pytest
 
-    from adamps.ckpt_format import CheckpointError
+    from adamps.checkpoint.format import CheckpointError
 
     c1 = _series_ckpt(tmp_path, 1, None, {"w/0": 1.0, "w/1": 1.0})
     c2 = _series_ckpt(tmp_path, 2, c1, {"w/0": 2.0})

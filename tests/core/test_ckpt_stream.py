@@ -1,4 +1,4 @@
-"""A restore's streamed reading of a checkpoint (adamps/ckpt_stream.py, issue 38 item 7): pass 1
+"""A restore's streamed reading of a checkpoint (adamps/checkpoint/stream.py, issue 38 item 7): pass 1
 hashes every file and bounds every value block by block, pass 2 reads a request's shards into a
 reused buffer; what pass 1 did not check is never sent."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps import ckpt_stream
-from adamps.ckpt_format import CheckpointError, write_file, write_manifest
-from adamps.ckpt_restore import _check_stream
-from adamps.ckpt_stream import Stream
+from adamps.checkpoint import stream as ckpt_stream
+from adamps.checkpoint.format import CheckpointError, write_file, write_manifest
+from adamps.checkpoint.restore import _check_stream
+from adamps.checkpoint.stream import Stream
 
 
 def _ckpt(d: Path, values: dict[str, np.ndarray]) -> dict:

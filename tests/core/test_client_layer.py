@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from adamps import protocol
 from adamps.client import retry
 from adamps.client.controller import Call, ControllerOps, ControllerRing, retryable
 from adamps.client.retry import RetryPolicy
 from adamps.client.rpc import RpcError, json_request, read_reply, rpc_request
+from adamps.wire import protocol
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from adamps import codec
+from adamps.compression import codec
 
 # -- reference decoders: one element at a time, straight from the text of the specification --
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adamps import codec
-from adamps.codec import parse_taus
+from adamps.compression import codec
+from adamps.compression.codec import parse_taus
+from adamps.compression.error_feedback import Compressor, Encoded, TensorCompressor
 from adamps.layout import Layout, TensorSpec
-from adamps.server import optim
 from adamps.server.decode import compressed
 from adamps.server.decode.compressed import words_of
-from adamps.server.initial import normalize_init
-from adamps.server.optim import Dense, Fc, Optimizer, Scratch, Signs
-from adamps.server.store import Store
-from trainer.compress import Compressor, Encoded, TensorCompressor
+from adamps.server.store.initial import normalize_init
+from adamps.server.store.store import Store
+from adamps.server.updates import optim
+from adamps.server.updates.optim import Dense, Fc, Optimizer, Scratch, Signs
 
 # -- server: sparse apply == dense apply of the decoded delta ----------------------------------
 
@@ -124,7 +124,7 @@ def test_replicated_form_decodes_to_the_same_update_as_the_client_form() -> None
     ],
 )
 def test_malformed_compressed_updates_are_refused(bad: dict) -> None:
-    from adamps.protocol import ProtocolError
+    from adamps.wire.protocol import ProtocolError
 
     with pytest.raises(ProtocolError):
         words_of(bad, 100, "s")

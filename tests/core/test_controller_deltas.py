@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from adamps.core.repl_core import ReplCore
-from adamps.core.repl_ready import ControllerAnswer
-from adamps.core.repl_settings import ReplSettings
+from adamps.core.replication.node import ReplCore
+from adamps.core.replication.ready import ControllerAnswer
+from adamps.core.replication.settings import ReplSettings
 from controller.state import ClusterModel
 from tests.core.test_controller_state import TERMS, validate
 
@@ -27,7 +27,7 @@ def essentials(views: list[dict[str, Any]]) -> dict[int, tuple]:
 
 
 class DeltaServer:
-    """What a server holds after applying answers, as adamps.core.repl_core applies them."""
+    """What a server holds after applying answers, as adamps.core.replication.node applies them."""
 
     def __init__(self) -> None:
         self.known: int | None = None

@@ -1,9 +1,9 @@
-"""adamps.core.controller_link without sockets or clock: when a server registers with the
+"""adamps.core.replication.controller_link without sockets or clock: when a server registers with the
 controllers, heartbeats them, and registers again after a failure (time passed in)."""
 
 from __future__ import annotations
 
-from adamps.core.controller_link import HEARTBEAT, REGISTER, ControllerLink
+from adamps.core.replication.controller_link import HEARTBEAT, REGISTER, ControllerLink
 
 
 def registered(now: float = 0.0, interval: float = 1.0) -> ControllerLink:

@@ -22,7 +22,7 @@ import ast
 import inspect
 from pathlib import Path
 
-from adamps.core.repl_core import ReplCore
+from adamps.core.replication.node import ReplCore
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ("adamps", "controller", "coordinator", "dataserver", "trainer", "benchmarks", "examples")

@@ -118,7 +118,7 @@ def test_ctr_file_source_splits_and_reads_gzip(tmp_path: Path) -> None:
 
 
 def test_generator_source_is_deterministic_with_per_field_ids() -> None:
-    from trainer.ctr_data import CtrSpec
+    from dataserver.ctr_data import CtrSpec
 
     a = load_source("ctr", ctr_examples=2000, seed=5)
     b = load_source("ctr", ctr_examples=2000, seed=5)

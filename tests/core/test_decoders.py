@@ -22,22 +22,24 @@ from typing import Any
 import numpy as np
 import pytest
 
-from adamps import codec, protocol
-from adamps.core.repl_types import Batch
+from adamps.compression import codec
+from adamps.core.replication.values import Batch
 from adamps.layout import TensorSpec
-from adamps.protocol import ProtocolError
-from adamps.server import bucket_copy, repl_check
 from adamps.server.addressing import Addressing
 from adamps.server.config import PsConfig
 from adamps.server.decode import compressed, dense, fc, install, rows, vector
-from adamps.server.initial import normalize_init
-from adamps.server.optim import Optimizer
-from adamps.server.repl_wire import batch_to_wire, updates_digest
-from adamps.server.rowblock import ApplyStats, RowPush
-from adamps.server.shards import StoreError
-from adamps.server.store import Store
-from adamps.server.tickets import owner_future
+from adamps.server.replication import bucket_copy
+from adamps.server.replication import check as repl_check
+from adamps.server.replication.wire import batch_to_wire, updates_digest
+from adamps.server.store.initial import normalize_init
+from adamps.server.store.shards import StoreError
+from adamps.server.store.store import Store
+from adamps.server.store.tables.rowblock import ApplyStats, RowPush
+from adamps.server.store.tickets import owner_future
+from adamps.server.updates.optim import Optimizer
 from adamps.tables import TableSpec, row_shard_id
+from adamps.wire import protocol
+from adamps.wire.protocol import ProtocolError
 
 NAN = float("nan")
 ROWS = row_shard_id("t", 0)

@@ -19,22 +19,23 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from adamps import codec
-from adamps.core.repl_types import Batch
+from adamps.compression import codec
+from adamps.core.replication.values import Batch
 from adamps.layout import TensorSpec
-from adamps.protocol import ProtocolError
-from adamps.server import bucket_copy, decode
+from adamps.server import decode
 from adamps.server.decode import store_parts
 from adamps.server.decode.compressed import update as sign_update
 from adamps.server.decode.dense import update as dense_update
 from adamps.server.decode.fc import update as fc_update
 from adamps.server.decode.install import update as install_update
 from adamps.server.decode.rows import update as row_update
-from adamps.server.initial import normalize_init
-from adamps.server.optim import Optimizer
-from adamps.server.shards import StoreError
-from adamps.server.store import Store
+from adamps.server.replication import bucket_copy
+from adamps.server.store.initial import normalize_init
+from adamps.server.store.shards import StoreError
+from adamps.server.store.store import Store
+from adamps.server.updates.optim import Optimizer
 from adamps.tables import TableSpec, row_shard_id
+from adamps.wire.protocol import ProtocolError
 
 #: every part in bucket 0
 N_BUCKETS = 1
@@ -95,7 +96,7 @@ def keep_value(store: Store) -> np.ndarray:
     out = [np.empty(5, np.float32)]
 
     async def read() -> None:
-        from adamps.server.tickets import owner_future
+        from adamps.server.store.tickets import owner_future
 
         await owner_future(lambda cb: store.read([store.shard("keep/0")], out, cb))
 

@@ -1,4 +1,4 @@
-"""The exactness checker itself (adamps/exactness.py), without processes.
+"""The exactness checker itself (adamps/testing/exactness.py), without processes.
 
 A checker that cannot fail proves nothing: each rule of issue 11's contract is shown to reject the
 values that break it, and loss windows to excuse only what they cover.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
+from adamps.testing.exactness import ExactnessLoad
 
 
 class _NoClient:

@@ -11,12 +11,12 @@ import lmdb
 import numpy as np
 
 from adamps.layout import TensorSpec
-from adamps.server.checksum import unseal
-from adamps.server.flusher import Flusher
-from adamps.server.initial import normalize_init
-from adamps.server.optim import Dense, Optimizer
-from adamps.server.persist import Persister, Position, _unpack
-from adamps.server.store import Store
+from adamps.server.storage.flusher import Flusher
+from adamps.server.storage.persist import Persister, Position, _unpack
+from adamps.server.store.checksum import unseal
+from adamps.server.store.initial import normalize_init
+from adamps.server.store.store import Store
+from adamps.server.updates.optim import Dense, Optimizer
 
 MiB = 1 << 20
 ELEMS = 4 * MiB  # 16 MiB of values, 32 MiB of state with Adagrad

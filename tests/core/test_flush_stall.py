@@ -22,8 +22,8 @@ from adamps.core.flush_stall import (
     classify,
     parse_schedstat,
 )
-from adamps.server.flush_times import FlushTimes, OwnedLock, cgroup_throttled, thread_times
-from adamps.server.flusher import Flusher
+from adamps.server.storage.flush_times import FlushTimes, OwnedLock, cgroup_throttled, thread_times
+from adamps.server.storage.flusher import Flusher
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,10 +13,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from adamps import peer_auth, protocol
-from adamps.protocol import ProtocolError
-from adamps.server.peer_keys import PeerKeys
-from adamps.server.repl_peers import PeerStream, SegmentDigests
+from adamps.security import peer_auth
+from adamps.server.replication.peer_keys import PeerKeys
+from adamps.server.replication.peers import PeerStream, SegmentDigests
+from adamps.wire import protocol
+from adamps.wire.protocol import ProtocolError
 
 PEER_TOKEN = "p" * 64
 TOKEN = "t" * 64
@@ -155,8 +156,8 @@ def test_segments_cover_every_byte_once() -> None:
 def test_a_batch_is_digested_once_for_all_its_peers(monkeypatch: pytest.MonkeyPatch) -> None:
     import gc
 
-    from adamps.core.repl_types import Batch
-    from adamps.server import repl_wire
+    from adamps.core.replication.values import Batch
+    from adamps.server.replication import wire as repl_wire
 
     calls = []
     real = repl_wire.updates_digest
@@ -187,8 +188,8 @@ def test_a_batch_is_not_digested_again_however_many_other_batches_pass(
     and send digested the batches again (a tenth of a server's event loop in an RF 3
     push_rows profile). A batch a secondary received and verified is not digested again when
     it persists or (as a new primary) resends it."""
-    from adamps.core.repl_types import Batch
-    from adamps.server import repl_wire
+    from adamps.core.replication.values import Batch
+    from adamps.server.replication import wire as repl_wire
 
     calls = []
     real = repl_wire.updates_digest

@@ -1,4 +1,4 @@
-"""The frequency filter's bounded counts (adamps/server/freqsketch.py, issue 23): memory fixed by
+"""The frequency filter's bounded counts (adamps/server/store/tables/freqsketch.py, issue 23): memory fixed by
 the width whatever the ids, counts never below the truth, over-counts within the documented
 bound, and a row block's filter state bounded with a million distinct ids."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from adamps.server.freqsketch import DEPTH, FrequencySketch
-from adamps.server.optim import Optimizer
-from adamps.server.rowblock import ApplyStats, RowBlock, RowPush
+from adamps.server.store.tables.freqsketch import DEPTH, FrequencySketch
+from adamps.server.store.tables.rowblock import ApplyStats, RowBlock, RowPush
+from adamps.server.updates.optim import Optimizer
 from adamps.tables import Admission
 
 

@@ -1,4 +1,4 @@
-"""A push's `hyper` (issue 37: an LR scheduler's lr on the servers; adamps/server/hyper.py):
+"""A push's `hyper` (issue 37: an LR scheduler's lr on the servers; adamps/server/updates/hyper.py):
 checked as a create's optimizer is, never changing the kind or the state's layout; each update
 it names is applied with it, a batch of updates under several lrs equals applying them one by
 one; it travels in the replicated update ("o"), which a copy checks again and applies alike.
@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 
 from adamps.layout import TensorSpec
-from adamps.protocol import ProtocolError
-from adamps.server import optim
 from adamps.server.decode import replicated as check_update
 from adamps.server.decode import update_parts
 from adamps.server.decode.dense import update as dense_update
 from adamps.server.decode.fc import update as fc_update
-from adamps.server.hyper import push_hyper, with_hyper
-from adamps.server.initial import normalize_init
-from adamps.server.optim import Dense, Fc, Optimizer, Scratch
-from adamps.server.store import Store
+from adamps.server.store.initial import normalize_init
+from adamps.server.store.store import Store
+from adamps.server.updates import optim
+from adamps.server.updates.hyper import push_hyper, with_hyper
+from adamps.server.updates.optim import Dense, Fc, Optimizer, Scratch
+from adamps.wire.protocol import ProtocolError
 
 ADAMW = Optimizer.from_dict({"kind": "adamw", "lr": 1e-3, "weight_decay": 0.01})
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps.server import kernels, optim
-from adamps.server.optim import Dense, Optimizer, Scratch
+from adamps.server.updates import kernels, optim
+from adamps.server.updates.optim import Dense, Optimizer, Scratch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,13 +113,13 @@ def test_adamps_kernels_numpy_selects_the_reference_and_a_bad_value_is_named(
     tmp_path: Path,
 ) -> None:
     r = _run(
-        "from adamps.server import kernels; print(kernels.SELECTED, kernels._adagrad_fused)",
+        "from adamps.server.updates import kernels; print(kernels.SELECTED, kernels._adagrad_fused)",
         ADAMPS_KERNELS="numpy",
         NUMBA_CACHE_DIR=str(tmp_path),
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["numpy", "None"]
-    r = _run("import adamps.server.kernels", ADAMPS_KERNELS="fortran")
+    r = _run("import adamps.server.updates.kernels", ADAMPS_KERNELS="fortran")
     assert r.returncode != 0
     assert "ADAMPS_KERNELS" in r.stderr and "'fortran'" in r.stderr and "numba" in r.stderr
 
@@ -127,7 +127,7 @@ def test_adamps_kernels_numpy_selects_the_reference_and_a_bad_value_is_named(
 def test_the_compiled_kernel_is_cached_on_disk(tmp_path: Path) -> None:
     # NUMBA_CACHE_DIR stands in for the module's __pycache__: a second process loads, not compiles
     code = (
-        "from adamps.server import kernels; s = kernels._adagrad_fused.stats; "
+        "from adamps.server.updates import kernels; s = kernels._adagrad_fused.stats; "
         "print(sum(s.cache_hits.values()), sum(s.cache_misses.values()))"
     )
     first = _run(code, NUMBA_CACHE_DIR=str(tmp_path))

@@ -36,7 +36,7 @@ def test_parameter_server_imports_no_demo_package() -> None:
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent("""
             import json, sys
-            import adamps.server.main, adamps.server.app, controller.main
+            import adamps.server.main, adamps.server.api.app, controller.main
             print(json.dumps(sorted(m for m in sys.modules
                                     if m.split('.')[0] in ('matplotlib', 'pandas', 'mlxtend',
                                                            'PIL', 'sklearn'))))
@@ -56,7 +56,7 @@ def test_parameter_server_applies_updates_without_extras() -> None:
         """
         import numpy as np
         import adamps.server.main
-        from adamps.server import kernels, optim
+        from adamps.server.updates import kernels, optim
         assert kernels.SELECTED == "numpy", kernels.SELECTED
         rng = np.random.default_rng(0)
         w = rng.normal(size=(6, 5)).astype(np.float32)
@@ -95,7 +95,7 @@ def test_missing_extra_is_named() -> None:
         except SourceError as exc:
             print("builtin:", exc)
         from adamps.extras import MissingExtra
-        from adamps.plot import plot_run
+        from adamps.up.plot import plot_run
         try:
             plot_run("/nonexistent/x.png", [], [], t0=0.0, title="t", target=0.0)
         except MissingExtra as exc:
@@ -113,7 +113,7 @@ def test_missing_extra_is_named() -> None:
     assert "pip install 'adamps[demo]'" in lines["plot"] and "matplotlib" in lines["plot"]
     assert "pip install 'adamps[fast]'" in lines["augment"] and "scipy" in lines["augment"]
     env_numba = run_without(FAST, "import os; os.environ['ADAMPS_KERNELS'] = 'numba'\n"
-                            "import adamps.server.kernels")  # fmt: skip
+                            "import adamps.server.updates.kernels")  # fmt: skip
     assert env_numba.returncode != 0
     assert "ADAMPS_KERNELS=numba needs numba: pip install 'adamps[fast]'" in env_numba.stderr
 

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from adamps import ckpt_series, runs
-from adamps.ckpt_format import CheckpointError, checked_file
+from adamps import runs
+from adamps.checkpoint import series as ckpt_series
+from adamps.checkpoint.format import CheckpointError, checked_file
 from adamps.layout import LayoutError, TensorSpec
-from adamps.protocol import ProtocolError
 from adamps.tables import TableError, TableSpec
+from adamps.wire.protocol import ProtocolError
 from controller import fields
 
 BAD = ["w\n", "w\r\n", "\nw", "w\n\n"]

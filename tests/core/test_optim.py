@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adamps.server import optim
-from adamps.server.optim import Dense, Fc, OptimError, Optimizer, Scratch
+from adamps.server.updates import optim
+from adamps.server.updates.optim import Dense, Fc, OptimError, Optimizer, Scratch
 
 
 def rng(seed: int = 0) -> np.random.Generator:

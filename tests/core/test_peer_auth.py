@@ -1,4 +1,4 @@
-"""adamps.peer_auth and the server's PeerKeys (issue 28): who can derive which key, and what a
+"""adamps.security.peer_auth and the server's PeerKeys (issue 28): who can derive which key, and what a
 receiver refuses. The real controllers and servers are in tests/system/test_hostile_replication.py."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from adamps import peer_auth
-from adamps.protocol import ProtocolError
-from adamps.server.peer_keys import PeerKeys
+from adamps.security import peer_auth
+from adamps.server.replication.peer_keys import PeerKeys
+from adamps.wire.protocol import ProtocolError
 
 PEER_TOKEN = "p" * 64
 

@@ -14,8 +14,8 @@ import pytest
 
 from adamps.config import ConfigError
 from adamps.layout import stable_bucket
-from adamps.server import checksum
-from adamps.server.persist import Persister, Position
+from adamps.server.storage.persist import Persister, Position
+from adamps.server.store import checksum
 
 N_BUCKETS = 8
 
@@ -112,7 +112,7 @@ def test_an_environment_without_a_format_stamp_is_refused(tmp_path: Path) -> Non
 
 
 def test_the_scrub_finds_a_damaged_record_at_a_bounded_rate(tmp_path: Path) -> None:
-    from adamps.server.scrub import Scrubber
+    from adamps.server.storage.scrub import Scrubber
 
     fill(tmp_path / "db").close()
     flip_in_record(tmp_path / "db", b"shards", b"w/1")
@@ -136,7 +136,7 @@ def test_the_scrub_finds_a_damaged_record_at_a_bounded_rate(tmp_path: Path) -> N
 def test_the_scrubs_cpu_budget_sets_its_sleep() -> None:
     """Issue 36: the scrub uses at most its budget of one core, measured as its thread's CPU
     time: a step and the sleep after it last cpu / budget together."""
-    from adamps.server.scrub import budget_wait
+    from adamps.server.storage.scrub import budget_wait
 
     assert budget_wait(0.001, 0.001, 0.005) == pytest.approx(0.199), "1 ms of CPU: 200 ms in all"
     assert budget_wait(0.001, 0.5, 0.005) == 0.0, "a step that waited on the disk sleeps no more"
@@ -153,7 +153,7 @@ def test_the_scrub_thread_keeps_within_its_cpu_budget(tmp_path: Path) -> None:
     passes back to back, its thread uses about 5% of a core while it runs, and no more."""
     import time
 
-    from adamps.server.scrub import Scrubber
+    from adamps.server.storage.scrub import Scrubber
 
     fill(tmp_path / "db").close()
     p = Persister(tmp_path / "db", map_size=1 << 22)

@@ -1,4 +1,4 @@
-"""The run's plot (adamps/plot.py), read back from the figure's lines: issue 26's Sandblaster
+"""The run's plot (adamps/up/plot.py), read back from the figure's lines: issue 26's Sandblaster
 plot was empty, titled in epochs, and printed matplotlib's "No artists with labels found"
 warning (pytest turns warnings into errors here)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from adamps.plot import iteration_figure, plot_iterations, plot_run
+from adamps.up.plot import iteration_figure, plot_iterations, plot_run
 
 
 def records(n: int) -> list[dict]:

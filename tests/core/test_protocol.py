@@ -1,4 +1,4 @@
-"""adamps.protocol: envelope, zero-copy arrays, and every kind of bad input named."""
+"""adamps.wire.protocol: envelope, zero-copy arrays, and every kind of bad input named."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from adamps import protocol
-from adamps.protocol import ProtocolError
+from adamps.wire import protocol
+from adamps.wire.protocol import ProtocolError
 
 
 @pytest.mark.parametrize("dtype", sorted(protocol.ALLOWED_DTYPES))
@@ -94,7 +94,7 @@ def test_error_body_round_trip() -> None:
 
 
 def test_encode_parts_is_encode_in_pieces_with_arrays_uncopied() -> None:
-    """A large reply is written piece by piece (adamps.web.send_message, issue 39): the pieces
+    """A large reply is written piece by piece (adamps.wire.web.send_message, issue 39): the pieces
     join into exactly `encode`'s bytes, and each array's piece is the array's own memory."""
     big = np.arange(70_000, dtype=np.int64)
     msg = {"a": 1, "x": np.ones(3, np.float32), "y": [np.zeros(0, np.float32), big],

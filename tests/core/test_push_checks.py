@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adamps import protocol
 from adamps.client import PartialPushError, push_checks
 from adamps.client.partial import NOT_SENT, partial_of
 from adamps.client.rpc import RpcError
 from adamps.layout import Layout, TensorSpec
-from adamps.server import bounds
 from adamps.server.decode import fc
+from adamps.server.updates import bounds
+from adamps.wire import protocol
 
 LAYOUT = Layout([TensorSpec("w", (6, 4)), TensorSpec("v", (10,))], n_buckets=4, max_shard_elems=8)
 

@@ -1,4 +1,4 @@
-"""The replication core's clock (adamps.server.repl_clock, issue 36: idle costs nothing): an idle
+"""The replication core's clock (adamps.server.replication.clock, issue 36: idle costs nothing): an idle
 core is ticked at its deadlines only, and an input that brings a deadline earlier is seen at once,
 not after the sleep. The production ReplCore and CoreClock on a real event loop; the inputs are
 fed the way Replicator.step feeds them (the input, then a poke)."""
@@ -9,10 +9,10 @@ import asyncio
 import time
 
 from adamps.core.lease import LeaseTerms
-from adamps.core.repl_core import ReplCore
-from adamps.core.repl_ready import ControllerAnswer, ControllerRequest
-from adamps.core.repl_settings import ReplSettings
-from adamps.server.repl_clock import MAX_SLEEP, TICK, CoreClock
+from adamps.core.replication.node import ReplCore
+from adamps.core.replication.ready import ControllerAnswer, ControllerRequest
+from adamps.core.replication.settings import ReplSettings
+from adamps.server.replication.clock import MAX_SLEEP, TICK, CoreClock
 
 
 async def test_an_idle_core_sleeps_and_an_input_wakes_its_clock_at_once() -> None:

@@ -1,4 +1,4 @@
-"""adamps.core.repl_core without sockets or clock: the per-server replication core's decisions,
+"""adamps.core.replication.node without sockets or clock: the per-server replication core's decisions,
 each driven through its inputs (on_roles, tick, step, submit, answer, controller_answer) and
 read from its Ready, as the shell and the simulation drive it. Three cores are wired by hand
 (an in-memory network of state machines, etcd-io/raft's test shape)."""
@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from adamps.core import repl_copies
 from adamps.core.lease import LeaseTerms
-from adamps.core.repl_core import ReplCore
-from adamps.core.repl_ready import ControllerAnswer, ControllerRequest, Ready
-from adamps.core.repl_rounds import COMMIT_DELAY, COMMIT_GAPS, COMMIT_WAIT_MAX
-from adamps.core.repl_settings import ReplSettings
-from adamps.core.repl_types import Reject
+from adamps.core.replication import copies as repl_copies
+from adamps.core.replication.node import ReplCore
+from adamps.core.replication.ready import ControllerAnswer, ControllerRequest, Ready
+from adamps.core.replication.rounds import COMMIT_DELAY, COMMIT_GAPS, COMMIT_WAIT_MAX
+from adamps.core.replication.settings import ReplSettings
+from adamps.core.replication.values import Reject
 
 TERMS = LeaseTerms(duration=2.0, skew=0.1, margin=0.1)
 

@@ -1,4 +1,4 @@
-"""adamps.core.repl_invariants: ``ReplCore.validate()`` passes on states built through the core's
+"""adamps.core.replication.invariants: ``ReplCore.validate()`` passes on states built through the core's
 inputs (rounds in flight and decided, a joining copy, a reloaded standby copy), and each rule
 fires, naming its bucket, on a copy of such a state with one field broken by hand (the only way
 to reach a state the inputs never make; the randomized simulation validates after every
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from adamps.core.repl_core import ReplCore
-from adamps.core.repl_invariants import InvariantViolation
-from adamps.core.repl_types import Pending
+from adamps.core.replication.invariants import InvariantViolation
+from adamps.core.replication.node import ReplCore
+from adamps.core.replication.values import Pending
 from tests.core.test_repl_core import Cluster, core, role
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from adamps.protocol import ProtocolError
-from adamps.server.repl_wire import multi_results
-from adamps.server.shards import StoreError
+from adamps.server.replication.wire import multi_results
+from adamps.server.store.shards import StoreError
+from adamps.wire.protocol import ProtocolError
 
 
 async def test_each_message_has_its_own_result_in_order() -> None:

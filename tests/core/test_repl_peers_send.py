@@ -1,4 +1,4 @@
-"""The replication core's transport (adamps.server.repl_peers.Peers.send), on a real event loop
+"""The replication core's transport (adamps.server.replication.peers.Peers.send), on a real event loop
 against a peer whose port refuses connections: every message gets exactly one answer, from a
 later loop step, and the messages of one drain travel without a task each (issue 36, helper
 perf36's profile: ~46 messages per server per click-through step at RF 3, each its own task)."""
@@ -10,9 +10,9 @@ import socket
 
 import aiohttp
 
-from adamps.core.repl_ready import Send
-from adamps.server.peer_keys import PeerKeys
-from adamps.server.repl_peers import Peers
+from adamps.core.replication.ready import Send
+from adamps.server.replication.peer_keys import PeerKeys
+from adamps.server.replication.peers import Peers
 
 
 def _closed_port() -> int:

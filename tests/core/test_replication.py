@@ -1,4 +1,4 @@
-"""adamps.core.replication without sockets: 2PC rounds, fencing, in-doubt rounds, exactly once.
+"""adamps.core.replication.bucket without sockets: 2PC rounds, fencing, in-doubt rounds, exactly once.
 
 Reference: Project Adam 3.3.3 (primary replicates to secondaries over two-phase commit; secondaries
 check the lease epoch before committing; the controller promotes a secondary on a role change).
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from adamps.core.replication import Apply, Assignment, Batch, BucketReplica, Reject
+from adamps.core.replication.bucket import Apply, Assignment, Batch, BucketReplica, Reject
 
 SERVERS = ("a", "b", "c")
 

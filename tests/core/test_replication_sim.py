@@ -1,8 +1,8 @@
 """Randomized simulation of bucket replication: the production replication core of every server
-(adamps.core.repl_core.ReplCore, unchanged), the real controller model, an unreliable network and
+(adamps.core.replication.node.ReplCore, unchanged), the real controller model, an unreliable network and
 a nemesis (etcd-io/raft's network test shape, and TigerBeetle's cluster test: the simulator runs
 the replica that ships, here through an in-memory transport; no sockets, no threads, time passed
-in). Each server's shell here only carries out the core's Ready as adamps.server.replicate does
+in). Each server's shell here only carries out the core's Ready as adamps.server.replication.shell does
 (network, disk, clock); it takes no decision and has no model of the rounds.
 
 Every seed builds a small cluster (4-5 servers, 2 buckets, 3 copies each) and runs it for a few
@@ -62,12 +62,12 @@ from typing import Any
 
 import pytest
 
-from adamps.core import repl_copies
 from adamps.core.lease import LeaseTerms, check_history
-from adamps.core.repl_core import ReplCore
-from adamps.core.repl_ready import Answer, ControllerAnswer, ControllerRequest, Fetch, Send
-from adamps.core.repl_settings import ReplSettings
-from adamps.core.replication import Assignment, Batch, BucketReplica, Reject
+from adamps.core.replication import copies as repl_copies
+from adamps.core.replication.bucket import Assignment, Batch, BucketReplica, Reject
+from adamps.core.replication.node import ReplCore
+from adamps.core.replication.ready import Answer, ControllerAnswer, ControllerRequest, Fetch, Send
+from adamps.core.replication.settings import ReplSettings
 from controller.state import DEAD, LIVE, ClusterModel
 
 # -- timings (the defaults of the real configs, scaled by about 1/4) ------------------------------
@@ -189,7 +189,7 @@ class Waiter:
 class SimTransport:
     """The in-memory transport: the core's messages over the simulated network, each answered
     exactly once (the reply, or a failure when none came within MEMBER_TIMEOUT), as
-    adamps.server.repl_peers.Peers.send answers them."""
+    adamps.server.replication.peers.Peers.send answers them."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -213,8 +213,8 @@ def _code(err: Any) -> str:
 
 
 class Server:
-    """One parameter server: adamps.core.repl_core.ReplCore as the server runs it, with this
-    simulation's network, disk and clock for its shell (what adamps.server.replicate does with
+    """One parameter server: adamps.core.replication.node.ReplCore as the server runs it, with this
+    simulation's network, disk and clock for its shell (what adamps.server.replication.shell does with
     asyncio, HTTP and LMDB). No decision is taken here."""
 
     def __init__(
@@ -461,7 +461,7 @@ class Server:
             self.next_flush = now + FLUSH
             self.flush()
         # The core is ticked only once its next deadline is due, as the shell's clock does
-        # (adamps.server.repl_clock): every other input asks for the deadline again (drain).
+        # (adamps.server.replication.clock): every other input asks for the deadline again (drain).
         if now >= self.tick_at:
             self.core.tick(now)  # with the controller link's: the registration and heartbeats
             self.drain()

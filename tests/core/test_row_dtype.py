@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from adamps import rowdtype
-from adamps.server.checksum import unseal
-from adamps.server.optim import Optimizer
-from adamps.server.rowblock import ApplyStats, RowBlock, RowPush
-from adamps.server.rowdelta import parse_page
-from adamps.server.rowpages import SavedRows
+from adamps.server.store.checksum import unseal
+from adamps.server.store.tables.rowblock import ApplyStats, RowBlock, RowPush
+from adamps.server.store.tables.rowdelta import parse_page
+from adamps.server.store.tables.rowpages import SavedRows
+from adamps.server.updates.optim import Optimizer
 from adamps.tables import Admission, TableError, TableSpec, initial_rows, normalize_row_init
 
 NORMAL = normalize_row_init({"kind": "normal", "std": 0.1, "seed": 7})

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adamps.server.optim import Optimizer
-from adamps.server.rowblock import ApplyStats, RowBlock, RowPush
+from adamps.server.store.tables.rowblock import ApplyStats, RowBlock, RowPush
+from adamps.server.updates.optim import Optimizer
 from adamps.tables import (
     Admission,
     TableError,
@@ -254,7 +254,7 @@ def test_bucket_and_init_follow_the_documented_algorithm() -> None:
 
 
 def test_row_index_agrees_with_a_dict_across_merges() -> None:
-    from adamps.server.rowindex import RowIndex
+    from adamps.server.store.tables.rowindex import RowIndex
 
     rng = np.random.default_rng(5)
     idx, ref = RowIndex(), {}
@@ -279,7 +279,7 @@ def test_rows_checker_counts_a_push_in_a_loss_window_from_its_first_send() -> No
     acknowledged (and lost) before the crash; a push wholly outside the window may not."""
     from types import SimpleNamespace
 
-    from adamps.rows_exactness import RowsExactnessLoad
+    from adamps.testing.rows_exactness import RowsExactnessLoad
 
     load = RowsExactnessLoad(SimpleNamespace(), threads=0, max_pushes=4)
     load.out.acked += [0, 1, 2, 3]
@@ -295,7 +295,7 @@ def test_rows_checker_counts_a_push_in_a_loss_window_from_its_first_send() -> No
 
 def _pages_of(deltas: list) -> dict[int, bytes]:
     """What LMDB would hold after writing `deltas` in order: page number -> its payload."""
-    from adamps.server.checksum import unseal
+    from adamps.server.store.checksum import unseal
 
     disk: dict[int, bytes] = {}
     for d in deltas:
@@ -311,7 +311,7 @@ def test_pages_written_and_merged_hold_the_block_and_reload_intact() -> None:
     """Issue 38: a flush writes the pages with a touched row; pages written one flush after
     another (or merged, when a flush failed: `after`) hold exactly the block, expiry included,
     and a start reads them back as the same rows in the same slots (intact: no full rewrite)."""
-    from adamps.server.rowpages import SavedRows
+    from adamps.server.store.tables.rowpages import SavedRows
 
     blk = block({"kind": "adagrad", "lr": 0.1}, expire_after=10.0)
     per = blk.page_rows

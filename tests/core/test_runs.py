@@ -140,7 +140,7 @@ def test_run_tokens_lookups_during_a_fetch_wait_for_it() -> None:
     instead of being refused while it is in flight (seen as a 401 on a data server)."""
     import asyncio
 
-    from adamps.run_tokens import RunTokens
+    from adamps.security.run_tokens import RunTokens
 
     ta, tb = runs.new_token("a"), runs.new_token("b")
     fetches = []
@@ -167,7 +167,7 @@ def test_run_tokens_lookups_during_a_fetch_wait_for_it() -> None:
 def test_a_round_push_names_every_layer_and_shard_for_the_namespace_check() -> None:
     """push_fc of a whole round (issue 27) names tensors and shards in `layers` and `dense`:
     a run's token must not reach another run's shards through them."""
-    from adamps.server.tenancy import _names
+    from adamps.server.api.tenancy import _names
 
     msg = {
         "op": "push_fc",

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 from adamps.layout import TensorSpec, stable_bucket
-from adamps.server.checksum import unseal
-from adamps.server.flusher import Flusher
-from adamps.server.initial import fans, initial_values, normalize_init
-from adamps.server.optim import Dense, Optimizer
-from adamps.server.persist import Persister, Position, _unpack
-from adamps.server.shards import StoreError, fc_parts
-from adamps.server.store import Store
+from adamps.server.storage.flusher import Flusher
+from adamps.server.storage.persist import Persister, Position, _unpack
+from adamps.server.store.checksum import unseal
+from adamps.server.store.initial import fans, initial_values, normalize_init
+from adamps.server.store.shards import StoreError, fc_parts
+from adamps.server.store.store import Store
+from adamps.server.updates.optim import Dense, Optimizer
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Issue 12 item 8: JSON carries only finite numbers, in and out (adamps/web.py)."""
+"""Issue 12 item 8: JSON carries only finite numbers, in and out (adamps/wire/web.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from adamps import web as aweb
-from adamps.protocol import ProtocolError
+from adamps.wire import web as aweb
+from adamps.wire.protocol import ProtocolError
 
 
 def test_replies_never_carry_nan_or_infinity() -> None:

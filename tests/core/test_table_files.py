@@ -1,4 +1,4 @@
-"""adamps/table_files.py without a cluster: the k-way merge of sorted bucket runs is in id order
+"""adamps/checkpoint/table_files.py without a cluster: the k-way merge of sorted bucket runs is in id order
 and bounded by runs x chunk rows per piece; the streamed safetensors and npy writers produce files
 that safetensors, numpy and the loader read back, empty tables included."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from adamps.table_files import _merge, _Out, ids_path, read_rows
+from adamps.checkpoint.table_files import _merge, _Out, ids_path, read_rows
 
 
 def test_merge_is_in_id_order_in_bounded_pieces() -> None:

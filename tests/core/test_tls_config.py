@@ -1,4 +1,4 @@
-"""The [tls] configuration (adamps/tls.py): one table for every role, its checks, and how a
+"""The [tls] configuration (adamps/security/tls.py): one table for every role, its checks, and how a
 process's URLs follow it. No sockets: the handshakes are tests/system/test_tls.py's."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from adamps import config, tls, tls_certs
+from adamps import config
+from adamps.security import tls, tls_certs
 
 
 @pytest.fixture

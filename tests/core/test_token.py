@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from adamps import config as aconfig
-from adamps import token as tokens
+from adamps.security import token as tokens
 from adamps.server.config import PsConfig
 from controller.config import ControllerConfig
 from dataserver.config import DataServerConfig

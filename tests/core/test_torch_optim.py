@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adamps.server import optim, torchoptim
-from adamps.server.optim import Dense, Fc, OptimError, Optimizer, Scratch, Signs
-from adamps.server.rowblock import ApplyStats, RowBlock, RowPush
+from adamps.server.store.tables.rowblock import ApplyStats, RowBlock, RowPush
+from adamps.server.updates import optim, torchoptim
+from adamps.server.updates.optim import Dense, Fc, OptimError, Optimizer, Scratch, Signs
 from adamps.tables import Admission, initial_rows, normalize_row_init
 
 torch = pytest.importorskip("torch")

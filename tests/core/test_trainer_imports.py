@@ -2,7 +2,7 @@
 
 Every trainer and every worker process (spawned: a fresh interpreter) pays for its imports in
 CPU seconds, and a training cluster's images per CPU second counts them. The server's numba
-kernels (adamps.server.kernels, loaded through adamps.server.optim) cost about a CPU second
+kernels (adamps.server.updates.kernels, loaded through adamps.server.updates.optim) cost about a CPU second
 per process; scipy a few tenths. Neither is needed to train: the workers run numpy only, and
 the replica's main thread loads scipy's BLAS on its first install of a fetch.
 """

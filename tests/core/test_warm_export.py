@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from adamps.checkpoint import write
-from adamps.export import export
+from adamps.checkpoint.export import export
+from adamps.checkpoint.save_restore import write
 from trainer.warm import InitError, initial_values
 
 SHAPES = {"a": (2, 3), "b": (4,)}

@@ -19,9 +19,9 @@ import time
 import numpy as np
 from aiohttp import web
 
-from adamps import protocol
 from adamps.client.rpc import AsyncRpc, Request
 from adamps.up.procs import free_port
+from adamps.wire import protocol
 
 #: the body's array: 256 MiB of float32 (zero-filling it took 0.1 s of one step here)
 N = 64 << 20

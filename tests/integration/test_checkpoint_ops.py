@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps import web as aweb
 from adamps.client.rpc import AsyncRpc, RpcError, get_text
 from adamps.layout import stable_bucket
 from adamps.optspec import Optimizer
-from adamps.server.app import ParameterServer
+from adamps.server.api.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.up.procs import free_port
+from adamps.wire import web as aweb
 
 TOKEN = "ckpt-test-token"
 
@@ -318,11 +318,11 @@ async def test_a_cut_copies_only_the_shards_written_after_it(tmp_path: Path) -> 
 
 
 async def test_install_through_a_static_routing_carries_the_accumulators(tmp_path: Path) -> None:
-    """adamps.checkpoint.install (what a warm start uses to carry the optimizer's state) on a
+    """adamps.checkpoint.save_restore.install (what a warm start uses to carry the optimizer's state) on a
     standalone server found through a static routing: values and state bit-identical. The
     state of torch's Adagrad is each shard's accumulator and step count, one shard's after the
     other (adamps.optspec.state_ranges)."""
-    from adamps.checkpoint import Cluster, install
+    from adamps.checkpoint.save_restore import Cluster, install
     from adamps.client import StaticRouting
     from adamps.layout import Layout, TensorSpec
     from adamps.optspec import Optimizer, state_ranges
@@ -397,7 +397,7 @@ async def test_an_install_travels_on_the_data_plane_and_is_checked_like_a_push(
     """A restore's shards go to a server's data port as raw out-of-band payloads (issue 38
     item 7: no msgpack copy of the values), through the same checks: bit-identical values and
     optimizer state, and a NaN refused with a 4xx that changes nothing."""
-    from adamps.checkpoint import Cluster, install
+    from adamps.checkpoint.save_restore import Cluster, install
     from adamps.client import StaticRouting
     from adamps.layout import Layout, TensorSpec
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from adamps import web as aweb
 from adamps.client.dataplane import HEADER, MAGIC, REQUEST, DataPlaneClient
-from adamps.server.app import ParameterServer
+from adamps.server.api.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.up.procs import free_port
+from adamps.wire import web as aweb
 from dataserver.config import DataServerConfig
 from dataserver.service import DataServer
 from dataserver.sources import Dataset

@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from adamps import web as aweb
 from adamps.up.procs import free_port
+from adamps.wire import web as aweb
 from controller.config import ControllerConfig
 from controller.service import ControllerService
 from controller.state import DEAD

@@ -12,9 +12,9 @@ import aiohttp
 import numpy as np
 import pytest
 
-from adamps import protocol
-from adamps import web as aweb
 from adamps.up.procs import free_port
+from adamps.wire import protocol
+from adamps.wire import web as aweb
 from dataserver.client import DataClient
 from dataserver.config import DataServerConfig
 from dataserver.partition import stream_positions

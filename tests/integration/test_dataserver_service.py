@@ -10,9 +10,9 @@ import aiohttp
 import numpy as np
 import pytest
 
-from adamps import protocol
-from adamps import web as aweb
 from adamps.up.procs import free_port
+from adamps.wire import protocol
+from adamps.wire import web as aweb
 from dataserver.augment import AugmentParams, augment_images, epoch_transforms
 from dataserver.client import DataClient, DataServerError
 from dataserver.config import DataServerConfig

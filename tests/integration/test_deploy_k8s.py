@@ -23,7 +23,7 @@ import yaml
 
 from adamps import config as aconfig
 from adamps.cli import COMMANDS
-from adamps.token import WELL_KNOWN
+from adamps.security.token import WELL_KNOWN
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from adamps import tls_certs
+from adamps.security import tls_certs
 from adamps.up.procs import Proc, adamps_argv, free_port
 
 ROOT = Path(__file__).resolve().parents[2]

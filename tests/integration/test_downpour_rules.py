@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from adamps.server.optim import Dense, Fc, Optimizer, Scratch, apply_batch
+from adamps.server.updates.optim import Dense, Fc, Optimizer, Scratch, apply_batch
 from trainer import export
 from trainer.model import Model
 from trainer.packing import (

@@ -1,5 +1,5 @@
 """The data port receives large payloads on a thread per connection, off the event loop (issue
-27, adamps/server/dp_reader.py): the payload arrives whole, pipelined frames are applied in the
+27, adamps/server/api/dp_reader.py): the payload arrives whole, pipelined frames are applied in the
 order sent, a payload that stalls is closed at its body deadline, a client gone mid-payload
 ends the thread, and the server keeps serving throughout. An in-process server, so that the
 test sees its connections and threads.
@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps import protocol
 from adamps.client.dataplane import REQUEST, DataPlaneClient, DataPlaneError, frame_header
 from adamps.client.rpc import AsyncRpc
-from adamps.server import bounds
-from adamps.server.dp_reader import OFF_LOOP_MIN, RECV_THREAD_ENV, off_loop_min
+from adamps.server.api.dp_reader import OFF_LOOP_MIN, RECV_THREAD_ENV, off_loop_min
+from adamps.server.updates import bounds
+from adamps.wire import protocol
 from tests.integration.test_connections import TOKEN, closed_within, start_ps
 
 N = 1 << 18  # 1 MiB of float32: far above OFF_LOOP_MIN

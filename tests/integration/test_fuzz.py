@@ -33,13 +33,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adamps import protocol
-from adamps import web as aweb
 from adamps.client.rpc import SyncRpc
-from adamps.server import dataplane
-from adamps.server.app import ParameterServer
+from adamps.server.api import dataplane
+from adamps.server.api.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.up.procs import free_port
+from adamps.wire import protocol
+from adamps.wire import web as aweb
 
 TOKEN = "fuzz-token"
 REQUEST_TIMEOUT = 10.0
@@ -145,7 +145,7 @@ PS_FIELDS = [
 READ_ONLY_OPS = {"pull", "list", "describe", "flush"}
 
 
-#: inits and optimizers near and beyond the finite bounds (adamps/server/bounds.py)
+#: inits and optimizers near and beyond the finite bounds (adamps/server/updates/bounds.py)
 EDGY_INITS = [
     {"kind": "normal", "std": 1e300}, {"kind": "normal", "std": 1e20}, {"kind": "constant", "value": 1e39},
     {"kind": "constant", "value": 3e38}, {"kind": "uniform", "low": -1e30, "high": 1.0},

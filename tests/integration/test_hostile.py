@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from adamps import protocol
-from adamps import web as aweb
 from adamps.client.dataplane import REQUEST, DataPlaneClient, frame_header
 from adamps.client.rpc import RpcError, SyncRpc
-from adamps.server.app import ParameterServer
+from adamps.server.api.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.up.procs import free_port
+from adamps.wire import protocol
+from adamps.wire import web as aweb
 
 TOKEN = "hostile-token"
 HEADER_TIMEOUT = 1.0

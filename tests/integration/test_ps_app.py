@@ -10,14 +10,14 @@ import aiohttp
 import numpy as np
 import pytest
 
-from adamps import web as aweb
 from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.config import ConfigError
-from adamps.protocol import ProtocolError
-from adamps.server.app import ParameterServer
+from adamps.server.api.app import ParameterServer
 from adamps.server.config import PsConfig
-from adamps.server.optim import Optimizer, reference_apply
+from adamps.server.updates.optim import Optimizer, reference_apply
 from adamps.up.procs import free_port
+from adamps.wire import web as aweb
+from adamps.wire.protocol import ProtocolError
 
 TOKEN = "ps-test-token"
 

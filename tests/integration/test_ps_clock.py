@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from adamps import web as aweb
 from adamps.client.rpc import AsyncRpc, RpcError
-from adamps.server.app import ParameterServer
+from adamps.server.api.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.up.procs import free_port
+from adamps.wire import web as aweb
 
 TOKEN = "ps-test-token"
 pytestmark = pytest.mark.timeout(60)

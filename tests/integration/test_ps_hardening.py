@@ -21,13 +21,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from adamps import protocol
-from adamps import web as aweb
 from adamps.client.dataplane import DataPlaneClient, DataPlaneError
 from adamps.client.rpc import AsyncRpc, RpcError
-from adamps.server.app import ParameterServer
+from adamps.server.api.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.up.procs import free_port
+from adamps.wire import protocol
+from adamps.wire import web as aweb
 
 TOKEN = "ps-hardening-token"
 

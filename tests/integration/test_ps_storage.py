@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps import protocol
 from adamps.config import ConfigError
-from adamps.core.replication import Batch
-from adamps.protocol import ProtocolError
+from adamps.core.replication.bucket import Batch
 from adamps.server.decode.dense import update as dense_update
-from adamps.server.repl_wire import batch_from_wire, batch_to_wire
+from adamps.server.replication.wire import batch_from_wire, batch_to_wire
+from adamps.wire import protocol
+from adamps.wire.protocol import ProtocolError
 from tests.integration.test_ps_app import start
 
 

@@ -1,4 +1,4 @@
-"""Sandblaster's vector operations on one parameter server, in-process (adamps/server/vecops.py):
+"""Sandblaster's vector operations on one parameter server, in-process (adamps/server/api/vecops.py):
 numerics against numpy, colocation of a tensor's vectors, and bad requests refused whole."""
 
 from __future__ import annotations

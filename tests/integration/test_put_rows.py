@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps import table_cmd
+from adamps.checkpoint import table_load as table_cmd
 from adamps.client import PSClient, StaticRouting
 from adamps.client.rpc import RpcError
 from adamps.layout import Layout

@@ -14,15 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps import web as aweb
 from adamps.client import PSClient, StaticRouting
 from adamps.client.prefetch import RowPipeline
 from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.layout import Layout, TensorSpec
-from adamps.server.app import ParameterServer
+from adamps.server.api.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.tables import buckets_of
 from adamps.up.procs import free_port
+from adamps.wire import web as aweb
 
 TOKEN = "round-test-token"
 N_BUCKETS = 8
@@ -299,7 +299,7 @@ async def test_a_round_over_the_servers_limits_goes_in_parts_with_the_same_resul
 def test_a_rounds_tables_are_named_to_the_run_check() -> None:
     """A run's token may only name its own tables: a round names them inside `rows` and
     `fetch_rows`, so the tenancy check must see them (else a run could push another's rows)."""
-    from adamps.server.tenancy import RUN_OPS, _names
+    from adamps.server.api.tenancy import RUN_OPS, _names
 
     msg = {
         "op": "round",

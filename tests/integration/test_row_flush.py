@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adamps.server.rowdelta import page_rows, row_bytes
+from adamps.server.store.tables.rowdelta import page_rows, row_bytes
 from tests.integration.test_tables import ADAGRAD, INIT, start
 
 SGD = {"kind": "sgd", "lr": 0.5}
@@ -87,7 +87,7 @@ async def test_expired_rows_are_deleted_from_lmdb(tmp_path: Path) -> None:
 async def test_a_damaged_row_record_found_by_the_scrub_is_rewritten(tmp_path: Path) -> None:
     """The scrub finds a row record whose bytes were damaged on disk: counted, and the next
     flush rewrites the row shard from memory, so a restart reloads every row exactly."""
-    from adamps.server.rowdelta import row_prefix
+    from adamps.server.store.tables.rowdelta import row_prefix
 
     ps, runner, c, _ = await start(tmp_path, scrub_rate=0)
     ids = np.arange(500, dtype=np.int64)
@@ -148,8 +148,8 @@ async def test_rows_of_format_2_load_and_are_rewritten_as_pages(tmp_path: Path) 
     """Issue 38: an environment of format 2 (one record per row, in ``rows``) loads every row;
     the next flush rewrites them as pages and deletes the row records in its transaction; a
     restart then reloads the same rows from the pages."""
-    from adamps.server.checksum import seal, unseal
-    from adamps.server.rowdelta import parse_page, row_prefix, sid_of_key
+    from adamps.server.store.checksum import seal, unseal
+    from adamps.server.store.tables.rowdelta import parse_page, row_prefix, sid_of_key
 
     ids = np.arange(3000, dtype=np.int64) * 13 - 2000
     ps, runner, c, _ = await start(tmp_path)

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
-from adamps import web as aweb
 from adamps.client import PSClient, StaticRouting
 from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.layout import Layout
-from adamps.protocol import ProtocolError
-from adamps.server.app import ParameterServer
+from adamps.server.api.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.tables import initial_rows, normalize_row_init
 from adamps.up.procs import free_port
+from adamps.wire import web as aweb
+from adamps.wire.protocol import ProtocolError
 
 TOKEN = "tables-test-token"
 INIT = {"kind": "normal", "std": 0.1, "seed": 3}
@@ -305,7 +305,7 @@ async def test_an_empty_push_rows_is_a_value_error_in_the_client_and_a_400_from_
     push_rows that reaches it (a hand-made request) with 400 bad_request, nothing applied."""
     import aiohttp
 
-    from adamps import protocol
+    from adamps.wire import protocol
 
     ps, runner, c, url = await start(tmp_path)
     try:

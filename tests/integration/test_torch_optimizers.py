@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps import web as aweb
 from adamps.client.rpc import AsyncRpc, RpcError
-from adamps.server.app import ParameterServer
+from adamps.server.api.app import ParameterServer
 from adamps.server.config import PsConfig
 from adamps.tables import initial_rows, normalize_row_init
 from adamps.up.procs import free_port
+from adamps.wire import web as aweb
 
 torch = pytest.importorskip("torch")
 

@@ -1,4 +1,4 @@
-"""adamps.web on a real loopback socket: errors are JSON naming the problem, the server survives."""
+"""adamps.wire.web on a real loopback socket: errors are JSON naming the problem, the server survives."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from adamps import protocol
-from adamps import web as aweb
 from adamps.client.rpc import AsyncRpc, RpcError
 from adamps.metrics import new_registry
 from adamps.up.procs import free_port
+from adamps.wire import protocol
+from adamps.wire import web as aweb
 
 TOKEN = "t0ken"
 

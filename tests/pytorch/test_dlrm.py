@@ -47,9 +47,9 @@ def plain_auc() -> float:
 
 def _train_plain(ds: Any) -> float:
     from adamps.torch.data import clicks
+    from dataserver.ctr_data import CtrSpec
     from dataserver.partition import stream_positions
     from examples.torch_dlrm import DLRM, ROW_ADAGRAD_INITIAL, ROW_LR, ctr_auc
-    from trainer.ctr_data import CtrSpec
 
     torch.manual_seed(SEED)  # as adamps train builds the factory's model
     model = DLRM(plain_sizes=CtrSpec().sizes)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from adamps.checkpoint import write
+from adamps.checkpoint.save_restore import write
 from trainer.warm import InitError, initial_values
 
 
@@ -44,7 +44,7 @@ def test_export_torch_loads_into_the_users_model(tmp_path: Path) -> None:
     sd = torch.load(str(out), weights_only=True)
     assert sorted(sd) == ["fc.bias", "fc.weight"]  # no run prefix, no accumulators
     model.load_state_dict(sd)  # strict: every parameter, nothing else
-    from adamps.checkpoint import load
+    from adamps.checkpoint.save_restore import load
 
     want = load(d)[1]
     assert model.fc.weight.detach().numpy().tobytes() == want["default..fc.weight"].tobytes()

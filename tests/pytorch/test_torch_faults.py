@@ -2,7 +2,7 @@
 parameter servers, 2 `adamps train --torch` replicas of examples/torch_mnist.py. After epoch 1 the
 primary of the first linear layer's weight is SIGKILLed, then replica 1 is SIGKILLed and
 started again. The run still reaches 97% held-out, the restarted replica finishes, and an
-exactness load pushing +1 beside the training (adamps/exactness.py) finds every acknowledged
+exactness load pushing +1 beside the training (adamps/testing/exactness.py) finds every acknowledged
 push exactly once, every refused one absent: the torch replicas share the one write path."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("torch", reason="adamps.torch needs torch")
 
 from adamps.client.rpc import get_json  # noqa: E402
-from adamps.exactness import ExactnessLoad  # noqa: E402
 from adamps.layout import Layout, TensorSpec  # noqa: E402
+from adamps.testing.exactness import ExactnessLoad  # noqa: E402
 from tests.polling import wait_for  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps.checkpoint import Cluster, save, write
-from adamps.checkpoint import load as load_ckpt
+from adamps.checkpoint.save_restore import Cluster, save, write
+from adamps.checkpoint.save_restore import load as load_ckpt
 from adamps.client.rpc import SyncRpc
-from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
+from adamps.testing.exactness import ExactnessLoad
 from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

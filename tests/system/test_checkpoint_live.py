@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps.checkpoint import Cluster, save
-from adamps.checkpoint import load as load_ckpt
+from adamps.checkpoint.save_restore import Cluster, save
+from adamps.checkpoint.save_restore import load as load_ckpt
 from adamps.client import ControllerRouting, PSClient
 from adamps.layout import Layout, TensorSpec
 from adamps.up.cluster import LocalCluster

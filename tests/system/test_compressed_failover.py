@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from adamps.exactness import ExactnessLoad
+from adamps.testing.exactness import ExactnessLoad
 from adamps.up.cluster import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps.checkpoint import load
+from adamps.checkpoint.save_restore import load
 from adamps.client import ControllerRouting, PSClient
 from adamps.layout import Layout, TensorSpec
 

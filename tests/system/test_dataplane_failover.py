@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from adamps import protocol
 from adamps.client.dataplane import ERROR, REPLY, REQUEST, frame_header
 from adamps.client.rpc import get_json, get_text
-from adamps.exactness import ExactnessLoad
+from adamps.testing.exactness import ExactnessLoad
+from adamps.wire import protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from frames import read_frame  # noqa: E402

@@ -5,7 +5,7 @@ Reference: docs/protocol-ps.md, push_compressed and round; docs/operations.md, "
 decoded on the event loop it held every connection of the server for a second or more (the PS
 missed heartbeats and its buckets failed over). Now it is decoded on a worker thread, over HTTP
 and over the data plane, alone (push_compressed) or inside a replica's ``round``: the server's
-event loop is never held past 100 ms (its own probe, adamps/looplag.py, which does not count the
+event loop is never held past 100 ms (its own probe, adamps/wire/looplag.py, which does not count the
 time its thread waited for a CPU: a loaded machine does not fail this test, a blocked loop
 does), /healthz answers all along, and the push is applied exactly (every element moved by tau
 once). On the data port a pull pipelined behind such a push or round still sees it (the order
@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps import codec
 from adamps.client import PSClient, StaticRouting
 from adamps.client.dataplane import DataPlaneClient, DataPlaneError
 from adamps.client.rpc import SyncRpc
+from adamps.compression import codec
 from adamps.layout import Layout, TensorSpec
-from adamps.server import bounds
+from adamps.server.updates import bounds
 from adamps.up.procs import Proc, adamps_argv, free_port
 from tests import looplag_probe
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from adamps.exactness import ExactnessLoad
+from adamps.testing.exactness import ExactnessLoad
 from adamps.up.procs import adamps_argv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -17,8 +17,8 @@ import pytest
 
 from adamps.client import ControllerRouting, PSClient
 from adamps.client.rpc import RpcError, SyncRpc
-from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
+from adamps.testing.exactness import ExactnessLoad
 from adamps.up.cluster import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

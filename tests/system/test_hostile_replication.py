@@ -28,12 +28,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adamps import peer_auth, protocol
 from adamps.client.dataplane import ERROR, REQUEST, frame_header
 from adamps.client.rpc import RpcError, SyncRpc, json_request, rpc_request
-from adamps.server.repl_peers import PeerStream, SegmentDigests
-from adamps.server.repl_wire import updates_digest
+from adamps.security import peer_auth
+from adamps.server.replication.peers import PeerStream, SegmentDigests
+from adamps.server.replication.wire import updates_digest
 from adamps.up.cluster import LocalCluster
+from adamps.wire import protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from frames import read_frame  # noqa: E402

@@ -1,6 +1,6 @@
 """No single request holds a parameter server's event loop for more than 100 ms (issue 39).
 
-Reference: docs/operations.md, "The event loop"; adamps/looplag.py. A create_table with a large
+Reference: docs/operations.md, "The event loop"; adamps/wire/looplag.py. A create_table with a large
 ``filter_width`` allocated and serialized its frequency sketches on the event loop (a server of
 a cluster was held more than 10 s and declared dead); a create of the largest tensor allowed
 drew its initial values there. The server's probe (``adamps_event_loop_blocked_seconds``: how
@@ -24,10 +24,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from adamps import codec, tables
+from adamps import tables
 from adamps.client.dataplane import DataPlaneClient
 from adamps.client.rpc import SyncRpc
-from adamps.server.tableops import MAX_IDS
+from adamps.compression import codec
+from adamps.server.api.tableops import MAX_IDS
 from adamps.up.procs import Proc, adamps_argv, free_port
 from tests import looplag_probe
 from tests.looplag_probe import BOUND

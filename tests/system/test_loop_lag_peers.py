@@ -2,7 +2,7 @@
 (issue 39: "the loop-lag probe covers every request kind"; test_loop_lag.py probes a standalone
 server, which has no peers).
 
-Reference: docs/operations.md, "The event loop"; adamps/looplag.py; tests/looplag_probe.py.
+Reference: docs/operations.md, "The event loop"; adamps/wire/looplag.py; tests/looplag_probe.py.
 
 A real cluster (3 controllers, 3 servers, peer identity on, every bucket on all 3) holds a
 tensor of 128 MiB in 2 buckets. Probed, on every server's loop (its blocked-time histogram):

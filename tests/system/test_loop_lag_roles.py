@@ -2,7 +2,7 @@
 (issue 39: "the loop-lag probe covers every request kind"; test_loop_lag.py covers a parameter
 server's).
 
-Reference: docs/operations.md, "The event loop"; adamps/looplag.py; tests/looplag_probe.py.
+Reference: docs/operations.md, "The event loop"; adamps/wire/looplag.py; tests/looplag_probe.py.
 
 Controllers: a real cluster of 3 controllers and one parameter server (LocalCluster, peer
 identity on). Every HTTP route a controller lists in its /status (``served``) must have an
@@ -32,13 +32,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from adamps import peer_auth, protocol
 from adamps import runs as run_names
 from adamps.client import ControllerRouting, PSClient
-from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
+from adamps.security import peer_auth
+from adamps.testing.exactness import ExactnessLoad
 from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
 from adamps.up.procs import Proc, adamps_argv, free_port
+from adamps.wire import protocol
 from controller.cluster_rules import PROGRESS_REPLICAS_PER_RUN
 from controller.service import MAX_PEER_KEYS
 from dataserver.elastic import MAX_EPOCHS, MAX_RUNS

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from adamps import ckpt_series
-from adamps.checkpoint import load
+from adamps.checkpoint import series as ckpt_series
+from adamps.checkpoint.save_restore import load
 from adamps.client import ControllerRouting, PSClient
-from adamps.exactness import ExactnessLoad
 from adamps.layout import Layout, TensorSpec
+from adamps.testing.exactness import ExactnessLoad
 from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster, http_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from adamps import protocol
 from adamps.client.rpc import SyncRpc
 from adamps.up.procs import Proc, adamps_argv, free_port
+from adamps.wire import protocol
 
 pytestmark = pytest.mark.slow
 

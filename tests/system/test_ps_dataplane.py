@@ -18,7 +18,6 @@ import aiohttp
 import numpy as np
 import pytest
 
-from adamps import protocol
 from adamps.client.dataplane import (
     ERROR,
     HEADER,
@@ -29,9 +28,10 @@ from adamps.client.dataplane import (
     frame_header,
 )
 from adamps.client.rpc import RpcError, SyncRpc
-from adamps.server.peer_keys import PeerKeys
-from adamps.server.repl_peers import PeerChannel, Peers
+from adamps.server.replication.peer_keys import PeerKeys
+from adamps.server.replication.peers import PeerChannel, Peers
 from adamps.up.procs import Proc, adamps_argv, free_port
+from adamps.wire import protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from frames import read_frame  # noqa: E402

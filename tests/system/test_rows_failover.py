@@ -1,5 +1,5 @@
 """Embedding-table pushes under faults, with real processes: 3 controllers and 4 (or 3)
-parameter servers on loopback, and the rows exactness load (adamps/rows_exactness.py: each
+parameter servers on loopback, and the rows exactness load (adamps/testing/rows_exactness.py: each
 push_rows adds +1 to two fresh ids, usually of two buckets).
 
 - a primary SIGKILLed under push_rows load: every acknowledged row push present exactly once,
@@ -25,8 +25,8 @@ import pytest
 from adamps.client import ControllerRouting, PSClient
 from adamps.client.rpc import RpcError, SyncRpc
 from adamps.layout import Layout, TensorSpec
-from adamps.rows_exactness import RowsExactnessLoad
 from adamps.tables import buckets_of
+from adamps.testing.rows_exactness import RowsExactnessLoad
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replicated_cluster import (  # noqa: E402  (in tests/; the tests import in importlib mode)
@@ -82,7 +82,7 @@ def test_primary_sigkill_under_push_rows_loses_nothing_acknowledged(tmp_path: Pa
 def test_whole_cluster_sigkill_keeps_rows_outside_the_loss_window(tmp_path: Path) -> None:
     """Two ids per push, usually in two buckets: a part acknowledged before the crash may be
     lost with the loss window although the push returns after the restart; the checker counts a
-    push's whole span (adamps/rows_exactness.py)."""
+    push's whole span (adamps/testing/rows_exactness.py)."""
     with running_cluster(tmp_path, n_servers=3) as c:
         client, load = rows_load(c)
         try:

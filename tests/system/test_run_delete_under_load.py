@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps import codec
 from adamps.client import ControllerRouting, PSClient
 from adamps.client.rpc import RpcError, SyncRpc
+from adamps.compression import codec
 from adamps.layout import Layout, TensorSpec
 from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
 from tests.polling import wait_for

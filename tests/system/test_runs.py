@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from adamps import protocol
 from adamps.client import ControllerRouting, PSClient
 from adamps.client.rpc import RpcError
 from adamps.layout import Layout, TensorSpec
-from adamps.server.persist import Persister
+from adamps.server.storage.persist import Persister
 from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
 from adamps.up.procs import adamps_argv
+from adamps.wire import protocol
 from tests.polling import wait_for
 from trainer import export
 

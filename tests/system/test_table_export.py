@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from adamps import table_cmd, table_files
+from adamps.checkpoint import table_files
+from adamps.checkpoint import table_load as table_cmd
+from adamps.checkpoint.export import main as export_main
 from adamps.client import ControllerRouting, PartialPushError, PSClient
-from adamps.export import main as export_main
 from adamps.layout import Layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

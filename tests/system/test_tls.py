@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps import tls, tls_certs
 from adamps.client.dataplane import DataPlaneClient
 from adamps.client.rpc import SyncRpc
+from adamps.security import tls, tls_certs
 from adamps.up.procs import Proc, adamps_argv, free_port
 
 pytestmark = pytest.mark.slow

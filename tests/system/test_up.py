@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from adamps.plot import iteration_figure
+from adamps.up.plot import iteration_figure
 from adamps.up.procs import adamps_argv, port_range
 
 pytestmark = pytest.mark.slow

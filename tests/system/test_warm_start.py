@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adamps.checkpoint import load
+from adamps.checkpoint.save_restore import load
 from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS, LocalCluster
 from trainer.local import builtin_data
 from trainer.model import Model, resolve_spec

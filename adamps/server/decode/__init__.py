@@ -30,13 +30,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from adamps import runs
-from adamps.protocol import ProtocolError
 from adamps.server.decode import compressed, dense, fc, install, rows, vector
 from adamps.server.decode.fields import bad
-from adamps.server.rowtables import RowShardState
-from adamps.server.shards import ShardState, StoreError
-from adamps.server.store import Store
-from adamps.server.vecapply import VecOp
+from adamps.server.store.shards import ShardState, StoreError
+from adamps.server.store.store import Store
+from adamps.server.store.tables.rowtables import RowShardState
+from adamps.server.updates.vecapply import VecOp
+from adamps.wire.protocol import ProtocolError
 
 #: replicated kind -> its decoder: (store, map) -> the (shard, update) parts every copy applies
 DECODERS: dict[str, Callable[[Store, dict[str, Any]], list[tuple[Any, Any]]]] = {

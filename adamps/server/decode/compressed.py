@@ -1,7 +1,7 @@
 """Strom's compressed updates (``push_compressed``, a round's ``compressed``; replicated kind
 ``"c"``, docs/protocol-ps.md) decoded into the parts the owner threads apply: the one place
 that turns a shard's wire map (uint32 words or Golomb-Rice bytes, and tau) into
-:class:`adamps.server.optim.Signs`, for the push op and for replicated batches alike. The
+:class:`adamps.server.updates.optim.Signs`, for the push op and for replicated batches alike. The
 replicated form is the compressed form the client sent (``wire_form``), checked again by
 every copy (a secondary trusts nothing it did not validate)."""
 
@@ -13,14 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from adamps import codec
-from adamps.protocol import ALLOWED_DTYPES, ProtocolError, require
-from adamps.server.bounds import MAX_GRAD
+from adamps.compression import codec
 from adamps.server.decode.fields import named_optimizer, string
-from adamps.server.hyper import push_hyper
-from adamps.server.optim import Signs
-from adamps.server.shards import ShardState
-from adamps.server.store import Store
+from adamps.server.store.shards import ShardState
+from adamps.server.store.store import Store
+from adamps.server.updates.bounds import MAX_GRAD
+from adamps.server.updates.hyper import push_hyper
+from adamps.server.updates.optim import Signs
+from adamps.wire.protocol import ALLOWED_DTYPES, ProtocolError, require
 
 #: codes (elements sent) of one compressed push above which it is decoded off the event loop:
 #: expanding a full 1 MB shard (262,144 codes) takes about 17 ms here, and a push may name many
@@ -126,7 +126,7 @@ def replicated(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, Signs]
 def codes(updates: dict[Any, Any]) -> int:
     """The codes a push_compressed's shards declare (Rice ``n``, or the words' count): what
     decoding it costs. A stream that lies about its ``n`` is refused by the decoder's bound
-    check before it expands (adamps.codec.rice_decode)."""
+    check before it expands (adamps.compression.codec.rice_decode)."""
     total = 0
     for d in updates.values():
         if not isinstance(d, dict):

@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from adamps.protocol import ProtocolError, require, require_array
-from adamps.server import bounds
 from adamps.server.decode.fields import Later, named_optimizer, run, string
-from adamps.server.hyper import push_hyper
-from adamps.server.optim import Dense
-from adamps.server.shards import ShardState
-from adamps.server.store import Store
+from adamps.server.store.shards import ShardState
+from adamps.server.store.store import Store
+from adamps.server.updates import bounds
+from adamps.server.updates.hyper import push_hyper
+from adamps.server.updates.optim import Dense
+from adamps.wire.protocol import ProtocolError, require, require_array
 
 Parts = list[tuple[ShardState, Dense]]
 #: (shards, builder of their compact update): what the primary replicates (writepath.py)

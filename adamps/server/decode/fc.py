@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from adamps.protocol import MAX_FC_K, ProtocolError, require_array
-from adamps.server import bounds
 from adamps.server.decode.fields import Later, bad, f32, named_optimizer, run, string, strings
-from adamps.server.optim import Fc
-from adamps.server.shards import ShardState, TensorState, fc_parts
-from adamps.server.store import Store
+from adamps.server.store.shards import ShardState, TensorState, fc_parts
+from adamps.server.store.store import Store
+from adamps.server.updates import bounds
+from adamps.server.updates.optim import Fc
+from adamps.wire.protocol import MAX_FC_K, ProtocolError, require_array
 
 #: one layer decoded: (tensor name, its state, a, e, the shards its rows update)
 Layer = tuple[str, TensorState, np.ndarray, np.ndarray, list[ShardState]]

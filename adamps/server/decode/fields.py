@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from adamps.protocol import ProtocolError
-from adamps.server.hyper import of_update
-from adamps.server.store import Store
+from adamps.server.store.store import Store
+from adamps.server.updates.hyper import of_update
+from adamps.wire.protocol import ProtocolError
 
 #: a round's deferred checks: (bytes the check reads, the check), run before anything is queued
 Later = list[tuple[int, Callable[[], None]]]

@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from adamps.protocol import ProtocolError
-from adamps.server import bounds
 from adamps.server.decode.fields import string
-from adamps.server.install import Install, RowInstall
-from adamps.server.rowtables import RowShardState
-from adamps.server.shards import ShardState
-from adamps.server.store import Store
+from adamps.server.store.shards import ShardState
+from adamps.server.store.store import Store
+from adamps.server.store.tables.rowtables import RowShardState
+from adamps.server.updates import bounds
+from adamps.server.updates.install import Install, RowInstall
+from adamps.wire.protocol import ProtocolError
 
 
 def update(

@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from adamps.protocol import ProtocolError
-from adamps.server import bounds
 from adamps.server.decode.fields import bad, string
-from adamps.server.rowblock import RowPush
-from adamps.server.rowtables import RowShardState
-from adamps.server.store import Store
+from adamps.server.store.store import Store
+from adamps.server.store.tables.rowblock import RowPush
+from adamps.server.store.tables.rowtables import RowShardState
+from adamps.server.updates import bounds
+from adamps.wire.protocol import ProtocolError
 
 
 def update(

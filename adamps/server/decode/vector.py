@@ -2,7 +2,7 @@
 "s": [base shard ids], "y", "x", "a"[, "v", "f"]}``) decoded into the store's (destination
 shard, VecOp) parts, on the primary before it queues and on every copy when a batch arrives:
 the same checks (the kind, alpha finite and bounded, set's values bounded and fitting the
-shard, both vectors present beside every base shard). adamps/server/vecops.py serves the
+shard, both vectors present beside every base shard). adamps/server/api/vecops.py serves the
 requests; vecapply.py applies."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 
 from adamps.layout import VECTOR_SEP, parse_shard_id, shard_id
-from adamps.protocol import ProtocolError
-from adamps.server import bounds
 from adamps.server.decode.fields import f32, string, strings
-from adamps.server.shards import ShardState
-from adamps.server.store import Store
-from adamps.server.vecapply import KINDS, VecOp
+from adamps.server.store.shards import ShardState
+from adamps.server.store.store import Store
+from adamps.server.updates import bounds
+from adamps.server.updates.vecapply import KINDS, VecOp
+from adamps.wire.protocol import ProtocolError
 
 
 def vector_shard(base_sid: str, vector: str) -> str:

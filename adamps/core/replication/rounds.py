@@ -1,0 +1,172 @@
+"""The primary's rounds of one bucket as messages: what to send each replica now, and what a
+reply or a failure means (Project Adam 3.3.3; the per-bucket 2PC state is ``BucketReplica``).
+
+At most one message per replica is in flight for a bucket. Each replica gets, in this order:
+
+- the PREPARE of the round in flight, with every batch it lacks before it (from the log), and the
+  primary's committed seq riding along (Raft's leaderCommit: the replica applies what was decided
+  without a separate COMMIT, and says so in its reply);
+- else, when it has not confirmed everything committed: the batches it lacks from the log with the
+  committed seq riding along (a replica that answered "gap"), or COMMIT(committed). With
+  ``ack = "prepared"`` a COMMIT waits first for the next round's PREPARE to carry it (one message
+  per replica per round instead of two): ``COMMIT_DELAY``, or, when the bucket's rounds come at a
+  steady pace (a trainer's steps), ``COMMIT_GAPS`` times the time between its last two rounds, at
+  most ``COMMIT_WAIT_MAX`` (issue 36, session 13: at a fixed 2 ms, ~20 ms with the clock's
+  ``TICK``, every training step sent each bucket's COMMIT alone, a second frame to each peer
+  per step). The acknowledgement never waits for it; only a secondary's applying of a bucket's
+  last batch before a pause does.
+
+A failed message is retried after ``RETRY_EVERY``; a replica that has failed since a message sent
+more than ``member_timeout`` ago is unresponsive (``ReplCore.unresponsive`` decides what follows).
+Replies to a message of an older epoch change nothing: the round was restarted under the new one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from adamps.core.replication.bucket import BucketReplica
+
+#: seconds a decided round's COMMIT waits (ack = "prepared") for the next PREPARE to carry it
+COMMIT_DELAY = 0.002
+#: the bucket's last gaps between two rounds a COMMIT waits for the next PREPARE to carry it
+COMMIT_GAPS = 1.5
+#: seconds a COMMIT waits at most (well inside ``failover_after``: a promoted secondary's
+#: in-doubt rounds stay few)
+COMMIT_WAIT_MAX = 1.0
+#: seconds between two tries of a message to a replica that failed
+RETRY_EVERY = 0.02
+#: "gap" answers in a row after which a replica counts as failing (its position keeps moving)
+MAX_GAPS = 3
+
+
+@dataclass
+class Outstanding:
+    """A message to a replica, in flight."""
+
+    rid: int
+    op: str
+    epoch: int
+    sent: float
+
+
+@dataclass
+class Rounds:
+    """The primary's bookkeeping of one bucket's messages. Mutated only by ReplCore."""
+
+    #: replica -> its message in flight
+    out: dict[str, Outstanding] = field(default_factory=dict)
+    #: replica -> when the first message it failed since its last answer was sent
+    fail_since: dict[str, float] = field(default_factory=dict)
+    #: replica -> no new try before this time
+    retry_at: dict[str, float] = field(default_factory=dict)
+    #: replica -> "gap" answers in a row
+    gaps: dict[str, int] = field(default_factory=dict)
+    #: no COMMIT before this time (ack = "prepared": the next PREPARE may carry it)
+    commit_after: float = 0.0
+    #: when the round in flight started, and how many pushes it carries (for the metrics)
+    began: float = 0.0
+    pushes: int = 0
+    #: seconds between the starts of the last two rounds (how long a COMMIT waits, COMMIT_GAPS)
+    gap: float = 0.0
+
+    def started(self, now: float, pushes: int) -> None:
+        """A round starts now, carrying `pushes` pushes."""
+        if self.began:
+            self.gap = now - self.began
+        self.began, self.pushes = now, pushes
+
+    def decided(self, now: float) -> None:
+        """The round in flight is decided (ack = "prepared"): its COMMIT waits for the next
+        round's PREPARE as long as the rounds' pace says one is coming."""
+        self.commit_after = now + min(COMMIT_WAIT_MAX, max(COMMIT_DELAY, COMMIT_GAPS * self.gap))
+
+    def commit_due(self, rep: BucketReplica, now: float) -> float:
+        """When this bucket next has a message to send, `now` meaning at once: the delayed COMMIT's
+        time when that is all it waits for (no round, retry, push or answer waiting), so that the
+        clock sleeps until then instead of pumping the bucket every tick."""
+        if rep.inflight is not None or rep.pending or self.retry_at or self.out:
+            return now
+        return max(now, self.commit_after)
+
+    def pump_due(self, rep: BucketReplica, now: float) -> bool:
+        """Whether a tick's pump of this busy bucket can do anything. Not while its delayed
+        COMMIT is all it waits for (before the COMMIT's time its pump sends nothing), nor while
+        it waits only for answers: every replica has a message in flight, no retry is planned
+        and no round can start (one is in flight, or no push waits). Each answer (the transport
+        gives every message one), push and role change pumps the bucket at once all the same. A
+        primary pushed at a steady pace has most of its buckets in one of these states at any
+        tick, and every tick pumped each of them (a tenth of a server's event loop in issue 36's
+        profile at RF 3)."""
+        if rep.needs_recovery or self.retry_at:
+            return True
+        if self.commit_due(rep, now) > now:
+            return False
+        waiting = bool(self.out) and all(m in self.out for m in rep.replicas)
+        return not (waiting and (rep.inflight is not None or not rep.pending))
+
+    def forget_gone(self, replicas: tuple[str, ...]) -> None:
+        """Replicas that left the set: nothing more is retried or timed for them, and the answer
+        to a message still in flight to one of them is ignored (it may come back as a learner)."""
+        for m in {*self.out, *self.fail_since, *self.retry_at, *self.gaps} - set(replicas):
+            self.forget(m)
+
+    def forget(self, m: str) -> None:
+        """Everything known of `m`'s messages: its answers from now on are to new messages."""
+        for d in (self.out, self.fail_since, self.retry_at, self.gaps):
+            d.pop(m, None)
+
+    def to_send(self, rep: BucketReplica, now: float) -> list[tuple[str, str, dict[str, Any]]]:
+        """(replica, op, fields) of the messages to send now; a replica whose gap reaches past
+        the log gets ("", ...) as op: it needs a state transfer (the caller counts a failure)."""
+        out = []
+        for m in rep.replicas:
+            if m in self.out or now < self.retry_at.get(m, 0.0):
+                continue
+            have = rep.acked_prepare.get(m, -1)
+            if rep.inflight is not None and have < rep.inflight[0].seq:
+                entries = rep.prepare_for(m)
+                if entries is None:
+                    out.append((m, "", {}))
+                    continue
+                out.append((m, "repl_prepare", {"entries": entries, "commit": rep.committed}))
+            elif rep.acked_commit.get(m, -1) < rep.committed and now >= self.commit_after:
+                if 0 <= have < rep.committed:  # it said where it stands: send what it lacks
+                    entries = rep.log_after(have)
+                    if entries is None:
+                        out.append((m, "", {}))
+                        continue
+                    out.append((m, "repl_prepare", {"entries": entries, "commit": rep.committed}))
+                else:
+                    out.append((m, "repl_commit", {"seq": rep.committed}))
+        return out
+
+    def sent(self, m: str, rid: int, op: str, epoch: int, now: float) -> None:
+        self.out[m] = Outstanding(rid, op, epoch, now)
+
+    def answered(self, rep: BucketReplica, m: str, op: str, reply: dict[str, Any]) -> int | None:
+        """A replica's reply to its message: updates what the primary knows of it. Returns the
+        seq it says it committed, if it says so (the caller releases what that acknowledges)."""
+        status, seq = reply.get("status"), int(reply.get("seq", -1))
+        if status == "gap":
+            rep.on_member_position(m, seq)
+            self.gaps[m] = self.gaps.get(m, 0) + 1
+            return None
+        self.gaps.pop(m, None)
+        self.fail_since.pop(m, None)
+        self.retry_at.pop(m, None)
+        if op == "repl_prepare":
+            rep.on_prepare_ack(m, seq)
+            return int(reply["committed"]) if "committed" in reply else None
+        return seq
+
+    def failed(self, m: str, sent: float, now: float, timeout: float) -> bool:
+        """A message to `m` failed (or could not be built). True when `m` has failed for longer
+        than `timeout`: it is unresponsive now (timed again from now)."""
+        since = self.fail_since.setdefault(m, sent)
+        self.retry_at[m] = now + RETRY_EVERY
+        if now - since > timeout:
+            self.fail_since[m] = now
+            return True
+        return False

@@ -1,0 +1,236 @@
+"""What replication sends between servers: the ops peers use on ``/rpc``, updates in their
+compact form (a dense delta of one shard, activation and error vectors, a compressed update),
+batches of a round, a ``repl_multi`` request's results (one per message), the ``not_primary``
+answer and a push's outcome. The updates themselves are built and decoded by
+adamps/server/decode/ (one decoder per update kind); here they are opaque maps."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from adamps.core.replication.bucket import Assignment, Batch, BucketReplica, Reject
+from adamps.core.replication.ready import Answer
+from adamps.server.store import checksum
+from adamps.server.store.shards import StoreError
+from adamps.wire.protocol import ProtocolError, require
+
+#: replication ops served on /rpc (peer traffic: cluster token required like every mutating call)
+REPL_OPS = ("repl_prepare", "repl_commit", "repl_ping", "repl_multi", "repl_snapshot", "digest")
+#: the ops that may travel inside a repl_multi message
+MULTI_OPS = ("repl_prepare", "repl_commit", "repl_ping")
+
+
+async def multi_results(
+    msg: dict[str, Any], handle: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+) -> dict[str, Any]:
+    """A repl_multi request: its messages (each an op of MULTI_OPS) handled in order by
+    `handle`, one result each ({"ok": reply} or {"error": ...}), so that one refused message
+    fails alone."""
+    results = []
+    for item in require(msg, "items", list):
+        if not isinstance(item, dict) or item.get("op") not in MULTI_OPS:
+            op = item.get("op") if isinstance(item, dict) else None
+            err = {"code": "unknown_op", "message": f"{op!r} not allowed in repl_multi"}
+            results.append({"error": err})
+            continue
+        try:
+            results.append({"ok": await handle(item)})
+        except ProtocolError as exc:
+            results.append({"error": exc.to_dict()})
+        except StoreError as exc:  # e.g. a tensor not defined here: this message fails only
+            results.append({"error": ProtocolError(exc.code, exc.message).to_dict()})
+    return {"results": results}
+
+
+def not_primary(
+    rep: BucketReplica | None,
+    bucket: int,
+    addresses: dict[str, str],
+    why: str,
+    code: str = "not_primary",
+) -> ProtocolError:
+    a = rep.assignment if rep is not None else Assignment(0, None)
+    return ProtocolError(
+        code,
+        f"bucket {bucket}: {why}",
+        bucket=bucket,
+        epoch=a.epoch,
+        primary=addresses.get(a.primary or "", None),
+    )
+
+
+def refusal(
+    rej: Reject, rep: BucketReplica | None, bucket: int, addresses: dict[str, str]
+) -> ProtocolError:
+    """A refusal of the replication core as the protocol error a client or peer gets."""
+    if rej.code == "not_primary":
+        return not_primary(rep, bucket, addresses, rej.message)
+    if rej.code == "bucket_unavailable":
+        return ProtocolError(rej.code, rej.message, bucket=bucket)
+    epoch = rej.epoch or (rep.assignment.epoch if rep is not None else 0)
+    return ProtocolError(rej.code, rej.message, bucket=bucket, epoch=epoch)
+
+
+def settle(ans: Answer, rep: BucketReplica | None, addresses: dict[str, str]) -> None:
+    """A push's outcome to its waiter (a future): acknowledged, or unknown, as a retryable
+    primary_changed (its round may still commit on another copy: never "not applied")."""
+    fut = ans.waiter
+    if not isinstance(fut, asyncio.Future) or fut.done():
+        return
+    if ans.outcome == "ok":
+        fut.set_result(None)
+    else:
+        fut.set_exception(not_primary(rep, ans.bucket, addresses, ans.why, "primary_changed"))
+
+
+#: str(dtype).encode() by dtype: numpy's dtype.__str__ is Python code, and took a third of the
+#: digest's time over a 256 KiB delta (issue 27's profile of an RF 3 push)
+_DTYPE_NAMES: dict[np.dtype, bytes] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> bytes:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).encode()
+    return name
+
+
+def updates_digest(updates: Iterable[Any]) -> int:
+    """xxh3 of a batch's updates: every field, arrays by their bytes, in order (issue 29:
+    corruption in memory or on the wire is caught where it enters a copy, not applied)."""
+    parts: list[bytes | memoryview] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, np.ndarray):
+            parts.append(_dtype_name(x.dtype))
+            if x.size:  # an empty array has no bytes (and numpy's (0, n) view cannot be cast:
+                # a PREPARE holding one raised TypeError, a 500, before its checks refused it)
+                parts.append(memoryview(np.ascontiguousarray(x)).cast("B"))
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):  # a hostile map may mix key types
+                parts.append(str(k).encode())
+                walk(x[k])
+        elif isinstance(x, list | tuple):
+            for v in x:
+                walk(v)
+        elif isinstance(x, bytes | bytearray | memoryview):
+            parts.append(x)
+        else:  # a scalar: numpy's decode to Python's on the wire, so compare those
+            parts.append(repr(x.item() if isinstance(x, np.generic) else x).encode())
+
+    walk(updates)
+    return checksum.digest(*parts)
+
+
+#: the wire form of every batch sent, received or persisted, by id, for as long as the batch
+#: lives (a finalizer drops it with the batch, so an id is never reused meanwhile). A batch is
+#: digested once: its PREPARE to every secondary, its resends and every flush cut that persists
+#: it while prepared (repl_persist.positions) reuse that digest. Issue 36's profile of an RF 3
+#: push_rows run: a cache of the last 64 batches was thrashed by the flush cut, which persists a
+#: prepared batch of each of the 64 buckets, and the digest was recomputed on every send and
+#: every cut (a tenth of a server's event loop); a secondary re-digested what it had just verified.
+_WIRE: dict[int, dict[str, Any]] = {}
+
+
+def _keep(b: Batch, wire: dict[str, Any]) -> None:
+    _WIRE[id(b)] = wire
+    weakref.finalize(b, _WIRE.pop, id(b), None)
+
+
+def batch_to_wire(b: Batch) -> dict[str, Any]:
+    """The wire form of a batch (shared: not to be changed by the caller). Its digest is
+    computed once, when the batch is first sent (or verified when it was received): a batch
+    changed in memory afterwards is then caught by the copies it is sent to next, not sent with
+    a new digest of the damage."""
+    wire = _WIRE.get(id(b))
+    if wire is not None:
+        return wire
+    wire = {
+        "seq": b.seq,
+        "epoch": b.epoch,
+        "updates": list(b.updates),
+        "clients": [None if c is None else [c[0], c[1]] for c in b.clients],
+        "x": updates_digest(b.updates),
+    }
+    _keep(b, wire)
+    return wire
+
+
+def batch_from_wire(d: dict[str, Any], decode: Callable[[Any], Any] | None = None) -> Batch:
+    """A batch received or read back, its digest verified; with `decode`, each of its updates
+    replaced by what `decode` makes of it (a copy's decoded updates, adamps/server/decode/),
+    after the digest: the wire form kept for resends and flushes is the one received."""
+    seq = require(d, "seq", int)
+    epoch = require(d, "epoch", int)
+    updates = require(d, "updates", list)
+    clients = require(d, "clients", list)
+    if len(clients) != len(updates):
+        raise ProtocolError("bad_request", "batch clients and updates differ in length")
+    keys = tuple(_client_key(c) for c in clients)
+    for u in updates:
+        if not isinstance(u, list | tuple):
+            raise ProtocolError("bad_request", "a batch's updates must be lists of updates")
+    want = require(d, "x", int)  # the updates' digest: every batch carries one
+    if updates_digest(updates) != want:
+        raise ProtocolError(
+            "bad_request",
+            f"batch {seq} of epoch {epoch} fails its checksum: damaged in memory or on the wire",
+        )
+    pushes = updates if decode is None else [[decode(u) for u in push] for push in updates]
+    batch = Batch(seq, epoch, tuple(tuple(u) for u in pushes), keys)
+    # verified: its wire form when this copy sends or persists it
+    _keep(batch, {"seq": seq, "epoch": epoch, "updates": updates, "clients": clients, "x": want})
+    return batch
+
+
+def message_from_wire(
+    op: str, msg: dict[str, Any], decode: Callable[[int], Callable[[Any], Any] | None] | None = None
+) -> dict[str, Any]:
+    """A peer's repl_prepare, repl_commit or repl_ping as the replication core steps it: every
+    field checked (ProtocolError bad_request), a PREPARE's batches decoded (`decode(bucket)`:
+    the decoder of that bucket's updates, or None to keep them as maps)."""
+    if op == "repl_ping":
+        sender = require(msg, "sender", str)
+        pinged = require(msg, "buckets", dict)
+        for key, epoch in pinged.items():
+            if (
+                not isinstance(key, str)
+                or not (key.isascii() and key.isdigit())
+                or type(epoch) is not int
+            ):
+                raise ProtocolError("bad_request", "field 'buckets' must map bucket ids to epochs")
+        return {"op": op, "sender": sender, "buckets": {int(k): e for k, e in pinged.items()}}
+    b = require(msg, "bucket", int)
+    if op == "repl_commit":
+        return {"op": op, "bucket": b, "sender": require(msg, "sender", str),
+                "epoch": require(msg, "epoch", int), "seq": require(msg, "seq", int)}  # fmt: skip
+    raw = require(msg, "entries", list)
+    if not all(isinstance(e, dict) for e in raw):
+        raise ProtocolError("bad_request", "field 'entries' must be a list of batches")
+    dec = None if decode is None else decode(b)
+    entries = [batch_from_wire(e, dec) for e in raw]
+    sender, epoch = require(msg, "sender", str), require(msg, "epoch", int)
+    commit = require(msg, "commit", int, default=0)
+    return {"op": op, "bucket": b, "sender": sender, "epoch": epoch, "entries": entries,
+            "commit": commit}  # fmt: skip
+
+
+def _client_key(c: Any) -> tuple[str, int] | None:
+    """A batch's (client id, seq) of one push, or None; ProtocolError if malformed (a peer's
+    message is checked like a client's: issue 28 answered a malformed one with a 500)."""
+    if c is None:
+        return None
+    if (
+        not isinstance(c, list | tuple)
+        or len(c) != 2
+        or not isinstance(c[0], str)
+        or isinstance(c[1], bool)
+        or not isinstance(c[1], int)
+    ):
+        raise ProtocolError("bad_request", "a batch's clients must be null or [client id, seq]")
+    return (c[0], c[1])

@@ -1,0 +1,313 @@
+"""The tensors a parameter server defines: ``create`` (idempotent, persisted before it returns),
+``list`` and ``describe``, the reload of every saved tensor at start, and the definitions copied
+between replicas of a bucket (``definition``, ``ensure``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import numpy as np
+
+from adamps.config import ConfigError
+from adamps.layout import TensorSpec, split_tensor
+from adamps.server.config import PsConfig
+from adamps.server.storage import memtrim
+from adamps.server.storage.persist import Persister
+from adamps.server.storage.tablecatalog import TableCatalog
+from adamps.server.store.initial import INIT_KINDS, initial_values, normalize_init
+from adamps.server.store.shards import TensorState
+from adamps.server.store.store import Store
+from adamps.server.updates import bounds
+from adamps.server.updates.optim import Optimizer, initial_state
+from adamps.wire import limits
+from adamps.wire.protocol import ProtocolError, require
+
+log = logging.getLogger("adamps.server.api.app")
+
+
+class TensorCatalog:
+    """Definitions of tensors: the store's and LMDB's. Event-loop thread (and start-up) only."""
+
+    def __init__(self, cfg: PsConfig, store: Store, persister: Persister) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.persister = persister
+        #: the sequence number of the next definition (orders them in LMDB)
+        self._seq = 0
+        #: the embedding tables' definitions (tablecatalog.py), numbered by the same counter
+        self.tables = TableCatalog(cfg, store, persister, self.next_seq)
+        #: one create's allocation at a time (op_create)
+        self._creating = asyncio.Lock()
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq - 1
+
+    def load(self) -> None:
+        """Reloads every tensor this server saved: definitions, values, accumulators, versions."""
+        n = 0
+        for saved in self.persister.load():
+            meta = saved.meta
+            self._seq = max(self._seq, meta["seq"] + 1)
+            if "table" in meta:  # an embedding table's definition and row shards
+                self.tables.load(meta, saved.shards, saved.rows)
+                continue
+            spec = TensorSpec.from_dict(meta["spec"])
+            opt = Optimizer.from_dict(meta["optimizer"])
+            saved_max = meta.get("max_shard_elems", self.cfg.max_shard_elems)
+            if saved_max != self.cfg.max_shard_elems:
+                raise ConfigError(
+                    f"{self.persister.path} holds tensor {spec.name!r} cut with max_shard_elems="
+                    f"{saved_max}, but this server is configured with {self.cfg.max_shard_elems}; "
+                    "the shard layout must not change under existing data"
+                )
+            values = None
+            missing = [
+                sid
+                for sid in self._shards_of(spec)
+                if self.store.holds_id(sid) and sid not in saved.shards
+            ]
+            if missing and meta["init"]["kind"] != "zeros":  # (zeros: written as a definition)
+                # A bucket newly assigned to this server and never flushed here: its shards start
+                # from the tensor's init (given values: zeros) until replication brings state.
+                log.warning(
+                    "tensor %s: no saved state for %d held shards (%s...); they start from init",
+                    spec.name,
+                    len(missing),
+                    missing[0],
+                )
+                if meta["init"]["kind"] == "values":
+                    values = np.zeros(spec.shape, dtype=np.float32)
+            self.store.define(spec, opt, meta["init"], values, saved.shards)
+            self._seq = max(self._seq, meta["seq"] + 1)
+            n += 1
+        if n:
+            log.info(
+                "reloaded %d tensors, %d held shards from %s",
+                n,
+                len(self.store.shards),
+                self.persister.path,
+            )
+        memtrim.trim()  # the records read are parsed into the arrays: their heap goes back
+
+    def _shards_of(self, spec: TensorSpec) -> list[str]:
+        return [s.id for s in split_tensor(spec, self.store.layout.max_shard_elems)]
+
+    # -- ops ----------------------------------------------------------------------------------------
+
+    def check(
+        self, msg: dict[str, Any]
+    ) -> tuple[TensorSpec, Optimizer, dict[str, Any], np.ndarray | None]:
+        """A create's definition, checked whole (raises the 4xx naming the problem)."""
+        name = require(msg, "name", str)
+        # Sizes by arithmetic before anything is allocated (issue 12: [2^32] with Adagrad asked
+        # for 32 GiB); a create that only repeats an existing definition allocates nothing.
+        shape = limits.check_shape(require(msg, "shape", list), self.cfg.max_tensor_elems)
+        spec = TensorSpec(name, shape)
+        init_in = require(msg, "init", dict, default={"kind": "zeros"})
+        opt = Optimizer.from_dict(require(msg, "optimizer", dict, default={"kind": "sgd"}))
+        opt.check_for_tensor()
+        bounds.check_optimizer(opt)
+        init = normalize_init(init_in, spec.shape)
+        bounds.check_init(init, init_in.get("values"))
+        return spec, opt, init, init_in.get("values")
+
+    async def op_create(self, msg: dict[str, Any]) -> dict[str, Any]:
+        spec, opt, init, values = self.check(msg)
+        name = spec.name
+        # One create at a time draws, allocates and writes its values, on a worker thread: a
+        # tensor of max_tensor_elems with Adagrad is 512 MiB, which held the event loop for
+        # seconds (issue 39); the lock admits them one by one against max_server_elems.
+        async with self._creating:
+            if name not in self.store.tensors:
+                self._check_server_room(spec)
+                meta = self._meta(spec, opt, init)
+                own = await asyncio.to_thread(self._prepare, spec, opt, init, values, meta)
+                if own is not None and name not in self.store.tensors:
+                    created, t = self._define(spec, opt, init, values, own)
+                    return {"created": created, "tensor": self._describe(t)}
+            created, t = self._define(spec, opt, init, values)
+        return {"created": created, "tensor": self._describe(t)}
+
+    def _meta(self, spec: TensorSpec, opt: Optimizer, init: dict[str, Any]) -> dict[str, Any]:
+        """A new definition's LMDB record (it takes the next sequence number)."""
+        return {
+            "spec": spec.to_dict(),
+            "optimizer": opt.to_dict(),
+            "init": init,
+            "seq": self.next_seq(),
+            "max_shard_elems": self.cfg.max_shard_elems,
+        }
+
+    def _prepare(
+        self,
+        spec: TensorSpec,
+        opt: Optimizer,
+        init: dict[str, Any],
+        values: np.ndarray | None,
+        meta: dict[str, Any],
+    ) -> dict[str, tuple[int, np.ndarray, np.ndarray | None]] | None:
+        """A worker thread: the initial values and accumulators of the shards held now, written
+        to LMDB with the definition before the tensor exists in memory (so no push or flush of
+        it can come first). Returns them for `Store.define(own=True)`.
+
+        A tensor of zeros is written as its definition alone: a restart derives its zero shards
+        and fresh optimizer state from it (the reload's "start from init"), exactly as written.
+        Its shards are untouched zero pages until written, so the create that precedes a
+        restore's install costs neither a pass over the model nor a write of it to disk
+        (issue 38 item 7: it was half a restore's time)."""
+        zeros = init["kind"] == "zeros"
+        whole = None if zeros else initial_values(spec.shape, init, values).reshape(-1)
+        out: dict[str, tuple[int, np.ndarray, np.ndarray | None]] = {}
+        for s in split_tensor(spec, self.store.layout.max_shard_elems):
+            if not self.store.holds_id(s.id):  # (a racy read: Store.define fills the rest)
+                continue
+            acc = initial_state(opt, s.size) if opt.has_accumulator else None
+            val = (
+                np.zeros(s.shape, np.float32)
+                if whole is None
+                else whole[s.start : s.stop].copy().reshape(s.shape)
+            )
+            out[s.id] = (0, val, acc)
+        recs = [] if zeros else [(sid, v, val, a) for sid, (v, val, a) in out.items()]
+        if not self.persister.write_tensor(meta, recs, only_new=True):
+            return None  # a peer's definition came first (ensure): op_create compares with it
+        return out
+
+    def _check_server_room(self, spec: TensorSpec) -> None:
+        """The shards of `spec` this server would hold fit in max_server_elems."""
+        held = sum(st.shard.size for st in self.store.shards.values()) + self.tables.sketch_cells()
+        if limits.shard_count(spec.shape, self.store.layout.max_shard_elems) > (1 << 20):
+            raise ProtocolError("too_large", f"tensor {spec.name!r} would have too many shards")
+        new = sum(
+            s.size
+            for s in split_tensor(spec, self.store.layout.max_shard_elems)
+            if self.store.holds(s)
+        )
+        if held + new > self.cfg.max_server_elems:
+            raise ProtocolError(
+                "too_large",
+                f"tensor {spec.name!r} would put {held + new} elements on this server; "
+                f"the limit is {self.cfg.max_server_elems}",
+                limit=self.cfg.max_server_elems,
+            )
+
+    def _define(
+        self,
+        spec: TensorSpec,
+        opt: Optimizer,
+        init: dict[str, Any],
+        values: np.ndarray | None,
+        prepared: dict[str, tuple[int, np.ndarray, np.ndarray | None]] | None = None,
+    ) -> tuple[bool, TensorState]:
+        """Defines a tensor unless an identical one exists (then False); a different one with the
+        same name is `exists`. Persists the definition and initial state before returning
+        (`prepared`: `_prepare` made and persisted them, off the loop)."""
+        name = spec.name
+        existing = self.store.tensors.get(name)
+        wanted = {
+            "name": name,
+            "shape": list(spec.shape),
+            "dtype": spec.dtype,
+            "optimizer": opt.to_dict(),
+            "init": init,
+        }
+        if existing is not None:
+            if existing.describe() == wanted:
+                return False, existing
+            raise ProtocolError(
+                "exists",
+                f"tensor {name!r} exists with a different definition",
+                existing=existing.describe(),
+            )
+        if prepared is not None:
+            t = self.store.define(spec, opt, init, values, prepared, own=True)
+            late = [st for st in t.shards.values() if st.id not in prepared]
+            if late:  # a bucket held since _prepare read the holdings (rare)
+                self.persister.write_tensor(
+                    self._meta(spec, opt, init),
+                    [(st.id, st.version, st.value, st.accum) for st in t.shards.values()],
+                )
+        else:
+            t = self.store.define(spec, opt, init, values)
+            # Written before the caller yields, so no push to the new shards is queued yet and
+            # no later flush can be overtaken by this version-0 write. (A peer's definition,
+            # state transfer: `ensure`.)
+            self.persister.write_tensor(
+                self._meta(spec, opt, init),
+                [(st.id, st.version, st.value, st.accum) for st in t.shards.values()],
+            )
+        log.info(
+            "created tensor %s %s (%d held shards, %s)",
+            name,
+            list(spec.shape),
+            len(t.shards),
+            opt.kind,
+        )
+        return True, t
+
+    def definition(self, name: str) -> dict[str, Any]:
+        """The definition of a tensor as plain data (what `create` compares; `list` returns)."""
+        return self.store.tensor(name).describe()
+
+    def ensure(self, d: dict[str, Any]) -> bool:
+        """Defines a tensor from a peer's definition (definition) unless it exists here;
+        True if it was created. A definition of kind `values` carries only the digest: such a
+        tensor starts at zeros here, for the state transfer that follows to overwrite."""
+        return self._define(*self._peer_definition(d))[0]
+
+    async def ensure_off_loop(self, d: dict[str, Any]) -> bool:
+        """`ensure`, a new tensor's values drawn, allocated and written on a worker thread, as
+        a create's: a joining copy defines the tensors of the snapshot it fetched before it
+        installs it (a 128 MiB tensor held its event loop, issue 39)."""
+        spec, opt, init, values = self._peer_definition(d)
+        async with self._creating:
+            if spec.name not in self.store.tensors:
+                meta = self._meta(spec, opt, init)
+                own = await asyncio.to_thread(self._prepare, spec, opt, init, values, meta)
+                if own is not None and spec.name not in self.store.tensors:
+                    return self._define(spec, opt, init, values, own)[0]
+        return self.ensure(d)
+
+    def _peer_definition(
+        self, d: dict[str, Any]
+    ) -> tuple[TensorSpec, Optimizer, dict[str, Any], np.ndarray | None]:
+        # A peer's definition passed the same limit at its create: a larger one is not ours.
+        shape = limits.check_shape(require(d, "shape", list), self.cfg.max_tensor_elems)
+        spec = TensorSpec(require(d, "name", str), shape)
+        opt = Optimizer.from_dict(require(d, "optimizer", dict))
+        init = dict(require(d, "init", dict))
+        if init.get("kind") not in INIT_KINDS:
+            raise ProtocolError("bad_request", f"unknown init kind {init.get('kind')!r}")
+        values = np.zeros(spec.shape, np.float32) if init["kind"] == "values" else None
+        return spec, opt, init, values
+
+    async def op_list(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"tensors": [t.describe() for t in self.store.tensors.values()]}
+
+    async def op_describe(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return self._describe(self.store.tensor(require(msg, "name", str)))
+
+    def _describe(self, t: Any) -> dict[str, Any]:
+        d = t.describe()
+        d["shards"] = [
+            {
+                "id": s.id,
+                "bucket": self.store.layout.bucket_of[s.id],
+                "rows": [s.row_start, s.row_stop],
+                "held": s.index in t.shards,
+                "version": t.shards[s.index].version if s.index in t.shards else None,
+                # the optimizer of the last update applied here (a scheduler's lr shows here)
+                "applied": _applied(t.shards.get(s.index)),
+            }
+            for s in t.layout_shards
+        ]
+        return d
+
+
+def _applied(st: Any) -> dict[str, Any] | None:
+    """A held shard's last applied optimizer as data (a racy read of an immutable object)."""
+    opt = None if st is None else st.applied
+    return None if opt is None else opt.to_dict()
