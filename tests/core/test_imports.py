@@ -70,7 +70,7 @@ def test_no_module_reads_another_objects_private_members() -> None:
     bad = [
         b
         for d in PUBLIC_ONLY
-        for p in sorted((ROOT / d).glob("*.py"))
+        for p in sorted((ROOT / d).rglob("*.py"))
         if str(p.relative_to(ROOT)) not in EXEMPT
         for b in private_reads(p)
     ]

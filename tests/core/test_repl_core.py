@@ -683,7 +683,7 @@ def test_the_core_reads_no_clock_and_does_no_io() -> None:
     thread or an event loop (what makes the simulation's seeds deterministic)."""
     banned = {"time", "datetime", "asyncio", "socket", "threading", "random", "os", "aiohttp"}
     core_dir = Path(__file__).resolve().parents[2] / "adamps" / "core"
-    for path in sorted(core_dir.glob("*.py")):
+    for path in sorted(core_dir.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):

@@ -6,14 +6,13 @@ the HTTP framework, not the PS, is the ceiling. Here a connection reads each pay
 ``asyncio.BufferedProtocol`` straight into one buffer allocated at its final size (the kernel copies
 into it; no chunk objects, no joins), and the numpy view of that buffer is what the owner threads
 apply. On plain TCP a payload of 64 KiB or more is received by the connection's own thread
-instead of the loop (adamps.server.api.dp_reader, issue 27; headers, metas and TLS stay on the loop).
-Only the hot ops are offered: ``push_dense`` and ``pull`` (raw float32 payloads), of a
-whole tensor or of named shards, and the message ops ``push_fc``, ``push_compressed`` and, between
+instead of the loop (adamps.server.api.dp_reader, issue 27; headers, metas and TLS stay on the
+loop). Only the hot ops are offered: ``push_dense`` and ``pull`` (raw float32 payloads), of a whole
+tensor or of named shards, and the message ops ``push_fc``, ``push_compressed`` and, between
 replicated servers, ``repl_multi`` (the message of ``/rpc`` with its arrays out of band in the
-payload, handled by the op's ``/rpc`` handler; ``repl_multi`` by the replicator, which first
-checks the sending server's MAC at the payload's end, adamps.security.peer_auth); everything else stays on ``POST /rpc``. The frame
-format and the clients are in ``adamps.client.dataplane`` (servers reach their peers with
-``adamps.server.replication.peers``).
+payload, handled by the op's ``/rpc`` handler; ``repl_multi`` by the replicator, which first checks
+the sender's MAC at the payload's end, adamps.security.peer_auth); the rest stays on ``POST /rpc``.
+Frames and clients: ``adamps.client.dataplane`` (peers: ``adamps.server.replication.peers``).
 
 One write path: a push here goes through ``WritePath`` like a push on /rpc (the same checks, and on
 a replicated server the lease check, two-phase commit and exactly-once by (client, seq)). The

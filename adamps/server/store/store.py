@@ -33,8 +33,7 @@ from adamps.server.store.initial import initial_values
 from adamps.server.store.shards import ShardState, Snapshot, StoreError, TensorState
 from adamps.server.store.tables.rowtables import RowShardState, RowTables
 from adamps.server.store.tickets import Ticket
-from adamps.server.updates import optim, vecapply
-from adamps.server.updates.install import version_after
+from adamps.server.updates import install, optim, vecapply
 from adamps.server.updates.optim import Fc, Optimizer, Scratch, Signs, initial_state, state_array
 
 log = logging.getLogger(__name__)
@@ -553,7 +552,7 @@ class Store:
                 )
                 error = exc
             else:
-                st.version = version_after(st.version, group)  # one per update, or an install's
+                st.version = install.version_after(st.version, group)  # per update or install
                 if st.dirty_since is None:
                     st.dirty_since = now
                 dirty.add(st)
