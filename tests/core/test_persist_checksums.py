@@ -206,17 +206,24 @@ def test_status_shows_each_servers_last_flush_its_age_and_durability() -> None:
     assert "unreachable" in rows["ps2"]
 
 
-def test_an_environment_of_an_unknown_format_is_refused_with_a_clear_message(
-    tmp_path: Path,
+@pytest.mark.parametrize("stamp", [b"9", b"2"])
+def test_an_environment_of_another_format_is_refused_with_a_clear_message(
+    tmp_path: Path, stamp: bytes
 ) -> None:
-
+    """A stamp of another format is refused, naming it, and the environment is left as it was.
+    Issue 41: format 2 (rows in a record each) was never released, so it is not migrated
+    either: no loader of an older format remains."""
     fill(tmp_path / "db").close()
-    env = lmdb.open(str(tmp_path / "db"), max_dbs=6, lock=False)
+    env = lmdb.open(str(tmp_path / "db"), max_dbs=8, lock=False)
     with env.begin(write=True) as txn:
-        txn.put(b"format", b"9", db=env.open_db(b"meta", txn=txn))
+        txn.put(b"format", stamp, db=env.open_db(b"meta", txn=txn))
     env.close()
-    with pytest.raises(ConfigError, match="LMDB format b'9' is not this version's b'3'"):
+    with pytest.raises(ConfigError, match=f"LMDB format {stamp!r} is not this version's b'3'"):
         Persister(tmp_path / "db", map_size=1 << 22)
+    env = lmdb.open(str(tmp_path / "db"), max_dbs=8, lock=False, readonly=True)
+    with env.begin() as txn:
+        assert txn.get(b"format", db=env.open_db(b"meta", txn=txn)) == stamp
+    env.close()
 
 
 def test_a_create_written_off_the_loop_never_overwrites_a_definition_written_meanwhile(

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from adamps.server.store.tables.rowdelta import page_rows, row_bytes
-from tests.integration.test_tables import ADAGRAD, INIT, start
+from tests.integration.test_tables import INIT, start
 
 SGD = {"kind": "sgd", "lr": 0.5}
 DIM = 16
@@ -139,58 +139,6 @@ async def test_the_frequency_filter_counts_survive_a_restart(tmp_path: Path) -> 
     try:
         await c.call("push_rows", table="f", ids=ids, grads=g)
         assert (await c.call("list_tables"))["tables"][0]["rows_held"] == 50
-    finally:
-        await c.close()
-        await runner.cleanup()
-
-
-async def test_rows_of_format_2_load_and_are_rewritten_as_pages(tmp_path: Path) -> None:
-    """Issue 38: an environment of format 2 (one record per row, in ``rows``) loads every row;
-    the next flush rewrites them as pages and deletes the row records in its transaction; a
-    restart then reloads the same rows from the pages."""
-    from adamps.server.store.checksum import seal, unseal
-    from adamps.server.store.tables.rowdelta import parse_page, row_prefix, sid_of_key
-
-    ids = np.arange(3000, dtype=np.int64) * 13 - 2000
-    ps, runner, c, _ = await start(tmp_path)
-    try:
-        await c.call("create_table", name="old", dim=4, init=INIT, optimizer=ADAGRAD)
-        await c.call("push_rows", table="old", ids=ids, grads=np.ones((3000, 4), "f4"))
-        await c.call("flush")
-        want = (await c.call("pull_rows", table="old", ids=ids))["rows"]
-        p = ps.persister
-
-        def to_format_2(txn) -> None:  # the pages become format 2's records, one per row
-            pages = [(bytes(k), bytes(unseal(v))) for k, v in txn.cursor(db=p._rowpages)]
-            assert pages
-            for key, payload in pages:
-                got, _seen, values, accum = parse_page(payload, 4, 4)
-                prefix = row_prefix(sid_of_key(key, "rowpages"))
-                for j, i in enumerate(got.tolist()):
-                    rec = seal(bytes(8) + values[j].tobytes() + accum[j].tobytes())
-                    txn.put(prefix + i.to_bytes(8, "big", signed=True), rec, db=p._rows)
-                txn.delete(key, db=p._rowpages)
-            txn.put(b"format", b"2", db=p._meta)
-
-        p._write(to_format_2)
-    finally:
-        await c.close()
-        await runner.cleanup()
-    ps, runner, c, _ = await start(tmp_path)
-    try:
-        p = ps.persister
-        assert np.array_equal((await c.call("pull_rows", table="old", ids=ids))["rows"], want)
-        await c.call("flush")
-        with p.env.begin() as txn:
-            assert txn.stat(p._rows)["entries"] == 0
-            assert txn.stat(p._rowpages)["entries"] > 0
-            assert txn.get(b"format", db=p._meta) == b"3"
-    finally:
-        await c.close()
-        await runner.cleanup()
-    ps, runner, c, _ = await start(tmp_path)
-    try:
-        assert np.array_equal((await c.call("pull_rows", table="old", ids=ids))["rows"], want)
     finally:
         await c.close()
         await runner.cleanup()

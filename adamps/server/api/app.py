@@ -236,9 +236,9 @@ class ParameterServer:
         A tensor definition cannot be rewritten from here: the next start then distrusts every
         copy of this server (they rejoin by state transfer)."""
         self.persister.report_corrupt("scrub", db, key, exc)
-        if db in ("shards", "rows", "rowpages"):
+        if db in ("shards", "rowpages"):
             # a row page or a row shard's header: the row shard is rewritten whole
-            sid = key.decode(errors="replace") if db == "shards" else sid_of_key(key, db)
+            sid = key.decode(errors="replace") if db == "shards" else sid_of_key(key)
             st = self.store.shards.get(sid) or self.store.tables.shards.get(sid)
             if st is not None:
                 self.store.mark_dirty([st], lambda _r, _e: None)

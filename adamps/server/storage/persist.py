@@ -22,8 +22,7 @@ LMDB layout (one Environment per process, five named databases):
   rows (ids, values, optimizer state: ``adamps.server.store.tables.rowdelta``), written by the flush that
   follows a push to one of its rows, in the same transaction as its row shard's record in
   ``shards`` (the block's header) and its bucket's position: a flush writes the pages touched
-  since the previous one, not the bucket's whole row block (``rows``, one record per row, is
-  the format 2 layout: read, then rewritten as pages: ``adamps.server.store.tables.rowpages``);
+  since the previous one, not the bucket's whole row block (``adamps.server.store.tables.rowpages``);
 - ``dedup``: ``%08d/%020d`` (bucket, seq) -> JSON ``[[client, client_seq, batch_seq], ...]``: the
   exactly-once pairs of the batches applied since the previous flush; the newest
   ``DEDUP_CHUNKS`` chunks of a bucket are kept, so a client's retry of a push is recognized after
@@ -32,10 +31,9 @@ LMDB layout (one Environment per process, five named databases):
 Every record is sealed with a checksum (``adamps.server.store.checksum``) in the transaction that writes
 it, and verified wherever it is read: at start (``verify``, before a copy is offered), by the
 background scrub, and by ``load``. A database ``meta`` holds the format stamp (``format`` ->
-``3``), written when the environment is created; a ``2`` (rows in a record each, ``rows``) is
-restamped: its rows load and are rewritten as pages by the next flush. An environment that holds
-records but no stamp was not written by this version (no released version wrote one) and is
-refused with a message naming it, as is a stamp of another format.
+``3``), written when the environment is created. An environment that holds records but no stamp,
+or a stamp of another format (``2``, one record per row, was never released), was not written by
+this version and is refused with a message naming its stamp: no format is migrated.
 
 ``sync`` stays on (no ``writemap``): a committed flush survives a crash of the process or machine.
 MapFullError grows the map (doubling) and retries; ``set_mapsize`` needs no transaction open in this
@@ -79,7 +77,7 @@ DEDUP_PER_FLUSH = 65_536
 #: the on-disk format this version writes (records sealed with checksums)
 FORMAT = b"3"
 #: the named databases whose records are sealed
-_SEALED_DBS = ("tensors", "shards", "positions", "dedup", "prepared", "rows", "rowpages")
+_SEALED_DBS = ("tensors", "shards", "positions", "dedup", "prepared", "rowpages")
 
 
 @dataclass
@@ -161,13 +159,12 @@ class Persister:
         self._dedup = self.env.open_db(b"dedup")
         self._prepared = self.env.open_db(b"prepared")
         self._meta = self.env.open_db(b"meta")
-        self._rows = self.env.open_db(b"rows")
         self._rowpages = self.env.open_db(b"rowpages")
         #: called with where ("load", "scrub") for every record that fails its checksum
         self.on_corrupt = on_corrupt or (lambda where: None)
         #: records that failed their checksum, by where they were found
         self.corrupt_records: dict[str, int] = {}
-        self._stamp_or_migrate()
+        self._stamp_or_refuse()
         #: buckets with prepared batches on disk (None: not read yet)
         self._prepared_on_disk: set[int] | None = None
         #: bucket -> (epoch, seq) last written (positions of buckets not held any more are deleted)
@@ -261,7 +258,7 @@ class Persister:
                 txn.put(s.shard_id.encode(), s.record, db=self._shards)
                 nbytes += len(s.record)
                 if s.rows is not None:
-                    nbytes += rowpages.write(txn, self._rowpages, self._rows, s.shard_id, s.rows)
+                    nbytes += rowpages.write(txn, self._rowpages, s.shard_id, s.rows)
             if positions is None or self._written is None:
                 return
             for b in [b for b in self._written if b not in keep]:
@@ -322,15 +319,12 @@ class Persister:
 
     # -- format ----------------------------------------------------------------------------------
 
-    def _stamp_or_migrate(self) -> None:
+    def _stamp_or_refuse(self) -> None:
         """Stamps a new environment with FORMAT. An environment stamped otherwise, or holding
         records without a stamp, is refused: this version cannot tell what its records mean."""
         with self._lock, self.env.begin() as txn:
             stamp = txn.get(b"format", db=self._meta)
             n = txn.stat(self._tensors)["entries"] + txn.stat(self._positions)["entries"]
-        if stamp == b"2":  # format 2: rows in records of their own, which load as they are
-            self._write(lambda txn: txn.put(b"format", FORMAT, db=self._meta))
-            return
         if stamp is not None and bytes(stamp) == FORMAT:
             return
         if stamp is not None or n:
@@ -398,8 +392,8 @@ class Persister:
 
     def bucket_of_record(self, db: str, key: bytes, n_buckets: int) -> int | None:
         """The bucket a record belongs to (None: a tensor definition, which is every bucket's)."""
-        if db in ("shards", "rows", "rowpages"):
-            sid = key.decode(errors="replace") if db == "shards" else sid_of_key(key, db)
+        if db in ("shards", "rowpages"):
+            sid = key.decode(errors="replace") if db == "shards" else sid_of_key(key)
             row = parse_row_shard_id(sid)  # a row shard names its bucket
             return row[1] if row is not None else stable_bucket(sid, n_buckets)
         if db == "tensors":
@@ -412,7 +406,7 @@ class Persister:
             payload = unseal(value)
             if db == "shards":
                 _check_lengths(payload)  # the values' copies _unpack makes are not needed here
-            elif db in ("rows", "rowpages"):
+            elif db == "rowpages":
                 pass  # its length is its table's: checked when loaded
             elif db == "prepared":
                 protocol.decode(bytes(payload))
@@ -546,7 +540,7 @@ class Persister:
                     except (CorruptRecord, ValueError, struct.error) as exc:
                         log.error("shard %s does not verify (%s): not loaded", sid, exc)
             for sid, rows in rowpages.load(
-                txn, self._rowpages, self._rows, lambda sid: sid.rpartition("/")[0] in out
+                txn, self._rowpages, lambda sid: sid.rpartition("/")[0] in out
             ).items():
                 out[sid.rpartition("/")[0]].rows[sid] = rows
         self.drop_file_view()  # every record was read (copied) once: the map's pages may go

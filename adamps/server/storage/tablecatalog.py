@@ -169,7 +169,7 @@ class TableCatalog:
         opt = Optimizer.from_dict(spec.optimizer).to_dict()
         spec = dataclasses.replace(spec, optimizer=opt)
         t = self.tables.define(spec, self._held(), shards, rows)
-        # rows read in an older format (or pages not intact): rewritten as pages by the next
+        # pages read not intact (or a whole block): rewritten as pages by the next
         # flush, not left as they are until a push touches each block (issue 38)
         stale = [st for st in t.shards.values() if st.value.full and st.value.n]
         if stale:

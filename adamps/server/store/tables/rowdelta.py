@@ -71,7 +71,7 @@ def page_rows(dim: int, acc_width: int, seen: bool, vbytes: int = 4) -> int:
 class RowDelta:
     """The pages a flush writes of one row shard (copies, taken on its owner thread)."""
 
-    #: every page of the shard is here: the flush deletes its other records (older formats too)
+    #: every page of the shard is here: the flush deletes its other pages
     full: bool
     page_rows: int
     #: the shard's pages now: records of later pages are deleted
@@ -193,34 +193,11 @@ def parse_page(
 
 
 def row_prefix(sid: str) -> bytes:
-    """The key prefix of a row shard's records (pages, or an older format's rows)."""
+    """The key prefix of a row shard's pages."""
     return sid.encode() + b"/"
 
 
-def sid_of_key(key: bytes, db: str = "rows") -> str:
-    """The row shard id of a page's (``rowpages``) or an older row record's (``rows``) key (its
-    suffix may hold any byte: cut by length)."""
-    return key[: -5 if db == "rowpages" else -9].decode(errors="replace")
-
-
-def id_of_key(key: bytes) -> int:
-    return int.from_bytes(key[-8:], "big", signed=True)
-
-
-def parse_rows(
-    ids: list[int], payloads: list[bytes | memoryview], dim: int, acc_width: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """(ids, seen, values, accum) of the older format's row records' payloads (raises
-    ValueError on a bad size); `acc_width` is the optimizer's state per row, 0: none."""
-    width = 8 + (dim + acc_width) * 4
-    k = len(ids)
-    raw = np.frombuffer(b"".join(payloads), np.uint8)
-    if raw.size != k * width:
-        raise ValueError(f"{k} row records of {raw.size} bytes, expected {width} bytes each")
-    raw = raw.reshape(k, width)
-    seen = raw[:, :8].copy().view("<f8").reshape(k).astype(np.float64)
-    values = raw[:, 8 : 8 + dim * 4].copy().view("<f4").reshape(k, dim).astype(np.float32)
-    accum = None
-    if acc_width:
-        accum = raw[:, 8 + dim * 4 :].copy().view("<f4").reshape(k, acc_width).astype(np.float32)
-    return np.array(ids, np.int64), seen, values, accum
+def sid_of_key(key: bytes) -> str:
+    """The row shard id of a page's key (``rowpages``; its suffix may hold any byte: cut by
+    length)."""
+    return key[:-5].decode(errors="replace")
