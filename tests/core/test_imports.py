@@ -3,9 +3,10 @@
 - no import cycle between the four packages: `adamps` is the shared base, the roles
   (`controller`, `dataserver`, `trainer`) build on it, never the other way round; only the console
   script (`adamps.cli`), which dispatches to every role, may import them;
-- the parameter server in layers: HTTP and the data plane -> the write and read paths ->
-  replication -> the tensor catalog -> LMDB -> the store; HTTP and the data plane reach the
-  owner threads and the replication rounds only through the write and read paths;
+- adamps in layers of folders (issue 41), and the parameter server's folders in layers: api/
+  -> the write and read paths -> replication/ -> storage/ (LMDB) -> store/ -> updates/, each
+  folder in layers of its own; HTTP and the data plane reach the owner threads and the
+  replication rounds only through the write and read paths;
 - the controller in layers: HTTP service -> leader duties and forwarding -> Raft node ->
   replicated state -> its pure model -> placement;
 - no import cycle among the modules of any package (`acyclic_siblings`, issue 26), and no
