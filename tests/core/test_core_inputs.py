@@ -148,5 +148,5 @@ def h():
 
 def test_the_core_modules_are_the_cores_own() -> None:
     names = {p.name for p in core_modules()}
-    assert {"repl_core.py", "repl_controllers.py", "repl_join.py", "repl_disk.py"} <= names
-    assert "repl_copies.py" not in names, "the copies' views are scanned like any other module"
+    assert {"node.py", "controllers.py", "join.py", "disk.py"} <= names
+    assert "copies.py" not in names, "the copies' views are scanned like any other module"
