@@ -5,12 +5,12 @@ Project Adam 3.3.3, end to end. Every decision and all per-bucket state are the 
 pings, state transfers, when to call the controllers); this shell only carries them out, as
 etcd-io/raft's users do. Every event goes in through one entry, ``step`` (the core's input with
 the clock's reading, its ``Ready`` carried out in the same loop step, a refusal raised): peers'
-messages (``repl_ops``), answers to the core's messages and calls, client pushes, a joining
-copy's snapshot, the clock (``repl_clock``). ``drain`` carries out the ``Ready``: batches to the
-owner threads, pushes answered, messages and pings through ``repl_peers.Peers``, calls to the
-controllers (``repl_control``), snapshots fetched, installed (``bucket_copy``) and persisted
-(``repl_persist``). Updates travel compact (a shard's dense delta, act/err vectors), and every
-replica applies each batch as one group per shard on its owner thread: bit-identical copies.
+messages (``ops``), answers to the core's messages and calls, client pushes, a joining copy's
+snapshot, the clock (``clock``). ``drain`` carries out the ``Ready``: batches to the owner
+threads, pushes answered, messages and pings through ``peers.Peers``, calls to the controllers
+(``control``), snapshots fetched, installed (``bucket_copy``) and persisted (``disk``). Updates
+travel compact (a shard's dense delta, act/err vectors), and every replica applies each batch as
+one group per shard on its owner thread: bit-identical copies.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from adamps.core.replication.bucket import BucketReplica, Reject
 from adamps.core.replication.node import ReplCore
 from adamps.core.replication.ready import Fetch
 from adamps.server.config import PsConfig
-from adamps.server.replication import bucket_copy
-from adamps.server.replication import disk as repl_persist
+from adamps.server.replication import bucket_copy, disk
 from adamps.server.replication.clock import CoreClock
 from adamps.server.replication.control import ControllerCalls
 from adamps.server.replication.metrics import ReplMetrics
@@ -84,7 +83,7 @@ class Replicator:
         #: set at stop: every loop ends
         self.closing = False
         #: what replication asks of this server's disk (set by the server: its flusher)
-        self.disk = repl_persist.Disk()
+        self.disk = disk.Disk()
         #: ticks the core at its deadlines (its timers and the controller link's)
         self.clock = CoreClock(self.core, self._tick)
         #: sees every heartbeat reply (the runs' table version, adamps/server/api/tenancy.py)
@@ -181,7 +180,7 @@ class Replicator:
         return task
 
     def _tick(self) -> None:
-        repl_persist.tell_blocked(self.core, self.disk.can_persist)
+        disk.tell_blocked(self.core, self.disk.can_persist)
         self.step(-1, self.core.tick)
 
     # -- pushes -------------------------------------------------------------------------------------
@@ -225,7 +224,7 @@ class Replicator:
         # the flush holds it meanwhile, and the disk's persist_now writes it.
         persisted = False
         try:
-            persisted = await repl_persist.persist_installed(
+            persisted = await disk.persist_installed(
                 futs, self.disk.persist_now, b, committed, f.primary
             )
         finally:  # False also when cancelled (the bucket moved on): the flush holds it no more
