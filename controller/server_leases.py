@@ -145,20 +145,26 @@ class ServerLeases:
             if index is not None:
                 if old is not None:
                     index.get(old[0], {}).pop(b, None)
+                    self._answers.pop(old[0], None)
                 if new is not None:
                     index.setdefault(new[0], {})[b] = new[1]
+                    self._answers.pop(new[0], None)
         check.clear()
 
     def _following(self, sid: str) -> list[list[int]]:
         """[bucket, epoch] of the leases following `sid`, ascending. From an index beside the
-        state (never dumped; one pass over the buckets on first use): a round's answer costs
-        the server's leases, not a read of each bucket's record."""
-        index = self.__dict__.get("_attached")
-        if index is None:
-            index = {}
+        state (never dumped; one pass over the buckets on first use), and the list itself kept
+        until one of them changes: a round's answer reads no bucket and builds no list per
+        lease (a list of 100 pairs per heartbeat was most of what the rounds still cost)."""
+        if self.__dict__.get("_attached") is None:
+            index: dict[str, dict[int, int]] = {}
             for b, bk in enumerate(self.buckets):
                 f = bk.get("follows")
                 if f is not None:
                     index.setdefault(f[0], {})[b] = f[1]
-            self._attached = index
-        return [[b, e] for b, e in sorted(index.get(sid, {}).items())]
+            self._attached, self._answers = index, {}
+        out = self._answers.get(sid)
+        if out is None:
+            out = [[b, e] for b, e in sorted(self._attached.get(sid, {}).items())]
+            self._answers[sid] = out
+        return list(out)  # the pairs are shared: the answer is read, never changed

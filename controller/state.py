@@ -87,6 +87,7 @@ DERIVED = frozenset(
         "_wanted",
         "_offers",
         "_attached",
+        "_answers",
     }
 )
 
