@@ -36,9 +36,10 @@ following, the time of the last round that renewed it is frozen into its `renewe
 (`controller/server_leases.py`). The round's answer lists, as `renewed`, exactly the leases that
 follow the server, computed in the same entry. So for every lease a holder is told renewed, the
 controller's `renewed_at` is at least that round's clock, read after the holder asked; and a
-lease the holder is not told about is not extended on the controller's side either (the
-holder's deadline for it stays that of its last listed round, never later than the controller's
-`renewed_at` for it). The argument above holds lease by lease, unchanged.
+lease the holder is not told about is not extended on either side (the holder's deadline for
+it stays that of the last round that listed it, and the controller's `renewed_at` for it stays
+that round's clock). The argument above holds lease by lease, unchanged
+(tests/core/test_server_leases.py, tests/core/test_lease_rounds.py).
 """
 
 from __future__ import annotations
