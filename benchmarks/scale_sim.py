@@ -7,7 +7,8 @@ One process, simulated time (an event queue; no sleeps, no sockets), running the
   `verified_caught_up`), each with the leader's clock passed in as `now`;
 * the leader's duties as `controller/leader.py` and `service.py` carry them out: silence past
   `server_timeout` -> `declare_dead` with the reported positions; `grants_due`/`holds_due` ->
-  `reconcile`; the heartbeats of lease holders -> one `renew_round` per commit window;
+  `reconcile`; the heartbeats of lease holders -> one `renew_round` per commit window, which
+  renews each server in it once (controller/server_leases.py: leases follow their holder);
 * on the server side a thin adapter: registration, heartbeats every `heartbeat_interval`,
   positions reported, the lease core `adamps.core.lease.HolderLeases` timing each confirmed
   grant on the holder's clock, and state transfers (a joining copy asks its primary; the

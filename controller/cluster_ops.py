@@ -138,45 +138,6 @@ class Operations:
         self._replan_lost(now, reports, near)  # its buckets only (issue 40)
         return {"ok": True, "server": sid, "state": DEAD, "changed": True}
 
-    def renew(self, sid: str, now: float) -> dict[str, Any]:
-        """Renews every lease `sid` holds (one entry per server per heartbeat round).
-
-        A lease whose bucket is being handed over (its target primary has caught up) is not
-        renewed: it runs out, then the target gets the next epoch.
-        """
-        now = self._tick(now)
-        rec = self.servers.get(sid)
-        if rec is None:
-            return refusal("not_found", f"no server {sid!r}")
-        if rec["state"] == DEAD:
-            return refusal(
-                "conflict", f"server {sid!r} was declared dead; register again", state=DEAD
-            )
-        renewed = []
-        inc, buckets = rec["incarnation"], self.buckets
-        for b in self.leased_to(sid):
-            bk = buckets[b]
-            lease: Lease | None = bk["lease"]
-            if lease is None or lease.holder != sid or lease.released_at is not None:
-                continue
-            if bk["holder_inc"] != inc:
-                continue  # granted to an earlier incarnation: it runs out
-            want = bk["want"]
-            if want and want[0] != sid and want[0] in bk["holders"]:
-                continue  # hand-off pending
-            bk["lease"] = leases.renew(lease, sid, lease.epoch, now)
-            renewed.append([b, lease.epoch])
-        return {"ok": True, "renewed": renewed, "at": now}
-
-    def renew_round(self, sids: list[str], now: float) -> dict[str, Any]:
-        """One renewal round: the leases of every server in `sids`, as `renew` renews them,
-        in one entry (issue 40: 1,000 servers heartbeating every second were 1,000 entries a
-        second). `servers`: each server's own answer (a refusal for one dead or unknown)."""
-        now = self._tick(now)
-        out = {sid: self.renew(sid, now) for sid in dict.fromkeys(str(s) for s in sids or [])}
-        self.applied -= len(out)  # one entry, counted once
-        return {"ok": True, "servers": out, "at": now}
-
     def reconcile(
         self, now: float, reports: dict[int, dict[str, Any]] | None = None
     ) -> dict[str, Any]:
@@ -213,7 +174,7 @@ class Operations:
         if not 0 <= b < self.n_buckets:
             return refusal("unknown_bucket", f"no bucket {b}")
         bk = self.buckets[b]
-        lease: Lease | None = bk["lease"]
+        lease = self.lease_of(b)  # its renewal time: the holder's last round (server_leases)
         if sid not in bk["holders"]:
             return refusal("conflict", f"{sid!r} is not a caught-up secondary of bucket {b}")
         epoch = 0 if lease is None else lease.epoch
@@ -332,7 +293,7 @@ class Operations:
         if not 0 <= b < self.n_buckets:
             return refusal("unknown_bucket", f"no bucket {b}")
         bk = self.buckets[b]
-        lease: Lease | None = bk["lease"]
+        lease = self.lease_of(b)  # released no earlier than its last renewal (server_leases)
         if lease is None or lease.holder != sid or lease.epoch != epoch:
             return refusal("stale_epoch", f"{sid!r} does not hold epoch {epoch} of bucket {b}")
         bk["lease"] = leases.release(lease, sid, epoch, now)
@@ -349,7 +310,7 @@ class Operations:
         bk = self.buckets[b]
         if not self.unavailable(b):
             return refusal("conflict", f"bucket {b} is not unavailable: nothing to declare lost")
-        busy = self._lease_in_use(bk["lease"], now)
+        busy = self._lease_in_use(self.lease_of(b), now)
         if busy is not None:
             return busy
         offers = [
@@ -513,6 +474,7 @@ class Operations:
         for b in rec.get("copies", {}):
             self._offer(sid, b, False)
         del self.servers[sid]
+        self._renewals().pop(sid, None)  # no lease names it, so none follows it
         self.version += 1
         return {"ok": True, "server": sid, "forgotten": True}
 

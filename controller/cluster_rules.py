@@ -57,6 +57,7 @@ class BucketRules:
     def _tick(self, now: float) -> float:
         self.clock = max(self.clock, float(now))
         self.applied += 1
+        self._sync_follows()  # the buckets the entry before changed (controller/server_leases.py)
         return self.clock
 
     def _live(self, sid: str | None) -> bool:
@@ -109,6 +110,7 @@ class BucketRules:
         """Bucket `b`'s record changes in this entry: the heartbeat answers' deltas
         (`Views.changed_since`) and the leader's `grants_due` look at it again. Derived indexes
         beside the state, like `leased_to`: a no-op until they are first read."""
+        self._recheck(b)  # whether its lease follows its holder's renewals (server_leases.py)
         d = self.__dict__
         if "_dirty" in d:
             d["_dirty"].add(b)
@@ -151,7 +153,7 @@ class BucketRules:
 
     def _grant(self, b: int, holder: str, now: float) -> Lease:
         bucket = self.buckets[b]
-        prev: Lease | None = bucket["lease"]
+        prev = self.lease_of(b)  # with its renewal time (controller/server_leases.py)
         new = leases.grant(prev, holder, now, self.terms)  # raises if prev may be in use
         self._mark(b)
         if prev is not None:
@@ -353,7 +355,7 @@ class BucketRules:
         """Who gets the next lease of bucket `b` at `now`, if anyone may (read-only)."""
         bucket = self.buckets[b]
         want = bucket["want"]
-        lease: Lease | None = bucket["lease"]
+        lease = self.lease_of(b)
         if not want or not leases.expired(lease, now, self.terms):
             return None
         holder_ok = self.holder_live(b) and lease is not None and lease.released_at is None

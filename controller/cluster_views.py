@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from adamps.core import lease as leases
-from adamps.core.lease import Lease
 from controller import placement
 from controller.cluster_rules import DEAD, DRAINING
 
@@ -36,7 +35,7 @@ class Views:
 
     def bucket_view(self, b: int) -> dict[str, Any]:
         bk = self.buckets[b]
-        lease: Lease | None = bk["lease"]
+        lease = self.lease_of(b)  # with its renewal time (controller/server_leases.py)
         p = None if lease is None else lease.holder
         return {
             "bucket": b,
@@ -224,7 +223,7 @@ class Views:
     def lease_records(self) -> list[dict[str, Any]]:
         """Every lease in the record (closed ones, then the current ones)."""
         current = [
-            {"bucket": b, **bk["lease"].to_dict()}
+            {"bucket": b, **self.lease_of(b).to_dict()}  # type: ignore[union-attr]
             for b, bk in enumerate(self.buckets)
             if bk["lease"]
         ]

@@ -73,6 +73,7 @@ class WantCounts:
         bk = self.buckets[b]
         self._want_changed(bk["want"], new)
         bk["want"] = new
+        self._recheck(b)  # a hand-off may start or end (controller/server_leases.py)
 
     def _replan_lost(
         self, now: float, reports: dict[int, dict[str, Any]] | None, touched: set[int]

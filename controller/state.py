@@ -14,7 +14,8 @@ servers evenly. Here the group is Raft (pysyncobj) and the state has two layers:
 
 Only decisions are replicated. Heartbeat arrivals stay soft state on the leader (controller/
 leader.py), which turns silence into a committed `declare_dead` and batches lease renewals into
-one entry per server per heartbeat. Every lease grant, renewal, hand-off and relocation is a
+one entry per renewal round (controller/renewals.py), which renews each server in it once
+(controller/server_leases.py). Every lease grant, renewal, hand-off and relocation is a
 committed entry; a lease moves to another server only once the old one has certainly expired
 (adamps/core/lease.py) or was released by its holder.
 
@@ -66,6 +67,7 @@ from controller.cluster_rules import (  # noqa: F401 (server states: the model's
 from controller.cluster_views import Views
 from controller.cluster_wants import WantCounts
 from controller.run_ops import RunOps
+from controller.server_leases import ServerLeases
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +86,17 @@ DERIVED = frozenset(
         "_gone",
         "_wanted",
         "_offers",
+        "_attached",
+        "_answers",
     }
 )
 
 
 # The class keeps its name and module: pysyncobj's full dump pickles the model, and a dump written
 # by an earlier release names controller.state.ClusterModel. Its methods live in the mixins.
-class ClusterModel(Operations, Views, CheckpointRecord, BucketRules, WantCounts, RunOps):
+class ClusterModel(
+    Operations, ServerLeases, Views, CheckpointRecord, BucketRules, WantCounts, RunOps
+):
     """The cluster configuration. Mutated only by the Raft apply thread, through its methods."""
 
     def __init__(
@@ -142,6 +148,12 @@ class ClusterModel(Operations, Views, CheckpointRecord, BucketRules, WantCounts,
         #: change (the servers refetch the table when it does)
         self.runs: dict[str, dict[str, Any]] = {}
         self.runs_version = 0
+        #: server -> [renewal rounds that renewed it, the clock of the last]; a bucket's lease
+        #: follows its holder's rounds (controller/server_leases.py, issue 40)
+        self.renewals: dict[str, list] = {}
+        #: buckets whose record an entry changed: the next entry re-decides whether they
+        #: follow their holder's rounds (`ServerLeases._sync_follows`)
+        self.follow_check: set[int] = set()
 
     # Derived indexes (`leased_to`, `touching`, `unavailable_buckets`) are no replicated state: they are
     # left out of pysyncobj's dump and of copies, and rebuilt from the state on first use.
@@ -182,6 +194,8 @@ def dry_run(model: ClusterModel, op: str, args: tuple) -> dict[str, Any]:
     # Only bucket b's offers are read by an operation about b (`offering(b)`).
     trial.offers_only(b, model.offering(b))
     trial.history = list(model.history)
+    # Its own marks: re-deciding the model's would write other buckets' shared records.
+    trial.follow_check = set()
     return getattr(trial, op)(*copy.deepcopy(args))
 
 

@@ -27,6 +27,19 @@ received every heartbeat the round renews, with its clock read then, so each hol
 for it. A heartbeat answered by a round's entry that was proposed before the heartbeat arrived
 would break it; the leader never does so (a heartbeat that arrives while a round is in flight
 waits for the next round: `controller/renewals.py`).
+
+Leases renewed per server (issue 40: a round's cost follows the servers, not the buckets) keep
+it too. The controllers record one renewal time per server and round; a bucket's lease takes
+its holder's renewal time only from the first round after it started *following* the holder
+(held by the holder's current incarnation, unreleased, no hand-off pending), and when it stops
+following, the time of the last round that renewed it is frozen into its `renewed_at`
+(`controller/server_leases.py`). The round's answer lists, as `renewed`, exactly the leases that
+follow the server, computed in the same entry. So for every lease a holder is told renewed, the
+controller's `renewed_at` is at least that round's clock, read after the holder asked; and a
+lease the holder is not told about is not extended on either side (the holder's deadline for
+it stays that of the last round that listed it, and the controller's `renewed_at` for it stays
+that round's clock). The argument above holds lease by lease, unchanged
+(tests/core/test_server_leases.py, tests/core/test_lease_rounds.py).
 """
 
 from __future__ import annotations

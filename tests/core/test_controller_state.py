@@ -97,7 +97,7 @@ def test_renewal_is_per_server_and_never_shortens() -> None:
     owned = {b for b in range(64) if m.primary_of(b) == "ps1"}
     assert {b for b, _ in r["renewed"]} == owned
     m.renew("ps1", 120.0)  # a leader with a slower clock: the replicated clock never goes back
-    assert all(m.buckets[b]["lease"].renewed_at == 150.0 for b in owned)
+    assert all(m.lease_of(b).renewed_at == 150.0 for b in owned)
     assert m.renew("nobody", 1.0)["error"] == "not_found"
 
 
