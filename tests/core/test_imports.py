@@ -9,6 +9,8 @@
   replication rounds only through the write and read paths;
 - the controller in layers: HTTP service -> leader duties and forwarding -> Raft node ->
   replicated state -> its pure model -> placement;
+- every module of every package in a layer of a layered contract (issue 41,
+  tests/core/test_folders.py);
 - no import cycle among the modules of any package (`acyclic_siblings`, issue 26), and no
   module imports another module's private name.
 
