@@ -10,7 +10,7 @@
    arrays on the wire) for tables of 1,000,000 and 10,000,000 ids: they follow the rows
    touched, not the table size.
 3. The AUC that 2 model replicas reach on the planted click-through workload
-   (dataserver/ctr_data.py), against the planted truth's AUC on the same held-out examples (goal:
+   (adamps/data/ctr_data.py), against the planted truth's AUC on the same held-out examples (goal:
    within 0.01), and their examples per CPU-second (the replicas, the servers and the
    controllers, from /proc) against one PyTorch process training the same model on the same
    batches with ``nn.Embedding(sparse=True)`` and ``torch.optim.Adagrad`` (sparse row updates),
@@ -54,8 +54,8 @@ from replication import N_BUCKETS, TOKEN  # noqa: E402
 from replication import cluster as start_cluster  # noqa: E402
 
 from adamps.client.ps import ControllerRouting, PSClient  # noqa: E402
+from adamps.data.ctr_data import CtrData, CtrSpec, auc  # noqa: E402
 from adamps.layout import Layout  # noqa: E402
-from dataserver.ctr_data import CtrData, CtrSpec, auc  # noqa: E402
 from trainer.ctr import CtrConfig, run  # noqa: E402
 
 BATCH = 4096

@@ -18,7 +18,7 @@ and batch, on the same examples, in one process with one thread, in the same run
   image), Adagrad lr 0.02, batch 32 (the issue's setting);
 - **ctr**: a factorization machine whose per-id weights and factors are ``adamps.torch``
   tables (``EmbeddingBag`` and ``Embedding``, Adagrad on the servers), on the planted-truth
-  click-through data (dataserver/ctr_data.py), 1 replica at batch 512 and 4096; AUC on held-out
+  click-through data (adamps/data/ctr_data.py), 1 replica at batch 512 and 4096; AUC on held-out
   examples (plain PyTorch: ``nn.EmbeddingBag``/``nn.Embedding`` with sparse gradients and
   ``torch.optim.Adagrad``);
 - **idle**: the cluster with nothing to do, its CPU-seconds per second.
@@ -127,7 +127,7 @@ def fm_model(s: Setting, plain: bool) -> Any:
         def __init__(self) -> None:
             super().__init__()
             if plain:
-                from dataserver.ctr_data import CtrSpec
+                from adamps.data.ctr_data import CtrSpec
 
                 n = CtrSpec().n_ids
                 self.w = nn.EmbeddingBag(n, 1, mode="sum", sparse=True)
@@ -182,7 +182,7 @@ def batches(s: Setting, r: int, n: int) -> Any:
     import torch
 
     if s.workload == "ctr":
-        from dataserver.ctr_data import CtrData, CtrSpec
+        from adamps.data.ctr_data import CtrData, CtrSpec
 
         data = CtrData(CtrSpec())
         for step in range(r, s.examples // s.batch, n):
@@ -205,7 +205,7 @@ def evaluate(s: Setting, model: Any) -> float:
     model.eval()
     with torch.no_grad():
         if s.workload == "ctr":
-            from dataserver.ctr_data import CtrData, CtrSpec, auc
+            from adamps.data.ctr_data import CtrData, CtrSpec, auc
 
             ids, y, _ = CtrData(CtrSpec()).examples(s.extra.get("test", 50_000), 0)
             x = torch.from_numpy(ids)

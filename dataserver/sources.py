@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataserver.dataset import Dataset, SourceError, stratified_holdout
+from adamps.data.dataset import Dataset, SourceError, stratified_holdout
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A PyTorch click-through model trained by adamps (issue 23): ``adamps.torch.Embedding`` (one
 server table for every field's ids, per-row Adagrad on the servers) and a small MLP, on the
-planted-truth click-through workload (dataserver/ctr_data.py: 1,000,100 ids in 4 fields, drawn
+planted-truth click-through workload (adamps/data/ctr_data.py: 1,000,100 ids in 4 fields, drawn
 Zipf), with model replicas as processes, each a ``DownpourOptimizer`` loop; then the AUC on
 held-out examples beside the planted truth's.
 
@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout: trainer/ and a
     sys.path.insert(0, str(ROOT))
 
 import adamps.torch as at  # noqa: E402
-from dataserver.ctr_data import CtrData, CtrSpec, auc  # noqa: E402
+from adamps.data.ctr_data import CtrData, CtrSpec, auc  # noqa: E402
 
 RUN = "torch-ctr"
 

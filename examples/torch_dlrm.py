@@ -34,9 +34,9 @@ if str(ROOT) not in sys.path:  # run from a checkout: trainer/ and adamps/ besid
     sys.path.insert(0, str(ROOT))
 
 import adamps.torch as at  # noqa: E402
+from adamps.data.ctr_data import auc  # noqa: E402
 from adamps.tables import initial_rows, normalize_row_init  # noqa: E402
 from adamps.torch.collection import EmbeddingBagConfig  # noqa: E402
-from dataserver.ctr_data import auc  # noqa: E402
 
 ROW_LR = 0.05
 ROW_ADAGRAD_INITIAL = 1e-4

@@ -1,4 +1,4 @@
-"""Train embeddings plus a small MLP on the planted click-through workload (dataserver/ctr_data.py)
+"""Train embeddings plus a small MLP on the planted click-through workload (adamps/data/ctr_data.py)
 with model replicas against a parameter-server cluster, and compare the AUC reached with the
 planted truth's (issue 23).
 
@@ -32,8 +32,8 @@ import numpy as np
 
 from adamps.client import ControllerRouting, PSClient, push_checks
 from adamps.client.prefetch import DEPTH, RowPipeline
+from adamps.data.ctr_data import CtrData, CtrSpec, auc
 from adamps.layout import Layout, TensorSpec
-from dataserver.ctr_data import CtrData, CtrSpec, auc
 from trainer.embedding import lookup, row_grads
 
 TABLE = "ctr_emb"

@@ -127,8 +127,8 @@ def preflight(spec: str, seed: int, batch_size: int) -> Task:
     if task.own_data:
         check(task, spec, seed, batch_size)
     elif task.source.partition(":")[0] == "ctr":  # the click logs' first rows
-        from dataserver.ctr import sample as ctr_sample
-        from dataserver.sources import SourceError
+        from adamps.data.clicks import sample as ctr_sample
+        from adamps.data.dataset import SourceError
 
         try:
             rows = ctr_sample(task.source, batch_size)

@@ -7,6 +7,9 @@ import argparse
 import re
 from typing import Any
 
+from adamps import config
+from adamps.up.train_flags import TrainFlags
+
 #: what the defaults were chosen to reach (measured: see docs/quickstart in the README)
 DEFAULT_EPOCHS = 10
 
@@ -18,19 +21,16 @@ class UsageError(Exception):
 def _check_train_arg(arg: str) -> None:
     """A --train-arg FLAG=VALUE names a flag of `adamps train` with a value of its type: found
     before the cluster starts (it was found ~30 s later, when the trainers exited)."""
-    from adamps import config
-    from trainer.config import TrainConfig
-
     flag, _, value = arg.partition("=")
     name = flag.replace("-", "_")
-    fields = config.fields_of(TrainConfig)
+    fields = config.fields_of(TrainFlags)
     if name not in fields:
         raise UsageError(
             f"--train-arg {arg}: adamps train has no flag --{flag.replace('_', '-')} "
             "(see adamps train --help)"
         )
     try:
-        config.convert(TrainConfig, name, fields[name][1], value, f"--train-arg {arg}")
+        config.convert(TrainFlags, name, fields[name][1], value, f"--train-arg {arg}")
     except config.ConfigError as exc:
         raise UsageError(str(exc)) from None
 

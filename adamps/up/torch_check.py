@@ -8,24 +8,23 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from adamps import config
 from adamps.up.flags import UsageError
+from adamps.up.train_flags import TrainFlags
 
 
 def check_torch(a: argparse.Namespace) -> bool:
     """True when the factory's Task brings its own data sets (no data server is started).
     Sets ``a.source`` and ``a.source_args``: what the data servers serve (the Task's source, a
     click log's path made absolute)."""
-    from adamps import config
-    from trainer.config import TrainConfig
-
-    fields = config.fields_of(TrainConfig)
+    fields = config.fields_of(TrainFlags)
     given = dict(arg.partition("=")[::2] for arg in a.train_arg)
     given = {k.replace("-", "_"): v for k, v in given.items()}
 
     def value(name: str) -> int:
         if name in given:
-            return int(config.convert(TrainConfig, name, fields[name][1], given[name], name))
-        return int(getattr(TrainConfig, name))
+            return int(config.convert(TrainFlags, name, fields[name][1], given[name], name))
+        return int(getattr(TrainFlags, name))
 
     try:
         from adamps.torch.data import preflight

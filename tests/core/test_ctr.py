@@ -1,11 +1,11 @@
-"""The click-through workload (dataserver/ctr_data.py), its AUC, the CTR model's gradients, and the
+"""The click-through workload (adamps/data/ctr_data.py), its AUC, the CTR model's gradients, and the
 numpy embedding layers' pure parts (trainer/embedding.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from dataserver.ctr_data import CtrData, CtrSpec, auc
+from adamps.data.ctr_data import CtrData, CtrSpec, auc
 from trainer.ctr import CtrConfig, gradients, mlp_specs
 from trainer.embedding import lookup, pool, row_grads
 

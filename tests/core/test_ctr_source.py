@@ -1,4 +1,4 @@
-"""Click logs as a data source (issue 38, dataserver/ctr.py): Criteo-format TSV rows parsed and
+"""Click logs as a data source (issue 38, adamps/data/clicks.py, dataserver/ctr.py): Criteo-format TSV rows parsed and
 hashed (good rows, empty fields, lines that are not rows named by file and line), the rows'
 memory bound, and the planted-truth generator."""
 
@@ -10,17 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataserver.ctr import (
+from adamps.data.clicks import (
     MISSING_ID,
     N_CATEGORICAL,
     N_DENSE,
-    ROW_BYTES,
     CtrFormatError,
     hash_id,
     parse_line,
-    read_tsv,
     sample,
 )
+from dataserver.ctr import ROW_BYTES, read_tsv
 from dataserver.sources import SourceError, load_source
 
 CATS = [f"{i:08x}" for i in range(N_CATEGORICAL)]
@@ -118,7 +117,7 @@ def test_ctr_file_source_splits_and_reads_gzip(tmp_path: Path) -> None:
 
 
 def test_generator_source_is_deterministic_with_per_field_ids() -> None:
-    from dataserver.ctr_data import CtrSpec
+    from adamps.data.ctr_data import CtrSpec
 
     a = load_source("ctr", ctr_examples=2000, seed=5)
     b = load_source("ctr", ctr_examples=2000, seed=5)
@@ -133,7 +132,7 @@ def test_generator_source_is_deterministic_with_per_field_ids() -> None:
 
 def test_a_line_without_breaks_is_not_held_whole(tmp_path: Path) -> None:
     """A binary file (or one huge line) is dropped a piece at a time, named by its line."""
-    from dataserver.ctr import MAX_LINE
+    from adamps.data.clicks import MAX_LINE
 
     path = tmp_path / "mixed.tsv"
     path.write_text(line("1") + "x" * (3 * MAX_LINE + 5) + "\n" + line("0") + "y" * MAX_LINE)

@@ -46,17 +46,60 @@ def test_every_folder_has_an_init_docstring() -> None:
     assert not missing, f"these folders say nothing of what they own and import: {missing}"
 
 
-def test_every_module_of_a_layered_folder_is_in_a_layer() -> None:
+#: the packages whose every module is placed in a layer (pyproject.toml, [tool.importlinter])
+PACKAGES = ("adamps", "controller", "coordinator", "dataserver", "trainer")
+
+
+def layered_contracts() -> list[dict]:
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    layered = [c for c in contracts["contracts"] if c["type"] == "layers" and "containers" in c]
-    assert any(c["containers"] == ["adamps.server"] for c in layered)
-    unplaced = []
-    for contract in layered:
-        # "(name)": an optional layer (import-linter), a module some checkouts do not have yet
-        names = {n.strip().strip("()") for layer in contract["layers"] for n in layer.split("|")}
-        for container in (c for c in contract["containers"] if c.startswith("adamps")):
-            d = ROOT / container.replace(".", "/")
-            children = {p.stem for p in d.glob("*.py") if p.name != "__init__.py"}
-            children |= {p.name for p in d.iterdir() if (p / "__init__.py").is_file()}
-            unplaced += [f"{container}.{c} ({contract['id']})" for c in sorted(children - names)]
-    assert not unplaced, f"in no layer of their folder's contract: {unplaced}"
+    return [c for c in contracts["contracts"] if c["type"] == "layers"]
+
+
+def placed() -> dict[str, set[str]]:
+    """package -> the names of its modules that a layered contract places in a layer: its own
+    contract's (containers), or a contract's that names them in full (no containers)."""
+    out: dict[str, set[str]] = {}
+    for contract in layered_contracts():
+        names = {n.strip() for layer in contract["layers"] for n in layer.split("|")}
+        for container in contract.get("containers", [""]):
+            for name in names:
+                full = f"{container}.{name}" if container else name
+                parent, _, child = full.rpartition(".")
+                out.setdefault(parent, set()).add(child)
+    return out
+
+
+def children(package: str) -> set[str]:
+    d = ROOT / package.replace(".", "/")
+    found = {p.stem for p in d.glob("*.py") if p.name != "__init__.py"}
+    return found | {p.name for p in d.iterdir() if (p / "__init__.py").is_file()}
+
+
+def packages() -> list[str]:
+    return sorted(
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for top in PACKAGES
+        for p in (ROOT / top).rglob("__init__.py")
+    )
+
+
+def test_every_module_is_in_a_layer_of_its_package() -> None:
+    """A module added to any package is placed in its package's layers (issue 41: contracts over
+    every module), so that what it may import, and what may import it, is written down."""
+    found = packages()
+    assert {"adamps.server.decode", "controller", "trainer", "dataserver"} <= set(found)
+    where = placed()
+    unplaced = [
+        f"{pkg}.{c}" for pkg in found for c in sorted(children(pkg) - where.get(pkg, set()))
+    ]
+    assert not unplaced, f"in no layer of a layered contract of their package: {unplaced}"
+
+
+def test_every_layer_names_a_module_that_exists() -> None:
+    """No layer for a module that is gone (nor an optional "(name)" layer kept for a module of
+    another branch): a contract names what the code has."""
+    where = placed()
+    optional = sorted(n for pkg in where for n in where[pkg] if n.startswith("("))
+    assert not optional, f"optional layers: place the module, or drop the layer: {optional}"
+    missing = sorted(f"{pkg}.{n}" for pkg, names in where.items() for n in names - children(pkg))
+    assert not missing, f"layers naming no module: {missing}"

@@ -9,6 +9,8 @@
   replication rounds only through the write and read paths;
 - the controller in layers: HTTP service -> leader duties and forwarding -> Raft node ->
   replicated state -> its pure model -> placement;
+- every module of every package in a layer of a layered contract (issue 41,
+  tests/core/test_folders.py);
 - no import cycle among the modules of any package (`acyclic_siblings`, issue 26), and no
   module imports another module's private name.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,3 +102,31 @@ def test_no_module_imports_a_private_name_of_another() -> None:
         for b in private_imports(p)
     ]
     assert not bad, "private names imported from other modules:\n" + "\n".join(bad)
+
+
+#: the roles: they build on adamps, never the other way round
+ROLES = ("controller", "coordinator", "dataserver", "trainer")
+
+
+def test_adamps_imports_none_of_the_roles() -> None:
+    """Issue 41: no cycle between packages, and none whitelisted. Every import counts, lazy ones
+    inside functions included; the console script reaches the roles by module name (importlib)."""
+    bad = []
+    for p in sorted((ROOT / "adamps").rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            bad += [
+                f"{p.relative_to(ROOT)}:{node.lineno}: {n}"
+                for n in names
+                if n.split(".")[0] in ROLES
+            ]
+    assert not bad, "adamps imports a role:\n" + "\n".join(bad)
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (roles,) = [c for c in contracts["contracts"] if c["id"] == "roles"]
+    assert not roles.get("ignore_imports"), f"whitelisted: {roles['ignore_imports']}"

@@ -46,8 +46,8 @@ def plain_auc() -> float:
 
 
 def _train_plain(ds: Any) -> float:
+    from adamps.data.ctr_data import CtrSpec
     from adamps.torch.data import clicks
-    from dataserver.ctr_data import CtrSpec
     from dataserver.partition import stream_positions
     from examples.torch_dlrm import DLRM, ROW_ADAGRAD_INITIAL, ROW_LR, ctr_auc
 

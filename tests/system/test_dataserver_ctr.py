@@ -12,9 +12,9 @@ import urllib.request
 import numpy as np
 import pytest
 
+from adamps.data.clicks import N_CATEGORICAL, N_DENSE, parse_line
 from adamps.up.procs import adamps_argv, free_port
 from dataserver.client import DataClient, DataServerError
-from dataserver.ctr import N_CATEGORICAL, N_DENSE, parse_line
 from dataserver.sources import load_source
 
 ROWS = 300

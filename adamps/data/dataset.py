@@ -1,5 +1,6 @@
 """What a source loads (dataserver/sources.py, dataserver/ctr.py): a `Dataset`, or a
-`SourceError` saying why not; and the fixed-seed held-out split of sources without their own."""
+`SourceError` saying why not (also from adamps/data/clicks.py); and the fixed-seed held-out split
+of sources without their own."""
 
 from __future__ import annotations
 
