@@ -79,11 +79,11 @@ def collect(addr: str, name: str, token: str | None, timeout: float) -> dict[str
                 continue
             row = tables.setdefault(t["name"], {"name": t["name"], "dim": t.get("dim"),
                                                 "rows": 0, "buckets": set(), "primaries": set()})  # fmt: skip
-            for b in t.get("buckets_held", []):
-                if primary.get(int(b)) == sid:
+            for b, n in (t.get("bucket_rows") or {}).items():
+                if primary.get(int(b)) == sid:  # one copy: the primary's, which commits first
                     row["buckets"].add(int(b))
                     row["primaries"].add(sid)
-            row["rows"] = max(row["rows"], int(t.get("rows_held", 0)))
+                    row["rows"] += int(n)
     return {"run": name, "tensors": tensors, "record": record, "held_bytes": held,
             "pushed_bytes": pushed, "tables": list(tables.values()),
             "tables_listed": bool(token)}  # fmt: skip

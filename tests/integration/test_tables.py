@@ -278,7 +278,9 @@ async def test_rows_unseen_for_expire_after_are_removed_and_counted(tmp_path: Pa
         )  # fmt: skip
         one = np.ones((20, 2), np.float32)
         await c.call("push_rows", table="e", ids=np.arange(20), grads=one)
-        assert (await c.call("list_tables"))["tables"][0]["rows_held"] == 20
+        listed = (await c.call("list_tables"))["tables"][0]
+        assert listed["rows_held"] == 20 == sum(listed["bucket_rows"].values())
+        assert sorted(map(int, listed["bucket_rows"])) == listed["buckets_held"]
         await asyncio.sleep(0.3)
         await c.call("pull_rows", table="e", ids=np.arange(20))  # a read is not a sighting
         await asyncio.sleep(0.3)

@@ -1,13 +1,16 @@
 """Elastic replicas (issue 25) with real processes: a parameter server, a data server and three
 `adamps train --run elastic` trainers without --replica. At epoch 2 one trainer is SIGKILLed for
-good; at epoch 3 a new one joins. The run reaches the accuracy target, and the data server's
+good; at epoch 3 a new one joins (the
+survivors paused until it holds a slice). The run reaches the accuracy target, and the data server's
 counters (/runs and /metrics) show every example of every epoch trained, with the dead
 trainer's slices handed to the others after its lease."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 import urllib.request
 
@@ -74,7 +77,19 @@ def test_a_replica_dies_for_good_and_another_joins(procs, tmp_path) -> None:
     assert name in run_of(ds_url)["live"]
     doomed.kill()
     wait_for(lambda: serving(3), 150, "epoch 3")
-    late = procs.start("late", *common)
+    # The survivors are paused (SIGSTOP: a slow moment of theirs) while the new trainer starts:
+    # unpaused, two trainers finished the three epochs left in less time than a new process
+    # takes to import and join (a CI run saw it train 0 images). It joins and takes a slice of
+    # its own; the paused ones' slices stay theirs until their leases lapse.
+    for p in (a, b):
+        os.kill(p.popen.pid, signal.SIGSTOP)
+    try:
+        known = set(run_of(ds_url)["live"]) | set(run_of(ds_url)["held"])
+        late = procs.start("late", *common)
+        wait_for(lambda: set(run_of(ds_url)["held"]) - known, 120, "the new trainer's slice")
+    finally:
+        for p in (a, b):
+            os.kill(p.popen.pid, signal.SIGCONT)
     for p in (a, b, late):
         assert p.popen.wait(200) == 0, p.tail()
 

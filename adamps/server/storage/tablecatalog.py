@@ -187,6 +187,9 @@ class TableCatalog:
             **t.spec.to_dict(),
             "rows_held": t.rows(),
             "buckets_held": sorted(t.shards),
+            # per bucket, so a reader can count one copy (its primary's): a secondary's
+            # commit may lag the primary's by a delayed COMMIT (up to a second)
+            "bucket_rows": {str(b): st.value.n for b, st in list(t.shards.items())},
             # the row arrays' and index's bytes here (spare room included): a racy read
             "bytes_held": t.held_bytes(),
         }
