@@ -140,3 +140,20 @@ def test_a_replicated_update_with_bad_drawn_rows_is_refused() -> None:
     ):
         with pytest.raises(ProtocolError):
             drawn_rows(bad, 4)
+
+
+@pytest.mark.parametrize(("m", "k"), [(10_000, 100), (1000, 1000), (0, 5), (5, 0)])
+def test_index_runs_merge_into_one_sorted_run(m: int, k: int) -> None:
+    from adamps.server.store.tables.rowindex import _merged
+
+    rng = np.random.default_rng(m + k)
+    ids = rng.choice(2**40, m + k, replace=False).astype(np.int64)
+    a, b = np.sort(ids[:m]), np.sort(ids[m:])
+    slots = {int(i): s for s, i in enumerate(ids.tolist())}
+
+    def run(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return x, np.array([slots[int(i)] for i in x], np.int32).reshape(-1)
+
+    keys, got = _merged(run(a), run(b))
+    assert np.array_equal(keys, np.sort(ids))
+    assert got.dtype == np.int32 and [slots[int(i)] for i in keys] == got.tolist()
