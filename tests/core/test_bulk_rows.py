@@ -90,58 +90,6 @@ def test_duplicates_are_summed_as_before_with_one_sort() -> None:
         assert np.array_equal(got_ids, uniq) and np.array_equal(got, want)
 
 
-def test_a_copy_creates_rows_from_the_primarys_drawn_rows_bit_for_bit(monkeypatch) -> None:
-    opt = {"kind": "adagrad", "lr": 0.1}
-    ids = np.array([40, 3, 17, 3, 99], np.int64)
-    g = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
-    plain, copy = block(opt), block(opt)
-    for b in (plain, copy):
-        b.apply(RowPush(np.array([17]), g[:1], 1.0), ApplyStats())
-    drawn = plain.draw_missing(ids)  # the primary, before the push is applied anywhere
-    assert drawn[0].tolist() == [3, 40, 99]
-    plain.apply(RowPush(ids, g, 2.0), ApplyStats())
-
-    def no_draw(*_a: object) -> np.ndarray:
-        raise AssertionError("a copy drew initial rows that the primary sent")
-
-    monkeypatch.setattr(rowblock, "initial_rows", no_draw)
-    copy.apply(RowPush(ids, g, 2.0, drawn=drawn), ApplyStats())
-    assert copy.digest() == plain.digest()
-    for b in (plain, copy):
-        assert b.n == 4
-    assert np.array_equal(plain.values[: plain.n], copy.values[: copy.n])
-    assert np.array_equal(plain.accum[: plain.n], copy.accum[: copy.n])
-    assert np.array_equal(plain.ids[: plain.n], copy.ids[: copy.n])
-
-
-def test_an_id_the_primary_did_not_draw_is_drawn_by_the_copy() -> None:
-    opt = {"kind": "sgd", "lr": 0.5}
-    plain, copy = block(opt), block(opt)
-    ids = np.array([5, 6, 7], np.int64)
-    g = np.ones((3, 4), np.float32)
-    part = plain.draw_missing(ids[:1])  # a row created between the primary's draw and apply
-    plain.apply(RowPush(ids, g, 1.0), ApplyStats())
-    copy.apply(RowPush(ids, g, 1.0, drawn=part), ApplyStats())
-    assert np.array_equal(plain.values[:3], copy.values[:3])
-
-
-def test_a_replicated_update_with_bad_drawn_rows_is_refused() -> None:
-    from adamps.server.decode.rows import drawn_rows
-    from adamps.wire.protocol import ProtocolError
-
-    ok = {"n": np.array([1, 5], np.int64), "v": np.zeros((2, 4), np.float32)}
-    assert drawn_rows(ok, 4) is not None and drawn_rows({}, 4) is None
-    for bad in (
-        {"n": np.array([5, 1], np.int64), "v": np.zeros((2, 4), np.float32)},
-        {"n": np.array([1, 5], np.int64), "v": np.zeros((2, 3), np.float32)},
-        {"n": np.array([1, 5], np.int32), "v": np.zeros((2, 4), np.float32)},
-        {"n": np.array([1, 5], np.int64), "v": np.full((2, 4), np.nan, np.float32)},
-        {"n": np.array([1], np.int64)},
-    ):
-        with pytest.raises(ProtocolError):
-            drawn_rows(bad, 4)
-
-
 @pytest.mark.parametrize(("m", "k"), [(10_000, 100), (1000, 1000), (0, 5), (5, 0)])
 def test_index_runs_merge_into_one_sorted_run(m: int, k: int) -> None:
     from adamps.server.store.tables.rowindex import _merged

@@ -189,34 +189,16 @@ class TableOps:
                         limit=t.limit,
                     )
 
-        # A large push of gradients (a bulk load of new rows) draws the initial rows of its new
-        # ids once, here on a worker thread, and sends them with the replicated update: the
-        # copies (this one included) create those rows from them instead of each drawing them
-        # (RowPush.drawn). Not for a put_rows (its values are the rows), a frequency filter
-        # (most new ids get no row yet) or a constant init (nothing to save).
-        draw = (
-            not assign
-            and len(ids) >= OFF_LOOP_IDS
-            and adm.admit_after == 1
-            and t.spec.init["kind"] in ("normal", "uniform")
-        )
-
-        def cut() -> list[tuple[RowShardState, np.ndarray, np.ndarray, Any]]:
-            out = []
-            for b, pos in parts.items():
-                i = np.ascontiguousarray(ids[pos])
-                drawn = states[b].value.draw_missing(i) if draw else None
-                out.append((states[b], i, np.ascontiguousarray(grads[pos]), drawn))
-            return out
+        def cut() -> list[tuple[RowShardState, np.ndarray, np.ndarray]]:
+            return [
+                (states[b], np.ascontiguousarray(ids[pos]), np.ascontiguousarray(grads[pos]))
+                for b, pos in parts.items()
+            ]
 
         pieces = await off_loop(len(ids), cut)
         now = time.time()
         wire = [
-            ([st], lambda _sts, st=st, i=i, g=g, d=d: rows.update(st.id, i, g, now, assign, d))
-            for st, i, g, d in pieces
+            ([st], lambda _sts, st=st, i=i, g=g: rows.update(st.id, i, g, now, assign))
+            for st, i, g in pieces
         ]
-        return (
-            len(ids),
-            wire,
-            lambda: [(st, RowPush(i, g, now, assign, d)) for st, i, g, d in pieces],
-        )
+        return len(ids), wire, lambda: [(st, RowPush(i, g, now, assign)) for st, i, g in pieces]

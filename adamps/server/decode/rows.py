@@ -21,39 +21,13 @@ from adamps.wire.protocol import ProtocolError
 
 
 def update(
-    sid: str,
-    ids: np.ndarray,
-    grads: np.ndarray,
-    now: float,
-    assign: bool = False,
-    drawn: tuple[np.ndarray, np.ndarray] | None = None,
+    sid: str, ids: np.ndarray, grads: np.ndarray, now: float, assign: bool = False
 ) -> dict[str, Any]:
-    """A push's part for one row shard, in a replication batch (``a``: put_rows' values; ``n``
-    and ``v``: the initial rows of its new ids, drawn by the primary, RowPush.drawn)."""
+    """A push's part for one row shard, in a replication batch (``a``: put_rows' values)."""
     u = {"k": "r", "s": sid, "i": ids, "g": grads, "t": now}
     if assign:
         u["a"] = True
-    if drawn is not None:
-        u["n"], u["v"] = drawn
     return u
-
-
-def drawn_rows(u: dict[str, Any], dim: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """An ``"r"`` update's drawn initial rows, checked: ids int64 strictly increasing, rows
-    float32 [len(ids), dim] and finite (None: none sent, as from an older primary)."""
-    n, v = u.get("n"), u.get("v")
-    if n is None and v is None:
-        return None
-    if not isinstance(n, np.ndarray) or n.dtype != np.int64 or n.ndim != 1:
-        raise ProtocolError("bad_shape", "replicated batch: drawn row ids must be an int64 array")
-    if len(n) > 1 and not bool((n[1:] > n[:-1]).all()):
-        raise ProtocolError("bad_request", "replicated batch: drawn row ids must increase")
-    if not isinstance(v, np.ndarray) or v.dtype != np.float32 or v.shape != (len(n), dim):
-        raise ProtocolError(
-            "bad_shape", f"replicated batch: drawn rows must be float32 [{len(n)}, {dim}]"
-        )
-    bounds.check_dense("drawn rows", v)
-    return n, v
 
 
 def check_values(field: str, ids: np.ndarray, values: np.ndarray, assign: bool) -> None:
@@ -90,5 +64,4 @@ def replicated(store: Store, u: dict[str, Any]) -> list[tuple[RowShardState, Row
     if not isinstance(assign, bool):
         raise bad("a row update's 'a' (put_rows: values, not gradients) must be a bool")
     check_values(st.id, ids, grads, assign)
-    drawn = drawn_rows(u, dim)
-    return [(st, RowPush(ids, grads, float(when), assign, drawn))]
+    return [(st, RowPush(ids, grads, float(when), assign))]

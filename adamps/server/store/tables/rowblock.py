@@ -59,11 +59,6 @@ class RowPush:
     time: float
     #: put_rows (a bulk load): `grads` are the rows' values themselves, the ids distinct
     assign: bool = False
-    #: (sorted ids, their initial rows float32) drawn ahead by the primary (`draw_missing`) and
-    #: sent with the replicated update: a copy creates those rows from them instead of drawing
-    #: each again (the draw was ~30% of a bulk load's server CPU at RF 3, issue 38); an id
-    #: created here but not among them is drawn as before
-    drawn: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -169,29 +164,6 @@ class RowBlock:
         """How many distinct `ids` have no row (a racy read from the event loop is fine: the
         answer only decides an early table_full; the owner thread decides for real)."""
         return len(np.unique(ids[self.index.lookup(ids) < 0]))
-
-    def draw_missing(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(the distinct `ids` without a row, sorted; their initial rows): a racy read from a
-        worker thread is fine, since a row created meanwhile only leaves a drawn row unused
-        and one missed is drawn by `_create`."""
-        u = np.unique(ids)
-        u = u[self.index.lookup(u) < 0]
-        return u, initial_rows(self.init, u, self.dim)
-
-    def _initial(self, ids: np.ndarray, drawn: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
-        """The initial rows of `ids`: from `drawn` where it has them (the same function of
-        (seed, id), computed by the primary), else drawn here."""
-        if drawn is None or not len(drawn[0]):
-            return initial_rows(self.init, ids, self.dim)
-        keys, rows = drawn
-        pos = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)
-        found = keys[pos] == ids
-        if found.all():
-            return rows[pos]
-        out = np.empty((len(ids), self.dim), np.float32)
-        out[found] = rows[pos[found]]
-        out[~found] = initial_rows(self.init, ids[~found], self.dim)
-        return out
 
     # -- writes ----------------------------------------------------------------------------------
 
@@ -300,7 +272,7 @@ class RowBlock:
         if len(new):
             new = self._admit(ids, new, stats)
             if len(new):
-                self._create(ids[new], s, new, self._initial(ids[new], push.drawn))
+                self._create(ids[new], s, new)
                 stats.created += len(new)
         keep = s >= 0
         if not keep.all():
