@@ -91,6 +91,12 @@ def _uniform01(keys: np.ndarray, dim: int, offset: int) -> np.ndarray:
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+#: rows of `initial_rows` computed at a time: its float64 temporaries (a few per element) stay
+#: in the CPU's cache, where whole-array passes over 100,000 rows went through memory (a bulk
+#: load's largest cost on every copy: docs/benchmarks-history.md, issue 38)
+INIT_CHUNK_ROWS = 4096
+
+
 def initial_rows(init: Mapping[str, Any], ids: np.ndarray, dim: int) -> np.ndarray:
     """The initial values of rows `ids` ([len(ids), dim] float32) under the canonical `init`
     (`normalize_row_init`): a function of (seed, id) only."""
@@ -101,9 +107,18 @@ def initial_rows(init: Mapping[str, Any], ids: np.ndarray, dim: int) -> np.ndarr
         return np.zeros((n, dim), np.float32)
     if kind == "constant":
         return np.full((n, dim), init["value"], np.float32)
+    out = np.empty((n, dim), np.float32)
+    step = max(1, INIT_CHUNK_ROWS * 16 // max(dim, 1))
+    for s in range(0, n, step):
+        out[s : s + step] = _drawn_rows(init, ids[s : s + step], dim)
+    return out
+
+
+def _drawn_rows(init: Mapping[str, Any], ids: np.ndarray, dim: int) -> np.ndarray:
+    """`initial_rows` of a uniform or normal init, for a chunk of ids."""
     seed = np.uint64(int(init["seed"]) & 0xFFFFFFFFFFFFFFFF)
     keys = splitmix64(splitmix64(ids.view(np.uint64)) ^ seed)
-    if kind == "uniform":
+    if init["kind"] == "uniform":
         u = _uniform01(keys, dim, 0)
         return (init["low"] + (init["high"] - init["low"]) * u).astype(np.float32)
     # normal: Box-Muller on two independent counter streams

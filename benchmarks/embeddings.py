@@ -22,7 +22,9 @@
    into a cluster of 3 servers at replication factor 3 with the default flush settings: rows
    per second, pushes refused (``not_durable``), and per server, flushed, the RSS and the LMDB
    bytes per row against the raw bytes (values + optimizer state: 2 x dim x 4). Goals: RSS
-   <= 1.5 x raw + 64 bytes per row + 256 MiB; LMDB <= 1.5 x raw.
+   <= 1.5 x raw + 64 bytes per row + 256 MiB; LMDB <= 1.5 x raw. Then the same rows by value
+   (``put_rows``, the path of ``adamps table load``) into a second table: ``bulk_put_rows_per_s``
+   and ``bulk_put_refused``.
 
     python benchmarks/embeddings.py [--seconds 5] [--examples 300000] [--skip-auc]
         [--ctr-side torch|numpy|both] [--batch 512] [--mlp-every 1] [--rows 1000000] [--dim 8]
@@ -176,12 +178,18 @@ def bulk_load(
             for s in range(0, rows, push):
                 client.push_rows("load", ids[s : s + push], grads[: len(ids[s : s + push])])
             took = time.perf_counter() - t0
-        refused = 0.0
-        for i, addr in enumerate(c.servers):
-            c.flush_server(i, timeout=300)
-            txt = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
-            pat = r'adamps_ps_requests_total\{op="[^"]*",outcome="not_durable"\} (\S+)'
-            refused += sum(float(x) for x in re.findall(pat, txt))
+
+        def refusals() -> float:
+            """not_durable answers so far, the servers flushed first."""
+            out = 0.0
+            for i, addr in enumerate(c.servers):
+                c.flush_server(i, timeout=300)
+                txt = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+                pat = r'adamps_ps_requests_total\{op="[^"]*",outcome="not_durable"\} (\S+)'
+                out += sum(float(x) for x in re.findall(pat, txt))
+            return out
+
+        refused = refusals()
         rss = max((rss_bytes(pid) - rss0[n]) / rows for n, pid in pids.items())
         disk = (
             max(
@@ -190,6 +198,16 @@ def bulk_load(
             )
             / rows
         )
+        # The same rows by value (put_rows: `adamps table load`'s path) into a second table,
+        # after the memory and disk above were read.
+        with PSClient(ControllerRouting(c.controllers), layout, TOKEN, timeout=120.0) as client:
+            client.create_table("loadput", dim, init={"kind": "normal", "std": 0.01, "seed": 1},
+                                optimizer={"kind": optimizer, "lr": 0.1}, dtype=dtype)  # fmt: skip
+            t0 = time.perf_counter()
+            for s in range(0, rows, push):
+                client.put_rows("loadput", ids[s : s + push], grads[: len(ids[s : s + push])])
+            put_took = time.perf_counter() - t0
+        put_refused = refusals() - refused
     finally:
         c.stop()
     state = {"adagrad": dim, "rowwise_adagrad": 1, "sgd": 0}[optimizer]
@@ -197,7 +215,8 @@ def bulk_load(
     return {
         "bulk_load_dtype": dtype, "bulk_load_optimizer": optimizer,  # type: ignore[dict-item]
         "bulk_load_rows": rows, "bulk_load_dim": dim, "bulk_load_rows_per_s": rows / took,
-        "bulk_load_refused": refused, "raw_bytes_per_row": raw, "rss_bytes_per_row": rss,
+        "bulk_load_refused": refused, "bulk_put_rows_per_s": rows / put_took,
+        "bulk_put_refused": put_refused, "raw_bytes_per_row": raw, "rss_bytes_per_row": rss,
         "rss_bytes_per_row_over_raw": rss / raw,
         "rss_goal_bytes_per_row": 1.5 * raw + 64 + (256 << 20) / rows,
         "lmdb_bytes_per_row": disk, "lmdb_bytes_per_row_over_raw": disk / raw,
@@ -311,7 +330,9 @@ def main() -> int:
         f"per server and row: RSS {load['rss_bytes_per_row']:.0f} B "
         f"({load['rss_bytes_per_row_over_raw']:.2f} x raw; goal <= "
         f"{load['rss_goal_bytes_per_row']:.0f} B), LMDB {load['lmdb_bytes_per_row']:.0f} B "
-        f"({load['lmdb_bytes_per_row_over_raw']:.2f} x raw; goal <= 1.5)"
+        f"({load['lmdb_bytes_per_row_over_raw']:.2f} x raw; goal <= 1.5); the same rows by "
+        f"value (put_rows): {load['bulk_put_rows_per_s']:,.0f} rows/s, "
+        f"{load['bulk_put_refused']:.0f} refused"
     )
     if args.only_load:
         print(json.dumps(out))

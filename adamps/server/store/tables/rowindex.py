@@ -33,6 +33,19 @@ def _find(pair: tuple[np.ndarray, np.ndarray], ids: np.ndarray) -> np.ndarray:
 
 
 def _merged(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> tuple:
+    """Two sorted runs of distinct ids as one."""
+    if 8 * len(b[0]) < len(a[0]):
+        # a few ids into many (each push's new ids into `recent`): their places by binary
+        # search and two scatters, at 0.4-0.6 of the merge sort's time (issue 38: the index
+        # was ~0.4 us of a new row's ~0.7 us apply at 300,000 rows a bucket)
+        pos = np.searchsorted(a[0], b[0]) + np.arange(len(b[0]))
+        n = len(a[0]) + len(b[0])
+        keys, slots = np.empty(n, np.int64), np.empty(n, np.int32)
+        rest = np.ones(n, bool)
+        rest[pos] = False
+        keys[pos], slots[pos] = b
+        keys[rest], slots[rest] = a
+        return keys, slots
     keys = np.concatenate([a[0], b[0]])
     order = np.argsort(keys, kind="stable")  # two sorted runs: one merge pass
     return keys[order], np.concatenate([a[1], b[1]])[order]
