@@ -58,7 +58,7 @@ sys.path.append(
 from replication import N_BUCKETS, TOKEN  # noqa: E402
 from replication import cluster as start_cluster  # noqa: E402
 
-from adamps.client.ps import ControllerRouting, PSClient  # noqa: E402
+from adamps.client.ps import ControllerRouting, PartialPushError, PSClient  # noqa: E402
 from adamps.data.ctr_data import CtrData, CtrSpec, auc  # noqa: E402
 from adamps.layout import Layout  # noqa: E402
 from trainer.ctr import CtrConfig, run  # noqa: E402
@@ -166,7 +166,19 @@ def load_rows(c: Any, table: str, op: str, rows: int, dim: int, push: int, dtype
         send = getattr(client, op)
         t0 = time.perf_counter()
         for s in range(0, rows, push):
-            send(table, ids[s : s + push], grads[: len(ids[s : s + push])])
+            part = (table, ids[s : s + push], grads[: len(ids[s : s + push])])
+            seq = None
+            for resend in range(10):
+                try:
+                    send(*part, seq=seq)
+                    break
+                except PartialPushError as exc:
+                    # A failover outlasted the client's retries (a loaded machine): as the docs
+                    # say, the same push again with its seq completes it exactly once.
+                    print(f"resending {op} seq {exc.seq} ({resend + 1}): {exc}", file=sys.stderr)
+                    seq = exc.seq
+            else:
+                raise RuntimeError(f"{op}: a push applied in part after 10 resends")
         return time.perf_counter() - t0
 
 
