@@ -53,7 +53,7 @@ class ControllerService:
         model = ClusterModel(cfg.n_buckets, self.terms, cfg.replication, cfg.min_servers)
         self.cluster = ReplicatedCluster(model)
         os.makedirs(cfg.data_dir, exist_ok=True)
-        self.m = ControllerMetrics(self.registry)
+        self.m = ControllerMetrics(self.registry, self.cluster)
         self.raft = RaftNode(cfg, self.cluster, self.m)
         #: the pysyncobj node (tests and tools wait on its readiness)
         self.node = self.raft.node
