@@ -4,8 +4,12 @@ buckets, and the writes it proposed."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from adamps import metrics
 from controller.state import ClusterModel, ReplicatedCluster
@@ -14,9 +18,14 @@ from controller.state import ClusterModel, ReplicatedCluster
 class ControllerMetrics:
     """Counters and gauges of one controller node."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, cluster: ReplicatedCluster | None = None
+    ) -> None:
         r = registry
         self.started = time.time()
+        #: the gauges of the applied state, computed at each scrape
+        self.state = StateGauges(self.started, cluster)
+        registry.register(self.state)
         self.leader = Gauge(
             "adamps_controller_is_leader", "1 if this node is the Raft leader", registry=r
         )
@@ -36,46 +45,6 @@ class ControllerMetrics:
             registry=r,
         )
         self._journal_failures_seen = 0
-        self.servers = Gauge(
-            "adamps_controller_servers", "parameter servers by state", ["state"], registry=r
-        )
-        self.under = Gauge(
-            "adamps_controller_under_replicated_buckets",
-            "buckets with fewer copies than the replication",
-            registry=r,
-        )
-        self.unassigned = Gauge(
-            "adamps_controller_unassigned_buckets",
-            "buckets without a live lease holder",
-            registry=r,
-        )
-        self.unavailable = Gauge(
-            "adamps_controller_unavailable_buckets",
-            "buckets that held data and have no live copy to serve them (pushes and pulls get "
-            "503 bucket_unavailable until a candidate copy is back or an operator declares them "
-            "lost)",
-            registry=r,
-        )
-        self.lost = Gauge(
-            "adamps_controller_buckets_declared_lost",
-            "buckets an operator declared lost (POST /buckets/{b}/declare-lost), in the "
-            "replicated record (survives controller restarts)",
-            registry=r,
-        )
-        self.digest_conflicts = Gauge(
-            "adamps_controller_digest_conflicts",
-            "times candidates of a bucket at the same (epoch, seq) offered copies whose values' "
-            "digests disagreed, in the replicated record: resolved by majority or "
-            "left unavailable, never silently",
-            registry=r,
-        )
-        self.rack_shared = Gauge(
-            "adamps_controller_rack_shared_buckets",
-            "buckets with two caught-up copies in one rack: a failure of that rack "
-            "takes both; 0 while the eligible servers span at least replication racks",
-            registry=r,
-        )
-        self.version = Gauge("adamps_controller_table_version", "routing table version", registry=r)
         self.writes = Counter(
             "adamps_controller_writes_total",
             "writes proposed by this node, by operation and result",
@@ -102,37 +71,6 @@ class ControllerMetrics:
         self.heartbeats = Counter(
             "adamps_controller_heartbeats_total", "server heartbeats handled as leader", registry=r
         )
-        # Issue 24: periodic checkpoints (controller/ckpt_schedule.py). Age, size and duration
-        # come from the replicated record, so every controller reports the same figures.
-        self.ckpt_age = Gauge(
-            "adamps_controller_checkpoint_age_seconds",
-            "seconds since the last periodic checkpoint finished (before the first: since this "
-            "controller started, so that checkpoints that never succeed still age)",
-            registry=r,
-        )
-        self.ckpt_bytes = Gauge(
-            "adamps_controller_checkpoint_bytes",
-            "bytes of the files the last periodic checkpoint names (its own and its bases')",
-            registry=r,
-        )
-        self.ckpt_written = Gauge(
-            "adamps_controller_checkpoint_written_bytes",
-            "bytes the last periodic checkpoint wrote (incremental: only what changed)",
-            registry=r,
-        )
-        self.ckpt_seconds = Gauge(
-            "adamps_controller_checkpoint_duration_seconds",
-            "how long the last periodic checkpoint took",
-            registry=r,
-        )
-        self.ckpt_hold = Gauge(
-            "adamps_controller_checkpoint_hold_seconds",
-            "how long the last periodic checkpoint held writes for its cut (0: per-bucket cuts)",
-            registry=r,
-        )
-        self.ckpt_count = Gauge(
-            "adamps_controller_checkpoints", "periodic checkpoints completed", registry=r
-        )
         self.ckpt_interval = Gauge(
             "adamps_controller_checkpoint_interval_seconds",
             "the checkpoint_interval setting (0: periodic checkpoints are off)",
@@ -157,7 +95,9 @@ class ControllerMetrics:
         cluster: ReplicatedCluster,
         journal: dict | None = None,
     ) -> None:
-        """The gauges from the node's Raft view, its journal's state and its applied state."""
+        """The gauges from the node's Raft view and its journal's state (cheap: once a second
+        from the leader loop); those of the applied state are computed at scrape time
+        (`StateGauges`)."""
         self.leader.set(1 if leader else 0)
         if journal is not None:
             self.journal_writable.set(1 if journal["writable"] else 0)
@@ -167,39 +107,123 @@ class ControllerMetrics:
                 self._journal_failures_seen = failed
         self.term.set(term)
         self.commit.set(commit_index)
+        self.state.cluster = cluster
 
-        def snap(m: ClusterModel) -> tuple[dict[str, int], int, int, int, int, int, int, int]:
-            states: dict[str, int] = {"live": 0, "dead": 0, "draining": 0}
-            for rec in m.servers.values():
-                states[rec["state"]] = states.get(rec["state"], 0) + 1
-            unassigned = sum(1 for b in range(m.n_buckets) if not m.holder_live(b))
-            unavailable = sum(1 for b in range(m.n_buckets) if m.unavailable(b))
-            lost = getattr(m, "declared_lost", 0)
-            conflicts = getattr(m, "digest_conflicts", 0)
-            shared = m.rack_shared()
-            under = m.under_replicated()
-            return states, under, unassigned, unavailable, lost, m.version, conflicts, shared
 
-        states, under, unassigned, unavailable, lost, version, conflicts, shared = cluster.read(
-            snap
+class StateGauges(Collector):
+    """The gauges read off the applied state (servers by state, buckets under-replicated,
+    unassigned, unavailable, lost, rack-shared, the table version, the last periodic
+    checkpoint), computed when /metrics is scraped (issue 36: idle costs nothing). Set every
+    second, they walked every bucket five times on each controller whether anybody scraped or
+    not: a third of an idle follower's event loop."""
+
+    def __init__(self, started: float, cluster: ReplicatedCluster | None = None) -> None:
+        #: the controller's applied state (None: nothing to report yet)
+        self.cluster = cluster
+        #: when this controller started (the checkpoint age before the first checkpoint)
+        self.started = started
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fams = self._families()
+        if self.cluster is None:
+            return iter(())
+        states, under, unassigned, unavailable, lost, version, conflicts, shared, rec = (
+            self.cluster.read(_snap)
         )
-        self.rack_shared.set(shared)
-        self.digest_conflicts.set(conflicts)
         for k, v in states.items():
-            self.servers.labels(k).set(v)
-        self.under.set(under)
-        self.unassigned.set(unassigned)
-        self.unavailable.set(unavailable)
-        self.lost.set(lost)
-        self.version.set(version)
-        rec = cluster.read(lambda m: dict(m.checkpoint_record()))
-        last = rec.get("last")
-        self.ckpt_count.set(rec["count"])
-        if last is not None:
-            self.ckpt_age.set(max(0.0, time.time() - last["finished"]))
-            self.ckpt_bytes.set(last["bytes"])
-            self.ckpt_written.set(last["written_bytes"])
-            self.ckpt_seconds.set(last["seconds"])
-            self.ckpt_hold.set(last.get("hold_ms", 0.0) / 1e3)
-        else:
-            self.ckpt_age.set(time.time() - self.started)
+            fams[0].add_metric([k], v)
+        figures = [under, unassigned, unavailable, lost, conflicts, shared, version]
+        last = rec.get("last") or {}
+        age = time.time() - (last["finished"] if last else self.started)
+        figures += [
+            max(0.0, age),
+            last.get("bytes", 0),
+            last.get("written_bytes", 0),
+            last.get("seconds", 0),
+            last.get("hold_ms", 0.0) / 1e3,
+            rec["count"],
+        ]
+        for fam, v in zip(fams[1:], figures, strict=True):
+            fam.add_metric([], v)
+        return iter(fams)
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily(
+                "adamps_controller_servers", "parameter servers by state", labels=["state"]
+            ),
+            GaugeMetricFamily(
+                "adamps_controller_under_replicated_buckets",
+                "buckets with fewer copies than the replication",
+            ),
+            GaugeMetricFamily(
+                "adamps_controller_unassigned_buckets", "buckets without a live lease holder"
+            ),
+            GaugeMetricFamily(
+                "adamps_controller_unavailable_buckets",
+                "buckets that held data and have no live copy to serve them (pushes and pulls "
+                "get 503 bucket_unavailable until a candidate copy is back or an operator "
+                "declares them lost)",
+            ),
+            GaugeMetricFamily(
+                "adamps_controller_buckets_declared_lost",
+                "buckets an operator declared lost (POST /buckets/{b}/declare-lost), in the "
+                "replicated record (survives controller restarts)",
+            ),
+            GaugeMetricFamily(
+                "adamps_controller_digest_conflicts",
+                "times candidates of a bucket at the same (epoch, seq) offered copies whose "
+                "values' digests disagreed, in the replicated record: resolved by majority or "
+                "left unavailable, never silently",
+            ),
+            GaugeMetricFamily(
+                "adamps_controller_rack_shared_buckets",
+                "buckets with two caught-up copies in one rack: a failure of that rack "
+                "takes both; 0 while the eligible servers span at least replication racks",
+            ),
+            GaugeMetricFamily("adamps_controller_table_version", "routing table version"),
+            # Issue 24: periodic checkpoints (controller/ckpt_schedule.py). Age, size and
+            # duration come from the replicated record, so every controller reports the same.
+            GaugeMetricFamily(
+                "adamps_controller_checkpoint_age_seconds",
+                "seconds since the last periodic checkpoint finished (before the first: since "
+                "this controller started, so that checkpoints that never succeed still age)",
+            ),
+            GaugeMetricFamily(
+                "adamps_controller_checkpoint_bytes",
+                "bytes of the files the last periodic checkpoint names (its own and its bases')",
+            ),
+            GaugeMetricFamily(
+                "adamps_controller_checkpoint_written_bytes",
+                "bytes the last periodic checkpoint wrote (incremental: only what changed)",
+            ),
+            GaugeMetricFamily(
+                "adamps_controller_checkpoint_duration_seconds",
+                "how long the last periodic checkpoint took",
+            ),
+            GaugeMetricFamily(
+                "adamps_controller_checkpoint_hold_seconds",
+                "how long the last periodic checkpoint held writes for its cut (0: per-bucket "
+                "cuts)",
+            ),
+            GaugeMetricFamily("adamps_controller_checkpoints", "periodic checkpoints completed"),
+        ]
+
+
+def _snap(m: ClusterModel) -> tuple[Any, ...]:
+    """The applied state's figures `StateGauges` reports (under the state's lock)."""
+    states: dict[str, int] = {"live": 0, "dead": 0, "draining": 0}
+    for rec in m.servers.values():
+        states[rec["state"]] = states.get(rec["state"], 0) + 1
+    unassigned = sum(1 for b in range(m.n_buckets) if not m.holder_live(b))
+    unavailable = sum(1 for b in range(m.n_buckets) if m.unavailable(b))
+    lost = getattr(m, "declared_lost", 0)
+    conflicts = getattr(m, "digest_conflicts", 0)
+    under = m.under_replicated()
+    shared = m.rack_shared()
+    ckpt = dict(m.checkpoint_record())
+    return states, under, unassigned, unavailable, lost, m.version, conflicts, shared, ckpt

@@ -229,8 +229,10 @@ def raft_conf(
     per shortest election timeout: ``appendEntriesPeriod`` is derived from ``raftMinTimeout``
     unless given), a follower's election deadline, and at most ``autoTickPeriod`` (pysyncobj's
     reconnections, every ``connectionRetryTime``). A command does not wait for the tick:
-    unbatched, it wakes the thread through pysyncobj's pipe and is appended and sent at once,
-    and its commit is sent on at once too.
+    unbatched, it wakes the thread through pysyncobj's pipe and is appended and sent at once;
+    its commit index reaches the followers with the next append, at most one
+    ``appendEntriesPeriod`` later (``GuardedSyncObj._SyncObj__applyLogEntries``: not an append of
+    its own per entry).
     """
     if not password:
         raise ValueError("pysyncobj needs a password: its port carries pickled data")

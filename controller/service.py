@@ -53,7 +53,7 @@ class ControllerService:
         model = ClusterModel(cfg.n_buckets, self.terms, cfg.replication, cfg.min_servers)
         self.cluster = ReplicatedCluster(model)
         os.makedirs(cfg.data_dir, exist_ok=True)
-        self.m = ControllerMetrics(self.registry)
+        self.m = ControllerMetrics(self.registry, self.cluster)
         self.raft = RaftNode(cfg, self.cluster, self.m)
         #: the pysyncobj node (tests and tools wait on its readiness)
         self.node = self.raft.node
@@ -261,6 +261,9 @@ class ControllerService:
                 "unavailable": view["unavailable"],
                 # runs (issue 25): a server whose table is older fetches GET /auth/runs
                 "runs_version": self.cluster.read(lambda m: getattr(m, "runs_version", 0)),
+                # the leader that answered (a follower forwards): the server sends its next
+                # heartbeat here directly (issue 36: one controller's work, not two)
+                "leader": self.raft.http_of[self.raft.self_raft],
             }
             if view["roles"] is not None:
                 reply["roles"] = view["roles"]

@@ -118,13 +118,28 @@ def _checks_layout(
 
 
 class ControllerRing:
-    """Which controller to ask first: the one that answered last. Shared by the calls of one
-    client (one thread, or the coroutines of one event loop)."""
+    """Which controller to ask first: the one that answered last, or the leader an answer named.
+    Shared by the calls of one client (one thread, or the coroutines of one event loop)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
         #: the controller that answered last: asked first
         self.first = 0
+        #: the leader the answer being read named (its index), asked first from the next call
+        self._leader: int | None = None
+
+    def lead_to(self, i: int | None) -> None:
+        """The answer being read names controller `i` as the Raft leader (None: one this client
+        does not know): the next call asks it first. A follower forwards every write to the
+        leader over HTTP (issue 36: a server's heartbeat through a follower cost two
+        controllers' event loops instead of one, every second)."""
+        self._leader = i
+
+    def answered(self, i: int) -> None:
+        """Controller `i` answered: it is asked first next time, unless its answer named the
+        leader."""
+        self.first = i if self._leader is None else self._leader
+        self._leader = None
 
     def round(self) -> Round:
         return Round(self)
@@ -151,11 +166,11 @@ class Round:
             yield
         except Exception as exc:
             if not retryable(exc):
-                self.ring.first = i
+                self.ring.answered(i)
                 raise
             self.last = exc
         else:
-            self.ring.first = i
+            self.ring.answered(i)
 
     def failed(self) -> BaseException:
         """The error of a round in which no controller answered: the last one."""
@@ -177,6 +192,9 @@ class ControllerOps:
     #: the rack a parameter server registers in (issue 26: placement keeps a bucket's copies on
     #: distinct racks); set by the server, None: no rack
     rack: str | None = None
+    #: the controllers' addresses, and which to ask first (set by the drivers)
+    addresses: Sequence[str] = ()
+    ring: ControllerRing | None = None
 
     def _run(self, call: Call) -> Any:
         raise NotImplementedError
@@ -237,7 +255,24 @@ class ControllerOps:
             body["not_durable"] = not_durable
         if reports:
             body["reports"] = _reports(reports)
-        return self._post(f"/servers/{server}/heartbeat", body, lambda reply: (reply, asked_at))
+
+        def then(reply: Any) -> tuple[Any, float]:
+            # the leader names itself: the next heartbeat goes to it, not through a follower
+            if self.ring is not None and isinstance(reply, dict):
+                self.ring.lead_to(self._index_of(reply.get("leader")))
+            return reply, asked_at
+
+        return self._post(f"/servers/{server}/heartbeat", body, then)
+
+    def _index_of(self, address: Any) -> int | None:
+        """The index of controller `address` in this client's list (None: not one of them)."""
+        if not isinstance(address, str):
+            return None
+        bare = address.split("://", 1)[-1]
+        for i, a in enumerate(self.addresses):
+            if a.split("://", 1)[-1] == bare:
+                return i
+        return None
 
     def peer_keys(self, server: str, peers: Sequence[str], when: int, proof: str) -> Any:
         """{"keys": {peer: hex K_server,peer}}: the pairwise keys of `server`, which proves its
