@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import save
 
 from adamps.checkpoint import schema as ckpt_schema
 from adamps.optspec import OptimError, Optimizer, state_ranges
@@ -73,20 +72,40 @@ def bucket_file(b: int) -> str:
 
 
 def write_file(path: Path, content: dict[str, np.ndarray]) -> dict[str, Any]:
-    """One data file, complete and synced under its final name; its manifest entry. The
-    checksum is of the bytes in memory, as they are written: no second pass over the file."""
-    data = save(content)
+    """One data file, complete and synced under its final name; its manifest entry. Written
+    straight from the arrays' memory (a save's are views of the reply it received, issue 38
+    item 7): no file image put together first, each array hashed as it is written, no
+    second pass over the file. The layout is safetensors' own (``safetensors.numpy.save``:
+    arrays by alignment then name, the header padded with spaces to 8 bytes), so every
+    array is aligned to its elements."""
+    arrays = {k: np.ascontiguousarray(a) for k, a in content.items()}
+    order = sorted(arrays, key=lambda k: (-arrays[k].dtype.itemsize, k))
+    header: dict[str, Any] = {}
+    at = 0
+    for k in order:
+        a = arrays[k]
+        name = _DTYPE_NAMES.get(a.dtype)
+        if name is None:
+            raise CheckpointError(f"{path}: array {k!r} is {a.dtype}, a checkpoint holds "
+                                  f"{sorted(DTYPES)}")  # fmt: skip
+        header[k] = {"dtype": name, "shape": list(a.shape), "data_offsets": [at, at + a.nbytes]}
+        at += a.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    h = hashlib.sha256()
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        for part in (len(text).to_bytes(8, "little") + text, *(arrays[k] for k in order)):
+            view = memoryview(part).cast("B")
+            h.update(view)
+            while view:
+                view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
     tmp.replace(path)
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"bytes": 8 + len(text) + at, "sha256": h.hexdigest()}
 
 
 def write_manifest(to: Path, fields: dict[str, Any]) -> dict[str, Any]:
@@ -190,6 +209,7 @@ def load(src: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np
 READERS = 4
 #: safetensors dtypes a checkpoint's files hold
 DTYPES = {"F32": np.dtype("<f4"), "U8": np.dtype("u1")}
+_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 
 
 def read_files(src: Path, manifest: dict[str, Any]) -> dict[str, dict[str, np.ndarray]]:

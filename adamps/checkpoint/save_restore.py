@@ -142,8 +142,10 @@ def save(
         # Each bucket's changed shards go to disk as soon as they are read: a save holds a few
         # buckets in memory, never the whole model.
         if held is None:
+            # over the data plane: the bucket's arrays arrive as the reply's raw payload,
+            # received into one buffer and written to the file from it (issue 38 item 7)
             snap = cluster.on_primary(
-                b, lambda r, _n: r.call("ckpt_read", bucket=b, since=since(b))
+                b, lambda r, _n: cluster.message(r, "ckpt_read", bucket=b, since=since(b))
             )
         else:
             snap = _read_cut(cluster, held, b)
@@ -292,7 +294,7 @@ def _read_cut(cluster: Cluster, held: dict[str, Any], b: int) -> dict[str, Any]:
     position that server reported at the cut."""
     url, pos = held["where"][b]
     try:
-        snap = cluster.rpc(url).call("ckpt_read", bucket=b, cut=held["cut"])
+        snap = cluster.message(cluster.rpc(url), "ckpt_read", bucket=b, cut=held["cut"])
     except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
         raise CheckpointError(f"consistent cut: bucket {b}'s copy on {url}: {exc}") from None
     if [snap["epoch"], snap["seq"]] != list(pos):
