@@ -69,13 +69,15 @@ def phase(name: str, servers: list[int], out: Path, fn, top: int) -> None:  # no
         s.send_signal(2)
     for s in spies:
         s.wait(timeout=30)
-    print(f"== {name}: {wall:.2f} s wall; client CPU {me:.2f} s; servers' CPU "
-          f"{', '.join(f'{c:.2f}' for c in cpu)} s (load {os.getloadavg()[0]:.1f})")
+    print(
+        f"== {name}: {wall:.2f} s wall; client CPU {me:.2f} s; servers' CPU "
+        f"{', '.join(f'{c:.2f}' for c in cpu)} s (load {os.getloadavg()[0]:.1f})"
+    )
     print(f"retried: {dict(RETRIED.most_common(5)) or 'nothing'}")
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
     (out / f"{name}-client.txt").write_text(buf.getvalue())
-    print("\n".join(buf.getvalue().splitlines()[:top + 12]))
+    print("\n".join(buf.getvalue().splitlines()[: top + 12]))
     for i in range(len(servers)):
         own: Counter[str] = Counter()
         total = 0
