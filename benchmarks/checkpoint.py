@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from adamps.checkpoint import restore
 from adamps.checkpoint import series as ckpt_series
+from adamps.checkpoint.restore import restore
 from adamps.checkpoint.save_restore import Cluster, save
 from adamps.client import ControllerRouting, PSClient
 from adamps.layout import Layout, TensorSpec

@@ -27,12 +27,13 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import save
 
 from adamps.checkpoint import schema as ckpt_schema
 from adamps.optspec import OptimError, Optimizer, state_ranges
@@ -71,20 +72,40 @@ def bucket_file(b: int) -> str:
 
 
 def write_file(path: Path, content: dict[str, np.ndarray]) -> dict[str, Any]:
-    """One data file, complete and synced under its final name; its manifest entry. The
-    checksum is of the bytes in memory, as they are written: no second pass over the file."""
-    data = save(content)
+    """One data file, complete and synced under its final name; its manifest entry. Written
+    straight from the arrays' memory (a save's are views of the reply it received, issue 38
+    item 7): no file image put together first, each array hashed as it is written, no
+    second pass over the file. The layout is safetensors' own (``safetensors.numpy.save``:
+    arrays by alignment then name, the header padded with spaces to 8 bytes), so every
+    array is aligned to its elements."""
+    arrays = {k: np.ascontiguousarray(a) for k, a in content.items()}
+    order = sorted(arrays, key=lambda k: (-arrays[k].dtype.itemsize, k))
+    header: dict[str, Any] = {}
+    at = 0
+    for k in order:
+        a = arrays[k]
+        name = _DTYPE_NAMES.get(a.dtype)
+        if name is None:
+            raise CheckpointError(f"{path}: array {k!r} is {a.dtype}, a checkpoint holds "
+                                  f"{sorted(DTYPES)}")  # fmt: skip
+        header[k] = {"dtype": name, "shape": list(a.shape), "data_offsets": [at, at + a.nbytes]}
+        at += a.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    h = hashlib.sha256()
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        for part in (len(text).to_bytes(8, "little") + text, *(arrays[k] for k in order)):
+            view = memoryview(part).cast("B")
+            h.update(view)
+            while view:
+                view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
     tmp.replace(path)
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"bytes": 8 + len(text) + at, "sha256": h.hexdigest()}
 
 
 def write_manifest(to: Path, fields: dict[str, Any]) -> dict[str, Any]:
@@ -188,6 +209,7 @@ def load(src: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np
 READERS = 4
 #: safetensors dtypes a checkpoint's files hold
 DTYPES = {"F32": np.dtype("<f4"), "U8": np.dtype("u1")}
+_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 
 
 def read_files(src: Path, manifest: dict[str, Any]) -> dict[str, dict[str, np.ndarray]]:
@@ -224,26 +246,44 @@ def _read_checked(src: Path, name: str, want: Any) -> dict[str, np.ndarray]:
     return safetensors_views(buf, path)
 
 
-def safetensors_views(buf: np.ndarray, path: Path) -> dict[str, np.ndarray]:
-    """The arrays of a safetensors file's bytes `buf`, as views of them (the format: a u64
-    header length, a JSON header naming each array's dtype, shape and byte range, the data)."""
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One array of a safetensors file: where its bytes are in the file, and what they hold."""
+
+    offset: int
+    nbytes: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+def safetensors_header(
+    read: Callable[[int, int], bytes], size: int, path: Path
+) -> tuple[bytes, dict[str, Entry]]:
+    """The header bytes of a safetensors file of `size` bytes and its arrays' entries, every
+    entry inside the file, of its dtype's size and aligned to its elements; `read(offset, n)`
+    gives the file's bytes. The one parser of the format: a restore's streamed pass 1
+    (stream.py) and ``load`` (``safetensors_views``) read the same files the same way. (The
+    format: a u64 header length, a JSON header naming each array's dtype, shape and byte
+    range in the data after it, the data.)"""
 
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{path}: not a safetensors file: {why}")
 
-    if buf.size < 8:
+    first = read(0, 8)
+    if len(first) < 8:
         raise bad("shorter than its header length")
-    n = int(buf[:8].view("<u8")[0])
-    if n > buf.size - 8:
-        raise bad(f"a header of {n} bytes in a file of {buf.size}")
+    n = int.from_bytes(first, "little")
+    if n > size - 8:
+        raise bad(f"a header of {n} bytes in a file of {size}")
+    text = read(8, n)
     try:
-        header = json.loads(buf[8 : 8 + n].tobytes())
+        header = json.loads(text)
     except (UnicodeDecodeError, ValueError) as exc:
         raise bad(f"its header: {exc}") from None
     if not isinstance(header, dict):
         raise bad("its header is not a map")
-    data = buf[8 + n :]
-    out: dict[str, np.ndarray] = {}
+    start = 8 + n
+    out: dict[str, Entry] = {}
     for key, rec in header.items():
         if key == "__metadata__":
             continue
@@ -254,10 +294,23 @@ def safetensors_views(buf: np.ndarray, path: Path) -> dict[str, np.ndarray]:
         except (KeyError, TypeError, ValueError) as exc:
             raise bad(f"entry {key!r}: {exc!r}") from None
         count = int(np.prod(shape, dtype=np.int64))
-        if not 0 <= lo <= hi <= data.size or hi - lo != count * dtype.itemsize:
+        if not 0 <= lo <= hi <= size - start or hi - lo != count * dtype.itemsize:
             raise bad(f"entry {key!r}: bytes [{lo}, {hi}) for {count} x {dtype}")
-        out[key] = data[lo:hi].view(dtype).reshape(shape)
-    return out
+        if (start + lo) % dtype.itemsize:
+            raise bad(f"entry {key!r}: not aligned to its {dtype.itemsize}-byte elements")
+        out[key] = Entry(start + lo, hi - lo, dtype, shape)
+    return bytes(first) + bytes(text), out
+
+
+def safetensors_views(buf: np.ndarray, path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a safetensors file's bytes `buf`, as views of them (no copy)."""
+    _head, entries = safetensors_header(
+        lambda at, n: buf[at : at + n].tobytes(), int(buf.size), path
+    )
+    return {
+        key: buf[e.offset : e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
+        for key, e in entries.items()
+    }
 
 
 def assemble(

@@ -20,6 +20,7 @@ import itertools
 import json
 import re
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -142,8 +143,10 @@ def save(
         # Each bucket's changed shards go to disk as soon as they are read: a save holds a few
         # buckets in memory, never the whole model.
         if held is None:
+            # over the data plane: the bucket's arrays arrive as the reply's raw payload,
+            # received into one buffer and written to the file from it (issue 38 item 7)
             snap = cluster.on_primary(
-                b, lambda r, _n: r.call("ckpt_read", bucket=b, since=since(b))
+                b, lambda r, _n: cluster.message(r, "ckpt_read", bucket=b, since=since(b))
             )
         else:
             snap = _read_cut(cluster, held, b)
@@ -249,17 +252,53 @@ def _hold_all(cluster: Cluster, n_buckets: int, seconds: float) -> dict[str, Any
     cut = uuid.uuid4().hex
     # A crashed server is left out: its buckets are then missing from the cut (tried again)
     servers = [url for url, _rpc in cluster.live_servers()]
-    t0 = time.perf_counter()
+    # One thread per server for the whole cut, its connection opened before the first hold:
+    # the hold then lasts two round trips per server. With a thread pool for the holds and
+    # another for the releases, each starting threads and opening connections inside the
+    # hold, the stall was 80-110 ms at load 30 of which the servers' drain and marking took
+    # 7-18 (benchmarks/checkpoint.py, issue 38 item 7).
+    n = len(servers)
+    if not n:
+        raise CheckpointError("consistent cut: no server answers")
+    opened = threading.Barrier(n + 1)
+    answered = threading.Barrier(n)
+    replies: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+
+    def cut_on(i: int, url: str) -> None:
+        rpc = cluster.rpc(url)
+        try:
+            rpc.get_json("/healthz")  # opens this thread's connection
+        except (RpcError, ConnectionError, TimeoutError, OSError):
+            pass  # the hold says why
+        try:
+            opened.wait(WAIT)
+            replies[i] = rpc.call("ckpt_hold", cut=cut, seconds=seconds)
+        except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
+            errors[i] = exc
+        except threading.BrokenBarrierError:
+            errors[i] = TimeoutError("the other servers' holds did not start")
+        finally:
+            try:  # released once every hold is answered (or failed)
+                answered.wait(seconds + WAIT)
+            except threading.BrokenBarrierError:
+                pass
+            _release(cluster, url, cut)
+
+    threads = [threading.Thread(target=cut_on, args=(i, u), daemon=True)
+               for i, u in enumerate(servers)]  # fmt: skip
+    for th in threads:
+        th.start()
     try:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            replies = list(pool.map(
-                lambda u: cluster.rpc(u).call("ckpt_hold", cut=cut, seconds=seconds), servers
-            ))  # fmt: skip
-    except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
-        raise CheckpointError(f"consistent cut: a server could not hold writes: {exc}") from None
-    finally:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(lambda u: _release(cluster, u, cut), servers))
+        opened.wait(WAIT)
+    except threading.BrokenBarrierError:
+        pass  # a thread failed: each releases its hold, the error is raised below
+    t0 = time.perf_counter()
+    for th in threads:
+        th.join()
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        raise CheckpointError(f"consistent cut: a server could not hold writes: {failed}")
     hold_ms = (time.perf_counter() - t0) * 1e3
     where: dict[int, tuple[str, list[int]]] = {}
     for url, rep in zip(servers, replies, strict=True):
@@ -292,7 +331,7 @@ def _read_cut(cluster: Cluster, held: dict[str, Any], b: int) -> dict[str, Any]:
     position that server reported at the cut."""
     url, pos = held["where"][b]
     try:
-        snap = cluster.rpc(url).call("ckpt_read", bucket=b, cut=held["cut"])
+        snap = cluster.message(cluster.rpc(url), "ckpt_read", bucket=b, cut=held["cut"])
     except (RpcError, ConnectionError, TimeoutError, OSError) as exc:
         raise CheckpointError(f"consistent cut: bucket {b}'s copy on {url}: {exc}") from None
     if [snap["epoch"], snap["seq"]] != list(pos):

@@ -14,7 +14,6 @@ A file that changed between the passes (size, modification time or inode) is ref
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps.checkpoint.format import DTYPES, CheckpointError, checked_name
+from adamps.checkpoint.format import CheckpointError, checked_name, safetensors_header
 
 #: bytes hashed and checked at a time per file
 BLOCK = 8 << 20
@@ -127,41 +126,14 @@ class Stream:
         self, fd: int, path: Path, size: int, name: str
     ) -> tuple[bytes, dict[str, Piece], int]:
         """A safetensors file's header bytes, its arrays' pieces and where its data starts."""
-
-        def bad(why: str) -> CheckpointError:
-            return CheckpointError(f"{path}: not a safetensors file: {why}")
-
-        first = os.pread(fd, 8, 0)
-        if len(first) < 8:
-            raise bad("shorter than its header length")
-        n = int.from_bytes(first, "little")
-        if n > size - 8:
-            raise bad(f"a header of {n} bytes in a file of {size}")
-        text = os.pread(fd, n, 8)
-        try:
-            header = json.loads(text)
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise bad(f"its header: {exc}") from None
-        if not isinstance(header, dict):
-            raise bad("its header is not a map")
-        start = 8 + n
-        pieces = {}
-        for key, rec in header.items():
-            if key == "__metadata__":
-                continue
-            try:
-                dtype = DTYPES[rec["dtype"]]
-                shape = tuple(int(x) for x in rec["shape"])
-                lo, hi = (int(x) for x in rec["data_offsets"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise bad(f"entry {key!r}: {exc!r}") from None
-            count = int(np.prod(shape, dtype=np.int64))
-            if not 0 <= lo <= hi <= size - start or hi - lo != count * dtype.itemsize:
-                raise bad(f"entry {key!r}: bytes [{lo}, {hi}) for {count} x {dtype}")
-            if lo % dtype.itemsize or (start + lo) % dtype.itemsize or BLOCK % dtype.itemsize:
-                raise bad(f"entry {key!r}: not aligned to its {dtype.itemsize}-byte elements")
-            pieces[key] = Piece(name, start + lo, hi - lo, dtype, shape)
-        return first + text, pieces, start
+        head, entries = safetensors_header(lambda at, n: os.pread(fd, n, at), size, path)
+        for key, e in entries.items():
+            if BLOCK % e.dtype.itemsize:  # a block's part of an array holds whole elements
+                raise CheckpointError(f"{path}: entry {key!r}: {e.dtype} does not divide a "
+                                      "block")  # fmt: skip
+        pieces = {key: Piece(name, e.offset, e.nbytes, e.dtype, e.shape)
+                  for key, e in entries.items()}  # fmt: skip
+        return head, pieces, len(head)
 
     def piece(self, name: Any, key: str, what: str) -> Piece:
         """Array `key` of file `name` (checked), or a CheckpointError naming `what` lacks it."""

@@ -57,6 +57,28 @@ def frame_writes(head: bytes, parts: Iterable[Any]) -> list[bytes | memoryview]:
     return out
 
 
+def reply_frame(
+    kind: int, meta: dict[str, Any], payload: np.ndarray | None, oob: bool, step: int = 0
+) -> tuple[list[bytes | memoryview], int]:
+    """A reply frame's writes (frame_writes) and its payload's length. Its meta's arrays are
+    written from their own memory: inside the msgpack meta (pull_rows' rows), or with `oob`
+    out of band as the payload (``ckpt_read``'s shards, protocol.encode_oob: the client
+    receives them into one buffer and its arrays are views of it, issue 38 item 7). `step`:
+    most bytes per payload write (TLS)."""
+    if oob:
+        packed, pay, size = protocol.encode_oob(meta)
+        meta_parts: list[Any] = [packed]
+    else:
+        meta_parts, _n = protocol.encode_parts(meta)
+        pay = [memoryview(b"" if payload is None else payload).cast("B")]
+        size = pay[0].nbytes
+    step = step or size or 1
+    chunks = [p[i : i + step] for p in pay for i in range(0, p.nbytes, step)]
+    meta_len = sum(memoryview(p).nbytes for p in meta_parts)
+    head = frame_header(kind, meta_len, size) + bytes(meta_parts[0])
+    return frame_writes(head, [*meta_parts[1:], *chunks]), size
+
+
 class DataPlaneError(ProtocolError):
     """An error frame from the server."""
 
@@ -127,7 +149,6 @@ class DataPlaneClient:
         self, out: np.ndarray | None = None
     ) -> tuple[dict[str, Any], memoryview | None, DataPlaneError | None]:
         kind, payload_len, mbuf = self._read_head()
-        reply = protocol.decode(mbuf)
         body: memoryview | None = None
         if payload_len:
             if out is not None and kind == REPLY and out.nbytes == payload_len:
@@ -135,6 +156,8 @@ class DataPlaneClient:
             else:
                 body = memoryview(np.empty(payload_len, dtype=np.uint8))  # no zero-filling
             self._recv_exact(body)
+        # a reply's out-of-band arrays (reply_frame) are views of its payload
+        reply = protocol.decode(mbuf, body if kind == REPLY and out is None else None)
         if kind == ERROR:
             return reply, None, error_of(reply)
         return reply, body, None

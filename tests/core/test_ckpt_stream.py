@@ -84,3 +84,42 @@ def test_a_checksum_mismatch_and_a_misplaced_shard_are_named(tmp_path: Path) -> 
     m2["shards"]["w/0"]["stop"] = 11
     with pytest.raises(CheckpointError, match=r"shard 'w/0': 10 values for \[0, 11\)"):
         _check_stream(tmp_path / "d", m2, Stream(tmp_path / "d", m2), set())
+
+
+def _raw_safetensors(header: dict, data: bytes) -> bytes:
+    import json
+
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "why"),
+    [
+        # a float32 array starting 2 bytes into its data: a view of it would be misaligned
+        ({"w/0": {"dtype": "F32", "shape": [2], "data_offsets": [2, 10]}}, bytes(10), "aligned"),
+        ({"w/0": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8), "bytes [0, 8)"),
+        ({"w/0": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8), "'F64'"),
+    ],
+)
+def test_load_and_the_streamed_restore_parse_a_header_as_one(
+    tmp_path: Path, header: dict, data: bytes, why: str
+) -> None:
+    """One parser of the safetensors header serves ``load`` and the restore's pass 1: a file
+    one refuses, the other refuses with the same words (``load`` took a misaligned array)."""
+    from adamps.checkpoint.format import safetensors_views
+
+    blob = _raw_safetensors(header, data)
+    path = tmp_path / "bucket-0000.safetensors"
+    path.write_bytes(blob)
+    with pytest.raises(CheckpointError, match="not a safetensors file") as by_load:
+        safetensors_views(np.frombuffer(blob, np.uint8), path)
+    stream = Stream(tmp_path, {"files": {}})
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(CheckpointError) as by_stream:
+            stream._header(fd, path, len(blob), path.name)
+    finally:
+        os.close(fd)
+    assert why in str(by_load.value)
+    assert str(by_load.value) == str(by_stream.value)

@@ -40,8 +40,8 @@ TABLE = {"name": "emb", "dim": 3, "optimizer": {"kind": "adagrad", "lr": 0.1}}
 ACC = Optimizer.from_dict(ADA["optimizer"]).state_size(1000)
 
 
-async def _filled(tmp: Path):
-    server, runner, c = await start(tmp)
+async def _filled(tmp: Path, **opts: object):
+    server, runner, c = await start(tmp, **opts)
     await c.call("create", **ADA)
     await c.call("create_table", **TABLE)
     g = np.linspace(-1, 1, 2000, dtype=np.float32)
@@ -477,3 +477,63 @@ async def test_a_create_of_zeros_writes_no_values_and_a_restart_derives_them(
     finally:
         await c.close()
         await r3.cleanup()  # closes the server (its final flush)
+
+
+async def test_a_read_travels_on_the_data_plane_with_its_arrays_as_the_raw_payload(
+    tmp_path: Path,
+) -> None:
+    """A save's ckpt_read goes to the data port and its shards come back out of band, as the
+    frame's raw payload (issue 38 item 7: the client receives them into one buffer and writes
+    the file from it; before, a bucket was one msgpack reply over HTTP): the same values,
+    accumulators and row blocks as the HTTP reply, and the file written from them is the one
+    safetensors writes."""
+    from safetensors.numpy import save as st_save
+
+    from adamps.checkpoint.format import write_file
+    from adamps.checkpoint.save_restore import Cluster
+    from adamps.client import StaticRouting
+    from adamps.client.dataplane import REPLY, DataPlaneClient
+    from adamps.wire import protocol
+
+    dp_port = free_port()
+    server, runner, a = await _filled(tmp_path / "a", data_port=dp_port)
+    try:
+        n_buckets = (await a.get_json("/status"))["n_buckets"]
+        bucket = stable_bucket("w/0", n_buckets)
+        want = await a.call("ckpt_read", bucket=bucket)
+
+        def frame() -> tuple[int, int, dict]:
+            with DataPlaneClient("127.0.0.1", dp_port, TOKEN) as dp:
+                assert dp.send_message("ckpt_read", bucket=bucket)
+                kind, payload_len, meta = dp._read_head()
+                body = memoryview(np.empty(payload_len, np.uint8))
+                dp._recv_exact(body)
+                return kind, payload_len, protocol.decode(meta, body)
+
+        kind, payload_len, raw = await asyncio.to_thread(frame)
+        assert kind == REPLY
+        arrays = [r[k] for r in raw["shards"].values() for k in ("v", "a")]
+        assert payload_len >= sum(x.nbytes for x in arrays) > 0  # out of band, raw
+        url = f"http://127.0.0.1:{server.cfg.port}"
+        cluster = Cluster([], TOKEN, source=StaticRouting([url], n_buckets))
+        try:  # what a save calls
+            got = await asyncio.to_thread(
+                lambda: cluster.message(cluster.rpc(url), "ckpt_read", bucket=bucket)
+            )
+        finally:
+            cluster.close()
+        assert not got["shards"]["w/0"]["v"].flags.owndata  # a view of the received payload
+        for sid, rec in want["shards"].items():
+            for k in ("v", "a"):
+                assert got["shards"][sid][k].tobytes() == rec[k].tobytes()
+                assert raw["shards"][sid][k].tobytes() == rec[k].tobytes()
+        assert got["rows"] == want["rows"] and got["seq"] == want["seq"]
+        content = {sid: r["v"] for sid, r in got["shards"].items()}
+        content |= {f"{sid}/accum": r["a"] for sid, r in got["shards"].items()}
+        content |= {sid: np.frombuffer(r["b"], np.uint8) for sid, r in got["rows"].items()}
+        entry = write_file(tmp_path / "f.safetensors", content)
+        assert (tmp_path / "f.safetensors").read_bytes() == st_save(content)
+        assert entry["bytes"] == len(st_save(content))
+    finally:
+        await a.close()
+        await runner.cleanup()

@@ -192,6 +192,9 @@ class ParameterServer:
         # A restore's shards travel as raw payloads (the arrays out of band): no msgpack copy of
         # the values (issue 38 item 7); the operator's token only (tenancy: not a run op).
         self.data_plane.messages["ckpt_install"] = self.checkpoints.op_ckpt_install
+        # A save's bucket comes back the same way: its arrays as the reply's raw payload
+        self.data_plane.messages["ckpt_read"] = self.checkpoints.op_ckpt_read
+        self.data_plane.oob_replies.add("ckpt_read")
         # checked (its bounds off the loop), then queued before the connection's next frame
         self.data_plane.staged["ckpt_install"] = (
             self.checkpoints.prepare_install,

@@ -47,8 +47,7 @@ from adamps.client.dataplane import (
     REPLY,
     REQUEST,
     VERSION,
-    frame_header,
-    frame_writes,
+    reply_frame,
 )
 from adamps.layout import Shard
 from adamps.security import tls
@@ -68,7 +67,7 @@ log = logging.getLogger(__name__)
 #: ops whose frame carries a whole /rpc message, its arrays out of band in the payload
 #: (protocol.encode_oob), handled by the op's /rpc handler
 MESSAGE_OPS = ("push_fc", "push_compressed", "repl_multi", "pull_rows", "push_rows", "round",
-               "put_rows", "ckpt_install")  # fmt: skip
+               "put_rows", "ckpt_install", "ckpt_read")  # fmt: skip
 OPS = ("push_dense", "pull", *MESSAGE_OPS)
 
 _HEADER, _META, _PAYLOAD, _CLOSED = range(4)
@@ -446,7 +445,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
                 self.plane.m.requests.labels(label, err.code).inc()
                 self._send(ERROR, {"error": err.to_dict(), "rid": meta.get("rid")}, None)
             else:
-                self._send(REPLY, {"rid": meta.get("rid"), **reply}, out)
+                oob = meta["op"] in self.plane.oob_replies
+                self._send(REPLY, {"rid": meta.get("rid"), **reply}, out, oob)
                 ok, latency = self.plane.ok_metrics(label)
                 ok.inc()
                 latency.observe(time.perf_counter() - t0)
@@ -458,20 +458,16 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
     # -- replies ----------------------------------------------------------------------------------
 
-    def _send(self, kind: int, meta: dict[str, Any], payload: np.ndarray | None) -> None:
+    def _send(
+        self, kind: int, meta: dict[str, Any], payload: np.ndarray | None, oob: bool = False
+    ) -> None:
         if self.transport is None or self.transport.is_closing():
             return
-        # A meta's arrays (pull_rows' rows) are written from their own memory; small pieces of a
-        # reply go out joined, in one send call (frame_writes)
-        meta_parts, meta_len = protocol.encode_parts(meta)
-        view = memoryview(b"" if payload is None else payload).cast("B")
-        step = self.plane.write_step or len(view) or 1
-        chunks = [view[i : i + step] for i in range(0, len(view), step)]
-        head = frame_header(kind, meta_len, len(view)) + bytes(meta_parts[0])
-        for chunk in frame_writes(head, [*meta_parts[1:], *chunks]):
+        writes, size = reply_frame(kind, meta, payload, oob, self.plane.write_step)
+        for chunk in writes:
             self.transport.write(chunk)
-        if payload is not None:
-            self.plane.m.bytes_out.inc(len(view))
+        if size:
+            self.plane.m.bytes_out.inc(size)
 
     def _fatal(self, exc: ProtocolError) -> None:
         """An error that leaves the stream unusable: answer after the earlier replies, then close."""
@@ -534,6 +530,8 @@ class DataPlane:
         #: connection's reading paused between them (the order of one connection's requests)
         self.staged: dict[str, tuple[Any, Any]] = {}
         self.staged["push_compressed"] = (writes.prepare_compressed, writes.apply_compressed)
+        #: message ops whose reply's arrays travel out of band, as its raw payload (reply_frame)
+        self.oob_replies: set[str] = set()
         #: a peer's repl_multi frame (meta, meta bytes, payload): the replicator's, which checks
         #: the frame's MAC before it decodes it (on a replicated server only)
         self.peer_frame = peer
