@@ -14,7 +14,12 @@ leader's loop and the clients run in a random order. The network drops, delays (
 duplicates and partitions messages; the nemesis crashes servers (memory lost, restart from the last
 flushed cut of store + position + dedup table, sometimes without it), pauses them (memory kept,
 timers frozen, messages queued), crashes or pauses all of them at once, partitions them, drains,
-adds servers, rebalances and changes the controller leader (its soft state is lost). Clients push
+adds servers, rebalances and changes the controller leader (another node leads, with the soft
+state it kept). The disk fails too (an RNG of its own): a restarted server finds a cut damaged,
+a fetched snapshot fails its checksum, persisting an installed one fails, a disk fills for a
+while (no cut, no state transfer, heartbeats say `not_durable`), and a server stops gracefully
+(its leases released). Every input of the core and every field of its Ready is used over the
+first seeds (``test_every_input_and_ready_field_is_exercised``). Clients push
 unique update ids under (client, seq) and retry an unknown outcome with the same key; a push counts
 as acknowledged when a server answers it so (whether or not the answer reaches the client).
 
@@ -53,6 +58,7 @@ moved into the core (``ReplCore.release``), acknowledgements after the lease end
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -71,8 +77,16 @@ from adamps.core.lease import LeaseTerms, check_history
 from adamps.core.replication import copies as repl_copies
 from adamps.core.replication.bucket import Assignment, Batch, BucketReplica, Reject
 from adamps.core.replication.node import ReplCore
-from adamps.core.replication.ready import Answer, ControllerAnswer, ControllerRequest, Fetch, Send
+from adamps.core.replication.ready import (
+    Answer,
+    ControllerAnswer,
+    ControllerRequest,
+    Fetch,
+    Ready,
+    Send,
+)
 from adamps.core.replication.settings import ReplSettings
+from adamps.server.replication import disk
 from controller.config import ControllerConfig
 from controller.leader import LeaderDuties
 from controller.server_calls import ServerCalls
@@ -96,6 +110,12 @@ PUSH_TIMEOUT = 3.0  # the client's
 LOG_LIMIT = 16  # replication_log: small, so lagging members need state transfers
 #: chance that a restarted server finds one copy's cut on its disk corrupted (issue 29)
 CORRUPT_P = 0.15
+#: chance that a fetched snapshot fails its checksum, that persisting an installed one fails,
+#: and per step that a disk fills (for 0.2-2 s), that a server stops gracefully (its releases)
+CORRUPT_SNAPSHOT_P = 0.05
+PERSIST_FAIL_P = 0.05
+DISK_FULL_P = 0.01
+STOP_P = 0.004
 N_BUCKETS = 2
 CTL = "ctl"
 #: the controllers' configuration (controller/config.py), with the timings above
@@ -135,6 +155,49 @@ logging.getLogger("controller.service").setLevel(logging.ERROR)  # its leader lo
 
 class Violation(AssertionError):
     pass
+
+
+#: the core's inputs (ReplCore's methods the server's shell feeds events into), counted by the
+#: simulation's servers for test_every_input_and_ready_field_is_exercised
+INPUTS = (
+    "tick", "step", "submit", "answer", "controller_answer", "want_record", "snapshot_for",
+    "snapshot_fetched", "snapshot_corrupt", "installed", "install_persisted", "reloaded",
+    "cannot_persist", "on_ping_reply", "check_primary", "stopping",
+)  # fmt: skip
+#: what a Ready carries (adamps.core.replication.ready.Ready), each counted when not empty
+READY_FIELDS = tuple(f.name for f in dataclasses.fields(Ready))
+
+
+class CountedCore(ReplCore):
+    """ReplCore unchanged; each input counted in `uses` (with its outcome where it has two:
+    an answer or an error, a persisted install or a failed one)."""
+
+    def __init__(self, settings: ReplSettings, uses: Counter[str]) -> None:
+        super().__init__(settings)
+        self.uses = uses
+
+
+def _counted(name: str) -> Callable[..., Any]:
+    real = getattr(ReplCore, name)
+
+    def counted(self: CountedCore, *args: Any, **kw: Any) -> Any:
+        key = name
+        if name == "answer" and args[2] is not None:
+            key += ".error"
+        elif name == "controller_answer" and args[1].error is not None:
+            key += ".error"
+        elif name == "install_persisted" and not args[1]:
+            key += ".failed"
+        elif name == "cannot_persist" and args[0] is not None:
+            key += ".blocked"
+        self.uses["input." + key] += 1
+        return real(self, *args, **kw)
+
+    return counted
+
+
+for _name in INPUTS:
+    setattr(CountedCore, _name, _counted(_name))
 
 
 # -- network ---------------------------------------------------------------------------------------
@@ -275,7 +338,7 @@ class Server:
             link_retry=0.5 / 4,  # the production link's retry, a quarter of it
             ping_interval=PING,  # the simulation's timings are a quarter of the server's
         )
-        self.core = ReplCore(settings)
+        self.core = CountedCore(settings, sim.coverage)
         self.transport = SimTransport(self)
         self.store: dict[int, list[int]] = {}
         self.next_flush = self.local() + sim.rng.uniform(0, FLUSH)
@@ -289,6 +352,10 @@ class Server:
         self.found: dict[int, tuple[Assignment, float]] = {}
         self.crashed = False
         self.paused_until: float | None = None
+        #: bucket -> rid of the snapshot fetch in flight (dropped when the core stops the join)
+        self.fetching: dict[int, int] = {}
+        #: true time until which this server's disk is full (no transferred copy persists)
+        self.full_until = 0.0
         #: when the core's next deadline is due (its first tick at once)
         self.tick_at = float("-inf")
         # A cut that fails its checksum (issue 29) is dropped at the reload, as
@@ -318,6 +385,10 @@ class Server:
 
     def to_true(self, local: float) -> float:
         return (local - self.off) / self.rate
+
+    def cannot_persist(self) -> str | None:
+        """The flusher's `can_persist`: why a transferred copy cannot be written now."""
+        return "disk full (simulated)" if self.sim.now < self.full_until else None
 
     @property
     def address(self) -> str:
@@ -400,6 +471,9 @@ class Server:
         while core.has_ready():
             rd = core.ready()
             core.advance()
+            for name in READY_FIELDS:
+                if getattr(rd, name):
+                    self.sim.coverage["ready." + name] += 1
             for b in rd.forget:
                 self.log(f"b{b}: copy dropped (no role)")
                 self.store.pop(b, None)
@@ -415,6 +489,8 @@ class Server:
                 self.answer(ans, found)
             for msg in rd.messages:
                 self.transport.send(msg)
+            for b in rd.stop_joins:  # Replicator: the join's task cancelled, no answer goes in
+                self.rpcs.pop(self.fetching.pop(b, -1), None)
             for f in rd.fetches:
                 self.fetch(f)
             for req in rd.requests:
@@ -474,7 +550,7 @@ class Server:
                 sid, self.address, body["copies"], n_buckets=N_BUCKETS
             ),
             "heartbeat": lambda: ops.heartbeat(
-                sid, body["known"], body["reports"], None, body.get("deltas")
+                sid, body["known"], body["reports"], self.cannot_persist(), body.get("deltas")
             ),
             "role_change": lambda: ops.role_change(b, sid, req.epoch, {sid: list(req.position)}),
             "drop_secondary": lambda: ops.drop_secondary(b, sid, req.epoch, req.member),
@@ -517,6 +593,8 @@ class Server:
         # The core is ticked only once its next deadline is due, as the shell's clock does
         # (adamps.server.replication.clock): every other input asks for the deadline again (drain).
         if now >= self.tick_at:
+            # as Replicator._tick: why this server cannot persist a transferred copy now
+            disk.tell_blocked(self.core, self.cannot_persist)
             self.core.tick(now)  # with the controller link's: the registration and heartbeats
             self.drain()
             self.tick_at = self.core.next_deadline(now)
@@ -524,6 +602,8 @@ class Server:
     def flush(self) -> None:
         """The flusher's cut: every held copy's values and position at one instant; positions of
         the others are deleted (persist.write_snapshots)."""
+        if self.cannot_persist() is not None:
+            return  # a full disk takes no cut (the heartbeats say not_durable meanwhile)
         at = self.sim.tick_n()
 
         def cut(epoch: int, seq: int, dedup: Any, _fresh: bool, prepared: Any) -> Any:
@@ -552,12 +632,22 @@ class Server:
         def ok(snap: dict[str, Any]) -> None:
             if not self.core.snapshot_fetched(f, snap["epoch"], self.local()):
                 return
+            disk_rng = self.sim.disk_rng
+            if disk_rng.random() < CORRUPT_SNAPSHOT_P:  # damaged on the way: fetched again
+                self.log(f"b{b}: snapshot from {f.primary} fails its checksum")
+                self.core.snapshot_corrupt(f, self.local())
+                self.drain()
+                return
             self.store[b] = list(snap["values"])
             self.core.installed(
                 b, snap["committed"], snap["dedup"], snap["committed_epoch"], self.local()
             )
-            # The simulated disk never fails: the copy is persisted in the same step.
-            self.core.install_persisted(b, True, self.local())
+            # Persisted in the same step, unless the disk is full or the write fails.
+            ok = self.cannot_persist() is None and disk_rng.random() >= PERSIST_FAIL_P
+            self.core.install_persisted(b, ok, self.local())
+            if not ok:
+                self.log(f"b{b}: snapshot installed, not persisted: not learning")
+                return
             self.restored.pop(b, None)
             self.log(f"b{b}: snapshot at {snap['committed']} from {f.primary} installed")
             self.sim.stats["snapshots"] += 1
@@ -566,7 +656,7 @@ class Server:
             self.core.snapshot_fetched(f, None, self.local())
 
         body = {"bucket": b, "joiner": self.sid, "join": f.join}
-        self.call(f.primary, "snapshot", body, ok, fail)
+        self.fetching[b] = self.call(f.primary, "snapshot", body, ok, fail)
 
     # -- requests from peers and clients -------------------------------------------------------
 
@@ -749,6 +839,11 @@ class Sim:
         self.rng = random.Random(seed)
         #: storage faults (a corrupted copy), apart from `rng` (see `restart`)
         self.storage_rng = random.Random(f"storage-{seed}")
+        #: the disk's faults (full, failed writes, damaged snapshots) and graceful stops, apart
+        #: from `rng` too
+        self.disk_rng = random.Random(f"disk-{seed}")
+        #: how often each core input and each Ready field was used (CountedCore, Server.drain)
+        self.coverage: Counter[str] = Counter()
         #: when a round's pushes are acknowledged (the servers' `ack`): at the decision point,
         #: the default, in three seeds of four; once every member committed in the fourth
         self.ack = ACK or ("committed" if seed % 4 == 3 else "prepared")
@@ -916,6 +1011,31 @@ class Sim:
             self.log("nemesis: controller leader change (soft state lost)")
             self.ctl.leader_change()
 
+    def disk_faults(self) -> None:
+        """A disk fills for a while, or a server stops gracefully: it gives its primary leases
+        back (``ReplCore.stopping``, as Replicator.stop) and flushes, then goes; it restarts
+        from that cut."""
+        rng = self.disk_rng
+        up = [s for s in self.servers.values() if s.up]
+        if up and rng.random() < DISK_FULL_P:
+            s = rng.choice(up)
+            s.full_until = self.now + rng.uniform(0.2, 2.0)
+            self.stats["disk_full"] += 1
+            self.log(f"nemesis: {s.sid}'s disk is full until {s.full_until:.2f}")
+        if up and rng.random() < STOP_P:
+            s = rng.choice(up)
+            self.stats["stop"] += 1
+            self.log(f"nemesis: stop {s.sid} (releases its leases)")
+            for req in s.core.stopping():
+                s.request(req)
+            s.flush()
+            s.crashed = True
+            # It acts under no lease any more: a lease it released may be granted at once.
+            for key, (holder, until) in self.acted.items():
+                if holder == s.sid:
+                    self.acted[key] = (holder, min(until, self.now))
+            self.at(rng.uniform(0.2, 2.0), lambda s=s: self.restart(s.sid, False))
+
     def heal(self, links: set[frozenset[str]]) -> None:
         self.net.cut -= links
         self.log("nemesis: heal " + " ".join("-".join(sorted(x)) for x in links))
@@ -948,6 +1068,7 @@ class Sim:
                 self.log(f"nemesis: resume {s.sid}")
         if faults:
             self.nemesis()
+            self.disk_faults()
         work: list[Any] = list(self.net.due())
         deferred = []
         work += [("tick", s) for s in self.servers.values()]
@@ -1192,6 +1313,8 @@ def run(seed: int, steps: int = STEPS) -> Sim:
 
 
 SEED_LIST = [int(ONE_SEED)] if ONE_SEED else list(range(SEEDS))
+#: the seeds over which every input and Ready field must be used
+COVERAGE_SEEDS = 12
 #: seeds outside the CI range that once failed, run whatever ADAMPS_SIM_SEEDS says
 REGRESSION_SEEDS = [
     # The checker judged an acknowledgement against the lease after the input that decided it
@@ -1212,6 +1335,19 @@ def test_the_simulation_exercises_the_faults() -> None:
         assert total[kind] > 0, (kind, total)
     assert total["lease_grants"] > 12 * N_BUCKETS * 2, total
     assert total["snapshots"] > 20 and total["acked"] > 200 and total["unknown"] > 0, total
+
+
+def test_every_input_and_ready_field_is_exercised() -> None:
+    """The simulation feeds the core every kind of input (and both outcomes of those that have
+    two) and carries out every field of its Ready: over the first seeds, none is never used."""
+    total: Counter[str] = Counter()
+    for seed in range(COVERAGE_SEEDS):
+        total += run(seed).coverage
+    wanted = [f"input.{n}" for n in INPUTS] + [f"ready.{n}" for n in READY_FIELDS]
+    wanted += ["input.answer.error", "input.controller_answer.error"]
+    wanted += ["input.install_persisted.failed", "input.cannot_persist.blocked"]
+    never = [k for k in wanted if not total[k]]
+    assert not never, f"never used over {COVERAGE_SEEDS} seeds: {never}"
 
 
 def test_the_simulation_runs_the_shipping_controllers() -> None:
