@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from adamps.wire.protocol import ProtocolError
 from controller.config import ControllerConfig
@@ -25,30 +27,39 @@ METRICS_EVERY = 1.0
 
 
 class LeaderDuties:
-    """The leader loop and its soft state. Event-loop thread only."""
+    """The leader loop and its soft state. Event-loop thread only.
+
+    Its clocks are arguments (`mono` for silences, `wall` for the entries' `now`) and `raft` is
+    anything with RaftNode's `is_leader`, `is_ready`, `term` and `commit`: the replication
+    simulation (tests/core/test_replication_sim.py) runs this class over a simulated Raft and
+    virtual time, calling `step` where `run` sleeps."""
 
     def __init__(
         self,
         cfg: ControllerConfig,
         cluster: ReplicatedCluster,
-        raft: RaftNode,
+        raft: RaftNode | Any,
         m: ControllerMetrics,
+        mono: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = cfg
         self.cluster = cluster
         self.raft = raft
         self.m = m
+        self.mono = mono
+        self.wall = wall
         #: leader soft state: server id -> monotonic time of its last heartbeat
         self.last_seen: dict[str, float] = {}
         #: leader soft state: bucket -> server -> [epoch, seq] last reported
         self.reports: dict[int, dict[str, list[int]]] = {}
         self._was_leader = False
         #: monotonic time the leader loop's last step ended (a long gap: this node was stalled)
-        self._last_step = time.monotonic()
+        self._last_step = mono()
 
     def heard_from(self, sid: str) -> None:
         """A heartbeat or registration of server `sid` arrived now."""
-        self.last_seen[sid] = time.monotonic()
+        self.last_seen[sid] = self.mono()
 
     def record_report(self, b: int, sid: str, position: list[int]) -> None:
         """Server `sid` reported its copy of bucket `b` at [epoch, seq]."""
@@ -61,9 +72,9 @@ class LeaderDuties:
         metrics_due = 0.0
         while True:
             try:
-                await self._leader_step()
-                if time.monotonic() >= metrics_due:
-                    metrics_due = time.monotonic() + METRICS_EVERY
+                await self.step()
+                if self.mono() >= metrics_due:
+                    metrics_due = self.mono() + METRICS_EVERY
                     self.m.update(
                         self.raft.is_leader(),
                         self.raft.term,
@@ -79,16 +90,21 @@ class LeaderDuties:
                 pass
             except Exception:
                 log.exception("leader step failed")
-            # Measured from the end of a step: the step's own waits (commits) are no stall.
-            self._last_step = time.monotonic()
+            self.stepped()
             await asyncio.sleep(self.cfg.reconcile_interval)
 
-    async def _leader_step(self) -> None:
+    def stepped(self) -> None:
+        """A step ended (whatever its outcome): measured from here, the step's own waits
+        (commits) are no stall."""
+        self._last_step = self.mono()
+
+    async def step(self) -> None:
+        """One pass of the leader's decisions (nothing when this node does not lead)."""
         leader = self.raft.is_leader() and self.raft.is_ready()
         if not leader:
             self._was_leader = False
             return
-        mono = time.monotonic()
+        mono = self.mono()
         gap = mono - self._last_step - self.cfg.reconcile_interval
         stalled = gap > self.cfg.server_timeout / 2
         if not self._was_leader:
@@ -109,10 +125,10 @@ class LeaderDuties:
             seen = self.last_seen.setdefault(sid, mono)
             if mono - seen > self.cfg.server_timeout:
                 log.warning("server %s silent for %.1fs: declaring it dead", sid, mono - seen)
-                await self.raft.commit("declare_dead", sid, time.time(), self.reports_copy())
+                await self.raft.commit("declare_dead", sid, self.wall(), self.reports_copy())
                 self.m.dead.inc()
                 self.last_seen.pop(sid, None)
-        now = time.time()
+        now = self.wall()
         if self.cluster.read(lambda m: m.grants_due(now) or m.holds_due(now)):
             await self.raft.commit("reconcile", now, self.reports_copy())
         dead_before = now - self.cfg.dead_server_ttl

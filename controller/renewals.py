@@ -47,9 +47,14 @@ class RenewalRounds:
                         if not f.done():
                             f.set_exception(exc)
                 continue
-            servers = res.get("servers", {}) if res.get("ok") else {}
             for sid, futs in batch.items():
-                answer = servers.get(sid, res)
+                answer = round_answer(res, sid)
                 for f in futs:
                     if not f.done():
                         f.set_result(answer)
+
+
+def round_answer(res: dict[str, Any], sid: str) -> dict[str, Any]:
+    """Server `sid`'s answer from its round's result: its own, or the round's refusal."""
+    servers = res.get("servers", {}) if res.get("ok") else {}
+    return servers.get(sid, res)
