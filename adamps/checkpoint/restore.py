@@ -30,8 +30,6 @@ from adamps.checkpoint.stream import Piece, Stream
 from adamps.client.ps import PSClient
 from adamps.layout import Layout, TensorSpec
 from adamps.optspec import OptimError, Optimizer, state_ranges
-from adamps.server.store.tables.rowblock import RowBlock
-from adamps.server.updates import bounds
 from adamps.tables import ROWS_SEP
 from adamps.wire.protocol import ProtocolError
 
@@ -165,6 +163,11 @@ def _check_stream(
     optimizer state the manifest names is bounded (the checks and messages of _check_state),
     every shard's arrays are where the manifest says and of its size. Returns per dense shard
     its (values, state or None) pieces, and the row shards' blocks (read whole)."""
+    # Imported here, not at the top: they bring the servers' optimizer kernels (numba, compiled
+    # at import: most of a second of CPU), which every controller would load at its start for a
+    # restore it never runs (it imports this module through its checkpoint schedule, to save).
+    from adamps.server.updates import bounds
+
     mpath = src / MANIFEST
     shards = manifest.get("shards", {})
     what: dict[tuple[Any, str], tuple[str, bool]] = {}
@@ -293,6 +296,9 @@ def _check_state(
     alone before any request, so a NaN in bucket 7 cannot leave buckets 0-6 restored. Returns
     the row shards whose blocks do not parse (refused after the layout checks, which name a
     foreign checkpoint's real problem first)."""
+    from adamps.server.store.tables import rowblock  # here: see _check_stream
+    from adamps.server.updates import bounds
+
     damaged = []
     try:
         for name, a in arrays.items():
@@ -304,7 +310,7 @@ def _check_state(
         for sid, block in rows.items():
             try:
                 table = sid.split(ROWS_SEP, 1)[0]
-                values, accum = RowBlock.state_of(block.tobytes(), widths.get(table, 0))
+                values, accum = rowblock.RowBlock.state_of(block.tobytes(), widths.get(table, 0))
             except (ValueError, struct.error) as exc:
                 damaged.append((sid, str(exc)))
                 continue

@@ -38,13 +38,27 @@ def available() -> str | None:
     return None
 
 
+def free_subnet(start: int) -> str:
+    """`10.213.X`: the first X from `start` (cyclically in 1..250) of which the root namespace
+    holds no address."""
+    held = _ip("-4", "-o", "addr", "show", check=False).stdout
+    for i in range(250):
+        x = (start - 1 + i) % 250 + 1
+        if f" 10.213.{x}." not in held:
+            return f"10.213.{x}"
+    raise RuntimeError("every 10.213.X.0/24 is held in the root namespace (leaked test hosts?)")
+
+
 class Net:
     """A bridge and hosts (namespaces) on it. Host names are short ([a-z0-9], <= 6 chars)."""
 
-    def __init__(self) -> None:
-        # One /24 per test process: concurrent runs on one machine do not collide.
-        self.tag = f"a{os.getpid() % 100000}"
-        self.subnet = f"10.213.{os.getpid() % 250 + 1}"
+    def __init__(self, tag: str | None = None) -> None:
+        # One /24 per test process: concurrent runs on one machine (pytest-xdist's workers) do
+        # not collide. The tag is the pid's (unique among live processes); the subnet starts at
+        # the pid's and skips any /24 the root namespace already holds (another run's client
+        # address): two pids 250 apart would otherwise share one.
+        self.tag = tag or f"a{os.getpid() % 100000}"
+        self.subnet = free_subnet(os.getpid() % 250 + 1)
         self.bridge_ns = f"{self.tag}-br"
         self.hosts: dict[str, str] = {}  #: host -> address
         self._next = 10

@@ -218,3 +218,21 @@ def test_client_cut_from_the_primary_mid_push(cluster: LocalCluster, net: netns.
     time.sleep(3.0)
     counts = finish(c, client, load)
     assert counts["acked"] > 0
+
+
+def test_two_nets_at_once_get_two_subnets() -> None:
+    """Two runs at once (pytest-xdist's workers) whose pids are 250 apart started at the same
+    /24: both client ends in the root namespace on one subnet, so one run's packets could take
+    the other's bridge. Two Nets of one process (the same pid, the same start) stand for them."""
+    a = netns.Net()
+    try:
+        b = netns.Net(tag=f"{a.tag}b")
+        try:
+            assert a.subnet != b.subnet
+            for n in (a, b):  # each run's host is reached through that run's own bridge
+                route = netns._ip("-o", "route", "get", n.add_host("h")).stdout
+                assert f" dev {n.tag}client"[:20] in route, (n.subnet, route)
+        finally:
+            b.close()
+    finally:
+        a.close()

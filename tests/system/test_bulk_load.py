@@ -41,6 +41,8 @@ PUSH = 100_000
 DIM = 8
 INIT = {"kind": "normal", "std": 0.01, "seed": 1}
 LR = 0.1
+#: seconds the settled cluster is watched for state transfers
+SETTLED_FOR = 30.0  # issue 38's Done when names 30 s
 
 
 def counts(c: LocalCluster) -> dict[str, tuple[float, float]]:
@@ -99,7 +101,10 @@ def test_a_bulk_load_at_default_flush_settings_is_never_refused_and_settles(
         c.wait_placed(timeout=120)
         time.sleep(3)
         before = counts(c)
-        time.sleep(30)
+        # The loop this guards against dropped a transferred copy once its persist waited past
+        # max_unflushed (5 s) behind a flush, and asked for it again: a transfer every 5-7 s.
+        # 30 s, as issue 38 asks, sees four of them.
+        time.sleep(SETTLED_FOR)
         end = counts(c)
         print(f"refused, state transfers: after the load {after_load}, settled {before}, {end}")
         assert {k: v[1] for k, v in end.items()} == {k: v[1] for k, v in before.items()}
