@@ -15,7 +15,12 @@ from adamps.core.lease import LeaseTerms
 from adamps.core.replication import copies as repl_copies
 from adamps.core.replication.node import ReplCore
 from adamps.core.replication.ready import ControllerAnswer, ControllerRequest, Ready
-from adamps.core.replication.rounds import COMMIT_DELAY, COMMIT_GAPS, COMMIT_WAIT_MAX
+from adamps.core.replication.rounds import (
+    COMMIT_DELAY,
+    COMMIT_GAPS,
+    COMMIT_WAIT_MAX,
+    RETRY_EVERY,
+)
 from adamps.core.replication.settings import ReplSettings
 from adamps.core.replication.values import Reject
 
@@ -426,9 +431,9 @@ def test_the_next_deadline_is_the_watchdogs_the_pings_and_the_heartbeats() -> No
 
 
 def test_a_busy_primary_is_due_at_once_and_an_idle_one_not() -> None:
-    """A primary's bucket with a round in flight, a retry or a lagging replica is pumped by every
-    tick: its deadline is now; one whose delayed COMMIT is all it waits for is due at the COMMIT's
-    time. Once every replica holds everything, only the pings remain."""
+    """A primary's bucket with a push waiting is due at once; one whose delayed COMMIT is all it
+    waits for at the COMMIT's time, a failed message at its retry's. Once every replica holds
+    everything, only the pings remain."""
     cl = Cluster()
     a = cl.cores["a"]
     a.tick(0.0)
@@ -445,8 +450,41 @@ def test_a_busy_primary_is_due_at_once_and_an_idle_one_not() -> None:
     assert idle == pytest.approx(a.settings.ping_interval), "idle: only the next pings"
     cl.cores["a"].submit({0: "u2"}, ("cl", 2), {0: "w2"}, 0.25)
     cl.collect()
-    cl.deliver(0.25, drop={"c"})  # c fails: retried every tick until member_timeout
-    assert a.next_deadline(0.26) == 0.26
+    cl.deliver(0.25, drop={"c"})  # c fails: retried every RETRY_EVERY until member_timeout
+    assert a.next_deadline(0.26) == pytest.approx(0.25 + RETRY_EVERY), "c's retry"
+    assert a.next_deadline(0.28) == 0.28
+
+
+def test_a_primary_waiting_only_for_answers_is_due_at_no_time_and_not_pumped() -> None:
+    """Issue 36 (helper ctr36's profile of a click-through step at RF 3): while any message was
+    in flight the core was due at once, so the clock ticked every TICK through a training step,
+    and each tick pumped every bucket one of whose replicas had answered its PREPARE while the
+    other had not: a tenth of a server's event loop, for nothing (the answer pumps the bucket
+    itself). Such a bucket is due at no time: only the pings' deadline remains."""
+    cl = Cluster()
+    a = cl.cores["a"]
+    a.tick(0.0)
+    take(a)
+    pumped: list[int] = []
+    real = a.pump
+    a.pump = lambda b, now: (pumped.append(b), real(b, now))[1]  # type: ignore[method-assign]
+    a.submit({0: "u1"}, ("cl", 1), {0: "w1"}, 0.1)
+    cl.collect()
+    to_b = [(src, m) for src, m in cl.out if m.peer == "b"]
+    cl.out = [(src, m) for src, m in cl.out if m.peer != "b"]  # c's PREPARE stays in flight
+    for src, m in to_b:
+        res = cl.cores["b"].step(src, {"op": m.op, **m.fields}, 0.1)
+        a.step("b", {"op": "reply", "rid": m.rid, "reply": res}, 0.1)
+    cl.collect()
+    assert cl.answers == [], "c has not answered: the round is not decided"
+    pings = a.next_deadline(0.1)
+    assert pings == pytest.approx(a.settings.ping_interval), "due at the pings only"
+    pumped.clear()
+    a.tick(0.11)
+    cl.collect()
+    assert pumped == [] and [m.peer for _s, m in cl.out] == ["c"], "nothing pumped or sent"
+    cl.deliver(0.12)  # c's answer pumps the bucket: decided
+    assert [(x.waiter, x.outcome) for x in cl.answers] == [("w1", "ok")]
 
 
 def test_a_primary_pings_each_replica_once_per_ping_interval() -> None:

@@ -116,6 +116,8 @@ class BucketReplica:
     @property
     def replicas(self) -> tuple[str, ...]:
         """Whom the primary's rounds wait for: the recorded secondaries and the learners."""
+        if not self.learners:  # the common case, asked several times per bucket per message
+            return self.assignment.secondaries
         return self.assignment.secondaries + tuple(
             m for m in self.learners if m not in self.assignment.secondaries
         )

@@ -259,8 +259,8 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
             elif role == "joining" and rep.learning:
                 if now - self.last_heard.get(b, 0.0) > fa:
                     rep.learning = False  # the primary forgot this learner: transfer again
-            elif role == "primary" and self._pumping(b, rep):
-                if (rs := self._rounds.get(b)) is None or rs.pump_due(rep, now):
+            elif role == "primary":
+                if (rs := self._rounds.get(b)) is None or rs.due(rep, now) <= now:
                     self.pump(b, now)
         for key, (at, req) in list(self._report_again.items()):
             if now >= at:
@@ -270,19 +270,13 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
         self._pings_tick(now)
         self._link_tick(now)
 
-    def _pumping(self, b: int, rep: BucketReplica) -> bool:
-        """A primary bucket every tick pumps: retries, delayed COMMITs, lagging replicas, pushes
-        waiting for the lease (an idle bucket costs nothing per tick)."""
-        rs = self._rounds.get(b)
-        return rs is None or bool(rs.retry_at) or bool(rep.pending) or bool(rep.lagging())
-
     def next_deadline(self, now: float) -> float:
         """When ``tick`` next has something to do: ``now`` or earlier (at once), a time, or inf.
         A tick before then changes nothing, so a shell may sleep until then, feeding every other
         input at once (they may bring it earlier: ask again after them). The pings, the
-        heartbeats and every watchdog keep their periods; a primary's busy bucket (retries,
-        rounds, lagging replicas) is due at once, as every tick pumps it, one whose delayed
-        COMMIT is all it waits for at the COMMIT's time."""
+        heartbeats and every watchdog keep their periods; a primary's bucket when its pump next
+        has something to send or start (``Rounds.due``): never while it waits only for answers,
+        which pump it themselves."""
         fa = self.settings.failover_after
         due = min(self.link.next_due(), self._pings_due(), self._joins_due(now))
         for b, role in self.roles.items():
@@ -291,9 +285,9 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
                 due = min(due, max(self.last_heard[b] + fa, self.role_change_after.get(b, 0.0)))
             elif role == "joining" and rep.learning:
                 due = min(due, self.last_heard.get(b, 0.0) + fa)
-            elif role == "primary" and self._pumping(b, rep):
+            elif role == "primary":
                 rs = self._rounds.get(b)
-                at = now if rs is None else rs.commit_due(rep, now)
+                at = now if rs is None else rs.due(rep, now)
                 if at <= now:
                     return now
                 due = min(due, at)

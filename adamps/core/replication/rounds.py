@@ -82,29 +82,30 @@ class Rounds:
         round's PREPARE as long as the rounds' pace says one is coming."""
         self.commit_after = now + min(COMMIT_WAIT_MAX, max(COMMIT_DELAY, COMMIT_GAPS * self.gap))
 
-    def commit_due(self, rep: BucketReplica, now: float) -> float:
-        """When this bucket next has a message to send, `now` meaning at once: the delayed COMMIT's
-        time when that is all it waits for (no round, retry, push or answer waiting), so that the
-        clock sleeps until then instead of pumping the bucket every tick."""
-        if rep.inflight is not None or rep.pending or self.retry_at or self.out:
+    def due(self, rep: BucketReplica, now: float) -> float:
+        """When a pump of this bucket next has something to do: `now` or earlier (at once), a
+        time, or inf (nothing until an input: an answer, a push, a role change, each of which
+        pumps the bucket at once). Due at once: a recovery, or a round to start (pushes wait and
+        none is in flight; the lease gates it inside the pump). Else the earliest message
+        ``to_send`` would build: to a replica with no message in flight, its PREPARE once its
+        retry time passed, its COMMIT once the delayed COMMIT's time passed too. A bucket whose
+        replicas all answered or have a message in flight waits for nothing but answers:
+        issue 36 (helper ctr36's profile of a click-through step at RF 3) found the clock
+        ticking every TICK while any message was in flight, and each tick pumping every bucket
+        one of whose replicas had answered while another had not, for nothing."""
+        if rep.needs_recovery or (rep.inflight is None and rep.pending):
             return now
-        return max(now, self.commit_after)
-
-    def pump_due(self, rep: BucketReplica, now: float) -> bool:
-        """Whether a tick's pump of this busy bucket can do anything. Not while its delayed
-        COMMIT is all it waits for (before the COMMIT's time its pump sends nothing), nor while
-        it waits only for answers: every replica has a message in flight, no retry is planned
-        and no round can start (one is in flight, or no push waits). Each answer (the transport
-        gives every message one), push and role change pumps the bucket at once all the same. A
-        primary pushed at a steady pace has most of its buckets in one of these states at any
-        tick, and every tick pumped each of them (a tenth of a server's event loop in issue 36's
-        profile at RF 3)."""
-        if rep.needs_recovery or self.retry_at:
-            return True
-        if self.commit_due(rep, now) > now:
-            return False
-        waiting = bool(self.out) and all(m in self.out for m in rep.replicas)
-        return not (waiting and (rep.inflight is not None or not rep.pending))
+        seq = rep.inflight[0].seq if rep.inflight is not None else None
+        at = float("inf")
+        for m in rep.replicas:
+            if m in self.out:
+                continue
+            retry = self.retry_at.get(m, 0.0)
+            if seq is not None and rep.acked_prepare.get(m, -1) < seq:
+                at = min(at, retry)
+            elif rep.acked_commit.get(m, -1) < rep.committed:
+                at = min(at, max(retry, self.commit_after))
+        return at
 
     def forget_gone(self, replicas: tuple[str, ...]) -> None:
         """Replicas that left the set: nothing more is retried or timed for them, and the answer
