@@ -325,8 +325,12 @@ async def test_a_round_over_the_servers_limits_goes_in_parts_with_the_same_resul
                 ids = rng.integers(0, 1000, 64)
                 g = rng.standard_normal((64, 4), np.float32)
                 before = pc.dp_requests + pc.http_requests
+                out = {"r.fc.w": np.empty((600, 500), np.float32)}
                 got = pc.round(
-                    dense={"r.fc.w": w}, rows={"r.emb": (ids, g)}, fetch_rows={"r.emb": ids}
+                    dense={"r.fc.w": w},
+                    rows={"r.emb": (ids, g)},
+                    fetch_rows={"r.emb": ids},
+                    fetch=out,
                 )
                 assert pc.dp_requests + pc.http_requests - before > 2
                 pc.push_dense_many({"s.fc.w": w})
@@ -334,6 +338,8 @@ async def test_a_round_over_the_servers_limits_goes_in_parts_with_the_same_resul
                 np.testing.assert_array_equal(got["r.emb"], pc.pull_rows("s.emb", ids))
                 vals, _ = pc.pull(["r.fc.w", "s.fc.w"])
                 np.testing.assert_array_equal(vals["r.fc.w"], vals["s.fc.w"])
+                # the dense fetch too, read after the parts (a pull of its own)
+                np.testing.assert_array_equal(out["r.fc.w"], vals["r.fc.w"])
 
         await asyncio.to_thread(run)
     finally:
