@@ -57,7 +57,7 @@ def _nbytes(update: Mapping[str, Any]) -> int:
 class _Bucket:
     """What one round sends to (and asks of) one bucket."""
 
-    __slots__ = ("shards", "rows", "fetch")
+    __slots__ = ("shards", "rows", "fetch", "values")
 
     def __init__(self) -> None:
         #: the dense and fc shards of this bucket
@@ -66,6 +66,8 @@ class _Bucket:
         self.rows: dict[str, np.ndarray] = {}
         #: table -> positions in that table's fetched ids
         self.fetch: dict[str, np.ndarray] = {}
+        #: the dense shards whose values this bucket answers (``fetch``)
+        self.values: list[Shard] = []
 
 
 class RoundClient:
@@ -80,6 +82,7 @@ class RoundClient:
         seq: int | None = None,
         compressed: Mapping[str, Mapping[str, Any]] | None = None,
         hyper: Mapping[str, Mapping[str, Any]] | None = None,
+        fetch: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """One round: `fc` (layer -> (a [k, N], e [k, M])), `dense` (tensor -> delta), `rows`
         (table -> (ids, grads), duplicate ids summed) and `compressed` (shard id -> Strom
@@ -88,7 +91,10 @@ class RoundClient:
         (table -> [len(ids), dim] float32). One request per server when it fits the servers'
         limits. `hyper` (tensor -> optimizer hyperparameters, torch's names): the updates of
         those tensors are applied with them (docs/protocol-ps.md, "hyper": a scheduler's lr);
-        each request carries the entries of the tensors it updates."""
+        each request carries the entries of the tensors it updates. `fetch` (tensor -> a
+        C-contiguous float32 array of its shape): filled with the tensors' values read after
+        this round's writes, in the same requests (a synchronous Downpour step's push and fetch
+        in one request per server, not a round and a pull each)."""
         hyper = dict(hyper or {})
         vecs = {n: checks.fc(self.layout, n, a, e) for n, (a, e) in (fc or {}).items()}
         by_id = self._dense_by_shard(dense or {})
@@ -106,7 +112,14 @@ class RoundClient:
             if not len(ids):
                 out[t] = np.empty((0, self.tables.get(t, 0)), np.float32)
                 del wanted[t]
-        if not (vecs or by_id or signs or pushed or wanted):
+        values = dict(fetch or {})
+        for t, arr in values.items():
+            spec = self.layout.tensors.get(t)
+            if spec is None:
+                raise ValueError(f"fetch: unknown tensor {t!r}")
+            if arr.dtype != np.float32 or arr.size != spec.size or not arr.flags.c_contiguous:
+                raise ValueError(f"fetch: {t!r} needs a C-contiguous float32 array of {spec.shape}")
+        if not (vecs or by_id or signs or pushed or wanted or values):
             return out
         seq = self.next_seq() if seq is None else seq
         layer_of = {s.id: n for n in vecs for s in self.layout.shards_of[n]}
@@ -121,6 +134,9 @@ class RoundClient:
         size += sum(a.nbytes + e.nbytes for a, e in vecs.values()) + PER_SHARD * len(shards)
         size += sum(i.nbytes + g.nbytes for i, g in pushed.values())
         size += sum(i.nbytes + 4 * i.size * self.tables.get(t, 0) for t, i in wanted.items())
+        size += sum(
+            4 * arr.size + PER_SHARD * len(self.layout.shards_of[t]) for t, arr in values.items()
+        )
         #: whether the round is too large for one request per server (decided once, before
         #: anything is sent, from the limits of the primaries it goes to)
         in_parts: bool | None = None
@@ -134,8 +150,11 @@ class RoundClient:
         for t, ids in wanted.items():
             for b, pos in split_by_bucket(ids, self.layout.n_buckets).items():
                 buckets.setdefault(b, _Bucket()).fetch[t] = pos
+        for t in values:
+            for s in self.layout.shards_of[t]:
+                buckets.setdefault(self.layout.bucket_of[s.id], _Bucket()).values.append(s)
         writes = {b for b, u in buckets.items() if u.shards or u.rows}
-        reads = {b for b, u in buckets.items() if u.fetch}
+        reads = {b for b, u in buckets.items() if u.fetch or u.values}
         #: buckets whose writes were acknowledged / whose fetch was answered
         written: set[int] = set()
         fetched: set[int] = set()
@@ -143,13 +162,15 @@ class RoundClient:
         sent_to: dict[int, str] = {}
         pair = {"client": self.client_id, "seq": seq}
 
-        def request(group: list[int]) -> tuple[dict[str, Any], list[tuple[str, np.ndarray]]]:
-            """The round's fields for `group` (its buckets), and each fetch's positions."""
+        def request(group: list[int]) -> tuple[dict[str, Any], list[Any]]:
+            """The round's fields for `group` (its buckets), each fetch's positions and the
+            shards whose values it asks for."""
             layers: dict[str, dict[str, Any]] = {}
             ids_: list[str] = []
             comp: dict[str, dict[str, Any]] = {}
             row_pos: dict[str, list[np.ndarray]] = {}
             fetch_pos: dict[str, list[np.ndarray]] = {}
+            fetch_shards: list[Shard] = []
             for b in group:
                 u = buckets[b]
                 if b not in written:
@@ -169,6 +190,7 @@ class RoundClient:
                 if b not in fetched:
                     for t, pos in u.fetch.items():
                         fetch_pos.setdefault(t, []).append(pos)
+                    fetch_shards += u.values
             f: dict[str, Any] = {}
             if layers:
                 f["layers"] = layers
@@ -189,17 +211,27 @@ class RoundClient:
             order = [(t, np.concatenate(ps)) for t, ps in fetch_pos.items()]
             if order:
                 f["fetch_rows"] = [{"table": t, "ids": wanted[t][pos]} for t, pos in order]
-            return f, order
+            if fetch_shards:
+                f["fetch_shards"] = [s.id for s in fetch_shards]
+            return f, [order, fetch_shards]
 
-        def answered(group: list[int], reply: dict[str, Any], order: list[Any]) -> None:
+        def answered(group: list[int], reply: dict[str, Any], plan: list[Any]) -> None:
+            order, fetch_shards = plan
             got = reply.get("fetched") or []
             if len(got) != len(order):
                 raise RpcError("bad_reply", f"round: {len(order)} fetches, {len(got)} answered")
+            vals = reply.get("values") or []
+            if len(vals) != len(fetch_shards) or any(
+                np.size(v) != s.size for v, s in zip(vals, fetch_shards, strict=False)
+            ):
+                raise RpcError("bad_reply", f"round: {len(fetch_shards)} shards' values asked")
             for (t, pos), r in zip(order, got, strict=True):
                 res = out.get(t)
                 if res is None:
                     res = out[t] = np.empty((len(wanted[t]), r.shape[1]), np.float32)
                 res[pos] = r
+            for s, v in zip(fetch_shards, vals, strict=True):
+                values[s.tensor].reshape(-1)[s.start : s.stop] = np.asarray(v).reshape(-1)
             written.update(b for b in group if b in writes)
             fetched.update(b for b in group if b in reads)
 
@@ -243,7 +275,9 @@ class RoundClient:
                 raise
             raise partial from exc
         if in_parts:
-            return self._round_in_parts(vecs, by_id, signs, pushed, wanted, seq, out, hyper)
+            self._round_in_parts(vecs, by_id, signs, pushed, wanted, seq, out, hyper)
+            if values:
+                self.pull(list(values), out=values)  # type: ignore[attr-defined]
         return out
 
     def _round_in_parts(

@@ -12,7 +12,9 @@ Each step a worker brings the gradient of every parameter (dense, from ``p.grad`
    sum (for a linear weight ``e.T @ a`` computed here, which is its gradient); with a compressor,
    Strom's threshold-quantized update when that is smaller (adamps/compression/error_feedback.py);
 4. every ``n_fetch`` steps replaces the parameters by the servers' values, plus the gradient it
-   has not sent yet (the compressor's residuals): local progress the servers do not have.
+   has not sent yet (the compressor's residuals): local progress the servers do not have. A
+   fetch due at a step that pushes rides the push's round (its values read after the push is
+   applied): with ``n_push = n_fetch = 1`` a step is one request per server, not two.
 
 Units: the servers apply ``w -= lr * g`` (SGD) to a pushed gradient ``g``, and ``W -= lr *
 e.T @ a`` to act/err rows (adamps/server/updates/optim.py): both are gradients here, never deltas. So
@@ -199,11 +201,13 @@ class WorkerDownpour:
             # forward reads them (as before: a table's rows are never pushed late).
             self.remote.push([], row_grads)
             row_grads = {}
+        fetch = self.steps % self.n_fetch == 0
         if self.steps % self.n_push == 0:
-            self.push(row_grads)
+            # a fetch due at the same step rides the push's round (one request per server)
+            fetch = not self.push(row_grads, fetch=fetch) and fetch
         elif row_grads:
             self._do(("push", [], row_grads))
-        if self.steps % self.n_fetch == 0:
+        if fetch:
             self.fetch()
 
     def _keep_rows(self, p: Param, rows: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> bool:
@@ -266,12 +270,22 @@ class WorkerDownpour:
         self._dense = {}
         return parts
 
-    def push(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+    def push(
+        self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None, fetch: bool = False
+    ) -> bool:
         """Sends what accumulated since the last push (nothing if nothing did), and `rows`
-        (table -> (ids, grads)) in the same round."""
+        (table -> (ids, grads)) in the same round; with `fetch`, that round also answers the
+        parameters' values, installed as ``fetch`` installs them. Returns whether the fetch
+        was carried (or, asynchronously, queued) with the push."""
         parts = self.parts()
-        if parts or rows:
-            self._do(("push", parts, rows or {}))
+        if not (parts or rows):
+            return False
+        if fetch and self._q is not None:
+            if self._fetch_queued:  # a fetch is already queued: it reads the newest values
+                fetch = False
+            self._fetch_queued = self._fetch_queued or fetch
+        self._do(("push", parts, rows or {}, fetch))
+        return fetch
 
     def fetch(self) -> None:
         """The servers' values into the shared parameters, plus this worker's unsent residuals."""
@@ -331,20 +345,29 @@ class WorkerDownpour:
 
     def _carry(self, item: tuple[Any, ...]) -> None:
         if item[0] == "push":
-            self._send(item[1], item[2])
+            self._send(item[1], item[2], len(item) > 3 and item[3])
         else:
             self._fetch_queued = False
             self._pull()
 
     def _send(
-        self, parts: list[tuple[Any, ...]], rows: Mapping[str, tuple[np.ndarray, np.ndarray]]
+        self,
+        parts: list[tuple[Any, ...]],
+        rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
+        fetch: bool = False,
     ) -> None:
         if self.compressor is not None and parts:
             parts, _ = self.compressor.compress(parts)
-        nbytes = self.remote.push(parts, rows)
+        if fetch:  # the residuals after this push's compression, as a fetch after it reads
+            self._fetch_queued = False
+            got = (self.params, self.stage_down, self._residuals())
+            nbytes = self.remote.push(parts, rows, fetch=got)
+        else:
+            nbytes = self.remote.push(parts, rows)
         c = self.counts
         with c.lock:
             c.pushes += bool(parts)  # (a round of rows alone is not a push of the model's)
+            c.fetches += fetch
             c.bytes_pushed += nbytes
             for kind, name, *arrays in parts:
                 c.forms[kind] = c.forms.get(kind, 0) + 1
@@ -353,14 +376,18 @@ class WorkerDownpour:
                         arrays[0].nbytes if kind == "compressed" else sum(x.nbytes for x in arrays)
                     )
 
-    def _pull(self) -> None:
+    def _residuals(self) -> dict[str, np.ndarray]:
+        """The local progress a fetch keeps: the compressor's unsent residuals, as steps."""
         residuals = {}
         if self.compressor is not None:
             for p in self.params:
                 tc = self.compressor.tensors.get(p.tensor)
                 if tc is not None:
                     residuals[p.tensor] = np.float32(-self.local_lr) * tc.residual
-        self.remote.pull(self.params, self.stage_down, residuals)
+        return residuals
+
+    def _pull(self) -> None:
+        self.remote.pull(self.params, self.stage_down, self._residuals())
         with self.counts.lock:
             self.counts.fetches += 1
 

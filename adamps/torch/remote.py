@@ -195,13 +195,16 @@ class RemoteModel:
         self,
         parts: Sequence[tuple[Any, ...]],
         rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+        fetch: tuple[Sequence[Param], HostStage, Mapping[str, np.ndarray]] | None = None,
     ) -> int:
         """Sends a push's parts in gradient units: ``("fc", t, a, e)``, ``("dense", t, g)``,
         ``("compressed", t, Encoded)`` (adamps/compression/error_feedback.py's forms), and embedding tables'
         `rows` (server table -> (ids, grads)): the fc vectors, dense gradients, compressed
         updates and rows in one exactly-once round, one request per server (``PSClient.round``). Every part is checked before any is sent (issue 39: a
-        NaN anywhere refuses the whole push, nothing applied). Returns the array payload bytes
-        sent."""
+        NaN anywhere refuses the whole push, nothing applied). `fetch` (params, stage,
+        residuals), as ``pull``'s: the same round also answers those parameters' values, read
+        after its writes, and they are installed as ``pull`` installs them (one request per
+        server for the step's push and fetch). Returns the array payload bytes sent."""
         fc: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         dense: dict[str, np.ndarray] = {}
         compressed: dict[str, Any] = {}
@@ -217,7 +220,17 @@ class RemoteModel:
                 g = arrays[0].reshape(self.layout.tensors[name].shape)
                 dense[name] = g
                 nbytes += g.nbytes
-        if fc or dense or rows or compressed:  # one request per server (adamps/client/round.py)
+        if fetch is not None:
+            params, stage, residuals = fetch
+            with torch.no_grad():
+                out = stage.value_buffers(params)
+                self.client.round(
+                    fc, dense, rows=rows, compressed=compressed, hyper=self.hyper, fetch=out
+                )
+                for tensor, r in residuals.items():
+                    out[tensor].reshape(-1)[:] += r
+                stage.to_device(params)
+        elif fc or dense or rows or compressed:  # one request per server (client/round.py)
             self.client.round(fc, dense, rows=rows, compressed=compressed, hyper=self.hyper)
         return nbytes
 

@@ -172,6 +172,48 @@ async def test_a_round_refused_by_one_server_is_resent_there_alone_under_its_pai
         await stop(servers, runners)
 
 
+@pytest.mark.parametrize("data_plane", [True, False])
+async def test_a_rounds_dense_fetch_rides_its_requests_and_reads_its_writes(
+    tmp_path: Path, data_plane: bool
+) -> None:
+    """A synchronous Downpour step's push and fetch (issue 36): the round's ``fetch`` of whole
+    tensors is answered in its one request per server, with the values a pull after it reads;
+    retried (server 1 holds its writes for a moment), it is still applied once and answered."""
+    servers, runners, urls = await start_two(tmp_path)
+    try:
+
+        def run() -> None:
+            layout = twins()
+            with PSClient(
+                StaticRouting(urls, N_BUCKETS), layout, TOKEN, data_plane=data_plane
+            ) as pc:
+                define(pc)
+                rng = np.random.default_rng(4)
+                names = [f"r.{t.name}" for t in TENSORS]
+                for step in range(3):
+                    a = rng.standard_normal((8, 500), np.float32)
+                    e = rng.standard_normal((8, 600), np.float32)
+                    d = {"r.fc.b": rng.standard_normal(600, np.float32)}
+                    out = {n: np.empty(layout.tensors[n].shape, np.float32) for n in names}
+                    if step == 2:
+                        servers[1].writes.hold.hold("cut-2", time.monotonic(), 0.5)
+                    before = pc.dp_requests + pc.http_requests
+                    pc.round({"r.fc.w": (a, e)}, d, fetch=out)
+                    sent = pc.dp_requests + pc.http_requests - before
+                    assert sent == 2 + pc.retries, (step, sent)  # a round and no pull
+                    vals, _ = pc.pull(names)
+                    for n in names:
+                        np.testing.assert_array_equal(out[n], vals[n])
+                assert pc.retries >= 1
+                # applied exactly once: the versions count one update per round
+                _, vers = pc.pull(["r.fc.b"])
+                assert vers["r.fc.b"] == [3] * len(vers["r.fc.b"])
+
+        await asyncio.to_thread(run)
+    finally:
+        await stop(servers, runners)
+
+
 async def test_a_bad_round_is_refused_whole_and_changes_nothing(tmp_path: Path) -> None:
     servers, runners, urls = await start_two(tmp_path)
     try:
@@ -192,6 +234,8 @@ async def test_a_bad_round_is_refused_whole_and_changes_nothing(tmp_path: Path) 
             ({"rows": "x"}, "bad_request"),
             ({}, "bad_request"),
             ({"rows": [good], "dense_shards": fc_b, "dense": np.ones(5, np.float32)}, "bad_shape"),
+            ({"rows": [good], "fetch_shards": ["nope"]}, None),
+            ({"rows": [good], "fetch_shards": "x"}, "bad_request"),
         ]
         for fields, code in cases:
             with pytest.raises(RpcError) as info:
@@ -281,8 +325,12 @@ async def test_a_round_over_the_servers_limits_goes_in_parts_with_the_same_resul
                 ids = rng.integers(0, 1000, 64)
                 g = rng.standard_normal((64, 4), np.float32)
                 before = pc.dp_requests + pc.http_requests
+                out = {"r.fc.w": np.empty((600, 500), np.float32)}
                 got = pc.round(
-                    dense={"r.fc.w": w}, rows={"r.emb": (ids, g)}, fetch_rows={"r.emb": ids}
+                    dense={"r.fc.w": w},
+                    rows={"r.emb": (ids, g)},
+                    fetch_rows={"r.emb": ids},
+                    fetch=out,
                 )
                 assert pc.dp_requests + pc.http_requests - before > 2
                 pc.push_dense_many({"s.fc.w": w})
@@ -290,6 +338,8 @@ async def test_a_round_over_the_servers_limits_goes_in_parts_with_the_same_resul
                 np.testing.assert_array_equal(got["r.emb"], pc.pull_rows("s.emb", ids))
                 vals, _ = pc.pull(["r.fc.w", "s.fc.w"])
                 np.testing.assert_array_equal(vals["r.fc.w"], vals["s.fc.w"])
+                # the dense fetch too, read after the parts (a pull of its own)
+                np.testing.assert_array_equal(out["r.fc.w"], vals["r.fc.w"])
 
         await asyncio.to_thread(run)
     finally:

@@ -1,7 +1,8 @@
 """Equivalence (issue 22): 1 replica, 1 worker, server-side SGD, n_fetch = n_push = 1, no
 compression: after 100 steps the parameters equal plain torch.optim.SGD's on the same batches
 within 1e-5, with the nn.Linear weights pushed as activation/error vectors (the server computes
-e.T @ a) and with dense gradients. Against a real `adamps ps` on loopback."""
+e.T @ a) and with dense gradients; each step's push and fetch are one request. Against a real
+`adamps ps` on loopback."""
 
 from __future__ import annotations
 
@@ -52,12 +53,19 @@ def test_downpour_equals_plain_sgd(ps_url: str, act_err: bool, token: str) -> No
     run = "eq-fc" if act_err else "eq-dense"
     opt = at.DownpourOptimizer(model, ps=[ps_url], lr=LR, optimizer="sgd", run=run,
                                act_err=act_err, token=token)  # fmt: skip
+    client = opt.conn.remote.client
+    sent = []
     for x, y in data:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
+        before = client.dp_requests + client.http_requests
         opt.step()
+        sent.append(client.dp_requests + client.http_requests - before)
     server = opt.model_state_dict()
     opt.close()
+    # the step's push and its fetch are one round: one request to the one server, not a
+    # round and a pull (issue 36: a synchronous step paid two round trips)
+    assert sent == [1] * STEPS, sent
     forms = opt.counts.forms
     if act_err:  # two linear weights went as vectors every step; 64 x 3 is smaller dense
         assert forms["fc"] == 2 * STEPS, forms

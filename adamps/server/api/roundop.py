@@ -4,7 +4,10 @@ next, in one request (ps-lite's ZPushPull shape; issue 36 item 2).
 A round names, all optional (at least one): ``layers``, ``dense_shards`` + ``dense`` (as a
 ``push_fc`` round), ``compressed`` (shard -> Strom update, as ``push_compressed``'s
 ``shards``), ``rows`` (a list of ``{"table", "ids", "grads"}``, each as a
-``push_rows``) and ``fetch_rows`` (a list of ``{"table", "ids"}``, each as a ``pull_rows``).
+``push_rows``), ``fetch_rows`` (a list of ``{"table", "ids"}``, each as a ``pull_rows``) and
+``fetch_shards`` (dense shard ids, each as a ``pull`` of shards: the answer's ``values``, in
+that order, read after the round's writes; a synchronous Downpour step's push and fetch in one
+request per server, not a round and a pull).
 Nothing here decides how a write is applied: each part is decoded by its kind's decoder
 (adamps/server/decode/): the dense half into the parts push_fc produces
 (``WritePath.decode_round``), each table's rows into the parts push_rows produces
@@ -32,8 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from adamps.server.api.tableops import TableOps
 from adamps.server.decode import compressed
+from adamps.server.store.tickets import owner_future
 from adamps.server.writepath import WritePath
 from adamps.wire.protocol import ProtocolError
 
@@ -70,6 +76,8 @@ class Prepared:
     n_rows: int
     #: the fetches, checked (TableOps.check_pull)
     checked: list[Any]
+    #: the dense shards whose values the answer carries (``fetch_shards``), checked
+    values: list[Any]
 
 
 class RoundOp:
@@ -105,6 +113,10 @@ class RoundOp:
             wire += w
             row_parts.append(parts)
         checked = [await self.rows.check_pull(entry) for entry in fetches]
+        values: list[Any] = []
+        if "fetch_shards" in msg:  # dense values, as a pull of shards: checked now, read last
+            values = self.writes.addressing.shard_ids(msg, "fetch_shards")
+            self.writes.addressing.check_serving(values)
 
         def work() -> list[Any]:
             for _nbytes, check in later:
@@ -119,9 +131,11 @@ class RoundOp:
             if any(st.id in named for st, _u, _d in signs):
                 raise ProtocolError("bad_request", "round names a shard twice")
             wire += compressed.wire(signs)
-        if not wire and not checked:
+        if not wire and not checked and not values:
             raise ProtocolError(
-                "bad_request", "round needs 'layers', 'dense', 'compressed', 'rows' or 'fetch_rows'"
+                "bad_request",
+                "round needs 'layers', 'dense', 'compressed', 'rows', 'fetch_rows' or "
+                "'fetch_shards'",
             )
 
         def parts() -> list[tuple[Any, Any]]:
@@ -130,7 +144,7 @@ class RoundOp:
                 out += p()
             return out
 
-        return Prepared(msg, wire, parts, n_rows, checked)
+        return Prepared(msg, wire, parts, n_rows, checked, values)
 
     async def apply(self, r: Prepared) -> dict[str, Any]:
         """A prepared round's writes through the one write path (queued in this call's first
@@ -138,4 +152,10 @@ class RoundOp:
         if r.wire:
             await self.writes.replicate_or_apply(r.msg, r.wire, r.parts)
         fetched = [await self.rows.gather(*c) for c in r.checked]
-        return {"versions": {}, "rows": r.n_rows, "fetched": fetched}
+        out: dict[str, Any] = {"versions": {}, "rows": r.n_rows, "fetched": fetched}
+        if r.values:  # read on the owner threads, behind this round's writes (as a pull)
+            outs = [np.empty(st.shard.shape, np.float32) for st in r.values]
+            store = self.writes.store
+            await owner_future(lambda cb: store.read(r.values, outs, cb))
+            out["values"] = outs
+        return out
