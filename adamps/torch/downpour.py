@@ -14,6 +14,11 @@ Each step a worker brings the gradient of every parameter (dense, from ``p.grad`
 4. every ``n_fetch`` steps replaces the parameters by the servers' values, plus the gradient it
    has not sent yet (the compressor's residuals): local progress the servers do not have.
 
+With ``staleness="auto"`` each push's server lr is divided by ``1 + tau``, tau the updates
+other workers applied between this worker's last two fetches (the shards' versions the fetches
+return: adamps/torch/staleness.py). One worker alone has tau 0: its lr is unchanged. The
+default is "off": the study of docs/training.md ("Several replicas") found no gain from it.
+
 Units: the servers apply ``w -= lr * g`` (SGD) to a pushed gradient ``g``, and ``W -= lr *
 e.T @ a`` to act/err rows (adamps/server/updates/optim.py): both are gradients here, never deltas. So
 with one worker, SGD at the local rate, ``n_fetch = n_push = 1`` and no compression, the
@@ -53,6 +58,7 @@ from adamps.torch.hooks import ActErrCapture
 from adamps.torch.params import Param
 from adamps.torch.remote import RemoteModel, server_shape
 from adamps.torch.staging import HostStage, direct
+from adamps.torch.staleness import StalenessMeter, check_mode, staleness_lr
 
 
 @dataclass
@@ -105,9 +111,15 @@ class WorkerDownpour:
         counts: PushCounts | None = None,
         asynchronous: bool = False,
         tables: Sequence[Any] = (),
+        staleness: str = "off",
     ) -> None:
         if n_push < 1 or n_fetch < 1:
             raise ValueError(f"n_push and n_fetch must be >= 1, got {n_push}, {n_fetch}")
+        #: "auto": a push's lr divided by 1 + its measured staleness; "off": the group's lr
+        self.staleness = check_mode(staleness)
+        self.meter = StalenessMeter()
+        #: this worker's pushes of the model's tensors since its last fetch
+        self._pushed = 0
         self.remote = remote
         self.params = list(params)
         self.capture = capture
@@ -341,7 +353,9 @@ class WorkerDownpour:
     ) -> None:
         if self.compressor is not None and parts:
             parts, _ = self.compressor.compress(parts)
-        nbytes = self.remote.push(parts, rows)
+        scale = staleness_lr(1.0, self.meter.tau) if self.staleness == "auto" else 1.0
+        nbytes = self.remote.push(parts, rows, lr_scale=scale)
+        self._pushed += bool(parts)
         c = self.counts
         with c.lock:
             c.pushes += bool(parts)  # (a round of rows alone is not a push of the model's)
@@ -360,7 +374,9 @@ class WorkerDownpour:
                 tc = self.compressor.tensors.get(p.tensor)
                 if tc is not None:
                     residuals[p.tensor] = np.float32(-self.local_lr) * tc.residual
-        self.remote.pull(self.params, self.stage_down, residuals)
+        versions = self.remote.pull(self.params, self.stage_down, residuals)
+        self.meter.fetched(versions, self._pushed)
+        self._pushed = 0
         with self.counts.lock:
             self.counts.fetches += 1
 

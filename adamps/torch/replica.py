@@ -60,6 +60,7 @@ class Replica:
         workers: int = 1,
         compress: Any = False,
         asynchronous: bool = False,
+        staleness: str = "off",
         connection: Connection | None = None,
         **server: Any,
     ) -> None:
@@ -84,6 +85,7 @@ class Replica:
                 compress=compress,
                 asynchronous=asynchronous,
                 params=self.params[w],
+                staleness=staleness,
             )  # fmt: skip
             for w in range(workers)
         ]
