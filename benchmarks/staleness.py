@@ -108,6 +108,7 @@ def _replica(v: Variant, r: int, conn: dict[str, Any], barrier: Any) -> dict[str
     import adamps.torch as at
 
     torch.set_num_threads(1)
+    os.environ["WORLD_SIZE"] = str(v.replicas)  # as adamps launch (and torchrun) set it
     net = model(v)
     opt = at.DownpourOptimizer(
         net, controllers=conn["controllers"], run=conn["run"], token=conn["token"], lr=v.lr,

@@ -54,11 +54,12 @@ import torch
 
 from adamps.client import push_checks
 from adamps.client.round import use_act_err
+from adamps.torch import launch_env
 from adamps.torch.hooks import ActErrCapture
 from adamps.torch.params import Param
 from adamps.torch.remote import RemoteModel, server_shape
 from adamps.torch.staging import HostStage, direct
-from adamps.torch.staleness import StalenessMeter, check_mode, staleness_lr
+from adamps.torch.staleness import StalenessMeter, check_mode, initial_tau, staleness_lr
 
 
 @dataclass
@@ -117,7 +118,7 @@ class WorkerDownpour:
             raise ValueError(f"n_push and n_fetch must be >= 1, got {n_push}, {n_fetch}")
         #: "auto": a push's lr divided by 1 + its measured staleness; "off": the group's lr
         self.staleness = check_mode(staleness)
-        self.meter = StalenessMeter()
+        self.meter = StalenessMeter(initial_tau(launch_env.world_size()))
         #: this worker's pushes of the model's tensors since its last fetch
         self._pushed = 0
         self.remote = remote

@@ -42,22 +42,33 @@ class StalenessMeter:
     """The staleness of one worker's pushes, from the shard versions its fetches return (a
     version counts the updates applied to a shard). Owned by the thread that fetches."""
 
-    def __init__(self) -> None:
+    def __init__(self, tau: float = 0.0) -> None:
         #: tensor -> its shards' versions at the last fetch
         self._last: dict[str, list[int]] = {}
         #: the updates others applied between this worker's last two fetches: the most any
-        #: shard took, less this worker's own pushes (an integer: a few distinct lrs)
-        self.tau = 0.0
+        #: shard took, less this worker's own pushes (an integer: a few distinct lrs). Before
+        #: two fetches measured it: `tau`, the guess (initial_tau: replicas in step)
+        self.tau = float(tau)
 
     def fetched(self, versions: Mapping[str, Sequence[int]], own: int) -> float:
         """A fetch's shard versions (tensor -> per shard) and this worker's pushes since its
         previous fetch (`own`); returns the new tau. A shard whose version went down (a
         restored checkpoint) is not counted."""
-        most = 0
+        most, measured = 0, False
         for t, vs in versions.items():
             before = self._last.get(t)
             if before is not None and len(before) == len(vs):
                 most = max([most] + [v - b for v, b in zip(vs, before, strict=True) if v >= b])
+                measured = True
             self._last[t] = list(vs)
-        self.tau = float(max(0, most - own))
+        if measured:
+            self.tau = float(max(0, most - own))
         return self.tau
+
+
+def initial_tau(world_size: int) -> float:
+    """The staleness to assume before the first measurement: ``world_size - 1`` (``$WORLD_SIZE``
+    of ``adamps launch`` or torchrun: that many replicas in step). The first pushes matter
+    most: Adagrad's first step is about lr per element, and N replicas take it together from
+    the same point (docs/training.md, "Several replicas")."""
+    return float(max(0, world_size - 1))

@@ -7,7 +7,12 @@ import pytest
 
 pytest.importorskip("torch", reason="adamps.torch needs torch")
 
-from adamps.torch.staleness import StalenessMeter, check_mode, staleness_lr  # noqa: E402
+from adamps.torch.staleness import (  # noqa: E402
+    StalenessMeter,
+    check_mode,
+    initial_tau,
+    staleness_lr,
+)
 
 
 def test_a_push_is_divided_by_one_plus_its_staleness() -> None:
@@ -45,3 +50,11 @@ def test_the_mode_is_checked() -> None:
     assert check_mode("auto") == "auto" and check_mode("off") == "off"
     with pytest.raises(ValueError, match=r"staleness must be one of \['auto', 'off'\], got 'on'"):
         check_mode("on")
+
+
+def test_before_two_fetches_the_replicas_in_step_are_assumed() -> None:
+    # $WORLD_SIZE replicas start together: their first pushes are that stale
+    assert initial_tau(1) == 0.0 and initial_tau(4) == 3.0 and initial_tau(0) == 0.0
+    m = StalenessMeter(initial_tau(4))
+    assert m.fetched({"w": [0]}, own=0) == 3.0  # nothing to compare yet: the guess stands
+    assert m.fetched({"w": [3]}, own=1) == 2.0  # measured: 2 by the others
