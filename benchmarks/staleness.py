@@ -13,8 +13,9 @@ it does not change what is learnt), each replica a process with one thread, in i
 after every replica flushed, at the servers' values. The variants:
 
 - ``1 seed s``: one replica (model init and data order from s): the noise floor;
-- ``N:off``: the optimizer's defaults (n_push = n_fetch = 1, local_lr = lr, staleness off);
-- ``N:auto``: ``staleness="auto"``: each push's lr divided by ``1 + tau``, tau the updates the
+- ``N:off``: n_push = n_fetch = 1, local_lr = lr, every push at lr (the defaults before);
+- ``N:auto``: ``staleness="auto"`` (the default): each push's lr divided by ``1 + tau``
+  (``$WORLD_SIZE - 1`` until measured; the replicas here set it as adamps launch does), tau the updates the
   other replicas applied to the replica's tensors between two of its fetches (the shards'
   versions the fetches return; adamps/torch/staleness.py);
 - ``N:zhang``: ``lr / max(1, tau)`` (Zhang et al., IJCAI 2016), set as the group's lr;

@@ -14,10 +14,10 @@ Each step a worker brings the gradient of every parameter (dense, from ``p.grad`
 4. every ``n_fetch`` steps replaces the parameters by the servers' values, plus the gradient it
    has not sent yet (the compressor's residuals): local progress the servers do not have.
 
-With ``staleness="auto"`` each push's server lr is divided by ``1 + tau``, tau the updates
-other workers applied between this worker's last two fetches (the shards' versions the fetches
-return: adamps/torch/staleness.py). One worker alone has tau 0: its lr is unchanged. The
-default is "off": the study of docs/training.md ("Several replicas") found no gain from it.
+With ``staleness="auto"`` (the default) each push's server lr is divided by ``1 + tau``, tau
+the updates other workers applied between this worker's last two fetches (the shards' versions
+the fetches return; before two fetches, ``$WORLD_SIZE - 1``: adamps/torch/staleness.py). One
+worker alone has tau 0: its lr is unchanged. ``"off"``: every push at the group's lr.
 
 Units: the servers apply ``w -= lr * g`` (SGD) to a pushed gradient ``g``, and ``W -= lr *
 e.T @ a`` to act/err rows (adamps/server/updates/optim.py): both are gradients here, never deltas. So
@@ -112,7 +112,7 @@ class WorkerDownpour:
         counts: PushCounts | None = None,
         asynchronous: bool = False,
         tables: Sequence[Any] = (),
-        staleness: str = "off",
+        staleness: str = "auto",
     ) -> None:
         if n_push < 1 or n_fetch < 1:
             raise ValueError(f"n_push and n_fetch must be >= 1, got {n_push}, {n_fetch}")

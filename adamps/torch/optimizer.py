@@ -96,7 +96,7 @@ class Connection:
         compress: Any = None,
         asynchronous: bool = False,
         params: Sequence[Param] | None = None,
-        staleness: str = "off",
+        staleness: str = "auto",
     ) -> WorkerDownpour:
         """The Downpour rule of one more worker (its own accumulators and compressor), stepping
         `params` (default: the model's; a Hogwild worker's own tensors on the same memory)."""

@@ -116,7 +116,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         n_fetch: int = 1,
         local_lr: float | None = None,
         compress: Any = False,
-        staleness: str = "off",
+        staleness: str = "auto",
         **hyper: Any,
     ) -> None:
         if isinstance(params, nn.Module):
@@ -394,7 +394,7 @@ class DownpourOptimizer(ServerOptimizer):
         adagrad_initial: float = 0.0,
         optimizer_args: Mapping[str, Any] | None = None,
         http_only: bool = False,
-        staleness: str = "off",
+        staleness: str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ModelError(

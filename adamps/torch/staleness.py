@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-#: the values of ``staleness=``: auto (the rule), off (every push at the group's lr; the default:
-#: benchmarks/staleness.py found no gain from auto, docs/training.md "Several replicas")
+#: the values of ``staleness=``: auto (the rule, the default: benchmarks/staleness.py,
+#: docs/training.md "Several replicas"), off (every push at the group's lr)
 MODES = ("auto", "off")
 
 

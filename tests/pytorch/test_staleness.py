@@ -1,7 +1,7 @@
 """Two async replicas against a real `adamps ps` (issue 36 item 5): each push's server lr is
 divided by 1 + its measured staleness (adamps/torch/staleness.py), so two replicas in step take
-one replica's step per round; ``staleness="off"`` (the default) keeps every push at the group's
-lr. One replica alone is unchanged (tests/pytorch/test_equivalence.py: torch.optim.SGD's values)."""
+one replica's step per round; ``staleness="off"`` keeps every push at the group's lr (auto is the
+default). One replica alone is unchanged (tests/pytorch/test_equivalence.py: torch.optim.SGD's values)."""
 
 from __future__ import annotations
 
