@@ -6,7 +6,7 @@
 
 Each workload is trained the way a user of ``adamps.torch`` trains it: their own loop
 (``zero_grad(); loss.backward(); opt.step()``) with a ``DownpourOptimizer`` at its defaults
-(``n_push = n_fetch = 1``), one process per replica, each replica taking every N-th batch of each
+(``n_push = n_fetch = 1``, ``staleness="auto"``), one process per replica with ``WORLD_SIZE`` set, each replica taking every N-th batch of each
 epoch (as ``DistributedSampler`` would), on a fresh local cluster of 3 controllers and 3
 parameter servers started as ``adamps up`` starts them, with the controllers' documented default
 timeouts. Plain PyTorch trains the same model with the torch.optim optimizer of the same name, lr
@@ -237,6 +237,8 @@ def _replica(s: Setting, r: int, conn: dict[str, Any], barrier: Any) -> dict[str
     import torch
 
     torch.set_num_threads(1)
+    # as `adamps launch` (and torchrun) set it: a replica's staleness-aware lr starts from it
+    os.environ["WORLD_SIZE"] = str(max(1, s.replicas))
     plain = s.replicas == 0
     model = build_model(s, plain)
     if plain:

@@ -83,6 +83,7 @@ class RoundClient:
         compressed: Mapping[str, Mapping[str, Any]] | None = None,
         hyper: Mapping[str, Mapping[str, Any]] | None = None,
         fetch: Mapping[str, np.ndarray] | None = None,
+        fetch_versions: dict[str, list[int]] | None = None,
     ) -> dict[str, np.ndarray]:
         """One round: `fc` (layer -> (a [k, N], e [k, M])), `dense` (tensor -> delta), `rows`
         (table -> (ids, grads), duplicate ids summed) and `compressed` (shard id -> Strom
@@ -94,7 +95,9 @@ class RoundClient:
         each request carries the entries of the tensors it updates. `fetch` (tensor -> a
         C-contiguous float32 array of its shape): filled with the tensors' values read after
         this round's writes, in the same requests (a synchronous Downpour step's push and fetch
-        in one request per server, not a round and a pull each)."""
+        in one request per server, not a round and a pull each). `fetch_versions`, when given, is
+        filled with those tensors' shard versions as ``pull`` returns them (tensor -> per shard:
+        the updates it has applied)."""
         hyper = dict(hyper or {})
         vecs = {n: checks.fc(self.layout, n, a, e) for n, (a, e) in (fc or {}).items()}
         by_id = self._dense_by_shard(dense or {})
@@ -230,8 +233,15 @@ class RoundClient:
                 if res is None:
                     res = out[t] = np.empty((len(wanted[t]), r.shape[1]), np.float32)
                 res[pos] = r
-            for s, v in zip(fetch_shards, vals, strict=True):
+            vers = reply.get("value_versions") or []
+            if len(vers) != len(fetch_shards):
+                raise RpcError("bad_reply", f"round: {len(fetch_shards)} shards' versions asked")
+            for s, v, n in zip(fetch_shards, vals, vers, strict=True):
                 values[s.tensor].reshape(-1)[s.start : s.stop] = np.asarray(v).reshape(-1)
+                if fetch_versions is not None:
+                    fetch_versions.setdefault(s.tensor, [0] * len(self.layout.shards_of[s.tensor]))[
+                        s.index
+                    ] = int(n)
             written.update(b for b in group if b in writes)
             fetched.update(b for b in group if b in reads)
 

@@ -16,6 +16,11 @@ Each step a worker brings the gradient of every parameter (dense, from ``p.grad`
    fetch due at a step that pushes rides the push's round (its values read after the push is
    applied): with ``n_push = n_fetch = 1`` a step is one request per server, not two.
 
+With ``staleness="auto"`` (the default) each push's server lr is divided by ``1 + tau``, tau
+the updates other workers applied between this worker's last two fetches (the shards' versions
+the fetches return; before two fetches, ``$WORLD_SIZE - 1``: adamps/torch/staleness.py). One
+worker alone has tau 0: its lr is unchanged. ``"off"``: every push at the group's lr.
+
 Units: the servers apply ``w -= lr * g`` (SGD) to a pushed gradient ``g``, and ``W -= lr *
 e.T @ a`` to act/err rows (adamps/server/updates/optim.py): both are gradients here, never deltas. So
 with one worker, SGD at the local rate, ``n_fetch = n_push = 1`` and no compression, the
@@ -51,10 +56,12 @@ import torch
 
 from adamps.client import push_checks
 from adamps.client.round import use_act_err
+from adamps.torch import launch_env
 from adamps.torch.hooks import ActErrCapture
 from adamps.torch.params import Param
 from adamps.torch.remote import RemoteModel, server_shape
 from adamps.torch.staging import HostStage, direct
+from adamps.torch.staleness import StalenessMeter, check_mode, initial_tau, staleness_lr
 
 
 @dataclass
@@ -107,9 +114,15 @@ class WorkerDownpour:
         counts: PushCounts | None = None,
         asynchronous: bool = False,
         tables: Sequence[Any] = (),
+        staleness: str = "auto",
     ) -> None:
         if n_push < 1 or n_fetch < 1:
             raise ValueError(f"n_push and n_fetch must be >= 1, got {n_push}, {n_fetch}")
+        #: "auto": a push's lr divided by 1 + its measured staleness; "off": the group's lr
+        self.staleness = check_mode(staleness)
+        self.meter = StalenessMeter(initial_tau(launch_env.world_size()))
+        #: this worker's pushes of the model's tensors since its last fetch
+        self._pushed = 0
         self.remote = remote
         self.params = list(params)
         self.capture = capture
@@ -358,12 +371,18 @@ class WorkerDownpour:
     ) -> None:
         if self.compressor is not None and parts:
             parts, _ = self.compressor.compress(parts)
+        scale = staleness_lr(1.0, self.meter.tau) if self.staleness == "auto" else 1.0
         if fetch:  # the residuals after this push's compression, as a fetch after it reads
             self._fetch_queued = False
-            got = (self.params, self.stage_down, self._residuals())
-            nbytes = self.remote.push(parts, rows, fetch=got)
+            versions: dict[str, list[int]] = {}
+            got = (self.params, self.stage_down, self._residuals(), versions)
+            nbytes = self.remote.push(parts, rows, fetch=got, lr_scale=scale)
+            self._pushed += bool(parts)  # the values were read after this push was applied
+            self.meter.fetched(versions, self._pushed)
+            self._pushed = 0
         else:
-            nbytes = self.remote.push(parts, rows)
+            nbytes = self.remote.push(parts, rows, lr_scale=scale)
+            self._pushed += bool(parts)
         c = self.counts
         with c.lock:
             c.pushes += bool(parts)  # (a round of rows alone is not a push of the model's)
@@ -387,7 +406,9 @@ class WorkerDownpour:
         return residuals
 
     def _pull(self) -> None:
-        self.remote.pull(self.params, self.stage_down, self._residuals())
+        versions = self.remote.pull(self.params, self.stage_down, self._residuals())
+        self.meter.fetched(versions, self._pushed)
+        self._pushed = 0
         with self.counts.lock:
             self.counts.fetches += 1
 

@@ -66,6 +66,7 @@ class Connection:
             self.params, controllers=list(controllers), ps=list(ps), token=token,
             http_only=http_only,
         )  # fmt: skip
+        self.remote.lr = float(self.optimizer["lr"])
         self.created: list[str] = []
         try:
             if create:
@@ -95,6 +96,7 @@ class Connection:
         compress: Any = None,
         asynchronous: bool = False,
         params: Sequence[Param] | None = None,
+        staleness: str = "auto",
     ) -> WorkerDownpour:
         """The Downpour rule of one more worker (its own accumulators and compressor), stepping
         `params` (default: the model's; a Hogwild worker's own tensors on the same memory)."""
@@ -107,7 +109,7 @@ class Connection:
         return WorkerDownpour(
             self.remote, self.params if params is None else params, self.capture, local_lr=local_lr, n_push=n_push,
             n_fetch=n_fetch, compressor=comp, counts=self.counts, asynchronous=asynchronous,
-            tables=self.tables,
+            tables=self.tables, staleness=staleness,
         )  # fmt: skip
 
     def server_state_dict(self) -> dict[str, torch.Tensor]:

@@ -108,6 +108,9 @@ class RemoteModel:
         #: tensor -> the optimizer hyperparameters its pushes name (a torch optimizer's param
         #: groups, as a scheduler leaves them: server_optim.py); absent: the tensor's own
         self.hyper: dict[str, dict[str, Any]] = {}
+        #: the lr of a tensor not in `hyper` (the one it was created with): what a push's
+        #: ``lr_scale`` scales (Connection sets it)
+        self.lr: float | None = None
 
     # -- definition ------------------------------------------------------------------------------
 
@@ -172,19 +175,21 @@ class RemoteModel:
         params: Sequence[Param] | None = None,
         stage: HostStage | None = None,
         residuals: Mapping[str, np.ndarray] | None = None,
-    ) -> None:
+    ) -> dict[str, list[int]]:
         """Copies the servers' values into the parameters (in place): straight into a float32
         CPU parameter's memory, else through `stage`'s host buffers (adamps/torch/staging.py)
         and one ``non_blocking`` copy per parameter. `residuals` (server tensor -> flat float32
-        array) are added to the values on the host before they reach the parameters."""
+        array) are added to the values on the host before they reach the parameters. Returns
+        the shards' versions (tensor -> per shard: the updates each has applied)."""
         params = self.params if params is None else params
         stage = stage if stage is not None else HostStage()
         with torch.no_grad():
             out = stage.value_buffers(params)
-            self.client.pull([p.tensor for p in params], out=out)
+            _, versions = self.client.pull([p.tensor for p in params], out=out)
             for tensor, r in (residuals or {}).items():
                 out[tensor].reshape(-1)[:] += r
             stage.to_device(params)
+        return versions
 
     def values(self) -> dict[str, np.ndarray]:
         """The servers' values, by parameter name (not written into the model)."""
@@ -195,16 +200,20 @@ class RemoteModel:
         self,
         parts: Sequence[tuple[Any, ...]],
         rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
-        fetch: tuple[Sequence[Param], HostStage, Mapping[str, np.ndarray]] | None = None,
+        fetch: tuple[Sequence[Param], HostStage, Mapping[str, np.ndarray], dict[str, list[int]]]
+        | None = None,
+        lr_scale: float = 1.0,
     ) -> int:
         """Sends a push's parts in gradient units: ``("fc", t, a, e)``, ``("dense", t, g)``,
         ``("compressed", t, Encoded)`` (adamps/compression/error_feedback.py's forms), and embedding tables'
         `rows` (server table -> (ids, grads)): the fc vectors, dense gradients, compressed
         updates and rows in one exactly-once round, one request per server (``PSClient.round``). Every part is checked before any is sent (issue 39: a
         NaN anywhere refuses the whole push, nothing applied). `fetch` (params, stage,
-        residuals), as ``pull``'s: the same round also answers those parameters' values, read
-        after its writes, and they are installed as ``pull`` installs them (one request per
-        server for the step's push and fetch). Returns the array payload bytes sent."""
+        residuals, versions), as ``pull``'s: the same round also answers those parameters'
+        values, read after its writes, installed as ``pull`` installs them (one request per
+        server for the step's push and fetch), and fills `versions` as ``pull`` returns them.
+        `lr_scale` (a stale push's, adamps/torch/staleness.py) scales the lr its tensors are
+        applied with. Returns the array payload bytes sent."""
         fc: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         dense: dict[str, np.ndarray] = {}
         compressed: dict[str, Any] = {}
@@ -220,19 +229,35 @@ class RemoteModel:
                 g = arrays[0].reshape(self.layout.tensors[name].shape)
                 dense[name] = g
                 nbytes += g.nbytes
+        hyper = self.hyper
+        if lr_scale != 1.0:
+            named = (*fc, *dense, *self._tensors_of(compressed))
+            hyper = {t: h for t in named if (h := self._scaled(t, lr_scale))}
         if fetch is not None:
-            params, stage, residuals = fetch
+            params, stage, residuals, versions = fetch
             with torch.no_grad():
                 out = stage.value_buffers(params)
                 self.client.round(
-                    fc, dense, rows=rows, compressed=compressed, hyper=self.hyper, fetch=out
-                )
+                    fc, dense, rows=rows, compressed=compressed, hyper=hyper, fetch=out,
+                    fetch_versions=versions,
+                )  # fmt: skip
                 for tensor, r in residuals.items():
                     out[tensor].reshape(-1)[:] += r
                 stage.to_device(params)
-        elif fc or dense or rows or compressed:  # one request per server (client/round.py)
-            self.client.round(fc, dense, rows=rows, compressed=compressed, hyper=self.hyper)
+        elif fc or dense or rows or compressed:  # one request per server (adamps/client/round.py)
+            self.client.round(fc, dense, rows=rows, compressed=compressed, hyper=hyper)
         return nbytes
+
+    def _scaled(self, tensor: str, scale: float) -> dict[str, Any]:
+        """The hyperparameters of `tensor`'s updates with its lr scaled by `scale`."""
+        h = dict(self.hyper.get(tensor, {}))
+        lr = h.get("lr", self.lr)
+        if lr is not None:
+            h["lr"] = float(lr) * scale
+        return h
+
+    def _tensors_of(self, compressed: Mapping[str, Any]) -> set[str]:
+        return {self.layout.shards[sid].tensor for sid in compressed}
 
     def close(self) -> None:
         self.client.close()

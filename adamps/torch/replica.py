@@ -14,7 +14,9 @@ every step lands in the one copy of the weights. Each worker takes the next mini
 shared iterator, computes its gradients with ``torch.autograd.grad`` (its own tensors: ``.grad``
 would be shared) and runs its own Downpour rule (adamps/torch/downpour.py): local step, push every
 ``n_push`` of its steps, fetch every ``n_fetch``. While one worker waits on the network the others
-compute. Buffers (BatchNorm's statistics) are per worker copy; the model's (worker 0's) are the
+compute. ``staleness`` is "off" here by default (every push at lr): the Hogwild workers share
+one memory, and the staleness study (docs/training.md, "Several replicas") measured replicas in
+their own loops, where ``DownpourOptimizer`` defaults to "auto". Buffers (BatchNorm's statistics) are per worker copy; the model's (worker 0's) are the
 replica's.
 """
 
@@ -60,6 +62,7 @@ class Replica:
         workers: int = 1,
         compress: Any = False,
         asynchronous: bool = False,
+        staleness: str = "off",
         connection: Connection | None = None,
         **server: Any,
     ) -> None:
@@ -84,6 +87,7 @@ class Replica:
                 compress=compress,
                 asynchronous=asynchronous,
                 params=self.params[w],
+                staleness=staleness,
             )  # fmt: skip
             for w in range(workers)
         ]

@@ -91,8 +91,9 @@ class ServerOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose rule the servers apply (module docstring). Keyword
     arguments besides the hyperparameters: the cluster (``controllers``, ``ps``, ``run``,
     ``token``: by default from ``adamps launch`` or the cluster file), ``create`` (replica 0's
-    job), ``act_err``, ``http_only``, Downpour's ``n_push``/``n_fetch``/``local_lr`` and
-    ``compress`` (docs/training.md)."""
+    job), ``act_err``, ``http_only``, Downpour's ``n_push``/``n_fetch``/``local_lr``,
+    ``compress`` and ``staleness`` ("auto": a push's lr divided by 1 + its measured staleness,
+    adamps/torch/staleness.py; "off") (docs/training.md)."""
 
     #: the servers' optimizer (adamps.optspec's kinds: torch.optim's names)
     kind: ClassVar[str] = "sgd"
@@ -115,6 +116,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         n_fetch: int = 1,
         local_lr: float | None = None,
         compress: Any = False,
+        staleness: str = "auto",
         **hyper: Any,
     ) -> None:
         if isinstance(params, nn.Module):
@@ -163,7 +165,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         try:
             self.worker = self.conn.worker(
                 local_lr=float(first["lr"]) if local_lr is None else local_lr,
-                n_push=n_push, n_fetch=n_fetch, compress=compress,
+                n_push=n_push, n_fetch=n_fetch, compress=compress, staleness=staleness,
             )  # fmt: skip
         except BaseException:
             self.conn.close()
@@ -392,6 +394,7 @@ class DownpourOptimizer(ServerOptimizer):
         adagrad_initial: float = 0.0,
         optimizer_args: Mapping[str, Any] | None = None,
         http_only: bool = False,
+        staleness: str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ModelError(
@@ -407,7 +410,7 @@ class DownpourOptimizer(ServerOptimizer):
             _named_params(model), model=model, controllers=controllers, ps=ps, run=run,
             token=token, create=create, act_err=act_err, http_only=http_only, n_push=n_push,
             n_fetch=n_fetch, local_lr=lr if local_lr is None else local_lr, compress=compress,
-            lr=lr, **hyper,
+            staleness=staleness, lr=lr, **hyper,
         )  # fmt: skip
 
 

@@ -156,6 +156,9 @@ class RoundOp:
         if r.values:  # read on the owner threads, behind this round's writes (as a pull)
             outs = [np.empty(st.shard.shape, np.float32) for st in r.values]
             store = self.writes.store
-            await owner_future(lambda cb: store.read(r.values, outs, cb))
+            vers = await owner_future(lambda cb: store.read(r.values, outs, cb))
             out["values"] = outs
+            # each shard's version (the updates it has applied), as a pull answers them: a
+            # staleness-aware replica measures the others' updates between its fetches
+            out["value_versions"] = [int(vers[st.id]) for st in r.values]
         return out
