@@ -17,7 +17,7 @@ after every replica flushed, at the servers' values. The variants:
 - ``N:auto``: ``staleness="auto"`` (the default): each push's lr divided by ``1 + tau``
   (``$WORLD_SIZE - 1`` until measured; the replicas here set it as adamps launch does), tau the updates the
   other replicas applied to the replica's tensors between two of its fetches (the shards'
-  versions the fetches return; adamps/torch/staleness.py);
+  versions the fetches return; adamps/core/staleness.py);
 - ``N:zhang``: ``lr / max(1, tau)`` (Zhang et al., IJCAI 2016), set as the group's lr;
 - ``N:replicas``: lr / N, the rule of thumb;
 - ``N:push2``: pushes of summed gradients, n_push = 2;
@@ -116,7 +116,7 @@ def _replica(v: Variant, r: int, conn: dict[str, Any], barrier: Any) -> dict[str
         optimizer="adagrad", create=False, n_push=v.n_push, n_fetch=v.n_fetch,
         local_lr=v.local_lr, staleness=v.staleness,
     )  # fmt: skip
-    meter = opt.worker.meter  # the staleness the fetches measured (adamps/torch/staleness.py)
+    meter = opt.worker.meter  # the staleness the fetches measured (adamps/core/staleness.py)
     taus: list[float] = []
     lossf = nn.CrossEntropyLoss()
     net.train()

@@ -18,7 +18,7 @@ Each step a worker brings the gradient of every parameter (dense, from ``p.grad`
 
 With ``staleness="auto"`` (the default) each push's server lr is divided by ``1 + tau``, tau
 the updates other workers applied between this worker's last two fetches (the shards' versions
-the fetches return; before two fetches, ``$WORLD_SIZE - 1``: adamps/torch/staleness.py). One
+the fetches return; before two fetches, ``$WORLD_SIZE - 1``: adamps/core/staleness.py). One
 worker alone has tau 0: its lr is unchanged. ``"off"``: every push at the group's lr.
 
 Units: the servers apply ``w -= lr * g`` (SGD) to a pushed gradient ``g``, and ``W -= lr *
@@ -56,12 +56,12 @@ import torch
 
 from adamps.client import push_checks
 from adamps.client.round import use_act_err
+from adamps.core.staleness import StalenessMeter, check_mode, initial_tau, staleness_lr
 from adamps.torch import launch_env
 from adamps.torch.hooks import ActErrCapture
 from adamps.torch.params import Param
 from adamps.torch.remote import RemoteModel, server_shape
 from adamps.torch.staging import HostStage, direct
-from adamps.torch.staleness import StalenessMeter, check_mode, initial_tau, staleness_lr
 
 
 @dataclass

@@ -212,7 +212,7 @@ class RemoteModel:
         residuals, versions), as ``pull``'s: the same round also answers those parameters'
         values, read after its writes, installed as ``pull`` installs them (one request per
         server for the step's push and fetch), and fills `versions` as ``pull`` returns them.
-        `lr_scale` (a stale push's, adamps/torch/staleness.py) scales the lr its tensors are
+        `lr_scale` (a stale push's, adamps/core/staleness.py) scales the lr its tensors are
         applied with. Returns the array payload bytes sent."""
         fc: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         dense: dict[str, np.ndarray] = {}

@@ -1,13 +1,11 @@
-"""The staleness-aware lr of async replicas (adamps/torch/staleness.py; issue 36 item 5, after
+"""The staleness-aware lr of async replicas (adamps/core/staleness.py; issue 36 item 5, after
 Zhang et al., "Staleness-aware Async-SGD", IJCAI 2016): the rule and its measurement, pure."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torch", reason="adamps.torch needs torch")
-
-from adamps.torch.staleness import (  # noqa: E402
+from adamps.core.staleness import (
     StalenessMeter,
     check_mode,
     initial_tau,

@@ -1,5 +1,5 @@
 """Two async replicas against a real `adamps ps` (issue 36 item 5): each push's server lr is
-divided by 1 + its measured staleness (adamps/torch/staleness.py), so two replicas in step take
+divided by 1 + its measured staleness (adamps/core/staleness.py), so two replicas in step take
 one replica's step per round; ``staleness="off"`` keeps every push at the group's lr (auto is the
 default). One replica alone is unchanged (tests/pytorch/test_equivalence.py: torch.optim.SGD's values)."""
 
