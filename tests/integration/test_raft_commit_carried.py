@@ -8,17 +8,12 @@ hand; the leader's appends are counted by whether a heartbeat was due when each 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 from pysyncobj.monotonic import monotonic
 
-from adamps.core.lease import LeaseTerms
-from adamps.up.procs import free_port
-from controller.raft_journal import make_guarded_node
-from controller.raft_node import raft_conf
-from controller.state import ClusterModel, ReplicatedCluster
+from tests.integration.raft_hand import hand_ticked
 
 K = 12
 
@@ -27,29 +22,8 @@ K = 12
 def test_an_entry_costs_one_append_per_follower_and_followers_still_apply_it(
     tmp_path: Path,
 ) -> None:
-    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
-    clusters, nodes = [], []
-    for i, addr in enumerate(addrs):
-        conf = raft_conf(
-            password="pw",
-            journal_file=str(tmp_path / f"n{i}.journal"),
-            dump_file=str(tmp_path / f"n{i}.dump"),
-            autoTick=False,
-        )
-        cluster = ReplicatedCluster(ClusterModel(8, LeaseTerms(1.0, 0.1, 0.2)))
-        clusters.append(cluster)
-        nodes.append(
-            make_guarded_node(addr, [a for a in addrs if a != addr], conf=conf, consumers=[cluster])
-        )
-
-    def tick_until(cond, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, [n.getStatus() for n in nodes]
-            for n in nodes:
-                n.doTick(0.0)
-            time.sleep(0.001)
-
+    h = hand_ticked(tmp_path)
+    clusters, nodes, tick_until = h.clusters, h.nodes, h.tick_until
     try:
         tick_until(lambda: any(n._isLeader() for n in nodes))
         lead = next(i for i, n in enumerate(nodes) if n._isLeader())
@@ -79,5 +53,4 @@ def test_an_entry_costs_one_append_per_follower_and_followers_still_apply_it(
             clusters[lead].read(lambda m: m.applied)
         }
     finally:
-        for n in nodes:
-            n.destroy()
+        h.destroy()

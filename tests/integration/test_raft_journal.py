@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pysyncobj.syncobj as ps_syncobj
@@ -18,12 +17,12 @@ import pytest
 from pysyncobj import SyncObj
 from pysyncobj.journal import FileJournal
 
-from adamps.core.lease import LeaseTerms
 from adamps.up.procs import free_port
 from controller.raft_journal import RAFT_FOLLOWER, DiskJournal, GuardedSyncObj, make_guarded_node
 from controller.raft_node import raft_conf
-from controller.state import ClusterModel, ReplicatedCluster, state_digest
+from controller.state import state_digest
 from tests.chaos import disks
+from tests.integration.raft_hand import hand_ticked
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -197,29 +196,8 @@ def test_pysyncobjs_truncation_of_applied_entries_after_a_stale_reply_is_no_dive
     does not go back and nothing is applied twice. Three real nodes on loopback, the
     controller's replicated state, ticked by hand; the stale reply is delivered to the leader
     as the transport would."""
-    ports = [free_port() for _ in range(3)]
-    addrs = [f"127.0.0.1:{p}" for p in ports]
-    clusters, nodes = [], []
-    for i, addr in enumerate(addrs):
-        conf = raft_conf(
-            password="pw",
-            journal_file=str(tmp_path / f"n{i}.journal"),
-            dump_file=str(tmp_path / f"n{i}.dump"),
-            autoTick=False,
-        )
-        cluster = ReplicatedCluster(ClusterModel(8, LeaseTerms(1.0, 0.1, 0.2)))
-        clusters.append(cluster)
-        nodes.append(
-            make_guarded_node(addr, [a for a in addrs if a != addr], conf=conf, consumers=[cluster])
-        )
-
-    def tick_until(cond, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, [n.getStatus() for n in nodes]
-            for n in nodes:
-                n.doTick(0.0)
-            time.sleep(0.002)
+    h = hand_ticked(tmp_path)
+    addrs, clusters, nodes, tick_until = h.addrs, h.clusters, h.nodes, h.tick_until
 
     def digests() -> set[str]:
         return {c.read(state_digest) for c in clusters}
@@ -262,5 +240,4 @@ def test_pysyncobjs_truncation_of_applied_entries_after_a_stale_reply_is_no_dive
         # 25 entries applied once each on every member (the model counts its applies).
         assert {c.read(lambda m: m.applied) for c in clusters} == {25}
     finally:
-        for n in nodes:
-            n.destroy()
+        h.destroy()
