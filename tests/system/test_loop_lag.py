@@ -161,6 +161,8 @@ def requests(rpc: SyncRpc, dport: int) -> dict[str, Callable[[], Any]]:
         "rpc:ckpt_hold": ckpt_hold,
         "rpc:ckpt_release": lambda: rpc.call("ckpt_release", cut=held["cut"]),
         "rpc:ckpt_read": ckpt_read,
+        # a save's read on the data plane: the bucket's arrays come back as the raw payload
+        "dp:ckpt_read": lambda: dp_message("ckpt_read", bucket=0),
         "rpc:ckpt_install": ckpt_install,
         "dp:ckpt_install": lambda: ckpt_install(dp_message),
         "http:POST /rpc": lambda: rpc.call("list"),
