@@ -123,10 +123,12 @@ def requests(rpc: SyncRpc, dport: int) -> dict[str, Callable[[], Any]]:
     def get(path: str) -> Callable[[], Any]:
         return lambda: rpc.get_json(path) if path != "/metrics" else over_bound(rpc)
 
-    # a replica's whole round: an fc layer of "big", the largest row push and fetch
+    # a replica's whole round: an fc layer of "big", the largest row push and fetch, and the
+    # whole of "big" fetched after its writes (a synchronous Downpour step)
     round_ = {"layers": {"big": {"a": fc_a, "e": fc_e}},
               "rows": [{"table": "emb", "ids": ids, "grads": grads}],
-              "fetch_rows": [{"table": "emb", "ids": ids}]}  # fmt: skip
+              "fetch_rows": [{"table": "emb", "ids": ids}],
+              "fetch_shards": [f"big/{i}" for i in range(64)]}  # fmt: skip
 
     return {
         # a create is probed again under a new name (a repeated create allocates nothing)
