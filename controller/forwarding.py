@@ -1,6 +1,12 @@
 """Writes through any controller: the leader runs them, a follower forwards them to the leader's
 HTTP address (one hop; the reply is the leader's) and waits until it applied the write itself,
-so that a client reading from the controller it wrote through sees its own write."""
+so that a client reading from the controller it wrote through sees its own write.
+
+Read-your-writes through *any* controller: every write's answer carries ``applied_index``, the
+leader's Raft log index once it applied the write; a client sends the highest it has seen on its
+reads (``X-Adamps-Min-Applied``), and a controller answers such a read only once it applied the
+log that far (it waits up to ``commit_timeout``, else ``503 unavailable``: ask another). A client
+whose calls move to another controller (a timeout, a leader change) still reads its own writes."""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from aiohttp import web
 
 from adamps.security import peer_auth, tls
 from adamps.wire import web as aweb
-from adamps.wire.protocol import ProtocolError
+from adamps.wire.protocol import MIN_APPLIED_HEADER, ProtocolError
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
 from controller.raft_node import NotLeader, RaftNode
@@ -24,6 +30,8 @@ log = logging.getLogger(__name__)
 
 FORWARDED = "X-Adamps-Forwarded"
 APPLIED = "X-Adamps-Applied"
+#: a read's header: answer only from a state that applied the Raft log up to this index
+MIN_APPLIED = MIN_APPLIED_HEADER
 
 
 #: the endpoints operators (not servers) call: every refusal is logged
@@ -76,10 +84,14 @@ class Forwarder:
             self.raft.check_journal()
             if self.raft.is_leader():
                 try:
-                    resp = aweb.json_response(await run())
+                    answer = dict(await run())
+                    applied = self.raft.last_applied
                     # Lets a forwarding follower wait until it has applied this write itself, so
-                    # that a client reading from the controller it wrote through sees its own write.
-                    resp.headers[APPLIED] = str(self.raft.last_applied)
+                    # that a client reading from the controller it wrote through sees its own
+                    # write; the client keeps the index for its reads through any controller.
+                    answer["applied_index"] = applied
+                    resp = aweb.json_response(answer)
+                    resp.headers[APPLIED] = str(applied)
                     return resp
                 except NotLeader:
                     pass
@@ -156,10 +168,47 @@ class Forwarder:
             ) from None
         if applied is not None and applied.isascii() and applied.isdigit():
             # Read-your-writes through this controller: wait until it applied the write too.
-            deadline = time.monotonic() + self.cfg.commit_timeout
-            while self.raft.last_applied < int(applied) and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)
+            await self.until_applied(int(applied))
         return web.Response(status=status, body=payload, content_type="application/json")
+
+    async def until_applied(self, index: int) -> bool:
+        """Waits (at most `commit_timeout`) until this node applied the Raft log up to `index`;
+        False if it has not. A follower learns the commit index with the leader's next append
+        (up to one append period after the leader applied)."""
+        deadline = time.monotonic() + self.cfg.commit_timeout
+        while self.raft.last_applied < index:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    def read_middleware(self) -> Callable[..., Awaitable[web.StreamResponse]]:
+        """The check of a read's ``X-Adamps-Min-Applied``: answered once this node applied the
+        log that far, else ``503 unavailable`` (the client asks another controller)."""
+
+        @web.middleware
+        async def min_applied(
+            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+        ) -> web.StreamResponse:
+            want = request.headers.get(MIN_APPLIED)
+            if want is not None and request.method == "GET":
+                if not (want.isascii() and want.isdigit() and len(want) <= 18):
+                    raise ProtocolError(
+                        "bad_request",
+                        f"{MIN_APPLIED} must be a Raft log index (a non-negative integer), "
+                        f"got {want[:40]!r}",
+                    )
+                if not await self.until_applied(int(want)):
+                    raise ProtocolError(
+                        "unavailable",
+                        f"this controller has applied the log up to {self.raft.last_applied}, "
+                        f"not yet up to {int(want)} (the client's own writes); ask another "
+                        "controller or retry",
+                        retry_after=0.1,
+                    )
+            return await handler(request)
+
+        return min_applied
 
     async def close(self) -> None:
         if self._session is not None:

@@ -384,6 +384,8 @@ class ControllerService:
             status=self.status,
             limits=self.cfg.http_limits,
         )
+        # after the shared error middleware, so that its refusals are JSON errors too
+        app.middlewares.append(self.forwarder.read_middleware())
         r = app.router
         r.add_get("/routing", self.h_routing)
         r.add_get("/cluster", self.h_cluster)

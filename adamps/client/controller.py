@@ -29,6 +29,7 @@ import aiohttp
 from adamps.client import retry
 from adamps.client.retry import RetryPolicy
 from adamps.client.rpc import AsyncRpc, Request, RpcError, SyncRpc, json_request
+from adamps.wire.protocol import MIN_APPLIED_HEADER
 
 #: error codes worth retrying on another controller / a bit later
 RETRY_CODES = {"no_quorum", "unavailable", "timeout"}
@@ -127,6 +128,9 @@ class ControllerRing:
         self.first = 0
         #: the leader the answer being read named (its index), asked first from the next call
         self._leader: int | None = None
+        #: the highest Raft log index a write's answer named (``applied_index``): reads ask for a
+        #: state at least that far, so this client reads its own writes through any controller
+        self.applied = 0
 
     def lead_to(self, i: int | None) -> None:
         """The answer being read names controller `i` as the Raft leader (None: one this client
@@ -134,6 +138,16 @@ class ControllerRing:
         leader over HTTP (issue 36: a server's heartbeat through a follower cost two
         controllers' event loops instead of one, every second)."""
         self._leader = i
+
+    def wrote(self, reply: Any) -> None:
+        """A write's answer: keep the log index it was applied at."""
+        index = reply.get("applied_index") if isinstance(reply, dict) else None
+        if isinstance(index, int) and not isinstance(index, bool) and index > self.applied:
+            self.applied = index
+
+    def read_headers(self) -> tuple[tuple[str, str], ...]:
+        """A read's headers: the state it must come from (none before this client wrote)."""
+        return ((MIN_APPLIED_HEADER, str(self.applied)),) if self.applied else ()
 
     def answered(self, i: int) -> None:
         """Controller `i` answered: it is asked first next time, unless its answer named the
@@ -209,10 +223,29 @@ class ControllerOps:
         req = json_request("POST", path, body)
         if self.signer is not None and req.body is not None:
             req = dataclasses.replace(req, extra_headers=self.signer("POST", path, req.body))
-        return self._run(Call(req, then, refused=refused))
+        return self._write(req, then, refused)
+
+    def _write(
+        self,
+        req: Request,
+        then: Callable[[Any], Any] = _same,
+        refused: Callable[[RpcError], None] | None = None,
+    ) -> Any:
+        """A write: its answer's ``applied_index`` is kept for this client's later reads."""
+        ring = self.ring
+
+        def wrote(reply: Any) -> Any:
+            if ring is not None:
+                ring.wrote(reply)
+            return then(reply)
+
+        return self._run(Call(req, wrote, refused=refused))
 
     def _get(self, path: str, if_not_found: Callable[[], Any] | None = None) -> Any:
-        return self._run(Call(json_request("GET", path), if_not_found=if_not_found))
+        req = json_request("GET", path)
+        if self.ring is not None and self.ring.applied:
+            req = dataclasses.replace(req, extra_headers=self.ring.read_headers())
+        return self._run(Call(req, if_not_found=if_not_found))
 
     # -- parameter servers ---------------------------------------------------------------------
 
@@ -364,7 +397,7 @@ class ControllerOps:
         return self._get(f"/runs/{name}", if_not_found=lambda: None)
 
     def delete_run(self, name: str) -> Any:
-        return self._run(Call(json_request("DELETE", f"/runs/{name}")))
+        return self._write(json_request("DELETE", f"/runs/{name}"))
 
     def run_usage(self, run: str, name: str, cost: dict[str, int]) -> Any:
         """Asks the controllers to count `name` at `cost` against run `run`'s size quotas

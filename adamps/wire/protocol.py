@@ -486,3 +486,9 @@ def error_from_body(status: int, body: bytes) -> ProtocolError:
         text = body[:200].decode("utf-8", "replace")
         code = "internal" if status >= 500 else "bad_request"
         return ProtocolError(code, f"HTTP {status}: {text}", http_status=status)
+
+
+#: a controller read's header (docs/protocol-controller.md, "Transport"): the Raft log index the
+#: answering controller must have applied; a client sends the highest ``applied_index`` its writes'
+#: answers named, so it reads its own writes through any controller
+MIN_APPLIED_HEADER = "X-Adamps-Min-Applied"

@@ -9,8 +9,11 @@ of every bucket identical at the end.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import numpy as np
 import pytest
 
 from adamps.client import ControllerRouting, PSClient
+from adamps.client.controller import ControllerClient
 from adamps.client.rpc import RpcError, SyncRpc
 from adamps.core.lease import LeaseTerms, check_history
 from adamps.layout import Layout, TensorSpec
@@ -27,6 +31,7 @@ from adamps.up.cluster import (
     LocalCluster,
     http_json,
 )
+from adamps.wire import protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -205,6 +210,64 @@ def test_controller_leader_in_a_minority(cluster: LocalCluster, net: netns.Net) 
     net.heal_all()
     time.sleep(2.0)
     finish(c, client, load)
+
+
+def get_at(url: str, index: int | str) -> tuple[int, dict]:
+    """GET `url` asking for a state that applied the Raft log up to `index`."""
+    req = urllib.request.Request(url, headers={protocol.MIN_APPLIED_HEADER: str(index)})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_a_client_reads_its_own_writes_through_a_follower_cut_from_the_leader(
+    cluster: LocalCluster, net: netns.Net
+) -> None:
+    """A follower cut from the other controllers still answers reads from its own (stale)
+    state. A client that wrote through the leader and whose calls then move to that follower (a
+    timeout, a leader change) must still read its own write: its reads name the log index of
+    its writes, which the follower has not applied, so it answers 503 and the client asks
+    another controller (the session's CI once read 6 of 7 progress reports after a leader
+    change, tests/system/test_controller_raft.py)."""
+    c = cluster
+    leader = c.controller_leader()
+    assert leader is not None
+    follower = next(i for i in range(3) if i != leader)
+    for i in range(3):
+        if i != follower:
+            net.cut(f"c{follower}", f"c{i}")
+    client = ControllerClient(c.controllers, TOKEN, timeout=5.0, retry_for=10.0)
+    try:
+        client.ring.first = leader
+        written = client.report_progress(7, "mine", 0.5)
+        assert written["ok"] and client.ring.first == leader, written
+        index = written["applied_index"]
+        # The cut-off follower answers from its own state, without the write.
+        stale = f"http://{c.controllers[follower]}/progress?epoch=7"
+        assert "mine" not in http_json(stale)[1]["replicas"]
+        # The client's calls moved to it: it is not answered from there.
+        client.ring.first = follower
+        t0 = time.monotonic()
+        assert client.progress(7)["replicas"]["mine"]["progress"] == 0.5
+        assert client.ring.first != follower and time.monotonic() - t0 < 5.0
+        code, body = get_at(stale, index)
+        assert code == 503 and body["error"]["code"] == "unavailable", body
+        code, body = get_at(stale, "x1")
+        assert code == 400 and protocol.MIN_APPLIED_HEADER in body["error"]["message"], body
+        # Healed, the follower applies the log and answers the same read.
+        net.heal_all()
+        deadline = time.monotonic() + 15
+        while True:
+            code, body = get_at(stale, index)
+            if code == 200:
+                break
+            assert time.monotonic() < deadline, body
+            time.sleep(0.2)
+        assert body["replicas"]["mine"]["progress"] == 0.5
+    finally:
+        client.close()
 
 
 def test_client_cut_from_the_primary_mid_push(cluster: LocalCluster, net: netns.Net) -> None:

@@ -138,6 +138,24 @@ def test_a_round_asks_the_last_controller_that_answered_first() -> None:
     assert list(ring.round()) == [2, 0, 1]
 
 
+def test_reads_ask_for_the_log_index_of_the_clients_own_writes() -> None:
+    """A write's answer names the Raft log index it was applied at; every later read asks for a
+    state at least that far (docs/protocol-controller.md, "Transport"), so the client reads its
+    own writes through any controller, whichever its calls moved to."""
+    ops = Recorder()
+    ops.ring = ControllerRing(3)
+    assert ops.progress(1).request.extra_headers == ()  # nothing written yet: any state will do
+    ops.report_progress(1, "r0", 0.5).then({"ok": True, "applied_index": 41})
+    ops.delete_run("old").then({"deleted": "old", "applied_index": 40})  # an older answer
+    ops.drain("ps1").then({"ok": True})  # an answer without one (an older controller)
+    for read in (ops.progress(1), ops.routing(), ops.layout(), ops.runs()):
+        assert read.request.extra_headers == ((protocol.MIN_APPLIED_HEADER, "41"),)
+    for bad in (True, -1, "42", None):
+        ops.ring.wrote({"applied_index": bad})
+    assert ops.ring.applied == 41
+    assert ops.heartbeat("ps0", 7).request.extra_headers == ()  # writes carry none
+
+
 def test_a_round_without_an_answer_raises_the_last_failure_and_an_answer_is_not_retried() -> None:
     ring = ControllerRing(2)
     r = ring.round()
