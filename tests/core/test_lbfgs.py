@@ -222,3 +222,82 @@ def test_restart_from_saved_state_gives_the_same_trajectory(small, seed):
                 ops.v = {PARAM: np.array(x0)}  # died before x_0 was evaluated: start over
     assert restarts >= 3
     assert st.losses == want
+
+
+class Servers(Crashing):
+    """The vectors as a coordinator sees them on the cluster (coordinator/engine.py): an
+    evaluation is the sum of portions pushed by trainers, each applied once (the servers'
+    exactly-once table drops the copy a trainer pushes again), and an evaluation whose marker
+    the record already holds is not zeroed again. The marker and the table live on the
+    servers, so they survive the coordinator; a crash may come between any two pushes."""
+
+    def __init__(self, x0, portion, n_portions: int) -> None:
+        super().__init__(x0, fun=None)
+        self.portion = portion
+        self.n_portions = n_portions
+        self.marker = None
+        self.applied: set = set()
+        self.loss = 0.0
+
+    def evaluate(self, grad, key):
+        if self.marker != (key, grad):
+            self._tick()
+            self._get(grad)[...] = 0.0
+            self._tick()
+            self.loss = 0.0
+            self._tick()
+            self.marker = (key, grad)
+        for pid in range(self.n_portions):
+            if (key, pid) in self.applied:
+                continue
+            self._tick()
+            f, g = self.portion(self.v[PARAM], pid)
+            self._get(grad)[...] += g
+            self.loss += f
+            self.applied.add((key, pid))
+        return self.loss
+
+
+def test_a_crash_at_any_operation_of_a_regularized_run_on_servers_changes_nothing(small):
+    """The coordinator killed at every single operation in turn (between two vector ops, two
+    portions' pushes, or after the L2 term was added to a finished evaluation's gradient and
+    before the state recording it was saved), then restarted from its record: the losses are
+    those of the run without a crash, bit for bit. Reference: DistBelief 4.2 (Sandblaster's
+    coordinator state); CI saw the trajectory fork after such a restart."""
+    tx, ty, _, _ = builtin_mnist()
+    n, n_portions = 500, 4
+    model = Model(SOFTMAX, dtype=np.float64)
+    x = model.prepare(tx[:n])
+    model.init_params(seed=3)
+    x0 = model.params.copy()
+
+    def portion(w, pid):
+        a, b = pid * n // n_portions, (pid + 1) * n // n_portions
+        model.params[...] = w
+        loss = model.loss_and_grad(x[a:b], ty[a:b], scale=(b - a) / n)
+        return loss * (b - a) / n, model.grads.copy()
+
+    cfg = LbfgsConfig(m=2, max_iter=4, gtol=0, ftol=0)
+    clean = Servers(x0, portion, n_portions)
+    want = Lbfgs(Regularized(clean, LAM), cfg).run().losses
+    total = 10**9 - clean.budget
+    assert total > 50
+    forked = []
+    for crash_at in range(total):
+        ops = Servers(x0, portion, n_portions)
+        ops.budget = crash_at
+        saved: list[str] = []
+        with pytest.raises(Crash):
+            Lbfgs(
+                Regularized(ops, LAM),
+                cfg,
+                None,
+                lambda s, to=saved: to.append(json.dumps(s.to_dict())),
+            ).run()
+        ops.budget = 10**9
+        state = LbfgsState.from_dict(json.loads(saved[-1])) if saved else None
+        if state is None:
+            ops.v[PARAM][...] = x0  # died before x_0 was evaluated: param is still x_0
+        if Lbfgs(Regularized(ops, LAM), cfg, state).run().losses != want:
+            forked.append(crash_at)
+    assert forked == [], f"{len(forked)} of {total} crash points fork the trajectory: {forked}"
