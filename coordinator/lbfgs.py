@@ -18,7 +18,7 @@ once and does not zero again when a restarted coordinator repeats the evaluation
 nothing else may ever write into it (:class:`Regularized` adds its term into a copy).
 
 Vectors: ``param`` (what the trainers evaluate), ``x0``/``x1`` and ``g0``/``g1`` (iterate and
-gradient by parity), ``graw`` (the evaluation's gradient before the L2 term), ``d``
+gradient by parity; the next iterate's slot holds the line search's trial point), ``graw`` (the evaluation's gradient before the L2 term), ``d``
 (direction), ``s<i>``/``y<i>`` for i < m + 1 (history ring).
 """
 
@@ -262,8 +262,13 @@ class Lbfgs:
                 if i < n_rec:  # recorded for another direction: not ours, recompute from here
                     del st.evals[i:]
                     n_rec = i
-                ops.copy(PARAM, xp)
-                ops.axpy(PARAM, alpha, "d")
+                # The trial point is built in xn (free until the step is accepted) and param
+                # is written whole by one copy: a restarted coordinator writes the same bits
+                # over the evaluation it resumes, so trainers fetching param for its portions
+                # meanwhile never see x_k, as they would between a copy and an axpy of param.
+                ops.copy(xn, xp)
+                ops.axpy(xn, alpha, "d")
+                ops.copy(PARAM, xn)
                 f_a = ops.evaluate(gn, (st.k, len(st.evals)))
                 d_a = ops.dot(gn, "d")
                 st.evals.append([alpha, f_a, d_a])
