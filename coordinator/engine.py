@@ -9,7 +9,9 @@ Durable state: one JSON record on the servers (record.py), written after every e
 iteration and when an evaluation starts. Restarted with the same run name, the coordinator
 replays the current iteration (lbfgs.py explains why that is exact); an evaluation already
 started is not zeroed again and its portions keep their ids, so the servers drop every gradient
-they already hold (a portion's push is one (client, seq) pair: ``sb.<run>.<k>.<j>.<pid>``, 1).
+they already hold (a portion's push is one (client, seq) pair: ``sb.<run>.<k>.<j>.<grad>.<pid>``,
+1; the vector is in it so that an evaluation zeroed into another vector, as after the L2 term
+moved to ``graw``, never has its portions taken for those of a previous one).
 """
 
 from __future__ import annotations
@@ -318,7 +320,7 @@ class Engine:
                     "start": start,
                     "stop": stop,
                     "n": self.n_examples,
-                    "client": f"sb.{self.cfg.run}.{k}.{j}.{pid}",
+                    "client": f"sb.{self.cfg.run}.{k}.{j}.{grad}.{pid}",
                 }
             }
 

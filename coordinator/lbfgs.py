@@ -11,10 +11,15 @@ same iteration writes (x and g alternate between two names by the parity of k, a
 ring has m + 1 slots, so the slot an iteration fills is not one its two-loop reads), so a
 restarted coordinator replays the current iteration from its start: the direction is recomputed
 bit for bit, evaluations already recorded are fed to the line search from the state rather than
-recomputed, and the first missing one is computed again.
+recomputed, and the first missing one is computed again. Each vector a step changes in place
+is first overwritten by that step (copy, then axpy), so a step done twice gives the same bits;
+the one sum built in place is an evaluation's gradient, whose parts a cluster applies exactly
+once and does not zero again when a restarted coordinator repeats the evaluation (its key), so
+nothing else may ever write into it (:class:`Regularized` adds its term into a copy).
 
 Vectors: ``param`` (what the trainers evaluate), ``x0``/``x1`` and ``g0``/``g1`` (iterate and
-gradient by parity), ``d`` (direction), ``s<i>``/``y<i>`` for i < m + 1 (history ring).
+gradient by parity; the next iterate's slot holds the line search's trial point), ``graw`` (the evaluation's gradient before the L2 term), ``d``
+(direction), ``s<i>``/``y<i>`` for i < m + 1 (history ring).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from typing import Any, Protocol
 import numpy as np
 
 PARAM = "param"
+#: the gradient of the objective without its L2 term (Regularized): what trainers push into
+RAW = "graw"
 #: f of the newest iterations kept in the state (it is written to the servers after each step)
 MAX_LOSSES = 1000
 
@@ -255,8 +262,13 @@ class Lbfgs:
                 if i < n_rec:  # recorded for another direction: not ours, recompute from here
                     del st.evals[i:]
                     n_rec = i
-                ops.copy(PARAM, xp)
-                ops.axpy(PARAM, alpha, "d")
+                # The trial point is built in xn (free until the step is accepted) and param
+                # is written whole by one copy: a restarted coordinator writes the same bits
+                # over the evaluation it resumes, so trainers fetching param for its portions
+                # meanwhile never see x_k, as they would between a copy and an axpy of param.
+                ops.copy(xn, xp)
+                ops.axpy(xn, alpha, "d")
+                ops.copy(PARAM, xn)
                 f_a = ops.evaluate(gn, (st.k, len(st.evals)))
                 d_a = ops.dot(gn, "d")
                 st.evals.append([alpha, f_a, d_a])
@@ -352,8 +364,14 @@ class Regularized:
         return getattr(self.inner, name)
 
     def evaluate(self, grad: str, key: tuple[int, int]) -> float:
-        f = self.inner.evaluate(grad, key)
-        if self.lam:
-            f += 0.5 * self.lam * self.inner.dot(PARAM, PARAM)
-            self.inner.axpy(grad, self.lam, PARAM)
+        if not self.lam:
+            return self.inner.evaluate(grad, key)
+        # The objective's own gradient goes to RAW, and grad is overwritten from it: a
+        # coordinator restarted after the L2 term was added, before the state recording the
+        # evaluation was saved, does it again from RAW. (Added to grad in place, it was added
+        # twice: the restarted evaluation is not zeroed, its portions are dropped as duplicates.)
+        f = self.inner.evaluate(RAW, key)
+        f += 0.5 * self.lam * self.inner.dot(PARAM, PARAM)
+        self.inner.copy(grad, RAW)
+        self.inner.axpy(grad, self.lam, PARAM)
         return f

@@ -222,3 +222,117 @@ def test_restart_from_saved_state_gives_the_same_trajectory(small, seed):
                 ops.v = {PARAM: np.array(x0)}  # died before x_0 was evaluated: start over
     assert restarts >= 3
     assert st.losses == want
+
+
+class Servers(Crashing):
+    """The vectors as a coordinator sees them on the cluster (coordinator/engine.py): an
+    evaluation is the sum of portions pushed by trainers, each applied once (the servers'
+    exactly-once table drops the copy a trainer pushes again), and an evaluation whose marker
+    the record already holds is not zeroed again. The marker and the table live on the
+    servers, so they survive the coordinator; a crash may come between any two pushes.
+
+    Until its last portion is in, a trainer holding one may fetch ``param`` at any moment (a
+    restarted coordinator hands the same portions out again under the same key, and the
+    trainer keeps what it fetched for that key): every operation boundary where ``param`` is
+    not the evaluation's point is recorded in ``torn``."""
+
+    def __init__(self, x0, portion, n_portions: int) -> None:
+        super().__init__(x0, fun=None)
+        self.portion = portion
+        self.n_portions = n_portions
+        self.marker = None
+        self.applied: set = set()
+        self.loss = 0.0
+        self.point: np.ndarray | None = None
+        self.torn: list = []
+
+    def _tick(self) -> None:
+        key = self.marker and self.marker[0]
+        open_ = key and any((key, p) not in self.applied for p in range(self.n_portions))
+        if open_ and not np.array_equal(self.v[PARAM], self.point):
+            self.torn.append(key)
+        super()._tick()
+
+    def evaluate(self, grad, key):
+        if self.marker != (key, grad):
+            self._tick()
+            self._get(grad)[...] = 0.0
+            self._tick()
+            self.loss = 0.0
+            self._tick()
+            self.marker = (key, grad)
+            self.point = self.v[PARAM].copy()
+        for pid in range(self.n_portions):
+            if (key, pid) in self.applied:
+                continue
+            self._tick()
+            f, g = self.portion(self.point, pid)
+            self._get(grad)[...] += g
+            self.loss += f
+            self.applied.add((key, pid))
+        return self.loss
+
+
+@pytest.fixture(scope="module")
+def crashed_everywhere():
+    """A regularized run on Servers, killed at each of its operations in turn and restarted from
+    its last saved state: (crash points, those whose losses differ, those with a torn param)."""
+    tx, ty, _, _ = builtin_mnist()
+    n, n_portions = 500, 4
+    model = Model(SOFTMAX, dtype=np.float64)
+    x = model.prepare(tx[:n])
+    model.init_params(seed=3)
+    x0 = model.params.copy()
+
+    def portion(w, pid):
+        a, b = pid * n // n_portions, (pid + 1) * n // n_portions
+        model.params[...] = w
+        loss = model.loss_and_grad(x[a:b], ty[a:b], scale=(b - a) / n)
+        return loss * (b - a) / n, model.grads.copy()
+
+    cfg = LbfgsConfig(m=2, max_iter=4, gtol=0, ftol=0)
+    clean = Servers(x0, portion, n_portions)
+    want = Lbfgs(Regularized(clean, LAM), cfg).run().losses
+    total = 10**9 - clean.budget
+    assert total > 50 and clean.torn == []
+    forked, torn = [], []
+    for crash_at in range(total):
+        ops = Servers(x0, portion, n_portions)
+        ops.budget = crash_at
+        saved: list[str] = []
+        with pytest.raises(Crash):
+            Lbfgs(
+                Regularized(ops, LAM),
+                cfg,
+                None,
+                lambda s, to=saved: to.append(json.dumps(s.to_dict())),
+            ).run()
+        ops.budget = 10**9
+        state = LbfgsState.from_dict(json.loads(saved[-1])) if saved else None
+        if state is None:
+            ops.v[PARAM][...] = x0  # died before x_0 was evaluated: param is still x_0
+        if Lbfgs(Regularized(ops, LAM), cfg, state).run().losses != want:
+            forked.append(crash_at)
+        if ops.torn:
+            torn.append(crash_at)
+    return total, forked, torn
+
+
+def test_a_crash_at_any_operation_of_a_regularized_run_on_servers_changes_nothing(
+    crashed_everywhere,
+):
+    """The coordinator killed at every single operation in turn (between two vector ops, two
+    portions' pushes, or after the L2 term was added to a finished evaluation's gradient and
+    before the state recording it was saved), then restarted from its record: the losses are
+    those of the run without a crash, bit for bit. Reference: DistBelief 4.2 (Sandblaster's
+    coordinator state); CI saw the trajectory fork after such a restart."""
+    total, forked, _ = crashed_everywhere
+    assert forked == [], f"{len(forked)} of {total} crash points fork the trajectory: {forked}"
+
+
+def test_a_restarted_coordinator_never_shows_trainers_another_param(crashed_everywhere):
+    """Killed during an evaluation, the coordinator replays its iteration and writes param
+    again; a trainer fetching param meanwhile for a portion of that evaluation must see the
+    evaluation's point, never x_k (param = x_k, then += alpha d, was a torn state)."""
+    total, _, torn = crashed_everywhere
+    assert torn == [], f"{len(torn)} of {total} crash points show a torn param: {torn}"
