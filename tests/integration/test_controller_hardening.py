@@ -22,6 +22,7 @@ import aiohttp
 import pytest
 
 from adamps.up.procs import free_port
+from adamps.wire import protocol
 from adamps.wire import web as aweb
 from controller.config import ControllerConfig
 from controller.service import ControllerService
@@ -455,6 +456,38 @@ async def test_progress_takes_only_finite_in_range_values(ctl: Ctl, report: dict
 async def test_progress_query_epoch_is_bounded(ctl: Ctl) -> None:
     status, body = await ctl.call("GET", "/progress?epoch=" + "9" * 5000)
     assert status == 400 and body["error"]["code"] == "bad_request"
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "x", "9" * 19, "\u0661", ""])
+async def test_a_reads_min_applied_must_be_a_log_index(ctl: Ctl, value: str) -> None:
+    """docs/protocol-controller.md ("Read your writes"): X-Adamps-Min-Applied is a Raft log
+    index; anything else is a 400 naming the header, and the controller keeps serving."""
+    hdr = {protocol.MIN_APPLIED_HEADER: value}
+    status, body = await ctl.call("GET", "/routing", headers=hdr)
+    assert status == 400 and body["error"]["code"] == "bad_request", body
+    assert protocol.MIN_APPLIED_HEADER in body["error"]["message"]
+    await assert_serving(ctl)
+
+
+async def test_a_read_waits_for_the_log_index_it_names_then_is_refused(ctl: Ctl) -> None:
+    """A write's answer names its applied_index; a read naming it is answered at once, one
+    naming a later index waits at most commit_timeout, then 503 unavailable, with the loop
+    serving meanwhile."""
+    status, written = await ctl.call("POST", "/progress", {"epoch": 1, "replica": "r0"})
+    assert status == 200 and written["applied_index"] >= 1, written
+    index = written["applied_index"]
+    hdr = {protocol.MIN_APPLIED_HEADER: str(index)}
+    status, body = await ctl.call("GET", "/progress?epoch=1", headers=hdr)
+    assert status == 200 and "r0" in body["replicas"], body
+    t0 = time.monotonic()
+    later = {protocol.MIN_APPLIED_HEADER: str(index + 1000)}
+    waiting = asyncio.ensure_future(ctl.call("GET", "/routing", headers=later))
+    status, _ = await ctl.call("GET", "/routing")  # served while the other read waits
+    assert status == 200 and not waiting.done()
+    status, body = await waiting
+    waited = time.monotonic() - t0
+    assert status == 503 and body["error"]["code"] == "unavailable", body
+    assert ctl.service.cfg.commit_timeout - 0.1 <= waited < ctl.service.cfg.commit_timeout + 3
 
 
 # -- issue 28, item 7: refused admin operations are logged and counted -------------------------
