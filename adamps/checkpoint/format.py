@@ -256,8 +256,16 @@ class Entry:
     shape: tuple[int, ...]
 
 
+#: a safetensors header is JSON of a few entries: one claiming more is not read into memory
+#: (safetensors' own reader refuses headers over 100 MB)
+MAX_SAFETENSORS_HEADER = 1 << 24
+
+
 def safetensors_header(
-    read: Callable[[int, int], bytes], size: int, path: Path
+    read: Callable[[int, int], bytes],
+    size: int,
+    path: Path,
+    dtypes: dict[str, np.dtype] = DTYPES,
 ) -> tuple[bytes, dict[str, Entry]]:
     """The header bytes of a safetensors file of `size` bytes and its arrays' entries, every
     entry inside the file, of its dtype's size and aligned to its elements; `read(offset, n)`
@@ -273,7 +281,7 @@ def safetensors_header(
     if len(first) < 8:
         raise bad("shorter than its header length")
     n = int.from_bytes(first, "little")
-    if n > size - 8:
+    if n > min(size - 8, MAX_SAFETENSORS_HEADER):
         raise bad(f"a header of {n} bytes in a file of {size}")
     text = read(8, n)
     try:
@@ -288,7 +296,7 @@ def safetensors_header(
         if key == "__metadata__":
             continue
         try:
-            dtype = DTYPES[rec["dtype"]]
+            dtype = dtypes[rec["dtype"]]
             shape = tuple(int(x) for x in rec["shape"])
             lo, hi = (int(x) for x in rec["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:

@@ -31,7 +31,12 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-from adamps.checkpoint.format import CheckpointError, checked_file, read_manifest
+from adamps.checkpoint.format import (
+    CheckpointError,
+    checked_file,
+    read_manifest,
+    safetensors_header,
+)
 from adamps.optspec import Optimizer
 from adamps.server.store.tables.rowblock import RowBlock
 from adamps.tables import ROWS_SEP, Admission, TableError, TableSpec
@@ -282,43 +287,34 @@ def read_rows(src: Path, table: str | None = None) -> tuple[int, int, Any]:
     )
 
 
-_DTYPES = {"I64": "<i8", "I32": "<i4", "F32": "<f4"}
+_DTYPES = {"I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "F32": np.dtype("<f4")}
 
 
 def _safetensors_views(src: Path) -> tuple[np.ndarray, np.ndarray]:
-    """The ``ids`` and ``rows`` tensors of a safetensors file, memory-mapped (its header
-    parsed here: the format is an 8-byte little-endian length, then that much JSON)."""
+    """The ``ids`` and ``rows`` tensors of a safetensors file, memory-mapped (its header read
+    by the checkpoints' one parser of the format, ``format.safetensors_header``)."""
     size = src.stat().st_size
-    try:
-        with src.open("rb") as f:
-            (hlen,) = struct.unpack("<Q", f.read(8))
-            if hlen > min(size - 8, 1 << 24):
-                raise ValueError(f"a header of {hlen} bytes in a file of {size}")
-            header = json.loads(f.read(hlen))
-    except (struct.error, ValueError, UnicodeDecodeError) as exc:
-        raise TableFileError(f"{src}: not a safetensors file: {exc}") from None
-    if not isinstance(header, dict) or not {"ids", "rows"} <= set(header):
-        got = sorted(k for k in header if k != "__metadata__") if isinstance(header, dict) else []
+
+    with src.open("rb") as f:
+
+        def read(at: int, n: int) -> bytes:
+            f.seek(at)
+            return f.read(n)
+
+        try:
+            _head, entries = safetensors_header(read, size, src, _DTYPES)
+        except CheckpointError as exc:
+            raise TableFileError(f"{exc} (ids I64/I32 and rows F32 expected)") from None
+    if not {"ids", "rows"} <= set(entries):
         raise TableFileError(
-            f"{src}: expected tensors 'ids' and 'rows' (adamps export --table), got {got}"
+            f"{src}: expected tensors 'ids' and 'rows' (adamps export --table), "
+            f"got {sorted(entries)}"
         )
     out = []
     for name in ("ids", "rows"):
-        t = header[name]
-        try:
-            dtype = np.dtype(_DTYPES[t["dtype"]])
-            shape = tuple(int(x) for x in t["shape"])
-            lo, hi = (int(x) for x in t["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise TableFileError(
-                f"{src}: tensor {name!r}: expected dtype I64/I32 (ids) or F32 (rows), a shape "
-                f"and data_offsets, got {t!r}"
-            ) from None
-        count = int(np.prod(shape, dtype=np.int64))
-        if hi - lo != count * dtype.itemsize or 8 + hlen + hi > size or lo < 0:
-            raise TableFileError(f"{src}: tensor {name!r}: data_offsets {[lo, hi]} do not fit")
-        out.append(np.memmap(src, dtype, "r", 8 + hlen + lo, shape) if count else
-                   np.empty(shape, dtype))  # fmt: skip
+        e = entries[name]
+        out.append(np.memmap(src, e.dtype, "r", e.offset, e.shape) if e.nbytes else
+                   np.empty(e.shape, e.dtype))  # fmt: skip
     ids, rows = out
     if ids.dtype.kind != "i" or rows.dtype != np.float32:
         raise TableFileError(f"{src}: expected integer 'ids' and float32 'rows'")
