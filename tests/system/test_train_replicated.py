@@ -1,5 +1,6 @@
 """Issue 6's system test: 3 controllers, 3 parameter servers (replicated buckets), 1 data server
-and 2 `adamps train` replicas train adam-mnist on the built-in data to >= 96% held-out accuracy;
+and 2 `adamps train` replicas train adam-mnist on the built-in data to >= 96% held-out accuracy
+(within 20 epochs, at an epoch evaluated after the kill, and with the exported final weights);
 a SIGKILL of a parameter server that is primary of model shards during training does not stop
 them (Project Adam 3.3.3 fault tolerance under Downpour SGD, DistBelief 4.1).
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import pytest
 
 from adamps.client.rpc import get_json
 from adamps.layout import Layout
+from adamps.up.cluster import FAST_CONTROLLER_OPTS, FAST_PS_OPTS
 from adamps.up.procs import adamps_argv, free_port
 from tests.polling import wait_for
 from trainer import export
@@ -26,7 +29,18 @@ from trainer.local import builtin_data
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = 10
+#: A replica trains an epoch of the built-in data in about 0.4 s, and the whole run can fit in one
+#: failover: the pushes stall (about 6 s with the default leases, 2.7 s with the fault tests'
+#: timings), every round trained meanwhile is merged into one queued push (back-pressure,
+#: docs/training.md "Downpour") and the servers' Adagrad applies it as one step, its square kept in
+#: the accumulator. How much of the run collapsed into that step depended on the machine's load,
+#: and with 10 epochs so did the accuracy (a CI run ended at 0.93). With the fault tests' timings
+#: and 20 epochs, the replicas train on for several epochs after the failover.
+EPOCHS = 20
+FAILOVER_FLAGS = {
+    role: [x for k, v in opts.items() for x in (f"--{k}", str(v))]
+    for role, opts in (("controller", FAST_CONTROLLER_OPTS), ("ps", FAST_PS_OPTS))
+}
 
 
 def ps_has_replication() -> bool:
@@ -45,7 +59,8 @@ def test_replicated_cluster_trains_through_a_primary_kill(procs, tmp_path: Path)
     controllers = [f"127.0.0.1:{hp}" for _, hp in ports]
     for i in range(3):
         procs.start(f"controller{i}", "controller", "--members", members, "--member", str(i),
-                    "--data-dir", str(tmp_path / f"c{i}"), "--min-servers", "3")  # fmt: skip
+                    "--data-dir", str(tmp_path / f"c{i}"), "--min-servers", "3",
+                    *FAILOVER_FLAGS["controller"])  # fmt: skip
     for c in controllers:
         wait_for(lambda c=c: get_json(c, "/status")["raft"]["has_quorum"], 30, f"{c} quorum")
 
@@ -59,7 +74,8 @@ def test_replicated_cluster_trains_through_a_primary_kill(procs, tmp_path: Path)
         ps_addr[sid] = f"127.0.0.1:{port}"
         ps[sid] = procs.start(sid, "ps", "--port", str(port), "--data-dir", str(tmp_path / sid),
                               "--controllers", ",".join(controllers), "--server-id", sid,
-                              "--data-port", str(free_port()), "--no-lmdb-sync")  # fmt: skip
+                              "--data-port", str(free_port()), "--no-lmdb-sync",
+                              *FAILOVER_FLAGS["ps"])  # fmt: skip
         ps[sid].wait_http(f"http://127.0.0.1:{port}/healthz", 60)
 
     def placed() -> bool:
@@ -92,6 +108,7 @@ def test_replicated_cluster_trains_through_a_primary_kill(procs, tmp_path: Path)
     table = get_json(controllers[0], "/routing")
     victim = next(b["primary"] for b in table["buckets"] if b["bucket"] == bucket)
     ps[victim].kill()
+    killed_at = time.time()
 
     assert r0.popen.wait(300) == 0, r0.tail(60)
     assert r1.popen.wait(60) == 0, r1.tail(60)
@@ -101,9 +118,11 @@ def test_replicated_cluster_trains_through_a_primary_kill(procs, tmp_path: Path)
 
     lines = [json.loads(x) for x in history.read_text().splitlines()]
     assert lines[-1]["epoch"] == EPOCHS
+    # the run reaches the bar after the kill (an epoch evaluated before it does not count);
     # asynchronous replicas: each epoch is evaluated on the servers' weights while the other
     # replica still pushes (torch's Adagrad, 1 run in 4 ended at 0.958 after 0.961 earlier)
-    assert max(x["accuracy"] for x in lines) >= 0.96 and lines[-1]["accuracy"] >= 0.95, lines
+    after_kill = [x["accuracy"] for x in lines if x["time"] > killed_at]
+    assert after_kill and max(after_kill) >= 0.96 and lines[-1]["accuracy"] >= 0.95, lines
     model, meta = export.load(out)
     _, _, test_x, test_y = builtin_data()
     assert model.accuracy(model.prepare(test_x), test_y) >= 0.96
