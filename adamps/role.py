@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from adamps import config
 from adamps.security import tls
-from adamps.wire import web
+from adamps.wire import logs
 
 C = TypeVar("C")
 
@@ -45,7 +45,7 @@ def run_role(
     except config.ConfigError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2
-    web.setup_logging(cfg.log_level, log_name(cfg) if log_name else section)
+    logs.setup_logging(cfg.log_level, log_name(cfg) if log_name else section)
     try:
         return serve(cfg)
     except OSError as exc:

@@ -88,7 +88,8 @@ class LoopLag:
         def watch() -> None:
             while self._task is not None:
                 time.sleep(after / 4)
-                if time.monotonic() - self._beat > after:
+                held = time.monotonic() - self._beat  # read once: the loop may beat meanwhile
+                if held > after:
                     names = {t.ident: t.name for t in threading.enumerate()}
                     stacks = [
                         f"thread {names.get(tid, tid)}"
@@ -99,8 +100,9 @@ class LoopLag:
                         if tid != threading.get_ident()
                     ]
                     log.warning(
-                        "event loop held %.2f s; the threads were at:\n%s",
-                        time.monotonic() - self._beat,
+                        "event loop held %.2f s so far (wall clock: a wait for a CPU too); "
+                        "the threads were at:\n%s",
+                        held,
                         "\n".join(stacks),
                     )
                     self._beat = time.monotonic()

@@ -523,10 +523,3 @@ async def run_app(
     finally:
         log.info("shutting down")
         await runner.cleanup()
-
-
-def setup_logging(level: str = "INFO", role: str = "adamps") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
-    )
