@@ -311,9 +311,9 @@ def test_a_wait_moved_to_another_cpu_is_not_a_wait_since_boot() -> None:
 def lock_wait_account(hold: Any, look_after: float = 0.6) -> FlushInterval:
     """The flush thread's account `look_after` s into its wait for an OwnedLock that another
     thread holds while it does `hold(looked)` (taken mid-wait, as a push's verdict would; the
-    holder holds until `looked` is set, the account taken). The look starts once the flush
-    thread waits for the lock, so that a loaded machine (the threads slow to start, this one
-    slow to wake) still looks at a wait of `look_after` s at least."""
+    holder holds until `looked` is set, the account taken). The flush thread starts once the
+    lock is held and the look once it waits for it, so that on a loaded machine (threads slow
+    to start, this one slow to wake) the account is still of a wait of `look_after` s at least."""
     times = FlushTimes(time.monotonic)
     lock = OwnedLock()
     held, waiting, looked, done = (threading.Event() for _ in range(4))
@@ -325,7 +325,6 @@ def lock_wait_account(hold: Any, look_after: float = 0.6) -> FlushInterval:
 
     def flush_thread() -> None:
         times.attach()
-        held.wait(10)
         waiting.set()
         with times.waiting_for(lock):
             lock.acquire()
@@ -333,6 +332,7 @@ def lock_wait_account(hold: Any, look_after: float = 0.6) -> FlushInterval:
         done.set()
 
     threading.Thread(target=holder, daemon=True).start()
+    assert held.wait(10)
     t = threading.Thread(target=flush_thread, daemon=True)
     start = time.monotonic()
     t.start()
