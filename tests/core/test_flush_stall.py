@@ -5,6 +5,7 @@ CPU quota throttles that one thread (starved: real kernel accounting, no mock of
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -245,46 +246,122 @@ def test_a_write_on_a_cpu_the_whole_time_is_flushes_not_keeping_up() -> None:
         assert why is not None and "do not keep up" in why, why
 
 
+class Spinner(threading.Thread):
+    """A thread that keeps a CPU busy without the GIL (hashlib releases it on large buffers),
+    pinned to `cpus` at niceness `nice`: runnable the whole time, so it waits for a CPU
+    whenever it is not on one."""
+
+    def __init__(self, cpus: set[int], nice: int = 0) -> None:
+        super().__init__(daemon=True)
+        self.cpus, self.nice = cpus, nice
+        self.stop = threading.Event()
+        self.ready = threading.Event()
+
+    def run(self) -> None:
+        os.sched_setaffinity(0, self.cpus)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+        data = bytes(1 << 22)
+        self.ready.set()
+        while not self.stop.is_set():
+            hashlib.sha256(data).digest()
+
+
+def test_a_wait_moved_to_another_cpu_is_not_a_wait_since_boot() -> None:
+    """A thread moved to another CPU's run queue while it waits for one (the load balancer under
+    load; a wake-up placed on another CPU, as the starved servers' flush threads were) has no
+    "last ran" time in the kernel until it runs there (``se.exec_start`` is 0). Read as a
+    time, that made a wait since the machine booted: the starvation test's servers reported
+    "49709.2 s waiting for a CPU", and the next, true reading made the flush's waits vanish
+    into "asleep in the write" (a stalled disk, the server stopped acknowledging); a lock
+    holder's did the same to the store's lock test at load 5. Here a thread at niceness 19
+    waits behind a spinner on each of two CPUs and is moved from one to the other: its wait
+    never exceeds its life."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or thread_times(threading.get_native_id()) is None:
+        pytest.skip("needs two CPUs and schedstat")
+    a, b = cpus[:2]
+    hogs = [Spinner({a}), Spinner({b})]
+    waiter = Spinner({a}, nice=19)
+    for t in hogs:
+        t.start()
+        assert t.ready.wait(10)
+    born = time.monotonic()
+    waiter.start()
+    assert waiter.ready.wait(10)
+    try:
+        tid = waiter.native_id
+        assert tid is not None
+        worst = 0.0
+        for i in range(40):
+            os.sched_setaffinity(tid, {b} if i % 2 == 0 else {a})
+            times = thread_times(tid)
+            assert times is not None
+            worst = max(worst, times.run + times.wait - (time.monotonic() - born))
+            time.sleep(0.01)
+        # the waiter's CPU and run-queue time can not exceed its life (a margin for the CPUs'
+        # scheduler clocks, a few ms apart)
+        assert worst < 0.1, f"counted {worst:.1f} s more than the thread lived"
+    finally:
+        for t in [*hogs, waiter]:
+            t.stop.set()
+        for t in [*hogs, waiter]:
+            t.join(10)
+
+
 def lock_wait_account(hold: Any, look_after: float = 0.6) -> FlushInterval:
     """The flush thread's account `look_after` s into its wait for an OwnedLock that another
-    thread holds while it does `hold` (taken mid-wait, as a push's verdict would)."""
+    thread holds while it does `hold(looked)` (taken mid-wait, as a push's verdict would; the
+    holder holds until `looked` is set, the account taken). The flush thread starts once the
+    lock is held and the look once it waits for it, so that on a loaded machine (threads slow
+    to start, this one slow to wake) the account is still of a wait of `look_after` s at least."""
     times = FlushTimes(time.monotonic)
     lock = OwnedLock()
-    held, done = threading.Event(), threading.Event()
+    held, waiting, looked, done = (threading.Event() for _ in range(4))
 
     def holder() -> None:
         with lock:
             held.set()
-            hold()
+            hold(looked)
 
     def flush_thread() -> None:
         times.attach()
-        held.wait(10)
+        waiting.set()
         with times.waiting_for(lock):
             lock.acquire()
         lock.release()
         done.set()
 
     threading.Thread(target=holder, daemon=True).start()
+    assert held.wait(10)
     t = threading.Thread(target=flush_thread, daemon=True)
     start = time.monotonic()
     t.start()
+    assert waiting.wait(10)
     time.sleep(look_after)
     account = times.over(start)
+    looked.set()
     t.join(30)
     assert done.is_set() and account is not None
     return account
 
 
+def burn_until(event: threading.Event) -> None:
+    t0 = time.monotonic()
+    while not event.is_set() and time.monotonic() - t0 < 30:
+        pass
+
+
 def test_a_wait_for_the_stores_lock_is_its_holders_time() -> None:
     """The store's lock (the scrub, a reader): a flush waiting for it while its holder runs is
     waiting for the server's threads, not asleep on the disk; while the holder sleeps (in a
-    hung read, say) it stays the disk's. Counted while the wait lasts, not only at its end."""
+    hung read, say) it stays the disk's. Counted while the wait lasts, not only at its end.
+    On a loaded machine too: the holder then also waits for a CPU, which is the server's
+    threads' time as well (test_a_wait_moved_to_another_cpu_is_not_a_wait_since_boot)."""
     if thread_times(threading.get_native_id()) is None:
         pytest.skip("no schedstat")
-    busy = lock_wait_account(lambda: burn(1.0))
+    busy = lock_wait_account(burn_until)
     assert busy.threads > 0.5 and busy.off < 0.3, busy.describe()
-    asleep = lock_wait_account(lambda: time.sleep(1.0))
+    asleep = lock_wait_account(lambda looked: looked.wait(30))
     assert asleep.off > 0.5 and asleep.threads < 0.2, asleep.describe()
 
 

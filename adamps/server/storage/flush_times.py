@@ -83,7 +83,14 @@ def _waiting_for(tid: int) -> float:
     wait to schedstat only when the thread gets a CPU again, so a thread throttled for a whole
     CPU quota period (up to 1 s) shows none of it until then. Measured on the scheduler's
     clock, from when it last ran to now (this thread's last run: it runs now); 0 when it is
-    asleep or where /proc/.../sched is missing."""
+    asleep or where /proc/.../sched is missing.
+
+    0 too when the kernel does not say when it last ran: a thread moved to another CPU's run
+    queue while it waits (the load balancer, a wake-up placed on another CPU) has its
+    ``se.exec_start`` reset to 0 until it runs there. Read as a time, that 0 made a wait "since
+    the machine booted" (49,709 s in a CI run), and the next reading, smaller, made the
+    flush's real waits vanish into "asleep in the write": a loaded CPU read as a stalled disk.
+    The kernel adds that wait to schedstat once the thread runs."""
     try:
         with open(f"/proc/self/task/{tid}/stat") as f:
             stat = f.read()
@@ -92,7 +99,9 @@ def _waiting_for(tid: int) -> float:
     if stat[stat.rindex(")") + 2 : stat.rindex(")") + 3] != "R":
         return 0.0
     theirs, now = _exec_start(f"self/task/{tid}"), _exec_start("thread-self")
-    return 0.0 if theirs is None or now is None else max(0.0, (now - theirs) / 1000.0)
+    if theirs is None or now is None or theirs <= 0.0:
+        return 0.0
+    return max(0.0, (now - theirs) / 1000.0)
 
 
 @dataclass(frozen=True)
