@@ -1,7 +1,7 @@
 """What a practitioner pays for training through adamps, against plain PyTorch in the same run.
 
-    python benchmarks/practitioner.py                 # every workload (about 25 minutes on 2 cores)
-    python benchmarks/practitioner.py --quick         # a smoke run: small sizes, a few minutes
+    python benchmarks/practitioner.py                 # every workload (about 3 minutes on 2 quiet cores)
+    python benchmarks/practitioner.py --quick         # a smoke run: small sizes, under 2 minutes
     python benchmarks/practitioner.py --only ctr,idle # some workloads (convnet, transformer, ctr, idle)
 
 Each workload is trained the way a user of ``adamps.torch`` trains it: their own loop
