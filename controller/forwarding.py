@@ -30,8 +30,6 @@ log = logging.getLogger(__name__)
 
 FORWARDED = "X-Adamps-Forwarded"
 APPLIED = "X-Adamps-Applied"
-#: a read's header: answer only from a state that applied the Raft log up to this index
-MIN_APPLIED = MIN_APPLIED_HEADER
 
 
 #: the endpoints operators (not servers) call: every refusal is logged
@@ -190,12 +188,12 @@ class Forwarder:
         async def min_applied(
             request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
         ) -> web.StreamResponse:
-            want = request.headers.get(MIN_APPLIED)
+            want = request.headers.get(MIN_APPLIED_HEADER)
             if want is not None and request.method == "GET":
                 if not (want.isascii() and want.isdigit() and len(want) <= 18):
                     raise ProtocolError(
                         "bad_request",
-                        f"{MIN_APPLIED} must be a Raft log index (a non-negative integer), "
+                        f"{MIN_APPLIED_HEADER} must be a Raft log index (a non-negative integer), "
                         f"got {want[:40]!r}",
                     )
                 if not await self.until_applied(int(want)):
