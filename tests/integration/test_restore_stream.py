@@ -72,13 +72,16 @@ async def test_create_tensors_checks_every_definition_before_it_creates_any(
 async def test_create_tensors_defines_all_at_once_durably_and_idempotently(
     tmp_path: Path,
 ) -> None:
-    defs = [_defn(f"t{i}", 2500) for i in range(5)] + [
-        {"name": "n", "shape": [40, 30], "init": {"kind": "normal", "std": 0.1, "seed": 7}}
-    ]
+    # 300 small tensors too: laid out once, not a layout rebuilt per tensor
+    defs = (
+        [_defn(f"t{i}", 2500) for i in range(5)]
+        + [{"name": "n", "shape": [40, 30], "init": {"kind": "normal", "std": 0.1, "seed": 7}}]
+        + [{"name": f"s{i}", "shape": [3]} for i in range(300)]
+    )
     _ps, runner, c = await _server(tmp_path)
     try:
         got = await c.call("create_tensors", tensors=defs)
-        assert sorted(got["created"]) == sorted(d["name"] for d in defs) and got["tensors"] == 6
+        assert sorted(got["created"]) == sorted(d["name"] for d in defs) and got["tensors"] == 306
         seeded = (await c.call("pull", shards=["n/0", "n/1"]))["shards"]
         again = await c.call("create_tensors", tensors=defs)  # the same: nothing new
         assert again["created"] == []
