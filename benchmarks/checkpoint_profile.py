@@ -50,7 +50,7 @@ PY_SPY = Path(os.environ.get("VIRTUAL_ENV", "/work/venv")) / "bin" / "py-spy"
 
 def phase(name: str, servers: list[int], out: Path, fn, top: int) -> None:  # noqa: ANN001
     spies = [subprocess.Popen([str(PY_SPY), "record", "--pid", str(pid), "--rate", "200",
-                               "--format", "raw", "-o", str(out / f"{name}-ps{i}.txt")],
+                               "--format", "raw", "--nonblocking", "-o", str(out / f"{name}-ps{i}.txt")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
              for i, pid in enumerate(servers)]  # fmt: skip
     time.sleep(1.0)  # py-spy attached

@@ -8,6 +8,8 @@ take the checkpoint's values; only their shape and dtype must match (issue 39)."
 
 from __future__ import annotations
 
+import itertools
+import os
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -100,15 +102,14 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
         raise CheckpointError(f"{src}: row shard {sid}: not a row block: {why}: nothing restored")
     specs = [TensorSpec(d["name"], tuple(d["shape"])) for d in manifest["tensors"]]
     layout = Layout(specs, n_buckets=n_buckets, max_shard_elems=max_shard)
+    # Zeros: a definition the servers write without a pass over the values (catalog.py); the
+    # install fills them. All of them in one call per server (one synced LMDB commit).
+    cluster.create_tensors(
+        [_create_fields(d) for d in manifest["tensors"] if d["name"] not in tensors_held],
+        n_buckets,
+    )
     client = PSClient(cluster.source, layout, cluster.token, retry_for=cluster.retry_for)
     try:
-        # Zeros: a definition the servers write without a pass over the values (catalog.py);
-        # the install fills them. Side by side: each server takes one create at a time.
-        todo = [(d, s) for d, s in zip(manifest["tensors"], specs, strict=True)
-                if d["name"] not in tensors_held]  # fmt: skip
-        with ThreadPoolExecutor(max(1, min(8, len(todo)))) as pool:
-            list(pool.map(lambda ds: client.create(ds[1], init={"kind": "zeros"},
-                                                   optimizer=ds[0].get("optimizer")), todo))  # fmt: skip
         for t in manifest["tables"]:
             if t["name"] not in tables_held:
                 client.create_table(
@@ -137,6 +138,14 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     return {"installed": installed, "seconds": time.perf_counter() - t0, "direct": False}
 
 
+def _create_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's tensor definition as create's fields, of zeros."""
+    out = {"name": d["name"], "shape": list(d["shape"]), "init": {"kind": "zeros"}}
+    if d.get("optimizer"):
+        out["optimizer"] = d["optimizer"]
+    return out
+
+
 def _v1(
     src: Path, manifest: dict[str, Any], files: dict[str, dict[str, np.ndarray]]
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -163,9 +172,10 @@ def _check_stream(
     optimizer state the manifest names is bounded (the checks and messages of _check_state),
     every shard's arrays are where the manifest says and of its size. Returns per dense shard
     its (values, state or None) pieces, and the row shards' blocks (read whole)."""
-    # Imported here, not at the top: they bring the servers' optimizer kernels (numba, compiled
-    # at import: most of a second of CPU), which every controller would load at its start for a
-    # restore it never runs (it imports this module through its checkpoint schedule, to save).
+    # Imported here, not at the top: the servers' modules are a restore's alone, which every
+    # controller would load at its start (it imports this module through its checkpoint
+    # schedule, to save). bounds no longer brings the optimizers' numba kernels (compiled at
+    # import: a second of a 3.5 s restore of 0.25 GB; issue 38 item 7).
     from adamps.server.updates import bounds
 
     mpath = src / MANIFEST
@@ -251,11 +261,16 @@ def _row_records(rows: dict[str, np.ndarray], manifest: dict[str, Any]) -> dict[
     saved = manifest.get("row_shards", {})
     out: dict[int, dict[str, Any]] = {}
     for sid, a in rows.items():
-        rec: dict[str, Any] = {"b": a.tobytes()}
+        rec: dict[str, Any] = {"b": _block(a)}
         if "version" in saved.get(sid, {}):
             rec["n"] = saved[sid]["version"]
         out.setdefault(int(sid.rsplit("/", 1)[1]), {})[sid] = rec
     return out
+
+
+def _block(a: np.ndarray) -> np.ndarray:
+    """A row block as the uint8 array ckpt_install takes as a raw payload (no bytes copy)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
 def _signed(manifest: dict[str, Any]) -> set[str]:
@@ -296,9 +311,10 @@ def _check_state(
     alone before any request, so a NaN in bucket 7 cannot leave buckets 0-6 restored. Returns
     the row shards whose blocks do not parse (refused after the layout checks, which name a
     foreign checkpoint's real problem first)."""
-    from adamps.server.store.tables import rowblock  # here: see _check_stream
-    from adamps.server.updates import bounds
+    from adamps.server.updates import bounds  # here: see _check_stream
 
+    if rows:  # (the row blocks' module brings the optimizers' kernels: only for rows)
+        from adamps.server.store.tables import rowblock
     damaged = []
     try:
         for name, a in arrays.items():
@@ -392,7 +408,7 @@ def install(
     row_bucket: dict[int, dict[str, Any]] = {}
     for sid, a in rows.items():
         b = int(sid.rsplit("/", 1)[1])
-        row_bucket.setdefault(b, {})[sid] = {"b": a.tobytes()}
+        row_bucket.setdefault(b, {})[sid] = {"b": _block(a)}
         if sid in versions:
             row_bucket[b][sid]["n"] = versions[sid]
     return send(cluster, layout.n_buckets, per_bucket, row_bucket, force, chunk, workers)
@@ -419,45 +435,49 @@ def send(
     stream: Stream | None = None,
 ) -> int:
     """The install records of each bucket (dense shards ``{v, a, n}``, row shards ``{b, n}``)
-    to its primary with ``ckpt_install``, in requests of up to `chunk` bytes, buckets side by
-    side; returns the shards installed. With `stream`, ``v`` and ``a`` are pieces of its files,
-    read into the sending thread's buffer just before their request."""
+    to its primary with ``ckpt_install`` over its data plane (every array a raw payload, row
+    blocks too: issue 38 item 7), in requests of up to `chunk` bytes, buckets side by side;
+    returns the shards installed. With `stream`, ``v`` and ``a`` are pieces of its files, read
+    into the sending thread's buffer just before their request."""
 
     def install_bucket(b: int) -> int:
-        chunks: list[dict[str, Any]] = []
-        size, cur = 0, {}
-        for sid, rec in per_bucket.get(b, []):
-            nbytes = rec["v"].nbytes + (rec["a"].nbytes if "a" in rec else 0)
-            if cur and size + nbytes > chunk:
-                chunks.append(cur)
+        # Requests of up to `chunk` bytes: the dense shards', then the row shards' (each whole)
+        chunks: list[tuple[str, dict[str, Any]]] = []
+        size, cur, kind = 0, {}, "shards"
+        records = [("shards", sid, rec) for sid, rec in per_bucket.get(b, [])]
+        records += [("rows", sid, rec) for sid, rec in row_bucket.get(b, {}).items()]
+        for k, sid, rec in records:
+            nbytes = sum(rec[f].nbytes for f in ("v", "a", "b") if f in rec)
+            if cur and (size + nbytes > chunk or k != kind):
+                chunks.append((kind, cur))
                 cur, size = {}, 0
-            cur[sid] = rec
+            cur[sid], kind = rec, k
             size += nbytes
         if cur:
-            chunks.append(cur)
+            chunks.append((kind, cur))
         n = 0
         # A retried install may find its own first attempt applied (the outcome of a timed-out
-        # or failed-over request is unknown): a retry overwrites with the same data, so it
-        # forces; a first attempt on a shard that took updates is refused by the server.
-        for part in chunks:
-            if stream is not None:
+        # or failed-over request is unknown). It carries the same (client, seq), which the
+        # bucket's replicas recognize (their dedup table travels with the batches), so it is
+        # applied once: the shards keep the checkpoint's version, not one more. It also forces,
+        # for the case of an attempt applied but not recorded; a first attempt on a shard that
+        # took updates is refused by the server.
+        for kind, part in chunks:
+            if stream is not None and kind == "shards":
                 part = _read_part(stream, part)
+            seq = next(seqs)
             cluster.on_primary(
                 b,
-                lambda r, k, c=part: cluster.message(
-                    r, "ckpt_install", bucket=b, shards=c, force=force or k > 1
+                lambda r, k, c=part, f=kind, q=seq: cluster.message(
+                    r, "ckpt_install", bucket=b, force=force or k > 1, client=client, seq=q,
+                    **{f: c},
                 ),
-            )
+            )  # fmt: skip
             n += len(part)
-        if b in row_bucket:
-            cluster.on_primary(
-                b,
-                lambda r, k: r.call(
-                    "ckpt_install", bucket=b, rows=row_bucket[b], force=force or k > 1
-                ),
-            )
-            n += len(row_bucket[b])
         return n
+
+    client = f"restore-{os.urandom(8).hex()}"
+    seqs = itertools.count(1)  # (next() on it is atomic under the GIL: the threads share it)
 
     # Buckets installed in parallel: their primaries and replication rounds are independent.
     with ThreadPoolExecutor(max(1, min(workers, n_buckets))) as pool:

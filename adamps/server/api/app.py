@@ -205,6 +205,8 @@ class ParameterServer:
         #: op -> handler of POST /rpc
         self._ops: dict[str, Handler] = {
             "create": self.catalog.op_create,
+            # a restore's definitions, one call per server (operator's token only: no run op)
+            "create_tensors": self.catalog.op_create_tensors,
             "pull": self.reads.op_pull,
             "push_dense": self.writes.op_push_dense,
             "push_fc": self.writes.op_push_fc,

@@ -241,9 +241,9 @@ class CheckpointOps:
                 busy.append(sid)
             wire.append(([st], lambda sts, u=upd: u))
         for sid, rec in rows.items():
-            data = rec.get("b") if isinstance(rec, dict) else None
-            if not isinstance(sid, str) or not isinstance(data, bytes):
+            if not isinstance(sid, str) or not isinstance(rec, dict):
                 raise ProtocolError("bad_request", "'rows' maps row shard ids to {b: bytes}")
+            data = install.block_bytes(sid, rec.get("b"))
             st = self.store.tables.shard(sid)
             if not isinstance(st, RowShardState) or st.bucket != b:
                 raise ProtocolError("bad_request", f"row shard {sid} is not in bucket {b}")

@@ -34,7 +34,7 @@ def update(
     return u
 
 
-def row_update(sid: str, data: bytes, version: int | None = None) -> dict[str, Any]:
+def row_update(sid: str, data: bytes | np.ndarray, version: int | None = None) -> dict[str, Any]:
     """A checkpoint's row shard restored whole (``RowBlock.tobytes``)."""
     u: dict[str, Any] = {"k": "j", "s": sid, "b": data}
     if version is not None:
@@ -69,11 +69,22 @@ def shard(store: Store, st: ShardState, u: dict[str, Any]) -> Install:
     return Install(arrays[0], arrays[1], version)
 
 
+def block_bytes(sid: str, data: Any) -> bytes | np.ndarray:
+    """A row install's ``b``: bytes (inline, ``/rpc``), or a 1-D uint8 array (a raw payload on
+    the data plane, uncopied: issue 38 item 7); anything else is ``bad_request``."""
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1:
+        return data
+    raise ProtocolError(
+        "bad_request", f"row shard {sid}: a row install needs 'b': bytes or a uint8 array"
+    )
+
+
 def row_shard(st: RowShardState, data: Any, version: int | None) -> RowInstall:
     """A row block's bytes, checked: they load into a scratch block of the table's shape, and
     the rows' values and optimizer state are finite and bounded."""
-    if not isinstance(data, bytes):
-        raise ProtocolError("bad_request", f"row shard {st.id}: a row install needs bytes 'b'")
+    data = block_bytes(st.id, data)
     probe = st.table.new_block()
     try:
         probe.load_bytes(data)

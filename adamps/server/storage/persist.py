@@ -213,22 +213,33 @@ class Persister:
         `only_new` (a create written off the event loop): nothing is written if a definition
         of that name exists already (a peer's, written meanwhile, then transferred state and
         flushed: this older initial state must not overwrite it). Returns whether it wrote."""
-        shards = list(shards)
-        key = meta["spec"]["name"].encode()
-        wrote = [True]
+        return self.write_tensors([(meta, shards)], only_new)[0]
+
+    def write_tensors(
+        self,
+        tensors: Iterable[tuple[dict[str, Any], Iterable[tuple[str, int, np.ndarray, Any]]]],
+        only_new: bool = False,
+    ) -> list[bool]:
+        """`write_tensor` of several tensors in one transaction (one synced commit: a
+        restore's ``create_tensors``, issue 38 item 7); per tensor whether it was written."""
+        tensors = [(meta, list(shards)) for meta, shards in tensors]
+        wrote = [True] * len(tensors)
 
         def fn(txn: lmdb.Transaction) -> None:
-            if only_new and txn.get(key, db=self._tensors) is not None:
-                wrote[0] = False
-                return
-            txn.put(key, seal(json.dumps(meta).encode()), db=self._tensors)
-            for sid, version, value, accum in shards:
-                txn.put(sid.encode(), shardrecord.pack(version, value, accum), db=self._shards)
+            for i, (meta, shards) in enumerate(tensors):
+                key = meta["spec"]["name"].encode()
+                wrote[i] = not (only_new and txn.get(key, db=self._tensors) is not None)
+                if not wrote[i]:
+                    continue
+                txn.put(key, seal(json.dumps(meta).encode()), db=self._tensors)
+                for sid, version, value, accum in shards:
+                    txn.put(sid.encode(), shardrecord.pack(version, value, accum), db=self._shards)
 
-        self._forgotten.discard(meta["spec"]["name"])
+        for meta, _shards in tensors:
+            self._forgotten.discard(meta["spec"]["name"])
         self._write(fn)
         memtrim.trim()  # the records and LMDB's dirty pages of a big tensor are free now
-        return wrote[0]
+        return wrote
 
     def write_snapshots(
         self,

@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from adamps.server.updates.optim import Optimizer
 from adamps.wire.protocol import MAX_GRAD, ProtocolError
+
+if TYPE_CHECKING:
+    # A type only: the optimizers' module compiles their numba kernels at import (about a
+    # second of CPU), which a restore's client, checking a checkpoint's bounds, never runs
+    from adamps.server.updates.optim import Optimizer
 
 MAX_VALUE = 1e24
 MAX_LR = 1e12

@@ -38,9 +38,10 @@ class Install:
 
 @dataclass(frozen=True, slots=True)
 class RowInstall:
-    """A row shard's whole state as ``RowBlock.tobytes`` wrote it."""
+    """A row shard's whole state as ``RowBlock.tobytes`` wrote it (bytes, or a uint8 array: a
+    raw payload of the data plane)."""
 
-    data: bytes
+    data: bytes | np.ndarray
     version: int | None = None
 
 
