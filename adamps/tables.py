@@ -51,6 +51,7 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 #: mixed into the id before the bucket hash, so that buckets and init draws are independent
 _BUCKET_SALT = np.uint64(0x5BD1E9955BD1E995)
+_S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
 
 
 class TableError(ValueError):
@@ -60,10 +61,15 @@ class TableError(ValueError):
 def splitmix64(x: np.ndarray) -> np.ndarray:
     """SplitMix64's output function of uint64 counters (Steele, Lea, Flood 2014), vectorised.
     uint64 array arithmetic wraps modulo 2^64, as the algorithm needs."""
-    z = np.asarray(x, dtype=np.uint64) + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+    # in place on the one new array: a row's create runs it on a few ids, where each
+    # temporary's allocation cost as much as its arithmetic (issue 36)
+    z = np.add(np.asarray(x, dtype=np.uint64), _GOLDEN)
+    z ^= z >> _S30
+    z *= _M1
+    z ^= z >> _S27
+    z *= _M2
+    z ^= z >> _S31
+    return z
 
 
 def buckets_of(ids: np.ndarray, n_buckets: int) -> np.ndarray:
@@ -88,7 +94,10 @@ def _uniform01(keys: np.ndarray, dim: int, offset: int) -> np.ndarray:
     """[len(keys), dim] float64 uniforms in [0, 1): counter j + offset of each key."""
     j = np.arange(offset + 1, offset + dim + 1, dtype=np.uint64)
     bits = splitmix64(keys[:, None] + j[None, :] * _GOLDEN)
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    bits >>= _S11
+    u = bits.astype(np.float64)
+    u *= 1.0 / (1 << 53)
+    return u
 
 
 #: rows of `initial_rows` computed at a time: its float64 temporaries (a few per element) stay
@@ -121,9 +130,11 @@ def _drawn_rows(init: Mapping[str, Any], ids: np.ndarray, dim: int) -> np.ndarra
     if init["kind"] == "uniform":
         u = _uniform01(keys, dim, 0)
         return (init["low"] + (init["high"] - init["low"]) * u).astype(np.float32)
-    # normal: Box-Muller on two independent counter streams
-    u1 = _uniform01(keys, dim, 0)
-    u2 = _uniform01(keys, dim, dim)
+    # normal: Box-Muller on two independent counter streams, counters 1..dim and dim+1..2dim
+    # of each key, drawn in one pass (the same bits as two: issue 36, a row's create is a few
+    # ids per bucket, where each numpy call's fixed cost outweighs its arithmetic)
+    u = _uniform01(keys, 2 * dim, 0)
+    u1, u2 = u[:, :dim], u[:, dim:]
     z = np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * math.pi * u2)
     return (init["mean"] + init["std"] * z).astype(np.float32)
 

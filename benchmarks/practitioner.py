@@ -24,8 +24,10 @@ and batch, on the same examples, in one process with one thread, in the same run
 - **idle**: the cluster with nothing to do, its CPU-seconds per second.
 
 Counted honestly: the cluster's CPU is every process's (3 controllers, 3 parameter servers read
-from /proc/PID/stat over the training window, plus each replica process's CPU over its loop,
-every thread). The trainers' figure is the replicas' CPU alone. Plain PyTorch's is its training
+from /proc/PID/stat over the training window: from the first replica's loop start to the last
+one's end, its final flush included; plus each replica process's CPU over its loop, every
+thread), the same window as plain PyTorch's, so neither the replicas' start (torch's import, the
+model) nor their evaluation's pulls are counted. The trainers' figure is the replicas' CPU alone. Plain PyTorch's is its training
 loop's CPU. Accuracy (AUC) is measured at equal total examples: N replicas share the epochs
 that one replica trains alone. The last line printed is one JSON object of the figures.
 """
@@ -253,6 +255,10 @@ def _replica(s: Setting, r: int, conn: dict[str, Any], barrier: Any) -> dict[str
     lossf = loss_fn(s)
     model.train()
     examples = 0
+    pids = conn.get("pids", {})
+    # the cluster's CPU over this loop, as the trainer's and plain PyTorch's are counted: not
+    # over this process's start (torch's import, the model) nor its evaluation's pulls
+    cl0 = {k: proc_cpu_s(pid) for k, pid in pids.items()}
     c0, t0 = time.process_time(), time.perf_counter()
     for xb, yb in batches(s, r, max(1, s.replicas)):
         opt.zero_grad()
@@ -262,7 +268,8 @@ def _replica(s: Setting, r: int, conn: dict[str, Any], barrier: Any) -> dict[str
     if not plain:
         opt.flush()
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-    res = {"examples": examples, "cpu_s": cpu, "wall_s": wall}
+    cl1 = {k: proc_cpu_s(pid) for k, pid in pids.items()}
+    res = {"examples": examples, "cpu_s": cpu, "wall_s": wall, "cluster0": cl0, "cluster1": cl1}
     if barrier is not None:
         barrier.wait(timeout=1800)  # every replica's pushes are in before replica 0 evaluates
     if r == 0:
@@ -293,7 +300,8 @@ def run_setting(s: Setting, tmp: Path) -> dict[str, Any]:
     token = secrets.token_hex(16)
     cluster = start_cluster(s.rf, tmp / f"{s.workload}-rf{s.rf}-r{s.replicas}-b{s.batch}", token)
     try:
-        conn = {"controllers": cluster.controllers, "run": f"bench-{s.workload}", "token": token}
+        conn = {"controllers": cluster.controllers, "run": f"bench-{s.workload}", "token": token,
+                "pids": {name: p.popen.pid for name, p in cluster.procs.items()}}  # fmt: skip
         # replica 0's values are created before any replica starts (as adamps train does)
         import adamps.torch as at
 
@@ -305,11 +313,9 @@ def run_setting(s: Setting, tmp: Path) -> dict[str, Any]:
         procs = [
             ctx.Process(target=replica, args=(s, r, conn, barrier, out)) for r in range(s.replicas)
         ]
-        before = cluster_cpu_s(cluster)
         for p in procs:
             p.start()
         results = [out.get() for _ in procs]
-        after = cluster_cpu_s(cluster)
         for p in procs:
             p.join()
     finally:
@@ -317,12 +323,17 @@ def run_setting(s: Setting, tmp: Path) -> dict[str, Any]:
     errors = [x["error"] for x in results if "error" in x]
     if errors:
         raise RuntimeError(errors[0])
-    servers = sum(after[k] - before.get(k, 0.0) for k in after)
+    # the window from the first replica's loop start to the last one's end, per process (its
+    # counter only grows: the earliest reading before, the latest after)
+    servers = sum(
+        max(x["cluster1"][k] for x in results) - min(x["cluster0"][k] for x in results)
+        for k in results[0]["cluster0"]
+    )
     trainers = sum(x["cpu_s"] for x in results)
     return {
         "examples": sum(x["examples"] for x in results),
         "trainer_cpu_s": trainers,
-        "servers_cpu_s": servers,  # controllers and parameter servers over the training window
+        "servers_cpu_s": servers,  # controllers and parameter servers over the training loops
         "cluster_cpu_s": trainers + servers,
         "wall_s": max(x["wall_s"] for x in results),
         "metric": next(x["metric"] for x in results if "metric" in x),

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 import logging
 import sys
 
@@ -46,6 +47,21 @@ def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 256 << 20)
     return ok_mmap and ok_trim
 
 
+def freeze_startup_heap() -> int:
+    """Moves every object alive now (the imported modules, the server as built) out of the
+    garbage collector's generations (``gc.freeze``), so that its full collections walk only
+    what was made since; returns the objects frozen.
+
+    Issue 36's profile of a click-through run at RF 3: a server of about 170,000 objects
+    ran a full collection every 2-3 seconds of training, 70-110 ms each, about a tenth of
+    its CPU, charged to whatever line allocated then (``Ready()``, a ``RowPush``); frozen,
+    each took 8-37 ms. Frozen objects are still freed when their last reference goes; only
+    a cycle among them is never collected, and those are built once, at start."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def build_parser() -> argparse.ArgumentParser:
     return role_parser(
         "adamps ps",
@@ -83,6 +99,7 @@ def serve(cfg: PsConfig) -> int:
             cfg.buckets or "all",
             cfg.data_dir,
         )
+        log.info("startup heap frozen: %d objects", freeze_startup_heap())
         asyncio.run(web.run_app(app, cfg.host, cfg.port, stop=ps.stop_serving))
     finally:
         ps.close()
