@@ -41,7 +41,9 @@ _CHECKED_MAX = 4096
 def with_hyper(base: Optimizer, d: Any, name: str) -> Optimizer:
     """`base` (a tensor's optimizer) with the hyperparameters of `d` (torch's names; ``kind``
     may be given and must be base's). Raises ProtocolError bad_request naming the problem."""
-    if not isinstance(d, Mapping) or not all(isinstance(k, str) for k in d):
+    if (type(d) is not dict and not isinstance(d, Mapping)) or not all(
+        isinstance(k, str) for k in d
+    ):
         raise ProtocolError("bad_request", f"hyper of {name!r} must map field names to values")
     try:
         # the items in the sender's order (the same every push): no sort per tensor per push
