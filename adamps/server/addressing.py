@@ -74,10 +74,13 @@ class Addressing:
         """Under replication, this server must be the primary of every bucket, with its lease
         (a `read`: with every acknowledged push applied), else not_primary naming the first
         refused: one step of the replication core for all of them (issue 36: a push_rows
-        names most buckets, and a step per bucket drained the core's Ready each time)."""
+        names most buckets, and a step per bucket drained the core's Ready each time). A query:
+        it brings no deadline (a heartbeat it asks for is a step of its own), so the clock does
+        not walk every bucket after it (issue 36: a data-plane push's header is checked in a
+        loop step of its own)."""
         r = self.replicator
         if r is not None:
-            r.step(-1, r.core.check_primaries, buckets, read=read)
+            r.step(-1, r.core.check_primaries, buckets, read=read, ahead=float("inf"))
 
     def stream_shards(self, meta: dict[str, Any]) -> list[Shard]:
         """The shards a data-plane frame names, in payload order: every shard of `tensor` (which

@@ -187,14 +187,6 @@ def array_to_wire(arr: np.ndarray) -> dict[str, Any]:
     return {"dtype": name, "shape": list(arr.shape), "data": data}
 
 
-def _is_array_map(d: Mapping[str, Any]) -> bool:
-    return len(d) == 3 and "dtype" in d and "shape" in d and "data" in d
-
-
-def _is_oob_map(d: Mapping[str, Any]) -> bool:
-    return len(d) == 3 and "dtype" in d and "shape" in d and "at" in d
-
-
 #: out-of-band arrays start at multiples of this in the payload (aligned views for every dtype)
 OOB_ALIGN = 8
 
@@ -300,10 +292,16 @@ class _Counter:
             raise ProtocolError("too_large", f"message holds more than {self.limit} maps and lists")
 
     def object_hook(self, d: dict[str, Any]) -> Any:
-        self.tick()
-        if _is_array_map(d):
+        # called for every map decoded: tick() and the array-map tests inline (issue 36: a
+        # hundred maps per training step per server, two calls each)
+        self.n += 1
+        if self.n > self.limit:
+            self.tick()  # raises
+        if len(d) != 3 or "dtype" not in d or "shape" not in d:
+            return d
+        if "data" in d:
             return array_from_wire(d)
-        if self.payload is not None and _is_oob_map(d):
+        if self.payload is not None and "at" in d:
             arr = _array_at(d, self.payload)
             if self.offsets is not None:
                 self.offsets.append(d["at"])
@@ -311,7 +309,9 @@ class _Counter:
         return d
 
     def list_hook(self, x: list[Any]) -> list[Any]:
-        self.tick()
+        self.n += 1
+        if self.n > self.limit:
+            self.tick()  # raises
         return x
 
 

@@ -105,3 +105,16 @@ def test_encode_parts_is_encode_in_pieces_with_arrays_uncopied() -> None:
     assert any(isinstance(p, memoryview) and p.obj is not None and len(p) == big.nbytes
                and np.shares_memory(np.frombuffer(p, np.int64), big) for p in parts)  # fmt: skip
     assert protocol.encode_parts({"a": 1})[0] == [protocol.encode({"a": 1})]
+
+
+@pytest.mark.parametrize("empty", [{}, []], ids=["maps", "lists"])
+def test_a_message_of_more_containers_than_the_limit_is_refused(empty: object) -> None:
+    """The decoder counts every map and list it builds (issue 12) and stops past the limit,
+    whichever kind; exactly the limit decodes."""
+    half = protocol.MAX_CONTAINERS // 2
+    body = msgpack.packb({"v": 1, "a": [empty] * half, "b": [empty] * half})
+    with pytest.raises(ProtocolError) as e:
+        protocol.decode(body)
+    assert e.value.code == "too_large"
+    ok = msgpack.packb({"v": 1, "a": [empty] * (half - 3), "b": [empty] * half})
+    assert len(protocol.decode(ok)["b"]) == half

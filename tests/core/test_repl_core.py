@@ -729,3 +729,38 @@ def test_the_core_reads_no_clock_and_does_no_io() -> None:
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module.split(".")[0]]
             assert not set(names) & banned, f"{path.name} imports {set(names) & banned}"
+
+
+def test_a_primarys_message_to_a_secondary_brings_no_deadline_before_failover_after() -> None:
+    """What the shell relies on when a peer's PREPARE or COMMIT to a copy held as secondary
+    pokes its clock with failover_after ahead (adamps/server/replication/ops.py, issue 36): the
+    step, accepted or refused, brings no deadline of this core before now + failover_after,
+    so a tick planned by then stands without a walk over every bucket."""
+    cl = Cluster()
+    a, b = cl.cores["a"], cl.cores["b"]
+    fa = b.settings.failover_after
+    stepped = 0
+    for i in range(1, 8):
+        t = 0.25 * i
+        a.tick(t)
+        a.submit({0: f"u{i}"}, ("cl", i), {0: f"w{i}"}, t)
+        cl.collect()
+        out, cl.out = cl.out, []
+        for src, m in out:
+            assert b.roles[0] == "secondary" or m.peer != "b"
+            target = cl.cores[m.peer]
+            before = target.next_deadline(t)
+            res = target.step(src, {"op": m.op, **m.fields}, t)
+            if m.peer == "b":
+                stepped += 1
+                assert target.next_deadline(t) >= min(before, t + fa), (m.op, i)
+            cl.cores[src].step(m.peer, {"op": "reply", "rid": m.rid, "reply": res}, t)
+        cl.collect()
+        cl.deliver(t)
+        # a refused one too: a PREPARE of an older epoch
+        before = b.next_deadline(t)
+        stale = {"op": "repl_prepare", "bucket": 0, "sender": "a", "epoch": 0, "entries": []}
+        assert isinstance(b.step("a", stale, t), Reject)
+        assert b.next_deadline(t) >= min(before, t + fa)
+        take(b)
+    assert stepped >= 7

@@ -279,18 +279,23 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
         which pump it themselves."""
         fa = self.settings.failover_after
         due = min(self.link.next_due(), self._pings_due(), self._joins_due(now))
+        # Asked after every loop step with inputs: the dicts bound once, a secondary's watchdog
+        # two lookups and no call (issue 36: a tenth of a server's event loop at RF 3)
+        buckets, rounds, heard = self.buckets, self._rounds, self.last_heard
+        after = self.role_change_after
         for b, role in self.roles.items():
-            rep = self.buckets[b]
-            if role == "secondary" and b in self.last_heard:
-                due = min(due, max(self.last_heard[b] + fa, self.role_change_after.get(b, 0.0)))
-            elif role == "joining" and rep.learning:
-                due = min(due, self.last_heard.get(b, 0.0) + fa)
+            if role == "secondary":
+                if (h := heard.get(b)) is not None:
+                    at, r = h + fa, after.get(b, 0.0)
+                    at = r if r > at else at  # max(h + fa, after): no call
+                    due = at if at < due else due
             elif role == "primary":
-                rs = self._rounds.get(b)
-                at = now if rs is None else rs.due(rep, now)
-                if at <= now:
+                if (rs := rounds.get(b)) is None or (at := rs.due(buckets[b], now)) <= now:
                     return now
-                due = min(due, at)
+                due = at if at < due else due
+            elif role == "joining" and buckets[b].learning:
+                at = heard.get(b, 0.0) + fa
+                due = at if at < due else due
         return min([due, *(at for at, _req in self._report_again.values())])
 
     # -- primary: pushes, rounds, acknowledgements ---------------------------------------------

@@ -125,7 +125,8 @@ class RoundOp:
 
         large = codes > compressed.DECODE_OFF_LOOP or sum(n for n, _ in later) >= CHECK_OFF_LOOP
         signs = await asyncio.to_thread(work) if large else work()
-        signs = compressed.with_hyper(signs, msg, self.writes.store.tensors)
+        if signs:  # (the hyper itself was checked whole by decode_round: not again)
+            signs = compressed.with_hyper(signs, msg, self.writes.store.tensors)
         if signs:
             named = {st.id for _wire_states, _ in wire for st in _wire_states}
             if any(st.id in named for st, _u, _d in signs):

@@ -14,6 +14,7 @@ import numpy as np
 from adamps.core.replication import copies as repl_copies
 from adamps.server.replication import bucket_copy
 from adamps.server.replication.check import checked_message
+from adamps.server.replication.clock import quiet_for
 from adamps.server.replication.wire import MULTI_OPS, REPL_OPS, multi_results
 from adamps.wire.protocol import require
 
@@ -50,8 +51,7 @@ class PeerOps:
     async def _step(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
         # Every copy re-checks what it will apply (repl_check.checked_message), whoever sent it.
         m = await checked_message(self.repl.store, self.repl.core.buckets, op, msg)
-        # A ping's only deadline is its buckets' watchdog, failover_after from now
-        ahead = self.repl.core.settings.failover_after if op == "repl_ping" else 0.0
+        ahead = quiet_for(self.repl.core, op, m)  # (the clock then need not walk every bucket)
         return self.repl.step(m.get("bucket", -1), self.repl.core.step, m["sender"], m, ahead=ahead)
 
     async def op_repl_multi(self, msg: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,11 @@ class CorruptRecord(ValueError):
     """A record whose checksum does not match its bytes (or that is too short to hold one)."""
 
 
+def hasher() -> xxhash.xxh3_64:
+    """An incremental ``digest``: update() it with the parts in order, then intdigest()."""
+    return xxhash.xxh3_64()
+
+
 def digest(*parts: bytes | memoryview) -> int:
     """xxh3_64 of the concatenation of `parts` (no copy of them is made)."""
     h = xxhash.xxh3_64()

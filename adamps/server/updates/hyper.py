@@ -41,13 +41,20 @@ _CHECKED_MAX = 4096
 def with_hyper(base: Optimizer, d: Any, name: str) -> Optimizer:
     """`base` (a tensor's optimizer) with the hyperparameters of `d` (torch's names; ``kind``
     may be given and must be base's). Raises ProtocolError bad_request naming the problem."""
-    if not isinstance(d, Mapping) or not all(isinstance(k, str) for k in d):
+    if (type(d) is not dict and not isinstance(d, Mapping)) or not all(
+        isinstance(k, str) for k in d
+    ):
         raise ProtocolError("bad_request", f"hyper of {name!r} must map field names to values")
     try:
-        key = (name, id(base), tuple(sorted((k, _frozen(v)) for k, v in d.items())))
+        # the items in the sender's order (the same every push): no sort per tensor per push
+        key = (name, id(base), tuple(d.items()))
         hit = _CHECKED.get(key)
-    except TypeError:  # a value that is not hashable: checked (and refused) below
-        key, hit = None, None
+    except TypeError:  # a list value (betas): frozen, in a canonical order
+        try:
+            key = (name, id(base), tuple(sorted((k, _frozen(v)) for k, v in d.items())))
+            hit = _CHECKED.get(key)
+        except TypeError:  # a value that is not hashable: checked (and refused) below
+            key, hit = None, None
     if hit is not None and hit[0] is base:  # the very optimizer (an id is reused after a drop)
         return hit[1]
     opt = _checked(base, d, name)
