@@ -391,6 +391,40 @@ async def test_an_install_carries_its_version_and_never_lowers_one(tmp_path: Pat
         await r.cleanup()
 
 
+async def test_an_install_version_past_2_62_is_refused_and_the_server_keeps_persisting(
+    tmp_path: Path,
+) -> None:
+    """Skeptic 17: an install of n = 2^64 - 1 was taken; the next push made the version 2^64,
+    which neither a shard's LMDB record (uint64) nor a msgpack reply holds: every flush and
+    describe of the shard failed with 500 from then on. An `n` beyond 2^62 is a 400 naming the
+    bound, nothing applied, and the server goes on pushing, describing and flushing."""
+    _s, r, c = await _filled(tmp_path)
+    try:
+        n_buckets = (await c.get_json("/status"))["n_buckets"]
+        b = stable_bucket("w/0", n_buckets)
+        rb = next(iter((await c.call("ckpt_read", bucket=b))["rows"]))
+        block = (await c.call("ckpt_read", bucket=b))["rows"][rb]["b"]
+        vals = np.zeros(1000, np.float32)
+        for bad in (2**64 - 1, 2**63, 2**62 + 1):
+            for fields in ({"shards": {"w/0": {"v": vals, "n": bad}}},
+                           {"rows": {rb: {"b": block, "n": bad}}}):  # fmt: skip
+                with pytest.raises(RpcError) as err:
+                    await c.call("ckpt_install", bucket=b, force=True, **fields)
+                assert err.value.code == "bad_request" and "2^62" in err.value.message
+        before = await c.call("ckpt_read", bucket=b)
+        await c.call("push_dense", tensor="w", delta=np.ones(2000, np.float32))
+        d = await c.call("describe", name="w")
+        assert d["shards"][0]["version"] == before["shards"]["w/0"]["version"] + 1
+        flushed = await c.post_json("/flush", {})
+        assert flushed["shards"] >= 1
+        # the bound itself is taken: a version a run can reach
+        await c.call("ckpt_install", bucket=b, force=True, shards={"w/0": {"v": vals, "n": 2**62}})
+        assert (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"] == 2**62
+    finally:
+        await c.close()
+        await r.cleanup()
+
+
 async def test_an_install_travels_on_the_data_plane_and_is_checked_like_a_push(
     tmp_path: Path,
 ) -> None:

@@ -18,6 +18,7 @@ from adamps.server.store.store import Store
 from adamps.server.store.tables.rowtables import RowShardState
 from adamps.server.updates import bounds
 from adamps.server.updates.install import Install, RowInstall
+from adamps.wire.limits import MAX_VERSION
 from adamps.wire.protocol import ProtocolError
 
 
@@ -45,8 +46,14 @@ def row_update(sid: str, data: bytes | np.ndarray, version: int | None = None) -
 def version_of(u: dict[str, Any]) -> int | None:
     """An install's ``n``: the version the checkpoint read the shard at, or None."""
     n = u.get("n")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
-        raise ProtocolError("bad_request", f"an install's version must be an int >= 0, got {n!r}")
+    if n is not None and (
+        not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_VERSION
+    ):
+        raise ProtocolError(
+            "bad_request",
+            f"an install's version must be an int in [0, 2^62], got {str(n)[:40]}",
+            limit=MAX_VERSION,
+        )
     return n
 
 
