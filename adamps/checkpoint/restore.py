@@ -47,7 +47,7 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     """The checkpoint in `src` onto the cluster: checked whole first, then installed bucket by
     bucket on each primary (which replicates it)."""
     t0 = time.perf_counter()
-    manifest = read_manifest(src)
+    manifest = saved = read_manifest(src)
     signed, widths = _signed(manifest), _row_widths(manifest)
     arrays: dict[str, np.ndarray] | None = None
     stream: Stream | None = None
@@ -97,6 +97,22 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
                 f"{src / MANIFEST}: layout mismatch: table {t['name']!r} has dim {t['dim']} in "
                 f"the checkpoint, {have.get('dim')} on the cluster: nothing restored"
             )
+    # The cluster's tensors under another optimizer than the checkpoint's take its values only
+    # and start their optimizer state afresh (docs/operations.md): the checkpoint's state was
+    # sent anyway, and the first such shard's install failed with bad_shape after the creates
+    # and other buckets' installs.
+    fresh = _other_optimizer(manifest, tensors_held)
+    if fresh:
+        manifest = {**manifest, "tensors": [
+            {**d, "optimizer": tensors_held[d["name"]].get("optimizer")} if d["name"] in fresh
+            else d for d in manifest["tensors"]
+        ]}  # fmt: skip
+        if arrays is not None:
+            arrays = _without_state(arrays, fresh)
+        if stream is not None:
+            tensor_of = {sid: r.get("tensor") for sid, r in manifest.get("shards", {}).items()}
+            refs = {sid: (v, None if tensor_of.get(sid) in fresh else a)
+                    for sid, (v, a) in refs.items()}  # fmt: skip
     if damaged:
         sid, why = damaged[0]
         raise CheckpointError(f"{src}: row shard {sid}: not a row block: {why}: nothing restored")
@@ -129,8 +145,9 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
                          force, chunk, workers, stream)  # fmt: skip
         return {"installed": installed, "seconds": time.perf_counter() - t0, "direct": True}
     if arrays is None:  # another shard size or bucket count: the tensors whole, then cut anew
-        arrays, rows = assemble(src, manifest, read_files(src, manifest))
-        _check_shapes(src, manifest, arrays)
+        arrays, rows = assemble(src, saved, read_files(src, saved))
+        _check_shapes(src, saved, arrays)
+        arrays = _without_state(arrays, fresh)
     versions = _versions(manifest, layout)
     installed = install(
         cluster, layout, manifest["tensors"], arrays, rows, force, versions, chunk, workers
@@ -353,6 +370,30 @@ def _versions(manifest: dict[str, Any], layout: Layout) -> dict[str, int]:
     for sid, rec in manifest.get("row_shards", {}).items():
         if "version" in rec:
             out[sid] = rec["version"]
+    return out
+
+
+def _without_state(arrays: dict[str, np.ndarray], names: set[str]) -> dict[str, np.ndarray]:
+    """`arrays` less the optimizer state (``<name>/accum``) of the tensors `names`."""
+    return {k: a for k, a in arrays.items() if not (k.endswith("/accum") and k[:-6] in names)}
+
+
+def _other_optimizer(manifest: dict[str, Any], held: dict[str, Any]) -> set[str]:
+    """The checkpoint's tensors the cluster holds under another optimizer kind (or another
+    state size): they are restored without the checkpoint's optimizer state."""
+    out = set()
+    for d in manifest["tensors"]:
+        have = held.get(d["name"])
+        if have is None:
+            continue
+        try:
+            mine = Optimizer.from_dict(d.get("optimizer") or {"kind": "sgd"})
+            theirs = Optimizer.from_dict(have.get("optimizer") or {"kind": "sgd"})
+        except (OptimError, TypeError, ValueError):
+            out.add(d["name"])
+            continue
+        if mine.kind != theirs.kind or mine.state_size(1024) != theirs.state_size(1024):
+            out.add(d["name"])
     return out
 
 
