@@ -97,6 +97,8 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
                 f"{src / MANIFEST}: layout mismatch: table {t['name']!r} has dim {t['dim']} in "
                 f"the checkpoint, {have.get('dim')} on the cluster: nothing restored"
             )
+        if have is not None:
+            _check_row_state(src, t, have)
     # The cluster's tensors under another optimizer than the checkpoint's take its values only
     # and start their optimizer state afresh (docs/operations.md): the checkpoint's state was
     # sent anyway, and the first such shard's install failed with bad_shape after the creates
@@ -371,6 +373,28 @@ def _versions(manifest: dict[str, Any], layout: Layout) -> dict[str, int]:
         if "version" in rec:
             out[sid] = rec["version"]
     return out
+
+
+def _check_row_state(src: Path, saved: dict[str, Any], have: dict[str, Any]) -> None:
+    """A held table's row blocks are installed whole: the cluster's must hold the same row
+    layout (optimizer state per row, dtype) as the checkpoint's. Another one was refused by
+    the first row install ("not a row block") after the creates and other buckets' installs."""
+
+    def layout(t: dict[str, Any]) -> tuple[str, int, str]:
+        try:
+            opt = Optimizer.from_dict(t.get("optimizer") or {"kind": "sgd"})
+            return opt.kind, opt.row_state_width(int(t["dim"])), str(t.get("dtype") or "float32")
+        except (OptimError, TypeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"table {t.get('name')!r}: bad optimizer: {exc}") from None
+
+    (k1, w1, d1), (k2, w2, d2) = layout(saved), layout(have)
+    if (w1, d1) != (w2, d2):
+        raise CheckpointError(
+            f"{src / MANIFEST}: layout mismatch: table {saved['name']!r} keeps {w1} floats of "
+            f"optimizer state per row ({k1}) of dtype {d1} in the checkpoint, {w2} ({k2}) of "
+            f"dtype {d2} on the cluster: nothing restored (its values only: adamps table load "
+            f"--table {saved['name']} --from {src})"
+        )
 
 
 def _without_state(arrays: dict[str, np.ndarray], names: set[str]) -> dict[str, np.ndarray]:

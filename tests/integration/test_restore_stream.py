@@ -282,3 +282,43 @@ async def test_a_forced_restore_onto_another_optimizer_takes_the_values_only(
         for c, r in ((ca, ra), (cb, rb)):
             await c.close()
             await r.cleanup()
+
+
+async def test_a_forced_restore_onto_a_table_of_another_row_layout_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Skeptic 17: a table the cluster holds under an optimizer keeping another state per row
+    cannot take the checkpoint's row blocks whole; the first row install failed ("not a row
+    block") after the creates and the other installs. Now refused before any write."""
+    from adamps.checkpoint.format import CheckpointError
+    from adamps.checkpoint.restore import restore
+    from adamps.checkpoint.save_restore import Cluster, save
+    from adamps.client import StaticRouting
+
+    a, ra, ca = await _server(tmp_path / "a")
+    b, rb, cb = await _server(tmp_path / "b", data_port=free_port())
+    clusters = []
+    try:
+        await ca.call("create", **_defn("w", 2500))
+        await ca.call("create_table", name="emb", dim=4, optimizer={"kind": "adagrad", "lr": 0.1})
+        ids = np.arange(500, dtype=np.int64)
+        await ca.call("push_rows", table="emb", ids=ids, grads=np.ones((500, 4), np.float32))
+        n_buckets = (await ca.get_json("/status"))["n_buckets"]
+        for srv in (a, b):
+            url = f"http://127.0.0.1:{srv.cfg.port}"
+            clusters.append(Cluster([], TOKEN, source=StaticRouting([url], n_buckets)))
+        ckpt = tmp_path / "ckpt"
+        await asyncio.to_thread(save, clusters[0], ckpt)
+        await cb.call("create_table", name="emb", dim=4, optimizer={"kind": "sgd", "lr": 0.1})
+        with pytest.raises(CheckpointError) as err:
+            await asyncio.to_thread(restore, clusters[1], ckpt, True)
+        msg = str(err.value)
+        assert "layout mismatch: table 'emb' keeps 4 floats" in msg and "nothing restored" in msg
+        assert await _names(cb) == []  # w not created, no row installed
+        await cb.call("push_rows", table="emb", ids=ids[:3], grads=np.ones((3, 4), np.float32))
+    finally:
+        for cl in clusters:
+            cl.close()
+        for c, r in ((ca, ra), (cb, rb)):
+            await c.close()
+            await r.cleanup()
