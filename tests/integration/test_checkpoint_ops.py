@@ -170,6 +170,36 @@ async def test_a_row_block_holding_nan_is_refused_and_changes_nothing(tmp_path: 
         await r.cleanup()
 
 
+async def test_a_row_block_naming_an_id_twice_is_refused_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Skeptic 17: a row block whose ids repeat one was installed; the index kept one slot
+    for it and the other slots stayed behind (flushed under the same key, exported twice)."""
+    _s, r, c = await _filled(tmp_path)
+    try:
+        head = struct.Struct("<4sIQIIQd")
+        b = 0
+        while True:  # a bucket that holds at least two of the 50 rows
+            before = await c.call("ckpt_read", bucket=b)
+            sid, rec = next(iter(before["rows"].items()))
+            data = bytearray(rec["b"])
+            n = head.unpack_from(data)[2]
+            if n >= 2:
+                break
+            b += 1
+        ids = np.frombuffer(data, "<i8", n, head.size)
+        data[head.size + 8 : head.size + 16] = ids[0].tobytes()  # the second id = the first
+        with pytest.raises(RpcError) as err:
+            await c.call("ckpt_install", bucket=b, force=True, rows={sid: {"b": bytes(data)}})
+        assert err.value.code == "bad_request", err.value
+        assert f"id {int(ids[0])} appears more than once" in err.value.message
+        after = await c.call("ckpt_read", bucket=b)
+        assert after["rows"][sid]["b"] == rec["b"]
+    finally:
+        await c.close()
+        await r.cleanup()
+
+
 async def test_checkpoint_ops_need_the_cluster_token(tmp_path: Path) -> None:
     _s, r, c = await _filled(tmp_path)
     anon = AsyncRpc(c.base_url, None)

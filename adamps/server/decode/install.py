@@ -98,6 +98,14 @@ def row_shard(st: RowShardState, data: Any, version: int | None) -> RowInstall:
     except Exception as exc:  # struct.error, ValueError: a damaged or foreign record
         raise ProtocolError("bad_request", f"row shard {st.id}: not a row block: {exc}") from None
     n = probe.n
+    # An id twice in a block was taken: the index kept one slot, the others stayed orphaned
+    # (flushed under the same key, exported twice). The load's index holds the ids sorted.
+    ids = probe.index.sorted[0]
+    if n > 1 and bool(np.any(ids[1:] == ids[:-1])):
+        twice = int(ids[1:][ids[1:] == ids[:-1]][0])
+        raise ProtocolError(
+            "bad_request", f"row shard {st.id}: id {twice} appears more than once in the block"
+        )
     acc = None if probe.accum is None else probe.accum[:n]
     signed = st.table.optimizer.signed_state  # sparse_adam's first moments are signed
     bounds.check_state(f"row shard {st.id}", probe.values_f32(0, n), acc, signed)
