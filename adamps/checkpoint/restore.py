@@ -71,8 +71,9 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
         )
     held = sorted({n for s in statuses for n in s.get("tensors", {})})
     if held and not force:
+        more = f" and {len(held) - 5} more" if len(held) > 5 else ""  # the first 5 only: not all
         raise CheckpointError(
-            f"the cluster already holds tensors {held[:5]}: restore onto an empty cluster, "
+            f"the cluster already holds tensors {held[:5]}{more}: restore onto an empty cluster, "
             "or pass --force to overwrite"
         )
     tensors_held, tables_held = _definitions(cluster)
