@@ -200,6 +200,24 @@ async def test_a_row_block_naming_an_id_twice_is_refused_and_changes_nothing(
         await r.cleanup()
 
 
+@pytest.mark.parametrize("bucket", [-1, 2**63, 10**6])
+async def test_a_bucket_outside_the_cluster_is_a_400(tmp_path: Path, bucket: int) -> None:
+    """Skeptic 17: ckpt_read of bucket -1 or 2^63 was answered 409 not_primary, which tells a
+    client to look the primary up again and retry; it is a 400 naming the range."""
+    _s, r, c = await _filled(tmp_path)
+    try:
+        n = (await c.get_json("/status"))["n_buckets"]
+        for op, fields in (("ckpt_read", {}), ("ckpt_install", {"shards": {"w/0": {}}})):
+            with pytest.raises(RpcError) as err:
+                await c.call(op, bucket=bucket, **fields)
+            assert err.value.code == "bad_request", err.value
+            assert f"'bucket' must be in [0, {n}), got {bucket}" in err.value.message
+        await c.call("ckpt_read", bucket=n - 1)
+    finally:
+        await c.close()
+        await r.cleanup()
+
+
 async def test_checkpoint_ops_need_the_cluster_token(tmp_path: Path) -> None:
     _s, r, c = await _filled(tmp_path)
     anon = AsyncRpc(c.base_url, None)
