@@ -188,13 +188,22 @@ class Forwarder:
         async def min_applied(
             request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
         ) -> web.StreamResponse:
-            want = request.headers.get(MIN_APPLIED_HEADER)
-            if want is not None and request.method == "GET":
+            sent = request.headers.getall(MIN_APPLIED_HEADER, [])
+            if sent and request.method == "GET":
+                # Sent twice (a proxy or a client adding its own), the first value was used and
+                # the other ignored: a read could miss the very write the ignored one named.
+                if len(sent) > 1:
+                    raise ProtocolError(
+                        "bad_request",
+                        f"{MIN_APPLIED_HEADER} sent {len(sent)} times; send it once, with the "
+                        "highest index",
+                    )
+                want = sent[0]
                 if not (want.isascii() and want.isdigit() and len(want) <= 18):
                     raise ProtocolError(
                         "bad_request",
-                        f"{MIN_APPLIED_HEADER} must be a Raft log index (a non-negative integer), "
-                        f"got {want[:40]!r}",
+                        f"{MIN_APPLIED_HEADER} must be a Raft log index (a non-negative integer "
+                        f"of at most 18 digits), got {want[:40]!r}",
                     )
                 if not await self.until_applied(int(want)):
                     raise ProtocolError(

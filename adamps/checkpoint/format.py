@@ -295,6 +295,10 @@ def safetensors_header(
     for key, rec in header.items():
         if key == "__metadata__":
             continue
+        if isinstance(rec, dict) and rec.get("dtype") not in dtypes:  # else KeyError('F64')
+            raise bad(
+                f"entry {key!r}: dtype {str(rec.get('dtype'))[:20]!r}, not one of {sorted(dtypes)}"
+            )
         try:
             dtype = dtypes[rec["dtype"]]
             shape = tuple(int(x) for x in rec["shape"])

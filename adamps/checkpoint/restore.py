@@ -47,7 +47,7 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
     """The checkpoint in `src` onto the cluster: checked whole first, then installed bucket by
     bucket on each primary (which replicates it)."""
     t0 = time.perf_counter()
-    manifest = read_manifest(src)
+    manifest = saved = read_manifest(src)
     signed, widths = _signed(manifest), _row_widths(manifest)
     arrays: dict[str, np.ndarray] | None = None
     stream: Stream | None = None
@@ -71,8 +71,9 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
         )
     held = sorted({n for s in statuses for n in s.get("tensors", {})})
     if held and not force:
+        more = f" and {len(held) - 5} more" if len(held) > 5 else ""  # the first 5 only: not all
         raise CheckpointError(
-            f"the cluster already holds tensors {held[:5]}: restore onto an empty cluster, "
+            f"the cluster already holds tensors {held[:5]}{more}: restore onto an empty cluster, "
             "or pass --force to overwrite"
         )
     tensors_held, tables_held = _definitions(cluster)
@@ -97,6 +98,24 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
                 f"{src / MANIFEST}: layout mismatch: table {t['name']!r} has dim {t['dim']} in "
                 f"the checkpoint, {have.get('dim')} on the cluster: nothing restored"
             )
+        if have is not None:
+            _check_row_state(src, t, have)
+    # The cluster's tensors under another optimizer than the checkpoint's take its values only
+    # and start their optimizer state afresh (docs/operations.md): the checkpoint's state was
+    # sent anyway, and the first such shard's install failed with bad_shape after the creates
+    # and other buckets' installs.
+    fresh = _other_optimizer(manifest, tensors_held)
+    if fresh:
+        manifest = {**manifest, "tensors": [
+            {**d, "optimizer": tensors_held[d["name"]].get("optimizer")} if d["name"] in fresh
+            else d for d in manifest["tensors"]
+        ]}  # fmt: skip
+        if arrays is not None:
+            arrays = _without_state(arrays, fresh)
+        if stream is not None:
+            tensor_of = {sid: r.get("tensor") for sid, r in manifest.get("shards", {}).items()}
+            refs = {sid: (v, None if tensor_of.get(sid) in fresh else a)
+                    for sid, (v, a) in refs.items()}  # fmt: skip
     if damaged:
         sid, why = damaged[0]
         raise CheckpointError(f"{src}: row shard {sid}: not a row block: {why}: nothing restored")
@@ -129,8 +148,9 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
                          force, chunk, workers, stream)  # fmt: skip
         return {"installed": installed, "seconds": time.perf_counter() - t0, "direct": True}
     if arrays is None:  # another shard size or bucket count: the tensors whole, then cut anew
-        arrays, rows = assemble(src, manifest, read_files(src, manifest))
-        _check_shapes(src, manifest, arrays)
+        arrays, rows = assemble(src, saved, read_files(src, saved))
+        _check_shapes(src, saved, arrays)
+        arrays = _without_state(arrays, fresh)
     versions = _versions(manifest, layout)
     installed = install(
         cluster, layout, manifest["tensors"], arrays, rows, force, versions, chunk, workers
@@ -353,6 +373,52 @@ def _versions(manifest: dict[str, Any], layout: Layout) -> dict[str, int]:
     for sid, rec in manifest.get("row_shards", {}).items():
         if "version" in rec:
             out[sid] = rec["version"]
+    return out
+
+
+def _check_row_state(src: Path, saved: dict[str, Any], have: dict[str, Any]) -> None:
+    """A held table's row blocks are installed whole: the cluster's must hold the same row
+    layout (optimizer state per row, dtype) as the checkpoint's. Another one was refused by
+    the first row install ("not a row block") after the creates and other buckets' installs."""
+
+    def layout(t: dict[str, Any]) -> tuple[str, int, str]:
+        try:
+            opt = Optimizer.from_dict(t.get("optimizer") or {"kind": "sgd"})
+            return opt.kind, opt.row_state_width(int(t["dim"])), str(t.get("dtype") or "float32")
+        except (OptimError, TypeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"table {t.get('name')!r}: bad optimizer: {exc}") from None
+
+    (k1, w1, d1), (k2, w2, d2) = layout(saved), layout(have)
+    if (w1, d1) != (w2, d2):
+        raise CheckpointError(
+            f"{src / MANIFEST}: layout mismatch: table {saved['name']!r} keeps {w1} floats of "
+            f"optimizer state per row ({k1}) of dtype {d1} in the checkpoint, {w2} ({k2}) of "
+            f"dtype {d2} on the cluster: nothing restored (its values only: adamps table load "
+            f"--table {saved['name']} --from {src})"
+        )
+
+
+def _without_state(arrays: dict[str, np.ndarray], names: set[str]) -> dict[str, np.ndarray]:
+    """`arrays` less the optimizer state (``<name>/accum``) of the tensors `names`."""
+    return {k: a for k, a in arrays.items() if not (k.endswith("/accum") and k[:-6] in names)}
+
+
+def _other_optimizer(manifest: dict[str, Any], held: dict[str, Any]) -> set[str]:
+    """The checkpoint's tensors the cluster holds under another optimizer kind (or another
+    state size): they are restored without the checkpoint's optimizer state."""
+    out = set()
+    for d in manifest["tensors"]:
+        have = held.get(d["name"])
+        if have is None:
+            continue
+        try:
+            mine = Optimizer.from_dict(d.get("optimizer") or {"kind": "sgd"})
+            theirs = Optimizer.from_dict(have.get("optimizer") or {"kind": "sgd"})
+        except (OptimError, TypeError, ValueError):
+            out.add(d["name"])
+            continue
+        if mine.kind != theirs.kind or mine.state_size(1024) != theirs.state_size(1024):
+            out.add(d["name"])
     return out
 
 

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from adamps.wire.limits import MAX_DIMS
+from adamps.wire.limits import MAX_DIMS, MAX_VERSION
 
 #: a manifest larger than this is refused unread (a model of a million shards writes ~200 MB)
 MAX_MANIFEST_BYTES = 256 << 20
@@ -122,11 +122,11 @@ def check(m: Any) -> None:
         _int(r.get("start"), f"{where}: start")
         _int(r.get("stop"), f"{where}: stop")
         _kind(r.get("accum", False), bool, f"{where}: accum")
-        _int(r.get("version", 0), f"{where}: version")
+        _int(r.get("version", 0), f"{where}: version", 0, MAX_VERSION)
     for sid, r in _kind(m.get("row_shards", {}), dict, "'row_shards'").items():
         where = f"row shard {sid!r}"
         _kind(r, dict, where)
         _kind(r.get("file"), str, f"{where}: file")
-        _int(r.get("version", 0), f"{where}: version")
+        _int(r.get("version", 0), f"{where}: version", 0, MAX_VERSION)
         if "/" not in sid or not sid.rsplit("/", 1)[1].isdigit():
             raise SchemaError(f"{where}: the id must end in /<bucket>")

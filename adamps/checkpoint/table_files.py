@@ -40,6 +40,7 @@ from adamps.checkpoint.format import (
 from adamps.optspec import Optimizer
 from adamps.server.store.tables.rowblock import RowBlock
 from adamps.tables import ROWS_SEP, Admission, TableError, TableSpec
+from adamps.wire.protocol import MAX_GRAD
 
 FORMATS = ("safetensors", "npy")
 #: rows written per merge step and per run (the merge holds at most k runs x this)
@@ -257,15 +258,19 @@ def read_rows(src: Path, table: str | None = None) -> tuple[int, int, Any]:
     if src.suffix == ".npy":
         try:
             rows = np.load(src, mmap_mode="r")
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, EOFError) as exc:  # EOFError: an empty file
             raise TableFileError(f"{src}: not a .npy array of rows: {exc}") from None
         _checked(src, "the rows", rows, 2)
+        if rows.dtype.kind != "f":  # ints, bools, complex or strings were cast (or a traceback)
+            raise TableFileError(
+                f"{src}: expected rows of floats (float32, float16 or float64), got {rows.dtype}"
+            )
         idp = ids_path(src)
         ids = None
         if idp.is_file():
             try:
                 ids = np.load(idp, mmap_mode="r")
-            except (ValueError, OSError) as exc:
+            except (ValueError, OSError, EOFError) as exc:
                 raise TableFileError(f"{idp}: not a .npy array of ids: {exc}") from None
             _checked(idp, "the ids", ids, 1)
             if len(ids) != len(rows) or ids.dtype.kind not in "iu":
@@ -273,6 +278,7 @@ def read_rows(src: Path, table: str | None = None) -> tuple[int, int, Any]:
                     f"{idp}: expected {len(rows)} integer ids (one per row of {src.name}), "
                     f"got {ids.dtype} {list(ids.shape)}"
                 )
+        _check_values(src, ids, rows)
         return len(rows), rows.shape[1], lambda size: _slices(ids, rows, size)
     if src.suffix == ".safetensors":
         ids, rows = _safetensors_views(src)
@@ -280,6 +286,7 @@ def read_rows(src: Path, table: str | None = None) -> tuple[int, int, Any]:
         _checked(src, "'ids'", ids, 1)
         if len(ids) != len(rows):
             raise TableFileError(f"{src}: {len(ids)} ids for {len(rows)} rows")
+        _check_values(src, ids, rows)
         return len(rows), rows.shape[1], lambda size: _slices(ids, rows, size)
     raise TableFileError(
         f"{src}: expected a .npy or .safetensors file or a checkpoint directory, "
@@ -288,6 +295,42 @@ def read_rows(src: Path, table: str | None = None) -> tuple[int, int, Any]:
 
 
 _DTYPES = {"I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "F32": np.dtype("<f4")}
+
+
+def _check_values(src: Path, ids: np.ndarray | None, rows: np.ndarray) -> None:
+    """A pass over a file's rows before anything is sent (docs/operations.md, "Loading a
+    table"): every value finite and within the servers' bound on pushed values, no id twice.
+    Otherwise the table was created and the batches before the bad one loaded, then the
+    client's own check refused the batch as "cluster error: ... grads" (or, for an id twice,
+    a traceback-free exit code 2 that named no file)."""
+    for lo in range(0, len(rows), CHUNK_ROWS):
+        with np.errstate(over="ignore"):  # a float64 beyond float32 is an Inf, refused below
+            chunk = np.asarray(rows[lo : lo + CHUNK_ROWS], np.float32)
+        if not chunk.size:
+            continue
+        ok = np.isfinite(chunk)
+        if not ok.all():
+            r = lo + int(np.argwhere(~ok)[0][0])
+            raise TableFileError(
+                f"{src}: row {r} holds a NaN or Inf value (as float32): expected finite values"
+            )
+        m = float(np.abs(chunk).max())
+        if m > MAX_GRAD:
+            raise TableFileError(
+                f"{src}: a value of magnitude {m:.3g} in rows [{lo}, {lo + len(chunk)}): "
+                f"expected at most {MAX_GRAD:.0e} (docs/protocol-ps.md, 'Finite values')"
+            )
+    if ids is None or len(ids) < 2:
+        return
+    increasing = all(
+        bool(np.all(np.diff(np.asarray(ids[lo : lo + CHUNK_ROWS + 1])) > 0))
+        for lo in range(0, len(ids) - 1, CHUNK_ROWS)
+    )
+    if not increasing:  # an export's ids increase; others are sorted once to find a repeat
+        srt = np.sort(np.asarray(ids))
+        twice = np.flatnonzero(srt[1:] == srt[:-1])
+        if len(twice):
+            raise TableFileError(f"{src}: id {int(srt[twice[0]])} appears more than once")
 
 
 def _safetensors_views(src: Path) -> tuple[np.ndarray, np.ndarray]:

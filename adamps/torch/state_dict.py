@@ -25,6 +25,9 @@ def state_dict_of(values: Mapping[str, np.ndarray], run: str | None) -> dict[str
     runs = sorted({split_name(n)[0] for n in values if SEP in n})
     if run is None and len(runs) > 1:
         raise ValueError(f"the checkpoint holds the runs {runs}: name one with --run")
+    if run is not None and run not in runs:
+        # the unprefixed names alone were written (or "no tensor of run"), as if --run matched
+        raise ValueError(f"no run {run!r} in the checkpoint (runs: {runs})")
     run = run if run is not None else (runs[0] if runs else None)
     out: dict[str, torch.Tensor] = {}
     for name, a in values.items():

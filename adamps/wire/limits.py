@@ -18,6 +18,12 @@ from adamps.wire.protocol import ProtocolError
 #: most dimensions of a tensor
 MAX_DIMS = 8
 
+#: the highest version a restore may give a shard (``ckpt_install``'s ``n``, a manifest's
+#: ``version``). A version counts updates and is a uint64 in a shard's LMDB record: an install
+#: of n = 2^64 - 1 was taken, the next push made it 2^64, and the server could neither persist
+#: the shard again nor answer ``describe`` (500). 2^62 updates are out of reach of any run.
+MAX_VERSION = 2**62
+
 
 def check_shape(shape: Any, max_elems: int, what: str = "tensor") -> tuple[int, ...]:
     """`shape` as a tuple of ints > 0 (not bool) with at most `max_elems` elements."""

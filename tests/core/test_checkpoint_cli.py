@@ -120,6 +120,11 @@ def test_an_oversized_manifest_is_refused_unread(tmp_path: Path) -> None:
             "start",
         ),  # fmt: skip
         ({"row_shards": {"e#rows/x": {"file": "bucket-0000.safetensors"}}}, "/<bucket>"),
+        # a version past 2^62 would overflow a shard's record once a push adds one (skeptic 17)
+        (
+            {"row_shards": {"e#rows/0": {"file": "bucket-0000.safetensors", "version": 2**64}}},
+            "version must be an int in [0, 4611686018427387904]",
+        ),
     ],
 )
 def test_a_field_of_the_wrong_kind_is_named(tmp_path: Path, fields: dict, named: str) -> None:

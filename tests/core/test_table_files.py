@@ -49,3 +49,52 @@ def test_written_files_read_back(tmp_path: Path, n: int, fmt: str) -> None:
     if n:
         assert np.array_equal(np.concatenate([i for i, _ in got]), ids)
         assert np.array_equal(np.concatenate([r for _, r in got]), rows)
+
+
+def _bad_files(tmp: Path) -> dict[str, tuple[Path, str]]:
+    """Skeptic 17: files `adamps table load` took, or refused with a traceback or a message
+    naming no file, before this pass (file, what the message must say)."""
+    from safetensors.numpy import save_file
+
+    rows = np.ones((4, 3), np.float32)
+    out: dict[str, tuple[Path, str]] = {}
+    (tmp / "empty.npy").write_bytes(b"")
+    out["empty"] = (tmp / "empty.npy", "not a .npy array of rows")
+    np.save(tmp / "ints.npy", np.arange(12).reshape(4, 3))
+    out["ints"] = (
+        tmp / "ints.npy",
+        "expected rows of floats (float32, float16 or float64), got int64",
+    )
+    nan = rows.copy()
+    nan[2, 1] = np.nan
+    np.save(tmp / "nan.npy", nan)
+    out["nan"] = (tmp / "nan.npy", "row 2 holds a NaN or Inf value")
+    np.save(tmp / "huge.npy", np.full((4, 3), 1e300))
+    out["huge"] = (tmp / "huge.npy", "row 0 holds a NaN or Inf value (as float32)")
+    save_file(
+        {"ids": np.arange(4, dtype=np.int64), "rows": rows * 1e13}, str(tmp / "big.safetensors")
+    )
+    out["big"] = (tmp / "big.safetensors", "expected at most 1e+12")
+    save_file({"ids": np.array([3, 1, 3, 0]), "rows": rows}, str(tmp / "twice.safetensors"))
+    out["twice"] = (tmp / "twice.safetensors", "id 3 appears more than once")
+    np.save(tmp / "twice.npy", rows)
+    np.save(tmp / "twice.ids.npy", np.array([7, 7, 1, 2]))
+    out["twice_npy"] = (tmp / "twice.npy", "id 7 appears more than once")
+    save_file({"ids": np.arange(4, dtype=np.int64), "rows": rows.astype(np.float64)},
+              str(tmp / "f64.safetensors"))  # fmt: skip
+    out["f64"] = (tmp / "f64.safetensors", "dtype 'F64', not one of ['F32', 'I32', 'I64']")
+    return out
+
+
+@pytest.mark.parametrize(
+    "case", ["empty", "ints", "nan", "huge", "big", "twice", "twice_npy", "f64"]
+)
+def test_a_bad_file_is_refused_naming_it_before_anything_is_sent(tmp_path: Path, case: str) -> None:
+    """docs/operations.md, "Loading a table": a bad file is an error naming it and what was
+    expected, before anything is sent (read_rows runs before the table is created)."""
+    from adamps.checkpoint.table_files import TableFileError
+
+    path, says = _bad_files(tmp_path)[case]
+    with pytest.raises(TableFileError) as err:
+        read_rows(path)
+    assert path.name in str(err.value) and says in str(err.value), str(err.value)

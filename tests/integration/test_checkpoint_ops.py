@@ -170,6 +170,54 @@ async def test_a_row_block_holding_nan_is_refused_and_changes_nothing(tmp_path: 
         await r.cleanup()
 
 
+async def test_a_row_block_naming_an_id_twice_is_refused_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Skeptic 17: a row block whose ids repeat one was installed; the index kept one slot
+    for it and the other slots stayed behind (flushed under the same key, exported twice)."""
+    _s, r, c = await _filled(tmp_path)
+    try:
+        head = struct.Struct("<4sIQIIQd")
+        b = 0
+        while True:  # a bucket that holds at least two of the 50 rows
+            before = await c.call("ckpt_read", bucket=b)
+            sid, rec = next(iter(before["rows"].items()))
+            data = bytearray(rec["b"])
+            n = head.unpack_from(data)[2]
+            if n >= 2:
+                break
+            b += 1
+        ids = np.frombuffer(data, "<i8", n, head.size)
+        data[head.size + 8 : head.size + 16] = ids[0].tobytes()  # the second id = the first
+        with pytest.raises(RpcError) as err:
+            await c.call("ckpt_install", bucket=b, force=True, rows={sid: {"b": bytes(data)}})
+        assert err.value.code == "bad_request", err.value
+        assert f"id {int(ids[0])} appears more than once" in err.value.message
+        after = await c.call("ckpt_read", bucket=b)
+        assert after["rows"][sid]["b"] == rec["b"]
+    finally:
+        await c.close()
+        await r.cleanup()
+
+
+@pytest.mark.parametrize("bucket", [-1, 2**63, 10**6])
+async def test_a_bucket_outside_the_cluster_is_a_400(tmp_path: Path, bucket: int) -> None:
+    """Skeptic 17: ckpt_read of bucket -1 or 2^63 was answered 409 not_primary, which tells a
+    client to look the primary up again and retry; it is a 400 naming the range."""
+    _s, r, c = await _filled(tmp_path)
+    try:
+        n = (await c.get_json("/status"))["n_buckets"]
+        for op, fields in (("ckpt_read", {}), ("ckpt_install", {"shards": {"w/0": {}}})):
+            with pytest.raises(RpcError) as err:
+                await c.call(op, bucket=bucket, **fields)
+            assert err.value.code == "bad_request", err.value
+            assert f"'bucket' must be in [0, {n}), got {bucket}" in err.value.message
+        await c.call("ckpt_read", bucket=n - 1)
+    finally:
+        await c.close()
+        await r.cleanup()
+
+
 async def test_checkpoint_ops_need_the_cluster_token(tmp_path: Path) -> None:
     _s, r, c = await _filled(tmp_path)
     anon = AsyncRpc(c.base_url, None)
@@ -386,6 +434,40 @@ async def test_an_install_carries_its_version_and_never_lowers_one(tmp_path: Pat
         await c.call("ckpt_install", bucket=b, force=True,
                      rows={rb: {"b": snap["rows"][rb]["b"], "n": 77}})  # fmt: skip
         assert (await c.call("ckpt_read", bucket=b))["rows"][rb]["version"] == 77
+    finally:
+        await c.close()
+        await r.cleanup()
+
+
+async def test_an_install_version_past_2_62_is_refused_and_the_server_keeps_persisting(
+    tmp_path: Path,
+) -> None:
+    """Skeptic 17: an install of n = 2^64 - 1 was taken; the next push made the version 2^64,
+    which neither a shard's LMDB record (uint64) nor a msgpack reply holds: every flush and
+    describe of the shard failed with 500 from then on. An `n` beyond 2^62 is a 400 naming the
+    bound, nothing applied, and the server goes on pushing, describing and flushing."""
+    _s, r, c = await _filled(tmp_path)
+    try:
+        n_buckets = (await c.get_json("/status"))["n_buckets"]
+        b = stable_bucket("w/0", n_buckets)
+        rb = next(iter((await c.call("ckpt_read", bucket=b))["rows"]))
+        block = (await c.call("ckpt_read", bucket=b))["rows"][rb]["b"]
+        vals = np.zeros(1000, np.float32)
+        for bad in (2**64 - 1, 2**63, 2**62 + 1):
+            for fields in ({"shards": {"w/0": {"v": vals, "n": bad}}},
+                           {"rows": {rb: {"b": block, "n": bad}}}):  # fmt: skip
+                with pytest.raises(RpcError) as err:
+                    await c.call("ckpt_install", bucket=b, force=True, **fields)
+                assert err.value.code == "bad_request" and "2^62" in err.value.message
+        before = await c.call("ckpt_read", bucket=b)
+        await c.call("push_dense", tensor="w", delta=np.ones(2000, np.float32))
+        d = await c.call("describe", name="w")
+        assert d["shards"][0]["version"] == before["shards"]["w/0"]["version"] + 1
+        flushed = await c.post_json("/flush", {})
+        assert flushed["shards"] >= 1
+        # the bound itself is taken: a version a run can reach
+        await c.call("ckpt_install", bucket=b, force=True, shards={"w/0": {"v": vals, "n": 2**62}})
+        assert (await c.call("ckpt_read", bucket=b))["shards"]["w/0"]["version"] == 2**62
     finally:
         await c.close()
         await r.cleanup()

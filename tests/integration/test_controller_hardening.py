@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 
 from adamps.up.procs import free_port
 from adamps.wire import protocol
@@ -466,6 +467,26 @@ async def test_a_reads_min_applied_must_be_a_log_index(ctl: Ctl, value: str) -> 
     status, body = await ctl.call("GET", "/routing", headers=hdr)
     assert status == 400 and body["error"]["code"] == "bad_request", body
     assert protocol.MIN_APPLIED_HEADER in body["error"]["message"]
+    await assert_serving(ctl)
+
+
+async def test_a_reads_min_applied_sent_twice_is_a_400(ctl: Ctl) -> None:
+    """Skeptic 17: the header sent twice was read as its first value, the other ignored (a
+    read named 1 and 10^9 and was answered at once); it is a 400 naming the header, and the
+    message for a 19-digit index says what bounds it."""
+    status, written = await ctl.call("POST", "/progress", {"epoch": 1, "replica": "r0"})
+    assert status == 200, written
+    hdrs = CIMultiDict([("Authorization", f"Bearer {TOKEN}")])
+    hdrs.add(protocol.MIN_APPLIED_HEADER, "1")
+    hdrs.add(protocol.MIN_APPLIED_HEADER, str(written["applied_index"] + 10**9))
+    async with ctl.session.get(ctl.url + "/routing", headers=hdrs) as resp:
+        body = await resp.json()
+        assert resp.status == 400 and body["error"]["code"] == "bad_request", body
+        assert "sent 2 times" in body["error"]["message"], body
+    status, body = await ctl.call(
+        "GET", "/routing", headers={protocol.MIN_APPLIED_HEADER: "9" * 19}
+    )
+    assert status == 400 and "at most 18 digits" in body["error"]["message"], body
     await assert_serving(ctl)
 
 

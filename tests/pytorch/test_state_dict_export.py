@@ -70,3 +70,17 @@ def test_export_torch_names_an_ambiguous_run_and_init_a_bad_state_dict(tmp_path:
     torch.save({"fc.weight": [1, 2, 3]}, str(bad))  # not tensors
     with pytest.raises(InitError, match=r"bad\.pt: not a"):
         initial_values(str(bad), {"fc.weight": (3,)})
+
+
+def test_export_torch_refuses_a_run_the_checkpoint_lacks(tmp_path: Path) -> None:
+    """Skeptic 17: --run naming a run the checkpoint lacks wrote its unprefixed tensors (the
+    numpy engine's), exit code 0, as if the run were there."""
+    d = tmp_path / "c"
+    w = np.ones((3, 4), np.float32)
+    write(d, {"conv1.w": w}, {}, {"tensors": [{"name": "conv1.w", "shape": [3, 4]}], "tables": []})
+    out = tmp_path / "m.pt"
+    r = _export("--from", str(d), "--format", "torch", "--run", "nope", "--out", str(out))
+    assert r.returncode == 1 and "no run 'nope' in the checkpoint (runs: [])" in r.stderr, r
+    assert not out.exists()
+    r = _export("--from", str(d), "--format", "torch", "--out", str(out))
+    assert r.returncode == 0 and sorted(torch.load(str(out), weights_only=True)) == ["conv1.w"]

@@ -135,6 +135,15 @@ class CheckpointOps:
                 marks.dropped = True
                 del self.cuts[cut]
 
+    def _bucket(self, msg: dict[str, Any]) -> int:
+        """The request's bucket, one of the cluster's: -1 or 2^63 was answered `not_primary`,
+        which a client takes as "ask the routing table again" and retries."""
+        b = require(msg, "bucket", int)
+        n = self.store.layout.n_buckets
+        if not 0 <= b < n:
+            raise ProtocolError("bad_request", f"field 'bucket' must be in [0, {n}), got {b}")
+        return b
+
     def _position(self, b: int) -> tuple[tuple[int, int | None], list[Any], list[Any]]:
         """Bucket b's (epoch, seq) now and its dense and row shards (not_primary: raised)."""
         epoch, seq = 0, None
@@ -148,7 +157,7 @@ class CheckpointOps:
         return (epoch, seq), self._bucket_shards(b), rows
 
     async def op_ckpt_read(self, msg: dict[str, Any]) -> dict[str, Any]:
-        b = require(msg, "bucket", int)
+        b = self._bucket(msg)
         cut = require(msg, "cut", str, default="")
         if not cut:
             return await self._read(b, _since_versions(msg))
@@ -214,7 +223,7 @@ class CheckpointOps:
         """A ckpt_install checked whole, nothing queued yet: its fields on the loop, its values'
         bounds (a pass over up to 128 MiB) on a worker thread (the data plane queues it with
         `apply_install` before it reads the connection's next frame)."""
-        b = require(msg, "bucket", int)
+        b = self._bucket(msg)
         shards = require(msg, "shards", dict, default={})
         rows = require(msg, "rows", dict, default={})
         force = require(msg, "force", bool, default=False)

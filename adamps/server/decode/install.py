@@ -18,6 +18,7 @@ from adamps.server.store.store import Store
 from adamps.server.store.tables.rowtables import RowShardState
 from adamps.server.updates import bounds
 from adamps.server.updates.install import Install, RowInstall
+from adamps.wire.limits import MAX_VERSION
 from adamps.wire.protocol import ProtocolError
 
 
@@ -45,8 +46,14 @@ def row_update(sid: str, data: bytes | np.ndarray, version: int | None = None) -
 def version_of(u: dict[str, Any]) -> int | None:
     """An install's ``n``: the version the checkpoint read the shard at, or None."""
     n = u.get("n")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
-        raise ProtocolError("bad_request", f"an install's version must be an int >= 0, got {n!r}")
+    if n is not None and (
+        not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_VERSION
+    ):
+        raise ProtocolError(
+            "bad_request",
+            f"an install's version must be an int in [0, 2^62], got {str(n)[:40]}",
+            limit=MAX_VERSION,
+        )
     return n
 
 
@@ -91,6 +98,14 @@ def row_shard(st: RowShardState, data: Any, version: int | None) -> RowInstall:
     except Exception as exc:  # struct.error, ValueError: a damaged or foreign record
         raise ProtocolError("bad_request", f"row shard {st.id}: not a row block: {exc}") from None
     n = probe.n
+    # An id twice in a block was taken: the index kept one slot, the others stayed orphaned
+    # (flushed under the same key, exported twice). The load's index holds the ids sorted.
+    ids = probe.index.sorted[0]
+    if n > 1 and bool(np.any(ids[1:] == ids[:-1])):
+        twice = int(ids[1:][ids[1:] == ids[:-1]][0])
+        raise ProtocolError(
+            "bad_request", f"row shard {st.id}: id {twice} appears more than once in the block"
+        )
     acc = None if probe.accum is None else probe.accum[:n]
     signed = st.table.optimizer.signed_state  # sparse_adam's first moments are signed
     bounds.check_state(f"row shard {st.id}", probe.values_f32(0, n), acc, signed)
