@@ -511,6 +511,50 @@ async def test_a_read_waits_for_the_log_index_it_names_then_is_refused(ctl: Ctl)
     assert ctl.service.cfg.commit_timeout - 0.1 <= waited < ctl.service.cfg.commit_timeout + 3
 
 
+async def test_probes_answer_whatever_index_a_read_names(ctl: Ctl) -> None:
+    """/healthz, /status and /metrics always answer (protocol-controller.md): a probe sent with
+    a far-off index tells a lagging controller from a dead one at once, it is not held for
+    commit_timeout and then refused."""
+    far = {protocol.MIN_APPLIED_HEADER: str(10**17)}
+    for path in ("/healthz", "/status", "/metrics"):
+        t0 = time.monotonic()
+        async with ctl.session.get(ctl.url + path, headers=far) as r:
+            await r.read()
+            assert r.status == 200, (path, r.status)
+        assert time.monotonic() - t0 < 1.0, path
+
+
+async def test_many_reads_waiting_for_an_index_are_answered_when_it_is_applied(ctl: Ctl) -> None:
+    """Reads waiting for indexes not yet applied are answered once the log gets there, each
+    as soon as its own index is applied, and one past every index times out alone; the
+    waiting costs one reader of the applied index, not one per read."""
+    status, written = await ctl.call("POST", "/progress", {"epoch": 1, "replica": "r0"})
+    target = written["applied_index"] + 5  # the leader's own entries may get there too
+    fwd = ctl.service.forwarder
+    hdr = {protocol.MIN_APPLIED_HEADER: str(target)}
+    reads = [asyncio.ensure_future(ctl.call("GET", "/routing", headers=hdr)) for _ in range(50)]
+    never = asyncio.ensure_future(
+        ctl.call("GET", "/routing", headers={protocol.MIN_APPLIED_HEADER: str(target + 10**6)})
+    )
+    await asyncio.sleep(0.3)
+    if fwd.raft.last_applied < target:
+        assert not any(r.done() for r in reads)
+        assert len(fwd._waiting) == 51 and not fwd._poller.done()
+    for i in range(20):  # writes until the log passes the reads' index
+        if fwd.raft.last_applied >= target:
+            break
+        status, _ = await ctl.call("POST", "/progress", {"epoch": 1, "replica": f"w{i}"})
+        assert status == 200
+    got = await asyncio.wait_for(asyncio.gather(*reads), 5)
+    assert all(s == 200 for s, _ in got), got
+    assert not never.done()
+    status, body = await never
+    assert status == 503 and body["error"]["code"] == "unavailable", body
+    assert fwd._waiting == []
+    await asyncio.sleep(0.05)
+    assert fwd._poller.done()  # nothing waits: nothing polls
+
+
 # -- issue 28, item 7: refused admin operations are logged and counted -------------------------
 
 
