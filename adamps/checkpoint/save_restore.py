@@ -210,6 +210,16 @@ def save(
     for name in defs:
         for s in layout.shards_of[name]:
             if s.id not in shards:
+                b = layout.bucket_of[s.id]
+                if all(d["name"] != name for d in results[b][0]["tensors"]):
+                    # A create that reached some servers only (create is not replicated): every
+                    # save fails until it is sent again, so say that, not "incomplete".
+                    raise CheckpointError(
+                        f"tensor {name!r} is defined on some servers only: bucket {b}'s "
+                        f"primary does not hold it (a create that did not reach every server); "
+                        "send its create again to every server (docs/protocol-ps.md, create), "
+                        "then save"
+                    )
                 raise CheckpointError(f"no bucket answered shard {s.id}: the save is incomplete")
             shards[s.id].update(tensor=name, start=s.start, stop=s.stop)
     return write_manifest(

@@ -154,6 +154,26 @@ def test_round_trip_from_3_servers_under_load_onto_1_and_5(tmp_path: Path) -> No
             rows = _restored_matches(b, ckpt, tmp_path / f"b{n}")
             # No push reached the rows during the save: the restored rows are the source's.
             assert rows.tobytes() == rows_before.tobytes()
+            if n == 5:
+                _a_half_created_tensor_is_named_by_the_save(b, tmp_path / "half")
+
+
+def _a_half_created_tensor_is_named_by_the_save(c: LocalCluster, to: Path) -> None:
+    """A create that reached one server of five (create is not replicated) fails every save:
+    the save names the tensor and says to send its create again, then saves once it is."""
+    servers = c.cluster()["servers"]
+    half = {"name": "half", "shape": [16 * SHARD], "init": {"kind": "zeros"}}
+    with SyncRpc(servers[sorted(servers)[0]]["address"], TOKEN) as rpc:
+        rpc.call("create", **half)
+    r = _cli(c, "save", "--to", str(to))
+    assert r.returncode != 0
+    assert "'half' is defined on some servers only" in r.stderr, r.stderr
+    assert "send its create again to every server" in r.stderr, r.stderr
+    for sid in servers:
+        with SyncRpc(servers[sid]["address"], TOKEN) as rpc:
+            rpc.call("create", **half)
+    r = _cli(c, "save", "--to", str(to))
+    assert r.returncode == 0, r.stderr
 
 
 def _cut_is_of_acknowledged_pushes(x: np.ndarray, acked_before: set[int], failed: set[int]) -> None:
