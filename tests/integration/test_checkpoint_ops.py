@@ -200,6 +200,37 @@ async def test_a_row_block_naming_an_id_twice_is_refused_and_changes_nothing(
         await r.cleanup()
 
 
+async def test_a_row_block_of_another_bucket_is_refused_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Skeptic 17: a row block installed into a bucket its ids do not hash to was taken: the
+    rows were orphans there (pulls and pushes of their ids go to their own bucket), flushed
+    and exported beside their own bucket's."""
+    _s, r, c = await _filled(tmp_path)
+    try:
+        head = struct.Struct("<4sIQIIQd")
+        b = 0
+        while True:  # a bucket that holds some of the 50 rows
+            rec = next(iter((await c.call("ckpt_read", bucket=b))["rows"].values()))
+            n = head.unpack_from(rec["b"])[2]
+            if n:
+                break
+            b += 1
+        first = int(np.frombuffer(rec["b"], "<i8", n, head.size).min())
+        other = b + 1  # the first bucket holding rows is one of the first few of 50 rows
+        before = await c.call("ckpt_read", bucket=other)
+        sid, kept = next(iter(before["rows"].items()))
+        with pytest.raises(RpcError) as err:
+            await c.call("ckpt_install", bucket=other, force=True, rows={sid: {"b": rec["b"]}})
+        assert err.value.code == "bad_request", err.value
+        assert f"id {first} belongs to bucket {b}, not {other}" in err.value.message, err.value
+        after = await c.call("ckpt_read", bucket=other)
+        assert after["rows"][sid]["b"] == kept["b"]
+    finally:
+        await c.close()
+        await r.cleanup()
+
+
 @pytest.mark.parametrize("bucket", [-1, 2**63, 10**6])
 async def test_a_bucket_outside_the_cluster_is_a_400(tmp_path: Path, bucket: int) -> None:
     """Skeptic 17: ckpt_read of bucket -1 or 2^63 was answered 409 not_primary, which tells a

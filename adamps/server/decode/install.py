@@ -18,6 +18,7 @@ from adamps.server.store.store import Store
 from adamps.server.store.tables.rowtables import RowShardState
 from adamps.server.updates import bounds
 from adamps.server.updates.install import Install, RowInstall
+from adamps.tables import buckets_of
 from adamps.wire.limits import MAX_VERSION
 from adamps.wire.protocol import ProtocolError
 
@@ -105,6 +106,16 @@ def row_shard(st: RowShardState, data: Any, version: int | None) -> RowInstall:
         twice = int(ids[1:][ids[1:] == ids[:-1]][0])
         raise ProtocolError(
             "bad_request", f"row shard {st.id}: id {twice} appears more than once in the block"
+        )
+    # Rows of another bucket would be orphans here: pulls and pushes of their ids go to the
+    # bucket they hash to, while flushes and exports would carry them twice.
+    where = buckets_of(ids, st.table.n_buckets) if n else ids
+    if n and bool(np.any(where != st.bucket)):
+        k = int(np.flatnonzero(where != st.bucket)[0])
+        raise ProtocolError(
+            "bad_request",
+            f"row shard {st.id}: id {int(ids[k])} belongs to bucket {int(where[k])}, "
+            f"not {st.bucket}",
         )
     acc = None if probe.accum is None else probe.accum[:n]
     signed = st.table.optimizer.signed_state  # sparse_adam's first moments are signed

@@ -50,6 +50,7 @@ class TableState:
 
     def __init__(self, spec: TableSpec, n_buckets: int, metrics: TableMetrics) -> None:
         self.spec = spec
+        self.n_buckets = n_buckets
         self.optimizer = Optimizer.from_dict(spec.optimizer)
         self.limit = spec.admission.bucket_limit(n_buckets)
         self.shards: dict[int, RowShardState] = {}
