@@ -139,6 +139,19 @@ def requests(rpc: SyncRpc, dport: int) -> dict[str, Callable[[], Any]]:
             init={"kind": "normal", "seed": 1},
             optimizer={"kind": "adagrad", "lr": 0.1},
         ),  # fmt: skip
+        # a restore's creates: three tensors with their values inline (their check is a pass
+        # over every element)
+        "rpc:create_tensors": lambda again=0: rpc.call(
+            "create_tensors",
+            tensors=[
+                {
+                    "name": f"ct{again}_{k}",
+                    "shape": [1 << 22],
+                    "init": {"kind": "values", "values": np.full(1 << 22, 0.5, np.float32)},
+                }
+                for k in range(3)
+            ],
+        ),  # fmt: skip
         "rpc:create_table": lambda again=0: rpc.call(
             "create_table", **{**table, "name": "emb" + "x" * again}
         ),  # fmt: skip
