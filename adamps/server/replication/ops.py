@@ -50,9 +50,7 @@ class PeerOps:
     async def _step(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
         # Every copy re-checks what it will apply (repl_check.checked_message), whoever sent it.
         m = await checked_message(self.repl.store, self.repl.core.buckets, op, msg)
-        # A ping's only deadline is its buckets' watchdog, failover_after from now
-        ahead = self.repl.core.settings.failover_after if op == "repl_ping" else 0.0
-        return self.repl.step(m.get("bucket", -1), self.repl.core.step, m["sender"], m, ahead=ahead)
+        return self.repl.carrier.peer_message(m)
 
     async def op_repl_multi(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Several replication messages from one peer, handled in order; one result each."""
