@@ -42,9 +42,10 @@ After every step the invariants of issue 11 are checked:
 4. a copy that would serve a read now (``check_primary(read=True)``) has applied every
    acknowledged push (a pull sees every push acknowledged before it was sent).
 
-At the end the nemesis stops, everything heals and settles: every acknowledged push is then applied
-exactly once on every member (minus the loss-window ones, which were never applied twice either),
-and no push that failed with a definite error is applied anywhere.
+At the end the nemesis stops, everything heals and settles (the clients' last retries 2 s before
+the end): every acknowledged push is then applied exactly once on every member (minus the
+loss-window ones, which were never applied twice either), and no push that failed with a definite
+error is applied anywhere.
 
 Pushes are acknowledged as the servers' `ack` option says: at the decision point of two-phase
 commit (every member prepared the batch, the primary applied it: the default) in three seeds of
@@ -752,7 +753,7 @@ class Client:
         self.seq = 0
         self.waiting: dict[int, tuple[Push, float]] = {}
 
-    def step(self, new_pushes: bool) -> None:
+    def step(self, new_pushes: bool, retries: bool = True) -> None:
         sim = self.sim
         for rid, (p, deadline) in list(self.waiting.items()):
             if sim.now >= deadline:
@@ -770,7 +771,7 @@ class Client:
             and p.outstanding is None
             and p.attempts < 6
         ]
-        if unknown and sim.rng.random() < 0.3:
+        if unknown and retries and sim.rng.random() < 0.3:
             self.send(sim.rng.choice(unknown))
         elif new_pushes and sim.rng.random() < 0.6:
             self.seq += 1
@@ -1038,7 +1039,7 @@ class Sim:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def step(self, faults: bool = True, new_pushes: bool = True) -> None:
+    def step(self, faults: bool = True, new_pushes: bool = True, retries: bool = True) -> None:
         self.now = round(self.now + DT, 9)
         while self.timers and self.timers[0][0] <= self.now:
             heapq.heappop(self.timers)[2]()
@@ -1077,7 +1078,7 @@ class Sim:
             elif item[0] == "ctl":
                 self.ctl.step()
             else:
-                item[1].step(new_pushes)
+                item[1].step(new_pushes, retries)
         for m in deferred:
             m.at = self.now + DT
             heapq.heappush(self.net.queue, m)
@@ -1280,9 +1281,11 @@ def run(seed: int, steps: int = STEPS) -> Sim:
             sim.step()
         sim.heal_all()
         # settle: long enough for the retries in flight and for the last COMMIT of a bucket
-        # that no later PREPARE carries (due up to 1 s after its round was decided)
-        for _ in range(160):
-            sim.step(faults=False, new_pushes=False)
+        # that no later PREPARE carries (due up to 1 s after its round was decided); the
+        # clients retry no push in the last 2 s, so the last round settles too (seed 927227:
+        # a retry 0.1 s before the end, committed on the primary only when the check ran)
+        for i in range(160):
+            sim.step(faults=False, new_pushes=False, retries=i < 120)
         sim.final_check()
     except Exception as exc:
         trace = "\n".join(sim.trace)
@@ -1302,6 +1305,10 @@ REGRESSION_SEEDS = [
     # simulation, not of the core (Server.settle).
     300565,
     300996,
+    # The final check ran while the round of a client's retry 0.1 s before the end had
+    # committed on the primary only ("copies differ at the end"): a false alarm of the end of
+    # the simulation, whose clients now stop retrying 2 s before it (run).
+    927227,
 ]
 
 
