@@ -50,6 +50,8 @@ def test_no_module_outside_tests_and_benchmarks_is_over_600_lines() -> None:
 #: core's settings from the server's config (config.py) are modules of their own concepts,
 #: which the shell calls; they touch the core only where their concept meets it, and only
 #: through its inputs (the cut reads positions; a reload and the can-persist check are inputs).
+#: Issue 40 moved the shell's step and drain into carry.py (the shell without its IO, which the
+#: randomized simulation runs too): counted apart, its own module of that concept (169 lines).
 SHELL = ("shell.py", "control.py", "ops.py")
 #: issue 26: under 400 lines
 SHELL_LIMIT = 399

@@ -1,12 +1,18 @@
-"""Randomized simulation of bucket replication: the production replication core of every server
-(adamps.core.replication.node.ReplCore, unchanged), the controllers as they ship (their replicated
-state machine, leader loop and handling of the servers' calls over a simulated Raft:
-tests/core/sim_controllers.py; the servers' requests built by the controllers' real client), an
-unreliable network and
-a nemesis (etcd-io/raft's network test shape, and TigerBeetle's cluster test: the simulator runs
-the replica that ships, here through an in-memory transport; no sockets, no threads, time passed
-in). Each server's shell here only carries out the core's Ready as adamps.server.replication.shell does
-(network, disk, clock); it takes no decision and has no model of the rounds.
+"""Randomized simulation of bucket replication, running what ships: the production replication core
+of every server (adamps.core.replication.node.ReplCore, unchanged) inside the production shell
+without its IO (adamps.server.replication.carry.Carrier: every input through its ``step``, every
+field of the core's Ready carried out by it, the state transfer's and the controllers' answers
+fed back by it, as the server's asyncio Replicator runs it), the controllers as they ship (their
+replicated state machine, leader loop and handling of the servers' calls over a simulated Raft:
+tests/core/sim_controllers.py; the servers' requests built by the controllers' real client, as
+the shell builds them: carry.controller_call), an unreliable network and a nemesis (etcd-io/raft's
+network test shape, and TigerBeetle's cluster test: the simulator runs the replica that ships with
+a simulated bus, storage and time; no sockets, no threads, time passed in). Each ``Server`` here
+is only the shell's ports (as the Replicator is on a server: aiohttp peers, owner threads, LMDB):
+the simulated network, a store of update ids, a disk of cuts, a skewed clock; it takes no
+decision and carries out no Ready itself (``test_the_simulation_runs_the_shipping_shell``). Not
+run: the asyncio side (the Replicator's ports, peers.py, the clock's timers, the wire's encoding
+and the re-checks of check.py), which the multi-process tests run.
 
 Every seed builds a small cluster (4-5 servers, 2 buckets, 3 copies each) and runs it for a few
 hundred steps of 50 ms. Within a step, the due messages, the servers' timers, the controller
@@ -36,9 +42,10 @@ After every step the invariants of issue 11 are checked:
 4. a copy that would serve a read now (``check_primary(read=True)``) has applied every
    acknowledged push (a pull sees every push acknowledged before it was sent).
 
-At the end the nemesis stops, everything heals and settles: every acknowledged push is then applied
-exactly once on every member (minus the loss-window ones, which were never applied twice either),
-and no push that failed with a definite error is applied anywhere.
+At the end the nemesis stops, everything heals and settles (the clients' last retries 2 s before
+the end): every acknowledged push is then applied exactly once on every member (minus the
+loss-window ones, which were never applied twice either), and no push that failed with a definite
+error is applied anywhere.
 
 Pushes are acknowledged as the servers' `ack` option says: at the decision point of two-phase
 commit (every member prepared the batch, the primary applied it: the default) in three seeds of
@@ -58,8 +65,10 @@ moved into the core (``ReplCore.release``), acknowledgements after the lease end
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import heapq
+import inspect
 import itertools
 import logging
 import os
@@ -67,6 +76,7 @@ import random
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -79,14 +89,14 @@ from adamps.core.replication.bucket import Assignment, Batch, BucketReplica, Rej
 from adamps.core.replication.node import ReplCore
 from adamps.core.replication.ready import (
     Answer,
-    ControllerAnswer,
     ControllerRequest,
     Fetch,
     Ready,
     Send,
 )
 from adamps.core.replication.settings import ReplSettings
-from adamps.server.replication import disk
+from adamps.server.replication.carry import Carrier, controller_call
+from adamps.server.replication.shell import Replicator
 from controller.config import ControllerConfig
 from controller.leader import LeaderDuties
 from controller.server_calls import ServerCalls
@@ -151,6 +161,8 @@ ACK = os.environ.get("ADAMPS_SIM_ACK", "")  # "prepared" | "committed": every se
 
 logging.getLogger("controller.state").setLevel(logging.ERROR)
 logging.getLogger("controller.service").setLevel(logging.ERROR)  # its leader loop's notices
+# snapshots damaged on the way are the simulation's faults (the shell logs them as errors)
+logging.getLogger("adamps.server.replication.shell").setLevel(logging.CRITICAL)
 
 
 class Violation(AssertionError):
@@ -284,36 +296,21 @@ class Waiter:
         self.client, self.uid, self.b, self.rid = client, uid, b, rid
 
 
-class SimTransport:
-    """The in-memory transport: the core's messages over the simulated network, each answered
-    exactly once (the reply, or a failure when none came within MEMBER_TIMEOUT), as
-    adamps.server.replication.peers.Peers.send answers them."""
-
-    def __init__(self, server: Server) -> None:
-        self.server = server
-
-    def send(self, msg: Send) -> None:
-        s = self.server
-        s.call(
-            msg.peer,
-            msg.op,
-            dict(msg.fields),
-            lambda r: s.core.answer(msg.rid, r, None, s.local()),
-            lambda err: s.core.answer(msg.rid, None, _code(err), s.local()),
-        )
-
-
 def _code(err: Any) -> str:
     return str(err.get("code")) if isinstance(err, dict) else str(err)
 
 
-# -- a parameter server: the production core in a shell of the simulation ---------------------------
+# -- a parameter server: the production core and shell, with the simulation's network, disk, clock --
 
 
 class Server:
-    """One parameter server: adamps.core.replication.node.ReplCore as the server runs it, with this
-    simulation's network, disk and clock for its shell (what adamps.server.replication.shell does with
-    asyncio, HTTP and LMDB). No decision is taken here."""
+    """One parameter server: the production core (adamps.core.replication.node.ReplCore) and the
+    shell that ships around it without its IO (adamps.server.replication.carry.Carrier: every input
+    through its ``step``, every Ready field carried out by it), whose ports this class is: the
+    simulated network for peers and controllers (an in-memory transport, each message answered
+    once), a store of update ids, a disk of cuts that fails and fills, and a skewed clock, as the
+    server's Replicator is its ports over aiohttp, owner threads and LMDB. No decision is taken
+    here; it records what the invariants need (acts as primary, acknowledgements, cuts)."""
 
     def __init__(
         self,
@@ -339,7 +336,8 @@ class Server:
             ping_interval=PING,  # the simulation's timings are a quarter of the server's
         )
         self.core = CountedCore(settings, sim.coverage)
-        self.transport = SimTransport(self)
+        #: the shell that ships, its ports this object; the core's invariants after every input
+        self.carrier = Carrier(self.core, self, debug=True)
         self.store: dict[int, list[int]] = {}
         self.next_flush = self.local() + sim.rng.uniform(0, FLUSH)
         self.rpcs: dict[int, Rpc] = {}
@@ -363,7 +361,7 @@ class Server:
         for b in corrupt:
             disk.pop(b, None)
         if not wiped:
-            for b, cut in disk.items():
+            for b, cut in disk.items():  # as adamps.server.replication.disk.restore
                 self.core.reloaded(b, cut.seq, cut.epoch, cut.dedup, cut.prepared)
                 self.store[b] = list(cut.values)
                 self.restored[b] = cut.at
@@ -386,10 +384,6 @@ class Server:
     def to_true(self, local: float) -> float:
         return (local - self.off) / self.rate
 
-    def cannot_persist(self) -> str | None:
-        """The flusher's `can_persist`: why a transferred copy cannot be written now."""
-        return "disk full (simulated)" if self.sim.now < self.full_until else None
-
     @property
     def address(self) -> str:
         """What it registers (the simulation's network routes by server id)."""
@@ -402,7 +396,7 @@ class Server:
     def log(self, text: str) -> None:
         self.sim.log(f"{self.sid}: {text}")
 
-    def call(
+    def rpc(
         self,
         dst: str,
         kind: str,
@@ -411,6 +405,8 @@ class Server:
         on_fail: Callable[[Any], None],
         timeout: float = MEMBER_TIMEOUT,
     ) -> int:
+        """A request over the network: `on_reply` or `on_fail` (an error, or "timeout" when no
+        reply came within `timeout`), once; the controllers' client retries for a while."""
         rid = self.sim.rid()
         rpc = Rpc(self.local() + timeout, on_reply, on_fail)
         if dst == CTL:
@@ -429,7 +425,6 @@ class Server:
             rpc.on_fail(body["error"])
         else:
             rpc.on_reply(body)
-        self.drain()
 
     def expire_rpcs(self) -> None:
         now = self.local()
@@ -443,7 +438,6 @@ class Server:
                 self.sim.net.send(self.sid, dst, kind, {**body, "rid": rid, "from": self.sid})
                 continue
             rpc.on_fail("timeout")
-            self.drain()
 
     @property
     def registered(self) -> bool:
@@ -462,49 +456,57 @@ class Server:
             raise Violation(f"{self.sid} acts as primary of b{b} ({what}) holding no lease")
         self.sim.served(self.sid, b, lease[0].epoch, self.to_true(lease[1]), what)
 
-    # -- the Ready ---------------------------------------------------------------------------
+    # -- the ports of the shell (adamps.server.replication.carry) --------------------------------
 
-    def drain(self) -> None:
-        """Carries out the core's Ready as Replicator.drain does, in the same order."""
+    def now(self) -> float:
+        return self.local()
+
+    def counted(self, rd: Ready) -> None:
+        for name in READY_FIELDS:
+            if getattr(rd, name):
+                self.sim.coverage["ready." + name] += 1
+
+    def release_copy(self, b: int) -> None:
+        self.log(f"b{b}: copy dropped (no role)")
+        self.store.pop(b, None)
+        self.restored.pop(b, None)
+
+    def hold_copy(self, b: int) -> None:
+        if b not in self.store:
+            self.store[b] = []
+            self.restored.pop(b, None)
+
+    def apply_batches(self, b: int, batches: tuple[Batch, ...]) -> None:
+        for batch in batches:
+            self.store[b].extend(batch.updates)
+
+    def send(self, msg: Send, done: Callable[[Any, str | None], None]) -> None:
+        self.rpc(msg.peer, msg.op, dict(msg.fields),
+                 lambda r: done(r, None), lambda err: done(None, _code(err)))  # fmt: skip
+
+    def ping(self, member: str, buckets: dict[Any, int], done: Callable[[Any], None]) -> None:
+        # (an unanswered ping is not reported: the next one follows)
+        body = {"buckets": {int(k): e for k, e in buckets.items()}}
+        self.rpc(member, "repl_ping", body, lambda r: done(r["stale"]), lambda _e: None)
+
+    def pinged(self) -> None:
+        pass
+
+    def stop_join(self, b: int) -> None:  # Replicator: the join's task cancelled, no answer
+        self.rpcs.pop(self.fetching.pop(b, -1), None)
+
+    def can_persist(self) -> str | None:
+        """The flusher's `can_persist`: why a transferred copy cannot be written now."""
+        return "disk full (simulated)" if self.sim.now < self.full_until else None
+
+    def refuse(self, _b: int, rej: Reject) -> Reject:
+        return rej  # (the server raises it as the protocol's error)
+
+    def poke(self, _not_before: float) -> None:
+        """After every input: its deadline (as the shell's clock asks), and invariant 1 for every
+        round the core started (only while the lease holds)."""
         core = self.core
-        found = self.found  # the leases as the input carried out here found them
-        while core.has_ready():
-            rd = core.ready()
-            core.advance()
-            for name in READY_FIELDS:
-                if getattr(rd, name):
-                    self.sim.coverage["ready." + name] += 1
-            for b in rd.forget:
-                self.log(f"b{b}: copy dropped (no role)")
-                self.store.pop(b, None)
-                self.restored.pop(b, None)
-            for b in rd.hold:
-                if b not in self.store:
-                    self.store[b] = []
-                    self.restored.pop(b, None)
-            for b, action in rd.applies:
-                for batch in action.batches:
-                    self.store[b].extend(batch.updates)
-            for ans in rd.answers:
-                self.answer(ans, found)
-            for msg in rd.messages:
-                self.transport.send(msg)
-            for b in rd.stop_joins:  # Replicator: the join's task cancelled, no answer goes in
-                self.rpcs.pop(self.fetching.pop(b, -1), None)
-            for f in rd.fetches:
-                self.fetch(f)
-            for req in rd.requests:
-                self.request(req)
-            if rd.heartbeat:
-                core.want_record(self.local())
-            for m, buckets in (rd.pings or {}).items():
-                ok = lambda r: self.core.on_ping_reply(r["stale"], self.local())  # noqa: E731
-                self.call(m, "repl_ping", {"buckets": {int(k): e for k, e in buckets.items()}},
-                          ok, lambda _e: None)  # fmt: skip
-        core.validate()  # the core's invariants after every input (repl_invariants.py)
-        # An input may bring a timer earlier (the shell's clock asks after each: CoreClock.poke).
         self.tick_at = min(self.tick_at, core.next_deadline(self.local()))
-        # Invariant 1 for every round the core started (only while the lease holds).
         for b in core.buckets:
             rep = core.buckets[b]
             if core.roles.get(b) == "primary" and rep.inflight is not None:
@@ -514,73 +516,94 @@ class Server:
                     self.serve(b, f"round {key[2]}")
         self.found = {b: lease for b in core.buckets if (lease := self.lease(b)) is not None}
 
-    def answer(self, ans: Answer, found: dict[int, tuple[Assignment, float]]) -> None:
+    def settle(self, ans: Answer) -> None:
         """A push's outcome. An acknowledgement is judged under the lease the core decided it
         under: the one held now, else the one held when the input began. ``release`` acks
         only while the lease holds, but the same input may end it afterwards (a tick whose
         pump acknowledges, then whose controller link registers again: ``unregistered``
         drops every lease and resets the assignment; seeds 300565, 300996): the shell then
         sends an acknowledgement decided under a lease the core no longer holds, as the server's
-        Replicator.drain does, and the members it was decided with are those of that lease."""
+        Replicator does, and the members it was decided with are those of that lease."""
         w: Waiter = ans.waiter
         if ans.outcome != "ok":
             self.sim.net.send(
                 self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "unknown"}
             )
             return
-        lease = self.lease(w.b) or found.get(w.b)
+        lease = self.lease(w.b) or self.found.get(w.b)
         self.serve(w.b, f"ack u{w.uid}", lease)
         assert lease is not None
         # the promotable holders: primary and members (a learner's copy is no member's)
         self.sim.acked(w.b, w.uid, self.sid, (self.sid, *lease[0].secondaries))
         self.sim.net.send(self.sid, w.client, "push_reply", {"rid": w.rid, "outcome": "ack"})
 
-    def request(self, req: ControllerRequest) -> None:
-        """A call to the controllers the core asked for, built by the controllers' real client
-        (the requests adamps.server.replication.control.ControllerCalls.request makes): its
-        answer, whatever it is, goes back in through the core's controller_answer."""
-        b, sid, asked_at = req.bucket, self.sid, self.local()
+    def call(self, req: ControllerRequest) -> None:
+        """A call to the controllers the core asked for, built as the server's (carry's
+        controller_call) by the controllers' real client: its answer, whatever it is, goes back
+        in through the shell's controller_answer."""
+        b, asked_at = req.bucket, self.local()
         if req.kind == "register":
             self.log(f"register offering {req.body['copies']}")
         elif req.kind != "heartbeat":
             self.log(f"b{b}: {req.kind} {req.member} (epoch {req.epoch})")
-        ops, body = CONTROLLER_OPS, req.body
-        call: Call = {
-            "register": lambda: ops.register(
-                sid, self.address, body["copies"], n_buckets=N_BUCKETS
-            ),
-            "heartbeat": lambda: ops.heartbeat(
-                sid, body["known"], body["reports"], self.cannot_persist(), body.get("deltas")
-            ),
-            "role_change": lambda: ops.role_change(b, sid, req.epoch, {sid: list(req.position)}),
-            "drop_secondary": lambda: ops.drop_secondary(b, sid, req.epoch, req.member),
-            "caught_up": lambda: ops.caught_up(b, sid, req.epoch, req.member, req.join),
-            "release": lambda: ops.release(b, sid, req.epoch),
-        }[req.kind]()
+        call: Call = controller_call(
+            CONTROLLER_OPS, req, self.sid, self.address, N_BUCKETS, self.can_persist
+        )
 
         def ok(reply: dict[str, Any]) -> None:
             # (a heartbeat's `then` pairs the reply with the process's monotonic clock: here
             # the time it was asked is this server's simulated clock)
             reply = reply if req.kind == "heartbeat" else call.then(reply)
-            self.core.controller_answer(
-                req, ControllerAnswer(reply, asked_at=asked_at), self.local()
-            )
+            self.carrier.controller_answer(req, reply, asked_at)
 
         def fail(err: Any) -> None:
             if req.kind == "heartbeat":
                 self.log(f"heartbeat failed ({_code(err)}): registering again")
-            if not isinstance(err, dict):  # no answer: the outcome is unknown
-                ans = ControllerAnswer(error="connection")
-            else:
+            exc: BaseException = TimeoutError(err)  # no answer: the outcome is unknown
+            if isinstance(err, dict):
                 extra = {k: v for k, v in err.items() if k not in ("code", "message")}
                 try:
                     call.settle(RpcError(err["code"], err.get("message", ""), **extra))
-                except RpcError as exc:
-                    ans = ControllerAnswer(None, exc.code, exc.extra.get("retry_after"))
-            self.core.controller_answer(req, ans, self.local())
+                except RpcError as refused:
+                    exc = refused
+            self.carrier.controller_answer(req, None, asked_at, exc)
 
         msg = {"path": call.request.path, "json": call.request.body}
-        self.call(CTL, req.kind, msg, ok, fail)
+        self.rpc(CTL, req.kind, msg, ok, fail)
+
+    def start_join(self, f: Fetch) -> None:
+        """A state transfer (Replicator._transfer): the snapshot the core asked for fetched,
+        installed if it fits (the disk's RNG damages it on the way now and then) and persisted
+        (unless the disk is full or the write fails), each step into the shell."""
+        b, shell = f.bucket, self.carrier
+
+        def ok(snap: dict[str, Any]) -> None:
+            if not shell.fetched(f, snap):
+                return
+            disk_rng = self.sim.disk_rng
+
+            def put() -> None:
+                if disk_rng.random() < CORRUPT_SNAPSHOT_P:  # damaged on the way: fetched again
+                    self.log(f"b{b}: snapshot from {f.primary} fails its checksum")
+                    raise ValueError("the snapshot fails its checksum (simulated)")
+                self.store[b] = list(snap["values"])
+
+            if not shell.install(f, snap, put):
+                return
+            # Persisted in the same step, unless the disk is full or the write fails.
+            ok = self.can_persist() is None and disk_rng.random() >= PERSIST_FAIL_P
+            shell.install_persisted(b, ok)
+            if not ok:
+                self.log(f"b{b}: snapshot installed, not persisted: not learning")
+                return
+            self.restored.pop(b, None)
+            self.log(f"b{b}: snapshot at {snap['committed']} from {f.primary} installed")
+            self.sim.stats["snapshots"] += 1
+
+        body = {"bucket": b, "joiner": self.sid, "join": f.join}
+        self.fetching[b] = self.rpc(
+            f.primary, "snapshot", body, ok, lambda _e: shell.fetched(f, None)
+        )
 
     # -- timers ------------------------------------------------------------------------------
 
@@ -591,18 +614,15 @@ class Server:
             self.next_flush = now + FLUSH
             self.flush()
         # The core is ticked only once its next deadline is due, as the shell's clock does
-        # (adamps.server.replication.clock): every other input asks for the deadline again (drain).
+        # (adamps.server.replication.clock): every other input asks for the deadline again (poke).
         if now >= self.tick_at:
-            # as Replicator._tick: why this server cannot persist a transferred copy now
-            disk.tell_blocked(self.core, self.cannot_persist)
-            self.core.tick(now)  # with the controller link's: the registration and heartbeats
-            self.drain()
+            self.carrier.tick()  # with the controller link's: the registration and heartbeats
             self.tick_at = self.core.next_deadline(now)
 
     def flush(self) -> None:
         """The flusher's cut: every held copy's values and position at one instant; positions of
         the others are deleted (persist.write_snapshots)."""
-        if self.cannot_persist() is not None:
+        if self.can_persist() is not None:
             return  # a full disk takes no cut (the heartbeats say not_durable meanwhile)
         at = self.sim.tick_n()
 
@@ -623,41 +643,6 @@ class Server:
         self.disk.clear()
         self.disk.update(cuts)
 
-    # -- control loop ------------------------------------------------------------------------
-
-    def fetch(self, f: Fetch) -> None:
-        """Replicator._transfer: fetch the snapshot the core asked for, install it if it fits."""
-        b = f.bucket
-
-        def ok(snap: dict[str, Any]) -> None:
-            if not self.core.snapshot_fetched(f, snap["epoch"], self.local()):
-                return
-            disk_rng = self.sim.disk_rng
-            if disk_rng.random() < CORRUPT_SNAPSHOT_P:  # damaged on the way: fetched again
-                self.log(f"b{b}: snapshot from {f.primary} fails its checksum")
-                self.core.snapshot_corrupt(f, self.local())
-                self.drain()
-                return
-            self.store[b] = list(snap["values"])
-            self.core.installed(
-                b, snap["committed"], snap["dedup"], snap["committed_epoch"], self.local()
-            )
-            # Persisted in the same step, unless the disk is full or the write fails.
-            ok = self.cannot_persist() is None and disk_rng.random() >= PERSIST_FAIL_P
-            self.core.install_persisted(b, ok, self.local())
-            if not ok:
-                self.log(f"b{b}: snapshot installed, not persisted: not learning")
-                return
-            self.restored.pop(b, None)
-            self.log(f"b{b}: snapshot at {snap['committed']} from {f.primary} installed")
-            self.sim.stats["snapshots"] += 1
-
-        def fail(_e: Any) -> None:
-            self.core.snapshot_fetched(f, None, self.local())
-
-        body = {"bucket": b, "joiner": self.sid, "join": f.join}
-        self.fetching[b] = self.call(f.primary, "snapshot", body, ok, fail)
-
     # -- requests from peers and clients -------------------------------------------------------
 
     def handle(self, msg: Msg) -> None:
@@ -668,34 +653,30 @@ class Server:
         if msg.kind == "push":
             self.on_push(msg)
             return
-        now = self.local()
-        if msg.kind == "snapshot":
+        if msg.kind == "snapshot":  # repl_ops.PeerOps.op_repl_snapshot
             b = body["bucket"]
-            res = self.core.snapshot_for(b, body["joiner"], body["join"], now)
+            res = self.carrier.step(b, self.core.snapshot_for, b, body["joiner"], body["join"])
             if not isinstance(res, Reject):
                 self.serve(b, f"snapshot to {body['joiner']}")
                 self.log(f"b{b}: snapshot at {res['committed']} for {body['joiner']}")
                 res = {**res, "values": list(self.store[b])}
         else:  # repl_prepare, repl_commit, repl_ping: the fields as repl_ops.PeerOps feeds them
-            res = self.core.step(msg.src, {**body, "op": msg.kind, "sender": msg.src}, now)
-        self.drain()
+            res = self.carrier.peer_message({**body, "op": msg.kind, "sender": msg.src})
         if isinstance(res, Reject):
             reply = {"rid": body["rid"], "error": {"code": res.code}}
         else:
             reply = {"rid": body["rid"], **res}
         self.sim.net.send(self.sid, msg.src, "reply", reply)
 
-    def on_push(self, msg: Msg) -> None:
+    def on_push(self, msg: Msg) -> None:  # Replicator.push
         body = msg.body
         b, key, uid = body["bucket"], tuple(body["key"]), body["uid"]
         w = Waiter(msg.src, uid, b, body["rid"])
-        res = self.core.submit({b: uid}, key, {b: w}, self.local())
+        res = self.carrier.step(-1, self.core.submit, {b: uid}, key, {b: w})
         if isinstance(res, Reject):
-            self.drain()
             self.sim.net.send(self.sid, msg.src, "push_reply", {"rid": w.rid, "outcome": "failed"})
             return
         self.serve(b, f"push {key}")
-        self.drain()
 
 
 # -- the controllers: their real handlers and leader loop over a simulated Raft ---------------------
@@ -772,7 +753,7 @@ class Client:
         self.seq = 0
         self.waiting: dict[int, tuple[Push, float]] = {}
 
-    def step(self, new_pushes: bool) -> None:
+    def step(self, new_pushes: bool, retries: bool = True) -> None:
         sim = self.sim
         for rid, (p, deadline) in list(self.waiting.items()):
             if sim.now >= deadline:
@@ -790,7 +771,7 @@ class Client:
             and p.outstanding is None
             and p.attempts < 6
         ]
-        if unknown and sim.rng.random() < 0.3:
+        if unknown and retries and sim.rng.random() < 0.3:
             self.send(sim.rng.choice(unknown))
         elif new_pushes and sim.rng.random() < 0.6:
             self.seq += 1
@@ -842,7 +823,7 @@ class Sim:
         #: the disk's faults (full, failed writes, damaged snapshots) and graceful stops, apart
         #: from `rng` too
         self.disk_rng = random.Random(f"disk-{seed}")
-        #: how often each core input and each Ready field was used (CountedCore, Server.drain)
+        #: how often each core input and each Ready field was used (CountedCore, Server.counted)
         self.coverage: Counter[str] = Counter()
         #: when a round's pushes are acknowledged (the servers' `ack`): at the decision point,
         #: the default, in three seeds of four; once every member committed in the fourth
@@ -1026,8 +1007,8 @@ class Sim:
             s = rng.choice(up)
             self.stats["stop"] += 1
             self.log(f"nemesis: stop {s.sid} (releases its leases)")
-            for req in s.core.stopping():
-                s.request(req)
+            for req in s.core.stopping():  # as Replicator.stop
+                s.call(req)
             s.flush()
             s.crashed = True
             # It acts under no lease any more: a lease it released may be granted at once.
@@ -1058,7 +1039,7 @@ class Sim:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def step(self, faults: bool = True, new_pushes: bool = True) -> None:
+    def step(self, faults: bool = True, new_pushes: bool = True, retries: bool = True) -> None:
         self.now = round(self.now + DT, 9)
         while self.timers and self.timers[0][0] <= self.now:
             heapq.heappop(self.timers)[2]()
@@ -1097,7 +1078,7 @@ class Sim:
             elif item[0] == "ctl":
                 self.ctl.step()
             else:
-                item[1].step(new_pushes)
+                item[1].step(new_pushes, retries)
         for m in deferred:
             m.at = self.now + DT
             heapq.heappush(self.net.queue, m)
@@ -1300,9 +1281,11 @@ def run(seed: int, steps: int = STEPS) -> Sim:
             sim.step()
         sim.heal_all()
         # settle: long enough for the retries in flight and for the last COMMIT of a bucket
-        # that no later PREPARE carries (due up to 1 s after its round was decided)
-        for _ in range(160):
-            sim.step(faults=False, new_pushes=False)
+        # that no later PREPARE carries (due up to 1 s after its round was decided); the
+        # clients retry no push in the last 2 s, so the last round settles too (seed 927227:
+        # a retry 0.1 s before the end, committed on the primary only when the check ran)
+        for i in range(160):
+            sim.step(faults=False, new_pushes=False, retries=i < 120)
         sim.final_check()
     except Exception as exc:
         trace = "\n".join(sim.trace)
@@ -1319,9 +1302,13 @@ COVERAGE_SEEDS = 12
 REGRESSION_SEEDS = [
     # The checker judged an acknowledgement against the lease after the input that decided it
     # had dropped it (a tick acknowledged, then registered again): a false alarm of the
-    # simulation, not of the core (Server.answer).
+    # simulation, not of the core (Server.settle).
     300565,
     300996,
+    # The final check ran while the round of a client's retry 0.1 s before the end had
+    # committed on the primary only ("copies differ at the end"): a false alarm of the end of
+    # the simulation, whose clients now stop retrying 2 s before it (run).
+    927227,
 ]
 
 
@@ -1370,6 +1357,36 @@ def test_the_simulation_runs_the_shipping_controllers() -> None:
         node.catch_up()
     digests = {state_digest(node.model) for node in group.nodes}
     assert len(digests) == 1 and group.nodes[0].applied == len(group.log)
+
+
+def test_the_simulation_runs_the_shipping_shell() -> None:
+    """No model of the server's shell (issue 40): every server's inputs go into its core and the
+    core's Ready is carried out by the shell that ships (adamps.server.replication.carry.Carrier,
+    which the server's Replicator runs with its asyncio ports), this file only giving it ports;
+    no code here takes a Ready from a core itself."""
+    sim = Sim(1)
+    for _ in range(60):
+        sim.step()
+    for s in sim.servers.values():
+        assert type(s.carrier) is Carrier and s.carrier.core is s.core and s.carrier.ports is s
+    assert "Carrier(self.core, self" in inspect.getsource(Replicator.__init__)
+    assert not {"drain", "_tick"} & set(vars(Replicator)), "the Replicator carries out no Ready"
+    tree = ast.parse(Path(__file__).read_text())
+    takes = [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("ready", "advance", "has_ready")
+    ]
+    assert not takes, f"lines {takes} take a Ready from a core: the shell's job (carry.py)"
+
+
+def test_a_seed_runs_the_same_twice() -> None:
+    """Deterministic: a seed replays exactly (its trace, its counts of inputs and Ready fields)."""
+    first, again = run(5), run(5)
+    assert list(first.trace) == list(again.trace) and first.coverage == again.coverage
+    assert first.stats == again.stats
 
 
 @pytest.mark.parametrize("seed", SEED_LIST)

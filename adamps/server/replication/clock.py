@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 from adamps.core.replication.node import ReplCore
 
@@ -26,18 +25,6 @@ from adamps.core.replication.node import ReplCore
 TICK = 0.02
 #: seconds a sleep lasts at most (the pings are due sooner with every ping_interval allowed)
 MAX_SLEEP = 1.0
-
-
-def quiet_for(core: ReplCore, op: str, msg: dict[str, Any]) -> float:
-    """How long after it a peer's replication message (checked) brings no deadline of `core`:
-    a ping's only deadline is its buckets' watchdog, failover_after from now; so is a primary's
-    PREPARE's or COMMIT's to a copy held as secondary, accepted or refused (what else it
-    brings, a heartbeat, is a step of its own: tests/core/test_repl_core.py). Issue 36: two
-    thirds of a server's inputs at RF 3, and each asked the core's deadline, a walk over every
-    bucket (a tenth of a server's event loop, the convnet's profile). Else 0: ask."""
-    if op == "repl_ping" or core.roles.get(msg.get("bucket", -1)) == "secondary":
-        return core.settings.failover_after
-    return 0.0
 
 
 class CoreClock:

@@ -13,9 +13,9 @@ from typing import Any
 import aiohttp
 
 from adamps.client.controller import AsyncControllerClient, LayoutMismatch
-from adamps.client.rpc import RpcError
-from adamps.core.replication.ready import ControllerAnswer, ControllerRequest
+from adamps.core.replication.ready import ControllerRequest
 from adamps.server.replication import bucket_copy
+from adamps.server.replication.carry import controller_call
 
 log = logging.getLogger("adamps.server.replication.shell")
 
@@ -38,52 +38,41 @@ class ControllerCalls:
         )
         self.ctl.signer = self.r.peer_keys.controller_signer()
 
-    async def _register(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, req: ControllerRequest, copies: Any = None) -> Any:
         r = self.r
+        return controller_call(self.ctl, req, r.server_id, r.address, r.cfg.n_buckets,
+                               r.disk.not_durable, copies)  # fmt: skip
+
+    async def _register(self, req: ControllerRequest) -> dict[str, Any]:
+        r, body = self.r, req.body
         offered = await bucket_copy.offers(r.store, body["copies"], body["committed"])
-        reply = await self.ctl.register(r.server_id, r.address, offered, n_buckets=r.cfg.n_buckets)
+        reply = await self._call(req, offered)
         log.info("registered as %s at %s, offering %d copies (lease %s)",
                  r.server_id, r.address, len(offered), reply.get("lease"))  # fmt: skip
         return reply
 
-    async def _heartbeat(self, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
-        r = self.r
-        reply, asked_at = await self.ctl.heartbeat(
-            r.server_id, body["known"], body["reports"], r.disk.not_durable(), body.get("deltas")
-        )
-        r.peers.learn(reply.get("roles", []))  # the address book, before the roles act
-        r.on_heartbeat(reply)  # the runs' table version (adamps/server/api/tenancy.py)
-        return reply, asked_at
-
     async def request(self, req: ControllerRequest) -> None:
         """One call the core asked for; its answer, whatever it is, goes back in."""
-        b, me, ctl = req.bucket, self.r.server_id, self.ctl
-        call = {
-            "register": lambda: self._register(dict(req.body)),
-            "heartbeat": lambda: self._heartbeat(dict(req.body)),
-            "role_change": lambda: ctl.role_change(b, me, req.epoch, {me: list(req.position)}),
-            "drop_secondary": lambda: ctl.drop_secondary(b, me, req.epoch, req.member),
-            "caught_up": lambda: ctl.caught_up(b, me, req.epoch, req.member, req.join),
-            "release": lambda: ctl.release(b, me, req.epoch),
-        }[req.kind]
-        asked_at = time.monotonic()
+        asked_at, reply, exc = time.monotonic(), None, None
         try:
-            reply = await call()
+            if req.kind == "register":
+                reply = await self._register(req)
+            else:
+                reply = await self._call(req)
             if req.kind == "heartbeat":
                 reply, asked_at = reply
-            ans = ControllerAnswer(reply or {}, asked_at=asked_at)
-        except LayoutMismatch as exc:  # not retried: the server stops, saying why
-            return self.on_fatal(str(exc))
-        except RpcError as exc:
-            ans, why = ControllerAnswer(None, exc.code, exc.extra.get("retry_after")), exc
-        except Exception as exc:  # no answer: the outcome is unknown (the core decides)
-            ans, why = ControllerAnswer(error="connection"), exc
-        else:  # (registrations log themselves; heartbeats and releases are routine)
-            why = "accepted" if req.kind in ("role_change", "drop_secondary", "caught_up") else None
-        if why is not None:
+                self.r.peers.learn(reply.get("roles", []))  # the address book, before the roles act
+                self.r.on_heartbeat(reply)  # the runs' table version (adamps/server/api/tenancy.py)
+        except LayoutMismatch as e:  # not retried: the server stops, saying why
+            return self.on_fatal(str(e))
+        except Exception as e:  # a refusal, or no answer: the outcome is unknown (the core decides)
+            exc = e
+        ans = self.r.carrier.controller_answer(req, reply, asked_at, exc)
+        # (registrations log themselves; heartbeats and releases are routine)
+        if exc is not None or req.kind in ("role_change", "drop_secondary", "caught_up"):
+            b = req.bucket
             about = (
                 f" (bucket {b}, epoch {req.epoch}, {req.member or 'this copy'})" if b >= 0 else ""
             )
             log.log(logging.WARNING if ans.error else logging.INFO, "controllers: %s%s: %s",
-                    req.kind, about, why)  # fmt: skip
-        self.r.step(b, self.r.core.controller_answer, req, ans)
+                    req.kind, about, exc or "accepted")  # fmt: skip

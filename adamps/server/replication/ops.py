@@ -14,7 +14,6 @@ import numpy as np
 from adamps.core.replication import copies as repl_copies
 from adamps.server.replication import bucket_copy
 from adamps.server.replication.check import checked_message
-from adamps.server.replication.clock import quiet_for
 from adamps.server.replication.wire import MULTI_OPS, REPL_OPS, multi_results
 from adamps.wire.protocol import require
 
@@ -51,8 +50,7 @@ class PeerOps:
     async def _step(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
         # Every copy re-checks what it will apply (repl_check.checked_message), whoever sent it.
         m = await checked_message(self.repl.store, self.repl.core.buckets, op, msg)
-        ahead = quiet_for(self.repl.core, op, m)  # (the clock then need not walk every bucket)
-        return self.repl.step(m.get("bucket", -1), self.repl.core.step, m["sender"], m, ahead=ahead)
+        return self.repl.carrier.peer_message(m)
 
     async def op_repl_multi(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Several replication messages from one peer, handled in order; one result each."""

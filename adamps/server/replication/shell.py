@@ -3,21 +3,21 @@
 Project Adam 3.3.3, end to end. Every decision and all per-bucket state are the core's
 (``adamps.core.replication.node.ReplCore``: roles, leases, rounds of two-phase commit, the watchdog,
 pings, state transfers, when to call the controllers); this shell only carries them out, as
-etcd-io/raft's users do. Every event goes in through one entry, ``step`` (the core's input with
-the clock's reading, its ``Ready`` carried out in the same loop step, a refusal raised): peers'
-messages (``ops``), answers to the core's messages and calls, client pushes, a joining copy's
-snapshot, the clock (``clock``). ``drain`` carries out the ``Ready``: batches to the owner
-threads, pushes answered, messages and pings through ``peers.Peers``, calls to the controllers
-(``control``), snapshots fetched, installed (``bucket_copy``) and persisted (``disk``). Updates
-travel compact (a shard's dense delta, act/err vectors), and every replica applies each batch as
-one group per shard on its owner thread: bit-identical copies.
+etcd-io/raft's users do. Every event goes in through one entry, ``step``, and the ``Ready`` is
+carried out by ``carry.Carrier``, the shell without its IO, which the randomized simulation runs
+too; this class is its ports on a server: batches to the owner threads, pushes answered,
+messages and pings through ``peers.Peers``, calls to the controllers (``control``), snapshots
+fetched, installed (``bucket_copy``) and persisted (``disk``), the clock (``clock``). Events:
+peers' messages (``ops``), answers to the core's messages and calls, client pushes, a joining
+copy's snapshot, the clock's ticks. Updates travel compact (a shard's dense delta, act/err
+vectors), and every replica applies each batch as one group per shard on its owner thread:
+bit-identical copies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import time
@@ -29,9 +29,10 @@ from prometheus_client import CollectorRegistry
 
 from adamps.core.replication.bucket import BucketReplica, Reject
 from adamps.core.replication.node import ReplCore
-from adamps.core.replication.ready import Fetch
+from adamps.core.replication.ready import Answer, ControllerRequest, Fetch
 from adamps.server.config import PsConfig
 from adamps.server.replication import bucket_copy, disk
+from adamps.server.replication.carry import Carrier
 from adamps.server.replication.clock import CoreClock
 from adamps.server.replication.control import ControllerCalls
 from adamps.server.replication.metrics import ReplMetrics
@@ -80,12 +81,14 @@ class Replicator:
         self._session: aiohttp.ClientSession | None = None
         #: the calls the core asks of the controllers (their client is opened at start)
         self.calls = ControllerCalls(self)
-        #: set at stop: every loop ends
-        self.closing = False
         #: what replication asks of this server's disk (set by the server: its flusher)
         self.disk = disk.Disk()
         #: ticks the core at its deadlines (its timers and the controller link's)
-        self.clock = CoreClock(self.core, self._tick)
+        self.clock = CoreClock(self.core, lambda: self.carrier.tick())
+        #: carries every event into the core and its Ready out, through this shell's ports
+        self.carrier = Carrier(self.core, self, DEBUG_CORE)
+        self.poke, self.send, self.ping = self.clock.poke, self.peers.send, self.peers.ping
+        self.counted = self.m.count
         #: sees every heartbeat reply (the runs' table version, adamps/server/api/tenancy.py)
         self.on_heartbeat: Callable[[dict[str, Any]], None] = lambda reply: None
 
@@ -98,7 +101,7 @@ class Replicator:
         self.clock.start()
 
     async def stop(self) -> None:
-        self.closing = True
+        self.carrier.closing = True
         self.clock.stop()
         tasks = list(self._tasks)
         for t in tasks:
@@ -113,60 +116,47 @@ class Replicator:
         if self._session is not None:
             await self._session.close()
 
-    # -- carrying out the core's Ready --------------------------------------------------------------
-
-    def drain(self) -> None:
-        """Carries out what the core decided, in the order of repl_ready.py; called after every
-        input in the same loop step (batches are queued before anything else runs)."""
-        core = self.core
-        if not core.has_ready():
-            return
-        rd = core.ready()
-        core.advance()
-        self.m.count(rd)
-        for b in rd.forget:
-            self.store.release_bucket(b)
-        for b in rd.hold:
-            self.store.hold_bucket(b)
-        for _b, action in rd.applies:
-            bucket_copy.apply_batches(self.store, action.batches)
-        for ans in rd.answers:
-            settle(ans, core.buckets.get(ans.bucket), self.addresses)
-        for msg in rd.messages:  # its one answer (a reply or an error) goes back in
-            self.peers.send(msg, functools.partial(self.step, -1, core.answer, msg.rid))
-        for b in rd.stop_joins:  # (cancelling a finished task does nothing)
-            if (task := self._join_tasks.pop(b, None)) is not None:
-                task.cancel()
-        for f in rd.fetches:
-            self._join_tasks[f.bucket] = self._spawn(self._transfer(f), f"join-{f.bucket}")
-        for req in () if self.closing else rd.requests:
-            self._spawn(self.calls.request(req), f"{req.kind}-{req.bucket}")
-        if rd.heartbeat:
-            self.step(-1, core.want_record)
-        if rd.pings is not None:
-            stale = functools.partial(self.step, -1, core.on_ping_reply, ahead=float("inf"))
-            for member, buckets in rd.pings.items():
-                self.peers.ping(member, buckets, stale)
-            self.m.observe(core)
+    # -- the ports of the sans-IO shell (carry.py): what its Ready is carried out with ----------
 
     def step(
         self, b: int, event: Callable[..., Any], *args: Any, ahead: float = 0.0, **kw: Any
     ) -> Any:
-        """The one way an event enters the core: `event` (one of ReplCore's inputs) gets the
-        clock's reading after `args`; the Ready it leaves is carried out in the same loop step
-        (its batches reach the owner threads before anything else runs, before a peer's reply
-        goes out), and a refusal is raised as the protocol's error about bucket `b` (or the one
-        it names). `ahead`: it brings no deadline sooner (a ping: failover_after; an answer: none)."""
-        now = time.monotonic()
-        res = event(*args, now, **kw)
-        self.drain()
-        if DEBUG_CORE:
-            self.core.validate()  # raised where the input came from (logged there)
-        self.clock.poke(now + ahead)
-        if isinstance(res, Reject):
-            b = b if res.bucket is None else res.bucket
-            raise refusal(res, self.core.buckets.get(b), b, self.addresses)
-        return res
+        """The one way an event enters the core (Carrier.step); a refusal is raised."""
+        return self.carrier.step(b, event, *args, ahead=ahead, **kw)
+
+    def refuse(self, b: int, rej: Reject) -> None:
+        raise refusal(rej, self.core.buckets.get(b), b, self.addresses)
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def release_copy(self, b: int) -> None:
+        self.store.release_bucket(b)
+
+    def hold_copy(self, b: int) -> None:
+        self.store.hold_bucket(b)
+
+    def apply_batches(self, _b: int, batches: Any) -> None:
+        bucket_copy.apply_batches(self.store, batches)
+
+    def settle(self, ans: Answer) -> None:
+        settle(ans, self.core.buckets.get(ans.bucket), self.addresses)
+
+    def stop_join(self, b: int) -> None:  # (cancelling a finished task does nothing)
+        if (task := self._join_tasks.pop(b, None)) is not None:
+            task.cancel()
+
+    def start_join(self, f: Fetch) -> None:
+        self._join_tasks[f.bucket] = self._spawn(self._transfer(f), f"join-{f.bucket}")
+
+    def call(self, req: ControllerRequest) -> None:
+        self._spawn(self.calls.request(req), f"{req.kind}-{req.bucket}")
+
+    def can_persist(self) -> str | None:
+        return self.disk.can_persist()
+
+    def pinged(self) -> None:
+        self.m.observe(self.core)
 
     def check_primary(self, b: int, read: bool = False) -> BucketReplica:
         """The bucket's state if this server may serve it as primary now (a `read`: with every
@@ -178,10 +168,6 @@ class Replicator:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    def _tick(self) -> None:
-        disk.tell_blocked(self.core, self.disk.can_persist)
-        self.step(-1, self.core.tick)
 
     # -- pushes -------------------------------------------------------------------------------------
 
@@ -205,30 +191,25 @@ class Replicator:
 
     async def _transfer(self, f: Fetch) -> None:
         """Fetches, installs and persists the snapshot the core asked for (repl_join.py)."""
-        b, core = f.bucket, self.core
+        b, c = f.bucket, self.carrier
         snap = await bucket_copy.verified(await self.peers.snapshot(f), self.store, self.catalog)
-        fits = self.step(b, core.snapshot_fetched, f, None if snap is None else int(snap["epoch"]))
-        if not fits or snap is None:
+        if not c.fetched(f, snap) or snap is None:
             return
-        try:
-            futs = bucket_copy.install(self.store, self.catalog, b, snap, self.disk.on_corrupt)
-        except ValueError as exc:  # damaged on the way: nothing installed; fetch it again
-            log.error("bucket %d: CORRUPT snapshot from %s: %s; again", b, f.primary, exc)
-            self.step(b, core.snapshot_corrupt, f)
+        futs: list[Any] = []
+        put = lambda: futs.extend(  # noqa: E731
+            bucket_copy.install(self.store, self.catalog, b, snap, self.disk.on_corrupt)
+        )
+        if not c.install(f, snap, put):
             return
-        # The position moves in the same loop step as the values are queued: a flush cut
-        # sees both or neither.
-        committed, cepoch = int(snap["committed"]), int(snap.get("committed_epoch", 0))
-        self.step(b, core.installed, b, committed, snap["dedup"], cepoch)
         # Not learning until the copy and its position are on disk (the core's `installed`):
         # the flush holds it meanwhile, and the disk's persist_now writes it.
-        persisted = False
+        committed, persisted = int(snap["committed"]), False
         try:
             persisted = await disk.persist_installed(
                 futs, self.disk.persist_now, b, committed, f.primary
             )
         finally:  # False also when cancelled (the bucket moved on): the flush holds it no more
-            self.step(b, core.install_persisted, b, persisted)
+            c.install_persisted(b, persisted)
         if persisted:
             self.m.snapshots.labels("received").inc()
             log.info("bucket %d: snapshot at seq %d from %s installed", b, committed, f.primary)
