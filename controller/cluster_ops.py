@@ -394,11 +394,19 @@ class Operations:
             self._replan(now)
         return {"ok": True, "server": sid, "state": LIVE, "changed": changed}
 
-    def write_storage(self, sid: str, not_durable: str | None, now: float) -> dict[str, Any]:
+    def write_storage(
+        self, sid: str, not_durable: str | None, now: float, hold: float = 0.0
+    ) -> dict[str, Any]:
         """A server reports whether it can persist (issue 29): while its flushes fail or stall
         past max_unflushed (`not_durable` says why) it takes no bucket and its primaries and
         copies move to servers that can, as from a draining server; once it flushes again it
-        is eligible again."""
+        is eligible again.
+
+        Its copies leave as a drained server's do (`_drain_keeps`): not before `hold` seconds
+        (the time a silent server needs to be declared dead) nor while a bucket has fewer
+        wanted live members than could be placed. Its memory holds every acknowledged batch:
+        dropping it at once, with the primary crashed but not yet known dead, lost what that
+        primary acknowledged after its last flush (the replication simulation, seed 927421)."""
         now = self._tick(now)
         rec = self.servers.get(sid)
         if rec is None:
@@ -407,9 +415,15 @@ class Operations:
         if rec.get("not_durable") != reason:
             if reason is None:
                 rec.pop("not_durable", None)
+                if rec["state"] == LIVE:  # (a draining server keeps its drain's hold and floor)
+                    rec.pop("hold_until", None)
+                    rec.pop("drain_floor", None)
                 log.warning("server %s can persist again", sid)
             else:
                 rec["not_durable"] = reason
+                if rec["state"] == LIVE:
+                    rec["hold_until"] = now + max(0.0, float(hold))
+                    rec["drain_floor"] = min(self.replication, len(self.eligible()))
                 live = [r for r in self.servers.values() if r["state"] == LIVE]
                 durable = sum(1 for r in live if not r.get("not_durable"))
                 if shared_storage_fault(len(live), durable):

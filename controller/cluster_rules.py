@@ -263,11 +263,14 @@ class BucketRules:
             self.version += 1
 
     def _drain_keeps(self, b: int, sid: str, now: float) -> bool:
-        """Draining server `sid` stays a member of bucket `b` (a caught-up secondary): its hold
-        has not passed (a server that failed with the drain may not be known dead yet), or `b`
-        has fewer wanted live members than the drain's floor (see `Operations.drain`)."""
+        """Draining server `sid`, or one that cannot persist, stays a member of bucket `b` (a
+        caught-up secondary): its hold has not passed (a server that failed with the drain may
+        not be known dead yet), or `b` has fewer wanted live members than the drain's floor
+        (see `Operations.drain` and `write_storage`)."""
         rec = self.servers.get(sid)
-        if rec is None or rec["state"] != DRAINING:
+        if rec is None or not (
+            rec["state"] == DRAINING or (rec["state"] == LIVE and rec.get("not_durable"))
+        ):
             return False
         if now < rec.get("hold_until", now):
             return True
@@ -519,12 +522,13 @@ class BucketRules:
         )
 
     def holds_due(self, now: float) -> list[str]:
-        """Draining servers whose hold passed by `now` and that no reconcile has seen since:
-        `reconcile(now)` lets them leave the buckets that no longer need them."""
+        """Draining servers (or ones that cannot persist) whose hold passed by `now` and that no
+        reconcile has seen since: `reconcile(now)` lets them leave the buckets that no longer
+        need them."""
         return sorted(
             s
             for s, rec in self.servers.items()
-            if rec["state"] == DRAINING and rec.get("hold_until", now + 1) <= now
+            if rec["state"] in (DRAINING, LIVE) and rec.get("hold_until", now + 1) <= now
         )
 
     def _best_copy(self, b: int, reports: dict[str, Any] | None) -> str | None:

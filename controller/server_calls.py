@@ -148,7 +148,10 @@ class ServerCalls:
             raise ProtocolError("bad_request", "not_durable must be a string or null")
         # Committed when durability flips, not when the reason's figures change.
         if bool(rec.get("not_durable")) != bool(not_durable):
-            await self.commit("write_storage", sid, not_durable, self.wall())
+            # Its copies stay until a server that failed with it is surely declared dead.
+            cfg = self.cfg
+            hold = cfg.server_timeout + cfg.heartbeat_interval + cfg.reconcile_interval
+            await self.commit("write_storage", sid, not_durable, self.wall(), hold)
         # A server that applies deltas says so (issue 40); one that does not gets full lists.
         deltas = body.get("deltas") is True
         view = self.cluster.read(lambda m: m.heartbeat_view(sid, known, deltas))

@@ -360,8 +360,11 @@ class ReplicatedCluster(SyncObjConsumer):
 
     # Issue 29's operation: its name sorts after "write_off" (see above).
     @replicated
-    def write_storage(self, sid: str, not_durable: str | None, now: float) -> dict[str, Any]:
-        return self._apply("write_storage", sid, not_durable, now)
+    def write_storage(
+        self, sid: str, not_durable: str | None, now: float, hold: float = 0.0
+    ) -> dict[str, Any]:
+        # (`hold` defaults to 0: a journal entry written before it existed replays as it did)
+        return self._apply("write_storage", sid, not_durable, now, hold)
 
     # Issue 25's runs: one method for create, delete and a run's layout; its name sorts after
     # "write_storage" (see above).

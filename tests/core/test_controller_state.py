@@ -581,3 +581,57 @@ def test_a_primary_back_within_the_server_timeout_keeps_its_secondaries_members(
     assert [b for b in range(8) if m.unavailable(b)] == []
     assert all(m.holder_live(b) for b in range(8))
     validate(m)
+
+
+def test_a_member_that_cannot_persist_stays_until_a_primary_that_failed_with_it_is_dead() -> None:
+    """The replication simulation, seed 927421: a bucket had two members left (a primary and
+    one secondary); the secondary's disk filled, and the controllers dropped it at once, the
+    primary the one wanted copy. The primary had crashed a moment before, not yet declared dead:
+    what it acknowledged after its last flush was held only by the dropped secondary's memory,
+    and lost with it. A member that cannot persist leaves as a drained one does: not before
+    the hold (the time a silent server needs to be declared dead), nor while fewer copies than
+    can be placed remain. Here the primary's death comes within the hold: the secondary is
+    still a member of every bucket, and takes it over."""
+    m = cluster(3, n_buckets=16)
+    m.reconcile(100.0 + WAIT)
+    t = 101.0 + WAIT
+    m.declare_dead("ps2", t)  # every bucket keeps two members: nowhere to place a third
+    for _ in range(3):
+        t += WAIT
+        m.reconcile(t)
+    assert all(sorted(m.live_members(b)) == ["ps0", "ps1"] for b in range(16))
+    hold = 3.5
+    m.write_storage("ps1", "disk full: /data has 0 bytes free", t, hold)
+    assert m.eligible() == ["ps0"]
+    m.reconcile(t + 0.1)
+    assert all("ps1" in m.live_members(b) for b in range(16)), "dropped within its hold"
+    m.declare_dead("ps0", t + 1.0)  # it failed with ps1's report, known dead within the hold
+    for i in range(1, 6):
+        m.reconcile(t + 1.0 + i * WAIT)
+    assert all(m.live_members(b) == ["ps1"] for b in range(16)), [
+        m.live_members(b) for b in range(16)
+    ]
+    validate(m)
+
+
+def test_a_member_that_cannot_persist_leaves_after_its_hold_when_copies_are_whole() -> None:
+    """Once its hold passed, a member that cannot persist leaves the buckets whose wanted copies
+    are all in the replica set (as a drained server's); it can persist again: eligible again."""
+    m = cluster(4, n_buckets=16)
+    m.reconcile(100.0 + WAIT)
+    t = 101.0 + WAIT
+    mine = [b for b in range(16) if "ps1" in m.live_members(b)]
+    assert mine
+    m.write_storage("ps1", "a flush has failed: [Errno 5] EIO", t, 2.0)
+    assert m.holds_due(t + 1.0) == [] and m.holds_due(t + 2.0) == ["ps1"]
+    for i in range(1, 8):  # the copies that replace it join and catch up; the hold passes
+        t2 = t + i * WAIT
+        for b in range(16):
+            for s in m.buckets[b]["joining"]:
+                m.verified_caught_up(b, m.primary_of(b), m.lease_of(b).epoch, s, t2)
+        m.reconcile(t2)
+    assert all("ps1" not in m.live_members(b) for b in range(16))
+    assert all(len(m.live_members(b)) == 3 for b in range(16))
+    m.write_storage("ps1", None, t + 10.0)
+    assert "ps1" in m.eligible() and "hold_until" not in m.servers["ps1"]
+    validate(m)

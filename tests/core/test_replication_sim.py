@@ -66,6 +66,7 @@ moved into the core (``ReplCore.release``), acknowledgements after the lease end
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import heapq
 import inspect
@@ -74,7 +75,7 @@ import logging
 import os
 import random
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,10 +160,27 @@ STEPS = int(os.environ.get("ADAMPS_SIM_STEPS", "300"))
 ONE_SEED = os.environ.get("ADAMPS_SIM_SEED")
 ACK = os.environ.get("ADAMPS_SIM_ACK", "")  # "prepared" | "committed": every seed in that mode
 
-logging.getLogger("controller.state").setLevel(logging.ERROR)
-logging.getLogger("controller.service").setLevel(logging.ERROR)  # its leader loop's notices
-# snapshots damaged on the way are the simulation's faults (the shell logs them as errors)
-logging.getLogger("adamps.server.replication.shell").setLevel(logging.CRITICAL)
+#: loggers quieted while a seed runs, and restored after it (set at import, the shell's level
+#: hid the errors other tests of the same process look for: test_deleted_run_updates)
+QUIET = {
+    "controller.state": logging.ERROR,
+    "controller.service": logging.ERROR,  # its leader loop's notices
+    # snapshots damaged on the way are the simulation's faults (the shell logs them as errors)
+    "adamps.server.replication.shell": logging.CRITICAL,
+}
+
+
+@contextlib.contextmanager
+def quiet_loggers() -> Iterator[None]:
+    loggers = {name: logging.getLogger(name) for name in QUIET}
+    before = {name: lg.level for name, lg in loggers.items()}
+    for name, lg in loggers.items():
+        lg.setLevel(QUIET[name])
+    try:
+        yield
+    finally:
+        for name, lg in loggers.items():
+            lg.setLevel(before[name])
 
 
 class Violation(AssertionError):
@@ -1275,6 +1293,11 @@ class Sim:
 
 
 def run(seed: int, steps: int = STEPS) -> Sim:
+    with quiet_loggers():
+        return _run(seed, steps)
+
+
+def _run(seed: int, steps: int) -> Sim:
     sim = Sim(seed)
     try:
         for _ in range(steps):
@@ -1309,6 +1332,11 @@ REGRESSION_SEEDS = [
     # committed on the primary only ("copies differ at the end"): a false alarm of the end of
     # the simulation, whose clients now stop retrying 2 s before it (run).
     927227,
+    # A real loss (session 17): a bucket's last secondary reported its disk full while its
+    # primary had just crashed, not yet declared dead; the controllers dropped the secondary at
+    # once, and what the primary acknowledged after its last flush was gone with its memory.
+    # A member that cannot persist now leaves as a drained one does (write_storage's hold).
+    927421,
 ]
 
 
