@@ -278,3 +278,23 @@ def test_a_schedule_through_lr_zero_equals_torch(ps_url: str, token: str) -> Non
     for cls in (at.SGD, at.AdamW):
         with pytest.raises(at.ModelError, match=r"lr must be >= 0 \(as torch.optim\), got -0.1"):
             cls(make_model(), ps=[ps_url], token=token, run="negative", lr=-0.1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("cls", "kw", "message"),
+    [
+        (at.SGD, {"momentum": "0.9"}, "sgd momentum must be a number, got '0.9'"),
+        (at.SGD, {"momentum": None}, "sgd momentum must be a number, got None"),
+        (at.AdamW, {"lr": "1e-3"}, "adamw lr must be a number, got '1e-3'"),
+        (at.Adam, {"betas": 0.9}, "adam betas must be two numbers, got 0.9"),
+    ],
+)
+def test_a_hyperparameter_that_is_not_a_number_is_named(
+    ps_url: str, token: str, cls: Any, kw: dict[str, Any], message: str
+) -> None:
+    """A string was float()ed silently (torch refuses it); None gave float()'s message, which
+    names no hyperparameter."""
+    args = {"lr": 0.1, **kw}
+    with pytest.raises(at.ModelError, match=rf"param group 0: {message}"):
+        cls(make_model(), ps=[ps_url], token=token, run="not-a-number", **args)
