@@ -34,6 +34,9 @@ def test_an_unknown_model_is_named() -> None:
          "unknown field(s) ['momentum'] for optimizer 'adam'"),
         ({"optimizer": "sgd", "optimizer_args": "[1]"}, "optimizer_args must be a JSON object"),
         ({"optimizer": "rowwise_adagrad"}, "rowwise_adagrad is for tables"),
+        # the servers' sgd takes any lr: a negative one trained uphill until a push overflowed
+        ({"optimizer": "sgd", "lr": -0.05}, "lr must be >= 0 (as torch.optim), got -0.05"),
+        ({"local_lr": -0.1}, "local_lr must be >= 0 (as torch.optim), got -0.1"),
     ],
 )  # fmt: skip
 def test_a_bad_optimizer_is_named_before_anything_starts(fields: dict, named: str) -> None:
