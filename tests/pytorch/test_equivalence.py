@@ -164,3 +164,36 @@ def test_a_zero_dim_parameter_trains_as_torchs(ps_url: str, token: str) -> None:
             assert (p.detach() - q.detach()).abs().max() <= 1e-5
     finally:
         opt.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("edit", ["clip", "replace"])
+def test_a_grad_changed_after_backward_is_what_is_pushed(
+    ps_url: str, token: str, edit: str
+) -> None:
+    """clip_grad_norm_ after backward (or a .grad replaced) with act/err on (the default): the
+    Linear weights pushed their captured rows, the unclipped gradient, and the servers' values
+    left torch's silently (0.006 after 10 AdamW steps in an outside user's script)."""
+
+    def change(m: nn.Module) -> None:
+        if edit == "clip":
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+        else:
+            m[2].weight.grad = m[2].weight.grad * 0.1  # type: ignore[index]
+
+    data = batches(15)
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    model = make_model()
+    opt = at.SGD(model, ps=[ps_url], token=token, run=f"edited-{edit}", lr=LR)
+    try:
+        for x, y in data:
+            for m, o in ((ref, ref_opt), (model, opt)):
+                o.zero_grad()
+                nn.functional.cross_entropy(m(x), y).backward()
+                change(m)
+                o.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert (p.detach() - q.detach()).abs().max() <= 1e-5, name
+    finally:
+        opt.close()
