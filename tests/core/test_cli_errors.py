@@ -58,7 +58,14 @@ def test_the_default_optimizer_is_torchs_adagrad() -> None:
 
 @pytest.mark.parametrize(
     "arg, named",
-    [("nosuch=1", "has no flag --nosuch"), ("lr=abc", "bad value 'abc'; expected float")],
+    [
+        ("nosuch=1", "has no flag --nosuch"),
+        ("lr=abc", "bad value 'abc'; expected float"),
+        # found by each trainer after the cluster had started (adamps up exited 1)
+        ("lr=-1", r"lr=-1.0: must be >= 0"),
+        ("optimizer=lamb", "optimizer must be one of"),
+        ('optimizer_args={"momentom": 0.9}', r"unknown field\(s\) \['momentom'\]"),
+    ],
 )
 def test_up_checks_its_train_args_before_starting_anything(arg: str, named: str) -> None:
     with pytest.raises(UsageError, match=named):
