@@ -127,8 +127,9 @@ class Optimizer:
 
     def _check(self) -> None:
         k, p = self.kind, self.params
-        if k != "sgd" and self.lr <= 0:  # SGD: any lr (lr = -1 adds a delta exactly)
-            raise OptimError(f"{k} lr must be > 0, got {self.lr}")
+        if k != "sgd" and self.lr < 0:  # SGD: any lr (lr = -1 adds a delta exactly)
+            # 0 is torch.optim's too: a warmup or a decay schedule starts or ends at lr 0
+            raise OptimError(f"{k} lr must be >= 0, got {self.lr}")
         for name in ("eps", "weight_decay", "lr_decay", "initial_accumulator_value"):
             if name in p and p[name] < 0:
                 raise OptimError(f"{k} {name} must be >= 0, got {p[name]}")

@@ -96,6 +96,9 @@ class TrainConfig(TrainFlags):
         for name in ("epochs", "batch_size", "workers", "n_fetch", "n_push", "push_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("lr", "local_lr"):  # the servers' sgd takes any lr: uphill is refused here
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 (as torch.optim), got {getattr(self, name)}")
         try:
             self.optimizer_spec()
         except OptimError as exc:  # names the bad kind or field and what is expected

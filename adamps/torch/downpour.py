@@ -187,6 +187,8 @@ class WorkerDownpour:
     def step(self, grads: Mapping[str, torch.Tensor | None]) -> None:
         """One minibatch's gradients (server tensor -> gradient; None: no gradient)."""
         rows_t = self.capture.take_tensors() if self.capture is not None else {}
+        # a .grad the loop changed after backward (clipping) is pushed as it is, not the rows
+        rows_t = {t: r for t, r in rows_t.items() if not self.capture.edited(t, grads.get(t))}  # type: ignore[union-attr]
         tables_t = [(t, t.take_grads()) for t in self.tables]
         # every gradient of the step to the host (on a device: one synchronize for them all)
         host, rows, table_grads = self._to_host(grads, rows_t, tables_t)

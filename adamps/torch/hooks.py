@@ -30,9 +30,15 @@ class ActErrCapture:
         self.layers = layers
         self._local = threading.local()
         self._handles: list[Any] = []
+        #: tensor -> (the weight's .grad, its version) as backward left it: a loop that then
+        #: changes .grad (clipping, an added penalty) makes the rows stale (``edited``)
+        self._after_backward: dict[str, tuple[torch.Tensor, int]] = {}
         for tensor, mods in layers.items():
             for mod in mods:
                 self._handles.append(mod.register_forward_hook(self._hook(tensor, mod)))
+            self._handles.append(
+                mods[0].weight.register_post_accumulate_grad_hook(self._grad_hook(tensor))
+            )
 
     def _records(self) -> dict[str, list[list[Any]]]:
         recs = getattr(self._local, "records", None)
@@ -58,6 +64,23 @@ class ActErrCapture:
             output.register_hook(grad_hook)
 
         return forward_hook
+
+    def _grad_hook(self, tensor: str) -> Any:
+        def after_accumulate(weight: torch.Tensor) -> None:
+            if weight.grad is not None:
+                self._after_backward[tensor] = (weight.grad, weight.grad._version)
+
+        return after_accumulate
+
+    def edited(self, tensor: str, grad: torch.Tensor | None) -> bool:
+        """Whether `grad` (the weight's .grad at step()) is not what backward left: replaced
+        or changed in place since (torch.nn.utils.clip_grad_norm_ scales it in place). Its rows
+        are then not its gradient, and the layer pushes `grad` itself. A gradient that backward
+        did not accumulate (Hogwild workers' torch.autograd.grad) is never edited."""
+        seen = self._after_backward.get(tensor)
+        if grad is None or seen is None:
+            return False
+        return grad is not seen[0] or grad._version != seen[1]
 
     def take(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """This thread's rows since the last take: tensor -> (a k x N, e k x M), float32 numpy

@@ -47,7 +47,8 @@ class Param:
         return tuple(self.param.shape)
 
     def spec(self) -> TensorSpec:
-        return TensorSpec(self.tensor, self.shape)
+        """The server tensor: a 0-d parameter (a learned scale) is one element of shape (1,)."""
+        return TensorSpec(self.tensor, self.shape or (1,))
 
 
 def run_name(run: str | None) -> str:

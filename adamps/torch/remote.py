@@ -59,6 +59,8 @@ def optimizer_spec(
     (torch.optim's name: sgd, adagrad, adam, adamw, rmsprop; rowwise_adagrad and sparse_adam for tables;
     adagrad_legacy) at `lr`, its other hyperparameters in `args` (torch's names and defaults).
     A bad one is a ModelError naming it, before anything is created."""
+    if float(lr) < 0:  # torch.optim's rule; the servers' sgd takes any lr (the board's -1)
+        raise ModelError(f"{kind} lr must be >= 0 (as torch.optim), got {lr}")
     try:
         spec = spec_of(kind, float(lr), float(adagrad_initial), args)
         opt = Optimizer.from_dict(spec)

@@ -70,11 +70,24 @@ def group_hyper(kind: str, group: Mapping[str, Any]) -> dict[str, Any]:
     for name, default in FIELDS[kind].items():
         v = group.get(name, default)
         if name == "betas":
-            v = [float(b) for b in v]
+            if not isinstance(v, list | tuple) or len(v) != 2:
+                raise ModelError(f"{kind} betas must be two numbers, got {v!r}")
+            v = [_number(kind, name, b) for b in v]
         elif not isinstance(v, bool):
-            v = float(v)
+            v = _number(kind, name, v)
         out[name] = v
     return out
+
+
+def _number(kind: str, name: str, v: Any) -> float:
+    """A hyperparameter as a float: a number or a 1-element tensor (a tensor lr), as torch
+    takes them; a string or None is refused naming it (float() would take "0.9" silently)."""
+    if v is None or isinstance(v, str | bytes):
+        raise ModelError(f"{kind} {name} must be a number, got {v!r}")
+    try:
+        return float(v)
+    except (TypeError, ValueError, RuntimeError):
+        raise ModelError(f"{kind} {name} must be a number, got {v!r}") from None
 
 
 def kind_of(optimizer: Any) -> str:
@@ -236,7 +249,9 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     def _spec(self, group: Mapping[str, Any], i: int) -> dict[str, Any]:
         try:
-            return optimizer_spec(self.kind, float(group["lr"]), 0.0, _args(self.kind, group))
+            h = group_hyper(self.kind, group)
+            args = {k: v for k, v in h.items() if k != "lr"}
+            return optimizer_spec(self.kind, h["lr"], 0.0, args)
         except (ModelError, TypeError, ValueError) as exc:
             raise ModelError(f"param group {i}: {exc}") from None
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from typing import Any
 
@@ -33,6 +34,32 @@ def _check_train_arg(arg: str) -> None:
         config.convert(TrainFlags, name, fields[name][1], value, f"--train-arg {arg}")
     except config.ConfigError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _check_train_optimizer(args: list[str]) -> None:
+    """The trainers' optimizer as the --train-args make it (over adamps train's defaults): a
+    negative lr or an optimizer_args field the kind does not take is found before the cluster
+    starts, not when every trainer exits 2 after it."""
+    from adamps.optspec import OptimError, Optimizer, spec_of
+
+    fields = config.fields_of(TrainFlags)
+    given = dict(a.partition("=")[::2] for a in args)
+    val: dict[str, Any] = {}
+    for name in ("optimizer", "lr", "local_lr", "adagrad_initial", "optimizer_args"):
+        raw = given.get(name, given.get(name.replace("_", "-")))
+        f, tp = fields[name]
+        val[name] = f.default if raw is None else config.convert(TrainFlags, name, tp, raw, "")
+    for name in ("lr", "local_lr"):
+        if not val[name] >= 0:
+            raise UsageError(f"--train-arg {name}={val[name]}: must be >= 0 (as torch.optim)")
+    try:
+        extra = json.loads(val["optimizer_args"]) if val["optimizer_args"].strip() else {}
+        if not isinstance(extra, dict):
+            raise OptimError(f"optimizer_args must be a JSON object, got {val['optimizer_args']}")
+        spec = spec_of(val["optimizer"], val["lr"], val["adagrad_initial"], extra)
+        Optimizer.from_dict(spec).check_for_tensor()
+    except (OptimError, ValueError) as exc:
+        raise UsageError(f"--train-arg: the trainers' optimizer: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +269,7 @@ def check_args(a: argparse.Namespace) -> None:
         need(re.fullmatch(r"[a-z][a-z0-9_-]*=.*", arg) is not None, "--train-arg", arg,
              "FLAG=VALUE, e.g. optimizer=sgd")  # fmt: skip
         _check_train_arg(arg)
+    _check_train_optimizer(a.train_arg)
     if a.detach:
         from adamps.clusters import ClusterError, check_name
 

@@ -34,6 +34,9 @@ def test_an_unknown_model_is_named() -> None:
          "unknown field(s) ['momentum'] for optimizer 'adam'"),
         ({"optimizer": "sgd", "optimizer_args": "[1]"}, "optimizer_args must be a JSON object"),
         ({"optimizer": "rowwise_adagrad"}, "rowwise_adagrad is for tables"),
+        # the servers' sgd takes any lr: a negative one trained uphill until a push overflowed
+        ({"optimizer": "sgd", "lr": -0.05}, "lr must be >= 0 (as torch.optim), got -0.05"),
+        ({"local_lr": -0.1}, "local_lr must be >= 0 (as torch.optim), got -0.1"),
     ],
 )  # fmt: skip
 def test_a_bad_optimizer_is_named_before_anything_starts(fields: dict, named: str) -> None:
@@ -55,7 +58,14 @@ def test_the_default_optimizer_is_torchs_adagrad() -> None:
 
 @pytest.mark.parametrize(
     "arg, named",
-    [("nosuch=1", "has no flag --nosuch"), ("lr=abc", "bad value 'abc'; expected float")],
+    [
+        ("nosuch=1", "has no flag --nosuch"),
+        ("lr=abc", "bad value 'abc'; expected float"),
+        # found by each trainer after the cluster had started (adamps up exited 1)
+        ("lr=-1", r"lr=-1.0: must be >= 0"),
+        ("optimizer=lamb", "optimizer must be one of"),
+        ('optimizer_args={"momentom": 0.9}', r"unknown field\(s\) \['momentom'\]"),
+    ],
 )
 def test_up_checks_its_train_args_before_starting_anything(arg: str, named: str) -> None:
     with pytest.raises(UsageError, match=named):

@@ -41,7 +41,7 @@ def test_hyper_changes_hyperparameters_and_keeps_the_rest() -> None:
         (ADAMW, {"amsgrad": True}, "changes amsgrad"),
         (Optimizer("sgd", 0.1), {"momentum": 0.9}, "changes momentum"),
         (Optimizer("sgd", 0.1, {"momentum": 0.9}), {"momentum": 0.0}, "changes momentum"),
-        (ADAMW, {"lr": -1.0}, "adamw lr must be > 0"),
+        (ADAMW, {"lr": -1.0}, "adamw lr must be >= 0"),
         (ADAMW, {"lr": float("nan")}, "finite number"),
         (ADAMW, {"betas": [1.5, 0.9]}, r"betas must be in \[0, 1\)"),
         (ADAMW, {"momentum": 0.9}, "unknown field"),

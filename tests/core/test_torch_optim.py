@@ -253,7 +253,7 @@ def test_old_adagrad_definitions_keep_the_old_rule() -> None:
         ({"kind": "adam", "betas": 0.9}, "betas must be two numbers"),
         ({"kind": "sgd", "nesterov": True}, "nesterov needs a momentum > 0"),
         ({"kind": "rmsprop", "centered": 1}, "centered must be true or false"),
-        ({"kind": "adagrad", "lr": 0}, "adagrad lr must be > 0"),
+        ({"kind": "adagrad", "lr": -0.1}, "adagrad lr must be >= 0"),
         ({"kind": "adam", "eps": float("nan")}, "eps must be a finite number"),
         ({"kind": "adam", "eps": 0}, "adam eps must be > 0"),
         ({"kind": "rmsprop", "alpha": 1.0}, "rmsprop alpha must be < 1"),

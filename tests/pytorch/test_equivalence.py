@@ -126,3 +126,74 @@ def test_a_layer_whose_vectors_are_larger_sends_autograds_own_gradient(
     assert opt.counts.fc_dense_bytes == 30 * 4 * (8 * 8 + 128 * 3)
     for k, v in plain.state_dict().items():
         assert torch.allclose(server[k], v, atol=1e-5, rtol=0), (k, (server[k] - v).abs().max())
+
+
+class Scaled(nn.Module):
+    """A 0-d parameter (a learned temperature, as CLIP's logit_scale) beside a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 3)
+        self.temp = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.temp
+
+
+@pytest.mark.timeout(120)
+def test_a_zero_dim_parameter_trains_as_torchs(ps_url: str, token: str) -> None:
+    """Its server tensor is one element of shape (1,); the model keeps shape (). Before, every
+    constructor stopped with LayoutError 'shape must be positive ints, got ()'."""
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(BATCH, 8, generator=g), torch.randint(0, 3, (BATCH,), generator=g))
+            for _ in range(10)]  # fmt: skip
+    ref = Scaled()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    model = Scaled()
+    opt = at.AdamW(model, ps=[ps_url], token=token, run="zero-dim", lr=0.05)
+    try:
+        for x, y in data:
+            for m, o in ((ref, ref_opt), (model, opt)):
+                o.zero_grad()
+                nn.functional.cross_entropy(m(x), y).backward()
+                o.step()
+        assert model.temp.shape == () and opt.model_state_dict()["temp"].shape == ()
+        assert model.temp.item() != 1.5
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert (p.detach() - q.detach()).abs().max() <= 1e-5
+    finally:
+        opt.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("edit", ["clip", "replace"])
+def test_a_grad_changed_after_backward_is_what_is_pushed(
+    ps_url: str, token: str, edit: str
+) -> None:
+    """clip_grad_norm_ after backward (or a .grad replaced) with act/err on (the default): the
+    Linear weights pushed their captured rows, the unclipped gradient, and the servers' values
+    left torch's silently (0.006 after 10 AdamW steps in an outside user's script)."""
+
+    def change(m: nn.Module) -> None:
+        if edit == "clip":
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+        else:
+            m[2].weight.grad = m[2].weight.grad * 0.1  # type: ignore[index]
+
+    data = batches(15)
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    model = make_model()
+    opt = at.SGD(model, ps=[ps_url], token=token, run=f"edited-{edit}", lr=LR)
+    try:
+        for x, y in data:
+            for m, o in ((ref, ref_opt), (model, opt)):
+                o.zero_grad()
+                nn.functional.cross_entropy(m(x), y).backward()
+                change(m)
+                o.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert (p.detach() - q.detach()).abs().max() <= 1e-5, name
+    finally:
+        opt.close()

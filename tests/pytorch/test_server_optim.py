@@ -251,3 +251,50 @@ def test_a_group_may_not_change_its_state_layout(ps_url: str, token: str) -> Non
         assert np.allclose(moved["layout..2.bias"], before["layout..2.bias"] - 0.5)
     finally:
         opt.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_schedule_through_lr_zero_equals_torch(ps_url: str, token: str) -> None:
+    """A linear warmup from lr 0 and a decay to 0 (LambdaLR; transformers' linear schedule) run
+    as torch's: torch.optim takes lr 0; the servers refused it ('adamw lr must be > 0') at the
+    first step. A negative lr is refused as torch refuses it, for SGD too."""
+    steps = 12
+    ramp = lambda s: min(1.0, s / 4) * max(0.0, (10 - s) / 6)  # noqa: E731 - 0 at 0 and >= 10
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, ramp)
+    model = make_model()
+    opt = at.AdamW(model, ps=[ps_url], token=token, run="ramp", lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, ramp)
+    try:
+        assert opt.param_groups[0]["lr"] == 0.0
+        for x, y in batches(steps):
+            train(ref, ref_opt, ref_sched, [(x, y)])
+            train(model, opt, sched, [(x, y)])
+            close_to(model, ref, 2e-5)
+        assert applied_lr(ps_url, token, "ramp..0.weight") == 0.0  # the last steps' lr
+    finally:
+        opt.close()
+    for cls in (at.SGD, at.AdamW):
+        with pytest.raises(at.ModelError, match=r"lr must be >= 0 \(as torch.optim\), got -0.1"):
+            cls(make_model(), ps=[ps_url], token=token, run="negative", lr=-0.1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("cls", "kw", "message"),
+    [
+        (at.SGD, {"momentum": "0.9"}, "sgd momentum must be a number, got '0.9'"),
+        (at.SGD, {"momentum": None}, "sgd momentum must be a number, got None"),
+        (at.AdamW, {"lr": "1e-3"}, "adamw lr must be a number, got '1e-3'"),
+        (at.Adam, {"betas": 0.9}, "adam betas must be two numbers, got 0.9"),
+    ],
+)
+def test_a_hyperparameter_that_is_not_a_number_is_named(
+    ps_url: str, token: str, cls: Any, kw: dict[str, Any], message: str
+) -> None:
+    """A string was float()ed silently (torch refuses it); None gave float()'s message, which
+    names no hyperparameter."""
+    args = {"lr": 0.1, **kw}
+    with pytest.raises(at.ModelError, match=rf"param group 0: {message}"):
+        cls(make_model(), ps=[ps_url], token=token, run="not-a-number", **args)
