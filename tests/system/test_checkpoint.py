@@ -161,9 +161,13 @@ def test_round_trip_from_3_servers_under_load_onto_1_and_5(tmp_path: Path) -> No
 def _a_half_created_tensor_is_named_by_the_save(c: LocalCluster, to: Path) -> None:
     """A create that reached one server of five (create is not replicated) fails every save:
     the save names the tensor and says to send its create again, then saves once it is."""
-    servers = c.cluster()["servers"]
+    view = c.cluster()
+    servers = view["servers"]
+    # a primary's server: a save reads every bucket from its primary (a copy held by
+    # secondaries only would be invisible to it); 16 shards over 8 buckets reach the others too
+    first = next(bk["primary"] for bk in view["buckets"] if bk.get("primary"))
     half = {"name": "half", "shape": [16 * SHARD], "init": {"kind": "zeros"}}
-    with SyncRpc(servers[sorted(servers)[0]]["address"], TOKEN) as rpc:
+    with SyncRpc(servers[first]["address"], TOKEN) as rpc:
         rpc.call("create", **half)
     r = _cli(c, "save", "--to", str(to))
     assert r.returncode != 0
