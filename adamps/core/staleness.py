@@ -31,6 +31,18 @@ def staleness_lr(lr: float, tau: float) -> float:
     return lr / (1.0 + max(0.0, float(tau)))
 
 
+def divides(spec: Mapping[str, object]) -> bool:
+    """Whether "auto" divides the lr of a tensor under the servers' optimizer `spec`
+    (adamps.optspec's dict): every optimizer but plain SGD (no momentum). Adagrad, Adam and
+    RMSprop normalize each element's step, so their first steps are about lr per element
+    whatever the gradient's size, and N replicas' first steps from one point add up N-fold:
+    dividing gains 5-25 points at 4 replicas. Plain SGD's step is the gradient's, which moves
+    little over N - 1 updates at a stable lr: dividing cost it 1 point at 4 replicas and gained
+    nothing at 2 (benchmarks/staleness_sim.py, 3 seeds; docs/training.md). SGD with momentum
+    keeps the division (unmeasured; asynchrony adds momentum of its own)."""
+    return not (spec.get("kind") == "sgd" and not spec.get("momentum"))
+
+
 def check_mode(mode: str) -> str:
     """`mode` if it is one of MODES, else ValueError naming what is expected."""
     if mode not in MODES:

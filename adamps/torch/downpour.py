@@ -18,7 +18,8 @@ Each step a worker brings the gradient of every parameter (dense, from ``p.grad`
 
 With ``staleness="auto"`` (the default) each push's server lr is divided by ``1 + tau``, tau
 the updates other workers applied between this worker's last two fetches (the shards' versions
-the fetches return; before two fetches, ``$WORLD_SIZE - 1``: adamps/core/staleness.py). One
+the fetches return; before two fetches, ``$WORLD_SIZE - 1``: adamps/core/staleness.py), for
+every tensor but those under plain SGD (``staleness.divides``: its step is the gradient's). One
 worker alone has tau 0: its lr is unchanged. ``"off"``: every push at the group's lr.
 
 Units: the servers apply ``w -= lr * g`` (SGD) to a pushed gradient ``g``, and ``W -= lr *

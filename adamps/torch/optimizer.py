@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from adamps.core.staleness import divides
 from adamps.torch import launch_env
 from adamps.torch.downpour import PushCounts, WorkerDownpour
 from adamps.torch.embedding import bind_tables, row_tables
@@ -67,14 +68,17 @@ class Connection:
             http_only=http_only,
         )  # fmt: skip
         self.remote.lr = float(self.optimizer["lr"])
+        # `specs`: parameter name -> its param group's optimizer (server_optim.py)
+        per = {p.tensor: specs[p.name] for p in self.params} if specs else {}
+        self.remote.unscaled = {
+            p.tensor for p in self.params if not divides(per.get(p.tensor, self.optimizer))
+        }
         self.created: list[str] = []
         try:
             if create:
                 if controllers:  # GET /layout and `adamps status --run` show the run
                     launch_env.publish_layout(controllers, token, self.remote.layout, run)
-                # `specs`: parameter name -> its param group's optimizer (server_optim.py)
-                per = {p.tensor: specs[p.name] for p in self.params} if specs else None
-                self.created = self.remote.create(self.optimizer, per)
+                self.created = self.remote.create(self.optimizer, per or None)
             else:
                 self.remote.check()
             # tables are created like tensors (idempotent): replica 0 creates, others check

@@ -113,6 +113,8 @@ class RemoteModel:
         #: the lr of a tensor not in `hyper` (the one it was created with): what a push's
         #: ``lr_scale`` scales (Connection sets it)
         self.lr: float | None = None
+        #: tensors whose pushes ``lr_scale`` leaves alone (plain SGD's: core/staleness.divides)
+        self.unscaled: set[str] = set()
 
     # -- definition ------------------------------------------------------------------------------
 
@@ -234,7 +236,11 @@ class RemoteModel:
         hyper = self.hyper
         if lr_scale != 1.0:
             named = (*fc, *dense, *self._tensors_of(compressed))
-            hyper = {t: h for t in named if (h := self._scaled(t, lr_scale))}
+            hyper = {
+                t: h
+                for t in named
+                if (h := self.hyper.get(t) if t in self.unscaled else self._scaled(t, lr_scale))
+            }
         if fetch is not None:
             params, stage, residuals, versions = fetch
             with torch.no_grad():

@@ -106,7 +106,7 @@ class ServerOptimizer(torch.optim.Optimizer):
     ``token``: by default from ``adamps launch`` or the cluster file), ``create`` (replica 0's
     job), ``act_err``, ``http_only``, Downpour's ``n_push``/``n_fetch``/``local_lr``,
     ``compress`` and ``staleness`` ("auto": a push's lr divided by 1 + its measured staleness,
-    adamps/core/staleness.py; "off") (docs/training.md)."""
+    except plain SGD's, adamps/core/staleness.py; "off") (docs/training.md)."""
 
     #: the servers' optimizer (adamps.optspec's kinds: torch.optim's names)
     kind: ClassVar[str] = "sgd"

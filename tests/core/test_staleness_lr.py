@@ -8,6 +8,7 @@ import pytest
 from adamps.core.staleness import (
     StalenessMeter,
     check_mode,
+    divides,
     initial_tau,
     staleness_lr,
 )
@@ -56,3 +57,12 @@ def test_before_two_fetches_the_replicas_in_step_are_assumed() -> None:
     m = StalenessMeter(initial_tau(4))
     assert m.fetched({"w": [0]}, own=0) == 3.0  # nothing to compare yet: the guess stands
     assert m.fetched({"w": [3]}, own=1) == 2.0  # measured: 2 by the others
+
+
+def test_auto_divides_every_optimizer_but_plain_sgd() -> None:
+    from adamps.optspec import spec_of
+
+    assert not divides(spec_of("sgd", 0.1, 0.0, None))  # its step is the gradient's
+    assert divides(spec_of("sgd", 0.1, 0.0, {"momentum": 0.9}))  # unmeasured: kept
+    for kind in ("adagrad", "adam", "adamw", "rmsprop", "adagrad_legacy"):
+        assert divides(spec_of(kind, 0.1, 0.1, None)), kind

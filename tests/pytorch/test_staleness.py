@@ -1,9 +1,12 @@
 """Two async replicas against a real `adamps ps` (issue 36 item 5): each push's server lr is
 divided by 1 + its measured staleness (adamps/core/staleness.py), so two replicas in step take
-one replica's step per round; ``staleness="off"`` keeps every push at the group's lr (auto is the
+one replica's step per round, under every optimizer but plain SGD (never divided: its step is
+the gradient's; docs/training.md, "Several replicas"); ``staleness="off"`` keeps every push at the group's lr (auto is the
 default). One replica alone is unchanged (tests/pytorch/test_equivalence.py: torch.optim.SGD's values)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -36,10 +39,17 @@ def step(opt_model: tuple, g: float) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["auto", "off"])
-def test_two_replicas_in_step_each_take_half_a_step(ps_url: str, token: str, mode: str) -> None:
-    kw = {"staleness": mode}
-    a, b = replicas(ps_url, token, f"stale-{mode}", **kw)
+@pytest.mark.parametrize(
+    ("optimizer", "mode"),
+    [("adagrad", "auto"), ("adagrad", "off"), ("sgd", "auto"), ("sgd_momentum", "auto")],
+)
+def test_two_replicas_in_step_each_take_half_a_step(
+    ps_url: str, token: str, optimizer: str, mode: str
+) -> None:
+    kw: dict[str, object] = {"staleness": mode, "optimizer": optimizer}
+    if optimizer == "sgd_momentum":
+        kw.update(optimizer="sgd", optimizer_args={"momentum": 0.5})
+    a, b = replicas(ps_url, token, f"stale-{optimizer}-{mode}", **kw)
     for _ in range(4):  # alternate: each push is one update (the other's) behind
         step(a, 1.0)
         step(b, 1.0)
@@ -47,8 +57,18 @@ def test_two_replicas_in_step_each_take_half_a_step(ps_url: str, token: str, mod
     got = float(a[0].model_state_dict()["weight"][0, 0])
     a[0].close()
     b[0].close()
-    # SGD: the first two fetches of each give its first tau (1: its own push and the other's
-    # between them), so each replica's first two pushes are full steps, its last two half
-    # steps under "auto": 4 + 4 / 2 steps in all; 8 full steps under "off"
-    want = 1.0 - LR * (4 + 4 * 0.5) if mode == "auto" else 1.0 - LR * 8
-    assert got == pytest.approx(want, abs=1e-6)
+    # the first two fetches of each give its first tau (1: its own push and the other's between
+    # them), so each replica's first two pushes are full steps, its last two half steps under
+    # "auto" (pushes 5-8 in all); every push a full step under "off"
+    half = mode == "auto" and optimizer != "sgd"  # plain SGD is never divided (divides())
+    scale = [1.0] * 4 + [0.5 if half else 1.0] * 4
+    if optimizer == "adagrad":  # torch's: acc += g * g; w -= lr * g / (sqrt(acc) + eps)
+        want = 1.0 - sum(LR * s / (math.sqrt(k) + 1e-10) for k, s in enumerate(scale, 1))
+    elif optimizer == "sgd_momentum":  # buf = 0.5 * buf + g (the first: g); w -= lr * buf
+        buf, want = 0.0, 1.0
+        for s in scale:
+            buf = 0.5 * buf + 1.0
+            want -= LR * s * buf
+    else:
+        want = 1.0 - LR * sum(scale)
+    assert got == pytest.approx(want, abs=1e-5)
