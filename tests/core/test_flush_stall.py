@@ -266,6 +266,29 @@ class Spinner(threading.Thread):
             hashlib.sha256(data).digest()
 
 
+def test_a_threads_own_times_are_read_without_asking_for_its_wait(monkeypatch) -> None:
+    """The flush thread reads its own times at each phase boundary, several times a second on
+    an idle server (issue 36: idle costs nothing): it runs as it reads, so it waits for no
+    CPU, and the three /proc reads that look for a wait in progress are skipped. Another
+    thread's still are."""
+    if thread_times(threading.get_native_id()) is None:
+        pytest.skip("needs schedstat")
+    from adamps.server.storage import flush_times
+
+    asked: list[int] = []
+    monkeypatch.setattr(flush_times, "_waiting_for", lambda tid: asked.append(tid) or 0.0)
+    assert thread_times(threading.get_native_id()) is not None
+    assert asked == []
+    other = threading.Thread(target=time.sleep, args=(0.5,))
+    other.start()
+    try:
+        assert other.native_id is not None
+        assert thread_times(other.native_id) is not None
+        assert asked == [other.native_id]
+    finally:
+        other.join()
+
+
 def test_a_wait_moved_to_another_cpu_is_not_a_wait_since_boot() -> None:
     """A thread moved to another CPU's run queue while it waits for one (the load balancer under
     load; a wake-up placed on another CPU, as the starved servers' flush threads were) has no
