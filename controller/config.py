@@ -60,8 +60,12 @@ class ControllerConfig:
     commit_timeout: float = field(
         2.0, help="seconds to wait for a write to commit before answering no_quorum"
     )
-    election_min: float = field(0.3, help="Raft election timeout, lower bound (seconds)")
-    election_max: float = field(0.9, help="Raft election timeout, upper bound (seconds)")
+    election_min: float = field(
+        0.6,
+        help="Raft election timeout, lower bound (seconds); the leader's heartbeats come four "
+        "times as often (docs/operations.md, What an idle cluster costs)",
+    )
+    election_max: float = field(1.4, help="Raft election timeout, upper bound (seconds)")
     leader_fallback: float = field(
         1.0, help="a leader hearing from no majority this long steps down"
     )

@@ -220,9 +220,14 @@ def raft_conf(
 ) -> SyncObjConf:
     """pysyncobj settings: always a password, a journal AND a full dump, fast elections.
 
-    Timings: a follower starts an election 0.3-0.9 s after the last append from the leader, so a
-    new leader is normally in place within ~1-2 s of a crash; a leader that hears from no
-    majority for 1 s steps down (the default 30 s would let a cut-off leader believe it leads).
+    Timings: a follower starts an election 0.6-1.4 s after the last append from the leader, so a
+    new leader is normally in place within ~1-2 s of a crash, well inside a server's 5 s lease;
+    a leader that hears from no majority for 1 s steps down (the default 30 s would let a
+    cut-off leader believe it leads). The election timeout was 0.3-0.9 s: its heartbeats every
+    75 ms were most of what an idle cluster cost (issue 36); the tests' clusters keep it
+    (adamps.up.cluster.FAST_CONTROLLER_OPTS, beside their 2 s leases). A connection is
+    dropped after ``connectionTimeout`` of silence, never shorter than an election timeout
+    (pysyncobj asserts it).
 
     Idle costs little (issue 36): the tick thread waits for a message, a command or this node's
     next deadline (controller/raft_timing.py): a leader's next append (Raft's heartbeats, four
@@ -253,8 +258,8 @@ def raft_conf(
     }
     if fast:
         opts.update(
-            raftMinTimeout=0.3,
-            raftMaxTimeout=0.9,
+            raftMinTimeout=0.6,
+            raftMaxTimeout=1.4,
             connectionTimeout=1.5,
             connectionRetryTime=0.3,
             leaderFallbackTimeout=1.0,
@@ -263,6 +268,9 @@ def raft_conf(
             appendEntriesUseBatch=False,
         )
     opts.update(overrides)
+    if "connectionTimeout" in opts and "connectionTimeout" not in overrides:
+        # an election_max above 1.5 s was refused by pysyncobj's assertion at start
+        opts["connectionTimeout"] = max(opts["connectionTimeout"], opts.get("raftMaxTimeout", 0))
     if "appendEntriesPeriod" not in opts and "raftMinTimeout" in opts:
         opts["appendEntriesPeriod"] = append_period(opts["raftMinTimeout"])
     return SyncObjConf(**opts)

@@ -102,10 +102,23 @@ async def acall(
     on_retry: Callable[[BaseException, int], None] | None = None,
     give_up: Callable[[], bool] | None = None,
 ) -> T:
-    """`call` on the event loop: the waits are asyncio sleeps."""
+    """`call` on the event loop: the waits are asyncio sleeps. The first attempt runs bare, as
+    in `call`: a server's heartbeat every second built tenacity's machinery for nothing (issue
+    36: idle costs nothing)."""
+    start = time.monotonic()
+    try:
+        return await attempt(1)
+    except BaseException as exc:
+        if not retry_if(exc) or (give_up is not None and give_up()):
+            raise
+        first = exc
     numbers = itertools.count(1)
 
     async def one() -> T:
-        return await attempt(next(numbers))
+        n = next(numbers)
+        if n == 1:
+            raise first
+        return await attempt(n)
 
-    return await tenacity.AsyncRetrying(**_settings(policy, retry_if, on_retry, give_up))(one)
+    left = RetryPolicy(policy.deadline - (time.monotonic() - start), policy.first, policy.cap)
+    return await tenacity.AsyncRetrying(**_settings(left, retry_if, on_retry, give_up))(one)

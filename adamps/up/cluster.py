@@ -28,6 +28,7 @@ FAST_LEASE = 2.0
 FAST_CONTROLLER_OPTS: dict[str, Any] = {
     "lease-duration": FAST_LEASE, "lease-skew": 0.1, "lease-margin": 0.2, "heartbeat-interval": 0.2,
     "server-timeout": 1.0, "reconcile-interval": 0.1, "commit-timeout": 1.5,
+    "election-min": 0.3, "election-max": 0.9,  # a failover well inside the short leases
 }  # fmt: skip
 FAST_PS_OPTS: dict[str, Any] = {
     "member-timeout": 0.5, "ping-interval": 0.2, "failover-after": 1.5, "flush-interval": 0.5,

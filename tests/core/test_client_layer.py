@@ -90,6 +90,37 @@ def test_async_retries_share_the_policy() -> None:
     assert seen == [1, 2, 3]
 
 
+def test_an_async_first_attempt_that_succeeds_costs_no_retry_state(monkeypatch) -> None:
+    """The same on the event loop (issue 36: a server's heartbeat every second built tenacity's
+    machinery for nothing); a failure hands the rest of the same schedule to it, and a refused
+    error or give_up ends at the first attempt."""
+    import tenacity
+
+    def no(*_a: object, **_k: object) -> None:
+        raise AssertionError("tenacity was used for a first attempt that succeeded")
+
+    async def ten(n: int) -> int:
+        return n * 10
+
+    monkeypatch.setattr(tenacity, "AsyncRetrying", no)
+    assert asyncio.run(retry.acall(RetryPolicy(5.0), ten, retryable)) == 10
+    attempt, seen = flaky(10_000)
+
+    async def aattempt(n: int) -> int:
+        return attempt(n)
+
+    with pytest.raises(ConnectionError, match="attempt 1"):
+        asyncio.run(retry.acall(RetryPolicy(30.0), aattempt, retryable, give_up=lambda: True))
+    assert seen == [1]
+    monkeypatch.undo()
+    attempt, seen = flaky(2, exc=TimeoutError)
+    retried: list[int] = []
+    got = asyncio.run(
+        retry.acall(RetryPolicy(5.0), aattempt, retryable, on_retry=lambda e, n: retried.append(n))
+    )
+    assert got == 3 and seen == [1, 2, 3] and retried == [1, 2]
+
+
 def test_requests_are_built_once_for_both_transports() -> None:
     req = rpc_request("pull", shards=["a/0"])
     assert req.method == "POST" and req.path == "/rpc"

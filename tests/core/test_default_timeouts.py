@@ -20,7 +20,7 @@ USER_ENTRIES = [
 #: the tests' timings, and the flags that would set their like
 FAST = {"FAST_CONTROLLER_OPTS", "FAST_PS_OPTS", "FAST_LEASE"}
 FLAGS = {"server-timeout", "lease-duration", "heartbeat-interval", "member-timeout",
-         "failover-after"}  # fmt: skip
+         "failover-after", "election-min", "election-max"}  # fmt: skip
 
 
 def test_user_entry_points_use_the_documented_default_timeouts() -> None:

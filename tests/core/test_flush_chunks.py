@@ -178,3 +178,53 @@ def test_the_file_pages_a_read_touched_leave_the_rss_and_read_back_the_same(
         assert read() == want
     finally:
         p.close()
+
+
+def test_an_idle_flush_writes_nothing_and_opens_no_transaction(tmp_path: Path) -> None:
+    """A replicated server flushes every second; idle, its cut holds no dirty shard and every
+    copy's position as last written. That flush opens no LMDB transaction and accounts no
+    write (issue 36: idle costs nothing); a changed position, new exactly-once pairs, a dirty
+    shard or a copy no longer held are written as before."""
+    store = Store(n_buckets=4, owner_threads=1, max_shard_elems=1 << 10)
+    spec = TensorSpec("w", (4096,))
+    t = store.define(spec, Optimizer("sgd", 0.1), normalize_init({"kind": "zeros"}, (4096,)), None)
+    states = list(t.shards.values())
+    p = Persister(tmp_path / "db", map_size=1 << 26)
+    writes: list[int] = []
+    real_write = p._write
+    p._write = lambda fn: (writes.append(1), real_write(fn))[1]  # type: ignore[method-assign]
+    cut: dict = {"positions": {0: Position(1, 5, []), 1: Position(1, 3, [])}, "held": {0, 1}}
+    try:
+        flusher = Flusher(store, p, interval=3600)
+        flusher.cut = lambda buckets: (
+            store.begin_snapshot(buckets)(60.0),
+            {b: Position(q.epoch, q.seq, list(q.dedup)) for b, q in cut["positions"].items()},
+            set(cut["held"]),
+        )
+
+        def flush() -> int:
+            before = len(writes)
+            flusher.flush()
+            return len(writes) - before
+
+        push_all(store, states, 1.0)
+        assert flush() == 1  # shards and positions
+        assert flush() == 0 and flush() == 0  # idle: nothing new
+        cut["positions"][1] = Position(1, 4, [])
+        assert flush() == 1
+        assert flush() == 0
+        cut["positions"][0] = Position(1, 5, [["c", 1, 5]])  # new exactly-once pairs
+        assert flush() == 1
+        cut["positions"][0] = Position(1, 5, [])
+        assert flush() == 0
+        push_all(store, states, 2.0)
+        assert flush() == 1
+        cut["positions"].pop(1)  # copy 1 is no longer held: its position is deleted
+        cut["held"] = {0}
+        assert flush() == 1
+        assert flush() == 0
+        on_disk = p.load_positions()
+        assert {b: (q.epoch, q.seq) for b, q in on_disk.items()} == {0: (1, 5)}
+    finally:
+        p.close()
+        store.close()

@@ -94,6 +94,9 @@ class SlowDisk:
         self.how = how
         self.entered = threading.Event()
 
+    def writes_nothing(self, snaps: list, positions: Any, held: Any) -> bool:
+        return False  # every flush writes (Persister's answer for a dirty cut)
+
     def write_snapshots(self, snaps: list, positions: Any, held: Any) -> int:
         self.entered.set()
         self.how()
@@ -264,6 +267,29 @@ class Spinner(threading.Thread):
         self.ready.set()
         while not self.stop.is_set():
             hashlib.sha256(data).digest()
+
+
+def test_a_threads_own_times_are_read_without_asking_for_its_wait(monkeypatch) -> None:
+    """The flush thread reads its own times at each phase boundary, several times a second on
+    an idle server (issue 36: idle costs nothing): it runs as it reads, so it waits for no
+    CPU, and the three /proc reads that look for a wait in progress are skipped. Another
+    thread's still are."""
+    if thread_times(threading.get_native_id()) is None:
+        pytest.skip("needs schedstat")
+    from adamps.server.storage import flush_times
+
+    asked: list[int] = []
+    monkeypatch.setattr(flush_times, "_waiting_for", lambda tid: asked.append(tid) or 0.0)
+    assert thread_times(threading.get_native_id()) is not None
+    assert asked == []
+    other = threading.Thread(target=time.sleep, args=(0.5,))
+    other.start()
+    try:
+        assert other.native_id is not None
+        assert thread_times(other.native_id) is not None
+        assert asked == [other.native_id]
+    finally:
+        other.join()
 
 
 def test_a_wait_moved_to_another_cpu_is_not_a_wait_since_boot() -> None:

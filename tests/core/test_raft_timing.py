@@ -66,6 +66,32 @@ def test_the_heartbeat_period_is_derived_from_the_shortest_election_timeout(
     assert conf.appendEntriesPeriod == 0.05, "an explicit period is kept"
 
 
+def test_the_default_election_timeout_and_heartbeats(tmp_path: Path) -> None:
+    """A controller's default election timeout is 0.6-1.4 s, its leader's heartbeats every
+    150 ms (issue 36: 0.3-0.9 s and 75 ms were most of an idle cluster's CPU); the tests'
+    clusters keep the short one beside their short leases. An election_max beyond pysyncobj's
+    connection timeout (1.5 s) is accepted: its conf asserted ``connectionTimeout >=
+    raftMaxTimeout`` and the controller died at start."""
+    from adamps.up.cluster import FAST_CONTROLLER_OPTS
+    from controller.config import ControllerConfig
+
+    fields = ControllerConfig.__dataclass_fields__
+    lo, hi = fields["election_min"].default, fields["election_max"].default
+    assert (lo, hi) == (0.6, 1.4)
+    files = {"journal_file": str(tmp_path / "j"), "dump_file": str(tmp_path / "d")}
+    conf = raft_conf(password="pw", raftMinTimeout=lo, raftMaxTimeout=hi, **files)
+    conf.validate()
+    assert conf.appendEntriesPeriod == pytest.approx(0.15)
+    assert conf.leaderFallbackTimeout >= 4 * conf.appendEntriesPeriod
+    assert (FAST_CONTROLLER_OPTS["election-min"], FAST_CONTROLLER_OPTS["election-max"]) == (
+        0.3,
+        0.9,
+    )
+    conf = raft_conf(password="pw", raftMinTimeout=1.0, raftMaxTimeout=3.0, **files)
+    conf.validate()
+    assert conf.connectionTimeout >= 3.0
+
+
 def test_the_production_node_waits_for_its_deadline_not_a_fixed_period(tmp_path: Path) -> None:
     """A one-member group leads at once; its tick thread then waits for its next append (at
     most one period), and a follower's for its election deadline, not autoTickPeriod."""

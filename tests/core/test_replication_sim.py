@@ -507,9 +507,6 @@ class Server:
         body = {"buckets": {int(k): e for k, e in buckets.items()}}
         self.rpc(member, "repl_ping", body, lambda r: done(r["stale"]), lambda _e: None)
 
-    def pinged(self) -> None:
-        pass
-
     def stop_join(self, b: int) -> None:  # Replicator: the join's task cancelled, no answer
         self.rpcs.pop(self.fetching.pop(b, -1), None)
 

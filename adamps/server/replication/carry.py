@@ -14,7 +14,8 @@ or the stale buckets, from a later event); ``start_join(fetch)`` and ``stop_join
 transfer, which feeds ``fetched``, ``install`` and ``install_persisted``); ``call(request)``
 (the controllers: ``controller_answer`` takes their answer); ``can_persist()`` (the disk);
 ``poke(not_before)`` (the clock: an input may bring a deadline sooner); ``refuse(b, reject)``
-(a refusal: raised, or returned); ``counted(ready)`` and ``pinged()`` (metrics)."""
+(a refusal: raised, or returned); ``counted(ready)`` (metrics; the gauges of the primary
+buckets are read off the core when scraped)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,6 @@ class Carrier:
             stale = functools.partial(self.step, -1, core.on_ping_reply, ahead=float("inf"))
             for member, buckets in rd.pings.items():
                 p.ping(member, buckets, stale)
-            p.pinged()
 
     def step(
         self, b: int, event: Callable[..., Any], *args: Any, ahead: float = 0.0, **kw: Any

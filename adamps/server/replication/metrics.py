@@ -4,9 +4,12 @@ its part of ``/status``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from adamps import metrics
 from adamps.core.replication import copies as repl_copies
@@ -15,9 +18,7 @@ from adamps.core.replication.ready import Ready
 
 
 class ReplMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        #: buckets with a replication-lag series (removed when the bucket goes)
-        self._lag_buckets: set[int] = set()
+    def __init__(self, registry: CollectorRegistry, core: ReplCore) -> None:
         self.round_seconds = Histogram(
             "adamps_ps_replication_round_seconds",
             "two-phase-commit round as primary: first prepare to the last commit ack",
@@ -30,20 +31,9 @@ class ReplMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
             registry=registry,
         )
-        self.lag = Gauge(
-            "adamps_ps_replication_lag_batches",
-            "batches committed here that the slowest secondary has not committed, per bucket",
-            ["bucket"],
-            registry=registry,
-        )
         self.failovers = Counter(
             "adamps_ps_failovers",
             "buckets this server became primary of after another server held them",
-            registry=registry,
-        )
-        self.under_replicated = Gauge(
-            "adamps_ps_under_replicated_buckets",
-            "buckets this server is primary of with fewer than 2 secondaries",
             registry=registry,
         )
         self.stale = Counter(
@@ -69,18 +59,11 @@ class ReplMetrics:
         )
         for direction in ("sent", "received"):
             self.snapshots.labels(direction)  # both series exist from the start (dashboards)
-        self.primary_buckets = Gauge(
-            "adamps_ps_primary_buckets", "buckets this server is primary of", registry=registry
-        )
-        self.lease_epoch = Gauge(
-            "adamps_ps_lease_epoch_max",
-            "highest lease epoch among the buckets this server is primary of",
-            registry=registry,
-        )
+        registry.register(PrimaryGauges(core))
 
     def count(self, rd: Ready) -> None:
         """What the core decided, as counted: rounds, promotions, stale messages, duplicates, secondaries
-        dropped (asked of the controllers); a forgotten bucket's lag series goes with it."""
+        dropped (asked of the controllers)."""
         for seconds, pushes in rd.rounds:
             self.round_seconds.observe(seconds)
             self.round_pushes.observe(pushes)
@@ -93,21 +76,51 @@ class ReplMetrics:
         for req in rd.requests:
             if req.kind == "drop_secondary":
                 self.dropped.inc()
-        for b in rd.forget:
-            if b in self._lag_buckets:
-                self._lag_buckets.discard(b)
-                self.lag.remove(str(b))
 
-    def observe(self, core: ReplCore) -> None:
-        """The gauges of this server's primary buckets."""
-        prim = repl_copies.primaries(core)
+
+class PrimaryGauges(Collector):
+    """The gauges of this server's primary buckets (how many, how many under-replicated, the
+    highest lease epoch, each one's replication lag), computed when /metrics is scraped, on
+    the event loop that owns the core. Set at every ping round before (every 0.75 s), they
+    walked every primary bucket whether anybody scraped or not (issue 36: idle costs
+    nothing)."""
+
+    def __init__(self, core: ReplCore) -> None:
+        self.core = core
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        count, under, epoch, lag = fams = self._families()
+        core = self.core
+        prim = sorted(repl_copies.primaries(core))
         reps = core.buckets
-        self.primary_buckets.set(len(prim))
-        self.under_replicated.set(sum(1 for b in prim if len(reps[b].assignment.secondaries) < 2))
-        self.lease_epoch.set(max((reps[b].assignment.epoch for b in prim), default=0))
+        count.add_metric([], len(prim))
+        under.add_metric([], sum(1 for b in prim if len(reps[b].assignment.secondaries) < 2))
+        epoch.add_metric([], max((reps[b].assignment.epoch for b in prim), default=0))
         for b in prim:
-            self.lag.labels(str(b)).set(repl_copies.lag(core, b))
-            self._lag_buckets.add(b)
+            lag.add_metric([str(b)], repl_copies.lag(core, b))
+        return iter(fams)
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily("adamps_ps_primary_buckets", "buckets this server is primary of"),
+            GaugeMetricFamily(
+                "adamps_ps_under_replicated_buckets",
+                "buckets this server is primary of with fewer than 2 secondaries",
+            ),
+            GaugeMetricFamily(
+                "adamps_ps_lease_epoch_max",
+                "highest lease epoch among the buckets this server is primary of",
+            ),
+            GaugeMetricFamily(
+                "adamps_ps_replication_lag_batches",
+                "batches committed here that the slowest secondary has not committed, per bucket",
+                labels=["bucket"],
+            ),
+        ]
 
 
 def status(core: ReplCore, address: str, now: float) -> dict[str, Any]:

@@ -62,9 +62,9 @@ class Replicator:
         self.catalog = catalog
         self.server_id = cfg.server_id
         self.address = cfg.advertise or f"{cfg.host}:{cfg.port}"
-        self.m = ReplMetrics(registry)
         #: every replication decision and all per-bucket state (no IO, no clock)
         self.core = ReplCore(cfg.repl_settings)
+        self.m = ReplMetrics(registry, self.core)
         #: who this server is to its peers, and who sent what it is asked to replicate
         self.peer_keys = PeerKeys(
             cfg.server_id, cfg.own_key(), lambda: self.calls.ctl, lambda s: s in self.addresses
@@ -154,9 +154,6 @@ class Replicator:
 
     def can_persist(self) -> str | None:
         return self.disk.can_persist()
-
-    def pinged(self) -> None:
-        self.m.observe(self.core)
 
     def check_primary(self, b: int, read: bool = False) -> BucketReplica:
         """The bucket's state if this server may serve it as primary now (a `read`: with every

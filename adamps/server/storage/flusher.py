@@ -271,14 +271,27 @@ class Flusher:
             if positions is None
             else {b: p for b, p in self._pending_positions.items() if mine(b)}
         )
+        if self.persister.writes_nothing(snaps, chunk_positions, held):
+            nbytes = 0  # an idle server's cut: what is on disk already (no transaction)
+        else:
+            nbytes = self._write(snaps, chunk_positions, held)
+        for s in snaps:
+            if self._pending.get(s.shard_id) is s:
+                del self._pending[s.shard_id]
+        for b in list(chunk_positions or ()):
+            self._pending_positions.pop(b, None)
+        return len(snaps), nbytes
+
+    def _write(
+        self,
+        snaps: list[Snapshot],
+        positions: dict[int, Position] | None,
+        held: set[int] | None,
+    ) -> int:
         self.writing_since = self.clock()
         try:
             with self.times.phase("write"):
-                nbytes = (
-                    self.persister.write_snapshots(snaps, chunk_positions, held)
-                    if snaps or chunk_positions is not None
-                    else 0
-                )
+                return self.persister.write_snapshots(snaps, positions, held)
         except Exception as exc:
             self.failures += 1
             needed = sum(len(s.record) for s in self._pending.values())
@@ -286,12 +299,6 @@ class Flusher:
             raise
         finally:
             self.writing_since = None
-        for s in snaps:
-            if self._pending.get(s.shard_id) is s:
-                del self._pending[s.shard_id]
-        for b in list(chunk_positions or ()):
-            self._pending_positions.pop(b, None)
-        return len(snaps), nbytes
 
     def loss_window(self) -> float:
         """Seconds since the oldest update that is not yet committed to LMDB (0 when clean)."""

@@ -241,6 +241,25 @@ class Persister:
         memtrim.trim()  # the records and LMDB's dirty pages of a big tensor are free now
         return wrote
 
+    def writes_nothing(
+        self, snaps: Collection[Snapshot], positions: dict[int, Position] | None, held: Any = None
+    ) -> bool:
+        """Whether ``write_snapshots(snaps, positions, held)`` would change nothing on disk (no
+        shard; every position as last written, no exactly-once pairs, nothing prepared, no copy
+        to forget): an idle server's flush, every second, then opens no transaction (issue 36)."""
+        if snaps or positions is None:
+            return not snaps
+        written = self._written
+        if written is None or self._prepared_on_disk:
+            return False  # the first write reads what is on disk
+        keep = set(positions) if held is None else set(held)
+        if any(b not in keep for b in written):
+            return False
+        return all(
+            written.get(b) == (p.epoch, p.seq) and not (p.dedup or p.fresh or p.prepared)
+            for b, p in positions.items()
+        )
+
     def write_snapshots(
         self,
         snaps: Iterable[Snapshot],
