@@ -148,6 +148,8 @@ class RawAdagrad:
         delta = np.random.default_rng(0).standard_normal(n_elems).astype(np.float32) * 1e-3
         self.gs = [delta[i * shard : (i + 1) * shard] for i in range(k)]
         self.tmp = np.empty(shard, np.float32)
+        if fused:
+            kernels.load()  # a process loads them on its first update, in a thread
         self.fn = kernels.adagrad if fused else kernels.adagrad_numpy
         self.n = n_elems
 

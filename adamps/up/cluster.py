@@ -171,13 +171,17 @@ class LocalCluster:
         return addr
 
     def start(self, timeout: float = 60.0) -> None:
-        """Starts every controller and server and waits until every bucket is fully placed."""
+        """Starts every controller and server and waits until every bucket is fully placed.
+
+        The servers start with the controllers, not after they answer: a server retries its
+        controllers until they do, and its start (imports, LMDB) then runs while the controllers
+        elect a leader, as when a deployment starts every pod at once."""
         for i in range(len(self.controllers)):
             self.start_controller(i)
-        for i, addr in enumerate(self.controllers):
-            self.procs[f"controller{i}"].wait_http(f"http://{addr}/healthz", timeout)
         for i in range(len(self.servers)):
             self.start_server(i)
+        for i, addr in enumerate(self.controllers):
+            self.procs[f"controller{i}"].wait_http(f"http://{addr}/healthz", timeout)
         for i, addr in enumerate(self.servers):
             self.procs[self.server_ids[i]].wait_http(f"http://{addr}/healthz", timeout)
         self.wait_placed(timeout)

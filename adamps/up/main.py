@@ -202,10 +202,11 @@ class Run:
         t = time.monotonic()
         for i in range(a.controllers):
             self.start("controller", lambda i=i: c.start_controller(i))
-        for i, addr in enumerate(c.controllers):
-            c.procs[f"controller{i}"].wait_http(f"http://{addr}/healthz", 60)
+        # the servers start with the controllers (LocalCluster.start: they retry the controllers)
         for i in range(a.servers):
             self.start("ps", lambda i=i: c.start_server(i))
+        for i, addr in enumerate(c.controllers):
+            c.procs[f"controller{i}"].wait_http(f"http://{addr}/healthz", 60)
         for i, addr in enumerate(c.servers):
             c.procs[c.server_ids[i]].wait_http(f"http://{addr}/healthz", 60)
         source = getattr(a, "source", "builtin")  # --torch: the Task's (adamps/up/torch_check.py)

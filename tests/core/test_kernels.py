@@ -29,16 +29,23 @@ def _state(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]
     return w, acc, grads
 
 
+@pytest.fixture(autouse=True)
+def _fused_loaded() -> None:
+    """The kernels load in a background thread on a process's first Adagrad update; these tests
+    compare the fused kernels themselves, so they load them first (as a server has by then)."""
+    assert all(f is not None for f in kernels.load())
+
+
 def test_the_fused_kernel_is_the_default() -> None:
     # numba is a declared dependency: if it went missing the fast path would silently be lost
     assert kernels.SELECTED == "numba"
-    assert kernels._adagrad_fused is not None
+    assert kernels._ready() is not None
 
 
 @pytest.mark.parametrize("n", [1, 7, 64, 1000, 262_147])
 def test_fused_torch_adagrad_is_bit_identical_to_numpy(n: int) -> None:
     """torch's Adagrad (eps outside the square root, the accumulator from 0): fused = numpy."""
-    assert kernels._adagrad_torch_fused is not None
+    assert kernels._ready()[1] is not None
     w1, a1, grads = _state(n, seed=n + 1)
     a1[::3] = 0.0  # torch's default start, where the first step divides by |g| + eps
     w2, a2 = w1.copy(), a1.copy()
@@ -113,7 +120,7 @@ def test_adamps_kernels_numpy_selects_the_reference_and_a_bad_value_is_named(
     tmp_path: Path,
 ) -> None:
     r = _run(
-        "from adamps.server.updates import kernels; print(kernels.SELECTED, kernels._adagrad_fused)",
+        "from adamps.server.updates import kernels; print(kernels.SELECTED, kernels.load()[0])",
         ADAMPS_KERNELS="numpy",
         NUMBA_CACHE_DIR=str(tmp_path),
     )
@@ -127,7 +134,7 @@ def test_adamps_kernels_numpy_selects_the_reference_and_a_bad_value_is_named(
 def test_the_compiled_kernel_is_cached_on_disk(tmp_path: Path) -> None:
     # NUMBA_CACHE_DIR stands in for the module's __pycache__: a second process loads, not compiles
     code = (
-        "from adamps.server.updates import kernels; s = kernels._adagrad_fused.stats; "
+        "from adamps.server.updates import kernels; s = kernels.load()[0].stats; "
         "print(sum(s.cache_hits.values()), sum(s.cache_misses.values()))"
     )
     first = _run(code, NUMBA_CACHE_DIR=str(tmp_path))
@@ -145,10 +152,49 @@ def test_without_a_writable_cache_the_kernel_compiles_in_memory_instead_of_faili
     src = Path(kernels.__file__).read_text()
     ns: dict[str, object] = {"__name__": "kernels_without_cache"}
     exec(compile(src, "<string>", "exec"), ns)  # noqa: S102
-    fused = ns["_adagrad_fused"]
+    fused = ns["load"]()[0]  # type: ignore[operator]
     assert fused is not None
     w, acc, grads = _state(1000, seed=5)
     w2, acc2 = w.copy(), acc.copy()
     ns["adagrad"](w, acc, grads[0], 0.1, 1e-8, np.empty(1000, np.float32))  # type: ignore[operator]
     kernels.adagrad_numpy(w2, acc2, grads[0], 0.1, 1e-8, np.empty(1000, np.float32))
     assert w.tobytes() == w2.tobytes()
+
+
+def test_a_server_imports_no_numba_until_its_first_adagrad_update() -> None:
+    """numba and the kernels' load cost about 0.6 CPU-s, half a parameter server's start; every
+    test cluster starts several servers, and many apply no Adagrad at all."""
+    r = _run(
+        "import sys, adamps.server.api.app\n"
+        "from adamps.server.updates import kernels\n"
+        "print('numba' in sys.modules, kernels._fused is None, kernels._loader is None)"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True", "True"]
+
+
+def test_the_first_adagrad_update_runs_numpy_while_the_kernels_load_in_a_thread() -> None:
+    """The first update starts the load and does not wait for it (a compile takes seconds on a
+    new machine): it runs the bit-identical numpy reference; once loaded, the fused kernel runs."""
+    code = """
+import numpy as np
+from adamps.server.updates import kernels
+w = np.linspace(-1, 1, 1000, dtype=np.float32); acc = np.full(1000, 0.1, np.float32)
+g = np.linspace(3, -2, 1000, dtype=np.float32); tmp = np.empty(1000, np.float32)
+w2, acc2 = w.copy(), acc.copy()
+with kernels._load_lock:  # the load cannot finish before the first update returns
+    kernels.adagrad(w, acc, g, 0.1, 1e-8, tmp)
+    kernels.adagrad_numpy(w2, acc2, g, 0.1, 1e-8, tmp)
+    first = (kernels._fused is None, kernels._loader is not None, w.tobytes() == w2.tobytes())
+kernels._loader.join(120)
+fused = kernels._ready()
+calls = []
+real = fused[0]
+kernels._fused = (lambda *a: (calls.append(1), real(*a))[1], fused[1])
+kernels.adagrad(w, acc, g, 0.1, 1e-8, tmp)
+kernels.adagrad_numpy(w2, acc2, g, 0.1, 1e-8, tmp)
+print(*first, fused is not None, calls == [1], w.tobytes() == w2.tobytes())
+"""
+    r = _run(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True"] * 6, r.stdout

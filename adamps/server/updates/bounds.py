@@ -32,8 +32,8 @@ import numpy as np
 from adamps.wire.protocol import MAX_GRAD, ProtocolError
 
 if TYPE_CHECKING:
-    # A type only: the optimizers' module compiles their numba kernels at import (about a
-    # second of CPU), which a restore's client, checking a checkpoint's bounds, never runs
+    # A type only: the optimizers' module and its imports cost a restore's client, checking a
+    # checkpoint's bounds, CPU it never needs
     from adamps.server.updates.optim import Optimizer
 
 MAX_VALUE = 1e24

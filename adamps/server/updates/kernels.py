@@ -10,7 +10,12 @@ module is imported):
 
 - ``numba`` (the default when numba is installed: ``pip install 'adamps[fast]'``): compiled with ``cache=True`` (the machine code is stored next to this file,
   or in numba's per-user cache where that is read-only, so a process after the first does not
-  compile again) and an explicit signature, so it compiles at import and never on the update path;
+  compile again) and an explicit signature. It is loaded in a background thread when the process
+  first applies an Adagrad update (:func:`load`), never at import and never on the update path:
+  numba and its load cost about 0.6 CPU-s, half a server's start, and a server that applies
+  no Adagrad (a controller, a restore, an SGD-only cluster) never needs it. Until it is loaded
+  the updates run the numpy reference, which is bit-identical (below), so the switch changes no
+  value;
 - ``numpy`` (the default without numba): the reference, in-place ufuncs over preallocated
   scratch.
 
@@ -22,9 +27,13 @@ cluster whose servers were started with different settings therefore still keeps
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 KERNELS_ENV = "ADAMPS_KERNELS"
 CHOICES = ("numba", "numpy")
@@ -95,7 +104,7 @@ def _compile_numba(cache: bool = True):  # type: ignore[no-untyped-def]
     ro = numba.types.Array(f32, 1, "C", readonly=True)  # a gradient decoded from the wire
 
     @numba.njit(
-        # explicit signatures: compiled (or loaded from the cache) at import, never on the update
+        # explicit signatures: compiled (or loaded from the cache) by load(), never on the update
         # path; a writable gradient (an fc gradient in scratch) is passed through the read-only one
         [numba.void(rw, rw, ro, f32, f32)],
         cache=cache,
@@ -141,7 +150,49 @@ def _load_numba():  # type: ignore[no-untyped-def]
         return _compile_numba(cache=False)
 
 
-_adagrad_fused, _adagrad_torch_fused = _load_numba() if SELECTED == "numba" else (None, None)
+#: (adagrad_fused, adagrad_torch_fused) once loaded; None before (or with the numpy kernels)
+_fused: tuple | None = None  # type: ignore[type-arg]
+#: held while the kernels load, so that they load once
+_load_lock = threading.Lock()
+#: the background thread loading them (started by the first Adagrad update), else None
+_loader: threading.Thread | None = None
+#: held while that thread is started, so that one is
+_start_lock = threading.Lock()
+
+
+def load():  # type: ignore[no-untyped-def]
+    """Loads (or compiles, the first time on a machine) the numba kernels and returns them;
+    (None, None) with the numpy kernels. Blocks: the update path calls :func:`_ready` instead."""
+    global _fused
+    if SELECTED != "numba":
+        return None, None
+    with _load_lock:
+        if _fused is None:
+            _fused = _load_numba()
+    return _fused
+
+
+def _load_in_background() -> None:
+    try:
+        load()
+    except Exception:  # noqa: BLE001 - a kernel that cannot load leaves the (identical) numpy one
+        log.exception("the numba kernels did not load; Adagrad keeps the numpy kernels")
+
+
+def _ready():  # type: ignore[no-untyped-def]
+    """The loaded kernels, or None while they load (started here on the first call): the caller
+    then runs the numpy reference, bit-identical, rather than wait for a compile."""
+    global _loader
+    if _fused is not None or SELECTED != "numba":
+        return _fused
+    if _loader is None:
+        with _start_lock:
+            if _loader is None:
+                _loader = threading.Thread(
+                    target=_load_in_background, name="numba-kernels", daemon=True
+                )
+                _loader.start()
+    return None
 
 
 def _fusable(*arrays: np.ndarray) -> bool:
@@ -159,8 +210,9 @@ def adagrad(
     if g.size != w.size:
         raise ValueError(f"gradient of {g.size} elements for a shard of {w.size}")
     wf, af, gf = w.reshape(-1), acc.reshape(-1), g.reshape(-1)
-    if _adagrad_fused is not None and _fusable(wf, af, gf):
-        _adagrad_fused(wf, af, gf, np.float32(lr), np.float32(eps))
+    fused = _ready()
+    if fused is not None and _fusable(wf, af, gf):
+        fused[0](wf, af, gf, np.float32(lr), np.float32(eps))
         return
     adagrad_numpy(wf, af, gf, lr, eps, tmp.reshape(-1)[: wf.size])
 
@@ -170,7 +222,8 @@ def adagrad_torch(
 ) -> None:
     """One step of torch's Adagrad in place with the selected kernel: flat float32 arrays of one
     length (acc is the shard's accumulator, the state's first slot), tmp scratch of that size."""
-    if _adagrad_torch_fused is not None and _fusable(w, acc, g):
-        _adagrad_torch_fused(w, acc, g, np.float32(clr), np.float32(eps))
+    fused = _ready()
+    if fused is not None and _fusable(w, acc, g):
+        fused[1](w, acc, g, np.float32(clr), np.float32(eps))
         return
     adagrad_torch_numpy(w, acc, g, clr, eps, tmp)
