@@ -27,19 +27,24 @@ from adamps.core.replication.values import Batch
 
 def payload_bytes(x: Any) -> int:
     """The bytes of a message's entries as the transport sends them: its arrays (anything with
-    ``nbytes``: the core imports no numpy), byte strings and strings; 8 for a scalar."""
-    n = getattr(x, "nbytes", None)
-    if n is not None:
-        return int(n)
+    ``nbytes``: the core imports no numpy), byte strings and strings; 8 for a scalar. Walked
+    at each send (a batch of 32 dense updates: tens of microseconds)."""
     if isinstance(x, Batch):
-        return payload_bytes(x.updates)
-    if isinstance(x, dict):
-        return sum(map(payload_bytes, x.values()))
-    if isinstance(x, list | tuple):
-        return sum(map(payload_bytes, x))
-    if isinstance(x, bytes | bytearray | str):
-        return len(x)
-    return 8
+        x = x.updates
+    elif isinstance(x, dict):
+        x = x.values()
+    elif not isinstance(x, list | tuple):
+        t = type(x)
+        if t is int or t is float or t is bool or x is None:
+            return 8
+        if t is str or t is bytes or t is bytearray:
+            return len(x)
+        n = getattr(x, "nbytes", None)
+        return 8 if n is None else int(n)
+    n = 0
+    for v in x:
+        n += payload_bytes(v)
+    return n
 
 
 class PeerLinks:
