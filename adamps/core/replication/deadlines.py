@@ -14,7 +14,10 @@ transport reports failed: retried after ``RETRY_EVERY``, its replica unresponsiv
 (``Rounds.failed``); its id is forgotten, so a reply that comes later changes nothing. The
 core's ``next_deadline`` includes these deadlines (``Rounds.due``): an idle bucket with an
 unanswered PREPARE is ticked at its deadline. The transport's own timeout is a safety net only
-(it frees a socket; adamps/server/replication/peers.py), never shorter than this deadline.
+(it frees a socket; adamps/server/replication/peers.py): ``SAFETY`` member timeouts from when
+its request starts, plus the request's bytes at the floor rate on the data plane (over HTTP,
+without them: a batch beyond (SAFETY - 1) member timeouts at the floor rate may fail there
+first, as before issue 40).
 """
 
 from __future__ import annotations
