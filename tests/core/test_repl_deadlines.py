@@ -12,7 +12,7 @@ import pytest
 
 from adamps.core.replication.rounds import RETRY_EVERY
 from adamps.core.replication.settings import RATE_FLOOR
-from tests.core.test_repl_core import Cluster, core, role, take
+from tests.core.test_repl_core import Cluster, core, role
 
 TIMEOUT = 1.0  # the cores' member_timeout (tests/core/test_repl_core.core)
 
