@@ -113,3 +113,37 @@ async def test_the_inputs_of_one_loop_step_ask_the_core_deadline_once() -> None:
     await asyncio.sleep(0.01)
     assert len(asked) == 2
     clock.stop()
+
+
+async def test_the_clock_wakes_the_core_at_an_unanswered_message_deadline() -> None:
+    """Issue 40: peer timeouts are ticks of the core. An idle primary whose COMMIT to b is never
+    answered (and which no transport reports failed) is ticked at the message's deadline,
+    member_timeout after it was sent, and asks the controllers to drop b then: no busy tick
+    before, no waiting for a transport's timeout."""
+    core = ReplCore(ReplSettings("a", member_timeout=0.3, ping_interval=100.0, lease=LeaseTerms()))
+    drops: list[float] = []
+
+    def tick() -> None:
+        core.tick(time.monotonic())
+        drops.extend(time.monotonic() for r in core.ready().requests if r.kind == "drop_secondary")
+        core.advance()
+
+    clock = CoreClock(core, tick)
+    core.tick(time.monotonic())  # registered, its first heartbeat in flight
+    (reg,) = core.ready().requests
+    answer = {"lease": LeaseTerms().to_dict(), "heartbeat_interval": 100.0}
+    core.controller_answer(reg, ControllerAnswer(answer), time.monotonic())
+    core.tick(time.monotonic())
+    assert [r.kind for r in core.ready().requests] == ["register", "heartbeat"]
+    core.advance()
+    sent = time.monotonic()
+    rec = {"bucket": 0, "epoch": 1, "primary": "a", "secondaries": ["b"], "joining": []}
+    core.on_roles({"version": 1, "roles": [rec], "renewed": [[0, 1]]}, sent, sent)
+    assert [m.op for m in core.ready().messages] == ["repl_commit"]  # b's position
+    core.advance()  # sent; never answered
+    clock.start()  # nothing is due before the message's deadline: it sleeps until then
+    await asyncio.sleep(0.2)
+    assert clock.ticks == 0 and drops == []
+    await asyncio.sleep(0.25)
+    clock.stop()
+    assert len(drops) == 1 and 0.3 <= drops[0] - sent < 0.3 + 0.1, drops

@@ -351,6 +351,8 @@ def test_the_core_calls_the_controllers_when_its_link_says_and_takes_every_answe
     roles = {"version": 4, "roles": [role(0, 1, "a", ["b"])], "renewed": [[0, 1]]}
     c.controller_answer(hb, ControllerAnswer(roles, asked_at=10.8), 11.0)
     assert c.roles == {0: "primary"} and c.leases.deadline(0) is not None
+    (msg,) = take(c).messages  # b answers (unanswered, it would be dropped at its deadline)
+    c.answer(msg.rid, {"status": "ok", "seq": msg.fields["seq"]}, None, 11.0)
     take(c)
     c.tick(11.0)
     (hb,) = take(c).requests  # the record wanted meanwhile, once the answer came

@@ -45,3 +45,19 @@ async def test_each_message_is_answered_once_later_and_a_drain_starts_no_task_pe
         peers.close()
     assert sorted(rid for rid, _r, _e in answers) == [*range(21), 99], "each answered once"
     assert {(r, e) for _rid, r, e in answers} == {(None, "connection")}
+
+
+def test_the_transport_times_out_only_long_after_the_cores_deadline() -> None:
+    """Issue 40: whether a peer answered in time is the core's to decide, at each message's
+    deadline (member_timeout plus its bytes at the floor rate, adamps/core/replication/
+    deadlines.py). The transport's timeouts (the channel's data plane and its HTTP client) are
+    a safety net of SAFETY member timeouts, so its "connection" never comes first."""
+    from adamps.server.replication.peers import SAFETY
+
+    assert SAFETY >= 2
+    keys = PeerKeys("a", None, lambda: None, lambda _s: True)
+    peers = Peers("token", 2.0, keys)
+    peers.addresses["b"] = "127.0.0.1:1"
+    ch = peers.channel("b")
+    assert ch.timeout == SAFETY * 2.0
+    assert peers.rpc("b").timeout.total == SAFETY * 2.0

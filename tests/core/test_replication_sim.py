@@ -97,6 +97,7 @@ from adamps.core.replication.ready import (
 )
 from adamps.core.replication.settings import ReplSettings
 from adamps.server.replication.carry import Carrier, controller_call
+from adamps.server.replication.peers import SAFETY
 from adamps.server.replication.shell import Replicator
 from controller.config import ControllerConfig
 from controller.leader import LeaderDuties
@@ -499,8 +500,11 @@ class Server:
             self.store[b].extend(batch.updates)
 
     def send(self, msg: Send, done: Callable[[Any, str | None], None]) -> None:
+        # Timed out by the transport's safety net only (Peers: SAFETY member timeouts): the
+        # core fails an unanswered message at its deadline, long before (issue 40)
         self.rpc(msg.peer, msg.op, dict(msg.fields),
-                 lambda r: done(r, None), lambda err: done(None, _code(err)))  # fmt: skip
+                 lambda r: done(r, None), lambda err: done(None, _code(err)),
+                 timeout=SAFETY * MEMBER_TIMEOUT)  # fmt: skip
 
     def ping(self, member: str, buckets: dict[Any, int], done: Callable[[Any], None]) -> None:
         # (an unanswered ping is not reported: the next one follows)

@@ -11,22 +11,21 @@ The shell (adamps.server.replication.shell, or the simulation) feeds events in a
   (primary, secondary, joining, standby) and ``Assignment``s, renewed leases are timed from when
   the heartbeat was asked (``HolderLeases``), copies no longer assigned are forgotten;
 - ``tick(now)``: the failover watchdog (a secondary whose primary stayed silent proposes a role
-  change), a joining copy whose primary went silent transfers again, the primary's retries and
-  delayed COMMITs, caught-up reports of unknown outcome sent again;
+  change), a joining copy whose primary went silent transfers again, the primary's retries,
+  delayed COMMITs and messages unanswered past their deadline (failed: deadlines.py),
+  caught-up reports of unknown outcome sent again;
 - ``step(peer, msg, now)``: PREPARE, COMMIT and pings of a primary, answered at once (the
   transport is request/response); the batches they decide are applied through ``ready()``;
 - ``submit(...)``: a client push, accepted only as primary and while the lease holds; then
   ``pump`` runs the bucket's rounds: its messages (``Send``) are in ``ready()``, and each gets
-  exactly one answer back, ``answer(rid, reply, error, now)``;
+  one answer back, ``answer(rid, reply, error, now)`` (ignored after its deadline);
 - ``release(...)``: pushes whose round is decided or committed are acknowledged only while the
   lease holds, else answered "unknown" (another primary may already acknowledge under the next
   epoch; the client's retry is answered exactly once by whoever has the batch);
-- ``unresponsive(...)``: a member that did not answer within ``member_timeout``;
-- the joining copy's snapshot (``snapshot_fetched``, ``installed``, ``install_persisted``:
-  join.py);
-- the disk (disk.py): a copy reloaded at start (``reloaded``), a flush's cut
-  (``cut_taken``), damaged records (``rewrite_copy``), whether a copy can be persisted now
-  (``cannot_persist``).
+- ``unresponsive(...)``: a member whose messages failed for ``member_timeout``;
+- the joining copy's snapshot (``snapshot_fetched``, ``installed``, ``install_persisted``: join.py);
+- the disk (disk.py): a copy reloaded at start (``reloaded``), a flush's cut (``cut_taken``),
+  damaged records (``rewrite_copy``), whether a copy can be persisted now (``cannot_persist``).
 
 Nothing outside the core writes its attributes: every change comes through these inputs
 (tests/core/test_core_inputs.py scans the code for writes).
@@ -46,6 +45,7 @@ from adamps.core.lease import HolderLeases
 from adamps.core.replication.bucket import BucketReplica
 from adamps.core.replication.controller_link import ControllerLink
 from adamps.core.replication.controllers import ControllerSide
+from adamps.core.replication.deadlines import PeerLinks
 from adamps.core.replication.disk import DiskSide
 from adamps.core.replication.invariants import check as _check_invariants
 from adamps.core.replication.join import JoiningCopy
@@ -98,6 +98,8 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
         self._ready = Ready()
         #: when to register and heartbeat (controllers.py)
         self.link = ControllerLink(retry=settings.link_retry)
+        #: when each message to a peer is due an answer (deadlines.py)
+        self._links = PeerLinks(settings.member_timeout, settings.rate_floor)
 
     validate = _check_invariants  # raises InvariantViolation naming bucket and rule
 
@@ -261,6 +263,10 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
                     rep.learning = False  # the primary forgot this learner: transfer again
             elif role == "primary":
                 if (rs := self._rounds.get(b)) is None or rs.due(rep, now) <= now:
+                    for m, o in rs.overdue(now) if rs else ():  # failed: deadlines.py
+                        self._rids.pop(o.rid, None)
+                        if o.epoch == rep.assignment.epoch:
+                            self._failed(b, rep, rs, m, o.sent, now)
                     self.pump(b, now)
         for key, (at, req) in list(self._report_again.items()):
             if now >= at:
@@ -371,8 +377,7 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
         if rep is None or self.roles.get(b) != "primary":
             self._rounds.pop(b, None)
             return
-        rs = self._rounds.get(b)
-        if rs is None:
+        if (rs := self._rounds.get(b)) is None:
             rs = self._rounds[b] = Rounds()
         while True:
             if rep.needs_recovery:
@@ -395,9 +400,8 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
             if not op:  # its gap reaches past the log: it needs a state transfer
                 self._failed(b, rep, rs, m, now, now)
                 continue
-            self._next_rid += 1
-            rid = self._next_rid
-            rs.sent(m, rid, op, epoch, now)
+            self._next_rid = rid = self._next_rid + 1
+            rs.sent(m, rid, op, epoch, now, self._links.deadline(m, fields, now))
             self._rids[rid] = (b, m)
             body = {"bucket": b, "epoch": epoch, "sender": self.server_id, **fields}
             self._ready.messages.append(Send(rid, m, op, body))
@@ -423,8 +427,7 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
 
     def on_reply(self, rid: int, reply: Mapping[str, Any], now: float) -> None:
         """A replica answered message `rid` (a PREPARE or COMMIT of this primary)."""
-        got = self._take(rid)
-        if got is None:
+        if (got := self._take(rid)) is None:
             return
         b, m, rep, rs, o = got
         if o.epoch == rep.assignment.epoch:  # else: of a round restarted under a new epoch
@@ -436,10 +439,9 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
         self.pump(b, now)
 
     def report_unreachable(self, rid: int, now: float, code: str = "connection") -> None:
-        """Message `rid` failed: no answer in time, the connection failed, or the replica
+        """The transport says message `rid` failed: the connection failed, or the replica
         refused it (`code`: stale_epoch means this server's record is old)."""
-        got = self._take(rid)
-        if got is None:
+        if (got := self._take(rid)) is None:
             return
         b, m, rep, rs, o = got
         if code == "stale_epoch":
@@ -449,8 +451,7 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
         self.pump(b, now)
 
     def _take(self, rid: int) -> tuple[int, str, BucketReplica, Rounds, Any] | None:
-        bm = self._rids.pop(rid, None)
-        if bm is None:
+        if (bm := self._rids.pop(rid, None)) is None:
             return None
         b, m = bm
         rs, rep = self._rounds.get(b), self.buckets.get(b)
@@ -480,7 +481,7 @@ class ReplCore(ControllerSide, JoiningCopy, Pings, DiskSide):
             self._unknown(waiters, b, why)
 
     def unresponsive(self, b: int, member: str) -> str:
-        """A replica did not answer within member_timeout: "forgotten" (a learner not yet reported
+        """A replica failed for member_timeout: "forgotten" (a learner not yet reported
         caught up is no member: it transfers again), "wait" (its report awaits the controllers'
         answer) or "drop" (a member, or an accepted learner, leaves only by a committed controller
         entry: a drop_secondary request is in ``ready()``; the rounds wait for the record)."""

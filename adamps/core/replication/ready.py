@@ -72,7 +72,9 @@ class ControllerAnswer:
 class Send:
     """A message of this primary to a replica (repl_prepare, repl_commit). Its answer goes back
     in as ``ReplCore.answer(rid, reply, None, now)``, its failure as ``answer(rid, None, error,
-    now)``: every message sent gets exactly one answer (the transport times it out)."""
+    now)``: the transport answers every message once. Whether it came in time is the core's to
+    decide: unanswered at its deadline, the core's tick fails it (deadlines.py) and ignores
+    what the transport reports of it later (its safety timeout only frees the socket)."""
 
     rid: int
     peer: str

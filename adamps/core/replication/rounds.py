@@ -16,9 +16,13 @@ At most one message per replica is in flight for a bucket. Each replica gets, in
   per step). The acknowledgement never waits for it; only a secondary's applying of a bucket's
   last batch before a pause does.
 
-A failed message is retried after ``RETRY_EVERY``; a replica that has failed since a message sent
-more than ``member_timeout`` ago is unresponsive (``ReplCore.unresponsive`` decides what follows).
-Replies to a message of an older epoch change nothing: the round was restarted under the new one.
+A message fails when the transport reports it failed (the connection, or the replica refused
+it), or when the core's tick finds it unanswered past its deadline (``overdue``): sent plus
+``member_timeout`` plus its size allowance (deadlines.py; issue 40: the transport no longer
+decides a peer's liveness). A failed message is retried after ``RETRY_EVERY``; a replica that
+has failed since a message sent ``member_timeout`` or more ago is unresponsive
+(``ReplCore.unresponsive`` decides what follows). A reply to a message failed at its deadline,
+or to one of an older epoch, changes nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class Outstanding:
     op: str
     epoch: int
     sent: float
+    #: failed if unanswered by then (deadlines.PeerLinks)
+    deadline: float = float("inf")
 
 
 @dataclass
@@ -88,8 +94,9 @@ class Rounds:
         pumps the bucket at once). Due at once: a recovery, or a round to start (pushes wait and
         none is in flight; the lease gates it inside the pump). Else the earliest message
         ``to_send`` would build: to a replica with no message in flight, its PREPARE once its
-        retry time passed, its COMMIT once the delayed COMMIT's time passed too. A bucket whose
-        replicas all answered or have a message in flight waits for nothing but answers:
+        retry time passed, its COMMIT once the delayed COMMIT's time passed too; and a message
+        in flight at its deadline (it has failed then: ``overdue``). Between those, a bucket
+        whose replicas all answered or have a message in flight waits for nothing but answers:
         issue 36 (helper ctr36's profile of a click-through step at RF 3) found the clock
         ticking every TICK while any message was in flight, and each tick pumping every bucket
         one of whose replicas had answered while another had not, for nothing."""
@@ -97,6 +104,8 @@ class Rounds:
             return now
         seq = rep.inflight[0].seq if rep.inflight is not None else None
         at = float("inf")
+        for o in self.out.values():
+            at = o.deadline if o.deadline < at else at
         for m in rep.replicas:
             if m in self.out:
                 continue
@@ -143,8 +152,16 @@ class Rounds:
                     out.append((m, "repl_commit", {"seq": rep.committed}))
         return out
 
-    def sent(self, m: str, rid: int, op: str, epoch: int, now: float) -> None:
-        self.out[m] = Outstanding(rid, op, epoch, now)
+    def sent(self, m: str, rid: int, op: str, epoch: int, now: float, deadline: float) -> None:
+        self.out[m] = Outstanding(rid, op, epoch, now, deadline)
+
+    def overdue(self, now: float) -> list[tuple[str, Outstanding]]:
+        """The messages unanswered at their deadline, no longer in flight: they have failed
+        (the caller forgets their ids, so a late reply changes nothing)."""
+        late = [(m, o) for m, o in self.out.items() if now >= o.deadline]
+        for m, _o in late:
+            del self.out[m]
+        return late
 
     def answered(self, rep: BucketReplica, m: str, op: str, reply: dict[str, Any]) -> int | None:
         """A replica's reply to its message: updates what the primary knows of it. Returns the
@@ -163,11 +180,11 @@ class Rounds:
         return seq
 
     def failed(self, m: str, sent: float, now: float, timeout: float) -> bool:
-        """A message to `m` failed (or could not be built). True when `m` has failed for longer
-        than `timeout`: it is unresponsive now (timed again from now)."""
+        """A message to `m` failed (or could not be built). True when `m` has failed for
+        `timeout` or longer: it is unresponsive now (timed again from now)."""
         since = self.fail_since.setdefault(m, sent)
         self.retry_at[m] = now + RETRY_EVERY
-        if now - since > timeout:
+        if now - since >= timeout:
             self.fail_since[m] = now
             return True
         return False

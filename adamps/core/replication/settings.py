@@ -10,14 +10,20 @@ from adamps.core.replication.bucket import DEFAULT_LOG_LIMIT
 
 #: a server's default ping_interval is failover_after / this (adamps.server.config)
 PINGS_PER_FAILOVER = 4
+#: bytes per second a live peer takes at least: a message gets member_timeout plus its size at
+#: this rate (and that of the messages queued to the same peer before it: deadlines.py)
+RATE_FLOOR = 32e6
 
 
 @dataclass(frozen=True)
 class ReplSettings:
     #: this server's id (what the controllers' records name)
     server_id: str
-    #: seconds a member has to answer a round before the primary asks the controllers to drop it
+    #: seconds a member has to answer a message (beyond its bytes at rate_floor: deadlines.py)
+    #: before the primary asks the controllers to drop it
     member_timeout: float = 1.0
+    #: bytes per second a live peer takes at least (a message's size allowance)
+    rate_floor: float = RATE_FLOOR
     #: seconds a secondary waits without a word from its primary before proposing a role change
     failover_after: float = 3.0
     #: "prepared": acknowledge at the decision point of 2PC; "committed": once every member committed

@@ -1,6 +1,7 @@
 """The replication core's clock (issue 36: idle costs nothing): the core is ticked when its next
 deadline is due (``ReplCore.next_deadline``: the pings, the heartbeats, the watchdog, a busy
-primary's retries and COMMITs), not every few milliseconds. An idle server with the default
+primary's retries and COMMITs, and the deadline of each message it sent, when an unanswered one
+has failed: issue 40), not every few milliseconds. An idle server with the default
 ``ping_interval`` (0.75 s) and heartbeats (1 s) ticks about twice a second, each tick doing what
 is due. An input that brings no deadline before a bound (a ping: its watchdog, failover_after
 away) leaves a plan due by then as it is, without asking the core (a walk over every bucket).

@@ -31,6 +31,7 @@ from adamps.client.dataplane import (
 )
 from adamps.client.rpc import AsyncRpc, RpcError, rpc_request
 from adamps.core.replication.ready import Fetch, Send
+from adamps.core.replication.settings import RATE_FLOOR
 from adamps.security import peer_auth, tls
 from adamps.server.replication.peer_keys import PeerKeys
 from adamps.server.replication.wire import batch_to_wire
@@ -40,9 +41,11 @@ log = logging.getLogger(__name__)
 
 #: seconds between two lookups of a peer's data port (GET /status) when it has none or is down
 LOOKUP_EVERY = 2.0
-#: bytes per second a live peer takes at least: a message gets member_timeout plus its size at
-#: this rate (a 21 MB batch of a 64 MiB push is no sign of a dead peer if it takes 0.6 s)
-RATE_FLOOR = 32e6
+#: a peer's request times out after this many member timeouts plus its size at RATE_FLOOR: only
+#: a safety net, freeing the socket of a peer that never answers. Whether a peer answered in time
+#: is the core's to decide, at each message's deadline (adamps/core/replication/deadlines.py,
+#: issue 40), which comes first; a failure reported after it changes nothing.
+SAFETY = 3
 #: bytes of a frame to a peer written at a time (PeerStream._exchange)
 WRITE_STEP = 1 << 20
 
@@ -362,7 +365,7 @@ class Peers:
         self.token = token
         #: this server's peer identity
         self.keys = keys
-        #: seconds a peer has to answer one request (the member timeout)
+        #: the member timeout: a request's safety timeout is SAFETY of them (plus its size)
         self.timeout = timeout
         #: server id -> "host:port" (from the controllers' roles)
         self.addresses: dict[str, str] = {}
@@ -382,7 +385,7 @@ class Peers:
         ch = self._channels.get(rpc.base_url)
         if ch is None:
             ch = self._channels[rpc.base_url] = PeerChannel(
-                rpc, self.token, self.timeout, self.keys, server, self.digests
+                rpc, self.token, SAFETY * self.timeout, self.keys, server, self.digests
             )
         ch.member = server
         return ch
@@ -421,15 +424,16 @@ class Peers:
             raise ConnectionError(f"no address known for server {server!r}")
         rpc = self._rpcs.get(addr)
         if rpc is None:
-            rpc = self._rpcs[addr] = AsyncRpc(addr, self.token, self.session, self.timeout)
+            rpc = self._rpcs[addr] = AsyncRpc(addr, self.token, self.session, SAFETY * self.timeout)
         return rpc
 
     def send(self, msg: Send, done: Callable[[dict[str, Any] | None, str | None], None]) -> None:
         """The replication core's message over the peer's aggregating channel. Every message
         gets exactly one answer through `done`, always from a later loop step (never inside
-        the caller's drain): the reply, or an error code ("connection" when no reply came
-        within the channel's timeout). Queued at once, without a task per message: a
-        click-through step at RF 3 is ~46 messages per server (issue 36's profile)."""
+        the caller's drain): the reply, or an error code ("connection": the connection failed,
+        or no reply came within the safety timeout, long after the core's deadline for it).
+        Queued at once, without a task per message: a click-through step at RF 3 is ~46
+        messages per server (issue 36's profile)."""
         loop = asyncio.get_running_loop()
         try:
             fields = dict(msg.fields)
