@@ -16,7 +16,7 @@ replicas, 2.90-3.10 at 4). BatchNorm statistics stay each replica's own (as adam
 buffers local); the held-out accuracy is the servers' values with replica 0's statistics.
 
 Rules: ``off`` (every push at lr), ``auto`` (lr / (1 + tau): adamps' default,
-adamps/core/staleness.py), ``decay:K`` (lr / (1 + tau * K / (K + t)), t the updates applied so
+adamps/core/staleness.py), ``sqrt`` (lr / sqrt(1 + tau)), ``decay:K`` (lr / (1 + tau * K / (K + t)), t the updates applied so
 far: the division fades as the steps shrink; studied, not shipped). Deterministic: a seed gives
 the same accuracy twice. The last line printed is one JSON object: for each workload, rule and
 N, the accuracies by seed and their mean, and one replica's.
@@ -44,10 +44,12 @@ def factor(rule: str, tau: int, t: int) -> float:
         return 1.0
     if rule == "auto":
         return 1.0 / (1 + tau)
+    if rule == "sqrt":
+        return (1 + tau) ** -0.5
     if rule.startswith("decay:"):
         k = float(rule.split(":", 1)[1])
         return 1.0 / (1 + tau * k / (k + t))
-    raise ValueError(f"unknown rule {rule!r}: expected off, auto or decay:K")
+    raise ValueError(f"unknown rule {rule!r}: expected off, auto, sqrt or decay:K")
 
 
 def run(workload: str, n: int, epochs: int, rule: str, seed: int) -> float:
@@ -101,7 +103,9 @@ def main() -> None:
     ap.add_argument("--workload", default="transformer", choices=sorted(SETTINGS))
     ap.add_argument("--epochs", type=int, default=10, help="passes over the 4,000 images")
     ap.add_argument("--replicas", default="2,4", help="replica counts besides 1, e.g. 2,4")
-    ap.add_argument("--rules", default="off,auto", help="off, auto, decay:K (comma-separated)")
+    ap.add_argument(
+        "--rules", default="off,auto", help="off, auto, sqrt, decay:K (comma-separated)"
+    )
     ap.add_argument("--seeds", default="0,1,2", help="seeds (the model's init, the order)")
     a = ap.parse_args()
     try:
@@ -111,7 +115,7 @@ def main() -> None:
         for r in rules:
             factor(r, 1, 0)
     except ValueError as exc:
-        ap.error(f"--replicas/--seeds take integers, --rules off, auto or decay:K: {exc}")
+        ap.error(f"--replicas/--seeds take integers, --rules off, auto, sqrt or decay:K: {exc}")
     if a.epochs < 1 or not seeds or any(n < 1 for n in ns):
         ap.error("--epochs >= 1, at least one seed and replica counts >= 1 are expected")
     out: dict[str, Any] = {"workload": a.workload, "epochs": a.epochs}
