@@ -164,7 +164,8 @@ ACK = os.environ.get("ADAMPS_SIM_ACK", "")  # "prepared" | "committed": every se
 #: loggers quieted while a seed runs, and restored after it (set at import, the shell's level
 #: hid the errors other tests of the same process look for: test_deleted_run_updates)
 QUIET = {
-    "controller.state": logging.ERROR,
+    # a server that cannot persist is an operator's error there, and the simulation's fault here
+    "controller.state": logging.CRITICAL,
     "controller.service": logging.ERROR,  # its leader loop's notices
     # snapshots damaged on the way are the simulation's faults (the shell logs them as errors)
     "adamps.server.replication.shell": logging.CRITICAL,
