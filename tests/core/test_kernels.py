@@ -198,3 +198,29 @@ print(*first, fused is not None, calls == [1], w.tobytes() == w2.tobytes())
     r = _run(code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True"] * 6, r.stdout
+
+
+def test_a_tensor_created_under_adagrad_starts_the_load_and_one_under_sgd_does_not() -> None:
+    """The load runs when a shard whose optimizer applies the kernels is created (or reloaded),
+    not inside the first steps of training, and a server without one never loads numba."""
+    code = """
+import sys
+from adamps.layout import TensorSpec
+from adamps.optspec import Optimizer, spec_of
+from adamps.server.store.store import Store
+from adamps.server.updates import kernels
+s = Store(n_buckets=4, owner_threads=1, max_shard_elems=100)
+try:
+    s.define(TensorSpec("w", (10,)), Optimizer.from_dict(spec_of("sgd", 0.1, 0.0, None)),
+             {"kind": "zeros"}, None)
+    after_sgd = (kernels._loader is None, "numba" in sys.modules)
+    s.define(TensorSpec("v", (10,)), Optimizer.from_dict(spec_of("adagrad", 0.1, 0.0, None)),
+             {"kind": "zeros"}, None)
+    kernels._loader.join(120)
+    print(*after_sgd, kernels._fused is not None)
+finally:
+    s.close()
+"""
+    r = _run(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "False", "True"], r.stdout

@@ -11,7 +11,8 @@ module is imported):
 - ``numba`` (the default when numba is installed: ``pip install 'adamps[fast]'``): compiled with ``cache=True`` (the machine code is stored next to this file,
   or in numba's per-user cache where that is read-only, so a process after the first does not
   compile again) and an explicit signature. It is loaded in a background thread when the process
-  first applies an Adagrad update (:func:`load`), never at import and never on the update path:
+  creates or reloads a shard under Adagrad (:func:`warm`) or first applies an Adagrad update
+  (:func:`load`), never at import and never on the update path:
   numba and its load cost about 0.6 CPU-s, half a server's start, and a server that applies
   no Adagrad (a controller, a restore, an SGD-only cluster) never needs it. Until it is loaded
   the updates run the numpy reference, which is bit-identical (below), so the switch changes no
@@ -154,7 +155,7 @@ def _load_numba():  # type: ignore[no-untyped-def]
 _fused: tuple | None = None  # type: ignore[type-arg]
 #: held while the kernels load, so that they load once
 _load_lock = threading.Lock()
-#: the background thread loading them (started by the first Adagrad update), else None
+#: the background thread loading them (started by warm() or the first Adagrad update), else None
 _loader: threading.Thread | None = None
 #: held while that thread is started, so that one is
 _start_lock = threading.Lock()
@@ -193,6 +194,14 @@ def _ready():  # type: ignore[no-untyped-def]
                 )
                 _loader.start()
     return None
+
+
+def warm() -> None:
+    """Starts loading the kernels in the background now, if they are not loaded: a tensor whose
+    optimizer applies them was created or reloaded, so its first updates find them loaded,
+    rather than each copy paying the load (0.6-0.8 CPU-s) inside the first steps of training
+    (issue 36's practitioner benchmark counts the servers' CPU over the training loop)."""
+    _ready()
 
 
 def _fusable(*arrays: np.ndarray) -> bool:

@@ -100,6 +100,16 @@ def state_shape(opt: Optimizer, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (opt.state_size(math.prod(shape)),)
 
 
+#: the kinds whose dense step is a fused kernel (kernels.py): torch's Adagrad and the legacy one
+FUSED_KINDS = frozenset({"adagrad", "adagrad_legacy"})
+
+
+def warm_kernels(opt: Optimizer) -> None:
+    """A shard under `opt` is created or reloaded: its kernels start loading now (kernels.warm)."""
+    if opt.kind in FUSED_KINDS:
+        kernels.warm()
+
+
 def initial_state(opt: Optimizer, n: int) -> np.ndarray:
     """A new shard's state (flat): the first array at the kind's initial value, the rest and
     the step count 0."""
@@ -109,7 +119,9 @@ def initial_state(opt: Optimizer, n: int) -> np.ndarray:
 
 
 def state_array(opt: Optimizer, shard: Any, a: np.ndarray) -> np.ndarray:
-    """`a` (a saved or sent state) as the C-contiguous float32 state of `shard`, or ValueError."""
+    """`a` (a saved or sent state) as the C-contiguous float32 state of `shard`, or ValueError.
+    Every shard's state is built here (created, reloaded, installed): its kernels start loading."""
+    warm_kernels(opt)
     want = opt.state_size(shard.size)
     if a.size != want:
         raise ValueError(
