@@ -324,9 +324,11 @@ def test_a_wait_moved_to_another_cpu_is_not_a_wait_since_boot() -> None:
             assert times is not None
             worst = max(worst, times.run + times.wait - (time.monotonic() - born))
             time.sleep(0.01)
-        # the waiter's CPU and run-queue time can not exceed its life (a margin for the CPUs'
-        # scheduler clocks, a few ms apart)
-        assert worst < 0.1, f"counted {worst:.1f} s more than the thread lived"
+        # the waiter's CPU and run-queue time can not exceed its life, up to a margin for the
+        # CPUs' scheduler clocks: a few ms apart when written, 0.24 s in 2 of 5 runs on the same
+        # 2-vCPU VM a day later (2026-11-28; the code of the day before, too). The defect this
+        # guards against counted a wait since boot: 49,709 s
+        assert worst < 1.0, f"counted {worst:.1f} s more than the thread lived"
     finally:
         for t in [*hogs, waiter]:
             t.stop.set()
