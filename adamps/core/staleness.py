@@ -36,7 +36,7 @@ def divides(spec: Mapping[str, object]) -> bool:
     (adamps.optspec's dict): every optimizer but plain SGD (no momentum). Adagrad, Adam and
     RMSprop normalize each element's step, so their first steps are about lr per element
     whatever the gradient's size, and N replicas' first steps from one point add up N-fold:
-    dividing gains 5-25 points at 4 replicas. Plain SGD's step is the gradient's, which moves
+    dividing gained 5-22 points at 4 replicas. Plain SGD's step is the gradient's, which moves
     little over N - 1 updates at a stable lr: dividing cost it 1 point at 4 replicas and gained
     nothing at 2 (benchmarks/staleness_sim.py, 3 seeds; docs/training.md). SGD with momentum
     keeps the division (unmeasured; asynchrony adds momentum of its own)."""
