@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -375,9 +376,14 @@ def test_the_compose_topology_forms_a_cluster_and_trains(
         if role == "ps":
             deadline = time.monotonic() + 60
             while True:
-                view = json.loads(
-                    get_text(f"http://127.0.0.1:{http[by_role['controller'][0]]}/cluster")
-                )
+                try:
+                    view = json.loads(
+                        get_text(f"http://127.0.0.1:{http[by_role['controller'][0]]}/cluster")
+                    )
+                except urllib.error.HTTPError as exc:  # 503: no leader elected yet
+                    assert exc.code == 503 and time.monotonic() < deadline, exc
+                    time.sleep(0.3)
+                    continue
                 live = sorted(s for s, rec in view["servers"].items() if rec["state"] == "live")
                 placed = (
                     view["unassigned"] == 0
