@@ -16,6 +16,7 @@ from adamps.server.storage.persist import Persister, Position, _unpack
 from adamps.server.store.checksum import unseal
 from adamps.server.store.initial import normalize_init
 from adamps.server.store.store import Store
+from adamps.server.updates import kernels
 from adamps.server.updates.optim import Dense, Optimizer
 
 MiB = 1 << 20
@@ -24,6 +25,11 @@ CHUNK = 4 * MiB
 
 
 def make_store() -> tuple[Store, list]:
+    # Creating an Adagrad shard starts loading the numba kernels on a background thread
+    # (kernels.warm): load them first, or tracemalloc counts that import's allocations (5-6 MiB)
+    # as the flush's. A process that ran no Adagrad test before (this file alone, or a
+    # pytest-xdist worker) failed here.
+    kernels.load()
     store = Store(n_buckets=64, owner_threads=2, max_shard_elems=1 << 17)  # 512 KiB shards
     spec = TensorSpec("w", (ELEMS,))
     t = store.define(
