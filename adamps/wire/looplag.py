@@ -2,7 +2,7 @@
 
 A request that computes or allocates a lot on the event loop holds every connection of its
 process: heartbeats go unanswered and a server is declared dead. The probe is a task that
-sleeps `PERIOD` seconds over and over and records how late each wake-up comes
+sleeps at most `PERIOD` seconds over and over and records how late each wake-up comes
 (``adamps_event_loop_lag_seconds``). On a loaded machine a late wake-up may only mean that the
 process waited for a CPU; Linux counts that wait per thread (``/proc/thread-self/schedstat``,
 the second field: nanoseconds runnable but not running), so the probe also records the lag
@@ -10,10 +10,12 @@ less that wait (``adamps_event_loop_blocked_seconds``): the time the loop itself
 waited for IO. The tests' bound ("no request holds the loop for more than 100 ms",
 tests/system/test_loop_lag.py) is on the blocked time, which a busy machine does not inflate.
 
-Every role's HTTP app starts one (adamps/wire/web.py). It costs one timer every `PERIOD` seconds,
+Every role's HTTP app starts one (adamps/wire/web.py). It wakes at most every `PERIOD` seconds,
 ``$ADAMPS_LOOP_PROBE_PERIOD`` (default 0.25 s): at 10 ms a wake-up's few tens of microseconds came
 to 1.3% of a core per process, most of what an idle cluster spent (issue 36: idle costs
-nothing). A block of B seconds is seen as at least B - PERIOD, so a test that bounds holds at
+nothing). It rides the loop's other timers (adamps/wire/ride.py): it runs with the latest timer
+already due within the second half of its period, and wakes the loop itself only when there is
+none. A block of B seconds is seen as at least B - PERIOD, so a test that bounds holds at
 100 ms (tests/system/test_loop_lag.py) sets 0.01.
 """
 
@@ -29,6 +31,8 @@ import time
 import traceback
 
 from prometheus_client import CollectorRegistry, Histogram
+
+from adamps.wire import ride
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +123,10 @@ class LoopLag:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            t0, w0 = loop.time(), _runqueue_wait()
-            await asyncio.sleep(PERIOD)
+            w0 = _runqueue_wait()
+            due = await ride.sleep(PERIOD)
             self._beat = time.monotonic()
-            late = max(0.0, loop.time() - t0 - PERIOD)
+            late = max(0.0, loop.time() - due)
             w1 = _runqueue_wait()
             waited = w1 - w0 if w0 is not None and w1 is not None else 0.0
             self.record(late, max(0.0, late - waited))
