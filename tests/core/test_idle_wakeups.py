@@ -167,3 +167,38 @@ def test_ride_at_rides_the_latest_live_timer_in_its_window() -> None:
         assert ride.ride_at(loop, 10.0, 10.1) == 10.1  # nothing due by then: its own
     finally:
         loop.close()
+
+
+def test_the_probe_opens_its_schedstat_once(monkeypatch) -> None:
+    """Each probe wake-up reads the loop thread's run-queue wait twice: from a file opened once
+    (pread), not opened and read each time (20 us each, a tenth of an idle loop's time)."""
+    import builtins
+    import os
+
+    opened: list[str] = []
+    real_open, real_os_open = builtins.open, os.open
+
+    def counting_open(path, *a, **k):  # type: ignore[no-untyped-def]
+        if "schedstat" in str(path):
+            opened.append(str(path))
+        return real_open(path, *a, **k)
+
+    def counting_os_open(path, *a, **k):  # type: ignore[no-untyped-def]
+        if "schedstat" in str(path):
+            opened.append(str(path))
+        return real_os_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(os, "open", counting_os_open)
+    monkeypatch.setattr(looplag, "PERIOD", 0.02)
+    probe = looplag.LoopLag(CollectorRegistry())
+
+    async def main() -> None:
+        probe.start()
+        await asyncio.sleep(0.5)
+        await probe.stop()
+
+    asyncio.run(main())
+    count = next(x.value for x in probe.lag.collect()[0].samples if x.name.endswith("_count"))
+    assert count >= 10  # the probe ran
+    assert len(opened) <= 1, opened
