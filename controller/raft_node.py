@@ -112,13 +112,10 @@ class RaftNode:
         return self.node.isReady()
 
     def is_leader(self) -> bool:
-        # pysyncobj's own accessor reads one attribute; getStatus() builds a dump of ~20 entries
-        # (walking the peers' indexes), and an idle leader's loop asked it several times a
-        # second: a tenth of that loop's time (issue 36's profile)
-        return self.node._isLeader()
+        return self.node.leads()  # not getStatus()'s dump (GuardedSyncObj.leads)
 
     def leader_raft(self) -> str | None:
-        leader = self.node._getLeader()
+        leader = self.node.leader_node()
         return None if leader is None else leader.address
 
     def journal(self) -> dict[str, Any]:
