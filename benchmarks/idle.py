@@ -14,13 +14,18 @@ CPU seconds and wakeups per second, the machine's load average, and last one JSO
 `idle_cluster_cpu_s_per_s`.
 
     python benchmarks/idle.py [--seconds 30] [--settle 10] [--state-mb 16] [--no-dataserver]
-        [--keep-open]
+        [--rows N --dim 16] [--keep-open]
     python benchmarks/idle.py --scrub-cost 512
 
 `--scrub-cost MB` measures instead what the background scrub costs: it writes MB of shard records
 (values and Adagrad accumulators, 1 MiB each) to a fresh LMDB environment, verifies them twice as
 the scrub does (``Persister.scan`` in 4 MiB steps) and prints the scrub thread's CPU seconds per
 GiB and how long a pass takes per GiB at the default bounds (docs/operations.md quotes it).
+
+`--rows N` also loads an embedding table of N rows (`--dim`, Adagrad, `push_rows` in pushes of
+100,000) before it settles: the idle cost of a cluster holding rows, with the default settings
+(the scrub at its default bounds; benchmarks/embeddings.py's idle figure comes from its cluster
+with fast timers: heartbeats and pings every 0.2 s and no scrub).
 
 `--keep-open` leaves the cluster running after the measurement and prints its pids, so that
 `py-spy record --pid PID --idle` can profile one member (Ctrl-C stops it).
@@ -152,6 +157,21 @@ def scrub_cost(mb: float) -> dict[str, float]:
     }
 
 
+def load_table(c: LocalCluster, rows: int, dim: int, n_buckets: int) -> None:
+    """A table of `rows` rows of `dim` (Adagrad), loaded by pushes of 100,000 rows."""
+    t0 = time.monotonic()
+    with PSClient(ControllerRouting(c.controllers), Layout([], n_buckets), c.token,
+                  timeout=120.0) as client:  # fmt: skip
+        client.create_table("idle_rows", dim, init={"kind": "normal", "std": 0.01, "seed": 1},
+                            optimizer={"kind": "adagrad", "lr": 0.1})  # fmt: skip
+        ids = np.random.default_rng(0).permutation(rows).astype(np.int64) * 7919 + 13
+        grads = np.full((100_000, dim), 1e-3, np.float32)
+        for s in range(0, rows, 100_000):
+            part = ids[s : s + 100_000]
+            client.push_rows("idle_rows", part, grads[: len(part)])
+    print(f"{rows:,} rows of dim {dim} loaded in {time.monotonic() - t0:.1f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=30.0, help="measured window")
@@ -161,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--buckets", type=int, default=64)
     ap.add_argument("--state-mb", type=float, default=16.0, help="model held (MB of float32)")
     ap.add_argument("--no-dataserver", action="store_true", help="no data server")
+    ap.add_argument("--rows", type=int, default=0, help="rows of an embedding table to hold")
+    ap.add_argument("--dim", type=int, default=16, help="the table's dim")
     ap.add_argument("--keep-open", action="store_true", help="leave the cluster up after")
     ap.add_argument("--scrub-cost", type=float, default=0.0, metavar="MB", help="see above")
     a = ap.parse_args(argv)
@@ -183,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             # one push: every shard (values and accumulators) is written to LMDB by the next flush
             client.push_dense(spec.name, np.full(spec.shape, 0.1, np.float32))
             client.close()
+        if a.rows > 0:
+            load_table(c, a.rows, a.dim, a.buckets)
         if not a.no_dataserver:
             ds = c.start_dataserver("--source", "builtin", "--no-augment")
             c.procs["dataserver0"].wait_http(f"http://{ds}/healthz", 120)
@@ -211,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_1m": round(load[0], 2),
             "processes": len(per),
             "state_mb": a.state_mb,
+            "rows": a.rows,
         }
         if a.keep_open:
             print(json.dumps(out), flush=True)

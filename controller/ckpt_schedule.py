@@ -20,6 +20,7 @@ from typing import Any
 
 from adamps.checkpoint import series as ckpt_series
 from adamps.checkpoint.save_restore import Cluster, save
+from adamps.wire import ride
 from controller import ckpt_record
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
@@ -66,7 +67,7 @@ class CheckpointSchedule:
             return
         period = min(1.0, self.cfg.checkpoint_interval / 4)
         while True:
-            await asyncio.sleep(period)
+            await ride.sleep(period)  # with another timer's wake-up when one is due (issue 36)
             try:
                 await self._step()
             except asyncio.CancelledError:

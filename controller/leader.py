@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from adamps.wire import ride
 from adamps.wire.protocol import ProtocolError
 from controller.config import ControllerConfig
 from controller.ctl_metrics import ControllerMetrics
@@ -56,6 +57,9 @@ class LeaderDuties:
         self._was_leader = False
         #: monotonic time the leader loop's last step ended (a long gap: this node was stalled)
         self._last_step = mono()
+        #: seconds the loop planned to sleep after that step (`run`; the simulation's virtual
+        #: clock steps every reconcile_interval)
+        self._planned = cfg.reconcile_interval
 
     def heard_from(self, sid: str) -> None:
         """A heartbeat or registration of server `sid` arrived now."""
@@ -91,7 +95,11 @@ class LeaderDuties:
             except Exception:
                 log.exception("leader step failed")
             self.stepped()
-            await asyncio.sleep(self.cfg.reconcile_interval)
+            # At most reconcile_interval apart, with another timer's wake-up when one is due in
+            # its second half (issue 36: a follower's loop woke four times a second for this)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            self._planned = await ride.sleep(self.cfg.reconcile_interval) - t0
 
     def stepped(self) -> None:
         """A step ended (whatever its outcome): measured from here, the step's own waits
@@ -105,7 +113,7 @@ class LeaderDuties:
             self._was_leader = False
             return
         mono = self.mono()
-        gap = mono - self._last_step - self.cfg.reconcile_interval
+        gap = mono - self._last_step - self._planned
         stalled = gap > self.cfg.server_timeout / 2
         if not self._was_leader:
             # A new leader knows no heartbeat yet: everybody's silence clock starts now.

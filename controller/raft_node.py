@@ -24,8 +24,6 @@ from controller.raft_timing import append_period
 from controller.raft_transport import RaftLimits, transport_class
 from controller.state import ReplicatedCluster, dry_run
 
-#: pysyncobj's getStatus()["state"] of a leader (0 follower, 1 candidate, 2 leader): its public API
-RAFT_LEADER = 2
 #: operations asked for by clients: dry-run on a copy of the state before they are proposed
 #: (those whose apply can refuse; register, rebalance and report_progress always succeed once
 #: their arguments passed the handlers' checks, so they skip the copy)
@@ -114,10 +112,10 @@ class RaftNode:
         return self.node.isReady()
 
     def is_leader(self) -> bool:
-        return self.node.getStatus()["state"] == RAFT_LEADER
+        return self.node.leads()  # not getStatus()'s dump (GuardedSyncObj.leads)
 
     def leader_raft(self) -> str | None:
-        leader = self.node.getStatus()["leader"]
+        leader = self.node.leader_node()
         return None if leader is None else leader.address
 
     def journal(self) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 A request that computes or allocates a lot on the event loop holds every connection of its
 process: heartbeats go unanswered and a server is declared dead. The probe is a task that
-sleeps `PERIOD` seconds over and over and records how late each wake-up comes
+sleeps at most `PERIOD` seconds over and over and records how late each wake-up comes
 (``adamps_event_loop_lag_seconds``). On a loaded machine a late wake-up may only mean that the
 process waited for a CPU; Linux counts that wait per thread (``/proc/thread-self/schedstat``,
 the second field: nanoseconds runnable but not running), so the probe also records the lag
@@ -10,10 +10,12 @@ less that wait (``adamps_event_loop_blocked_seconds``): the time the loop itself
 waited for IO. The tests' bound ("no request holds the loop for more than 100 ms",
 tests/system/test_loop_lag.py) is on the blocked time, which a busy machine does not inflate.
 
-Every role's HTTP app starts one (adamps/wire/web.py). It costs one timer every `PERIOD` seconds,
+Every role's HTTP app starts one (adamps/wire/web.py). It wakes at most every `PERIOD` seconds,
 ``$ADAMPS_LOOP_PROBE_PERIOD`` (default 0.25 s): at 10 ms a wake-up's few tens of microseconds came
 to 1.3% of a core per process, most of what an idle cluster spent (issue 36: idle costs
-nothing). A block of B seconds is seen as at least B - PERIOD, so a test that bounds holds at
+nothing). It rides the loop's other timers (adamps/wire/ride.py): it runs with the latest timer
+already due within the second half of its period, and wakes the loop itself only when there is
+none. A block of B seconds is seen as at least B - PERIOD, so a test that bounds holds at
 100 ms (tests/system/test_loop_lag.py) sets 0.01.
 """
 
@@ -30,6 +32,8 @@ import traceback
 
 from prometheus_client import CollectorRegistry, Histogram
 
+from adamps.wire import ride
+
 log = logging.getLogger(__name__)
 
 #: seconds between two wake-ups (a block of B seconds is seen as at least B - PERIOD)
@@ -41,13 +45,31 @@ WARN_ABOVE = 1.0
 WARN_INTERVAL = 30.0
 
 
-def _runqueue_wait() -> float | None:
-    """Seconds this thread has spent runnable but not running (None where unknown)."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as fh:
-            return int(fh.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return None
+class _Schedstat:
+    """The loop thread's ``/proc/thread-self/schedstat``, opened once and re-read in place
+    (``pread``: 3 us a read, against 20 us for an open and a read, twice per probe wake-up: a
+    tenth of an idle loop's time, issue 36). Opened by the first read, on the loop's thread:
+    ``thread-self`` names the thread that opens it."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._thread = -1
+
+    def seconds(self) -> float | None:
+        """Seconds the loop's thread has spent runnable but not running (None where unknown)."""
+        try:
+            if self._fd is None or self._thread != threading.get_ident():
+                self.close()
+                self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+                self._thread = threading.get_ident()
+            return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 class LoopLag:
@@ -73,6 +95,7 @@ class LoopLag:
         self._task: asyncio.Task | None = None
         self._warned = -1e9
         self._beat = 0.0
+        self._sched = _Schedstat()
 
     def start(self) -> None:
         if self._task is None:
@@ -115,15 +138,16 @@ class LoopLag:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self._sched.close()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            t0, w0 = loop.time(), _runqueue_wait()
-            await asyncio.sleep(PERIOD)
+            w0 = self._sched.seconds()
+            due = await ride.sleep(PERIOD)
             self._beat = time.monotonic()
-            late = max(0.0, loop.time() - t0 - PERIOD)
-            w1 = _runqueue_wait()
+            late = max(0.0, loop.time() - due)
+            w1 = self._sched.seconds()
             waited = w1 - w0 if w0 is not None and w1 is not None else 0.0
             self.record(late, max(0.0, late - waited))
 
