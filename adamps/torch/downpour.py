@@ -187,6 +187,11 @@ class WorkerDownpour:
 
     def step(self, grads: Mapping[str, torch.Tensor | None]) -> None:
         """One minibatch's gradients (server tensor -> gradient; None: no gradient)."""
+        # A sparse gradient (``nn.Embedding(sparse=True)``) goes as its dense equivalent: the
+        # servers apply dense updates, and for the rows it leaves out a dense zero is what
+        # torch.optim's SGD and Adagrad do with the sparse one (per-row updates of a large
+        # table are adamps.torch.Embedding's).
+        grads = {t: g.to_dense() if g is not None and g.is_sparse else g for t, g in grads.items()}
         rows_t = self.capture.take_tensors() if self.capture is not None else {}
         # a .grad the loop changed after backward (clipping) is pushed as it is, not the rows
         rows_t = {t: r for t, r in rows_t.items() if not self.capture.edited(t, grads.get(t))}  # type: ignore[union-attr]

@@ -5,6 +5,8 @@ message naming the problem, never crash deep inside a step.
 - a convolutional model in ``channels_last`` memory format (its conv weights are not
   row-major in memory): the values the servers hold reach the parameters, and the gradients
   the servers, in the tensor's logical order;
+- an ``nn.Embedding(sparse=True)`` under SGD and Adagrad (torch.optim's take its sparse
+  gradient): pushed as its dense equivalent;
 """
 
 from __future__ import annotations
@@ -67,3 +69,45 @@ def test_a_channels_last_model_trains_like_torch(ps_url: str, token: str, kind: 
     opt.close()
     for k, v in model.state_dict().items():
         assert torch.equal(server[k], v), k
+
+
+class SparseBag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 4, sparse=True)
+        self.head = nn.Linear(12, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).flatten(1))
+
+
+@pytest.mark.slow  # a real `adamps ps` process
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # torch's Adagrad, on the reference
+def test_a_sparse_nn_embedding_trains_like_torch(ps_url: str, token: str, kind: str) -> None:
+    """torch.optim.SGD and Adagrad take an ``nn.Embedding(sparse=True)``'s sparse gradient; the
+    same model under adamps's SGD and Adagrad reaches the same values (it stopped in the step
+    with 'reshape is not implemented for sparse tensors')."""
+    torch.manual_seed(0)
+    ref = SparseBag()
+    model = copy.deepcopy(ref)
+    cls, ours, kw = {
+        "sgd": (torch.optim.SGD, at.SGD, {"lr": 0.5, "momentum": 0.9}),
+        "adagrad": (torch.optim.Adagrad, at.Adagrad, {"lr": 0.1}),
+    }[kind]
+    want = cls(ref.parameters(), **kw)
+    opt = ours(
+        model.parameters(), model=model, ps=[ps_url], run=f"sparse-{kind}", token=token, **kw
+    )
+    g = torch.Generator().manual_seed(1)
+    for step in range(STEPS):
+        ids = torch.randint(0, 30, (5, 3), generator=g)
+        y = torch.randint(0, 2, (5,), generator=g)
+        for m, o in ((ref, want), (model, opt)):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(ids), y).backward()
+            assert m.emb.weight.grad.is_sparse
+            o.step()
+        assert max_diff(ref, model) < 1e-6, (step, max_diff(ref, model))
+    opt.close()
