@@ -8,6 +8,15 @@ loss's own scaling (a mean over the batch is already in ``e``). Inputs with more
 (sequences) are flattened to rows. A layer called several times in one pass (a shared layer, a
 recurrent step) records one pair per call: the gradient is their sum.
 
+The rows are the weight's gradient only when every path from the loss to the weight goes
+through the layer's outputs in the passes ``backward`` accumulated. A penalty on the weight in
+the loss (an L2 term, an orthogonality term), a ``torch.autograd.grad`` to the inputs before
+``backward`` (a saliency map: its errors are recorded, nothing is accumulated) or a gradient
+penalty (``create_graph=True``: second-order terms) break that, silently. So the step checks
+the rows against the gradient before it sends them (``rows_agree``: Freivalds' check, a product
+with one fixed random vector, about ``2 * M * N`` operations against the pass's ``3 * k * M *
+N``), and a layer whose rows disagree pushes its gradient instead.
+
 Records are per thread: each Hogwild worker runs its own forward and backward passes and takes
 only its own rows. A forward without a backward (evaluation with grad on) leaves a record
 without errors, which ``take`` drops.
@@ -15,7 +24,9 @@ without errors, which ``take`` drops.
 
 from __future__ import annotations
 
+import math
 import threading
+import zlib
 from typing import Any
 
 import numpy as np
@@ -114,3 +125,33 @@ class ActErrCapture:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def probe_for(tensor: str, n: int, device: torch.device) -> torch.Tensor:
+    """The fixed random vector (float32, `n`) that ``rows_agree`` multiplies by: normal values,
+    seeded by the tensor's name (no 0 or +-1 pattern that a structured difference could hide
+    in)."""
+    g = torch.Generator().manual_seed(zlib.crc32(tensor.encode()))
+    return torch.randn(n, generator=g).to(device)
+
+
+def rows_agree(
+    grad: torch.Tensor, a: torch.Tensor, e: torch.Tensor, probe: torch.Tensor
+) -> torch.Tensor:
+    """Whether ``e.T @ a`` (a k x N, e k x M) is `grad` (M x N) to rounding, as a float32
+    tensor of one element on their device (1: agree; read once the step's copies are waited
+    for, so no synchronize of its own): ``grad @ v`` against ``e.T @ (a @ v)`` for the fixed
+    random `probe` v. A difference D of the two matrices with ``D @ v`` within rounding for a
+    random normal v is one whose effect is itself within rounding. The bound: the two sides'
+    own rounding, from the magnitudes ``|e|.T @ (|a| @ |v|)`` and ``|grad| @ |v|``, at the
+    precision of the lowest of the dtypes (bfloat16 under autocast)."""
+    g, a32, e32 = grad.detach().float(), a.float(), e.float()
+    av = probe.abs()
+    diff = (g @ probe - e32.T @ (a32 @ probe)).abs()
+    eps = max(torch.finfo(t.dtype).eps for t in (grad, a, e))
+    eps32 = torch.finfo(torch.float32).eps
+    k = a.shape[0]
+    bound = (4 * eps + 8 * math.sqrt(k + a.shape[1]) * eps32) * (
+        e32.abs().T @ (a32.abs() @ av) + g.abs() @ av
+    )
+    return (diff <= bound).all().float().reshape(1)

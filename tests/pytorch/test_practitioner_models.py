@@ -7,6 +7,9 @@ message naming the problem, never crash deep inside a step.
   the servers, in the tensor's logical order;
 - an ``nn.Embedding(sparse=True)`` under SGD and Adagrad (torch.optim's take its sparse
   gradient): pushed as its dense equivalent;
+- linear layers whose activation/error rows are not their weight's gradient (a penalty on the
+  weight in the loss, ``autograd.grad`` before ``backward``, a gradient penalty) push their
+  ``.grad``; an ordinary loss, also under autocast, still pushes rows.
 """
 
 from __future__ import annotations
@@ -111,3 +114,78 @@ def test_a_sparse_nn_embedding_trains_like_torch(ps_url: str, token: str, kind: 
             o.step()
         assert max_diff(ref, model) < 1e-6, (step, max_diff(ref, model))
     opt.close()
+
+
+class Mlp(nn.Module):
+    """Its 64 x 32 and 64 x 64 weights push activation and error rows at batch 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def loss_of(case: str, m: Mlp, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss of one step, after whatever the case computes before it."""
+    if case == "l2 in the loss":  # weight decay written into the loss
+        ce = nn.functional.cross_entropy(m(x), y)
+        return ce + 1e-3 * sum(p.pow(2).sum() for p in m.parameters())
+    if case == "orthogonality penalty":  # a penalty on one weight only
+        w = m.fc2.weight
+        return nn.functional.cross_entropy(m(x), y) + 1e-2 * (w @ w.T - torch.eye(64)).pow(2).sum()
+    if case == "saliency first":  # the inputs' gradient before backward: errors, no accumulation
+        xx = x.clone().requires_grad_()
+        loss = nn.functional.cross_entropy(m(xx), y)
+        torch.autograd.grad(loss, xx, retain_graph=True)
+        return loss
+    if case == "gradient penalty":  # create_graph: second-order terms reach the weights
+        xx = x.clone().requires_grad_()
+        loss = nn.functional.cross_entropy(m(xx), y)
+        (gx,) = torch.autograd.grad(loss, xx, create_graph=True)
+        return loss + gx.pow(2).sum()
+    if case == "bfloat16 autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return nn.functional.cross_entropy(m(x), y)
+    return nn.functional.cross_entropy(m(x), y)
+
+
+ROWS_WRONG = ["l2 in the loss", "orthogonality penalty", "saliency first", "gradient penalty"]
+
+
+@pytest.mark.slow  # a real `adamps ps` process
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", [*ROWS_WRONG, "plain", "bfloat16 autocast"])
+def test_a_linear_layer_pushes_its_rows_only_when_they_are_its_gradient(
+    ps_url: str, token: str, case: str
+) -> None:
+    """The activation/error rows are the weight's gradient only when the loss reaches the
+    weight through the layer's outputs alone. A penalty on the weight in the loss, an
+    ``autograd.grad`` to the inputs before ``backward`` and a gradient penalty each made the
+    servers apply ``e.T @ a`` instead of ``.grad``: values off torch's by 3e-4 to 2e-2 after 8
+    steps, silently. Now such a layer pushes its gradient, and an ordinary loss (also under
+    autocast) still pushes rows."""
+    torch.manual_seed(0)
+    ref = Mlp()
+    model = copy.deepcopy(ref)
+    want = torch.optim.SGD(ref.parameters(), lr=0.1)
+    run = "rows-" + case.replace(" ", "-")
+    opt = at.SGD(model.parameters(), model=model, ps=[ps_url], run=run, token=token, lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    steps = 8
+    for step in range(steps):
+        x, y = torch.randn(4, 32, generator=g), torch.randint(0, 3, (4,), generator=g)
+        for m, o in ((ref, want), (model, opt)):
+            o.zero_grad()
+            loss_of(case, m, x, y).backward()
+            o.step()
+        tol = 1e-6 if case != "bfloat16 autocast" else 1e-3  # (rows: float32; .grad: rounded)
+        assert max_diff(ref, model) < tol, (step, max_diff(ref, model))
+    stats = opt.stats()
+    opt.close()
+    if case in ROWS_WRONG:
+        assert stats["rows_disagreed"] >= steps, stats  # at least one layer each step
+    else:
+        assert stats["rows_disagreed"] == 0, stats
+        assert stats["forms"]["fc"] == 2 * steps, stats  # fc1 and fc2 pushed rows every step
