@@ -44,12 +44,26 @@ class ActErrCapture:
         #: tensor -> (the weight's .grad, its version) as backward left it: a loop that then
         #: changes .grad (clipping, an added penalty) makes the rows stale (``edited``)
         self._after_backward: dict[str, tuple[torch.Tensor, int]] = {}
+        #: the tensors whose weight has its after-accumulation hook: torch refuses one on a
+        #: tensor that does not require grad (a frozen layer), which gets it at its first
+        #: forward after being unfrozen
+        self._grad_hooked: set[str] = set()
+        self._hook_lock = threading.Lock()
         for tensor, mods in layers.items():
             for mod in mods:
                 self._handles.append(mod.register_forward_hook(self._hook(tensor, mod)))
-            self._handles.append(
-                mods[0].weight.register_post_accumulate_grad_hook(self._grad_hook(tensor))
-            )
+            self._hook_grad(tensor)
+
+    def _hook_grad(self, tensor: str) -> None:
+        weight = self.layers[tensor][0].weight
+        if tensor in self._grad_hooked or not weight.requires_grad:
+            return
+        with self._hook_lock:
+            if tensor not in self._grad_hooked:
+                self._handles.append(
+                    weight.register_post_accumulate_grad_hook(self._grad_hook(tensor))
+                )
+                self._grad_hooked.add(tensor)
 
     def _records(self) -> dict[str, list[list[Any]]]:
         recs = getattr(self._local, "records", None)
@@ -65,6 +79,7 @@ class ActErrCapture:
                 return
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
+            self._hook_grad(tensor)
             rec: list[Any] = [inputs[0].detach().reshape(-1, n_in), None]
             self._records().setdefault(tensor, []).append(rec)
 

@@ -9,7 +9,10 @@ message naming the problem, never crash deep inside a step.
   gradient): pushed as its dense equivalent;
 - linear layers whose activation/error rows are not their weight's gradient (a penalty on the
   weight in the loss, ``autograd.grad`` before ``backward``, a gradient penalty) push their
-  ``.grad``; an ordinary loss, also under autocast, still pushes rows.
+  ``.grad``; an ordinary loss, also under autocast, still pushes rows;
+- a linear layer frozen (``requires_grad_(False)``) before the optimizer is made, then
+  unfrozen: the constructor stopped with torch's 'cannot register a hook on a tensor that
+  doesn't require gradient'; now it trains as torch's AdamW with ``add_param_group``.
 """
 
 from __future__ import annotations
@@ -189,3 +192,38 @@ def test_a_linear_layer_pushes_its_rows_only_when_they_are_its_gradient(
     else:
         assert stats["rows_disagreed"] == 0, stats
         assert stats["forms"]["fc"] == 2 * steps, stats  # fc1 and fc2 pushed rows every step
+
+
+@pytest.mark.slow  # a real `adamps ps` process
+@pytest.mark.timeout(180)
+def test_unfreezing_a_group_given_at_construction_is_torchs_add_param_group(
+    ps_url: str, token: str
+) -> None:
+    """docs/training.md: ``add_param_group`` after construction is refused (ModelError); a
+    frozen group given at construction, unfrozen later with its lr set, trains as torch's
+    AdamW with the group added at that step."""
+    torch.manual_seed(0)
+    ref = Mlp()
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        m.fc1.requires_grad_(False)
+    body = lambda m: [p for n, p in m.named_parameters() if not n.startswith("fc1")]  # noqa: E731
+    want = torch.optim.AdamW(body(ref), lr=1e-2)
+    groups = [{"params": body(model)}, {"params": model.fc1.parameters(), "lr": 0.0}]
+    opt = at.AdamW(groups, model=model, ps=[ps_url], run="unfreeze", token=token, lr=1e-2)
+    with pytest.raises(at.ModelError, match="takes its param groups when it is made"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    g = torch.Generator().manual_seed(1)
+    for step in range(10):
+        if step == 5:
+            for m in (ref, model):
+                m.fc1.requires_grad_(True)
+            want.add_param_group({"params": ref.fc1.parameters(), "lr": 3e-3})
+            opt.param_groups[1]["lr"] = 3e-3
+        x, y = torch.randn(4, 32, generator=g), torch.randint(0, 3, (4,), generator=g)
+        for m, o in ((ref, want), (model, opt)):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+        assert max_diff(ref, model) < 1e-6, (step, max_diff(ref, model))
+    opt.close()
