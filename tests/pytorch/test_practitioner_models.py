@@ -12,7 +12,8 @@ message naming the problem, never crash deep inside a step.
   ``.grad``; an ordinary loss, also under autocast, still pushes rows;
 - a linear layer frozen (``requires_grad_(False)``) before the optimizer is made, then
   unfrozen: the constructor stopped with torch's 'cannot register a hook on a tensor that
-  doesn't require gradient'; now it trains as torch's AdamW with ``add_param_group``.
+  doesn't require gradient'; now it trains as torch's AdamW with ``add_param_group``;
+- torch.optim's implementation flags (``foreach``, ``fused``) taken, ``maximize`` refused.
 """
 
 from __future__ import annotations
@@ -220,6 +221,33 @@ def test_unfreezing_a_group_given_at_construction_is_torchs_add_param_group(
                 m.fc1.requires_grad_(True)
             want.add_param_group({"params": ref.fc1.parameters(), "lr": 3e-3})
             opt.param_groups[1]["lr"] = 3e-3
+        x, y = torch.randn(4, 32, generator=g), torch.randint(0, 3, (4,), generator=g)
+        for m, o in ((ref, want), (model, opt)):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+        assert max_diff(ref, model) < 1e-6, (step, max_diff(ref, model))
+    opt.close()
+
+
+@pytest.mark.slow  # a real `adamps ps` process
+@pytest.mark.timeout(180)
+def test_torchs_implementation_flags_are_taken(ps_url: str, token: str) -> None:
+    """A script ported from ``torch.optim.AdamW(..., foreach=True)`` or ``fused=True`` keeps
+    them (they choose torch's kernels, not the rule: the servers apply it); they were a
+    TypeError 'unknown hyperparameter(s)'. ``maximize=True`` and ``capturable=True`` would
+    change what is computed or where: refused, naming the flag."""
+    torch.manual_seed(0)
+    ref = Mlp()
+    model = copy.deepcopy(ref)
+    want = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
+    kw = {"ps": [ps_url], "token": token, "lr": 1e-2}
+    for flag, why in (("maximize", "minimize the negated loss"), ("capturable", "CUDA graphs")):
+        with pytest.raises(at.ModelError, match=f"{flag}=True is not supported.*{why}"):
+            at.AdamW(model.parameters(), model=model, run="flags", **{flag: True}, **kw)
+    opt = at.AdamW(model.parameters(), model=model, run="flags", foreach=True, fused=False, **kw)
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
         x, y = torch.randn(4, 32, generator=g), torch.randint(0, 3, (4,), generator=g)
         for m, o in ((ref, want), (model, opt)):
             o.zero_grad()
