@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.action != "list":
+            if args.name is None:
+                raise ValueError(f"a run's name is required: adamps run {args.action} NAME")
             runs.check_name(args.name)
         if args.action == "create":
             _quotas(args)

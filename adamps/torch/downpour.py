@@ -59,7 +59,7 @@ from adamps.client import push_checks
 from adamps.client.round import use_act_err
 from adamps.core.staleness import StalenessMeter, check_mode, initial_tau, staleness_lr
 from adamps.torch import launch_env
-from adamps.torch.hooks import ActErrCapture
+from adamps.torch.hooks import ActErrCapture, probe_for, rows_agree
 from adamps.torch.params import Param
 from adamps.torch.remote import RemoteModel, server_shape
 from adamps.torch.staging import HostStage, direct
@@ -76,6 +76,9 @@ class PushCounts:
     fc_bytes: int = 0
     fc_dense_bytes: int = 0
     forms: dict[str, int] = field(default_factory=lambda: {"fc": 0, "dense": 0, "compressed": 0})
+    #: steps at which a linear layer's rows were not its gradient (a penalty on the weight in
+    #: the loss, ...): the layer pushed its gradient
+    rows_disagreed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -86,6 +89,7 @@ def replica_stats(counts: PushCounts, client: Any) -> dict[str, Any]:
         out: dict[str, Any] = {
             "pushes": counts.pushes, "fetches": counts.fetches,
             "bytes_pushed": counts.bytes_pushed, "forms": dict(counts.forms),
+            "rows_disagreed": counts.rows_disagreed,
         }  # fmt: skip
     events = list(client.failovers.events)
     out["retries"] = client.retries
@@ -149,6 +153,15 @@ class WorkerDownpour:
         #: coming down (the thread that fetches): adamps/torch/staging.py
         self.stage_up = HostStage()
         self.stage_down = HostStage()
+        self._probes: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def _probe(self, tensor: str, a: torch.Tensor) -> torch.Tensor:
+        """The linear weight's fixed random vector for ``rows_agree``, on the rows' device."""
+        key = (tensor, a.device)
+        v = self._probes.get(key)
+        if v is None:
+            v = self._probes[key] = probe_for(tensor, a.shape[1], a.device)
+        return v
 
     def _to_host(
         self,
@@ -169,12 +182,25 @@ class WorkerDownpour:
         host_rows = {
             t: (up.to_host(("act", t), a), up.to_host(("err", t), e)) for t, (a, e) in rows.items()
         }
+        # the rows go only where they are the gradient (adamps/torch/hooks.py, rows_agree)
+        agree = {
+            t: up.to_host(("agree", t), rows_agree(g, a, e, self._probe(t, a)))
+            for t, (a, e) in rows.items()
+            if (g := grads.get(t)) is not None
+        }
         host_tables = [
             (m, [(u, up.to_host(("rows", m.table, i), g)) for i, (u, g) in enumerate(tg)])
             for m, tg in tables
         ]
         up.wait()
+        for t, ok in agree.items():
+            if not ok[0]:
+                del host_rows[t]  # the layer pushes its gradient
+                with self.counts.lock:
+                    self.counts.rows_disagreed += 1
         for t, (a, e) in rows.items():
+            if t not in host_rows:
+                continue
             ha, he = host_rows[t]
             if not direct(a):  # views of the stage's buffers, but kept until the push: copied
                 ha, he = ha.copy(), he.copy()
@@ -187,6 +213,11 @@ class WorkerDownpour:
 
     def step(self, grads: Mapping[str, torch.Tensor | None]) -> None:
         """One minibatch's gradients (server tensor -> gradient; None: no gradient)."""
+        # A sparse gradient (``nn.Embedding(sparse=True)``) goes as its dense equivalent: the
+        # servers apply dense updates, and for the rows it leaves out a dense zero is what
+        # torch.optim's SGD and Adagrad do with the sparse one (per-row updates of a large
+        # table are adamps.torch.Embedding's).
+        grads = {t: g.to_dense() if g is not None and g.is_sparse else g for t, g in grads.items()}
         rows_t = self.capture.take_tensors() if self.capture is not None else {}
         # a .grad the loop changed after backward (clipping) is pushed as it is, not the rows
         rows_t = {t: r for t, r in rows_t.items() if not self.capture.edited(t, grads.get(t))}  # type: ignore[union-attr]

@@ -8,6 +8,15 @@ loss's own scaling (a mean over the batch is already in ``e``). Inputs with more
 (sequences) are flattened to rows. A layer called several times in one pass (a shared layer, a
 recurrent step) records one pair per call: the gradient is their sum.
 
+The rows are the weight's gradient only when every path from the loss to the weight goes
+through the layer's outputs in the passes ``backward`` accumulated. A penalty on the weight in
+the loss (an L2 term, an orthogonality term), a ``torch.autograd.grad`` to the inputs before
+``backward`` (a saliency map: its errors are recorded, nothing is accumulated) or a gradient
+penalty (``create_graph=True``: second-order terms) break that, silently. So the step checks
+the rows against the gradient before it sends them (``rows_agree``: Freivalds' check, a product
+with one fixed random vector, about ``2 * M * N`` operations against the pass's ``3 * k * M *
+N``), and a layer whose rows disagree pushes its gradient instead.
+
 Records are per thread: each Hogwild worker runs its own forward and backward passes and takes
 only its own rows. A forward without a backward (evaluation with grad on) leaves a record
 without errors, which ``take`` drops.
@@ -15,7 +24,9 @@ without errors, which ``take`` drops.
 
 from __future__ import annotations
 
+import math
 import threading
+import zlib
 from typing import Any
 
 import numpy as np
@@ -33,12 +44,26 @@ class ActErrCapture:
         #: tensor -> (the weight's .grad, its version) as backward left it: a loop that then
         #: changes .grad (clipping, an added penalty) makes the rows stale (``edited``)
         self._after_backward: dict[str, tuple[torch.Tensor, int]] = {}
+        #: the tensors whose weight has its after-accumulation hook: torch refuses one on a
+        #: tensor that does not require grad (a frozen layer), which gets it at its first
+        #: forward after being unfrozen
+        self._grad_hooked: set[str] = set()
+        self._hook_lock = threading.Lock()
         for tensor, mods in layers.items():
             for mod in mods:
                 self._handles.append(mod.register_forward_hook(self._hook(tensor, mod)))
-            self._handles.append(
-                mods[0].weight.register_post_accumulate_grad_hook(self._grad_hook(tensor))
-            )
+            self._hook_grad(tensor)
+
+    def _hook_grad(self, tensor: str) -> None:
+        weight = self.layers[tensor][0].weight
+        if tensor in self._grad_hooked or not weight.requires_grad:
+            return
+        with self._hook_lock:
+            if tensor not in self._grad_hooked:
+                self._handles.append(
+                    weight.register_post_accumulate_grad_hook(self._grad_hook(tensor))
+                )
+                self._grad_hooked.add(tensor)
 
     def _records(self) -> dict[str, list[list[Any]]]:
         recs = getattr(self._local, "records", None)
@@ -54,6 +79,7 @@ class ActErrCapture:
                 return
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
+            self._hook_grad(tensor)
             rec: list[Any] = [inputs[0].detach().reshape(-1, n_in), None]
             self._records().setdefault(tensor, []).append(rec)
 
@@ -114,3 +140,32 @@ class ActErrCapture:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def probe_for(tensor: str, n: int, device: torch.device) -> torch.Tensor:
+    """The fixed random vector (float32, `n`) that ``rows_agree`` multiplies by: normal values,
+    seeded by the tensor's name (no 0 or +-1 pattern that a structured difference could hide
+    in)."""
+    g = torch.Generator().manual_seed(zlib.crc32(tensor.encode()))
+    return torch.randn(n, generator=g).to(device)
+
+
+def rows_agree(
+    grad: torch.Tensor, a: torch.Tensor, e: torch.Tensor, probe: torch.Tensor
+) -> torch.Tensor:
+    """Whether ``e.T @ a`` (a k x N, e k x M) is `grad` (M x N) to rounding, as a float32
+    tensor of one element on their device (1: agree; read once the step's copies are waited
+    for, so no synchronize of its own): ``grad @ v`` against ``e.T @ (a @ v)`` for the fixed
+    random `probe` v. A difference D of the two matrices with ``D @ v`` within rounding for a
+    random normal v is one whose effect is itself within rounding. The bound: the two sides'
+    own rounding, from the magnitude ``|e|.T @ (|a| @ |v|)``, at the precision of the lowest of
+    the dtypes (bfloat16 under autocast). Cost: one pass over `grad` (``grad @ v``)."""
+    g, a32, e32 = grad.detach().float(), a.float(), e.float()
+    av = probe.abs()
+    diff = (g @ probe - e32.T @ (a32 @ probe)).abs()
+    eps = max(torch.finfo(t.dtype).eps for t in (grad, a, e))
+    eps32 = torch.finfo(torch.float32).eps
+    k = a.shape[0]
+    # |e|.T @ |a| bounds |grad| elementwise where the two agree: no |grad| (an M x N copy)
+    bound = (4 * eps + 8 * math.sqrt(k + a.shape[1]) * eps32) * (e32.abs().T @ (a32.abs() @ av))
+    return (diff <= bound).all().float().reshape(1)

@@ -100,6 +100,30 @@ def kind_of(optimizer: Any) -> str:
     return kind
 
 
+#: torch.optim's arguments that choose its implementation, not the rule, and their values that
+#: leave the rule as it is: a script ported with ``fused=True`` or ``foreach=True`` keeps them
+#: (the servers' kernels apply the rule), one that asks for another rule is refused
+IMPLEMENTATION = {"foreach": None, "fused": None, "capturable": False, "differentiable": False,
+                  "maximize": False}  # fmt: skip
+
+
+def _implementation_flags(name: str, hyper: dict[str, Any]) -> None:
+    """Takes torch.optim's implementation flags out of `hyper`; ModelError for a value the
+    servers cannot honour."""
+    for flag in [k for k in hyper if k in IMPLEMENTATION]:
+        value = hyper.pop(flag)
+        if flag in ("foreach", "fused"):
+            if value not in (None, True, False):
+                raise ModelError(f"{name}: {flag} must be None, True or False, got {value!r}")
+        elif value not in (False, None):
+            why = (
+                "the servers' rules descend: minimize the negated loss instead"
+                if flag == "maximize"
+                else "the update runs on the servers, outside autograd and CUDA graphs"
+            )
+            raise ModelError(f"{name}: {flag}={value!r} is not supported ({why})")
+
+
 class ServerOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose rule the servers apply (module docstring). Keyword
     arguments besides the hyperparameters: the cluster (``controllers``, ``ps``, ``run``,
@@ -141,6 +165,7 @@ class ServerOptimizer(torch.optim.Optimizer):
                 "(their names are the server tensors' names)"
             )
         fields = FIELDS[self.kind]
+        _implementation_flags(type(self).__name__, hyper)
         unknown = sorted(set(hyper) - set(fields))
         if unknown:
             raise TypeError(

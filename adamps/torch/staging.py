@@ -14,7 +14,7 @@ float32, bfloat16 or float16. Two directions:
   rewritten while the device still reads it), ``to_device`` enqueues the ``non_blocking`` copies
   into the parameters and records one event that the next ``value_buffers`` waits for.
 
-A float32 tensor on the CPU needs no copy at all: ``to_host`` returns a numpy view of its memory
+A contiguous float32 tensor on the CPU needs no copy at all: ``to_host`` returns a numpy view of its memory
 and ``value_buffers`` the parameter's own memory (what adamps.torch always did on the CPU).
 Anything else (a CPU bfloat16 parameter, a CUDA one) goes through the buffers: the same code
 path on every device, which is what lets the CPU tests cover it.
@@ -38,8 +38,11 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def direct(t: torch.Tensor) -> bool:
-    """Whether `t` is float32 in CPU memory: numpy reads and writes it in place."""
-    return t.device.type == "cpu" and t.dtype == torch.float32
+    """Whether `t` is float32 in CPU memory laid out in row-major order: numpy reads and writes
+    it in place. A tensor in another memory format (a conv weight after
+    ``model.to(memory_format=torch.channels_last)``) is not: its numpy view is not C-ordered,
+    which the servers' arrays are, so it goes through the buffers like a bfloat16 one."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
 
 
 def _async(device: torch.device) -> bool:

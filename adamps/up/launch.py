@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from adamps import clusters, runs
+from adamps.client.rpc import get_json
 from adamps.up.procs import free_port
 
 _PR_SET_PDEATHSIG = 1
@@ -94,6 +95,33 @@ class Replica:
                 os.killpg(self.proc.pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def reachable(addrs: list[str], args: argparse.Namespace, cluster: str | None) -> None:
+    """ValueError unless one of the controllers answers ``/healthz``: with no cluster running
+    (`adamps up --detach` forgotten, a stopped one), every replica would fail on its first
+    request, be restarted ``--max-restarts`` times, each with a traceback, and the launcher exit
+    1; one line before any replica starts says what is wrong instead."""
+    errors = []
+    for addr in addrs:
+        try:
+            get_json(addr, "/healthz", timeout=5.0)
+            return
+        except (OSError, ValueError) as exc:  # ConnectionError, TimeoutError; a bad address
+            errors.append(str(exc))
+    if args.controllers:
+        named = "from --controllers"
+    elif os.environ.get("ADAMPS_CONTROLLERS"):
+        named = "from $ADAMPS_CONTROLLERS"
+    elif cluster:
+        named = f"cluster {cluster!r}'s file"
+    else:
+        named = "the default address: no cluster file"
+    raise ValueError(
+        f"no controller answered at {','.join(addrs)} ({named}): start a cluster with "
+        "`adamps up --detach`, or name a running one with --cluster NAME or --controllers "
+        f"({'; '.join(errors)})"
+    )
 
 
 def environment(args: argparse.Namespace, run: str) -> dict[str, str]:
@@ -186,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         run = args.run or "".join(c if c.isalnum() or c in "_-" else "_" for c in script.stem)
         runs.check_name(run)
         env = environment(args, run)
+        reachable(env["ADAMPS_CONTROLLERS"].split(","), args, env.get("ADAMPS_CLUSTER"))
     except ValueError as exc:  # also clusters.ClusterError, runs' name errors
         print(f"adamps launch: {exc}", file=sys.stderr)
         return 2

@@ -131,7 +131,8 @@ def test_the_cli_names_a_bad_value_before_calling_anyone(capsys: pytest.CaptureF
         (["create", "a.b"], "'a.b'"),
         (["create", "ok", "--param-elems", "0"], "param_elems"),
         (["create", "ok", "--consistency", "bsp"], "'bsp'"),
-        (["show"], "None"),
+        (["show"], "a run's name is required: adamps run show NAME"),  # (was: "got None")
+        (["create"], "a run's name is required: adamps run create NAME"),
     ]:
         assert run_cmd.main([*argv, "--controllers", "127.0.0.1:9"]) == 2
         err = capsys.readouterr().err

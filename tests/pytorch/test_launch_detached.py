@@ -159,3 +159,32 @@ def test_launch_two_replicas_against_a_detached_cluster(tmp_path: Path) -> None:
     assert all(gone(p) for p in pids)
     again = adamps(env, tmp_path, "down")
     assert again.returncode == 1 and "no cluster 'local'" in again.stderr
+
+
+@pytest.mark.parametrize("where", ["default", "controllers"])
+def test_launch_with_no_cluster_running_says_so_and_starts_nothing(
+    tmp_path: Path, where: str
+) -> None:
+    """`adamps launch` before `adamps up --detach` (no cluster file), or at controllers that do
+    not answer: exit 2 and one line naming the address and what to do, before any replica
+    starts. Before, every replica started, failed with a traceback, was restarted 3 times, and
+    the launcher exited 1."""
+    from adamps.up.procs import free_port
+
+    env = user_env(tmp_path)
+    (tmp_path / "train.py").write_text("open('started', 'w').close()\nraise SystemExit(1)\n")
+    addr = f"127.0.0.1:{free_port()}"
+    flags = ["--controllers", addr] if where == "controllers" else []
+    if where == "default":
+        addr = "127.0.0.1:7000"
+        try:  # the test needs nothing to answer there
+            urllib.request.urlopen(f"http://{addr}/healthz", timeout=1)
+            pytest.skip(f"something answers at {addr}")
+        except OSError:
+            pass
+    p = adamps(env, tmp_path, "launch", "-n", "2", *flags, "train.py", timeout=60)
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    assert f"no controller answered at {addr}" in p.stderr, p.stderr
+    assert "adamps up --detach" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "started").exists()  # no replica ran

@@ -2,15 +2,20 @@
 names and the cluster's), a failing replica restarted alone within --max-restarts, the exit code
 and last line saying what happened, SIGTERM stopping every replica, bad input refused. The
 replicas are small python scripts: nothing here needs a cluster (the cluster's own part is
-tests/pytorch/test_launch_detached.py)."""
+tests/pytorch/test_launch_detached.py), only an address whose /healthz answers, as a
+controller's does: the launcher refuses controllers that do not answer (exit 2, before any
+replica starts; tested there)."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +38,31 @@ sys.exit(3 if env["RANK"] == "1" and int(env["TORCHELASTIC_RESTART_COUNT"]) < fa
 """
 
 
+class _Healthz(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = b'{"ok": true}'
+        self.send_response(200 if self.path == "/healthz" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def ctl() -> Iterator[str]:
+    """An address answering /healthz on loopback, where the replicas are told the controllers
+    are (they contact nothing)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Healthz)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
 def env_for(tmp: Path) -> dict[str, str]:
     keep = {"ADAMPS_FREE_PORT_RANGE"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("ADAMPS_") or k in keep}
@@ -45,12 +75,12 @@ def launch(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
-def test_each_replica_gets_its_rank_and_the_cluster(tmp_path: Path) -> None:
+def test_each_replica_gets_its_rank_and_the_cluster(tmp_path: Path, ctl: str) -> None:
     (tmp_path / "job.py").write_text(SCRIPT)
     # a cluster file as `adamps up --detach --name lab` writes it (nothing is contacted)
     cfg = tmp_path / "config" / "adamps" / "clusters"
     cfg.mkdir(parents=True)
-    (cfg / "lab.json").write_text(json.dumps({"name": "lab", "controllers": ["127.0.0.1:7301"],
+    (cfg / "lab.json").write_text(json.dumps({"name": "lab", "controllers": [ctl],
                                               "token_file": "/x/token"}))  # fmt: skip
     out = launch(tmp_path, "-n", "3", "--cluster", "lab", "job.py", str(tmp_path), "0", "--x")
     assert out.returncode == 0, out.stderr
@@ -62,15 +92,15 @@ def test_each_replica_gets_its_rank_and_the_cluster(tmp_path: Path) -> None:
     for r, e in enumerate(seen):
         assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == (
             str(r), str(r), "3", "3")  # fmt: skip
-        assert e["ADAMPS_CONTROLLERS"] == "127.0.0.1:7301" and e["ADAMPS_CLUSTER"] == "lab"
+        assert e["ADAMPS_CONTROLLERS"] == ctl and e["ADAMPS_CLUSTER"] == "lab"
         assert e["ADAMPS_TOKEN_FILE"] == "/x/token" and e["ADAMPS_RUN"] == "job"
         assert e["MASTER_ADDR"] == "127.0.0.1" and int(e["MASTER_PORT"]) > 0
         assert e["argv"] == ["0", "--x"]  # the script's own flags pass through
 
 
-def test_a_failing_replica_is_restarted_alone_within_the_limit(tmp_path: Path) -> None:
+def test_a_failing_replica_is_restarted_alone_within_the_limit(tmp_path: Path, ctl: str) -> None:
     (tmp_path / "job.py").write_text(SCRIPT)
-    env = ["--controllers", "127.0.0.1:7301"]
+    env = ["--controllers", ctl]
     ok = launch(tmp_path, "-n", "2", "--max-restarts", "2", *env, "job.py", str(tmp_path), "2")
     assert ok.returncode == 0, ok.stderr
     assert ok.stderr.count("replica 1 exited with 3; restart") == 2
@@ -89,13 +119,13 @@ def test_a_failing_replica_is_restarted_alone_within_the_limit(tmp_path: Path) -
     )
 
 
-def test_sigterm_stops_every_replica(tmp_path: Path) -> None:
+def test_sigterm_stops_every_replica(tmp_path: Path, ctl: str) -> None:
     (tmp_path / "sleep.py").write_text(
         "import os, sys, time\n"
         "open(os.path.join(sys.argv[1], os.environ['RANK'] + '.pid'), 'w').write(str(os.getpid()))\n"
         "time.sleep(300)\n"
     )
-    p = subprocess.Popen(adamps_argv("launch", "-n", "2", "--controllers", "127.0.0.1:7301",
+    p = subprocess.Popen(adamps_argv("launch", "-n", "2", "--controllers", ctl,
                                      "sleep.py", str(tmp_path)),
                          cwd=tmp_path, env=env_for(tmp_path), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)  # fmt: skip
