@@ -16,8 +16,17 @@ replicas, 2.90-3.10 at 4). BatchNorm statistics stay each replica's own (as adam
 buffers local); the held-out accuracy is the servers' values with replica 0's statistics.
 
 Rules: ``off`` (every push at lr), ``auto`` (lr / (1 + tau): adamps' default,
-adamps/core/staleness.py), ``sqrt`` (lr / sqrt(1 + tau)), ``decay:K`` (lr / (1 + tau * K / (K + t)), t the updates applied so
-far: the division fades as the steps shrink; studied, not shipped). Deterministic: a seed gives
+adamps/core/staleness.py), ``sqrt`` (lr / sqrt(1 + tau)), ``decay:K`` (lr / (1 + tau * K / (K +
+t)), t the updates applied so far: the division fades as the steps shrink; studied, not
+shipped). Step rules, alone or ``+``-combined with one of those (``dca:2+auto``), use what only
+a simulation has at hand at once, the values the replica computed on and the servers' values
+at apply time: ``dc:L`` and ``dca:L`` (DC-ASGD's delay compensation, constant and adaptive
+lambda), ``gap`` (Gap-Aware), ``adarev`` and ``adaacc`` (AdaptiveRevision for Adagrad, with and
+without its revision of past steps), ``cos`` (the lr divided by 1 + tau times the cosine of the
+replica's gradient with its previous one; the replica's own knowledge only): ``compensate``,
+``adagrad_revised`` and ``agreement`` below. None is shipped: docs/training.md, "Several
+replicas", gives their table. ``--one ACC`` takes one replica's mean from an earlier run.
+Deterministic: a seed gives
 the same accuracy twice. The last line printed is one JSON object: for each workload, rule and
 N, the accuracies by seed and their mean, and one replica's.
 """
@@ -38,6 +47,31 @@ sys.path.insert(0, str(ROOT))
 SETTINGS = {"transformer": ("adagrad", 0.02), "convnet": ("sgd", 0.05)}
 
 
+LR_RULES = ("off", "auto", "sqrt")
+#: the rules that change the gradient or the step beyond its lr (``+``-combined with an lr rule)
+STEP_RULES = ("dc", "dca", "gap", "adarev", "adaacc", "cos")
+
+
+def parse(rule: str) -> tuple[str, dict[str, float]]:
+    """`rule` (``+``-separated parts: at most one lr rule, any step rules) as (its lr rule,
+    step rule -> its parameter)."""
+    lr_rule, steps = "off", {}
+    for part in rule.split("+"):
+        name, _, arg = part.partition(":")
+        if name in LR_RULES and not arg or name == "decay" and arg:
+            lr_rule = part
+        elif name in ("dc", "dca") and arg:
+            steps[name] = float(arg)
+        elif name in ("gap", "adarev", "adaacc", "cos") and not arg:
+            steps[name] = 0.0
+        else:
+            raise ValueError(f"unknown rule part {part!r}")
+    if {"adarev", "adaacc"} <= set(steps):
+        raise ValueError("adarev and adaacc are two forms of one rule: name one")
+    factor(lr_rule, 1, 0)
+    return lr_rule, steps
+
+
 def factor(rule: str, tau: int, t: int) -> float:
     """The lr factor of a push `tau` updates stale, `t` updates after the start."""
     if rule == "off":
@@ -50,6 +84,75 @@ def factor(rule: str, tau: int, t: int) -> float:
         k = float(rule.split(":", 1)[1])
         return 1.0 / (1 + tau * k / (k + t))
     raise ValueError(f"unknown rule {rule!r}: expected off, auto, sqrt or decay:K")
+
+
+def compensate(steps, g, now, fetched, st) -> Any:
+    """The gradient `g` (computed on `fetched`, applied at `now`) after the step rules that
+    change the gradient. ``dc:L``: DC-ASGD's delay compensation (Zheng et al., ICML 2017) with
+    a constant lambda, g + L g*g*(now - fetched); ``dca:L``: its adaptive form, lambda
+    L / sqrt(MeanSquare), MeanSquare = 0.95 MeanSquare + 0.05 g*g per element; ``gap``:
+    Gap-Aware (Barkai et al., ICLR 2020), g / (1 + |now - fetched| / C), C the mean size of
+    one update per element (an average of |step| over the updates so far)."""
+    import torch
+
+    if "dc" in steps:
+        g = g + steps["dc"] * g * g * (now - fetched)
+    if "dca" in steps:
+        ms = st.setdefault("ms", torch.zeros_like(g))
+        ms.mul_(0.95).addcmul_(g, g, value=0.05)
+        g = g + steps["dca"] * g * g * (now - fetched) / (ms.sqrt() + 1e-7)
+    if "gap" in steps and "c" in st:
+        g = g / (1 + (now - fetched).abs() / (st["c"] + 1e-12))
+    return g
+
+
+def track_step(st, delta) -> None:
+    """Gap-Aware's C: the running mean of |one update| per element."""
+    st["k"] = st.get("k", 0) + 1
+    c = st.setdefault("c", delta.abs())
+    if st["k"] > 1:
+        c.add_((delta.abs() - c) / st["k"])
+
+
+def agreement(g, prev, j, tau) -> float:
+    """``cos``'s lr factor for tensor j: 1 / (1 + tau * max(0, cos(g, the replica's previous
+    gradient of j))), full division (cos 1) for its first push. Pushes whose gradients keep
+    their direction (signal) are divided as ``auto`` divides them; gradients that are mostly
+    noise (cos ~ 0) are not: their stale sum does not add up N-fold. The replica knows both
+    gradients: nothing on the servers, no bytes more per push."""
+    import torch
+
+    c = 1.0
+    if prev[j] is not None:
+        c = max(0.0, float(torch.nn.functional.cosine_similarity(g.reshape(1, -1),
+                                                                 prev[j].reshape(1, -1))))  # fmt: skip
+    prev[j] = g.clone()
+    return 1.0 / (1 + tau * c)
+
+
+def adagrad_revised(p, g, lr, st, gbar_old, revise: bool) -> None:
+    """One torch Adagrad step (accumulator from 0, eps 1e-10 outside the root) on `p` under
+    AdaptiveRevision (McMahan and Streeter, "Delay-Tolerant Algorithms for Asynchronous
+    Distributed Online Learning", NIPS 2014): g_bck, the gradients the servers applied
+    since this push's fetch (gbar - gbar_old, gbar their running sum), joins the accumulator
+    as z += g*g + 2 g*g_bck, so pushes that agree with what landed meanwhile grow it as one
+    summed gradient would (1 replica: g_bck = 0, torch's Adagrad); the denominator uses
+    z' = max(z', z); `revise` also revises the lr the g_bck steps took: p += (eta_old - eta)
+    g_bck."""
+    import torch
+
+    z = st.setdefault("z", torch.zeros_like(p))
+    zmax = st.setdefault("zmax", torch.zeros_like(p))
+    gbar = st.setdefault("gbar", torch.zeros_like(p))
+    g_bck = gbar - gbar_old
+    eta_old = lr / (zmax.sqrt() + 1e-10)
+    z.add_(g * g + 2 * g * g_bck)
+    torch.maximum(zmax, z, out=zmax)
+    eta = lr / (zmax.sqrt() + 1e-10)
+    p.sub_(eta * g)
+    if revise:
+        p.add_((eta_old - eta) * g_bck * (zmax > 0))
+    gbar.add_(g)
 
 
 def run(workload: str, n: int, epochs: int, rule: str, seed: int) -> float:
@@ -69,28 +172,56 @@ def run(workload: str, n: int, epochs: int, rule: str, seed: int) -> float:
         from examples.torch_transformer import Net
     server = Net()
     kind, lr = SETTINGS[workload]
+    lr_rule, steps = parse(rule)
+    manual = "adarev" in steps or "adaacc" in steps
+    if manual and kind != "adagrad":
+        raise ValueError(f"{rule}: adarev and adaacc revise Adagrad; {workload} runs {kind}")
     opt_cls = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[kind]
-    opt = opt_cls(server.parameters(), lr=lr)
+    params = list(server.parameters())
+    # one group per tensor where the rule scales each tensor's lr (cos)
+    opt = opt_cls([{"params": [p]} for p in params] if "cos" in steps else params, lr=lr)
     replicas = [copy.deepcopy(server) for _ in range(n)]
+    state: list[dict[str, Any]] = [{} for _ in params]  # the servers' per-element state
+    #: replica -> the servers' running gradient sums at its fetch (adarev, adaacc)
+    gbar_at = [[torch.zeros_like(p) for p in params] for _ in range(n)]
+    #: replica -> its previous gradients (cos)
+    prev: list[list[Any]] = [[None] * len(params) for _ in range(n)]
     lossf = torch.nn.CrossEntropyLoss()
     t = 0
     for epoch in range(epochs):
         gen = torch.Generator().manual_seed(epoch + 1000 * seed)  # practitioner.py's order
         order = torch.randperm(len(y), generator=gen)
         for i, start in enumerate(range(0, len(y), 32)):
-            m = replicas[i % n]
+            r = i % n
+            m = replicas[r]
             m.zero_grad()
             idx = order[start : start + 32]
             lossf(m(x[idx]), y[idx]).backward()
-            for g in opt.param_groups:
-                g["lr"] = lr * factor(rule, n - 1, t)
-            for ps, pr in zip(server.parameters(), m.parameters(), strict=True):
-                ps.grad = pr.grad.clone()
-            opt.step()
+            step_lr = lr * factor(lr_rule, n - 1, t)
+            with torch.no_grad():
+                before = [p.clone() for p in params] if "gap" in steps else None
+                for j, (ps, pr) in enumerate(zip(params, m.parameters(), strict=True)):
+                    g = compensate(steps, pr.grad, ps, pr, state[j])
+                    if "cos" in steps:
+                        opt.param_groups[j]["lr"] = step_lr * agreement(g, prev[r], j, n - 1)
+                    if manual:
+                        adagrad_revised(ps, g, step_lr, state[j], gbar_at[r][j],
+                                        "adarev" in steps)  # fmt: skip
+                    else:
+                        ps.grad = g.clone()
+            if not manual:
+                if "cos" not in steps:
+                    for g in opt.param_groups:
+                        g["lr"] = step_lr
+                opt.step()
             t += 1
             with torch.no_grad():  # the fetch: the values only, the buffers stay the replica's
-                for ps, pr in zip(server.parameters(), m.parameters(), strict=True):
+                for j, (ps, pr) in enumerate(zip(params, m.parameters(), strict=True)):
                     pr.copy_(ps)
+                    if before is not None:
+                        track_step(state[j], ps - before[j])
+                    if manual:
+                        gbar_at[r][j].copy_(state[j]["gbar"])
     with torch.no_grad():
         for bs, br in zip(server.buffers(), replicas[0].buffers(), strict=True):
             bs.copy_(br)
@@ -104,23 +235,37 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=10, help="passes over the 4,000 images")
     ap.add_argument("--replicas", default="2,4", help="replica counts besides 1, e.g. 2,4")
     ap.add_argument(
-        "--rules", default="off,auto", help="off, auto, sqrt, decay:K (comma-separated)"
+        "--rules",
+        default="off,auto",
+        help="off, auto, sqrt, decay:K, dc:L, dca:L, gap, adarev, adaacc; + combines (comma-separated)",
     )
     ap.add_argument("--seeds", default="0,1,2", help="seeds (the model's init, the order)")
+    ap.add_argument(
+        "--one", type=float, default=None,
+        help="one replica's mean accuracy (e.g. 0.9477) from an earlier run: skips those runs",
+    )  # fmt: skip
     a = ap.parse_args()
     try:
         ns = [int(v) for v in a.replicas.split(",") if v]
         seeds = [int(v) for v in a.seeds.split(",") if v]
         rules = [r for r in a.rules.split(",") if r]
         for r in rules:
-            factor(r, 1, 0)
+            steps = parse(r)[1]
+            if ("adarev" in steps or "adaacc" in steps) and SETTINGS[a.workload][0] != "adagrad":
+                raise ValueError(f"{r} revises Adagrad; the {a.workload} runs SGD")
     except ValueError as exc:
-        ap.error(f"--replicas/--seeds take integers, --rules off, auto, sqrt or decay:K: {exc}")
+        ap.error(
+            "--replicas/--seeds take integers, --rules off, auto, sqrt or decay:K, + dc:L, "
+            f"dca:L, gap, adarev, adaacc or cos: {exc}"
+        )
     if a.epochs < 1 or not seeds or any(n < 1 for n in ns):
         ap.error("--epochs >= 1, at least one seed and replica counts >= 1 are expected")
     out: dict[str, Any] = {"workload": a.workload, "epochs": a.epochs}
-    one = [run(a.workload, 1, a.epochs, "off", s) for s in seeds]
-    mean1 = sum(one) / len(one)
+    if a.one is not None:  # one replica's mean known from an earlier run: not run again
+        one, mean1 = [], a.one
+    else:
+        one = [run(a.workload, 1, a.epochs, "off", s) for s in seeds]
+        mean1 = sum(one) / len(one)
     out["1"] = {"by_seed": one, "mean": round(mean1, 4)}
     print(f"{a.workload}, {a.epochs} passes, 1 replica: {mean1:.4f} ({one})", flush=True)
     for n in ns:
