@@ -50,17 +50,27 @@ SAFETY = 3
 WRITE_STEP = 1 << 20
 
 
+#: bytes from which a segment's digest is kept for the other peers' frames (SegmentDigests):
+#: below, hashing it again (SHA-256 at 0.5-2 GB/s: 8-30 us for 16 KiB) costs no more than the
+#: cache's bookkeeping. Issue 36's profile of a click-through step at RF 3: its 128 small row
+#: arrays (ids, gradients; 112 bytes to 2 KiB) thrashed a cache of 64, never reused, and the
+#: bookkeeping took 3.5 times the hashing (5% of a server's event loop).
+CACHE_FROM = 16 << 10
+
+
 class SegmentDigests:
     """The SHA-256 of each out-of-band array of the frames to the peers (with its padding: one
     MAC segment, peer_auth.segment_digests), kept for the few frames that send the same arrays
     to the other peers. A batch's arrays are never changed once submitted (every replica must
     apply the same bytes); a cached digest holds its array, so its id is not reused meanwhile
-    (the arrays of the last `size` segments: batches the replication log holds anyway)."""
+    (the arrays of the last `size` segments of at least `cache_from` bytes: batches the
+    replication log holds anyway; smaller ones are hashed for each frame)."""
 
-    def __init__(self, size: int = 64) -> None:
+    def __init__(self, size: int = 64, cache_from: int = CACHE_FROM) -> None:
         #: id(array) -> (array, segment length, digest), oldest first
         self._cache: dict[int, tuple[Any, int, bytes]] = {}
         self.size = size
+        self.cache_from = cache_from
         #: digests computed and reused (tests, and the benchmark's reading of a profile)
         self.computed = self.reused = 0
         self._lock = threading.Lock()
@@ -73,10 +83,15 @@ class SegmentDigests:
         once (each may hash an array the other is hashing: the same digest)."""
         out = []
         bounds = [*starts, len(parts)]
+        small = 0
         for i, j in zip(bounds, bounds[1:], strict=False):
             seg = parts[i:j]
             length = sum(len(p) for p in seg)
             if not length:
+                continue
+            if length < self.cache_from:
+                out.append(peer_auth.segment_digest(seg))
+                small += 1
                 continue
             obj = seg[0].obj
             with self._lock:  # the cache only: the hashing runs outside it
@@ -92,6 +107,9 @@ class SegmentDigests:
                 while len(self._cache) > self.size:
                     del self._cache[next(iter(self._cache))]
             out.append(d)
+        if small:
+            with self._lock:
+                self.computed += small
         return out
 
 
