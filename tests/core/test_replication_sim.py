@@ -307,6 +307,8 @@ class Rpc:
     # controller calls are retried until `retry_until` (AsyncControllerClient)
     retry: tuple[str, str, dict[str, Any]] | None = None
     retry_until: float = 0.0
+    #: a primary's PREPARE or COMMIT (Server.send): its reply may be one of a batch of answers
+    peer_message: bool = False
 
 
 class Waiter:
@@ -503,9 +505,10 @@ class Server:
     def send(self, msg: Send, done: Callable[[Any, str | None], None]) -> None:
         # Timed out by the transport's safety net only (Peers: SAFETY member timeouts): the
         # core fails an unanswered message at its deadline, long before (issue 40)
-        self.rpc(msg.peer, msg.op, dict(msg.fields),
-                 lambda r: done(r, None), lambda err: done(None, _code(err)),
-                 timeout=SAFETY * MEMBER_TIMEOUT)  # fmt: skip
+        rid = self.rpc(msg.peer, msg.op, dict(msg.fields),
+                       lambda r: done(r, None), lambda err: done(None, _code(err)),
+                       timeout=SAFETY * MEMBER_TIMEOUT)  # fmt: skip
+        self.rpcs[rid].peer_message = True
 
     def ping(self, member: str, buckets: dict[Any, int], done: Callable[[Any], None]) -> None:
         # (an unanswered ping is not reported: the next one follows)
@@ -1076,7 +1079,17 @@ class Sim:
         work += [("ctl", None)]
         work += [("client", c) for c in self.clients.values()]
         self.rng.shuffle(work)
+        # Consecutive messages to one server that the server takes as one event (a peer's
+        # repl_multi frame; the answers of a peer's reply: Carrier.batch) are one here too
+        batch: tuple[Server, contextlib.ExitStack] | None = None
         for item in work:
+            to = self.batched_by(item)
+            if batch is not None and batch[0] is not to:
+                batch[1].close()
+                batch = None
+            if to is not None and batch is None:
+                batch = (to, contextlib.ExitStack())
+                batch[1].enter_context(to.carrier.batch())
             if isinstance(item, Msg):
                 if self.net.blocked(item.src, item.dst):
                     continue
@@ -1099,10 +1112,26 @@ class Sim:
                 self.ctl.step()
             else:
                 item[1].step(new_pushes, retries)
+        if batch is not None:
+            batch[1].close()
         for m in deferred:
             m.at = self.now + DT
             heapq.heappush(self.net.queue, m)
         self.check()
+
+    def batched_by(self, item: Any) -> Server | None:
+        """The server that takes `item` inside a batch of inputs (Carrier.batch) with the
+        messages to it next to it: a primary's PREPARE, COMMIT or ping (a repl_multi frame), or
+        the reply to a PREPARE or COMMIT (the answers of one reply); None for anything else."""
+        if not isinstance(item, Msg) or item.dst not in self.servers:
+            return None
+        s = self.servers[item.dst]
+        if s.crashed or s.paused_until is not None or self.net.blocked(item.src, item.dst):
+            return None
+        if item.kind in ("repl_prepare", "repl_commit", "repl_ping"):
+            return s
+        rpc = s.rpcs.get(item.body.get("rid", -1)) if item.kind == "reply" else None
+        return s if rpc is not None and rpc.peer_message else None
 
     # -- invariants ---------------------------------------------------------------------------
 
