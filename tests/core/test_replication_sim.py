@@ -1547,6 +1547,29 @@ def test_caught_up_report_with_unknown_outcome_forgets_no_member() -> None:
     assert "c" in b.replicas, "the next round waits for member c"
 
 
+def test_a_retried_report_after_the_primary_was_declared_dead_is_still_accepted() -> None:
+    """Seed 970500: the controllers commit a caught-up report, its answer is lost, and the
+    primary is declared dead (its lease still running) before the retry. Refused as of a stale
+    epoch, the retry made the primary drop the learner and acknowledge a round without it while
+    the record held it as a member: promoted, it would lose that round. A retried report of a
+    join already accepted is answered "ok" whatever happened since."""
+    m, reps = _joining_cluster()
+    b, c = reps["b"], reps["c"]
+    join = m.buckets[0]["join_ids"]["c"]
+    assert b.add_learner("c", join) is None
+    meta = b.snapshot_meta()
+    c.install_snapshot(meta["committed"], meta["dedup"], meta["committed_epoch"])
+    b.acked_commit["c"] = c.committed
+    b.report_sent("c")
+    assert m.verified_caught_up(0, "b", 1, "c", 0.6, join)["ok"]  # committed, answer lost ...
+    assert "c" in m.bucket_view(0)["secondaries"]
+    m.declare_dead("b", 0.65)  # ... the primary declared dead, its lease still running ...
+    retry = m.verified_caught_up(0, "b", 1, "c", 0.7, join)  # ... and asked again
+    assert retry["ok"] and retry.get("repeated"), retry
+    # a first report from a primary declared dead is still refused
+    assert m.verified_caught_up(0, "b", 1, "c", 0.7, join + 1)["error"] == "stale_epoch"
+
+
 def test_deposed_primary_that_rejoins_keeps_its_round_in_flight() -> None:
     """Replicator._apply_roles sets a `joining` copy's assignment directly (no on_assignment), so a
     primary handed off (lease hand-off: the old primary re-enters as joining) keeps its round in
