@@ -227,6 +227,16 @@ class Operations:
         bk = self.buckets[b]
         lease: Lease | None = bk["lease"]
         if (
+            join is not None
+            and sid in bk["holders"]
+            and bk.setdefault("joined", {}).get(sid) == join
+        ):
+            # A retried report of a join already accepted: "ok" whatever happened since (the
+            # primary declared dead, a new epoch). Refused, the primary took the copy for no
+            # member and acknowledged rounds it lacked, while the record held it as one
+            # (simulation seed 970500: the first answer lost, the retry after declare_dead).
+            return {"ok": True, "bucket": b, "server": sid, "repeated": True}
+        if (
             lease is None
             or lease.epoch != epoch
             or lease.holder != primary
@@ -238,12 +248,6 @@ class Operations:
                 epoch=0 if lease is None else lease.epoch,
             )
         ids = bk.setdefault("join_ids", {})
-        if (
-            join is not None
-            and sid in bk["holders"]
-            and bk.setdefault("joined", {}).get(sid) == join
-        ):
-            return {"ok": True, "bucket": b, "server": sid, "repeated": True}  # a retried report
         if sid not in bk["joining"]:
             return refusal("conflict", f"{sid!r} is not joining bucket {b}")
         if join is not None and ids.get(sid) != join:

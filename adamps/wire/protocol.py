@@ -224,20 +224,26 @@ def encode_oob(
 
 
 def _array_at(d: Mapping[str, Any], payload: memoryview) -> np.ndarray:
-    """The view of ``payload`` an out-of-band array map names (checked like an inline array)."""
-    at = d["at"]
+    """The view of ``payload`` an out-of-band array map names, checked like an inline array
+    (array_from_wire's checks, made here once: issue 36's profile of a click-through step at
+    RF 3 found this path, two arrays per row update, checked twice over a second dict built
+    for it, 7% of a server's event loop)."""
+    at, name, shape = d["at"], d["dtype"], d["shape"]
     if not isinstance(at, int) or isinstance(at, bool) or not 0 <= at <= len(payload):
         raise ProtocolError("bad_array", f"array offset {at!r} outside the payload")
-    dtype = ALLOWED_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
-    shape = d["shape"]
+    dtype = ALLOWED_DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None or not isinstance(shape, list):
-        return array_from_wire({"dtype": d["dtype"], "shape": shape, "data": b""})  # raises
-    if not all(isinstance(x, int) and x >= 0 for x in shape):
-        raise ProtocolError("bad_array", f"array shape must be a list of ints >= 0, got {shape!r}")
-    n = math.prod(shape) * dtype.itemsize
+        return array_from_wire({"dtype": name, "shape": shape, "data": b""})  # raises
+    n = dtype.itemsize
+    for x in shape:
+        if not isinstance(x, int) or x < 0:
+            raise ProtocolError(
+                "bad_array", f"array shape must be a list of ints >= 0, got {shape!r}"
+            )
+        n *= x
     if at + n > len(payload):
         raise ProtocolError("bad_length", f"array of {n} bytes at {at} overruns the payload")
-    return array_from_wire({"dtype": d["dtype"], "shape": shape, "data": payload[at : at + n]})
+    return np.frombuffer(payload[at : at + n], dtype=dtype).reshape(shape)
 
 
 def array_from_wire(d: Mapping[str, Any]) -> np.ndarray:

@@ -15,7 +15,7 @@ import pytest
 
 from adamps.security import peer_auth
 from adamps.server.replication.peer_keys import PeerKeys
-from adamps.server.replication.peers import PeerStream, SegmentDigests
+from adamps.server.replication.peers import CACHE_FROM, PeerStream, SegmentDigests
 from adamps.wire import protocol
 from adamps.wire.protocol import ProtocolError
 
@@ -70,7 +70,7 @@ def test_a_primarys_frame_is_accepted_and_decoded() -> None:
 
 
 def test_each_array_is_hashed_once_for_every_peer() -> None:
-    digests = SegmentDigests()
+    digests = SegmentDigests(cache_from=0)
     msg = message(ARRAYS)
     frames = [frame_to(r, msg, digests) for r in ("ps1", "ps2")]
     assert digests.computed == 2 and digests.reused == 2  # two arrays with bytes, two peers
@@ -85,10 +85,24 @@ def test_each_array_is_hashed_once_for_every_peer() -> None:
 
 
 def test_the_digest_cache_is_bounded() -> None:
-    digests = SegmentDigests(size=4)
+    digests = SegmentDigests(size=4, cache_from=0)
     for _ in range(10):
         frame_to("ps1", message([np.ones(3, np.float32)]), digests)
     assert len(digests._cache) <= 4
+
+
+def test_small_arrays_are_hashed_for_each_frame_not_cached() -> None:
+    """Below cache_from a segment is hashed again for each peer's frame (the cache's
+    bookkeeping cost more than the hashing: issue 36's click-through step at RF 3); a large one
+    is still hashed once for every peer. Both kinds of frame verify."""
+    big = np.ones(CACHE_FROM // 4, np.float32)
+    digests = SegmentDigests()
+    msg = message([*ARRAYS, big])
+    frames = [frame_to(r, msg, digests) for r in ("ps1", "ps2")]
+    assert digests.computed == 5 and digests.reused == 1  # 2 small twice, the large one once
+    assert list(digests._cache) == [id(big)]
+    for receiver, (meta, _parsed, payload) in zip(("ps1", "ps2"), frames, strict=True):
+        assert receive(receiver, meta, payload)[0] == "ps0"
 
 
 def _refused(receiver: str, meta: bytes, payload: np.ndarray, why: str) -> None:

@@ -118,3 +118,40 @@ def test_a_message_of_more_containers_than_the_limit_is_refused(empty: object) -
     assert e.value.code == "too_large"
     ok = msgpack.packb({"v": 1, "a": [empty] * (half - 3), "b": [empty] * half})
     assert len(protocol.decode(ok)["b"]) == half
+
+
+def _oob(arr_map: dict, payload: bytes) -> dict:
+    return protocol.decode(msgpack.packb({"a": arr_map}), payload)
+
+
+@pytest.mark.parametrize(
+    ("arr_map", "code"),
+    [
+        ({"dtype": "float32", "shape": [2], "at": -1}, "bad_array"),
+        ({"dtype": "float32", "shape": [2], "at": True}, "bad_array"),
+        ({"dtype": "float32", "shape": [2], "at": 17}, "bad_array"),
+        ({"dtype": "float32", "shape": [2], "at": "0"}, "bad_array"),
+        ({"dtype": "float16x", "shape": [2], "at": 0}, "bad_dtype"),
+        ({"dtype": 3, "shape": [2], "at": 0}, "bad_array"),
+        ({"dtype": "float32", "shape": 2, "at": 0}, "bad_array"),
+        ({"dtype": "float32", "shape": [2, -1], "at": 0}, "bad_array"),
+        ({"dtype": "float32", "shape": [2.0], "at": 0}, "bad_array"),
+        ({"dtype": "float32", "shape": [3], "at": 8}, "bad_length"),
+        ({"dtype": "float32", "shape": [5], "at": 0}, "bad_length"),
+    ],
+)
+def test_an_out_of_band_array_outside_its_payload_is_refused(arr_map: dict, code: str) -> None:
+    """An out-of-band array map (the data plane's repl_multi frames) is checked as an inline
+    one is before a view is made: offset, dtype, shape, and its bytes inside the payload."""
+    with pytest.raises(ProtocolError) as e:
+        _oob(arr_map, bytes(16))
+    assert e.value.code == code
+
+
+def test_an_out_of_band_array_is_a_read_only_view_of_the_payload() -> None:
+    payload = bytearray(np.arange(6, dtype=np.float32).tobytes())
+    arr = _oob({"dtype": "float32", "shape": [2, 2], "at": 8}, payload)["a"]
+    assert arr.dtype == np.float32 and arr.shape == (2, 2) and not arr.flags.writeable
+    assert arr.tolist() == [[2.0, 3.0], [4.0, 5.0]]
+    empty = _oob({"dtype": "int64", "shape": [0, 3], "at": 24}, payload)["a"]
+    assert empty.shape == (0, 3) and empty.dtype == np.int64

@@ -154,3 +154,29 @@ def test_a_reply_after_the_deadline_changes_nothing() -> None:
     assert not a.has_ready(), "nothing decided, acknowledged, sent or asked"
     assert (dict(rep.acked_prepare), dict(rep.acked_commit), rep.committed, rep.inflight) == before
     assert cl.answers == []
+
+
+class Counted:
+    """An update whose size is read by the core's deadlines: counts the reads."""
+
+    reads = 0
+
+    @property
+    def nbytes(self) -> int:
+        Counted.reads += 1
+        return 1_000_000
+
+
+def test_a_batch_is_measured_once_for_every_replica() -> None:
+    """A PREPARE's size allowance (bytes at the floor rate) is counted once per batch, not
+    once per replica it goes to (issue 36: the walk at each send, 4% of a primary's event
+    loop at RF 3); both replicas' deadlines still carry it."""
+    cl = Quiet()
+    a = cl.cores["a"]
+    Counted.reads = 0
+    assert a.submit({0: Counted()}, ("cl", 1), {0: "w1"}, 0.1) is None
+    cl.collect()
+    assert sorted(m.peer for _s, m in cl.out if m.op == "repl_prepare") == ["b", "c"]
+    assert Counted.reads == 1
+    deadline = 0.1 + 1_000_000 / RATE_FLOOR + TIMEOUT
+    assert a.next_deadline(0.2) == pytest.approx(deadline, abs=1e-6)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Any
 
 import aiohttp
 
@@ -61,3 +62,52 @@ def test_the_transport_times_out_only_long_after_the_cores_deadline() -> None:
     ch = peers.channel("b")
     assert ch.timeout == SAFETY * 2.0
     assert peers.rpc("b").timeout.total == SAFETY * 2.0
+
+
+async def test_a_replys_answers_are_handed_out_inside_one_batch() -> None:
+    """Issue 36: the answers to one reply of a peer (a frame of many buckets' messages) reach
+    the core as one event (Peers.batch: the shell's Carrier.batch), each once, in order; a
+    whole request that failed fails each of its messages the same way."""
+    import contextlib
+
+    keys = PeerKeys("a", None, lambda: None, lambda _s: True)
+    peers = Peers("token", 2.0, keys)
+    events: list[Any] = []
+
+    @contextlib.contextmanager
+    def batch() -> Any:
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    peers.batch = batch
+    peers.addresses["b"] = "127.0.0.1:1"
+    ch = peers.channel("b")
+    replies: list[Any] = [
+        {"results": [{"ok": {"seq": 1}}, {"error": {"code": "stale_epoch", "message": "old"}}]},
+        ConnectionError("gone"),
+    ]
+
+    async def send(msg: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        r = replies.pop(0)
+        if isinstance(r, BaseException):
+            raise r
+        assert len(msg["items"]) == len(r["results"])
+        return r
+
+    ch._send = send  # type: ignore[method-assign]
+    for rid in (1, 2):
+        peers.send(
+            Send(rid, "b", "repl_commit", {"bucket": rid}),
+            lambda r, e, rid=rid: events.append((rid, r, e)),
+        )
+    for _ in range(20):
+        await asyncio.sleep(0)
+    peers.send(Send(3, "b", "repl_commit", {"bucket": 3}), lambda r, e: events.append((3, r, e)))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert events == [
+        "enter", (1, {"seq": 1}, None), (2, None, "stale_epoch"), "exit",
+        "enter", (3, None, "connection"), "exit",
+    ]  # fmt: skip

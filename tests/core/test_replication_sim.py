@@ -307,6 +307,8 @@ class Rpc:
     # controller calls are retried until `retry_until` (AsyncControllerClient)
     retry: tuple[str, str, dict[str, Any]] | None = None
     retry_until: float = 0.0
+    #: a primary's PREPARE or COMMIT (Server.send): its reply may be one of a batch of answers
+    peer_message: bool = False
 
 
 class Waiter:
@@ -503,9 +505,10 @@ class Server:
     def send(self, msg: Send, done: Callable[[Any, str | None], None]) -> None:
         # Timed out by the transport's safety net only (Peers: SAFETY member timeouts): the
         # core fails an unanswered message at its deadline, long before (issue 40)
-        self.rpc(msg.peer, msg.op, dict(msg.fields),
-                 lambda r: done(r, None), lambda err: done(None, _code(err)),
-                 timeout=SAFETY * MEMBER_TIMEOUT)  # fmt: skip
+        rid = self.rpc(msg.peer, msg.op, dict(msg.fields),
+                       lambda r: done(r, None), lambda err: done(None, _code(err)),
+                       timeout=SAFETY * MEMBER_TIMEOUT)  # fmt: skip
+        self.rpcs[rid].peer_message = True
 
     def ping(self, member: str, buckets: dict[Any, int], done: Callable[[Any], None]) -> None:
         # (an unanswered ping is not reported: the next one follows)
@@ -1076,7 +1079,17 @@ class Sim:
         work += [("ctl", None)]
         work += [("client", c) for c in self.clients.values()]
         self.rng.shuffle(work)
+        # Consecutive messages to one server that the server takes as one event (a peer's
+        # repl_multi frame; the answers of a peer's reply: Carrier.batch) are one here too
+        batch: tuple[Server, contextlib.ExitStack] | None = None
         for item in work:
+            to = self.batched_by(item)
+            if batch is not None and batch[0] is not to:
+                batch[1].close()
+                batch = None
+            if to is not None and batch is None:
+                batch = (to, contextlib.ExitStack())
+                batch[1].enter_context(to.carrier.batch())
             if isinstance(item, Msg):
                 if self.net.blocked(item.src, item.dst):
                     continue
@@ -1099,10 +1112,26 @@ class Sim:
                 self.ctl.step()
             else:
                 item[1].step(new_pushes, retries)
+        if batch is not None:
+            batch[1].close()
         for m in deferred:
             m.at = self.now + DT
             heapq.heappush(self.net.queue, m)
         self.check()
+
+    def batched_by(self, item: Any) -> Server | None:
+        """The server that takes `item` inside a batch of inputs (Carrier.batch) with the
+        messages to it next to it: a primary's PREPARE, COMMIT or ping (a repl_multi frame), or
+        the reply to a PREPARE or COMMIT (the answers of one reply); None for anything else."""
+        if not isinstance(item, Msg) or item.dst not in self.servers:
+            return None
+        s = self.servers[item.dst]
+        if s.crashed or s.paused_until is not None or self.net.blocked(item.src, item.dst):
+            return None
+        if item.kind in ("repl_prepare", "repl_commit", "repl_ping"):
+            return s
+        rpc = s.rpcs.get(item.body.get("rid", -1)) if item.kind == "reply" else None
+        return s if rpc is not None and rpc.peer_message else None
 
     # -- invariants ---------------------------------------------------------------------------
 
@@ -1516,6 +1545,29 @@ def test_caught_up_report_with_unknown_outcome_forgets_no_member() -> None:
     b.report_done("c", True)
     b.submit("u2", ("cl", 2), "w2")
     assert "c" in b.replicas, "the next round waits for member c"
+
+
+def test_a_retried_report_after_the_primary_was_declared_dead_is_still_accepted() -> None:
+    """Seed 970500: the controllers commit a caught-up report, its answer is lost, and the
+    primary is declared dead (its lease still running) before the retry. Refused as of a stale
+    epoch, the retry made the primary drop the learner and acknowledge a round without it while
+    the record held it as a member: promoted, it would lose that round. A retried report of a
+    join already accepted is answered "ok" whatever happened since."""
+    m, reps = _joining_cluster()
+    b, c = reps["b"], reps["c"]
+    join = m.buckets[0]["join_ids"]["c"]
+    assert b.add_learner("c", join) is None
+    meta = b.snapshot_meta()
+    c.install_snapshot(meta["committed"], meta["dedup"], meta["committed_epoch"])
+    b.acked_commit["c"] = c.committed
+    b.report_sent("c")
+    assert m.verified_caught_up(0, "b", 1, "c", 0.6, join)["ok"]  # committed, answer lost ...
+    assert "c" in m.bucket_view(0)["secondaries"]
+    m.declare_dead("b", 0.65)  # ... the primary declared dead, its lease still running ...
+    retry = m.verified_caught_up(0, "b", 1, "c", 0.7, join)  # ... and asked again
+    assert retry["ok"] and retry.get("repeated"), retry
+    # a first report from a primary declared dead is still refused
+    assert m.verified_caught_up(0, "b", 1, "c", 0.7, join + 1)["error"] == "stale_epoch"
 
 
 def test_deposed_primary_that_rejoins_keeps_its_round_in_flight() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from adamps.server.decode import checked
 from adamps.server.replication.wire import updates_digest
 
 
@@ -57,6 +58,23 @@ def test_the_digest_of_each_kind_of_field_is_the_definitions() -> None:
         [[{"m": memoryview(b"mm"), Key("k"): np.float32(1.5), "i": np.int64(3)}]],
         [[Map(a=1, b=[np.ones(5, np.float64)[::2], (1, 2.5, "s")])]],
         [[{"n": [[{"deep": [1, 2, {"x": np.arange(4, dtype=np.int32)}]}]]}]],
+        # a primary's decoded updates (decode.Checked, walked as plain maps)
+        [
+            [
+                checked(
+                    {
+                        "k": "r",
+                        "s": "t/1",
+                        "i": np.arange(3),
+                        "g": np.ones((3, 2), np.float32),
+                        "t": 1.5,
+                        7: [np.float64(2)],
+                        "o": {"lr": 0.1},
+                    },
+                    [],
+                )
+            ]
+        ],
     ]
     for c in cases:
         assert updates_digest(c) == reference(c), c

@@ -25,29 +25,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adamps.core.replication.values import Batch
+from adamps.core.replication.values import payload_bytes
 
-
-def payload_bytes(x: Any) -> int:
-    """The bytes of a message's entries as the transport sends them: its arrays (anything with
-    ``nbytes``: the core imports no numpy), byte strings and strings; 8 for a scalar. Walked
-    at each send (a batch of 32 dense updates: tens of microseconds)."""
-    if isinstance(x, Batch):
-        x = x.updates
-    elif isinstance(x, dict):
-        x = x.values()
-    elif not isinstance(x, list | tuple):
-        t = type(x)
-        if t is int or t is float or t is bool or x is None:
-            return 8
-        if t is str or t is bytes or t is bytearray:
-            return len(x)
-        n = getattr(x, "nbytes", None)
-        return 8 if n is None else int(n)
-    n = 0
-    for v in x:
-        n += payload_bytes(v)
-    return n
+__all__ = ["PeerLinks", "payload_bytes"]
 
 
 class PeerLinks:

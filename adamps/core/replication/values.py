@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 #: (client id, seq) pairs remembered per bucket for deduplication
@@ -39,6 +40,36 @@ class Batch:
     updates: tuple[Any, ...]
     #: (client id, client seq) of the pushes in this batch, parallel to `updates`
     clients: tuple[ClientKey | None, ...]
+
+    @cached_property
+    def nbytes(self) -> int:
+        """Its updates' bytes as the transport sends them (payload_bytes), counted once: a
+        batch is sent to every replica, and again when a round is retried. Issue 36's profile
+        of a click-through step at RF 3: the walk at each send, 4% of a primary's event loop.
+        (A batch's updates never change once it is made: every replica applies the same.)"""
+        return payload_bytes(self.updates)
+
+
+def payload_bytes(x: Any) -> int:
+    """The bytes of a message's entries as the transport sends them: its arrays (anything with
+    ``nbytes``: the core imports no numpy), byte strings and strings; 8 for a scalar; a
+    batch's once (``Batch.nbytes``)."""
+    if isinstance(x, Batch):
+        return x.nbytes
+    if isinstance(x, dict):
+        x = x.values()
+    elif not isinstance(x, list | tuple):
+        t = type(x)
+        if t is int or t is float or t is bool or x is None:
+            return 8
+        if t is str or t is bytes or t is bytearray:
+            return len(x)
+        n = getattr(x, "nbytes", None)
+        return 8 if n is None else int(n)
+    n = 0
+    for v in x:
+        n += payload_bytes(v)
+    return n
 
 
 @dataclass(frozen=True)

@@ -48,13 +48,20 @@ class PeerOps:
         return await self.op_from_peer("repl_multi", msg, peer)
 
     async def _step(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+        return self.repl.carrier.peer_message(await self._check(op, msg))
+
+    async def _check(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
         # Every copy re-checks what it will apply (repl_check.checked_message), whoever sent it.
-        m = await checked_message(self.repl.store, self.repl.core.buckets, op, msg)
-        return self.repl.carrier.peer_message(m)
+        return await checked_message(self.repl.store, self.repl.core.buckets, op, msg)
 
     async def op_repl_multi(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Several replication messages from one peer, handled in order; one result each."""
-        return await multi_results(msg, lambda item: self.handlers[item["op"]](item))
+        """Several replication messages from one peer, in order, one result each: every one
+        checked first, then all stepped into the core as one event, their Ready carried out
+        once before the reply goes (Carrier.batch)."""
+        carrier = self.repl.carrier
+        return await multi_results(
+            msg, lambda m: self._check(m["op"], m), carrier.peer_message, carrier.batch
+        )
 
     async def op_repl_snapshot(self, msg: dict[str, Any]) -> dict[str, Any]:
         """A consistent copy of a bucket for a joining copy: the core makes the joiner a learner

@@ -7,6 +7,7 @@ the replication core's transport: the simulation has an in-memory one with the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -14,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -50,17 +52,27 @@ SAFETY = 3
 WRITE_STEP = 1 << 20
 
 
+#: bytes from which a segment's digest is kept for the other peers' frames (SegmentDigests):
+#: below, hashing it again (SHA-256 at 0.5-2 GB/s: 8-30 us for 16 KiB) costs no more than the
+#: cache's bookkeeping. Issue 36's profile of a click-through step at RF 3: its 128 small row
+#: arrays (ids, gradients; 112 bytes to 2 KiB) thrashed a cache of 64, never reused, and the
+#: bookkeeping took 3.5 times the hashing (5% of a server's event loop).
+CACHE_FROM = 16 << 10
+
+
 class SegmentDigests:
     """The SHA-256 of each out-of-band array of the frames to the peers (with its padding: one
     MAC segment, peer_auth.segment_digests), kept for the few frames that send the same arrays
     to the other peers. A batch's arrays are never changed once submitted (every replica must
     apply the same bytes); a cached digest holds its array, so its id is not reused meanwhile
-    (the arrays of the last `size` segments: batches the replication log holds anyway)."""
+    (the arrays of the last `size` segments of at least `cache_from` bytes: batches the
+    replication log holds anyway; smaller ones are hashed for each frame)."""
 
-    def __init__(self, size: int = 64) -> None:
+    def __init__(self, size: int = 64, cache_from: int = CACHE_FROM) -> None:
         #: id(array) -> (array, segment length, digest), oldest first
         self._cache: dict[int, tuple[Any, int, bytes]] = {}
         self.size = size
+        self.cache_from = cache_from
         #: digests computed and reused (tests, and the benchmark's reading of a profile)
         self.computed = self.reused = 0
         self._lock = threading.Lock()
@@ -73,10 +85,15 @@ class SegmentDigests:
         once (each may hash an array the other is hashing: the same digest)."""
         out = []
         bounds = [*starts, len(parts)]
+        small = 0
         for i, j in zip(bounds, bounds[1:], strict=False):
             seg = parts[i:j]
             length = sum(len(p) for p in seg)
             if not length:
+                continue
+            if length < self.cache_from:
+                out.append(peer_auth.segment_digest(seg))
+                small += 1
                 continue
             obj = seg[0].obj
             with self._lock:  # the cache only: the hashing runs outside it
@@ -92,6 +109,9 @@ class SegmentDigests:
                 while len(self._cache) > self.size:
                     del self._cache[next(iter(self._cache))]
             out.append(d)
+        if small:
+            with self._lock:
+                self.computed += small
         return out
 
 
@@ -247,7 +267,10 @@ class PeerChannel:
         self.keys = keys
         #: the peer's server id (whose pair key signs)
         self.member = member
-        self._queue: list[tuple[str, dict[str, Any], asyncio.Future]] = []
+        #: (op, fields, its future or its answer's callback) of each message queued
+        self._queue: list[tuple[str, dict[str, Any], Any]] = []
+        #: the answers of one reply are handed out inside one of these (Peers.batch)
+        self.batch: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
         self._task: asyncio.Task | None = None
         #: the peer's data plane (None: HTTP), and when it was last looked up
         self.stream: PeerStream | None = None
@@ -287,13 +310,20 @@ class PeerChannel:
     async def call(self, op: str, **fields: Any) -> dict[str, Any]:
         return await self.post(op, fields)
 
-    def post(self, op: str, fields: dict[str, Any]) -> asyncio.Future:
-        """Queues one message now; its future gets the reply (or the error)."""
-        fut = asyncio.get_running_loop().create_future()
-        self._queue.append((op, fields, fut))
+    def post(
+        self,
+        op: str,
+        fields: dict[str, Any],
+        answer: Callable[[Any, BaseException | None], None] | None = None,
+    ) -> asyncio.Future | None:
+        """Queues one message now. Its reply (or the error) goes to `answer`, called from the
+        channel's task, every answer of one reply inside one ``batch``; without `answer`, to
+        the future returned."""
+        target = answer or asyncio.get_running_loop().create_future()
+        self._queue.append((op, fields, target))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="peer-channel")
-        return fut
+        return None if answer is not None else target
 
     async def _run(self) -> None:
         while self._queue:
@@ -301,19 +331,21 @@ class PeerChannel:
             try:
                 reply = await self._send({"items": [{"op": op, **f} for op, f, _ in items]})
                 results = reply["results"]
+                if len(results) != len(items):
+                    raise ConnectionError(f"peer {self.member}: {len(results)} results")
             except Exception as exc:  # the whole request failed: so did each message
-                for _op, _f, fut in items:
-                    if not fut.done():
-                        fut.set_exception(exc)
+                with self.batch():
+                    for _op, _f, target in items:
+                        _deliver(target, None, exc)
                 continue
-            for (_op, _f, fut), res in zip(items, results, strict=True):
-                if fut.done():
-                    continue
-                if "error" in res:
-                    err = dict(res["error"])
-                    fut.set_exception(RpcError(err.pop("code"), err.pop("message"), **err))
-                else:
-                    fut.set_result(res["ok"])
+            with self.batch():  # issue 36: one Ready carried out for a reply's answers
+                for (_op, _f, target), res in zip(items, results, strict=True):
+                    if "error" in res:
+                        err = dict(res["error"])
+                        exc = RpcError(err.pop("code"), err.pop("message"), **err)
+                        _deliver(target, None, exc)
+                    else:
+                        _deliver(target, res["ok"], None)
 
     def close(self) -> None:
         if self._task is not None:
@@ -322,16 +354,32 @@ class PeerChannel:
             self.stream.close()
 
 
-def _answered(
-    msg: Send, done: Callable[[dict[str, Any] | None, str | None], None], fut: asyncio.Future
-) -> None:
-    """A message's reply or error (Peers.send) handed to `done`; nothing when cancelled (the
-    channel closed: the server stops)."""
-    if fut.cancelled():
+def _deliver(target: Any, result: Any, exc: BaseException | None) -> None:
+    """A message's reply or error to its future, or to its answer's callback (whose failure is
+    logged: the other answers of the reply are still handed out)."""
+    if isinstance(target, asyncio.Future):
+        if target.done():
+            return
+        if exc is None:
+            target.set_result(result)
+        else:
+            target.set_exception(exc)
         return
-    exc = fut.exception()
+    try:
+        target(result, exc)
+    except Exception:  # noqa: BLE001  (as a future's callback's failure is logged)
+        log.exception("a peer's answer could not be handed to the core")
+
+
+def _answered(
+    msg: Send,
+    done: Callable[[dict[str, Any] | None, str | None], None],
+    reply: dict[str, Any] | None,
+    exc: BaseException | None,
+) -> None:
+    """A message's reply or error (Peers.send) handed to `done`."""
     if exc is None:
-        done(fut.result(), None)
+        done(reply, None)
     elif isinstance(exc, RpcError):
         done(None, exc.code)
     elif isinstance(exc, ConnectionError | TimeoutError | OSError):
@@ -375,6 +423,9 @@ class Peers:
         #: the clients of snapshot fetches (`snapshot`): their own, longer timeout
         self._snap_rpcs: dict[str, AsyncRpc] = {}
         self._channels: dict[str, PeerChannel] = {}
+        #: the answers of one reply are handed to the core inside one of these (the shell's
+        #: Carrier.batch: their Ready carried out once)
+        self.batch: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
         #: the arrays' digests of the data-plane frames, shared by every peer's channel: a
         #: batch sent to two secondaries is hashed once (peer_auth.frame_mac)
         self.digests = SegmentDigests()
@@ -387,7 +438,7 @@ class Peers:
             ch = self._channels[rpc.base_url] = PeerChannel(
                 rpc, self.token, SAFETY * self.timeout, self.keys, server, self.digests
             )
-        ch.member = server
+        ch.member, ch.batch = server, self.batch
         return ch
 
     async def snapshot(self, f: Fetch) -> dict[str, Any] | None:
@@ -439,14 +490,12 @@ class Peers:
             fields = dict(msg.fields)
             if "entries" in fields:
                 fields["entries"] = [batch_to_wire(e) for e in fields["entries"]]
-            fut = self.channel(msg.peer).post(msg.op, fields)
+            self.channel(msg.peer).post(msg.op, fields, functools.partial(_answered, msg, done))
         except (ConnectionError, OSError):  # e.g. no address known for the peer yet
             loop.call_soon(done, None, "connection")
         except Exception:  # noqa: BLE001  (a bug here must not leave the message in flight)
             log.exception("sending %s to %s failed", msg.op, msg.peer)
             loop.call_soon(done, None, "internal")
-        else:
-            fut.add_done_callback(functools.partial(_answered, msg, done))
 
     def ping(self, member: str, buckets: dict[str, int], done: Callable[[list[Any]], None]) -> None:
         """The primary's ping (adamps.core.replication.pings) to one replica over its channel: `done`

@@ -87,6 +87,7 @@ class Replicator:
         self.clock = CoreClock(self.core, lambda: self.carrier.tick())
         #: carries every event into the core and its Ready out, through this shell's ports
         self.carrier = Carrier(self.core, self, DEBUG_CORE)
+        self.peers.batch = self.carrier.batch
         self.poke, self.send, self.ping = self.clock.poke, self.peers.send, self.peers.ping
         self.counted = self.m.count
         #: sees every heartbeat reply (the runs' table version, adamps/server/api/tenancy.py)

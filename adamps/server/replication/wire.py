@@ -7,14 +7,17 @@ adamps/server/decode/ (one decoder per update kind); here they are opaque maps."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 
 from adamps.core.replication.bucket import Assignment, Batch, BucketReplica, Reject
 from adamps.core.replication.ready import Answer
+from adamps.server.decode import Checked
 from adamps.server.store import checksum
 from adamps.server.store.shards import StoreError
 from adamps.wire.protocol import ProtocolError, require
@@ -26,25 +29,44 @@ MULTI_OPS = ("repl_prepare", "repl_commit", "repl_ping")
 
 
 async def multi_results(
-    msg: dict[str, Any], handle: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+    msg: dict[str, Any],
+    check: Callable[[dict[str, Any]], Awaitable[Any]],
+    step: Callable[[Any], dict[str, Any]],
+    batch: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> dict[str, Any]:
-    """A repl_multi request: its messages (each an op of MULTI_OPS) handled in order by
-    `handle`, one result each ({"ok": reply} or {"error": ...}), so that one refused message
-    fails alone."""
-    results = []
-    for item in require(msg, "items", list):
+    """A repl_multi request: its messages (each an op of MULTI_OPS) checked in order by `check`
+    (it may await: a large PREPARE is decoded on a worker thread), then those that passed
+    stepped in order by `step`, all inside one `batch` that never awaits (their Ready carried
+    out once: Carrier.batch, issue 36); one result each ({"ok": reply} or {"error": ...}), so
+    that one refused or failing message fails alone."""
+    items = require(msg, "items", list)
+    results: list[dict[str, Any] | None] = [None] * len(items)
+    checked: list[tuple[int, Any]] = []
+    for i, item in enumerate(items):
         if not isinstance(item, dict) or item.get("op") not in MULTI_OPS:
             op = item.get("op") if isinstance(item, dict) else None
             err = {"code": "unknown_op", "message": f"{op!r} not allowed in repl_multi"}
-            results.append({"error": err})
+            results[i] = {"error": err}
             continue
         try:
-            results.append({"ok": await handle(item)})
-        except ProtocolError as exc:
-            results.append({"error": exc.to_dict()})
-        except StoreError as exc:  # e.g. a tensor not defined here: this message fails only
-            results.append({"error": ProtocolError(exc.code, exc.message).to_dict()})
+            checked.append((i, await check(item)))
+        except (ProtocolError, StoreError) as exc:
+            results[i] = _error(exc)
+    with batch():
+        for i, m in checked:
+            try:
+                results[i] = {"ok": step(m)}
+            except (ProtocolError, StoreError) as exc:
+                results[i] = _error(exc)
     return {"results": results}
+
+
+def _error(exc: ProtocolError | StoreError) -> dict[str, Any]:
+    """A message's failure as its result (a StoreError, e.g. a tensor not defined here: this
+    message fails only)."""
+    if isinstance(exc, StoreError):
+        exc = ProtocolError(exc.code, exc.message)
+    return {"error": exc.to_dict()}
 
 
 def not_primary(
@@ -100,6 +122,12 @@ def _dtype_name(dtype: np.dtype) -> bytes:
     return name
 
 
+#: the map type of a primary's decoded updates (a dict subclass): walked as a plain map, not
+#: through ``_walk_other`` (the same bytes; issue 36: every field of a primary's batch took the
+#: slow path, a call and an isinstance chain each)
+_CHECKED: type = Checked
+
+
 def updates_digest(updates: Iterable[Any]) -> int:
     """xxh3 of a batch's updates: every field, arrays by their bytes, in order (issue 29:
     corruption in memory or on the wire is caught where it enters a copy, not applied).
@@ -116,7 +144,7 @@ def updates_digest(updates: Iterable[Any]) -> int:
     def walk(x: Any) -> None:
         nonlocal buf
         t = type(x)
-        if t is dict:
+        if t is dict or t is _CHECKED:
             keys = sorted(x, key=str)  # a hostile map may mix key types
             for k in keys:
                 buf += k.encode() if type(k) is str else str(k).encode()
@@ -124,6 +152,12 @@ def updates_digest(updates: Iterable[Any]) -> int:
                 tv = type(v)
                 if tv is str or tv is int or tv is float:  # most fields: no call
                     buf += repr(v).encode()
+                elif tv is np.ndarray:  # an update's arrays: no call either
+                    buf += _dtype_name(v.dtype)
+                    if v.size:
+                        h.update(buf)
+                        buf.clear()
+                        h.update(memoryview(np.ascontiguousarray(v)).cast("B"))
                 else:
                     walk(v)
         elif t is np.ndarray:
