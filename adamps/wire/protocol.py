@@ -412,6 +412,15 @@ def check_message(msg: Mapping[str, Any], ops: Collection[str]) -> str:
 _MISSING = object()
 
 
+def one_form(msg: Mapping[str, Any], first: str, second: str) -> None:
+    """Refuses a request naming both of an op's two forms (`first`, `second`): serving one
+    would silently drop the other, and /rpc and the data plane once picked differently."""
+    if first in msg and second in msg:
+        raise ProtocolError(
+            "bad_request", f"names both {first!r} and {second!r}: send one form or the other"
+        )
+
+
 def require(
     msg: Mapping[str, Any], name: str, type_: type | tuple[type, ...], default: Any = _MISSING
 ) -> Any:

@@ -6,7 +6,11 @@ and data port), attacked the way the issue's report did.
   without blocking the event loop or growing the process's memory;
 - a slowloris flood of the data port: connections that send a byte now and then are closed at
   their header deadline, and a real client keeps being served while they hold the slots;
-- vec_dot of vectors of different lengths: a 4xx, not a 500.
+- vec_dot of vectors of different lengths: a 4xx, not a 500;
+- a request naming both forms of its op (`tensor` and `shards`, `tensors` and `shards`, `layers`
+  and `tensor`), on /rpc and the data port: a 4xx, nothing applied (one form used to be served
+  and the other dropped, /rpc and the data plane picking differently; found by a client written
+  from docs/ only, session 19).
 """
 
 from __future__ import annotations
@@ -355,3 +359,52 @@ def test_vec_dot_of_vectors_of_different_lengths_is_a_4xx(ps: Ps) -> None:
     assert err.value.status == 400 and err.value.code == "bad_shape", err.value
     assert "'y'" in err.value.message
     assert ps.call("vec_dot", shards=["v/0"], x="", y="")["dots"] == {"v/0": 0.0}
+
+
+# -- both forms of an op in one request -------------------------------------------------------------
+
+
+def _dp_answer(port: int, meta: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    """One data-plane frame's answer meta (kind 2 or 3), read the way docs/protocol-ps.md frames it."""
+    m = protocol.encode(meta)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(frame_header(REQUEST, len(m), len(payload)) + m + payload)
+        buf = b""
+        while len(buf) < 20:
+            chunk = s.recv(20 - len(buf))
+            assert chunk, "the server closed without an answer"
+            buf += chunk
+        meta_len = int.from_bytes(buf[8:12], "little")
+        body = b""
+        while len(body) < meta_len:
+            chunk = s.recv(meta_len - len(body))
+            assert chunk, "the server closed mid-answer"
+            body += chunk
+    return {"kind": buf[5], **protocol.decode(body)}
+
+
+def test_a_request_naming_both_forms_is_refused_and_changes_nothing(ps: Ps) -> None:
+    ps.call("create", name="f", shape=[20, 50], optimizer={"kind": "sgd", "lr": -1.0})
+    ones = np.ones((20, 50), np.float32)
+    before = ps.pull("f")
+    refused = [
+        ("push_dense", {"tensor": "f", "delta": ones, "shards": {"f/0": 2 * ones}}),
+        ("push_fc", {"tensor": "f", "a": ones[:1], "e": ones[:1, :20],
+                     "layers": {"f": {"a": ones[:1], "e": ones[:1, :20]}}}),
+        ("pull", {"tensors": ["f"], "shards": ["f/0"]}),
+    ]  # fmt: skip
+    for op, fields in refused:
+        with pytest.raises(RpcError) as err:
+            ps.call(op, **fields)
+        assert err.value.status == 400 and err.value.code == "bad_request", (op, err.value)
+        assert "names both" in err.value.message, err.value.message
+    for op, payload in (("push_dense", ones.tobytes()), ("pull", b"")):
+        meta = {"op": op, "v": 1, "rid": "both", "token": TOKEN, "tensor": "f", "shards": ["f/0"]}
+        got = _dp_answer(ps.data_port, meta, payload)
+        assert got["kind"] == 3 and got["error"]["code"] == "bad_request", got
+        assert "names both" in got["error"]["message"], got
+    after = ps.call("pull", shards=["f/0"])
+    np.testing.assert_array_equal(after["shards"]["f/0"], before)
+    assert after["versions"] == {"f/0": 0}
+    ps.call("push_dense", tensor="f", delta=ones)  # each form alone still serves
+    assert ps.pull("f").sum() == ones.size
