@@ -465,6 +465,7 @@ class ParameterServer:
         # The operator's: a run's token is 403 forbidden (as op flush on /rpc), unknown 401.
         who = await self.tenancy.authenticate(request.headers.get("Authorization"))
         self.tenancy.check(who, "flush", {}, 0)
+        await aweb.read_json(request)  # empty or a JSON object: garbage is 400, not a flush
         return aweb.json_response(await self._flush())
 
     async def _flush(self) -> dict[str, Any]:
