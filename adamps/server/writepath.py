@@ -260,6 +260,9 @@ class WritePath:
     def _record_client(self, msg: dict[str, Any]) -> tuple[str, int] | None:
         client = msg.get("client")
         if client is None:
+            if msg.get("seq") is not None:
+                # A seq alone is no pair: applied, it would look exactly-once and not be.
+                raise ProtocolError("bad_request", "field 'seq' needs 'client' (the pair is both)")
             return None
         client = require(msg, "client", str)
         seq = require(msg, "seq", int)

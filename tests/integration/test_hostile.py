@@ -10,7 +10,8 @@ and data port), attacked the way the issue's report did.
 - a request naming both forms of its op (`tensor` and `shards`, `tensors` and `shards`, `layers`
   and `tensor`), on /rpc and the data port: a 4xx, nothing applied (one form used to be served
   and the other dropped, /rpc and the data plane picking differently; found by a client written
-  from docs/ only, session 19).
+  from docs/ only, session 19);
+- a `seq` without a `client`: a 4xx (it was applied as if exactly once, and was not).
 """
 
 from __future__ import annotations
@@ -408,3 +409,21 @@ def test_a_request_naming_both_forms_is_refused_and_changes_nothing(ps: Ps) -> N
     assert after["versions"] == {"f/0": 0}
     ps.call("push_dense", tensor="f", delta=ones)  # each form alone still serves
     assert ps.pull("f").sum() == ones.size
+
+
+def test_a_seq_without_a_client_is_refused_and_changes_nothing(ps: Ps) -> None:
+    """A seq alone is no exactly-once pair: applied, its retry would apply twice (docs/protocol-ps.md,
+    "client and seq"). Refused on /rpc and the data port, nothing applied."""
+    ps.call("create", name="q", shape=[20, 50], optimizer={"kind": "sgd", "lr": -1.0})
+    ones = np.ones((20, 50), np.float32)
+    with pytest.raises(RpcError) as err:
+        ps.call("push_dense", shards={"q/0": ones}, seq=7)
+    assert err.value.status == 400 and err.value.code == "bad_request", err.value
+    assert "'seq' needs 'client'" in err.value.message, err.value.message
+    meta = {"op": "push_dense", "v": 1, "rid": "s", "token": TOKEN, "shards": ["q/0"], "seq": 7}
+    got = _dp_answer(ps.data_port, meta, ones.tobytes())
+    assert got["kind"] == 3 and got["error"]["code"] == "bad_request", got
+    after = ps.call("pull", shards=["q/0"])
+    assert not after["shards"]["q/0"].any() and after["versions"] == {"q/0": 0}
+    ps.call("push_dense", shards={"q/0": ones}, client="c", seq=7)  # the pair: applied
+    assert ps.pull("q").sum() == ones.size
