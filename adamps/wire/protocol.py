@@ -391,7 +391,9 @@ def decode(
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise ProtocolError("malformed", f"body is not valid msgpack: {exc}") from None
+        # msgpack's FormatError (a reserved byte such as 0xc1) carries no text: name the class
+        why = str(exc) or f"{type(exc).__name__} (a byte that starts no msgpack value)"
+        raise ProtocolError("malformed", f"body is not valid msgpack: {why}") from None
     if not isinstance(msg, dict):
         raise ProtocolError("malformed", f"message must be a map, got {type(msg).__name__}")
     return msg
