@@ -480,7 +480,7 @@ def check_finite(name: str, arr: np.ndarray) -> None:
         raise ProtocolError("non_finite", f"field {name!r} holds {bad} NaN/Inf values")
 
 
-def error_body(code: str, message: str, rid: str | None = None, **extra: Any) -> bytes:
+def error_body(code: str, message: str, rid: str | int | None = None, **extra: Any) -> bytes:
     """The JSON body of an error reply."""
     return json.dumps({"error": {"code": code, "message": message, **extra}, "rid": rid}).encode()
 

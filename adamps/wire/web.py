@@ -44,7 +44,7 @@ TOKEN_KEY = web.AppKey("token", str)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 STATUS_KEY = web.AppKey("status", object)
 HEALTH_KEY = web.AppKey("health", object)
-RID_KEY = web.RequestKey("rid", str)
+RID_KEY = web.RequestKey("rid", str | int)
 MAX_BODY_KEY = web.AppKey("max_body", int)
 #: the event-loop probe of the app's process (adamps/wire/looplag.py)
 LOOP_LAG_KEY = web.AppKey("loop_lag", LoopLag)
@@ -86,7 +86,7 @@ class HttpLimits:
         return max(1, min(self.max_connections, soft // 2))
 
 
-def _rid_of(request: web.Request) -> str | None:
+def _rid_of(request: web.Request) -> str | int | None:
     return request.get(RID_KEY)
 
 
@@ -132,7 +132,9 @@ async def error_middleware(
         return _error(500, "internal", "unexpected server error (logged)", _rid_of(request))
 
 
-def _error(status: int, code: str, message: str, rid: str | None, **extra: Any) -> web.Response:
+def _error(
+    status: int, code: str, message: str, rid: str | int | None, **extra: Any
+) -> web.Response:
     retry = extra.get("retry_after")
     # HTTP's own form of the hint too (whole seconds), for clients that know only headers.
     headers = (
@@ -184,7 +186,7 @@ async def read_message(request: web.Request, ops: Collection[str]) -> dict[str, 
     body = await read_body(request)
     msg = protocol.decode(body)
     if isinstance(msg.get("rid"), str | int):
-        request[RID_KEY] = str(msg["rid"])
+        request[RID_KEY] = msg["rid"]  # echoed as sent, as a successful reply does
     protocol.check_message(msg, ops)
     return msg
 

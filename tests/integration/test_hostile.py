@@ -11,13 +11,15 @@ and data port), attacked the way the issue's report did.
   and `tensor`), on /rpc and the data port: a 4xx, nothing applied (one form used to be served
   and the other dropped, /rpc and the data plane picking differently; found by a client written
   from docs/ only, session 19);
-- a `seq` without a `client`: a 4xx (it was applied as if exactly once, and was not).
+- a `seq` without a `client`: a 4xx (it was applied as if exactly once, and was not);
+- an error reply echoes `rid` as sent (an int was answered as a string).
 """
 
 from __future__ import annotations
 
 import asyncio
 import http.client
+import json
 import socket
 import threading
 import time
@@ -427,3 +429,20 @@ def test_a_seq_without_a_client_is_refused_and_changes_nothing(ps: Ps) -> None:
     assert not after["shards"]["q/0"].any() and after["versions"] == {"q/0": 0}
     ps.call("push_dense", shards={"q/0": ones}, client="c", seq=7)  # the pair: applied
     assert ps.pull("q").sum() == ones.size
+
+
+def test_an_error_echoes_the_rid_as_sent(ps: Ps) -> None:
+    """A reply echoes `rid` as sent (an int stays an int); an error reply did str() it, so a
+    client matching answers to requests by rid missed its errors (docs/protocol.md, "Envelope")."""
+    for rid in (5, "r-5"):
+        for op, fields in (("list", {}), ("frobnicate", {})):  # a reply, an error
+            body = protocol.encode({"op": op, "v": 1, "rid": rid, **fields})
+            c = http.client.HTTPConnection("127.0.0.1", ps.port, timeout=10)
+            try:
+                c.request("POST", "/rpc", body, {"Authorization": f"Bearer {TOKEN}"})
+                r = c.getresponse()
+                data = r.read()
+            finally:
+                c.close()
+            got = protocol.decode(data) if r.status == 200 else json.loads(data)
+            assert got["rid"] == rid and type(got["rid"]) is type(rid), (op, r.status, got)

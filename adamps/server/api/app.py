@@ -395,7 +395,7 @@ class ParameterServer:
             msg = protocol.decode(body)
             rid = msg.get("rid")
             if isinstance(rid, str | int):
-                request[aweb.RID_KEY] = str(rid)
+                request[aweb.RID_KEY] = rid  # as sent: a reply echoes it, so does an error
             op = protocol.check_message(msg, self._ops)
             self.tenancy.check(who, op, msg, len(body))  # a run's namespace and quotas
             handler = self._ops[op]
