@@ -472,6 +472,13 @@ async def test_progress_takes_only_finite_in_range_values(ctl: Ctl, report: dict
     assert status == 200 and body == {"epochs": {}}
 
 
+async def test_a_replica_name_too_long_is_named_with_its_bound(ctl: Ctl) -> None:
+    report = {"epoch": 1, "replica": "r" * 257, "progress": 0.5, "done": False}
+    status, body = await ctl.call("POST", "/progress", report)
+    assert status == 400 and "1-256 characters" in body["error"]["message"], body
+    assert ctl.read(lambda m: m.progress) == {}
+
+
 async def test_progress_query_epoch_is_bounded(ctl: Ctl) -> None:
     status, body = await ctl.call("GET", "/progress?epoch=" + "9" * 5000)
     assert status == 400 and body["error"]["code"] == "bad_request"
