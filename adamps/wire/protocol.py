@@ -391,8 +391,9 @@ def decode(
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types for garbage
-        # msgpack's FormatError (a reserved byte such as 0xc1) carries no text: name the class
-        why = str(exc) or f"{type(exc).__name__} (a byte that starts no msgpack value)"
+        # msgpack's FormatError (a reserved byte such as 0xc1) and StackError (nesting deeper
+        # than its stack) carry no text: say what they mean
+        why = str(exc) or _UNPACK_ERRORS.get(type(exc).__name__, type(exc).__name__)
         raise ProtocolError("malformed", f"body is not valid msgpack: {why}") from None
     if not isinstance(msg, dict):
         raise ProtocolError("malformed", f"message must be a map, got {type(msg).__name__}")
@@ -478,6 +479,13 @@ def check_finite(name: str, arr: np.ndarray) -> None:
     if arr.dtype.kind == "f" and arr.size and not np.isfinite(arr).all():
         bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
         raise ProtocolError("non_finite", f"field {name!r} holds {bad} NaN/Inf values")
+
+
+#: what msgpack's text-less exceptions mean
+_UNPACK_ERRORS = {
+    "FormatError": "FormatError (a byte that starts no msgpack value)",
+    "StackError": "StackError (arrays or maps nested too deeply)",
+}
 
 
 def error_body(code: str, message: str, rid: str | int | None = None, **extra: Any) -> bytes:
