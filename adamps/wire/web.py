@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CollectorRegistry
 
 from adamps import metrics
@@ -360,6 +361,31 @@ def make_app(
     return app
 
 
+class _JsonErrors(RequestHandler):
+    """aiohttp's connection handler, answering a request it cannot parse (a negative or doubled
+    Content-Length, a bad header line, non-HTTP bytes) with the JSON error body every other
+    error has (docs/protocol.md, "Errors"), not aiohttp's text/plain. It still closes the
+    connection: the rest of the stream cannot be trusted."""
+
+    def handle_error(
+        self,
+        request: Any,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises if a reply began
+        code = "internal" if status >= 500 else "too_large" if status == 413 else "malformed"
+        text = " ".join((message or "").split())[:300] or f"HTTP {status}"
+        resp = web.Response(
+            status=status,
+            body=protocol.error_body(code, f"the request is not valid HTTP: {text}"),
+            content_type="application/json",
+        )
+        resp.force_close()
+        return resp
+
+
 class _GuardedServer(web.Server):
     """aiohttp's per-app connection manager, plus the head deadline and the connection cap.
 
@@ -371,6 +397,9 @@ class _GuardedServer(web.Server):
     _deadlines: dict[Any, asyncio.TimerHandle]
     _cap: int
     _warned: float
+
+    def __call__(self) -> RequestHandler:
+        return _JsonErrors(self, loop=self._loop, **self._kwargs)
 
     def connection_made(self, handler: Any, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)

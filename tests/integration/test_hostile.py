@@ -12,7 +12,8 @@ and data port), attacked the way the issue's report did.
   and the other dropped, /rpc and the data plane picking differently; found by a client written
   from docs/ only, session 19);
 - a `seq` without a `client`: a 4xx (it was applied as if exactly once, and was not);
-- an error reply echoes `rid` as sent (an int was answered as a string).
+- an error reply echoes `rid` as sent (an int was answered as a string);
+- a request head aiohttp cannot parse gets the JSON error body (it was text/plain).
 """
 
 from __future__ import annotations
@@ -446,3 +447,28 @@ def test_an_error_echoes_the_rid_as_sent(ps: Ps) -> None:
                 c.close()
             got = protocol.decode(data) if r.status == 200 else json.loads(data)
             assert got["rid"] == rid and type(got["rid"]) is type(rid), (op, r.status, got)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /rpc HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+        b"POST /rpc HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 5\r\n\r\nabc",
+        b"POST /rpc HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not http\r\n\r\n",
+    ],
+)
+def test_a_request_aiohttp_cannot_parse_gets_the_json_error_body(ps: Ps, head: bytes) -> None:
+    """docs/protocol.md: every error reply is JSON naming the problem; a head aiohttp's parser
+    refuses was answered text/plain (found by a client written from docs/ only, session 19)."""
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+        s.sendall(head)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head_out, _, body = data.partition(b"\r\n\r\n")
+    assert head_out.split(b" ")[1] == b"400", data
+    assert b"content-type: application/json" in head_out.lower(), data
+    err = json.loads(body)["error"]
+    assert err["code"] == "malformed" and "not valid HTTP" in err["message"], err
+    assert ps.call("list")["tensors"] is not None  # and the server keeps serving
