@@ -70,7 +70,8 @@ def bucket(request: web.Request, n: int) -> int:
 def str_field(body: dict[str, Any], name: str) -> str:
     v = body.get(name)
     if not isinstance(v, str) or not v or len(v) > 256:
-        raise ProtocolError("bad_request", f"field {name!r} must be a non-empty string")
+        # names the bound: a 300-character name is a string, and "non-empty" misled
+        raise ProtocolError("bad_request", f"field {name!r} must be a string of 1-256 characters")
     return v
 
 

@@ -240,23 +240,29 @@ class ControllerService:
         cfg = self.cfg
         hold = cfg.server_timeout + cfg.heartbeat_interval + cfg.reconcile_interval
         return await self.forwarder.write(
-            request, lambda: self._commit_ok("drain", sid, time.time(), hold)
+            request, lambda: self._bodiless(request, "drain", sid, time.time(), hold)
         )
 
     async def h_undrain(self, request: web.Request) -> web.Response:
         sid = fields.server_id(request)
         # One replicated method for both directions (a new name would renumber the journal's).
         return await self.forwarder.write(
-            request, lambda: self._commit_ok("drain", sid, time.time(), 0.0, True)
+            request, lambda: self._bodiless(request, "drain", sid, time.time(), 0.0, True)
         )
 
     async def h_rebalance(self, request: web.Request) -> web.Response:
         return await self.forwarder.write(
-            request, lambda: self._commit_ok("rebalance", time.time())
+            request, lambda: self._bodiless(request, "rebalance", time.time())
         )
 
     async def _commit_ok(self, op: str, *args: Any) -> dict[str, Any]:
         return ok_or_raise(await self.commit(op, *args))
+
+    async def _bodiless(self, request: web.Request, op: str, *args: Any) -> dict[str, Any]:
+        """A write whose body is `{}` or empty: anything else is 400 malformed and proposes
+        nothing (a garbage body used to drain a server, docs/protocol.md "Errors")."""
+        await aweb.read_json(request)
+        return await self._commit_ok(op, *args)
 
     async def h_bucket_op(self, request: web.Request) -> web.Response:
         try:

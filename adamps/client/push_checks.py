@@ -139,6 +139,8 @@ def compressed(layout: Layout, updates: Mapping[str, Any]) -> None:
             raise refused("non_finite", f"{where}: tau is {tau}")
         if not 0 < float(tau) <= MAX_GRAD:
             raise refused("bad_request", f"{where}: tau must be in (0, {MAX_GRAD:.0e}], got {tau}")
+        if "words" in d and "rice" in d:  # the servers refuse it: never a part of a split push
+            raise refused("bad_request", f"{where}: names both 'words' and 'rice'; send one")
         if "words" in d:
             words = d["words"]
             if not isinstance(words, np.ndarray) or words.dtype != np.uint32 or words.ndim != 1:

@@ -12,7 +12,7 @@ from adamps.server.config import PsConfig
 from adamps.server.replication.shell import Replicator
 from adamps.server.store.shards import ShardState
 from adamps.server.store.store import Store
-from adamps.wire.protocol import ProtocolError, require
+from adamps.wire.protocol import ProtocolError, one_form, require
 
 
 class Addressing:
@@ -87,6 +87,7 @@ class Addressing:
         must all be held here), or the `shards` list (unique ids of defined tensors; under
         replication an id of a bucket this server does not lead is not_primary). Their sizes fix
         the payload's length, so this runs on the header, before any payload byte is buffered."""
+        one_form(meta, "tensor", "shards")
         if "shards" not in meta:
             name = require(meta, "tensor", str)
             return [st.shard for st in self.held(name)]

@@ -13,7 +13,7 @@ from adamps.server.addressing import Addressing
 from adamps.server.store.shards import ShardState
 from adamps.server.store.store import Store
 from adamps.server.store.tickets import owner_future
-from adamps.wire.protocol import ProtocolError
+from adamps.wire.protocol import ProtocolError, one_form
 
 
 class Reads:
@@ -24,6 +24,7 @@ class Reads:
         self.addressing = addressing
 
     async def op_pull(self, msg: dict[str, Any]) -> dict[str, Any]:
+        one_form(msg, "tensors", "shards")
         if "tensors" in msg:
             names = self.addressing.unique_names(msg, "tensors", "tensor names")
             states: list[ShardState] = []

@@ -40,7 +40,7 @@ from adamps.server.store.tickets import owner_future
 from adamps.server.updates.hyper import push_hyper
 from adamps.server.updates.optim import Signs
 from adamps.server.write_hold import WriteHold
-from adamps.wire.protocol import ProtocolError, require
+from adamps.wire.protocol import ProtocolError, one_form, require
 
 
 class WritePath:
@@ -83,6 +83,7 @@ class WritePath:
     # -- POST /rpc ----------------------------------------------------------------------------------
 
     async def op_push_dense(self, msg: dict[str, Any]) -> dict[str, Any]:
+        one_form(msg, "tensor", "shards")
         if "tensor" in msg:
             parts = dense.of_tensor(self.store, self.addressing, msg)
         else:
@@ -121,6 +122,7 @@ class WritePath:
         queues anything, on a worker thread when they are large), each update with the
         hyperparameters the push names for its tensor (`hyper`)."""
         layers_: list[fc.Layer] = []
+        one_form(msg, "layers", "tensor")
         if "layers" in msg:
             layers = require(msg, "layers", dict)
             for name, layer in layers.items():
@@ -258,6 +260,9 @@ class WritePath:
     def _record_client(self, msg: dict[str, Any]) -> tuple[str, int] | None:
         client = msg.get("client")
         if client is None:
+            if msg.get("seq") is not None:
+                # A seq alone is no pair: applied, it would look exactly-once and not be.
+                raise ProtocolError("bad_request", "field 'seq' needs 'client' (the pair is both)")
             return None
         client = require(msg, "client", str)
         seq = require(msg, "seq", int)

@@ -397,7 +397,10 @@ def decode(
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise ProtocolError("malformed", f"body is not valid msgpack: {exc}") from None
+        # msgpack's FormatError (a reserved byte such as 0xc1) and StackError (nesting deeper
+        # than its stack) carry no text: say what they mean
+        why = str(exc) or _UNPACK_ERRORS.get(type(exc).__name__, type(exc).__name__)
+        raise ProtocolError("malformed", f"body is not valid msgpack: {why}") from None
     if not isinstance(msg, dict):
         raise ProtocolError("malformed", f"message must be a map, got {type(msg).__name__}")
     return msg
@@ -416,6 +419,15 @@ def check_message(msg: Mapping[str, Any], ops: Collection[str]) -> str:
 
 
 _MISSING = object()
+
+
+def one_form(msg: Mapping[str, Any], first: str, second: str) -> None:
+    """Refuses a request naming both of an op's two forms (`first`, `second`): serving one
+    would silently drop the other, and /rpc and the data plane once picked differently."""
+    if first in msg and second in msg:
+        raise ProtocolError(
+            "bad_request", f"names both {first!r} and {second!r}: send one form or the other"
+        )
 
 
 def require(
@@ -475,7 +487,14 @@ def check_finite(name: str, arr: np.ndarray) -> None:
         raise ProtocolError("non_finite", f"field {name!r} holds {bad} NaN/Inf values")
 
 
-def error_body(code: str, message: str, rid: str | None = None, **extra: Any) -> bytes:
+#: what msgpack's text-less exceptions mean
+_UNPACK_ERRORS = {
+    "FormatError": "FormatError (a byte that starts no msgpack value)",
+    "StackError": "StackError (arrays or maps nested too deeply)",
+}
+
+
+def error_body(code: str, message: str, rid: str | int | None = None, **extra: Any) -> bytes:
     """The JSON body of an error reply."""
     return json.dumps({"error": {"code": code, "message": message, **extra}, "rid": rid}).encode()
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CollectorRegistry
 
 from adamps import metrics
@@ -44,7 +45,7 @@ TOKEN_KEY = web.AppKey("token", str)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 STATUS_KEY = web.AppKey("status", object)
 HEALTH_KEY = web.AppKey("health", object)
-RID_KEY = web.RequestKey("rid", str)
+RID_KEY = web.RequestKey("rid", str | int)
 MAX_BODY_KEY = web.AppKey("max_body", int)
 #: the event-loop probe of the app's process (adamps/wire/looplag.py)
 LOOP_LAG_KEY = web.AppKey("loop_lag", LoopLag)
@@ -86,7 +87,7 @@ class HttpLimits:
         return max(1, min(self.max_connections, soft // 2))
 
 
-def _rid_of(request: web.Request) -> str | None:
+def _rid_of(request: web.Request) -> str | int | None:
     return request.get(RID_KEY)
 
 
@@ -132,7 +133,9 @@ async def error_middleware(
         return _error(500, "internal", "unexpected server error (logged)", _rid_of(request))
 
 
-def _error(status: int, code: str, message: str, rid: str | None, **extra: Any) -> web.Response:
+def _error(
+    status: int, code: str, message: str, rid: str | int | None, **extra: Any
+) -> web.Response:
     retry = extra.get("retry_after")
     # HTTP's own form of the hint too (whole seconds), for clients that know only headers.
     headers = (
@@ -184,7 +187,7 @@ async def read_message(request: web.Request, ops: Collection[str]) -> dict[str, 
     body = await read_body(request)
     msg = protocol.decode(body)
     if isinstance(msg.get("rid"), str | int):
-        request[RID_KEY] = str(msg["rid"])
+        request[RID_KEY] = msg["rid"]  # echoed as sent, as a successful reply does
     protocol.check_message(msg, ops)
     return msg
 
@@ -358,6 +361,31 @@ def make_app(
     return app
 
 
+class _JsonErrors(RequestHandler):
+    """aiohttp's connection handler, answering a request it cannot parse (a negative or doubled
+    Content-Length, a bad header line, non-HTTP bytes) with the JSON error body every other
+    error has (docs/protocol.md, "Errors"), not aiohttp's text/plain. It still closes the
+    connection: the rest of the stream cannot be trusted."""
+
+    def handle_error(
+        self,
+        request: Any,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises if a reply began
+        code = "internal" if status >= 500 else "too_large" if status == 413 else "malformed"
+        text = " ".join((message or "").split())[:300] or f"HTTP {status}"
+        resp = web.Response(
+            status=status,
+            body=protocol.error_body(code, f"the request is not valid HTTP: {text}"),
+            content_type="application/json",
+        )
+        resp.force_close()
+        return resp
+
+
 class _GuardedServer(web.Server):
     """aiohttp's per-app connection manager, plus the head deadline and the connection cap.
 
@@ -369,6 +397,9 @@ class _GuardedServer(web.Server):
     _deadlines: dict[Any, asyncio.TimerHandle]
     _cap: int
     _warned: float
+
+    def __call__(self) -> RequestHandler:
+        return _JsonErrors(self, loop=self._loop, **self._kwargs)
 
     def connection_made(self, handler: Any, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)

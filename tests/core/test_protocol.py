@@ -43,7 +43,11 @@ def _err(fn, code: str) -> ProtocolError:
 
 
 def test_malformed_bodies() -> None:
-    _err(lambda: protocol.decode(b"\xc1garbage"), "malformed")
+    e = _err(lambda: protocol.decode(b"\xc1garbage"), "malformed")
+    # the message names the problem, not an empty "...: " (msgpack's FormatError has no text)
+    assert e.message.endswith("FormatError (a byte that starts no msgpack value)"), e.message
+    e = _err(lambda: protocol.decode(b"\x91" * 100_000 + b"\x00"), "malformed")
+    assert e.message.endswith("StackError (arrays or maps nested too deeply)"), e.message
     _err(lambda: protocol.decode(msgpack.packb([1, 2])), "malformed")
     _err(lambda: protocol.decode(b""), "malformed")
 

@@ -68,6 +68,14 @@ def test_shapes_dtypes_ids_and_sizes_are_checked() -> None:
         {"tau": 1.0, "words": np.array([4, 2], np.uint32)},  # not sorted
         {"tau": 1.0, "words": np.array([100], np.uint32)},  # beyond the shard
         {"tau": 1.0, "rice": np.zeros(2, np.uint8), "n": 99, "k": 1},
+        # both encodings: the servers refuse it, so the client must before any part is sent
+        {
+            "tau": 1.0,
+            "words": np.array([0], np.uint32),
+            "rice": np.zeros(1, np.uint8),
+            "n": 1,
+            "k": 0,
+        },
     ):
         refused("bad_request", push_checks.compressed, LAYOUT, {vid: bad})
     refused("bad_dtype", push_checks.compressed, LAYOUT, {vid: {"tau": 1.0, "words": np.zeros(1)}})

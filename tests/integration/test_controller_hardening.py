@@ -432,6 +432,25 @@ async def test_non_finite_json_numbers_are_refused(ctl: Ctl, number: bytes) -> N
     assert status == 400 and body["error"]["code"] == "malformed", body
 
 
+@pytest.mark.parametrize("raw", [b"xx", b"[1]", b'{"a": NaN}', b"null"])
+async def test_a_bodiless_write_with_a_garbage_body_is_refused_and_proposes_nothing(
+    ctl: Ctl, raw: bytes
+) -> None:
+    """drain, undrain and rebalance take `{}` or nothing: a body that is not a JSON object is
+    400 malformed and changes nothing (it used to drain the server; found by a client written
+    from docs/ only, session 19)."""
+    status, _ = await ctl.call("POST", "/servers/ps-1/register", {"address": "127.0.0.1:7101"})
+    assert status == 200
+    version = ctl.read(lambda m: m.version)
+    for path in ("/servers/ps-1/drain", "/servers/ps-1/undrain", "/rebalance"):
+        status, body = await ctl.call("POST", path, raw=raw)
+        assert status == 400 and body["error"]["code"] == "malformed", (path, body)
+    assert ctl.read(lambda m: m.servers["ps-1"]["state"]) == "live"
+    assert ctl.read(lambda m: m.version) == version
+    status, body = await ctl.call("POST", "/servers/ps-1/drain", {})
+    assert status == 200 and body["state"] == "draining", body
+
+
 @pytest.mark.parametrize(
     "report",
     [
@@ -451,6 +470,13 @@ async def test_progress_takes_only_finite_in_range_values(ctl: Ctl, report: dict
     assert ctl.read(lambda m: m.progress) == {}
     status, body = await ctl.call("GET", "/progress")
     assert status == 200 and body == {"epochs": {}}
+
+
+async def test_a_replica_name_too_long_is_named_with_its_bound(ctl: Ctl) -> None:
+    report = {"epoch": 1, "replica": "r" * 257, "progress": 0.5, "done": False}
+    status, body = await ctl.call("POST", "/progress", report)
+    assert status == 400 and "1-256 characters" in body["error"]["message"], body
+    assert ctl.read(lambda m: m.progress) == {}
 
 
 async def test_progress_query_epoch_is_bounded(ctl: Ctl) -> None:

@@ -6,13 +6,21 @@ and data port), attacked the way the issue's report did.
   without blocking the event loop or growing the process's memory;
 - a slowloris flood of the data port: connections that send a byte now and then are closed at
   their header deadline, and a real client keeps being served while they hold the slots;
-- vec_dot of vectors of different lengths: a 4xx, not a 500.
+- vec_dot of vectors of different lengths: a 4xx, not a 500;
+- a request naming both forms of its op (`tensor` and `shards`, `tensors` and `shards`, `layers`
+  and `tensor`), on /rpc and the data port: a 4xx, nothing applied (one form used to be served
+  and the other dropped, /rpc and the data plane picking differently; found by a client written
+  from docs/ only, session 19);
+- a `seq` without a `client`: a 4xx (it was applied as if exactly once, and was not);
+- an error reply echoes `rid` as sent (an int was answered as a string);
+- a request head aiohttp cannot parse gets the JSON error body (it was text/plain).
 """
 
 from __future__ import annotations
 
 import asyncio
 import http.client
+import json
 import socket
 import threading
 import time
@@ -355,3 +363,112 @@ def test_vec_dot_of_vectors_of_different_lengths_is_a_4xx(ps: Ps) -> None:
     assert err.value.status == 400 and err.value.code == "bad_shape", err.value
     assert "'y'" in err.value.message
     assert ps.call("vec_dot", shards=["v/0"], x="", y="")["dots"] == {"v/0": 0.0}
+
+
+# -- both forms of an op in one request -------------------------------------------------------------
+
+
+def _dp_answer(port: int, meta: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    """One data-plane frame's answer meta (kind 2 or 3), read the way docs/protocol-ps.md frames it."""
+    m = protocol.encode(meta)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(frame_header(REQUEST, len(m), len(payload)) + m + payload)
+        buf = b""
+        while len(buf) < 20:
+            chunk = s.recv(20 - len(buf))
+            assert chunk, "the server closed without an answer"
+            buf += chunk
+        meta_len = int.from_bytes(buf[8:12], "little")
+        body = b""
+        while len(body) < meta_len:
+            chunk = s.recv(meta_len - len(body))
+            assert chunk, "the server closed mid-answer"
+            body += chunk
+    return {"kind": buf[5], **protocol.decode(body)}
+
+
+def test_a_request_naming_both_forms_is_refused_and_changes_nothing(ps: Ps) -> None:
+    ps.call("create", name="f", shape=[20, 50], optimizer={"kind": "sgd", "lr": -1.0})
+    ones = np.ones((20, 50), np.float32)
+    before = ps.pull("f")
+    refused = [
+        ("push_dense", {"tensor": "f", "delta": ones, "shards": {"f/0": 2 * ones}}),
+        ("push_fc", {"tensor": "f", "a": ones[:1], "e": ones[:1, :20],
+                     "layers": {"f": {"a": ones[:1], "e": ones[:1, :20]}}}),
+        ("pull", {"tensors": ["f"], "shards": ["f/0"]}),
+    ]  # fmt: skip
+    for op, fields in refused:
+        with pytest.raises(RpcError) as err:
+            ps.call(op, **fields)
+        assert err.value.status == 400 and err.value.code == "bad_request", (op, err.value)
+        assert "names both" in err.value.message, err.value.message
+    for op, payload in (("push_dense", ones.tobytes()), ("pull", b"")):
+        meta = {"op": op, "v": 1, "rid": "both", "token": TOKEN, "tensor": "f", "shards": ["f/0"]}
+        got = _dp_answer(ps.data_port, meta, payload)
+        assert got["kind"] == 3 and got["error"]["code"] == "bad_request", got
+        assert "names both" in got["error"]["message"], got
+    after = ps.call("pull", shards=["f/0"])
+    np.testing.assert_array_equal(after["shards"]["f/0"], before)
+    assert after["versions"] == {"f/0": 0}
+    ps.call("push_dense", tensor="f", delta=ones)  # each form alone still serves
+    assert ps.pull("f").sum() == ones.size
+
+
+def test_a_seq_without_a_client_is_refused_and_changes_nothing(ps: Ps) -> None:
+    """A seq alone is no exactly-once pair: applied, its retry would apply twice (docs/protocol-ps.md,
+    "client and seq"). Refused on /rpc and the data port, nothing applied."""
+    ps.call("create", name="q", shape=[20, 50], optimizer={"kind": "sgd", "lr": -1.0})
+    ones = np.ones((20, 50), np.float32)
+    with pytest.raises(RpcError) as err:
+        ps.call("push_dense", shards={"q/0": ones}, seq=7)
+    assert err.value.status == 400 and err.value.code == "bad_request", err.value
+    assert "'seq' needs 'client'" in err.value.message, err.value.message
+    meta = {"op": "push_dense", "v": 1, "rid": "s", "token": TOKEN, "shards": ["q/0"], "seq": 7}
+    got = _dp_answer(ps.data_port, meta, ones.tobytes())
+    assert got["kind"] == 3 and got["error"]["code"] == "bad_request", got
+    after = ps.call("pull", shards=["q/0"])
+    assert not after["shards"]["q/0"].any() and after["versions"] == {"q/0": 0}
+    ps.call("push_dense", shards={"q/0": ones}, client="c", seq=7)  # the pair: applied
+    assert ps.pull("q").sum() == ones.size
+
+
+def test_an_error_echoes_the_rid_as_sent(ps: Ps) -> None:
+    """A reply echoes `rid` as sent (an int stays an int); an error reply did str() it, so a
+    client matching answers to requests by rid missed its errors (docs/protocol.md, "Envelope")."""
+    for rid in (5, "r-5"):
+        for op, fields in (("list", {}), ("frobnicate", {})):  # a reply, an error
+            body = protocol.encode({"op": op, "v": 1, "rid": rid, **fields})
+            c = http.client.HTTPConnection("127.0.0.1", ps.port, timeout=10)
+            try:
+                c.request("POST", "/rpc", body, {"Authorization": f"Bearer {TOKEN}"})
+                r = c.getresponse()
+                data = r.read()
+            finally:
+                c.close()
+            got = protocol.decode(data) if r.status == 200 else json.loads(data)
+            assert got["rid"] == rid and type(got["rid"]) is type(rid), (op, r.status, got)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /rpc HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+        b"POST /rpc HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 5\r\n\r\nabc",
+        b"POST /rpc HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not http\r\n\r\n",
+    ],
+)
+def test_a_request_aiohttp_cannot_parse_gets_the_json_error_body(ps: Ps, head: bytes) -> None:
+    """docs/protocol.md: every error reply is JSON naming the problem; a head aiohttp's parser
+    refuses was answered text/plain (found by a client written from docs/ only, session 19)."""
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+        s.sendall(head)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head_out, _, body = data.partition(b"\r\n\r\n")
+    assert head_out.split(b" ")[1] == b"400", data
+    assert b"content-type: application/json" in head_out.lower(), data
+    err = json.loads(body)["error"]
+    assert err["code"] == "malformed" and "not valid HTTP" in err["message"], err
+    assert ps.call("list")["tensors"] is not None  # and the server keeps serving

@@ -219,6 +219,13 @@ async def test_status_metrics_and_loss_window(ps) -> None:
         "adamps_ps_queue_depth",
     ):
         assert name in text, name
+    # a body that is not JSON (docs: empty or {}) is 400 malformed and flushes nothing
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as s:
+        for body in (b"xx", b"[1]", b'{"a": NaN}'):
+            async with s.post(c.base_url + "/flush", data=body, headers=auth) as r:
+                assert r.status == 400 and (await r.json())["error"]["code"] == "malformed"
+    assert server.flusher.loss_window() > 0.0
     flushed = await c.post_json("/flush")
     assert flushed["shards"] == 1 and server.flusher.loss_window() == 0.0
     assert (await c.get_json("/status"))["last_flush"]["shards"] == 1

@@ -85,6 +85,8 @@ async def test_bad_compressed_pushes_change_nothing(ps) -> None:
         ({"x/0": ok, "x/1": {"tau": 1.0, "words": np.array([2.0], np.float32)}}, "bad_dtype"),
         ({"x/0": ok, "x/9": ok}, "unknown_shard"),
         ({}, "bad_request"),
+        # both encodings in one update: one would be dropped silently (doc client, session 19)
+        ({"x/0": {**ok, "n": 1, "k": 0, "rice": np.array([0x40], np.uint8)}}, "bad_request"),
     ]
     for shards, code in bad:
         with pytest.raises(RpcError) as err:

@@ -395,7 +395,7 @@ class ParameterServer:
             msg = protocol.decode(body)
             rid = msg.get("rid")
             if isinstance(rid, str | int):
-                request[aweb.RID_KEY] = str(rid)
+                request[aweb.RID_KEY] = rid  # as sent: a reply echoes it, so does an error
             op = protocol.check_message(msg, self._ops)
             self.tenancy.check(who, op, msg, len(body))  # a run's namespace and quotas
             handler = self._ops[op]
@@ -465,6 +465,7 @@ class ParameterServer:
         # The operator's: a run's token is 403 forbidden (as op flush on /rpc), unknown 401.
         who = await self.tenancy.authenticate(request.headers.get("Authorization"))
         self.tenancy.check(who, "flush", {}, 0)
+        await aweb.read_json(request)  # empty or a JSON object: garbage is 400, not a flush
         return aweb.json_response(await self._flush())
 
     async def _flush(self) -> dict[str, Any]:

@@ -77,6 +77,9 @@ def words_of(d: Any, size: int, where: str) -> tuple[np.ndarray, float]:
     if not isinstance(d, Mapping):
         raise ProtocolError("bad_request", f"{where}: a compressed update must be a map")
     tau = _tau(d.get("tau"), where)
+    if "words" in d and "rice" in d:
+        # One meaning per update: picking one encoding would silently drop the other's codes.
+        raise ProtocolError("bad_request", f"{where}: names both 'words' and 'rice'; send one")
     try:
         if "words" in d:
             words = _array(d, "words", "uint32", where)
