@@ -1526,10 +1526,9 @@ def test_learner_is_not_caught_up_before_it_installed_the_snapshot() -> None:
     assert m.primary_of(0) != "c" or c.committed == 1, "the empty copy was promoted"
 
 
-def test_caught_up_report_with_unknown_outcome_forgets_no_member() -> None:
-    """Bug 3, fixed: the controller commits the report but its answer is lost. The shell asks
-    again (Replicator._report_caught_up) and a repeated report of the same join is accepted, so
-    the learner stays required until the answer; it is never dropped while it may be a member."""
+def _learner_reported() -> tuple[Any, Any, Any, str]:
+    """A joining cluster whose primary b has sent the controllers its report that learner c
+    caught up (c installed b's snapshot and acknowledged): (controllers, b, c, the join's id)."""
     m, reps = _joining_cluster()
     b, c = reps["b"], reps["c"]
     join = m.buckets[0]["join_ids"]["c"]
@@ -1539,6 +1538,14 @@ def test_caught_up_report_with_unknown_outcome_forgets_no_member() -> None:
     b.acked_commit["c"] = c.committed  # (as if c acknowledged)
     assert b.learners_caught_up() == ["c"]
     b.report_sent("c")
+    return m, b, c, join
+
+
+def test_caught_up_report_with_unknown_outcome_forgets_no_member() -> None:
+    """Bug 3, fixed: the controller commits the report but its answer is lost. The shell asks
+    again (Replicator._report_caught_up) and a repeated report of the same join is accepted, so
+    the learner stays required until the answer; it is never dropped while it may be a member."""
+    m, b, c, join = _learner_reported()
     assert m.verified_caught_up(0, "b", 1, "c", 0.6, join)["ok"]  # committed, answer lost ...
     retry = m.verified_caught_up(0, "b", 1, "c", 0.6, join)  # ... asked again
     assert retry["ok"] and retry.get("repeated")
@@ -1553,14 +1560,7 @@ def test_a_retried_report_after_the_primary_was_declared_dead_is_still_accepted(
     epoch, the retry made the primary drop the learner and acknowledge a round without it while
     the record held it as a member: promoted, it would lose that round. A retried report of a
     join already accepted is answered "ok" whatever happened since."""
-    m, reps = _joining_cluster()
-    b, c = reps["b"], reps["c"]
-    join = m.buckets[0]["join_ids"]["c"]
-    assert b.add_learner("c", join) is None
-    meta = b.snapshot_meta()
-    c.install_snapshot(meta["committed"], meta["dedup"], meta["committed_epoch"])
-    b.acked_commit["c"] = c.committed
-    b.report_sent("c")
+    m, b, c, join = _learner_reported()
     assert m.verified_caught_up(0, "b", 1, "c", 0.6, join)["ok"]  # committed, answer lost ...
     assert "c" in m.bucket_view(0)["secondaries"]
     m.declare_dead("b", 0.65)  # ... the primary declared dead, its lease still running ...

@@ -19,6 +19,7 @@ message naming the problem, never crash deep inside a step.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 
@@ -34,6 +35,14 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
     sa, sb = a.state_dict(), b.state_dict()
     assert list(sa) == list(sb)
     return max((sa[k].double() - sb[k].double()).abs().max().item() for k in sa)
+
+
+def step_both(ref: nn.Module, want: Any, model: nn.Module, opt: Any, x: Any, y: Any) -> None:
+    """One step of the same batch, plain torch (ref, want) beside adamps (model, opt)."""
+    for m, o in ((ref, want), (model, opt)):
+        o.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        o.step()
 
 
 class ConvNet(nn.Module):
@@ -65,10 +74,7 @@ def test_a_channels_last_model_trains_like_torch(ps_url: str, token: str, kind: 
     for step in range(STEPS):
         x = torch.randn(4, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
         y = torch.randint(0, 5, (4,), generator=g)
-        for m, o in ((ref, want), (model, opt)):
-            o.zero_grad()
-            nn.functional.cross_entropy(m(x), y).backward()
-            o.step()
+        step_both(ref, want, model, opt, x, y)
         assert max_diff(ref, model) < 1e-6, (step, max_diff(ref, model))
     # the model keeps its memory format, and holds the servers' values
     assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
@@ -225,10 +231,7 @@ def test_unfreezing_a_group_given_at_construction_is_torchs_add_param_group(
             want.add_param_group({"params": ref.fc1.parameters(), "lr": 3e-3})
             opt.param_groups[1]["lr"] = 3e-3
         x, y = torch.randn(4, 32, generator=g), torch.randint(0, 3, (4,), generator=g)
-        for m, o in ((ref, want), (model, opt)):
-            o.zero_grad()
-            nn.functional.cross_entropy(m(x), y).backward()
-            o.step()
+        step_both(ref, want, model, opt, x, y)
         assert max_diff(ref, model) < 1e-6, (step, max_diff(ref, model))
     opt.close()
 
@@ -252,9 +255,6 @@ def test_torchs_implementation_flags_are_taken(ps_url: str, token: str) -> None:
     g = torch.Generator().manual_seed(1)
     for step in range(5):
         x, y = torch.randn(4, 32, generator=g), torch.randint(0, 3, (4,), generator=g)
-        for m, o in ((ref, want), (model, opt)):
-            o.zero_grad()
-            nn.functional.cross_entropy(m(x), y).backward()
-            o.step()
+        step_both(ref, want, model, opt, x, y)
         assert max_diff(ref, model) < 1e-6, (step, max_diff(ref, model))
     opt.close()
