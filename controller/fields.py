@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from adamps.wire.protocol import ProtocolError
+from adamps.wire.protocol import ProtocolError, only_fields
 
 
 def positions(raw: Any, n_buckets: int, name: str) -> dict[int, list[Any]]:
@@ -118,3 +118,9 @@ def int_field(body: dict[str, Any], name: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 63:
         raise ProtocolError("bad_request", f"field {name!r} must be an integer in 0..2^63-1")
     return v
+
+
+def only(body: dict[str, Any], request: web.Request, takes: tuple[str, ...]) -> None:
+    """Refuses a JSON body naming a field the endpoint does not take (400 bad_request naming
+    it and listing `takes`): ignored, a misspelled field silently did nothing."""
+    only_fields(body, f"{request.method} {request.path}", takes)

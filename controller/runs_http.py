@@ -29,7 +29,7 @@ from aiohttp import web
 
 from adamps import runs
 from adamps.wire import web as aweb
-from adamps.wire.protocol import ProtocolError
+from adamps.wire.protocol import ProtocolError, only_fields
 from controller.raft_node import ok_or_raise
 
 #: who made a request: set by `RunsApi.authenticate` for the handlers
@@ -83,6 +83,7 @@ class RunsApi:
     async def h_create(self, request: web.Request) -> web.Response:
         async def run() -> dict[str, Any]:
             body = await aweb.read_json(request)
+            only_fields(body, f"POST {request.path}", ("name", "quotas", "consistency"))
             try:
                 name = runs.check_name(body.get("name"))
                 quotas = runs.check_quotas(body.get("quotas"))
@@ -122,6 +123,7 @@ class RunsApi:
 
         async def go() -> dict[str, Any]:
             body = await aweb.read_json(request)
+            only_fields(body, f"POST {request.path}", ("name", "cost"))
             name, cost = body.get("name"), body.get("cost")
             same = self.svc.cluster.read(
                 lambda m: (m.runs_table().get(run) or {}).get("usage", {}).get(name) == cost

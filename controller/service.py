@@ -261,7 +261,7 @@ class ControllerService:
     async def _bodiless(self, request: web.Request, op: str, *args: Any) -> dict[str, Any]:
         """A write whose body is `{}` or empty: anything else is 400 malformed and proposes
         nothing (a garbage body used to drain a server, docs/protocol.md "Errors")."""
-        await aweb.read_json(request)
+        fields.only(await aweb.read_json(request), request, ())
         return await self._commit_ok(op, *args)
 
     async def h_bucket_op(self, request: web.Request) -> web.Response:
@@ -357,6 +357,7 @@ class ControllerService:
     async def h_report_progress(self, request: web.Request) -> web.Response:
         async def run() -> dict[str, Any]:
             body = await aweb.read_json(request)
+            fields.only(body, request, ("epoch", "replica", "progress", "done"))
             epoch = fields.int_field(body, "epoch")
             if not 0 <= epoch <= MAX_EPOCH:
                 raise ProtocolError("bad_request", f"epoch must be in 0..{MAX_EPOCH}")

@@ -40,7 +40,7 @@ from adamps.server.store.tickets import owner_future
 from adamps.server.updates.hyper import push_hyper
 from adamps.server.updates.optim import Signs
 from adamps.server.write_hold import WriteHold
-from adamps.wire.protocol import ProtocolError, one_form, require
+from adamps.wire.protocol import ProtocolError, one_form, only_fields, require
 
 
 class WritePath:
@@ -130,6 +130,7 @@ class WritePath:
                     raise ProtocolError(
                         "bad_request", "field 'layers' must map tensor names to {a, e, shards}"
                     )
+                only_fields(layer, f"layer {name!r} of 'layers'", ("a", "e", "shards"))
                 layers_.append(fc.layer(self.store, self.addressing, name, layer, later))
         elif "tensor" in msg or ("dense" not in msg and not empty_ok):
             name = require(msg, "tensor", str)

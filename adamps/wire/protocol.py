@@ -430,6 +430,26 @@ def one_form(msg: Mapping[str, Any], first: str, second: str) -> None:
         )
 
 
+#: the fields every request may carry beside its op's (docs/protocol.md, "Envelope"; `token`: a
+#: data-plane frame's credential, docs/protocol-ps.md "Binary data plane")
+ENVELOPE = frozenset({"op", "v", "rid", "token"})
+
+
+def only_fields(msg: Mapping[str, Any], what: str, takes: Collection[str], **extra: Any) -> None:
+    """Refuses a map (a request, or an entry of one) naming a field not in `takes`: ignored, a
+    misspelled field silently did nothing (a `round`'s `fetch_row`, session 19)."""
+    unknown = [str(k) for k in msg if k not in takes]
+    if unknown:
+        raise ProtocolError(
+            "bad_request",
+            f"{what} takes no field {', '.join(map(repr, unknown))}; "
+            f"its fields are {sorted(set(takes) - ENVELOPE)}",
+            unknown=unknown,
+            fields=sorted(set(takes) - ENVELOPE),
+            **extra,
+        )
+
+
 def require(
     msg: Mapping[str, Any], name: str, type_: type | tuple[type, ...], default: Any = _MISSING
 ) -> Any:

@@ -644,3 +644,31 @@ async def test_refused_server_calls_are_all_counted_and_logged_once_per_10_s(
     assert refused(ctl, "heartbeat", code) == 3.0
     lines = [r.getMessage() for r in caplog.records if "heartbeat" in r.getMessage()]
     assert len(lines) == 1, lines
+
+
+# -- a field an endpoint does not take (session 19: ignored, a typo silently did nothing) ---------
+
+
+async def test_an_unknown_body_field_is_refused_naming_it_and_changes_nothing(ctl: Ctl) -> None:
+    """POST /progress, /runs, /runs/{name}/usage and the bodiless writes (/rebalance, drain)
+    refuse a field they do not take: 400 bad_request naming it, nothing proposed."""
+    _, board = await ctl.call("GET", "/progress")
+    _, runs_before = await ctl.call("GET", "/runs")
+    version = ctl.read(lambda m: m.version)
+    cases = [
+        ("/progress", {"epoch": 0, "replica": "r", "progres": 0.5}, "progres"),
+        ("/runs", {"name": "typo", "quota": {"param_elems": 1}}, "quota"),
+        ("/runs/typo/usage", {"name": "typo.w", "cost": {"param_elems": 1}, "costs": 1}, "costs"),
+        ("/rebalance", {"force": True}, "force"),
+    ]
+    for path, body, unknown in cases:
+        status, reply = await ctl.call("POST", path, body)
+        assert status == 400 and reply["error"]["code"] == "bad_request", (path, reply)
+        assert repr(unknown) in reply["error"]["message"] and path in reply["error"]["message"]
+        assert reply["error"]["unknown"] == [unknown], reply
+    assert (await ctl.call("GET", "/progress"))[1] == board
+    assert (await ctl.call("GET", "/runs"))[1] == runs_before
+    assert ctl.read(lambda m: m.version) == version
+    await assert_serving(ctl)  # the same writes without the typo are served
+    status, _ = await ctl.call("POST", "/progress", {"epoch": 0, "replica": "r", "progress": 0.5})
+    assert status == 200

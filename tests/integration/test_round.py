@@ -246,7 +246,9 @@ async def test_a_bad_round_is_refused_whole_and_changes_nothing(tmp_path: Path) 
         after = await asyncio.to_thread(pc.pull_rows, "r.emb", ids)
         np.testing.assert_array_equal(before, after)
         # and the server keeps serving: a good round, with a fetch of its own rows
-        got = await c.call("round", client="c", seq=2, rows=[good], fetch_rows=[good])
+        # (a fetch_rows entry takes table and ids only: `grads` there is refused, opfields.py)
+        fetch = {"table": good["table"], "ids": good["ids"]}
+        got = await c.call("round", client="c", seq=2, rows=[good], fetch_rows=[fetch])
         assert got["rows"] == len(mine) and got["fetched"][0].shape == (len(mine), 4)
         assert not np.array_equal(got["fetched"][0], before[buckets_of(ids, N_BUCKETS) < 4])
         await c.close()

@@ -32,6 +32,7 @@ from adamps.server.addressing import Addressing
 from adamps.server.api.checkpoint_ops import CheckpointOps
 from adamps.server.api.clockops import ClockOps
 from adamps.server.api.dataplane import DataPlane
+from adamps.server.api.opfields import RPC_FIELDS, check_fields
 from adamps.server.api.roundop import RoundOp
 from adamps.server.api.tableops import TableOps
 from adamps.server.api.tenancy import Tenancy
@@ -397,6 +398,7 @@ class ParameterServer:
             if isinstance(rid, str | int):
                 request[aweb.RID_KEY] = rid  # as sent: a reply echoes it, so does an error
             op = protocol.check_message(msg, self._ops)
+            check_fields(op, msg, RPC_FIELDS)  # a misspelled field is refused, not ignored
             self.tenancy.check(who, op, msg, len(body))  # a run's namespace and quotas
             handler = self._ops[op]
             if self.replicator is not None and op in PEER_OPS:

@@ -52,6 +52,7 @@ from adamps.client.dataplane import (
 from adamps.layout import Shard
 from adamps.security import tls
 from adamps.server.api.dp_reader import PayloadReader, off_loop_min
+from adamps.server.api.opfields import check_frame
 from adamps.server.api.tenancy import Tenancy
 from adamps.server.config import PsConfig
 from adamps.server.psmetrics import PsMetrics
@@ -263,7 +264,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.meta = meta
         # The token before anything else: no payload of an unauthenticated peer is ever buffered.
         who = self.plane.tenancy.authenticate_now(meta.get("token"))
-        op = protocol.check_message(meta, OPS)
+        op = check_frame(meta, OPS)  # envelope, op, and no field the op does not take
         # A run's token: its namespace and push rate (adamps/server/api/tenancy.py).
         self.plane.tenancy.check(who, op, meta, self.payload_len)
         # Tensor, length and shards are checked before any payload byte is buffered.

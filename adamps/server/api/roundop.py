@@ -41,7 +41,7 @@ from adamps.server.api.tableops import TableOps
 from adamps.server.decode import compressed
 from adamps.server.store.tickets import owner_future
 from adamps.server.writepath import WritePath
-from adamps.wire.protocol import ProtocolError
+from adamps.wire.protocol import ProtocolError, only_fields
 
 #: most tables one round may push or fetch (each entry is checked and cut on its own)
 MAX_TABLES = 64
@@ -49,6 +49,10 @@ MAX_TABLES = 64
 #: pass over 4 MiB take about 1.2 ms here, over 64 MiB 20 ms; a hop to a thread and back costs
 #: tens of microseconds
 CHECK_OFF_LOOP = 4 << 20
+
+
+#: the fields of an entry of a round's `rows` (as push_rows') and `fetch_rows` (as pull_rows')
+_ENTRY_FIELDS = {"rows": ("table", "ids", "grads", "dim"), "fetch_rows": ("table", "ids", "dim")}
 
 
 def _entries(msg: dict[str, Any], field: str) -> list[dict[str, Any]]:
@@ -59,6 +63,8 @@ def _entries(msg: dict[str, Any], field: str) -> list[dict[str, Any]]:
         raise ProtocolError(
             "too_large", f"field {field!r} has {len(v)} entries; the limit is {MAX_TABLES}"
         )
+    for x in v:  # an entry's misspelled field is refused, as a request's (opfields.py)
+        only_fields(x, f"op 'round': an entry of {field!r}", _ENTRY_FIELDS[field], op="round")
     tables = [x.get("table") for x in v]
     if len(set(map(str, tables))) != len(tables):
         raise ProtocolError("bad_request", f"field {field!r} names a table twice")

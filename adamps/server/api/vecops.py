@@ -33,7 +33,7 @@ from adamps.server.store.store import Store
 from adamps.server.store.tickets import owner_future
 from adamps.server.updates.vecapply import KINDS
 from adamps.server.writepath import WritePath
-from adamps.wire.protocol import ProtocolError, require, require_array
+from adamps.wire.protocol import ENVELOPE, ProtocolError, only_fields, require, require_array
 
 # -- names ---------------------------------------------------------------------------------------
 
@@ -77,6 +77,12 @@ class VectorOps:
                 "bad_request", f"field 'kind' must be one of {sorted(KINDS)}, got {kind!r}"
             )
         takes_x, takes_alpha = KINDS[kind]
+        # a field of another kind (a `scale` carrying `x`) would be silently ignored: refused
+        takes = {"kind", "shards", "y", "client", "seq", *ENVELOPE}
+        takes |= {"x"} if takes_x else set()
+        takes |= {"alpha"} if takes_alpha else set()
+        takes |= {"values", "offset"} if kind == "set" else set()
+        only_fields(msg, f"op 'vec' of kind {kind!r}", takes, op="vec")
         y = _vector_name(msg, "y")
         x = _vector_name(msg, "x") if takes_x else ""
         alpha = vector.alpha(msg.get("alpha")) if takes_alpha else 0.0
