@@ -19,7 +19,7 @@
    numpy engine), in the same run (``--ctr-side``).
 
 4. A bulk load (issue 38): --rows rows of --dim (Adagrad) pushed in pushes of 100,000 ids
-   into a cluster of 3 servers at replication factor 3 with the default flush settings: rows
+   into a cluster of 3 servers at replication factor 3 with `adamps up`'s defaults: rows
    per second, pushes refused (``not_durable``), and per server, flushed, the RSS and the LMDB
    bytes per row against the raw bytes (values + optimizer state: 2 x dim x 4). Goals: RSS
    <= 1.5 x raw + 64 bytes per row + 256 MiB; LMDB <= 1.5 x raw. Then the same rows by value
@@ -61,6 +61,7 @@ from replication import cluster as start_cluster  # noqa: E402
 from adamps.client.ps import ControllerRouting, PartialPushError, PSClient  # noqa: E402
 from adamps.data.ctr_data import CtrData, CtrSpec, auc  # noqa: E402
 from adamps.layout import Layout  # noqa: E402
+from adamps.up.cluster import LocalCluster  # noqa: E402
 from trainer.ctr import CtrConfig, run  # noqa: E402
 
 BATCH = 4096
@@ -157,7 +158,7 @@ def rss_bytes(pid: int) -> int:
 def load_rows(c: Any, table: str, op: str, rows: int, dim: int, push: int, dtype: str,
               optimizer: str) -> float:  # fmt: skip
     """Seconds to load `rows` rows into a new table with `op` (push_rows or put_rows)."""
-    layout = Layout([], n_buckets=N_BUCKETS)
+    layout = Layout([], n_buckets=c.n_buckets)
     with PSClient(ControllerRouting(c.controllers), layout, TOKEN, timeout=120.0) as client:
         client.create_table(table, dim, init={"kind": "normal", "std": 0.01, "seed": 1},
                             optimizer={"kind": optimizer, "lr": 0.1}, dtype=dtype)  # fmt: skip
@@ -196,6 +197,19 @@ def refusals(c: Any) -> float:
     return out
 
 
+def default_cluster(root: Path) -> LocalCluster:
+    """3 controllers and 3 servers at RF 3 with `adamps up`'s defaults (timers, flushes, the
+    scrub): what a user loading a table has. benchmarks/replication.cluster's fast failover
+    timers (heartbeats and pings every 0.2 s, the leader loop every 0.1 s) and no scrub made the
+    idle figure 0.086-0.096 CPU-s per s empty (session 19), not the rows' cost."""
+    c = LocalCluster(
+        str(root), token=TOKEN, n_servers=3,  # 64 buckets, as `adamps up`
+        controller_opts={"replication": 3}, ps_opts={"log-level": "WARNING"},
+    )  # fmt: skip
+    c.start(timeout=120)
+    return c
+
+
 def bulk_load(
     root: Path,
     rows: int,
@@ -211,7 +225,7 @@ def bulk_load(
     The rows by value (``put_rows``) go to a second, fresh cluster: two tables of 20 M rows at
     RF 3 would not fit this machine's memory, and a fresh cluster loads under the same
     conditions as the first."""
-    c = start_cluster(str(root / "rf3"), 3, 262_144)
+    c = default_cluster(root / "rf3")
     try:
         pids = {n: p.popen.pid for n, p in c.procs.items() if n.startswith("ps")}
         rss0 = {n: rss_bytes(pid) for n, pid in pids.items()}
@@ -233,7 +247,7 @@ def bulk_load(
         idle = (cluster_cpu(c) - cpu0) / (time.perf_counter() - t0)
     finally:
         c.stop()
-    c = start_cluster(str(root / "rf3put"), 3, 262_144)
+    c = default_cluster(root / "rf3put")
     try:
         put_took = load_rows(c, "loadput", "put_rows", rows, dim, push, dtype, optimizer)
         put_refused = refusals(c)
