@@ -150,12 +150,18 @@ def test_a_server_restarted_without_its_data_answers_row_and_fc_requests_not_pri
             grads = np.ones((len(mine), 1), np.float32)
             a, e = np.ones((1, 100), np.float32), np.ones((1, 160), np.float32)
             for op, fields in (
-                ("push_rows", {"table": "emb", "ids": mine, "grads": grads, "seq": 1}),
-                ("pull_rows", {"table": "emb", "ids": mine}),
-                ("push_fc", {"tensor": "w", "a": a, "e": e, "shards": its_shards, "seq": 2}),
+                (
+                    "push_rows",
+                    {"table": "emb", "ids": mine, "grads": grads, "client": "t", "seq": 1},
+                ),
+                ("pull_rows", {"table": "emb", "ids": mine}),  # a read: no (client, seq)
+                (
+                    "push_fc",
+                    {"tensor": "w", "a": a, "e": e, "shards": its_shards, "client": "t", "seq": 2},
+                ),  # fmt: skip
             ):
                 with SyncRpc(address, TOKEN) as rpc, pytest.raises(RpcError) as info:
-                    rpc.call(op, client="t", **fields)
+                    rpc.call(op, **fields)
                 assert info.value.code == "not_primary", (op, info.value)
             # The clients' retries reach the new primaries.
             client.push_rows("emb", mine, grads)
