@@ -106,11 +106,16 @@ def cluster_cpu_s(cluster: Any) -> dict[str, float]:
     return {name: proc_cpu_s(p.popen.pid) for name, p in cluster.procs.items()}
 
 
+#: the clusters' buckets (`--buckets`; 64, adamps up's default): fewer put a small model's
+#: tensors in fewer buckets, which measures what fusing them would save (docs/benchmarks.md)
+BUCKETS = 64
+
+
 def start_cluster(rf: int, root: Path, token: str) -> Any:
     from adamps.up.cluster import LocalCluster
 
     c = LocalCluster(
-        root, token=token, n_servers=3, n_buckets=64, controller_opts={"replication": rf},
+        root, token=token, n_servers=3, n_buckets=BUCKETS, controller_opts={"replication": rf},
         ps_opts={"log-level": os.environ.get("PS_LOG", "WARNING")},
     )  # fmt: skip
     c.start(timeout=120)
@@ -412,7 +417,13 @@ def main() -> None:
                     help="passes over the images (default convnet=4,transformer=10; quick 1)")  # fmt: skip
     ap.add_argument("--seeds", type=int, default=None,
                     help="seeds per accuracy setting (default 3, quick 1)")  # fmt: skip
+    ap.add_argument("--buckets", type=int, default=64,
+                    help="buckets of each cluster (default 64, as adamps up)")  # fmt: skip
     a = ap.parse_args()
+    if a.buckets < 1:
+        ap.error(f"--buckets: expected a positive number of buckets, got {a.buckets}")
+    global BUCKETS
+    BUCKETS = a.buckets
     try:
         epochs = {k: int(v) for k, v in (kv.split("=") for kv in a.epochs.split(",") if kv)}
     except ValueError:
