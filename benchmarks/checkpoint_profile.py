@@ -1,5 +1,5 @@
 """Where a checkpoint's save and restore spend their time (issue 38 item 7): cProfile of the
-client and py-spy of the three parameter servers, over one save and one restore of a
+client, py-spy of the three parameter servers and of the client's threads, over one save and one restore of a
 ``--gb`` GB model (16 tensors, SGD, RF 3, 16 buckets), as benchmarks/checkpoint.py makes it.
 
 Per phase it prints the wall time, each server's CPU seconds (/proc) and the client's, the
@@ -52,7 +52,7 @@ def phase(name: str, servers: list[int], out: Path, fn, top: int) -> None:  # no
     spies = [subprocess.Popen([str(PY_SPY), "record", "--pid", str(pid), "--rate", "200",
                                "--format", "raw", "--nonblocking", "-o", str(out / f"{name}-ps{i}.txt")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for i, pid in enumerate(servers)]  # fmt: skip
+             for i, pid in enumerate([*servers, os.getpid()])]  # fmt: skip
     time.sleep(1.0)  # py-spy attached
     cpu0 = [cpu_seconds(p) for p in servers]
     me0 = time.process_time()
@@ -78,7 +78,8 @@ def phase(name: str, servers: list[int], out: Path, fn, top: int) -> None:  # no
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
     (out / f"{name}-client.txt").write_text(buf.getvalue())
     print("\n".join(buf.getvalue().splitlines()[: top + 12]))
-    for i in range(len(servers)):
+    for i in range(len(servers) + 1):
+        who = f"ps{i}" if i < len(servers) else "client"  # the client: all its threads
         own: Counter[str] = Counter()
         total = 0
         path = out / f"{name}-ps{i}.txt"
@@ -89,7 +90,7 @@ def phase(name: str, servers: list[int], out: Path, fn, top: int) -> None:  # no
             frames = stack.split(";")
             own[frames[-1]] += int(n)
             total += int(n)
-        print(f"-- ps{i} own frames ({total} samples):")
+        print(f"-- {who} own frames ({total} samples):")
         for f, n in own.most_common(top):
             print(f"  {100 * n / max(total, 1):5.1f}%  {f}")
 
@@ -100,6 +101,7 @@ def main() -> None:
     p.add_argument("--tensors", type=int, default=16)
     p.add_argument("--out", default="runs/ckpt-profile")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--save-only", action="store_true", help="profile the save, not the restore")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,6 +122,9 @@ def main() -> None:
         phase("save", pids, out, lambda: save(cl, ckpt), args.top)
     finally:
         a.stop()
+    if args.save_only:
+        shutil.rmtree(root, ignore_errors=True)
+        return
     b = start(os.path.join(root, "b"))
     try:
         cl = Cluster(b.controllers, TOKEN, retry_for=120.0)

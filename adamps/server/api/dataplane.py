@@ -51,6 +51,7 @@ from adamps.client.dataplane import (
 )
 from adamps.layout import Shard
 from adamps.security import tls
+from adamps.server.api.dp_outbox import WRITE_STEP, Outbox
 from adamps.server.api.dp_reader import PayloadReader, off_loop_min
 from adamps.server.api.opfields import check_frame
 from adamps.server.api.tenancy import Tenancy
@@ -89,6 +90,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.plane = plane
         self.cfg = plane.cfg
         self.transport: asyncio.Transport | None = None
+        #: the replies' pieces not yet handed to the transport (dp_outbox)
+        self.outbox: Outbox | None = None
         self.state = _HEADER
         self.buf = np.empty(HEADER.size, dtype=np.uint8)
         self.view = memoryview(self.buf)
@@ -125,6 +128,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.outbox = Outbox(transport)  # type: ignore[arg-type]
         self.last_activity = asyncio.get_running_loop().time()
         self.plane.conns.add(self)
         open_ = [c for c in self.plane.conns if c.open()]
@@ -154,7 +158,17 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         idle = [c for c in others if c.idle()]
         return min(idle, key=lambda c: c.last_activity) if idle else self
 
+    def pause_writing(self) -> None:
+        assert self.outbox is not None
+        self.outbox.pause()
+
+    def resume_writing(self) -> None:
+        assert self.outbox is not None
+        self.outbox.resume()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.outbox is not None:
+            self.outbox.drop()
         self.state = _CLOSED
         self.plane.conns.discard(self)
         if self.reader is not None:
@@ -204,7 +218,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
     def idle(self) -> bool:
         """Between frames with nothing queued: waiting for the client's next request."""
-        return self.state == _HEADER and self.pos == 0 and self.inflight == 0
+        idle = self.state == _HEADER and self.pos == 0 and self.inflight == 0
+        return idle and (self.outbox is None or self.outbox.empty())
 
     def in_header(self) -> bool:
         """Part-way through a frame's header or meta (some bytes in, not all)."""
@@ -464,9 +479,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     ) -> None:
         if self.transport is None or self.transport.is_closing():
             return
-        writes, size = reply_frame(kind, meta, payload, oob, self.plane.write_step)
-        for chunk in writes:
-            self.transport.write(chunk)
+        writes, size = reply_frame(kind, meta, payload, oob, WRITE_STEP)
+        assert self.outbox is not None
+        self.outbox.write(writes)
         if size:
             self.plane.m.bytes_out.inc(size)
 
@@ -480,22 +495,10 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             if prev is not None:
                 await prev
             self._send(ERROR, {"error": exc.to_dict(), "rid": rid}, None)
-            t = self.transport
-            if t is None or t.is_closing():
-                return
-            # Half-close and keep discarding input until the peer closes: closing with unread
-            # input would send a reset, which can destroy the error frame before the peer reads it.
-            if t.can_write_eof():
-                t.write_eof()
-                asyncio.get_running_loop().call_later(5.0, t.close)
-            else:
-                t.close()
+            if self.outbox is not None:
+                self.outbox.close_when_sent()
 
         asyncio.get_running_loop().create_task(answer_and_close())
-
-
-#: bytes per write of a reply's payload on a TLS connection (DataPlane.write_step)
-TLS_WRITE_STEP = 256 << 10
 
 
 class DataPlane:
@@ -538,11 +541,6 @@ class DataPlane:
         self.peer_frame = peer
         #: open connections (closed at shutdown)
         self.conns: set[DataPlaneProtocol] = set()
-        #: bytes per transport.write of a reply's payload (0: all at once). With TLS, asyncio
-        #: encrypts each write whole into a memory buffer before sending any of it: 4 MB pulls
-        #: written at once measured 66-88 MB/s, in 256 KiB pieces 96-158 MB/s (one loaded
-        #: 2-core machine, alternating runs); plain TCP takes the payload in one write
-        self.write_step = TLS_WRITE_STEP if tls.enabled() else 0
         #: payloads from this size on are received on their connection's thread (None: all on
         #: the loop; ADAMPS_DP_RECV_THREAD=0)
         self.off_loop_min = off_loop_min()
