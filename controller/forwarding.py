@@ -145,7 +145,7 @@ class Forwarder:
         if leader is None or leader == self.raft.self_raft:
             raise ProtocolError("no_quorum", "no leader elected yet; retry")
         target = self.raft.http_of[leader]
-        body = await request.read()
+        body = await aweb.read_body(request)
         headers = {
             "Authorization": request.headers.get("Authorization", ""),
             "Content-Type": request.headers.get("Content-Type", "application/json"),

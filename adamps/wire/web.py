@@ -169,17 +169,53 @@ def check_token(request: web.Request) -> None:
         raise ProtocolError("unauthorized", "wrong cluster token")
 
 
+#: a request's body once read (read_body): the stream is consumed, later readers get this
+BODY_KEY = web.RequestKey("body", bytes)
+
+
+def too_large(limit: int, got: int | None = None) -> ProtocolError:
+    """413 too_large of a body beyond `limit` bytes (`got`: its declared length, if known)."""
+    said = f" (Content-Length {got})" if got is not None else ""
+    return ProtocolError(
+        "too_large", f"request body exceeds the limit of {limit} bytes{said}", limit=limit
+    )
+
+
 async def read_body(request: web.Request) -> bytes:
-    """The whole body, bounded by the app's client_max_size (enforced also for chunked bodies)
-    and by the body timeout."""
+    """The whole body, bounded by the app's max_body and by the body timeout; read once (a
+    second call gets the same bytes).
+
+    aiohttp's request.read() reads a body before it compares its size with the limit: one
+    declaring a Content-Length past the limit was read up to the limit (or waited for until
+    the body timeout) before its 413, and it raises the stream's buffer to twice the limit
+    first. Here a declared length past the limit is refused before a byte is read, and a
+    chunked body (no length: HTTP/1.1 names each chunk's size only in the chunk's own header,
+    which aiohttp's parser keeps to itself) is refused as soon as what arrived passes the
+    limit, holding at most the limit plus one read of the stream's default buffer."""
+    got = request.get(BODY_KEY)
+    if got is not None:
+        return got
+    limit = request.app.get(MAX_BODY_KEY) or request.client_max_size
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise too_large(limit, declared)
     limits = request.app.get(LIMITS_KEY) or HttpLimits()
+    parts: list[bytes] = []
+    size = 0
     try:
         async with asyncio.timeout(limits.body_timeout):
-            return await request.read()
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit)
+                parts.append(chunk)
     except TimeoutError:
         raise ProtocolError(
             "slow_request", f"the body did not arrive within {limits.body_timeout} s"
         ) from None
+    body = parts[0] if len(parts) == 1 else b"".join(parts)
+    request[BODY_KEY] = body
+    return body
 
 
 async def read_message(request: web.Request, ops: Collection[str]) -> dict[str, Any]:

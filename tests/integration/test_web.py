@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import time
+
 import aiohttp
 import numpy as np
 import pytest
@@ -165,3 +169,62 @@ async def test_bad_request_line_and_client_gone_mid_body_log_one_line(
     assert any("LineTooLong" in m for m in warned), warned
     assert any("went away during POST /rpc" in m for m in warned), warned
     assert all("\n" not in m for m in warned)
+
+
+def _raw_exchange(server: str, head: bytes, body_pieces: int = 0) -> tuple[bytes, int]:
+    """Sends a request head, then up to `body_pieces` pieces of 16 KiB of zeros until the
+    server answers; returns (its answer, the body bytes sent before it came)."""
+    port = int(server.rsplit(":", 1)[1])
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(head)
+        s.setblocking(False)
+        piece = b"\0" * (16 << 10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                data = s.recv(65536)
+                if data:
+                    s.setblocking(True)
+                    s.settimeout(1)
+                    try:
+                        while more := s.recv(65536):
+                            data += more
+                    except (TimeoutError, ConnectionError):
+                        pass
+                    return data, sent
+            except BlockingIOError:
+                pass
+            if sent < body_pieces * len(piece):
+                try:
+                    sent += s.send(piece)
+                except (BlockingIOError, ConnectionError):
+                    time.sleep(0.01)
+            else:
+                time.sleep(0.01)
+    return b"", sent
+
+
+HEAD = f"POST /rpc HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n".encode()
+
+
+async def test_a_declared_length_past_the_limit_is_refused_before_the_body(server: str) -> None:
+    """aiohttp reads a body before it compares it with client_max_size: a Content-Length of
+    1 TiB was waited for (until the body timeout), a larger one read up to the limit, before
+    the 413. Refused now from the head alone, no body byte sent."""
+    head = HEAD + b"Content-Length: 1099511627776\r\n\r\n"
+    reply, sent = await asyncio.to_thread(_raw_exchange, server, head)
+    assert reply.startswith(b"HTTP/1.1 413") and b'"too_large"' in reply, reply[:300]
+    assert b"1099511627776" in reply and sent == 0
+
+
+async def test_one_huge_chunk_is_refused_once_the_limit_is_passed(server: str) -> None:
+    """A chunked body names its size only in each chunk's own header, which aiohttp's parser
+    keeps to itself: a chunk announced at 1 TiB is refused as soon as what arrived passes the
+    limit (64 KiB here), the server holding at most the limit and one read, and serving on."""
+    head = HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"10000000000\r\n"
+    reply, sent = await asyncio.to_thread(_raw_exchange, server, head, 64)
+    assert reply.startswith(b"HTTP/1.1 413") and b'"too_large"' in reply, reply[:300]
+    assert sent > 1 << 16  # refused for what arrived, not before
+    async with aiohttp.ClientSession() as s, s.get(server + "/healthz") as r:
+        assert r.status == 200
