@@ -9,6 +9,41 @@ from aiohttp import web
 
 from adamps.wire.protocol import ProtocolError, only_fields
 
+#: the JSON body fields of each call a server makes (and of the operator's declare-lost),
+#: by the route's last segment (docs/protocol-controller.md, "Parameter servers"): anything
+#: else is refused by `call_fields`
+SERVER_CALL_FIELDS: dict[str, tuple[str, ...]] = {
+    "register": ("address", "copies", "rack", "n_buckets"),
+    "heartbeat": ("known_version", "deltas", "reports", "not_durable"),
+    "peer-keys": ("peers", "time", "proof"),
+    "role-change": ("server", "prev_epoch", "reports"),
+    "caught-up": ("primary", "epoch", "server", "join"),
+    "release": ("server", "epoch"),
+    "drop-secondary": ("primary", "epoch", "server"),
+    "declare-lost": (),
+}
+
+
+def call_fields(body: dict[str, Any], call: str, path: str) -> None:
+    """Refuses a server call's body naming a field `call` does not take (400 bad_request
+    naming it, nothing proposed): a misspelled field of a heartbeat (`not_durabel`) or a
+    role change (`prev_epcoh`) was ignored, and the call did something else than asked."""
+    only_fields(body, f"POST {path}", SERVER_CALL_FIELDS[call], call=call)
+
+
+def _natural(v: Any) -> bool:
+    return type(v) is int and 0 <= v < 1 << 63
+
+
+def epoch_seq(raw: Any, where: str) -> list[int]:
+    """[epoch, seq] of a copy from JSON: a list whose first two items are integers >= 0 (a
+    string "12" was taken as [1, 2], a float cut to an integer)."""
+    if not isinstance(raw, list) or len(raw) < 2 or not _natural(raw[0]) or not _natural(raw[1]):
+        raise ProtocolError(
+            "bad_request", f"{where} must be [epoch, seq] (integers >= 0), got {str(raw)[:100]}"
+        )
+    return [raw[0], raw[1]]
+
 
 def positions(raw: Any, n_buckets: int, name: str) -> dict[int, list[Any]]:
     """A map bucket -> [epoch, seq] from JSON (keys are strings there), checked. An offer may
@@ -18,16 +53,19 @@ def positions(raw: Any, n_buckets: int, name: str) -> dict[int, list[Any]]:
         raise ProtocolError("bad_request", f"{name} must be a map bucket -> [epoch, seq]")
     out = {}
     for b, r in raw.items():
-        try:
-            bi, epoch, seq = int(b), int(r[0]), int(r[1])
-        except (TypeError, ValueError, IndexError, KeyError):
-            raise ProtocolError("bad_request", f"{name}[{b!r}] must be [epoch, seq]") from None
-        if not 0 <= bi < n_buckets or epoch < 0 or seq < 0:
+        key = b if isinstance(b, str) else str(b)
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise ProtocolError("bad_request", f"{name}: {key[:40]!r} is not a bucket id")
+        bi = int(key)
+        epoch, seq = epoch_seq(r, f"{name}[{key!r}]")
+        if not 0 <= bi < n_buckets or len(r) not in (2, 4):
             raise ProtocolError(
-                "bad_request", f"{name}[{b!r}]: bucket in [0, {n_buckets}), epoch and seq >= 0"
+                "bad_request",
+                f"{name}[{key!r}]: bucket in [0, {n_buckets}), [epoch, seq] or "
+                "[epoch, seq, committed, digest]",
             )
         out[bi] = [epoch, seq]
-        if isinstance(r, list) and len(r) >= 4:
+        if len(r) == 4:
             committed, dig = r[2], r[3]
             if (
                 isinstance(committed, bool)
@@ -39,7 +77,7 @@ def positions(raw: Any, n_buckets: int, name: str) -> dict[int, list[Any]]:
             ):
                 raise ProtocolError(
                     "bad_request",
-                    f"{name}[{b!r}]: [epoch, seq, committed, digest] needs 0 <= committed <= seq "
+                    f"{name}[{key!r}]: [epoch, seq, committed, digest] needs 0 <= committed <= seq "
                     "and a digest of 1-32 lowercase hex digits",
                 )
             out[bi] += [committed, dig]

@@ -62,6 +62,7 @@ class ServerCalls:
     # -- registration ----------------------------------------------------------------------
 
     async def register(self, sid: str, body: dict[str, Any]) -> dict[str, Any]:
+        fields.call_fields(body, "register", f"/servers/{sid}/register")
         address = fields.address(body)
         self.check_layout(body)
         self.check_register(sid, address)
@@ -119,10 +120,20 @@ class ServerCalls:
     # -- heartbeats ------------------------------------------------------------------------
 
     async def heartbeat(self, sid: str, body: dict[str, Any]) -> dict[str, Any]:
+        # Every field checked before anything is recorded: a bad heartbeat changes nothing (it
+        # counted as heard from and recorded the reports before a bad one, and not_durable was
+        # checked after the renewal round).
+        fields.call_fields(body, "heartbeat", f"/servers/{sid}/heartbeat")
         known = body.get("known_version")
-        reports = body.get("reports") or {}
-        if not isinstance(reports, dict):
-            raise ProtocolError("bad_request", "reports must be a map bucket -> [epoch, seq]")
+        if known is not None and (type(known) is not int or not 0 <= known < 1 << 63):
+            raise ProtocolError("bad_request", "known_version must be an integer >= 0 or null")
+        reports = fields.positions(body.get("reports") or {}, self.cfg.n_buckets, "reports")
+        not_durable = body.get("not_durable")
+        if not_durable is not None and not isinstance(not_durable, str):
+            raise ProtocolError("bad_request", "not_durable must be a string or null")
+        deltas = body.get("deltas", False)
+        if not isinstance(deltas, bool):
+            raise ProtocolError("bad_request", "deltas must be true or false")
         rec = self.cluster.read(lambda m: m.servers.get(sid))
         if rec is None:
             raise ProtocolError("not_found", f"no server {sid!r}: register first")
@@ -132,20 +143,12 @@ class ServerCalls:
             )
         self.leader.heard_from(sid)
         self.m.heartbeats.inc()
-        for b, r in reports.items():
-            try:
-                bi, epoch, seq = int(b), int(r[0]), int(r[1])
-            except (TypeError, ValueError, IndexError, KeyError):
-                raise ProtocolError("bad_request", f"reports[{b!r}] must be [epoch, seq]") from None
-            if 0 <= bi < self.cfg.n_buckets:
-                self.leader.record_report(bi, sid, [epoch, seq])
+        for bi, position in reports.items():
+            self.leader.record_report(bi, sid, position[:2])
         holds = self.cluster.read(lambda m: m.holds_lease(sid))
         renewed: dict[str, Any] = {"renewed": [], "at": None}
         if holds:  # in the next renewal round, one entry for every server in it
             renewed = ok_or_raise(await self.renew(sid))
-        not_durable = body.get("not_durable")
-        if not_durable is not None and not isinstance(not_durable, str):
-            raise ProtocolError("bad_request", "not_durable must be a string or null")
         # Committed when durability flips, not when the reason's figures change.
         if bool(rec.get("not_durable")) != bool(not_durable):
             # Its copies stay until a server that failed with it is surely declared dead.
@@ -153,7 +156,6 @@ class ServerCalls:
             hold = cfg.server_timeout + cfg.heartbeat_interval + cfg.reconcile_interval
             await self.commit("write_storage", sid, not_durable, self.wall(), hold)
         # A server that applies deltas says so (issue 40); one that does not gets full lists.
-        deltas = body.get("deltas") is True
         view = self.cluster.read(lambda m: m.heartbeat_view(sid, known, deltas))
         reply: dict[str, Any] = {
             "server": sid,
@@ -180,18 +182,12 @@ class ServerCalls:
     async def bucket_op(self, b: int, op: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST /buckets/{b}/{op}: `b` is checked, `body` is the request's JSON."""
         now = self.wall()
+        fields.call_fields(body, op, f"/buckets/{b}/{op}")
         if op == "role-change":
             reports = body.get("reports") or {}
             if not isinstance(reports, dict):
                 raise ProtocolError("bad_request", "reports must be a map server -> [epoch, seq]")
-            clean = {}
-            for s, r in reports.items():
-                try:
-                    clean[str(s)] = [int(r[0]), int(r[1])]
-                except (TypeError, ValueError, IndexError, KeyError):
-                    raise ProtocolError(
-                        "bad_request", f"reports[{s!r}] must be [epoch, seq]"
-                    ) from None
+            clean = {str(s): fields.epoch_seq(r, f"reports[{s!r}]") for s, r in reports.items()}
             for s, r in self.leader.reports_of(b).items():
                 clean.setdefault(s, r)
             # Only servers the cluster knows go into the Raft entry (bounded, meaningful).

@@ -211,6 +211,7 @@ class ControllerService:
             if not self.cfg.peer_token:
                 raise ProtocolError("not_found", "peer identity is off (no peer_token set)")
             body = await aweb.read_json(request)
+            fields.call_fields(body, "peer-keys", request.path)
             when = fields.int_field(body, "time")
             got = fields.str_field(body, "proof")
             if not peer_auth.proof_ok(self.cfg.peer_token, sid, when, got, time.time()):
@@ -300,6 +301,8 @@ class ControllerService:
     async def h_set_layout(self, request: web.Request) -> web.Response:
         async def run() -> dict[str, Any]:
             body = await aweb.read_json(request)
+            if "layout" in body:  # the wrapped form; a bare layout's fields are check_layout's
+                fields.only(body, request, ("layout", "run"))
             # In a thread: checking the largest layout accepted (4096 tensors) takes tens of ms.
             layout = await asyncio.to_thread(self._checked_layout, body.get("layout", body))
             who = request[PRINCIPAL_KEY]

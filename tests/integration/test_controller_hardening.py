@@ -672,3 +672,93 @@ async def test_an_unknown_body_field_is_refused_naming_it_and_changes_nothing(ct
     await assert_serving(ctl)  # the same writes without the typo are served
     status, _ = await ctl.call("POST", "/progress", {"epoch": 0, "replica": "r", "progress": 0.5})
     assert status == 200
+
+
+# -- the servers' calls: every field named and typed (session 20) ---------------------------------
+
+
+async def _registered(c: Ctl, sid: str = "ps-f") -> None:
+    status, body = await c.call("POST", f"/servers/{sid}/register", {"address": "127.0.0.1:9"})
+    assert status == 200, body
+
+
+async def test_a_server_calls_unknown_field_is_refused_naming_it(ctl: Ctl) -> None:
+    """register, heartbeat and the bucket operations (and declare-lost, whose body is `{}`)
+    refuse a field they do not take: a heartbeat's `not_durabel` or a role change's
+    `prev_epcoh` was ignored and the call did something else than asked. 400 bad_request
+    naming it; nothing proposed, nothing recorded."""
+    await _registered(ctl)
+    version = ctl.read(lambda m: m.version)
+    servers = ctl.read(lambda m: sorted(m.servers))
+    cases = [
+        ("/servers/ps-g/register", {"address": "127.0.0.1:8", "rak": "r1"}, "rak"),
+        ("/servers/ps-f/heartbeat", {"known_version": None, "not_durabel": "disk full"},
+         "not_durabel"),
+        ("/buckets/0/role-change", {"server": "ps-f", "prev_epcoh": 0}, "prev_epcoh"),
+        ("/buckets/0/caught-up", {"primary": "ps-f", "epoch": 1, "server": "ps-f", "jion": 1},
+         "jion"),
+        ("/buckets/0/release", {"server": "ps-f", "epoch": 1, "force": True}, "force"),
+        ("/buckets/0/drop-secondary",
+         {"primary": "ps-f", "epoch": 1, "server": "ps-f", "why": "x"}, "why"),
+        ("/buckets/0/declare-lost", {"from": "ps-f"}, "from"),
+        ("/layout", {"layout": {"tensors": []}, "runn": "r"}, "runn"),
+    ]  # fmt: skip
+    for path, body, unknown in cases:
+        status, reply = await ctl.call("POST", path, body)
+        assert status == 400 and reply["error"]["code"] == "bad_request", (path, reply)
+        assert repr(unknown) in reply["error"]["message"], (path, reply)
+        assert reply["error"]["unknown"] == [unknown], reply
+    assert ctl.read(lambda m: (m.version, sorted(m.servers))) == (version, servers)
+    assert ctl.read(lambda m: m.layout) is None
+    await assert_serving(ctl)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"known_version": "7"},
+        {"known_version": -1},
+        {"deltas": "yes"},
+        {"reports": {"0": "12"}},  # a string was taken as [1, 2]
+        {"reports": {"0": [1.5, 2]}},  # a float was cut to 1
+        {"reports": {"0": [True, 2]}},
+        {"reports": {"x": [1, 2]}},
+        {"reports": {"99999": [1, 2]}},  # past n_buckets: was ignored
+        {"reports": {"1": [1, 2], "0": "bad"}},
+        {"not_durable": 3},
+    ],
+)
+async def test_a_heartbeat_of_a_wrong_type_is_refused_before_anything_is_recorded(
+    ctl: Ctl, body: dict[str, Any]
+) -> None:
+    """A heartbeat is checked whole first: it was counted as heard from, and its reports
+    before a bad one were recorded (and `not_durable` checked after the renewal round)."""
+    await _registered(ctl)
+    leader = ctl.service.leader
+    seen = dict(leader.last_seen)
+    reports = {b: dict(r) for b, r in leader.reports.items()}
+    beats = ctl.service.m.heartbeats._value.get()
+    status, reply = await ctl.call("POST", "/servers/ps-f/heartbeat", body)
+    assert status == 400 and reply["error"]["code"] == "bad_request", reply
+    assert {b: dict(r) for b, r in leader.reports.items()} == reports
+    assert ctl.service.m.heartbeats._value.get() == beats
+    assert leader.last_seen == seen
+    status, reply = await ctl.call("POST", "/servers/ps-f/heartbeat", {"reports": {"1": [1, 2]}})
+    assert status == 200, reply
+
+
+async def test_peer_keys_refuses_an_unknown_field(tmp_path: Path) -> None:
+    from adamps.security import peer_auth
+
+    c, runner = await start_controller(tmp_path, peer_token="pt-" + "x" * 40)
+    try:
+        when = int(time.time())
+        proof = peer_auth.proof(peer_auth.server_key("pt-" + "x" * 40, "ps-1"), "ps-1", when)
+        body = {"peers": ["ps-2"], "time": when, "proof": proof}
+        status, reply = await c.call("POST", "/servers/ps-1/peer-keys", {**body, "peer": "x"})
+        assert status == 400 and reply["error"]["unknown"] == ["peer"], reply
+        status, reply = await c.call("POST", "/servers/ps-1/peer-keys", body)
+        assert status == 200 and set(reply["keys"]) == {"ps-2"}, reply
+    finally:
+        await c.session.close()
+        await runner.cleanup()
