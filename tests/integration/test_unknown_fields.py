@@ -166,3 +166,41 @@ def test_each_op_without_the_unknown_field_is_served(ps: Ps) -> None:
         assert dp.send_message("pull_rows", table="t", ids=IDS)
         rows = dp.read_message_reply()["rows"]
     np.testing.assert_allclose(np.asarray(rows).reshape(-1, DIM), np.full((3, DIM), -0.5))
+
+
+def test_an_unknown_field_of_an_install_or_a_definition_is_refused(ps: Ps) -> None:
+    """The maps inside `ckpt_install` (a shard's {v, a, n}, a row shard's {b, n}) and each
+    definition of `create_tensors` ({name, shape, init, optimizer}) are held to their fields
+    (an accumulator sent as `acc` was dropped and the shard restored without it; a
+    definition's `optimiser` made a tensor with the default optimizer). So is `create`'s init
+    spec. Nothing is applied or created."""
+    b = ps.ps.store.layout.bucket_of["w/0"]
+    read = ps.call("ckpt_read", bucket=b)
+    rec = read["shards"]["w/0"]
+    before, names = _state(ps), ps.call("list")["tensors"]
+    row_id = next(iter(read["rows"]), None)
+    cases: list[tuple[str, dict[str, Any], str, str]] = [
+        ("ckpt_install", {"bucket": b, "force": True,
+                          "shards": {"w/0": {"v": rec["v"] + 1, "acc": np.ones(100, np.float32)}}},
+         "shard 'w/0'", "'acc'"),
+        # a ckpt_read record as read: its `version` is `n` in an install
+        ("ckpt_install", {"bucket": b, "force": True,
+                          "shards": {"w/0": {"v": rec["v"] + 1, "version": 3}}},
+         "shard 'w/0'", "'version'"),
+        ("create_tensors", {"tensors": [{"name": "new", "shape": [4],
+                                         "optimiser": {"kind": "adagrad"}}]},
+         "tensors[0]", "'optimiser'"),
+        ("create", {"name": "new", "shape": [4], "init": {"kind": "constant", "valeu": 2.0}},
+         "init 'constant'", "valeu"),
+    ]  # fmt: skip
+    if row_id is not None:
+        cases.append(("ckpt_install", {"bucket": b, "force": True,
+                                       "rows": {row_id: {"b": read["rows"][row_id]["b"], "v": 1}}},
+                      f"row shard {row_id!r}", "'v'"))  # fmt: skip
+    for op, fields, where, unknown in cases:
+        with pytest.raises(RpcError) as err:
+            ps.call(op, **fields)
+        assert err.value.status == 400 and err.value.code == "bad_request", (op, err.value)
+        assert where in err.value.message and unknown in err.value.message, err.value
+    _assert_same(ps, before)
+    assert ps.call("list")["tensors"] == names

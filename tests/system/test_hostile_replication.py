@@ -45,6 +45,7 @@ from replicated_cluster import (  # noqa: E402  (in tests/; the tests import in 
     make_client,
     running_cluster,
     signed,
+    signed_frame,
 )
 
 pytestmark = pytest.mark.slow
@@ -304,6 +305,82 @@ def test_a_segmented_frame_is_checked_on_the_data_port(cluster) -> None:
             s.sendall(bad)
             kind, reply = read_frame(s)
         assert kind == ERROR and reply["error"]["code"] == "forbidden", reply
+    assert _digest(t) == (t["committed"], t["digest"])
+    client.push_dense("x", np.ones(16_000, np.float32))  # the real next batch still replicates
+    digests_agree(c)
+
+
+def test_a_replication_message_naming_an_unknown_field_is_refused(cluster) -> None:
+    """The replication ops are held to their fields like a client's ops (session 20): each
+    message signed as the primary, past the peer check, with one field its op does not take,
+    on /rpc and in a repl_multi (an item's, a batch's) on /rpc and the data port: 400
+    bad_request naming it, nothing stepped into the copy."""
+    c, client, layout = cluster
+    t = _target(c, layout)
+    plus = np.full(SHARD, 1000.0, np.float32)
+    prepare = {**_forged_prepare(t, plus), "commit": t["committed"] + 1}
+    commit = {"bucket": 0, "sender": t["primary"], "epoch": t["epoch"], "seq": t["committed"] + 1}
+    bad_batch = {**prepare, "entries": [{**prepare["entries"][0], "client": ["c", 1]}]}
+    ping = {"sender": t["primary"], "buckets": {"0": t["epoch"]}}
+    cases = [
+        ("repl_prepare", {**prepare, "comit": 1}, "'comit'"),
+        ("repl_prepare", bad_batch, "'client'"),
+        ("repl_commit", {**commit, "sq": 1}, "'sq'"),
+        ("repl_ping", {**ping, "bucket": 0}, "'bucket'"),
+        ("repl_multi", {"items": [], "itemz": []}, "'itemz'"),
+        ("repl_snapshot", {"bucket": 0, "joiner": t["primary"], "joinn": 1}, "'joinn'"),
+        ("digest", {"bucket": 0, "buckets": [1]}, "'buckets'"),
+    ]
+    with SyncRpc(t["secondary"], TOKEN) as rpc:
+        for op, fields, unknown in cases:
+            with pytest.raises(RpcError) as err:
+                signed(rpc, c, t["primary"], t["secondary_id"], op, **fields)
+            assert err.value.code == "bad_request", (op, err.value)
+            assert f"op {op!r}" in err.value.message and unknown in err.value.message, err.value
+        items = [{"op": "repl_prepare", **prepare, "comit": 1}, {"op": "repl_commit", **commit}]
+        reply = signed(rpc, c, t["primary"], t["secondary_id"], "repl_multi", items=items)
+    first = reply["results"][0]["error"]
+    assert first["code"] == "bad_request" and first["unknown"] == ["comit"], reply
+    # the same repl_multi as a data-port frame (its batch's delta inline in the meta)
+    with socket.create_connection(("127.0.0.1", t["data_port"]), timeout=10) as s:
+        s.sendall(signed_frame(c, t["primary"], t["secondary_id"], items))
+        kind, reply = read_frame(s)
+    assert kind != ERROR, reply
+    first = reply["results"][0]["error"]
+    assert first["code"] == "bad_request" and first["unknown"] == ["comit"], reply
+    assert _digest(t) == (t["committed"], t["digest"])
+    client.push_dense("x", np.ones(16_000, np.float32))  # the real next batch still replicates
+    digests_agree(c)
+
+
+def test_a_cut_or_oversized_peer_frame_is_dropped_and_changes_nothing(cluster) -> None:
+    """The peer traffic of the data port (a repl_multi frame signed as the primary, with a +1000
+    batch) cut inside its header, its meta, its payload and its MAC, then the connection
+    closed; and frames whose header claims a meta or a payload past the limits: nothing
+    applied, no internal error, no wait for bytes that never come, the port serving."""
+    c, client, layout = cluster
+    t = _target(c, layout)
+    plus = np.full(SHARD, 1000.0, np.float32)
+    items = [{"op": "repl_prepare", **_forged_prepare(t, plus), "commit": t["committed"] + 1}]
+    frame = signed_frame(c, t["primary"], t["secondary_id"], items)
+    header = 20
+    for cut in (3, header - 1, header + 5, len(frame) // 2, len(frame) - 5):
+        t0 = time.monotonic()
+        with socket.create_connection(("127.0.0.1", t["data_port"]), timeout=10) as s:
+            s.sendall(frame[:cut])
+            s.shutdown(socket.SHUT_WR)
+            try:
+                kind, reply = read_frame(s)
+                assert kind == ERROR and reply["error"]["code"] != "internal", (cut, reply)
+            except ConnectionError:
+                pass  # closed without an answer: the frame never came whole
+        assert time.monotonic() - t0 < 5, cut
+    for meta_len, payload_len in ((1 << 31, 0), (64, 1 << 62)):
+        bad = frame_header(REQUEST, meta_len, payload_len)
+        with socket.create_connection(("127.0.0.1", t["data_port"]), timeout=10) as s:
+            s.sendall(bad + frame[header : header + 64])
+            kind, reply = read_frame(s)
+        assert kind == ERROR and reply["error"]["code"] == "too_large", reply
     assert _digest(t) == (t["committed"], t["digest"])
     client.push_dense("x", np.ones(16_000, np.float32))  # the real next batch still replicates
     digests_agree(c)

@@ -31,7 +31,7 @@ from adamps.server.store.store import Store
 from adamps.server.store.tables.rowtables import RowShardState
 from adamps.server.store.tickets import owner_future
 from adamps.server.writepath import WritePath
-from adamps.wire.protocol import ProtocolError, require
+from adamps.wire.protocol import ProtocolError, only_fields, require
 
 #: longest write hold a consistent checkpoint may ask for (seconds)
 MAX_HOLD = 30.0
@@ -40,6 +40,11 @@ CUT_TTL = 600.0
 #: bytes of an install from which its values are bounded on a worker thread, not the loop
 #: (min and max over 1 MiB: about 0.5 ms here; a 128 MiB request held the loop ~100 ms)
 CHECK_OFF_LOOP = 1 << 20
+#: the fields of a ckpt_install's entries: a shard's values, accumulator and version; a row
+#: shard's block and version (docs/protocol-ps.md, "Checkpoints")
+SHARD_FIELDS = ("v", "a", "n")
+ROW_FIELDS = ("b", "n")
+OP = "ckpt_install"
 
 
 class CheckpointOps:
@@ -240,6 +245,8 @@ class CheckpointOps:
         for sid, rec in shards.items():
             if not isinstance(sid, str) or not isinstance(rec, dict):
                 raise ProtocolError("bad_request", "'shards' maps shard ids to {v, a}")
+            # an accumulator misspelled ("acc") was ignored: the shard restored without it
+            only_fields(rec, f"op 'ckpt_install': shard {sid[:130]!r}", SHARD_FIELDS, op=OP)
             st = self.store.shard(sid)
             if self.store.layout.bucket_of[sid] != b:
                 raise ProtocolError("bad_request", f"shard {sid} is not in bucket {b}")
@@ -252,6 +259,7 @@ class CheckpointOps:
         for sid, rec in rows.items():
             if not isinstance(sid, str) or not isinstance(rec, dict):
                 raise ProtocolError("bad_request", "'rows' maps row shard ids to {b: bytes}")
+            only_fields(rec, f"op 'ckpt_install': row shard {sid[:130]!r}", ROW_FIELDS, op=OP)
             data = install.block_bytes(sid, rec.get("b"))
             st = self.store.tables.shard(sid)
             if not isinstance(st, RowShardState) or st.bucket != b:

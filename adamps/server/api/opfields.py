@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from adamps.server.storage.catalog import CREATE_FIELDS
 from adamps.wire.protocol import ENVELOPE, check_message, only_fields
 
 #: the exactly-once pair of a write (docs/protocol-ps.md, "Clients of a replicated cluster", 5)
@@ -23,7 +24,7 @@ _PAIR = ("client", "seq")
 RPC_FIELDS: dict[str, frozenset[str]] = {
     k: frozenset(v)
     for k, v in {
-        "create": ("name", "shape", "init", "optimizer"),
+        "create": CREATE_FIELDS,
         "create_tensors": ("tensors",),
         "pull": ("tensors", "shards"),
         "push_dense": ("tensor", "delta", "shards", "hyper", *_PAIR),

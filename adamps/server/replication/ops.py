@@ -14,7 +14,7 @@ import numpy as np
 from adamps.core.replication import copies as repl_copies
 from adamps.server.replication import bucket_copy
 from adamps.server.replication.check import checked_message
-from adamps.server.replication.wire import MULTI_OPS, REPL_OPS, multi_results
+from adamps.server.replication.wire import MULTI_OPS, REPL_OPS, check_repl_fields, multi_results
 from adamps.wire.protocol import require
 
 
@@ -67,6 +67,7 @@ class PeerOps:
         """A consistent copy of a bucket for a joining copy: the core makes the joiner a learner
         and gives the position; the reads are queued in the same loop step, so the values match
         the position exactly (every later round waits for the joiner)."""
+        check_repl_fields("repl_snapshot", msg)
         b = require(msg, "bucket", int)
         joiner = require(msg, "joiner", str)
         join = require(msg, "join", int, default=0)
@@ -76,6 +77,7 @@ class PeerOps:
         return snap
 
     async def op_digest(self, msg: dict[str, Any]) -> dict[str, Any]:
+        check_repl_fields("digest", msg)
         b = require(msg, "bucket", int)
         digest = await bucket_copy.digest(self.repl.store, b)
         return {"bucket": b, "digest": digest, **repl_copies.position(self.repl.core, b)}

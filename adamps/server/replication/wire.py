@@ -20,12 +20,30 @@ from adamps.core.replication.ready import Answer
 from adamps.server.decode import Checked
 from adamps.server.store import checksum
 from adamps.server.store.shards import StoreError
-from adamps.wire.protocol import ProtocolError, require
+from adamps.wire.protocol import ENVELOPE, ProtocolError, only_fields, require
 
 #: replication ops served on /rpc (peer traffic: cluster token required like every mutating call)
 REPL_OPS = ("repl_prepare", "repl_commit", "repl_ping", "repl_multi", "repl_snapshot", "digest")
 #: the ops that may travel inside a repl_multi message
 MULTI_OPS = ("repl_prepare", "repl_commit", "repl_ping")
+#: the fields of each replication op (beside the envelope's), and of a PREPARE's batches: a
+#: peer's message is held to them like a client's (docs/protocol-ps.md, "Unknown fields are
+#: refused"). A repl_multi frame's meta is its message, with the frame MAC's `peer` and `mac`.
+REPL_FIELDS: dict[str, frozenset[str]] = {
+    "repl_prepare": frozenset({"bucket", "sender", "epoch", "entries", "commit"}),
+    "repl_commit": frozenset({"bucket", "sender", "epoch", "seq"}),
+    "repl_ping": frozenset({"sender", "buckets"}),
+    "repl_multi": frozenset({"items", "peer", "mac"}),
+    "repl_snapshot": frozenset({"bucket", "joiner", "join"}),
+    "digest": frozenset({"bucket"}),
+}
+BATCH_FIELDS = frozenset({"seq", "epoch", "updates", "clients", "x"})
+
+
+def check_repl_fields(op: str, msg: dict[str, Any]) -> None:
+    """Refuses a replication message naming a field its op does not take (400 bad_request
+    naming it): each op's handler calls it first, on /rpc and in a repl_multi alike."""
+    only_fields(msg, f"op {op!r}", REPL_FIELDS[op] | ENVELOPE, op=op)
 
 
 async def multi_results(
@@ -39,6 +57,7 @@ async def multi_results(
     stepped in order by `step`, all inside one `batch` that never awaits (their Ready carried
     out once: Carrier.batch, issue 36); one result each ({"ok": reply} or {"error": ...}), so
     that one refused or failing message fails alone."""
+    check_repl_fields("repl_multi", msg)
     items = require(msg, "items", list)
     results: list[dict[str, Any] | None] = [None] * len(items)
     checked: list[tuple[int, Any]] = []
@@ -268,6 +287,7 @@ def message_from_wire(
     """A peer's repl_prepare, repl_commit or repl_ping as the replication core steps it: every
     field checked (ProtocolError bad_request), a PREPARE's batches decoded (`decode(bucket)`:
     the decoder of that bucket's updates, or None to keep them as maps)."""
+    check_repl_fields(op, msg)
     if op == "repl_ping":
         sender = require(msg, "sender", str)
         pinged = require(msg, "buckets", dict)
@@ -286,6 +306,8 @@ def message_from_wire(
     raw = require(msg, "entries", list)
     if not all(isinstance(e, dict) for e in raw):
         raise ProtocolError("bad_request", "field 'entries' must be a list of batches")
+    for e in raw:  # a peer's batches (not those read back from this server's own disk)
+        only_fields(e, "op 'repl_prepare': a batch of 'entries'", BATCH_FIELDS, op=op)
     dec = None if decode is None else decode(b)
     entries = [batch_from_wire(e, dec) for e in raw]
     sender, epoch = require(msg, "sender", str), require(msg, "epoch", int)

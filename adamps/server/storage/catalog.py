@@ -22,12 +22,14 @@ from adamps.server.store.store import Store
 from adamps.server.updates import bounds
 from adamps.server.updates.optim import OptimError, Optimizer, initial_state
 from adamps.wire import limits
-from adamps.wire.protocol import ProtocolError, require
+from adamps.wire.protocol import ProtocolError, only_fields, require
 
 log = logging.getLogger("adamps.server.api.app")
 
 #: most definitions one ``create_tensors`` takes (a restore sends more in several calls)
 MAX_CREATE_TENSORS = 1024
+#: the fields of a definition: `create`'s, and each entry of `create_tensors`' list
+CREATE_FIELDS = ("name", "shape", "init", "optimizer")
 
 
 class TensorCatalog:
@@ -236,6 +238,8 @@ class TensorCatalog:
         for i, d in enumerate(raw):
             if not isinstance(d, dict):
                 raise ProtocolError("bad_request", f"tensors[{i}] must be a map of create's fields")
+            # a misspelled field (`optimiser`) was ignored: the tensor made with the defaults
+            only_fields(d, f"op 'create_tensors': tensors[{i}]", CREATE_FIELDS, op="create_tensors")
             try:
                 c = self.check(d)
             except ProtocolError as exc:
