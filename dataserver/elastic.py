@@ -34,6 +34,12 @@ from dataserver.slices import Grant, SliceTable
 RUN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 MAX_RUNS = 1024  #: run tables one server keeps (a bound on memory from hostile run names)
 MAX_EPOCHS = 1 << 20
+#: the fields of each op (beside the envelope's): any other is refused, not ignored
+FIELDS: dict[str, frozenset[str]] = {
+    "lease": frozenset({"run", "replica", "epochs", "epoch_fraction", "seq"}),
+    "complete": frozenset({"run", "replica", "epoch", "slice"}),
+    "heartbeat": frozenset({"run", "replica"}),
+}
 
 
 class ElasticMetrics:
@@ -197,6 +203,7 @@ class ElasticRuns:
         async def handle(request: web.Request) -> web.Response:
             caller = await self.caller(request)
             msg = await adamps_web.read_message(request, {op})
+            protocol.only_fields(msg, f"op {op!r}", FIELDS[op] | protocol.ENVELOPE, op=op)
             if caller is not None and msg.get("run") != caller:
                 raise ProtocolError(
                     "forbidden",

@@ -41,6 +41,10 @@ from dataserver.sources import Dataset
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "test")
+#: the fields of a stream request (beside the envelope's): any other is refused, not ignored
+STREAM_FIELDS = frozenset(
+    {"replica", "n_replicas", "epoch", "batch_size", "split", "start", "stop", "fingerprint"}
+)
 #: a stream's batch frames are written in runs of about this many bytes: one aiohttp write per
 #: 8-image batch (25 KB) cost more than encoding it (issue 27's profile of a training cluster)
 WRITE_BYTES = 128 << 10
@@ -268,6 +272,8 @@ class DataServer:
 
     def parse_stream(self, msg: dict[str, Any]) -> StreamRequest:
         """Validates a stream request; every problem is a bad_request naming the field."""
+        # a misspelled `strat` streamed from position 0, silently repeating what was trained
+        protocol.only_fields(msg, "op 'stream'", STREAM_FIELDS | protocol.ENVELOPE, op="stream")
         n_replicas = protocol.require(msg, "n_replicas", int)
         if not 1 <= n_replicas <= MAX_REPLICAS:
             raise ProtocolError(
