@@ -9,6 +9,14 @@ such shards are flagged ``rows_aligned = False``.
 
 Shards are hashed with a stable hash (blake2b of the shard id, never Python's salted ``hash``) into
 a fixed number of buckets, so every process derives the same buckets. Pure code: no IO, no clock.
+
+Placement groups (tensor fusion placed like Redis Cluster's hash tags): a tensor named
+``PREFIX{TAG}REST`` belongs to group ``PREFIX{TAG}``, and every shard of every tensor of that
+group is hashed by the group's name, so the group shares one bucket (and one owner thread on its
+servers). A small model's tensors packed into few groups (:func:`pack_groups`, which
+``adamps.torch`` applies) make a push round a few bucket rounds of two-phase commit instead of
+one per tensor. The group is part of the name, so every role derives the bucket from the shard
+id alone; a name without braces is placed exactly as before groups existed.
 """
 
 from __future__ import annotations
@@ -26,7 +34,12 @@ import numpy as np
 MAX_SHARD_ELEMS = 262_144  # 1 MB of float32 (Adam 3.3.1)
 DEFAULT_BUCKETS = 64
 
-_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}(@[A-Za-z0-9_.\-]{1,64})?")  # fullmatch, not "$"
+#: a tensor name: an optional placement group "PREFIX{TAG}" (the tag without '.', so that a run's
+#: ".." stays unambiguous), then 1-128 characters; a vector's "@v" after it. Fullmatch, not "$".
+_NAME_RE = re.compile(
+    r"(?:[A-Za-z0-9_.\-]{0,128}\{[A-Za-z0-9_\-]{1,32}\})?"
+    r"[A-Za-z0-9_.\-]{1,128}(@[A-Za-z0-9_.\-]{1,64})?"
+)
 #: separates a tensor's name from the name of a vector stored beside it: tensor "w@g" is vector
 #: "g" of tensor "w" (Sandblaster, adamps/server/api/vecops.py), placed shard by shard with "w"
 VECTOR_SEP = "@"
@@ -43,9 +56,15 @@ class TensorSpec:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
+        if (
+            not isinstance(self.name, str)
+            or not _NAME_RE.fullmatch(self.name)
+            or len(ungrouped(self.name).partition(VECTOR_SEP)[0]) > 128  # as without a group
+        ):
             raise LayoutError(
-                f"tensor name {self.name!r} must be 1-128 characters of letters, digits, '_', '.', '-'"
+                f"tensor name {self.name!r:.300} must be 1-128 characters of letters, digits, "
+                "'_', '.', '-', optionally after a placement group 'PREFIX{TAG}' (TAG: 1-32 "
+                "letters, digits, '_', '-')"
             )
         shape = tuple(self.shape)
         if not shape or not all(isinstance(s, int) and s > 0 for s in shape):
@@ -114,32 +133,101 @@ def parse_shard_id(sid: str) -> tuple[str, int]:
 _PARTITION_RE = re.compile(r"-p([0-9]+)of([0-9]+)\.[^/]*/[0-9]+\Z")
 
 
-def placement_key(sid: str) -> str:
-    """What a shard id is hashed by: itself, except that a vector's shard "w@v/i" goes with the
-    base tensor's shard "w/i" (same bucket, same owner thread), so that vector operations are
-    local to one thread of one server."""
+def _vector_base(sid: str) -> str:
+    """A vector's shard "w@v/i" stands for the base tensor's shard "w/i"."""
     tensor, sep, rest = sid.partition(VECTOR_SEP)
     if not sep:
         return sid
     return tensor + rest[rest.rfind("/") :] if "/" in rest else tensor
 
 
+def group_of(name: str) -> str | None:
+    """The placement group of a tensor name or shard id ("PREFIX{TAG}"), None without one."""
+    close = name.find("}")
+    if close < 0:
+        return None
+    opened = name.rfind("{", 0, close)
+    return name[: close + 1] if opened >= 0 else None
+
+
+def ungrouped(name: str) -> str:
+    """`name` without its group's tag: "run..{0}fc.weight" -> "run..fc.weight"."""
+    group = group_of(name)
+    if group is None:
+        return name
+    return group[: group.rfind("{")] + name[len(group) :]
+
+
+def grouped(name: str, tag: str, prefix_len: int = 0) -> str:
+    """`name` with the group tag `tag` inserted after its first `prefix_len` characters (a
+    run's namespace "RUN..", whose tensors the group then stays within)."""
+    return f"{name[:prefix_len]}{{{tag}}}{name[prefix_len:]}"
+
+
+def placement_key(sid: str) -> str:
+    """What a shard id is hashed by: itself, except that a vector's shard "w@v/i" goes with the
+    base tensor's shard "w/i" (same bucket, same owner thread), so that vector operations are
+    local to one thread of one server; and a shard of a grouped tensor ("P{T}w/i", also as a
+    vector's base) is hashed by its group "P{T}", so that the group shares one bucket."""
+    key = _vector_base(sid)
+    group = group_of(key)
+    return key if group is None else group
+
+
 def stable_bucket(key: str, n_buckets: int) -> int:
     """The bucket of a shard id: the same in every process, Python version and machine.
 
-    A vector's shard goes with its base tensor's shard (`placement_key`). The shards of a model
-    partition's tensors (``<layer>-p<k>of<K>.<w|b>``) go to buckets congruent to k modulo K, so
-    each partition of a replica has buckets of its own (Adam 4.4.2: a machine talks only to its
-    partition's parameter-server shards); with fewer buckets than partitions they hash like any
-    other shard."""
+    A vector's shard goes with its base tensor's shard, a grouped tensor's shard with its group
+    (`placement_key`). The shards of a model partition's tensors (``<layer>-p<k>of<K>.<w|b>``)
+    go to buckets congruent to k modulo K, so each partition of a replica has buckets of its own
+    (Adam 4.4.2: a machine talks only to its partition's parameter-server shards); with fewer
+    buckets than partitions they hash like any other shard. A group within one partition stays
+    in one of its buckets (the partition from the name, the hash from the group)."""
+    base = _vector_base(key)
     key = placement_key(key)
     h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-    m = _PARTITION_RE.search(key)
+    m = _PARTITION_RE.search(base)
     if m is not None:
         k, parts = int(m[1]), int(m[2])
         if 0 <= k < parts <= n_buckets:
             return k + parts * (h % (n_buckets // parts))
     return h % n_buckets
+
+
+def pack_groups(
+    sizes: Sequence[int],
+    max_elems: int = MAX_SHARD_ELEMS,
+    tensors: Sequence[int] | None = None,
+) -> list[int | None]:
+    """Placement groups for tensors of `sizes` (elements, in model order): each tensor's group
+    number, or None to leave it ungrouped. Deterministic from the sizes and their order alone,
+    so every replica (restarted, resumed) derives the same groups.
+
+    First fit in order: a tensor of at most `max_elems` (one shard) joins the first group with
+    room for it, else opens the next, so no group holds more than one shard's elements (a
+    bucket's load stays what one shard is today). Larger tensors span several shards, already
+    spread over buckets: they stay ungrouped, as does a group of one tensor (alone it gains
+    nothing and would only change its name). `tensors`: how many tensors each item is (the
+    numpy engine packs layers, a weight and a bias each); default one."""
+    room: list[int] = []
+    group: list[int | None] = []
+    for n in sizes:
+        if n > max_elems:
+            group.append(None)
+            continue
+        g = next((i for i, r in enumerate(room) if r >= n), len(room))
+        if g == len(room):
+            room.append(max_elems)
+        room[g] -= n
+        group.append(g)
+    counts = [1] * len(sizes) if tensors is None else list(tensors)
+    members = [0] * len(room)
+    for g, c in zip(group, counts, strict=True):
+        if g is not None:
+            members[g] += c
+    kept = [g for g in range(len(room)) if members[g] > 1]
+    renumber = {g: i for i, g in enumerate(kept)}
+    return [renumber.get(g) if g is not None else None for g in group]
 
 
 def split_tensor(spec: TensorSpec, max_elems: int = MAX_SHARD_ELEMS) -> list[Shard]:

@@ -70,7 +70,7 @@ from trainer.fetcher import Fetcher
 from trainer.hogwild import Hogwild
 from trainer.loop import Loop
 from trainer.metrics import TrainerMetrics
-from trainer.model import Model, in_namespace, resolve_spec
+from trainer.model import Model, fuse_layers, in_namespace, resolve_spec
 from trainer.packing import PackPlan, add_pending, collect_round, downpour_worker_factory
 from trainer.push_queue import PushQueue
 from trainer.pusher import Pusher
@@ -120,6 +120,8 @@ class Replica:
         # A run's tensors live in its namespace (issue 25): "<run>..<layer>.<w|b>" on the
         # servers and in the layout, so runs with the same layer names never share a tensor.
         self.spec = in_namespace(resolve_spec(cfg.model), cfg.run)
+        if cfg.fuse_tensors:  # small layers in placement groups: few buckets a round
+            self.spec = fuse_layers(self.spec, cfg.run)
         self.model = Model(self.spec)  # evaluation model and the layout's source
         self.registry = registry if registry is not None else am.new_registry()
         self.m = TrainerMetrics(self.registry)

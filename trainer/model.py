@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from typing import Any
 
 import numpy as np
 
+from adamps.layout import grouped, pack_groups
 from trainer.layers import Dense, Layer, SoftmaxCrossEntropy, make_layer
 
 ADAM_MNIST: dict[str, Any] = {
@@ -87,6 +89,30 @@ def in_namespace(spec: dict[str, Any], run: str) -> dict[str, Any]:
 def tensor_layout(spec: str | dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """The ordered (name, shape) list of a model's float32 tensors, without allocating them."""
     return Model(spec, params=np.empty(0, np.float32), _layout_only=True).tensors()
+
+
+def fuse_layers(spec: dict[str, Any], run: str = "") -> dict[str, Any]:
+    """`spec` (already in run `run`'s namespace) with its small layers in placement groups
+    (``--fuse-tensors``): the code that packs adamps.torch's parameters (adamps/layout.py
+    ``pack_groups``), applied to each layer's elements (weights and bias together) in the
+    model's order, so a layer "RUN..conv1" of group 0 is "RUN..{0}conv1" and its tensors
+    "RUN..{0}conv1.w" and ".b" share one bucket with the rest of the group."""
+    sizes: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    for name, shape in tensor_layout(spec):
+        layer = name.rsplit(".", 1)[0]
+        sizes[layer] = sizes.get(layer, 0) + math.prod(shape)
+        counts[layer] = counts.get(layer, 0) + 1
+    packed = pack_groups(list(sizes.values()), tensors=list(counts.values()))
+    groups = dict(zip(sizes, packed, strict=True))
+    ns = len(run) + 2 if run else 0  # after "RUN..": a group stays within its run
+    layers = [
+        {**layer, "name": grouped(layer["name"], str(g), ns)}
+        if (g := groups.get(layer["name"])) is not None
+        else layer
+        for layer in spec["layers"]
+    ]
+    return {**spec, "layers": layers}
 
 
 class Model:

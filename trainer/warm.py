@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from adamps.checkpoint.save_restore import CheckpointError, load
+from adamps.layout import ungrouped
 
 
 class InitError(ValueError):
@@ -81,7 +82,9 @@ def initial_state(
 
 
 def _bare(name: str) -> str:
-    """`name` without a run's namespace ("exp1..fc1.w" -> "fc1.w"; issue 25)."""
+    """`name` without a run's namespace ("exp1..fc1.w" -> "fc1.w"; issue 25) or a placement
+    group's tag ("exp1..{0}fc1.w" -> "fc1.w"; adamps/layout.py)."""
+    name = ungrouped(name)
     return name.split("..", 1)[1] if ".." in name else name
 
 

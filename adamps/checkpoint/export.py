@@ -11,7 +11,8 @@ bucket by bucket (adamps/checkpoint/table_files.py: never the whole table in mem
 The file holds each tensor's float32 values under its name (accumulators and embedding rows
 stay in the checkpoint): what ``adamps train --init`` and ``numpy.load`` /
 ``safetensors.numpy.load_file`` read. ``--format torch`` writes a PyTorch ``state_dict``
-(``torch.save``) under the parameters' own names, the run prefix removed (``--run`` picks the
+(``torch.save``) under the parameters' own names, the run prefix and a placement group's tag
+(``RUN..{0}fc.weight``: adamps/layout.py) removed (``--run`` picks the
 run when the checkpoint holds several): ``model.load_state_dict(torch.load(FILE))``."""
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ weights. ``nn.Linear`` weights push activation/error rows captured by hooks: the
 gradient of the loss, so give ``act_err=False`` when the loop changes gradients before
 ``step()`` (clipping, weight decay added to ``.grad``); every other parameter pushes ``.grad``.
 
+The model's small parameters go to the servers in placement groups (``fuse=True``, the default;
+adamps/torch/params.py): a small model's push round touches a few buckets. A run created before
+groups existed keeps its plain names (``RemoteModel.adopt_plain_names``).
+
 Buffers (BatchNorm's running statistics) are not parameters: they stay in each replica's model
 and are trained by its own forward passes; ``server_state_dict()`` of replica 0 is what the CLI
 exports.
@@ -53,6 +57,7 @@ class Connection:
         http_only: bool = False,
         named_parameters: Iterable[tuple[str, Any]] | None = None,
         specs: Mapping[str, Mapping[str, Any]] | None = None,
+        fuse: bool = True,
     ) -> None:
         # not given: from `adamps launch`'s environment or the cluster file (launch_env.py)
         controllers, run, token = launch_env.connection_defaults(controllers, ps, run, token)
@@ -60,13 +65,18 @@ class Connection:
         #: the model's adamps Embedding / EmbeddingBag modules (rows on the servers' tables)
         self.tables = row_tables(model)
         self.params: list[Param] = model_params(
-            model, run, named_parameters, allow_empty=bool(self.tables)
+            model, run, named_parameters, allow_empty=bool(self.tables), fuse=fuse
         )
         self.optimizer = optimizer_spec(optimizer, lr, adagrad_initial, optimizer_args)
         self.remote = RemoteModel(
             self.params, controllers=list(controllers), ps=list(ps), token=token,
             http_only=http_only,
         )  # fmt: skip
+        try:
+            self.params = self.remote.adopt_plain_names()
+        except BaseException:
+            self.remote.close()
+            raise
         self.remote.lr = float(self.optimizer["lr"])
         # `specs`: parameter name -> its param group's optimizer (server_optim.py)
         per = {p.tensor: specs[p.name] for p in self.params} if specs else {}

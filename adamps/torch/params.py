@@ -6,6 +6,15 @@ runs on the same servers never share a tensor by accident. The separator ``..`` 
 PyTorch parameter name (its parts are non-empty module and attribute names joined by single
 dots), so the name splits back unambiguously at its last ``..`` whatever the run's name.
 
+With ``fuse`` (what ``Connection`` asks), the model's small parameters are packed into
+placement groups of at most one shard's elements (adamps/layout.py ``pack_groups``, first fit in
+the parameters' order, so every replica and every restart derives the same names): a grouped
+parameter's tensor is ``<run>..{<group>}<parameter name>`` (``default..{0}fc1.bias``), and all
+tensors of a group share one bucket, so a small model's push round is a few bucket rounds, not
+one per parameter (Horovod's tensor fusion, placed like Redis Cluster's hash tags). A parameter
+larger than a shard keeps its plain name. :func:`split_name` gives back the parameter's own name
+(the export and the state_dict files show it, tag removed).
+
 Every problem is found here, before anything is created on the servers: a parameter whose dtype
 float32 does not hold exactly (the servers hold float32: float32, bfloat16 and float16 train), one
 on the meta device (no values), two parameters under one name, a name the layout refuses. Any
@@ -22,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from adamps.layout import LayoutError, TensorSpec
+from adamps.layout import LayoutError, TensorSpec, grouped, pack_groups, ungrouped
 from adamps.torch.staging import PARAM_DTYPES
 
 SEP = ".."
@@ -64,8 +73,10 @@ def tensor_name(run: str | None, param: str) -> str:
 
 
 def split_name(tensor: str) -> tuple[str, str]:
-    """(run, parameter name) of a tensor named by :func:`tensor_name`."""
+    """(run, parameter name) of a tensor named by :func:`tensor_name` (a placement group's tag,
+    ``RUN..{G}PARAM``, removed)."""
     run, sep, param = tensor.rpartition(SEP)
+    param = ungrouped(param)
     if not sep or not run or not param or param.startswith("."):
         raise ValueError(f"{tensor!r} is not a run's tensor name (RUN..PARAM)")
     # 'a...b' is run 'a.' and param 'b': a parameter never starts with '.'
@@ -77,9 +88,11 @@ def model_params(
     run: str | None = None,
     named: Iterable[tuple[str, Any]] | None = None,
     allow_empty: bool = False,
+    fuse: bool = False,
 ) -> list[Param]:
     """The server tensors of `model` (``named_parameters()``, or the pairs `named`), checked.
-    `allow_empty`: a model of embedding tables only (adamps.torch.Embedding) has none."""
+    `allow_empty`: a model of embedding tables only (adamps.torch.Embedding) has none.
+    `fuse`: small parameters in placement groups (module docstring)."""
     if not isinstance(model, nn.Module):
         raise ModelError(f"expected a torch.nn.Module, got {type(model).__name__}: {model!r:.80}")
     run = run_name(run)
@@ -107,6 +120,10 @@ def model_params(
                 "real device (model.to_empty(device=...) and initialise it) first"
             )
         t = tensor_name(run, name)
+        if "{" in name or "}" in name:  # a brace would read as a placement group
+            raise ModelError(
+                f"parameter {name!r}: a name of letters, digits, '_', '.', '-' is expected"
+            )
         if t in seen:
             raise ModelError(f"two parameters are named {name!r}: names must be unique")
         seen[t] = name
@@ -115,6 +132,13 @@ def model_params(
         except LayoutError as exc:
             raise ModelError(f"parameter {name!r}: {exc}") from None
         out.append(Param(name, t, p))
+    if fuse:
+        groups = pack_groups([max(1, p.param.numel()) for p in out])
+        ns = len(tensor_name(run, ""))
+        out = [
+            p if g is None else Param(p.name, grouped(p.tensor, str(g), ns), p.param)
+            for p, g in zip(out, groups, strict=True)
+        ]
     return out
 
 

@@ -8,6 +8,8 @@ Creation is all or nothing from the model's side: every server is asked which te
 (``list``) before anything is created, and a tensor of this run that exists with another shape
 stops the run with its name and both shapes, having created nothing. Tensors that exist with the
 right shape are a run being resumed (a restarted replica 0): they are kept, not re-initialised.
+A run created before placement groups (adamps/torch/params.py) holds its parameters under their
+plain names: ``adopt_plain_names`` finds them and keeps them (that run stays ungrouped).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from adamps.client import (
     routing_from_table,
 )
 from adamps.client.rpc import RpcError, SyncRpc, get_json
-from adamps.layout import Layout
+from adamps.layout import Layout, TensorSpec, group_of, ungrouped
 from adamps.optspec import KINDS, OptimError, Optimizer, spec_of
 from adamps.torch.params import ModelError, Param
 from adamps.torch.staging import HostStage
@@ -118,8 +120,9 @@ class RemoteModel:
 
     # -- definition ------------------------------------------------------------------------------
 
-    def existing(self) -> dict[str, tuple[int, ...]]:
-        """The shapes of this model's tensors that some server already holds."""
+    def existing(self, names: set[str] | None = None) -> dict[str, tuple[int, ...]]:
+        """The shapes of this model's tensors (or of `names`) that some server already holds."""
+        names = set(self.by_tensor) if names is None else names
         found: dict[str, tuple[int, ...]] = {}
         for url in self.client.routing(refresh=True).servers():
             rpc = SyncRpc(url, self.client.token, self.client.timeout)
@@ -128,9 +131,28 @@ class RemoteModel:
             finally:
                 rpc.close()
             for t in tensors:
-                if t["name"] in self.by_tensor:
+                if t["name"] in names:
                     found[t["name"]] = tuple(t["shape"])
         return found
+
+    def adopt_plain_names(self) -> list[Param]:
+        """The model's params, renamed to their plain names (no placement group) when the
+        servers hold this run's parameters under those and none under the grouped ones: a run
+        created before placement groups existed, resumed by this version, keeps its tensors
+        (and their buckets, checkpoints and optimizer state) instead of starting new ones."""
+        if not any(group_of(p.tensor) for p in self.params):
+            return self.params
+        plain = {ungrouped(p.tensor) for p in self.params}
+        found = self.existing(plain | set(self.by_tensor))
+        if any(t in found for t in self.by_tensor) or not plain & set(found):
+            return self.params
+        log.info("this run's tensors exist under their plain names: kept, not grouped")
+        self.params = [Param(p.name, ungrouped(p.tensor), p.param) for p in self.params]
+        self.by_tensor = {p.tensor: p for p in self.params}
+        specs = [TensorSpec(p.tensor, server_shape(p)) for p in self.params]
+        self.layout = Layout(specs, self.layout.n_buckets, self.layout.max_shard_elems)
+        self.client.layout = self.layout
+        return self.params
 
     def check(self) -> dict[str, tuple[int, ...]]:
         """Raises ModelError naming every tensor held on the servers with another shape."""

@@ -53,6 +53,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from adamps.layout import ungrouped
 from adamps.optspec import FIELDS, OptimError, Optimizer
 from adamps.torch.downpour import PushCounts, replica_stats
 from adamps.torch.optimizer import Connection
@@ -130,7 +131,8 @@ class ServerOptimizer(torch.optim.Optimizer):
     ``token``: by default from ``adamps launch`` or the cluster file), ``create`` (replica 0's
     job), ``act_err``, ``http_only``, Downpour's ``n_push``/``n_fetch``/``local_lr``,
     ``compress`` and ``staleness`` ("auto": a push's lr divided by 1 + its measured staleness,
-    except plain SGD's, adamps/core/staleness.py; "off") (docs/training.md)."""
+    except plain SGD's, adamps/core/staleness.py; "off"), ``fuse`` (small parameters in
+    placement groups, the default; adamps/torch/params.py) (docs/training.md)."""
 
     #: the servers' optimizer (adamps.optspec's kinds: torch.optim's names)
     kind: ClassVar[str] = "sgd"
@@ -154,6 +156,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         local_lr: float | None = None,
         compress: Any = False,
         staleness: str = "auto",
+        fuse: bool = True,
         **hyper: Any,
     ) -> None:
         if isinstance(params, nn.Module):
@@ -197,6 +200,7 @@ class ServerOptimizer(torch.optim.Optimizer):
             model, controllers=controllers, ps=ps, run=run, token=token, lr=first["lr"],
             optimizer=self.kind, optimizer_args=_args(self.kind, first), create=create,
             act_err=act_err, http_only=http_only, named_parameters=named, specs=specs,
+            fuse=fuse,
         )  # fmt: skip
         self.model = model
         self._tensor = {id(p.param): p.tensor for p in self.conn.params}
@@ -323,7 +327,10 @@ class ServerOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"a state_dict of a {extra.get('kind')!r} optimizer, not {self.kind!r}"
             )
-        if list(extra.get("tensors", [])) != self.tensors():
+        # compared without placement groups: the same parameters of a run made before groups
+        if [ungrouped(t) for t in extra.get("tensors", [])] != [
+            ungrouped(t) for t in self.tensors()
+        ]:
             raise ValueError(
                 f"the state_dict is of the server tensors {list(extra.get('tensors', []))[:4]}..., "
                 f"this optimizer's are {self.tensors()[:4]}... (another model or run?)"
@@ -413,7 +420,8 @@ class DownpourOptimizer(ServerOptimizer):
     adagrad, adam, adamw, rmsprop, adagrad_legacy, or the torch.optim class) at ``lr``, its
     other hyperparameters in ``optimizer_args`` (torch's names and defaults); local steps at
     ``local_lr`` (default ``lr``); ``compress``: Strom's compression (True, or Compressor
-    options). One param group: the model's parameters."""
+    options); ``fuse``: small parameters in placement groups (the default). One param group:
+    the model's parameters."""
 
     def __init__(
         self,
@@ -435,6 +443,7 @@ class DownpourOptimizer(ServerOptimizer):
         optimizer_args: Mapping[str, Any] | None = None,
         http_only: bool = False,
         staleness: str = "auto",
+        fuse: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ModelError(
@@ -450,7 +459,7 @@ class DownpourOptimizer(ServerOptimizer):
             _named_params(model), model=model, controllers=controllers, ps=ps, run=run,
             token=token, create=create, act_err=act_err, http_only=http_only, n_push=n_push,
             n_fetch=n_fetch, local_lr=lr if local_lr is None else local_lr, compress=compress,
-            staleness=staleness, lr=lr, **hyper,
+            staleness=staleness, fuse=fuse, lr=lr, **hyper,
         )  # fmt: skip
 
 

@@ -115,6 +115,12 @@ class TrainFlags:
         help="pull and push over HTTP only, even where a parameter server offers its binary "
         "data port (default: the data port where offered, HTTP elsewhere)",
     )
+    fuse_tensors: bool = field(
+        False,
+        help="numpy engine: pack the model's small layers into placement groups of at most "
+        "one shard (tensor fusion: a round touches a few buckets, not one per tensor; names "
+        "RUN..{G}LAYER.w). adamps.torch always packs (fuse=False on its optimizers)",
+    )
     compress: bool = field(
         False,
         help="push Strom's threshold-quantized updates with error feedback (a residual per "

@@ -50,11 +50,11 @@ def test_out_proj_trains_by_its_dense_gradient_as_torch_does(ps_url: str, token:
     opt = at.DownpourOptimizer(model, ps=[ps_url], lr=LR, optimizer="sgd", run="attn",
                                token=token)  # fmt: skip
     # out_proj is an nn.Linear (hooked) whose forward torch never calls
-    assert "attn..attn.out_proj.weight" in opt.conn.capture.layers
+    assert "attn..{0}attn.out_proj.weight" in opt.conn.capture.layers
     for x, y in batches:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
-        assert "attn..attn.out_proj.weight" not in opt.conn.capture._records()
+        assert "attn..{0}attn.out_proj.weight" not in opt.conn.capture._records()
         opt.step()
     server = opt.model_state_dict()
     opt.close()

@@ -118,10 +118,17 @@ def test_launch_two_replicas_against_a_detached_cluster(tmp_path: Path) -> None:
         with urllib.request.urlopen(f"http://{ctl}/layout", timeout=10) as resp:
             layout = json.loads(resp.read())["layout"]
         names = {t["name"] for t in layout["tensors"]}
-        assert names == {"train..0.weight", "train..0.bias", "train..2.weight", "train..2.bias"}
+        assert names == {  # one placement group (docs/training.md)
+            "train..{0}0.weight",
+            "train..{0}0.bias",
+            "train..{0}2.weight",
+            "train..{0}2.bias",
+        }
         one = adamps(env, tmp_path, "status", "--run", "train")
         assert one.returncode == 0, one.stderr
-        assert re.search(r"train\.\.0\.weight\s+32x16\s+1 \(\d+\)\s+ps[01]", one.stdout), one.stdout
+        assert re.search(r"train\.\.\{0\}0\.weight\s+32x16\s+1 \(\d+\)\s+ps[01]", one.stdout), (
+            one.stdout
+        )
         assert "parameter elements 610 (61% of the quota 1000)" in one.stdout, one.stdout
 
         # a run with a table: `status --run` lists it with the buckets its primaries hold
@@ -130,7 +137,7 @@ def test_launch_two_replicas_against_a_detached_cluster(tmp_path: Path) -> None:
         assert emb.returncode == 0, emb.stderr[-3000:]
         tab = adamps(env, tmp_path, "status", "--run", "emb")
         assert re.search(r"emb\.\.items\s+4\s+20\s+\d+ \(", tab.stdout), tab.stdout
-        assert "emb..head.weight" in tab.stdout
+        assert "emb..{0}head.weight" in tab.stdout
 
         out = tmp_path / "model.pt"
         ex = adamps(
@@ -141,7 +148,7 @@ def test_launch_two_replicas_against_a_detached_cluster(tmp_path: Path) -> None:
         ck = adamps(env, tmp_path, "checkpoint", "save", "--to", str(tmp_path / "ck"))
         assert ck.returncode == 0, ck.stderr
         manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
-        assert "train..0.weight" in json.dumps(manifest)
+        assert "train..{0}0.weight" in json.dumps(manifest)  # the server names
 
         # a wrong token: the error says where it came from and where the cluster's token is
         bad = adamps(env, tmp_path, "drain", "ps0", "--token", "f" * 64)

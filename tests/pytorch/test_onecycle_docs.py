@@ -99,7 +99,7 @@ def test_the_docs_onecycle_script_trains_and_resumes(tmp_path: Path) -> None:
         # the lr of each group's last step (index 63) is the one the servers applied last
         want = schedule_lrs(63)
         assert want[0] > 5e-3  # mid-cycle: far from the lr the tensors were created with
-        for tensor, lr in (("train..0.weight", want[0]), ("train..2.bias", want[1])):
+        for tensor, lr in (("train..{0}0.weight", want[0]), ("train..{0}2.bias", want[1])):
             assert_applied(servers_lr(cluster, tensor), lr, tensor)
 
         again = adamps(env, tmp_path, *second, timeout=400)
@@ -111,7 +111,7 @@ def test_the_docs_onecycle_script_trains_and_resumes(tmp_path: Path) -> None:
         accs = dict(re.findall(r"replica (\d) of 2: accuracy (\S+)", again.stdout))
         assert set(accs) == {"0", "1"} and all(float(a) >= 0.9 for a in accs.values()), accs
         want = schedule_lrs(127)
-        for tensor, lr in (("train..0.weight", want[0]), ("train..2.bias", want[1])):
+        for tensor, lr in (("train..{0}0.weight", want[0]), ("train..{0}2.bias", want[1])):
             assert_applied(servers_lr(cluster, tensor), lr, tensor)
     finally:
         stopped = adamps(env, tmp_path, *down, timeout=60)

@@ -56,7 +56,9 @@ def test_hogwild_replica_learns(ps_url: str, token: str, compress: bool) -> None
     # both workers pushed: the servers saw every step's update (pushes from 2 workers)
     assert rep.counts.pushes >= 8 * len(batches(x, y)) // 2 - 2
     state = rep.state_dict()
-    names = [f"{'hog-c' if compress else 'hog'}..{k}" for k in state]
+    tensor = {p.name: p.tensor for p in rep.conn.params}  # "hog..{0}0.weight": one group
+    names = [tensor[k] for k in state]
+    assert names[0] == f"{'hog-c' if compress else 'hog'}..{{0}}0.weight"
     rep.close()  # everything was pushed at the end of fit: nothing changes on the servers
     layout = rep.conn.remote.layout
     client = PSClient(StaticRouting([ps_url], layout.n_buckets), layout, token)

@@ -56,7 +56,7 @@ def test_a_torch_replica_trains_with_its_runs_token_only(tmp_path: Path) -> None
         with urllib.request.urlopen(f"http://{c.servers[0]}/status", timeout=10) as resp:
             tensors = json.loads(resp.read())["tensors"]
         mine = [n for n in tensors if n.startswith("gamma..")]
-        assert mine and "gamma..9.weight" in mine, tensors
+        assert mine and "gamma..{0}9.weight" in mine, tensors
         assert set(tensors) == set(mine), tensors  # nothing outside the run's namespace
     finally:
         c.stop()
