@@ -14,7 +14,7 @@ CPU seconds and wakeups per second, the machine's load average, and last one JSO
 `idle_cluster_cpu_s_per_s`.
 
     python benchmarks/idle.py [--seconds 30] [--settle 10] [--state-mb 16] [--no-dataserver]
-        [--rows N --dim 16] [--keep-open]
+        [--rows N --dim 16] [--keep-open] [--threads]
     python benchmarks/idle.py --scrub-cost 512
 
 `--scrub-cost MB` measures instead what the background scrub costs: it writes MB of shard records
@@ -26,6 +26,10 @@ GiB and how long a pass takes per GiB at the default bounds (docs/operations.md 
 100,000) before it settles: the idle cost of a cluster holding rows, with the default settings
 (the scrub at its default bounds; benchmarks/embeddings.py's idle figure comes from its cluster
 with fast timers: heartbeats and pings every 0.2 s and no scrub).
+
+`--threads` also prints each thread's CPU seconds and wakeups per second, named as the process's
+`/status` names them (its Python thread names: the event loop is MainThread, a controller's Raft
+thread pysyncobj's `_autoTickThread`): where an idle cluster's CPU goes.
 
 `--keep-open` leaves the cluster running after the measurement and prints its pids, so that
 `py-spy record --pid PID --idle` can profile one member (Ctrl-C stops it).
@@ -47,7 +51,7 @@ import numpy as np
 
 from adamps.client import ControllerRouting, PSClient
 from adamps.layout import Layout, TensorSpec
-from adamps.up.cluster import LocalCluster
+from adamps.up.cluster import LocalCluster, http_json
 
 #: clock ticks per second of /proc/PID/stat's utime and stime
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -103,6 +107,68 @@ def wakeups(pid: int) -> int:
         except OSError:
             continue
     return n
+
+
+def thread_stats(pid: int) -> dict[int, tuple[float, int]]:
+    """tid -> (CPU seconds, voluntary context switches) of every thread of `pid`."""
+    out: dict[int, tuple[float, int]] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for t in tasks:
+        try:
+            f = (t / "stat").read_text().rsplit(")", 1)[1].split()
+            vol = next(
+                int(line.split()[1])
+                for line in (t / "status").read_text().splitlines()
+                if line.startswith("voluntary_ctxt_switches:")
+            )
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+        out[int(t.name)] = ((int(f[11]) + int(f[12])) / CLK_TCK, vol)
+    return out
+
+
+def thread_names(c: LocalCluster) -> dict[str, dict[int, str]]:
+    """member -> {tid: Python thread name}, from each member's /status (`threads`)."""
+    addr = {f"controller{i}": a for i, a in enumerate(c.controllers)}
+    addr.update(zip(c.server_ids, c.servers, strict=True))
+    out: dict[str, dict[int, str]] = {}
+    for n, a in addr.items():
+        try:
+            code, st = http_json(f"http://{a}/status", timeout=5.0)
+        except Exception:  # noqa: BLE001 - a name is a label only
+            continue
+        if code == 200 and isinstance(st, dict):
+            out[n] = {int(k): str(v) for k, v in (st.get("threads") or {}).items()}
+    return out
+
+
+def per_thread(
+    c: LocalCluster,
+    before: dict[str, dict[int, tuple[float, int]]],
+    after: dict[str, dict[int, tuple[float, int]]],
+    dt: float,
+) -> dict[str, dict[str, list[float]]]:
+    """member -> thread name -> [CPU-s per s, wakeups per s] (threads of one name summed)."""
+    names = thread_names(c)
+    out: dict[str, dict[str, list[float]]] = {}
+    for n, threads in after.items():
+        mine = out.setdefault(n, {})
+        for tid, (cpu, vol) in threads.items():
+            c0, v0 = before.get(n, {}).get(tid, (0.0, 0))
+            name = names.get(n, {}).get(tid, "MainThread" if tid == c.procs[n].pid else str(tid))
+            got = mine.setdefault(name, [0.0, 0.0])
+            got[0] += (cpu - c0) / dt
+            got[1] += (vol - v0) / dt
+    return {
+        n: {
+            k: [round(v[0], 4), round(v[1], 1)]
+            for k, v in sorted(t.items(), key=lambda x: -x[1][0])
+        }
+        for n, t in out.items()
+    }
 
 
 def sample(cluster: LocalCluster) -> dict[str, dict[int, tuple[float, int]]]:
@@ -184,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=0, help="rows of an embedding table to hold")
     ap.add_argument("--dim", type=int, default=16, help="the table's dim")
     ap.add_argument("--keep-open", action="store_true", help="leave the cluster up after")
+    ap.add_argument("--threads", action="store_true", help="CPU and wakeups per thread too")
     ap.add_argument("--scrub-cost", type=float, default=0.0, metavar="MB", help="see above")
     a = ap.parse_args(argv)
     if a.scrub_cost > 0:
@@ -212,8 +279,11 @@ def main(argv: list[str] | None = None) -> int:
             c.procs["dataserver0"].wait_http(f"http://{ds}/healthz", 120)
         print(f"cluster placed in {time.monotonic() - t0:.1f} s; settling {a.settle:.0f} s")
         time.sleep(a.settle)
+        members = {n: p.pid for n, p in c.procs.items()}
         t1, s1 = time.monotonic(), sample(c)
+        th1 = {n: thread_stats(p) for n, p in members.items()} if a.threads else {}
         time.sleep(a.seconds)
+        th2 = {n: thread_stats(p) for n, p in members.items()} if a.threads else {}
         t2, s2 = time.monotonic(), sample(c)
         dt = t2 - t1
         got = {n: used(s1[n], s2.get(n, {})) for n in s1}
@@ -226,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n:<14}{c.procs[n].pid:>8}{v:>10.4f}{wake[n]:>11.1f}")
         total = sum(per.values())
         print(f"{'total':<22}{total:>10.4f}{sum(wake.values()):>11.1f}   (goal <= 0.03 CPU-s/s)")
+        threads = per_thread(c, th1, th2, dt) if a.threads else {}
+        for n, ts in threads.items():
+            for name, (cpu, w) in ts.items():
+                print(f"  {n:<12}{name:<34}{cpu:>10.4f}{w:>11.1f}")
         out = {
             "idle_cluster_cpu_s_per_s": round(total, 4),
             "idle_cluster_wakeups_per_s": round(sum(wake.values()), 1),
@@ -237,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             "state_mb": a.state_mb,
             "rows": a.rows,
         }
+        if threads:
+            out["threads"] = threads
         if a.keep_open:
             print(json.dumps(out), flush=True)
             print("cluster left up (Ctrl-C stops it):", {n: p.pid for n, p in c.procs.items()})

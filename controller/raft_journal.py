@@ -54,6 +54,8 @@ from pysyncobj.monotonic import monotonic
 from pysyncobj.pickle import dumps, loads, to_bytes
 
 from controller import raft_timing
+from controller.raft_answers import ThinAnswers
+from controller.raft_riding import RidingAppends
 
 log = logging.getLogger("controller.raft")
 
@@ -315,8 +317,15 @@ class DiskJournal(Journal):
             )
 
 
-class GuardedSyncObj(SyncObj):
-    """A SyncObj that stands aside while its `DiskJournal` cannot be written (module doc)."""
+class GuardedSyncObj(ThinAnswers, RidingAppends, SyncObj):
+    """A SyncObj that stands aside while its `DiskJournal` cannot be written (module doc), whose
+    renewal rounds ride the heartbeats (controller/raft_riding.py) and whose followers answer
+    empty heartbeats every other one (controller/raft_answers.py)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._riding_init()  # before the Raft thread starts (in SyncObj.__init__)
+        self._answers_init()
+        super().__init__(*args, **kwargs)
 
     @property
     def journal(self) -> Journal:
@@ -338,6 +347,7 @@ class GuardedSyncObj(SyncObj):
     def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802 - pysyncobj's name
         if self.journal_error() is not None:
             self._stand_aside()
+        self._release_riding()
         # Waits until this node's next deadline, at most timeToWait (controller/raft_timing.py)
         timeToWait = self._tick_wait(timeToWait)  # noqa: N806
         try:
@@ -381,6 +391,7 @@ class GuardedSyncObj(SyncObj):
             if kind == "append_entries" and message.get("term", -1) >= self.raftCurrentTerm:
                 self._SyncObj__raftLeader = node
             return
+        self._note_append(message)
         try:
             super()._SyncObj__onMessageReceived(node, message)  # type: ignore[misc]
         except OSError:

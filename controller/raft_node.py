@@ -156,8 +156,10 @@ class RaftNode:
             "journal": self.journal(),
         }
 
-    async def commit(self, op: str, *args: Any) -> dict[str, Any]:
-        """Proposes `op(*args)` on this node (the leader) and waits for it to commit and apply."""
+    async def commit(self, op: str, *args: Any, ride: bool = False) -> dict[str, Any]:
+        """Proposes `op(*args)` on this node (the leader) and waits for it to commit and apply.
+        `ride`: its entry goes out with the leader's next heartbeat, at most one append period
+        later, not in an append of its own (controller/raft_riding.py: the renewal rounds)."""
         if not self.is_leader():
             raise NotLeader()
         if not self.has_quorum():
@@ -186,7 +188,10 @@ class RaftNode:
             loop.call_soon_threadsafe(settle)
 
         t0 = time.perf_counter()
-        getattr(self.cluster, op)(*args, callback=done)
+        if ride:
+            self.node.ride_next_append(lambda: getattr(self.cluster, op)(*args, callback=done))
+        else:
+            getattr(self.cluster, op)(*args, callback=done)
         try:
             result, err = await asyncio.wait_for(fut, self.cfg.commit_timeout)
         except TimeoutError:

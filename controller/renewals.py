@@ -40,7 +40,9 @@ class RenewalRounds:
             batch, self._waiting = self._waiting, {}
             try:
                 # The clock is read now: after every heartbeat of this round arrived.
-                res = await self.raft.commit("x_renew_round", sorted(batch), time.time())
+                # Its entry rides the next Raft heartbeat (controller/raft_riding.py): no
+                # append of its own, at most one append period later.
+                res = await self.raft.commit("x_renew_round", sorted(batch), time.time(), ride=True)
             except Exception as exc:  # every waiter gets the error (no quorum, not leader)
                 for futs in batch.values():
                     for f in futs:

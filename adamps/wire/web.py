@@ -22,6 +22,7 @@ import logging
 import math
 import resource
 import signal
+import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Collection
@@ -351,11 +352,20 @@ async def _metrics(request: web.Request) -> web.Response:
 async def _status(request: web.Request) -> web.Response:
     status = request.app[STATUS_KEY]
     if status is None:
-        return json_response({})
+        return json_response({"threads": thread_names()})
     result = status()
     if asyncio.iscoroutine(result):
         result = await result
+    if isinstance(result, dict):
+        result.setdefault("threads", thread_names())
     return json_response(result)
+
+
+def thread_names() -> dict[str, str]:
+    """The process's threads, kernel thread id -> Python name: what /proc/PID/task/TID reports
+    about each (its CPU and wake-ups) told apart (benchmarks/idle.py --threads). Python 3.11
+    leaves every thread's kernel name the process's own."""
+    return {str(t.native_id): t.name for t in threading.enumerate() if t.native_id is not None}
 
 
 def make_app(

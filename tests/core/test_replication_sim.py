@@ -648,6 +648,17 @@ class Server:
         if self.can_persist() is not None:
             return  # a full disk takes no cut (the heartbeats say not_durable meanwhile)
         at = self.sim.tick_n()
+        # The flush's turn (Flusher.offer) skips a cut when cut_unchanged says its positions
+        # are those on disk: then the cut taken here must indeed write no new position, no
+        # prepared batch and no exactly-once pair (issue 36).
+        on_disk = {b: (c.epoch, c.seq) for b, c in self.disk.items()}
+        same = not any(c.prepared for c in self.disk.values()) and repl_copies.cut_unchanged(
+            self.core, on_disk
+        )
+        pairs = {
+            b: rep.dedup.entries_after(self.core.persisted.get(b, -1), 1 << 30)
+            for b, rep in self.core.buckets.items()
+        }
 
         def cut(epoch: int, seq: int, dedup: Any, _fresh: bool, prepared: Any) -> Any:
             return epoch, seq, dedup, tuple(prepared)
@@ -663,6 +674,10 @@ class Server:
                 self.restored.get(b, at),
                 prepared,
             )
+        if same:
+            assert {b: (c.epoch, c.seq) for b, c in cuts.items()} == on_disk, (on_disk, cuts)
+            assert not any(c.prepared for c in cuts.values())
+            assert not any(pairs.get(b) for b in cuts), pairs
         self.disk.clear()
         self.disk.update(cuts)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -228,7 +229,11 @@ async def test_status_metrics_and_loss_window(ps) -> None:
     assert server.flusher.loss_window() > 0.0
     flushed = await c.post_json("/flush")
     assert flushed["shards"] == 1 and server.flusher.loss_window() == 0.0
-    assert (await c.get_json("/status"))["last_flush"]["shards"] == 1
+    status = await c.get_json("/status")
+    assert status["last_flush"]["shards"] == 1
+    # every thread by kernel id, as /proc/PID/task names them (benchmarks/idle.py --threads)
+    assert {"MainThread", "adamps-flusher"} <= set(status["threads"].values())
+    assert str(threading.get_native_id()) in status["threads"]
 
 
 async def test_a_server_holding_some_buckets(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ reloaded from disk is the core's input ``reloaded``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 from adamps.core.replication.bucket import BucketReplica
@@ -51,6 +51,24 @@ def positions(
         out[b] = make(rep.committed_epoch, rep.committed, dedup, fresh, rep.held_prepared())
         core.cut_taken(b)
     return out
+
+
+def cut_unchanged(core: ReplCore, on_disk: Mapping[int, tuple[int, int]]) -> bool:
+    """Whether a flush's cut now would write no position (what ``positions`` would give, looked
+    at without building it: the flush's turn, issue 36): every copy a flush persists has its
+    cut taken at its committed seq (no exactly-once pair since), holds nothing prepared past
+    it, and is on disk at its (committed epoch, seq), and no copy on disk is gone."""
+    held = 0
+    for b, rep in core.buckets.items():
+        if not _persists(core, b, rep):
+            continue
+        held += 1
+        seq = rep.committed
+        if core.persisted.get(b) != seq or (seq + 1) in rep.prepared:
+            return False
+        if on_disk.get(b) != (rep.committed_epoch, seq):
+            return False
+    return held == len(on_disk)
 
 
 def position(core: ReplCore, b: int) -> dict[str, Any]:

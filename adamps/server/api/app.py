@@ -53,7 +53,7 @@ from adamps.server.store.store import Store
 from adamps.server.store.tables.rowdelta import sid_of_key
 from adamps.server.updates.optim import OptimError
 from adamps.server.writepath import WritePath
-from adamps.wire import protocol
+from adamps.wire import protocol, ride
 from adamps.wire import web as aweb
 from adamps.wire.protocol import ProtocolError
 
@@ -143,8 +143,11 @@ class ParameterServer:
         self.scrubber.start()
         #: the event loop serving this server and its thread (set at startup)
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: the flush's turns on the loop (a replicated server; `_flush_turns`)
+        self._turns: asyncio.Task | None = None
         self._loop_thread: int | None = None
-        self.flusher.start()
+        # replicated: the loop's turn decides when a flush has something to write (_flush_turns)
+        self.flusher.start(gated=self.replicator is not None)
         #: runs (issue 25): who a request is, its namespace and quotas, learnt from the controllers
         self.tenancy = Tenancy(cfg.token, self.store, self.persister, self.registry)
         if self.replicator is not None:
@@ -318,6 +321,18 @@ class ParameterServer:
             wait, positions, held = done.result(timeout=60)
         return wait(60), positions, held
 
+    async def _flush_turns(self) -> None:
+        """The flush's turn every flush_interval, riding the loop's other timers (Flusher.offer:
+        an idle server's flush wakes no thread)."""
+        rep = self.replicator
+        assert rep is not None
+        while True:
+            await ride.sleep(self.cfg.flush_interval)
+            try:
+                self.flusher.offer(lambda on_disk: repl_persist.cut_unchanged(rep.core, on_disk))
+            except Exception:  # never stop the turns: the next one asks again
+                log.exception("the flush's turn failed")
+
     def _on_flush(self, shards: int, nbytes: int, seconds: float) -> None:
         self.m.flushed_shards.inc(shards)
         self.m.flushed_bytes.inc(nbytes)
@@ -365,11 +380,14 @@ class ParameterServer:
                 await self.data_plane.start(self.cfg.host, self.cfg.data_port)
             if self.replicator is not None:
                 await self.replicator.start()
+                self._turns = asyncio.create_task(self._flush_turns(), name="flush-turns")
                 # Its first registration runs in a task started above, which has not run yet:
                 # the rack goes with it (issue 26).
                 self.replicator.calls.ctl.rack = self.cfg.rack or None
 
         async def cleanup(_app: web.Application) -> None:
+            if self._turns is not None:
+                self._turns.cancel()
             if self.replicator is not None:
                 await self.replicator.stop()
             self.data_plane.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 
 from adamps.core.replication import copies as repl_copies
@@ -60,6 +60,11 @@ def positions(core: ReplCore, buckets: Container[int] | None = None) -> dict[int
         DEDUP_PER_FLUSH,
         lambda e, s, d, f, p: Position(e, s, d, f, [batch_to_wire(x) for x in p]),
     )
+
+
+def cut_unchanged(core: ReplCore, on_disk: Mapping[int, tuple[int, int]]) -> bool:
+    """Whether a flush's cut now would write no position (the flush's turn, Flusher.offer)."""
+    return repl_copies.cut_unchanged(core, on_disk)
 
 
 def held_copies(core: ReplCore) -> set[int]:

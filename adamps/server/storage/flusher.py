@@ -29,7 +29,7 @@ import math
 import shutil
 import threading
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 from adamps.core import flush_stall
@@ -126,13 +126,26 @@ class Flusher:
         self.starved_verdicts = 0
         #: the last verdict found the disk stalled
         self._stalled = False
+        #: set by the event loop's turn (`offer`) when a flush has something to write; None:
+        #: the flush thread times its flushes itself (a server without replication, the tests)
+        self._kick: threading.Event | None = None
+        #: `Store.puts` read before the last flush that left nothing pending (None: none yet)
+        self._clean_at: int | None = None
+        #: flushes the loop's turn found with nothing to write (`offer`; for tests and /status)
+        self.idle_turns = 0
 
-    def start(self) -> None:
+    def start(self, gated: bool = False) -> None:
+        """Starts the flush thread. `gated`: it flushes when the event loop's turn (`offer`,
+        every `interval`) finds something to write, not on a timer of its own."""
+        if gated:
+            self._kick = threading.Event()
         self._thread = threading.Thread(target=self._run, name="adamps-flusher", daemon=True)
         self._thread.start()
 
     def stop(self, final_flush: bool = True) -> None:
         self._stop.set()
+        if self._kick is not None:
+            self._kick.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         if final_flush:
@@ -140,14 +153,65 @@ class Flusher:
 
     def _run(self) -> None:
         self.times.attach()
+        kick = self._kick
         while True:
             with self.times.phase("paused"):
+                # `interval` after the last flush at least (as without the loop's turns); then,
+                # gated, until a turn finds something to write
                 if self._stop.wait(self.interval):
                     return
+                if kick is not None:
+                    kick.wait()
+                    kick.clear()
+                    if self._stop.is_set():
+                        return
             try:
                 self.flush()
             except Exception:  # logged; the snapshots stay pending and are retried next round
                 log.error("background flush failed: %s", self.last_error)
+
+    def offer(self, unchanged: Callable[[Mapping[int, tuple[int, int]]], bool]) -> None:
+        """The event loop's turn, every `interval` (a gated flush thread, issue 36: idle costs
+        nothing). An idle server's flush woke the flush thread, then the loop for the cut, then
+        every owner thread for its copies, and wrote nothing: about six wake-ups a second on
+        each server. Here, on the loop, with no flush in progress: when no update was queued
+        since the last flush took its cut (`Store.puts`), nothing is pending, and
+        `unchanged(positions on disk)` says the cut's positions would be those (the loop owns
+        them), the flush is done, as an empty one is; otherwise the flush thread is woken to
+        flush as before."""
+        kick = self._kick
+        if kick is None or kick.is_set():
+            return
+        if self._flush_lock.acquire(timeout=0):  # never waits: a flush in progress decides
+            try:
+                if self._idle(unchanged):
+                    self.idle_turns += 1
+                    self._done(0, 0, 0.0, 0)
+                    return
+            finally:
+                self._flush_lock.release()
+        kick.set()
+
+    def _idle(self, unchanged: Callable[[Mapping[int, tuple[int, int]]], bool]) -> bool:
+        """Whether a flush now would write nothing (the flush lock held)."""
+        if self._clean_at is None or getattr(self.store, "puts", None) != self._clean_at:
+            return False
+        if self._pending or self._pending_positions:
+            return False
+        on_disk = self.persister.positions_on_disk()
+        return on_disk is not None and unchanged(on_disk)
+
+    def _done(self, shards: int, nbytes: int, seconds: float, chunks: int) -> None:
+        self.last_flush = {
+            "time": time.time(),
+            "monotonic": self.clock(),
+            "shards": shards,
+            "bytes": nbytes,
+            "seconds": seconds,
+            "chunks": chunks,
+        }
+        if self._on_flush is not None:
+            self._on_flush(shards, nbytes, seconds)
 
     def plan(self) -> list[Container[int] | None]:
         """The flush's chunks: groups of whole buckets of at most chunk_bytes of dirty records
@@ -177,6 +241,8 @@ class Flusher:
             self._flush_lock.acquire()
         try:
             t0 = self.clock()
+            # read before the first cut: every update counted here is in this flush's cuts
+            puts = getattr(self.store, "puts", None)  # (a stand-in store has none: never idle)
             shards = nbytes = 0
             chunks = self.plan()
             for buckets in chunks:
@@ -187,17 +253,8 @@ class Flusher:
             if nbytes:
                 memtrim.trim()  # the chunks' records and LMDB's dirty pages are free now
                 self.persister.drop_file_view()  # and the file pages its B-tree walk read
-            seconds = self.clock() - t0
-            self.last_flush = {
-                "time": time.time(),
-                "monotonic": self.clock(),
-                "shards": shards,
-                "bytes": nbytes,
-                "seconds": seconds,
-                "chunks": len(chunks),
-            }
-            if self._on_flush is not None:
-                self._on_flush(shards, nbytes, seconds)
+            self._clean_at = None if self._pending or self._pending_positions else puts
+            self._done(shards, nbytes, self.clock() - t0, len(chunks))
             return dict(self.last_flush)
         finally:
             self._flush_lock.release()

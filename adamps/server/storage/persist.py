@@ -260,6 +260,10 @@ class Persister:
             for b, p in positions.items()
         )
 
+    def positions_on_disk(self) -> dict[int, tuple[int, int]] | None:
+        """Bucket -> (epoch, seq) last written (None: unknown, or prepared batches on disk)."""
+        return None if self._written is None or self._prepared_on_disk else self._written
+
     def write_snapshots(
         self,
         snaps: Iterable[Snapshot],

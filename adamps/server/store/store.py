@@ -77,6 +77,8 @@ class Store:
         self.deleted_runs: frozenset[str] = frozenset()
         self._on_applied = on_applied
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(owner_threads)]
+        #: items queued to the owner threads (after each; not a flush's copies): Flusher.offer
+        self.puts = 0
         #: per owner: shards with updates not yet taken by a snapshot (owner thread only)
         self._dirty: list[set[ShardState]] = [set() for _ in range(owner_threads)]
         self._threads = [
@@ -213,19 +215,17 @@ class Store:
         on_done: Callable[[dict[str, int], BaseException | None], None],
     ) -> Ticket:
         """Queues one update per shard; on_done({shard id: new version}, error) when all applied.
-
-        One queue item per owner thread, not per shard: a 64-shard push wakes each owner once
-        (thread hand-offs, not the arithmetic, dominate on a busy 2-core machine)."""
+        One queue item per owner thread, not per shard: a 64-shard push wakes each owner once."""
         ticket = Ticket(len(parts), on_done)
         if len(parts) == 1:
             st, upd = parts[0]
-            self._queues[st.owner].put((_UPDATE, st, upd, ticket))
+            self._put(st.owner, (_UPDATE, st, upd, ticket))
             return ticket
         by_owner: dict[int, list[tuple[ShardState, optim.Update]]] = {}
         for st, upd in parts:
             by_owner.setdefault(st.owner, []).append((st, upd))
         for owner, items in by_owner.items():
-            self._queues[owner].put((_UPDATES, items, ticket))
+            self._put(owner, (_UPDATES, items, ticket))
         return ticket
 
     def read(
@@ -253,7 +253,7 @@ class Store:
                         np.copyto(acc.reshape(st.accum.shape), st.accum)
                     ticket.result[st.id] = st.version
 
-            self._queues[owner].put((_CALL, copy, ticket))
+            self._put(owner, (_CALL, copy, ticket))
         return ticket
 
     def call(
@@ -262,8 +262,7 @@ class Store:
         fn: Callable[[ShardState], Any],
         on_done: Callable[[dict[str, Any], BaseException | None], None],
     ) -> Ticket:
-        """Runs ``fn(state)`` for each shard on its owner thread (a read: sees every update
-        queued before it); on_done({shard id: result}, error). Vector dot products use it."""
+        """Runs ``fn(state)`` per shard on its owner thread (sees every update queued before)."""
         by_owner: dict[int, list[ShardState]] = {}
         for st in states:
             by_owner.setdefault(st.owner, []).append(st)
@@ -274,7 +273,7 @@ class Store:
                 for st in items:
                     ticket.result[st.id] = fn(st)
 
-            self._queues[owner].put((_CALL, run, ticket))
+            self._put(owner, (_CALL, run, ticket))
         return ticket
 
     def mark_dirty(
@@ -308,7 +307,7 @@ class Store:
             by_owner.setdefault(st.owner, {}).setdefault(st, []).append(upd)
         ticket = Ticket(len(by_owner), on_done)
         for owner, groups in by_owner.items():
-            self._queues[owner].put((_GROUP, groups, ticket))
+            self._put(owner, (_GROUP, groups, ticket))
         return ticket
 
     def overwrite(
@@ -319,8 +318,7 @@ class Store:
         versions: Sequence[int],
         on_done: Callable[[dict[str, int], BaseException | None], None],
     ) -> Ticket:
-        """Replaces shards' values, accumulators (where given) and versions on their owner threads
-        (state transfer); the shards become dirty so the next flush persists them."""
+        """Replaces shards' values, accumulators and versions (a state transfer); marks them dirty."""
         for st, v, a in zip(states, values, accums, strict=True):  # checked before anything changes
             if v.size != st.value.size or (
                 a is not None and st.accum is not None and a.size != st.accum.size
@@ -345,7 +343,7 @@ class Store:
                     self._dirty[o].add(st)
                     ticket.result[st.id] = st.version
 
-            self._queues[owner].put((_CALL, put, ticket))
+            self._put(owner, (_CALL, put, ticket))
         return ticket
 
     def replace(
@@ -372,8 +370,12 @@ class Store:
                     self._dirty[o].add(st)
                     ticket.result[st.id] = st.version
 
-            self._queues[owner].put((_CALL, put, ticket))
+            self._put(owner, (_CALL, put, ticket))
         return ticket
+
+    def _put(self, owner: int, item: tuple) -> None:
+        self._queues[owner].put(item)
+        self.puts += 1  # after it: a cut queued after a reading of `puts` follows every item
 
     def snapshot_dirty(self, timeout: float = 60.0) -> list[Snapshot]:
         """Copies every dirty shard on its owner thread and marks it clean (blocking; not on the loop)."""
@@ -427,8 +429,7 @@ class Store:
         return wait
 
     def dirty_bytes(self) -> dict[int, int]:
-        """Bucket -> record bytes of its dirty shards (a racy read: the flush's plan of chunks;
-        the cuts themselves are exact)."""
+        """Bucket -> record bytes of its dirty shards (racy: the flush's plan; cuts are exact)."""
         bucket_of = self.layout.bucket_of
         out: dict[int, int] = {}
         for owner_set in self._dirty:
