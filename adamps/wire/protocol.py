@@ -440,12 +440,14 @@ def only_fields(msg: Mapping[str, Any], what: str, takes: Collection[str], **ext
     misspelled field silently did nothing (a `round`'s `fetch_row`, session 19)."""
     unknown = [str(k) for k in msg if k not in takes]
     if unknown:
+        # A request's own fields are listed without the envelope's; an entry's (a replicated
+        # update's "v", a ckpt_install shard's "v") are listed whole, though one is named "v".
+        own = set(takes) - ENVELOPE if ENVELOPE <= set(takes) else set(takes)
         raise ProtocolError(
             "bad_request",
-            f"{what} takes no field {', '.join(map(repr, unknown))}; "
-            f"its fields are {sorted(set(takes) - ENVELOPE)}",
+            f"{what} takes no field {', '.join(map(repr, unknown))}; its fields are {sorted(own)}",
             unknown=unknown,
-            fields=sorted(set(takes) - ENVELOPE),
+            fields=sorted(own),
             **extra,
         )
 

@@ -16,7 +16,9 @@ A real Store (owner threads) and the real wire encoding; no sockets.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,7 @@ import pytest
 from adamps.compression import codec
 from adamps.core.replication.values import Batch
 from adamps.layout import TensorSpec
+from adamps.server import decode
 from adamps.server.addressing import Addressing
 from adamps.server.config import PsConfig
 from adamps.server.decode import compressed, dense, fc, install, rows, vector
@@ -286,3 +289,87 @@ def test_a_vector_op_is_checked_alike_on_the_primary_and_every_copy(store: Store
     ok = {"k": "v", "o": "axpy", "s": ["w/0"], "y": "y", "x": "", "a": 2.0}
     [(dst, op)] = vector.replicated(store, ok)
     assert dst is store.shard("w@y/0") and op.alpha == 2.0
+
+
+# -- every kind takes exactly the fields its encoder writes (session 20: unknown fields refused) ---
+
+#: (case, an update of that kind as its encoder writes it, with every optional field)
+WRITTEN: list[tuple[str, Callable[[Store], dict[str, Any]]]] = [
+    ("dense", lambda s: dense.update("v/0", f32(5), {"lr": 0.5})),
+    ("fc", lambda s: fc.update("w", ["w/0"], f32(1, 3), f32(1, 4), {"lr": 0.5})),
+    ("compressed words", lambda s: compressed.update("v/0", 0.5, {"w": words(1)}, {"lr": 0.5})),
+    ("compressed rice", lambda s: compressed.update("v/0", 0.5, rice(1, 3), {"lr": 0.5})),
+    ("rows", lambda s: rows.update(ROWS, np.array([1]), f32(1, 2), 1.0)),
+    ("put_rows", lambda s: rows.update(ROWS, np.array([1]), f32(1, 2), 1.0, True)),
+    ("install", lambda s: install.update("v/0", f32(5), None, 3)),
+    ("row install", lambda s: install.row_update(ROWS, row_block(s, f32(2, 2)), 3)),
+    ("vector", lambda s: {"k": "v", "o": "axpy", "s": ["w/0"], "y": "y", "x": "", "a": 2.0}),
+    ("vector set", lambda s: {"k": "v", "o": "set", "s": ["w/0"], "y": "y", "x": "", "a": 0.0, "v": f32(3), "f": 1}),
+]  # fmt: skip
+
+#: per case, a field its kind does not take: a misspelling, another kind's field, or a field of
+#: the kind's other form (a words update's Rice count, a set's values on an axpy)
+FOREIGN = {
+    "dense": "delta",
+    "fc": "d",
+    "compressed words": "r",
+    "compressed rice": "w2",
+    "rows": "o",
+    "put_rows": "assign",
+    "install": "b",
+    "row install": "v",
+    "vector": "v",
+    "vector set": "offset",
+}
+
+
+def rice(*idx: int) -> dict[str, Any]:
+    """The Rice form (``{"r", "n", "b"}``) of a compressed update of the indices `idx`."""
+    data, k = codec.rice_encode(np.array(idx), np.zeros(len(idx), bool), 1)
+    return {"r": np.frombuffer(data, np.uint8), "n": len(idx), "b": k}
+
+
+@pytest.mark.parametrize(("case", "make"), WRITTEN, ids=[c for c, _ in WRITTEN])
+def test_every_kind_refuses_a_field_it_does_not_take_and_takes_every_field_written(
+    store: Store, case: str, make: Callable[[Store], dict[str, Any]]
+) -> None:
+    """Each kind's decoder takes every field its encoder may write (and so every record an
+    earlier version wrote: no field was ever dropped from an encoder) and refuses any other,
+    400 bad_request naming it: on the copy's PREPARE intake and in the decoder itself, which
+    a batch read back from disk or from a state transfer goes through when it is applied."""
+    u = make(store)
+    assert decode.replicated(store, u)  # every field the encoder writes is taken
+    field = FOREIGN[case]
+    bad = {**u, field: 1}
+    err = refused(decode.replicated, store, bad)
+    assert err.code == "bad_request" and err.extra["unknown"] == [field], err
+    assert f"a {u['k']!r} update takes no field {field!r}" in err.message, err.message
+    assert set(u) <= set(err.extra["fields"]) and field not in err.extra["fields"], err.extra
+    err = secondary_refusal(store, dense.update("v/0", f32(5)), bad)
+    assert err.code == "bad_request" and err.extra["unknown"] == [field], err
+    # the same update without it decodes on the intake and applies like any other
+    good = {"bucket": 0, "sender": "ps0", "epoch": 1, "commit": 0,
+            "entries": [batch_to_wire(Batch(1, 1, ((u,),), (None,)))]}  # fmt: skip
+    asyncio.run(
+        repl_check.checked_message(
+            store, {0}, "repl_prepare", protocol.decode(protocol.encode(good))
+        )
+    )
+
+
+def test_the_fields_each_kind_takes_are_the_documented_ones() -> None:
+    """docs/protocol-ps.md lists each replicated kind's fields: the decoders' sets, in order."""
+    doc = (Path(__file__).parents[2] / "docs" / "protocol-ps.md").read_text()
+    sets = {
+        "d": dense.FIELDS,
+        "f": fc.FIELDS,
+        "c": compressed.WORDS_FIELDS | compressed.RICE_FIELDS,
+        "r": rows.FIELDS,
+        "i": install.FIELDS,
+        "j": install.ROW_FIELDS,
+        "v": vector.SET_FIELDS,
+    }
+    for kind, takes in sets.items():
+        row = next(ln for ln in doc.splitlines() if ln.startswith(f'| `"{kind}"` |'))
+        named = set(re.findall(r"`(\w+)`", row.split("|")[2]))
+        assert named == takes - {"k"}, (kind, named, takes)

@@ -89,9 +89,10 @@ def _target(c: LocalCluster, layout: Any) -> dict[str, Any]:
     }
 
 
-def _forged_prepare(t: dict[str, Any], delta: np.ndarray) -> dict[str, Any]:
+def _forged_prepare(t: dict[str, Any], delta: np.ndarray, **more: Any) -> dict[str, Any]:
+    """A PREPARE of the next batch of bucket 0 with one dense update (`more`: added to it)."""
     seq = t["committed"] + 1
-    updates = [[{"k": "d", "s": t["sid"], "d": delta}]]
+    updates = [[{"k": "d", "s": t["sid"], "d": delta, **more}]]
     # a well-formed batch, its digest included: what refuses it is who sent it
     batch = {
         "seq": seq,
@@ -313,8 +314,8 @@ def test_a_segmented_frame_is_checked_on_the_data_port(cluster) -> None:
 def test_a_replication_message_naming_an_unknown_field_is_refused(cluster) -> None:
     """The replication ops are held to their fields like a client's ops (session 20): each
     message signed as the primary, past the peer check, with one field its op does not take,
-    on /rpc and in a repl_multi (an item's, a batch's) on /rpc and the data port: 400
-    bad_request naming it, nothing stepped into the copy."""
+    on /rpc and in a repl_multi (an item's, a batch's, an update's) on /rpc and the data port:
+    400 bad_request naming it, nothing stepped into the copy."""
     c, client, layout = cluster
     t = _target(c, layout)
     plus = np.full(SHARD, 1000.0, np.float32)
@@ -348,6 +349,20 @@ def test_a_replication_message_naming_an_unknown_field_is_refused(cluster) -> No
     assert kind != ERROR, reply
     first = reply["results"][0]["error"]
     assert first["code"] == "bad_request" and first["unknown"] == ["comit"], reply
+    # an update inside a batch naming a field its kind does not take (the batch's digest valid):
+    # refused by the kind's decoder, on /rpc and in a data-port frame alike
+    odd = {**_forged_prepare(t, plus, dd=1), "commit": t["committed"] + 1}
+    with SyncRpc(t["secondary"], TOKEN) as rpc:
+        with pytest.raises(RpcError) as err:
+            signed(rpc, c, t["primary"], t["secondary_id"], "repl_prepare", **odd)
+    assert err.value.code == "bad_request", err.value
+    assert "a 'd' update takes no field 'dd'" in err.value.message, err.value
+    with socket.create_connection(("127.0.0.1", t["data_port"]), timeout=10) as s:
+        s.sendall(signed_frame(c, t["primary"], t["secondary_id"], [{"op": "repl_prepare", **odd}]))
+        kind, reply = read_frame(s)
+    assert kind != ERROR, reply
+    first = reply["results"][0]["error"]
+    assert first["code"] == "bad_request" and first["unknown"] == ["dd"], reply
     assert _digest(t) == (t["committed"], t["digest"])
     client.push_dense("x", np.ones(16_000, np.float32))  # the real next batch still replicates
     digests_agree(c)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from adamps.compression import codec
-from adamps.server.decode.fields import named_optimizer, string
+from adamps.server.decode.fields import named_optimizer, only, string
 from adamps.server.store.shards import ShardState
 from adamps.server.store.store import Store
 from adamps.server.updates.bounds import MAX_GRAD
@@ -26,6 +26,12 @@ from adamps.wire.protocol import ALLOWED_DTYPES, ProtocolError, require
 #: expanding a full 1 MB shard (262,144 codes) takes about 17 ms here, and a push may name many
 #: shards; below this the thread hop would cost more than the decoding (about 4 ms at most)
 DECODE_OFF_LOOP = 1 << 16
+
+#: the fields of a ``"c"`` update in each of its two encodings (what ``update`` writes, with
+#: ``wire_form``'s; ``o``: only when the push named one): the words, or the Rice stream. One
+#: carrying both is refused, as a client's push naming both is (words_of).
+WORDS_FIELDS = frozenset({"k", "s", "t", "w", "o"})
+RICE_FIELDS = frozenset({"k", "s", "t", "r", "n", "b", "o"})
 
 #: a decoded shard update: (shard, its Signs, the client's map it came from)
 Part = tuple[ShardState, Signs, Any]
@@ -116,6 +122,7 @@ def update(
 def replicated(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, Signs]]:
     """A copy's decoding of a ``"c"`` update ``{"s", "t", "w" | "r", "n", "b"[, "o"]}``: tau
     (finite, > 0, bounded), the words or Rice stream, the optimizer its push named."""
+    only(u, WORDS_FIELDS if "w" in u else RICE_FIELDS)
     st = store.shard(string(u, "s"))
     client_form: dict[str, Any] = {"tau": u.get("t")}
     if "w" in u:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps.server.decode.fields import Later, named_optimizer, run, string
+from adamps.server.decode.fields import Later, named_optimizer, only, run, string
 from adamps.server.store.shards import ShardState
 from adamps.server.store.store import Store
 from adamps.server.updates import bounds
@@ -27,6 +27,10 @@ Parts = list[tuple[ShardState, Dense]]
 Wire = list[tuple[list[ShardState], Callable[[list[ShardState]], dict[str, Any]]]]
 
 
+#: the fields of a ``"d"`` update: what ``update`` writes (``o``: only when the push named one)
+FIELDS = frozenset({"k", "s", "d", "o"})
+
+
 def update(sid: str, delta: np.ndarray, o: dict[str, Any] | None = None) -> dict[str, Any]:
     """The replicated form of one shard's delta (``o``: the optimizer its push named)."""
     u: dict[str, Any] = {"k": "d", "s": sid, "d": delta}
@@ -37,6 +41,7 @@ def update(sid: str, delta: np.ndarray, o: dict[str, Any] | None = None) -> dict
 
 def replicated(store: Store, u: dict[str, Any]) -> Parts:
     """A copy's decoding of a ``"d"`` update: what the primary checked of its push."""
+    only(u, FIELDS)
     st = store.shard(string(u, "s"))
     d = u.get("d")
     if not isinstance(d, np.ndarray) or d.dtype != np.float32 or d.size != st.shard.size:

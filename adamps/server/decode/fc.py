@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps.server.decode.fields import Later, bad, f32, named_optimizer, run, string, strings
+from adamps.server.decode.fields import Later, bad, f32, named_optimizer, only, run, string, strings
 from adamps.server.store.shards import ShardState, TensorState, fc_parts
 from adamps.server.store.store import Store
 from adamps.server.updates import bounds
@@ -20,6 +20,9 @@ from adamps.wire.protocol import MAX_FC_K, ProtocolError, require_array
 
 #: one layer decoded: (tensor name, its state, a, e, the shards its rows update)
 Layer = tuple[str, TensorState, np.ndarray, np.ndarray, list[ShardState]]
+
+#: the fields of an ``"f"`` update: what ``update`` writes (``o``: only when the push named one)
+FIELDS = frozenset({"k", "t", "s", "a", "e", "o"})
 
 
 def update(
@@ -81,6 +84,7 @@ def layer(
 
 def replicated(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, Fc]]:
     """A copy's decoding of an ``"f"`` update: what the primary checked of its push."""
+    only(u, FIELDS)
     name = string(u, "t")
     t = store.tensor(name)
     sids = strings(u, "s", "an fc update")

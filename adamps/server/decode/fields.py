@@ -11,7 +11,7 @@ import numpy as np
 
 from adamps.server.store.store import Store
 from adamps.server.updates.hyper import of_update
-from adamps.wire.protocol import ProtocolError
+from adamps.wire.protocol import ProtocolError, only_fields
 
 #: a round's deferred checks: (bytes the check reads, the check), run before anything is queued
 Later = list[tuple[int, Callable[[], None]]]
@@ -20,6 +20,17 @@ Later = list[tuple[int, Callable[[], None]]]
 def bad(message: str) -> ProtocolError:
     """A malformed replicated update (a peer's batch is checked like a client's request)."""
     return ProtocolError("bad_request", f"replicated batch: {message}")
+
+
+def only(u: dict[str, Any], takes: frozenset[str]) -> None:
+    """Refuses a replicated update naming a field its kind does not take (400 bad_request naming
+    it, as every replication op answers): read by nothing, a misspelled field (a forged frame's,
+    a buggy primary's) was silently ignored. Every kind's ``replicated`` calls it first, so a
+    PREPARE on /rpc, in a repl_multi on either port, and a batch read back from disk or a state
+    transfer are held to the same fields. `takes`: exactly what the kind's encoder (its
+    ``update``) may write; no field was ever dropped from an encoder, so every record an earlier
+    version wrote still loads (docs/protocol-ps.md, "Replicated update kinds")."""
+    only_fields(u, f"replicated batch: a {u.get('k')!r} update", takes)
 
 
 def string(u: dict[str, Any], name: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from adamps.server.decode.fields import string
+from adamps.server.decode.fields import only, string
 from adamps.server.store.shards import ShardState
 from adamps.server.store.store import Store
 from adamps.server.store.tables.rowtables import RowShardState
@@ -21,6 +21,11 @@ from adamps.server.updates.install import Install, RowInstall
 from adamps.tables import buckets_of
 from adamps.wire.limits import MAX_VERSION
 from adamps.wire.protocol import ProtocolError
+
+#: the fields of an ``"i"`` update (``update``: ``a`` when the shard has an accumulator, ``n``
+#: when the checkpoint recorded a version) and of a ``"j"`` update (``row_update``)
+FIELDS = frozenset({"k", "s", "v", "a", "n"})
+ROW_FIELDS = frozenset({"k", "s", "b", "n"})
 
 
 def update(
@@ -125,6 +130,7 @@ def row_shard(st: RowShardState, data: Any, version: int | None) -> RowInstall:
 
 def replicated(store: Store, u: dict[str, Any]) -> list[tuple[Any, Any]]:
     """A copy's decoding of an ``"i"`` or ``"j"`` update: what ckpt_install checked."""
+    only(u, FIELDS if u.get("k") == "i" else ROW_FIELDS)
     sid = string(u, "s")
     if u.get("k") == "i":
         st = store.shard(sid)

@@ -12,12 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from adamps.server.decode.fields import bad, string
+from adamps.server.decode.fields import bad, only, string
 from adamps.server.store.store import Store
 from adamps.server.store.tables.rowblock import RowPush
 from adamps.server.store.tables.rowtables import RowShardState
 from adamps.server.updates import bounds
 from adamps.wire.protocol import ProtocolError
+
+#: the fields of an ``"r"`` update: what ``update`` writes (``a``: only for put_rows' values)
+FIELDS = frozenset({"k", "s", "i", "g", "t", "a"})
 
 
 def update(
@@ -43,6 +46,7 @@ def check_values(field: str, ids: np.ndarray, values: np.ndarray, assign: bool) 
 
 def replicated(store: Store, u: dict[str, Any]) -> list[tuple[RowShardState, RowPush]]:
     """A copy's decoding of an ``"r"`` update: what push_rows (put_rows) checked."""
+    only(u, FIELDS)
     st = store.tables.shard(string(u, "s"))
     ids, grads, when, assign = u.get("i"), u.get("g"), u.get("t"), u.get("a", False)
     if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 1 or not len(ids):

@@ -13,12 +13,17 @@ from typing import Any
 import numpy as np
 
 from adamps.layout import VECTOR_SEP, parse_shard_id, shard_id
-from adamps.server.decode.fields import f32, string, strings
+from adamps.server.decode.fields import f32, only, string, strings
 from adamps.server.store.shards import ShardState
 from adamps.server.store.store import Store
 from adamps.server.updates import bounds
 from adamps.server.updates.vecapply import KINDS, VecOp
 from adamps.wire.protocol import ProtocolError
+
+#: the fields of a ``"v"`` update (what adamps/server/api/vecops.py writes: ``x`` and ``a``
+#: always, ``""`` and 0.0 for a kind without them), and of a ``set``'s (its values and offset)
+FIELDS = frozenset({"k", "o", "s", "y", "x", "a"})
+SET_FIELDS = FIELDS | {"v", "f"}
 
 
 def vector_shard(base_sid: str, vector: str) -> str:
@@ -65,6 +70,7 @@ def replicated(store: Store, u: dict[str, Any]) -> list[tuple[ShardState, VecOp]
     """A copy's decoding of a ``"v"`` update: what the vec request checked."""
     if u.get("o") not in KINDS:
         raise ProtocolError("bad_request", f"unknown vector op {u.get('o')!r}")
+    only(u, SET_FIELDS if u["o"] == "set" else FIELDS)
     strings(u, "s", "a vector update")
     string(u, "y")
     if KINDS[u["o"]][0]:
