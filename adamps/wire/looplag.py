@@ -164,3 +164,10 @@ class LoopLag:
                     "connection of this process waited)",
                     blocked,
                 )
+
+
+def thread_names() -> dict[str, str]:
+    """The process's threads, kernel thread id -> Python name: what /proc/PID/task/TID reports
+    about each (its CPU and wake-ups) told apart (benchmarks/idle.py --threads). Python 3.11
+    leaves every thread's kernel name the process's own."""
+    return {str(t.native_id): t.name for t in threading.enumerate() if t.native_id is not None}

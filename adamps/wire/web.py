@@ -22,7 +22,6 @@ import logging
 import math
 import resource
 import signal
-import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Collection
@@ -37,7 +36,7 @@ from prometheus_client import CollectorRegistry
 from adamps import metrics
 from adamps.security import tls
 from adamps.wire import protocol
-from adamps.wire.looplag import LoopLag
+from adamps.wire.looplag import LoopLag, thread_names
 from adamps.wire.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -359,13 +358,6 @@ async def _status(request: web.Request) -> web.Response:
     if isinstance(result, dict):
         result.setdefault("threads", thread_names())
     return json_response(result)
-
-
-def thread_names() -> dict[str, str]:
-    """The process's threads, kernel thread id -> Python name: what /proc/PID/task/TID reports
-    about each (its CPU and wake-ups) told apart (benchmarks/idle.py --threads). Python 3.11
-    leaves every thread's kernel name the process's own."""
-    return {str(t.native_id): t.name for t in threading.enumerate() if t.native_id is not None}
 
 
 def make_app(
