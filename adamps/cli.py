@@ -54,7 +54,10 @@ USAGE = (
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:  # a command is required: a usage error, as argparse's
+        print(USAGE, file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
     if argv[0] in ("-V", "--version"):
@@ -73,8 +76,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     module_name, _, func = COMMANDS[command][0].partition(":")
-    module = importlib.import_module(module_name)
-    return int(getattr(module, func or "main")(rest) or 0)
+    try:
+        module = importlib.import_module(module_name)
+        return int(getattr(module, func or "main")(rest) or 0)
+    except KeyboardInterrupt:
+        # Ctrl-C in a command that does not handle it itself (a client command waiting on a
+        # server, a save or a load under way): one line, not a traceback, and the shell's
+        # code for SIGINT. What the command wrote stays as its failure leaves it (a save
+        # removes the directory it made; docs/operations.md).
+        print(f"\nadamps {command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -14,12 +14,15 @@ user's local token (adamps.security.token).
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from adamps.security import token as tokens
 
@@ -92,8 +95,45 @@ def known() -> list[dict[str, Any]]:
     return out
 
 
+def check_address(addr: str, what: str = "controller address") -> str:
+    """`addr` when it is HOST:PORT or http(s)://HOST:PORT, else ClusterError naming it: a
+    port that is not a number or out of range stopped every command with a traceback, and a
+    missing one ('localhost') sent the requests to port 80."""
+    url = addr if "://" in addr else f"http://{addr}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        port = None
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or port is None
+        or not 1 <= port <= 65535
+        or parts.path.strip("/")
+    ):
+        raise ClusterError(
+            f"{what} {addr!r}: expected HOST:PORT or http(s)://HOST:PORT with a port in "
+            "1..65535, e.g. 127.0.0.1:7000"
+        )
+    return addr
+
+
 def _split(addrs: str) -> list[str]:
-    return [a.strip() for a in addrs.split(",") if a.strip()]
+    return [check_address(a.strip()) for a in addrs.split(",") if a.strip()]
+
+
+def seconds(text: str) -> float:
+    """An argparse type for --timeout, --wait, --stop-timeout: a finite number of seconds > 0.
+    A negative or NaN timeout reached the socket as a traceback (``Timeout value out of
+    range``), and 0 made every request fail as "no controller answered"."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _bare(addr: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import tomllib
 import types
@@ -31,11 +32,16 @@ def field(
     default: Any,
     help: str,  # noqa: A002 - mirrors argparse
     flags: tuple[str, ...] = (),
+    minimum: float = 0,
     **kwargs: Any,
 ) -> Any:
     """A dataclass field with its help text. Mutable defaults (lists) are copied per instance.
-    `flags`: its command-line flags when not only ``--field-name`` (the first one is shown)."""
+    `flags`: its command-line flags when not only ``--field-name`` (the first one is shown).
+    `minimum`: the least value a number takes (0 unless the field gives a meaning to less,
+    as -1 for "not given" or "off")."""
     meta: dict[str, Any] = {"help": help, **({"flags": flags} if flags else {})}
+    if minimum != 0:
+        meta["minimum"] = minimum
     if isinstance(default, list | dict):
         return dataclasses.field(
             default_factory=lambda: type(default)(default), metadata=meta, **kwargs
@@ -55,6 +61,19 @@ def _base_type(tp: Any) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return _base_type(args[0]) if len(args) == 1 else str
     return tp
+
+
+def _minimum(cls: type, name: str) -> float:
+    """The least value field `name` of `cls` takes: its ``minimum``, else 0. A count, size,
+    port, interval or timeout below 0 means nothing: a negative one stopped a role later with a
+    traceback (``bind(): port must be 0-65535``, ``negative dimensions are not allowed``) or,
+    worse, ran (limits that refuse everything)."""
+    f = (
+        {f.name: f for f in dataclasses.fields(cls)}.get(name)
+        if dataclasses.is_dataclass(cls)
+        else None
+    )
+    return f.metadata.get("minimum", 0) if f is not None else 0
 
 
 def _convert(cls: type, name: str, tp: Any, raw: Any, source: str) -> Any:
@@ -81,13 +100,25 @@ def _convert(cls: type, name: str, tp: Any, raw: Any, source: str) -> Any:
             if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
                 raise TypeError("an integer")
             value = int(raw)
-            if (name == "port" or name.endswith("_port")) and not -1 <= value <= 65535:
-                raise TypeError("a port number in 0..65535 (0: any free one; -1: off, if offered)")
+            low = _minimum(cls, name)
+            if name == "port" or name.endswith("_port"):
+                if not low <= value <= 65535:
+                    off = "; -1: off" if low == -1 else ""
+                    raise TypeError(f"a port number in 0..65535 (0: any free one{off})")
+            elif value < low:
+                raise TypeError(f"an integer >= {low:g}")
             return value
         if tp is float:
             if isinstance(raw, bool):
                 raise TypeError("a number")
-            return float(raw)
+            value = float(raw)
+            # NaN passes every `x <= 0` check after it (a flush_interval of NaN ran), and
+            # an infinite interval or timeout never ends
+            if not math.isfinite(value):
+                raise TypeError("a finite number")
+            if value < _minimum(cls, name):
+                raise TypeError(f"a number >= {_minimum(cls, name):g}")
+            return value
         if tp is str:
             if not isinstance(raw, str | int | float):
                 raise TypeError("a string")

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from adamps.config import ConfigError, default_token, field
+from adamps.core.lease import LeaseTerms
 from adamps.security import token as tokens
 from adamps.wire.web import HttpLimits
+from controller.raft_timing import append_period
 from controller.raft_transport import RaftLimits
 
 
@@ -146,6 +148,28 @@ class ControllerConfig:
             raise ConfigError("controller: need 0 < election_min < election_max")
         if self.server_timeout <= self.heartbeat_interval:
             raise ConfigError("controller.server_timeout must exceed heartbeat_interval")
+        # Checked here, not when the service builds them: a lease_skew of 5 or an idle_timeout
+        # of 0 passed the configuration and stopped the controller with a traceback.
+        try:
+            LeaseTerms(self.lease_duration, self.lease_skew, self.lease_margin)
+            self.http_limits  # noqa: B018 - its checks
+        except ValueError as exc:
+            raise ConfigError(f"controller: {exc}") from None
+        for name in ("heartbeat_interval", "compaction_seconds"):
+            if not getattr(self, name) > 0:  # pysyncobj asserts on compaction_seconds
+                raise ConfigError(f"controller.{name} must be > 0, got {getattr(self, name)}")
+        # pysyncobj's own assertions, as a message (they stopped the controller with a bare
+        # AssertionError)
+        if not self.leader_fallback > append_period(self.election_min):
+            raise ConfigError(
+                f"controller.leader_fallback must exceed the leader's append period "
+                f"({append_period(self.election_min):g} s: election_min / 4), got "
+                f"{self.leader_fallback}"
+            )
+        if self.compaction_entries < 2:
+            raise ConfigError(
+                f"controller.compaction_entries must be >= 2, got {self.compaction_entries}"
+            )
         if self.checkpoint_interval < 0 or self.checkpoint_keep < 1:
             raise ConfigError(
                 "controller: need checkpoint_interval >= 0 and checkpoint_keep >= 1, got "

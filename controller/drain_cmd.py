@@ -23,7 +23,7 @@ def build_parser(op: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"adamps {op}", description=WHAT[op])
     parser.add_argument("server", help="the parameter server's id (as `adamps status` lists it)")
     clusters.add_arguments(parser)
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
+    parser.add_argument("--timeout", type=clusters.seconds, default=5.0, help="seconds per request")
     tls.add_arguments(parser)
     return parser
 

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "refused)",
     )
     parser.add_argument("--json", action="store_true", help="print the reply as JSON")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
+    parser.add_argument("--timeout", type=clusters.seconds, default=5.0, help="seconds per request")
     tls.add_arguments(parser)
     return parser
 

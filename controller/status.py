@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--buckets", action="store_true", help="also list every bucket")
     parser.add_argument("--json", action="store_true", help="print the raw /cluster JSON instead")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds per request")
+    parser.add_argument("--timeout", type=clusters.seconds, default=3.0, help="seconds per request")
     tls.add_arguments(parser)
     return parser
 
@@ -253,6 +253,13 @@ def show_run(args: argparse.Namespace, addrs: list[str]) -> int:
             view = run_view.collect(addr, args.run, token, args.timeout)
         except (OSError, ValueError, KeyError):
             continue
+        if view["record"] is None and not (
+            view["tensors"] or view["tables"] or view["held_bytes"] or view["pushed_bytes"]
+        ):  # a mistyped name printed an empty run, exit code 0
+            tables = ", no tables" if view["tables_listed"] else ""
+            print(f"adamps status: no run {args.run!r} on this cluster (no record, no tensors"
+                  f"{tables}; `adamps run list` lists the runs created)", file=sys.stderr)  # fmt: skip
+            return 1
         print(json.dumps(view, default=sorted) if args.json else run_view.render(view))
         return 0
     print(f"adamps status: no controller answered at {', '.join(addrs)}", file=sys.stderr)

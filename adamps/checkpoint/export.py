@@ -85,6 +85,11 @@ def main(argv: list[str]) -> int:
     if args.src is not None and (args.controllers or args.cluster):
         print("adamps export: give --from (a checkpoint) or a cluster, not both", file=sys.stderr)
         return 2
+    if args.run is not None and (args.table or args.format != "torch"):
+        # it picked nothing with npz or safetensors: every run's tensors were written, exit 0
+        print(f"adamps export: --run {args.run}: expected with --format torch only (a "
+              "state_dict of one run's parameters)", file=sys.stderr)  # fmt: skip
+        return 2
     formats = table_files.FORMATS if args.table else FORMATS
     if args.format is None:
         args.format = formats[0] if args.table else "npz"

@@ -77,6 +77,16 @@ def restore(cluster: Cluster, src: Path, force: bool = False) -> dict[str, Any]:
             "or pass --force to overwrite"
         )
     tensors_held, tables_held = _definitions(cluster)
+    # Rows too: a table the cluster holds was found by the first install of one of its
+    # buckets (`409 conflict ... restore with force`), after the creates and other buckets'
+    # installs had been written.
+    both = sorted(t["name"] for t in manifest["tables"] if t["name"] in tables_held)
+    if both and not force:
+        more = f" and {len(both) - 5} more" if len(both) > 5 else ""
+        raise CheckpointError(
+            f"the cluster already holds tables {both[:5]}{more}: restore onto an empty cluster, "
+            "or pass --force to overwrite their rows"
+        )
     # A tensor or table the cluster holds keeps its definition (init, optimizer, admission:
     # its trainers created it, and a create with the checkpoint's would be `exists`); only
     # what decides where the values go must match, checked before the first write.

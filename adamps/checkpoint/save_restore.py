@@ -19,6 +19,7 @@ import argparse
 import itertools
 import json
 import re
+import shutil
 import sys
 import threading
 import time
@@ -98,6 +99,27 @@ def save(
     base: Path | None = None,
     consistent: bool = False,
     hold_seconds: float = HOLD_SECONDS,
+) -> dict[str, Any]:
+    """Every bucket's state, each cut on its primary, into `to`; returns the manifest written
+    (``_save``). A save that fails (an error, no cluster, Ctrl-C) removes the directory it
+    made: it left an empty or partial directory behind, which a later `--to` of the same path
+    had to take over. One killed outright leaves it without a manifest (refused by restore,
+    taken again by the next save)."""
+    made = not to.exists()
+    try:
+        return _save(cluster, to, base, consistent, hold_seconds)
+    except BaseException:
+        if made:
+            shutil.rmtree(to, ignore_errors=True)
+        raise
+
+
+def _save(
+    cluster: Cluster,
+    to: Path,
+    base: Path | None,
+    consistent: bool,
+    hold_seconds: float,
 ) -> dict[str, Any]:
     """Every bucket's state, each cut on its primary, into `to`; returns the manifest written.
 

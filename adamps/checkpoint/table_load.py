@@ -30,6 +30,7 @@ from adamps.checkpoint.save_restore import Cluster
 from adamps.client import PartialPushError, PSClient
 from adamps.client.rpc import RpcError
 from adamps.layout import Layout
+from adamps.optspec import OptimError, Optimizer
 from adamps.security import tls
 
 #: rows per put_rows (a request names at most 262,144 ids: tableops.MAX_IDS)
@@ -154,6 +155,12 @@ def main(argv: list[str]) -> int:
         except ValueError as exc:
             print(f"adamps table load: --optimizer {args.optimizer!r}: expected a JSON object "
                   f'like {{"kind": "sgd", "lr": 0.1}}: {exc}', file=sys.stderr)  # fmt: skip
+            return 2
+        try:  # the servers' own check, before anything is read or sent (it was exit code 1,
+            # "cluster error: bad_request", after the file's pass)
+            Optimizer.from_dict(opt).check_for_table()
+        except OptimError as exc:
+            print(f"adamps table load: --optimizer {args.optimizer!r}: {exc}", file=sys.stderr)
             return 2
     target = None
     try:

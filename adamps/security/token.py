@@ -101,11 +101,13 @@ def local_token(path: Path | None = None) -> str:
 
 
 def resolve(token: str, listen_hosts: Iterable[str], role: str) -> str:
-    """The token `role` must use: `token`, else the local token when loopback-only, else refuses."""
+    """The token `role` must use: `token`, else the local token when loopback-only, else refuses.
+    The refusal's message does not name `role`: the command or role that prints it does (it
+    read "adamps drain: adamps drain: no cluster token ...")."""
     if token:
         if token.strip() in WELL_KNOWN:
             raise TokenError(
-                f"{role}: the token is a well-known value from adamps' docs; make a random one: "
+                "the token is a well-known value from adamps' docs; make a random one: "
                 "python3 -c 'import secrets; print(secrets.token_hex(32))'"
             )
         return token
@@ -113,7 +115,7 @@ def resolve(token: str, listen_hosts: Iterable[str], role: str) -> str:
     public = [h for h in hosts if not is_loopback(h)]
     if public or not hosts:
         raise TokenError(
-            f"{role}: no cluster token (set ADAMPS_TOKEN or --token) while listening on or "
+            "no cluster token (set ADAMPS_TOKEN or --token) while listening on or "
             f"reaching the non-loopback address(es) {public}; a role runs without one only on "
             "loopback"
         )

@@ -266,7 +266,8 @@ class PsConfig:
             raise ValueError(
                 f"scrub_cpu must be a fraction of one core in (0, 1], not {self.scrub_cpu}"
             )
-        for name in ("max_tensor_elems", "max_server_elems", "max_shards_per_request"):
+        for name in ("max_tensor_elems", "max_server_elems", "max_shards_per_request",
+                     "max_shard_elems"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         HttpLimits(self.header_timeout, self.idle_timeout, self.body_timeout, self.max_connections)

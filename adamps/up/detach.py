@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--stop-timeout",
-        type=float,
+        type=clusters.seconds,
         default=10.0,
         help="seconds between SIGTERM and SIGKILL, per stage (default: %(default)s)",
     )
@@ -166,10 +166,6 @@ def down_main(argv: list[str] | None = None) -> int:
     except clusters.ClusterError as exc:
         print(f"adamps down: {exc}", file=sys.stderr)
         return 1
-    if args.stop_timeout <= 0:
-        print(f"adamps down: --stop-timeout {args.stop_timeout}: expected seconds > 0",
-              file=sys.stderr)  # fmt: skip
-        return 2
     pids = info.get("pids") or {}
     stopped: list[str] = []
     for prefixes in STAGES:

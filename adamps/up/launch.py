@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--stop-timeout",
-        type=float,
+        type=clusters.seconds,
         default=10.0,
         help="seconds between SIGTERM and SIGKILL when stopping (default: %(default)s)",
     )
@@ -207,8 +207,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"-n {args.nproc}: expected a number of replicas >= 1")
         if args.max_restarts < 0:
             raise ValueError(f"--max-restarts {args.max_restarts}: expected an integer >= 0")
-        if args.stop_timeout <= 0:
-            raise ValueError(f"--stop-timeout {args.stop_timeout}: expected seconds > 0")
         if not script.is_file():
             raise ValueError(f"{args.script}: no such file (expected a python script)")
         run = args.run or "".join(c if c.isalnum() or c in "_-" else "_" for c in script.stem)

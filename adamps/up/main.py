@@ -120,9 +120,17 @@ def make_run_dir(arg: str) -> Path:
         while run.exists():  # two runs within one second
             n += 1
             run = run.with_name(f"{run.name.split('.')[0]}.{n}")
-    if run.exists() and any(run.iterdir()):
-        raise UsageError(f"--run-dir {run}: expected a new or empty directory")
-    run.mkdir(parents=True, exist_ok=True)
+    if run.exists() and not run.is_dir():  # it was a NotADirectoryError traceback
+        raise UsageError(f"--run-dir {run}: is a file; expected a new or empty directory")
+    try:
+        if run.exists() and any(run.iterdir()):
+            raise UsageError(f"--run-dir {run}: expected a new or empty directory")
+        run.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent that is a file, or cannot be written
+        raise UsageError(
+            f"--run-dir {run}: cannot be made ({exc.strerror or exc}); expected a new or empty "
+            "directory"
+        ) from None
     return run.resolve()
 
 

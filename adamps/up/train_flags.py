@@ -33,6 +33,7 @@ class TrainFlags:
     )
     replica: int = field(
         -1,
+        minimum=-1,
         help="index of this model replica, 0 .. n_replicas-1; not given (-1) with --run: an "
         "elastic replica that joins the run and trains the slices the data server leases it "
         "(docs/training.md); not given without --run: 0",
@@ -157,7 +158,9 @@ class TrainFlags:
         "", help="JSON-lines file of per-epoch {time, epoch, loss, accuracy, images_per_s}"
     )
     host: str = field("127.0.0.1", help="address of the trainer's /metrics, /status, /healthz")
-    metrics_port: int = field(0, help="port of /metrics, /status, /healthz (0: any free; -1: off)")
+    metrics_port: int = field(
+        0, help="port of /metrics, /status, /healthz (0: any free; -1: off)", minimum=-1
+    )
     progress_interval: float = field(
         0.5, help="seconds between progress reports to (and epoch checks at) the board"
     )
@@ -181,6 +184,7 @@ class TrainFlags:
     )
     partition: int = field(
         -1,
+        minimum=-1,
         help="this process's partition 0..partitions-1; -1 = start all of them here as child "
         "processes and restart the replica when one dies",
     )
@@ -191,6 +195,7 @@ class TrainFlags:
     )
     job_index: int = field(
         -1,
+        minimum=-1,
         help="this pod's index in a Kubernetes Indexed Job of n_replicas x partitions pods: "
         "sets replica = index // partitions and partition = index % partitions; a single "
         "--partition-addrs entry with '{index}' then names every partition of the replica",

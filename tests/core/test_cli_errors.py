@@ -62,7 +62,7 @@ def test_the_default_optimizer_is_torchs_adagrad() -> None:
         ("nosuch=1", "has no flag --nosuch"),
         ("lr=abc", "bad value 'abc'; expected float"),
         # found by each trainer after the cluster had started (adamps up exited 1)
-        ("lr=-1", r"lr=-1.0: must be >= 0"),
+        ("lr=-1", r"lr from --train-arg lr=-1: bad value .-1.; expected a number >= 0"),
         ("optimizer=lamb", "optimizer must be one of"),
         ('optimizer_args={"momentom": 0.9}', r"unknown field\(s\) \['momentom'\]"),
     ],

@@ -32,7 +32,7 @@ def test_empty_tensor_is_no_record_and_too_big_is_refused() -> None:
         ([], "give --controllers"),
         (["--controllers", "127.0.0.1:1", "--portions", "0"], "portions must be >= 1"),
         (["--controllers", "127.0.0.1:1", "--run", "a b"], "run must be"),
-        (["--controllers", "127.0.0.1:1", "--l2", "-1"], "must be >= 0"),
+        (["--controllers", "127.0.0.1:1", "--l2", "-1"], "expected a number >= 0"),
     ],
 )
 def test_bad_configuration_names_the_value(flags, message) -> None:
