@@ -59,6 +59,7 @@ def write_cluster_file(run: Any, name: str) -> str:
         "dataservers": [f"http://{d}" for d in c.dataservers],
         "run_dir": str(run.run),
         "token_file": str(run.run / "token"),
+        **({"peer_token_file": str(run.run / "peer-token")} if c.peer_token else {}),
         "pids": {n: {"pid": p.pid, "start": start_time(p.pid)} for n, p in c.procs.items()},
         "created": time.time(),
     }
@@ -77,6 +78,15 @@ def usage_lines(name: str, path: str, run: Any) -> list[str]:
         lines.append(f"  data servers {','.join('http://' + d for d in run.cluster.dataservers)}")
     if run.cluster.tls_files is not None:
         lines.append(f"  clients: export ADAMPS_TLS_CA={run.cluster.tls_files.ca}")
+    c = run.cluster
+    if c.peer_token:
+        new_id = f"ps{len(c.server_ids)}"
+        lines.append(
+            f"  add a server: ADAMPS_TOKEN=$(cat {run.run / 'token'}) "
+            f"ADAMPS_PEER_TOKEN=$(cat {run.run / 'peer-token'}) adamps ps --controllers "
+            f"{','.join(c.controllers)} --server-id {new_id} --n-buckets {c.n_buckets} "
+            f"--data-dir {run.run / new_id}"
+        )
     lines += [
         f"  train:  adamps launch -n 2{flag} train.py",
         f"  see:    adamps status{flag}",

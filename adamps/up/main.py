@@ -142,10 +142,15 @@ def write_token(run: Path, arg: str) -> tuple[str, str]:
         token, origin = os.environ["ADAMPS_TOKEN"], "$ADAMPS_TOKEN"
     else:
         token, origin = secrets.token_hex(32), "generated"
-    fd = os.open(run / "token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(token + "\n")
+    write_secret(run / "token", token)
     return token, origin
+
+
+def write_secret(path: Path, secret: str) -> None:
+    """`secret` and a newline into `path`, readable by this user only (mode 0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secret + "\n")
 
 
 # -- the run -----------------------------------------------------------------------------------------
@@ -171,6 +176,10 @@ class Run:
             # detached: no parent-death signal, the processes outlive this command
             env={PARENT_ENV: ""} if args.detach else None,
         )  # fmt: skip
+        if self.cluster.peer_token:
+            # the controllers' secret from which a server's own key is derived: an operator
+            # adding a server to this cluster needs it (docs/operations.md, "Add a server")
+            write_secret(self.run / "peer-token", self.cluster.peer_token)
         self.trainers: list[tuple[str, Proc, str]] = []  #: (name, process, metrics host:port)
         self.coordinator = ""  #: Sandblaster's coordinator (host:port), if any
         self.history_path = self.run / "history.jsonl"
