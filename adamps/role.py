@@ -11,6 +11,7 @@ import fcntl
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -110,9 +111,21 @@ def lock_data_dir(data_dir: str | os.PathLike[str], role: str) -> None:
             f"data directory {path} is in use by another process ({holder}); stop it first, or "
             "give this one its own --data-dir",
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()} {role}\n".encode(), 0)
     _held[key] = fd
+    # Who holds it, for the message above: written on a thread of its own, because a write to
+    # a stalled disk (a frozen or failing filesystem) blocks until the disk comes back, and a
+    # server must start and serve its reads meanwhile (tests/chaos/test_storage_faults.py).
+    threading.Thread(
+        target=_note_holder, args=(fd, role), name="data-dir-lock", daemon=True
+    ).start()
+
+
+def _note_holder(fd: int, role: str) -> None:
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {role}\n".encode(), 0)
+    except OSError:
+        pass  # only the message of a second process loses its pid
 
 
 def _holder(fd: int) -> str:

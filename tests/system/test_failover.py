@@ -67,7 +67,10 @@ def run_load_with_fault(
     values, _ = client.pull(["x"])
     counts = load.check(values["x"])
     print(f"outcomes: {counts}; fault: {info}")
-    assert counts["acked"] > 50
+    # the load kept being acknowledged through the fault (a liveness floor: 4 threads over the
+    # ~6 s acknowledged 45-149 pushes on 2 cores at load 6-21, the fewer the higher the load;
+    # the test's point is the exactness check above, which holds at any rate)
+    assert counts["acked"] > 20
     digests_agree(c)
     client.close()
     return load, info
