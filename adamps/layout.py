@@ -135,6 +135,8 @@ _PARTITION_RE = re.compile(r"-p([0-9]+)of([0-9]+)\.[^/]*/[0-9]+\Z")
 
 def _vector_base(sid: str) -> str:
     """A vector's shard "w@v/i" stands for the base tensor's shard "w/i"."""
+    if VECTOR_SEP not in sid:  # most ids: one scan, no partition (a layout holds millions)
+        return sid
     tensor, sep, rest = sid.partition(VECTOR_SEP)
     if not sep:
         return sid
@@ -170,6 +172,8 @@ def placement_key(sid: str) -> str:
     local to one thread of one server; and a shard of a grouped tensor ("P{T}w/i", also as a
     vector's base) is hashed by its group "P{T}", so that the group shares one bucket."""
     key = _vector_base(sid)
+    if "}" not in key:
+        return key
     group = group_of(key)
     return key if group is None else group
 
@@ -184,7 +188,7 @@ def stable_bucket(key: str, n_buckets: int) -> int:
     buckets than partitions they hash like any other shard. A group within one partition stays
     in one of its buckets (the partition from the name, the hash from the group)."""
     base = _vector_base(key)
-    key = placement_key(key)
+    key = base if "}" not in base else placement_key(base)
     h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
     m = _PARTITION_RE.search(base)
     if m is not None:
