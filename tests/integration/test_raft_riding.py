@@ -95,6 +95,9 @@ def test_a_riding_entry_on_a_node_that_does_not_lead_is_forwarded(tmp_path: Path
         lead = h.leader()
         h.tick_until(lambda: len({n.raftLastApplied for n in h.nodes}) == 1)
         other = (lead + 1) % 3
+        # the follower must have heard from the leader to forward to it (at CI load it had not
+        # yet: pysyncobj answered 2, MISSING_LEADER)
+        h.tick_until(lambda: h.nodes[other]._getLeader() is not None)
         done: list[int] = []
         propose(h, other, 0, True, done)  # held, then handed to pysyncobj, which forwards it
         h.tick_until(lambda: len(done) == 1)
